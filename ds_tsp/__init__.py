@@ -1,0 +1,1 @@
+"""ds_tsp: tensor-sequence parallelism (TSP) for DeepSpeed."""

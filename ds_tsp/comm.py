@@ -1,0 +1,193 @@
+"""Counted collectives: the only place ds_tsp calls ``torch.distributed``.
+
+Every function takes its process group explicitly, returns early on a group of
+size 1 and adds the bytes this rank sends and receives to ``counter``, so tests
+can assert the DESIGN.md cost model to the byte and benchmarks can report it.
+Counts are the logical data of the op, as a ring implementation moves it:
+
+* broadcast: the owner sends ``(D-1) n``, every other rank receives ``n``;
+* all-gather of ``n`` per rank: each rank sends and receives ``(D-1) n``;
+* reduce-scatter to ``n`` per rank: each rank sends and receives ``(D-1) n``;
+* reduce of ``n``: every non-owner sends ``n``, the owner receives ``(D-1) n``;
+* all-reduce of ``n``: each rank sends and receives ``2 (D-1) n / D``;
+* ring send/recv: exactly the tensors sent and received.
+
+Timeouts are carried by the process groups themselves (``topology`` creates
+them with ``tsp.timeout_minutes``), so a dead peer fails the op instead of
+hanging it.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OpCount:
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+
+class CommCounter:
+    """Bytes sent and received by this rank, per collective."""
+
+    def __init__(self):
+        self.ops = defaultdict(OpCount)
+
+    def add(self, op, sent, received):
+        count = self.ops[op]
+        count.calls += 1
+        count.sent += int(sent)
+        count.received += int(received)
+
+    def reset(self):
+        self.ops.clear()
+
+    def received(self, *ops):
+        return sum(c.received for name, c in self.ops.items() if not ops or name in ops)
+
+    def sent(self, *ops):
+        return sum(c.sent for name, c in self.ops.items() if not ops or name in ops)
+
+    def snapshot(self):
+        return {name: vars(c).copy() for name, c in self.ops.items()}
+
+
+counter = CommCounter()
+
+# torch 2.13 renamed the *_into_tensor / *_tensor forms; keep older torch working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+def group_size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group):
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group, rank_in_group):
+    """The global rank of ``rank_in_group``: point-to-point ops and ``src``/``dst``
+    arguments of torch.distributed take global ranks even inside a subgroup."""
+    if not dist.is_initialized():
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def broadcast(tensor, src, group, async_op=False):
+    """Broadcast ``tensor`` in place from group rank ``src``; returns a work handle
+    when ``async_op``."""
+    size = group_size(group)
+    if size == 1:
+        return None
+    nbytes = _nbytes(tensor)
+    if group_rank(group) == src:
+        counter.add("broadcast", sent=(size - 1) * nbytes, received=0)
+    else:
+        counter.add("broadcast", sent=0, received=nbytes)
+    return dist.broadcast(tensor, global_rank(group, src), group=group, async_op=async_op)
+
+
+def all_gather(tensor, group, async_op=False):
+    """All-gather ``tensor`` from every rank of ``group`` into a new leading dim.
+
+    Returns ``(gathered, work)`` with ``gathered`` of shape ``(D, *tensor.shape)``
+    in group-rank order; ``work`` is None unless ``async_op``.
+    """
+    size = group_size(group)
+    if size == 1:
+        return tensor.unsqueeze(0), None
+    tensor = tensor.contiguous()
+    gathered = tensor.new_empty((size, *tensor.shape))
+    counter.add("all_gather", sent=(size - 1) * _nbytes(tensor), received=(size - 1) * _nbytes(tensor))
+    # Flat views: gloo wants the output concatenated along dim 0, not stacked.
+    work = _all_gather_single(gathered.view(-1), tensor.view(-1), group=group, async_op=async_op)
+    return gathered, work
+
+
+def reduce_scatter(stacked, group, async_op=False):
+    """Sum ``stacked`` of shape ``(D, *shape)`` over ``group`` and keep this
+    rank's slice ``stacked[group_rank]`` of the sum.
+
+    Returns ``(local_sum, work)``; ``work`` is None unless ``async_op``.
+    """
+    size = group_size(group)
+    if size == 1:
+        return stacked[0], None
+    if stacked.shape[0] != size:
+        raise ValueError(f"reduce_scatter expects a leading dim of {size} (the group size), got {tuple(stacked.shape)}")
+    stacked = stacked.contiguous()
+    out = stacked.new_empty(stacked.shape[1:])
+    counter.add("reduce_scatter", sent=(size - 1) * _nbytes(out), received=(size - 1) * _nbytes(out))
+    work = _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group, async_op=async_op)
+    return out, work
+
+
+def reduce(tensor, dst, group, async_op=False):
+    """Sum ``tensor`` over ``group`` into group rank ``dst`` (in place there)."""
+    size = group_size(group)
+    if size == 1:
+        return None
+    nbytes = _nbytes(tensor)
+    if group_rank(group) == dst:
+        counter.add("reduce", sent=0, received=(size - 1) * nbytes)
+    else:
+        counter.add("reduce", sent=nbytes, received=0)
+    return dist.reduce(tensor, global_rank(group, dst), group=group, async_op=async_op)
+
+
+def all_reduce(tensor, group, async_op=False):
+    """Sum ``tensor`` over ``group`` in place on every rank."""
+    size = group_size(group)
+    if size == 1:
+        return None
+    moved = 2 * (size - 1) * _nbytes(tensor) // size
+    counter.add("all_reduce", sent=moved, received=moved)
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+class RingExchange:
+    """Send to the next rank of ``group`` and receive from the previous one.
+
+    ``send_recv`` posts the exchange at once (batched isend/irecv) and returns the
+    buffer the message will land in; ``wait`` completes every posted exchange.
+    Posting before computing and waiting after is what overlaps the two.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        size, rank = group_size(group), group_rank(group)
+        self.next_rank = global_rank(group, (rank + 1) % size)
+        self.prev_rank = global_rank(group, (rank - 1) % size)
+        self._ops = []
+        self._works = []
+
+    def send_recv(self, tensor):
+        tensor = tensor.contiguous()
+        recv = torch.empty_like(tensor)
+        self._ops += [
+            dist.P2POp(dist.isend, tensor, self.next_rank, group=self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, group=self.group),
+        ]
+        counter.add("ring", sent=_nbytes(tensor), received=_nbytes(recv))
+        return recv
+
+    def commit(self):
+        if self._ops:
+            self._works += dist.batch_isend_irecv(self._ops)
+            self._ops = []
+
+    def wait(self):
+        self.commit()
+        for work in self._works:
+            work.wait()
+        self._works = []

@@ -1,0 +1,149 @@
+"""The ``tsp`` section of a DeepSpeed JSON/hjson config (DESIGN.md section 7).
+
+Everything here runs at start-up, before any process group or weight exists,
+so a bad config fails in one place with a message naming ``tsp.<key>``.
+"""
+
+import copy
+import json
+import os
+from typing import Literal
+
+import hjson
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+POLICY_NAMES = ("llama", "qwen2", "mistral")
+
+
+class TSPConfigError(ValueError):
+    """A ``tsp`` config value that cannot work; the message names the key and the fix."""
+
+
+# What a valid value looks like, per key: pydantic's own messages do not know
+# the JSON spelling (true/false) nor the domain meaning of each field.
+_EXPECTED = {
+    "enabled": "true or false",
+    "size": "an integer >= 1 (the TSP group size D)",
+    "pipeline_stages": "an integer >= 1",
+    "layout": "one of \"zigzag\", \"contiguous\"",
+    "attention_backend": "one of \"auto\", \"sdpa\", \"flash\"",
+    "overlap": "true or false",
+    "policy": "\"auto\" or one of " + ", ".join(f"\"{name}\"" for name in POLICY_NAMES),
+    "timeout_minutes": "a finite number of minutes > 0",
+}
+
+
+def _json(value):
+    return json.dumps(value, default=repr)
+
+
+class TSPConfig(DeepSpeedConfigModel):
+    """Selects and shapes tensor-sequence parallelism for a DeepSpeed job."""
+
+    # Strict, because a JSON "4" or 2.5 for a group size is a typo to report,
+    # not a value to coerce.
+    model_config = ConfigDict(strict=True)
+
+    enabled: bool = False
+    """ Turn TSP on; when false the rest of the section is validated but unused. """
+
+    size: int = Field(1, ge=1)
+    """ TSP group size D: consecutive ranks that shard both sequence and weights. """
+
+    pipeline_stages: int = Field(1, ge=1)
+    """ Number of DeepSpeed pipeline stages, each made of TSP blocks. """
+
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """ How the sequence is split over the group; zigzag balances causal attention. """
+
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    """ Attention kernel; "auto" picks flash when available, else sdpa. """
+
+    overlap: bool = True
+    """ Prefetch the next weight shard while the current one computes. """
+
+    policy: str = "auto"
+    """ Architecture table to shard with: "auto" (detect from the model) or a name in ``POLICY_NAMES``. """
+
+    timeout_minutes: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """ Timeout of TSP collectives, so a dead rank fails the job instead of hanging it. """
+
+    def __init__(self, **data):
+        # Checked before pydantic so that the message lists the known keys, and
+        # so that a key named "strict" cannot reach the base class parameter.
+        unknown = [key for key in data if key not in type(self).model_fields]
+        if unknown:
+            raise TSPConfigError("; ".join(f"tsp.{key} is not a known key; known keys: " +
+                                           ", ".join(type(self).model_fields) for key in unknown))
+        try:
+            # strict=True stops the base class from silently dropping "auto" values.
+            super().__init__(strict=True, **data)
+        except ValidationError as err:
+            raise TSPConfigError("\n".join(
+                f"tsp.{'.'.join(map(str, e['loc']))} = {_json(e['input'])} is invalid: expected "
+                f"{_EXPECTED.get(e['loc'][0], e['msg']) if e['loc'] else e['msg']}"
+                for e in err.errors(include_url=False))) from None
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy):
+        if policy != "auto" and policy not in POLICY_NAMES:
+            raise ValueError("unknown policy")
+        return policy
+
+    def check_world(self, world_size: int) -> int:
+        """Check that ``pp x tsp`` tiles ``world_size``; return the data-parallel size."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        model_ranks = self.size * self.pipeline_stages
+        if world_size % model_ranks == 0:
+            return world_size // model_ranks
+        if world_size % self.pipeline_stages:
+            fix = f"choose tsp.pipeline_stages from the divisors of {world_size}: {_divisors(world_size)}"
+        else:
+            per_stage = world_size // self.pipeline_stages
+            fix = (f"with tsp.pipeline_stages = {self.pipeline_stages}, choose tsp.size from the "
+                   f"divisors of {per_stage}: {_divisors(per_stage)}")
+        raise TSPConfigError(f"tsp.size ({self.size}) x tsp.pipeline_stages ({self.pipeline_stages}) = "
+                             f"{model_ranks} does not divide the world size {world_size}; {fix}")
+
+
+def _divisors(n):
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def load_ds_config(source) -> dict:
+    """Return a DeepSpeed config as a fresh dict, from a dict or a JSON/hjson file path."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"DeepSpeed config must be a dict or a file path, got {type(source).__name__}")
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"DeepSpeed config file not found: {path}")
+    with open(path, "r") as f:
+        try:
+            # Same reader as deepspeed.runtime.config: hjson accepts plain JSON
+            # plus comments and trailing commas; the hook yields plain dicts.
+            config = hjson.load(f, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except ValueError as err:
+            raise TSPConfigError(f"cannot parse DeepSpeed config {path}: {err}") from err
+    if not isinstance(config, dict):
+        raise TSPConfigError(f"DeepSpeed config {path} must hold a JSON object, got {_json(config)}")
+    return config
+
+
+def split_ds_config(ds_config) -> tuple[dict, TSPConfig]:
+    """Return (the config without ``tsp``, for ``deepspeed.initialize``; the parsed ``tsp`` section)."""
+    rest = load_ds_config(ds_config)
+    section = rest.pop("tsp", {})
+    if not isinstance(section, dict):
+        raise TSPConfigError(f"tsp = {_json(section)} is invalid: expected a JSON object such as "
+                             "{\"enabled\": true, \"size\": 2}")
+    return rest, TSPConfig(**section)
+
+
+def tsp_config_from(ds_config) -> TSPConfig:
+    """Return the parsed ``tsp`` section of a whole DeepSpeed config (dict or path); defaults if absent."""
+    return split_ds_config(ds_config)[1]

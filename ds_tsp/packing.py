@@ -1,0 +1,46 @@
+"""One flat buffer per weight shard, so moving a shard is one collective.
+
+A ``PackSpec`` is an ordered list of named shapes; ``pack`` lays tensors out in
+that order and ``unpack`` returns views into a flat buffer (a received shard or
+its gradient) under the same names.
+"""
+
+import math
+
+import torch
+
+
+class PackSpec:
+    def __init__(self, shapes):
+        """``shapes``: ordered ``{name: shape}`` of one rank's shard."""
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.offsets = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += math.prod(shape)
+        self.numel = offset
+
+    def pack(self, tensors):
+        """Flat copy of ``tensors`` (a dict with exactly this spec's names and shapes)."""
+        if set(tensors) != set(self.shapes):
+            raise ValueError(f"shard tensors {sorted(tensors)} do not match the spec {list(self.shapes)}")
+        for name, shape in self.shapes.items():
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"shard tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        return torch.cat([tensors[name].reshape(-1) for name in self.shapes])
+
+    def unpack(self, flat):
+        """Views of ``flat`` under this spec's names."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"flat shard has {flat.numel()} elements, the spec needs {self.numel}")
+        return {name: flat.narrow(0, self.offsets[name], math.prod(shape)).view(shape)
+                for name, shape in self.shapes.items()}
+
+    def span(self, first, last):
+        """``(offset, length)`` of the contiguous run of entries ``first`` .. ``last``."""
+        names = list(self.shapes)
+        end = self.offsets[last] + math.prod(self.shapes[last])
+        if names.index(first) > names.index(last):
+            raise ValueError(f"{first!r} comes after {last!r} in the spec")
+        return self.offsets[first], end - self.offsets[first]

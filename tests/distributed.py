@@ -1,0 +1,128 @@
+"""Run a test body on N gloo ranks on CPU.
+
+A pool of spawned worker processes per world size is started once and reused
+by every test (importing torch, transformers and deepspeed is paid once, not
+per test). Ranks meet through a file rendezvous in a fresh temporary
+directory, so concurrent runs never fight over ports. Every call has a timeout:
+a hung or crashed rank fails the test and the pool is torn down and started
+afresh for the next test.
+
+A body is a module-level function ``body(**kwargs)``; it reads its rank from
+``torch.distributed`` and returns something picklable. ``run`` returns the list
+of per-rank results.
+"""
+
+import importlib
+import os
+import queue
+import sys
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 180
+FAILED_PEER_WAIT_S = 10
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _worker(rank, world_size, init_file, tasks, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        sys_path, module_name, fn_name, kwargs = task
+        for entry in reversed(sys_path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="ds_tsp_rdzv_")
+        init_file = os.path.join(self._dir.name, "rendezvous")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, /, timeout_s=DEFAULT_TIMEOUT_S, **kwargs):
+        for q in self.tasks:
+            q.put((list(sys.path), fn.__module__, fn.__name__, kwargs))
+        outputs, failures = [None] * self.world_size, {}
+        for _ in range(self.world_size):
+            try:
+                # Once a rank has failed, its peers are likely stuck waiting for it.
+                rank, ok, value = self.results.get(timeout=FAILED_PEER_WAIT_S if failures else timeout_s)
+            except queue.Empty:
+                if failures:
+                    break
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise RankFailure(
+                    f"{fn.__name__} on {self.world_size} ranks: no answer within {timeout_s} s "
+                    f"(ranks that died: {dead}; finished: {[r for r in range(self.world_size) if outputs[r] is not None]})"
+                ) from None
+            if ok:
+                outputs[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise RankFailure(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{details}")
+        return outputs
+
+    def close(self, graceful=True):
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for proc in self.procs:
+                proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        self._dir.cleanup()
+
+
+class RankPools:
+    """One live pool per world size; a pool whose call failed is replaced."""
+
+    def __init__(self):
+        self.pools = {}
+
+    def run(self, world_size, fn, /, timeout_s=DEFAULT_TIMEOUT_S, **kwargs):
+        pool = self.pools.get(world_size)
+        if pool is None:
+            pool = self.pools[world_size] = RankPool(world_size)
+        try:
+            return pool.run(fn, timeout_s=timeout_s, **kwargs)
+        except RankFailure:
+            # Ranks may be stuck in a collective the failing rank never joined.
+            self.pools.pop(world_size).close(graceful=False)
+            raise
+
+    def close(self):
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

@@ -1,0 +1,87 @@
+"""Each counted collective: right values, and bytes equal to the analytic count."""
+
+import pytest
+import torch
+
+from ds_tsp import comm
+from ds_tsp.topology import TSPTopology
+
+SHAPE = (3, 5)
+
+
+def _value(rank, dtype, shape=SHAPE):
+    # Small integers are exact in bfloat16, so sums can be compared exactly.
+    return (torch.arange(int(torch.tensor(shape).prod())).reshape(shape) % 7 + rank).to(dtype)
+
+
+def _collectives(world_size, tsp_size, dtype):
+    dtype = getattr(torch, dtype)
+    topo = TSPTopology(tsp_size)
+    group, r, D = topo.tsp_group, topo.tsp_rank, topo.tsp_size
+    nbytes = _value(0, dtype).numel() * _value(0, dtype).element_size()
+    checks = {}
+
+    comm.counter.reset()
+    x = _value(r, dtype)
+    comm.broadcast(x, src=D - 1, group=group)
+    checks["broadcast"] = torch.equal(x, _value(D - 1, dtype))
+    expected = ((D - 1) * nbytes, 0) if r == D - 1 else (0, nbytes)
+    checks["broadcast_bytes"] = (comm.counter.sent(), comm.counter.received()) == expected
+
+    comm.counter.reset()
+    work = comm.broadcast(_value(r, dtype), src=0, group=group, async_op=True)
+    work.wait()
+
+    comm.counter.reset()
+    gathered, _ = comm.all_gather(_value(r, dtype), group)
+    checks["all_gather"] = torch.equal(gathered, torch.stack([_value(i, dtype) for i in range(D)]))
+    checks["all_gather_bytes"] = comm.counter.received() == comm.counter.sent() == (D - 1) * nbytes
+
+    comm.counter.reset()
+    stacked = torch.stack([_value(r + i, dtype) for i in range(D)])
+    out, work = comm.reduce_scatter(stacked, group, async_op=True)
+    work.wait()
+    checks["reduce_scatter"] = torch.equal(out, sum(_value(i + r, dtype) for i in range(D)))
+    checks["reduce_scatter_bytes"] = comm.counter.received() == comm.counter.sent() == (D - 1) * nbytes
+
+    comm.counter.reset()
+    y = _value(r, dtype)
+    comm.reduce(y, dst=1 % D, group=group)
+    if r == 1 % D:
+        checks["reduce"] = torch.equal(y, sum(_value(i, dtype) for i in range(D)))
+        checks["reduce_bytes"] = (comm.counter.sent(), comm.counter.received()) == (0, (D - 1) * nbytes)
+    else:
+        checks["reduce_bytes"] = (comm.counter.sent(), comm.counter.received()) == (nbytes, 0)
+
+    comm.counter.reset()
+    z = _value(r, dtype)
+    comm.all_reduce(z, group)
+    checks["all_reduce"] = torch.equal(z, sum(_value(i, dtype) for i in range(D)))
+    checks["all_reduce_bytes"] = comm.counter.received() == 2 * (D - 1) * nbytes // D
+
+    comm.counter.reset()
+    ring = comm.RingExchange(group)
+    recv = ring.send_recv(_value(r, dtype))
+    ring.wait()
+    checks["ring"] = torch.equal(recv, _value((r - 1) % D, dtype))
+    checks["ring_bytes"] = comm.counter.received() == comm.counter.sent() == nbytes
+    checks["counted_ops"] = sorted(comm.counter.snapshot()) == ["ring"]
+    return checks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world_size, tsp_size", [(2, 2), (4, 4), (4, 2)])
+def test_collectives_values_and_bytes(run_ranks, world_size, tsp_size, dtype):
+    for rank, checks in enumerate(run_ranks(world_size, _collectives, world_size=world_size, tsp_size=tsp_size,
+                                            dtype=dtype)):
+        failed = [name for name, ok in checks.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_size_one_group_moves_nothing():
+    comm.counter.reset()
+    x = torch.ones(4)
+    assert comm.broadcast(x, 0, None) is None
+    gathered, _ = comm.all_gather(x, None)
+    assert gathered.shape == (1, 4)
+    assert comm.counter.snapshot() == {}
