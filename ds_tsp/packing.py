@@ -36,11 +36,3 @@ class PackSpec:
             raise ValueError(f"flat shard has {flat.numel()} elements, the spec needs {self.numel}")
         return {name: flat.narrow(0, self.offsets[name], math.prod(shape)).view(shape)
                 for name, shape in self.shapes.items()}
-
-    def span(self, first, last):
-        """``(offset, length)`` of the contiguous run of entries ``first`` .. ``last``."""
-        names = list(self.shapes)
-        end = self.offsets[last] + math.prod(self.shapes[last])
-        if names.index(first) > names.index(last):
-            raise ValueError(f"{first!r} comes after {last!r} in the spec")
-        return self.offsets[first], end - self.offsets[first]

@@ -1,0 +1,367 @@
+"""TSP attention: the broadcast schedule over head-group shards (DESIGN.md section 4).
+
+Rank ``j`` of a TSP group owns query heads ``[j*nq/D, (j+1)*nq/D)``, their
+key/value heads and the matching columns of ``o_proj``, packed in one flat
+buffer. For every owner ``j`` in turn, each rank receives shard ``j``, projects
+its LOCAL tokens, rotates them at their GLOBAL positions, all-gathers K/V along
+the sequence and attends causally; the partial outputs of the head groups sum
+locally through ``o_proj``, so no all-reduce is needed.
+
+Backward re-broadcasts the shards and re-gathers K/V (only local tokens are
+saved), reduce-scatters dK/dV back to the token owners and reduces each
+shard's weight gradient to its owner.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm, layout
+from .attention_kernels import select_kernel
+from .packing import PackSpec
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """How query and key/value heads split over a TSP group of ``tsp_size``."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tsp_size: int
+
+    def __post_init__(self):
+        D, nq, nkv = self.tsp_size, self.num_heads, self.num_kv_heads
+        if nq % D:
+            raise ValueError(f"num_attention_heads = {nq} is not divisible by tsp.size = {D}: "
+                             f"choose tsp.size from the divisors of {nq}")
+        if nq % nkv:
+            raise ValueError(f"num_attention_heads = {nq} is not a multiple of num_key_value_heads = {nkv}")
+        if nkv >= D and nkv % D:
+            raise ValueError(f"num_key_value_heads = {nkv} is not divisible by tsp.size = {D}: "
+                             f"choose tsp.size dividing {nkv}")
+        if nkv < D and D % nkv:
+            raise ValueError(f"num_key_value_heads = {nkv} < tsp.size = {D} needs tsp.size to be a multiple of "
+                             f"{nkv} so each key/value head can be replicated to whole head groups")
+
+    @property
+    def q_heads(self):
+        """Query heads per rank."""
+        return self.num_heads // self.tsp_size
+
+    @property
+    def kv_heads(self):
+        """Key/value heads per rank (1 when they are replicated)."""
+        return max(self.num_kv_heads // self.tsp_size, 1)
+
+    @property
+    def kv_replicas(self):
+        """How many consecutive ranks hold the same key/value heads."""
+        return max(self.tsp_size // self.num_kv_heads, 1)
+
+    def q_rows(self, tsp_rank):
+        """Rows of q_proj (and columns of o_proj) owned by ``tsp_rank``."""
+        size = self.q_heads * self.head_dim
+        return slice(tsp_rank * size, (tsp_rank + 1) * size)
+
+    def kv_rows(self, tsp_rank):
+        """Rows of k_proj/v_proj held by ``tsp_rank``."""
+        first = tsp_rank * self.num_kv_heads // self.tsp_size
+        return slice(first * self.head_dim, (first + self.kv_heads) * self.head_dim)
+
+    def rows(self, name, tsp_rank):
+        return self.q_rows(tsp_rank) if name.startswith(("q_proj", "o_proj")) else self.kv_rows(tsp_rank)
+
+
+# Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated).
+SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1,
+              "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
+
+
+def shard_spec(heads, hidden_size, qkv_bias):
+    """One rank's packed shard. Query and output parts come first, key/value
+    parts last, so the key/value gradient (summed over replicas when nkv < D)
+    is one contiguous span starting at ``k_proj.weight``."""
+    q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
+    shapes = {"q_proj.weight": (q, hidden_size), "q_proj.bias": (q,), "o_proj.weight": (hidden_size, q),
+              "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
+              "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
+    return PackSpec({name: shape for name, shape in shapes.items() if qkv_bias or not name.endswith("bias")})
+
+
+def slice_full_tensor(name, full, heads, tsp_rank):
+    """This rank's part of a full Hugging Face tensor ``name`` (e.g. ``k_proj.weight``)."""
+    rows = heads.rows(name, tsp_rank)
+    return full.narrow(SHARD_DIMS[name], rows.start, rows.stop - rows.start)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything the schedule needs besides tensors."""
+
+    group: object
+    heads: HeadGroups
+    spec: PackSpec
+    layout: str
+    kernel: object
+    scale: float
+    window: int | None
+    overlap: bool
+
+    @property
+    def tsp_size(self):
+        return self.heads.tsp_size
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_half_transpose(y):
+    half = y.shape[-1] // 2
+    return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotary embedding of ``x`` ``(B, S, h, d)`` with ``cos``/``sin`` ``(B, S, d)``,
+    the Hugging Face (rotate-half) convention."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_transpose(grad, cos, sin):
+    """Gradient through ``apply_rotary`` (a linear map, so its transpose)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return grad * cos + _rotate_half_transpose(grad * sin)
+
+
+def shard_stream(plan, packed):
+    """Yield ``(j, shard j)`` for every owner ``j``; with ``plan.overlap`` the
+    broadcast of shard ``j+1`` is in flight while shard ``j`` computes."""
+    tsp_rank, D = comm.group_rank(plan.group), plan.tsp_size
+
+    def start(j):
+        buf = packed.detach() if j == tsp_rank else torch.empty_like(packed)
+        return buf, comm.broadcast(buf, src=j, group=plan.group, async_op=True)
+
+    pending = start(0)
+    for j in range(D):
+        buf, work = pending
+        if work is not None:
+            work.wait()
+        if plan.overlap and j + 1 < D:
+            pending = start(j + 1)
+        yield j, buf
+        if not plan.overlap and j + 1 < D:
+            pending = start(j + 1)
+
+
+def _project(x, weights, name, heads_per_rank, head_dim):
+    out = F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
+    return out.view(*x.shape[:2], heads_per_rank, head_dim)
+
+
+def gather_kv(plan, k, v):
+    """Local ``k, v`` ``(B, S/D, h, d)`` -> full-sequence ``K, V`` ``(B, S, h, d)`` in natural order."""
+    gathered, _ = comm.all_gather(torch.stack([k, v]), plan.group)  # (D, 2, B, S/D, h, d)
+    full = layout.unshard(gathered, plan.tsp_size, plan.layout, dim=2)
+    return full[0], full[1]
+
+
+def scatter_kv_grads(plan, dK, dV):
+    """Full-sequence ``dK, dV`` -> the local tokens' sums over the group."""
+    stacked = layout.stack_shards(torch.stack([dK, dV]), plan.tsp_size, plan.layout, dim=2)
+    local, _ = comm.reduce_scatter(stacked, plan.group)
+    return local[0], local[1]
+
+
+def attend_local_chunks(plan, q, K, V):
+    """Causal attention of this rank's two query chunks over the full keys.
+
+    Chunk ``g`` (of ``2D``) attends to the key prefix that ends with its own
+    chunk, bottom-right aligned; rows past that prefix never need computing.
+    """
+    tsp_rank = comm.group_rank(plan.group)
+    outputs = []
+    for chunk, q_chunk in zip(layout.chunk_ids(tsp_rank, plan.tsp_size, plan.layout), q.chunk(2, dim=1)):
+        end = (chunk + 1) * q_chunk.shape[1]
+        out, _ = plan.kernel.attend(q_chunk, K[:, :end], V[:, :end], plan.scale, plan.window)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1)
+
+
+def attention_forward(plan, x, packed, cos, sin):
+    """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``.
+
+    Returns the output ``(B, S/D, H)`` and the rotated local ``q, k, v`` of
+    every head group, stacked ``(D, B, S/D, h, d)``, for backward.
+    """
+    heads, d = plan.heads, plan.heads.head_dim
+    out = torch.zeros_like(x)
+    saved_q, saved_k, saved_v = [], [], []
+    for _, shard in shard_stream(plan, packed):
+        w = plan.spec.unpack(shard)
+        q = apply_rotary(_project(x, w, "q_proj", heads.q_heads, d), cos, sin)
+        k = apply_rotary(_project(x, w, "k_proj", heads.kv_heads, d), cos, sin)
+        v = _project(x, w, "v_proj", heads.kv_heads, d)
+        K, V = gather_kv(plan, k, v)
+        o = attend_local_chunks(plan, q, K, V)
+        out += F.linear(o.flatten(2), w["o_proj.weight"])
+        saved_q.append(q), saved_k.append(k), saved_v.append(v)
+    return out, torch.stack(saved_q), torch.stack(saved_k), torch.stack(saved_v)
+
+
+class _ShardGradReducer:
+    """Sends each shard's weight gradient, summed over every rank's tokens, to
+    its owner (asynchronously with ``overlap``).
+
+    When ``nkv < D`` each key/value head is replicated on ``R`` consecutive
+    owners; their copies must receive the same gradient (the sum over all the
+    replicas' query heads), so the key/value span is summed locally over the
+    ``R`` shards of a replica set and then reduced to each of its owners.
+    """
+
+    def __init__(self, plan, grad_dtype, device):
+        self.plan, self.tsp_rank = plan, comm.group_rank(plan.group)
+        self.replicas = plan.heads.kv_replicas
+        self.kv_offset = plan.spec.offsets["k_proj.weight"]
+        self.kv_sum = torch.zeros(plan.spec.numel - self.kv_offset, dtype=grad_dtype, device=device)
+        self.works, self.own = [], {}
+
+    def add(self, owner, grad_shard):
+        if self.replicas == 1:
+            self._reduce(grad_shard, owner, part="all")
+            return
+        self._reduce(grad_shard[:self.kv_offset], owner, part="qo")
+        self.kv_sum += grad_shard[self.kv_offset:]
+        if (owner + 1) % self.replicas == 0:
+            for replica_owner in range(owner + 1 - self.replicas, owner + 1):
+                self._reduce(self.kv_sum.clone(), replica_owner, part="kv")
+            self.kv_sum.zero_()
+
+    def _reduce(self, buf, owner, part):
+        self.works.append(comm.reduce(buf, owner, self.plan.group, async_op=self.plan.overlap))
+        if owner == self.tsp_rank:
+            self.own[part] = buf
+
+    def own_gradient(self):
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        if self.replicas == 1:
+            return self.own["all"]
+        return torch.cat([self.own["qo"], self.own["kv"]])
+
+
+def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin):
+    """Gradients of the local tokens ``x`` and of this rank's packed shard."""
+    # Accumulate in at least float32 and cast once at the end.
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    x_acc, grad_out_acc = x.to(acc_dtype).flatten(0, 1), grad_out.to(acc_dtype)
+    grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    reducer = _ShardGradReducer(plan, acc_dtype, x.device)
+    for j, shard in shard_stream(plan, packed):
+        w = {name: t.to(acc_dtype) for name, t in plan.spec.unpack(shard).items()}
+        K, V = gather_kv(plan, k_all[j], v_all[j])
+        with torch.enable_grad():
+            q, K, V = (t.detach().requires_grad_() for t in (q_all[j], K, V))
+            o = attend_local_chunks(plan, q, K, V)
+            grad_o = (grad_out_acc @ w["o_proj.weight"]).to(o.dtype).view_as(o)
+            dq, dK, dV = torch.autograd.grad(o, (q, K, V), grad_o)
+        dk, dv = scatter_kv_grads(plan, dK, dV)
+        dq = apply_rotary_transpose(dq, cos, sin).flatten(2).to(acc_dtype)
+        dk = apply_rotary_transpose(dk, cos, sin).flatten(2).to(acc_dtype)
+        dv = dv.flatten(2).to(acc_dtype)
+        grad_x += dq @ w["q_proj.weight"] + dk @ w["k_proj.weight"] + dv @ w["v_proj.weight"]
+        dq, dk, dv = dq.flatten(0, 1), dk.flatten(0, 1), dv.flatten(0, 1)
+        grads = {"q_proj.weight": dq.t() @ x_acc, "q_proj.bias": dq.sum(0),
+                 "o_proj.weight": grad_out_acc.flatten(0, 1).t() @ o.detach().flatten(2).flatten(0, 1).to(acc_dtype),
+                 "k_proj.weight": dk.t() @ x_acc, "k_proj.bias": dk.sum(0),
+                 "v_proj.weight": dv.t() @ x_acc, "v_proj.bias": dv.sum(0)}
+        reducer.add(j, plan.spec.pack({name: grads[name] for name in plan.spec.shapes}))
+    return grad_x.to(x.dtype), reducer.own_gradient().to(packed.dtype)
+
+
+class _TSPAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed, cos, sin, plan):
+        out, q_all, k_all, v_all = attention_forward(plan, x, packed, cos, sin)
+        ctx.plan = plan
+        ctx.save_for_backward(x, packed, q_all, k_all, v_all, cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, packed, q_all, k_all, v_all, cos, sin = ctx.saved_tensors
+        grad_x, grad_packed = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, q_all, k_all, v_all,
+                                                 cos, sin)
+        return grad_x, grad_packed, None, None, None
+
+
+class TSPAttention(nn.Module):
+    """Self-attention of one decoder layer, sharded by head group over a TSP group.
+
+    ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
+    and the rotary ``(cos, sin)`` of their GLOBAL positions, each ``(B, S/D, d)``
+    as the model's Hugging Face rotary embedding computes them.
+    """
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
+                 o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
+                 overlap=True, dtype=None, device=None):
+        super().__init__()
+        self.tsp_group = tsp_group
+        self.tsp_rank = comm.group_rank(tsp_group)
+        self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group))
+        self.spec = shard_spec(self.heads, hidden_size, qkv_bias)
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
+        # DeepSpeed counts parameters tagged model-parallel on every TSP rank in
+        # gradient norms (each rank holds a different shard).
+        self.packed.tensor_model_parallel = True
+        self.o_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if o_bias else None
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
+
+    @classmethod
+    def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True):
+        """Build from a full Hugging Face attention module, keeping this rank's shard."""
+        weight = attn.q_proj.weight
+        module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+                     tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+                     scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
+                     backend=backend, overlap=overlap, dtype=weight.dtype, device=weight.device)
+        full = {f"{proj}.{kind}": getattr(getattr(attn, proj), kind)
+                for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in ("weight", "bias")}
+        module.load_shard({name: slice_full_tensor(name, t.detach(), module.heads, module.tsp_rank)
+                           for name, t in full.items() if name in module.spec.shapes}, o_bias=full["o_proj.bias"])
+        return module
+
+    @torch.no_grad()
+    def load_shard(self, tensors, o_bias=None):
+        """Copy this rank's slices (Hugging Face names, see ``slice_full_tensor``) in."""
+        self.packed.copy_(self.spec.pack(tensors))
+        if self.o_bias is not None:
+            self.o_bias.copy_(o_bias)
+
+    def shard_tensors(self):
+        """This rank's slices under Hugging Face names (views of ``packed``)."""
+        return self.spec.unpack(self.packed)
+
+    def plan(self, x):
+        return AttentionPlan(group=self.tsp_group, heads=self.heads, spec=self.spec, layout=self.layout_name,
+                             kernel=select_kernel(self.backend, x.device, x.dtype), scale=self.scale,
+                             window=self.sliding_window, overlap=self.overlap)
+
+    def forward(self, x, position_embeddings):
+        cos, sin = position_embeddings
+        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x))
+        return out if self.o_bias is None else out + self.o_bias
+
+
+def sliding_window_of(attn, config):
+    """The layer's sliding window: Qwen2-style modules carry it per layer,
+    Mistral-style configs set it for every layer; None means full causal."""
+    return getattr(attn, "sliding_window", getattr(config, "sliding_window", None))

@@ -1,0 +1,193 @@
+"""TSP attention against the unsharded Hugging Face attention module, float64."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+from ds_tsp import comm, layout
+from ds_tsp.attention import TSPAttention, slice_full_tensor
+from ds_tsp.attention_kernels import bottom_right_causal_mask, select_kernel
+from ds_tsp.topology import TSPTopology
+
+# float64 end to end: the sharded schedule only reorders sums, so differences
+# are rounding noise around 1e-15; 1e-10 leaves room without hiding a bug
+# (a wrong shard or position is off by ~1e-1, see the guard test).
+TOLERANCE = 1e-10
+SEQ_LEN = 16
+HIDDEN = 16
+HEAD_DIM = 4
+
+
+def _config(arch, num_heads, num_kv_heads, sliding_window=None):
+    common = dict(hidden_size=HIDDEN, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=HEAD_DIM, max_position_embeddings=64, attn_implementation="sdpa")  # eager softmaxes in float32
+    if arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=sliding_window is not None,
+                             sliding_window=sliding_window, max_window_layers=0)
+    else:
+        config = LlamaConfig(**common, attention_bias=arch == "llama_bias")
+    return config
+
+
+def _reference(arch, config, batch, layout_name):
+    """The full HF module, a full input and upstream gradient, seeded identically on every rank."""
+    torch.manual_seed(1234)
+    attn = (Qwen2Attention if arch == "qwen2" else LlamaAttention)(config, layer_idx=0).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(batch, SEQ_LEN, HIDDEN, dtype=torch.float64)
+    grad_y = torch.randn(batch, SEQ_LEN, HIDDEN, dtype=torch.float64)
+    return attn, x, grad_y
+
+
+def _hf_forward_backward(attn, config, x, grad_y):
+    x = x.clone().requires_grad_()
+    pos = torch.arange(SEQ_LEN).unsqueeze(0).expand(x.shape[0], -1)
+    cos_sin = LlamaRotaryEmbedding(config)(x, pos)
+    window = attn.sliding_window if hasattr(attn, "sliding_window") else None
+    allowed = bottom_right_causal_mask(SEQ_LEN, SEQ_LEN, window)
+    mask = torch.zeros(SEQ_LEN, SEQ_LEN, dtype=x.dtype).masked_fill(~allowed, float("-inf"))
+    y, _ = attn(x, position_embeddings=cos_sin, attention_mask=mask.expand(x.shape[0], 1, -1, -1))
+    y.backward(grad_y)
+    return y.detach(), x.grad, {n: p.grad for n, p in attn.named_parameters()}
+
+
+def _tsp_forward_backward(attn, config, x, grad_y, topo, layout_name, overlap, wrong_shard=False):
+    D, r = topo.tsp_size, topo.tsp_rank
+    tsp = TSPAttention.from_hf(attn, config, topo.tsp_group, layout_name=layout_name, backend="sdpa",
+                               overlap=overlap)
+    if wrong_shard and r == D - 1:
+        tsp.load_shard({n: slice_full_tensor(n, dict(attn.named_parameters())[n].detach(), tsp.heads, 0)
+                        for n in tsp.spec.shapes},
+                       o_bias=attn.o_proj.bias)
+    x_local = layout.shard(x, r, D, layout_name).clone().requires_grad_()
+    pos = layout.positions(r, D, layout_name, SEQ_LEN).unsqueeze(0).expand(x.shape[0], -1)
+    cos_sin = LlamaRotaryEmbedding(config)(x_local, pos)
+    y_local = tsp(x_local, cos_sin)
+    y_local.backward(layout.shard(grad_y, r, D, layout_name))
+    return tsp, y_local.detach(), x_local.grad
+
+
+def _max_diffs(arch, num_heads, num_kv_heads, batch, layout_name, overlap, sliding_window=None, wrong_shard=False):
+    """On every rank: max |diff| of output, input grad and this rank's weight-grad shards."""
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    config = _config(arch, num_heads, num_kv_heads, sliding_window)
+    attn, x, grad_y = _reference(arch, config, batch, layout_name)
+    tsp, y_local, dx_local = _tsp_forward_backward(attn, config, x, grad_y, topo, layout_name, overlap, wrong_shard)
+    y_ref, dx_ref, grads_ref = _hf_forward_backward(attn, config, x, grad_y)
+    diffs = {"out": (y_local - layout.shard(y_ref, r, D, layout_name)).abs().max().item(),
+             "grad_x": (dx_local - layout.shard(dx_ref, r, D, layout_name)).abs().max().item()}
+    for name, grad in tsp.spec.unpack(tsp.packed.grad).items():
+        diffs[name] = (grad - slice_full_tensor(name, grads_ref[name], tsp.heads, r)).abs().max().item()
+    if tsp.o_bias is not None:
+        # Replicated: each rank holds its tokens' part; the model sums it over the group.
+        o_bias_grad = tsp.o_bias.grad.clone()
+        dist.all_reduce(o_bias_grad)
+        diffs["o_proj.bias"] = (o_bias_grad - grads_ref["o_proj.bias"]).abs().max().item()
+    return diffs
+
+
+CASES = [  # (arch, nq, nkv, sliding_window): MHA, GQA 2:1, 4:1 (nkv < D at D=4), nkv=1, q/k/v and o biases
+    ("llama", 4, 4, None), ("llama", 8, 4, None), ("llama", 8, 2, None), ("llama", 4, 1, None),
+    ("llama_bias", 8, 4, None), ("qwen2", 8, 2, None), ("qwen2", 4, 4, 5),
+]
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+@pytest.mark.parametrize("layout_name, overlap", [("zigzag", True), ("contiguous", False)])
+def test_matches_hugging_face_attention(run_ranks, tsp_size, layout_name, overlap):
+    for arch, nq, nkv, window in CASES:
+        for batch in (1, 2):
+            per_rank = run_ranks(tsp_size, _max_diffs, arch=arch, num_heads=nq, num_kv_heads=nkv, batch=batch,
+                                 layout_name=layout_name, overlap=overlap, sliding_window=window)
+            worst = {k: max(d[k] for d in per_rank) for k in per_rank[0]}
+            print(f"D={tsp_size} {layout_name} overlap={overlap} {arch} nq={nq} nkv={nkv} window={window} "
+                  f"B={batch}: max|diff| {max(worst.values()):.2e}")
+            assert max(worst.values()) <= TOLERANCE, worst
+
+
+def test_a_wrong_shard_is_caught(run_ranks):
+    per_rank = run_ranks(2, _max_diffs, arch="llama", num_heads=8, num_kv_heads=4, batch=1, layout_name="zigzag",
+                         overlap=True, wrong_shard=True)
+    worst = max(max(d.values()) for d in per_rank)
+    print(f"wrong shard: max|diff| {worst:.2e}")
+    assert worst > 1e3 * TOLERANCE
+
+
+def _bytes_and_saved(num_heads, num_kv_heads, batch):
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    config = _config("llama", num_heads, num_kv_heads)
+    attn, x, grad_y = _reference("llama", config, batch, "zigzag")
+    tsp = TSPAttention.from_hf(attn, config, topo.tsp_group, backend="sdpa")
+    x_local = layout.shard(x, r, D, "zigzag").clone().requires_grad_()
+    pos = layout.positions(r, D, "zigzag", SEQ_LEN).unsqueeze(0).expand(batch, -1)
+    cos_sin = LlamaRotaryEmbedding(config)(x_local, pos)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    comm.counter.reset()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = tsp(x_local, cos_sin)
+    forward = comm.counter.snapshot()
+    y.backward(torch.ones_like(y))
+    return dict(forward_received=sum(c["received"] for c in forward.values()),
+                total_received=comm.counter.received(), ops=sorted(comm.counter.snapshot()),
+                saved_bytes=sum(saved.values()), shard_bytes=tsp.packed.numel() * 8, rank=r)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (8, 4), (8, 2)])
+def test_bytes_equal_the_design_formula(run_ranks, num_heads, num_kv_heads):
+    B, S, H, d, elem = 2, SEQ_LEN, HIDDEN, HEAD_DIM, 8
+    for D in (2, 4):
+        nkv = max(num_kv_heads, D)  # replicated key/value heads travel like distinct ones
+        Wa = H * (num_heads + 2 * nkv) * d + num_heads * d * H
+        kv = 2 * B * S * nkv * d
+        forward = (D - 1) * (Wa + kv) // D * elem
+        # Backward: shards re-broadcast and K/V re-gathered (= forward again),
+        # plus the reduce of the weight gradient to its owner and the
+        # reduce-scatter of dK, dV.
+        total = 2 * forward + (D - 1) * (Wa + kv) // D * elem
+        for out in run_ranks(D, _bytes_and_saved, num_heads=num_heads, num_kv_heads=num_kv_heads, batch=B):
+            print(f"D={D} nq={num_heads} nkv={num_kv_heads} rank {out['rank']}: forward {out['forward_received']} "
+                  f"B (formula {forward}), fwd+bwd {out['total_received']} B (formula {total})")
+            assert out["forward_received"] == forward
+            assert out["total_received"] == total
+            assert out["ops"] == ["all_gather", "broadcast", "reduce", "reduce_scatter"]
+
+
+def test_saved_for_backward_scales_as_one_over_d(run_ranks):
+    single = run_ranks(1, _bytes_and_saved, num_heads=8, num_kv_heads=4, batch=2)[0]
+    for D in (2, 4):
+        for out in run_ranks(D, _bytes_and_saved, num_heads=8, num_kv_heads=4, batch=2):
+            bound = single["saved_bytes"] / D + 2 * out["shard_bytes"]
+            print(f"D={D} rank {out['rank']}: saved {out['saved_bytes']} B, bound {bound:.0f} B "
+                  f"(D=1: {single['saved_bytes']} B)")
+            assert out["saved_bytes"] <= bound
+
+
+def test_heads_that_tsp_cannot_serve_are_refused():
+    from ds_tsp.attention import HeadGroups
+    with pytest.raises(ValueError, match="num_attention_heads = 6 is not divisible by tsp.size = 4"):
+        HeadGroups(6, 6, 4, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads = 6 is not divisible by tsp.size = 4"):
+        HeadGroups(12, 6, 4, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads = 3 < tsp.size = 4"):
+        HeadGroups(12, 3, 4, 4)
+
+
+def test_auto_backend_falls_back_to_sdpa_on_cpu_and_says_so(caplog):
+    caplog.set_level("INFO", logger="ds_tsp")
+    assert select_kernel("auto", "cpu", torch.float32).name == "sdpa"
+    assert select_kernel("auto", "cpu", torch.float32).name == "sdpa"
+    assert len([r for r in caplog.records if "using torch SDPA" in r.getMessage()]) <= 1
+    with pytest.raises(RuntimeError, match="tsp.attention_backend = \"flash\" cannot be used"):
+        select_kernel("flash", "cpu", torch.bfloat16)
