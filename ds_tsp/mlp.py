@@ -1,0 +1,270 @@
+"""The TSP gated MLP: weights travel round a ring, tokens stay put (DESIGN.md 5).
+
+Rank ``j`` of the TSP group owns rows ``F_j = [j F/D, (j+1) F/D)`` of
+``gate_proj`` and ``up_proj`` (and their biases) and the matching columns of
+``down_proj``, packed into one flat buffer. The MLP is a sum over ``F`` of
+independent slices, so every rank can run its own tokens through every shard
+in turn and sum the results locally:
+
+forward, on rank ``r`` with local tokens ``x`` ``(B, S/D, H)``::
+
+    y = 0; buf = own shard
+    for t in 0..D-1:                 # buf holds shard (r - t) mod D
+        if t < D-1: post send(buf -> r+1), recv(next <- r-1)
+        y += act(x Wg^T + bg) * (x Wu^T + bu) @ Wd^T
+        wait; buf = next
+
+backward runs the same ring. The partial weight gradient of a shard from one
+rank's tokens must end summed over all ranks on the shard's owner. At ``t=0``
+each rank keeps the partial of its own shard; from ``t=1`` the accumulator of
+the shard a rank holds travels with that shard (posted with the next weight
+hop, added to on arrival), and after the last step it makes one more hop, to
+the owner, which adds the partial it kept. Per rank and backward: ``D-1``
+weight hops and ``D-1`` accumulator hops, no all-reduce, no broadcast.
+
+``down_proj.bias`` is not split (it would be added ``D`` times): it stays a
+replicated parameter added once per token outside the ring; its gradient is
+local and summed over the group by whoever sums replicated gradients.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_tsp import comm
+from ds_tsp.packing import PackSpec
+
+# Which dim of each full Hugging Face tensor is split across the TSP group; a
+# name absent from this table (down_proj.bias) is replicated.
+SHARD_DIMS = {
+    "gate_proj.weight": 0,
+    "up_proj.weight": 0,
+    "down_proj.weight": 1,
+    "gate_proj.bias": 0,
+    "up_proj.bias": 0,
+}
+
+DOWN_BIAS = "down_proj.bias"
+
+
+def shard_spec(hidden_size, intermediate_size, tsp_size, bias):
+    """``PackSpec`` of one rank's shard; raises if ``F`` does not split evenly."""
+    if intermediate_size % tsp_size:
+        raise ValueError(
+            f"intermediate_size {intermediate_size} is not divisible by tsp.size {tsp_size}: choose tsp.size "
+            f"from the divisors of {intermediate_size} that divide the world size, or pad intermediate_size"
+        )
+    f = intermediate_size // tsp_size
+    shapes = {"gate_proj.weight": (f, hidden_size)}
+    if bias:
+        shapes["gate_proj.bias"] = (f,)
+    shapes["up_proj.weight"] = (f, hidden_size)
+    if bias:
+        shapes["up_proj.bias"] = (f,)
+    shapes["down_proj.weight"] = (hidden_size, f)
+    return PackSpec(shapes)
+
+
+def accumulation_dtype(dtype):
+    """float32, or the parameter dtype where that is wider (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _shard_forward(x, w, act_fn):
+    """One shard's contribution for the local tokens: ``(..., H) -> (..., H)``."""
+    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
+    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
+    return F.linear(act_fn(gate) * up, w["down_proj.weight"])
+
+
+def _shard_backward(x2, grad_y2, w, act_fn):
+    """Gradients of one shard's contribution for the local tokens.
+
+    ``x2``, ``grad_y2``: ``(N, H)`` local tokens. Returns ``(dx (N, H), {name: dW})``.
+    The projections are recomputed (local tokens only, one shard at a time) so
+    nothing per step has to be saved; the activation's derivative comes from
+    autograd so any ``ACT2FN`` entry works.
+    """
+    gate = F.linear(x2, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (N, F/D)
+    up = F.linear(x2, w["up_proj.weight"], w.get("up_proj.bias"))
+    with torch.enable_grad():
+        gate = gate.detach().requires_grad_()
+        act = act_fn(gate)
+    grad_h = grad_y2 @ w["down_proj.weight"]  # (N, F/D)
+    grad_up = grad_h * act.detach()
+    (grad_gate,) = torch.autograd.grad(act, gate, grad_h * up)
+    grads = {
+        "gate_proj.weight": grad_gate.t() @ x2,
+        "up_proj.weight": grad_up.t() @ x2,
+        "down_proj.weight": grad_y2.t() @ (act.detach() * up),
+    }
+    if "gate_proj.bias" in w:
+        grads["gate_proj.bias"] = grad_gate.sum(0)
+        grads["up_proj.bias"] = grad_up.sum(0)
+    grad_x = grad_gate @ w["gate_proj.weight"] + grad_up @ w["up_proj.weight"]
+    return grad_x, grads
+
+
+def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
+    """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``."""
+    tsp_size = comm.group_size(tsp_group)
+    if tsp_size == 1:
+        return _shard_forward(x, spec.unpack(packed), act_fn)
+    ring = comm.RingExchange(tsp_group)
+    y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
+    buf = packed
+    for t in range(tsp_size):
+        if t < tsp_size - 1:
+            next_buf = ring.send_recv(buf)
+            ring.commit() if overlap else ring.wait()
+        y += _shard_forward(x, spec.unpack(buf), act_fn)
+        if t < tsp_size - 1:
+            ring.wait()
+            buf = next_buf
+    return y.to(x.dtype)
+
+
+def mlp_ring_backward(grad_y, x, packed, spec, act_fn, tsp_group, overlap=True):
+    """``(grad_x, grad_packed)``: ``grad_packed`` is this rank's own shard's
+    gradient summed over every rank's tokens, flat like ``packed``."""
+    acc_dtype = accumulation_dtype(packed.dtype)
+    x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
+    tsp_size = comm.group_size(tsp_group)
+    if tsp_size == 1:
+        grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn)
+        return grad_x.view(x.shape), spec.pack(grads)
+
+    ring = comm.RingExchange(tsp_group)
+    grad_x = torch.zeros(x2.shape, dtype=acc_dtype, device=x.device)
+    buf, own_partial, acc = packed, None, None
+    for t in range(tsp_size):  # buf holds shard (r - t) mod D; acc its gradient so far
+        if t < tsp_size - 1:
+            next_buf = ring.send_recv(buf)
+        if acc is not None:
+            # The accumulator of the shard held at t-1 follows it to r+1; ours arrives from r-1.
+            next_acc = ring.send_recv(acc)
+        ring.commit() if overlap else ring.wait()
+        step_grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(buf), act_fn)
+        grad_x += step_grad_x
+        partial = spec.pack(grads).to(acc_dtype)
+        ring.wait()
+        if t == 0:
+            own_partial = partial
+        elif t == 1:
+            acc = partial
+        else:
+            acc = next_acc + partial
+        if t < tsp_size - 1:
+            buf = next_buf
+    # After step D-1 rank r holds shard r+1: one last hop hands its sum to the owner.
+    next_acc = ring.send_recv(acc)
+    ring.wait()
+    grad_packed = next_acc + own_partial
+    return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
+
+
+class _MLPRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed, spec, act_fn, tsp_group, overlap):
+        # Only local-token x and this rank's own shard are kept: saved bytes scale as 1/D.
+        ctx.save_for_backward(x, packed)
+        ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap = spec, act_fn, tsp_group, overlap
+        return mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, packed = ctx.saved_tensors
+        grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap)
+        return grad_x, grad_packed, None, None, None, None
+
+
+class TSPGatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` over the local tokens, weights sharded on
+    ``F`` across ``tsp_group`` and moved by a ring (see the module docstring).
+
+    Parameters: ``packed``, this rank's shard of gate/up/down (and gate/up
+    biases) laid out by ``self.spec``, tagged ``tensor_model_parallel``; and,
+    with ``bias``, the replicated ``down_bias``.
+    """
+
+    def __init__(self, hidden_size, intermediate_size, act_fn, tsp_group, bias=False, overlap=True, dtype=None,
+                 device=None):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.tsp_group = tsp_group
+        self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
+        self.spec = shard_spec(hidden_size, intermediate_size, self.tsp_size, bias)
+        self.act_fn = act_fn
+        self.overlap = overlap
+        factory = {"dtype": dtype, "device": device}
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, **factory))
+        # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
+        self.packed.tensor_model_parallel = True
+        self.down_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """nn.Linear's bounds for the full layers (fan-in ``H`` for gate/up, ``F``
+        for down); biases zero, so the replicated down bias starts equal on every rank."""
+        with torch.no_grad():
+            for name, view in self.spec.unpack(self.packed).items():
+                if name.endswith("bias"):
+                    view.zero_()
+                else:
+                    fan_in = self.intermediate_size if name == "down_proj.weight" else self.hidden_size
+                    bound = 1 / math.sqrt(fan_in)
+                    view.uniform_(-bound, bound)
+            if self.down_bias is not None:
+                self.down_bias.zero_()
+
+    def _names(self):
+        return list(self.spec.shapes) + ([DOWN_BIAS] if self.down_bias is not None else [])
+
+    def load_shard(self, tensors):
+        """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""
+        if set(tensors) != set(self._names()):
+            raise ValueError(f"TSPGatedMLP shard needs exactly {self._names()}, got {sorted(tensors)}")
+        with torch.no_grad():
+            self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
+            if self.down_bias is not None:
+                self.down_bias.copy_(tensors[DOWN_BIAS])
+
+    def shard_tensors(self):
+        """This rank's slices under HF names, as views of the parameters."""
+        tensors = self.spec.unpack(self.packed.detach())
+        if self.down_bias is not None:
+            tensors[DOWN_BIAS] = self.down_bias.detach()
+        return tensors
+
+    @classmethod
+    def from_hf(cls, mlp, tsp_group, overlap=True):
+        """Build from a full HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``,
+        ``act_fn``), keeping this rank's slice of it."""
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        biases = [proj.bias is not None for proj in (gate, up, down)]
+        if len(set(biases)) != 1:
+            raise ValueError(f"TSPGatedMLP needs biases on all of gate/up/down_proj or none, got {biases}")
+        hidden_size, intermediate_size = gate.in_features, gate.out_features
+        module = cls(hidden_size, intermediate_size, mlp.act_fn, tsp_group, bias=biases[0], overlap=overlap,
+                     dtype=gate.weight.dtype, device=gate.weight.device)
+        f = intermediate_size // module.tsp_size
+        full = dict(mlp.named_parameters())
+        tensors = {name: full[name].detach().narrow(SHARD_DIMS[name], module.tsp_rank * f, f)
+                   for name in module.spec.shapes}
+        if biases[0]:
+            tensors[DOWN_BIAS] = full[DOWN_BIAS].detach()
+        module.load_shard(tensors)
+        return module
+
+    def forward(self, x):
+        """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
+        y = _MLPRing.apply(x, self.packed, self.spec, self.act_fn, self.tsp_group, self.overlap)
+        if self.down_bias is not None:
+            y = y + self.down_bias
+        return y
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"tsp_size={self.tsp_size}, bias={self.down_bias is not None}, overlap={self.overlap}")
