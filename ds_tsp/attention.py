@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import comm, layout
 from .attention_kernels import select_kernel
-from .packing import PackSpec
+from .packing import PackSpec, module_reader
 
 @dataclass(frozen=True)
 class HeadGroups:
@@ -326,29 +326,50 @@ class TSPAttention(nn.Module):
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
 
     @classmethod
-    def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True):
-        """Build from a full Hugging Face attention module, keeping this rank's shard."""
+    def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True, read=None,
+                device=None):
+        """Build from a Hugging Face attention module, keeping this rank's shard.
+
+        ``read(name, piece)`` returns the tensor ``name`` (e.g. ``q_proj.weight``)
+        cut to ``piece`` (see ``shard_piece``); by default it slices ``attn``'s own
+        parameters, and a checkpoint reader can pass its own (``attn`` may then
+        be on the meta device: only its shapes are used).
+        """
         weight = attn.q_proj.weight
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
-                     backend=backend, overlap=overlap, dtype=weight.dtype, device=weight.device)
-        full = {f"{proj}.{kind}": getattr(getattr(attn, proj), kind)
-                for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in ("weight", "bias")}
-        module.load_shard({name: slice_full_tensor(name, t.detach(), module.heads, module.tsp_rank)
-                           for name, t in full.items() if name in module.spec.shapes}, o_bias=full["o_proj.bias"])
+                     backend=backend, overlap=overlap, dtype=weight.dtype, device=device or weight.device)
+        read = read or module_reader(attn)
+        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
+    def shard_names(self):
+        """Hugging Face names of the tensors this module holds a part of."""
+        return list(self.spec.shapes) + (["o_proj.bias"] if self.o_bias is not None else [])
+
+    def shard_piece(self, name):
+        """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
+        if name not in SHARD_DIMS:
+            return None
+        rows = self.heads.rows(name, self.tsp_rank)
+        return SHARD_DIMS[name], rows.start, rows.stop - rows.start
+
     @torch.no_grad()
-    def load_shard(self, tensors, o_bias=None):
-        """Copy this rank's slices (Hugging Face names, see ``slice_full_tensor``) in."""
-        self.packed.copy_(self.spec.pack(tensors))
+    def load_shard(self, tensors):
+        """Copy this rank's pieces in (``{name: tensor}`` over ``shard_names()``)."""
+        if set(tensors) != set(self.shard_names()):
+            raise ValueError(f"TSPAttention shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
+        self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
         if self.o_bias is not None:
-            self.o_bias.copy_(o_bias)
+            self.o_bias.copy_(tensors["o_proj.bias"])
 
     def shard_tensors(self):
-        """This rank's slices under Hugging Face names (views of ``packed``)."""
-        return self.spec.unpack(self.packed)
+        """This rank's pieces under Hugging Face names (views of the parameters)."""
+        tensors = self.spec.unpack(self.packed.detach())
+        if self.o_bias is not None:
+            tensors["o_proj.bias"] = self.o_bias.detach()
+        return tensors
 
     def plan(self, x):
         return AttentionPlan(group=self.tsp_group, heads=self.heads, spec=self.spec, layout=self.layout_name,

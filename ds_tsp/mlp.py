@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_tsp import comm
-from ds_tsp.packing import PackSpec
+from ds_tsp.packing import PackSpec, module_reader
 
 # Which dim of each full Hugging Face tensor is split across the TSP group; a
 # name absent from this table (down_proj.bias) is replicated.
@@ -219,13 +219,21 @@ class TSPGatedMLP(nn.Module):
             if self.down_bias is not None:
                 self.down_bias.zero_()
 
-    def _names(self):
+    def shard_names(self):
+        """Hugging Face names of the tensors this module holds a part of."""
         return list(self.spec.shapes) + ([DOWN_BIAS] if self.down_bias is not None else [])
+
+    def shard_piece(self, name):
+        """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
+        if name not in SHARD_DIMS:
+            return None
+        f = self.intermediate_size // self.tsp_size
+        return SHARD_DIMS[name], self.tsp_rank * f, f
 
     def load_shard(self, tensors):
         """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""
-        if set(tensors) != set(self._names()):
-            raise ValueError(f"TSPGatedMLP shard needs exactly {self._names()}, got {sorted(tensors)}")
+        if set(tensors) != set(self.shard_names()):
+            raise ValueError(f"TSPGatedMLP shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
         with torch.no_grad():
             self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
             if self.down_bias is not None:
@@ -239,23 +247,22 @@ class TSPGatedMLP(nn.Module):
         return tensors
 
     @classmethod
-    def from_hf(cls, mlp, tsp_group, overlap=True):
-        """Build from a full HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``,
-        ``act_fn``), keeping this rank's slice of it."""
+    def from_hf(cls, mlp, tsp_group, overlap=True, read=None, device=None):
+        """Build from a HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``,
+        ``act_fn``), keeping this rank's slice of it.
+
+        ``read(name, piece)`` returns the tensor ``name`` cut to ``piece`` (see
+        ``shard_piece``); by default it slices ``mlp``'s own parameters, and a
+        checkpoint reader can pass its own (``mlp`` may then be on the meta device).
+        """
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         biases = [proj.bias is not None for proj in (gate, up, down)]
         if len(set(biases)) != 1:
             raise ValueError(f"TSPGatedMLP needs biases on all of gate/up/down_proj or none, got {biases}")
-        hidden_size, intermediate_size = gate.in_features, gate.out_features
-        module = cls(hidden_size, intermediate_size, mlp.act_fn, tsp_group, bias=biases[0], overlap=overlap,
-                     dtype=gate.weight.dtype, device=gate.weight.device)
-        f = intermediate_size // module.tsp_size
-        full = dict(mlp.named_parameters())
-        tensors = {name: full[name].detach().narrow(SHARD_DIMS[name], module.tsp_rank * f, f)
-                   for name in module.spec.shapes}
-        if biases[0]:
-            tensors[DOWN_BIAS] = full[DOWN_BIAS].detach()
-        module.load_shard(tensors)
+        module = cls(gate.in_features, gate.out_features, mlp.act_fn, tsp_group, bias=biases[0], overlap=overlap,
+                     dtype=gate.weight.dtype, device=device or gate.weight.device)
+        read = read or module_reader(mlp)
+        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
     def forward(self, x):

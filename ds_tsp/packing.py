@@ -36,3 +36,16 @@ class PackSpec:
             raise ValueError(f"flat shard has {flat.numel()} elements, the spec needs {self.numel}")
         return {name: flat.narrow(0, self.offsets[name], math.prod(shape)).view(shape)
                 for name, shape in self.shapes.items()}
+
+
+def module_reader(module):
+    """``read(name, piece)`` over a module's own parameters: the tensor ``name``
+    narrowed to ``piece = (dim, start, length)``, or whole when ``piece`` is None.
+    Checkpoint readers offer the same signature over files."""
+    params = dict(module.named_parameters())
+
+    def read(name, piece):
+        tensor = params[name].detach()
+        return tensor if piece is None else tensor.narrow(*piece)
+
+    return read

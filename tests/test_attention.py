@@ -61,9 +61,9 @@ def _tsp_forward_backward(attn, config, x, grad_y, topo, layout_name, overlap, w
     tsp = TSPAttention.from_hf(attn, config, topo.tsp_group, layout_name=layout_name, backend="sdpa",
                                overlap=overlap)
     if wrong_shard and r == D - 1:
-        tsp.load_shard({n: slice_full_tensor(n, dict(attn.named_parameters())[n].detach(), tsp.heads, 0)
-                        for n in tsp.spec.shapes},
-                       o_bias=attn.o_proj.bias)
+        params = dict(attn.named_parameters())
+        tsp.load_shard({n: slice_full_tensor(n, params[n].detach(), tsp.heads, 0) if n in tsp.spec.shapes
+                        else params[n].detach() for n in tsp.shard_names()})
     x_local = layout.shard(x, r, D, layout_name).clone().requires_grad_()
     pos = layout.positions(r, D, layout_name, SEQ_LEN).unsqueeze(0).expand(x.shape[0], -1)
     cos_sin = LlamaRotaryEmbedding(config)(x_local, pos)

@@ -1,0 +1,54 @@
+"""Collectives paired with their autograd transposes (Megatron's mappings style).
+
+Parameters that stay whole on every TSP rank (embeddings, norms, LM head,
+unsharded biases) see only the local tokens, so their gradient is the sum over
+the TSP group; the loss is the sum of per-rank partial sums.
+"""
+
+import torch
+
+from . import comm
+
+
+class _SumOverGroupForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        out = tensor.clone()
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_group(tensor, group):
+    """Forward: all-reduce (sum) over ``group``. Backward: identity, since each
+    rank's summand depends on its own tokens only."""
+    if comm.group_size(group) == 1:
+        return tensor
+    return _SumOverGroupForward.apply(tensor, group)
+
+
+def sum_grads_over_group(params, group):
+    """Make every parameter's gradient the sum over ``group`` of the per-rank
+    gradients, exactly once per backward.
+
+    A hook on the leaf runs on the gradient autograd has accumulated for it
+    (tied weights included) before it reaches ``.grad``, so it runs ahead of
+    ZeRO's post-accumulation hooks and of gradient accumulation across
+    micro-steps. Every rank runs the same graph, so the all-reduces line up.
+    """
+    if comm.group_size(group) == 1:
+        return
+
+    def hook(grad):
+        grad = grad.clone()
+        comm.all_reduce(grad, group)
+        return grad
+
+    seen = set()
+    for param in params:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            param.register_hook(hook)

@@ -1,0 +1,109 @@
+"""The forward of a TSP-injected causal LM: HF calling convention, local tokens inside.
+
+Every rank of a TSP group receives the same full micro-batch. The model pads
+it to a multiple of ``2*D``, takes its own tokens (zigzag or contiguous),
+runs embedding, TSP decoder layers, final norm and LM head on them, and
+returns the loss as the mean over ALL real tokens of the full sequence.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import layout
+from .mappings import sum_over_group
+
+IGNORE_INDEX = -100
+
+
+class TSPDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder layer: the same residual structure as Llama's, with TSP
+    attention and MLP. Subclassing HF's checkpointing layer makes
+    ``model.gradient_checkpointing_enable()`` recompute it."""
+
+    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(self, hidden_states, position_embeddings):
+        residual = hidden_states
+        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class TSPBatch:
+    """One micro-batch as this rank sees it: padded, shifted, sharded."""
+
+    def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name):
+        batch, seq_len = input_ids.shape
+        real = _real_tokens(attention_mask, batch, seq_len, input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
+                             f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
+        shifted = None
+        if labels is not None:
+            # Token t predicts label t+1: shift on the full sequence, before
+            # sharding; padding is never a target.
+            labels = labels.masked_fill(~real, IGNORE_INDEX)
+            shifted = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+            self.num_real_labels = int((shifted != IGNORE_INDEX).sum())
+        input_ids, self.num_padding = layout.pad_to_multiple(input_ids, tsp_size, value=0)
+        # Padding goes after the last real token, so causal masking keeps every
+        # real token from seeing it; its positions just continue the sequence.
+        tail = position_ids[:, -1:] + torch.arange(1, self.num_padding + 1, device=input_ids.device)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+
+        def own(t):
+            return layout.shard(t, tsp_rank, tsp_size, layout_name)
+
+        self.input_ids, self.position_ids = own(input_ids), own(position_ids)
+        self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def _real_tokens(attention_mask, batch, seq_len, device):
+    """``(B, S)`` bool of real tokens; only right padding can be honoured."""
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    real = attention_mask.bool()
+    if real.shape != (batch, seq_len) or (real[:, 1:] & ~real[:, :-1]).any():
+        raise ValueError("attention_mask must be (batch, seq_len) with right padding only (ones, then zeros); "
+                         "TSP training cannot take left padding or masks inside a sequence: pad on the right")
+    return real
+
+
+class TSPCausalLMMixin:
+    """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
+        if use_cache:
+            raise ValueError("use_cache is not supported by the TSP training forward")
+        policy, topo = self.tsp_policy, self.tsp_topology
+        batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
+                         self.tsp_config.layout)
+        hidden = self.get_submodule(policy.embed_tokens)(batch.input_ids)
+        position_embeddings = self.get_submodule(policy.rotary_emb)(hidden, batch.position_ids)
+        for decoder_layer in self.get_submodule(policy.layers):
+            hidden = decoder_layer(hidden, position_embeddings)
+        hidden = self.get_submodule(policy.final_norm)(hidden)
+        logits = self.get_submodule(policy.lm_head)(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.tsp_loss(logits, batch)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def tsp_loss(self, logits, batch):
+        """Mean cross-entropy over all real tokens of the full sequence."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        local_sum = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+        return sum_over_group(local_sum, self.tsp_topology.tsp_group) / max(batch.num_real_labels, 1)
