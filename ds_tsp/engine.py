@@ -1,0 +1,69 @@
+"""``ds_tsp.initialize``: ``deepspeed.initialize`` with the ``tsp`` section honoured."""
+
+import copy
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from .config import split_ds_config
+from .inject import inject
+from .topology import TSPTopology
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, **kwargs):
+    """Same arguments and return tuple as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The DeepSpeed config (dict, JSON/hjson path, or ``args.deepspeed_config``)
+    may carry a ``tsp`` section. With ``tsp.enabled`` this builds the
+    ``pp x dp x tsp`` topology, injects TSP into ``model`` and hands DeepSpeed
+    an ``mpu`` whose model-parallel group is the TSP group and whose
+    data-parallel group is the true replicas, so ZeRO partitions over DP only.
+    Without it (or with ``enabled: false``) this is exactly ``deepspeed.initialize``.
+
+    Give the optimizer as a callable (``lambda params: torch.optim.AdamW(params)``)
+    or in the config: parameters only exist in their sharded form after injection.
+    """
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    forward = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+                   lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn, **kwargs)
+    if source is None:
+        return deepspeed.initialize(model=model, mpu=mpu, **forward)
+    ds_config, tsp_config = split_ds_config(source)
+    if not tsp_config.enabled:
+        return deepspeed.initialize(model=model, mpu=mpu, config=source, **forward)
+    if mpu is not None:
+        raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
+    # Every check that needs only sizes runs before any weight is touched.
+    tsp_config.check_world(dist.get_world_size())
+    _check_client_parameters(optimizer, model_parameters)
+    topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
+    model = inject(model, topology, tsp_config)
+    forward["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+    ds_config["tsp"] = tsp_config.model_dump()
+    if getattr(args, "deepspeed_config", None) is not None:
+        # DeepSpeed refuses a config both in args and as config=; ours is parsed.
+        forward["args"] = copy.copy(args)
+        forward["args"].deepspeed_config = None
+    engine, *rest = deepspeed.initialize(model=model, mpu=topology.mpu(), config=ds_config, **forward)
+    engine.tsp_topology = topology
+    return (engine, *rest)
+
+
+def _check_client_parameters(optimizer, model_parameters):
+    if model_parameters is not None:
+        raise TypeError("with tsp.enabled, leave model_parameters unset: ds_tsp passes the injected model's "
+                        "sharded parameters to DeepSpeed itself")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("with tsp.enabled, pass the optimizer as a callable (e.g. "
+                        "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)) or in the config's "
+                        "\"optimizer\" section: an optimizer built before ds_tsp.initialize holds the full, "
+                        "unsharded parameters that injection replaces")
