@@ -30,7 +30,9 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank, world_size, init_file, tasks, results):
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # What a launcher would set; DeepSpeed reads these.
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import torch.distributed as dist

@@ -1,0 +1,144 @@
+"""ds_tsp.initialize with DeepSpeed: ZeRO over DP, clipping, and the launcher."""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from models import tiny_model
+
+STEPS = 3
+MICRO_BATCH = 2
+SEQ_LEN = 16
+LR = {"sgd": 0.1, "adam": 1e-2}
+# Tolerances are relative to max |w| per tensor; float32 training with
+# different summation orders (DP all-reduce, TSP sums) drifts ~1e-7 per step.
+BOUND = {"sgd": 1e-5, "adam": 1e-4}
+
+
+def _optimizer(name):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=LR["sgd"])
+    return lambda params: torch.optim.Adam(params, lr=LR["adam"])
+
+
+def _global_batches(vocab_size, dp_size):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab_size, (dp_size * MICRO_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
+
+
+def _train_and_compare(tsp_size, zero_stage, optimizer):
+    world = dist.get_world_size()
+    dp_size = world // tsp_size
+    # num_key_value_heads >= tsp_size: see test_replicated_kv_heads_with_clipping_are_refused.
+    ref = tiny_model("llama", dtype=torch.float32, num_key_value_heads=tsp_size)
+    model = copy.deepcopy(ref)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+    engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=_optimizer(optimizer), config=config)
+    topo = engine.tsp_topology
+    batches = _global_batches(ref.config.vocab_size, dp_size)
+
+    ref_opt = _optimizer(optimizer)(list(ref.parameters()))
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for batch in batches:
+        micro = batch[topo.dp_rank * MICRO_BATCH:(topo.dp_rank + 1) * MICRO_BATCH]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        # ZeRO-0 in fp32 clips without recording the norm; the weights still show it.
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+
+        ref_opt.zero_grad()
+        ref_loss = ref(input_ids=batch, labels=batch).loss
+        ref_loss.backward()
+        # DeepSpeed's default gradient_clipping is 1.0: clip the reference the same way.
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+
+    ref_params = dict(ref.named_parameters())
+    rel = {}
+    with _gathered(engine, zero_stage):
+        for name, param in engine.module.named_parameters():
+            if getattr(param, "tensor_model_parallel", False):
+                layer_name, block_name = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+                block = engine.module.get_submodule(f"{layer_name}.{block_name}")
+                for piece_name, value in block.spec.unpack(param.detach()).items():
+                    full = ref_params[f"{layer_name}.{block_name}.{piece_name}"].detach()
+                    expected = full.narrow(*block.shard_piece(piece_name))
+                    rel[f"{layer_name}.{block_name}.{piece_name}"] = _relative(value, expected)
+            else:
+                rel[name] = _relative(param.detach(), ref_params[name].detach())
+    return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms)
+
+
+def _relative(value, expected):
+    return ((value.float() - expected).abs().max() / expected.abs().max()).item()
+
+
+def _gathered(engine, zero_stage):
+    import contextlib
+
+    import deepspeed
+    if zero_stage == 3:
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer", [
+    (4, 2, 1, "sgd"), (4, 2, 2, "sgd"), (4, 2, 1, "adam"), (4, 2, 2, "adam"),
+    (4, 4, 0, "adam"), (2, 2, 3, "sgd"),
+])
+def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer):
+    for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=tsp_size, zero_stage=zero_stage,
+                                         optimizer=optimizer)):
+        worst = max(out["rel"], key=out["rel"].get)
+        norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
+        print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage} {optimizer}: "
+              f"max rel |dw| {out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
+              f"losses {[round(v, 5) for v in out['losses']]}")
+        assert out["rel"][worst] <= BOUND[optimizer]
+        assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
+        assert norm_err <= 1e-6
+        assert zero_stage == 0 or None not in out["norms"]
+
+
+def test_replicated_kv_heads_with_clipping_are_refused():
+    model = tiny_model("llama", dtype=torch.float32, num_key_value_heads=1)
+    config = {"train_micro_batch_size_per_gpu": 1, "tsp": {"enabled": True, "size": 2}}
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        ds_tsp.initialize(model=model, optimizer=_optimizer("sgd"), config=config)
+
+
+def test_optimizer_built_before_injection_is_refused():
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(TypeError, match="pass the optimizer as a callable"):
+        ds_tsp.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          config={"train_micro_batch_size_per_gpu": 1, "tsp": {"enabled": True, "size": 1}})
+
+
+def test_example_trains_under_the_deepspeed_launcher(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29517", os.path.join(root, "examples", "train.py"),
+           "--deepspeed_config", os.path.join(root, "ds_configs", "tsp2_cpu.json"), "--steps", "20", "--log-every",
+           "5"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{\"step\"")]
+    print("\n".join(json.dumps(r) for r in records))
+    assert len(records) == 4
+    # The example's last line: mean loss of the first 5 steps -> of the last 5.
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    assert last < first - 0.5
