@@ -257,31 +257,31 @@ class _ShardGradReducer:
 
 def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin):
     """Gradients of the local tokens ``x`` and of this rank's packed shard."""
-    # Accumulate in at least float32 and cast once at the end.
+    # Products run in the model's dtype (tensor cores for bf16); their sums over
+    # head groups and ranks accumulate in at least float32, cast once at the end.
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    x_acc, grad_out_acc = x.to(acc_dtype).flatten(0, 1), grad_out.to(acc_dtype)
-    grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
+    grad_x = torch.zeros(tokens.shape, dtype=acc_dtype, device=x.device)
     reducer = _ShardGradReducer(plan, acc_dtype, x.device)
     for j, shard in shard_stream(plan, packed):
-        w = {name: t.to(acc_dtype) for name, t in plan.spec.unpack(shard).items()}
+        w = plan.spec.unpack(shard)
         K, V = gather_kv(plan, k_all[j], v_all[j])
         with torch.enable_grad():
             q, K, V = (t.detach().requires_grad_() for t in (q_all[j], K, V))
             o = attend_local_chunks(plan, q, K, V)
-            grad_o = (grad_out_acc @ w["o_proj.weight"]).to(o.dtype).view_as(o)
+            grad_o = (grad_out @ w["o_proj.weight"]).view_as(o)
             dq, dK, dV = torch.autograd.grad(o, (q, K, V), grad_o)
         dk, dv = scatter_kv_grads(plan, dK, dV)
-        dq = apply_rotary_transpose(dq, cos, sin).flatten(2).to(acc_dtype)
-        dk = apply_rotary_transpose(dk, cos, sin).flatten(2).to(acc_dtype)
-        dv = dv.flatten(2).to(acc_dtype)
-        grad_x += dq @ w["q_proj.weight"] + dk @ w["k_proj.weight"] + dv @ w["v_proj.weight"]
-        dq, dk, dv = dq.flatten(0, 1), dk.flatten(0, 1), dv.flatten(0, 1)
-        grads = {"q_proj.weight": dq.t() @ x_acc, "q_proj.bias": dq.sum(0),
-                 "o_proj.weight": grad_out_acc.flatten(0, 1).t() @ o.detach().flatten(2).flatten(0, 1).to(acc_dtype),
-                 "k_proj.weight": dk.t() @ x_acc, "k_proj.bias": dk.sum(0),
-                 "v_proj.weight": dv.t() @ x_acc, "v_proj.bias": dv.sum(0)}
-        reducer.add(j, plan.spec.pack({name: grads[name] for name in plan.spec.shapes}))
-    return grad_x.to(x.dtype), reducer.own_gradient().to(packed.dtype)
+        dq = apply_rotary_transpose(dq, cos, sin).flatten(0, 1).flatten(1)  # (N, hq*d)
+        dk = apply_rotary_transpose(dk, cos, sin).flatten(0, 1).flatten(1)
+        dv = dv.flatten(0, 1).flatten(1)
+        grad_x += (dq @ w["q_proj.weight"] + dk @ w["k_proj.weight"] + dv @ w["v_proj.weight"]).to(acc_dtype)
+        grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
+                 "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1),
+                 "k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
+                 "v_proj.weight": dv.t() @ tokens, "v_proj.bias": dv.sum(0)}
+        reducer.add(j, plan.spec.pack({name: grads[name] for name in plan.spec.shapes}).to(acc_dtype))
+    return grad_x.view(x.shape).to(x.dtype), reducer.own_gradient().to(packed.dtype)
 
 
 class _TSPAttentionFunction(torch.autograd.Function):

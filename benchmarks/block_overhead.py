@@ -1,0 +1,129 @@
+"""Cost of the TSP machinery itself: a TSP decoder layer at D=1 against the
+Hugging Face layer it replaces, forward + backward, same dtype, same kernel
+family (torch SDPA). Also checks the GPU attention path numerically.
+
+    python benchmarks/block_overhead.py --device cuda --out benchmarks/results
+    python benchmarks/block_overhead.py --device cpu --seq-lens 512 1024 --hidden 512 --layers-scale small
+
+Writes ``block_overhead_<device>.json`` and a markdown table; the target is a
+TSP layer within 5% of the HF layer. D=1 moves no data, so what is measured is
+the packing, the per-chunk causal attention and the hand-written backward.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from ds_tsp.attention import TSPAttention
+from ds_tsp.attention_kernels import flash_unavailable_reason, select_kernel
+from ds_tsp.mlp import TSPGatedMLP
+from ds_tsp.model import TSPDecoderLayer
+
+PRESETS = {  # Llama-3-8B-shaped layer, and a small one for CPU runs
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4),
+}
+
+
+def build(preset, device, dtype):
+    config = LlamaConfig(**PRESETS[preset], num_hidden_layers=1, max_position_embeddings=1 << 17,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf = LlamaDecoderLayer(config, 0).to(device=device, dtype=dtype)
+    tsp = TSPDecoderLayer(hf.input_layernorm, TSPAttention.from_hf(hf.self_attn, config, None, backend="sdpa"),
+                          hf.post_attention_layernorm, TSPGatedMLP.from_hf(hf.mlp, None))
+    return config, hf, tsp
+
+
+def step(layer, x, cos_sin, grad, is_hf):
+    x = x.detach().requires_grad_()
+    out = layer(x, position_embeddings=cos_sin) if is_hf else layer(x, cos_sin)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def timed(fn, device, repeats):
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def parity(preset, device):
+    """Max |diff| of output and input grad, TSP vs HF, float32 on ``device``."""
+    config, hf, tsp = build(preset, device, torch.float32)
+    x = torch.randn(1, 1024, config.hidden_size, device=device)
+    grad = torch.randn_like(x)
+    pos = torch.arange(1024, device=device).unsqueeze(0)
+    cos_sin = LlamaRotaryEmbedding(config).to(device)(x, pos)
+    y_ref, dx_ref = step(hf, x, cos_sin, grad, True)
+    y, dx = step(tsp, x, cos_sin, grad, False)
+    return {"out": (y - y_ref).abs().max().item(), "grad_x": (dx - dx_ref).abs().max().item(),
+            "scale": y_ref.abs().max().item()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    device = args.device
+    preset = args.preset or ("llama8b" if device == "cuda" else "small")
+    seq_lens = args.seq_lens or ([4096, 16384, 32768] if device == "cuda" else [512, 1024])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
+              "dtype": str(dtype), "torch": torch.__version__,
+              "flash_attn": flash_unavailable_reason(device, dtype) or "available",
+              "auto_backend": select_kernel("auto", device, dtype).name,
+              "parity_float32": parity(preset, device), "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    config, hf, tsp = build(preset, device, dtype)
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    for seq_len in seq_lens:
+        x = torch.randn(1, seq_len, config.hidden_size, device=device, dtype=dtype)
+        grad = torch.randn_like(x)
+        cos_sin = rotary(x, torch.arange(seq_len, device=device).unsqueeze(0))
+        row = {"seq_len": seq_len}
+        for name, layer, is_hf in (("hf", hf, True), ("tsp", tsp, False)):
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            row[f"{name}_s"] = timed(lambda: step(layer, x, cos_sin, grad, is_hf), device, args.repeats)
+            if device == "cuda":
+                row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["tsp_over_hf"] = row["tsp_s"] / row["hf_s"]
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"block_overhead_{device}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"{result['device']}, {preset} layer, {dtype}, fwd+bwd, median of {args.repeats}\n\n")
+        f.write("| seq len | HF layer (s) | TSP layer D=1 (s) | TSP / HF |\n|---|---|---|---|\n")
+        for row in result["rows"]:
+            f.write(f"| {row['seq_len']} | {row['hf_s']:.4f} | {row['tsp_s']:.4f} | {row['tsp_over_hf']:.3f} |\n")
+    print(open(stem + ".md").read())
+
+
+if __name__ == "__main__":
+    main()
