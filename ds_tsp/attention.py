@@ -57,8 +57,17 @@ class HeadGroups:
 
     @property
     def kv_replicas(self):
-        """How many consecutive ranks hold the same key/value heads."""
+        """How many consecutive head groups share the same key/value heads."""
         return max(self.tsp_size // self.num_kv_heads, 1)
+
+    def kv_holder(self, tsp_rank):
+        """The rank that stores the key/value heads ``tsp_rank``'s queries use:
+        the first of its replica set, so each head is stored (and counted in
+        gradient norms) exactly once."""
+        return tsp_rank - tsp_rank % self.kv_replicas
+
+    def holds_kv(self, tsp_rank):
+        return self.kv_holder(tsp_rank) == tsp_rank
 
     def q_rows(self, tsp_rank):
         """Rows of q_proj (and columns of o_proj) owned by ``tsp_rank``."""
@@ -73,21 +82,25 @@ class HeadGroups:
     def rows(self, name, tsp_rank):
         return self.q_rows(tsp_rank) if name.startswith(("q_proj", "o_proj")) else self.kv_rows(tsp_rank)
 
+    def holds(self, name, tsp_rank):
+        return name.startswith(("q_proj", "o_proj")) or self.holds_kv(tsp_rank)
+
 
 # Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated).
 SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1,
               "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
 
 
-def shard_spec(heads, hidden_size, qkv_bias):
-    """One rank's packed shard. Query and output parts come first, key/value
-    parts last, so the key/value gradient (summed over replicas when nkv < D)
-    is one contiguous span starting at ``k_proj.weight``."""
+def shard_spec(heads, hidden_size, qkv_bias, tsp_rank):
+    """Rank ``tsp_rank``'s packed shard: its query heads and ``o_proj`` columns,
+    then, on the rank that holds them, its key/value heads (a contiguous tail,
+    so the key/value gradient can be reduced on its own)."""
     q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
     shapes = {"q_proj.weight": (q, hidden_size), "q_proj.bias": (q,), "o_proj.weight": (hidden_size, q),
               "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
               "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
-    return PackSpec({name: shape for name, shape in shapes.items() if qkv_bias or not name.endswith("bias")})
+    return PackSpec({name: shape for name, shape in shapes.items()
+                     if (qkv_bias or not name.endswith("bias")) and heads.holds(name, tsp_rank)})
 
 
 def slice_full_tensor(name, full, heads, tsp_rank):
@@ -102,7 +115,7 @@ class AttentionPlan:
 
     group: object
     heads: HeadGroups
-    spec: PackSpec
+    specs: tuple  # the PackSpec of every rank's shard
     layout: str
     kernel: object
     scale: float
@@ -143,7 +156,7 @@ def shard_stream(plan, packed):
     tsp_rank, D = comm.group_rank(plan.group), plan.tsp_size
 
     def start(j):
-        buf = packed.detach() if j == tsp_rank else torch.empty_like(packed)
+        buf = packed.detach() if j == tsp_rank else packed.new_empty(plan.specs[j].numel)
         return buf, comm.broadcast(buf, src=j, group=plan.group, async_op=True)
 
     pending = start(0)
@@ -195,93 +208,97 @@ def attend_local_chunks(plan, q, K, V):
 def attention_forward(plan, x, packed, cos, sin):
     """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``.
 
-    Returns the output ``(B, S/D, H)`` and the rotated local ``q, k, v`` of
-    every head group, stacked ``(D, B, S/D, h, d)``, for backward.
+    Key/value heads shared by a replica set of head groups (nkv < D) arrive
+    with the set's first shard and are projected and gathered once for the set.
+    Returns the output ``(B, S/D, H)``, the rotated local ``q`` of every head
+    group ``(D, B, S/D, hq, d)`` and the rotated local ``k, v`` of every
+    key/value head group ``(min(D, nkv), B, S/D, hkv, d)``, for backward.
     """
     heads, d = plan.heads, plan.heads.head_dim
     out = torch.zeros_like(x)
     saved_q, saved_k, saved_v = [], [], []
-    for _, shard in shard_stream(plan, packed):
-        w = plan.spec.unpack(shard)
+    for j, shard in shard_stream(plan, packed):
+        w = plan.specs[j].unpack(shard)
+        if heads.holds_kv(j):
+            k = apply_rotary(_project(x, w, "k_proj", heads.kv_heads, d), cos, sin)
+            v = _project(x, w, "v_proj", heads.kv_heads, d)
+            K, V = gather_kv(plan, k, v)
+            saved_k.append(k), saved_v.append(v)
         q = apply_rotary(_project(x, w, "q_proj", heads.q_heads, d), cos, sin)
-        k = apply_rotary(_project(x, w, "k_proj", heads.kv_heads, d), cos, sin)
-        v = _project(x, w, "v_proj", heads.kv_heads, d)
-        K, V = gather_kv(plan, k, v)
         o = attend_local_chunks(plan, q, K, V)
         out += F.linear(o.flatten(2), w["o_proj.weight"])
-        saved_q.append(q), saved_k.append(k), saved_v.append(v)
+        saved_q.append(q)
     return out, torch.stack(saved_q), torch.stack(saved_k), torch.stack(saved_v)
 
 
-class _ShardGradReducer:
-    """Sends each shard's weight gradient, summed over every rank's tokens, to
-    its owner (asynchronously with ``overlap``).
-
-    When ``nkv < D`` each key/value head is replicated on ``R`` consecutive
-    owners; their copies must receive the same gradient (the sum over all the
-    replicas' query heads), so the key/value span is summed locally over the
-    ``R`` shards of a replica set and then reduced to each of its owners.
-    """
-
-    def __init__(self, plan, grad_dtype, device):
-        self.plan, self.tsp_rank = plan, comm.group_rank(plan.group)
-        self.replicas = plan.heads.kv_replicas
-        self.kv_offset = plan.spec.offsets["k_proj.weight"]
-        self.kv_sum = torch.zeros(plan.spec.numel - self.kv_offset, dtype=grad_dtype, device=device)
-        self.works, self.own = [], {}
-
-    def add(self, owner, grad_shard):
-        if self.replicas == 1:
-            self._reduce(grad_shard, owner, part="all")
-            return
-        self._reduce(grad_shard[:self.kv_offset], owner, part="qo")
-        self.kv_sum += grad_shard[self.kv_offset:]
-        if (owner + 1) % self.replicas == 0:
-            for replica_owner in range(owner + 1 - self.replicas, owner + 1):
-                self._reduce(self.kv_sum.clone(), replica_owner, part="kv")
-            self.kv_sum.zero_()
-
-    def _reduce(self, buf, owner, part):
-        self.works.append(comm.reduce(buf, owner, self.plan.group, async_op=self.plan.overlap))
-        if owner == self.tsp_rank:
-            self.own[part] = buf
-
-    def own_gradient(self):
-        for work in self.works:
-            if work is not None:
-                work.wait()
-        if self.replicas == 1:
-            return self.own["all"]
-        return torch.cat([self.own["qo"], self.own["kv"]])
+def _reduce_to(plan, grad, owner, works):
+    works.append(comm.reduce(grad, owner, plan.group, async_op=plan.overlap))
+    return grad
 
 
 def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin):
-    """Gradients of the local tokens ``x`` and of this rank's packed shard."""
+    """Gradients of the local tokens ``x`` and of this rank's packed shard.
+
+    Per head group ``j``: re-broadcast its shard, re-gather its K/V (once per
+    key/value replica set), attention backward, and reduce the query/output
+    weight gradient to owner ``j``. dK/dV are summed over the replica set,
+    reduce-scattered back to the token owners, and the key/value weight
+    gradient is reduced to the holder, in the same message as the holder's
+    query/output gradient.
+    """
+    heads = plan.heads
+    tsp_rank = comm.group_rank(plan.group)
     # Products run in the model's dtype (tensor cores for bf16); their sums over
     # head groups and ranks accumulate in at least float32, cast once at the end.
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
     grad_x = torch.zeros(tokens.shape, dtype=acc_dtype, device=x.device)
-    reducer = _ShardGradReducer(plan, acc_dtype, x.device)
+    works, own_parts = [], []  # this rank's reduced gradient: query/output part, then key/value part
     for j, shard in shard_stream(plan, packed):
-        w = plan.spec.unpack(shard)
-        K, V = gather_kv(plan, k_all[j], v_all[j])
+        w = plan.specs[j].unpack(shard)
+        holder = heads.kv_holder(j)
+        if holder == j:
+            kv_weights, kv_set = w, holder // heads.kv_replicas
+            K, V = gather_kv(plan, k_all[kv_set], v_all[kv_set])
+            dK_sum, dV_sum = torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
         with torch.enable_grad():
-            q, K, V = (t.detach().requires_grad_() for t in (q_all[j], K, V))
-            o = attend_local_chunks(plan, q, K, V)
+            q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q_all[j], K, V))
+            o = attend_local_chunks(plan, q, K_leaf, V_leaf)
             grad_o = (grad_out @ w["o_proj.weight"]).view_as(o)
-            dq, dK, dV = torch.autograd.grad(o, (q, K, V), grad_o)
-        dk, dv = scatter_kv_grads(plan, dK, dV)
+            dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
+        dK_sum += dK
+        dV_sum += dV
         dq = apply_rotary_transpose(dq, cos, sin).flatten(0, 1).flatten(1)  # (N, hq*d)
-        dk = apply_rotary_transpose(dk, cos, sin).flatten(0, 1).flatten(1)
-        dv = dv.flatten(0, 1).flatten(1)
-        grad_x += (dq @ w["q_proj.weight"] + dk @ w["k_proj.weight"] + dv @ w["v_proj.weight"]).to(acc_dtype)
+        grad_x += (dq @ w["q_proj.weight"]).to(acc_dtype)
         grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
-                 "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1),
-                 "k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
-                 "v_proj.weight": dv.t() @ tokens, "v_proj.bias": dv.sum(0)}
-        reducer.add(j, plan.spec.pack({name: grads[name] for name in plan.spec.shapes}).to(acc_dtype))
-    return grad_x.view(x.shape).to(x.dtype), reducer.own_gradient().to(packed.dtype)
+                 "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
+        if j == holder + heads.kv_replicas - 1:  # the replica set is complete
+            dk, dv = scatter_kv_grads(plan, dK_sum.to(x.dtype), dV_sum.to(x.dtype))
+            dk = apply_rotary_transpose(dk, cos, sin).flatten(0, 1).flatten(1)
+            dv = dv.flatten(0, 1).flatten(1)
+            grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(acc_dtype)
+            kv_grads = {"k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
+                        "v_proj.weight": dv.t() @ tokens, "v_proj.bias": dv.sum(0)}
+            if holder == j:
+                grads.update(kv_grads)
+            else:
+                holder_spec = plan.specs[holder]
+                kv_only = [n for n in holder_spec.shapes if n.startswith(("k_proj", "v_proj"))]
+                reduced = _reduce_to(plan, torch.cat([kv_grads[n].reshape(-1) for n in kv_only]).to(acc_dtype),
+                                     holder, works)
+                if holder == tsp_rank:
+                    own_parts.append(reduced)
+        if heads.holds_kv(j) and j != holder + heads.kv_replicas - 1:
+            flat = torch.cat([grads[n].reshape(-1) for n in plan.specs[j].shapes if n in grads])
+        else:
+            flat = plan.specs[j].pack({n: grads[n] for n in plan.specs[j].shapes})
+        reduced = _reduce_to(plan, flat.to(acc_dtype), j, works)
+        if j == tsp_rank:
+            own_parts.insert(0, reduced)
+    for work in works:
+        if work is not None:
+            work.wait()
+    return grad_x.view(x.shape).to(x.dtype), torch.cat(own_parts).to(packed.dtype)
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -315,7 +332,8 @@ class TSPAttention(nn.Module):
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
         self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group))
-        self.spec = shard_spec(self.heads, hidden_size, qkv_bias)
+        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j) for j in range(self.heads.tsp_size))
+        self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts parameters tagged model-parallel on every TSP rank in
         # gradient norms (each rank holds a different shard).
@@ -372,7 +390,7 @@ class TSPAttention(nn.Module):
         return tensors
 
     def plan(self, x):
-        return AttentionPlan(group=self.tsp_group, heads=self.heads, spec=self.spec, layout=self.layout_name,
+        return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
                              kernel=select_kernel(self.backend, x.device, x.dtype), scale=self.scale,
                              window=self.sliding_window, overlap=self.overlap)
 

@@ -42,7 +42,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     # Every check that needs only sizes runs before any weight is touched.
     _check_client_parameters(optimizer, model_parameters)
-    _check_kv_replication_with_clipping(model, tsp_config, ds_config)
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
@@ -57,18 +56,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=topology.mpu(), config=ds_config, **forward)
     engine.tsp_topology = topology
     return (engine, *rest)
-
-
-def _check_kv_replication_with_clipping(model, tsp_config, ds_config):
-    """Key/value heads replicated on several TSP ranks (nkv < tsp.size) sit inside
-    each rank's model-parallel shard, so DeepSpeed's gradient norm would count
-    them once per replica and clip by a wrong norm: refuse rather than mis-train."""
-    num_kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    clipping = ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default
-    if num_kv_heads < tsp_config.size and clipping:
-        raise ValueError(f"num_key_value_heads = {num_kv_heads} < tsp.size = {tsp_config.size} replicates key/value "
-                         f"heads, and DeepSpeed's gradient norm would count the copies twice: set "
-                         f"\"gradient_clipping\": 0 in the DeepSpeed config, or choose tsp.size <= {num_kv_heads}")
 
 
 def _check_client_parameters(optimizer, model_parameters):
