@@ -42,11 +42,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     # Every check that needs only sizes runs before any weight is touched.
     _check_client_parameters(optimizer, model_parameters)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
+    # Joins an existing torch.distributed group if there is one.
+    deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
+    _check_activation_checkpointing(ds_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     model = inject(model, topology, tsp_config)
+    _configure_activation_checkpointing(model, ds_config, topology)
     forward["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:
@@ -56,6 +58,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=topology.mpu(), config=ds_config, **forward)
     engine.tsp_topology = topology
     return (engine, *rest)
+
+
+def _check_activation_checkpointing(ds_config):
+    section = ds_config.get("activation_checkpointing") or {}
+    if section.get("partition_activations"):
+        raise ValueError("activation_checkpointing.partition_activations = true splits checkpointed activations over "
+                         "the model-parallel group, which here is the TSP group whose activations are already split "
+                         "by token: set it to false")
+
+
+def _configure_activation_checkpointing(model, ds_config, topology):
+    """With an ``activation_checkpointing`` section, every TSP layer is
+    recomputed in backward by ``deepspeed.checkpointing.checkpoint``; the
+    recompute re-issues the layer's collectives in the same order on every rank."""
+    if not ds_config.get("activation_checkpointing"):
+        return
+    deepspeed.checkpointing.configure(topology.mpu(), deepspeed_config=ds_config)
+    model.train()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
 
 
 def _check_client_parameters(optimizer, model_parameters):

@@ -34,7 +34,7 @@ def _global_batches(vocab_size, dp_size):
     return [torch.randint(0, vocab_size, (dp_size * MICRO_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
 
 
-def _train_and_compare(tsp_size, zero_stage, optimizer):
+def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -44,6 +44,8 @@ def _train_and_compare(tsp_size, zero_stage, optimizer):
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
               "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+    if activation_checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": False}
     engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=_optimizer(optimizer), config=config)
     topo = engine.tsp_topology
     batches = _global_batches(ref.config.vocab_size, dp_size)
@@ -81,7 +83,8 @@ def _train_and_compare(tsp_size, zero_stage, optimizer):
                     rel[f"{layer_name}.{block_name}.{piece_name}"] = _relative(value, expected)
             else:
                 rel[name] = _relative(param.detach(), ref_params[name].detach())
-    return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms)
+    recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)
+    return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, recomputed=recomputed)
 
 
 def _relative(value, expected):
@@ -97,13 +100,14 @@ def _gathered(engine, zero_stage):
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer", [
-    (4, 2, 1, "sgd"), (4, 2, 2, "sgd"), (4, 2, 1, "adam"), (4, 2, 2, "adam"),
-    (4, 4, 0, "adam"), (2, 2, 3, "sgd"),
+@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing", [
+    (4, 2, 1, "sgd", False), (4, 2, 2, "sgd", False), (4, 2, 1, "adam", False), (4, 2, 2, "adam", False),
+    (4, 4, 0, "adam", False), (2, 2, 3, "sgd", False), (4, 2, 1, "adam", True),
 ])
-def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer):
+def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
+                                               activation_checkpointing):
     for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=tsp_size, zero_stage=zero_stage,
-                                         optimizer=optimizer)):
+                                         optimizer=optimizer, activation_checkpointing=activation_checkpointing)):
         worst = max(out["rel"], key=out["rel"].get)
         norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
         print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage} {optimizer}: "
@@ -113,6 +117,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
         assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
+        assert out["recomputed"] == activation_checkpointing
 
 
 def test_optimizer_built_before_injection_is_refused():
