@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import sys
 
 import pytest
@@ -141,3 +142,58 @@ def test_example_trains_under_the_deepspeed_launcher(tmp_path):
     # The example's last line: mean loss of the first 5 steps -> of the last 5.
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert last < first - 0.5
+
+
+def _losses(engine, batches):
+    topo = engine.tsp_topology
+    losses = []
+    for batch in batches:
+        micro = batch[topo.dp_rank * MICRO_BATCH:(topo.dp_rank + 1) * MICRO_BATCH]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_and_resume(checkpoint_dir):
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": {"stage": 1},
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+
+    def fresh_engine():
+        engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32),
+                                       optimizer=_optimizer("adam"), config=config)
+        return engine
+
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 61, (2 * MICRO_BATCH, SEQ_LEN), generator=generator) for _ in range(4)]
+    uninterrupted = _losses(fresh_engine(), batches)
+    first = fresh_engine()
+    before = _losses(first, batches[:2])
+    first.save_checkpoint(checkpoint_dir, tag="step2")
+    resumed = fresh_engine()
+    resumed.load_checkpoint(checkpoint_dir, tag="step2")
+    return dict(uninterrupted=uninterrupted, resumed=before + _losses(resumed, batches[2:]))
+
+
+def test_resume_from_a_checkpoint_reproduces_the_losses(run_ranks, tmp_path):
+    for rank, out in enumerate(run_ranks(4, _save_and_resume, checkpoint_dir=str(tmp_path / "ckpt"))):
+        print(f"rank {rank}: uninterrupted {out['uninterrupted']}, resumed {out['resumed']}")
+        assert out["resumed"] == out["uninterrupted"]
+    # Each TSP rank wrote its own shard of the model (model-parallel files).
+    names = sorted(os.listdir(tmp_path / "ckpt" / "step2"))
+    assert [n for n in names if n.startswith("mp_rank")] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+
+
+def test_a_dead_rank_fails_its_peer_instead_of_hanging(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_that_dies.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(script)}
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(tmp_path / "rdzv")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    start = time.monotonic()
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.monotonic() - start
+    print(f"survivor exited {procs[0].returncode} after {elapsed:.1f} s: {outputs[0].strip().splitlines()[-1]}")
+    assert procs[1].returncode == 3, outputs[1]
+    assert procs[0].returncode != 0, outputs[0]
+    assert elapsed < 60
