@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .config import split_ds_config
 from .inject import inject
+from .pipeline import build_pipeline
 from .topology import TSPTopology
 
 
@@ -22,6 +23,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ``pp x dp x tsp`` topology, injects TSP into ``model`` and hands DeepSpeed
     an ``mpu`` whose model-parallel group is the TSP group and whose
     data-parallel group is the true replicas, so ZeRO partitions over DP only.
+    With ``tsp.pipeline_stages > 1`` the model becomes a ``PipelineModule`` of
+    TSP layers and the engine is DeepSpeed's ``PipelineEngine``
+    (``train_batch(data_iter)``, batches of ``(input_ids, labels)``).
     Without it (or with ``enabled: false``) this is exactly ``deepspeed.initialize``.
 
     Give the optimizer as a callable (``lambda params: torch.optim.AdamW(params)``)
@@ -48,14 +52,21 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_activation_checkpointing(ds_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     model = inject(model, topology, tsp_config)
-    _configure_activation_checkpointing(model, ds_config, topology)
+    if tsp_config.pipeline_stages > 1:
+        # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
+        model = build_pipeline(model, topology, tsp_config, bool(ds_config.get("activation_checkpointing")))
+        mpu_for_deepspeed = None
+        _no_partitioned_pipe_messages(ds_config)
+    else:
+        _configure_activation_checkpointing(model, ds_config, topology)
+        mpu_for_deepspeed = topology.mpu()
     forward["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:
         # DeepSpeed refuses a config both in args and as config=; ours is parsed.
         forward["args"] = copy.copy(args)
         forward["args"].deepspeed_config = None
-    engine, *rest = deepspeed.initialize(model=model, mpu=topology.mpu(), config=ds_config, **forward)
+    engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
     return (engine, *rest)
 
@@ -77,6 +88,18 @@ def _configure_activation_checkpointing(model, ds_config, topology):
     deepspeed.checkpointing.configure(topology.mpu(), deepspeed_config=ds_config)
     model.train()
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+
+
+def _no_partitioned_pipe_messages(ds_config):
+    """DeepSpeed splits inter-stage messages over the model-parallel group by
+    default, assuming tensor-parallel ranks hold the same activations; TSP ranks
+    hold different tokens, so each sends its whole shard."""
+    pipeline = ds_config.setdefault("pipeline", {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key):
+            raise ValueError(f"pipeline.{key} = true assumes activations replicated over the model-parallel group; "
+                             f"TSP ranks hold different tokens: set pipeline.{key} to false or leave it out")
+        pipeline[key] = False
 
 
 def _check_client_parameters(optimizer, model_parameters):

@@ -102,8 +102,13 @@ class TSPCausalLMMixin:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def tsp_loss(self, logits, batch):
-        """Mean cross-entropy over all real tokens of the full sequence."""
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        local_sum = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction="sum")
-        return sum_over_group(local_sum, self.tsp_topology.tsp_group) / max(batch.num_real_labels, 1)
+        return causal_lm_loss(logits, batch, self.tsp_topology.tsp_group)
+
+
+def causal_lm_loss(logits, batch, tsp_group):
+    """Mean cross-entropy over all real tokens of the full sequence: each rank
+    sums its own tokens' losses and the sums add up over the TSP group."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    local_sum = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+    return sum_over_group(local_sum, tsp_group) / max(batch.num_real_labels, 1)

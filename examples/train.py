@@ -1,7 +1,8 @@
 """Train a causal LM with TSP under the deepspeed launcher.
 
     deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/tsp2_cpu.json
-    deepspeed --num_gpus 8 examples/train.py --deepspeed_config ds_configs/tsp8_zero1_bf16.json --model HF_DIR
+    deepspeed --num_gpus 4 examples/train.py --deepspeed_config ds_configs/pp2_tsp2_cpu.json
+    deepspeed --num_gpus 8 examples/train.py --deepspeed_config ds_configs/tsp8_zero1_bf16_gpu.json --model HF_DIR
 
 Without ``--model`` it trains a small Llama-shaped model with a byte-level
 vocabulary on text that ships with Python (the source of a few standard
@@ -18,6 +19,7 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ds_tsp
@@ -64,6 +66,17 @@ def batches(corpus, batch_size, seq_len, dp_rank, dp_size, seed):
         yield torch.stack([corpus[s:s + seq_len] for s in starts.tolist()])
 
 
+def train_step(engine, micro_batches):
+    """One optimizer step over the micro-batches; works for both engine kinds."""
+    if isinstance(engine, PipelineEngine):
+        return engine.train_batch(data_iter=iter([(ids, ids) for ids in micro_batches])).item()
+    for input_ids in micro_batches:
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+    return loss.item()
+
+
 def main():
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -81,13 +94,9 @@ def main():
 
     window_tokens, window_start, losses = 0, time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        for _ in range(engine.gradient_accumulation_steps()):
-            input_ids = next(data).to(engine.device)
-            loss = engine(input_ids=input_ids, labels=input_ids).loss
-            engine.backward(loss)
-            engine.step()
-            window_tokens += input_ids.numel() * topo.dp_size
-        losses.append(loss.item())
+        micro_batches = [next(data).to(engine.device) for _ in range(engine.gradient_accumulation_steps())]
+        losses.append(train_step(engine, micro_batches))
+        window_tokens += sum(ids.numel() for ids in micro_batches) * topo.dp_size
         if step % args.log_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - window_start
             memory = torch.tensor([psutil.Process().memory_info().rss / 2**20])

@@ -1,0 +1,89 @@
+"""Pipeline stages of TSP blocks: an injected causal LM as a DeepSpeed ``PipelineModule``.
+
+The layers are: embedding (takes the full micro-batch, keeps this rank's
+tokens), one pipe layer per TSP decoder layer, final norm + LM head; the loss
+is the mean over all real tokens of the full sequence. What passes between
+stages is ``(hidden (B, S/D, H), position_ids (B, S/D))``: the local shard,
+never the full sequence. The pipeline topology is DeepSpeed's
+``pipe x data x model`` with the TSP group as the model axis, the same
+rank order as ``ds_tsp.topology``.
+"""
+
+import torch.nn as nn
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from .model import TSPBatch, causal_lm_loss
+
+
+class TSPEmbeddingPipe(nn.Module):
+    def __init__(self, embed_tokens, topology, layout_name):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.tsp_rank, self.tsp_size, self.layout_name = topology.tsp_rank, topology.tsp_size, layout_name
+
+    def forward(self, input_ids):
+        batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
+        return self.embed_tokens(batch.input_ids), batch.position_ids
+
+
+class TSPDecoderLayerPipe(nn.Module):
+    """One TSP decoder layer; rotary embeddings are recomputed from the positions
+    (cheap, and it keeps the inter-stage message to the hidden shard)."""
+
+    def __init__(self, layer, rotary_emb):
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+
+    def forward(self, inputs):
+        hidden, position_ids = inputs
+        return self.layer(hidden, self.rotary_emb(hidden, position_ids)), position_ids
+
+
+class TSPHeadPipe(nn.Module):
+    def __init__(self, norm, lm_head):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, inputs):
+        hidden, _ = inputs
+        return self.lm_head(self.norm(hidden))
+
+
+class TSPPipeLoss:
+    """Mean cross-entropy over all real tokens of the full sequence (labels come
+    full, as the data iterator yields them)."""
+
+    def __init__(self, topology, layout_name):
+        self.topology, self.layout_name = topology, layout_name
+
+    def __call__(self, logits, labels):
+        topo = self.topology
+        batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
+        return causal_lm_loss(logits, batch, topo.tsp_group)
+
+
+def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
+    """A ``PipelineModule`` over an injected model (see ``ds_tsp.inject``).
+
+    Decoder layers are split evenly over ``tsp.pipeline_stages``; the embedding
+    goes with the first stage and the head with the last.
+    """
+    policy, stages = model.tsp_policy, tsp_config.pipeline_stages
+    decoder_layers = list(model.get_submodule(policy.layers))
+    if len(decoder_layers) % stages:
+        raise ValueError(f"num_hidden_layers = {len(decoder_layers)} does not split evenly over tsp.pipeline_stages = "
+                         f"{stages}: choose tsp.pipeline_stages from the divisors of {len(decoder_layers)}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings = true ties the first and last pipeline stages, which ds_tsp does not "
+                         "support yet: use tsp.pipeline_stages = 1 for this model")
+    rotary_emb = model.get_submodule(policy.rotary_emb)
+    layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout)]
+    layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
+    layers.append(TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head)))
+    pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
+    return PipelineModule(layers=layers, loss_fn=TSPPipeLoss(topology, tsp_config.layout), topology=pipe_topology,
+                          partition_method="type:TSPDecoderLayerPipe",
+                          activation_checkpoint_interval=1 if activation_checkpointing else 0)

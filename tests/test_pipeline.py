@@ -1,0 +1,122 @@
+"""Pipeline stages of TSP blocks against a single-process Hugging Face run."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from models import tiny_model
+
+STEPS = 3
+MICRO_BATCH = 2
+MICRO_BATCHES = 2  # per step, per data-parallel replica
+SEQ_LEN = 16
+LR = 0.1
+BOUND = 1e-5  # float32 relative, as in test_engine
+
+
+def _hf_name(pipe_name, num_layers):
+    """``3.layer.mlp.packed`` (pipe layer 3) -> ``model.layers.2.mlp.packed``."""
+    index, rest = pipe_name.split(".", 1)
+    index = int(index)
+    if index == 0:
+        return f"model.{rest}"
+    if index <= num_layers:
+        return f"model.layers.{index - 1}.{rest.removeprefix('layer.')}"
+    return rest if rest.startswith("lm_head") else f"model.{rest}"
+
+
+def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False):
+    world = dist.get_world_size()
+    stages = 2
+    dp_size = world // (stages * tsp_size)
+    ref = tiny_model("llama", dtype=torch.float32)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
+              "tsp": {"enabled": True, "size": tsp_size, "pipeline_stages": stages, "attention_backend": "sdpa"}}
+    if activation_checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": False}
+    engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
+                                   optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    topo = engine.tsp_topology
+    generator = torch.Generator().manual_seed(11)
+    per_step = dp_size * MICRO_BATCHES * MICRO_BATCH
+    batches = [torch.randint(0, ref.config.vocab_size, (per_step, SEQ_LEN), generator=generator)
+               for _ in range(STEPS)]
+
+    def micro_batches(batch):
+        mine = batch.view(dp_size, MICRO_BATCHES, MICRO_BATCH, SEQ_LEN)[topo.dp_rank]
+        return iter([(ids, ids) for ids in mine])
+
+    losses = []
+    for step, batch in enumerate(batches):
+        if resume and step == 1:
+            engine.save_checkpoint(checkpoint_dir, tag="step1")
+            engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=config,
+                                           optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+            engine.load_checkpoint(checkpoint_dir, tag="step1")
+        losses.append(engine.train_batch(data_iter=micro_batches(batch)).item())
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref_losses = []
+    for batch in batches:
+        ref_opt.zero_grad()
+        loss = ref(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default clipping
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    num_layers = ref.config.num_hidden_layers
+    rel = {}
+    for pipe_name, param in engine.module.named_parameters():
+        name = _hf_name(pipe_name, num_layers)
+        if getattr(param, "tensor_model_parallel", False):
+            block = engine.module.get_submodule(pipe_name.rsplit(".", 1)[0])
+            block_prefix = name.rsplit(".", 1)[0]
+            for piece, value in block.spec.unpack(param.detach()).items():
+                expected = ref_params[f"{block_prefix}.{piece}"].narrow(*block.shard_piece(piece))
+                rel[f"{block_prefix}.{piece}"] = ((value - expected).abs().max() / expected.abs().max()).item()
+        else:
+            expected = ref_params[name]
+            rel[name] = ((param.detach() - expected).abs().max() / expected.abs().max()).item()
+    return dict(losses=losses, ref_losses=ref_losses, rel=rel, stage=engine.stage_id,
+                engine=type(engine).__name__, checkpoint_interval=engine.module.activation_checkpoint_interval)
+
+
+@pytest.mark.parametrize("tsp_size, activation_checkpointing", [(2, False), (1, False), (2, True)])
+def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing):
+    covered = set()
+    for rank, out in enumerate(run_ranks(4, _pipeline_run, tsp_size=tsp_size,
+                                         activation_checkpointing=activation_checkpointing)):
+        worst = max(out["rel"], key=out["rel"].get)
+        loss_err = max(abs(a - b) / b for a, b in zip(out["losses"], out["ref_losses"]))
+        print(f"rank {rank} PP=2 TSP={tsp_size} stage {out['stage']}: max rel |dw| {out['rel'][worst]:.2e} ({worst}), "
+              f"loss rel err {loss_err:.2e}, losses {[round(v, 5) for v in out['losses']]} ref {[round(v, 5) for v in out['ref_losses']]}")
+        assert out["engine"] == "PipelineEngine"
+        assert out["checkpoint_interval"] == int(activation_checkpointing)
+        assert out["rel"][worst] <= BOUND and loss_err <= BOUND
+        covered |= set(out["rel"])
+    # Between them the stages hold every tensor of the model.
+    assert {n.rsplit(".", 1)[0] for n in covered} >= {"model.embed_tokens", "lm_head", "model.norm"}
+
+
+def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
+    plain = run_ranks(4, _pipeline_run, tsp_size=2)
+    resumed = run_ranks(4, _pipeline_run, tsp_size=2, checkpoint_dir=str(tmp_path / "pipe"), resume=True)
+    for a, b in zip(plain, resumed):
+        print(f"uninterrupted {a['losses']}, resumed {b['losses']}")
+        assert a["losses"] == b["losses"]
+
+
+def test_layers_that_do_not_split_are_refused():
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.pipeline import build_pipeline
+    from ds_tsp.topology import TSPTopology
+
+    model = ds_tsp.inject(tiny_model("llama", num_hidden_layers=3), TSPTopology(1), TSPConfig(enabled=True))
+    with pytest.raises(ValueError, match="num_hidden_layers = 3 does not split evenly over tsp.pipeline_stages = 2"):
+        build_pipeline(model, TSPTopology(1), TSPConfig(enabled=True, pipeline_stages=2))
