@@ -1,17 +1,19 @@
 """ds_tsp: tensor-sequence parallelism (TSP) for DeepSpeed and Hugging Face decoder models.
 
-The public names load on first use, so that ``import ds_tsp.attention`` (the
-blocks alone, e.g. on a GPU box without DeepSpeed) does not import DeepSpeed.
+The names that need DeepSpeed load on first use, so that the blocks alone
+(``ds_tsp.attention``, ``ds_tsp.mlp``, ``ds_tsp.inject``) import on a machine
+without it, e.g. a GPU box running ``benchmarks/block_overhead.py``.
 """
 
 import importlib
 
-_EXPORTS = {
-    "TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology",
-    "initialize": "engine", "inject": "inject",
-}
+# Bound eagerly: the function shares its name with its module, and a lazy
+# lookup would return the module once something imported ``ds_tsp.inject``.
+from .inject import inject
 
-__all__ = sorted(_EXPORTS)
+_EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine"}
+
+__all__ = sorted([*_EXPORTS, "inject"])
 
 
 def __getattr__(name):

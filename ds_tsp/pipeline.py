@@ -86,4 +86,5 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
     return PipelineModule(layers=layers, loss_fn=TSPPipeLoss(topology, tsp_config.layout), topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
-                          activation_checkpoint_interval=1 if activation_checkpointing else 0)
+                          activation_checkpoint_interval=1 if activation_checkpointing else 0,
+                          checkpointable_layers=["TSPDecoderLayerPipe"])
