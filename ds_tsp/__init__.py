@@ -11,7 +11,8 @@ import importlib
 # lookup would return the module once something imported ``ds_tsp.inject``.
 from .inject import inject
 
-_EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine"}
+_EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine",
+            "from_pretrained": "checkpoint", "save_pretrained": "checkpoint"}
 
 __all__ = sorted([*_EXPORTS, "inject"])
 

@@ -103,6 +103,15 @@ def shard_spec(heads, hidden_size, qkv_bias, tsp_rank):
                      if (qkv_bias or not name.endswith("bias")) and heads.holds(name, tsp_rank)})
 
 
+def shard_piece(heads, name, tsp_rank):
+    """``(dim, start, length)`` of the full tensor ``name`` (e.g. ``k_proj.weight``)
+    that ``tsp_rank``'s rows are, or None if it is not split."""
+    if name not in SHARD_DIMS:
+        return None
+    rows = heads.rows(name, tsp_rank)
+    return SHARD_DIMS[name], rows.start, rows.stop - rows.start
+
+
 def slice_full_tensor(name, full, heads, tsp_rank):
     """This rank's part of a full Hugging Face tensor ``name`` (e.g. ``k_proj.weight``)."""
     rows = heads.rows(name, tsp_rank)
@@ -368,10 +377,7 @@ class TSPAttention(nn.Module):
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
-        if name not in SHARD_DIMS:
-            return None
-        rows = self.heads.rows(name, self.tsp_rank)
-        return SHARD_DIMS[name], rows.start, rows.stop - rows.start
+        return shard_piece(self.heads, name, self.tsp_rank)
 
     @torch.no_grad()
     def load_shard(self, tensors):

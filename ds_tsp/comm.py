@@ -191,3 +191,29 @@ class RingExchange:
         for work in self._works:
             work.wait()
         self._works = []
+
+
+def barrier(group):
+    """Wait until every rank of ``group`` (None: the whole world) gets here; no data moves."""
+    if group_size(group) == 1:
+        return
+    counter.add("barrier", sent=0, received=0)
+    dist.barrier(group=group)
+
+
+def all_to_all(stacked, group, async_op=False):
+    """Send ``stacked[j]`` to group rank ``j``; receive into ``out[j]`` what rank
+    ``j`` sent to this rank (``stacked`` is ``(D, *shape)``).
+
+    Returns ``(out, work)``; ``work`` is None unless ``async_op``.
+    """
+    size = group_size(group)
+    if size == 1:
+        return stacked, None
+    if stacked.shape[0] != size:
+        raise ValueError(f"all_to_all expects a leading dim of {size} (the group size), got {tuple(stacked.shape)}")
+    stacked = stacked.contiguous()
+    out = torch.empty_like(stacked)
+    counter.add("all_to_all", sent=(size - 1) * _nbytes(stacked[0]), received=(size - 1) * _nbytes(stacked[0]))
+    work = dist.all_to_all_single(out, stacked, group=group, async_op=async_op)
+    return out, work

@@ -67,6 +67,15 @@ def shard_spec(hidden_size, intermediate_size, tsp_size, bias):
     return PackSpec(shapes)
 
 
+def shard_piece(intermediate_size, tsp_size, name, tsp_rank):
+    """``(dim, start, length)`` of the full tensor ``name`` that ``tsp_rank``
+    holds, or None if it is not split."""
+    if name not in SHARD_DIMS:
+        return None
+    f = intermediate_size // tsp_size
+    return SHARD_DIMS[name], tsp_rank * f, f
+
+
 def accumulation_dtype(dtype):
     """float32, or the parameter dtype where that is wider (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -225,10 +234,7 @@ class TSPGatedMLP(nn.Module):
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
-        if name not in SHARD_DIMS:
-            return None
-        f = self.intermediate_size // self.tsp_size
-        return SHARD_DIMS[name], self.tsp_rank * f, f
+        return shard_piece(self.intermediate_size, self.tsp_size, name, self.tsp_rank)
 
     def load_shard(self, tensors):
         """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""

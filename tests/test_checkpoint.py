@@ -1,0 +1,363 @@
+"""Checkpoints: from_pretrained reads only a rank's shards; save_pretrained and
+``ds-tsp convert`` give back the Hugging Face tensors bit for bit."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import ds_tsp
+from ds_tsp.checkpoint import CheckpointError, from_pretrained, save_pretrained
+from ds_tsp.cli import main
+from ds_tsp.config import TSPConfig
+from ds_tsp.policy import PolicyError
+from ds_tsp.topology import TSPTopology
+from models import COMMON, tiny_model
+
+# Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
+# two head groups share each key/value head (the nkv < D case).
+ARCHS = ("llama", "llama_tied", "qwen2")
+
+
+def hf_tensors(path):
+    """Every tensor a Hugging Face checkpoint directory holds, by name."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(os.path.join(path, file)))
+    return tensors
+
+
+def assert_same_tensors(actual, expected):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        assert torch.equal(actual[name], expected[name]), name
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``{arch: path}`` of tiny float64 models saved by Hugging Face, plus a
+    sharded (index.json) llama; paths are strings, ready for rank bodies."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {}
+    for arch in ARCHS:
+        paths[arch] = str(root / arch)
+        tiny_model(arch).save_pretrained(paths[arch])
+    paths["llama_sharded"] = str(root / "llama_sharded")
+    tiny_model("llama").save_pretrained(paths["llama_sharded"], max_shard_size="8KB")
+    assert os.path.isfile(os.path.join(paths["llama_sharded"], "model.safetensors.index.json"))
+    return paths
+
+
+def _topology_and_config(tsp_size=None):
+    tsp_size = tsp_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    return TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa")
+
+
+def _load_and_save(src, dst, corrupt_k_proj=False, tsp_size=None):
+    topology, tsp_config = _topology_and_config(tsp_size)
+    model = from_pretrained(src, topology, tsp_config)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == model.config.tie_word_embeddings
+    if corrupt_k_proj and topology.tsp_rank == topology.tsp_size - 1:
+        with torch.no_grad():
+            model.model.layers[0].self_attn.spec.unpack(model.model.layers[0].self_attn.packed)["k_proj.weight"] += 1
+    save_pretrained(model, dst)
+    # Every rank returns only after rank 0 has written the files.
+    return sorted(os.listdir(dst))
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_then_save_pretrained_is_bit_exact(run_ranks, checkpoints, tmp_path, arch, tsp_size):
+    dst = str(tmp_path / "saved")
+    if tsp_size == 1:  # one process, no torch.distributed at all
+        listings = [_load_and_save(checkpoints[arch], dst)]
+    else:
+        listings = run_ranks(tsp_size, _load_and_save, src=checkpoints[arch], dst=dst)
+    assert all(files == ["config.json", "generation_config.json", "model.safetensors"] for files in listings)
+    # The file holds exactly what Hugging Face's own save wrote (lm_head.weight
+    # left out when tied), and Hugging Face loads it back to the same tensors.
+    assert_same_tensors(hf_tensors(dst), hf_tensors(checkpoints[arch]))
+    original = AutoModelForCausalLM.from_pretrained(checkpoints[arch])
+    reloaded = AutoModelForCausalLM.from_pretrained(dst)
+    assert type(reloaded) is type(original)
+    assert_same_tensors(reloaded.state_dict(), original.state_dict())
+    if arch == "llama_tied":
+        assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def test_save_pretrained_with_data_parallel_replicas(run_ranks, checkpoints, tmp_path):
+    """tsp.size 2 x dp 2: one TSP group gathers, global rank 0 writes, all wait."""
+    dst = str(tmp_path / "saved")
+    listings = run_ranks(4, _load_and_save, src=checkpoints["qwen2"], dst=dst, tsp_size=2)
+    assert all(files == ["config.json", "generation_config.json", "model.safetensors"] for files in listings)
+    assert_same_tensors(hf_tensors(dst), hf_tensors(checkpoints["qwen2"]))
+
+
+def test_a_misplaced_or_wrong_shard_is_caught(run_ranks, checkpoints, tmp_path):
+    """The guard: change rank 1's piece of one k_proj and only its rows differ."""
+    dst = str(tmp_path / "saved")
+    run_ranks(2, _load_and_save, src=checkpoints["llama"], dst=dst, corrupt_k_proj=True)
+    saved, original = hf_tensors(dst), hf_tensors(checkpoints["llama"])
+    name = "model.layers.0.self_attn.k_proj.weight"
+    rows = original[name].shape[0] // 2
+    assert torch.equal(saved[name][:rows], original[name][:rows])
+    assert torch.equal(saved[name][rows:], original[name][rows:] + 1)
+    assert all(torch.equal(saved[n], original[n]) for n in original if n != name)
+
+
+def _losses(paths):
+    topology, tsp_config = _topology_and_config()
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    losses = {}
+    for arch, path in paths.items():
+        loaded = from_pretrained(path, topology, tsp_config)
+        in_memory = ds_tsp.inject(copy.deepcopy(AutoModelForCausalLM.from_pretrained(path)), topology, tsp_config)
+        reference = AutoModelForCausalLM.from_pretrained(path)
+        logits = reference(input_ids=input_ids).logits
+        losses[arch] = (loaded(input_ids=input_ids, labels=input_ids).loss.item(),
+                        in_memory(input_ids=input_ids, labels=input_ids).loss.item(),
+                        F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()).item())
+    return losses
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_from_pretrained_gives_the_loss_of_in_memory_inject(run_ranks, checkpoints, tsp_size):
+    per_rank = run_ranks(tsp_size, _losses, paths={arch: checkpoints[arch] for arch in ARCHS})
+    for arch in ARCHS:
+        loaded, in_memory, reference = per_rank[0][arch]
+        print(f"{arch} D={tsp_size}: from_pretrained {loaded!r}, inject {in_memory!r}, HF {reference!r}")
+        # Same tensors, same schedule: the same float64 operations in the same order.
+        assert abs(loaded - in_memory) <= 1e-12
+        assert abs(loaded - reference) <= 1e-10  # sharding reorders float64 sums only
+        assert all(rank[arch] == per_rank[0][arch] for rank in per_rank)
+
+
+def test_from_pretrained_reads_sharded_hugging_face_checkpoints(checkpoints, tmp_path):
+    """The index.json layout of large checkpoints, in one process."""
+    _load_and_save(checkpoints["llama_sharded"], str(tmp_path / "saved"))
+    assert_same_tensors(hf_tensors(str(tmp_path / "saved")), hf_tensors(checkpoints["llama_sharded"]))
+
+
+def test_torch_dtype_casts_every_tensor(checkpoints, tmp_path):
+    topology, tsp_config = _topology_and_config()
+    model = from_pretrained(checkpoints["qwen2"], topology, tsp_config, torch_dtype=torch.float32)
+    assert {t.dtype for t in model.parameters()} == {torch.float32} and model.config.dtype == torch.float32
+    save_pretrained(model, str(tmp_path / "saved"))
+    expected = {name: t.float() for name, t in hf_tensors(checkpoints["qwen2"]).items()}
+    assert_same_tensors(hf_tensors(str(tmp_path / "saved")), expected)
+
+
+def _size_errors(paths):
+    topology, tsp_config = _topology_and_config()
+    messages = {}
+    for key, path in paths.items():
+        try:
+            from_pretrained(path, topology, tsp_config)
+        except ValueError as err:
+            messages[key] = str(err)
+    return messages
+
+
+def _config_only(path, config):
+    """A checkpoint directory with config.json and no weights: any read would fail."""
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_size_errors_fire_before_any_tensor_is_read(run_ranks, tmp_path):
+    paths = {
+        "intermediate": _config_only(tmp_path / "f", LlamaConfig(**{**COMMON, "intermediate_size": 33})),
+        "kv_heads": _config_only(tmp_path / "kv", LlamaConfig(**{**COMMON, "hidden_size": 24, "num_attention_heads": 6,
+                                                                 "num_key_value_heads": 3})),
+    }
+    messages = run_ranks(2, _size_errors, paths=paths)[0]
+    assert "intermediate_size 33 is not divisible by tsp.size 2" in messages["intermediate"]
+    assert "num_key_value_heads = 3 is not divisible by tsp.size = 2" in messages["kv_heads"]
+
+
+def test_policy_and_missing_tensors_are_refused_by_name(checkpoints, tmp_path):
+    topology, tsp_config = _topology_and_config()
+    qwen3 = _config_only(tmp_path / "qwen3", Qwen3Config(**COMMON))
+    with pytest.raises(PolicyError, match="Qwen3DecoderLayer"):
+        from_pretrained(qwen3, topology, tsp_config)
+
+    broken = tmp_path / "broken"
+    tiny_model("llama").save_pretrained(broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is missing .*broken"):
+        from_pretrained(str(broken), topology, tsp_config)
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convert_then_join_is_bit_exact(checkpoints, tmp_path, arch, tsp_size):
+    src, shards, joined = checkpoints[arch], str(tmp_path / "shards"), str(tmp_path / "joined")
+    assert main(["convert", "--in", src, "--out", shards, "--tsp-size", str(tsp_size)]) == 0
+    with open(os.path.join(shards, "tsp_shards.json")) as f:
+        description = json.load(f)
+    assert description["tsp_size"] == tsp_size
+    original = hf_tensors(src)
+    # Each rank's file holds exactly its pieces (key/value heads only on the
+    # first rank of a replica set), and the tensors outside the blocks whole.
+    for rank in description["ranks"]:
+        held = load_file(os.path.join(shards, rank["file"]))
+        assert sorted(held) == sorted(rank["pieces"])
+        for name, tensor in held.items():
+            piece = rank["pieces"][name]
+            expected = original[name] if piece is None else original[name].narrow(*piece)
+            assert torch.equal(tensor, expected), (name, rank["file"])
+    assert set().union(*(rank["pieces"] for rank in description["ranks"])) == set(original)
+    assert main(["convert", "--join", "--in", shards, "--out", joined]) == 0
+    assert_same_tensors(hf_tensors(joined), original)
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(src, name)) as a, open(os.path.join(joined, name)) as b:
+            assert a.read() == b.read()
+
+
+def test_a_pre_sharded_checkpoint_loads_on_its_tsp_size_only(run_ranks, checkpoints, tmp_path):
+    shards, dst = str(tmp_path / "shards"), str(tmp_path / "saved")
+    assert main(["convert", "--in", checkpoints["llama"], "--out", shards, "--tsp-size", "4"]) == 0
+    run_ranks(4, _load_and_save, src=shards, dst=dst)
+    assert_same_tensors(hf_tensors(dst), hf_tensors(checkpoints["llama"]))
+    with pytest.raises(CheckpointError, match="pre-sharded for tsp.size = 4, not 1"):
+        _load_and_save(shards, str(tmp_path / "never"))
+
+
+def test_convert_refuses_unsupported_models_before_writing(tmp_path, capsys):
+    src, out = tmp_path / "qwen3", tmp_path / "out"
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**COMMON)).save_pretrained(src)
+    assert main(["convert", "--in", str(src), "--out", str(out), "--tsp-size", "2"]) == 1
+    assert "Qwen3DecoderLayer" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_convert_refuses_a_non_empty_output_without_force(checkpoints, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank0-of-8.safetensors").write_text("stale")
+    args = ["convert", "--in", checkpoints["llama"], "--out", str(out), "--tsp-size", "2"]
+    assert main(args) == 1
+    assert "not empty: pass --force" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["rank0-of-8.safetensors"]
+    assert main(args + ["--force"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "rank0-of-2.safetensors",
+                                       "rank1-of-2.safetensors", "tsp_shards.json"]
+    assert main(["convert", "--in", str(out), "--out", str(out), "--join", "--force"]) == 1
+    assert "is the input directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- memory
+
+# Run in a fresh Python process per rank (argv: mode, path, tsp_size, tsp_rank,
+# rendezvous file), so nothing an earlier test allocated can absorb the load.
+# The peak is the kernel's resident-set high-water mark (VmHWM), reset to the
+# current RSS by writing 5 to /proc/self/clear_refs just before loading, so it
+# counts exactly what loading adds; where that file is not writable, the
+# fallback is ru_maxrss, whose value before loading is then the imports' peak.
+# Hugging Face maps safetensors files lazily, so every parameter is read once
+# after loading (in both modes): the peak then includes the model's weights
+# actually paged in, as using the model would.
+_MEASURE = r"""
+import json, os, resource, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+mode, path, tsp_size, tsp_rank, rendezvous = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+
+def status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+if mode == "tsp":
+    import torch.distributed as dist
+    import ds_tsp
+    from ds_tsp.checkpoint import from_pretrained
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=tsp_rank, world_size=tsp_size)
+    topology = ds_tsp.TSPTopology(tsp_size)
+with torch.device("meta"):  # warm-up: lazy imports of the modeling code are not loading
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base, peak = status_bytes("VmRSS"), lambda: status_bytes("VmHWM")
+except OSError:
+    base, peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, \
+        lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+if mode == "hf":
+    model = AutoModelForCausalLM.from_pretrained(path)
+else:
+    model = from_pretrained(path, topology, ds_tsp.TSPConfig(enabled=True, size=tsp_size))
+with torch.no_grad():
+    checksum = sum(float(p.sum()) for p in model.parameters())
+print(json.dumps({"peak_increase": peak() - base}))
+if mode == "tsp":
+    dist.destroy_process_group()
+"""
+
+
+def _measure(args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.Popen([sys.executable, "-c", _MEASURE, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _peak(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])["peak_increase"]
+
+
+def test_each_rank_loads_about_half_the_weights_at_tsp_size_2(tmp_path):
+    """Per-rank peak RSS increase of ``from_pretrained`` at tsp.size 2 against
+    Hugging Face's own ``from_pretrained`` of the whole model.
+
+    ~270 MB of float32 in 64 thin Llama layers: building one TSP layer briefly
+    holds about one layer's worth of extra memory (the pieces read, the packed
+    copy), so many small layers keep that transient small next to the 1/2
+    being measured, as the 32+ layers of real models do.
+    """
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=64,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02, generator=generator)
+    path = str(tmp_path / "llama-270mb")
+    model.save_pretrained(path)
+    del model
+    size = os.path.getsize(os.path.join(path, "model.safetensors"))
+    assert size >= 200e6
+
+    # All three processes at once: each measures only its own memory.
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [_measure(["hf", path, 1, 0, rendezvous])] + [_measure(["tsp", path, 2, r, rendezvous]) for r in (0, 1)]
+    full, *ranks = [_peak(proc) for proc in procs]
+    ratio = max(ranks) / full
+    print(f"\ncheckpoint {size / 1e6:.0f} MB; peak RSS increase: HF from_pretrained {full / 1e6:.0f} MB, "
+          f"ds_tsp tsp.size 2 per rank {', '.join(f'{r / 1e6:.0f}' for r in ranks)} MB; ratio {ratio:.3f}")
+    assert ratio <= 0.6
