@@ -60,34 +60,40 @@ def _holdings(specs, piece, replicated):
             for r, spec in enumerate(specs)]
 
 
+def layer_shards(layer, config, policy, tsp_size):
+    """``{block name: (specs, holdings)}`` of one Hugging Face decoder layer
+    (meta device is enough): every rank's ``PackSpec`` of the block's packed
+    shard and its ``{name: piece}`` holdings (see ``_holdings``).
+
+    Built with the functions the TSP modules use, so it raises their head and
+    intermediate-size divisibility errors before any tensor is read.
+    """
+    attn = layer.get_submodule(policy.attention)
+    heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
+    attn_specs = [attention.shard_spec(heads, config.hidden_size, attn.q_proj.bias is not None, r)
+                  for r in range(tsp_size)]
+    gated = layer.get_submodule(policy.mlp)
+    intermediate_size = gated.gate_proj.out_features
+    mlp_specs = [mlp.shard_spec(gated.gate_proj.in_features, intermediate_size, tsp_size,
+                                gated.gate_proj.bias is not None)] * tsp_size
+    return {
+        policy.attention: (attn_specs, _holdings(attn_specs, lambda name, r: attention.shard_piece(heads, name, r),
+                                                 ["o_proj.bias"] if attn.o_proj.bias is not None else [])),
+        policy.mlp: (mlp_specs, _holdings(mlp_specs,
+                                          lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
+                                          [mlp.DOWN_BIAS] if gated.down_proj.bias is not None else [])),
+    }
+
+
 def shard_plan(model, policy, tsp_size):
     """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
-    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds.
-
-    It builds the blocks' packed specs with the functions the TSP modules use,
-    so it raises their head and intermediate-size divisibility errors: calling
-    it first checks a checkpoint's sizes before any of its tensors is read.
-    """
-    config = model.config
+    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds."""
     plans = [{} for _ in range(tsp_size)]
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
-        attn = layer.get_submodule(policy.attention)
-        heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
-        specs = [attention.shard_spec(heads, config.hidden_size, attn.q_proj.bias is not None, r)
-                 for r in range(tsp_size)]
-        attn_holdings = _holdings(specs, lambda name, r: attention.shard_piece(heads, name, r),
-                                  ["o_proj.bias"] if attn.o_proj.bias is not None else [])
-        gated = layer.get_submodule(policy.mlp)
-        intermediate_size = gated.gate_proj.out_features
-        spec = mlp.shard_spec(gated.gate_proj.in_features, intermediate_size, tsp_size,
-                              gated.gate_proj.bias is not None)
-        mlp_holdings = _holdings([spec] * tsp_size,
-                                 lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
-                                 [mlp.DOWN_BIAS] if gated.down_proj.bias is not None else [])
-        for plan, attn_held, mlp_held in zip(plans, attn_holdings, mlp_holdings):
-            plan.update({f"{prefix}.{policy.attention}.{name}": piece for name, piece in attn_held.items()})
-            plan.update({f"{prefix}.{policy.mlp}.{name}": piece for name, piece in mlp_held.items()})
+        for block_name, (_, holdings) in layer_shards(layer, model.config, policy, tsp_size).items():
+            for plan, held in zip(plans, holdings):
+                plan.update({f"{prefix}.{block_name}.{name}": piece for name, piece in held.items()})
     return plans
 
 

@@ -5,7 +5,8 @@ checkpoint into one safetensors file per TSP rank (no torch.distributed, one
 process); ``ds-tsp convert --join --in DIR --out HF_DIR`` turns such a
 directory back into a Hugging Face checkpoint. Both check the model before
 writing anything and refuse to write into a non-empty directory without
-``--force``.
+``--force``. ``ds-tsp export --checkpoint DS_DIR --model HF_DIR --out DIR``
+turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import sys
 
 from .checkpoint import join_checkpoint, shard_checkpoint
 from .config import POLICY_NAMES
+from .export import export_deepspeed_checkpoint
 
 
 def _positive_int(text):
@@ -39,6 +41,17 @@ def build_parser():
     convert.add_argument("--policy", default="auto", choices=("auto", *POLICY_NAMES),
                          help="architecture table to shard with, as tsp.policy (default: auto)")
     convert.set_defaults(run=run_convert, usage=convert)
+    export = commands.add_parser(
+        "export", help="turn a DeepSpeed checkpoint of a TSP model into a Hugging Face checkpoint",
+        description="Join the per-TSP-rank model files of a DeepSpeed checkpoint (engine.save_checkpoint) into "
+                    "config.json + model.safetensors. --model names the Hugging Face directory the run started "
+                    "from, for the config and tokenizer files.")
+    export.add_argument("--checkpoint", required=True, metavar="DIR", help="DeepSpeed checkpoint directory")
+    export.add_argument("--tag", help="checkpoint tag (default: the one named in DIR/latest)")
+    export.add_argument("--model", required=True, metavar="HF_DIR", help="the original Hugging Face directory")
+    export.add_argument("--out", dest="out_dir", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    export.set_defaults(run=run_export)
     return parser
 
 
@@ -49,6 +62,10 @@ def run_convert(args):
     if args.tsp_size is None:
         args.usage.error("--tsp-size D is required without --join")
     shard_checkpoint(args.in_dir, args.out_dir, args.tsp_size, policy=args.policy, force=args.force)
+
+
+def run_export(args):
+    export_deepspeed_checkpoint(args.checkpoint, args.model, args.out_dir, tag=args.tag, force=args.force)
 
 
 def main(argv=None):

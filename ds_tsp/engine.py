@@ -1,12 +1,14 @@
 """``ds_tsp.initialize``: ``deepspeed.initialize`` with the ``tsp`` section honoured."""
 
 import copy
+import os
 from datetime import timedelta
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
 from .pipeline import build_pipeline
@@ -18,6 +20,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """Same arguments and return tuple as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
+    ``model`` is a Hugging Face causal LM, or the path of a Hugging Face
+    checkpoint directory, which every rank then reads shard by shard.
     The DeepSpeed config (dict, JSON/hjson path, or ``args.deepspeed_config``)
     may carry a ``tsp`` section. With ``tsp.enabled`` this builds the
     ``pp x dp x tsp`` topology, injects TSP into ``model`` and hands DeepSpeed
@@ -51,7 +55,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     tsp_config.check_world(dist.get_world_size())
     _check_activation_checkpointing(ds_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
-    model = inject(model, topology, tsp_config)
+    if isinstance(model, (str, os.PathLike)):
+        # A Hugging Face directory: each rank reads only its own slices.
+        model = from_pretrained(model, topology, tsp_config)
+        model.train()
+    else:
+        model = inject(model, topology, tsp_config)
     if tsp_config.pipeline_stages > 1:
         # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
         model = build_pipeline(model, topology, tsp_config, bool(ds_config.get("activation_checkpointing")))

@@ -20,7 +20,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import ds_tsp
 from ds_tsp.config import load_ds_config
@@ -80,7 +80,8 @@ def train_step(engine, micro_batches):
 def main():
     args = parse_args()
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else small_byte_llama()
+    # A directory is read shard by shard: each rank loads only its own slices.
+    model = args.model or small_byte_llama()
     # A client optimizer unless the config names one (those JIT-build kernels on first use).
     has_optimizer_section = "optimizer" in load_ds_config(args.deepspeed_config)
     optimizer = None if has_optimizer_section else (lambda params: torch.optim.AdamW(params, lr=args.lr))

@@ -197,3 +197,32 @@ def test_a_dead_rank_fails_its_peer_instead_of_hanging(tmp_path):
     assert procs[1].returncode == 3, outputs[1]
     assert procs[0].returncode != 0, outputs[0]
     assert elapsed < 60
+
+
+def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": {"stage": 1},
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+    engine, *_ = ds_tsp.initialize(model=model_dir, optimizer=_optimizer("adam"), config=config)
+    _losses(engine, [torch.randint(0, 61, (2 * MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(2))])
+    engine.save_checkpoint(checkpoint_dir)
+    ds_tsp.save_pretrained(engine.module, gathered_dir)
+
+
+def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    from ds_tsp.cli import main as cli
+
+    tiny_model("llama", dtype=torch.float32).save_pretrained(tmp_path / "hf")
+    run_ranks(4, _train_save_and_gather, model_dir=str(tmp_path / "hf"), checkpoint_dir=str(tmp_path / "ds"),
+              gathered_dir=str(tmp_path / "gathered"))
+    assert cli(["export", "--checkpoint", str(tmp_path / "ds"), "--model", str(tmp_path / "hf"),
+                "--out", str(tmp_path / "exported")]) == 0
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    gathered = load_file(tmp_path / "gathered" / "model.safetensors")
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == gathered.keys() == original.keys()
+    assert all(torch.equal(exported[n], gathered[n]) for n in exported)
+    assert not all(torch.equal(exported[n], original[n]) for n in exported), "training changed nothing?"
+    assert cli(["export", "--checkpoint", str(tmp_path / "ds"), "--model", str(tmp_path / "hf"),
+                "--out", str(tmp_path / "exported")]) == 1  # exists: refused without --force
