@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ds_tsp.attention import TSPAttention
-from ds_tsp.attention_kernels import flash_unavailable_reason, select_kernel
+from ds_tsp.attention_kernels import SDPAKernel, flash_unavailable_reason, select_kernel
 from ds_tsp.mlp import TSPGatedMLP
 from ds_tsp.model import TSPDecoderLayer
 
@@ -64,10 +64,10 @@ def timed(fn, device, repeats):
     return statistics.median(times)
 
 
-def parity(preset, device):
-    """Max |diff| of output and input grad, TSP vs HF, float32 on ``device``."""
-    config, hf, tsp = build(preset, device, torch.float32)
-    x = torch.randn(1, 1024, config.hidden_size, device=device)
+def parity(preset, device, dtype):
+    """Max |diff| of output and input grad, TSP vs HF, on ``device``."""
+    config, hf, tsp = build(preset, device, dtype)
+    x = torch.randn(1, 1024, config.hidden_size, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     pos = torch.arange(1024, device=device).unsqueeze(0)
     cos_sin = LlamaRotaryEmbedding(config).to(device)(x, pos)
@@ -75,6 +75,26 @@ def parity(preset, device):
     y, dx = step(tsp, x, cos_sin, grad, False)
     return {"out": (y - y_ref).abs().max().item(), "grad_x": (dx - dx_ref).abs().max().item(),
             "scale": y_ref.abs().max().item()}
+
+
+def kernel_check(device, dtype):
+    """The fused-backward kernel against autograd through SDPA, for a query
+    chunk over a longer key prefix (the zigzag case), GQA 4:1."""
+    kernel = select_kernel("auto", device, dtype)
+    if not hasattr(kernel, "backward"):
+        return "no explicit backward for this device and dtype"
+    torch.manual_seed(0)
+    # Slices of longer tensors, as the TSP layer passes them (strided views).
+    q = torch.randn(1, 1024, 8, 128, device=device, dtype=dtype)[:, 512:].requires_grad_()
+    k, v = (torch.randn(1, 4096, 2, 128, device=device, dtype=dtype)[:, :2048].requires_grad_() for _ in range(2))
+    ref, _ = SDPAKernel().attend(q, k, v, 128 ** -0.5)
+    grad = torch.randn(1, 1024, 8, 128, device=device, dtype=dtype)[:, 512:]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), 128 ** -0.5)
+    out, lse = torch.cat([out, out]).chunk(2)[0], torch.cat([lse, lse], dim=-1).chunk(2, dim=-1)[0]
+    grads = kernel.backward(grad, q.detach(), k.detach(), v.detach(), out, lse, 128 ** -0.5)
+    return {"out": (out - ref).abs().max().item(), "scale": ref.abs().max().item(),
+            **{f"d{n}": (a - b).abs().max().item() for n, a, b in zip("qkv", grads, ref_grads)}}
 
 
 def main():
@@ -94,7 +114,9 @@ def main():
               "dtype": str(dtype), "torch": torch.__version__,
               "flash_attn": flash_unavailable_reason(device, dtype) or "available",
               "auto_backend": select_kernel("auto", device, dtype).name,
-              "parity_float32": parity(preset, device), "rows": []}
+              "explicit_backward": select_kernel("auto", device, dtype).__class__.__name__,
+              "parity_float32": parity(preset, device, torch.float32), "parity_" + str(dtype)[6:]: parity(preset, device, dtype),
+              "kernel_check": kernel_check(device, dtype), "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     config, hf, tsp = build(preset, device, dtype)
     rotary = LlamaRotaryEmbedding(config).to(device)

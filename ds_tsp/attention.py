@@ -130,6 +130,7 @@ class AttentionPlan:
     scale: float
     window: int | None
     overlap: bool
+    explicit_backward: bool  # save each head group's output and lse; run the fused backward
 
     @property
     def tsp_size(self):
@@ -199,19 +200,46 @@ def scatter_kv_grads(plan, dK, dV):
     return local[0], local[1]
 
 
+def _local_chunks(plan, *tensors):
+    """Per query chunk of this rank (2 of ``2D``): the key prefix length that
+    ends with the chunk, and each tensor's slice along its sequence dim 1."""
+    tsp_rank = comm.group_rank(plan.group)
+    chunks = layout.chunk_ids(tsp_rank, plan.tsp_size, plan.layout)
+    pieces = [t.chunk(2, dim=1) for t in tensors]
+    for index, chunk in enumerate(chunks):
+        yield (chunk + 1) * pieces[0][index].shape[1], *(p[index] for p in pieces)
+
+
 def attend_local_chunks(plan, q, K, V):
     """Causal attention of this rank's two query chunks over the full keys.
 
     Chunk ``g`` (of ``2D``) attends to the key prefix that ends with its own
     chunk, bottom-right aligned; rows past that prefix never need computing.
+    Returns the output and, with ``plan.explicit_backward``, the log-sum-exp
+    ``(B, hq, S/D)`` the fused backward needs (else None).
     """
-    tsp_rank = comm.group_rank(plan.group)
-    outputs = []
-    for chunk, q_chunk in zip(layout.chunk_ids(tsp_rank, plan.tsp_size, plan.layout), q.chunk(2, dim=1)):
-        end = (chunk + 1) * q_chunk.shape[1]
-        out, _ = plan.kernel.attend(q_chunk, K[:, :end], V[:, :end], plan.scale, plan.window)
+    outputs, lses = [], []
+    for end, q_chunk in _local_chunks(plan, q):
+        if plan.explicit_backward:
+            out, lse = plan.kernel.forward(q_chunk, K[:, :end], V[:, :end], plan.scale)
+            lses.append(lse)
+        else:
+            out, _ = plan.kernel.attend(q_chunk, K[:, :end], V[:, :end], plan.scale, plan.window)
         outputs.append(out)
-    return torch.cat(outputs, dim=1)
+    return torch.cat(outputs, dim=1), torch.cat(lses, dim=-1) if lses else None
+
+
+def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse):
+    """``dq, dK, dV`` of ``attend_local_chunks`` from its saved output and lse."""
+    grad_q, grad_K, grad_V = [], torch.zeros_like(K), torch.zeros_like(V)
+    lse_chunks = lse.chunk(2, dim=-1)
+    for index, (end, grad_chunk, q_chunk, o_chunk) in enumerate(_local_chunks(plan, grad_o, q, o)):
+        dq, dk, dv = plan.kernel.backward(grad_chunk, q_chunk, K[:, :end], V[:, :end], o_chunk, lse_chunks[index],
+                                          plan.scale)
+        grad_q.append(dq)
+        grad_K[:, :end] += dk
+        grad_V[:, :end] += dv
+    return torch.cat(grad_q, dim=1), grad_K, grad_V
 
 
 def attention_forward(plan, x, packed, cos, sin):
@@ -219,25 +247,29 @@ def attention_forward(plan, x, packed, cos, sin):
 
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set.
-    Returns the output ``(B, S/D, H)``, the rotated local ``q`` of every head
-    group ``(D, B, S/D, hq, d)`` and the rotated local ``k, v`` of every
-    key/value head group ``(min(D, nkv), B, S/D, hkv, d)``, for backward.
+    Returns the output ``(B, S/D, H)`` and what backward needs, all of local
+    tokens only: the rotated ``q`` of every head group ``(D, B, S/D, hq, d)``,
+    the rotated ``k, v`` of every key/value head group ``(min(D, nkv), B, S/D,
+    hkv, d)``, and with ``plan.explicit_backward`` every head group's attention
+    output ``(D, B, S/D, hq, d)`` and log-sum-exp ``(D, B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
     out = torch.zeros_like(x)
-    saved_q, saved_k, saved_v = [], [], []
+    saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
     for j, shard in shard_stream(plan, packed):
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             k = apply_rotary(_project(x, w, "k_proj", heads.kv_heads, d), cos, sin)
             v = _project(x, w, "v_proj", heads.kv_heads, d)
             K, V = gather_kv(plan, k, v)
-            saved_k.append(k), saved_v.append(v)
+            saved["k"].append(k), saved["v"].append(v)
         q = apply_rotary(_project(x, w, "q_proj", heads.q_heads, d), cos, sin)
-        o = attend_local_chunks(plan, q, K, V)
+        o, lse = attend_local_chunks(plan, q, K, V)
         out += F.linear(o.flatten(2), w["o_proj.weight"])
-        saved_q.append(q)
-    return out, torch.stack(saved_q), torch.stack(saved_k), torch.stack(saved_v)
+        saved["q"].append(q)
+        if plan.explicit_backward:
+            saved["o"].append(o), saved["lse"].append(lse)
+    return out, {name: torch.stack(tensors) for name, tensors in saved.items() if tensors}
 
 
 def _reduce_to(plan, grad, owner, works):
@@ -245,7 +277,7 @@ def _reduce_to(plan, grad, owner, works):
     return grad
 
 
-def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin):
+def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     """Gradients of the local tokens ``x`` and of this rank's packed shard.
 
     Per head group ``j``: re-broadcast its shard, re-gather its K/V (once per
@@ -268,13 +300,17 @@ def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin)
         holder = heads.kv_holder(j)
         if holder == j:
             kv_weights, kv_set = w, holder // heads.kv_replicas
-            K, V = gather_kv(plan, k_all[kv_set], v_all[kv_set])
+            K, V = gather_kv(plan, saved["k"][kv_set], saved["v"][kv_set])
             dK_sum, dV_sum = torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
-        with torch.enable_grad():
-            q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q_all[j], K, V))
-            o = attend_local_chunks(plan, q, K_leaf, V_leaf)
-            grad_o = (grad_out @ w["o_proj.weight"]).view_as(o)
-            dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
+        grad_o = (grad_out @ w["o_proj.weight"]).view_as(saved["q"][j])
+        if plan.explicit_backward:
+            o = saved["o"][j]
+            dq, dK, dV = attend_local_chunks_backward(plan, grad_o, saved["q"][j], K, V, o, saved["lse"][j])
+        else:  # recompute the attention forward under autograd
+            with torch.enable_grad():
+                q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (saved["q"][j], K, V))
+                o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
+                dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
         dK_sum += dK
         dV_sum += dV
         dq = apply_rotary_transpose(dq, cos, sin).flatten(0, 1).flatten(1)  # (N, hq*d)
@@ -313,16 +349,16 @@ def attention_backward(plan, grad_out, x, packed, q_all, k_all, v_all, cos, sin)
 class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, cos, sin, plan):
-        out, q_all, k_all, v_all = attention_forward(plan, x, packed, cos, sin)
-        ctx.plan = plan
-        ctx.save_for_backward(x, packed, q_all, k_all, v_all, cos, sin)
+        out, saved = attention_forward(plan, x, packed, cos, sin)
+        ctx.plan, ctx.saved_names = plan, list(saved)
+        ctx.save_for_backward(x, packed, cos, sin, *saved.values())
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, packed, q_all, k_all, v_all, cos, sin = ctx.saved_tensors
-        grad_x, grad_packed = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, q_all, k_all, v_all,
-                                                 cos, sin)
+        x, packed, cos, sin, *saved = ctx.saved_tensors
+        grad_x, grad_packed = attention_backward(ctx.plan, grad_out.contiguous(), x, packed,
+                                                 dict(zip(ctx.saved_names, saved)), cos, sin)
         return grad_x, grad_packed, None, None, None
 
 
@@ -396,9 +432,12 @@ class TSPAttention(nn.Module):
         return tensors
 
     def plan(self, x):
+        kernel = select_kernel(self.backend, x.device, x.dtype)
+        explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
+                                                                                     self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
-                             kernel=select_kernel(self.backend, x.device, x.dtype), scale=self.scale,
-                             window=self.sliding_window, overlap=self.overlap)
+                             kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
+                             explicit_backward=explicit)
 
     def forward(self, x, position_embeddings):
         cos, sin = position_embeddings
