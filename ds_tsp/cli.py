@@ -7,6 +7,8 @@ directory back into a Hugging Face checkpoint. Both check the model before
 writing anything and refuse to write into a non-empty directory without
 ``--force``. ``ds-tsp export --checkpoint DS_DIR --model HF_DIR --out DIR``
 turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint.
+``ds-tsp plan --paper`` prints per-device memory, communication and FLOPs of
+every parallel layout for the paper's setting (or any model, length and size).
 """
 
 import argparse
@@ -15,6 +17,7 @@ import sys
 from .checkpoint import join_checkpoint, shard_checkpoint
 from .config import POLICY_NAMES
 from .export import export_deepspeed_checkpoint
+from .plan import add_plan_arguments, run_plan
 
 
 def _positive_int(text):
@@ -52,6 +55,12 @@ def build_parser():
     export.add_argument("--out", dest="out_dir", required=True, metavar="DIR", help="output directory")
     export.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     export.set_defaults(run=run_export)
+    plan = commands.add_parser(
+        "plan", help="per-device memory, communication and FLOPs of DP, TP, SP, TP+SP and TSP for a model",
+        description="Analytic plan of every parallel layout for a model at a sequence length and device count; "
+                    "--paper prints the paper's 7B / 128K / 8-device numbers beside.")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=run_plan)
     return parser
 
 
@@ -73,11 +82,11 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        status = args.run(args)
     except (ValueError, OSError) as err:  # policy, size, checkpoint and file errors: the message is the fix
         print(f"ds-tsp {args.command}: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -82,22 +82,21 @@ def accumulation_dtype(dtype):
 
 
 def _shard_forward(x, w, act_fn):
-    """One shard's contribution for the local tokens: ``(..., H) -> (..., H)``."""
+    """One shard's contribution for the local tokens ``(..., H) -> (..., H)``,
+    and its gate and up projections ``(..., F/D)`` for backward."""
     gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-    return F.linear(act_fn(gate) * up, w["down_proj.weight"])
+    return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
 
 
-def _shard_backward(x2, grad_y2, w, act_fn):
+def _shard_backward(x2, grad_y2, w, act_fn, gate, up):
     """Gradients of one shard's contribution for the local tokens.
 
-    ``x2``, ``grad_y2``: ``(N, H)`` local tokens. Returns ``(dx (N, H), {name: dW})``.
-    The projections are recomputed (local tokens only, one shard at a time) so
-    nothing per step has to be saved; the activation's derivative comes from
-    autograd so any ``ACT2FN`` entry works.
+    ``x2``, ``grad_y2``: ``(N, H)`` local tokens; ``gate``, ``up``: ``(N, F/D)``
+    saved by the forward (local tokens of one shard, so 1/D of the full MLP's
+    intermediate activations over all steps). Returns ``(dx (N, H), {name: dW})``.
+    The activation's derivative comes from autograd so any ``ACT2FN`` entry works.
     """
-    gate = F.linear(x2, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (N, F/D)
-    up = F.linear(x2, w["up_proj.weight"], w.get("up_proj.bias"))
     with torch.enable_grad():
         gate = gate.detach().requires_grad_()
         act = act_fn(gate)
@@ -117,32 +116,41 @@ def _shard_backward(x2, grad_y2, w, act_fn):
 
 
 def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
-    """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``."""
+    """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``.
+
+    Also returns the gate and up projections of every step, stacked
+    ``(D, B, S/D, F/D)`` in ring order, for backward.
+    """
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
-        return _shard_forward(x, spec.unpack(packed), act_fn)
+        y, gate, up = _shard_forward(x, spec.unpack(packed), act_fn)
+        return y, gate.unsqueeze(0), up.unsqueeze(0)
     ring = comm.RingExchange(tsp_group)
     y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
+    gates, ups = [], []
     buf = packed
     for t in range(tsp_size):
         if t < tsp_size - 1:
             next_buf = ring.send_recv(buf)
             ring.commit() if overlap else ring.wait()
-        y += _shard_forward(x, spec.unpack(buf), act_fn)
+        step_y, gate, up = _shard_forward(x, spec.unpack(buf), act_fn)
+        y += step_y
+        gates.append(gate), ups.append(up)
         if t < tsp_size - 1:
             ring.wait()
             buf = next_buf
-    return y.to(x.dtype)
+    return y.to(x.dtype), torch.stack(gates), torch.stack(ups)
 
 
-def mlp_ring_backward(grad_y, x, packed, spec, act_fn, tsp_group, overlap=True):
+def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, overlap=True):
     """``(grad_x, grad_packed)``: ``grad_packed`` is this rank's own shard's
     gradient summed over every rank's tokens, flat like ``packed``."""
     acc_dtype = accumulation_dtype(packed.dtype)
     x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
+    gates, ups = gates.flatten(1, -2), ups.flatten(1, -2)  # (D, N, F/D), in ring order
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
-        grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn)
+        grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn, gates[0], ups[0])
         return grad_x.view(x.shape), spec.pack(grads)
 
     ring = comm.RingExchange(tsp_group)
@@ -155,7 +163,7 @@ def mlp_ring_backward(grad_y, x, packed, spec, act_fn, tsp_group, overlap=True):
             # The accumulator of the shard held at t-1 follows it to r+1; ours arrives from r-1.
             next_acc = ring.send_recv(acc)
         ring.commit() if overlap else ring.wait()
-        step_grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(buf), act_fn)
+        step_grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(buf), act_fn, gates[t], ups[t])
         grad_x += step_grad_x
         partial = spec.pack(grads).to(acc_dtype)
         ring.wait()
@@ -177,15 +185,18 @@ def mlp_ring_backward(grad_y, x, packed, spec, act_fn, tsp_group, overlap=True):
 class _MLPRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, spec, act_fn, tsp_group, overlap):
-        # Only local-token x and this rank's own shard are kept: saved bytes scale as 1/D.
-        ctx.save_for_backward(x, packed)
+        y, gates, ups = mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
+        # Local tokens only (x and each step's gate/up), plus this rank's own
+        # shard: saved bytes scale as 1/D.
+        ctx.save_for_backward(x, packed, gates, ups)
         ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap = spec, act_fn, tsp_group, overlap
-        return mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, packed = ctx.saved_tensors
-        grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap)
+        x, packed, gates, ups = ctx.saved_tensors
+        grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, gates, ups, ctx.spec, ctx.act_fn, ctx.tsp_group,
+                                                ctx.overlap)
         return grad_x, grad_packed, None, None, None, None
 
 
