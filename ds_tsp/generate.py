@@ -1,0 +1,337 @@
+"""TSP inference: a prefill with the training schedules, then one token at a time
+with the weights at rest and a sequence-sharded KV cache.
+
+Prefill runs the prompt through the TSP layers exactly as the training forward
+does (broadcast schedule for attention, ring for the MLP, no autograd): the
+prompt is thousands of tokens, so moving weights is the right trade. Each rank
+keeps, per layer, the rotated K and the V of its own prompt tokens
+(``kv_cache``).
+
+Decoding is the opposite regime: one token per sequence, so moving
+activations is orders of magnitude cheaper than moving weights (Llama-2-7B,
+D=8, bf16, one sequence: the broadcast schedule and the ring would bring each
+rank ~350 MB of weights per layer per token; this brings it ~150 KB). So
+weights never move; every rank holds the new token (replicated) and, per
+layer:
+
+* attention: rank ``j`` projects q/k/v of head group ``j`` with its own shard;
+  one all-gather hands every rank all heads' q and the new k/v, which the
+  rank chosen by ``kv_cache.placement`` appends to its cache. Each rank
+  attends all heads over its LOCAL cache, giving partial ``(out, lse)``; an
+  all-to-all sends head group ``j``'s partials to rank ``j``, which merges
+  them by log-sum-exp and applies its ``o_proj`` columns. The ``D`` partial
+  outputs ``(B, H)`` are all-gathered and summed in rank order.
+* MLP: rank ``j`` runs the token through its own ``F``-shard (1/D of the
+  FLOPs, where the ring would have every rank compute the whole MLP for the
+  same token); the ``D`` partial outputs are all-gathered and summed in rank
+  order.
+
+Summing all-gathered parts in a fixed order (rather than an all-reduce) makes
+the hidden states, hence the logits and the chosen tokens, bit-identical on
+every rank; for one token per sequence the extra bytes ((D-1) B H against
+~2 B H) are noise next to the latency of a collective. Bytes received (=
+sent) per rank, per decode step and layer, with ``e`` the model's element
+size and ``a`` that of the accumulation dtype (float32, or float64 for
+float64 models)::
+
+    (D-1) * B * [ (hq + 2*hkv) * d * e      # all-gather of the new q, k, v
+                + hq * (d + 1) * a          # all-to-all of partial (out, lse)
+                + 2 * H * e ]               # all-gathers of attention and MLP outputs
+
+and nothing else (no weight moves). The prefill adds one all-gather of
+``B * H`` (the last prompt token's hidden state, from its owner).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import comm, layout
+from .attention import apply_rotary, attention_forward
+from .kv_cache import KVCache, placement, prompt_tokens
+from .model import TSPCausalLMMixin
+
+
+@dataclass
+class GenerateOutput:
+    """What ``generate(..., return_dict_in_generate=True)`` returns."""
+
+    sequences: torch.Tensor  # (B, prompt_len + generated), like Hugging Face's
+    logits: tuple  # one (B, V) per generated token, before temperature and top-k
+    cache: KVCache  # this rank's slice of the KV cache at the end
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens, do_sample=False, temperature=1.0, top_k=None, seed=None,
+             eos_token_id=None, attention_mask=None, return_dict_in_generate=False):
+    """Greedy or sampled generation with a model injected by ``ds_tsp.inject``.
+
+    Call on every rank of the TSP group with the same arguments; every rank
+    returns the same tokens. ``input_ids`` ``(B, P)``; prompts of different
+    lengths are LEFT padded with ``attention_mask`` (zeros, then ones) as for
+    Hugging Face generation: padding is never attended and positions count
+    from each prompt's first real token. ``eos_token_id`` (an id or a list;
+    None: the model's ``generation_config``, [] : never stop early) ends a
+    sequence; finished sequences are filled with the pad id (the generation
+    config's, else the first EOS id) and generation stops once all are done.
+    Sampling with a ``seed`` is reproducible; without one, TSP rank 0 draws
+    the seed and broadcasts it, so the ranks still agree.
+
+    Returns a LongTensor ``(B, P + generated)``, or a ``GenerateOutput``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+    decoder = TSPDecoder(model)
+    prompt, lengths = left_aligned(input_ids, attention_mask)
+    eos, pad = _eos_and_pad(model, eos_token_id, input_ids.device)
+    generator = _generator(decoder, seed, input_ids.device) if do_sample else None
+
+    logits = decoder.prefill(prompt, lengths, num_decode_steps=max_new_tokens - 1)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens, all_logits = [], []
+    for step in range(max_new_tokens):
+        next_tokens = _next_tokens(logits, do_sample, temperature, top_k, generator)
+        if eos is not None:
+            next_tokens = torch.where(unfinished, next_tokens, pad)
+            unfinished &= ~torch.isin(next_tokens, eos)
+        tokens.append(next_tokens)
+        all_logits.append(logits)
+        if step + 1 == max_new_tokens or not unfinished.any():
+            break
+        logits = decoder.step(next_tokens, lengths + step, decoder.targets[step])
+    sequences = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+    if return_dict_in_generate:
+        return GenerateOutput(sequences, tuple(all_logits), decoder.cache)
+    return sequences
+
+
+def left_aligned(input_ids, attention_mask):
+    """``(prompts, lengths)``: each row's real tokens moved to the front (padding
+    after them, where causal masking and the cache's validity keep it unseen),
+    and the number of real tokens per row. Only left padding is accepted."""
+    batch, prompt_len = input_ids.shape
+    if attention_mask is None:
+        return input_ids, torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
+    mask = attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    if (mask[:, :-1] & ~mask[:, 1:]).any():
+        raise ValueError("attention_mask must be left padding (each row: zeros, then ones); right padding or "
+                         "holes inside a prompt are not supported by TSP generation: pad prompts on the left "
+                         "(tokenizer.padding_side = 'left')")
+    lengths = mask.sum(dim=1)
+    if (lengths == 0).any():
+        raise ValueError("every prompt needs at least one real token (a row of attention_mask is all zeros)")
+    shift = (prompt_len - lengths).unsqueeze(1)
+    index = (torch.arange(prompt_len, device=input_ids.device).unsqueeze(0) + shift) % prompt_len
+    return input_ids.gather(1, index), lengths
+
+
+def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None):
+    """Partial attention of one new token per row over this rank's cached keys.
+
+    ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, T, nkv, d)`` with global
+    ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
+    Every cached key is at or before the query, so only validity and the
+    sliding window mask. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
+    in the accumulation dtype; a row with no visible key here gets ``out = 0``
+    and ``lse = -inf``, which weigh nothing in ``merge_partials``.
+    """
+    # Softmax and sums in at least float32, as the merge needs; a fused
+    # decoding kernel (flash-decoding) would avoid upcasting the cache.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q = q.to(acc).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bthd->bhgt", q, keys.to(acc)) * scale  # (B, nkv, nq/nkv, T)
+    visible = key_valid
+    if window is not None:
+        visible = visible & (key_positions > query_positions.unsqueeze(1) - window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
+    out = torch.einsum("bhgt,bthd->bhgd", probs, values.to(acc))
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def merge_partials(out, lse):
+    """Merge partial attention over disjoint key sets by log-sum-exp: ``out``
+    ``(D, B, h, d)``, ``lse`` ``(D, B, h)`` -> ``(B, h, d)``, ``(B, h)``."""
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total)
+    return (weights.unsqueeze(-1) * out).sum(dim=0), total
+
+
+class TSPDecoder:
+    """Prefill and single-token steps of one injected model on this rank; holds
+    this rank's ``KVCache`` and the placement of the generated tokens."""
+
+    def __init__(self, model):
+        if not isinstance(model, TSPCausalLMMixin):
+            raise TypeError(f"{type(model).__name__} is not a TSP model: call ds_tsp.inject (or "
+                            "ds_tsp.checkpoint.from_pretrained) before ds_tsp.generate")
+        policy, topology = model.tsp_policy, model.tsp_topology
+        self.group, self.tsp_rank, self.tsp_size = topology.tsp_group, topology.tsp_rank, topology.tsp_size
+        self.layout = model.tsp_config.layout
+        self.embed = model.get_submodule(policy.embed_tokens)
+        self.rotary = model.get_submodule(policy.rotary_emb)
+        self.layers = list(model.get_submodule(policy.layers))
+        self.final_norm = model.get_submodule(policy.final_norm)
+        self.lm_head = model.get_submodule(policy.lm_head)
+        self.cache, self.targets = None, None
+
+    def prefill(self, prompt, lengths, num_decode_steps):
+        """Run the left-aligned ``prompt`` ``(B, P)`` (``lengths`` real tokens per
+        row) through the TSP layers, fill this rank's cache and size it for
+        ``num_decode_steps`` more tokens; returns the logits ``(B, V)`` of each
+        row's last real token, on every rank."""
+        batch, prompt_len = prompt.shape
+        D, r, device = self.tsp_size, self.tsp_rank, prompt.device
+        padded, _ = layout.pad_to_multiple(prompt, D, value=0)
+        positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
+        hidden = self.embed(layout.shard(padded, r, D, self.layout))  # (B, S/D, H)
+        cos, sin = self.rotary(hidden, positions.expand(batch, -1))
+
+        prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
+        self.targets, final_counts = placement(prompt_counts, num_decode_steps)
+        keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
+        heads = self.layers[0].self_attn.heads
+        self.cache = KVCache(len(self.layers), batch, final_counts[r], heads.num_kv_heads, heads.head_dim,
+                             hidden.dtype, device)
+        slots = self.cache.reserve(kept_positions.expand(batch, -1),
+                                   kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
+
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(hidden)
+            out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
+            self.cache.write(index, slots, _all_kv_heads(saved["k"])[:, keep], _all_kv_heads(saved["v"])[:, keep])
+            hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
+
+    def step(self, tokens, positions, target):
+        """One new token per row (``tokens``, ``positions`` ``(B,)``, the same on
+        every rank), cached on rank ``target``; returns its logits ``(B, V)``."""
+        hidden = self.embed(tokens.unsqueeze(1))  # (B, 1, H)
+        cos, sin = self.rotary(hidden, positions.unsqueeze(1))
+        slots = None
+        if target == self.tsp_rank:
+            slots = self.cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + self._attention(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin,
+                                              slots, positions)
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        return self._logits(hidden)
+
+    def _attention(self, index, attn, h, cos, sin, slots, positions):
+        """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
+        heads, D = attn.heads, self.tsp_size
+        hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
+        w = attn.spec.unpack(attn.packed.detach())
+        q = apply_rotary(_project(h, w, "q_proj", hq, d), cos, sin)  # (B, 1, hq, d)
+        if heads.holds_kv(self.tsp_rank):
+            k = apply_rotary(_project(h, w, "k_proj", hkv, d), cos, sin)
+            v = _project(h, w, "v_proj", hkv, d)
+        else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
+            k = v = q.new_zeros(q.shape[0], 1, hkv, d)
+        gathered, _ = comm.all_gather(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
+        q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
+        if slots is not None:
+            kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
+            k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
+            self.cache.write(index, slots, k_new.unsqueeze(1), v_new.unsqueeze(1))
+        keys, values = self.cache.layer(index)
+        out, lse = attend_cache(q_all, keys, values, self.cache.positions, self.cache.valid, positions,
+                                attn.scale, attn.sliding_window)
+        partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
+        partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
+        received, _ = comm.all_to_all(partial, self.group)  # every rank's partial for this rank's heads
+        o, _ = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
+        y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
+        if attn.o_bias is not None:
+            y = y + attn.o_bias
+        return y.unsqueeze(1)
+
+    def _mlp(self, mlp, h):
+        """This rank's ``F``-shard of the MLP for the new token, summed over the group."""
+        w = mlp.spec.unpack(mlp.packed.detach())
+        gate = F.linear(h[:, 0], w["gate_proj.weight"], w.get("gate_proj.bias"))
+        up = F.linear(h[:, 0], w["up_proj.weight"], w.get("up_proj.bias"))
+        y = self._sum_over_group(F.linear(mlp.act_fn(gate) * up, w["down_proj.weight"]))  # (B, H)
+        if mlp.down_bias is not None:
+            y = y + mlp.down_bias
+        return y.unsqueeze(1)
+
+    def _sum_over_group(self, part):
+        """Sum of every rank's ``part``, in rank order, so bit-identical on every rank."""
+        gathered, _ = comm.all_gather(part, self.group)
+        total = gathered[0].to(torch.promote_types(part.dtype, torch.float32))
+        for other in gathered[1:]:
+            total = total + other
+        return total.to(part.dtype)
+
+    def _last_tokens(self, hidden, positions, lengths, padded_len):
+        """Hidden state ``(B, 1, H)`` of each row's last real prompt token, from
+        the rank that owns it, on every rank."""
+        last = lengths - 1
+        rows, cols = (positions.unsqueeze(0) == last.unsqueeze(1)).nonzero(as_tuple=True)
+        mine = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
+        mine[rows] = hidden[rows, cols]
+        gathered, _ = comm.all_gather(mine, self.group)  # (D, B, H)
+        owned = torch.stack([layout.positions(j, self.tsp_size, self.layout, padded_len, device=hidden.device)
+                             for j in range(self.tsp_size)])  # (D, S/D)
+        owners = (owned.unsqueeze(0) == last[:, None, None]).any(dim=-1).int().argmax(dim=1)  # (B,)
+        return gathered[owners, torch.arange(hidden.shape[0], device=hidden.device)].unsqueeze(1)
+
+    def _logits(self, hidden):
+        return self.lm_head(self.final_norm(hidden))[:, 0]
+
+
+def _project(x, weights, name, num_heads, head_dim):
+    out = F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
+    return out.view(*x.shape[:2], num_heads, head_dim)
+
+
+def _all_kv_heads(groups):
+    """``(G, B, S/D, hkv, d)`` per key/value head group -> ``(B, S/D, nkv, d)``."""
+    return groups.permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+def _eos_and_pad(model, eos_token_id, device):
+    """``(eos ids tensor or None, pad id)``; None falls back to the generation config, as in Hugging Face."""
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None and config is not None:
+        eos_token_id = config.eos_token_id
+    if eos_token_id is None:
+        return None, None
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not eos:
+        return None, None
+    pad = getattr(config, "pad_token_id", None)
+    return torch.tensor(eos, device=device), eos[0] if pad is None else pad
+
+
+def _generator(decoder, seed, device):
+    """A generator seeded identically on every rank of the TSP group."""
+    if seed is None:
+        drawn = torch.randint(0, 2**62, (1,), device=device)
+        comm.broadcast(drawn, src=0, group=decoder.group)
+        seed = int(drawn)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _next_tokens(logits, do_sample, temperature, top_k, generator):
+    """Greedy, or sampling after temperature then top-k (Hugging Face's order)."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if top_k is not None:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
