@@ -115,7 +115,8 @@ def main():
               "flash_attn": flash_unavailable_reason(device, dtype) or "available",
               "auto_backend": select_kernel("auto", device, dtype).name,
               "explicit_backward": select_kernel("auto", device, dtype).__class__.__name__,
-              "parity_float32": parity(preset, device, torch.float32), "parity_" + str(dtype)[6:]: parity(preset, device, dtype),
+              "parity_float32": parity(preset, device, torch.float32),
+              "parity_" + str(dtype)[6:]: parity(preset, device, dtype),
               "kernel_check": kernel_check(device, dtype), "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     config, hf, tsp = build(preset, device, dtype)

@@ -104,7 +104,8 @@ def main():
             memories = [torch.zeros(1) for _ in range(dist.get_world_size())]
             dist.all_gather(memories, memory)
             if rank == 0:
-                print(json.dumps({"step": step, "loss": round(losses[-1], 4), "tokens_per_s": round(window_tokens / elapsed),
+                print(json.dumps({"step": step, "loss": round(losses[-1], 4),
+                                  "tokens_per_s": round(window_tokens / elapsed),
                                   "rss_mib_per_rank": [round(m.item()) for m in memories]}), flush=True)
             window_tokens, window_start = 0, time.perf_counter()
     if rank == 0:

@@ -82,10 +82,9 @@ class RankPool:
                 if failures:
                     break
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                raise RankFailure(
-                    f"{fn.__name__} on {self.world_size} ranks: no answer within {timeout_s} s "
-                    f"(ranks that died: {dead}; finished: {[r for r in range(self.world_size) if outputs[r] is not None]})"
-                ) from None
+                finished = [r for r in range(self.world_size) if outputs[r] is not None]
+                raise RankFailure(f"{fn.__name__} on {self.world_size} ranks: no answer within {timeout_s} s "
+                                  f"(ranks that died: {dead}; finished: {finished})") from None
             if ok:
                 outputs[rank] = value
             else:

@@ -22,8 +22,9 @@ HEAD_DIM = 4
 
 
 def _config(arch, num_heads, num_kv_heads, sliding_window=None):
+    # sdpa, not eager: eager softmaxes in float32.
     common = dict(hidden_size=HIDDEN, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=HEAD_DIM, max_position_embeddings=64, attn_implementation="sdpa")  # eager softmaxes in float32
+                  head_dim=HEAD_DIM, max_position_embeddings=64, attn_implementation="sdpa")
     if arch == "qwen2":
         config = Qwen2Config(**common, use_sliding_window=sliding_window is not None,
                              sliding_window=sliding_window, max_window_layers=0)

@@ -95,7 +95,7 @@ def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_c
         worst = max(out["rel"], key=out["rel"].get)
         loss_err = max(abs(a - b) / b for a, b in zip(out["losses"], out["ref_losses"]))
         print(f"rank {rank} PP=2 TSP={tsp_size} stage {out['stage']}: max rel |dw| {out['rel'][worst]:.2e} ({worst}), "
-              f"loss rel err {loss_err:.2e}, losses {[round(v, 5) for v in out['losses']]} ref {[round(v, 5) for v in out['ref_losses']]}")
+              f"loss rel err {loss_err:.2e}, losses {[round(v, 5) for v in out['losses']]}")
         assert out["engine"] == "PipelineEngine"
         assert out["checkpoint_interval"] == int(activation_checkpointing)
         assert out["rel"][worst] <= BOUND and loss_err <= BOUND
