@@ -35,6 +35,16 @@ def _global_batches(vocab_size, dp_size):
     return [torch.randint(0, vocab_size, (dp_size * MICRO_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
 
 
+def _step(engine, batch):
+    """One optimizer step on this data-parallel replica's micro-batch of ``batch``."""
+    topo = engine.tsp_topology
+    micro = batch[topo.dp_rank * MICRO_BATCH:(topo.dp_rank + 1) * MICRO_BATCH]
+    loss = engine(input_ids=micro, labels=micro).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False):
     world = dist.get_world_size()
     dp_size = world // tsp_size
@@ -48,17 +58,12 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     if activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False}
     engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=_optimizer(optimizer), config=config)
-    topo = engine.tsp_topology
     batches = _global_batches(ref.config.vocab_size, dp_size)
 
     ref_opt = _optimizer(optimizer)(list(ref.parameters()))
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for batch in batches:
-        micro = batch[topo.dp_rank * MICRO_BATCH:(topo.dp_rank + 1) * MICRO_BATCH]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        losses.append(_step(engine, batch))
         # ZeRO-0 in fp32 clips without recording the norm; the weights still show it.
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -145,15 +150,7 @@ def test_example_trains_under_the_deepspeed_launcher(tmp_path):
 
 
 def _losses(engine, batches):
-    topo = engine.tsp_topology
-    losses = []
-    for batch in batches:
-        micro = batch[topo.dp_rank * MICRO_BATCH:(topo.dp_rank + 1) * MICRO_BATCH]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return [_step(engine, batch) for batch in batches]
 
 
 def _save_and_resume(checkpoint_dir):
