@@ -12,6 +12,7 @@ saved), reduce-scatters dK/dV back to the token owners and reduces each
 shard's weight gradient to its owner.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,8 @@ class AttentionPlan:
     window: int | None
     overlap: bool
     explicit_backward: bool  # save each head group's output and lse; run the fused backward
+    q_norm: object = None  # per-head norms applied before the rotary embedding (Qwen3), replicated
+    k_norm: object = None
 
     @property
     def tsp_size(self):
@@ -158,6 +161,24 @@ def apply_rotary_transpose(grad, cos, sin):
     """Gradient through ``apply_rotary`` (a linear map, so its transpose)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return grad * cos + _rotate_half_transpose(grad * sin)
+
+
+def rotate(t, norm, cos, sin):
+    """Queries or keys as attention sees them: the per-head norm if the model
+    has one, then the rotary embedding at the tokens' global positions."""
+    return apply_rotary(t if norm is None else norm(t), cos, sin)
+
+
+def rotate_backward(t, grad, norm, cos, sin):
+    """Gradients of ``rotate`` for its input ``t`` and its norm's weight (None without one)."""
+    if norm is None:
+        return apply_rotary_transpose(grad, cos, sin), None
+    with torch.enable_grad():
+        # A stand-in leaf for the weight: differentiating the parameter itself
+        # would run its gradient hooks (the sum over the TSP group) here too.
+        t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
+        out = apply_rotary(torch.func.functional_call(norm, {"weight": weight}, (t,)), cos, sin)
+        return torch.autograd.grad(out, (t, weight), grad)
 
 
 def shard_stream(plan, packed):
@@ -248,10 +269,11 @@ def attention_forward(plan, x, packed, cos, sin):
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set.
     Returns the output ``(B, S/D, H)`` and what backward needs, all of local
-    tokens only: the rotated ``q`` of every head group ``(D, B, S/D, hq, d)``,
-    the rotated ``k, v`` of every key/value head group ``(min(D, nkv), B, S/D,
-    hkv, d)``, and with ``plan.explicit_backward`` every head group's attention
-    output ``(D, B, S/D, hq, d)`` and log-sum-exp ``(D, B, hq, S/D)``.
+    tokens only: the projected (not yet rotated) ``q`` of every head group
+    ``(D, B, S/D, hq, d)``, the projected ``k, v`` of every key/value head
+    group ``(min(D, nkv), B, S/D, hkv, d)``, and with ``plan.explicit_backward``
+    every head group's attention output ``(D, B, S/D, hq, d)`` and
+    log-sum-exp ``(D, B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
     out = torch.zeros_like(x)
@@ -259,12 +281,12 @@ def attention_forward(plan, x, packed, cos, sin):
     for j, shard in shard_stream(plan, packed):
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
-            k = apply_rotary(_project(x, w, "k_proj", heads.kv_heads, d), cos, sin)
+            k = _project(x, w, "k_proj", heads.kv_heads, d)
             v = _project(x, w, "v_proj", heads.kv_heads, d)
-            K, V = gather_kv(plan, k, v)
+            K, V = gather_kv(plan, rotate(k, plan.k_norm, cos, sin), v)
             saved["k"].append(k), saved["v"].append(v)
-        q = apply_rotary(_project(x, w, "q_proj", heads.q_heads, d), cos, sin)
-        o, lse = attend_local_chunks(plan, q, K, V)
+        q = _project(x, w, "q_proj", heads.q_heads, d)
+        o, lse = attend_local_chunks(plan, rotate(q, plan.q_norm, cos, sin), K, V)
         out += F.linear(o.flatten(2), w["o_proj.weight"])
         saved["q"].append(q)
         if plan.explicit_backward:
@@ -278,7 +300,8 @@ def _reduce_to(plan, grad, owner, works):
 
 
 def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
-    """Gradients of the local tokens ``x`` and of this rank's packed shard.
+    """Gradients of the local tokens ``x``, of this rank's packed shard, and of
+    the per-head norms' weights (None without them; local tokens' part).
 
     Per head group ``j``: re-broadcast its shard, re-gather its K/V (once per
     key/value replica set), attention backward, and reduce the query/output
@@ -295,31 +318,37 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
     grad_x = torch.zeros(tokens.shape, dtype=acc_dtype, device=x.device)
     works, own_parts = [], []  # this rank's reduced gradient: query/output part, then key/value part
+    norm_grads = {"q": [], "k": []}
     for j, shard in shard_stream(plan, packed):
         w = plan.specs[j].unpack(shard)
         holder = heads.kv_holder(j)
         if holder == j:
             kv_weights, kv_set = w, holder // heads.kv_replicas
-            K, V = gather_kv(plan, saved["k"][kv_set], saved["v"][kv_set])
+            K, V = gather_kv(plan, rotate(saved["k"][kv_set], plan.k_norm, cos, sin), saved["v"][kv_set])
             dK_sum, dV_sum = torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
-        grad_o = (grad_out @ w["o_proj.weight"]).view_as(saved["q"][j])
+        q = rotate(saved["q"][j], plan.q_norm, cos, sin)
+        grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
             o = saved["o"][j]
-            dq, dK, dV = attend_local_chunks_backward(plan, grad_o, saved["q"][j], K, V, o, saved["lse"][j])
+            dq, dK, dV = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j])
         else:  # recompute the attention forward under autograd
             with torch.enable_grad():
-                q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (saved["q"][j], K, V))
+                q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
                 o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
                 dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
         dK_sum += dK
         dV_sum += dV
-        dq = apply_rotary_transpose(dq, cos, sin).flatten(0, 1).flatten(1)  # (N, hq*d)
+        dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
+        norm_grads["q"].append(grad_q_norm)
+        dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x += (dq @ w["q_proj.weight"]).to(acc_dtype)
         grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
                  "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
             dk, dv = scatter_kv_grads(plan, dK_sum.to(x.dtype), dV_sum.to(x.dtype))
-            dk = apply_rotary_transpose(dk, cos, sin).flatten(0, 1).flatten(1)
+            dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
+            norm_grads["k"].append(grad_k_norm)
+            dk = dk.flatten(0, 1).flatten(1)
             dv = dv.flatten(0, 1).flatten(1)
             grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(acc_dtype)
             kv_grads = {"k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
@@ -343,12 +372,14 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     for work in works:
         if work is not None:
             work.wait()
-    return grad_x.view(x.shape).to(x.dtype), torch.cat(own_parts).to(packed.dtype)
+    norm_grads = {name: None if grads[0] is None else sum(grads) for name, grads in norm_grads.items()}
+    return grad_x.view(x.shape).to(x.dtype), torch.cat(own_parts).to(packed.dtype), norm_grads["q"], norm_grads["k"]
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, cos, sin, plan):
+    def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight):
+        # The norm weights are inputs only so that autograd routes their gradients.
         out, saved = attention_forward(plan, x, packed, cos, sin)
         ctx.plan, ctx.saved_names = plan, list(saved)
         ctx.save_for_backward(x, packed, cos, sin, *saved.values())
@@ -357,9 +388,10 @@ class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, packed, cos, sin, *saved = ctx.saved_tensors
-        grad_x, grad_packed = attention_backward(ctx.plan, grad_out.contiguous(), x, packed,
-                                                 dict(zip(ctx.saved_names, saved)), cos, sin)
-        return grad_x, grad_packed, None, None, None
+        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, dict(zip(ctx.saved_names, saved)),
+                                   cos, sin)
+        grad_x, grad_packed, grad_q_norm, grad_k_norm = grads
+        return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm
 
 
 class TSPAttention(nn.Module):
@@ -372,7 +404,7 @@ class TSPAttention(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
-                 overlap=True, dtype=None, device=None):
+                 overlap=True, dtype=None, device=None, q_norm=None, k_norm=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -384,6 +416,8 @@ class TSPAttention(nn.Module):
         # gradient norms (each rank holds a different shard).
         self.packed.tensor_model_parallel = True
         self.o_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if o_bias else None
+        # Per-head norms of queries and keys (Qwen3): small, kept whole on every rank.
+        self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
@@ -399,17 +433,33 @@ class TSPAttention(nn.Module):
         be on the meta device: only its shapes are used).
         """
         weight = attn.q_proj.weight
+        device = device or weight.device
+        norms = {}
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name, None)
+            if norm is not None:
+                # A copy, so the HF module's parameters are never shared; its
+                # weight is loaded from ``read`` below.
+                norm = copy.deepcopy(norm).to_empty(device=device)
+            norms[name] = norm
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
-                     backend=backend, overlap=overlap, dtype=weight.dtype, device=device or weight.device)
+                     backend=backend, overlap=overlap, dtype=weight.dtype, device=device, **norms)
         read = read or module_reader(attn)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
+    def replicated_params(self):
+        """The parameters every rank holds whole, under Hugging Face names."""
+        params = {"o_proj.bias": self.o_bias}
+        params.update({f"{name}.weight": getattr(self, name).weight
+                       for name in ("q_norm", "k_norm") if getattr(self, name) is not None})
+        return {name: param for name, param in params.items() if param is not None}
+
     def shard_names(self):
         """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + (["o_proj.bias"] if self.o_bias is not None else [])
+        return list(self.spec.shapes) + list(self.replicated_params())
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
@@ -421,14 +471,13 @@ class TSPAttention(nn.Module):
         if set(tensors) != set(self.shard_names()):
             raise ValueError(f"TSPAttention shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
         self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
-        if self.o_bias is not None:
-            self.o_bias.copy_(tensors["o_proj.bias"])
+        for name, param in self.replicated_params().items():
+            param.copy_(tensors[name])
 
     def shard_tensors(self):
         """This rank's pieces under Hugging Face names (views of the parameters)."""
         tensors = self.spec.unpack(self.packed.detach())
-        if self.o_bias is not None:
-            tensors["o_proj.bias"] = self.o_bias.detach()
+        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
         return tensors
 
     def plan(self, x):
@@ -437,12 +486,20 @@ class TSPAttention(nn.Module):
                                                                                      self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
                              kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
-                             explicit_backward=explicit)
+                             explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm)
 
     def forward(self, x, position_embeddings):
         cos, sin = position_embeddings
-        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x))
+        norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
+        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x), *norm_weights)
         return out if self.o_bias is None else out + self.o_bias
+
+
+def replicated_names(attn):
+    """Hugging Face names of the tensors of an attention module that TSP keeps
+    whole on every rank: the output bias and per-head q/k norms, where present."""
+    names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
+    return names + [f"{name}.weight" for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
 
 
 def sliding_window_of(attn, config):

@@ -78,7 +78,7 @@ def layer_shards(layer, config, policy, tsp_size):
                                 gated.gate_proj.bias is not None)] * tsp_size
     return {
         policy.attention: (attn_specs, _holdings(attn_specs, lambda name, r: attention.shard_piece(heads, name, r),
-                                                 ["o_proj.bias"] if attn.o_proj.bias is not None else [])),
+                                                 attention.replicated_names(attn))),
         policy.mlp: (mlp_specs, _holdings(mlp_specs,
                                           lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
                                           [mlp.DOWN_BIAS] if gated.down_proj.bias is not None else [])),
@@ -112,7 +112,7 @@ def block_holdings(block):
     tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
     if isinstance(block, TSPAttention):
         holdings = _holdings(specs, lambda name, r: attention.shard_piece(block.heads, name, r),
-                             ["o_proj.bias"] if block.o_bias is not None else [])
+                             list(block.replicated_params()))
     else:
         holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
                              [mlp.DOWN_BIAS] if block.down_bias is not None else [])

@@ -18,7 +18,8 @@ from .checkpoint import (CheckpointError, _prepare_out_dir, join_holdings, layer
 from .policy import resolve_policy
 
 # Replicated tensors of a TSP block: Hugging Face name -> parameter name.
-_BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias"}
+_BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "q_norm.weight": "q_norm.weight",
+                     "k_norm.weight": "k_norm.weight"}
 _MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 
 

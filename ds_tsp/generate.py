@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, layout
-from .attention import apply_rotary, attention_forward
+from .attention import attention_forward, rotate
 from .kv_cache import KVCache, placement, prompt_tokens
 from .model import TSPCausalLMMixin
 
@@ -64,7 +64,7 @@ class GenerateOutput:
 
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens, do_sample=False, temperature=1.0, top_k=None, seed=None,
-             eos_token_id=None, attention_mask=None, return_dict_in_generate=False):
+             eos_token_id=None, pad_token_id=None, attention_mask=None, return_dict_in_generate=False):
     """Greedy or sampled generation with a model injected by ``ds_tsp.inject``.
 
     Call on every rank of the TSP group with the same arguments; every rank
@@ -73,8 +73,9 @@ def generate(model, input_ids, max_new_tokens, do_sample=False, temperature=1.0,
     Hugging Face generation: padding is never attended and positions count
     from each prompt's first real token. ``eos_token_id`` (an id or a list;
     None: the model's ``generation_config``, [] : never stop early) ends a
-    sequence; finished sequences are filled with the pad id (the generation
-    config's, else the first EOS id) and generation stops once all are done.
+    sequence; finished sequences are filled with ``pad_token_id`` (None: the
+    generation config's, else the first EOS id) and generation stops once all
+    are done.
     Sampling with a ``seed`` is reproducible; without one, TSP rank 0 draws
     the seed and broadcasts it, so the ranks still agree.
 
@@ -88,7 +89,7 @@ def generate(model, input_ids, max_new_tokens, do_sample=False, temperature=1.0,
         raise ValueError(f"top_k must be None or >= 1, got {top_k}")
     decoder = TSPDecoder(model)
     prompt, lengths = left_aligned(input_ids, attention_mask)
-    eos, pad = _eos_and_pad(model, eos_token_id, input_ids.device)
+    eos, pad = _eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
     generator = _generator(decoder, seed, input_ids.device) if do_sample else None
 
     logits = decoder.prefill(prompt, lengths, num_decode_steps=max_new_tokens - 1)
@@ -210,7 +211,8 @@ class TSPDecoder:
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
             out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
-            self.cache.write(index, slots, _all_kv_heads(saved["k"])[:, keep], _all_kv_heads(saved["v"])[:, keep])
+            keys = rotate(saved["k"], attn.k_norm, cos, sin)  # saved as projected, before norm and rotation
+            self.cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(saved["v"])[:, keep])
             hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
@@ -234,9 +236,9 @@ class TSPDecoder:
         heads, D = attn.heads, self.tsp_size
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.packed.detach())
-        q = apply_rotary(_project(h, w, "q_proj", hq, d), cos, sin)  # (B, 1, hq, d)
+        q = rotate(_project(h, w, "q_proj", hq, d), attn.q_norm, cos, sin)  # (B, 1, hq, d)
         if heads.holds_kv(self.tsp_rank):
-            k = apply_rotary(_project(h, w, "k_proj", hkv, d), cos, sin)
+            k = rotate(_project(h, w, "k_proj", hkv, d), attn.k_norm, cos, sin)
             v = _project(h, w, "v_proj", hkv, d)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
@@ -303,7 +305,7 @@ def _all_kv_heads(groups):
     return groups.permute(1, 2, 0, 3, 4).flatten(2, 3)
 
 
-def _eos_and_pad(model, eos_token_id, device):
+def _eos_and_pad(model, eos_token_id, pad_token_id, device):
     """``(eos ids tensor or None, pad id)``; None falls back to the generation config, as in Hugging Face."""
     config = getattr(model, "generation_config", None)
     if eos_token_id is None and config is not None:
@@ -313,7 +315,7 @@ def _eos_and_pad(model, eos_token_id, device):
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not eos:
         return None, None
-    pad = getattr(config, "pad_token_id", None)
+    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     return torch.tensor(eos, device=device), eos[0] if pad is None else pad
 
 

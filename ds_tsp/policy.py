@@ -41,10 +41,13 @@ POLICIES = {
     "llama": DecoderPolicy("llama", "LlamaDecoderLayer"),
     "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer"),
     "mistral": DecoderPolicy("mistral", "MistralDecoderLayer"),
+    "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer"),
 }
 AUTO = DecoderPolicy("auto", None)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Per-head query/key norms (Qwen3): optional, but both or neither.
+ATTENTION_NORMS = ("q_norm", "k_norm")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 # Config attributes of architectures whose forward does more than
@@ -108,7 +111,10 @@ def check_layer(policy, layer, where):
         module = children[child]
         grandchildren = {n for n, m in module.named_children() if any(True for _ in m.parameters())}
         missing = [p for p in projections if p not in grandchildren]
-        unexpected = sorted(grandchildren - set(projections)) if projections else sorted(grandchildren)
+        allowed = set(projections) | (set(ATTENTION_NORMS) if child == policy.attention else set())
+        unexpected = sorted(grandchildren - allowed)
+        if child == policy.attention and len(grandchildren & set(ATTENTION_NORMS)) == 1:
+            missing += sorted(set(ATTENTION_NORMS) - grandchildren)
         if missing:
             raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}: cannot convert it to a TSP layer")
         if unexpected:

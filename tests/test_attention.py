@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from ds_tsp import comm, layout
 from ds_tsp.attention import TSPAttention, slice_full_tensor
@@ -28,6 +29,8 @@ def _config(arch, num_heads, num_kv_heads, sliding_window=None):
     if arch == "qwen2":
         config = Qwen2Config(**common, use_sliding_window=sliding_window is not None,
                              sliding_window=sliding_window, max_window_layers=0)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common)
     else:
         config = LlamaConfig(**common, attention_bias=arch == "llama_bias")
     return config
@@ -36,10 +39,10 @@ def _config(arch, num_heads, num_kv_heads, sliding_window=None):
 def _reference(arch, config, batch, layout_name):
     """The full HF module, a full input and upstream gradient, seeded identically on every rank."""
     torch.manual_seed(1234)
-    attn = (Qwen2Attention if arch == "qwen2" else LlamaAttention)(config, layer_idx=0).double()
+    attn = {"qwen2": Qwen2Attention, "qwen3": Qwen3Attention}.get(arch, LlamaAttention)(config, layer_idx=0).double()
     with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.3)
+        for name, p in attn.named_parameters():
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0, 0.3)
     x = torch.randn(batch, SEQ_LEN, HIDDEN, dtype=torch.float64)
     grad_y = torch.randn(batch, SEQ_LEN, HIDDEN, dtype=torch.float64)
     return attn, x, grad_y
@@ -85,17 +88,17 @@ def _max_diffs(arch, num_heads, num_kv_heads, batch, layout_name, overlap, slidi
              "grad_x": (dx_local - layout.shard(dx_ref, r, D, layout_name)).abs().max().item()}
     for name, grad in tsp.spec.unpack(tsp.packed.grad).items():
         diffs[name] = (grad - slice_full_tensor(name, grads_ref[name], tsp.heads, r)).abs().max().item()
-    if tsp.o_bias is not None:
+    for name, param in tsp.replicated_params().items():
         # Replicated: each rank holds its tokens' part; the model sums it over the group.
-        o_bias_grad = tsp.o_bias.grad.clone()
-        dist.all_reduce(o_bias_grad)
-        diffs["o_proj.bias"] = (o_bias_grad - grads_ref["o_proj.bias"]).abs().max().item()
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        diffs[name] = (grad - grads_ref[name]).abs().max().item()
     return diffs
 
 
-CASES = [  # (arch, nq, nkv, sliding_window): MHA, GQA 2:1, 4:1 (nkv < D at D=4), nkv=1, q/k/v and o biases
+CASES = [  # (arch, nq, nkv, sliding_window): MHA, GQA 2:1, 4:1 (nkv < D at D=4), nkv=1, biases, q/k norms
     ("llama", 4, 4, None), ("llama", 8, 4, None), ("llama", 8, 2, None), ("llama", 4, 1, None),
-    ("llama_bias", 8, 4, None), ("qwen2", 8, 2, None), ("qwen2", 4, 4, 5),
+    ("llama_bias", 8, 4, None), ("qwen2", 8, 2, None), ("qwen2", 4, 4, 5), ("qwen3", 8, 2, None),
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 import ds_tsp
 from ds_tsp.checkpoint import CheckpointError, from_pretrained, save_pretrained
@@ -24,7 +24,7 @@ from models import COMMON, tiny_model
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
-ARCHS = ("llama", "llama_tied", "qwen2")
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3")
 
 
 def hf_tensors(path):
@@ -194,9 +194,10 @@ def test_size_errors_fire_before_any_tensor_is_read(run_ranks, tmp_path):
 
 def test_policy_and_missing_tensors_are_refused_by_name(checkpoints, tmp_path):
     topology, tsp_config = _topology_and_config()
-    qwen3 = _config_only(tmp_path / "qwen3", Qwen3Config(**COMMON))
-    with pytest.raises(PolicyError, match="Qwen3DecoderLayer"):
-        from_pretrained(qwen3, topology, tsp_config)
+    # Phi-3 fuses q/k/v into one projection: not a block TSP can shard.
+    phi3 = _config_only(tmp_path / "phi3", Phi3Config(**COMMON, pad_token_id=0))
+    with pytest.raises(PolicyError, match="Phi3DecoderLayer"):
+        from_pretrained(phi3, topology, tsp_config)
 
     broken = tmp_path / "broken"
     tiny_model("llama").save_pretrained(broken)
@@ -243,11 +244,11 @@ def test_a_pre_sharded_checkpoint_loads_on_its_tsp_size_only(run_ranks, checkpoi
 
 
 def test_convert_refuses_unsupported_models_before_writing(tmp_path, capsys):
-    src, out = tmp_path / "qwen3", tmp_path / "out"
+    src, out = tmp_path / "phi3", tmp_path / "out"
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**COMMON)).save_pretrained(src)
+    Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=0)).save_pretrained(src)
     assert main(["convert", "--in", str(src), "--out", str(out), "--tsp-size", "2"]) == 1
-    assert "Qwen3DecoderLayer" in capsys.readouterr().err
+    assert "Phi3DecoderLayer" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -92,10 +92,10 @@ def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
     assert single_device == tokens_cached * _kv_bytes_per_token(batch)
     # D = 1 runs in this process (no process group), sparing a rank pool's start-up.
     run = run_ranks if tsp_size > 1 else (lambda _, body, **kwargs: [body(**kwargs)])
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "qwen3"):
         ref_tokens, ref_logits = _hf_reference(arch, prompts)
         per_rank = run(tsp_size, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=NEW_TOKENS,
-                             measure_step=True)
+                       measure_step=True, pad_token_id=0)
         diff = _max_logit_diff(per_rank, ref_logits)
         cache = [r["cache_bytes"] for r in per_rank]
         print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}; KV cache bytes per rank {cache} "

@@ -89,7 +89,7 @@ def _check(per_rank, label):
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
-    for arch in ("llama", "qwen2", "mistral"):
+    for arch in ("llama", "qwen2", "mistral", "qwen3"):
         for batch, seq_len in ((1, 16), (2, 13)):  # 13 needs padding at every D > 0
             per_rank = run_ranks(tsp_size, _parity, arch=arch, batch=batch, seq_len=seq_len)
             _check(per_rank, f"D={tsp_size} {arch} B={batch} S={seq_len}")
@@ -119,16 +119,17 @@ def test_a_wrong_shard_is_caught(run_ranks):
 
 
 def test_unsupported_blocks_are_refused_with_the_class_name():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=4))
-    with pytest.raises(PolicyError, match=r"Qwen3DecoderLayer at model.layers.0.self_attn has unexpected "
-                                          r"submodule\(s\) \['k_norm', 'q_norm'\]"):
+    # Phi-3 fuses q/k/v (and gate/up) into single projections.
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+    with pytest.raises(PolicyError, match=r"Phi3DecoderLayer at model.layers.0.self_attn lacks "
+                                          r"\['q_proj', 'k_proj', 'v_proj'\]"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
-    with pytest.raises(PolicyError, match="is a Qwen3DecoderLayer, but tsp.policy = 'llama' converts"):
+    with pytest.raises(PolicyError, match="is a Phi3DecoderLayer, but tsp.policy = 'llama' converts"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, policy="llama"))
-    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert type(model).__name__ == "Phi3ForCausalLM"
 
 
 def test_left_padding_is_refused():
