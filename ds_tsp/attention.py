@@ -202,7 +202,8 @@ def shard_stream(plan, packed):
             pending = start(j + 1)
 
 
-def _project(x, weights, name, heads_per_rank, head_dim):
+def project(x, weights, name, heads_per_rank, head_dim):
+    """``x`` ``(B, L, H)`` through projection ``name`` of a shard -> ``(B, L, heads, d)``."""
     out = F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
     return out.view(*x.shape[:2], heads_per_rank, head_dim)
 
@@ -251,8 +252,10 @@ def attend_local_chunks(plan, q, K, V):
 
 
 def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse):
-    """``dq, dK, dV`` of ``attend_local_chunks`` from its saved output and lse."""
-    grad_q, grad_K, grad_V = [], torch.zeros_like(K), torch.zeros_like(V)
+    """``dq, dK, dV`` of ``attend_local_chunks`` from its saved output and lse;
+    ``dK, dV`` sum the two chunks' parts in float32 (or wider)."""
+    acc_dtype = torch.promote_types(K.dtype, torch.float32)
+    grad_q, grad_K, grad_V = [], torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
     lse_chunks = lse.chunk(2, dim=-1)
     for index, (end, grad_chunk, q_chunk, o_chunk) in enumerate(_local_chunks(plan, grad_o, q, o)):
         dq, dk, dv = plan.kernel.backward(grad_chunk, q_chunk, K[:, :end], V[:, :end], o_chunk, lse_chunks[index],
@@ -276,22 +279,23 @@ def attention_forward(plan, x, packed, cos, sin):
     log-sum-exp ``(D, B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
-    out = torch.zeros_like(x)
+    # The head groups' outputs add up in float32 (or wider), cast once.
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
     for j, shard in shard_stream(plan, packed):
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
-            k = _project(x, w, "k_proj", heads.kv_heads, d)
-            v = _project(x, w, "v_proj", heads.kv_heads, d)
+            k = project(x, w, "k_proj", heads.kv_heads, d)
+            v = project(x, w, "v_proj", heads.kv_heads, d)
             K, V = gather_kv(plan, rotate(k, plan.k_norm, cos, sin), v)
             saved["k"].append(k), saved["v"].append(v)
-        q = _project(x, w, "q_proj", heads.q_heads, d)
+        q = project(x, w, "q_proj", heads.q_heads, d)
         o, lse = attend_local_chunks(plan, rotate(q, plan.q_norm, cos, sin), K, V)
         out += F.linear(o.flatten(2), w["o_proj.weight"])
         saved["q"].append(q)
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
-    return out, {name: torch.stack(tensors) for name, tensors in saved.items() if tensors}
+    return out.to(x.dtype), {name: torch.stack(tensors) for name, tensors in saved.items() if tensors}
 
 
 def _reduce_to(plan, grad, owner, works):
@@ -331,7 +335,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         if plan.explicit_backward:
             o = saved["o"][j]
             dq, dK, dV = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j])
-        else:  # recompute the attention forward under autograd
+        else:  # the kernel has no fused backward: autograd through a recomputed forward
             with torch.enable_grad():
                 q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
                 o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
@@ -345,6 +349,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
                  "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
+            # Reduce-scattered in the model dtype, as the forward gathered K/V:
+            # the cost model's 2*B*S*nkv*d elements of the model's size.
             dk, dv = scatter_kv_grads(plan, dK_sum.to(x.dtype), dV_sum.to(x.dtype))
             dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
             norm_grads["k"].append(grad_k_norm)

@@ -16,6 +16,7 @@ log-sum-exp of the local queries and runs the fused backward directly, instead
 of recomputing the attention forward under autograd.
 """
 
+import functools
 import importlib.util
 import logging
 
@@ -63,6 +64,9 @@ class SDPAKernel:
 class _CPUFlashOps:
     """torch's fused CPU flash kernels (any float dtype, float64 included)."""
 
+    def supports(self, head_dim):
+        return True
+
     def forward(self, q, k, v, causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
@@ -74,6 +78,9 @@ class _CPUFlashOps:
 
 class _CUDAFlashOps:
     """torch's fused CUDA flash kernels (float16/bfloat16, dense batches)."""
+
+    def supports(self, head_dim):
+        return head_dim <= 256 and head_dim % 8 == 0
 
     def forward(self, q, k, v, causal, scale):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -117,7 +124,7 @@ class BlockwiseFlashKernel(SDPAKernel):
     def explicit_backward(self, head_dim, window):
         """Whether ``forward``/``backward`` serve this layer: full causal
         attention (no window) at a head size the fused kernels take."""
-        return window is None and head_dim <= 256
+        return window is None and self.ops.supports(head_dim)
 
     def forward(self, q, k, v, scale):
         q, k, v = _heads_first(q, k, v)
@@ -132,7 +139,9 @@ class BlockwiseFlashKernel(SDPAKernel):
         q, k, v = _heads_first(q, k, v)
         grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
         lse = lse.to(self._lse_dtype(q))
-        grad_q, grad_k, grad_v = torch.zeros_like(q), [], []
+        # The two blocks' query gradients add up in float32 (or wider), cast once.
+        grad_q = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
+        grad_k, grad_v = [], []
         for k_block, v_block, causal in _blocks(q, k, v):
             dq, dk, dv = self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
             grad_q += dq
@@ -142,7 +151,7 @@ class BlockwiseFlashKernel(SDPAKernel):
         if rep > 1:  # fold the repeated key/value heads back onto their group
             grad_k = grad_k.unflatten(1, (-1, rep)).sum(2)
             grad_v = grad_v.unflatten(1, (-1, rep)).sum(2)
-        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
+        return grad_q.to(q.dtype).transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
 
     @staticmethod
     def _lse_dtype(q):
@@ -215,7 +224,13 @@ _announced = set()
 
 def select_kernel(backend, device, dtype):
     """The kernel for ``tsp.attention_backend``; ``auto`` prefers flash and says
-    once in the log when it falls back to SDPA."""
+    once in the log when it falls back to SDPA. Cached: every layer asks on
+    every forward."""
+    return _select_kernel(backend, torch.device(device).type, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _select_kernel(backend, device, dtype):
     if backend not in BACKENDS:
         raise ValueError(f"tsp.attention_backend = {backend!r}: choose one of {BACKENDS}")
     reason = flash_unavailable_reason(device, dtype) if backend in ("auto", "flash") else None

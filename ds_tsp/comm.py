@@ -1,4 +1,5 @@
-"""Counted collectives: the only place ds_tsp calls ``torch.distributed``.
+"""Counted collectives: the only place ds_tsp moves data with ``torch.distributed``
+(group creation lives in ``topology``).
 
 Every function takes its process group explicitly, returns early on a group of
 size 1 and adds the bytes this rank sends and receives to ``counter``, so tests

@@ -7,11 +7,12 @@ from datetime import timedelta
 import deepspeed
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
-from .pipeline import build_pipeline
+from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
 
 
@@ -40,11 +41,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         source = getattr(args, "deepspeed_config", None)
     forward = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
                    lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn, **kwargs)
+    plain = dict(model=model, mpu=mpu, config=config, config_params=config_params, **forward)
     if source is None:
-        return deepspeed.initialize(model=model, mpu=mpu, **forward)
+        return deepspeed.initialize(**plain)
     ds_config, tsp_config = split_ds_config(source)
     if not tsp_config.enabled:
-        return deepspeed.initialize(model=model, mpu=mpu, config=source, **forward)
+        return deepspeed.initialize(**plain)
     if mpu is not None:
         raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
 
@@ -54,6 +56,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
     _check_activation_checkpointing(ds_config)
+    if tsp_config.pipeline_stages > 1:
+        check_pipeline_stages(model_config(model), tsp_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     if isinstance(model, (str, os.PathLike)):
         # A Hugging Face directory: each rank reads only its own slices.
@@ -78,6 +82,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
     return (engine, *rest)
+
+
+def model_config(model):
+    """The Hugging Face config of a model object or checkpoint directory (no weights read)."""
+    if isinstance(model, (str, os.PathLike)):
+        return AutoConfig.from_pretrained(model)
+    return model.config
 
 
 def _check_activation_checkpointing(ds_config):

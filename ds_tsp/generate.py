@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, layout
-from .attention import attention_forward, rotate
+from .attention import attention_forward, project, rotate
+from .mlp import shard_forward
 from .kv_cache import KVCache, placement, prompt_tokens
 from .model import TSPCausalLMMixin
 
@@ -236,10 +237,10 @@ class TSPDecoder:
         heads, D = attn.heads, self.tsp_size
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.packed.detach())
-        q = rotate(_project(h, w, "q_proj", hq, d), attn.q_norm, cos, sin)  # (B, 1, hq, d)
+        q = rotate(project(h, w, "q_proj", hq, d), attn.q_norm, cos, sin)  # (B, 1, hq, d)
         if heads.holds_kv(self.tsp_rank):
-            k = rotate(_project(h, w, "k_proj", hkv, d), attn.k_norm, cos, sin)
-            v = _project(h, w, "v_proj", hkv, d)
+            k = rotate(project(h, w, "k_proj", hkv, d), attn.k_norm, cos, sin)
+            v = project(h, w, "v_proj", hkv, d)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
         gathered, _ = comm.all_gather(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
@@ -262,10 +263,8 @@ class TSPDecoder:
 
     def _mlp(self, mlp, h):
         """This rank's ``F``-shard of the MLP for the new token, summed over the group."""
-        w = mlp.spec.unpack(mlp.packed.detach())
-        gate = F.linear(h[:, 0], w["gate_proj.weight"], w.get("gate_proj.bias"))
-        up = F.linear(h[:, 0], w["up_proj.weight"], w.get("up_proj.bias"))
-        y = self._sum_over_group(F.linear(mlp.act_fn(gate) * up, w["down_proj.weight"]))  # (B, H)
+        part, _, _ = shard_forward(h[:, 0], mlp.spec.unpack(mlp.packed.detach()), mlp.act_fn)
+        y = self._sum_over_group(part)  # (B, H)
         if mlp.down_bias is not None:
             y = y + mlp.down_bias
         return y.unsqueeze(1)
@@ -293,11 +292,6 @@ class TSPDecoder:
 
     def _logits(self, hidden):
         return self.lm_head(self.final_norm(hidden))[:, 0]
-
-
-def _project(x, weights, name, num_heads, head_dim):
-    out = F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
-    return out.view(*x.shape[:2], num_heads, head_dim)
 
 
 def _all_kv_heads(groups):

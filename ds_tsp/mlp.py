@@ -81,7 +81,7 @@ def accumulation_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def _shard_forward(x, w, act_fn):
+def shard_forward(x, w, act_fn):
     """One shard's contribution for the local tokens ``(..., H) -> (..., H)``,
     and its gate and up projections ``(..., F/D)`` for backward."""
     gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
@@ -123,7 +123,7 @@ def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
     """
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
-        y, gate, up = _shard_forward(x, spec.unpack(packed), act_fn)
+        y, gate, up = shard_forward(x, spec.unpack(packed), act_fn)
         return y, gate.unsqueeze(0), up.unsqueeze(0)
     ring = comm.RingExchange(tsp_group)
     y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
@@ -133,7 +133,7 @@ def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
         if t < tsp_size - 1:
             next_buf = ring.send_recv(buf)
             ring.commit() if overlap else ring.wait()
-        step_y, gate, up = _shard_forward(x, spec.unpack(buf), act_fn)
+        step_y, gate, up = shard_forward(x, spec.unpack(buf), act_fn)
         y += step_y
         gates.append(gate), ups.append(up)
         if t < tsp_size - 1:

@@ -82,11 +82,18 @@ class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
-                use_cache=None, **kwargs):
+                use_cache=None, num_items_in_batch=None, **kwargs):
+        """``num_items_in_batch`` (as the HF Trainer passes it under gradient
+        accumulation) replaces the real-token count as the loss divisor."""
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
         if use_cache:
             raise ValueError("use_cache is not supported by the TSP training forward")
+        unsupported = {key: value for key, value in kwargs.items()
+                       if value not in (None, False) and not (key == "return_dict" and value is True)}
+        if unsupported:
+            raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
+                             "local tokens' logits only")
         policy, topo = self.tsp_policy, self.tsp_topology
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout)
@@ -98,17 +105,15 @@ class TSPCausalLMMixin:
         logits = self.get_submodule(policy.lm_head)(hidden)
         loss = None
         if labels is not None:
-            loss = self.tsp_loss(logits, batch)
+            loss = causal_lm_loss(logits, batch, self.tsp_topology.tsp_group, num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def tsp_loss(self, logits, batch):
-        return causal_lm_loss(logits, batch, self.tsp_topology.tsp_group)
 
-
-def causal_lm_loss(logits, batch, tsp_group):
+def causal_lm_loss(logits, batch, tsp_group, num_items_in_batch=None):
     """Mean cross-entropy over all real tokens of the full sequence: each rank
     sums its own tokens' losses and the sums add up over the TSP group."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     local_sum = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
-    return sum_over_group(local_sum, tsp_group) / max(batch.num_real_labels, 1)
+    count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
+    return sum_over_group(local_sum, tsp_group) / max(count, 1)

@@ -65,20 +65,26 @@ class TSPPipeLoss:
         return causal_lm_loss(logits, batch, topo.tsp_group)
 
 
+def check_pipeline_stages(config, tsp_config):
+    """Refuse, from the config alone, a model the pipeline stages cannot split."""
+    layers, stages = config.num_hidden_layers, tsp_config.pipeline_stages
+    if layers % stages:
+        raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
+                         f"{stages}: choose tsp.pipeline_stages from the divisors of {layers}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings = true ties the first and last pipeline stages, which ds_tsp does not "
+                         "support yet: use tsp.pipeline_stages = 1 for this model")
+
+
 def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     """A ``PipelineModule`` over an injected model (see ``ds_tsp.inject``).
 
     Decoder layers are split evenly over ``tsp.pipeline_stages``; the embedding
     goes with the first stage and the head with the last.
     """
+    check_pipeline_stages(model.config, tsp_config)
     policy, stages = model.tsp_policy, tsp_config.pipeline_stages
     decoder_layers = list(model.get_submodule(policy.layers))
-    if len(decoder_layers) % stages:
-        raise ValueError(f"num_hidden_layers = {len(decoder_layers)} does not split evenly over tsp.pipeline_stages = "
-                         f"{stages}: choose tsp.pipeline_stages from the divisors of {len(decoder_layers)}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("tie_word_embeddings = true ties the first and last pipeline stages, which ds_tsp does not "
-                         "support yet: use tsp.pipeline_stages = 1 for this model")
     rotary_emb = model.get_submodule(policy.rotary_emb)
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]

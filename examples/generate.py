@@ -3,9 +3,8 @@
     deepspeed --num_gpus 2 examples/generate.py --model HF_DIR --prompt "def fib(n):" --max-new-tokens 32
     deepspeed --num_gpus 4 examples/generate.py --model HF_DIR --prompt "..." --tsp-size 2 --do-sample --seed 0
 
-Each rank of a TSP group loads only its shards of the decoder blocks (with
-``ds_tsp.checkpoint.from_pretrained`` where available, else the whole Hugging
-Face model, then ``ds_tsp.inject``). Ranks outside the first TSP group are
+Each rank of a TSP group loads only its shards of the decoder blocks
+(``ds_tsp.checkpoint.from_pretrained``), onto its own device. Ranks outside the first TSP group are
 data-parallel replicas: they generate the same text. Set ``DS_ACCELERATOR=cpu``
 (and ``OMP_NUM_THREADS=1`` when ranks outnumber cores) to run on CPU ranks.
 A model directory without a tokenizer is driven byte by byte (UTF-8 bytes as
@@ -18,17 +17,13 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoTokenizer
 
-import ds_tsp
+from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.config import TSPConfig
 from ds_tsp.generate import generate
 from ds_tsp.topology import TSPTopology
-
-try:
-    from ds_tsp.checkpoint import from_pretrained
-except ImportError:  # an older ds_tsp without sharded checkpoint loading
-    from_pretrained = None
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -78,13 +73,6 @@ def load_tokenizer(path, vocab_size):
     return tokenizer
 
 
-def load_model(path, topology, tsp_config, dtype):
-    if from_pretrained is not None:
-        return from_pretrained(path, topology, tsp_config, torch_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype or "auto")
-    return ds_tsp.inject(model, topology, tsp_config)
-
-
 def left_padded(token_lists, pad_id):
     """``(input_ids, attention_mask)`` of prompts padded on the left to the longest."""
     width = max(len(ids) for ids in token_lists)
@@ -102,9 +90,12 @@ def main():
     tsp_size = args.tsp_size or dist.get_world_size()
     tsp_config = TSPConfig(enabled=True, size=tsp_size, attention_backend=args.attention_backend)
     topology = TSPTopology(tsp_size, timeout_minutes=tsp_config.timeout_minutes)
-    model = load_model(args.model, topology, tsp_config, DTYPES[args.dtype]).eval()
+    # Each rank reads only its own slices, straight onto its device.
+    device = get_accelerator().current_device_name()
+    model = from_pretrained(args.model, topology, tsp_config, torch_dtype=DTYPES[args.dtype], device=device).eval()
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
     input_ids, attention_mask = left_padded([tokenizer.encode(p) for p in args.prompt], tokenizer.pad_token_id)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
 
     start = time.perf_counter()
     sequences = generate(model, input_ids, args.max_new_tokens, do_sample=args.do_sample,

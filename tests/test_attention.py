@@ -197,9 +197,14 @@ def test_heads_that_tsp_cannot_serve_are_refused():
 
 
 def test_auto_backend_falls_back_to_sdpa_on_cpu_and_says_so(caplog):
+    from ds_tsp import attention_kernels
+
+    attention_kernels._select_kernel.cache_clear()
+    attention_kernels._announced.clear()
     caplog.set_level("INFO", logger="ds_tsp")
     assert select_kernel("auto", "cpu", torch.float32).name == "sdpa"
-    assert select_kernel("auto", "cpu", torch.float32).name == "sdpa"
-    assert len([r for r in caplog.records if "using torch SDPA" in r.getMessage()]) <= 1
+    assert select_kernel("auto", "cpu", torch.bfloat16).name == "sdpa"
+    messages = [r.getMessage() for r in caplog.records if "using torch SDPA" in r.getMessage()]
+    assert len(messages) == 1 and "flash-attn is not installed" in messages[0]
     with pytest.raises(RuntimeError, match="tsp.attention_backend = \"flash\" cannot be used"):
         select_kernel("flash", "cpu", torch.bfloat16)

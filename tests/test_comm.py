@@ -29,8 +29,10 @@ def _collectives(world_size, tsp_size, dtype):
     checks["broadcast_bytes"] = (comm.counter.sent(), comm.counter.received()) == expected
 
     comm.counter.reset()
-    work = comm.broadcast(_value(r, dtype), src=0, group=group, async_op=True)
+    y = _value(r, dtype)
+    work = comm.broadcast(y, src=0, group=group, async_op=True)
     work.wait()
+    checks["broadcast_async"] = torch.equal(y, _value(0, dtype))
 
     comm.counter.reset()
     gathered, _ = comm.all_gather(_value(r, dtype), group)
@@ -58,6 +60,12 @@ def _collectives(world_size, tsp_size, dtype):
     comm.all_reduce(z, group)
     checks["all_reduce"] = torch.equal(z, sum(_value(i, dtype) for i in range(D)))
     checks["all_reduce_bytes"] = comm.counter.received() == 2 * (D - 1) * nbytes // D
+
+    comm.counter.reset()
+    sent = torch.stack([_value(10 * r + j, dtype) for j in range(D)])  # row j goes to rank j
+    received, _ = comm.all_to_all(sent, group)
+    checks["all_to_all"] = torch.equal(received, torch.stack([_value(10 * j + r, dtype) for j in range(D)]))
+    checks["all_to_all_bytes"] = comm.counter.received() == comm.counter.sent() == (D - 1) * nbytes
 
     comm.counter.reset()
     ring = comm.RingExchange(group)

@@ -113,7 +113,7 @@ def test_check_catches_a_wrong_shard(run_ranks):
     per_rank = run_ranks(2, _tsp_run, tsp_size=2, activation="silu", cases=case, wrong_shard=True)
     diffs = _max_diffs([res[0] for res in per_rank], 2, "silu", batch=2)
     print(f"wrong shard on rank 1: max |diff| {diffs}")
-    assert diffs["out"] > BOUND and diffs["grad_x"] > BOUND, diffs
+    assert diffs["out"] > 1e3 * BOUND and diffs["grad_x"] > 1e3 * BOUND, diffs
 
 
 def test_indivisible_intermediate_size_is_refused():

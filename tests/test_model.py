@@ -138,3 +138,5 @@ def test_left_padding_is_refused():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
     with pytest.raises(ValueError, match="right padding only"):
         model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"does not support \['output_attentions'\]"):
+        model(input_ids=ids, output_attentions=True)
