@@ -405,7 +405,9 @@ class TSPAttention(nn.Module):
 
     ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
     and the rotary ``(cos, sin)`` of their GLOBAL positions, each ``(B, S/D, d)``
-    as the model's Hugging Face rotary embedding computes them.
+    as the model's Hugging Face rotary embedding computes them. The constructor
+    allocates the shard without initialising it: ``from_hf`` or ``load_shard``
+    fills it (TSP converts trained models; it does not initialise new ones).
     """
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
