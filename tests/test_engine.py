@@ -45,7 +45,7 @@ def _step(engine, batch):
     return loss.item()
 
 
-def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False):
+def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -57,7 +57,12 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
               "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
     if activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False}
-    engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=_optimizer(optimizer), config=config)
+    client_optimizer = _optimizer(optimizer)
+    if config_optimizer:  # named in the config: DeepSpeed builds torch.optim.SGD itself
+        assert optimizer == "sgd"
+        config["optimizer"] = {"type": "SGD", "params": {"lr": LR["sgd"]}}
+        client_optimizer = None
+    engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=client_optimizer, config=config)
     batches = _global_batches(ref.config.vocab_size, dp_size)
 
     ref_opt = _optimizer(optimizer)(list(ref.parameters()))
@@ -106,14 +111,16 @@ def _gathered(engine, zero_stage):
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing", [
-    (4, 2, 1, "sgd", False), (4, 2, 2, "sgd", False), (4, 2, 1, "adam", False), (4, 2, 2, "adam", False),
-    (4, 4, 0, "adam", False), (2, 2, 3, "sgd", False), (4, 2, 3, "sgd", False), (4, 2, 1, "adam", True),
+@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing, config_optimizer", [
+    (4, 2, 1, "sgd", False, False), (4, 2, 2, "sgd", False, False), (4, 2, 1, "adam", False, False),
+    (4, 2, 2, "adam", False, False), (4, 4, 0, "adam", False, False), (2, 2, 3, "sgd", False, False),
+    (4, 2, 3, "sgd", False, False), (4, 2, 1, "adam", True, False), (4, 2, 2, "sgd", False, True),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
-                                               activation_checkpointing):
+                                               activation_checkpointing, config_optimizer):
     for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=tsp_size, zero_stage=zero_stage,
-                                         optimizer=optimizer, activation_checkpointing=activation_checkpointing)):
+                                         optimizer=optimizer, activation_checkpointing=activation_checkpointing,
+                                         config_optimizer=config_optimizer)):
         worst = max(out["rel"], key=out["rel"].get)
         norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
         print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage} {optimizer}: "
