@@ -272,11 +272,11 @@ def attention_forward(plan, x, packed, cos, sin):
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set.
     Returns the output ``(B, S/D, H)`` and what backward needs, all of local
-    tokens only: the projected (not yet rotated) ``q`` of every head group
-    ``(D, B, S/D, hq, d)``, the projected ``k, v`` of every key/value head
-    group ``(min(D, nkv), B, S/D, hkv, d)``, and with ``plan.explicit_backward``
-    every head group's attention output ``(D, B, S/D, hq, d)`` and
-    log-sum-exp ``(D, B, hq, S/D)``.
+    tokens only, as lists (stacking would copy them): the projected (not yet
+    rotated) ``q`` of every head group (D of ``(B, S/D, hq, d)``), the
+    projected ``k, v`` of every key/value head group (``min(D, nkv)`` of
+    ``(B, S/D, hkv, d)``), and with ``plan.explicit_backward`` every head
+    group's attention output ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
     # The head groups' outputs add up in float32 (or wider), cast once.
@@ -295,7 +295,7 @@ def attention_forward(plan, x, packed, cos, sin):
         saved["q"].append(q)
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
-    return out.to(x.dtype), {name: torch.stack(tensors) for name, tensors in saved.items() if tensors}
+    return out.to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
 
 
 def _reduce_to(plan, grad, owner, works):
@@ -387,15 +387,17 @@ class _TSPAttentionFunction(torch.autograd.Function):
     def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight):
         # The norm weights are inputs only so that autograd routes their gradients.
         out, saved = attention_forward(plan, x, packed, cos, sin)
-        ctx.plan, ctx.saved_names = plan, list(saved)
-        ctx.save_for_backward(x, packed, cos, sin, *saved.values())
+        ctx.plan, ctx.saved_counts = plan, {name: len(tensors) for name, tensors in saved.items()}
+        ctx.save_for_backward(x, packed, cos, sin, *(t for tensors in saved.values() for t in tensors))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, packed, cos, sin, *saved = ctx.saved_tensors
-        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, dict(zip(ctx.saved_names, saved)),
-                                   cos, sin)
+        x, packed, cos, sin, *flat = ctx.saved_tensors
+        saved, start = {}, 0
+        for name, count in ctx.saved_counts.items():
+            saved[name], start = flat[start:start + count], start + count
+        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin)
         grad_x, grad_packed, grad_q_norm, grad_k_norm = grads
         return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm
 

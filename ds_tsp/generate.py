@@ -212,8 +212,9 @@ class TSPDecoder:
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
             out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
-            keys = rotate(saved["k"], attn.k_norm, cos, sin)  # saved as projected, before norm and rotation
-            self.cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(saved["v"])[:, keep])
+            # Saved as projected, before the norm and the rotation.
+            keys, values = rotate(torch.stack(saved["k"]), attn.k_norm, cos, sin), torch.stack(saved["v"])
+            self.cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(values)[:, keep])
             hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))

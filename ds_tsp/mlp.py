@@ -118,13 +118,14 @@ def _shard_backward(x2, grad_y2, w, act_fn, gate, up):
 def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
     """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``.
 
-    Also returns the gate and up projections of every step, stacked
-    ``(D, B, S/D, F/D)`` in ring order, for backward.
+    Also returns the gate and up projections of every step, lists of
+    ``(B, S/D, F/D)`` in ring order, for backward (kept as they are: stacking
+    would copy them).
     """
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
         y, gate, up = shard_forward(x, spec.unpack(packed), act_fn)
-        return y, gate.unsqueeze(0), up.unsqueeze(0)
+        return y, [gate], [up]
     ring = comm.RingExchange(tsp_group)
     y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
     gates, ups = [], []
@@ -139,7 +140,7 @@ def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
         if t < tsp_size - 1:
             ring.wait()
             buf = next_buf
-    return y.to(x.dtype), torch.stack(gates), torch.stack(ups)
+    return y.to(x.dtype), gates, ups
 
 
 def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, overlap=True):
@@ -147,7 +148,7 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, ov
     gradient summed over every rank's tokens, flat like ``packed``."""
     acc_dtype = accumulation_dtype(packed.dtype)
     x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
-    gates, ups = gates.flatten(1, -2), ups.flatten(1, -2)  # (D, N, F/D), in ring order
+    gates, ups = [g.flatten(0, -2) for g in gates], [u.flatten(0, -2) for u in ups]  # (N, F/D), ring order
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
         grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn, gates[0], ups[0])
@@ -188,13 +189,14 @@ class _MLPRing(torch.autograd.Function):
         y, gates, ups = mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
         # Local tokens only (x and each step's gate/up), plus this rank's own
         # shard: saved bytes scale as 1/D.
-        ctx.save_for_backward(x, packed, gates, ups)
+        ctx.save_for_backward(x, packed, *gates, *ups)
         ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap = spec, act_fn, tsp_group, overlap
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, packed, gates, ups = ctx.saved_tensors
+        x, packed, *steps = ctx.saved_tensors
+        gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]
         grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, gates, ups, ctx.spec, ctx.act_fn, ctx.tsp_group,
                                                 ctx.overlap)
         return grad_x, grad_packed, None, None, None, None
