@@ -49,8 +49,8 @@ import torch.nn.functional as F
 
 from . import comm, layout
 from .attention import attention_forward, project, rotate
-from .mlp import shard_forward
 from .kv_cache import KVCache, placement, prompt_tokens
+from .mlp import shard_forward
 from .model import TSPCausalLMMixin
 
 

@@ -45,7 +45,8 @@ def _step(engine, batch):
     return loss.item()
 
 
-def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False):
+def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False,
+                       wrong_shard=False):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -63,6 +64,9 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
         config["optimizer"] = {"type": "SGD", "params": {"lr": LR["sgd"]}}
         client_optimizer = None
     engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=client_optimizer, config=config)
+    if wrong_shard and engine.tsp_topology.tsp_rank == 1:
+        with torch.no_grad():  # ZeRO-0: the optimizer updates this very tensor
+            engine.module.model.layers[0].mlp.packed.mul_(1.5)
     batches = _global_batches(ref.config.vocab_size, dp_size)
 
     ref_opt = _optimizer(optimizer)(list(ref.parameters()))
@@ -131,6 +135,13 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == activation_checkpointing
+
+
+def test_the_comparison_catches_a_wrong_shard(run_ranks):
+    per_rank = run_ranks(2, _train_and_compare, tsp_size=2, zero_stage=0, optimizer="sgd", wrong_shard=True)
+    worst = max(max(out["rel"].values()) for out in per_rank)
+    print(f"wrong shard: max rel |dw| {worst:.2e}")
+    assert worst > 1e3 * BOUND["sgd"]
 
 
 def test_optimizer_built_before_injection_is_refused():

@@ -28,19 +28,23 @@ def _hf_name(pipe_name, num_layers):
     return rest if rest.startswith("lm_head") else f"model.{rest}"
 
 
-def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False):
+def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False, wrong_shard=False,
+                  zero_stage=1):
     world = dist.get_world_size()
     stages = 2
     dp_size = world // (stages * tsp_size)
     ref = tiny_model("llama", dtype=torch.float32)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
-              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
-              "tsp": {"enabled": True, "size": tsp_size, "pipeline_stages": stages, "attention_backend": "sdpa"}}
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 1000, "tsp": {"enabled": True, "size": tsp_size, "pipeline_stages": stages, "attention_backend": "sdpa"}}
     if activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False}
     engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     topo = engine.tsp_topology
+    if wrong_shard and topo.tsp_rank == 1 and engine.is_first_stage():
+        with torch.no_grad():  # ZeRO-0: the optimizer updates this very tensor
+            engine.module.get_submodule("1.layer.mlp").packed.mul_(1.5)
     generator = torch.Generator().manual_seed(11)
     per_step = dp_size * MICRO_BATCHES * MICRO_BATCH
     batches = [torch.randint(0, ref.config.vocab_size, (per_step, SEQ_LEN), generator=generator)
@@ -102,6 +106,13 @@ def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_c
         covered |= set(out["rel"])
     # Between them the stages hold every tensor of the model.
     assert {n.rsplit(".", 1)[0] for n in covered} >= {"model.embed_tokens", "lm_head", "model.norm"}
+
+
+def test_the_comparison_catches_a_wrong_shard(run_ranks):
+    per_rank = run_ranks(4, _pipeline_run, tsp_size=2, wrong_shard=True, zero_stage=0)
+    worst = max(max(out["rel"].values()) for out in per_rank)
+    print(f"wrong shard: max rel |dw| {worst:.2e}")
+    assert worst > 1e3 * BOUND
 
 
 def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
