@@ -11,6 +11,8 @@ Counts are the logical data of the op, as a ring implementation moves it:
 * reduce-scatter to ``n`` per rank: each rank sends and receives ``(D-1) n``;
 * reduce of ``n``: every non-owner sends ``n``, the owner receives ``(D-1) n``;
 * all-reduce of ``n``: each rank sends and receives ``2 (D-1) n / D``;
+* all-to-all: what goes to and comes from the other ranks (a rank's own
+  block stays put);
 * ring send/recv: exactly the tensors sent and received.
 
 Timeouts are carried by the process groups themselves (``topology`` creates
@@ -18,6 +20,7 @@ them with ``tsp.timeout_minutes``), so a dead peer fails the op instead of
 hanging it.
 """
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -218,3 +221,21 @@ def all_to_all(stacked, group, async_op=False):
     counter.add("all_to_all", sent=(size - 1) * _nbytes(stacked[0]), received=(size - 1) * _nbytes(stacked[0]))
     work = dist.all_to_all_single(out, stacked, group=group, async_op=async_op)
     return out, work
+
+
+def all_to_all_rows(rows, send_counts, recv_counts, group):
+    """Uneven all-to-all of rows: the first ``send_counts[0]`` rows of ``rows``
+    go to group rank 0, the next ``send_counts[1]`` to rank 1, and so on.
+    Returns the rows received, grouped by source rank (``recv_counts[j]`` from
+    rank ``j``). Both sides must know the counts; nothing else is exchanged."""
+    size = group_size(group)
+    if size == 1:
+        return rows
+    rank = group_rank(group)
+    row_bytes = _nbytes(rows[:1]) if len(rows) else rows.element_size() * math.prod(rows.shape[1:])
+    counter.add("all_to_all", sent=(sum(send_counts) - send_counts[rank]) * row_bytes,
+                received=(sum(recv_counts) - recv_counts[rank]) * row_bytes)
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=list(recv_counts),
+                           input_split_sizes=list(send_counts), group=group)
+    return out

@@ -31,6 +31,8 @@ _EXPECTED = {
     "overlap": "true or false",
     "policy": "\"auto\" or one of " + ", ".join(f"\"{name}\"" for name in POLICY_NAMES),
     "timeout_minutes": "a finite number of minutes > 0",
+    "vocab_parallel": "true or false",
+    "logits_tile_mib": "a finite number of MiB > 0",
 }
 
 
@@ -68,6 +70,13 @@ class TSPConfig(DeepSpeedConfigModel):
 
     timeout_minutes: float = Field(10.0, gt=0, allow_inf_nan=False)
     """ Timeout of TSP collectives, so a dead rank fails the job instead of hanging it. """
+
+    vocab_parallel: bool = True
+    """ Shard the embedding and LM head by vocabulary rows over the TSP group and fuse the head with the loss
+    on a ring (no full logits); false keeps them replicated on every TSP rank. """
+
+    logits_tile_mib: float = Field(32.0, gt=0, allow_inf_nan=False)
+    """ Largest fp32 logits tile (local tokens x V/D) of the fused LM head and loss, in MiB. """
 
     def __init__(self, **data):
         # Checked before pydantic so that the message lists the known keys, and

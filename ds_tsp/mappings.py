@@ -52,3 +52,25 @@ def sum_grads_over_group(params, group):
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
             param.register_hook(hook)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group = group
+        gathered, _ = comm.all_gather(shard, group)  # (D, *shard.shape)
+        return gathered.flatten(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, _ = comm.reduce_scatter(grad.reshape(comm.group_size(ctx.group), -1, *grad.shape[1:]), ctx.group)
+        return local, None
+
+
+def gather_rows(shard, group):
+    """Forward: all-gather every rank's ``shard`` along dim 0 (group-rank order).
+    Backward: reduce-scatter, so each rank gets the sum over the group of the
+    gradient of its own rows."""
+    if comm.group_size(group) == 1:
+        return shard
+    return _GatherRows.apply(shard, group)

@@ -14,13 +14,10 @@ forward, on rank ``r`` with local tokens ``x`` ``(B, S/D, H)``::
         y += act(x Wg^T + bg) * (x Wu^T + bu) @ Wd^T
         wait; buf = next
 
-backward runs the same ring. The partial weight gradient of a shard from one
-rank's tokens must end summed over all ranks on the shard's owner. At ``t=0``
-each rank keeps the partial of its own shard; from ``t=1`` the accumulator of
-the shard a rank holds travels with that shard (posted with the next weight
-hop, added to on arrival), and after the last step it makes one more hop, to
-the owner, which adds the partial it kept. Per rank and backward: ``D-1``
-weight hops and ``D-1`` accumulator hops, no all-reduce, no broadcast.
+backward runs the same ring (``ds_tsp.ring``): the gradient accumulator of
+each shard travels with it and ends, summed over every rank's tokens, on its
+owner. Per rank and backward: ``D-1`` weight hops and ``D-1`` accumulator
+hops, no all-reduce, no broadcast.
 
 ``down_proj.bias`` is not split (it would be added ``D`` times): it stays a
 replicated parameter added once per token outside the ring; its gradient is
@@ -35,6 +32,7 @@ from torch import nn
 
 from ds_tsp import comm
 from ds_tsp.packing import PackSpec, module_reader
+from ds_tsp.ring import ring_gradients, ring_steps
 
 # Which dim of each full Hugging Face tensor is split across the TSP group; a
 # name absent from this table (down_proj.bias) is replicated.
@@ -122,64 +120,38 @@ def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
     ``(B, S/D, F/D)`` in ring order, for backward (kept as they are: stacking
     would copy them).
     """
-    tsp_size = comm.group_size(tsp_group)
-    if tsp_size == 1:
+    if comm.group_size(tsp_group) == 1:
         y, gate, up = shard_forward(x, spec.unpack(packed), act_fn)
         return y, [gate], [up]
-    ring = comm.RingExchange(tsp_group)
     y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
     gates, ups = [], []
-    buf = packed
-    for t in range(tsp_size):
-        if t < tsp_size - 1:
-            next_buf = ring.send_recv(buf)
-            ring.commit() if overlap else ring.wait()
+
+    def step(t, buf):
         step_y, gate, up = shard_forward(x, spec.unpack(buf), act_fn)
-        y += step_y
+        y.add_(step_y)
         gates.append(gate), ups.append(up)
-        if t < tsp_size - 1:
-            ring.wait()
-            buf = next_buf
+
+    ring_steps(packed, tsp_group, step, overlap)
     return y.to(x.dtype), gates, ups
 
 
 def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, overlap=True):
     """``(grad_x, grad_packed)``: ``grad_packed`` is this rank's own shard's
     gradient summed over every rank's tokens, flat like ``packed``."""
-    acc_dtype = accumulation_dtype(packed.dtype)
     x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
     gates, ups = [g.flatten(0, -2) for g in gates], [u.flatten(0, -2) for u in ups]  # (N, F/D), ring order
-    tsp_size = comm.group_size(tsp_group)
-    if tsp_size == 1:
+    if comm.group_size(tsp_group) == 1:
         grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn, gates[0], ups[0])
         return grad_x.view(x.shape), spec.pack(grads)
-
-    ring = comm.RingExchange(tsp_group)
+    acc_dtype = accumulation_dtype(packed.dtype)
     grad_x = torch.zeros(x2.shape, dtype=acc_dtype, device=x.device)
-    buf, own_partial, acc = packed, None, None
-    for t in range(tsp_size):  # buf holds shard (r - t) mod D; acc its gradient so far
-        if t < tsp_size - 1:
-            next_buf = ring.send_recv(buf)
-        if acc is not None:
-            # The accumulator of the shard held at t-1 follows it to r+1; ours arrives from r-1.
-            next_acc = ring.send_recv(acc)
-        ring.commit() if overlap else ring.wait()
+
+    def step(t, buf):
         step_grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(buf), act_fn, gates[t], ups[t])
-        grad_x += step_grad_x
-        partial = spec.pack(grads).to(acc_dtype)
-        ring.wait()
-        if t == 0:
-            own_partial = partial
-        elif t == 1:
-            acc = partial
-        else:
-            acc = next_acc + partial
-        if t < tsp_size - 1:
-            buf = next_buf
-    # After step D-1 rank r holds shard r+1: one last hop hands its sum to the owner.
-    next_acc = ring.send_recv(acc)
-    ring.wait()
-    grad_packed = next_acc + own_partial
+        grad_x.add_(step_grad_x)
+        return spec.pack(grads).to(acc_dtype)
+
+    grad_packed = ring_gradients(packed, tsp_group, step, overlap)
     return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
 
 

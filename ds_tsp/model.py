@@ -3,7 +3,9 @@
 Every rank of a TSP group receives the same full micro-batch. The model pads
 it to a multiple of ``2*D``, takes its own tokens (zigzag or contiguous),
 runs embedding, TSP decoder layers, final norm and LM head on them, and
-returns the loss as the mean over ALL real tokens of the full sequence.
+returns the loss as the mean over ALL real tokens of the full sequence. With
+the folded vocabulary (``tsp.vocab_parallel``) the head and the loss are one
+ring (``ds_tsp.vocab``) and, with labels, no logits are returned.
 """
 
 import torch
@@ -13,8 +15,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import layout
 from .mappings import sum_over_group
-
-IGNORE_INDEX = -100
+from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
 
 
 class TSPDecoderLayer(GradientCheckpointingLayer):
@@ -63,7 +64,9 @@ class TSPBatch:
         def own(t):
             return layout.shard(t, tsp_rank, tsp_size, layout_name)
 
-        self.input_ids, self.position_ids = own(input_ids), own(position_ids)
+        # Every rank's tokens: the vocabulary-parallel embedding serves them all.
+        self.rank_input_ids = [layout.shard(input_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
+        self.input_ids, self.position_ids = self.rank_input_ids[tsp_rank], own(position_ids)
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
 
 
@@ -84,7 +87,11 @@ class TSPCausalLMMixin:
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
                 use_cache=None, num_items_in_batch=None, **kwargs):
         """``num_items_in_batch`` (as the HF Trainer passes it under gradient
-        accumulation) replaces the real-token count as the loss divisor."""
+        accumulation) replaces the real-token count as the loss divisor.
+
+        Returns ``.loss`` and ``.logits``: the local tokens' full-vocabulary
+        logits, or None when the loss is fused with a folded LM head (labels
+        given and ``tsp.vocab_parallel``), as with fused-loss kernels."""
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
         if use_cache:
@@ -97,23 +104,30 @@ class TSPCausalLMMixin:
         policy, topo = self.tsp_policy, self.tsp_topology
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout)
-        hidden = self.get_submodule(policy.embed_tokens)(batch.input_ids)
+        hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
         position_embeddings = self.get_submodule(policy.rotary_emb)(hidden, batch.position_ids)
         for decoder_layer in self.get_submodule(policy.layers):
             hidden = decoder_layer(hidden, position_embeddings)
         hidden = self.get_submodule(policy.final_norm)(hidden)
-        logits = self.get_submodule(policy.lm_head)(hidden)
-        loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits, batch, self.tsp_topology.tsp_group, num_items_in_batch)
+        loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
+                                        num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def causal_lm_loss(logits, batch, tsp_group, num_items_in_batch=None):
-    """Mean cross-entropy over all real tokens of the full sequence: each rank
-    sums its own tokens' losses and the sums add up over the TSP group."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    local_sum = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
+def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None):
+    """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``.
+
+    The loss (None without labels) is the mean cross-entropy over all real
+    tokens of the full sequence: each rank sums its own tokens' losses and the
+    sums add up over the TSP group. A folded head computes it on its ring and
+    returns no logits; a replicated head returns the local tokens' logits."""
+    if batch.labels is None:
+        return None, lm_head(hidden)
+    if isinstance(lm_head, VocabParallelLMHead):
+        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels)
+    else:
+        logits = lm_head(hidden)
+        local_sum = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                                    batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
-    return sum_over_group(local_sum, tsp_group) / max(count, 1)
+    return sum_over_group(local_sum, tsp_group) / max(count, 1), logits

@@ -1,8 +1,10 @@
 """Pipeline stages of TSP blocks: an injected causal LM as a DeepSpeed ``PipelineModule``.
 
 The layers are: embedding (takes the full micro-batch, keeps this rank's
-tokens), one pipe layer per TSP decoder layer, final norm + LM head; the loss
-is the mean over all real tokens of the full sequence. What passes between
+tokens), one pipe layer per TSP decoder layer, final norm; the loss function
+applies the LM head (on the last stage, where it lives) and returns the mean
+over all real tokens of the full sequence, fused on the ring when the
+vocabulary is folded. What passes between
 stages is ``(hidden (B, S/D, H), position_ids (B, S/D))``: the local shard,
 never the full sequence. The pipeline topology is DeepSpeed's
 ``pipe x data x model`` with the TSP group as the model axis, the same
@@ -13,7 +15,8 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from .model import TSPBatch, causal_lm_loss
+from .model import TSPBatch, lm_head_and_loss
+from .vocab import embed_local_tokens
 
 
 class TSPEmbeddingPipe(nn.Module):
@@ -24,7 +27,7 @@ class TSPEmbeddingPipe(nn.Module):
 
     def forward(self, input_ids):
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
-        return self.embed_tokens(batch.input_ids), batch.position_ids
+        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank), batch.position_ids
 
 
 class TSPDecoderLayerPipe(nn.Module):
@@ -42,6 +45,8 @@ class TSPDecoderLayerPipe(nn.Module):
 
 
 class TSPHeadPipe(nn.Module):
+    """The final norm; holds the LM head, which ``TSPPipeLoss`` applies."""
+
     def __init__(self, norm, lm_head):
         super().__init__()
         self.norm = norm
@@ -49,20 +54,21 @@ class TSPHeadPipe(nn.Module):
 
     def forward(self, inputs):
         hidden, _ = inputs
-        return self.lm_head(self.norm(hidden))
+        return self.norm(hidden)
 
 
 class TSPPipeLoss:
-    """Mean cross-entropy over all real tokens of the full sequence (labels come
-    full, as the data iterator yields them)."""
+    """LM head and mean cross-entropy over all real tokens of the full sequence
+    (labels come full, as the data iterator yields them)."""
 
-    def __init__(self, topology, layout_name):
-        self.topology, self.layout_name = topology, layout_name
+    def __init__(self, head_pipe, topology, layout_name):
+        self.head_pipe, self.topology, self.layout_name = head_pipe, topology, layout_name
 
-    def __call__(self, logits, labels):
+    def __call__(self, hidden, labels):
         topo = self.topology
         batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
-        return causal_lm_loss(logits, batch, topo.tsp_group)
+        loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group)
+        return loss
 
 
 def check_pipeline_stages(config, tsp_config):
@@ -88,9 +94,10 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     rotary_emb = model.get_submodule(policy.rotary_emb)
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
-    layers.append(TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head)))
+    head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head))
+    layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
-    return PipelineModule(layers=layers, loss_fn=TSPPipeLoss(topology, tsp_config.layout), topology=pipe_topology,
+    return PipelineModule(layers=layers, loss_fn=TSPPipeLoss(head, topology, tsp_config.layout), topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
                           activation_checkpoint_interval=1 if activation_checkpointing else 0,
                           checkpointable_layers=["TSPDecoderLayerPipe"])

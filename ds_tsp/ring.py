@@ -1,0 +1,66 @@
+"""Weight shards round a ring: the schedule the gated MLP (DESIGN.md 5) and the
+vocabulary-parallel LM head (DESIGN.md 6) share.
+
+Every rank starts with its own shard; at step ``t`` rank ``r`` holds shard
+``(r - t) mod D`` and computes with it on its own tokens while the next shard is
+already on its way from ``r - 1``. Tokens never move.
+
+In backward the partial gradient of a shard, from one rank's tokens, must end
+summed over all ranks on the shard's owner. At ``t=0`` each rank keeps the
+partial of its own shard; from ``t=1`` the accumulator of the shard a rank
+holds travels with that shard (posted with the next weight hop, added to on
+arrival), and after the last step it makes one more hop, to the owner, which
+adds the partial it kept. Per rank: ``D-1`` weight hops and ``D-1``
+accumulator hops, no all-reduce, no broadcast.
+"""
+
+from . import comm
+
+
+def ring_steps(shard, tsp_group, step, overlap=True):
+    """Call ``step(t, buf)`` for ``t`` in ``0..D-1``, ``buf`` holding shard
+    ``(r - t) mod D``; the next shard's hop overlaps the step when ``overlap``."""
+    tsp_size = comm.group_size(tsp_group)
+    ring = comm.RingExchange(tsp_group) if tsp_size > 1 else None
+    buf = shard
+    for t in range(tsp_size):
+        if t < tsp_size - 1:
+            next_buf = ring.send_recv(buf)
+            ring.commit() if overlap else ring.wait()
+        step(t, buf)
+        if t < tsp_size - 1:
+            ring.wait()
+            buf = next_buf
+
+
+def ring_gradients(shard, tsp_group, step, overlap=True):
+    """Run the ring again for backward: ``step(t, buf)`` returns the partial
+    gradient of the shard in ``buf`` from this rank's tokens (shaped like
+    ``buf``, in the dtype it should travel and be summed in). Returns this
+    rank's own shard's gradient summed over every rank of the group."""
+    tsp_size = comm.group_size(tsp_group)
+    if tsp_size == 1:
+        return step(0, shard)
+    ring = comm.RingExchange(tsp_group)
+    buf, own_partial, acc = shard, None, None
+    for t in range(tsp_size):  # buf holds shard (r - t) mod D; acc its gradient so far
+        if t < tsp_size - 1:
+            next_buf = ring.send_recv(buf)
+        if acc is not None:
+            # The accumulator of the shard held at t-1 follows it to r+1; ours arrives from r-1.
+            next_acc = ring.send_recv(acc)
+        ring.commit() if overlap else ring.wait()
+        partial = step(t, buf)
+        ring.wait()
+        if t == 0:
+            own_partial = partial
+        elif t == 1:
+            acc = partial
+        else:
+            acc = next_acc + partial
+        if t < tsp_size - 1:
+            buf = next_buf
+    # After step D-1 rank r holds shard r+1: one last hop hands its sum to the owner.
+    next_acc = ring.send_recv(acc)
+    ring.wait()
+    return next_acc + own_partial
