@@ -2,8 +2,9 @@
 
 ``from_pretrained`` builds the Hugging Face model on the meta device, checks
 everything that needs only sizes, then reads from disk only this rank's piece
-of every TSP-sharded tensor (``safe_open(...).get_slice``) plus the replicated
-tensors, so a rank's peak memory is about ``1/D`` of the blocks' weights.
+of every TSP-sharded tensor (``safe_open(...).get_slice``: the blocks' and,
+with ``tsp.vocab_parallel``, the embedding's and LM head's rows) plus the
+replicated tensors, so a rank's peak memory is about ``1/D`` of the weights.
 ``save_pretrained`` gathers the shards over the TSP group and writes a plain
 Hugging Face checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads.
 
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from . import attention, comm, mlp
+from . import attention, comm, mlp, vocab
 from .attention import HeadGroups, TSPAttention
 from .inject import inject
 from .mlp import TSPGatedMLP
@@ -85,10 +86,28 @@ def layer_shards(layer, config, policy, tsp_size):
     }
 
 
-def shard_plan(model, policy, tsp_size):
+def vocab_names(model, policy):
+    """Hugging Face names of the vocabulary matrices: the embedding's, and the
+    LM head's unless it is tied to the embedding."""
+    embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
+    names = [f"{policy.embed_tokens}.weight"]
+    if lm_head.weight is not embed.weight:
+        names.append(f"{policy.lm_head}.weight")
+    return names
+
+
+def shard_plan(model, policy, tsp_size, vocab_parallel=True):
     """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
-    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds."""
+    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds,
+    and, with ``vocab_parallel``, its rows of the embedding and LM head (after
+    checking that they can be folded)."""
     plans = [{} for _ in range(tsp_size)]
+    if vocab_parallel:
+        vocab.check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
+                             type(model).__name__)
+        for tsp_rank, plan in enumerate(plans):
+            plan.update(dict.fromkeys(vocab_names(model, policy),
+                                      vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
         for block_name, (_, holdings) in layer_shards(layer, model.config, policy, tsp_size).items():
@@ -235,7 +254,8 @@ class TSPShardCheckpoint:
         held = self.holdings[self.tsp_rank]
         if name not in held or held[name] != (None if piece is None else tuple(piece)):
             raise CheckpointError(f"{self.path} holds {held.get(name, 'nothing')} of {name} for TSP rank "
-                                  f"{self.tsp_rank}, but the model asks for {piece}: re-run ds-tsp convert "
+                                  f"{self.tsp_rank}, but the model asks for {piece}: re-run ds-tsp convert (with "
+                                  "--no-vocab-parallel if tsp.vocab_parallel is false) "
                                   "for this model and tsp.size")
         return self.read_rank(name, self.tsp_rank)
 
@@ -345,8 +365,10 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
     dtype. Steps, in this order:
 
     1. build the model on the meta device and check the policy and every
-       size-only constraint (heads, intermediate size, tensor names and shapes);
-    2. read the replicated tensors whole (embeddings, norms, LM head) and
+       size-only constraint (heads, intermediate size, a foldable vocabulary,
+       tensor names and shapes);
+    2. read the replicated tensors whole (norms; embeddings and LM head unless
+       ``tsp.vocab_parallel``) and
        recompute non-persistent buffers such as the rotary ``inv_freq``;
     3. ``inject`` with a reader that loads only this rank's piece of each
        sharded tensor from disk;
@@ -355,12 +377,14 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
     path = os.fspath(path)
     model, dtype = meta_model(path, torch_dtype)
     policy = resolve_policy(model, tsp_config.policy)
-    plan = shard_plan(model, policy, topology.tsp_size)[topology.tsp_rank]
+    plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel)[topology.tsp_rank]
     checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank)
     check_tensors_present(model, checkpoint)
 
     blocks = tuple(f"{policy.layers}.{i}.{part}." for i in range(len(model.get_submodule(policy.layers)))
                    for part in (policy.attention, policy.mlp))
+    if tsp_config.vocab_parallel:
+        blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}
     progress = tqdm(total=len(plan) + len(replicated), desc=f"Loading {os.path.basename(path)}", unit="tensor",
                     disable=topology.rank != 0)
@@ -413,6 +437,13 @@ def gather_block(block):
     return full
 
 
+def gather_vocab(module):
+    """The full ``(V, H)`` matrix of a vocabulary-parallel embedding or head:
+    every rank's rows all-gathered, the padding rows dropped."""
+    gathered, _ = comm.all_gather(module.weight.detach(), module.tsp_group)  # (D, Vs, H)
+    return gathered.flatten(0, 1)[:module.vocab_size]
+
+
 def gather_state_dict(model, progress=True):
     """The full Hugging Face state dict of an injected model, on every rank of its
     TSP group, under the original names (``lm_head.weight`` included when tied,
@@ -420,6 +451,11 @@ def gather_state_dict(model, progress=True):
     policy, topology = model.tsp_policy, model.tsp_topology
     state = {name: tensor for name, tensor in model.state_dict().items()
              if not name.startswith(f"{policy.layers}.")}
+    embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
+    if isinstance(embed, vocab.VocabParallelEmbedding):
+        state[f"{policy.embed_tokens}.weight"] = gather_vocab(embed)
+        state[f"{policy.lm_head}.weight"] = (state[f"{policy.embed_tokens}.weight"] if lm_head.tied
+                                             else gather_vocab(lm_head))
     layers = model.get_submodule(policy.layers)
     for index, layer in enumerate(tqdm(layers, desc="Gathering TSP shards", unit="layer",
                                        disable=not progress or topology.rank != 0)):
@@ -506,12 +542,14 @@ def _prepare_out_dir(in_dir, out_dir, force):
             shutil.copyfile(source, os.path.join(out_dir, name))
 
 
-def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False):
+def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, vocab_parallel=True):
     """Pre-shard the Hugging Face checkpoint ``in_dir`` for a TSP group of
     ``tsp_size``, in one process: ``out_dir`` gets ``rank{r}-of-{D}.safetensors``
     per rank (that rank's piece of every sharded tensor and every replicated
     tensor whole, all under Hugging Face names), ``tsp_shards.json`` (full
-    shapes and every rank's pieces) and the other files of ``in_dir``.
+    shapes and every rank's pieces) and the other files of ``in_dir``. With
+    ``vocab_parallel`` (as ``tsp.vocab_parallel``) the embedding and LM head
+    are sharded by rows too.
 
     The model is checked (policy, sizes, tensor names and shapes) before
     anything is written.
@@ -521,12 +559,12 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False):
         raise CheckpointError(f"{in_dir} is already pre-sharded: use --join to turn it back into a "
                               "Hugging Face checkpoint")
     model, _ = meta_model(in_dir)
-    plans = shard_plan(model, resolve_policy(model, policy), tsp_size)
+    plans = shard_plan(model, resolve_policy(model, policy), tsp_size, vocab_parallel)
     source = SafetensorsCheckpoint(in_dir)
     check_tensors_present(model, source)
     _prepare_out_dir(in_dir, out_dir, force)
 
-    # Tensors outside the blocks (embeddings, norms, LM head) go whole into every file.
+    # Tensors outside the plan (norms; embeddings and LM head if not folded) go whole into every file.
     in_blocks = set().union(*plans)
     replicated = dict.fromkeys(name for name in source.names if name not in in_blocks)
     ranks, tensors = [], {}

@@ -41,6 +41,8 @@ def build_parser():
                          help="TSP group size to shard for (required without --join)")
     convert.add_argument("--join", action="store_true", help="join per-rank shards into a Hugging Face checkpoint")
     convert.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    convert.add_argument("--no-vocab-parallel", dest="vocab_parallel", action="store_false",
+                         help="keep the embedding and LM head whole in every rank's file (tsp.vocab_parallel false)")
     convert.add_argument("--policy", default="auto", choices=("auto", *POLICY_NAMES),
                          help="architecture table to shard with, as tsp.policy (default: auto)")
     convert.set_defaults(run=run_convert, usage=convert)
@@ -70,7 +72,8 @@ def run_convert(args):
         return
     if args.tsp_size is None:
         args.usage.error("--tsp-size D is required without --join")
-    shard_checkpoint(args.in_dir, args.out_dir, args.tsp_size, policy=args.policy, force=args.force)
+    shard_checkpoint(args.in_dir, args.out_dir, args.tsp_size, policy=args.policy, force=args.force,
+                     vocab_parallel=args.vocab_parallel)
 
 
 def run_export(args):

@@ -1,8 +1,9 @@
 """``ds-tsp export``: a DeepSpeed checkpoint of a TSP model -> a Hugging Face directory.
 
 DeepSpeed writes one ``mp_rank_XX_model_states.pt`` per TSP rank (the TSP group
-is DeepSpeed's model-parallel group), each holding that rank's packed shards
-and the replicated tensors. This joins them in one process, without
+is DeepSpeed's model-parallel group), each holding that rank's packed shards,
+its rows of the embedding and LM head when the vocabulary is folded, and the
+replicated tensors. This joins them in one process, without
 torch.distributed, into ``config.json`` + ``model.safetensors`` that
 ``AutoModelForCausalLM.from_pretrained`` loads.
 """
@@ -14,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import (CheckpointError, _prepare_out_dir, join_holdings, layer_shards, meta_model, untied,
-                         write_hf_checkpoint)
+                         vocab_names, write_hf_checkpoint)
 from .policy import resolve_policy
 
 # Replicated tensors of a TSP block: Hugging Face name -> parameter name.
@@ -39,6 +40,17 @@ def read_rank_states(checkpoint_dir, tag=None):
     # DeepSpeed's files hold non-tensor state (config, counters) as well.
     return [torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)["module"]
             for _, name in files]
+
+
+def join_vocab(name, per_rank, vocab_size):
+    """The full ``(V, H)`` matrix from every rank's copy: whole when replicated,
+    else the ranks' rows in order with the padding rows dropped."""
+    if per_rank[0].shape[0] == vocab_size:
+        return per_rank[0]
+    full = torch.cat(per_rank)
+    if full.shape[0] < vocab_size:
+        raise CheckpointError(f"the ranks' rows of {name} ({full.shape[0]}) do not cover vocab_size {vocab_size}")
+    return full[:vocab_size]
 
 
 def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, force=False):
@@ -66,6 +78,8 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i in range(len(model.get_submodule(policy.layers)))
                            for b in (policy.attention, policy.mlp))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})
+    full.update({name: join_vocab(name, [state[name] for state in states], model.config.vocab_size)
+                 for name in vocab_names(model, policy) if name in states[0]})
     expected = set(untied(model, dict(model.state_dict())))
     state = {name: full[name] for name in expected if name in full}
     missing = expected - set(state)

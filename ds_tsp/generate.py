@@ -38,8 +38,12 @@ float64 models)::
                 + hq * (d + 1) * a          # all-to-all of partial (out, lse)
                 + 2 * H * e ]               # all-gathers of attention and MLP outputs
 
-and nothing else (no weight moves). The prefill adds one all-gather of
-``B * H`` (the last prompt token's hidden state, from its owner).
+and nothing else (no weight moves), plus, with the folded vocabulary
+(``tsp.vocab_parallel``), the new tokens' embedding rows from their owners
+(``(B - b_r) * H * e``, ``b_r`` of the new tokens owned by rank ``r``) and
+the all-gather of the logits slices (``(D-1) * B * ceil(V/D) * e``). The
+prefill adds one all-gather of ``B * H`` (the last prompt token's hidden
+state, from its owner) and the same logits all-gather.
 """
 
 from dataclasses import dataclass
@@ -52,6 +56,7 @@ from .attention import attention_forward, project, rotate
 from .kv_cache import KVCache, placement, prompt_tokens
 from .mlp import shard_forward
 from .model import TSPCausalLMMixin
+from .vocab import embed_local_tokens, full_vocab_logits
 
 
 @dataclass
@@ -196,7 +201,8 @@ class TSPDecoder:
         D, r, device = self.tsp_size, self.tsp_rank, prompt.device
         padded, _ = layout.pad_to_multiple(prompt, D, value=0)
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
-        hidden = self.embed(layout.shard(padded, r, D, self.layout))  # (B, S/D, H)
+        rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
+        hidden = embed_local_tokens(self.embed, rank_ids, r)  # (B, S/D, H)
         cos, sin = self.rotary(hidden, positions.expand(batch, -1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
@@ -222,7 +228,7 @@ class TSPDecoder:
     def step(self, tokens, positions, target):
         """One new token per row (``tokens``, ``positions`` ``(B,)``, the same on
         every rank), cached on rank ``target``; returns its logits ``(B, V)``."""
-        hidden = self.embed(tokens.unsqueeze(1))  # (B, 1, H)
+        hidden = embed_local_tokens(self.embed, [tokens.unsqueeze(1)] * self.tsp_size, self.tsp_rank)  # (B, 1, H)
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))
         slots = None
         if target == self.tsp_rank:
@@ -292,7 +298,7 @@ class TSPDecoder:
         return gathered[owners, torch.arange(hidden.shape[0], device=hidden.device)].unsqueeze(1)
 
     def _logits(self, hidden):
-        return self.lm_head(self.final_norm(hidden))[:, 0]
+        return full_vocab_logits(self.lm_head, self.final_norm(hidden))[:, 0]
 
 
 def _all_kv_heads(groups):

@@ -12,7 +12,10 @@ activations + logits + transient``.
   fp32 master + Adam m, v), fp32 is 4 + 4 + 8. ZeRO partitions them over the
   axis on which weights are replicated: DP's, and also the sequence axis of
   SP/CP/TP+SP, as DeepSpeed does for Ulysses (ALST). TP and TSP spend all ``N``
-  devices on one replica: nothing is left for ZeRO to partition.
+  devices on one replica: nothing is left for ZeRO to partition. TSP is
+  planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
+  (the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
+  device; ``TSP(N) replicated vocab`` keeps both whole on every device.
 * Activations are the tensors autograd saves for backward, counted tensor by
   tensor (Korthikanti et al. 2022, "Reducing Activation Recomputation", method).
   Their ``S*B*H*(34 + 5*a*S/H)`` bytes per layer is for a GPT layer (LayerNorm,
@@ -41,22 +44,31 @@ activations + logits + transient``.
   With activation checkpointing every layer keeps its input (``e*H`` per
   token, replicated over TP) and one layer is recomputed at a time.
 * Logits: the model output ``e*V`` and the fp32 log-probabilities the loss
-  saves, per local token (``V/t`` under TP's vocab-parallel head).
+  saves, per local token (``V/t`` under TP's vocab-parallel head). TSP's folded
+  vocabulary has neither: its fused LM head + loss saves the labels and the
+  log-sum-exp only.
 * Transient: the larger of the loss backward (dense logit gradients) and one
   layer's backward buffers; for TSP that is one head group's full-sequence K/V
   with its gradients, the weight shards in flight, the fp32 gradient reduces
-  and ring accumulators, and one MLP shard's intermediates.
+  and ring accumulators, and one MLP shard's intermediates. The folded loss
+  backward holds three fp32 logits tiles (``z``, softmax, ``dz``;
+  ``tsp.logits_tile_mib`` each at most), the fp32 input gradient and two head
+  shards with their fp32 gradient accumulators.
 
 Communication is bytes RECEIVED per device, as ``ds_tsp.comm`` counts them
 (ring algorithms): all-reduce of ``n`` bytes ``2(p-1)/p n``, all-gather and
 reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all ``(p-1)/p`` of the
 local tensor, broadcast ``n`` per non-owner, reduce ``(p-1) n`` at the owner.
 Per step = ``L * (forward + backward [+ forward again when checkpointing])``
-plus the once-per-step syncs (embedding, LM head, replicated gradients, ZeRO).
+plus the once-per-step syncs (embedding, LM head, replicated gradients, ZeRO);
+for TSP, ``tsp_step_bytes_by_op`` per op, with the folded vocabulary's embedding
+all-to-all and LM-head ring in ``tsp_vocab_bytes_by_op``.
 
 FLOPs count matmuls (2 per multiply-add) and causal attention
 (``2*B*S^2*nq*d`` forward); backward is 2x the matmuls and 2.5x attention
-(flash); TSP adds the attention forward again when its backward is not fused.
+(flash); TSP adds the attention forward again when its backward is not fused,
+and the LM head's forward again when the vocabulary is folded (the fused loss
+recomputes its logits tile by tile).
 
 The paper's setting (llama-7b shape, S = 128K, B = 1, 8 GPUs, bf16: 38.8 GB
 TSP, 70.0 TP, 85.0 / 140.0 TP+SP) needs full activation checkpointing: without
@@ -64,6 +76,8 @@ it this model puts TP(8) at about 365 GB per GPU, past an MI300X's 192 GB, so
 ``--paper`` turns checkpointing on for every strategy. With it the estimates
 keep the paper's order, TSP < TP < its TP+SP layouts; the measured peaks are
 1.1-1.2x the estimates, TP's 0.98x (``format_table`` prints the comparison).
+The paper describes TSP schedules for attention and the MLP only, so its TSP
+is compared with ``TSP(8) replicated vocab``.
 """
 
 import argparse
@@ -88,9 +102,11 @@ PRESETS = {
 # Peak GB per GPU reported by the paper: llama-7b shape, S = 128K, B = 1, 8 MI300X per replica.
 # Its two TP+SP layouts are not named in DESIGN.md; their model states 16P/t leave
 # about 31 GB of activations at t=2 x c=4 (85.0) and at t=1 x c=8 (140.0), so they
-# are placed there (t=4 x c=2 would leave 58 GB, twice the other two).
+# are placed there (t=4 x c=2 would leave 58 GB, twice the other two). The paper
+# describes TSP schedules for attention and the gated MLP only, so its TSP is
+# set beside ds_tsp's TSP with the embedding and LM head whole on every rank.
 PAPER_SETTING = dict(model="llama-7b", seq_len=131072, micro_batch=1, devices=8, dtype="bf16")
-PAPER_PEAK_GB = {"TSP(8)": 38.8, "TP(8)": 70.0, "TP+SP(2x4)": 85.0, "SP-Ulysses(8)": 140.0}
+PAPER_PEAK_GB = {"TSP(8) replicated vocab": 38.8, "TP(8)": 70.0, "TP+SP(2x4)": 85.0, "SP-Ulysses(8)": 140.0}
 PAPER_LABELS = {"SP-Ulysses(8)": "TP+SP t=1 x c=8"}
 PAPER_DEVICE_GB = 192  # MI300X
 
@@ -100,6 +116,9 @@ PAPER_DEVICE_GB = 192  # MI300X
 # with head_dim <= 256); "recompute" saves q, k, v only and runs the attention
 # forward again under autograd (flash-attn, fp32 on CUDA, sliding windows).
 TSP_ATTENTION_BACKWARDS = ("fused", "recompute")
+
+# ``tsp.logits_tile_mib``: the largest fp32 logits tile of the fused LM head + loss.
+DEFAULT_LOGITS_TILE_MIB = 32.0
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "logits", "transient")
 FLOAT32 = 4
@@ -177,6 +196,7 @@ class Setting:
     zero_stage: int
     activation_checkpointing: bool
     tsp_attention_backward: str  # "fused" or "recompute", see TSP_ATTENTION_BACKWARDS
+    logits_tile_mib: float = DEFAULT_LOGITS_TILE_MIB  # tsp.logits_tile_mib, for the folded vocabulary
 
     @property
     def precision(self):
@@ -283,6 +303,16 @@ def _tsp_attention_shard(m, tsp_size, tsp_rank):
     return own
 
 
+DIRECTIONS = ("forward", "backward", "both")
+
+
+def _by_direction(forward, backward, direction):
+    """``forward``, ``backward`` or their sum, per op; int where whole."""
+    counts = {"forward": forward, "backward": backward,
+              "both": {op: forward.get(op, 0) + backward.get(op, 0) for op in {**forward, **backward}}}[direction]
+    return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
+
+
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
@@ -303,8 +333,8 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     m = model_shape(model)
     D, e = tsp_size, elem_bytes
     acc = max(e, FLOAT32)
-    if direction not in ("forward", "backward", "both"):
-        raise ValueError(f"direction must be 'forward', 'backward' or 'both', not {direction!r}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
     problem = tsp_shape_problem(m, D)
     if problem:
         raise ValueError(f"TSP cannot shard this model over {D} ranks: {problem}")
@@ -317,13 +347,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
     forward = {"broadcast": e * (m.attention_params - own), "ring": e * mlp, "all_gather": e * kv}
     backward = {**forward, "ring": (e + acc) * mlp, "reduce": acc * (D - 1) * own, "reduce_scatter": e * kv}
-    if direction == "forward":
-        counts = forward
-    elif direction == "backward":
-        counts = backward
-    else:
-        counts = {op: forward.get(op, 0) + backward[op] for op in backward}
-    return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
+    return _by_direction(forward, backward, direction)
 
 
 def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None):
@@ -332,6 +356,96 @@ def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direc
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
                                                       tsp_rank).values())
     return int(total) if total.denominator == 1 else float(total)
+
+
+# --- TSP outside the blocks: the folded vocabulary and the parameters every rank holds whole ------
+
+def tsp_name(tsp_size, vocab_parallel=True):
+    """The plan's name: ``TSP(D)`` with the folded vocabulary (``tsp.vocab_parallel``,
+    the default), ``TSP(D) replicated vocab`` without it."""
+    return f"TSP({tsp_size})" + ("" if vocab_parallel else " replicated vocab")
+
+
+def vocab_rows_per_rank(vocab_size, tsp_size):
+    """``Vs = ceil(V/D)``: embedding (and LM head) rows per rank under the folded
+    vocabulary; ``V`` is padded to ``D*Vs`` with rows no token uses."""
+    return -(-vocab_size // tsp_size)
+
+
+def logits_tile_tokens(vocab_rows, local_tokens, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB):
+    """Tokens per logits tile of the fused LM head + loss: the most whose fp32
+    ``(tokens, Vs)`` logits fit ``logits_tile_mib``, at least 1, at most the local tokens."""
+    return min(local_tokens, max(1, int(logits_tile_mib * 2**20 // (FLOAT32 * vocab_rows))))
+
+
+def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, rows_exchanged=None):
+    """Bytes one rank receives for the folded vocabulary in one training step,
+    per ``comm`` op name; ``direction`` is "forward", "backward" or "both".
+
+    ``all_to_all``, the embedding: forward, the rows of this rank's local tokens
+    that other ranks own; backward, the gradients of this rank's own rows for
+    the other ranks' local tokens; ``H*elem`` bytes a token. ``rows_exchanged``
+    is that pair of token counts for one batch (forward: this rank's local ids
+    ``i`` with ``i // Vs != rank``; backward: the other ranks' local ids with
+    ``i // Vs == rank``); by default the expected ``(D-1)/D * B*S/D`` each, for
+    ids spread evenly over the vocabulary, which is also the mean over ranks.
+
+    ``ring``, the fused LM head + loss: forward, ``D-1`` hops of a head shard
+    (``Vs*H*elem``); backward, the same again plus ``D-1`` hops of its gradient
+    accumulator in ``max(elem, 4)`` bytes. Tied models send the one shard.
+    The loss's all-reduce is in ``tsp_step_bytes_by_op``, both settings have it.
+    """
+    m = model_shape(model)
+    D, e, H = tsp_size, elem_bytes, m.hidden_size
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
+    if D == 1:
+        return {}
+    if seq_len % D:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of tsp_size {D}")
+    if rows_exchanged is None:
+        expected = Fraction((D - 1) * micro_batch * seq_len, D * D)
+        rows_exchanged = (expected, expected)
+    shard = vocab_rows_per_rank(m.vocab_size, D) * H
+    forward = {"all_to_all": rows_exchanged[0] * H * e, "ring": (D - 1) * shard * e}
+    backward = {"all_to_all": rows_exchanged[1] * H * e, "ring": (D - 1) * shard * (e + max(e, FLOAT32))}
+    return _by_direction(forward, backward, direction)
+
+
+def _all_reduced(nbytes, group_size):
+    """Bytes ``comm.all_reduce`` counts as received for one tensor of ``nbytes``."""
+    return 2 * (group_size - 1) * nbytes // group_size
+
+
+def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, vocab_parallel=True,
+                         activation_checkpointing=False, tsp_rank=None, rows_exchanged=None):
+    """Bytes one rank receives in one training step (forward and backward of one
+    micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
+
+    The layers: ``L`` times ``tsp_bytes_by_op(..., "both")``, plus its forward
+    again with activation checkpointing. With ``vocab_parallel`` (the default),
+    ``tsp_vocab_bytes_by_op(..., "both", rows_exchanged)``. ``all_reduce``: the
+    loss (one scalar in ``max(elem, 4)`` bytes) and the gradients of what every
+    rank holds whole, one all-reduce per tensor in ``elem`` bytes: the norms
+    (and MLP down biases), and without ``vocab_parallel`` the embedding and the
+    LM head too. ``tsp_rank`` is as in ``tsp_bytes_by_op``.
+    """
+    m = model_shape(model)
+    D, e, H, L = tsp_size, elem_bytes, m.hidden_size, m.num_layers
+    if D == 1:
+        return {}
+    layer = tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank)
+    recompute = tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank) if activation_checkpointing \
+        else {}
+    counts = {op: L * (bytes_ + recompute.get(op, 0)) for op, bytes_ in layer.items()}
+    if vocab_parallel:
+        for op, bytes_ in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged).items():
+            counts[op] = counts.get(op, 0) + bytes_
+    whole = [H] * (2 * L + 1) + [H] * (L if m.mlp_bias else 0)  # norms, final norm, MLP down biases
+    if not vocab_parallel:
+        whole += [m.vocab_size * H] * (1 if m.tie_word_embeddings else 2)
+    counts["all_reduce"] = _all_reduced(max(e, FLOAT32), D) + sum(_all_reduced(numel * e, D) for numel in whole)
+    return counts
 
 
 def _tsp_layer_saved_per_token(m, e, attention_backward):
@@ -379,30 +493,50 @@ def _model_states(params, p, zero_stage, zero_group):
     return {"weights": weights, "grads": grads, "optimizer": optimizer}
 
 
-def _flops(m, setting, B, S, share, tsp):
-    """FLOPs per device per step: the replica's total for ``B`` sequences of ``S`` times ``share``."""
+def _flops(m, setting, B, S, share, tsp, fused_head=False):
+    """FLOPs per device per step: the replica's total for ``B`` sequences of ``S``
+    times ``share``; ``fused_head``: the LM head + loss recomputes the logits in backward."""
     L, T = m.num_layers, B * S
     attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
     mm_attn, mm_mlp = 2 * T * m.attention_params, 2 * T * m.mlp_params
     head = 2 * T * m.vocab_size * m.hidden_size
     forward = L * (mm_attn + mm_mlp + attn) + head
-    backward = L * (2 * (mm_attn + mm_mlp) + 2.5 * attn) + 2 * head
+    backward = L * (2 * (mm_attn + mm_mlp) + 2.5 * attn) + (3 if fused_head else 2) * head
     if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
         backward += L * attn
     recompute = L * (mm_attn + mm_mlp + attn) if setting.activation_checkpointing else 0
     return (forward + backward + recompute) * share
 
 
-def _plan_tsp(setting):
+def _tsp_vocab_memory(m, p, tsp_size, tokens, logits_tile_mib):
+    """The folded vocabulary's fused LM head + loss: what it saves for backward
+    (labels and the log-sum-exp) and the named pieces of its backward transient."""
+    H, acc = m.hidden_size, p.accumulate
+    rows = vocab_rows_per_rank(m.vocab_size, tsp_size)
+    tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
+    saved = tokens * (INT64 + acc)
+    transient = {
+        "logits_tiles": 3 * tile * rows * FLOAT32,  # z, softmax(z), dz of one token tile, fp32
+        "grad_hidden": tokens * H * acc,
+        "head_shards_in_flight": 2 * rows * H * (p.element + acc),  # two shards, two gradient accumulators
+    }
+    return saved, transient
+
+
+def _plan_tsp(setting, vocab_parallel):
+    """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
+    the embedding and LM head whole on every rank."""
     m, p, D = setting.model, setting.precision, setting.devices
     e, acc, B, L, H = p.element, p.accumulate, setting.micro_batch, m.num_layers, m.hidden_size
     problem = tsp_shape_problem(m, D)
     S = -(-setting.seq_len // (2 * D)) * 2 * D  # zigzag pads to a multiple of 2D
-    tokens = B * S / D
+    tokens = B * S // D
     attn_shard = max(_tsp_attention_shard(m, D, r) for r in range(D))
     mlp_shard = m.mlp_params / D
-    replicated = L * m.layer_replicated_params + m.embedding_params
-    states = _model_states(L * (attn_shard + mlp_shard) + replicated, p, setting.zero_stage, 1)
+    vocab_rows = vocab_rows_per_rank(m.vocab_size, D) if vocab_parallel else m.vocab_size
+    vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
+    states = _model_states(L * (attn_shard + mlp_shard + m.layer_replicated_params) + H + vocab, p,
+                           setting.zero_stage, 1)
 
     layer_saved = tokens * _tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward)
     model_saved = _model_level_saved(m, e, tokens, rope_rows=tokens)
@@ -410,7 +544,12 @@ def _plan_tsp(setting):
         layers = L * tokens * e * H + layer_saved
     else:
         layers = L * layer_saved
-    logits_saved, logits_held = _logits(m, p, tokens, 1)
+    if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
+        logits_saved, loss_backward = _tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
+        logits_held = 0
+    else:
+        logits_saved, logits_held = _logits(m, p, tokens, 1)
+        loss_backward = {"loss_backward": tokens * m.vocab_size * (2 * acc + e)}
 
     kv_heads = max(m.num_kv_heads // D, 1)
     detail = {
@@ -426,25 +565,25 @@ def _plan_tsp(setting):
         "mlp_accumulators": 3 * mlp_shard * acc,  # travelling, arriving, own partial
         "mlp_shard_intermediates": 6 * tokens * (m.intermediate_size / D) * e,
         "grad_x": tokens * H * (acc + 2 * e),
-        "loss_backward": tokens * m.vocab_size * (2 * acc + e),
+        **loss_backward,
     }
     layer_backward = sum(detail[k] for k in ("kv_head_group", "weight_shards_in_flight", "attention_grad_reduces",
                                               "mlp_accumulators", "mlp_shard_intermediates", "grad_x"))
     memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
-              "transient": max(layer_backward, detail["loss_backward"])}
+              "transient": max(layer_backward, sum(loss_backward.values()))}
 
     if problem:
-        forward = backward = float("nan")
+        forward = backward = per_step = float("nan")
     else:
         forward = tsp_bytes_per_layer(m, S, B, D, e, "forward")
         backward = tsp_bytes_per_layer(m, S, B, D, e, "backward")
-    recompute = forward if setting.activation_checkpointing else 0
-    replicated_sync = 2 * (D - 1) / D * replicated * p.grad  # sum of replicated grads over the group
-    per_step = L * (forward + backward + recompute) + replicated_sync
+        per_step = sum(tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
+                                            activation_checkpointing=setting.activation_checkpointing).values())
     notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
-    return StrategyPlan(f"TSP({D})", f"tsp={D}", memory, forward, backward, per_step,
-                        _flops(m, setting, B, S, 1 / D, tsp=True), tokens, setting, feasible=problem is None,
-                        notes=notes, detail=detail)
+    return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
+                        memory, forward, backward, per_step,
+                        _flops(m, setting, B, S, 1 / D, tsp=True, fused_head=vocab_parallel), tokens, setting,
+                        feasible=problem is None, notes=notes, detail=detail)
 
 
 def _baseline_problem(m, t, c, kind, seq_len):
@@ -530,14 +669,16 @@ def _plan_baseline(setting, name, layout, t, c, dp, kind):
 
 
 def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
-         tsp_attention_backward=None):
+         tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB):
     """Per-device costs of every strategy on ``devices`` devices: DP, TP, SP
     (Ulysses), CP (all-gather), TP+SP for every ``t x c = devices`` with both
-    above 1, and TSP. See the module docstring for what is counted.
+    above 1, and TSP with the embedding and LM head whole on every rank and
+    with them folded (``tsp_name``). See the module docstring for what is counted.
 
     ``tsp_attention_backward`` ("fused" or "recompute", see
     ``TSP_ATTENTION_BACKWARDS``) defaults to what ds_tsp's own kernels do:
-    fused for full causal attention with ``head_dim <= 256``."""
+    fused for full causal attention with ``head_dim <= 256``.
+    ``logits_tile_mib`` is ``tsp.logits_tile_mib``."""
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, not {dtype!r}")
     if zero_stage not in (0, 1, 2, 3):
@@ -551,8 +692,10 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     if tsp_attention_backward not in TSP_ATTENTION_BACKWARDS:
         raise ValueError(f"tsp_attention_backward must be one of {TSP_ATTENTION_BACKWARDS}, "
                          f"not {tsp_attention_backward!r}")
+    if not logits_tile_mib > 0:
+        raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
     setting = Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
-                      tsp_attention_backward)
+                      tsp_attention_backward, logits_tile_mib)
     N = devices
     plans = [_plan_baseline(setting, f"DP({N})", f"dp={N}", 1, 1, N, "none"),
              _plan_baseline(setting, f"TP({N})", f"tp={N}", N, 1, 1, "none"),
@@ -562,7 +705,7 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
         if N % t == 0:
             plans.append(_plan_baseline(setting, f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}", t, N // t, 1,
                                         "ulysses"))
-    plans.append(_plan_tsp(setting))
+    plans += [_plan_tsp(setting, vocab_parallel=False), _plan_tsp(setting, vocab_parallel=True)]
     return plans
 
 
@@ -607,8 +750,13 @@ def _paper_footer(plans, paper):
         lines.append(f"Assumed, as the paper must: full activation checkpointing for every strategy; without it "
                      f"TP({setting.devices}) alone would need {_gb(tp.total)} GB per GPU "
                      f"(> {PAPER_DEVICE_GB} GB on an MI300X) against the paper's 70.0.")
-    tsp, tp = by_name.get(f"TSP({setting.devices})"), by_name.get(f"TP({setting.devices})")
+    tsp, tp = by_name.get(tsp_name(setting.devices, False)), by_name.get(f"TP({setting.devices})")
     paper_hybrids = sorted((p for p in plans if p.name in paper and p not in (tsp, tp)), key=lambda p: p.total)
+    folded = by_name.get(tsp_name(setting.devices))
+    if tsp and folded:
+        lines.append(f"The paper describes TSP schedules for attention and the gated MLP only, so its TSP is set "
+                     f"beside {tsp.name}; with the vocabulary folded as well (ds_tsp's default) {folded.name} "
+                     f"needs {_gb(folded.total)} GB.")
     if tsp and tp and paper_hybrids:
         holds = tsp.total < tp.total < paper_hybrids[0].total
         lines.append(f"Ordering TSP < TP < the paper's TP+SP layouts: {'reproduced' if holds else 'NOT reproduced'} "
@@ -656,11 +804,18 @@ def format_table(plans, paper=None):
         f"activations = tensors saved for backward (HF Llama layer, flash attention, for the baselines; "
         f"ds_tsp's own saved tensors for TSP); logits = output + fp32 log-probs; transient = max(loss backward, "
         f"one layer's backward buffers).",
+        f"TSP vocabulary: {tsp_name(setting.devices)} folds it (tsp.vocab_parallel, the default): each rank holds "
+        f"ceil(V/D) rows of the embedding and the LM head, and the fused head + loss keeps no logits, only the labels "
+        f"and fp32 log-sum-exp, with {setting.logits_tile_mib:g} MiB fp32 logits tiles (tsp.logits_tile_mib); "
+        f"{tsp_name(setting.devices, False)} keeps both whole on every rank (vocab_parallel false).",
         "Communication: bytes received per device (ring all-reduce 2(p-1)/p, all-gather / reduce-scatter / "
         "all-to-all (p-1)/p, broadcast 1 per non-owner, reduce (p-1) at the owner); per step = L x (fwd + bwd"
         + (" + recomputed fwd" if setting.activation_checkpointing else "") + ") + embedding/head/replicated syncs.",
         "TSP per layer (elements, x dtype bytes): fwd (D-1)/D (Wa + Wm + 2BS nkv d); bwd = fwd + (D-1)/D (Wa + Wm) "
-        "in fp32 (gradient reduce, ring accumulators) + (D-1)/D 2BS nkv d (dK, dV reduce-scatter).",
+        "in fp32 (gradient reduce, ring accumulators) + (D-1)/D 2BS nkv d (dK, dV reduce-scatter). Folded vocabulary, "
+        "per step: embedding all-to-all (D-1)/D BSH/D fwd and bwd, LM-head ring (D-1) ceil(V/D) H fwd and bwd + the "
+        "same in fp32 bwd (gradient accumulators); replicated vocabulary: the embedding and head gradients "
+        "all-reduced instead.",
     ]
     if paper:
         footer += _paper_footer(plans, paper)
@@ -668,7 +823,8 @@ def format_table(plans, paper=None):
 
 
 def plot_memory_vs_seq(model, seq_lens, devices, path, micro_batch=1, dtype="bf16", zero_stage=0,
-                       activation_checkpointing=False, memory_per_device_bytes=None, tsp_attention_backward=None):
+                       activation_checkpointing=False, memory_per_device_bytes=None, tsp_attention_backward=None,
+                       logits_tile_mib=DEFAULT_LOGITS_TILE_MIB):
     """PNG at ``path``: per-device peak memory against sequence length, one line
     per strategy (log-log), with the device memory as a dashed line if given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -678,7 +834,7 @@ def plot_memory_vs_seq(model, seq_lens, devices, path, micro_batch=1, dtype="bf1
     curves = {}
     for seq_len in seq_lens:
         for plan_ in plan(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
-                          tsp_attention_backward):
+                          tsp_attention_backward, logits_tile_mib):
             curves.setdefault(plan_.name, []).append(plan_.total / GB)
     fig = Figure(figsize=(8, 5))
     FigureCanvasAgg(fig)
@@ -711,6 +867,16 @@ def _tokens(text):
     return value
 
 
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _positive_int(text):
     try:
         value = int(text)
@@ -738,6 +904,9 @@ def add_plan_arguments(parser):
                         help="fused: TSP attention saves its output and lse (ds_tsp's torch-flash kernels); "
                              "recompute: it runs the forward again (flash-attn). Default: fused unless the model "
                              "has a sliding window or head_dim > 256")
+    parser.add_argument("--logits-tile-mib", type=_positive_float, default=DEFAULT_LOGITS_TILE_MIB,
+                        help="tsp.logits_tile_mib: the largest fp32 logits tile of TSP's fused LM head + loss "
+                             f"(default {DEFAULT_LOGITS_TILE_MIB:g})")
     parser.add_argument("--memory-gb", type=float, help="device memory in GB: list the strategies that fit, best first")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory against sequence length")
     parser.add_argument("--paper", action="store_true",
@@ -753,7 +922,7 @@ def run_plan(args, out=None):
         checkpointing = bool(args.paper)
     try:
         plans = plan(args.model, args.seq_len, args.micro_batch, args.devices, args.dtype, args.zero_stage,
-                     checkpointing, args.tsp_attention_backward)
+                     checkpointing, args.tsp_attention_backward, args.logits_tile_mib)
         print(format_table(plans, PAPER_PEAK_GB if args.paper else None), file=out)
         if args.memory_gb is not None:
             fits = recommend(plans, args.memory_gb * GB)
@@ -769,7 +938,8 @@ def run_plan(args, out=None):
             seq_lens = [args.seq_len >> k for k in range(6, -1, -1) if args.seq_len >> k >= 2 * args.devices]
             plot_memory_vs_seq(args.model, seq_lens, args.devices, args.plot, args.micro_batch, args.dtype,
                                args.zero_stage, checkpointing,
-                               None if args.memory_gb is None else args.memory_gb * GB, args.tsp_attention_backward)
+                               None if args.memory_gb is None else args.memory_gb * GB, args.tsp_attention_backward,
+                               args.logits_tile_mib)
             print(f"Wrote {args.plot}", file=out)
     except (ValueError, OSError) as err:
         print(f"ds-tsp plan: error: {err}", file=sys.stderr)

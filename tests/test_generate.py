@@ -9,6 +9,7 @@ from ds_tsp import comm
 from ds_tsp.config import TSPConfig
 from ds_tsp.generate import TSPDecoder, generate
 from ds_tsp.topology import TSPTopology
+from ds_tsp.vocab import shard_rows
 from models import COMMON, tiny_model
 
 # float64 end to end: sharding and the log-sum-exp merge of partial attention
@@ -44,8 +45,11 @@ def _run_generate(arch, input_ids, wrong_shard=False, measure_step=False, **kwar
         lengths = torch.full((input_ids.shape[0],), input_ids.shape[1])
         logits = decoder.prefill(input_ids, lengths, num_decode_steps=1)
         comm.counter.reset()
-        decoder.step(logits.argmax(dim=-1), lengths, decoder.targets[0])
+        tokens = logits.argmax(dim=-1)
+        decoder.step(tokens, lengths, decoder.targets[0])
         result["step_ops"] = comm.counter.snapshot()
+        owned = (tokens // shard_rows(model.config.vocab_size, tsp_size) == model.tsp_topology.tsp_rank).sum()
+        result["step_tokens_owned"] = int(owned)
     return result
 
 
@@ -74,13 +78,18 @@ def _kv_bytes_per_token(batch):
     return COMMON["num_hidden_layers"] * 2 * batch * COMMON["num_key_value_heads"] * COMMON["head_dim"] * 8
 
 
-def _decode_step_bytes(tsp_size, batch):
-    """The module docstring's formula, float64 (e = a = 8 bytes)."""
+def _decode_step_bytes(tsp_size, batch, tokens_owned):
+    """The module docstring's formula, float64 (e = a = 8 bytes): ``(received, sent)``
+    by a rank that owns the embedding rows of ``tokens_owned`` of the new tokens."""
     hq = COMMON["num_attention_heads"] // tsp_size
     hkv = max(COMMON["num_key_value_heads"] // tsp_size, 1)
     d, hidden = COMMON["head_dim"], COMMON["hidden_size"]
     per_layer = (tsp_size - 1) * batch * ((hq + 2 * hkv) * d + hq * (d + 1) + 2 * hidden) * 8
-    return COMMON["num_hidden_layers"] * per_layer
+    logits = (tsp_size - 1) * batch * shard_rows(COMMON["vocab_size"], tsp_size) * 8
+    if tsp_size == 1:
+        return 0, 0
+    blocks = COMMON["num_hidden_layers"] * per_layer + logits
+    return blocks + (batch - tokens_owned) * hidden * 8, blocks + (tsp_size - 1) * tokens_owned * hidden * 8
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -108,12 +117,14 @@ def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
         # 1/D of the single-device cache, up to one token of imbalance (same in every layer).
         assert sum(cache) == single_device
         assert all(abs(c - single_device / tsp_size) < _kv_bytes_per_token(batch) for c in cache)
-        # Weights never move while decoding: only the activations of the formula.
+        # Weights never move while decoding: only the activations (and the new
+        # tokens' embedding rows and logits slices) of the formula.
         for r in per_rank:
             ops = r["step_ops"]
             assert set(ops) <= {"all_gather", "all_to_all"}
-            assert sum(op["received"] for op in ops.values()) == _decode_step_bytes(tsp_size, batch)
-            assert sum(op["sent"] for op in ops.values()) == _decode_step_bytes(tsp_size, batch)
+            received, sent = _decode_step_bytes(tsp_size, batch, r["step_tokens_owned"])
+            assert sum(op["received"] for op in ops.values()) == received
+            assert sum(op["sent"] for op in ops.values()) == sent
 
 
 def test_mistral_sliding_window_at_four_ranks(run_ranks):

@@ -86,6 +86,100 @@ def test_mlp_bytes_match_the_mlp_tests_formula(dtype, bias):
         assert ops["ring"] == 2 * weight_hops + (D - 1) * sharded // D * accumulator
 
 
+def test_vocab_bytes_by_hand():
+    # V=61 over D=2: Vs = 31 rows of H=16 per rank (row 61 is padding). B*S/D = 16 local tokens, bf16.
+    m = _shape()
+    assert planner.vocab_rows_per_rank(61, 2) == 31 and planner.vocab_rows_per_rank(64, 4) == 16
+    forward = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward")
+    # Embedding: expected 1/2 of the 16 local tokens' rows from the other rank; head ring: 1 hop of the shard.
+    assert forward == {"all_to_all": 8 * 16 * 2, "ring": 31 * 16 * 2}
+    backward = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "backward")
+    # Row gradients back to their owner (bf16); the shard again and its accumulator in fp32.
+    assert backward == {"all_to_all": 8 * 16 * 2, "ring": 31 * 16 * (2 + 4)}
+    assert planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both") == {"all_to_all": 512, "ring": 31 * 16 * 8}
+    # D=4 (Vs = 16): 3/4 of the 8 local tokens; 3 hops. float64 accumulates in float64.
+    assert planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 4, 8, "both") == {
+        "all_to_all": 2 * 6 * 16 * 8, "ring": 3 * 16 * 16 * (8 + 8 + 8)}
+    # One batch's exact counts: 5 of this rank's tokens owned elsewhere, 11 of the other's owned here.
+    exact = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", rows_exchanged=(5, 11))
+    assert exact["all_to_all"] == (5 + 11) * 16 * 2
+    # Nothing moves at D=1; the expected rows are fractional where D*D does not divide B*S.
+    assert planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 1, 2, "both") == {}
+    assert planner.tsp_vocab_bytes_by_op(m, 12, 1, 4, 2, "forward")["all_to_all"] == 3 * 12 / 16 * 16 * 2
+    with pytest.raises(ValueError, match="direction"):
+        planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "sideways")
+
+
+def test_step_bytes_by_op():
+    m, layers = _shape(layers=3), 3
+    layer = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
+    vocab = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
+    # all_reduce at D=2 receives each tensor's bytes once: the fp32 loss and 2L + 1 norms of H, bf16.
+    folded = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2)
+    assert folded == {**{op: layers * v for op, v in layer.items()}, "ring": layers * layer["ring"] + vocab["ring"],
+                      "all_to_all": vocab["all_to_all"], "all_reduce": 4 + 7 * HIDDEN * 2}
+    replicated = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2, vocab_parallel=False)
+    assert replicated == {**{op: layers * v for op, v in layer.items()},
+                          "all_reduce": 4 + (7 * HIDDEN + 2 * 61 * HIDDEN) * 2}
+    # Checkpointing runs each layer's forward again; the vocabulary is outside the layers.
+    ckpt = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2, activation_checkpointing=True)
+    forward = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward")
+    assert ckpt["all_gather"] == layers * (layer["all_gather"] + forward["all_gather"])
+    assert ckpt["all_to_all"] == folded["all_to_all"]
+    # Tied: one matrix all-reduced unfolded; folded, the ring still moves the one shard.
+    tied = {**m, "tie_word_embeddings": True}
+    assert planner.tsp_step_bytes_by_op(tied, SEQ, BATCH, 2, 2, vocab_parallel=False)["all_reduce"] == \
+        4 + (7 * HIDDEN + 61 * HIDDEN) * 2
+    assert planner.tsp_step_bytes_by_op(tied, SEQ, BATCH, 2, 2) == folded
+    # comm.all_reduce counts 2(D-1)n // D per tensor: at D=3 the fp32 loss is 5 bytes (not 16/3) and each of
+    # the 3 norms 42 (not 128/3), 131 in all where one sum over the tensors would give 133.
+    assert planner.tsp_step_bytes_by_op({**_shape(6, 3), "intermediate_size": 33}, 12, 1, 3, 2)["all_reduce"] == \
+        5 + 3 * (2 * 2 * HIDDEN * 2 // 3) == 131
+
+
+def test_logits_tile_tokens():
+    # 32 MiB of fp32 logits over Vs = 16032 (llama3's 128256 over 8) rows: 523 tokens; capped by the local tokens.
+    assert planner.logits_tile_tokens(16032, 16384) == 33554432 // (4 * 16032) == 523
+    assert planner.logits_tile_tokens(16032, 100) == 100
+    assert planner.logits_tile_tokens(16032, 16384, logits_tile_mib=0.01) == 1
+    assert planner.logits_tile_tokens(16, 1000, logits_tile_mib=0.5) == 1000
+    assert planner.logits_tile_tokens(16, 10000, logits_tile_mib=0.5) == 2**19 // 64
+
+
+def test_folded_vocabulary_fits_llama3_8b_at_128k():
+    # Issue #12: ds-tsp plan --model llama3-8b --seq-len 128K --devices 8 --activation-checkpointing
+    # --zero-stage 1. With the embedding and LM head whole TSP needed 71.6 GB, most of it the vocabulary's:
+    # 12.6 GB of logits, 21.0 GB of loss backward, 16 B x 1.05B embedding + head parameters.
+    plans = {p.name: p for p in planner.plan("llama3-8b", 128 * 1024, 1, 8, "bf16", zero_stage=1,
+                                             activation_checkpointing=True)}
+    replicated, folded = plans["TSP(8) replicated vocab"], plans["TSP(8)"]
+    assert f"{replicated.total / planner.GB:.1f}" == "71.6"
+    assert replicated.memory["logits"] == 16384 * (2 * 128256 + 8 + 4 * 128256) + 4
+    assert folded.total <= 30 * planner.GB
+    H, L, Vs, N = 4096, 32, 16032, 16384
+    blocks = L * (4096 * 48 * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336) // 8
+    assert folded.memory["weights"] + folded.memory["grads"] + folded.memory["optimizer"] == \
+        16 * (blocks + L * 2 * H + H + 2 * Vs * H)
+    assert folded.memory["logits"] == N * (8 + 4) and folded.detail["logits_output"] == 0
+    assert folded.detail["logits_tiles"] == 3 * 523 * Vs * 4
+    assert folded.detail["grad_hidden"] == N * H * 4
+    assert folded.detail["head_shards_in_flight"] == 2 * Vs * H * (2 + 4)
+    assert folded.memory["activations"] == replicated.memory["activations"]
+    # What is left: model states ~16.1 GB (the fp32 master weights and Adam moments, 12 GB, with nothing for
+    # ZeRO to partition), 7.2 GB of checkpointed layer inputs and one layer's saved tensors, and a transient
+    # that one layer's backward now sets rather than the loss.
+    loss = sum(folded.detail[k] for k in ("logits_tiles", "grad_hidden", "head_shards_in_flight"))
+    assert folded.memory["transient"] > loss
+    # Per step the head ring's fp32 accumulators cost what the unfolded all-reduce of the embedding and head
+    # gradients did (bf16: 2 (D-1)/D 2VH 2 = (D-1) Vs H (2 + 4) + ... ); the embedding all-to-all is extra.
+    steps = {vocab: planner.tsp_step_bytes_by_op("llama3-8b", 128 * 1024, 1, 8, 2, vocab_parallel=vocab,
+                                                 activation_checkpointing=True) for vocab in (True, False)}
+    assert steps[True]["all_to_all"] == 2 * 7 * N // 8 * H * 2
+    assert steps[True]["ring"] - steps[False]["ring"] == 7 * Vs * H * (2 + 2 + 4)
+    assert folded.comm_per_step == sum(steps[True].values())
+    assert replicated.comm_per_step == sum(steps[False].values())
+
+
 def test_tsp_shape_rules_are_the_attention_modules():
     for num_heads in (4, 6, 8, 12):
         for num_kv_heads in (1, 2, 3, 4, 6):
@@ -188,9 +282,10 @@ def test_saved_activations_equal_the_models(dtype, name):
 
     # The whole TSP model (embedding, layers, final norm, LM head, loss), one rank. Mistral's sliding
     # window takes the attention backward that recomputes instead of saving the output and lse.
+    # The runtime measured here keeps the embedding and LM head whole, as "TSP(1) replicated vocab" plans.
     for arch in ("llama", "mistral"):
         measured = _tsp_model_saved(1, dtype, arch)
-        planned = _planned("TSP(1)", 1, name, arch).detail["saved_for_backward"]
+        planned = _planned("TSP(1) replicated vocab", 1, name, arch).detail["saved_for_backward"]
         print(f"TSP {arch} {name}: saved {measured} B, planned {planned:.0f} B")
         assert measured == planned
     # The baselines' count is the Hugging Face layer's: the unsharded model.
@@ -213,23 +308,31 @@ def test_memory_breakdown_and_model_states():
     by_name = {p.name: p for p in plans}
     assert by_name["DP(8)"].memory["weights"] + by_name["DP(8)"].memory["grads"] + \
         by_name["DP(8)"].memory["optimizer"] == 16 * m.params
-    # TSP: 1/8 of every block, embedding, LM head and norms whole.
-    replicated = 32 * 2 * 4096 + 2 * 32000 * 4096 + 4096
-    tsp = by_name["TSP(8)"]
-    assert tsp.memory["weights"] == 2 * (32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) / 8 + replicated)
+    # TSP: 1/8 of every block, norms whole; embedding and LM head whole, or 32000/8 rows of each when folded.
+    blocks = 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) / 8
+    norms = 32 * 2 * 4096 + 4096
+    tsp = by_name["TSP(8) replicated vocab"]
+    assert tsp.memory["weights"] == 2 * (blocks + norms + 2 * 32000 * 4096)
     assert tsp.memory["optimizer"] == 6 * tsp.memory["weights"]
+    folded = by_name["TSP(8)"]
+    assert folded.memory["weights"] == 2 * (blocks + norms + 2 * 4000 * 4096)
+    assert folded.memory["optimizer"] == 6 * folded.memory["weights"]
+    # Same blocks, so the same activations; the folded loss saves labels and fp32 lse, no logits.
+    assert folded.memory["activations"] == tsp.memory["activations"]
+    assert folded.memory["logits"] == 2 * 4096 / 8 * (8 + 4)
     # Checkpointing: every layer keeps only its input, (B, S/D, H) bf16, plus one layer recomputed.
     ckpt = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", activation_checkpointing=True)}
     tokens = 2 * 4096 / 8
     # norms, x twice, q/k/v, (fused attention backward) the output and fp32 lse of 32 heads, MLP gate/up
     per_layer = 2 * (4 * 4096 + 4 + 2 * 4096) + 2 * 2 * 4096 + 2 * 3 * 4096 + 2 * 4096 + 4 * 32 + 2 * 2 * 11008
-    assert tsp.memory["activations"] - ckpt["TSP(8)"].memory["activations"] == \
+    assert tsp.memory["activations"] - ckpt["TSP(8) replicated vocab"].memory["activations"] == \
         pytest.approx(32 * tokens * per_layer - (32 * tokens * 2 * 4096 + tokens * per_layer))
     # ZeRO partitions over DP (and the sequence axis of SP), never inside TSP or TP.
     zero = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", zero_stage=3)}
     assert zero["DP(8)"].memory["optimizer"] == by_name["DP(8)"].memory["optimizer"] / 8
     assert zero["SP-Ulysses(8)"].memory["weights"] == by_name["SP-Ulysses(8)"].memory["weights"] / 8
-    assert zero["TSP(8)"].memory["optimizer"] == tsp.memory["optimizer"]
+    assert zero["TSP(8)"].memory["optimizer"] == folded.memory["optimizer"]
+    assert zero["TSP(8) replicated vocab"].memory["optimizer"] == tsp.memory["optimizer"]
 
 
 def test_flops_and_step_communication():
@@ -245,12 +348,23 @@ def test_flops_and_step_communication():
     # TSP does the dense work, split over its ranks; with flash-attn (no fused
     # backward) it runs the attention forward again in backward.
     assert plans["TSP(2)"].flops_per_step == pytest.approx(dense / 2)
-    recompute = planner.plan(_shape(layers=2), SEQ, BATCH, 2, "bf16", tsp_attention_backward="recompute")[-1]
-    assert recompute.flops_per_step == pytest.approx((dense + 2 * attn) / 2)
-    tsp = plans["TSP(2)"]
-    replicated = 2 * 2 * HIDDEN + 2 * 61 * HIDDEN + HIDDEN
-    assert tsp.comm_per_step == pytest.approx(
-        2 * (tsp.comm_forward_per_layer + tsp.comm_backward_per_layer) + 2 * 1 / 2 * replicated * 2)
+    # The folded vocabulary's fused loss recomputes the logits in backward: the head forward once more.
+    assert plans["TSP(2) replicated vocab"].flops_per_step == pytest.approx(dense / 2)
+    assert plans["TSP(2)"].flops_per_step == pytest.approx((dense + head) / 2)
+    recompute = {p.name: p for p in planner.plan(_shape(layers=2), SEQ, BATCH, 2, "bf16",
+                                                 tsp_attention_backward="recompute")}
+    assert recompute["TSP(2) replicated vocab"].flops_per_step == pytest.approx((dense + 2 * attn) / 2)
+    # Per step: 2 layers' forward + backward, then the loss (one fp32 scalar) and the gradients of what every
+    # rank holds whole all-reduced, 2(D-1)/D of them (bf16): norms, and unfolded the embedding and the head.
+    norms = 2 * 2 * HIDDEN + HIDDEN
+    tsp = plans["TSP(2) replicated vocab"]
+    layers = 2 * (tsp.comm_forward_per_layer + tsp.comm_backward_per_layer)
+    assert tsp.comm_per_step == layers + 4 + (norms + 2 * 61 * HIDDEN) * 2
+    # Folded (Vs = 31 rows): embedding all-to-all 1/2 of the 16 local tokens' rows, forward and backward;
+    # head ring 1 hop of the shard forward, 1 hop of it and of its fp32 accumulator backward.
+    folded = plans["TSP(2)"]
+    assert folded.comm_forward_per_layer == tsp.comm_forward_per_layer
+    assert folded.comm_per_step == layers + 4 + norms * 2 + 2 * 8 * HIDDEN * 2 + 31 * HIDDEN * (2 + 2 + 4)
     assert m.num_layers == 2
 
 
@@ -260,7 +374,9 @@ def _paper_plans(checkpointing=True):
 
 def test_paper_ordering_tsp_below_tp_below_tp_sp():
     plans = _paper_plans()
-    assert plans["TSP(8)"].total < plans["TP(8)"].total < plans["TP+SP(2x4)"].total < plans["SP-Ulysses(8)"].total
+    # The paper's TSP folds attention and the MLP only: its peak is set beside the replicated vocabulary.
+    for tsp in ("TSP(8)", "TSP(8) replicated vocab"):
+        assert plans[tsp].total < plans["TP(8)"].total < plans["TP+SP(2x4)"].total < plans["SP-Ulysses(8)"].total
     # Each estimate within the measured peak's reach: below it (tensors only), not by more than 30%.
     for name, gb in planner.PAPER_PEAK_GB.items():
         assert 0.7 < plans[name].total / (gb * planner.GB) < 1.05, name
@@ -291,7 +407,8 @@ def test_table_renders_with_the_paper_column():
     lines = table.splitlines()
     assert lines[0].count("|") == lines[2].count("|") and len([line for line in lines if line.startswith("| ")]) \
         == len(plans) + 1
-    for name in ("TSP(8)", "TP(8)", "TP+SP(2x4)", "TP+SP(4x2)", "SP-Ulysses(8)", "CP-allgather(8)", "DP(8)"):
+    for name in ("TSP(8)", "TSP(8) replicated vocab", "TP(8)", "TP+SP(2x4)", "TP+SP(4x2)", "SP-Ulysses(8)",
+                 "CP-allgather(8)", "DP(8)"):
         assert f"| {name} |" in table
     for gb in ("38.8", "70.0", "85.0", "140.0"):
         assert gb in table
@@ -327,5 +444,12 @@ def test_cli(tmp_path):
     args = parser.parse_args(["--seq-len", "128K", "--paper", "--memory-gb", "80", "--plot", str(tmp_path / "m.png")])
     assert planner.run_plan(args, out=out) == 0
     text = out.getvalue()
-    assert "| TSP(8) |" in text and "Recommended:" in text and (tmp_path / "m.png").exists()
+    assert "| TSP(8) |" in text and "| TSP(8) replicated vocab |" in text and "Recommended:" in text
+    assert (tmp_path / "m.png").exists()
+    # A smaller logits tile changes only the folded loss backward's tiles.
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--seq-len", "4K", "--logits-tile-mib", "0.5"]), out=out) == 0
+    assert "0.5 MiB fp32 logits tiles" in out.getvalue()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--logits-tile-mib", "0"])
     assert planner.run_plan(parser.parse_args(["--model", "no-such-model"]), out=io.StringIO()) == 1

@@ -1,0 +1,107 @@
+"""Whole injected models against the unsharded Hugging Face model, float64: the
+bodies and checks the model and vocabulary tests share."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ds_tsp
+from ds_tsp.config import TSPConfig
+from ds_tsp.topology import TSPTopology
+from models import tiny_model
+
+# float64 throughout; sharding only reorders sums (rounding ~1e-15), while a
+# wrong shard or position moves the loss by ~1e-2 (see the guard tests).
+TOLERANCE = 1e-10
+
+
+def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None):
+    """HF's causal-LM loss, but in float64 (HF upcasts logits to float32 only);
+    with ``num_items_in_batch``, the sum over real tokens divided by it."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    labels = input_ids[:, 1:].clone()
+    if attention_mask is not None:
+        labels[attention_mask[:, 1:] == 0] = -100
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def shard_grad_diffs(tsp_model, ref_model):
+    """Max |diff| of every gradient this rank holds against the matching piece of
+    the reference's (a folded vocabulary's padding rows must get none)."""
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    diffs = {}
+    for name, param in tsp_model.named_parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            diffs[name] = (param.grad - ref[name]).abs().max().item()
+    for name in ("model.embed_tokens", "lm_head"):
+        module = tsp_model.get_submodule(name)
+        if getattr(module.weight, "tensor_model_parallel", False):
+            piece = module.shard_piece("weight")
+            grad = module.weight.grad
+            full = ref.get(f"{name}.weight", ref["model.embed_tokens.weight"])  # tied: one gradient
+            diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item()
+            diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
+    for index, layer in enumerate(tsp_model.model.layers):
+        for block_name in ("self_attn", "mlp"):
+            block = getattr(layer, block_name)
+            grads = block.spec.unpack(block.packed.grad)
+            for name, grad in grads.items():
+                piece = block.shard_piece(name)
+                full = ref[f"model.layers.{index}.{block_name}.{name}"]
+                diffs[f"model.layers.{index}.{block_name}.{name}"] = (grad - full.narrow(*piece)).abs().max().item()
+    return diffs
+
+
+def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
+                 num_items_in_batch=None, model_overrides=None, **tsp_options):
+    """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``
+    and the bytes saved for backward (negated, so ``check`` ignores them).
+
+    ``wrong_shard``: None, or the module path (``model.layers.0.mlp``,
+    ``lm_head``, ...) whose shard the last rank scales by 1.5, to show the check
+    fails. ``tsp_options`` go to ``TSPConfig`` (``vocab_parallel``, ...)."""
+    tsp_size = dist.get_world_size()
+    torch.manual_seed(7)
+    ref = tiny_model(arch, **(model_overrides or {}))
+    input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len))
+    attention_mask = None
+    if right_padding:
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[0, -right_padding:] = 0
+    model = copy.deepcopy(ref)
+    topo = TSPTopology(tsp_size)
+    ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",
+                                         **tsp_options))
+    if wrong_shard and topo.tsp_rank == tsp_size - 1:
+        with torch.no_grad():
+            next(model.get_submodule(wrong_shard).parameters()).mul_(1.5)
+    if checkpointing:
+        model.train()
+        model.activation_checkpointing_enable()
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask,
+                    num_items_in_batch=num_items_in_batch)
+    out.loss.backward()
+    ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch)
+    ref_loss.backward()
+    diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": -sum(saved.values())}
+    diffs.update(shard_grad_diffs(model, ref))
+    return diffs
+
+
+def check(per_rank, label):
+    # Ranks that do not hold a replicated key/value head report no k/v entries.
+    worst = {k: max(d[k] for d in per_rank if k in d) for k in set().union(*per_rank) if k != "saved_bytes"}
+    name = max(worst, key=worst.get)
+    print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}")
+    assert worst[name] <= TOLERANCE, (name, worst[name])
