@@ -56,6 +56,14 @@ def shard_grad_diffs(tsp_model, ref_model):
     return diffs
 
 
+def sharded_pieces(module, full):
+    """``{name: (value held here, the matching piece of the full tensor)}`` for
+    every sharded tensor of a TSP block or vocabulary shard; ``full[name]`` gives
+    the reference's full tensor under the module's own Hugging Face names."""
+    return {name: (value, full[name].narrow(*module.shard_piece(name)))
+            for name, value in module.shard_tensors().items() if module.shard_piece(name) is not None}
+
+
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
                  num_items_in_batch=None, model_overrides=None, **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``

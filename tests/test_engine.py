@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import ds_tsp
 from models import tiny_model
+from parity import sharded_pieces
 
 STEPS = 3
 MICRO_BATCH = 2
@@ -90,12 +91,10 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     with _gathered(engine, zero_stage):
         for name, param in engine.module.named_parameters():
             if getattr(param, "tensor_model_parallel", False):
-                layer_name, block_name = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
-                block = engine.module.get_submodule(f"{layer_name}.{block_name}")
-                for piece_name, value in block.spec.unpack(param.detach()).items():
-                    full = ref_params[f"{layer_name}.{block_name}.{piece_name}"].detach()
-                    expected = full.narrow(*block.shard_piece(piece_name))
-                    rel[f"{layer_name}.{block_name}.{piece_name}"] = _relative(value, expected)
+                prefix = name.rsplit(".", 1)[0]
+                pieces = sharded_pieces(engine.module.get_submodule(prefix),
+                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in ref_params.items()})
+                rel.update({f"{prefix}.{n}": _relative(value, expected) for n, (value, expected) in pieces.items()})
             else:
                 rel[name] = _relative(param.detach(), ref_params[name].detach())
     recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import ds_tsp
 from models import tiny_model
+from parity import sharded_pieces
 
 STEPS = 3
 MICRO_BATCH = 2
@@ -81,8 +82,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
         if getattr(param, "tensor_model_parallel", False):
             block = engine.module.get_submodule(pipe_name.rsplit(".", 1)[0])
             block_prefix = name.rsplit(".", 1)[0]
-            for piece, value in block.spec.unpack(param.detach()).items():
-                expected = ref_params[f"{block_prefix}.{piece}"].narrow(*block.shard_piece(piece))
+            pieces = sharded_pieces(block, {n.removeprefix(f"{block_prefix}."): p for n, p in ref_params.items()})
+            for piece, (value, expected) in pieces.items():
                 rel[f"{block_prefix}.{piece}"] = ((value - expected).abs().max() / expected.abs().max()).item()
         else:
             expected = ref_params[name]

@@ -163,19 +163,23 @@ def test_folded_vocabulary_fits_llama3_8b_at_128k():
     assert folded.memory["logits"] == N * (8 + 4) and folded.detail["logits_output"] == 0
     assert folded.detail["logits_tiles"] == 3 * 523 * Vs * 4
     assert folded.detail["grad_hidden"] == N * H * 4
-    assert folded.detail["head_shards_in_flight"] == 2 * Vs * H * (2 + 4)
-    assert folded.memory["activations"] == replicated.memory["activations"]
+    assert folded.detail["head_shards_in_flight"] == 2 * Vs * H * 2
+    assert folded.detail["head_grad_accumulators"] == 4 * Vs * H * 4
+    assert folded.detail["embedding_backward"] == 2 * N * H * 2 + Vs * H * (4 + 2)
+    assert folded.memory["activations"] == replicated.memory["activations"] + N * 8
     # What is left: model states ~16.1 GB (the fp32 master weights and Adam moments, 12 GB, with nothing for
     # ZeRO to partition), 7.2 GB of checkpointed layer inputs and one layer's saved tensors, and a transient
-    # that one layer's backward now sets rather than the loss.
-    loss = sum(folded.detail[k] for k in ("logits_tiles", "grad_hidden", "head_shards_in_flight"))
-    assert folded.memory["transient"] > loss
-    # Per step the head ring's fp32 accumulators cost what the unfolded all-reduce of the embedding and head
-    # gradients did (bf16: 2 (D-1)/D 2VH 2 = (D-1) Vs H (2 + 4) + ... ); the embedding all-to-all is extra.
+    # that one layer's backward now sets rather than the loss (1.83 against the head's 1.68 GB).
+    loss = sum(folded.detail[k] for k in planner.HEAD_BACKWARD)
+    assert folded.memory["transient"] > loss > folded.detail["embedding_backward"]
+    # Per step, the head ring (7 hops of the shard forward, 7 of it and of its fp32 accumulator backward)
+    # receives what the all-reduce of the whole embedding and head gradients did, 2 x 2 (D-1)/D V H bf16,
+    # as V = 8 Vs and 2 + 2 + 4 = 4 x 2 bytes; the embedding all-to-all, 2 x 7/8 N H bf16, is the extra.
     steps = {vocab: planner.tsp_step_bytes_by_op("llama3-8b", 128 * 1024, 1, 8, 2, vocab_parallel=vocab,
                                                  activation_checkpointing=True) for vocab in (True, False)}
     assert steps[True]["all_to_all"] == 2 * 7 * N // 8 * H * 2
-    assert steps[True]["ring"] - steps[False]["ring"] == 7 * Vs * H * (2 + 2 + 4)
+    assert steps[True]["ring"] - steps[False]["ring"] == 7 * Vs * H * (2 + 2 + 4) == \
+        steps[False]["all_reduce"] - steps[True]["all_reduce"] == 2 * 2 * 7 * 128256 * H * 2 // 8
     assert folded.comm_per_step == sum(steps[True].values())
     assert replicated.comm_per_step == sum(steps[False].values())
 
@@ -258,14 +262,66 @@ def test_tsp_bytes_equal_what_the_code_counts(run_ranks):
             assert backward == fp32_sums != same_dtype
 
 
-def _tsp_model_saved(tsp_size, dtype, arch="llama"):
+def _counted_model_steps(cases):
+    """Bytes this rank receives per ``comm`` op in one training step (forward and
+    backward with labels) of a tiny injected model, for each ``(arch, dtype,
+    vocab_parallel, checkpointing)``, with the embedding rows one batch exchanges:
+    (this rank's local ids owned elsewhere, the other ranks' ids owned here)."""
+    from ds_tsp import inject, layout
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.topology import TSPTopology
+    from models import tiny_model
+
+    D, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for arch, dtype, vocab_parallel, checkpointing in cases:
+        model = inject(tiny_model(arch, dtype=dtype), TSPTopology(D),
+                       TSPConfig(enabled=True, size=D, attention_backend="sdpa", vocab_parallel=vocab_parallel))
+        if checkpointing:
+            model.train()
+            model.activation_checkpointing_enable()
+        torch.manual_seed(3)  # the same batch on every rank
+        input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+        owners = torch.stack([layout.shard(input_ids, j, D, "zigzag") for j in range(D)]).flatten(1) // \
+            planner.vocab_rows_per_rank(model.config.vocab_size, D)  # (D, N)
+        rows = (int((owners[rank] != rank).sum()), int((owners[torch.arange(D) != rank] == rank).sum()))
+        comm.counter.reset()
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        results.append(({op: c["received"] for op, c in comm.counter.snapshot().items()}, rows))
+    return results
+
+
+def test_step_bytes_equal_what_the_model_counts(run_ranks):
+    # The whole model at D=2: layers, embedding all-to-all, head ring, the loss and the gradients of
+    # what every rank holds whole, against tsp_step_bytes_by_op with the batch's exact embedding rows.
+    from models import tiny_config
+
+    cases = [("llama", torch.float64, True, False), ("llama", torch.float64, False, False),
+             ("llama_tied", torch.bfloat16, True, False), ("llama_tied", torch.bfloat16, False, False),
+             ("llama", torch.bfloat16, True, True)]
+    per_rank = run_ranks(2, _counted_model_steps, cases=cases)
+    for rank, per_case in enumerate(per_rank):
+        for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(cases, per_case):
+            planned = planner.tsp_step_bytes_by_op(tiny_config(arch).to_dict(), SEQ, BATCH, 2, dtype.itemsize,
+                                                   vocab_parallel=vocab_parallel,
+                                                   activation_checkpointing=checkpointing, tsp_rank=rank,
+                                                   rows_exchanged=rows)
+            print(f"{arch} {dtype} vocab_parallel={vocab_parallel} checkpointing={checkpointing} rank {rank}: "
+                  f"counted {counted}, planned {planned}")
+            assert {op: v for op, v in counted.items() if op != "barrier"} == planned
+    # Guard: this batch's rows are not the expected (D-1)/D, so the exact counts are what matched.
+    expected = planner.tsp_vocab_bytes_by_op(tiny_config("llama").to_dict(), SEQ, BATCH, 2, 8, "both")
+    assert per_rank[0][0][0]["all_to_all"] != expected["all_to_all"]
+
+
+def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True):
     from ds_tsp import inject
     from ds_tsp.config import TSPConfig
     from ds_tsp.topology import TSPTopology
     from models import tiny_model
 
     model = inject(tiny_model(arch, dtype=dtype), TSPTopology(tsp_size),
-                   TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+                   TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa", vocab_parallel=vocab_parallel))
     input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
     return _saved_bytes(model.parameters(), lambda: model(input_ids=input_ids, labels=input_ids))[1]
 
@@ -281,12 +337,13 @@ def test_saved_activations_equal_the_models(dtype, name):
     from models import tiny_model
 
     # The whole TSP model (embedding, layers, final norm, LM head, loss), one rank. Mistral's sliding
-    # window takes the attention backward that recomputes instead of saving the output and lse.
-    # The runtime measured here keeps the embedding and LM head whole, as "TSP(1) replicated vocab" plans.
-    for arch in ("llama", "mistral"):
-        measured = _tsp_model_saved(1, dtype, arch)
-        planned = _planned("TSP(1) replicated vocab", 1, name, arch).detail["saved_for_backward"]
-        print(f"TSP {arch} {name}: saved {measured} B, planned {planned:.0f} B")
+    # window takes the attention backward that recomputes instead of saving the output and lse. The
+    # folded vocabulary saves no embedding ids and no log-probs, only the loss's labels and fp32 lse.
+    for arch, vocab_parallel in (("llama", True), ("llama", False), ("mistral", True)):
+        measured = _tsp_model_saved(1, dtype, arch, vocab_parallel)
+        plan_name = planner.tsp_name(1, vocab_parallel)
+        planned = _planned(plan_name, 1, name, arch).detail["saved_for_backward"]
+        print(f"{plan_name} {arch} {name}: saved {measured} B, planned {planned:.0f} B")
         assert measured == planned
     # The baselines' count is the Hugging Face layer's: the unsharded model.
     hf = tiny_model("llama", dtype=dtype)
@@ -317,8 +374,9 @@ def test_memory_breakdown_and_model_states():
     folded = by_name["TSP(8)"]
     assert folded.memory["weights"] == 2 * (blocks + norms + 2 * 4000 * 4096)
     assert folded.memory["optimizer"] == 6 * folded.memory["weights"]
-    # Same blocks, so the same activations; the folded loss saves labels and fp32 lse, no logits.
-    assert folded.memory["activations"] == tsp.memory["activations"]
+    # Same blocks; the folded embedding keeps its route (two int64 a token) instead of the ids, and the
+    # folded loss saves labels and fp32 lse, no logits.
+    assert folded.memory["activations"] == tsp.memory["activations"] + 2 * 4096 / 8 * 8
     assert folded.memory["logits"] == 2 * 4096 / 8 * (8 + 4)
     # Checkpointing: every layer keeps only its input, (B, S/D, H) bf16, plus one layer recomputed.
     ckpt = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", activation_checkpointing=True)}
@@ -346,9 +404,8 @@ def test_flops_and_step_communication():
     assert plans["DP(2)"].flops_per_step == pytest.approx(dense)
     assert plans["TP(2)"].flops_per_step == pytest.approx(dense / 2)
     # TSP does the dense work, split over its ranks; with flash-attn (no fused
-    # backward) it runs the attention forward again in backward.
-    assert plans["TSP(2)"].flops_per_step == pytest.approx(dense / 2)
-    # The folded vocabulary's fused loss recomputes the logits in backward: the head forward once more.
+    # backward) it runs the attention forward again in backward. The folded
+    # vocabulary's fused loss recomputes the logits in backward: the head forward once more.
     assert plans["TSP(2) replicated vocab"].flops_per_step == pytest.approx(dense / 2)
     assert plans["TSP(2)"].flops_per_step == pytest.approx((dense + head) / 2)
     recompute = {p.name: p for p in planner.plan(_shape(layers=2), SEQ, BATCH, 2, "bf16",
