@@ -40,7 +40,9 @@ activations + logits + transient``.
   ``8H + 8 + 4e*H + e*(nq + 2nkv)*d + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
   embedding ids, cos/sin, final norm, LM-head input and loss, equal to the
   byte what ``torch.autograd.graph.saved_tensors_hooks`` sees on CPU
-  (tests/test_plan.py; CPU SDPA saves the tensors flash attention does).
+  (tests/test_plan.py; CPU SDPA saves the tensors flash attention does). The
+  folded embedding saves no ids; the route it keeps instead (two int64 a
+  token) is counted but not seen by the hooks.
   With activation checkpointing every layer keeps its input (``e*H`` per
   token, replicated over TP) and one layer is recomputed at a time.
 * Logits: the model output ``e*V`` and the fp32 log-probabilities the loss
@@ -52,8 +54,9 @@ activations + logits + transient``.
   with its gradients, the weight shards in flight, the fp32 gradient reduces
   and ring accumulators, and one MLP shard's intermediates. The folded loss
   backward holds three fp32 logits tiles (``z``, softmax, ``dz``;
-  ``tsp.logits_tile_mib`` each at most), the fp32 input gradient and two head
-  shards with their fp32 gradient accumulators.
+  ``tsp.logits_tile_mib`` each at most), the fp32 input gradient, two head
+  shards and four fp32 shard-gradient buffers of the ring; the folded
+  embedding's backward its shard's gradient in fp32 and the rows exchanged.
 
 Communication is bytes RECEIVED per device, as ``ds_tsp.comm`` counts them
 (ring algorithms): all-reduce of ``n`` bytes ``2(p-1)/p n``, all-gather and
@@ -373,9 +376,10 @@ def vocab_rows_per_rank(vocab_size, tsp_size):
 
 
 def logits_tile_tokens(vocab_rows, local_tokens, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB):
-    """Tokens per logits tile of the fused LM head + loss: the most whose fp32
-    ``(tokens, Vs)`` logits fit ``logits_tile_mib``, at least 1, at most the local tokens."""
-    return min(local_tokens, max(1, int(logits_tile_mib * 2**20 // (FLOAT32 * vocab_rows))))
+    """Tokens in the largest logits tile of the fused LM head + loss: the most
+    whose fp32 ``(tokens, Vs)`` logits fit ``logits_tile_mib`` (as
+    ``vocab.tile_tokens`` rounds), at least 1, at most the local tokens."""
+    return min(local_tokens, max(1, int(logits_tile_mib * 2**20) // (FLOAT32 * vocab_rows)))
 
 
 def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, rows_exchanged=None):
@@ -434,13 +438,13 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     D, e, H, L = tsp_size, elem_bytes, m.hidden_size, m.num_layers
     if D == 1:
         return {}
-    layer = tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank)
-    recompute = tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank) if activation_checkpointing \
-        else {}
-    counts = {op: L * (bytes_ + recompute.get(op, 0)) for op, bytes_ in layer.items()}
+    counts = {op: L * v for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank).items()}
+    if activation_checkpointing:  # every layer's forward runs again in backward
+        for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank).items():
+            counts[op] += L * v
     if vocab_parallel:
-        for op, bytes_ in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged).items():
-            counts[op] = counts.get(op, 0) + bytes_
+        for op, v in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged).items():
+            counts[op] = counts.get(op, 0) + v
     whole = [H] * (2 * L + 1) + [H] * (L if m.mlp_bias else 0)  # norms, final norm, MLP down biases
     if not vocab_parallel:
         whole += [m.vocab_size * H] * (1 if m.tie_word_embeddings else 2)
@@ -508,17 +512,27 @@ def _flops(m, setting, B, S, share, tsp, fused_head=False):
     return (forward + backward + recompute) * share
 
 
+HEAD_BACKWARD = ("logits_tiles", "grad_hidden", "head_shards_in_flight", "head_grad_accumulators")
+
+
 def _tsp_vocab_memory(m, p, tsp_size, tokens, logits_tile_mib):
-    """The folded vocabulary's fused LM head + loss: what it saves for backward
-    (labels and the log-sum-exp) and the named pieces of its backward transient."""
-    H, acc = m.hidden_size, p.accumulate
+    """The folded vocabulary: what its fused LM head + loss saves for backward
+    (labels and the log-sum-exp), and the named pieces of the head's backward
+    transient (``HEAD_BACKWARD``) and of the embedding's."""
+    H, e, acc = m.hidden_size, p.element, p.accumulate
     rows = vocab_rows_per_rank(m.vocab_size, tsp_size)
     tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
     saved = tokens * (INT64 + acc)
     transient = {
         "logits_tiles": 3 * tile * rows * FLOAT32,  # z, softmax(z), dz of one token tile, fp32
         "grad_hidden": tokens * H * acc,
-        "head_shards_in_flight": 2 * rows * H * (p.element + acc),  # two shards, two gradient accumulators
+        "head_shards_in_flight": 2 * rows * H * e,  # the shard in use and the next one arriving
+        # ring.ring_gradients: the own shard's partial kept for the end, the
+        # accumulator travelling, the one arriving and this step's partial
+        "head_grad_accumulators": 4 * rows * H * acc,
+        # the local tokens' row gradients in owner order and the rows returned
+        # (N expected), the shard's gradient summed in fp32 and cast back
+        "embedding_backward": 2 * tokens * H * e + rows * H * (acc + e),
     }
     return saved, transient
 
@@ -545,16 +559,24 @@ def _plan_tsp(setting, vocab_parallel):
     else:
         layers = L * layer_saved
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
-        logits_saved, loss_backward = _tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
+        logits_saved, vocab_transient = _tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
         logits_held = 0
+        loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD)
+        # The embedding's backward keeps its route on ctx, not as saved tensors: the ids of its own rows that
+        # every rank's tokens use (N expected) and the local tokens' order, instead of the ids nn.Embedding saves.
+        model_saved -= tokens * INT64
+        route = 2 * tokens * INT64
     else:
         logits_saved, logits_held = _logits(m, p, tokens, 1)
-        loss_backward = {"loss_backward": tokens * m.vocab_size * (2 * acc + e)}
+        vocab_transient = {"loss_backward": tokens * m.vocab_size * (2 * acc + e)}
+        loss_backward = vocab_transient["loss_backward"]
+        route = 0
 
     kv_heads = max(m.num_kv_heads // D, 1)
     detail = {
         "saved_for_backward": (model_saved + L * layer_saved + logits_saved
                                if not setting.activation_checkpointing else None),
+        "embedding_route": route,
         "logits_output": logits_held,
         # backward of one head group: K, V, the gather buffer, the two dK/dV
         # copies in the model dtype and their fp32 sums, over the full sequence
@@ -565,12 +587,12 @@ def _plan_tsp(setting, vocab_parallel):
         "mlp_accumulators": 3 * mlp_shard * acc,  # travelling, arriving, own partial
         "mlp_shard_intermediates": 6 * tokens * (m.intermediate_size / D) * e,
         "grad_x": tokens * H * (acc + 2 * e),
-        **loss_backward,
+        **vocab_transient,
     }
     layer_backward = sum(detail[k] for k in ("kv_head_group", "weight_shards_in_flight", "attention_grad_reduces",
                                               "mlp_accumulators", "mlp_shard_intermediates", "grad_x"))
-    memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
-              "transient": max(layer_backward, sum(loss_backward.values()))}
+    memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
+              "transient": max(layer_backward, loss_backward, vocab_transient.get("embedding_backward", 0))}
 
     if problem:
         forward = backward = per_step = float("nan")
