@@ -27,4 +27,4 @@ demo: ops
 		deepspeed --num_gpus $(NUM_RANKS) examples/train.py --deepspeed_config $(CONFIG)
 
 test: ops
-	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests
+	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --durations=10

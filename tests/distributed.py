@@ -1,8 +1,12 @@
 """Run a test body on N gloo ranks on CPU.
 
-A pool of spawned worker processes per world size is started once and reused
-by every test (importing torch, transformers and deepspeed is paid once, not
-per test). Ranks meet through a file rendezvous in a fresh temporary
+A pool of worker processes per world size is started once and reused by every
+test. Workers are forked from a server that has already imported torch,
+transformers, deepspeed and ds_tsp, so those imports are paid once per suite,
+not once per rank of every pool (pools are replaced after a failing test). The process groups a test creates are destroyed when it returns:
+each gloo group keeps three polling threads, and workers that live for the
+whole suite would otherwise pile up hundreds of them, which once cost more
+CPU time than the tests themselves. Ranks meet through a file rendezvous in a fresh temporary
 directory, so concurrent runs never fight over ports. Every call has a timeout:
 a hung or crashed rank fails the test and the pool is torn down and started
 afresh for the next test.
@@ -23,6 +27,8 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180
 FAILED_PEER_WAIT_S = 10
+# Imported once by the fork server; nothing in them starts threads or process groups.
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.engine", "ds_tsp.generate"]
 
 
 class RankFailure(AssertionError):
@@ -52,13 +58,33 @@ def _worker(rank, world_size, init_file, tasks, results):
             results.put((rank, True, fn(**kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
+        finally:
+            _release_groups()
     dist.destroy_process_group()
+
+
+def _release_groups():
+    """Destroy every process group but the world, and DeepSpeed's module-level
+    references to them (the next engine builds its own)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    groups = sys.modules.get("deepspeed.utils.groups")
+    for name, value in (vars(groups) if groups else {}).items():
+        if isinstance(value, dist.ProcessGroup):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+            value.clear()
 
 
 class RankPool:
     def __init__(self, world_size):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         self._dir = tempfile.TemporaryDirectory(prefix="ds_tsp_rdzv_")
         init_file = os.path.join(self._dir.name, "rendezvous")
         self.results = ctx.Queue()
