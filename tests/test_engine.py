@@ -47,12 +47,12 @@ def _step(engine, batch):
 
 
 def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False,
-                       wrong_shard=False):
+                       wrong_shard=False, arch="llama"):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
     # and is stored once, so the clipped norm counts it once.
-    ref = tiny_model("llama", dtype=torch.float32)
+    ref = tiny_model(arch, dtype=torch.float32)
     model = copy.deepcopy(ref)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
@@ -134,6 +134,18 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == activation_checkpointing
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_tied_embeddings_train_like_a_single_process(run_ranks, zero_stage):
+    """The folded vocabulary's one shard serves the embedding and the head; ZeRO
+    reduces (and at stage 3 partitions and gathers) it like any parameter."""
+    for rank, out in enumerate(run_ranks(4, _train_and_compare, tsp_size=2, zero_stage=zero_stage, optimizer="adam",
+                                         arch="llama_tied")):
+        worst = max(out["rel"], key=out["rel"].get)
+        print(f"rank {rank} tied TSP=2 DP=2 ZeRO-{zero_stage}: max rel |dw| {out['rel'][worst]:.2e} ({worst})")
+        assert out["rel"][worst] <= BOUND["adam"]
+        assert "model.embed_tokens.weight" in out["rel"]
 
 
 def test_the_comparison_catches_a_wrong_shard(run_ranks):
