@@ -4,11 +4,11 @@ The layers are: embedding (takes the full micro-batch, keeps this rank's
 tokens), one pipe layer per TSP decoder layer, final norm; the loss function
 applies the LM head (on the last stage, where it lives) and returns the mean
 over all real tokens of the full sequence, fused on the ring when the
-vocabulary is folded. What passes between
-stages is ``(hidden (B, S/D, H), position_ids (B, S/D))``: the local shard,
-never the full sequence. The pipeline topology is DeepSpeed's
-``pipe x data x model`` with the TSP group as the model axis, the same
-rank order as ``ds_tsp.topology``.
+vocabulary is folded. What passes between stages is
+``(hidden (B, S/D, H), position_ids (B, S/D))``: the local shard, never the
+full sequence. The pipeline topology is DeepSpeed's ``pipe x data x model``
+with the TSP group as the model axis, the same rank order as
+``ds_tsp.topology``.
 """
 
 import torch.nn as nn
