@@ -1,0 +1,388 @@
+"""The tables, JSON and plots of benchmarks/compare.py, and its measured figures
+set against the planner (``ds_tsp.plan``). Nothing here runs a model.
+
+``results`` is what compare.py collected: ``results["single"]`` and
+``results[(strategy, D)]``, each ``{seq_len: [per-rank dict] | "unsupported: ..."}``,
+strategies in the order they ran.
+"""
+
+import json
+import os
+
+from ds_tsp.plan import plan, tsp_name, tsp_step_bytes_by_op
+
+LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
+          "autotp": "AutoTP", "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
+          "autotp_x_ulysses": "AutoTP x Ulysses"}
+
+# tsp.vocab_parallel of each TSP strategy: its bytes are planned with it.
+TSP_VOCAB_PARALLEL = {"tsp": True, "tsp_replicated_vocab": False}
+
+ELEMENT_BYTES = 4  # every strategy trains in fp32
+
+
+def _mib(nbytes):
+    return nbytes / 2**20
+
+
+def names_at(results, world):
+    """``single`` and the strategies run at ``world`` ranks, in the order they ran."""
+    return ["single"] + [key[0] for key in results if key != "single" and key[1] == world]
+
+
+def _raw(results, name, world):
+    return results["single"] if name == "single" else results[(name, world)]
+
+
+def plan_model(args):
+    """The benchmark model as ``ds_tsp.plan`` reads a Hugging Face config."""
+    return {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
+            "tie_word_embeddings": False, "name": "compare.py model"}
+
+
+# --- measured figures, max over ranks ------------------------------------------------------------------------------
+
+def summarize(per_rank, reference_losses):
+    """Max over ranks of each figure: the rank that sets what a job needs."""
+    row = {
+        "peak_live_mib": max(_mib(r["peak_live_bytes"]) for r in per_rank),
+        "state_mib": max(_mib(r["state_bytes"]) for r in per_rank),
+        "peak_rss_mib": max(_mib(r["peak_rss_bytes"]) for r in per_rank),
+        "received_mib_per_step": max(_mib(r["received_per_step"]) for r in per_rank),
+        "sent_mib_per_step": max(_mib(r["sent_per_step"]) for r in per_rank),
+        "step_s": max(r["step_s"] for r in per_rank),
+        "losses": per_rank[0]["losses"],
+    }
+    if reference_losses is not None:
+        row["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(row["losses"], reference_losses))
+    return row
+
+
+# --- the planner's figures -----------------------------------------------------------------------------------------
+
+def planner_counterpart(name, world):
+    """``(plan name, devices, ZeRO stage)`` of ``ds_tsp.plan``'s estimate for a
+    measured strategy, or None where the planner has none."""
+    return {"single": ("DP(1)", 1, 0), "tsp": (tsp_name(world), world, 0),
+            "tsp_replicated_vocab": (tsp_name(world, vocab_parallel=False), world, 0),
+            "autotp": (f"TP({world})", world, 0), "ulysses": (f"SP-Ulysses({world})", world, 0),
+            "ulysses_zero3": (f"SP-Ulysses({world})", world, 3)}.get(name)
+
+
+def planned_peak_row(args, name, world, seq_len, summary):
+    """The planner's per-device peak for this strategy against the measured one."""
+    plan_name, devices, zero_stage = planner_counterpart(name, world)
+    plans = plan(plan_model(args), seq_len, args.batch, devices, dtype="fp32", zero_stage=zero_stage)
+    planned = next(p for p in plans if p.name == plan_name)
+    row = {"plan": plan_name, "zero_stage": zero_stage, "planned_mib": _mib(planned.total),
+           "planned_parts_mib": {part: _mib(v) for part, v in planned.memory.items()}}
+    if not isinstance(summary, str):
+        row.update(measured_mib=summary["peak_live_mib"], ratio=summary["peak_live_mib"] / _mib(planned.total))
+    return row
+
+
+def tsp_bytes_row(args, world, seq_len, per_rank, vocab_parallel, rows_exchanged):
+    """Bytes received per TSP rank per step: ``ds_tsp.plan.tsp_step_bytes_by_op``
+    for each rank (with the embedding rows that rank exchanges for this batch,
+    ``rows_exchanged[rank]``) against ds_tsp's own counters, op by op."""
+    planned = [tsp_step_bytes_by_op(plan_model(args), seq_len, args.batch, world, ELEMENT_BYTES,
+                                    vocab_parallel=vocab_parallel, tsp_rank=rank,
+                                    rows_exchanged=rows_exchanged[rank] if vocab_parallel else None)
+               for rank in range(world)]
+    row = {"planned": max(sum(p.values()) for p in planned), "planned_by_op": planned}
+    if isinstance(per_rank, str):
+        return row
+    measured = [{op: count["received"] for op, count in r["ds_tsp_by_op_per_step"].items()} for r in per_rank]
+    row.update(measured=max(sum(m.values()) for m in measured), measured_by_op=measured,
+               max_op_deviation=max(_worst_op_deviation(p, m) for p, m in zip(planned, measured)),
+               measured_all_traffic=max(r["received_per_step"] for r in per_rank))
+    row["ratio"] = row["measured"] / row["planned"]
+    return row
+
+
+def _worst_op_deviation(planned, measured):
+    """Largest ``|measured / planned - 1|`` over ops; 1 for an op only one side has."""
+    worst = 0.0
+    for op in set(planned) | set(measured):
+        p, m = planned.get(op, 0), measured.get(op, 0)
+        worst = max(worst, abs(m / p - 1) if p else float(m > 0))
+    return worst
+
+
+def tabulate(results, args, rows_exchanged):
+    """``summaries[(strategy, D, seq_len)]``: a summary row or the ``unsupported: ...``
+    string; ``planned_peaks[(strategy, D, seq_len)]`` and ``tsp_bytes[(strategy, D,
+    seq_len)]``: the planner's figures beside the measured ones.
+    ``rows_exchanged[(D, seq_len)]``: see ``tsp_bytes_row``."""
+    single = results["single"]
+    summaries, planned_peaks, tsp_bytes = {}, {}, {}
+    for world in args.sizes:
+        for name in names_at(results, world):
+            raw = _raw(results, name, world)
+            for seq_len in args.seq_lens:
+                value, ref = raw[seq_len], single[seq_len]
+                ref_losses = None if name == "single" or isinstance(ref, str) else ref[0]["losses"]
+                key = (name, world, seq_len)
+                summaries[key] = value if isinstance(value, str) else summarize(value, ref_losses)
+                if planner_counterpart(name, world):
+                    planned_peaks[key] = planned_peak_row(args, name, world, seq_len, summaries[key])
+                if name in TSP_VOCAB_PARALLEL:
+                    tsp_bytes[key] = tsp_bytes_row(args, world, seq_len, value, TSP_VOCAB_PARALLEL[name],
+                                                   rows_exchanged[(world, seq_len)])
+    return summaries, planned_peaks, tsp_bytes
+
+
+# --- JSON ----------------------------------------------------------------------------------------------------------
+
+def write_json(results, tables, args, meta):
+    summaries, planned_peaks, tsp_bytes = tables
+    for world in args.sizes:
+        doc = {**meta, "tsp_size": world, "strategies": {}, "planned_peak": {}, "tsp_bytes": {}}
+        for name in names_at(results, world):
+            raw = _raw(results, name, world)
+            doc["strategies"][name] = {"ranks": 1 if name == "single" else world, "results": {
+                str(s): raw[s] if isinstance(raw[s], str) else {"summary": summaries[(name, world, s)],
+                                                                "per_rank": raw[s]}
+                for s in args.seq_lens}}
+            for section, rows in (("planned_peak", planned_peaks), ("tsp_bytes", tsp_bytes)):
+                if (name, world, args.seq_lens[0]) in rows:
+                    doc[section][name] = {str(s): rows[(name, world, s)] for s in args.seq_lens}
+        with open(os.path.join(args.out, f"{args.name}_{world}.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+# --- markdown ------------------------------------------------------------------------------------------------------
+
+def write_markdown(results, tables, args, meta):
+    summaries, planned_peaks, tsp_bytes = tables
+    lines = _preamble(args, meta)
+    for world in args.sizes:
+        lines += _strategy_table(results, summaries, args, world)
+    lines += _folded_table(results, summaries, args)
+    lines += _planned_peak_table(planned_peaks, args)
+    lines += _tsp_bytes_table(tsp_bytes, args)
+    lines += ["", "### Where TSP is not the lowest peak memory", ""]
+    lines += tsp_not_lowest(results, summaries, args) or [
+        "TSP has the lowest per-rank peak memory at every D and length."]
+    lines += ["", "### Unsupported", ""]
+    lines += unsupported_notes(summaries) or ["Every strategy ran at every D and length."]
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _preamble(args, meta):
+    model = meta["model"]
+    return [f"Command: `{meta['command']}`", "",
+            f"Whole run: {meta['elapsed_s']:.0f} s on {meta['cpu_count']} shared CPU cores (gloo, one thread per "
+            f"rank), torch {meta['torch']}, DeepSpeed {meta['deepspeed']}. Model: Llama-shaped, hidden "
+            f"{model['hidden']}, {model['layers']} layers, {model['heads']} heads, {model['kv_heads']} KV heads, "
+            f"intermediate {model['intermediate']}, vocab {model['vocab']}, untied embedding and LM head, fp32, "
+            f"micro-batch {model['batch']}, AdamW; {args.warmup} warm-up + {args.steps} timed steps per length, the "
+            "same sequence for every strategy. Every figure is the max over ranks; how each is measured is in the "
+            "docstring of `benchmarks/compare.py`.", "",
+            "* TSP: `tsp.vocab_parallel` true (the default): embedding and LM head sharded by vocabulary rows, "
+            "loss fused with the head on a ring, no full logits; TSP, replicated vocab: `tsp.vocab_parallel` "
+            "false, embedding and LM head whole on every rank, full logits of the local tokens;",
+            "* peak memory: peak live tensor bytes over one whole training step; state: what is alive between "
+            "steps (weights, gradients, optimizer state, DeepSpeed buffers);",
+            "* comm: bytes received per rank per step, counted by one shim over `torch.distributed` for every "
+            "strategy;",
+            "* loss diff: max |loss - single-process loss| over all steps (same weights, same data): every "
+            "strategy trains the same model.", "",
+            "Reading the bytes: TSP's are a weight term that does not grow with S (block weight shards and, folded, "
+            "the LM head's shards round the ring; replicated, the all-reduce of the embedding and head gradients) "
+            "plus a K/V term linear in S; AutoTP's are activation all-reduces, linear in S; Ulysses' are the "
+            "gradient all-reduce (constant) plus all-to-alls linear in S. Step times are wall clock on CPU cores "
+            "shared with other jobs, with more ranks than cores and gloo's own threads competing with them: read "
+            "them as orders of magnitude, not as a GPU ranking. Peak RSS includes ~400 MiB of libraries per process "
+            "and the allocator's cache, so it separates the strategies less than the live-tensor peak does.", ""]
+
+
+def _strategy_table(results, summaries, args, world):
+    lines = [f"### D = {world}", "",
+             "| strategy | seq len | peak memory (MiB) | state (MiB) | peak RSS (MiB) | comm recv (MiB/step) "
+             "| step time (s) | loss diff |", "|---|---|---|---|---|---|---|---|"]
+    for name in names_at(results, world):
+        label = LABELS[name] + ("" if name == "single" else f" ({world})")
+        for seq_len in args.seq_lens:
+            row = summaries[(name, world, seq_len)]
+            if isinstance(row, str):
+                lines.append(f"| {label} | {seq_len} | {row} | | | | | |")
+                continue
+            diff = row.get("max_loss_diff_vs_single")
+            lines.append(f"| {label} | {seq_len} | {row['peak_live_mib']:.1f} | {row['state_mib']:.1f} | "
+                         f"{row['peak_rss_mib']:.0f} | {row['received_mib_per_step']:.2f} | {row['step_s']:.3f} | "
+                         f"{'-' if diff is None else f'{diff:.1e}'} |")
+    return lines + [""]
+
+
+def _lowest_other(results, summaries, world, seq_len):
+    """``(name, summary)`` of the lowest-peak strategy other than TSP, or None."""
+    rows = [(name, summaries[(name, world, seq_len)]) for name in names_at(results, world)[1:] if name != "tsp"]
+    rows = [(name, row) for name, row in rows if not isinstance(row, str)]
+    return min(rows, key=lambda item: item[1]["peak_live_mib"]) if rows else None
+
+
+def _folded_table(results, summaries, args):
+    lines = ["### TSP: folded against replicated vocabulary", "",
+             "Per-rank peak memory, MiB; the last column is the lowest of every other strategy at that D "
+             "(parallel strategies only).", "",
+             "| D | seq len | TSP | TSP, replicated vocab | folded / replicated | lowest other |",
+             "|---|---|---|---|---|---|"]
+    for world in args.sizes:
+        if ("tsp", world) not in results or ("tsp_replicated_vocab", world) not in results:
+            continue
+        for seq_len in args.seq_lens:
+            folded = summaries[("tsp", world, seq_len)]
+            replicated = summaries[("tsp_replicated_vocab", world, seq_len)]
+            if isinstance(folded, str) or isinstance(replicated, str):
+                continue
+            other = _lowest_other(results, summaries, world, seq_len)
+            other_text = "-" if other is None else f"{LABELS[other[0]]} {other[1]['peak_live_mib']:.1f}"
+            lines.append(f"| {world} | {seq_len} | {folded['peak_live_mib']:.1f} | {replicated['peak_live_mib']:.1f} | "
+                         f"{folded['peak_live_mib'] / replicated['peak_live_mib']:.3f} | {other_text} |")
+    return lines + [""]
+
+
+def _planned_peak_table(planned_peaks, args):
+    lines = ["### Peak memory: measured against the planner", "",
+             "Planned: `ds_tsp.plan.plan(model, S, B, D, dtype=\"fp32\", zero_stage)`, the per-device total "
+             "(weights + gradients + AdamW state + activations + logits + transient) of the plan named; "
+             "measured: the peak live tensor bytes above.", "",
+             "| D | seq len | strategy | plan | planned (MiB) | measured (MiB) | measured / planned |",
+             "|---|---|---|---|---|---|---|"]
+    for (name, world, seq_len), row in planned_peaks.items():
+        if "measured_mib" not in row:
+            continue
+        plan_label = row["plan"] + (f", ZeRO-{row['zero_stage']}" if row["zero_stage"] else "")
+        lines.append(f"| {world} | {seq_len} | {LABELS[name]} | {plan_label} | {row['planned_mib']:.1f} | "
+                     f"{row['measured_mib']:.1f} | {row['ratio']:.3f} |")
+    return lines + [""]
+
+
+def _tsp_bytes_table(tsp_bytes, args):
+    lines = ["### TSP bytes: measured against the planner", "",
+             "Received per rank per step, forward + backward, max over ranks. Planned: "
+             "`ds_tsp.plan.tsp_step_bytes_by_op` for each rank, with the embedding rows that rank's all-to-all "
+             "exchanges for this batch; measured: ds_tsp's own counters (`ds_tsp.comm.counter`). Worst op: the "
+             "largest |measured / planned - 1| over ranks and ops. All traffic: everything the shim saw, "
+             "DeepSpeed's own included.", "",
+             "| D | seq len | strategy | planned (MiB) | measured (MiB) | ratio | worst op | all traffic (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (name, world, seq_len), row in tsp_bytes.items():
+        if "measured" not in row:
+            lines.append(f"| {world} | {seq_len} | {LABELS[name]} | {_mib(row['planned']):.3f} | - | - | - | - |")
+            continue
+        lines.append(f"| {world} | {seq_len} | {LABELS[name]} | {_mib(row['planned']):.3f} | "
+                     f"{_mib(row['measured']):.3f} | {row['ratio']:.4f} | {row['max_op_deviation']:.1e} | "
+                     f"{_mib(row['measured_all_traffic']):.3f} |")
+    return lines
+
+
+# Why a strategy can come in under TSP; printed only for the strategies that
+# do, under their measured breakdown.
+BELOW_TSP_WHY = {
+    "tsp_replicated_vocab": "TSP, replicated vocab: in its backward the folded head keeps head shards and fp32 "
+                            "shard-gradient buffers of its ring in flight, and fp32 logits tiles; where the "
+                            "vocabulary is small these can outweigh the embedding and head rows folding saves.",
+    "autotp": "AutoTP: it holds the same 1/D of the block weights as TSP but never moves them, while TSP keeps "
+              "the next packed weight shard in flight in forward and a shard plus its travelling fp32 gradient "
+              "accumulator in backward (about 2 (Wa+Wm)/D x 4 B per layer, a constant). Where the sequence is "
+              "short, that outweighs the activations TSP saves over AutoTP (AutoTP replicates the activations "
+              "between blocks; TSP shards all of them by D).",
+    "ulysses_zero3": "Ulysses + ZeRO-3: ZeRO-3 partitions every parameter over the D ranks and shards the "
+                     "activations by D like TSP, and it gathers one layer's weights at a time where TSP keeps "
+                     "shards and fp32 gradient accumulators in flight.",
+    "ulysses": "Ulysses (ZeRO-0): it replicates all weights, gradients and optimizer state, so it can only come "
+               "in under TSP where TSP's shards in flight outweigh that replicated state.",
+}
+
+# Why a combination does not run; printed next to the error it raised.
+UNSUPPORTED_WHY = {
+    "autotp_x_ulysses": "Why: AutoTP builds its tensor-parallel groups from a (data, tensor) DeviceMesh, i.e. "
+                        "from consecutive ranks {0,1}, {2,3}, and replaces the engine's mpu with them; Ulysses' "
+                        "`parallel_state_sp` builds its sequence-parallel groups from consecutive ranks too. The "
+                        "two land on the same pairs of ranks, so the two ranks of a TP group hold different "
+                        "sequence chunks and AutoTP's first-forward check that a TP group sees the same data "
+                        "refuses. DeepSpeed 0.19.8 has no way to lay them out orthogonally on one world "
+                        "(`deepspeed.initialize(mesh_param=...)` knows only (data_parallel, sequence_parallel)). "
+                        "Folding both onto one axis of D ranks is what TSP does instead.",
+}
+
+
+def tsp_not_lowest(results, summaries, args):
+    notes, beaten_by = [], set()
+    for world in args.sizes:
+        for seq_len in args.seq_lens:
+            tsp = summaries.get(("tsp", world, seq_len))
+            if tsp is None or isinstance(tsp, str):
+                continue
+            for name in names_at(results, world)[1:]:
+                other = summaries[(name, world, seq_len)]
+                if name == "tsp" or isinstance(other, str) or other["peak_live_mib"] >= tsp["peak_live_mib"]:
+                    continue
+                beaten_by.add(name)
+                notes.append(
+                    f"* D={world}, S={seq_len}: {LABELS[name]} {other['peak_live_mib']:.1f} MiB (state "
+                    f"{other['state_mib']:.1f} + transient {other['peak_live_mib'] - other['state_mib']:.1f}) against "
+                    f"TSP {tsp['peak_live_mib']:.1f} MiB (state {tsp['state_mib']:.1f} + transient "
+                    f"{tsp['peak_live_mib'] - tsp['state_mib']:.1f}).")
+    reasons = [f"* {BELOW_TSP_WHY[name]}" for name in sorted(beaten_by) if name in BELOW_TSP_WHY]
+    return notes + (["", "Why:", ""] + reasons if reasons else [])
+
+
+def unsupported_notes(summaries):
+    notes = {}
+    for (name, world, _), row in summaries.items():
+        if isinstance(row, str):
+            notes.setdefault((name, world), row)
+    return [f"* {LABELS[name]} at D={world}: {error}" + (f" {UNSUPPORTED_WHY[name]}" if name in UNSUPPORTED_WHY else "")
+            for (name, world), error in sorted(notes.items())]
+
+
+# --- plots ---------------------------------------------------------------------------------------------------------
+
+def _line_style(name):
+    if name == "single":
+        return {"linestyle": ":", "linewidth": 1.5}
+    if name in TSP_VOCAB_PARALLEL:
+        return {"linestyle": "-" if TSP_VOCAB_PARALLEL[name] else "--", "linewidth": 2.5}
+    return {"linestyle": "-", "linewidth": 1.5}
+
+
+def write_plots(results, summaries, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, ylabel, suffix in (("peak_live_mib", "peak live tensor memory per rank (MiB)", "memory"),
+                                ("step_s", "median step time (s)", "time")):
+        fig, axes = plt.subplots(1, len(args.sizes), figsize=(6 * len(args.sizes), 4.5), squeeze=False)
+        for ax, world in zip(axes[0], args.sizes):
+            for name in names_at(results, world):
+                points = [(s, summaries[(name, world, s)][key]) for s in args.seq_lens
+                          if not isinstance(summaries[(name, world, s)], str)]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", label=LABELS[name], **_line_style(name))
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(args.seq_lens, [str(s) for s in args.seq_lens])
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"D = {world} ranks, vocab {args.vocab}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, f"{args.name}_{suffix}.png"), dpi=110)
+        plt.close(fig)
+
+
+def write_report(results, args, meta, rows_exchanged):
+    """Every table, the JSON per D and the plots, under ``args.out``; returns the markdown's path."""
+    os.makedirs(args.out, exist_ok=True)
+    tables = tabulate(results, args, rows_exchanged)
+    write_json(results, tables, args, meta)
+    write_markdown(results, tables, args, meta)
+    write_plots(results, tables[0], args)
+    return os.path.join(args.out, f"{args.name}.md")
