@@ -591,8 +591,13 @@ def _plan_tsp(setting, vocab_parallel):
     }
     layer_backward = sum(detail[k] for k in ("kv_head_group", "weight_shards_in_flight", "attention_grad_reduces",
                                               "mlp_accumulators", "mlp_shard_intermediates", "grad_x"))
+    # The loss's backward (folded: the head's ring) is the first thing backward
+    # runs, before any parameter holds a gradient: it overlaps the gradients'
+    # memory rather than adding to it. The embedding's runs last, with all of them.
+    loss_backward_beyond_grads = max(loss_backward - states["grads"], 0)
     memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
-              "transient": max(layer_backward, loss_backward, vocab_transient.get("embedding_backward", 0))}
+              "transient": max(layer_backward, loss_backward_beyond_grads,
+                               vocab_transient.get("embedding_backward", 0))}
 
     if problem:
         forward = backward = per_step = float("nan")
