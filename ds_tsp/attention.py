@@ -215,10 +215,12 @@ def gather_kv(plan, k, v):
     return full[0], full[1]
 
 
-def scatter_kv_grads(plan, dK, dV):
-    """Full-sequence ``dK, dV`` -> the local tokens' sums over the group."""
-    stacked = layout.stack_shards(torch.stack([dK, dV]), plan.tsp_size, plan.layout, dim=2)
-    local, _ = comm.reduce_scatter(stacked, plan.group)
+def scatter_kv_grads(plan, dK, dV, dtype):
+    """Full-sequence ``dK, dV`` (this rank's sums, float32 or wider) -> the local
+    tokens' sums over the group in ``dtype``: sent in ``dtype``, added in float32
+    or wider on arrival, cast once."""
+    stacked = layout.stack_shards(torch.stack([dK.to(dtype), dV.to(dtype)]), plan.tsp_size, plan.layout, dim=2)
+    local = comm.reduce_scatter_fp32(stacked, plan.group).to(dtype)
     return local[0], local[1]
 
 
@@ -349,9 +351,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
                  "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
-            # Reduce-scattered in the model dtype, as the forward gathered K/V:
-            # the cost model's 2*B*S*nkv*d elements of the model's size.
-            dk, dv = scatter_kv_grads(plan, dK_sum.to(x.dtype), dV_sum.to(x.dtype))
+            # Sent in the model dtype, as the forward gathered K/V (the cost
+            # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
+            dk, dv = scatter_kv_grads(plan, dK_sum, dV_sum, x.dtype)
             dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
             norm_grads["k"].append(grad_k_norm)
             dk = dk.flatten(0, 1).flatten(1)

@@ -15,6 +15,11 @@ Counts are the logical data of the op, as a ring implementation moves it:
   block stays put);
 * ring send/recv: exactly the tensors sent and received.
 
+``reduce_scatter_fp32`` and ``all_reduce_fp32`` move the same bytes in the
+input's dtype as ``reduce_scatter`` and ``all_reduce`` (and are counted under
+those names) but add in float32 or wider: a bf16 reduce-scatter or all-reduce
+sums on the wire in bf16, one rounding per hop.
+
 Timeouts are carried by the process groups themselves (``topology`` creates
 them with ``tsp.timeout_minutes``), so a dead peer fails the op instead of
 hanging it.
@@ -26,6 +31,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+
+def accumulation_dtype(dtype):
+    """float32, or ``dtype`` where that is wider (float64 stays float64): what
+    sums over ranks, ring steps and head groups run in."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass
@@ -134,6 +146,70 @@ def reduce_scatter(stacked, group, async_op=False):
     counter.add("reduce_scatter", sent=(size - 1) * _nbytes(out), received=(size - 1) * _nbytes(out))
     work = _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group, async_op=async_op)
     return out, work
+
+
+def _sum_slices_fp32(stacked, group):
+    """All-to-all of ``stacked`` ``(D, *shape)``, uncounted; this rank's slice
+    of the sum, added in group-rank order in float32 or wider."""
+    received = torch.empty_like(stacked)  # received[j]: rank j's summand of this rank's slice
+    dist.all_to_all_single(received, stacked, group=group)
+    total = received[0].to(accumulation_dtype(stacked.dtype))
+    for part in received[1:]:
+        total += part
+    return total
+
+
+def reduce_scatter_fp32(stacked, group):
+    """``reduce_scatter`` with the bytes in ``stacked``'s dtype but the sum in
+    float32 or wider; returns this rank's slice of the sum in that wider dtype.
+
+    Narrower inputs go as an all-to-all of the same slices (each rank sends and
+    receives ``D-1`` of them, as a reduce-scatter does; counted as
+    ``reduce_scatter``) and the received slices are added on arrival in
+    group-rank order, so the sum does not depend on the wire algorithm. Wider
+    inputs take ``reduce_scatter`` itself.
+    """
+    size = group_size(group)
+    acc = accumulation_dtype(stacked.dtype)
+    if size == 1:
+        return stacked[0].to(acc)
+    if acc == stacked.dtype:
+        return reduce_scatter(stacked, group)[0]
+    if stacked.shape[0] != size:
+        raise ValueError(f"reduce_scatter_fp32 expects a leading dim of {size} (the group size), "
+                         f"got {tuple(stacked.shape)}")
+    stacked = stacked.contiguous()
+    counter.add("reduce_scatter", sent=(size - 1) * _nbytes(stacked[0]), received=(size - 1) * _nbytes(stacked[0]))
+    return _sum_slices_fp32(stacked, group)
+
+
+def all_reduce_fp32(tensor, group):
+    """The sum of ``tensor`` over ``group``, a new tensor of ``tensor``'s dtype:
+    the float32 (or wider) sum rounded once, the same on every rank, for the
+    bytes of an ``all_reduce`` in ``tensor``'s dtype (counted as one).
+
+    Narrower inputs: the ``reduce_scatter_fp32`` of ``D`` equal pieces (zero
+    padded), then an all-gather of the summed pieces in ``tensor``'s dtype:
+    ``2 (D-1) n / D`` each way, as a ring all-reduce. Wider inputs take
+    ``all_reduce`` itself.
+    """
+    size = group_size(group)
+    if size == 1:
+        return tensor.clone()
+    if accumulation_dtype(tensor.dtype) == tensor.dtype:
+        out = tensor.clone()
+        all_reduce(out, group)
+        return out
+    flat = tensor.reshape(-1)
+    piece = -(-flat.numel() // size)
+    stacked = flat.new_zeros(size * piece)
+    stacked[:flat.numel()] = flat
+    moved = 2 * (size - 1) * _nbytes(tensor) // size
+    counter.add("all_reduce", sent=moved, received=moved)
+    local = _sum_slices_fp32(stacked.view(size, piece), group).to(tensor.dtype)
+    gathered = local.new_empty(size * piece)
+    _all_gather_single(gathered, local, group=group)
+    return gathered[:flat.numel()].view(tensor.shape)
 
 
 def reduce(tensor, dst, group, async_op=False):

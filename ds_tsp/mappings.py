@@ -13,9 +13,7 @@ from . import comm
 class _SumOverGroupForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
-        out = tensor.clone()
-        comm.all_reduce(out, group)
-        return out
+        return comm.all_reduce_fp32(tensor, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -23,8 +21,8 @@ class _SumOverGroupForward(torch.autograd.Function):
 
 
 def sum_over_group(tensor, group):
-    """Forward: all-reduce (sum) over ``group``. Backward: identity, since each
-    rank's summand depends on its own tokens only."""
+    """Forward: all-reduce (sum, in float32 or wider) over ``group``. Backward:
+    identity, since each rank's summand depends on its own tokens only."""
     if comm.group_size(group) == 1:
         return tensor
     return _SumOverGroupForward.apply(tensor, group)
@@ -38,14 +36,13 @@ def sum_grads_over_group(params, group):
     (tied weights included) before it reaches ``.grad``, so it runs ahead of
     ZeRO's post-accumulation hooks and of gradient accumulation across
     micro-steps. Every rank runs the same graph, so the all-reduces line up.
+    bf16 gradients travel in bf16 and are summed in float32, rounded once.
     """
     if comm.group_size(group) == 1:
         return
 
     def hook(grad):
-        grad = grad.clone()
-        comm.all_reduce(grad, group)
-        return grad
+        return comm.all_reduce_fp32(grad, group)
 
     seen = set()
     for param in params:
@@ -63,14 +60,14 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        local, _ = comm.reduce_scatter(grad.reshape(comm.group_size(ctx.group), -1, *grad.shape[1:]), ctx.group)
-        return local, None
+        stacked = grad.reshape(comm.group_size(ctx.group), -1, *grad.shape[1:])
+        return comm.reduce_scatter_fp32(stacked, ctx.group).to(grad.dtype), None
 
 
 def gather_rows(shard, group):
     """Forward: all-gather every rank's ``shard`` along dim 0 (group-rank order).
-    Backward: reduce-scatter, so each rank gets the sum over the group of the
-    gradient of its own rows."""
+    Backward: reduce-scatter (summed in float32 or wider), so each rank gets the
+    sum over the group of the gradient of its own rows."""
     if comm.group_size(group) == 1:
         return shard
     return _GatherRows.apply(shard, group)

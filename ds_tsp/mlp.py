@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_tsp import comm
+from ds_tsp.comm import accumulation_dtype
 from ds_tsp.packing import PackSpec, module_reader
 from ds_tsp.ring import ring_gradients, ring_steps
 
@@ -72,11 +73,6 @@ def shard_piece(intermediate_size, tsp_size, name, tsp_rank):
         return None
     f = intermediate_size // tsp_size
     return SHARD_DIMS[name], tsp_rank * f, f
-
-
-def accumulation_dtype(dtype):
-    """float32, or the parameter dtype where that is wider (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def shard_forward(x, w, act_fn):

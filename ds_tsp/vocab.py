@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .comm import accumulation_dtype
 from .mappings import gather_rows
-from .mlp import accumulation_dtype
 from .ring import ring_gradients, ring_steps
 
 IGNORE_INDEX = -100

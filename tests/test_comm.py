@@ -93,3 +93,51 @@ def test_size_one_group_moves_nothing():
     gathered, _ = comm.all_gather(x, None)
     assert gathered.shape == (1, 4)
     assert comm.counter.snapshot() == {}
+
+
+def _fp32_sums(world_size, tsp_size):
+    topo = TSPTopology(tsp_size)
+    group, r, D = topo.tsp_group, topo.tsp_rank, topo.tsp_size
+    small = 2.0 ** -8  # half an ulp of bf16 at 1: 1 + small rounds back to 1 in a bf16 sum
+    exact = 1 + (D - 1) * small  # exact in fp32 and in the bf16 inputs' terms
+    bf16_sum = torch.tensor(1.0, dtype=torch.bfloat16)
+    for _ in range(D - 1):
+        bf16_sum = bf16_sum + torch.tensor(small, dtype=torch.bfloat16)  # what summing in bf16 gives: 1
+    checks = {}
+
+    # Slice j (for rank j) gets 1 from rank j and `small` from every other rank, 5 values each.
+    stacked = torch.full((D, 5), small, dtype=torch.bfloat16)
+    stacked[r] = 1.0
+    comm.counter.reset()
+    local = comm.reduce_scatter_fp32(stacked, group)
+    checks["reduce_scatter_dtype"] = local.dtype == torch.float32
+    checks["reduce_scatter_fp32_sum"] = torch.equal(local, torch.full((5,), exact))
+    checks["reduce_scatter_not_bf16_sum"] = not torch.equal(local, torch.full((5,), bf16_sum.float().item()))
+    checks["reduce_scatter_bytes"] = comm.counter.received() == comm.counter.sent() == (D - 1) * 5 * 2
+    checks["reduce_scatter_counted_as"] = sorted(comm.counter.snapshot()) == ["reduce_scatter"]
+
+    # 7 values (not a multiple of D: padded pieces); rank 0 holds 1, the others `small`.
+    x = torch.full((7,), 1.0 if r == 0 else small, dtype=torch.bfloat16)
+    comm.counter.reset()
+    total = comm.all_reduce_fp32(x, group)
+    rounded_once = torch.tensor(exact).to(torch.bfloat16)
+    checks["all_reduce_dtype"] = total.dtype == torch.bfloat16 and total.shape == x.shape
+    checks["all_reduce_fp32_sum"] = torch.equal(total, rounded_once.expand(7))
+    # From D = 4 the fp32 sum rounds to 1 + 2^-6, the bf16 sum stays at 1.
+    checks["all_reduce_not_bf16_sum"] = D < 4 or not torch.equal(total, bf16_sum.expand(7))
+    checks["all_reduce_bytes"] = comm.counter.received() == comm.counter.sent() == 2 * (D - 1) * 7 * 2 // D
+    checks["all_reduce_counted_as"] = sorted(comm.counter.snapshot()) == ["all_reduce"]
+
+    # Float32 inputs take the plain collectives, with their values and bytes.
+    y = torch.full((3,), float(r + 1))
+    checks["all_reduce_fp32_of_fp32"] = torch.equal(comm.all_reduce_fp32(y, group), torch.full((3,), D * (D + 1) / 2))
+    return checks
+
+
+@pytest.mark.parametrize("world_size, tsp_size", [(2, 2), (4, 4), (4, 2)])
+def test_fp32_sums_of_bf16(run_ranks, world_size, tsp_size):
+    """bf16 in, bf16 bytes on the wire, float32 sums: the values a bf16 sum
+    would round away survive, and the bytes are the plain collectives'."""
+    for rank, checks in enumerate(run_ranks(world_size, _fp32_sums, world_size=world_size, tsp_size=tsp_size)):
+        failed = [name for name, ok in checks.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
