@@ -5,7 +5,7 @@ Face model (D = 1), TSP and DeepSpeed-Ulysses at D = 2, 4 and 8, on CPU gloo ran
     python benchmarks/fidelity.py --sizes 2 --seq-len 512 --out /tmp/fid   # a smoke run
 
 One small Llama-shaped model (hidden 64, 2 layers, 8 heads, 8 key/value heads,
-vocabulary 512) and one fixed batch of ``--seq-len`` tokens (4096: 512 tokens
+vocabulary 512) and a fixed batch of ``--seq-len`` tokens per sample (4096: 512 tokens
 per rank at D = 8). bf16 as DeepSpeed runs it: the weights the forward uses are
 the bf16 copies of fp32 master weights, activations and gradients are bf16.
 The reference is the SAME model (those bf16 weights, exactly, widened) computed
@@ -34,12 +34,15 @@ the pieces add up over the ranks), replicated ones once.
 
 The table in ``fidelity.md`` gives each error and its ratio to the unsharded
 model's; the check is TSP's ratio <= 1.1 for the loss, the token losses and
-every gradient group at every D. The scalar loss's error is one number, a sum
-of 4095 per-token errors of either sign, so two equally accurate computations
-that round differently land anywhere in a wide band (it is ~1e-6, a thousand
-times below bf16's unit roundoff); the token losses are the stable measure of
-the loss's accuracy. Ulysses computes every token exactly as the unsharded
-model does, so its loss error is the same number.
+every gradient group at every D. The scalar loss's error of one batch is one
+number, a sum of 4095 per-token errors of either sign, so two equally accurate
+computations that round differently land anywhere in a wide band (it is ~1e-6,
+a thousand times below bf16's unit roundoff). So every figure is pooled over
+``--samples`` independent samples (weights and batch drawn from seeds
+``--seed``, ``--seed + 1``, ...): squared errors and squared reference norms
+are summed over the samples before the ratio. The token losses remain the
+stable measure of the loss's accuracy. Ulysses computes every token exactly as
+the unsharded model does, so its loss error is the same number.
 """
 
 import argparse
@@ -74,6 +77,8 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=4,
+                        help="independent (weights, batch) samples, seeds --seed, --seed+1, ...; errors pooled")
     parser.add_argument("--strategies", nargs="+", default=["tsp", "tsp_fp32_wire", "ulysses"])
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--name", default="fidelity")
@@ -131,13 +136,19 @@ class Errors:
         self.sums[key] = (err + (value - reference).pow(2).sum().item(), ref + reference.pow(2).sum().item())
 
     @staticmethod
-    def merge(per_rank):
+    def merge(parts):
+        """The sums of several ``sums`` dicts (ranks, or samples)."""
         total = {}
-        for sums in per_rank:
+        for sums in parts:
             for key, (err, ref) in sums.items():
                 e, r = total.get(key, (0.0, 0.0))
                 total[key] = (e + err, r + ref)
-        return {key: math.sqrt(err / ref) for key, (err, ref) in total.items()}
+        return total
+
+    @staticmethod
+    def relative(sums):
+        """``||x - ref|| / ||ref||`` per quantity, over everything summed."""
+        return {key: math.sqrt(err / ref) for key, (err, ref) in sums.items()}
 
 
 def token_losses(logits, input_ids, dtype):
@@ -184,7 +195,7 @@ def run_reference(args):
         errors.add(f"layer{index}.output", bf16["outputs"][index], out)
     for name, grad in ref["grads"].items():
         errors.add(group_of(name), bf16["grads"][name], grad)
-    return ref, Errors.merge([errors.sums])
+    return ref, errors.sums
 
 
 # --- the sharded cases, one process per rank ---------------------------------------------------------------------
@@ -382,8 +393,10 @@ def markdown(result, args):
     strategies = [s for s in args.strategies if any(s in result["sharded"][d] for d in sizes)]
     lines = ["# bf16 fidelity against float64 (`benchmarks/fidelity.py`)", "",
              f"Llama-shaped: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} "
-             f"key/value heads, MLP {args.intermediate}, vocabulary {args.vocab}; one sequence of {args.seq_len} "
-             f"tokens ({args.seq_len // max(int(d) for d in sizes)} per rank at D = {max(int(d) for d in sizes)}). "
+             f"key/value heads, MLP {args.intermediate}, vocabulary {args.vocab}; {args.samples} samples (seeds "
+             f"{args.seed}..{args.seed + args.samples - 1}: weights and batch), each one sequence of {args.seq_len} "
+             f"tokens ({args.seq_len // max(int(d) for d in sizes)} per rank at D = {max(int(d) for d in sizes)}); "
+             "errors pooled over the samples (squared errors and squared norms summed). "
              "bf16 weights (the bf16 copy of fp32 masters), activations and gradients; the reference is the same "
              "weights in float64. Relative error `||x_bf16 - x_f64|| / ||x_f64||`; in brackets, the ratio to the "
              f"unsharded model's (D = 1). TSP passes where that ratio is at most {LIMIT} for the loss and every "
@@ -468,19 +481,28 @@ def main(argv=None):
         write_results(result, args)
         return
     start = time.perf_counter()
-    ref, base = run_reference(args)
-    result = {"args": vars(args), "hf": base, "sharded": {}, "seconds": {"hf": time.perf_counter() - start}}
-    print(f"D=1: {json.dumps({k: f'{v:.3e}' for k, v in base.items()})}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="ds_tsp_fidelity_ref_") as tmp:
-        reference_file = os.path.join(tmp, "reference.pt")
-        torch.save(ref, reference_file)
-        for size in args.sizes:
-            start = time.perf_counter()
-            result["sharded"][str(size)], seconds = run_size(size, reference_file, args)
-            result["seconds"][str(size)] = {**seconds, "total": time.perf_counter() - start}
-            for strategy, errors in result["sharded"][str(size)].items():
-                ratios = {k: f"{v / base[k]:.2f}" for k, v in errors.items()}
-                print(f"D={size} {strategy}: ratio to D=1 {json.dumps(ratios)}", flush=True)
+    base_sums, sharded_sums, seconds_by_size = [], {}, {}
+    for sample in range(args.samples):
+        sample_args = argparse.Namespace(**{**vars(args), "seed": args.seed + sample})
+        ref, sums = run_reference(sample_args)
+        base_sums.append(sums)
+        with tempfile.TemporaryDirectory(prefix="ds_tsp_fidelity_ref_") as tmp:
+            reference_file = os.path.join(tmp, "reference.pt")
+            torch.save(ref, reference_file)
+            for size in args.sizes:
+                size_start = time.perf_counter()
+                per_strategy, _ = run_size(size, reference_file, sample_args)
+                for strategy, strategy_sums in per_strategy.items():
+                    sharded_sums.setdefault(str(size), {}).setdefault(strategy, []).append(strategy_sums)
+                seconds_by_size[str(size)] = seconds_by_size.get(str(size), 0.0) + time.perf_counter() - size_start
+        print(f"sample {sample + 1}/{args.samples} done ({time.perf_counter() - start:.0f} s)", flush=True)
+    base = Errors.relative(Errors.merge(base_sums))
+    result = {"args": vars(args), "hf": base, "seconds": {"total": time.perf_counter() - start, **seconds_by_size},
+              "sharded": {size: {strategy: Errors.relative(Errors.merge(parts)) for strategy, parts in cases.items()}
+                          for size, cases in sharded_sums.items()}}
+    for size, cases in result["sharded"].items():
+        for strategy, errors in cases.items():
+            print(f"D={size} {strategy}: ratio to D=1 {json.dumps({k: f'{v / base[k]:.2f}' for k, v in errors.items()})}")
     result["tsp_within_limit"] = verdicts(result)
     write_results(result, args)
     print(markdown(result, args))
