@@ -55,7 +55,7 @@ from . import comm, layout
 from .attention import attention_forward, project, rotate
 from .kv_cache import KVCache, placement, prompt_tokens
 from .mlp import shard_forward
-from .model import TSPCausalLMMixin
+from .model import TSPCausalLMMixin, rotary_tables
 from .vocab import embed_local_tokens, full_vocab_logits
 
 
@@ -203,7 +203,7 @@ class TSPDecoder:
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
         rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
         hidden = embed_local_tokens(self.embed, rank_ids, r)  # (B, S/D, H)
-        cos, sin = self.rotary(hidden, positions.expand(batch, -1))
+        cos, sin = rotary_tables(self.rotary, hidden, positions.expand(batch, -1), (lengths.max() - 1).view(1, 1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         self.targets, final_counts = placement(prompt_counts, num_decode_steps)

@@ -48,6 +48,8 @@ class TSPBatch:
         elif position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
                              f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
+        # What rotary types that scale with the sequence read (HF: max(position_ids)).
+        self.max_position = position_ids.amax().view(1, 1)
         shifted = None
         if labels is not None:
             # Token t predicts label t+1: shift on the full sequence, before
@@ -105,13 +107,26 @@ class TSPCausalLMMixin:
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
-        position_embeddings = self.get_submodule(policy.rotary_emb)(hidden, batch.position_ids)
+        position_embeddings = rotary_tables(self.get_submodule(policy.rotary_emb), hidden, batch.position_ids,
+                                            batch.max_position)
         for decoder_layer in self.get_submodule(policy.layers):
             hidden = decoder_layer(hidden, position_embeddings)
         hidden = self.get_submodule(policy.final_norm)(hidden)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
                                         num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def rotary_tables(rotary_emb, hidden, positions, max_position):
+    """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
+    rotary embedding computes them for the whole sequence. Rotary types that
+    scale with the sequence (``dynamic``) read the largest position id, so the
+    full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
+    appended to the positions and its row dropped from the tables. Positions
+    past it (the padding TSP appends) are clamped to it: no real token sees them."""
+    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
+    cos, sin = rotary_emb(hidden, probe)
+    return cos[:, :-1], sin[:, :-1]
 
 
 def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None):

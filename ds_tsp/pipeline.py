@@ -5,17 +5,19 @@ tokens), one pipe layer per TSP decoder layer, final norm; the loss function
 applies the LM head (on the last stage, where it lives) and returns the mean
 over all real tokens of the full sequence, fused on the ring when the
 vocabulary is folded. What passes between stages is
-``(hidden (B, S/D, H), position_ids (B, S/D))``: the local shard, never the
-full sequence. The pipeline topology is DeepSpeed's ``pipe x data x model``
+``(hidden (B, S/D, H), positions (B, S/D + 1))``: the local shard, never the
+full sequence (``positions`` are this rank's position ids and, last, the
+sequence's largest, which rotary types that scale with the sequence read). The pipeline topology is DeepSpeed's ``pipe x data x model``
 with the TSP group as the model axis, the same rank order as
 ``ds_tsp.topology``.
 """
 
+import torch
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from .model import TSPBatch, lm_head_and_loss
+from .model import TSPBatch, lm_head_and_loss, rotary_tables
 from .vocab import embed_local_tokens
 
 
@@ -27,7 +29,8 @@ class TSPEmbeddingPipe(nn.Module):
 
     def forward(self, input_ids):
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
-        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank), batch.position_ids
+        positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
+        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank), positions
 
 
 class TSPDecoderLayerPipe(nn.Module):
@@ -40,8 +43,9 @@ class TSPDecoderLayerPipe(nn.Module):
         self.rotary_emb = rotary_emb
 
     def forward(self, inputs):
-        hidden, position_ids = inputs
-        return self.layer(hidden, self.rotary_emb(hidden, position_ids)), position_ids
+        hidden, positions = inputs
+        tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:])
+        return self.layer(hidden, tables), positions
 
 
 class TSPHeadPipe(nn.Module):

@@ -553,7 +553,8 @@ def _plan_tsp(setting, vocab_parallel):
                            setting.zero_stage, 1)
 
     layer_saved = tokens * _tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward)
-    model_saved = _model_level_saved(m, e, tokens, rope_rows=tokens)
+    # cos/sin of the local tokens plus, per sequence, the row of the largest position (model.rotary_tables)
+    model_saved = _model_level_saved(m, e, tokens, rope_rows=tokens + B)
     if setting.activation_checkpointing:
         layers = L * tokens * e * H + layer_saved
     else:

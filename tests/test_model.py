@@ -26,6 +26,21 @@ def test_tied_embeddings_contiguous_layout_and_right_padding(run_ranks, tsp_size
     check(per_rank, f"D={tsp_size} tied contiguous right-padded")
 
 
+# Dynamic RoPE rescales its frequencies from the largest position id, here
+# beyond max_position_embeddings: tables built from each rank's own positions
+# alone would differ between ranks and from HF.
+DYNAMIC_ROPE = {"max_position_embeddings": 8,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_sequence_dependent_rope_sees_the_whole_sequence(run_ranks, tsp_size):
+    for batch, seq_len in ((1, 16), (2, 13)):
+        per_rank = run_ranks(tsp_size, model_parity, arch="llama", batch=batch, seq_len=seq_len,
+                             model_overrides=DYNAMIC_ROPE)
+        check(per_rank, f"D={tsp_size} dynamic RoPE B={batch} S={seq_len}")
+
+
 def test_activation_checkpointing_recomputes_exactly(run_ranks):
     plain = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32)
     recomputed = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing=True)
