@@ -52,6 +52,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     # Every check that needs only sizes runs before any weight is touched.
     _check_client_parameters(optimizer, model_parameters)
+    _check_no_other_model_parallelism(ds_config)
     # Joins an existing torch.distributed group if there is one.
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
@@ -120,6 +121,21 @@ def _no_partitioned_pipe_messages(ds_config):
             raise ValueError(f"pipeline.{key} = true assumes activations replicated over the model-parallel group; "
                              f"TSP ranks hold different tokens: set pipeline.{key} to false or leave it out")
         pipeline[key] = False
+
+
+def _check_no_other_model_parallelism(ds_config):
+    """TSP already shards the sequence and the weights over the TSP group; DeepSpeed's
+    own Ulysses or AutoTP on top would shard them again over the same ranks."""
+    sp_size = ds_config.get("sequence_parallel_size", 1)
+    if sp_size != 1:
+        raise ValueError(f"sequence_parallel_size = {sp_size} turns on DeepSpeed-Ulysses, but TSP already shards the "
+                         "sequence over the TSP group: remove sequence_parallel_size (or set it to 1), or set "
+                         "tsp.enabled to false to use Ulysses instead")
+    autotp_size = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if autotp_size not in (0, 1):
+        raise ValueError(f"tensor_parallel.autotp_size = {autotp_size} turns on DeepSpeed AutoTP, but TSP already "
+                         "shards the weights over the TSP group: remove the tensor_parallel section (or set "
+                         "autotp_size to 1), or set tsp.enabled to false to use AutoTP instead")
 
 
 def _check_client_parameters(optimizer, model_parameters):

@@ -91,6 +91,11 @@ def resolve_policy(model, name="auto"):
         if getattr(model.config, key, None) not in (None, 1, 1.0):
             raise PolicyError(f"{model_class} uses {feature} (config.{key} = {getattr(model.config, key)}), "
                               "which the TSP forward does not reproduce: this architecture is not supported")
+    dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise PolicyError(f"{model_class} has config.attention_dropout = {dropout}, which the TSP attention does not "
+                          "apply: set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
+                          "the unsharded model's), or leave tsp.enabled false")
     for index, layer in enumerate(layers):
         check_layer(policy, layer, f"{policy.layers}.{index}")
     return policy

@@ -155,6 +155,18 @@ def test_the_comparison_catches_a_wrong_shard(run_ranks):
     assert worst > 1e3 * BOUND["sgd"]
 
 
+@pytest.mark.parametrize("section, match", [
+    ({"sequence_parallel_size": 2}, r"sequence_parallel_size = 2 turns on DeepSpeed-Ulysses"),
+    ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size = 2 turns on DeepSpeed AutoTP"),
+])
+def test_deepspeeds_own_sequence_or_tensor_parallelism_is_refused(section, match):
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        ds_tsp.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          config={"train_micro_batch_size_per_gpu": 1, **section, "tsp": {"enabled": True, "size": 1}})
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
+
+
 def test_optimizer_built_before_injection_is_refused():
     model = tiny_model("llama", dtype=torch.float32)
     with pytest.raises(TypeError, match="pass the optimizer as a callable"):

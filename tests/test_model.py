@@ -79,3 +79,10 @@ def test_left_padding_is_refused():
         model(input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match=r"does not support \['output_attentions'\]"):
         model(input_ids=ids, output_attentions=True)
+
+
+def test_attention_dropout_is_refused_before_any_weight_moves():
+    model = tiny_model("llama", attention_dropout=0.1)
+    with pytest.raises(PolicyError, match=r"config.attention_dropout = 0.1.*set model.config.attention_dropout = 0.0"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
