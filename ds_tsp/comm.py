@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def accumulation_dtype(dtype):
     """float32, or ``dtype`` where that is wider (float64 stays float64): what
     sums over ranks, ring steps and head groups run in."""

@@ -137,6 +137,38 @@ def test_mistral_sliding_window_at_four_ranks(run_ranks):
     assert diff <= TOLERANCE
 
 
+# Dynamic RoPE rescales from the largest position id, here past max_position_embeddings
+# already in the prompt, and again at every decode step.
+DYNAMIC_ROPE = {"max_position_embeddings": 8,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
+
+
+def _generate_dynamic_rope(input_ids, max_new_tokens):
+    tsp_size = dist.get_world_size()
+    model = ds_tsp.inject(tiny_model("llama", **DYNAMIC_ROPE), TSPTopology(tsp_size),
+                          TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    out = generate(model, input_ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_dynamic_rope_generates_as_hugging_face(run_ranks, tsp_size):
+    """Against HF's own cached generation: with dynamic RoPE its cached keys keep
+    the frequencies they were rotated with, so no-cache forwards are not the
+    reference here. HF returns these logits in float32: the bound is float32
+    rounding of logits of magnitude ~10 (per-rank rotary tables in the prefill move them by ~5)."""
+    prompts = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+    ref = tiny_model("llama", **DYNAMIC_ROPE)
+    hf = ref.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=8,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    hf_logits = torch.stack(hf.logits, dim=1).double()
+    per_rank = run_ranks(tsp_size, _generate_dynamic_rope, input_ids=prompts, max_new_tokens=8)
+    diff = max((logits.double() - hf_logits).abs().max().item() for _, logits in per_rank)
+    print(f"D={tsp_size} dynamic RoPE: max|logit diff| against HF's float32 logits {diff:.2e}")
+    assert all(torch.equal(sequences, hf.sequences) for sequences, _ in per_rank)
+    assert diff <= 1e-5
+
+
 def test_a_wrong_shard_is_caught(run_ranks):
     prompts = _prompts(1)
     _, ref_logits = _hf_reference("llama", prompts, max_new_tokens=4)
