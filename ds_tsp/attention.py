@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import comm, layout
 from .attention_kernels import select_kernel
+from .documents import query_blocks
 from .packing import PackSpec, module_reader
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class AttentionPlan:
     window: int | None
     overlap: bool
     explicit_backward: bool  # save each head group's output and lse; run the fused backward
+    query_blocks: list  # documents.query_blocks: which keys each piece of the local queries attends to
     q_norm: object = None  # per-head norms applied before the rotary embedding (Qwen3), replicated
     k_norm: object = None
 
@@ -224,48 +226,51 @@ def scatter_kv_grads(plan, dK, dV, dtype):
     return local[0], local[1]
 
 
-def _local_chunks(plan, *tensors):
-    """Per query chunk of this rank (2 of ``2D``): the key prefix length that
-    ends with the chunk, and each tensor's slice along its sequence dim 1."""
-    tsp_rank = comm.group_rank(plan.group)
-    chunks = layout.chunk_ids(tsp_rank, plan.tsp_size, plan.layout)
-    pieces = [t.chunk(2, dim=1) for t in tensors]
-    for index, chunk in enumerate(chunks):
-        yield (chunk + 1) * pieces[0][index].shape[1], *(p[index] for p in pieces)
+def _cat(pieces, dim):
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def attend_local_chunks(plan, q, K, V):
-    """Causal attention of this rank's two query chunks over the full keys.
-
-    Chunk ``g`` (of ``2D``) attends to the key prefix that ends with its own
-    chunk, bottom-right aligned; rows past that prefix never need computing.
+    """Causal attention of this rank's queries over the full keys, block by
+    block of ``plan.query_blocks``: each of this rank's two chunks (of ``2D``)
+    attends to the key prefix that ends with itself, bottom-right aligned, so
+    rows past it are never computed; with packed documents, each piece of a
+    chunk attends from its document's start only.
     Returns the output and, with ``plan.explicit_backward``, the log-sum-exp
     ``(B, hq, S/D)`` the fused backward needs (else None).
     """
     outputs, lses = [], []
-    for end, q_chunk in _local_chunks(plan, q):
-        if plan.explicit_backward:
-            out, lse = plan.kernel.forward(q_chunk, K[:, :end], V[:, :end], plan.scale)
-            lses.append(lse)
-        else:
-            out, _ = plan.kernel.attend(q_chunk, K[:, :end], V[:, :end], plan.scale, plan.window)
-        outputs.append(out)
-    return torch.cat(outputs, dim=1), torch.cat(lses, dim=-1) if lses else None
+    for rows, blocks in plan.query_blocks:
+        row_outputs, row_lses = [], []
+        for q_lo, q_hi, k_lo, k_hi in blocks:
+            q_block, K_block, V_block = q[rows, q_lo:q_hi], K[rows, k_lo:k_hi], V[rows, k_lo:k_hi]
+            if plan.explicit_backward:
+                out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale)
+                row_lses.append(lse)
+            else:
+                out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window)
+            row_outputs.append(out)
+        outputs.append(_cat(row_outputs, 1))
+        lses.append(_cat(row_lses, -1) if row_lses else None)
+    return _cat(outputs, 0), _cat(lses, 0) if plan.explicit_backward else None
 
 
 def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse):
     """``dq, dK, dV`` of ``attend_local_chunks`` from its saved output and lse;
-    ``dK, dV`` sum the two chunks' parts in float32 (or wider)."""
+    ``dK, dV`` sum the blocks' parts in float32 (or wider)."""
     acc_dtype = torch.promote_types(K.dtype, torch.float32)
     grad_q, grad_K, grad_V = [], torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
-    lse_chunks = lse.chunk(2, dim=-1)
-    for index, (end, grad_chunk, q_chunk, o_chunk) in enumerate(_local_chunks(plan, grad_o, q, o)):
-        dq, dk, dv = plan.kernel.backward(grad_chunk, q_chunk, K[:, :end], V[:, :end], o_chunk, lse_chunks[index],
-                                          plan.scale)
-        grad_q.append(dq)
-        grad_K[:, :end] += dk
-        grad_V[:, :end] += dv
-    return torch.cat(grad_q, dim=1), grad_K, grad_V
+    for rows, blocks in plan.query_blocks:
+        row_grads = []
+        for q_lo, q_hi, k_lo, k_hi in blocks:
+            dq, dk, dv = plan.kernel.backward(grad_o[rows, q_lo:q_hi], q[rows, q_lo:q_hi], K[rows, k_lo:k_hi],
+                                              V[rows, k_lo:k_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],
+                                              plan.scale)
+            row_grads.append(dq)
+            grad_K[rows, k_lo:k_hi] += dk
+            grad_V[rows, k_lo:k_hi] += dv
+        grad_q.append(_cat(row_grads, 1))
+    return _cat(grad_q, 0), grad_K, grad_V
 
 
 def attention_forward(plan, x, packed, cos, sin):
@@ -492,18 +497,22 @@ class TSPAttention(nn.Module):
         tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
         return tensors
 
-    def plan(self, x):
+    def plan(self, x, documents=None):
+        """How to run this layer on the local tokens ``x``; ``documents``: the
+        rows' document starts (``ds_tsp.documents``), None for one per row."""
         kernel = select_kernel(self.backend, x.device, x.dtype)
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
                                                                                      self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
                              kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
-                             explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm)
+                             explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm,
+                             query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
+                                                       self.layout_name))
 
-    def forward(self, x, position_embeddings):
+    def forward(self, x, position_embeddings, documents=None):
         cos, sin = position_embeddings
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
-        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x), *norm_weights)
+        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x, documents), *norm_weights)
         return out if self.o_bias is None else out + self.o_bias
 
 

@@ -14,6 +14,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import layout
+from .documents import check_cu_seq_lens, document_starts
 from .mappings import sum_over_group
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
 
@@ -30,24 +31,30 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
 
-    def forward(self, hidden_states, position_embeddings):
+    def forward(self, hidden_states, position_embeddings, documents=None):
         residual = hidden_states
-        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
+        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, documents)
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class TSPBatch:
-    """One micro-batch as this rank sees it: padded, shifted, sharded."""
+    """One micro-batch as this rank sees it: padded, shifted, sharded.
+    ``documents`` are the rows' packed documents (``ds_tsp.documents``), None
+    when each row is one sequence."""
 
-    def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name):
+    def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
+                 cu_seq_lens=None):
         batch, seq_len = input_ids.shape
         real = _real_tokens(attention_mask, batch, seq_len, input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
-        elif position_ids.shape != input_ids.shape:
+        if position_ids is not None and position_ids.shape == (1, seq_len):
+            position_ids = position_ids.expand(batch, -1)  # HF accepts positions shared by every row
+        if position_ids is not None and position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
                              f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
+        self.documents = document_starts(position_ids, attention_mask, cu_seq_lens, input_ids.shape)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
         # What rotary types that scale with the sequence read (HF: max(position_ids)).
         self.max_position = position_ids.amax().view(1, 1)
         shifted = None
@@ -98,6 +105,7 @@ class TSPCausalLMMixin:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
         if use_cache:
             raise ValueError("use_cache is not supported by the TSP training forward")
+        cu_seq_lens = check_cu_seq_lens(kwargs)
         unsupported = {key: value for key, value in kwargs.items()
                        if value not in (None, False) and not (key == "return_dict" and value is True)}
         if unsupported:
@@ -105,12 +113,12 @@ class TSPCausalLMMixin:
                              "local tokens' logits only")
         policy, topo = self.tsp_policy, self.tsp_topology
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
-                         self.tsp_config.layout)
+                         self.tsp_config.layout, cu_seq_lens)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
         position_embeddings = rotary_tables(self.get_submodule(policy.rotary_emb), hidden, batch.position_ids,
                                             batch.max_position)
         for decoder_layer in self.get_submodule(policy.layers):
-            hidden = decoder_layer(hidden, position_embeddings)
+            hidden = decoder_layer(hidden, position_embeddings, batch.documents)
         hidden = self.get_submodule(policy.final_norm)(hidden)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
                                         num_items_in_batch)

@@ -1,7 +1,9 @@
 """Whole injected models against the unsharded Hugging Face model, float64: the
 bodies and checks the model and vocabulary tests share."""
 
+import contextlib
 import copy
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,10 +19,12 @@ from models import tiny_model
 TOLERANCE = 1e-10
 
 
-def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None):
+def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None, position_ids=None):
     """HF's causal-LM loss, but in float64 (HF upcasts logits to float32 only);
-    with ``num_items_in_batch``, the sum over real tokens divided by it."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    with ``num_items_in_batch``, the sum over real tokens divided by it.
+    Without a cache: only then does HF read packed documents from ``position_ids``."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
     labels = input_ids[:, 1:].clone()
     if attention_mask is not None:
         labels[attention_mask[:, 1:] == 0] = -100
@@ -64,14 +68,25 @@ def sharded_pieces(module, full):
             for name, value in module.shard_tensors().items() if module.shard_piece(name) is not None}
 
 
+def packed_position_ids(documents):
+    """Position ids ``(B, S)`` that restart at 0 for every document, from each
+    row's document lengths (``[[5, 1, 10], [16]]``), as packing collators write them."""
+    return torch.stack([torch.cat([torch.arange(length) for length in row]) for row in documents])
+
+
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
-                 num_items_in_batch=None, model_overrides=None, **tsp_options):
+                 num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False, ignore_documents=False,
+                 **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``
     and the bytes saved for backward (negated, so ``check`` ignores them).
 
     ``wrong_shard``: None, or the module path (``model.layers.0.mlp``,
     ``lm_head``, ...) whose shard the last rank scales by 1.5, to show the check
-    fails. ``tsp_options`` go to ``TSPConfig`` (``vocab_parallel``, ...)."""
+    fails. ``documents``: each row's packed document lengths, given to both
+    models as restarting position ids (and, with ``cu_seq_lens``, to TSP also
+    as flash-attention's ``cu_seq_lens_q/k``, as ``DataCollatorWithFlattening`` does). ``tsp_options`` go to
+    ``TSPConfig`` (``vocab_parallel``, ...). ``ignore_documents``: TSP attends
+    each row as one sequence (the guard for ``documents``)."""
     tsp_size = dist.get_world_size()
     torch.manual_seed(7)
     ref = tiny_model(arch, **(model_overrides or {}))
@@ -80,6 +95,12 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     if right_padding:
         attention_mask = torch.ones_like(input_ids)
         attention_mask[0, -right_padding:] = 0
+    position_ids = None if documents is None else packed_position_ids(documents)
+    packing = {"position_ids": position_ids}
+    if cu_seq_lens:
+        cumulative = torch.tensor([0] + documents[0]).cumsum(0)
+        packing = {**packing, "cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": max(documents[0]),
+                   "max_length_k": max(documents[0])}
     model = copy.deepcopy(ref)
     topo = TSPTopology(tsp_size)
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",
@@ -96,11 +117,13 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    one_sequence_per_row = mock.patch("ds_tsp.model.document_starts", return_value=None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            (one_sequence_per_row if ignore_documents else contextlib.nullcontext()):
         out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask,
-                    num_items_in_batch=num_items_in_batch)
+                    num_items_in_batch=num_items_in_batch, **packing)
     out.loss.backward()
-    ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch)
+    ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch, position_ids)
     ref_loss.backward()
     diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": -sum(saved.values())}
     diffs.update(shard_grad_diffs(model, ref))

@@ -1,0 +1,135 @@
+"""Packed documents (position ids that restart) against Hugging Face, float64."""
+
+import pytest
+import torch
+
+from ds_tsp import layout
+from ds_tsp.documents import document_starts, query_blocks
+from models import tiny_model
+from parity import TOLERANCE, check, model_parity, packed_position_ids
+
+# Row 0 packs four documents, one of length 1, across the chunk boundaries of
+# every D; row 1 is one document. 19 tokens also need padding at every D > 1.
+DOCUMENTS = [[6, 1, 8, 4], [19]]
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_packed_documents_match_hugging_face(run_ranks, tsp_size):
+    for arch in ("llama", "mistral"):  # mistral's sliding window takes the autograd-recompute path
+        per_rank = run_ranks(tsp_size, model_parity, arch=arch, batch=2, seq_len=19, documents=DOCUMENTS)
+        check(per_rank, f"D={tsp_size} {arch} packed {DOCUMENTS}")
+
+
+def test_flash_attention_cu_seq_lens_match_hugging_face(run_ranks):
+    documents = [[3, 1, 9, 3]]
+    per_rank = run_ranks(2, model_parity, arch="qwen3", batch=1, seq_len=16, documents=documents, cu_seq_lens=True)
+    check(per_rank, f"D=2 qwen3 cu_seq_lens {documents}")
+
+
+def test_unpacked_attention_would_be_caught(run_ranks):
+    """The guard: the same packed batch attended as one sequence per row (the
+    documents dropped) is far from HF's document-masked result."""
+    per_rank = run_ranks(2, model_parity, arch="llama", batch=2, seq_len=19, documents=DOCUMENTS,
+                         ignore_documents=True)
+    worst = max(d["loss"] for d in per_rank)
+    print(f"documents ignored: |loss diff| {worst:.2e}")
+    assert worst > 1e3 * TOLERANCE
+
+
+def test_the_reference_masks_documents_as_eager_attention_does():
+    """HF's sdpa (the float64 reference) and eager attention (softmax in
+    float32) read the same documents from the position ids (without a cache:
+    with one, HF attends across the documents)."""
+    input_ids = torch.randint(0, 61, (2, 19), generator=torch.Generator().manual_seed(0))
+    position_ids = packed_position_ids(DOCUMENTS)
+    losses = {}
+    for impl in ("sdpa", "eager"):
+        model = tiny_model("llama", attn_implementation=impl)
+        losses[impl] = model(input_ids=input_ids, position_ids=position_ids, labels=input_ids,
+                             use_cache=False).loss.item()
+    unpacked = tiny_model("llama")(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    print(f"HF sdpa {losses['sdpa']:.8f}, eager {losses['eager']:.8f}, one sequence per row {unpacked:.8f}")
+    assert abs(losses["sdpa"] - losses["eager"]) < 1e-6
+    assert abs(losses["sdpa"] - unpacked) > 1e-3
+
+
+def test_document_starts_follow_hugging_face_rule():
+    assert document_starts(packed_position_ids([[3, 1, 2], [6]])) == [[0, 3, 4], [0]]
+    # Offsets that keep rising by one are one document; any other step starts one.
+    assert document_starts(torch.tensor([[5, 6, 7, 8]])) is None
+    assert document_starts(torch.tensor([[0, 1, 1, 2]])) == [[0, 2]]
+    assert document_starts(None) is None
+
+
+def test_documents_with_an_attention_mask_are_refused():
+    with pytest.raises(ValueError, match="attention_mask=None"):
+        document_starts(packed_position_ids([[3, 3]]), attention_mask=torch.ones(1, 6))
+
+
+@pytest.mark.parametrize("cu_seq_lens, position_ids, message", [
+    ([0, 3, 3, 6], None, "strictly increase"),
+    ([0, 3, 5], None, r"batch is \(1, 6\)"),
+    ([0, 2, 6], packed_position_ids([[3, 3]]), "disagree"),
+])
+def test_bad_cu_seq_lens_are_refused(cu_seq_lens, position_ids, message):
+    with pytest.raises(ValueError, match=message):
+        document_starts(position_ids, cu_seq_lens=torch.tensor(cu_seq_lens), shape=(1, 6))
+
+
+def test_query_blocks_cover_each_document_causally():
+    """Every local query attends to exactly the keys from its document's start
+    to itself: the blocks, expanded, give HF's block-diagonal causal mask."""
+    documents = [[0, 6, 7, 15]]
+    seq_len, tsp_size = 24, 4
+    positions = packed_position_ids([[6, 1, 8, 9]])[0]
+    for layout_name in ("zigzag", "contiguous"):
+        for tsp_rank in range(tsp_size):
+            local = layout.shard(torch.arange(seq_len).unsqueeze(0), tsp_rank, tsp_size, layout_name)[0]
+            (rows, blocks), = query_blocks(documents, seq_len // tsp_size, tsp_rank, tsp_size, layout_name)
+            seen = {}
+            for q_lo, q_hi, k_lo, k_hi in blocks:
+                for offset, q in enumerate(range(q_lo, q_hi)):
+                    # bottom-right causal: query q sees keys k_lo .. its own global index
+                    seen[q] = list(range(k_lo, k_hi - (q_hi - q_lo) + offset + 1))
+            assert sorted(seen) == list(range(seq_len // tsp_size))
+            for q, keys in seen.items():
+                token = int(local[q])
+                start = token - int(positions[token])
+                assert keys == list(range(start, token + 1)), (layout_name, tsp_rank, q)
+
+
+def peak_bytes_of_a_step(documents):
+    """Peak live tensor bytes of one forward and backward at D = world size,
+    float32, one layer, with the row packing ``documents`` (None: one sequence)."""
+    import copy
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.topology import TSPTopology
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from measure import LiveTensorBytes
+
+    tsp_size = dist.get_world_size()
+    model = tiny_model("llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, head_dim=16,
+                       num_hidden_layers=1)
+    ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size))
+    seq_len = sum(documents[0]) if documents else 8192
+    input_ids = torch.randint(0, 61, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    position_ids = None if documents is None else packed_position_ids(documents)
+    with LiveTensorBytes() as live:
+        model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss.backward()
+    return live.peak_bytes - live.state_bytes
+
+
+def test_packed_documents_cost_no_extra_memory(run_ranks):
+    """S = 8192 in four documents (one of length 1) against one sequence, D=2:
+    the blocks never build a mask, so the peak stays within 10%."""
+    unpacked = max(run_ranks(2, peak_bytes_of_a_step, documents=None))
+    packed = max(run_ranks(2, peak_bytes_of_a_step, documents=[[3000, 1, 2191, 3000]]))
+    print(f"S=8192, D=2: peak {packed / 2**20:.1f} MiB packed (4 documents), {unpacked / 2**20:.1f} MiB unpacked")
+    assert packed <= 1.1 * unpacked
