@@ -33,6 +33,7 @@ _EXPECTED = {
     "timeout_minutes": "a finite number of minutes > 0",
     "vocab_parallel": "true or false",
     "logits_tile_mib": "a finite number of MiB > 0",
+    "check_batch": "one of \"first\", \"always\", \"never\"",
 }
 
 
@@ -77,6 +78,10 @@ class TSPConfig(DeepSpeedConfigModel):
 
     logits_tile_mib: float = Field(32.0, gt=0, allow_inf_nan=False)
     """ Largest fp32 logits tile (local tokens x V/D) of the fused LM head and loss, in MiB. """
+
+    check_batch: Literal["first", "always", "never"] = "first"
+    """ When to check that every rank of a TSP group got the same micro-batch (a fingerprint, one small
+    all-gather and one host synchronisation): on the first forward, on every forward, or never. """
 
     def __init__(self, **data):
         # Checked before pydantic so that the message lists the known keys, and

@@ -1,10 +1,11 @@
 """``ds_tsp.inject``: rewrite a Hugging Face causal LM into a TSP model, in place."""
 
 from .attention import TSPAttention
+from .consistency import broadcast_replicated, check_same_model
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
-from .policy import resolve_policy
+from .policy import PolicyError, resolve_policy
 from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 
@@ -15,17 +16,21 @@ def inject(model, topology, tsp_config, read=None, device=None):
     (``piece = (dim, start, length)``, None for whole); by default the model's
     own parameters are sliced. The steps run in this order:
 
-    1. resolve the policy and check every layer (and, with
-       ``tsp.vocab_parallel``, the embedding and head) fits it, before any
+    1. resolve the policy and check the config and every layer (and, with
+       ``tsp.vocab_parallel``, the embedding and head) fit it, and that every
+       rank of the TSP group holds a model of the same tensors, before any
        weight moves;
     2. replace every decoder layer by a TSP layer holding only this rank's
        shards (the full HF layer is dropped, freeing its weights);
     3. with ``tsp.vocab_parallel``, replace the embedding and the LM head by
        this rank's vocabulary rows (one shard for both when tied);
-    4. make replicated parameters' gradients sum over the TSP group once;
+    4. copy replicated parameters and buffers from TSP rank 0 (a model
+       object may differ between ranks in value; files read do not), and
+       make their gradients sum over the TSP group once;
     5. give the model the TSP forward (HF calling convention, full sequence in).
     """
     policy = resolve_policy(model, tsp_config.policy)
+    check_same_model(model, topology.tsp_group)
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
@@ -37,6 +42,8 @@ def inject(model, topology, tsp_config, read=None, device=None):
     if tsp_config.vocab_parallel:
         fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
 
+    if read is None:
+        broadcast_replicated(model, topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
     sum_grads_over_group(replicated, topology.tsp_group)
 
@@ -49,15 +56,33 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as they are)."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
-    return TSPDecoderLayer(
-        layer.get_submodule(policy.input_norm),
-        TSPAttention.from_hf(attention, config, topology.tsp_group, layout_name=tsp_config.layout,
-                             backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
-                             read=_prefixed(read, policy.attention), device=device),
-        layer.get_submodule(policy.post_attention_norm),
-        TSPGatedMLP.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap, read=_prefixed(read, policy.mlp),
-                            device=device),
-    )
+    tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group, layout_name=tsp_config.layout,
+                                         backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
+                                         read=_prefixed(read, policy.attention), device=device)
+    tsp_mlp = TSPGatedMLP.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
+                                  read=_prefixed(read, policy.mlp), device=device)
+    keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
+    keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
+    return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,
+                           layer.get_submodule(policy.post_attention_norm), tsp_mlp)
+
+
+def keep_frozen(hf_block, tsp_block, layer_class, where):
+    """Freeze what was frozen: each TSP parameter is trainable exactly when the
+    Hugging Face tensors it holds were. The packed shard holds several, which
+    must then agree."""
+    frozen = {name for name in tsp_block.shard_names() if not hf_block.get_parameter(name).requires_grad}
+    if not frozen:
+        return
+    holders = [(tsp_block.packed, list(tsp_block.spec.shapes))]
+    holders += [(param, [name]) for name, param in tsp_block.replicated_params().items()]
+    for param, names in holders:
+        mixed = {name in frozen for name in names}
+        if len(mixed) > 1:
+            raise PolicyError(f"{layer_class}.{where}: {sorted(frozen & set(names))} are frozen (requires_grad "
+                              f"False) but {sorted(set(names) - frozen)} are not; TSP packs them into one shard, "
+                              "which trains all or none: freeze all of them or none before ds_tsp injects the model")
+        param.requires_grad_(not mixed.pop())
 
 
 def fold_vocabulary(model, policy, topology, tsp_config, read=None, device=None):
@@ -70,6 +95,8 @@ def fold_vocabulary(model, policy, topology, tsp_config, read=None, device=None)
     folded_head = VocabParallelLMHead.from_hf(lm_head, topology.tsp_group, tsp_config.logits_tile_mib,
                                               tsp_config.overlap, tied_to=tied_to,
                                               read=_prefixed(read, policy.lm_head), device=device)
+    folded_embed.weight.requires_grad_(embed.weight.requires_grad)
+    folded_head.weight.requires_grad_(lm_head.weight.requires_grad)
     model.set_submodule(policy.embed_tokens, folded_embed)
     model.set_submodule(policy.lm_head, folded_head)
 

@@ -37,6 +37,8 @@ def sum_grads_over_group(params, group):
     ZeRO's post-accumulation hooks and of gradient accumulation across
     micro-steps. Every rank runs the same graph, so the all-reduces line up.
     bf16 gradients travel in bf16 and are summed in float32, rounded once.
+    Frozen parameters get the hook too (it persists through ``requires_grad``
+    changes), so one unfrozen later is still summed.
     """
     if comm.group_size(group) == 1:
         return
@@ -46,9 +48,12 @@ def sum_grads_over_group(params, group):
 
     seen = set()
     for param in params:
-        if param.requires_grad and id(param) not in seen:
+        if id(param) not in seen:
             seen.add(id(param))
+            frozen = not param.requires_grad
+            param.requires_grad_(True)
             param.register_hook(hook)
+            param.requires_grad_(not frozen)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -209,9 +209,13 @@ class TSPGatedMLP(nn.Module):
             if self.down_bias is not None:
                 self.down_bias.zero_()
 
+    def replicated_params(self):
+        """The parameters every rank holds whole, under Hugging Face names."""
+        return {DOWN_BIAS: self.down_bias} if self.down_bias is not None else {}
+
     def shard_names(self):
         """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + ([DOWN_BIAS] if self.down_bias is not None else [])
+        return list(self.spec.shapes) + list(self.replicated_params())
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""

@@ -28,6 +28,7 @@ INVALID_SECTIONS = {
     "vocab_parallel_string": ({"vocab_parallel": "false"}, r"tsp\.vocab_parallel = \"false\".*true or false"),
     "logits_tile_zero": ({"logits_tile_mib": 0}, r"tsp\.logits_tile_mib = 0.*MiB > 0"),
     "logits_tile_nan": ({"logits_tile_mib": float("nan")}, r"tsp\.logits_tile_mib = NaN.*finite"),
+    "check_batch_unknown": ({"check_batch": "sometimes"}, r"tsp\.check_batch = \"sometimes\".*\"first\", \"always\""),
     "unknown_key": ({"sise": 2}, r"tsp\.sise is not a known key; known keys: enabled, size, pipeline_stages"),
     "base_class_param": ({"strict": False}, r"tsp\.strict is not a known key; known keys:"),
     "auto_size": ({"size": "auto"}, r"tsp\.size = \"auto\".*integer >= 1"),
