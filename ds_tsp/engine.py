@@ -7,8 +7,10 @@ from datetime import timedelta
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
 
+from .attention import TSPAttention
 from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
@@ -74,6 +76,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     else:
         _configure_activation_checkpointing(model, ds_config, topology)
         mpu_for_deepspeed = topology.mpu()
+    # ZeRO-3 gathers a module's own parameters around its forward and backward;
+    # TSP attention also uses its per-head norms inside its backward, so all of
+    # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
+    set_z3_leaf_modules(model, [TSPAttention])
     forward["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:

@@ -23,6 +23,10 @@ LR = {"sgd": 0.1, "adam": 1e-2}
 # Tolerances are relative to max |w| per tensor; float32 training with
 # different summation orders (DP all-reduce, TSP sums) drifts ~1e-7 per step.
 BOUND = {"sgd": 1e-5, "adam": 1e-4}
+# ZeRO-3 with every parameter partitioned (none kept whole for being small)
+# and small buckets, so each is gathered and released around the TSP functions.
+ZERO3_PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 256,
+                     "reduce_bucket_size": 256, "stage3_max_live_parameters": 1024}
 
 
 def _optimizer(name):
@@ -55,7 +59,8 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     ref = tiny_model(arch, dtype=torch.float32)
     model = copy.deepcopy(ref)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": zero_stage, **(ZERO3_PARTITIONED if zero_stage == 3 else {})},
+              "zero_allow_untested_optimizer": True,
               "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
     if activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False}
@@ -88,6 +93,7 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
 
     ref_params = dict(ref.named_parameters())
     rel = {}
+    partitioned = zero_stage == 3 and all(_released(param) for param in engine.module.parameters())
     with _gathered(engine, zero_stage):
         for name, param in engine.module.named_parameters():
             if getattr(param, "tensor_model_parallel", False):
@@ -98,7 +104,15 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
             else:
                 rel[name] = _relative(param.detach(), ref_params[name].detach())
     recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)
-    return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, recomputed=recomputed)
+    return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, recomputed=recomputed,
+                partitioned=partitioned)
+
+
+def _released(param):
+    """A ZeRO-3 parameter between steps: released, only this rank's partition
+    (all of it at DP=1) kept aside."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
 
 
 def _relative(value, expected):
@@ -114,16 +128,18 @@ def _gathered(engine, zero_stage):
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing, config_optimizer", [
-    (4, 2, 1, "sgd", False, False), (4, 2, 2, "sgd", False, False), (4, 2, 1, "adam", False, False),
-    (4, 2, 2, "adam", False, False), (4, 4, 0, "adam", False, False), (2, 2, 3, "sgd", False, False),
-    (4, 2, 3, "sgd", False, False), (4, 2, 1, "adam", True, False), (4, 2, 2, "sgd", False, True),
+@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing, config_optimizer, arch", [
+    (4, 2, 1, "sgd", False, False, "llama"), (4, 2, 2, "sgd", False, False, "llama"),
+    (4, 2, 1, "adam", False, False, "llama"), (4, 2, 2, "adam", False, False, "llama"),
+    (4, 4, 0, "adam", False, False, "llama"), (2, 2, 3, "sgd", False, False, "llama"),
+    (4, 2, 3, "adam", False, False, "qwen3"),  # per-head norms: replicated, gathered, summed
+    (4, 2, 1, "adam", True, False, "llama"), (4, 2, 2, "sgd", False, True, "llama"),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
-                                               activation_checkpointing, config_optimizer):
+                                               activation_checkpointing, config_optimizer, arch):
     for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=tsp_size, zero_stage=zero_stage,
                                          optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-                                         config_optimizer=config_optimizer)):
+                                         config_optimizer=config_optimizer, arch=arch)):
         worst = max(out["rel"], key=out["rel"].get)
         norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
         print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage} {optimizer}: "
@@ -134,6 +150,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == activation_checkpointing
+        assert out["partitioned"] == (zero_stage == 3)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
