@@ -5,7 +5,8 @@ from .consistency import broadcast_replicated, check_same_model
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
-from .policy import PolicyError, resolve_policy
+from .policy import AUTO, PolicyError, resolve_policy
+from .probe import probe_layers
 from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 
@@ -19,7 +20,8 @@ def inject(model, topology, tsp_config, read=None, device=None):
     1. resolve the policy and check the config and every layer (and, with
        ``tsp.vocab_parallel``, the embedding and head) fit it, and that every
        rank of the TSP group holds a model of the same tensors, before any
-       weight moves;
+       weight moves; a model accepted by shape only is also probed
+       numerically (``ds_tsp.probe``);
     2. replace every decoder layer by a TSP layer holding only this rank's
        shards (the full HF layer is dropped, freeing its weights);
     3. with ``tsp.vocab_parallel``, replace the embedding and the LM head by
@@ -34,6 +36,8 @@ def inject(model, topology, tsp_config, read=None, device=None):
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
+    if policy is AUTO:  # accepted by shape only: its forward must equal the TSP layers' on a probe
+        probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
     layers = model.get_submodule(policy.layers)
     for index, layer in enumerate(layers):
         prefix = f"{policy.layers}.{index}"

@@ -1,14 +1,24 @@
 """Which Hugging Face causal LMs ds_tsp can rewrite, and where their parts live.
 
-One declarative table per architecture names the decoder-layer class and its
-submodules; how each projection's weight is sharded is the table of the block
-that takes it (``attention.SHARD_DIMS``, ``mlp.SHARD_DIMS``). The ``auto``
-policy accepts any decoder layer of the same shape. A model that does not fit
-is refused with the class and the submodule at fault, before any weight moves:
-nothing is ever converted approximately.
+One declarative table per architecture names its classes, its submodules and
+the config attributes that change its forward, each with the values whose
+forward the TSP model reproduces and why; how each projection's weight is
+sharded is the table of the block that takes it (``attention.SHARD_DIMS``,
+``mlp.SHARD_DIMS``). The tables were written from an audit of the installed
+transformers' forwards (CausalLM, Model, decoder layer, attention, MLP, norm,
+rotary embedding); ``tests/test_policy.py`` runs every class transformers
+ships through them.
+
+The ``auto`` policy accepts any other decoder layer of the same shape; its
+forward is then unknown, so its table refuses the known features Llama's
+forward lacks and ``ds_tsp.probe`` compares it numerically with the TSP layer
+at injection. A model that does not fit is refused with the class, the
+submodule or the config attribute at fault, before any weight moves: nothing
+is ever converted approximately.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from . import attention, mlp
 
@@ -18,9 +28,124 @@ class PolicyError(ValueError):
 
 
 @dataclass(frozen=True)
+class Accepts:
+    """The values of one config attribute whose forward ds_tsp reproduces:
+    a tuple of values or a predicate; ``why`` says what the attribute does and
+    why those values (only) are reproduced; ``fix`` how to get there, if any."""
+
+    values: tuple | Callable
+    why: str
+    fix: str = ""
+
+    def allows(self, value):
+        return self.values(value) if callable(self.values) else value in self.values
+
+
+def any_value(value):
+    return True
+
+
+# RoPE types whose tables the TSP model gets from the model's own rotary module
+# (called with the whole sequence's largest position, see model.rotary_tables),
+# each checked equal to HF's in float64 (tests/test_policy.py).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+
+
+def rope_supported(params):
+    if params is None:
+        return True
+    # Per-layer-type tables ({"full_attention": {...}, ...}) have no top-level type.
+    if not isinstance(params, dict) or params.get("rope_type") not in ROPE_TYPES:
+        return False
+    # A partial rotary factor shortens the tables, which the TSP attention cannot
+    # apply, except with "proportional", whose tables keep the head's size.
+    return params["rope_type"] == "proportional" or params.get("partial_rotary_factor", 1.0) in (None, 1, 1.0)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def full_or_sliding(layer_types):
+    return layer_types is None or all(kind in LAYER_TYPES for kind in layer_types)
+
+
+NO_DROPOUT = (None, 0, 0.0)
+NEUTRAL_SCALE = (None, 1, 1.0)
+
+# Read by every supported forward, whatever the class.
+COMMON = {
+    "attention_dropout": Accepts(NO_DROPOUT, "the TSP attention applies no dropout",
+                                 "set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
+                                 "the unsharded model's), or leave tsp.enabled false"),
+    "rope_parameters": Accepts(rope_supported, "the TSP model calls the model's own rotary embedding with the whole "
+                               f"sequence's positions; rope_type {', '.join(ROPE_TYPES)} are checked equal to HF; "
+                               "partial rotary factors (but with proportional) and per-layer-type tables are not"),
+    "hidden_act": Accepts(any_value, "the TSP MLP calls the Hugging Face MLP's own act_fn"),
+    "head_dim": Accepts(any_value, "read from the attention module"),
+    "rms_norm_eps": Accepts(any_value, "the Hugging Face norm modules are kept as they are"),
+    "tie_word_embeddings": Accepts(any_value, "a tied head shares the embedding's (vocabulary) shard"),
+}
+ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
+SLIDING = {
+    "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
+                           "(each layer's window is checked against the one HF's mask uses)"),
+    "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
+    "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
+    "max_window_layers": Accepts(any_value, "read only to build layer_types"),
+}
+LLAMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
+         "mlp_bias": Accepts(any_value, "gate/up biases are sharded with their columns; down_proj's is replicated "
+                             "and added once"),
+         "pretraining_tp": Accepts(any_value, "no forward reads it in transformers 5")}
+QWEN2 = {**COMMON, **SLIDING}  # q/k/v biases always, o_proj none: fixed by the class
+QWEN3 = {**COMMON, **SLIDING, "attention_bias": ATTENTION_BIAS}
+MISTRAL = {**COMMON, "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)")}
+# A class accepted by shape: forward features Llama's lacks, named by the
+# config attributes transformers' models use for them, are accepted only at
+# the value that turns them off. What no attribute names, ds_tsp.probe finds.
+AUTO_CONFIG = {
+    **COMMON,
+    **SLIDING,
+    "final_logit_softcapping": Accepts((None,), "logit soft-capping, which the TSP forward does not apply"),
+    "attn_logit_softcapping": Accepts((None,), "attention-logit soft-capping, which the TSP attention does not apply"),
+    "logit_scale": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
+    "logits_scaling": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
+    "embedding_multiplier": Accepts(NEUTRAL_SCALE, "embedding scaling, which the TSP forward does not apply"),
+    "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
+    "query_pre_attn_scalar": Accepts((None,), "a non-standard attention scale"),
+    "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
+    "partial_rotary_factor": Accepts(NEUTRAL_SCALE, "rotary embedding of part of each head, which the TSP "
+                                     "attention does not apply"),
+    "use_parallel_residual": Accepts((None, False), "attention and MLP in parallel; the TSP layer runs them in turn"),
+    "hidden_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "residual_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "resid_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "embd_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP forward does not apply"),
+}
+
+
+def no_window(config, index):
+    return None
+
+
+def config_window(config, index):
+    return getattr(config, "sliding_window", None)
+
+
+def layer_types_window(config, index):
+    return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
+
+
+@dataclass(frozen=True)
 class DecoderPolicy:
     name: str
     layer_class: str | None  # None: any class of the right shape (auto)
+    model_class: str | None = None  # the causal LM whose forward ``config`` was audited for
+    # {attribute: Accepts} over the attributes that change the forward; the
+    # others are read by no part of it (or only for sizes, checked elsewhere).
+    config: dict = field(default_factory=lambda: AUTO_CONFIG, hash=False)
+    # The sliding window HF's mask gives layer ``index``; None: unknown (auto).
+    hf_window: Callable | None = None
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     final_norm: str = "model.norm"
@@ -38,10 +163,10 @@ class DecoderPolicy:
 
 
 POLICIES = {
-    "llama": DecoderPolicy("llama", "LlamaDecoderLayer"),
-    "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer"),
-    "mistral": DecoderPolicy("mistral", "MistralDecoderLayer"),
-    "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer"),
+    "llama": DecoderPolicy("llama", "LlamaDecoderLayer", "LlamaForCausalLM", LLAMA, no_window),
+    "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer", "Qwen2ForCausalLM", QWEN2, layer_types_window),
+    "mistral": DecoderPolicy("mistral", "MistralDecoderLayer", "MistralForCausalLM", MISTRAL, config_window),
+    "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer", "Qwen3ForCausalLM", QWEN3, layer_types_window),
 }
 AUTO = DecoderPolicy("auto", None)
 
@@ -49,18 +174,6 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3): optional, but both or neither.
 ATTENTION_NORMS = ("q_norm", "k_norm")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-# Config attributes of architectures whose forward does more than
-# embed -> blocks -> norm -> lm_head, which the TSP forward would skip.
-UNSUPPORTED_CONFIG_FEATURES = {
-    "final_logit_softcapping": "logit soft-capping",
-    "attn_logit_softcapping": "attention-logit soft-capping",
-    "logit_scale": "logit scaling",
-    "logits_scaling": "logit scaling",
-    "embedding_multiplier": "embedding scaling",
-    "residual_multiplier": "residual scaling",
-    "query_pre_attn_scalar": "a non-standard attention scale",
-}
 
 
 def get_submodule(model, path):
@@ -70,8 +183,14 @@ def get_submodule(model, path):
         return None
 
 
+def _from_transformers(obj):
+    return type(obj).__module__.startswith("transformers.")
+
+
 def resolve_policy(model, name="auto"):
-    """The policy for ``model`` (``tsp.policy``), after checking every layer fits it."""
+    """The policy for ``model`` (``tsp.policy``), after checking its config and
+    every layer fit it. A table applies only to the transformers classes it was
+    written for; any other class of the same shape gets ``auto``."""
     if name != "auto" and name not in POLICIES:
         raise PolicyError(f"tsp.policy = {name!r} is unknown: choose \"auto\" or one of {sorted(POLICIES)}")
     model_class = type(model).__name__
@@ -81,24 +200,59 @@ def resolve_policy(model, name="auto"):
                           "causal LMs shaped like LlamaForCausalLM")
     layer_class = type(layers[0]).__name__
     if name == "auto":
-        policy = next((p for p in POLICIES.values() if p.layer_class == layer_class), AUTO)
+        audited = _from_transformers(model) and _from_transformers(layers[0])
+        policy = next((p for p in POLICIES.values() if audited and p.layer_class == layer_class
+                       and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
         if get_submodule(model, path) is None:
             raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
-    for key, feature in UNSUPPORTED_CONFIG_FEATURES.items():
-        if getattr(model.config, key, None) not in (None, 1, 1.0):
-            raise PolicyError(f"{model_class} uses {feature} (config.{key} = {getattr(model.config, key)}), "
-                              "which the TSP forward does not reproduce: this architecture is not supported")
-    dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
-    if dropout:
-        raise PolicyError(f"{model_class} has config.attention_dropout = {dropout}, which the TSP attention does not "
-                          "apply: set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
-                          "the unsharded model's), or leave tsp.enabled false")
     for index, layer in enumerate(layers):
         check_layer(policy, layer, f"{policy.layers}.{index}")
+    if policy.model_class not in (None, model_class):
+        raise PolicyError(f"tsp.policy = {name!r} converts {policy.model_class}, whose forward its table was "
+                          f"written for, but the model is a {model_class}: set tsp.policy to \"auto\"")
+    check_config(model_class, model.config, policy)
+    for index, layer in enumerate(layers):
+        check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
     return policy
+
+
+def check_config(model_class, config, policy):
+    """Refuse any config attribute of ``policy``'s table whose value the TSP forward does not reproduce."""
+    for key, accepts in policy.config.items():
+        value = getattr(config, key, None)
+        if not accepts.allows(value):
+            fix = f": {accepts.fix}" if accepts.fix else ""
+            raise PolicyError(f"{model_class} has config.{key} = {value!r}, which ds_tsp does not reproduce "
+                              f"({accepts.why}){fix}; tsp.policy {policy.name!r}")
+
+
+def check_window(policy, layer, config, index, where):
+    """The sliding window the TSP attention will use must be the one HF's mask uses for this layer."""
+    if policy.hf_window is None:
+        return  # auto: ds_tsp.probe compares the layer as a whole
+    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), config)
+    hf_window = policy.hf_window(config, index)
+    if tsp_window != hf_window:
+        raise PolicyError(f"{type(layer).__name__} at {where}: the Hugging Face forward masks with sliding window "
+                          f"{hf_window}, but the TSP attention would take {tsp_window} (from the attention module's "
+                          "or the config's sliding_window): set config.sliding_window to match the model, or "
+                          "remove the attribute the architecture does not read")
+
+
+def _holds_tensors(module):
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def check_own_tensors(module, where, layer_class):
+    """Refuse parameters and buffers set directly on a module the TSP layer
+    rebuilds (an extra per-head scale, say): only its known submodules carry over."""
+    own = [name for name, tensor in (*module._parameters.items(), *module._buffers.items()) if tensor is not None]
+    if own:
+        raise PolicyError(f"{layer_class} at {where} holds {own} directly (parameters or buffers outside any "
+                          "known submodule), which the TSP layer would drop: this layer is not supported")
 
 
 def check_layer(policy, layer, where):
@@ -110,11 +264,12 @@ def check_layer(policy, layer, where):
     expected = {policy.attention: ATTENTION_PROJECTIONS, policy.mlp: MLP_PROJECTIONS,
                 policy.input_norm: (), policy.post_attention_norm: ()}
     children = dict(layer.named_children())
+    check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
         if child not in children:
             raise PolicyError(f"{layer_class} at {where} has no '{child}' submodule: cannot convert it to a TSP layer")
         module = children[child]
-        grandchildren = {n for n, m in module.named_children() if any(True for _ in m.parameters())}
+        grandchildren = {n for n, m in module.named_children() if _holds_tensors(m)}
         missing = [p for p in projections if p not in grandchildren]
         allowed = set(projections) | (set(ATTENTION_NORMS) if child == policy.attention else set())
         unexpected = sorted(grandchildren - allowed)
@@ -125,9 +280,21 @@ def check_layer(policy, layer, where):
         if unexpected:
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
+        if projections:
+            check_own_tensors(module, f"{where}.{child}", layer_class)
+            _check_biases(module, projections, f"{where}.{child}", layer_class)
     for name in children:
-        if name not in expected and any(True for _ in children[name].parameters()):
+        if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
     if not hasattr(children[policy.mlp], "act_fn"):
         raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no act_fn: not a gated MLP ds_tsp knows")
+
+
+def _check_biases(module, projections, where, layer_class):
+    """The TSP blocks pack q/k/v (and gate/up/down) biases together: all or none."""
+    together = [p for p in projections if p != "o_proj"]
+    has_bias = {p: getattr(module.get_submodule(p), "bias", None) is not None for p in together}
+    if len(set(has_bias.values())) > 1:
+        raise PolicyError(f"{layer_class} at {where} has biases on {[p for p, b in has_bias.items() if b]} but not "
+                          f"on {[p for p, b in has_bias.items() if not b]}: the TSP block takes all or none")

@@ -1,8 +1,12 @@
 """Tiny Hugging Face causal LMs built in code (no downloads), float64 by default."""
 
+import contextlib
+import io
+
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
@@ -35,4 +39,77 @@ def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
         # and norm weights away from 1 so a dropped norm would show.
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
+    return model
+
+
+# ---------------------------------------------- every causal LM transformers ships
+
+def causal_lm_types():
+    """``(model_type, class name)`` of every causal LM the installed transformers maps."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return [(model_type, names if isinstance(names, str) else names[0])
+            for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()]
+
+
+# Tiny sizes only; every other attribute keeps its config class's default.
+TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, attn_implementation="sdpa")
+
+
+def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):
+    """The causal LM of ``model_type`` on a tiny config, initialised as ``tiny_model``."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    for attention in ("sdpa", "eager"):  # float64 SDPA is exact; eager softmaxes in float32
+        # Some constructors print their config when they fail.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention})
+            torch.manual_seed(seed)
+            try:
+                with torch.device(device or "cpu"):
+                    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+                break
+            except ValueError as error:
+                if attention == "eager" or "does not support an attention implementation" not in str(error):
+                    raise
+    if device == "meta":
+        return model
+    model = model.to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
+    return model
+
+
+# ------------------------------------------------ look-alikes of Llama's layer
+
+class LookAlikeDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer under another name, as a remote-code model would ship it."""
+
+
+class ClampedDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer, shape and all, but its forward clamps the output."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return super().forward(hidden_states, *args, **kwargs).clamp(-1.0, 1.0)
+
+
+class ScaledLogitsForCausalLM(LlamaForCausalLM):
+    """Llama, but its forward scales the logits outside the decoder layers."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+
+def look_alike(layer_class, model_class=LlamaForCausalLM, seed=0, **overrides):
+    """``tiny_model("llama")`` with every decoder layer (and the model) re-classed."""
+    model = tiny_model("llama", seed=seed, **overrides)
+    model.__class__ = model_class
+    for layer in model.model.layers:
+        layer.__class__ = layer_class
     return model

@@ -37,9 +37,15 @@ def shard_grad_diffs(tsp_model, ref_model):
     """Max |diff| of every gradient this rank holds against the matching piece of
     the reference's (a folded vocabulary's padding rows must get none)."""
     ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    # Replicated tensors of the TSP blocks (o_proj / down_proj biases, q/k
+    # norms) under their Hugging Face names.
+    hf_names = {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
+                for index, layer in enumerate(tsp_model.model.layers) for block_name in ("self_attn", "mlp")
+                for hf_name, param in getattr(layer, block_name).replicated_params().items()}
     diffs = {}
     for name, param in tsp_model.named_parameters():
         if not getattr(param, "tensor_model_parallel", False):
+            name = hf_names.get(id(param), name)
             diffs[name] = (param.grad - ref[name]).abs().max().item()
     for name in ("model.embed_tokens", "lm_head"):
         module = tsp_model.get_submodule(name)

@@ -1,0 +1,227 @@
+"""Support, or refuse before any weight moves, every variant of every accepted class.
+
+Every causal LM the installed transformers ships runs through the policy on a
+tiny config: each is exact against Hugging Face (float64 loss and every
+gradient, D=2) or refused with a message naming what is not supported. Then the
+table variants (biases, windows, RoPE types) and one test per refusal kind.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ds_tsp
+from ds_tsp.config import TSPConfig
+from ds_tsp.policy import PolicyError, resolve_policy
+from ds_tsp.topology import TSPTopology
+from ds_tsp.vocab import VocabError
+from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
+                    tiny_causal_lm, tiny_model)
+from parity import TOLERANCE, check, reference_loss, shard_grad_diffs
+
+TABLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "mistral": "MistralForCausalLM"}
+
+
+def parity(ref, tsp_size, seed=7):
+    """Max |diff| of the loss and of every gradient of ``ref`` injected at
+    ``tsp_size`` against ``ref`` itself (B=2, S=13: padded at D=2)."""
+    input_ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
+    model = copy.deepcopy(ref)
+    ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    ref_loss = reference_loss(ref, input_ids)
+    ref_loss.backward()
+    return {"loss": abs(loss.item() - ref_loss.item()), **shard_grad_diffs(model, ref)}
+
+
+def exact_or_refused(model_types):
+    """On every rank, per model type: ``("exact", max |diff| of loss and every
+    gradient against HF)`` or ``("refused", message)``."""
+    verdicts = {}
+    for model_type in model_types:
+        try:
+            diffs = parity(tiny_causal_lm(model_type), dist.get_world_size())
+        except (PolicyError, VocabError) as error:
+            verdicts[model_type] = ("refused", str(error))
+            continue
+        verdicts[model_type] = ("exact", max(diffs.values()))
+    return verdicts
+
+
+def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
+    start = time.perf_counter()
+    rows, candidates = [], []
+    for model_type, class_name in causal_lm_types():
+        try:
+            meta = tiny_causal_lm(model_type, device="meta")
+        except Exception as error:  # exotic configs that tiny sizes do not fit
+            rows.append((model_type, class_name, "skipped", f"not built on a tiny config: {type(error).__name__}: "
+                         f"{(str(error).strip().splitlines() or [''])[0][:80]}"))
+            continue
+        try:
+            resolve_policy(meta)
+            candidates.append((model_type, class_name, type(meta.model.layers[0]).__name__))
+        except PolicyError as error:
+            rows.append((model_type, class_name, "refused", str(error)))
+    scanned = time.perf_counter()
+    per_rank = run_ranks(2, exact_or_refused, model_types=[t for t, _, _ in candidates])
+    for model_type, class_name, layer_class in candidates:
+        verdicts = {rank[model_type][0] for rank in per_rank}
+        assert len(verdicts) == 1, (model_type, [rank[model_type] for rank in per_rank])
+        verdict, detail = per_rank[0][model_type]
+        if verdict == "exact":
+            worst = max(rank[model_type][1] for rank in per_rank)
+            assert worst <= TOLERANCE, (model_type, worst)
+            detail = f"loss and every gradient within {worst:.1e} of HF"
+        else:
+            assert class_name in detail or layer_class in detail, detail
+        rows.append((model_type, class_name, verdict, detail))
+
+    rows.sort()
+    print(f"\n{'model_type':26} {'class':36} {'verdict':8} reason")
+    for model_type, class_name, verdict, detail in rows:
+        print(f"{model_type:26} {class_name:36} {verdict:8} {detail}")
+    verdict_of = {model_type: verdict for model_type, _, verdict, _ in rows}
+    print(f"{len(rows)} classes: " + ", ".join(f"{sum(v == kind for v in verdict_of.values())} {kind}"
+                                               for kind in ("exact", "refused", "skipped"))
+          + f" in {time.perf_counter() - start:.1f} s ({scanned - start:.1f} s building and checking them all "
+            "on the meta device)")
+    for model_type in TABLE_ARCHITECTURES:  # the loop could not pass by refusing everything
+        assert verdict_of[model_type] == "exact", model_type
+    assert all(kind == "refused" for model_type, kind in verdict_of.items() if model_type in ("diffllama", "ernie4_5"))
+
+
+# Each variant of the four table architectures' configs that changes the forward.
+ROPE = {"rope_theta": 10000.0}
+TABLE_VARIANTS = [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"pretraining_tp": 2}),
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ("qwen3", {"attention_bias": True, "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}),
+    ("mistral", {"sliding_window": None}),
+    # RoPE types, with lengths past their original context so scaling acts.
+    ("llama", {"rope_parameters": {**ROPE, "rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"max_position_embeddings": 8, "rope_parameters": {**ROPE, "rope_type": "dynamic", "factor": 2.0}}),
+    ("llama", {"max_position_embeddings": 32, "rope_parameters": {
+        **ROPE, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("llama", {"max_position_embeddings": 32, "rope_parameters": {
+        **ROPE, "rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0],
+        "original_max_position_embeddings": 8}}),
+    ("llama", {"rope_parameters": {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("llama", {"rope_parameters": {**ROPE, "rope_type": "proportional", "factor": 2.0,
+                                   "partial_rotary_factor": 0.5}}),
+]
+
+
+def table_variants_parity(variants):
+    return [parity(tiny_model(arch, **overrides), dist.get_world_size()) for arch, overrides in variants]
+
+
+def test_every_table_variant_and_rope_type_matches_hugging_face(run_ranks):
+    from ds_tsp.policy import ROPE_TYPES
+
+    tested = {v[1]["rope_parameters"]["rope_type"] for v in TABLE_VARIANTS if "rope_parameters" in v[1]}
+    assert tested == set(ROPE_TYPES) - {"default"}  # the default is every other test's
+    per_rank = run_ranks(2, table_variants_parity, variants=TABLE_VARIANTS)
+    for index, (arch, overrides) in enumerate(TABLE_VARIANTS):
+        check([rank[index] for rank in per_rank], f"D=2 {arch} {overrides}")
+
+
+def _inject(model, **options):
+    return ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, attention_backend="sdpa", **options))
+
+
+@pytest.mark.parametrize("arch, overrides, match", [
+    ("llama", {"rope_parameters": {**ROPE, "rope_type": "default", "partial_rotary_factor": 0.5}},
+     r"config.rope_parameters = .*partial_rotary_factor.*partial rotary factors"),
+    ("qwen2", {"attention_dropout": 0.1}, r"config.attention_dropout = 0.1.*set model.config.attention_dropout = 0.0"),
+])
+def test_a_config_value_outside_the_table_is_refused_by_name(arch, overrides, match):
+    model = tiny_model(arch, **overrides)
+    with pytest.raises(PolicyError, match=match):
+        _inject(model)
+    assert type(model.model.layers[0]).__name__ != "TSPDecoderLayer"
+
+
+def test_a_rope_type_outside_the_table_is_refused():
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"full_attention": {**ROPE, "rope_type": "default"}}  # per layer type
+    with pytest.raises(PolicyError, match=r"config.rope_parameters = \{'full_attention'.*per-layer-type"):
+        _inject(model)
+
+
+def test_a_window_the_architecture_does_not_read_is_refused():
+    # LlamaModel never reads config.sliding_window; the TSP attention would.
+    model = tiny_model("llama")
+    model.config.sliding_window = 4
+    with pytest.raises(PolicyError, match=r"LlamaDecoderLayer at model.layers.0: the Hugging Face forward masks "
+                                          r"with sliding window None, but the TSP attention would take 4"):
+        _inject(model)
+
+
+def test_an_auto_feature_away_from_its_neutral_value_is_refused_by_name():
+    model = look_alike(LookAlikeDecoderLayer)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(PolicyError, match=r"config.final_logit_softcapping = 30.0.*logit soft-capping.*'auto'"):
+        _inject(model)
+
+
+@pytest.mark.parametrize("where, kind", [("self_attn", "parameter"), ("mlp", "buffer"), ("", "parameter")])
+def test_tensors_directly_on_a_layer_module_are_refused_with_their_path(where, kind):
+    model = tiny_model("llama")
+    module = model.model.layers[1].get_submodule(where)
+    if kind == "parameter":
+        module.head_scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    else:
+        module.register_buffer("head_scale", torch.ones(4, dtype=torch.float64))
+    path = "model.layers.1" + (f".{where}" if where else "")
+    with pytest.raises(PolicyError, match=rf"LlamaDecoderLayer at {path} holds \['head_scale'\] directly"):
+        _inject(model)
+
+
+def test_biases_on_some_projections_only_are_refused():
+    model = tiny_model("llama")
+    model.model.layers[0].self_attn.k_proj.bias = nn.Parameter(torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(PolicyError, match=r"has biases on \['k_proj'\] but not on \['q_proj', 'v_proj'\]"):
+        _inject(model)
+
+
+def test_the_probe_refuses_a_look_alike_layer_whose_forward_clamps():
+    model = look_alike(ClampedDecoderLayer)
+    with pytest.raises(PolicyError, match=r"ClampedDecoderLayer at model.layers.0\) was accepted by shape only.*"
+                                          r"decoder layer's forward differs from the TSP layer's"):
+        _inject(model)
+    assert type(model.model.layers[0]) is ClampedDecoderLayer  # nothing moved
+
+
+def test_the_probe_refuses_a_model_that_scales_its_logits():
+    model = look_alike(LookAlikeDecoderLayer, model_class=ScaledLogitsForCausalLM)
+    with pytest.raises(PolicyError, match=r"ScaledLogitsForCausalLM .*forward outside the decoder layers does more"):
+        _inject(model)
+    assert type(model.model.layers[0]) is LookAlikeDecoderLayer
+
+
+def probe_verdicts():
+    """A genuine look-alike at D=2 is exact; a clamping one is refused on every rank."""
+    tsp_size = dist.get_world_size()
+    clamped = look_alike(ClampedDecoderLayer)
+    try:
+        ds_tsp.inject(clamped, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size))
+        refused = None
+    except PolicyError as error:
+        refused = str(error)
+    return refused, parity(look_alike(LookAlikeDecoderLayer), tsp_size)
+
+
+def test_the_probe_accepts_a_genuine_look_alike_and_all_ranks_agree(run_ranks):
+    per_rank = run_ranks(2, probe_verdicts)
+    assert all(refused and "ClampedDecoderLayer" in refused for refused, _ in per_rank)
+    check([diffs for _, diffs in per_rank], "D=2 class-renamed Llama layer (auto policy, probed)")
