@@ -6,7 +6,8 @@ process); ``ds-tsp convert --join --in DIR --out HF_DIR`` turns such a
 directory back into a Hugging Face checkpoint. Both check the model before
 writing anything and refuse to write into a non-empty directory without
 ``--force``. ``ds-tsp export --checkpoint DS_DIR --model HF_DIR --out DIR``
-turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint.
+turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint
+(``--fp32-master``: the ZeRO optimizer's float32 master weights).
 ``ds-tsp plan --paper`` prints per-device memory, communication and FLOPs of
 every parallel layout for the paper's setting (or any model, length and size).
 """
@@ -15,6 +16,7 @@ import argparse
 import sys
 
 from .checkpoint import join_checkpoint, shard_checkpoint
+from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
 from .config import POLICY_NAMES
 from .export import export_deepspeed_checkpoint
 from .plan import add_plan_arguments, run_plan
@@ -25,6 +27,16 @@ def _positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return value
+
+
+def _shard_size(text):
+    """Bytes as an int, or a size with a unit ("500MB") as Hugging Face takes it."""
+    size = int(text) if text.isdigit() else text
+    try:
+        check_max_shard_size(size)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return size
 
 
 def build_parser():
@@ -56,6 +68,12 @@ def build_parser():
     export.add_argument("--model", required=True, metavar="HF_DIR", help="the original Hugging Face directory")
     export.add_argument("--out", dest="out_dir", required=True, metavar="DIR", help="output directory")
     export.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    export.add_argument("--fp32-master", action="store_true",
+                        help="write the float32 master weights of the ZeRO optimizer files (zero_optimization.stage "
+                             "1-3) instead of the model-dtype weights, as DeepSpeed's zero_to_fp32 does")
+    export.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size, metavar="SIZE",
+                        help="largest weights file, in bytes or with a unit (e.g. 500MB); larger models get several "
+                             f"files and model.safetensors.index.json (default: {DEFAULT_MAX_SHARD_SIZE})")
     export.set_defaults(run=run_export)
     plan = commands.add_parser(
         "plan", help="per-device memory, communication and FLOPs of DP, TP, SP, TP+SP and TSP for a model",
@@ -77,7 +95,8 @@ def run_convert(args):
 
 
 def run_export(args):
-    export_deepspeed_checkpoint(args.checkpoint, args.model, args.out_dir, tag=args.tag, force=args.force)
+    export_deepspeed_checkpoint(args.checkpoint, args.model, args.out_dir, tag=args.tag, force=args.force,
+                                fp32_master=args.fp32_master, max_shard_size=args.max_shard_size)
 
 
 def main(argv=None):

@@ -26,6 +26,7 @@ hanging it.
 """
 
 import math
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -270,6 +271,20 @@ class RingExchange:
         for work in self._works:
             work.wait()
         self._works = []
+
+
+def all_gather_objects(obj, group):
+    """``obj`` of every rank of ``group`` (None: the world), in rank order: small
+    picklable values (plans, verdicts, model listings), never tensors in bulk.
+    Counted by the pickle's size."""
+    if not dist.is_initialized() or group_size(group) == 1:
+        return [obj]
+    size, rank = group_size(group), group_rank(group)
+    gathered = [None] * size
+    dist.all_gather_object(gathered, obj, group=group)
+    received = sum(len(pickle.dumps(other)) for r, other in enumerate(gathered) if r != rank)
+    counter.add("all_gather_object", sent=(size - 1) * len(pickle.dumps(obj)), received=received)
+    return gathered
 
 
 def barrier(group):

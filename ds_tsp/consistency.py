@@ -19,7 +19,6 @@ wrong:
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 
@@ -46,8 +45,7 @@ def check_same_model(model, group):
     gathered, _ = comm.all_gather(mine, group)
     if bool((gathered == mine).all()):
         return
-    every = [None] * comm.group_size(group)
-    dist.all_gather_object(every, structure, group=group)
+    every = comm.all_gather_objects(structure, group)
     rank = comm.group_rank(group)
     theirs = next(r for r, s in enumerate(every) if s != structure)
     here = {name: f"{shape} {dtype}" for name, shape, dtype in structure}

@@ -4,42 +4,152 @@ DeepSpeed writes one ``mp_rank_XX_model_states.pt`` per TSP rank (the TSP group
 is DeepSpeed's model-parallel group), each holding that rank's packed shards,
 its rows of the embedding and LM head when the vocabulary is folded, and the
 replicated tensors. This joins them in one process, without
-torch.distributed, into ``config.json`` + ``model.safetensors`` that
-``AutoModelForCausalLM.from_pretrained`` loads.
+torch.distributed, into ``config.json`` + ``model.safetensors`` (or shards
+and an index) that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+With ``fp32_master`` the weights come from the ZeRO optimizer files instead,
+as DeepSpeed's ``zero_to_fp32`` reads them: the float32 master copy that a
+bf16 or fp16 run updates, which the model-dtype weights only round. Per TSP
+rank ``m`` and data-parallel rank ``d``, ``[bf16_]zero_pp_rank_{d}_mp_rank_{m}_optim_states.pt``
+holds rank ``d``'s partition of flat float32 vectors laid out by the
+``param_shapes`` of the model-states file: ZeRO 1 and 2 cut each parameter
+group's vector (parameters in order, each followed by its alignment padding)
+into consecutive pieces, one per rank; ZeRO 3 cuts every parameter into
+``ceil(numel / dp)`` pieces, one per rank, padded at the end. ZeRO-3 keeps
+no weights in the model-states files, so it is read with ``fp32_master`` only.
+
+Every file is read with ``torch.load(weights_only=True)``; the optimizer files
+pickle three DeepSpeed objects besides tensors, which are allowlisted by name.
 """
 
+import math
 import os
+import pickle
 import re
+from collections import defaultdict
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
-from .checkpoint import (CheckpointError, _prepare_out_dir, join_holdings, layer_shards, meta_model, untied,
-                         vocab_names, write_hf_checkpoint)
+from .checkpoint.planning import join_holdings, layer_shards, meta_model, untied, vocab_names
+from .checkpoint.reading import CheckpointError
+from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, prepare_out_dir, write_state_dict
 from .policy import resolve_policy
 
 # Replicated tensors of a TSP block: Hugging Face name -> parameter name.
 _BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "q_norm.weight": "q_norm.weight",
                      "k_norm.weight": "k_norm.weight"}
-_MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+# ZeRO 0-2 write mp_rank_XX_model_states.pt per TSP rank; ZeRO-3 one per data-parallel rank as well.
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+_OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# What DeepSpeed's optimizer files pickle besides tensors and builtins: the
+# loss scaler (static for bf16, dynamic for fp16), the ZeRO stage and ZeRO 1/2's
+# parameter slice addresses.
+_DEEPSPEED_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def read_rank_states(checkpoint_dir, tag=None):
-    """The ``module`` state dict of every TSP rank, in rank order."""
+def load_weights_only(path):
+    """``torch.load(path)`` that unpickles tensors, builtins and ``_DEEPSPEED_GLOBALS``
+    only, memory-mapped."""
+    try:
+        with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        refused = str(err).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+        raise CheckpointError(f"{path} holds objects that torch.load(weights_only=True) refuses ({refused}); "
+                              "ds-tsp export unpickles only tensors and DeepSpeed's loss scaler and ZeRO records: "
+                              "export a checkpoint written by engine.save_checkpoint") from None
+
+
+def checkpoint_folder(checkpoint_dir, tag=None):
+    """The folder of checkpoint ``tag`` (default: the one named in ``latest``)."""
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
         if not os.path.isfile(latest):
             raise CheckpointError(f"{checkpoint_dir} has no 'latest' file: pass --tag")
         with open(latest) as f:
             tag = f.read().strip()
-    folder = os.path.join(checkpoint_dir, tag)
-    files = sorted((int(m.group(1)), name) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-                   if (m := _MODEL_STATES.fullmatch(name)))
-    if not files or [rank for rank, _ in files] != list(range(len(files))):
+    return os.path.join(checkpoint_dir, tag)
+
+
+def _files_by_rank(folder, pattern):
+    """``{tsp rank: {data-parallel rank (0 if none): file}}`` of the files matching ``pattern``."""
+    files = defaultdict(dict)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if m := pattern.fullmatch(name):
+            files[int(m.group(2))][int(m.group(1) or 0)] = os.path.join(folder, name)
+    return files
+
+
+def read_rank_states(folder):
+    """The model-states file of every TSP rank (data-parallel rank 0's), in rank order."""
+    files = _files_by_rank(folder, _MODEL_STATES)
+    if not files or sorted(files) != list(range(len(files))):
         raise CheckpointError(f"{folder} has no complete set of mp_rank_XX_model_states.pt files")
-    # DeepSpeed's files hold non-tensor state (config, counters) as well.
-    return [torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)["module"]
-            for _, name in files]
+    return [load_weights_only(files[rank][0]) for rank in range(len(files))]
+
+
+def _zero_partitions(folder, tsp_rank):
+    """The ZeRO stage and every data-parallel rank's ``optimizer_state_dict`` of one TSP rank."""
+    files = _files_by_rank(folder, _OPTIM_STATES).get(tsp_rank, {})
+    if not files:
+        raise CheckpointError(f"{folder} has no ZeRO optimizer files for TSP rank {tsp_rank} "
+                              f"(*zero_pp_rank_*_mp_rank_{tsp_rank:02d}_optim_states.pt): fp32 master weights exist "
+                              "only with zero_optimization.stage >= 1; export without fp32_master (--fp32-master)")
+    partitions = [load_weights_only(files[dp])["optimizer_state_dict"] for dp in sorted(files)]
+    counts = partitions[0]["partition_count"]
+    dp_size = max(counts) if isinstance(counts, list) else counts
+    if dp_size != len(partitions):
+        raise CheckpointError(f"{folder} holds {len(partitions)} optimizer files for TSP rank {tsp_rank}, but ZeRO "
+                              f"partitioned over {dp_size} data-parallel ranks: the checkpoint is incomplete")
+    return int(partitions[0]["zero_stage"]), partitions
+
+
+def fp32_master_weights(folder, model_states, tsp_rank):
+    """``{parameter name: float32 tensor}`` of one TSP rank, joined from its
+    ZeRO partitions (see the module docstring)."""
+    stage, partitions = _zero_partitions(folder, tsp_rank)
+    param_shapes = model_states["param_shapes"]
+    master = {}
+    if stage <= 2:
+        paddings = partitions[0].get("param_alignment_paddings")
+        for group, shapes in enumerate(param_shapes):
+            flat = torch.cat([p["single_partition_of_fp32_groups"][group] for p in partitions])
+            offset = 0
+            for index, (name, shape) in enumerate(shapes.items()):
+                numel = math.prod(shape)
+                master[name] = flat[offset:offset + numel].view(shape)
+                offset += numel + (paddings[group][index] if paddings else 0)
+        return master
+    flats = [torch.cat(p["fp32_flat_groups"]) for p in partitions]
+    offset = 0
+    for name, shape in ((n, s) for shapes in param_shapes for n, s in shapes.items()):
+        numel = math.prod(shape)
+        piece = math.ceil(numel / len(flats))
+        master[name] = torch.cat([flat[offset:offset + piece] for flat in flats])[:numel].view(shape)
+        offset += piece
+    return master
+
+
+def rank_weights(folder, fp32_master=False):
+    """Every TSP rank's module state (``{name: tensor}``), in rank order: the
+    model-dtype weights, or with ``fp32_master`` the float32 master weights
+    (buffers and frozen parameters cast to float32)."""
+    states = read_rank_states(folder)
+    if not fp32_master:
+        if any(t.numel() == 0 for t in states[0]["module"].values()):
+            raise CheckpointError(f"{folder} is a ZeRO-3 checkpoint, whose model-states files hold no weights: "
+                                  "export its fp32 master weights with --fp32-master (fp32_master=True)")
+        return [state["module"] for state in states]
+    weights = []
+    for tsp_rank, state in enumerate(states):
+        module = {name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()}
+        module.update(fp32_master_weights(folder, state, tsp_rank))
+        weights.append(module)
+    return weights
 
 
 def join_vocab(name, per_rank, vocab_size):
@@ -53,13 +163,16 @@ def join_vocab(name, per_rank, vocab_size):
     return full[:vocab_size]
 
 
-def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, force=False):
+def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, force=False, fp32_master=False,
+                                max_shard_size=DEFAULT_MAX_SHARD_SIZE):
     """Join the TSP ranks' shards of a DeepSpeed checkpoint into a Hugging Face
-    directory; ``model_dir`` supplies the model's config (the original HF dir).
-    ZeRO-3 checkpoints keep parameters in the optimizer files: not supported."""
+    directory of files of at most ``max_shard_size``; ``model_dir`` supplies the
+    model's config (the original HF dir). With ``fp32_master`` the weights are
+    the ZeRO optimizer's float32 master copy (ZeRO 1-3), else the model-dtype
+    weights (ZeRO 0-2)."""
     model, _ = meta_model(model_dir)
     policy = resolve_policy(model, "auto")
-    states = read_rank_states(os.fspath(checkpoint_dir), tag)
+    states = rank_weights(checkpoint_folder(os.fspath(checkpoint_dir), tag), fp32_master)
     tsp_size = len(states)
     full = {}
     for index, layer in enumerate(tqdm(model.get_submodule(policy.layers), desc=f"Joining {tsp_size} TSP ranks",
@@ -86,5 +199,6 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     if missing:
         raise CheckpointError(f"the checkpoint lacks {sorted(missing)[:5]}: was it written from this model?")
     # Copies the model directory's other files (tokenizer, generation config).
-    _prepare_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
-    write_hf_checkpoint(os.fspath(out_dir), state, model.config, getattr(model, "generation_config", None))
+    prepare_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
+    write_state_dict(os.fspath(out_dir), state, model.config, getattr(model, "generation_config", None),
+                     max_shard_size)

@@ -101,7 +101,26 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head))
     layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
-    return PipelineModule(layers=layers, loss_fn=TSPPipeLoss(head, topology, tsp_config.layout), topology=pipe_topology,
+    pipe = PipelineModule(layers=layers, loss_fn=TSPPipeLoss(head, topology, tsp_config.layout), topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
                           activation_checkpoint_interval=1 if activation_checkpointing else 0,
                           checkpointable_layers=["TSPDecoderLayerPipe"])
+    # What ds_tsp.save_pretrained needs to write the stages as the model they came from.
+    pipe.tsp_topology, pipe.tsp_config, pipe.tsp_policy = topology, tsp_config, policy
+    pipe.tsp_model_class, pipe.tsp_model_config = type(model), model.config
+    pipe.tsp_generation_config = getattr(model, "generation_config", None)
+    return pipe
+
+
+def stage_modules(pipe):
+    """``{Hugging Face module name: module}`` of the layers this rank's stage of
+    a ``build_pipeline`` pipeline holds (DeepSpeed names them by layer index)."""
+    policy, modules = pipe.tsp_policy, {}
+    for index, layer in pipe.named_children():
+        if isinstance(layer, TSPEmbeddingPipe):
+            modules[policy.embed_tokens] = layer.embed_tokens
+        elif isinstance(layer, TSPDecoderLayerPipe):
+            modules[f"{policy.layers}.{int(index) - 1}"] = layer.layer
+        elif isinstance(layer, TSPHeadPipe):
+            modules.update({policy.final_norm: layer.norm, policy.lm_head: layer.lm_head})
+    return modules

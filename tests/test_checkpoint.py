@@ -4,6 +4,7 @@
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -362,3 +363,145 @@ def test_each_rank_loads_about_half_the_weights_at_tsp_size_2(tmp_path):
     print(f"\ncheckpoint {size / 1e6:.0f} MB; peak RSS increase: HF from_pretrained {full / 1e6:.0f} MB, "
           f"ds_tsp tsp.size 2 per rank {', '.join(f'{r / 1e6:.0f}' for r in ranks)} MB; ratio {ratio:.3f}")
     assert ratio <= 0.6
+
+
+# ------------------------------------------------- shards, overwrite, choice
+
+def _load_and_save_sharded(src, dst, max_shard_size, overwrite=False):
+    topology, tsp_config = _topology_and_config()
+    save_pretrained(from_pretrained(src, topology, tsp_config), dst, max_shard_size=max_shard_size,
+                    overwrite=overwrite)
+    return sorted(os.listdir(dst))
+
+
+@pytest.mark.parametrize("max_shard_size", ["8KB", 8000])
+def test_save_pretrained_writes_shards_and_index_as_hugging_face_does(run_ranks, checkpoints, tmp_path,
+                                                                       max_shard_size):
+    """The fixture's llama_sharded is Hugging Face's own save_pretrained(max_shard_size="8KB"):
+    the same files, the same index text and the same tensors in each file."""
+    src, dst = checkpoints["llama_sharded"], str(tmp_path / "saved")
+    listings = run_ranks(2, _load_and_save_sharded, src=src, dst=dst, max_shard_size=max_shard_size)
+    expected = sorted(os.listdir(src))
+    assert len([name for name in expected if name.endswith(".safetensors")]) > 2
+    assert all(files == expected for files in listings)
+    with open(os.path.join(src, "model.safetensors.index.json")) as a, \
+            open(os.path.join(dst, "model.safetensors.index.json")) as b:
+        assert a.read() == b.read()
+    for name in expected:
+        if name.endswith(".safetensors"):
+            assert_same_tensors(load_file(os.path.join(dst, name)), load_file(os.path.join(src, name)))
+    reloaded = AutoModelForCausalLM.from_pretrained(dst)
+    assert_same_tensors(reloaded.state_dict(), AutoModelForCausalLM.from_pretrained(src).state_dict())
+
+
+def test_save_pretrained_holds_about_one_shard(checkpoints, tmp_path, monkeypatch):
+    """The writer's tensors waiting for their file never exceed one file's limit
+    plus one tensor (the model is ~40 KB, the limit 8 KB)."""
+    from ds_tsp.checkpoint import writing
+
+    held, add = [], writing.ShardWriter.add
+
+    def counting_add(self, name, tensor):
+        add(self, name, tensor)
+        held.append(sum(t.nbytes for pending in self.pending.values() for t in pending.values()))
+
+    monkeypatch.setattr(writing.ShardWriter, "add", counting_add)
+    _load_and_save_sharded(checkpoints["llama"], str(tmp_path / "saved"), "8KB")
+    total = sum(t.nbytes for t in hf_tensors(checkpoints["llama"]).values())
+    largest = max(t.nbytes for t in hf_tensors(checkpoints["llama"]).values())
+    print(f"model {total} B, most held by the writer {max(held)} B")
+    assert len(held) == len(hf_tensors(checkpoints["llama"])) and max(held) <= 8000 + largest < total / 3
+
+
+def _existing_checkpoints(root, checkpoints):
+    """Directories each holding one kind of checkpoint, plus a tokenizer file that must survive."""
+    kinds = {"single": "llama", "sharded": "llama_sharded"}
+    dirs = {}
+    for kind, arch in kinds.items():
+        dirs[kind] = os.path.join(root, kind)
+        shutil.copytree(checkpoints[arch], dirs[kind])
+    dirs["bin"] = os.path.join(root, "bin")
+    os.makedirs(dirs["bin"])
+    torch.save(hf_tensors(checkpoints["llama"]), os.path.join(dirs["bin"], "pytorch_model.bin"))
+    dirs["tsp_shards"] = os.path.join(root, "tsp_shards")
+    assert main(["convert", "--in", checkpoints["llama"], "--out", dirs["tsp_shards"], "--tsp-size", "2"]) == 0
+    for path in dirs.values():
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+    return dirs
+
+
+def test_save_pretrained_refuses_a_directory_holding_a_checkpoint(checkpoints, tmp_path):
+    dirs = _existing_checkpoints(str(tmp_path), checkpoints)
+    topology, tsp_config = _topology_and_config()
+    model = from_pretrained(checkpoints["qwen2"], topology, tsp_config)
+    for kind, path in dirs.items():
+        before = sorted(os.listdir(path))
+        with pytest.raises(CheckpointError, match=rf"{path} already holds a checkpoint .*pass overwrite=True"):
+            save_pretrained(model, path)
+        assert sorted(os.listdir(path)) == before, kind
+        save_pretrained(model, path, overwrite=True)
+        # Exactly one checkpoint: the stale weights, index, shards and TSP files are gone.
+        assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
+                                            "tokenizer.json"], kind
+        assert_same_tensors(hf_tensors(path), hf_tensors(checkpoints["qwen2"]))
+        assert isinstance(AutoModelForCausalLM.from_pretrained(path), type(tiny_model("qwen2")))
+
+
+def _save_refused(dst):
+    topology, tsp_config = _topology_and_config()
+    model = ds_tsp.inject(tiny_model("llama"), topology, tsp_config)
+    try:
+        save_pretrained(model, dst)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_every_rank_raises_the_refusal(run_ranks, checkpoints, tmp_path):
+    """Rank 0 decides; every rank raises instead of waiting in a collective."""
+    dst = str(tmp_path / "taken")
+    shutil.copytree(checkpoints["llama"], dst)
+    messages = run_ranks(2, _save_refused, dst=dst)
+    assert all(message is not None and "overwrite=True" in message for message in messages)
+
+
+def test_loading_prefers_the_file_hugging_face_prefers(checkpoints, tmp_path):
+    """model.safetensors beside an index and its shards (and beside TSP shard
+    files): both Hugging Face and ds_tsp read model.safetensors."""
+    path = str(tmp_path / "both")
+    shutil.copytree(checkpoints["llama_sharded"], path)
+    tiny_model("llama", seed=1).save_pretrained(str(tmp_path / "other"))
+    shutil.copyfile(str(tmp_path / "other" / "model.safetensors"), os.path.join(path, "model.safetensors"))
+    topology, tsp_config = _topology_and_config()
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(hf.lm_head.weight, tiny_model("llama", seed=1).lm_head.weight)
+    saved = str(tmp_path / "saved")
+    save_pretrained(from_pretrained(path, topology, tsp_config), saved)
+    assert_same_tensors(hf_tensors(saved), {n: t for n, t in hf.state_dict().items()})
+
+    shards = str(tmp_path / "shards")
+    assert main(["convert", "--in", checkpoints["llama"], "--out", shards, "--tsp-size", "1"]) == 0
+    shutil.copyfile(str(tmp_path / "other" / "model.safetensors"), os.path.join(shards, "model.safetensors"))
+    save_pretrained(from_pretrained(shards, topology, tsp_config), saved, overwrite=True)
+    assert_same_tensors(hf_tensors(saved), hf_tensors(str(tmp_path / "other")))
+
+    # An index comes before pytorch_model.bin in Hugging Face's order.
+    os.remove(os.path.join(path, "model.safetensors"))
+    torch.save(hf.state_dict(), os.path.join(path, "pytorch_model.bin"))
+    save_pretrained(from_pretrained(path, topology, tsp_config), saved, overwrite=True)
+    assert_same_tensors(hf_tensors(saved), hf_tensors(checkpoints["llama_sharded"]))
+    # pytorch_model.bin before TSP shard files, which Hugging Face does not read; ds_tsp reads no .bin.
+    os.remove(os.path.join(shards, "model.safetensors"))
+    torch.save(hf.state_dict(), os.path.join(shards, "pytorch_model.bin"))
+    with pytest.raises(CheckpointError, match="pytorch_model.bin, which Hugging Face loads before"):
+        from_pretrained(shards, topology, tsp_config)
+
+
+def test_bad_max_shard_size_is_refused_by_name(checkpoints, tmp_path):
+    topology, tsp_config = _topology_and_config()
+    model = from_pretrained(checkpoints["llama"], topology, tsp_config)
+    for bad in ("5GiB", 0, "lots"):
+        with pytest.raises(CheckpointError, match=rf"max_shard_size = {bad!r} is not a size"):
+            save_pretrained(model, str(tmp_path / "never"), max_shard_size=bad)
+    assert not (tmp_path / "never").exists()

@@ -1,6 +1,7 @@
 """Pipeline stages of TSP blocks against a single-process Hugging Face run."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _hf_name(pipe_name, num_layers):
 
 
 def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False, wrong_shard=False,
-                  zero_stage=1):
+                  zero_stage=1, save_dir=None):
     world = dist.get_world_size()
     stages = 2
     dp_size = world // (stages * tsp_size)
@@ -75,6 +76,9 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
         ref_losses.append(loss.item())
 
     ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    if save_dir is not None:
+        ds_tsp.save_pretrained(engine, save_dir, max_shard_size="8KB")
+        return dict(ref_params=ref_params if dist.get_rank() == 0 else None)
     num_layers = ref.config.num_hidden_layers
     rel = {}
     for pipe_name, param in engine.module.named_parameters():
@@ -122,6 +126,27 @@ def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
     for a, b in zip(plain, resumed):
         print(f"uninterrupted {a['losses']}, resumed {b['losses']}")
         assert a["losses"] == b["losses"]
+
+
+def test_save_pretrained_writes_every_stage(run_ranks, tmp_path):
+    """PP=2 x TSP=2: the Hugging Face directory holds both stages' layers, the
+    final norm and the head, as trained (against the single-process run)."""
+    from transformers import AutoModelForCausalLM
+
+    save_dir = str(tmp_path / "saved")
+    ref_params = run_ranks(4, _pipeline_run, tsp_size=2, save_dir=save_dir)[0]["ref_params"]
+    assert os.path.isfile(os.path.join(save_dir, "model.safetensors.index.json"))  # several 8 KB files
+    saved = dict(AutoModelForCausalLM.from_pretrained(save_dir).named_parameters())
+    initial = dict(tiny_model("llama", dtype=torch.float32).named_parameters())
+    assert saved.keys() == ref_params.keys()
+    rel = {n: ((saved[n] - p).abs().max() / p.abs().max()).item() for n, p in ref_params.items()}
+    moved = {n: ((initial[n] - p).abs().max() / p.abs().max()).item() for n, p in ref_params.items()}
+    worst = max(rel, key=rel.get)
+    print(f"saved vs trained: max rel {rel[worst]:.2e} ({worst}); training moved every tensor by >= "
+          f"{min(moved.values()):.2e}")
+    assert rel[worst] <= BOUND
+    # The guard: a stage left out, or saved untrained, would be this far off.
+    assert min(moved.values()) > 100 * BOUND
 
 
 def test_layers_that_do_not_split_are_refused():

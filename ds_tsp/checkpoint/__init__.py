@@ -1,0 +1,14 @@
+"""Checkpoints: Hugging Face safetensors in, TSP shards out of them, and back.
+
+Three floors, imported one way only: ``planning`` (which piece of which tensor
+every TSP rank holds, from sizes alone) <- ``reading`` (Hugging Face and
+``ds-tsp convert`` directories, ``from_pretrained``) <- ``writing``
+(gathering, ``save_pretrained``, ``ds-tsp convert``).
+"""
+
+from .planning import layer_shards, meta_model, shard_plan
+from .reading import CheckpointError, SafetensorsCheckpoint, TSPShardCheckpoint, from_pretrained, open_checkpoint
+from .writing import join_checkpoint, save_pretrained, shard_checkpoint
+
+__all__ = ["CheckpointError", "SafetensorsCheckpoint", "TSPShardCheckpoint", "from_pretrained", "join_checkpoint",
+           "layer_shards", "meta_model", "open_checkpoint", "save_pretrained", "shard_checkpoint", "shard_plan"]

@@ -1,0 +1,183 @@
+"""Which piece of which tensor every TSP rank holds, and how pieces join.
+
+Pure sizes and indices, no files and no collectives: the model may live on
+the meta device. Which piece of which tensor a rank holds is computed here for
+any rank (``shard_plan``), so that one process can pre-shard a checkpoint
+(``ds-tsp convert``) and a rank can reassemble every other rank's pieces. The
+blocks' own ``shard_piece`` stays the authority: the loader and the gatherer
+check it against the plan for their own rank.
+
+A rank's holdings in one block are ``{name: piece}``: every tensor of its
+packed shard (its spec) with the piece ``(dim, start, length)`` of the full
+tensor it is, plus the block's replicated tensors (piece None: whole). With
+nkv < D only the first rank of each key/value replica set stores those heads,
+so shards differ.
+"""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .. import attention, comm, mlp, vocab
+from ..attention import HeadGroups, TSPAttention
+from ..mlp import TSPGatedMLP
+from ..model import TSPCausalLMMixin
+
+
+def _holdings(specs, piece, replicated):
+    """Per rank, ``{name: piece}`` of its packed tensors, then its replicated ones."""
+    return [{**{name: piece(name, r) for name in spec.shapes}, **dict.fromkeys(replicated)}
+            for r, spec in enumerate(specs)]
+
+
+def layer_shards(layer, config, policy, tsp_size):
+    """``{block name: (specs, holdings)}`` of one Hugging Face decoder layer
+    (meta device is enough): every rank's ``PackSpec`` of the block's packed
+    shard and its ``{name: piece}`` holdings (see ``_holdings``).
+
+    Built with the functions the TSP modules use, so it raises their head and
+    intermediate-size divisibility errors before any tensor is read.
+    """
+    attn = layer.get_submodule(policy.attention)
+    heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
+    attn_specs = [attention.shard_spec(heads, config.hidden_size, attn.q_proj.bias is not None, r)
+                  for r in range(tsp_size)]
+    gated = layer.get_submodule(policy.mlp)
+    intermediate_size = gated.gate_proj.out_features
+    mlp_specs = [mlp.shard_spec(gated.gate_proj.in_features, intermediate_size, tsp_size,
+                                gated.gate_proj.bias is not None)] * tsp_size
+    return {
+        policy.attention: (attn_specs, _holdings(attn_specs, lambda name, r: attention.shard_piece(heads, name, r),
+                                                 attention.replicated_names(attn))),
+        policy.mlp: (mlp_specs, _holdings(mlp_specs,
+                                          lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
+                                          [mlp.DOWN_BIAS] if gated.down_proj.bias is not None else [])),
+    }
+
+
+def vocab_names(model, policy):
+    """Hugging Face names of the vocabulary matrices: the embedding's, and the
+    LM head's unless it is tied to the embedding."""
+    embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
+    names = [f"{policy.embed_tokens}.weight"]
+    if lm_head.weight is not embed.weight:
+        names.append(f"{policy.lm_head}.weight")
+    return names
+
+
+def shard_plan(model, policy, tsp_size, vocab_parallel=True):
+    """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
+    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds,
+    and, with ``vocab_parallel``, its rows of the embedding and LM head (after
+    checking that they can be folded)."""
+    plans = [{} for _ in range(tsp_size)]
+    if vocab_parallel:
+        vocab.check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
+                             type(model).__name__)
+        for tsp_rank, plan in enumerate(plans):
+            plan.update(dict.fromkeys(vocab_names(model, policy),
+                                      vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
+    for index, layer in enumerate(model.get_submodule(policy.layers)):
+        prefix = f"{policy.layers}.{index}"
+        for block_name, (_, holdings) in layer_shards(layer, model.config, policy, tsp_size).items():
+            for plan, held in zip(plans, holdings):
+                plan.update({f"{prefix}.{block_name}.{name}": piece for name, piece in held.items()})
+    return plans
+
+
+def block_specs(block):
+    """The ``PackSpec`` of every rank's shard of an injected TSP block."""
+    if isinstance(block, TSPAttention):
+        return list(block.specs)
+    if isinstance(block, TSPGatedMLP):
+        return [block.spec] * comm.group_size(block.tsp_group)
+    raise TypeError(f"{type(block).__name__} is not a TSP block")
+
+
+def block_holdings(block):
+    """``holdings[r] = {name: piece}`` of an injected TSP block for every rank of
+    its group, checked against the block's own ``shard_names``/``shard_piece``."""
+    tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
+    if isinstance(block, TSPAttention):
+        holdings = _holdings(specs, lambda name, r: attention.shard_piece(block.heads, name, r),
+                             list(block.replicated_params()))
+    else:
+        holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
+                             [mlp.DOWN_BIAS] if block.down_bias is not None else [])
+    own = {name: block.shard_piece(name) for name in block.shard_names()}
+    if holdings[block.tsp_rank] != own:
+        raise RuntimeError(f"{type(block).__name__} on TSP rank {block.tsp_rank} holds {own}, but "
+                           f"ds_tsp.checkpoint expects {holdings[block.tsp_rank]}")
+    return holdings
+
+
+def narrow_index(piece):
+    """``piece = (dim, start, length)`` as an index for ``tensor[...]`` or a safetensors slice."""
+    dim, start, length = piece
+    return (slice(None),) * dim + (slice(start, start + length),)
+
+
+def join_pieces(pieces, tensors, name):
+    """The full tensor from ``pieces`` and the ``tensors`` holding them; a piece
+    held by several ranks is taken once."""
+    dim = pieces[0][0]
+    shape = list(tensors[0].shape)
+    shape[dim] = max(start + length for _, start, length in pieces)
+    full = tensors[0].new_empty(shape)
+    distinct = {}
+    for piece, tensor in zip(pieces, tensors):
+        if tuple(piece) not in distinct:
+            distinct[tuple(piece)] = tensor
+            full[narrow_index(piece)] = tensor
+    if sum(length for _, _, length in distinct) != shape[dim]:
+        raise RuntimeError(f"the pieces {pieces} of {name} do not tile its {shape[dim]} rows")
+    return full
+
+
+def join_holdings(name, held):
+    """The full tensor ``name`` from ``[(piece, tensor)]`` of the ranks holding it."""
+    if held[0][0] is None:
+        return held[0][1]
+    return join_pieces([piece for piece, _ in held], [tensor for _, tensor in held], name)
+
+
+# ------------------------------------------------------- the model, by size
+
+def resolve_dtype(torch_dtype, config):
+    """``torch_dtype`` as a ``torch.dtype``; None or "auto" take the checkpoint's
+    dtype from its config, as Hugging Face's ``from_pretrained`` does."""
+    if torch_dtype in (None, "auto"):
+        torch_dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(torch_dtype, str):
+        torch_dtype = getattr(torch, torch_dtype.removeprefix("torch."))
+    return torch_dtype
+
+
+def meta_model(path_or_config, torch_dtype=None, model_class=None):
+    """The Hugging Face causal LM of a checkpoint (or config), on the meta device:
+    sizes, no memory. ``model_class`` (default: the Auto class's choice) builds it."""
+    config = path_or_config
+    if not hasattr(config, "model_type"):
+        config = AutoConfig.from_pretrained(path_or_config)
+    dtype = resolve_dtype(torch_dtype, config)
+    with torch.device("meta"):
+        if model_class is None:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
+        return model_class._from_config(config, dtype=dtype), dtype
+
+
+def hf_class(model_or_class):
+    """The Hugging Face class an injected model (or its class) was made from."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    return next(c for c in cls.__mro__ if not issubclass(c, TSPCausalLMMixin))
+
+
+def tied_names(model):
+    """Names Hugging Face leaves out of its files: tied copies such as
+    ``lm_head.weight`` under ``tie_word_embeddings``."""
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
+def untied(model, state):
+    """``state`` without the tied copies Hugging Face leaves out of its files."""
+    tied = tied_names(model)
+    return {name: tensor for name, tensor in state.items() if name not in tied}

@@ -1,0 +1,283 @@
+"""Reading checkpoints: Hugging Face safetensors directories and ``ds-tsp convert`` shards.
+
+``from_pretrained`` builds the Hugging Face model on the meta device, checks
+everything that needs only sizes, then reads from disk only this rank's piece
+of every TSP-sharded tensor (``safe_open(...).get_slice``: the blocks' and,
+with ``tsp.vocab_parallel``, the embedding's and LM head's rows) plus the
+replicated tensors, so a rank's peak memory is about ``1/D`` of the weights.
+
+A directory holding several checkpoints is read the way Hugging Face reads it
+(``model.safetensors``, then ``model.safetensors.index.json``; pickled
+``pytorch_model.bin`` files, which ds_tsp does not read, come next), so both
+load the same weights; ``tsp_shards.json`` is read only where no Hugging Face
+weights are.
+"""
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ..inject import inject
+from ..policy import resolve_policy
+from .planning import meta_model, narrow_index, shard_plan
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
+TORCH_WEIGHTS = "pytorch_model.bin"
+TORCH_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
+TSP_SHARDS = "tsp_shards.json"
+TSP_SHARDS_FORMAT = "ds_tsp.tsp_shards"
+# Hugging Face's order of preference (transformers' ``_get_resolved_checkpoint_files``).
+HF_WEIGHTS_ORDER = (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TORCH_WEIGHTS, TORCH_WEIGHTS_INDEX)
+# Every file of a checkpoint, whatever its layout: Hugging Face weights (single,
+# sharded "-00001-of-00002", with a variant "model.fp16.safetensors"), their
+# indexes, and ds-tsp convert's per-rank files and description.
+_CHECKPOINT_FILE = re.compile(r"(model|pytorch_model)([.-][^/]*)?\.(safetensors|bin)"
+                              r"|(model\.safetensors|pytorch_model\.bin)\.index(\.[^/]+)?\.json"
+                              r"|rank\d+-of-\d+\.safetensors|" + re.escape(TSP_SHARDS))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model or the request; the message names the file and the fix."""
+
+
+def rank_file(tsp_rank, tsp_size):
+    return f"rank{tsp_rank}-of-{tsp_size}.safetensors"
+
+
+def checkpoint_files(directory):
+    """The names of the checkpoint files (weights, indexes, TSP shards) in
+    ``directory``, sorted; empty when it does not exist."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory)
+                  if _CHECKPOINT_FILE.fullmatch(name) and os.path.isfile(os.path.join(directory, name)))
+
+
+def hf_weights_file(directory):
+    """The weights file Hugging Face's ``from_pretrained`` would read in
+    ``directory`` (see ``HF_WEIGHTS_ORDER``), or None."""
+    return next((name for name in HF_WEIGHTS_ORDER if os.path.isfile(os.path.join(directory, name))), None)
+
+
+# ------------------------------------------------------------------- readers
+
+class SafetensorsCheckpoint:
+    """The tensors of a Hugging Face checkpoint directory: ``model.safetensors``
+    or, when there is none, the files listed by ``model.safetensors.index.json``
+    (Hugging Face's order).
+
+    Only headers are read up front. Each ``read`` maps its file for that read
+    alone, so the pages it touches leave this process's memory with the tensor
+    it returns, instead of piling up in one long-lived mapping.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        chosen = hf_weights_file(self.path) if os.path.isdir(self.path) else None
+        if chosen == SAFE_WEIGHTS:
+            single = os.path.join(self.path, SAFE_WEIGHTS)
+            with safe_open(single, framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        elif chosen == SAFE_WEIGHTS_INDEX:
+            with open(os.path.join(self.path, SAFE_WEIGHTS_INDEX)) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {name: os.path.join(self.path, file) for name, file in weight_map.items()}
+        else:
+            present = sorted(os.listdir(self.path)) if os.path.isdir(self.path) else "no such directory"
+            raise CheckpointError(f"no {SAFE_WEIGHTS} or {SAFE_WEIGHTS_INDEX} in {self.path} (found: {present}); "
+                                  "ds_tsp reads safetensors checkpoints: re-save the model with "
+                                  "save_pretrained(safe_serialization=True)")
+        self.shapes = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(file, framework="pt") as f:
+                self.shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+
+    @property
+    def names(self):
+        return list(self.files)
+
+    def read(self, name, piece=None):
+        """The tensor ``name`` narrowed to ``piece`` (whole when None), possibly a
+        view of the (copy-on-write) memory-mapped file."""
+        with safe_open(self.files[name], framework="pt") as f:
+            if piece is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[narrow_index(piece)]
+
+
+class TSPShardCheckpoint:
+    """A directory written by ``ds-tsp convert``: per TSP rank, one file holding
+    that rank's pieces under Hugging Face names, and ``tsp_shards.json``::
+
+        {"format": "ds_tsp.tsp_shards", "version": 1, "tsp_size": D,
+         "tensors": {name: {"shape": [...], "dtype": "float32"}},
+         "ranks": [{"file": "rank0-of-D.safetensors", "pieces": {name: [dim, start, length] or null}}, ...]}
+
+    where a null piece is the whole tensor and a name missing from a rank's
+    ``pieces`` is not in its file.
+    """
+
+    def __init__(self, path, tsp_rank=0):
+        self.path = os.fspath(path)
+        with open(os.path.join(self.path, TSP_SHARDS)) as f:
+            meta = json.load(f)
+        if meta.get("format") != TSP_SHARDS_FORMAT:
+            raise CheckpointError(f"{os.path.join(self.path, TSP_SHARDS)} is not a ds_tsp shard description")
+        self.tsp_size, self.tsp_rank = meta["tsp_size"], tsp_rank
+        self.shapes = {name: tuple(t["shape"]) for name, t in meta["tensors"].items()}
+        self.files = [os.path.join(self.path, rank["file"]) for rank in meta["ranks"]]
+        self.holdings = [{name: None if piece is None else tuple(piece) for name, piece in rank["pieces"].items()}
+                         for rank in meta["ranks"]]
+
+    @property
+    def names(self):
+        return list(self.shapes)
+
+    def read_rank(self, name, tsp_rank):
+        """What rank ``tsp_rank``'s file holds under ``name`` (its piece, or the whole tensor)."""
+        with safe_open(self.files[tsp_rank], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def read(self, name, piece=None):
+        held = self.holdings[self.tsp_rank]
+        if name not in held or held[name] != (None if piece is None else tuple(piece)):
+            raise CheckpointError(f"{self.path} holds {held.get(name, 'nothing')} of {name} for TSP rank "
+                                  f"{self.tsp_rank}, but the model asks for {piece}: re-run ds-tsp convert (with "
+                                  "--no-vocab-parallel if tsp.vocab_parallel is false) "
+                                  "for this model and tsp.size")
+        return self.read_rank(name, self.tsp_rank)
+
+
+def open_checkpoint(path, tsp_size=1, tsp_rank=0):
+    """The reader for ``path``: the Hugging Face weights that Hugging Face itself
+    would load, else the pre-sharded files of ``tsp_shards.json``."""
+    path = os.fspath(path)
+    chosen = hf_weights_file(path) if os.path.isdir(path) else None
+    if chosen is None and os.path.isfile(os.path.join(path, TSP_SHARDS)):
+        checkpoint = TSPShardCheckpoint(path, tsp_rank)
+        if checkpoint.tsp_size != tsp_size:
+            raise CheckpointError(f"{path} is pre-sharded for tsp.size = {checkpoint.tsp_size}, not {tsp_size}: "
+                                  f"run `ds-tsp convert --join` on it, or convert the original with "
+                                  f"--tsp-size {tsp_size}")
+        return checkpoint
+    if chosen in (TORCH_WEIGHTS, TORCH_WEIGHTS_INDEX):
+        raise CheckpointError(f"{path} holds {chosen}, which Hugging Face loads before any other file there, but "
+                              "ds_tsp reads safetensors only: re-save the model with save_pretrained (which writes "
+                              f"safetensors) and remove {chosen}")
+    return SafetensorsCheckpoint(path)
+
+
+def check_tensors_present(model, checkpoint):
+    """Every tensor of ``model``'s state dict is in ``checkpoint`` with its shape,
+    except tied copies (``lm_head.weight`` under ``tie_word_embeddings``)."""
+    tied = getattr(model, "all_tied_weights_keys", {}) or {}
+    for name, tensor in model.state_dict().items():
+        if name not in checkpoint.shapes:
+            if name in tied and tied[name] in checkpoint.shapes:
+                continue
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint at {checkpoint.path}")
+        if checkpoint.shapes[name] != tuple(tensor.shape):
+            raise CheckpointError(f"tensor {name!r} in {checkpoint.path} has shape {checkpoint.shapes[name]}, but "
+                                  f"the model built from its config.json needs {tuple(tensor.shape)}")
+
+
+# ------------------------------------------------------------------- loading
+
+def _owner(model, full_name):
+    module_name, _, attr = full_name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, progress):
+    """Read every parameter and persistent buffer outside the TSP blocks whole
+    from ``checkpoint`` (tied parameters once, under whichever of their names the
+    file has) and fill non-persistent buffers the way Hugging Face does after a
+    meta-device load: the model's own ``_init_weights`` on their module."""
+    groups = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not name.startswith(skip_prefixes):
+            groups.setdefault(id(param), (param, []))[1].append(name)
+    for param, names in groups.values():
+        source = next((n for n in names if n in checkpoint.shapes), names[0])
+        # A copy of its own, not a view of the mapped file: saving over that file
+        # later must not pull the pages from under a live parameter.
+        value = checkpoint.read(source).to(device=device, dtype=param.dtype, copy=True)
+        progress.update()
+        new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+        for name in names:
+            module, attr = _owner(model, name)
+            setattr(module, attr, new)
+
+    state_names = set(model.state_dict())
+    for name, buffer in list(model.named_buffers()):
+        if name.startswith(skip_prefixes) or not buffer.is_meta:
+            continue
+        module, attr = _owner(model, name)
+        if name in state_names:
+            value = checkpoint.read(name).to(device=device, dtype=buffer.dtype, copy=True)
+            progress.update()
+        else:
+            value = torch.empty_like(buffer, device=device)
+        module._buffers[attr] = value
+    for module in model.modules():
+        if any(attr in module._non_persistent_buffers_set for attr in module._buffers):
+            model._init_weights(module)
+
+
+def _check_materialised(model):
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise RuntimeError(f"ds_tsp.from_pretrained left tensors on the meta device: {on_meta}")
+
+
+def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
+    """A TSP model straight from a Hugging Face checkpoint directory, reading only
+    this rank's shards of the decoder blocks.
+
+    ``path`` holds ``config.json`` and ``model.safetensors`` (or a sharded
+    safetensors index), or is the output of ``ds-tsp convert`` for
+    ``topology.tsp_size``. ``torch_dtype`` None or "auto" keeps the checkpoint's
+    dtype. Steps, in this order:
+
+    1. build the model on the meta device and check the policy and every
+       size-only constraint (heads, intermediate size, a foldable vocabulary,
+       tensor names and shapes);
+    2. read the replicated tensors whole (norms; embeddings and LM head unless
+       ``tsp.vocab_parallel``) and
+       recompute non-persistent buffers such as the rotary ``inv_freq``;
+    3. ``inject`` with a reader that loads only this rank's piece of each
+       sharded tensor from disk;
+    4. check nothing is left on the meta device.
+    """
+    path = os.fspath(path)
+    model, dtype = meta_model(path, torch_dtype)
+    policy = resolve_policy(model, tsp_config.policy)
+    plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel)[topology.tsp_rank]
+    checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank)
+    check_tensors_present(model, checkpoint)
+
+    blocks = tuple(f"{policy.layers}.{i}.{part}." for i in range(len(model.get_submodule(policy.layers)))
+                   for part in (policy.attention, policy.mlp))
+    if tsp_config.vocab_parallel:
+        blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
+    replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}
+    progress = tqdm(total=len(plan) + len(replicated), desc=f"Loading {os.path.basename(path)}", unit="tensor",
+                    disable=topology.rank != 0)
+    _materialise_replicated(model, checkpoint, blocks, dtype, device, progress)
+
+    def read(full_name, piece):
+        if full_name not in plan or piece != plan[full_name]:
+            raise RuntimeError(f"the TSP block asks for piece {piece} of {full_name}, but ds_tsp.checkpoint "
+                               f"planned {plan.get(full_name, 'nothing')}: shard_plan and the block disagree")
+        progress.update()
+        return checkpoint.read(full_name, piece).to(dtype)
+
+    inject(model, topology, tsp_config, read=read, device=device)
+    progress.close()
+    _check_materialised(model)
+    return model.eval()
