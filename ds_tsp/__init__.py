@@ -12,7 +12,7 @@ import importlib
 from .inject import inject
 
 _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine",
-            "from_pretrained": "checkpoint", "save_pretrained": "checkpoint"}
+            "num_items_in_batch": "engine", "from_pretrained": "checkpoint", "save_pretrained": "checkpoint"}
 
 __all__ = sorted([*_EXPORTS, "inject"])
 

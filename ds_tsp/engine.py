@@ -10,10 +10,12 @@ import torch.distributed as dist
 from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
 
+from . import comm
 from .attention import TSPAttention
 from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
+from .model import num_targets
 from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
 
@@ -89,6 +91,27 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
     return (engine, *rest)
+
+
+def num_items_in_batch(engine, micro_batches):
+    """The ``num_items_in_batch`` to pass with every micro-batch of one optimizer
+    step so that the step's gradient is that of the mean loss over every target
+    token of the global batch, however unevenly padding spreads them.
+
+    Without it each micro-batch's loss is the mean over its own targets, and
+    the engine averages those means over the accumulation steps and the
+    data-parallel replicas: a mean of means. ``micro_batches`` are this rank's
+    ``(labels, attention_mask or None)`` of the step's accumulation window. The
+    result is ``N / (dp_size * gradient_accumulation_steps)``, with ``N`` the
+    targets of all replicas' windows (one all-reduce over the data-parallel
+    group), because the engine still divides by both; the step's losses then
+    average, over the window and the replicas, to the global mean.
+    """
+    topology = engine.tsp_topology
+    local = sum(num_targets(labels, attention_mask) for labels, attention_mask in micro_batches)
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    comm.all_reduce(total, topology.dp_group)
+    return total.item() / (topology.dp_size * engine.gradient_accumulation_steps())
 
 
 def model_config(model):

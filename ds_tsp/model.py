@@ -60,10 +60,7 @@ class TSPBatch:
         self.max_position = position_ids.amax().view(1, 1)
         shifted = None
         if labels is not None:
-            # Token t predicts label t+1: shift on the full sequence, before
-            # sharding; padding is never a target.
-            labels = labels.masked_fill(~real, IGNORE_INDEX)
-            shifted = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1)
+            shifted = shifted_targets(labels, real)
             self.num_real_labels = int((shifted != IGNORE_INDEX).sum())
         input_ids, self.num_padding = layout.pad_to_multiple(input_ids, tsp_size, value=0)
         # Padding goes after the last real token, so causal masking keeps every
@@ -78,6 +75,20 @@ class TSPBatch:
         self.rank_input_ids = [layout.shard(input_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
         self.input_ids, self.position_ids = self.rank_input_ids[tsp_rank], own(position_ids)
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def shifted_targets(labels, real):
+    """Token t's target is label t+1 (``IGNORE_INDEX`` for the last token),
+    shifted on the full sequence before sharding; padding is never a target."""
+    labels = labels.masked_fill(~real, IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def num_targets(labels, attention_mask=None):
+    """How many tokens of a micro-batch the loss averages over: what the TSP
+    forward counts when no ``num_items_in_batch`` is given."""
+    real = _real_tokens(attention_mask, *labels.shape, labels.device)
+    return int((shifted_targets(labels, real) != IGNORE_INDEX).sum())
 
 
 def _real_tokens(attention_mask, batch, seq_len, device):
@@ -97,7 +108,8 @@ class TSPCausalLMMixin:
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
                 use_cache=None, num_items_in_batch=None, **kwargs):
         """``num_items_in_batch`` (as the HF Trainer passes it under gradient
-        accumulation) replaces the real-token count as the loss divisor.
+        accumulation, or ``ds_tsp.num_items_in_batch`` gives it) replaces the
+        micro-batch's count of target tokens as the loss divisor.
 
         Returns ``.loss`` and ``.logits``: the local tokens' full-vocabulary
         logits, or None when the loss is fused with a folded LM head (labels

@@ -70,11 +70,16 @@ def train_step(engine, micro_batches):
     """One optimizer step over the micro-batches; works for both engine kinds."""
     if isinstance(engine, PipelineEngine):
         return engine.train_batch(data_iter=iter([(ids, ids) for ids in micro_batches])).item()
+    # The step's gradient is that of the mean over every target token of the
+    # global batch (all replicas, all micro-steps), however padding spreads them.
+    num_items = ds_tsp.num_items_in_batch(engine, [(ids, None) for ids in micro_batches])
+    losses = []
     for input_ids in micro_batches:
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        loss = engine(input_ids=input_ids, labels=input_ids, num_items_in_batch=num_items).loss
         engine.backward(loss)
         engine.step()
-    return loss.item()
+        losses.append(loss.item())
+    return sum(losses) / len(losses)  # this replica's share of the step's mean loss
 
 
 def main():

@@ -301,3 +301,75 @@ def test_bf16_training_follows_fp32(run_ranks):
         assert out["bf16_param_dtype"] == "torch.bfloat16" and out["fp32_param_dtype"] == "torch.float32"
         # bf16 keeps 8 mantissa bits: losses agree to ~1e-2, not to fp32 rounding.
         assert max(abs(a - b) for a, b in zip(out["bf16"], out["fp32"])) < 5e-2
+
+
+def _one_step_over_uneven_padding(world_tsp_size, accumulation, global_mean):
+    """One SGD step of TSP x DP with ``accumulation`` micro-steps whose
+    micro-batches hold very different numbers of real tokens (right padding).
+    With ``global_mean``, ``ds_tsp.num_items_in_batch`` is passed. Returns the
+    weights' relative distance to one process's step on the global batch's
+    mean over all target tokens, and on the mean of the micro-batch means."""
+    world = dist.get_world_size()
+    dp_size = world // world_tsp_size
+    ref = tiny_model("llama", dtype=torch.float32)
+    model = copy.deepcopy(ref)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": world_tsp_size, "attention_backend": "sdpa"}}
+    engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=_optimizer("sgd"), config=config)
+    topo = engine.tsp_topology
+    generator = torch.Generator().manual_seed(11)
+    count = dp_size * accumulation * MICRO_BATCH
+    input_ids = torch.randint(0, ref.config.vocab_size, (count, SEQ_LEN), generator=generator)
+    lengths = torch.tensor([2, SEQ_LEN, 3, SEQ_LEN, SEQ_LEN, 4, 5, SEQ_LEN])[:count]  # real tokens per row
+    attention_mask = (torch.arange(SEQ_LEN) < lengths[:, None]).long()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    micro_rows = [slice(i, i + MICRO_BATCH) for i in range(0, count, MICRO_BATCH)]  # replica-major
+
+    window = [(input_ids[r], attention_mask[r]) for r in micro_rows[topo.dp_rank * accumulation:][:accumulation]]
+    num_items = ds_tsp.num_items_in_batch(engine, window) if global_mean else None
+    for ids, mask in window:
+        engine.backward(engine(input_ids=ids, labels=ids, attention_mask=mask, num_items_in_batch=num_items).loss)
+        engine.step()
+
+    references = {"global token mean": ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss,
+                  "mean of micro-batch means": torch.stack([
+                      ref(input_ids=input_ids[r], attention_mask=attention_mask[r], labels=labels[r]).loss
+                      for r in micro_rows]).mean()}
+    distances = {}
+    for name, loss in references.items():
+        stepped = copy.deepcopy(ref)
+        grads = torch.autograd.grad(loss, list(ref.parameters()), retain_graph=True)
+        with torch.no_grad():
+            for param, grad in zip(stepped.parameters(), grads):
+                param -= LR["sgd"] * grad
+        ref_params = dict(stepped.named_parameters())
+        rel = []
+        for param_name, param in engine.module.named_parameters():
+            prefix = param_name.rsplit(".", 1)[0]
+            if getattr(param, "tensor_model_parallel", False):
+                pieces = sharded_pieces(engine.module.get_submodule(prefix),
+                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in ref_params.items()})
+                rel += [_relative(value, expected) for value, expected in pieces.values()]
+            elif param_name in ref_params:
+                rel.append(_relative(param.detach(), ref_params[param_name].detach()))
+        distances[name] = max(rel)
+    return distances
+
+
+@pytest.mark.parametrize("global_mean", [True, False])
+def test_loss_over_data_parallel_ranks_and_accumulation_steps(run_ranks, global_mean):
+    """TSP=2 x DP=2, 2 accumulation steps, rows with 2 to 16 real tokens: the
+    step is the one-process step on the global token mean with
+    ``ds_tsp.num_items_in_batch``, and on the mean of micro-batch means
+    without; the two steps are far apart."""
+    per_rank = run_ranks(4, _one_step_over_uneven_padding, world_tsp_size=2, accumulation=2,
+                         global_mean=global_mean)
+    distances = {name: max(d[name] for d in per_rank) for name in per_rank[0]}
+    print(f"num_items_in_batch {'given' if global_mean else 'not given'}: max rel |dw| to each reference "
+          + ", ".join(f"{name} {value:.1e}" for name, value in distances.items()))
+    expected = "global token mean" if global_mean else "mean of micro-batch means"
+    other = next(name for name in distances if name != expected)
+    # float32: summation order moves the weights by ~1e-7 relative.
+    assert distances[expected] <= 1e-6
+    assert distances[other] >= 1e-3
