@@ -105,3 +105,16 @@ def check_same_batch(named_tensors, group):
         "over the world (DistributedSampler(num_replicas=world_size)) instead of over the data-parallel ranks: use "
         "num_replicas=engine.tsp_topology.dp_size, rank=engine.tsp_topology.dp_rank, or pass training_data= to "
         "ds_tsp.initialize, whose loader shards over data-parallel ranks only")
+
+
+class BatchCheck:
+    """``tsp.check_batch``: compare the micro-batch across ``group`` on the
+    ``"first"`` call, on ``"always"`` every call, or ``"never"``."""
+
+    def __init__(self, when, group):
+        self.when, self.group, self.checked = when, group, False
+
+    def __call__(self, **named_tensors):
+        if self.when == "always" or (self.when == "first" and not self.checked):
+            check_same_batch(named_tensors, self.group)
+            self.checked = True

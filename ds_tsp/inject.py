@@ -1,7 +1,7 @@
 """``ds_tsp.inject``: rewrite a Hugging Face causal LM into a TSP model, in place."""
 
 from .attention import TSPAttention
-from .consistency import broadcast_replicated, check_same_model
+from .consistency import BatchCheck, broadcast_replicated, check_same_model
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
@@ -53,6 +53,7 @@ def inject(model, topology, tsp_config, read=None, device=None):
 
     model.__class__ = _tsp_class(type(model))
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
+    model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
     return model
 
 

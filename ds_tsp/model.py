@@ -14,7 +14,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import layout
-from .consistency import check_same_batch
 from .documents import check_cu_seq_lens, document_starts
 from .mappings import sum_over_group
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
@@ -125,8 +124,8 @@ class TSPCausalLMMixin:
             raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
                              "local tokens' logits only")
         policy, topo = self.tsp_policy, self.tsp_topology
-        self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                               attention_mask=attention_mask)
+        self.tsp_batch_check(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                             attention_mask=attention_mask)
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout, cu_seq_lens)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
@@ -138,13 +137,6 @@ class TSPCausalLMMixin:
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
                                         num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    def _check_same_batch(self, **tensors):
-        """``tsp.check_batch``: the micro-batch must be the same on every rank of the TSP group."""
-        when = self.tsp_config.check_batch
-        if when == "always" or (when == "first" and not getattr(self, "tsp_batch_checked", False)):
-            check_same_batch(tensors, self.tsp_topology.tsp_group)
-            self.tsp_batch_checked = True
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position):

@@ -22,12 +22,14 @@ from .vocab import embed_local_tokens
 
 
 class TSPEmbeddingPipe(nn.Module):
-    def __init__(self, embed_tokens, topology, layout_name):
+    def __init__(self, embed_tokens, topology, layout_name, batch_check):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.tsp_rank, self.tsp_size, self.layout_name = topology.tsp_rank, topology.tsp_size, layout_name
+        self.batch_check = batch_check  # tsp.check_batch: the same micro-batch on every TSP rank
 
     def forward(self, input_ids):
+        self.batch_check(input_ids=input_ids)
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
         positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
         return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank), positions
@@ -96,7 +98,8 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     policy, stages = model.tsp_policy, tsp_config.pipeline_stages
     decoder_layers = list(model.get_submodule(policy.layers))
     rotary_emb = model.get_submodule(policy.rotary_emb)
-    layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout)]
+    layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
+                               model.tsp_batch_check)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
     head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head))
     layers.append(head)

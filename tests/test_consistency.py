@@ -141,3 +141,22 @@ def test_frozen_weights_stay_frozen_and_mixed_shards_are_refused(run_ranks):
 def test_the_checks_leave_the_numbers_alone(run_ranks):
     check(run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=13, check_batch="always"),
           "D=2 qwen2 with tsp.check_batch always")
+
+
+def pipeline_embedding_with_different_batches():
+    """The first pipeline stage's embedding checks the micro-batch too."""
+    from ds_tsp.pipeline import TSPEmbeddingPipe
+
+    model = _inject(tiny_model("llama"), dist.get_world_size())
+    pipe = TSPEmbeddingPipe(model.model.embed_tokens, model.tsp_topology, "zigzag", model.tsp_batch_check)
+    input_ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        pipe(input_ids if dist.get_rank() == 0 else torch.roll(input_ids, 1, dims=1))
+    except RankMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_pipeline_stages_check_the_micro_batch(run_ranks):
+    for message in run_ranks(2, pipeline_embedding_with_different_batches):
+        assert message is not None and "input_ids" in message
