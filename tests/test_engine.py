@@ -51,7 +51,7 @@ def _step(engine, batch):
 
 
 def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False,
-                       wrong_shard=False, arch="llama"):
+                       wrong_shard=False, arch="llama", offload_optimizer=False):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -64,6 +64,9 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
               "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
     if activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False}
+    if offload_optimizer:  # ZeRO keeps optimizer states and fp32 master weights in host memory
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False  # the client's torch optimizer, not DeepSpeedCPUAdam
     client_optimizer = _optimizer(optimizer)
     if config_optimizer:  # named in the config: DeepSpeed builds torch.optim.SGD itself
         assert optimizer == "sgd"
@@ -104,8 +107,11 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
             else:
                 rel[name] = _relative(param.detach(), ref_params[name].detach())
     recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)
+    # ZeRO-1/2 and ZeRO-3 optimizers each say whether their states live in host memory.
+    offloaded = bool(getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer",
+                                                                                  False))
     return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, recomputed=recomputed,
-                partitioned=partitioned)
+                partitioned=partitioned, offloaded=offloaded)
 
 
 def _released(param):
@@ -128,21 +134,24 @@ def _gathered(engine, zero_stage):
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing, config_optimizer, arch", [
-    (4, 2, 1, "sgd", False, False, "llama"), (4, 2, 2, "sgd", False, False, "llama"),
-    (4, 2, 1, "adam", False, False, "llama"), (4, 2, 2, "adam", False, False, "llama"),
-    (4, 4, 0, "adam", False, False, "llama"), (2, 2, 3, "sgd", False, False, "llama"),
-    (4, 2, 3, "adam", False, False, "qwen3"),  # per-head norms: replicated, gathered, summed
-    (4, 2, 1, "adam", True, False, "llama"), (4, 2, 2, "sgd", False, True, "llama"),
+@pytest.mark.parametrize("world, tsp_size, zero_stage, optimizer, activation_checkpointing, config_optimizer, arch, "
+                         "offload_optimizer", [
+    (4, 2, 1, "sgd", False, False, "llama", False), (4, 2, 2, "sgd", False, False, "llama", False),
+    (4, 2, 1, "adam", False, False, "llama", False), (4, 2, 2, "adam", False, False, "llama", True),
+    (4, 4, 0, "adam", False, False, "llama", False), (2, 2, 3, "sgd", False, False, "llama", False),
+    (4, 2, 3, "adam", False, False, "qwen3", True),  # per-head norms: replicated, gathered, summed
+    (4, 2, 1, "adam", True, False, "llama", False), (4, 2, 2, "sgd", False, True, "llama", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
-                                               activation_checkpointing, config_optimizer, arch):
+                                               activation_checkpointing, config_optimizer, arch, offload_optimizer):
     for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=tsp_size, zero_stage=zero_stage,
                                          optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-                                         config_optimizer=config_optimizer, arch=arch)):
+                                         config_optimizer=config_optimizer, arch=arch,
+                                         offload_optimizer=offload_optimizer)):
         worst = max(out["rel"], key=out["rel"].get)
         norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
-        print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage} {optimizer}: "
+        print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage}"
+              f"{' optimizer offloaded' if offload_optimizer else ''} {optimizer}: "
               f"max rel |dw| {out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
               f"losses {[round(v, 5) for v in out['losses']]}")
         assert out["rel"][worst] <= BOUND[optimizer]
@@ -151,6 +160,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == activation_checkpointing
         assert out["partitioned"] == (zero_stage == 3)
+        assert out["offloaded"] == offload_optimizer
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
