@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm, layout
+from .amp import autocast_backward, autocast_forward
 from .attention_kernels import select_kernel
 from .documents import query_blocks
 from .packing import PackSpec, module_reader
@@ -133,7 +134,8 @@ class AttentionPlan:
     window: int | None
     overlap: bool
     explicit_backward: bool  # save each head group's output and lse; run the fused backward
-    query_blocks: list  # documents.query_blocks: which keys each piece of the local queries attends to
+    query_blocks: list  # documents.query_blocks: which keys each query tile attends to
+    fp32_accumulators: bool = True  # sum head groups and input gradients in float32 (or wider)
     q_norm: object = None  # per-head norms applied before the rotary embedding (Qwen3), replicated
     k_norm: object = None
 
@@ -168,7 +170,9 @@ def apply_rotary_transpose(grad, cos, sin):
 def rotate(t, norm, cos, sin):
     """Queries or keys as attention sees them: the per-head norm if the model
     has one, then the rotary embedding at the tokens' global positions."""
-    return apply_rotary(t if norm is None else norm(t), cos, sin)
+    # Back to t's dtype: under autocast t is in the autocast dtype while the
+    # norm keeps its float32 weight (a no-op otherwise).
+    return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
 def rotate_backward(t, grad, norm, cos, sin):
@@ -179,7 +183,8 @@ def rotate_backward(t, grad, norm, cos, sin):
         # A stand-in leaf for the weight: differentiating the parameter itself
         # would run its gradient hooks (the sum over the TSP group) here too.
         t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
-        out = apply_rotary(torch.func.functional_call(norm, {"weight": weight}, (t,)), cos, sin)
+        normed = torch.func.functional_call(norm, {"weight": weight}, (t,)).to(t.dtype)  # as rotate
+        out = apply_rotary(normed, cos, sin)
         return torch.autograd.grad(out, (t, weight), grad)
 
 
@@ -286,8 +291,9 @@ def attention_forward(plan, x, packed, cos, sin):
     group's attention output ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
-    # The head groups' outputs add up in float32 (or wider), cast once.
-    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    # The head groups' outputs add up in float32 (or wider), cast once, unless
+    # tsp.fp32_accumulators is off.
+    out = torch.zeros(x.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
     saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
     for j, shard in shard_stream(plan, packed):
         w = plan.specs[j].unpack(shard)
@@ -303,6 +309,10 @@ def attention_forward(plan, x, packed, cos, sin):
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
     return out.to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
+
+
+def _accumulator_dtype(plan, dtype):
+    return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
 
 
 def _reduce_to(plan, grad, owner, works):
@@ -327,7 +337,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     # head groups and ranks accumulate in at least float32, cast once at the end.
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
-    grad_x = torch.zeros(tokens.shape, dtype=acc_dtype, device=x.device)
+    grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
     works, own_parts = [], []  # this rank's reduced gradient: query/output part, then key/value part
     norm_grads = {"q": [], "k": []}
     for j, shard in shard_stream(plan, packed):
@@ -352,7 +362,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
-        grad_x += (dq @ w["q_proj.weight"]).to(acc_dtype)
+        grad_x += (dq @ w["q_proj.weight"]).to(grad_x.dtype)
         grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
                  "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
@@ -363,7 +373,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             norm_grads["k"].append(grad_k_norm)
             dk = dk.flatten(0, 1).flatten(1)
             dv = dv.flatten(0, 1).flatten(1)
-            grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(acc_dtype)
+            grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype)
             kv_grads = {"k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
                         "v_proj.weight": dv.t() @ tokens, "v_proj.bias": dv.sum(0)}
             if holder == j:
@@ -390,7 +400,13 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
+    # Under autocast every floating input (x, the shard, the rotary tables)
+    # is cast to the autocast dtype and the layer runs as a model of that
+    # dtype would: projections, rotary and attention in it, the head groups'
+    # outputs summed in float32, the output in the autocast dtype as HF's
+    # o_proj returns it.
     @staticmethod
+    @autocast_forward(cast_inputs=True)
     def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight):
         # The norm weights are inputs only so that autograd routes their gradients.
         out, saved = attention_forward(plan, x, packed, cos, sin)
@@ -399,6 +415,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad_out):
         x, packed, cos, sin, *flat = ctx.saved_tensors
         saved, start = {}, 0
@@ -421,7 +438,8 @@ class TSPAttention(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
-                 overlap=True, dtype=None, device=None, q_norm=None, k_norm=None):
+                 overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
+                 k_norm=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -438,10 +456,11 @@ class TSPAttention(nn.Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
+        self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
 
     @classmethod
-    def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True, read=None,
-                device=None):
+    def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True, token_tile=0,
+                fp32_accumulators=True, read=None, device=None):
         """Build from a Hugging Face attention module, keeping this rank's shard.
 
         ``read(name, piece)`` returns the tensor ``name`` (e.g. ``q_proj.weight``)
@@ -462,7 +481,8 @@ class TSPAttention(nn.Module):
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
-                     backend=backend, overlap=overlap, dtype=weight.dtype, device=device, **norms)
+                     backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
+                     dtype=weight.dtype, device=device, **norms)
         read = read or module_reader(attn)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -507,7 +527,9 @@ class TSPAttention(nn.Module):
                              kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
                              explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm,
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
-                                                       self.layout_name))
+                                                       self.layout_name, x.shape[0], self.token_tile,
+                                                       self.sliding_window),
+                             fp32_accumulators=self.fp32_accumulators)
 
     def forward(self, x, position_embeddings, documents=None):
         cos, sin = position_embeddings

@@ -34,6 +34,8 @@ _EXPECTED = {
     "vocab_parallel": "true or false",
     "logits_tile_mib": "a finite number of MiB > 0",
     "check_batch": "one of \"first\", \"always\", \"never\"",
+    "token_tile": "an integer >= 0 (tokens; 0 turns tiling off)",
+    "fp32_accumulators": "true or false",
 }
 
 
@@ -78,6 +80,15 @@ class TSPConfig(DeepSpeedConfigModel):
 
     logits_tile_mib: float = Field(32.0, gt=0, allow_inf_nan=False)
     """ Largest fp32 logits tile (local tokens x V/D) of the fused LM head and loss, in MiB. """
+
+    token_tile: int = Field(8192, ge=0)
+    """ Largest number of local tokens (over the micro-batch's rows) that a TSP layer's attention query block and
+    MLP ring step process at once, which bounds the layer's working memory however long the sequence; 0 processes
+    all local tokens at once. """
+
+    fp32_accumulators: bool = True
+    """ Sum the attention head groups, the MLP ring steps and the layer-input gradients in float32 for bf16/fp16
+    models (one extra float32 copy of the local (S/D, H) activations); false sums in the model's dtype. """
 
     check_batch: Literal["first", "always", "never"] = "first"
     """ When to check that every rank of a TSP group got the same micro-batch (a fingerprint, one small

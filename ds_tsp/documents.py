@@ -84,32 +84,50 @@ def check_cu_seq_lens(kwargs):
     return next(iter(given.values()))
 
 
-def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name):
+def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1, token_tile=0, window=None):
     """The attention work of this rank's ``local_len`` query tokens, grouped by
     the rows a group covers: ``[(rows, [(q_lo, q_hi, k_lo, k_hi), ...]), ...]``.
     Local queries ``[q_lo, q_hi)`` attend bottom-right causally to the global
     keys ``[k_lo, k_hi)``.
 
-    Without documents: one group over every row, one block per chunk (chunk
-    ``g`` of ``2D`` sees the key prefix that ends with itself). With documents:
-    one group per row, one block per piece of a chunk that lies in one
-    document, whose keys start at that document's start.
+    Without documents: one group over every row (``batch`` of them), one block
+    per chunk (chunk ``g`` of ``2D`` sees the key prefix that ends with itself).
+    With documents: one group per row, one block per piece of a chunk that lies
+    in one document, whose keys start at that document's start. Blocks are then
+    cut into tiles of at most ``token_tile`` query tokens over the group's rows
+    (0: no cut), each with its own causal key range, and with a sliding
+    ``window`` no block's keys reach further back than its first query sees.
     """
     chunk_len = local_len // 2
     chunks = layout.chunk_ids(tsp_rank, tsp_size, layout_name)
     if documents is None:
-        return [(slice(None), [(i * chunk_len, (i + 1) * chunk_len, 0, (c + 1) * chunk_len)
-                               for i, c in enumerate(chunks)])]
-    groups = []
-    for row, starts in enumerate(documents):
-        blocks = []
-        for i, c in enumerate(chunks):
-            lo, hi = c * chunk_len, (c + 1) * chunk_len
-            k = bisect.bisect_right(starts, lo) - 1  # the document holding the chunk's first token
-            while k < len(starts) and starts[k] < hi:
-                end = min(hi, starts[k + 1] if k + 1 < len(starts) else hi)
-                first = max(lo, starts[k])
-                blocks.append((first - lo + i * chunk_len, end - lo + i * chunk_len, starts[k], end))
-                k += 1
-        groups.append((slice(row, row + 1), blocks))
-    return groups
+        groups = [(slice(None), batch, [(i * chunk_len, (i + 1) * chunk_len, 0, (c + 1) * chunk_len)
+                                        for i, c in enumerate(chunks)])]
+    else:
+        groups = []
+        for row, starts in enumerate(documents):
+            blocks = []
+            for i, c in enumerate(chunks):
+                lo, hi = c * chunk_len, (c + 1) * chunk_len
+                k = bisect.bisect_right(starts, lo) - 1  # the document holding the chunk's first token
+                while k < len(starts) and starts[k] < hi:
+                    end = min(hi, starts[k + 1] if k + 1 < len(starts) else hi)
+                    first = max(lo, starts[k])
+                    blocks.append((first - lo + i * chunk_len, end - lo + i * chunk_len, starts[k], end))
+                    k += 1
+            groups.append((slice(row, row + 1), 1, blocks))
+    return [(rows, [tile for block in blocks
+                    for tile in _tiles(block, token_tile and max(1, token_tile // rows_in_group), window)])
+            for rows, rows_in_group, blocks in groups]
+
+
+def _tiles(block, tile_len, window):
+    """``block`` cut into query tiles of at most ``tile_len`` tokens (one if 0),
+    each keeping the keys its queries see under bottom-right causal alignment."""
+    q_lo, q_hi, k_lo, k_hi = block
+    tile_len = tile_len or q_hi - q_lo
+    for start in range(q_lo, q_hi, tile_len):
+        end = min(start + tile_len, q_hi)
+        tile_k_hi = k_hi - (q_hi - end)
+        tile_k_lo = k_lo if window is None else max(k_lo, tile_k_hi - (end - start) - window + 1)
+        yield start, end, tile_k_lo, tile_k_hi

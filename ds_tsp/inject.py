@@ -63,6 +63,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     mlp = layer.get_submodule(policy.mlp)
     tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group, layout_name=tsp_config.layout,
                                          backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
+                                         token_tile=tsp_config.token_tile,
+                                         fp32_accumulators=tsp_config.fp32_accumulators,
                                          read=_prefixed(read, policy.attention), device=device)
     tsp_mlp = TSPGatedMLP.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
                                   read=_prefixed(read, policy.mlp), device=device)

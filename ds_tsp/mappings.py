@@ -8,14 +8,17 @@ the TSP group; the loss is the sum of per-rank partial sums.
 import torch
 
 from . import comm
+from .amp import autocast_backward, autocast_forward
 
 
 class _SumOverGroupForward(torch.autograd.Function):
     @staticmethod
+    @autocast_forward(cast_inputs=False)
     def forward(ctx, tensor, group):
         return comm.all_reduce_fp32(tensor, group)
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad):
         return grad, None
 
@@ -58,12 +61,14 @@ def sum_grads_over_group(params, group):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
+    @autocast_forward(cast_inputs=False)
     def forward(ctx, shard, group):
         ctx.group = group
         gathered, _ = comm.all_gather(shard, group)  # (D, *shard.shape)
         return gathered.flatten(0, 1)
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad):
         stacked = grad.reshape(comm.group_size(ctx.group), -1, *grad.shape[1:])
         return comm.reduce_scatter_fp32(stacked, ctx.group).to(grad.dtype), None

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_tsp import comm
+from ds_tsp.amp import autocast_backward, autocast_forward
 from ds_tsp.comm import accumulation_dtype
 from ds_tsp.packing import PackSpec, module_reader
 from ds_tsp.ring import ring_gradients, ring_steps
@@ -152,7 +153,10 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, ov
 
 
 class _MLPRing(torch.autograd.Function):
+    # Under autocast x and the shard are cast to the autocast dtype, as HF's
+    # linear layers cast theirs: the ring then moves half the bytes.
     @staticmethod
+    @autocast_forward(cast_inputs=True)
     def forward(ctx, x, packed, spec, act_fn, tsp_group, overlap):
         y, gates, ups = mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
         # Local tokens only (x and each step's gate/up), plus this rank's own
@@ -162,6 +166,7 @@ class _MLPRing(torch.autograd.Function):
         return y
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad_y):
         x, packed, *steps = ctx.saved_tensors
         gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .amp import autocast_backward, autocast_forward
 from .comm import accumulation_dtype
 from .mappings import gather_rows
 from .ring import ring_gradients, ring_steps
@@ -149,13 +150,16 @@ def embedding_backward(grad_out, weight, route, tsp_group, padding_idx=None):
 
 
 class _EmbeddingExchange(torch.autograd.Function):
+    # A lookup: autocast leaves nn.Embedding in the weight's dtype, and so does this.
     @staticmethod
+    @autocast_forward(cast_inputs=False)
     def forward(ctx, weight, route, tsp_group, local_padding_idx):
         ctx.route, ctx.tsp_group, ctx.padding_idx = route, tsp_group, local_padding_idx
         ctx.save_for_backward(weight)
         return embedding_forward(weight, route, tsp_group)
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad_out):
         (weight,) = ctx.saved_tensors
         return embedding_backward(grad_out, weight, ctx.route, ctx.tsp_group, ctx.padding_idx), None, None, None
@@ -306,7 +310,11 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
 
 
 class _CrossEntropyRing(torch.autograd.Function):
+    # Under autocast the head's matmuls run in the autocast dtype, as HF's
+    # lm_head does; the logits are upcast per tile, so the softmax and the
+    # losses stay in float32 as in HF's loss.
     @staticmethod
+    @autocast_forward(cast_inputs=True)
     def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap):
         losses, lse = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap)
         # Local tokens only (hidden, labels, lse) plus this rank's own shard.
@@ -315,6 +323,7 @@ class _CrossEntropyRing(torch.autograd.Function):
         return losses
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden, grad_weight = cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse,

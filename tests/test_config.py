@@ -28,6 +28,8 @@ INVALID_SECTIONS = {
     "vocab_parallel_string": ({"vocab_parallel": "false"}, r"tsp\.vocab_parallel = \"false\".*true or false"),
     "logits_tile_zero": ({"logits_tile_mib": 0}, r"tsp\.logits_tile_mib = 0.*MiB > 0"),
     "logits_tile_nan": ({"logits_tile_mib": float("nan")}, r"tsp\.logits_tile_mib = NaN.*finite"),
+    "token_tile_negative": ({"token_tile": -1}, r"tsp\.token_tile = -1.*integer >= 0"),
+    "fp32_accumulators_string": ({"fp32_accumulators": "no"}, r"tsp\.fp32_accumulators = \"no\".*true or false"),
     "check_batch_unknown": ({"check_batch": "sometimes"}, r"tsp\.check_batch = \"sometimes\".*\"first\", \"always\""),
     "unknown_key": ({"sise": 2}, r"tsp\.sise is not a known key; known keys: enabled, size, pipeline_stages"),
     "base_class_param": ({"strict": False}, r"tsp\.strict is not a known key; known keys:"),

@@ -76,18 +76,23 @@ def test_bad_cu_seq_lens_are_refused(cu_seq_lens, position_ids, message):
         document_starts(position_ids, cu_seq_lens=torch.tensor(cu_seq_lens), shape=(1, 6))
 
 
-def test_query_blocks_cover_each_document_causally():
+@pytest.mark.parametrize("token_tile, window", [(0, None), (3, None), (3, 4)])
+def test_query_blocks_cover_each_document_causally(token_tile, window):
     """Every local query attends to exactly the keys from its document's start
-    to itself: the blocks, expanded, give HF's block-diagonal causal mask."""
+    to itself: the blocks, expanded, give HF's block-diagonal causal mask; in
+    query tiles of at most ``token_tile`` tokens too, and with a sliding
+    ``window`` each tile's keys start no later than its first query's window."""
     documents = [[0, 6, 7, 15]]
     seq_len, tsp_size = 24, 4
     positions = packed_position_ids([[6, 1, 8, 9]])[0]
     for layout_name in ("zigzag", "contiguous"):
         for tsp_rank in range(tsp_size):
             local = layout.shard(torch.arange(seq_len).unsqueeze(0), tsp_rank, tsp_size, layout_name)[0]
-            (rows, blocks), = query_blocks(documents, seq_len // tsp_size, tsp_rank, tsp_size, layout_name)
+            (rows, blocks), = query_blocks(documents, seq_len // tsp_size, tsp_rank, tsp_size, layout_name,
+                                           token_tile=token_tile, window=window)
             seen = {}
             for q_lo, q_hi, k_lo, k_hi in blocks:
+                assert token_tile == 0 or q_hi - q_lo <= token_tile
                 for offset, q in enumerate(range(q_lo, q_hi)):
                     # bottom-right causal: query q sees keys k_lo .. its own global index
                     seen[q] = list(range(k_lo, k_hi - (q_hi - q_lo) + offset + 1))
@@ -95,7 +100,11 @@ def test_query_blocks_cover_each_document_causally():
             for q, keys in seen.items():
                 token = int(local[q])
                 start = token - int(positions[token])
-                assert keys == list(range(start, token + 1)), (layout_name, tsp_rank, q)
+                if window is None:
+                    assert keys == list(range(start, token + 1)), (layout_name, tsp_rank, q)
+                else:  # the kernel masks the rest of the window; nothing it needs is cut
+                    needed = list(range(max(start, token - window + 1), token + 1))
+                    assert keys[-len(needed):] == needed and keys[0] >= start, (layout_name, tsp_rank, q)
 
 
 def peak_bytes_of_a_step(documents):

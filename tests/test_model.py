@@ -41,6 +41,18 @@ def test_sequence_dependent_rope_sees_the_whole_sequence(run_ranks, tsp_size):
         check(per_rank, f"D={tsp_size} dynamic RoPE B={batch} S={seq_len}")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_token_tiles_change_no_number(run_ranks, tsp_size):
+    """tsp.token_tile smaller than the local tokens: several query tiles and MLP
+    tiles per layer, a ragged last one, windows and packed documents, sums in
+    the model dtype (tsp.fp32_accumulators off)."""
+    cases = [dict(arch="llama", batch=2, seq_len=29, token_tile=5), dict(arch="mistral", batch=1, seq_len=29,
+             token_tile=3), dict(arch="qwen3", batch=2, seq_len=19, token_tile=3, documents=[[6, 1, 8, 4], [19]])]
+    for case in cases:
+        per_rank = run_ranks(tsp_size, model_parity, fp32_accumulators=False, **case)
+        check(per_rank, f"D={tsp_size} {case}")
+
+
 def test_activation_checkpointing_recomputes_exactly(run_ranks):
     plain = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32)
     recomputed = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing=True)
