@@ -67,6 +67,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                                          fp32_accumulators=tsp_config.fp32_accumulators,
                                          read=_prefixed(read, policy.attention), device=device)
     tsp_mlp = TSPGatedMLP.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
+                                  token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
                                   read=_prefixed(read, policy.mlp), device=device)
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)

@@ -25,6 +25,7 @@ local and summed over the group by whoever sums replicated gradients.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -110,45 +111,79 @@ def _shard_backward(x2, grad_y2, w, act_fn, gate, up):
     return grad_x, grads
 
 
-def mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap=True):
-    """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``.
+@dataclass(frozen=True)
+class MLPPlan:
+    """Everything the ring needs besides tensors."""
 
-    Also returns the gate and up projections of every step, lists of
-    ``(B, S/D, F/D)`` in ring order, for backward (kept as they are: stacking
-    would copy them).
+    spec: PackSpec
+    act_fn: object
+    group: object
+    overlap: bool = True
+    token_tile: int = 0  # most local tokens one shard step computes at once (0: all)
+    fp32_accumulators: bool = True  # sum the ring steps and the input gradients in float32 (or wider)
+
+    def tiles(self, num_tokens):
+        """``[(start, end)]`` over the ``num_tokens`` local tokens."""
+        size = self.token_tile or num_tokens
+        return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, max(size, 1))]
+
+    def accumulator_dtype(self, dtype):
+        return accumulation_dtype(dtype) if self.fp32_accumulators else dtype
+
+
+def mlp_ring_forward(x, packed, plan):
+    """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``, in
+    tiles of at most ``plan.token_tile`` tokens per shard step.
+
+    Also returns, when the local tokens fit in one tile, the gate and up
+    projections of every step, lists of ``(N, F/D)`` in ring order, for
+    backward (kept as they are: stacking would copy them); with several tiles
+    nothing beyond ``x``, and backward recomputes them tile by tile, so no
+    ``(N, F/D)`` buffer ever exists.
     """
-    if comm.group_size(tsp_group) == 1:
-        y, gate, up = shard_forward(x, spec.unpack(packed), act_fn)
-        return y, [gate], [up]
-    y = torch.zeros(x.shape, dtype=accumulation_dtype(packed.dtype), device=x.device)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, H)
+    tiles = plan.tiles(x2.shape[0])
+    keep = len(tiles) == 1
+    y = torch.zeros(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
     gates, ups = [], []
 
     def step(t, buf):
-        step_y, gate, up = shard_forward(x, spec.unpack(buf), act_fn)
-        y.add_(step_y)
-        gates.append(gate), ups.append(up)
+        w = plan.spec.unpack(buf)
+        for start, end in tiles:
+            step_y, gate, up = shard_forward(x2[start:end], w, plan.act_fn)
+            y[start:end] += step_y
+            if keep:
+                gates.append(gate), ups.append(up)
 
-    ring_steps(packed, tsp_group, step, overlap)
-    return y.to(x.dtype), gates, ups
+    ring_steps(packed, plan.group, step, plan.overlap)
+    return y.view(x.shape).to(x.dtype), gates, ups
 
 
-def mlp_ring_backward(grad_y, x, packed, gates, ups, spec, act_fn, tsp_group, overlap=True):
+def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
     """``(grad_x, grad_packed)``: ``grad_packed`` is this rank's own shard's
-    gradient summed over every rank's tokens, flat like ``packed``."""
+    gradient summed over every rank's tokens, flat like ``packed``. ``gates``,
+    ``ups``: what the forward kept, or empty to recompute them per tile."""
     x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
-    gates, ups = [g.flatten(0, -2) for g in gates], [u.flatten(0, -2) for u in ups]  # (N, F/D), ring order
-    if comm.group_size(tsp_group) == 1:
-        grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(packed), act_fn, gates[0], ups[0])
-        return grad_x.view(x.shape), spec.pack(grads)
+    tiles = plan.tiles(x2.shape[0])
     acc_dtype = accumulation_dtype(packed.dtype)
-    grad_x = torch.zeros(x2.shape, dtype=acc_dtype, device=x.device)
+    grad_x = torch.zeros(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
 
     def step(t, buf):
-        step_grad_x, grads = _shard_backward(x2, grad_y2, spec.unpack(buf), act_fn, gates[t], ups[t])
-        grad_x.add_(step_grad_x)
-        return spec.pack(grads).to(acc_dtype)
+        w = plan.spec.unpack(buf)
+        grad_shard = torch.zeros(packed.shape, dtype=acc_dtype, device=packed.device)
+        for start, end in tiles:
+            x_tile = x2[start:end]
+            if gates:
+                gate, up = gates[t], ups[t]
+            else:
+                gate = F.linear(x_tile, w["gate_proj.weight"], w.get("gate_proj.bias"))
+                up = F.linear(x_tile, w["up_proj.weight"], w.get("up_proj.bias"))
+            tile_grad_x, grads = _shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up)
+            grad_x[start:end] += tile_grad_x
+            grad_shard += plan.spec.pack(grads)
+        return grad_shard
 
-    grad_packed = ring_gradients(packed, tsp_group, step, overlap)
+    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap)
     return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
 
 
@@ -157,12 +192,12 @@ class _MLPRing(torch.autograd.Function):
     # linear layers cast theirs: the ring then moves half the bytes.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, packed, spec, act_fn, tsp_group, overlap):
-        y, gates, ups = mlp_ring_forward(x, packed, spec, act_fn, tsp_group, overlap)
-        # Local tokens only (x and each step's gate/up), plus this rank's own
-        # shard: saved bytes scale as 1/D.
+    def forward(ctx, x, packed, plan):
+        y, gates, ups = mlp_ring_forward(x, packed, plan)
+        # Local tokens only (x and, in one tile, each step's gate/up), plus
+        # this rank's own shard: saved bytes scale as 1/D.
         ctx.save_for_backward(x, packed, *gates, *ups)
-        ctx.spec, ctx.act_fn, ctx.tsp_group, ctx.overlap = spec, act_fn, tsp_group, overlap
+        ctx.plan = plan
         return y
 
     @staticmethod
@@ -170,9 +205,8 @@ class _MLPRing(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, packed, *steps = ctx.saved_tensors
         gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]
-        grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, gates, ups, ctx.spec, ctx.act_fn, ctx.tsp_group,
-                                                ctx.overlap)
-        return grad_x, grad_packed, None, None, None, None
+        grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, gates, ups, ctx.plan)
+        return grad_x, grad_packed, None
 
 
 class TSPGatedMLP(nn.Module):
@@ -184,8 +218,8 @@ class TSPGatedMLP(nn.Module):
     with ``bias``, the replicated ``down_bias``.
     """
 
-    def __init__(self, hidden_size, intermediate_size, act_fn, tsp_group, bias=False, overlap=True, dtype=None,
-                 device=None):
+    def __init__(self, hidden_size, intermediate_size, act_fn, tsp_group, bias=False, overlap=True, token_tile=0,
+                 fp32_accumulators=True, dtype=None, device=None):
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.tsp_group = tsp_group
@@ -193,6 +227,7 @@ class TSPGatedMLP(nn.Module):
         self.spec = shard_spec(hidden_size, intermediate_size, self.tsp_size, bias)
         self.act_fn = act_fn
         self.overlap = overlap
+        self.plan = MLPPlan(self.spec, act_fn, tsp_group, overlap, token_tile, fp32_accumulators)
         factory = {"dtype": dtype, "device": device}
         self.packed = nn.Parameter(torch.empty(self.spec.numel, **factory))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
@@ -243,7 +278,7 @@ class TSPGatedMLP(nn.Module):
         return tensors
 
     @classmethod
-    def from_hf(cls, mlp, tsp_group, overlap=True, read=None, device=None):
+    def from_hf(cls, mlp, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):
         """Build from a HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``,
         ``act_fn``), keeping this rank's slice of it.
 
@@ -256,14 +291,15 @@ class TSPGatedMLP(nn.Module):
         if len(set(biases)) != 1:
             raise ValueError(f"TSPGatedMLP needs biases on all of gate/up/down_proj or none, got {biases}")
         module = cls(gate.in_features, gate.out_features, mlp.act_fn, tsp_group, bias=biases[0], overlap=overlap,
-                     dtype=gate.weight.dtype, device=device or gate.weight.device)
+                     token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=gate.weight.dtype,
+                     device=device or gate.weight.device)
         read = read or module_reader(mlp)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
-        y = _MLPRing.apply(x, self.packed, self.spec, self.act_fn, self.tsp_group, self.overlap)
+        y = _MLPRing.apply(x, self.packed, self.plan)
         if self.down_bias is not None:
             y = y + self.down_bias
         return y

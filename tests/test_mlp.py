@@ -28,7 +28,8 @@ ACTIVATIONS = {  # name: (config.hidden_act, mlp_bias)
     "gelu_tanh": ("gelu_pytorch_tanh", False),
     "silu_bias": ("silu", True),
 }
-CASES = [(batch, overlap) for batch in (1, 2) for overlap in (True, False)]
+# (batch, overlap, token_tile): 5 tokens cut every D's local tokens into several tiles, the last ragged.
+CASES = [(batch, overlap, 0) for batch in (1, 2) for overlap in (True, False)] + [(2, True, 5), (1, False, 5)]
 
 
 def _intermediate(tsp_size):
@@ -51,9 +52,9 @@ def _tsp_run(tsp_size, activation, cases, wrong_shard=False):
     topo = TSPTopology(tsp_size)
     r, D = topo.tsp_rank, topo.tsp_size
     results = []
-    for batch, overlap in cases:
+    for batch, overlap, token_tile in cases:
         mlp, x, grad_y = _reference(D, activation, batch)
-        module = TSPGatedMLP.from_hf(mlp, topo.tsp_group, overlap=overlap)
+        module = TSPGatedMLP.from_hf(mlp, topo.tsp_group, overlap=overlap, token_tile=token_tile)
         if wrong_shard and r == 1:
             module.load_shard(_other_slice(mlp, D, module))
         x_local = shard(x, r, D, LAYOUT).requires_grad_()
@@ -101,15 +102,15 @@ def _max_diffs(results, tsp_size, activation, batch):
 @pytest.mark.parametrize("tsp_size", [1, 2, 3, 4])
 def test_matches_hf_mlp(run_ranks, tsp_size, activation):
     per_rank = run_ranks(tsp_size, _tsp_run, tsp_size=tsp_size, activation=activation, cases=CASES)
-    for i, (batch, overlap) in enumerate(CASES):
+    for i, (batch, overlap, token_tile) in enumerate(CASES):
         diffs = _max_diffs([res[i] for res in per_rank], tsp_size, activation, batch)
-        print(f"D={tsp_size} {activation} batch={batch} overlap={overlap}: max |diff| "
+        print(f"D={tsp_size} {activation} batch={batch} overlap={overlap} token_tile={token_tile}: max |diff| "
               + ", ".join(f"{name} {d:.2e}" for name, d in diffs.items()))
         assert max(diffs.values()) <= BOUND, diffs
 
 
 def test_check_catches_a_wrong_shard(run_ranks):
-    case = [(2, True)]
+    case = [(2, True, 0)]
     per_rank = run_ranks(2, _tsp_run, tsp_size=2, activation="silu", cases=case, wrong_shard=True)
     diffs = _max_diffs([res[0] for res in per_rank], 2, "silu", batch=2)
     print(f"wrong shard on rank 1: max |diff| {diffs}")
@@ -161,10 +162,10 @@ def test_ring_bytes(run_ranks, tsp_size, dtype, bias):
     print(f"D={D} {dtype}: forward {weight_hops} B, forward+backward {2 * weight_hops + accumulator_hops} B")
 
 
-def _saved_bytes(tsp_size):
+def _saved_bytes(tsp_size, token_tile=0):
     topo = TSPTopology(tsp_size)
     mlp, x, _ = _reference(tsp_size, "silu", batch=2)
-    module = TSPGatedMLP.from_hf(mlp, topo.tsp_group)
+    module = TSPGatedMLP.from_hf(mlp, topo.tsp_group, token_tile=token_tile)
     x_local = shard(x, topo.tsp_rank, tsp_size, LAYOUT).requires_grad_()
     storages = {}
 
@@ -184,3 +185,13 @@ def test_saved_activations_scale_as_one_over_d(run_ranks):
         for saved, shard_bytes in run_ranks(D, _saved_bytes, tsp_size=D):
             print(f"D={D}: saved {saved} B per rank, bound {unsharded} / {D} + {shard_bytes} (D=1: {unsharded} B)")
             assert saved <= unsharded / D + shard_bytes
+
+
+def test_token_tiles_save_only_the_input(run_ranks):
+    """With several tiles the forward keeps no gate/up projections (backward
+    recomputes them a tile at a time): only the local input and the own shard."""
+    for D in (1, 2):
+        for saved, shard_bytes in run_ranks(D, _saved_bytes, tsp_size=D, token_tile=5):
+            input_bytes = 2 * SEQ // D * HIDDEN * 8
+            print(f"D={D} token_tile=5: saved {saved} B per rank = input {input_bytes} + shard {shard_bytes}")
+            assert saved == input_bytes + shard_bytes
