@@ -16,6 +16,7 @@ from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
 from .model import num_targets
+from .offload import host_checkpoint
 from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
 
@@ -60,7 +61,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # Joins an existing torch.distributed group if there is one.
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
-    _check_activation_checkpointing(ds_config)
+    _check_activation_checkpointing(ds_config, tsp_config)
     if tsp_config.pipeline_stages > 1:
         check_pipeline_stages(model_config(model), tsp_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
@@ -121,22 +122,33 @@ def model_config(model):
     return model.config
 
 
-def _check_activation_checkpointing(ds_config):
+def _check_activation_checkpointing(ds_config, tsp_config):
     section = ds_config.get("activation_checkpointing") or {}
     if section.get("partition_activations"):
         raise ValueError("activation_checkpointing.partition_activations = true splits checkpointed activations over "
                          "the model-parallel group, which here is the TSP group whose activations are already split "
-                         "by token: set it to false")
+                         "by token: set it to false (cpu_checkpointing alone still moves checkpoints to host memory)")
+    if section.get("cpu_checkpointing") and tsp_config.pipeline_stages > 1:
+        raise ValueError("activation_checkpointing.cpu_checkpointing = true is not supported with "
+                         f"tsp.pipeline_stages = {tsp_config.pipeline_stages}: pipeline stages checkpoint with "
+                         "DeepSpeed's own function, which offloads only together with partition_activations; set "
+                         "cpu_checkpointing to false, or use tsp.pipeline_stages = 1")
 
 
 def _configure_activation_checkpointing(model, ds_config, topology):
     """With an ``activation_checkpointing`` section, every TSP layer is
-    recomputed in backward by ``deepspeed.checkpointing.checkpoint``; the
-    recompute re-issues the layer's collectives in the same order on every rank."""
-    if not ds_config.get("activation_checkpointing"):
+    recomputed in backward by ``deepspeed.checkpointing.checkpoint``, or with
+    ``cpu_checkpointing`` by ``ds_tsp.offload.host_checkpoint``, which keeps
+    each layer's input in host memory; the recompute re-issues the layer's
+    collectives in the same order on every rank."""
+    section = ds_config.get("activation_checkpointing")
+    if not section:
+        return
+    model.train()
+    if section.get("cpu_checkpointing"):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
         return
     deepspeed.checkpointing.configure(topology.mpu(), deepspeed_config=ds_config)
-    model.train()
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
+from ds_tsp.offload import host_checkpoint
 from ds_tsp.topology import TSPTopology
 from models import tiny_model
 
@@ -114,7 +115,10 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     if wrong_shard and topo.tsp_rank == tsp_size - 1:
         with torch.no_grad():
             next(model.get_submodule(wrong_shard).parameters()).mul_(1.5)
-    if checkpointing:
+    if checkpointing == "host":  # ds_tsp's cpu_checkpointing: layer inputs wait in host memory
+        model.train()
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
+    elif checkpointing:
         model.train()
         model.activation_checkpointing_enable()
     saved = {}

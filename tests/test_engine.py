@@ -63,7 +63,9 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
               "zero_allow_untested_optimizer": True,
               "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
     if activation_checkpointing:
-        config["activation_checkpointing"] = {"partition_activations": False}
+        # "cpu": each layer's checkpointed input waits for backward in host memory.
+        config["activation_checkpointing"] = {"partition_activations": False,
+                                              "cpu_checkpointing": activation_checkpointing == "cpu"}
     if offload_optimizer:  # ZeRO keeps optimizer states and fp32 master weights in host memory
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_force_ds_cpu_optimizer"] = False  # the client's torch optimizer, not DeepSpeedCPUAdam
@@ -141,6 +143,7 @@ def _gathered(engine, zero_stage):
     (4, 4, 0, "adam", False, False, "llama", False), (2, 2, 3, "sgd", False, False, "llama", False),
     (4, 2, 3, "adam", False, False, "qwen3", True),  # per-head norms: replicated, gathered, summed
     (4, 2, 1, "adam", True, False, "llama", False), (4, 2, 2, "sgd", False, True, "llama", False),
+    (2, 2, 3, "adam", "cpu", False, "qwen3", True),  # states and checkpoints in host memory, ZeRO-3
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
                                                activation_checkpointing, config_optimizer, arch, offload_optimizer):
@@ -158,7 +161,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
         assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
-        assert out["recomputed"] == activation_checkpointing
+        assert out["recomputed"] == bool(activation_checkpointing)
         assert out["partitioned"] == (zero_stage == 3)
         assert out["offloaded"] == offload_optimizer
 

@@ -51,15 +51,23 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
     for case in cases:
         per_rank = run_ranks(tsp_size, model_parity, fp32_accumulators=False, **case)
         check(per_rank, f"D={tsp_size} {case}")
+    # Activation checkpoints in host memory (cpu_checkpointing) with tiles.
+    per_rank = run_ranks(tsp_size, model_parity, checkpointing="host", **cases[0])
+    check(per_rank, f"D={tsp_size} {cases[0]} checkpoints in host memory")
 
 
 def test_activation_checkpointing_recomputes_exactly(run_ranks):
     plain = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32)
     recomputed = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing=True)
+    on_host = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing="host")
     check(recomputed, "D=2 qwen2 with activation checkpointing")
-    for rank, (a, b) in enumerate(zip(plain, recomputed)):
-        print(f"rank {rank}: saved for backward {-a['saved_bytes']} B plain, {-b['saved_bytes']} B checkpointed")
+    check(on_host, "D=2 qwen2 with activation checkpoints in host memory")
+    layer_inputs = 2 * 2 * 32 // 2 * 16 * 8  # two layers' (B, S/D, H) float64 inputs
+    for rank, (a, b, c) in enumerate(zip(plain, recomputed, on_host)):
+        print(f"rank {rank}: saved for backward {-a['saved_bytes']} B plain, {-b['saved_bytes']} B checkpointed, "
+              f"{-c['saved_bytes']} B checkpointed with the layer inputs in host memory")
         assert -b["saved_bytes"] < 0.6 * -a["saved_bytes"]
+        assert -c["saved_bytes"] <= -b["saved_bytes"] - layer_inputs
 
 
 def test_a_wrong_shard_is_caught(run_ranks):
