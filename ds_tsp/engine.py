@@ -58,10 +58,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # Every check that needs only sizes runs before any weight is touched.
     _check_client_parameters(optimizer, model_parameters)
     _check_no_other_model_parallelism(ds_config)
+    _check_activation_checkpointing(ds_config, tsp_config)
     # Joins an existing torch.distributed group if there is one.
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
-    _check_activation_checkpointing(ds_config, tsp_config)
     if tsp_config.pipeline_stages > 1:
         check_pipeline_stages(model_config(model), tsp_config)
     topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)

@@ -188,12 +188,16 @@ def test_the_comparison_catches_a_wrong_shard(run_ranks):
 @pytest.mark.parametrize("section, match", [
     ({"sequence_parallel_size": 2}, r"sequence_parallel_size = 2 turns on DeepSpeed-Ulysses"),
     ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size = 2 turns on DeepSpeed AutoTP"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}, "tsp": {"pipeline_stages": 2}},
+     r"cpu_checkpointing = true is not supported with tsp.pipeline_stages = 2"),
 ])
-def test_deepspeeds_own_sequence_or_tensor_parallelism_is_refused(section, match):
+def test_what_tsp_cannot_combine_with_is_refused(section, match):
     model = tiny_model("llama", dtype=torch.float32)
+    section = dict(section)
+    tsp = {"enabled": True, "size": 1, **section.pop("tsp", {})}
     with pytest.raises(ValueError, match=match):
         ds_tsp.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                          config={"train_micro_batch_size_per_gpu": 1, **section, "tsp": {"enabled": True, "size": 1}})
+                          config={"train_micro_batch_size_per_gpu": 1, **section, "tsp": tsp})
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
 
 
