@@ -58,9 +58,9 @@ What is measured (``benchmarks/measure.py``), the same way for every strategy:
   step, ranks aligned by a barrier before each step.
 
 Set against the planner (``benchmarks/report.py``): each strategy's peak
-against ``ds_tsp.plan.plan``'s per-device total for its counterpart, and both
+against ``ds_tsp.planning.plan``'s per-device total for its counterpart, and both
 TSP strategies' counters, op by op and rank by rank, against
-``ds_tsp.plan.tsp_step_bytes_by_op`` (given the embedding rows each rank
+``ds_tsp.planning.tsp_step_bytes_by_op`` (given the embedding rows each rank
 exchanges for this batch, ``embedding_rows_exchanged``).
 
 Writes ``<name>.md``, ``<name>_<D>.json`` and ``<name>_{memory,time}.png``

@@ -1,5 +1,5 @@
 """The tables, JSON and plots of benchmarks/compare.py, and its measured figures
-set against the planner (``ds_tsp.plan``). Nothing here runs a model.
+set against the planner (``ds_tsp.planning``). Nothing here runs a model.
 
 ``results`` is what compare.py collected: ``results["single"]`` and
 ``results[(strategy, D)]``, each ``{seq_len: [per-rank dict] | "unsupported: ..."}``,
@@ -9,7 +9,7 @@ strategies in the order they ran.
 import json
 import os
 
-from ds_tsp.plan import plan, tsp_name, tsp_step_bytes_by_op
+from ds_tsp.planning import plan, tsp_name, tsp_step_bytes_by_op
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
           "autotp": "AutoTP", "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
@@ -35,7 +35,7 @@ def _raw(results, name, world):
 
 
 def plan_model(args):
-    """The benchmark model as ``ds_tsp.plan`` reads a Hugging Face config."""
+    """The benchmark model as ``ds_tsp.planning`` reads a Hugging Face config."""
     return {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
             "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
             "tie_word_embeddings": False, "name": "compare.py model"}
@@ -62,7 +62,7 @@ def summarize(per_rank, reference_losses):
 # --- the planner's figures -----------------------------------------------------------------------------------------
 
 def planner_counterpart(name, world):
-    """``(plan name, devices, ZeRO stage)`` of ``ds_tsp.plan``'s estimate for a
+    """``(plan name, devices, ZeRO stage)`` of ``ds_tsp.planning``'s estimate for a
     measured strategy, or None where the planner has none."""
     return {"single": ("DP(1)", 1, 0), "tsp": (tsp_name(world), world, 0),
             "tsp_replicated_vocab": (tsp_name(world, vocab_parallel=False), world, 0),
@@ -83,7 +83,7 @@ def planned_peak_row(args, name, world, seq_len, summary):
 
 
 def tsp_bytes_row(args, world, seq_len, per_rank, vocab_parallel, rows_exchanged):
-    """Bytes received per TSP rank per step: ``ds_tsp.plan.tsp_step_bytes_by_op``
+    """Bytes received per TSP rank per step: ``ds_tsp.planning.tsp_step_bytes_by_op``
     for each rank (with the embedding rows that rank exchanges for this batch,
     ``rows_exchanged[rank]``) against ds_tsp's own counters, op by op."""
     planned = [tsp_step_bytes_by_op(plan_model(args), seq_len, args.batch, world, ELEMENT_BYTES,
@@ -247,7 +247,7 @@ def _folded_table(results, summaries, args):
 
 def _planned_peak_table(planned_peaks, args):
     lines = ["### Peak memory: measured against the planner", "",
-             "Planned: `ds_tsp.plan.plan(model, S, B, D, dtype=\"fp32\", zero_stage)`, the per-device total "
+             "Planned: `ds_tsp.planning.plan(model, S, B, D, dtype=\"fp32\", zero_stage)`, the per-device total "
              "(weights + gradients + AdamW state + activations + logits + transient) of the plan named; "
              "measured: the peak live tensor bytes above.", "",
              "| D | seq len | strategy | plan | planned (MiB) | measured (MiB) | measured / planned |",
@@ -264,7 +264,7 @@ def _planned_peak_table(planned_peaks, args):
 def _tsp_bytes_table(tsp_bytes, args):
     lines = ["### TSP bytes: measured against the planner", "",
              "Received per rank per step, forward + backward, max over ranks. Planned: "
-             "`ds_tsp.plan.tsp_step_bytes_by_op` for each rank, with the embedding rows that rank's all-to-all "
+             "`ds_tsp.planning.tsp_step_bytes_by_op` for each rank, with the embedding rows that rank's all-to-all "
              "exchanges for this batch; measured: ds_tsp's own counters (`ds_tsp.comm.counter`). Worst op: the "
              "largest |measured / planned - 1| over ranks and ops. All traffic: everything the shim saw, "
              "DeepSpeed's own included.", "",

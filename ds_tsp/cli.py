@@ -9,7 +9,9 @@ writing anything and refuse to write into a non-empty directory without
 turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint
 (``--fp32-master``: the ZeRO optimizer's float32 master weights).
 ``ds-tsp plan --paper`` prints per-device memory, communication and FLOPs of
-every parallel layout for the paper's setting (or any model, length and size).
+every parallel layout for the paper's setting (or any model, length and size);
+``ds-tsp plan --max-seq-len`` the longest sequence each trains on given device
+and host memory (``--alst``: in ALST's setting, its published lengths beside).
 """
 
 import argparse
@@ -19,7 +21,7 @@ from .checkpoint import join_checkpoint, shard_checkpoint
 from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
 from .config import POLICY_NAMES
 from .export import export_deepspeed_checkpoint
-from .plan import add_plan_arguments, run_plan
+from .planning import add_plan_arguments, run_plan
 
 
 def _positive_int(text):
@@ -78,7 +80,8 @@ def build_parser():
     plan = commands.add_parser(
         "plan", help="per-device memory, communication and FLOPs of DP, TP, SP, TP+SP and TSP for a model",
         description="Analytic plan of every parallel layout for a model at a sequence length and device count; "
-                    "--paper prints the paper's 7B / 128K / 8-device numbers beside.")
+                    "--paper prints the paper's 7B / 128K / 8-device numbers beside. --max-seq-len: the longest "
+                    "sequence each layout trains on --devices x --memory-gb (--alst: ALST's setting).")
     add_plan_arguments(plan)
     plan.set_defaults(run=run_plan)
     return parser

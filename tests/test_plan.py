@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_tsp import comm
-from ds_tsp import plan as planner
+from ds_tsp import planning as planner
 from ds_tsp.attention import HeadGroups, TSPAttention
 from ds_tsp.mlp import TSPGatedMLP
 
@@ -514,3 +514,230 @@ def test_cli(tmp_path):
     with pytest.raises(SystemExit):
         parser.parse_args(["--logits-tile-mib", "0"])
     assert planner.run_plan(parser.parse_args(["--model", "no-such-model"]), out=io.StringIO()) == 1
+
+
+# --- the longest sequence (issue #14) ------------------------------------------------------------
+
+def test_llama3_1_8b_preset_is_its_config():
+    m = planner.model_shape("llama3.1-8b")
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size) == \
+        (4096, 32, 32, 8, 14336, 128256)
+    assert f"{m.params / 1e9:.2f}" == "8.03"
+
+
+def test_longest_fitting_finds_the_boundary():
+    calls = []
+
+    def fits(seq_len):
+        calls.append(seq_len)
+        return seq_len <= 1_234_567
+
+    assert planner.longest_fitting(fits, 16) == 1_234_560  # 16 * 77160; 16 * 77161 = 1_234_576 does not fit
+    assert len(calls) < 2 * 18 + 2  # doubling then bisection: about 2 log2(77160) calls
+    assert planner.longest_fitting(fits, 2_000_000) == 0
+    assert planner.longest_fitting(lambda s: s <= 16, 16) == 16
+    with pytest.raises(ValueError, match="does not grow"):
+        planner.longest_fitting(lambda s: True, 1)
+
+
+HOST_GB = planner.ALST_HOST_MEMORY_GB
+
+
+def _plan_at(result, seq_len, memory_options):
+    """The result's strategy at ``seq_len`` through the public functions, not the search's own closures."""
+    N, zero = result.plan.setting.devices, result.plan.setting.zero_stage
+    if result.name.startswith("ALST"):
+        return planner.plan_alst("llama3.1-8b", seq_len, N)
+    options = dict(memory_options, token_tile=planner.DEFAULT_TOKEN_TILE)
+    if result.name.endswith("+ offload"):
+        options.update(offload_activations=True, offload_optimizer=True)
+    plans = {p.name: p for p in planner.plan("llama3.1-8b", seq_len, 1, N, "bf16", zero, True, **options)}
+    return plans[result.name.removesuffix(" + offload")]
+
+
+@pytest.mark.parametrize("devices", [1, 8, 32])
+def test_max_seq_len_finds_the_boundary_and_names_the_binding_term(devices):
+    budget, host_budget = 80 * planner.GB, HOST_GB * planner.GB
+    results = planner.max_seq_len("llama3.1-8b", devices, 80, HOST_GB)
+    names = [r.name for r in results]
+    assert names[:3] == [f"TSP({devices})", f"TSP({devices}) + offload", f"TP({devices})"]
+    assert names[-1] == planner.alst_name(devices) and f"SP-Ulysses({devices})" in names
+    assert any(n.startswith("TP+SP") for n in names) == (devices > 2)
+    for result in results:
+        print(f"{devices} x 80 GB: {result.name}: {result.seq_len} tokens, {result.limit}: {result.binding}")
+        assert result.limit in ("device", "host")
+        at = _plan_at(result, result.seq_len or result.step, {})
+        assert at.total == pytest.approx(result.device_bytes) and at.host_total == pytest.approx(result.host_bytes)
+        beyond = _plan_at(result, result.seq_len + result.step, {})
+        assert beyond.total > budget or beyond.host_total > host_budget
+        if result.seq_len:
+            assert result.seq_len % result.step == 0
+            assert at.total <= budget and at.host_total <= host_budget
+        # The binding term is the largest term of the budget that the next length breaks.
+        terms = at.terms if result.limit == "device" else at.host
+        assert result.binding == max(terms, key=terms.get)
+        assert (beyond.total > budget) if result.limit == "device" else (beyond.host_total > host_budget)
+    by_name = {r.name: r for r in results}
+    # Without offload TSP keeps every layer's checkpointed input on the device, which binds it (guard: the
+    # binding term changes with the option that removes it); with offload one layer's recompute binds.
+    if devices > 1:
+        assert by_name[f"TSP({devices})"].binding == "checkpointed layer inputs"
+        assert by_name[f"TSP({devices}) + offload"].seq_len > 2 * by_name[f"TSP({devices})"].seq_len
+    else:  # 16 B/param of an 8B model on one 80 GB device: nothing fits without the optimizer offload
+        assert by_name["TSP(1)"].seq_len == 0 and by_name["TSP(1)"].binding == "model states"
+
+
+def test_max_seq_len_host_memory_binds():
+    # 1 TB per node: the offloaded checkpoints (32 layers x S x 4096 x 2 B per node) stop both offloading
+    # strategies before their devices do.
+    results = {r.name: r for r in planner.max_seq_len("llama3.1-8b", 8, 80, 1000)}
+    for name in ("TSP(8) + offload", planner.alst_name(8)):
+        assert results[name].limit == "host" and results[name].binding == "host memory for offloaded checkpoints"
+        assert results[name].host_bytes <= 1000 * planner.GB
+    assert results["TSP(8)"].limit == "device" and results["TSP(8)"].host_bytes == 0
+
+
+def test_alst_model_reproduces_its_published_lengths():
+    # The planner's ALST (Ulysses + ZeRO-3, CPU optimizer and checkpoint offload, tiled MLP and loss) against
+    # ALST's published Llama-3.1-8B lengths: within 15% at 1, 8 and 32 x 80 GB (tensors only, so below).
+    for devices, published in planner.ALST_PUBLISHED.items():
+        alst = planner.max_seq_len("llama3.1-8b", devices, 80, HOST_GB)[-1]
+        print(f"ALST {devices} x 80 GB: planned {alst.seq_len}, published {published}")
+        assert alst.published == published
+        assert 0.85 < alst.seq_len / published <= 1.0
+        assert alst.binding == "saved tensors of the recomputed layer"
+
+
+def test_tsp_against_alst_on_8x80gb_and_why_not_1_5x():
+    # Issue #14's target: TSP's longest sequence on 8 x 80 GB at least 1.5x ALST's 3.7M. The model says no,
+    # and this is why: at millions of tokens both split every token's activations over the same 8 devices and
+    # both have shrunk their model states to a few GB, so the longest sequence is set by what one local token
+    # costs; TSP's local token costs no less than ALST's (same recomputed layer and model-level tensors; TSP
+    # adds its head group's full-sequence K/V and an fp32 input-gradient accumulator, ALST its all-to-all
+    # buffers and a second copy of the attention output).
+    for fp32_accumulators in (True, False):
+        results = {r.name: r for r in planner.max_seq_len("llama3.1-8b", 8, 80, HOST_GB,
+                                                          fp32_accumulators=fp32_accumulators)}
+        tsp, alst = results["TSP(8) + offload"], results[planner.alst_name(8)]
+        print(f"fp32_accumulators={fp32_accumulators}: TSP {tsp.seq_len}, ALST {alst.seq_len}, published 3.7M")
+        assert 3_000_000 < tsp.seq_len < 1.5 * 3_700_000
+        assert tsp.binding == alst.binding == "saved tensors of the recomputed layer"
+        budget = 80 * planner.GB
+        for result in (tsp, alst):
+            assert result.plan.terms["model states"] < 0.05 * budget
+
+        def per_token(result):
+            return (result.device_bytes - result.plan.terms["model states"]) / result.plan.tokens_per_device
+
+        assert per_token(tsp) >= per_token(alst)
+        assert tsp.plan.terms["K/V of one head group"] == pytest.approx(2 * tsp.seq_len * 1 * 128 * (4 * 2 + 4))
+    # Guard: TSP's folding does pay where model states bind: without offloads it trains 10x Ulysses' length.
+    assert results["TSP(8)"].seq_len > 10 * results["SP-Ulysses(8)"].seq_len
+
+
+def test_token_tile_and_offloads_reduce_the_right_terms():
+    m, S, N, L, H = planner.model_shape("llama3.1-8b"), 128 * 1024, 8, 32, 4096
+    tokens, f = S // N, 14336 // N  # 16384 local tokens, 1792 intermediate columns per shard
+
+    def plans(dtype="bf16", zero_stage=1, **options):
+        return {p.name: p for p in planner.plan(m, S, 1, N, dtype, zero_stage, True, **options)}
+
+    base, tiled = plans(), plans(token_tile=8192)
+    tsp, tsp_tiled = base["TSP(8)"], tiled["TSP(8)"]
+    # Two tiles of 8192: the recomputed layer no longer saves every shard's gate and up (2 x F values a token);
+    # the MLP's backward holds one tile's gate and up again with its gradients. Nothing else moves.
+    assert tsp.memory["activations"] - tsp_tiled.memory["activations"] == tokens * 2 * 2 * 14336
+    assert tsp.detail["mlp_shard_intermediates"] == 6 * tokens * f * 2
+    assert tsp_tiled.detail["mlp_shard_intermediates"] == 8 * 8192 * f * 2
+    for key in ("kv_head_group", "grad_x", "weight_shards_in_flight", "logits_tiles"):
+        assert tsp_tiled.detail[key] == tsp.detail[key]
+    assert tsp_tiled.flops_per_step - tsp.flops_per_step == pytest.approx(L * 2 / 3 * 2 * S * m.mlp_params / N)
+    # A tile that holds every local token is no tiling; the baselines have no token tile.
+    for tile in (tokens, 10 * tokens):
+        assert plans(token_tile=tile)["TSP(8)"].memory == tsp.memory
+    assert tiled["TP(8)"].memory == base["TP(8)"].memory
+
+    # fp32_accumulators false: the input gradient sums in bf16, one fp32 (S/D, H) copy less; fp32 models have none.
+    narrow = plans(fp32_accumulators=False)["TSP(8)"]
+    assert tsp.detail["grad_x"] - narrow.detail["grad_x"] == tokens * H * 4
+    assert {k: v for k, v in narrow.detail.items() if k != "grad_x"} == \
+        {k: v for k, v in tsp.detail.items() if k != "grad_x"}
+    assert plans("fp32", fp32_accumulators=False)["TSP(8)"].memory == plans("fp32")["TSP(8)"].memory
+
+    # Checkpoints in host memory: the device keeps one layer's input instead of L; the node holds every rank's.
+    offloaded = plans(offload_activations=True)
+    for name in ("TSP(8)", "TP(8)", "SP-Ulysses(8)"):
+        kept = base[name].tokens_per_device * 2 * H
+        assert base[name].memory["activations"] - offloaded[name].memory["activations"] == (L - 1) * kept
+        assert offloaded[name].host == {"host memory for offloaded checkpoints": 8 * L * kept}
+        assert offloaded[name].terms["checkpointed input back from host"] == kept
+        assert base[name].host == {} and "checkpointed layer inputs" in base[name].terms
+    # With 16 devices a node of 8 holds 8 ranks' checkpoints.
+    sixteen = {p.name: p for p in planner.plan(m, S, 1, 16, "bf16", 1, True, offload_activations=True)}
+    assert sixteen["TSP(16)"].host_total == 8 * L * S // 16 * 2 * H
+
+    # CPU optimizer offload: fp32 master, Adam moments and fp32 gradients go to the host; the device keeps the
+    # weights and one layer's (here: the folded LM head's, the largest) gradients.
+    states = plans(offload_optimizer=True)["TSP(8)"]
+    params = tsp.memory["weights"] / 2
+    assert states.memory["optimizer"] == 0 and states.memory["weights"] == tsp.memory["weights"]
+    assert states.memory["grads"] == 16032 * H * 2
+    assert states.host == {"host memory for the offloaded optimizer": 8 * params * (12 + 4)}
+    assert states.memory["activations"] == tsp.memory["activations"]
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        planner.plan(m, S, 1, N, offload_activations=True)
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        planner.plan(m, S, 1, N, offload_optimizer=True)
+    with pytest.raises(ValueError, match="token_tile"):
+        planner.plan(m, S, 1, N, token_tile=-1)
+
+
+def test_terms_add_up_to_the_peak():
+    cases = [planner.plan("llama3.1-8b", 1 << 20, 1, 8, "bf16", 1, True, token_tile=8192, offload_optimizer=True,
+                          offload_activations=True),
+             planner.plan(_shape(layers=2), SEQ, BATCH, 2, "fp32"), planner.plan("llama-7b", 4096, 2, 8),
+             [planner.plan_alst("llama3.1-8b", 1 << 20, n) for n in (1, 8)]]
+    for plans in cases:
+        for p in plans:
+            assert sum(p.terms.values()) == pytest.approx(p.total, rel=1e-12), p.name
+            assert all(v > 0 for v in p.terms.values()), p.name
+
+
+def test_cli_max_seq_len_and_alst(tmp_path):
+    parser = planner.add_plan_arguments(argparse.ArgumentParser())
+    out = io.StringIO()
+    args = parser.parse_args(["--max-seq-len", "--model", "llama3.1-8b", "--devices", "8", "--memory-gb", "80",
+                              "--host-memory-gb", "2000", "--json", str(tmp_path / "longest.json")])
+    assert planner.run_plan(args, out=out) == 0
+    text = out.getvalue()
+    assert "| strategy | layout | longest sequence | binding term |" in text
+    assert "| TSP(8) + offload |" in text and "saved tensors of the recomputed layer" in text
+    assert "3,700,000 (3.70M)" in text and "ALST published" in text
+    doc = json.loads((tmp_path / "longest.json").read_text())["max_seq_len"]
+    assert [s["devices"] for s in doc] == [8]
+    rows = {r["strategy"]: r for r in doc[0]["results"]}
+    assert rows[planner.alst_name(8)]["published_seq_len"] == 3_700_000
+    assert rows["TSP(8) + offload"]["binding_term"] == "saved tensors of the recomputed layer"
+    assert rows["TSP(8) + offload"]["longest_seq_len"] > 0
+
+    # The ALST setting: 1, 8 and 32 x 80 GB, published lengths beside, the assumed host memory.
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--alst"]), out=out) == 0
+    text = out.getvalue()
+    for devices, published in planner.ALST_PUBLISHED.items():
+        assert f"### llama3.1-8b on {devices} x 80 GB" in text and f"{published:,}" in text
+    assert f"{HOST_GB:g} GB host memory per node" in text and "K/V of one head group" in text
+    # Another model or device memory: no published column values.
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--max-seq-len", "--model", "llama3.1-8b", "--memory-gb", "141"]),
+                            out=out) == 0
+    assert "3,700,000" not in out.getvalue()
+    for bad in (["--max-seq-len"], ["--alst", "--paper"], ["--max-seq-len", "--memory-gb", "80",
+                                                           "--offload-optimizer"]):
+        assert planner.run_plan(parser.parse_args(bad), out=io.StringIO()) == 1
+    # The per-length table takes the new options too and says so.
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--seq-len", "1M", "--token-tile", "8192", "--zero-stage", "1",
+                                               "--activation-checkpointing", "--offload-activations",
+                                               "--offload-optimizer"]), out=out) == 0
+    assert "tsp.token_tile 8192" in out.getvalue() and "Host memory per node of 8 ranks" in out.getvalue()

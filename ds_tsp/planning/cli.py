@@ -1,0 +1,204 @@
+"""``ds-tsp plan``: the per-strategy table at one sequence length, or with
+``--max-seq-len`` the longest sequence each strategy trains (``--alst``: in
+ALST's setting, with its published lengths beside)."""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from .anchors import ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_PEAK_GB
+from .longest import max_seq_len
+from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, PRECISIONS, PRESETS,
+                     TSP_ATTENTION_BACKWARDS)
+from .strategies import plan, recommend
+from .tables import format_gb, format_longest_table, format_table, plot_memory_vs_seq
+
+DEFAULT_MODEL = "llama-7b"
+
+
+def _tokens(text):
+    """An integer with an optional K/M suffix (powers of 2): 131072, 128K, 1M."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a positive integer like 131072 or 128K, got {text!r}")
+    value = int(match.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[match.group(2).lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def add_plan_arguments(parser):
+    """Options of ``ds-tsp plan``."""
+    parser.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), or a Hugging Face config directory or JSON "
+                                        f"file (default: {DEFAULT_MODEL}; {ALST_MODEL} with --alst)")
+    parser.add_argument("--seq-len", type=_tokens, default=131072, help="tokens per sequence, e.g. 131072 or 128K")
+    parser.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--devices", type=_positive_int, default=8, help="devices per model replica, N (default 8)")
+    parser.add_argument("--dtype", choices=tuple(PRECISIONS), default="bf16", help="training precision")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                        help="ZeRO stage over the weight-replica axis (default 0; 1 with --max-seq-len, whose ALST "
+                             "row runs 3)")
+    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="recompute each layer in backward (default: off, on with --paper; --max-seq-len "
+                             "always checkpoints)")
+    parser.add_argument("--tsp-attention-backward", choices=TSP_ATTENTION_BACKWARDS,
+                        help="fused: TSP attention saves its output and lse (ds_tsp's torch-flash kernels); "
+                             "recompute: it runs the forward again (flash-attn). Default: fused unless the model "
+                             "has a sliding window or head_dim > 256")
+    parser.add_argument("--logits-tile-mib", type=_positive_float, default=DEFAULT_LOGITS_TILE_MIB,
+                        help="tsp.logits_tile_mib: the largest fp32 logits tile of TSP's fused LM head + loss "
+                             f"(default {DEFAULT_LOGITS_TILE_MIB:g})")
+    parser.add_argument("--token-tile", type=_non_negative_int,
+                        help="tsp.token_tile: the most local tokens a TSP MLP ring step or attention query tile "
+                             f"processes at once, 0 for no tiling (default 0; {DEFAULT_TOKEN_TILE}, the runtime's "
+                             "default, with --max-seq-len)")
+    parser.add_argument("--fp32-accumulators", action=argparse.BooleanOptionalAction, default=True,
+                        help="tsp.fp32_accumulators: TSP sums head groups, ring steps and input gradients in fp32 "
+                             "(default: on)")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="activation checkpoints in host memory (activation_checkpointing.cpu_checkpointing); "
+                             "needs --activation-checkpointing")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="ZeRO's offload_optimizer to the CPU (needs --zero-stage >= 1)")
+    parser.add_argument("--memory-gb", type=float, help="device memory in GB: list the strategies that fit, best "
+                                                        "first; with --max-seq-len, the device budget")
+    parser.add_argument("--host-memory-gb", type=float,
+                        help=f"host memory per node in GB, for offloaded checkpoints and optimizer (default "
+                             f"{ALST_HOST_MEMORY_GB:g}, a DGX H100's, assumed for ALST's nodes)")
+    parser.add_argument("--devices-per-node", type=_positive_int, default=DEFAULT_DEVICES_PER_NODE,
+                        help=f"ranks sharing one node's host memory (default {DEFAULT_DEVICES_PER_NODE})")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory against sequence length")
+    parser.add_argument("--paper", action="store_true",
+                        help="print the paper's measured peaks (38.8 / 70.0 / 85.0-140.0 GB) beside the estimates")
+    parser.add_argument("--max-seq-len", action="store_true",
+                        help="the longest sequence each strategy trains on --devices x --memory-gb with "
+                             "--host-memory-gb per node, and the memory term that binds")
+    parser.add_argument("--alst", action="store_true",
+                        help=f"--max-seq-len in ALST's setting: {ALST_MODEL} on "
+                             f"{' / '.join(str(n) for n in ALST_PUBLISHED)} x {ALST_DEVICE_GB} GB, with ALST's "
+                             f"published lengths beside")
+    parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
+    return parser
+
+
+def _write_json(path, document, out):
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    print(f"Wrote {path}", file=out)
+
+
+def _run_max_seq_len(args, out):
+    """``--max-seq-len`` (and ``--alst``): one table per device count."""
+    if args.paper or args.plot:
+        raise ValueError("--paper and --plot go with the per-length table, not with --max-seq-len")
+    if args.offload_activations or args.offload_optimizer:
+        raise ValueError("--max-seq-len plans TSP with and without offloads itself: drop --offload-*")
+    model = args.model or (ALST_MODEL if args.alst else DEFAULT_MODEL)
+    memory_gb = args.memory_gb if args.memory_gb is not None else (ALST_DEVICE_GB if args.alst else None)
+    if memory_gb is None:
+        raise ValueError("--max-seq-len needs --memory-gb (the device memory the sequence must fit)")
+    host_memory_gb = ALST_HOST_MEMORY_GB if args.host_memory_gb is None else args.host_memory_gb
+    token_tile = DEFAULT_TOKEN_TILE if args.token_tile is None else args.token_tile
+    zero_stage = 1 if args.zero_stage is None else args.zero_stage
+    settings = []
+    for devices in (tuple(ALST_PUBLISHED) if args.alst else (args.devices,)):
+        results = max_seq_len(model, devices, memory_gb, host_memory_gb, micro_batch=args.micro_batch,
+                              dtype=args.dtype, zero_stage=zero_stage, token_tile=token_tile,
+                              fp32_accumulators=args.fp32_accumulators,
+                              tsp_attention_backward=args.tsp_attention_backward,
+                              logits_tile_mib=args.logits_tile_mib, devices_per_node=args.devices_per_node)
+        if args.alst:
+            print(f"### {results[0].plan.setting.model.name} on {devices} x {memory_gb:g} GB\n", file=out)
+        print(format_longest_table(results, memory_gb, host_memory_gb), file=out)
+        settings.append({"model": results[0].plan.setting.model.name, "devices": devices, "memory_gb": memory_gb,
+                         "host_memory_gb": host_memory_gb, "devices_per_node": args.devices_per_node,
+                         "micro_batch": args.micro_batch, "dtype": args.dtype, "zero_stage": zero_stage,
+                         "token_tile": token_tile, "fp32_accumulators": args.fp32_accumulators,
+                         "results": [result.as_dict() for result in results]})
+    if args.json:
+        _write_json(args.json, {"max_seq_len": settings}, out)
+
+
+def _run_table(args, out):
+    """The per-strategy table at ``--seq-len`` (and recommendation, plot)."""
+    if args.alst:
+        raise ValueError("--alst is a --max-seq-len setting")
+    model = args.model or DEFAULT_MODEL
+    zero_stage = args.zero_stage or 0
+    checkpointing = args.activation_checkpointing
+    if checkpointing is None:
+        checkpointing = bool(args.paper)
+    options = dict(token_tile=args.token_tile or 0, fp32_accumulators=args.fp32_accumulators,
+                   offload_activations=args.offload_activations, offload_optimizer=args.offload_optimizer,
+                   devices_per_node=args.devices_per_node)
+    plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
+                 args.tsp_attention_backward, args.logits_tile_mib, **options)
+    print(format_table(plans, PAPER_PEAK_GB if args.paper else None), file=out)
+    if args.memory_gb is not None:
+        fits = recommend(plans, args.memory_gb * GB)
+        if fits:
+            print(f"Fit in {args.memory_gb:g} GB, fewest bytes received per FLOP first: "
+                  + ", ".join(f"{p.name} ({format_gb(p.total)} GB)" for p in fits), file=out)
+            print(f"Recommended: {fits[0].name} ({fits[0].layout})", file=out)
+        else:
+            best = min((p for p in plans if p.feasible), key=lambda p: p.total)
+            print(f"Nothing fits in {args.memory_gb:g} GB; the smallest is {best.name} at {format_gb(best.total)} GB "
+                  f"(try activation checkpointing, more devices or a shorter sequence)", file=out)
+    if args.plot:
+        seq_lens = [args.seq_len >> k for k in range(6, -1, -1) if args.seq_len >> k >= 2 * args.devices]
+        plot_memory_vs_seq(model, seq_lens, args.devices, args.plot, args.micro_batch, args.dtype, zero_stage,
+                           checkpointing, None if args.memory_gb is None else args.memory_gb * GB,
+                           args.tsp_attention_backward, args.logits_tile_mib, **options)
+        print(f"Wrote {args.plot}", file=out)
+    if args.json:
+        _write_json(args.json, {"plans": [{"strategy": p.name, "layout": p.layout, "feasible": p.feasible,
+                                           "memory_gb": {k: v / GB for k, v in p.memory.items()},
+                                           "peak_gb": p.total / GB, "host_gb_per_node": p.host_total / GB,
+                                           "terms_gb": {k: v / GB for k, v in p.terms.items()},
+                                           "comm_gb_per_step": p.comm_per_step / GB,
+                                           "tflop_per_step": p.flops_per_step / 1e12} for p in plans]}, out)
+
+
+def run_plan(args, out=None):
+    """``ds-tsp plan``: print the table(s); returns the exit status."""
+    out = out or sys.stdout
+    try:
+        if args.max_seq_len or args.alst:
+            _run_max_seq_len(args, out)
+        else:
+            _run_table(args, out)
+    except (ValueError, OSError) as err:
+        print(f"ds-tsp plan: error: {err}", file=sys.stderr)
+        return 1
+    return 0

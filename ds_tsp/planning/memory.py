@@ -1,0 +1,209 @@
+"""Per-device memory, in bytes, as the strategies of ``strategies`` add it up:
+``weights + grads + optimizer + activations + logits + transient`` (a peak
+estimate), and what offloading puts in host memory instead.
+
+* Model states: mixed precision is 16 B/param (2 bf16 weight, 2 bf16 grad, 12
+  fp32 master + Adam m, v), fp32 is 4 + 4 + 8. ZeRO partitions them over the
+  axis on which weights are replicated: DP's, and also the sequence axis of
+  SP/CP/TP+SP, as DeepSpeed does for Ulysses (ALST). TP and TSP spend all ``N``
+  devices on one replica: nothing is left for ZeRO to partition. With
+  ZeRO's ``offload_optimizer: cpu`` the fp32 master weights and Adam moments
+  live in host memory, and so do the gradients, in fp32, as DeepSpeed's
+  ZeRO-Offload copies each one out when backward produces it: the device keeps
+  its weights and one layer's gradients at a time.
+* Activations are the tensors autograd saves for backward, counted tensor by
+  tensor (Korthikanti et al. 2022, "Reducing Activation Recomputation", method).
+  Their ``S*B*H*(34 + 5*a*S/H)`` bytes per layer is for a GPT layer (LayerNorm,
+  4H GeLU MLP, dropout, softmax kept); the baselines here run the Hugging Face
+  Llama layer with flash/SDPA attention, so the ``S^2`` term is absent (the
+  kernel keeps a log-sum-exp instead) and the count is that layer's own, per
+  token, ``e`` bytes per element:
+
+      RMSNorm x2      2 * (4H + 4 + e*H)    fp32 copy of the input, 1/rms, normalised pre-weight
+      q/k/v + MLP in  2 * e*H               the norms' outputs, saved by the projections
+      attention       e*(nq + 2nkv)*d + e*nq*d + 4*nq     q, k, v (rotated), output, lse
+      gated MLP       4 * e*F               gate, act(gate), up, act*up
+
+  TP divides the head and ``F`` terms by ``t`` and keeps the rest replicated
+  (AutoTP/Megatron without its sequence parallelism); Ulysses divides tokens
+  by ``c`` and also saves the attention output before its return all-to-all;
+  all-gather CP keeps the gathered full-sequence K/V. TSP is modelled by what
+  ``ds_tsp.attention`` and ``ds_tsp.mlp`` actually save: the attention's local
+  ``x``, ``q``, ``k``, ``v`` and, with its fused backward, each head group's
+  output and lse (with flash-attn it recomputes them instead), the MLP's local
+  ``x`` and each shard's gate and up projections, plus the same norms:
+  ``8H + 8 + 4e*H + e*(nq + 2nkv)*d + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
+  embedding ids, cos/sin, final norm, LM-head input and loss, equal to the
+  byte what ``torch.autograd.graph.saved_tensors_hooks`` sees on CPU
+  (tests/test_plan.py; CPU SDPA saves the tensors flash attention does). The
+  folded embedding saves no ids; the route it keeps instead (two int64 a
+  token) is counted but not seen by the hooks.
+  With activation checkpointing every layer keeps its input (``e*H`` per
+  token, replicated over TP) and one layer is recomputed at a time; with
+  ``cpu_checkpointing`` those inputs live in pinned host memory, every rank's
+  of a node in that node's, and one comes back to the device at a time.
+* Token tiles (``tsp.token_tile``; ALST's TiledMLP for its baseline): when the
+  local tokens exceed one tile, the MLP saves only its input and recomputes
+  its intermediates tile by tile in backward, so they are bounded by the tile
+  (TSP: ``2e*F`` per token leaves the saved tensors; HF: ``4e*F/t``). Query
+  tiles bound the attention kernel's working set, which flash attention keeps
+  below what this model resolves; the gathered K/V of one head group stays
+  whole, with its gradients.
+* Logits: the model output ``e*V`` and the fp32 log-probabilities the loss
+  saves, per local token (``V/t`` under TP's vocab-parallel head). TSP's folded
+  vocabulary has neither: its fused LM head + loss saves the labels and the
+  log-sum-exp only; so does a tiled loss (ALST's).
+* Transient: the larger of the loss backward (dense logit gradients) and one
+  layer's backward buffers; for TSP that is one head group's full-sequence K/V
+  with its gradients, the weight shards in flight, the fp32 gradient reduces
+  and ring accumulators, one MLP tile's intermediates, and the input-gradient
+  accumulator (fp32 with ``tsp.fp32_accumulators``, the default; the model
+  dtype without). The folded loss backward holds three fp32 logits tiles
+  (``z``, softmax, ``dz``; ``tsp.logits_tile_mib`` each at most), the fp32
+  input gradient, two head shards and four fp32 shard-gradient buffers of the
+  ring; the folded embedding's backward its shard's gradient in fp32 and the
+  rows exchanged. The forward's output accumulators are freed before
+  backward's buffers exist and stay below them.
+"""
+
+from .shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
+
+MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "logits", "transient")
+HEAD_BACKWARD = ("logits_tiles", "grad_hidden", "head_shards_in_flight", "head_grad_accumulators")
+
+# Names of the terms a plan's peak is made of (``StrategyPlan.terms``), as the
+# longest-sequence search reports the one that binds.
+STATES = "model states"
+CHECKPOINTS = "checkpointed layer inputs"
+CHECKPOINT_BACK = "checkpointed input back from host"
+RECOMPUTED = "saved tensors of the recomputed layer"
+EVERY_LAYER = "saved tensors of every layer"
+MODEL_LEVEL = "embedding, final norm, LM-head input and loss tensors"
+KV_GROUP = "K/V of one head group"
+GRAD_X = "input-gradient buffers"
+MLP_TILE = "MLP intermediates"
+SHARDS = "weight shards and gradient buffers in flight"
+LOSS_BACKWARD = "loss backward (logits)"
+EMBEDDING_BACKWARD = "embedding backward"
+ALL_TO_ALL = "Ulysses all-to-all buffers"
+FULL_KV = "full-sequence K/V gradients"
+ZERO3_GATHERED = "ZeRO-3 gathered layers"
+HOST_CHECKPOINTS = "host memory for offloaded checkpoints"
+HOST_OPTIMIZER = "host memory for the offloaded optimizer"
+
+
+def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False):
+    """Bytes ds_tsp's decoder layer saves per local token: two RMSNorms, the
+    attention's local x, q, k, v (and, with the fused backward, its output and
+    log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
+    run in several tiles, every shard's gate and up projections (``F``
+    values each over the D steps)."""
+    H, nq = m.hidden_size, m.num_heads
+    saved = 2 * (4 * H + 4 + e * H) + 2 * e * H + e * (nq + 2 * m.num_kv_heads) * m.head_dim
+    if not mlp_tiled:
+        saved += 2 * e * m.intermediate_size
+    if attention_backward == "fused":
+        saved += e * nq * m.head_dim + max(e, FLOAT32) * nq
+    return saved
+
+
+def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False):
+    """Bytes a Hugging Face Llama layer saves per token (flash attention, no
+    dropout), heads and F split over ``t`` tensor-parallel ranks; a tiled MLP
+    (ALST's TiledMLP) saves only its input, which the norm's output already is."""
+    H, d, nq = m.hidden_size, m.head_dim, m.num_heads
+    replicated = 2 * (4 * H + 4 + e * H) + 2 * e * H
+    attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
+    return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
+
+
+def model_level_saved(m, e, tokens, rope_rows):
+    """Outside the layers: input ids, cos/sin (``rope_rows`` rows of ``d``), the
+    final norm and the LM head's input."""
+    H = m.hidden_size
+    return tokens * (INT64 + 4 * H + 4 + 2 * e * H) + rope_rows * 2 * m.head_dim * e
+
+
+def logits_memory(m, p, tokens, vocab_shards):
+    """(saved, held): labels and fp32 log-probs the loss saves, and the logits
+    output the model returns."""
+    vocab = m.vocab_size / vocab_shards
+    return tokens * (INT64 + p.accumulate * vocab) + p.accumulate, tokens * p.element * vocab
+
+
+def model_states(params, p, zero_stage, zero_group, offload_optimizer=False, layer_params=0):
+    """``({weights, grads, optimizer}, host)``: device bytes of the model states
+    of ``params`` parameters (ZeRO over ``zero_group``), and the host bytes of
+    this rank's offloaded optimizer (``offload_optimizer``), which takes the
+    fp32 master weights, the Adam moments and the fp32 gradients; the device
+    then holds ``layer_params``' gradients at a time."""
+    weights, grads, optimizer = params * p.weight, params * p.grad, params * p.optimizer
+    if zero_group > 1:
+        optimizer /= zero_group if zero_stage >= 1 else 1
+        grads /= zero_group if zero_stage >= 2 else 1
+        weights /= zero_group if zero_stage >= 3 else 1
+    host = 0
+    if offload_optimizer:
+        partition = params / zero_group if zero_group > 1 else params
+        host = partition * (p.optimizer + FLOAT32)
+        grads, optimizer = layer_params * p.grad, 0
+    return {"weights": weights, "grads": grads, "optimizer": optimizer}, host
+
+
+def host_memory(setting, checkpoint_tokens, optimizer_host):
+    """Per node: every rank's offloaded layer inputs (``checkpoint_tokens``
+    local tokens of ``H`` each per layer) and offloaded optimizer."""
+    m, ranks = setting.model, setting.ranks_per_node
+    host = {}
+    if setting.offload_activations:
+        host[HOST_CHECKPOINTS] = ranks * m.num_layers * checkpoint_tokens * setting.precision.element * \
+            m.hidden_size
+    if setting.offload_optimizer:
+        host[HOST_OPTIMIZER] = ranks * optimizer_host
+    return host
+
+
+def tsp_vocab_memory(m, p, tsp_size, tokens, logits_tile_mib):
+    """The folded vocabulary: what its fused LM head + loss saves for backward
+    (labels and the log-sum-exp), and the named pieces of the head's backward
+    transient (``HEAD_BACKWARD``) and of the embedding's."""
+    H, e, acc = m.hidden_size, p.element, p.accumulate
+    rows = vocab_rows_per_rank(m.vocab_size, tsp_size)
+    tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
+    saved = tokens * (INT64 + acc)
+    transient = {
+        "logits_tiles": 3 * tile * rows * FLOAT32,  # z, softmax(z), dz of one token tile, fp32
+        "grad_hidden": tokens * H * acc,
+        "head_shards_in_flight": 2 * rows * H * e,  # the shard in use and the next one arriving
+        # ring.ring_gradients: the own shard's partial kept for the end, the
+        # accumulator travelling, the one arriving and this step's partial
+        "head_grad_accumulators": 4 * rows * H * acc,
+        # the local tokens' row gradients in owner order and the rows returned
+        # (N expected), the shard's gradient summed in fp32 and cast back
+        "embedding_backward": 2 * tokens * H * e + rows * H * (acc + e),
+    }
+    return saved, transient
+
+
+def tiled_loss_memory(m, p, tokens, vocab_shards, logits_tile_mib, head_gathered):
+    """A loss computed in token tiles from the LM head's input (ALST's tiled
+    loss): it saves the labels and fp32 log-sum-exp; its backward recomputes
+    one fp32 logits tile at a time (``z``, softmax, ``dz``) into the input
+    gradient in fp32, with the head's weight gathered whole under ZeRO-3."""
+    rows = m.vocab_size / vocab_shards
+    tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
+    backward = 3 * tile * rows * FLOAT32 + tokens * m.hidden_size * p.accumulate
+    if head_gathered:
+        backward += rows * m.hidden_size * p.element
+    return tokens * (INT64 + p.accumulate), backward
+
+
+def transient_terms(layer_pieces, others):
+    """The named terms of ``max(one layer's backward, *others)``: the layer's
+    pieces (``{term: bytes}``) when its sum is the largest, else the largest
+    of ``others`` (``{term: bytes}``), whole."""
+    layer = sum(layer_pieces.values())
+    name, largest = max(others.items(), key=lambda item: item[1], default=(None, 0))
+    if layer >= largest:
+        return {k: v for k, v in layer_pieces.items() if v}
+    return {name: largest}

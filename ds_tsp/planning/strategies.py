@@ -1,0 +1,382 @@
+"""One function per strategy: per-device memory, communication and FLOPs of DP,
+TP, SP (Ulysses), CP (all-gather), TP+SP and TSP for a decoder LM (DESIGN.md 8),
+and ALST's Ulysses + ZeRO-3 with its offloads and tiles (DESIGN.md 9).
+
+Everything is per device and per optimizer step of one micro-batch ``B`` of
+sequences of length ``S``, for a model replica spread over ``N`` devices (DP:
+``N`` replicas of one device each). What each memory term holds: ``memory``.
+TSP is planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
+(the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
+device; ``TSP(N) replicated vocab`` keeps both whole on every device.
+
+Communication is bytes RECEIVED per device, counted as ``communication``
+counts TSP's: per step = ``L * (forward + backward [+ forward again when
+checkpointing])`` plus the once-per-step syncs (embedding, LM head, replicated
+gradients, ZeRO).
+
+FLOPs count matmuls (2 per multiply-add) and causal attention
+(``2*B*S^2*nq*d`` forward); backward is 2x the matmuls and 2.5x attention
+(flash); TSP adds the attention forward again when its backward is not fused,
+and the LM head's forward again when the vocabulary is folded (the fused loss
+recomputes its logits tile by tile); a tiled MLP recomputes its tiles'
+projections in backward (TSP: gate and up; ALST's TiledMLP: the whole MLP).
+"""
+
+from dataclasses import dataclass, field
+
+from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
+from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
+                     HEAD_BACKWARD, KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
+                     ZERO3_GATHERED, hf_layer_saved_per_token, host_memory, logits_memory, model_level_saved,
+                     model_states, tiled_loss_memory, transient_terms, tsp_layer_saved_per_token, tsp_vocab_memory)
+from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, PRECISIONS,
+                     TSP_ATTENTION_BACKWARDS, Setting, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
+                     vocab_rows_per_rank)
+
+
+@dataclass
+class StrategyPlan:
+    """One strategy's per-device costs. Bytes are per device; communication is
+    bytes received per device; FLOPs per device per optimizer step."""
+
+    name: str  # e.g. "TP+SP(2x4)"
+    layout: str  # e.g. "tp=2 x sp=4"
+    memory: dict  # MEMORY_PARTS -> bytes
+    comm_forward_per_layer: float
+    comm_backward_per_layer: float
+    comm_per_step: float
+    flops_per_step: float
+    tokens_per_device: float  # tokens whose activations this device holds (B*S/c; B*S/D for TSP)
+    setting: Setting
+    feasible: bool = True
+    notes: str = ""
+    detail: dict = field(default_factory=dict)  # named pieces of the memory terms, bytes
+    terms: dict = field(default_factory=dict)  # the peak as named terms (memory.STATES, ...), summing to total
+    host: dict = field(default_factory=dict)  # per node: what offloading puts in host memory, bytes
+
+    @property
+    def total(self):
+        return sum(self.memory.values())
+
+    @property
+    def host_total(self):
+        return sum(self.host.values())
+
+
+def _flops(m, setting, B, S, share, tsp, fused_head=False, mlp_recompute=0.0):
+    """FLOPs per device per step: the replica's total for ``B`` sequences of ``S``
+    times ``share``; ``fused_head``: the LM head + loss recomputes the logits in
+    backward; ``mlp_recompute``: the share of the MLP's forward matmuls a tiled
+    MLP runs again in backward."""
+    L, T = m.num_layers, B * S
+    attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
+    mm_attn, mm_mlp = 2 * T * m.attention_params, 2 * T * m.mlp_params
+    head = 2 * T * m.vocab_size * m.hidden_size
+    forward = L * (mm_attn + mm_mlp + attn) + head
+    backward = L * (2 * (mm_attn + mm_mlp) + 2.5 * attn) + (3 if fused_head else 2) * head
+    if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
+        backward += L * attn
+    if mlp_recompute:
+        backward += L * mlp_recompute * mm_mlp
+    recompute = L * (mm_attn + mm_mlp + attn) if setting.activation_checkpointing else 0
+    return (forward + backward + recompute) * share
+
+
+def _layers(setting, tokens, layer_saved):
+    """Activations of the layers, and their named terms: with checkpointing every
+    layer's input (one, when they are offloaded) and one layer's saved tensors."""
+    m, e = setting.model, setting.precision.element
+    if not setting.activation_checkpointing:
+        return m.num_layers * layer_saved, {EVERY_LAYER: m.num_layers * layer_saved}
+    kept = 1 if setting.offload_activations else m.num_layers
+    checkpoints = kept * tokens * e * m.hidden_size
+    return checkpoints + layer_saved, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                                       RECOMPUTED: layer_saved}
+
+
+def plan_tsp(setting, vocab_parallel):
+    """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
+    the embedding and LM head whole on every rank."""
+    m, p, D = setting.model, setting.precision, setting.devices
+    e, acc, B, L, H = p.element, p.accumulate, setting.micro_batch, m.num_layers, m.hidden_size
+    problem = tsp_shape_problem(m, D)
+    S = -(-setting.seq_len // (2 * D)) * 2 * D  # zigzag pads to a multiple of 2D
+    tokens = B * S // D
+    # tsp.token_tile: the MLP runs the local tokens in tiles once they exceed one
+    tile = min(tokens, setting.token_tile) if setting.token_tile else tokens
+    mlp_tiled = tile < tokens
+    attn_shard = max(tsp_attention_shard(m, D, r) for r in range(D))
+    mlp_shard = m.mlp_params / D
+    vocab_rows = vocab_rows_per_rank(m.vocab_size, D) if vocab_parallel else m.vocab_size
+    vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
+    states, optimizer_host = model_states(
+        L * (attn_shard + mlp_shard + m.layer_replicated_params) + H + vocab, p, setting.zero_stage, 1,
+        setting.offload_optimizer,
+        layer_params=max(attn_shard + mlp_shard + m.layer_replicated_params, vocab_rows * H))
+
+    layer_saved = tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled)
+    # cos/sin of the local tokens plus, per sequence, the row of the largest position (model.rotary_tables)
+    model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B)
+    layers, layer_terms = _layers(setting, tokens, layer_saved)
+    if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
+        logits_saved, vocab_transient = tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
+        logits_held = 0
+        loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD)
+        # The embedding's backward keeps its route on ctx, not as saved tensors: the ids of its own rows that
+        # every rank's tokens use (N expected) and the local tokens' order, instead of the ids nn.Embedding saves.
+        model_saved -= tokens * INT64
+        route = 2 * tokens * INT64
+    else:
+        logits_saved, logits_held = logits_memory(m, p, tokens, 1)
+        vocab_transient = {"loss_backward": tokens * m.vocab_size * (2 * acc + e)}
+        loss_backward = vocab_transient["loss_backward"]
+        route = 0
+
+    kv_heads = max(m.num_kv_heads // D, 1)
+    # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
+    # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
+    grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
+    detail = {
+        "saved_for_backward": (model_saved + L * layer_saved + logits_saved
+                               if not setting.activation_checkpointing else None),
+        "embedding_route": route,
+        "logits_output": logits_held,
+        # backward of one head group: K, V, the gather buffer, the two dK/dV
+        # copies in the model dtype and their fp32 sums, over the full sequence
+        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + acc),
+        "weight_shards_in_flight": 2 * (attn_shard + mlp_shard) * e,
+        # every head group's gradient reduce stays posted until the layer ends
+        "attention_grad_reduces": m.attention_params * acc,
+        "mlp_accumulators": 3 * mlp_shard * acc,  # travelling, arriving, own partial
+        # one shard's gradients of a tile; tiled, also the tile's gate and up computed again
+        "mlp_shard_intermediates": (8 if mlp_tiled else 6) * tile * (m.intermediate_size / D) * e,
+        "grad_x": tokens * H * grad_x_bytes,
+        **vocab_transient,
+    }
+    layer_pieces = {KV_GROUP: detail["kv_head_group"], GRAD_X: detail["grad_x"],
+                    MLP_TILE: detail["mlp_shard_intermediates"],
+                    SHARDS: sum(detail[k] for k in ("weight_shards_in_flight", "attention_grad_reduces",
+                                                    "mlp_accumulators"))}
+    layer_backward = sum(layer_pieces.values())
+    # The loss's backward (folded: the head's ring) is the first thing backward
+    # runs, before any parameter holds a gradient: it overlaps the gradients'
+    # memory rather than adding to it. The embedding's runs last, with all of them.
+    loss_backward_beyond_grads = max(loss_backward - states["grads"], 0)
+    embedding_backward = vocab_transient.get("embedding_backward", 0)
+    memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
+              "transient": max(layer_backward, loss_backward_beyond_grads, embedding_backward)}
+    terms = {STATES: sum(states.values()), **layer_terms,
+             MODEL_LEVEL: model_saved + route + logits_saved + logits_held,
+             **transient_terms(layer_pieces, {LOSS_BACKWARD: loss_backward_beyond_grads,
+                                              EMBEDDING_BACKWARD: embedding_backward})}
+
+    if problem:
+        forward = backward = per_step = float("nan")
+    else:
+        forward = tsp_bytes_per_layer(m, S, B, D, e, "forward")
+        backward = tsp_bytes_per_layer(m, S, B, D, e, "backward")
+        per_step = sum(tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
+                                            activation_checkpointing=setting.activation_checkpointing).values())
+    notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
+    flops = _flops(m, setting, B, S, 1 / D, tsp=True, fused_head=vocab_parallel,
+                   mlp_recompute=2 / 3 if mlp_tiled else 0.0)
+    return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
+                        memory, forward, backward, per_step, flops, tokens, setting, feasible=problem is None,
+                        notes=notes, detail=detail, terms=terms, host=host_memory(setting, tokens, optimizer_host))
+
+
+def _baseline_problem(m, t, c, kind, seq_len):
+    nq, nkv = m.num_heads, m.num_kv_heads
+    if nq % t or (nkv % t and t % nkv) or m.intermediate_size % t:
+        return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
+    if kind == "ulysses" and (nq // t) % c:
+        return f"{nq // t} query heads per TP rank do not split over sp={c}"
+    if kind == "allgather" and seq_len % (2 * c):
+        return f"seq_len {seq_len} is not a multiple of 2*cp = {2 * c}"
+    return None
+
+
+def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False):
+    """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
+    heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
+    pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
+    ``tiled_loss``, a loss computed in logits tiles (``memory.tiled_loss_memory``)."""
+    m, p = setting.model, setting.precision
+    e, acc, B, S, L, H = p.element, p.accumulate, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
+    d, nq = m.head_dim, m.num_heads
+    kv_heads = max(m.num_kv_heads / t, 1)  # replicated when fewer than t
+    tokens = B * S / c
+    mlp_tiled = bool(mlp_tile) and tokens > mlp_tile
+    replica_group = c * dp  # ranks holding the same weights: gradient sync and ZeRO
+    layer_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H + \
+        m.mlp_params / t + m.layer_replicated_params
+    embedding = m.embedding_params / t
+    states, optimizer_host = model_states(L * layer_params + embedding, p, setting.zero_stage, replica_group,
+                                          setting.offload_optimizer,
+                                          layer_params=max(layer_params, m.vocab_size * H / t))
+
+    layer_saved = tokens * hf_layer_saved_per_token(m, e, t, ulysses=kind == "ulysses" and c > 1,
+                                                    mlp_tiled=mlp_tiled)
+    if kind == "allgather" and c > 1:  # the gathered full-sequence K/V replaces the local one
+        layer_saved += (B * S - tokens) * 2 * kv_heads * d * e
+    model_saved = model_level_saved(m, e, tokens, rope_rows=S / c)  # HF rotary: one row per position
+    layers, layer_terms = _layers(setting, tokens, layer_saved)
+    zero3 = setting.zero_stage >= 3 and replica_group > 1
+    if tiled_loss:
+        logits_saved, loss_backward = tiled_loss_memory(m, p, tokens, t, setting.logits_tile_mib, zero3)
+        logits_held = 0
+    else:
+        logits_saved, logits_held = logits_memory(m, p, tokens, t)
+        loss_backward = tokens * m.vocab_size / t * (2 * acc + e)
+
+    detail = {
+        "saved_for_backward": (model_saved + L * layer_saved + logits_saved
+                               if not setting.activation_checkpointing else None),
+        "logits_output": logits_held,
+        # gradients of the MLP's intermediates; tiled, of one tile, with the tile's four recomputed
+        "mlp_grads": (7 * mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e,
+        "grad_x": 2 * tokens * H * e,
+        "all_to_all_buffers": tokens * (nq / t + 2 * kv_heads) * d * e if kind == "ulysses" and c > 1 else 0,
+        "full_kv_grads": 2 * B * S * 2 * kv_heads * d * e if kind == "allgather" and c > 1 else 0,
+        "zero3_gathered_layers": 2 * layer_params * e if zero3 else 0,
+        "loss_backward": loss_backward,
+    }
+    layer_pieces = {MLP_TILE: detail["mlp_grads"], GRAD_X: detail["grad_x"],
+                    ALL_TO_ALL: detail["all_to_all_buffers"], FULL_KV: detail["full_kv_grads"],
+                    ZERO3_GATHERED: detail["zero3_gathered_layers"]}
+    layer_backward = sum(layer_pieces.values())
+    memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
+              "transient": max(layer_backward, detail["loss_backward"])}
+    terms = {STATES: sum(states.values()), **layer_terms, MODEL_LEVEL: model_saved + logits_saved + logits_held,
+             **transient_terms(layer_pieces, {LOSS_BACKWARD: detail["loss_backward"]})}
+
+    def all_reduce(group, nbytes):
+        return 2 * (group - 1) / group * nbytes
+
+    def gather(group, nbytes):  # all-gather / reduce-scatter / all-to-all: (p-1)/p of the full tensor
+        return (group - 1) / group * nbytes
+
+    forward = all_reduce(t, tokens * H * e) * 2  # after attention and after the MLP
+    if kind == "ulysses":
+        forward += gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e)  # q, k, v in; output back
+    if kind == "allgather":
+        forward += gather(c, B * S * 2 * kv_heads * d * e)
+    if zero3:
+        forward += gather(replica_group, layer_params * e)
+    backward = forward  # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather
+    if setting.zero_stage >= 1:
+        backward += gather(replica_group, layer_params * p.grad)  # reduce-scatter of gradients
+    else:
+        backward += all_reduce(replica_group, layer_params * p.grad)
+    recompute = forward if setting.activation_checkpointing else 0
+    per_step = L * (forward + backward + recompute)
+    per_step += 2 * all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
+    per_step += (gather if setting.zero_stage >= 1 else all_reduce)(replica_group, embedding * p.grad)
+    if setting.zero_stage in (1, 2):  # updated weights gathered back after the step
+        per_step += gather(replica_group, (L * layer_params + embedding) * e)
+    if zero3:
+        per_step += 2 * gather(replica_group, embedding * e)
+
+    problem = _baseline_problem(m, t, c, kind, S)
+    flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False, mlp_recompute=1.0 if mlp_tiled else 0.0)
+    return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, tokens, setting,
+                        feasible=problem is None, notes=problem or "", detail=detail, terms=terms,
+                        host=host_memory(setting, tokens, optimizer_host))
+
+
+def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
+                 tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
+                 fp32_accumulators=True, offload_activations=False, offload_optimizer=False,
+                 devices_per_node=DEFAULT_DEVICES_PER_NODE):
+    """A checked ``Setting`` (arguments as ``plan``'s)."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, not {dtype!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    for label, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("devices", devices),
+                         ("devices_per_node", devices_per_node)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, not {value!r}")
+    if not isinstance(token_tile, int) or token_tile < 0:
+        raise ValueError(f"token_tile must be an integer >= 0 (0: no tiling), not {token_tile!r}")
+    if offload_activations and not activation_checkpointing:
+        raise ValueError("offload_activations moves the checkpointed layer inputs to host memory: it needs "
+                         "activation_checkpointing (DeepSpeed's cpu_checkpointing, likewise)")
+    if offload_optimizer and zero_stage < 1:
+        raise ValueError("offload_optimizer is ZeRO's offload_optimizer: it needs zero_stage >= 1")
+    m = model_shape(model)
+    if tsp_attention_backward is None:
+        tsp_attention_backward = "fused" if m.sliding_window is None and m.head_dim <= 256 else "recompute"
+    if tsp_attention_backward not in TSP_ATTENTION_BACKWARDS:
+        raise ValueError(f"tsp_attention_backward must be one of {TSP_ATTENTION_BACKWARDS}, "
+                         f"not {tsp_attention_backward!r}")
+    if not logits_tile_mib > 0:
+        raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
+    return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
+                   tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
+                   bool(offload_activations), bool(offload_optimizer), devices_per_node)
+
+
+def baseline_plans(setting):
+    """DP, TP, SP (Ulysses), CP (all-gather) and every TP+SP split of ``setting.devices``."""
+    N = setting.devices
+    plans = [plan_baseline(setting, f"DP({N})", f"dp={N}", 1, 1, N, "none"),
+             plan_baseline(setting, f"TP({N})", f"tp={N}", N, 1, 1, "none"),
+             plan_baseline(setting, f"SP-Ulysses({N})", f"sp={N}", 1, N, 1, "ulysses"),
+             plan_baseline(setting, f"CP-allgather({N})", f"cp={N}", 1, N, 1, "allgather")]
+    for t in range(2, N):
+        if N % t == 0:
+            plans.append(plan_baseline(setting, f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}", t, N // t, 1,
+                                        "ulysses"))
+    return plans
+
+
+def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
+         tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, **options):
+    """Per-device costs of every strategy on ``devices`` devices: DP, TP, SP
+    (Ulysses), CP (all-gather), TP+SP for every ``t x c = devices`` with both
+    above 1, and TSP with the embedding and LM head whole on every rank and
+    with them folded (``tsp_name``). See ``memory`` for what is counted.
+
+    ``tsp_attention_backward`` ("fused" or "recompute", see
+    ``TSP_ATTENTION_BACKWARDS``) defaults to what ds_tsp's own kernels do:
+    fused for full causal attention with ``head_dim <= 256``.
+    ``logits_tile_mib`` is ``tsp.logits_tile_mib``. Keyword ``options``:
+    ``token_tile`` (``tsp.token_tile``; 0, the default here, is the layer
+    without tiles, ``DEFAULT_TOKEN_TILE`` the runtime's default),
+    ``fp32_accumulators`` (``tsp.fp32_accumulators``, default true),
+    ``offload_activations`` (checkpoints in host memory: ``cpu_checkpointing``),
+    ``offload_optimizer`` (ZeRO's ``offload_optimizer: cpu``) and
+    ``devices_per_node`` (ranks whose offloads share one host); the offloads
+    apply to every strategy."""
+    setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
+                           tsp_attention_backward, logits_tile_mib, **options)
+    return baseline_plans(setting) + [plan_tsp(setting, vocab_parallel=False),
+                                      plan_tsp(setting, vocab_parallel=True)]
+
+
+def alst_name(devices):
+    return f"ALST: SP-Ulysses({devices}) + ZeRO-3"
+
+
+def plan_alst(model, seq_len, devices, micro_batch=1, dtype="bf16", logits_tile_mib=DEFAULT_LOGITS_TILE_MIB,
+              devices_per_node=DEFAULT_DEVICES_PER_NODE):
+    """ALST as Snowflake runs it (DESIGN.md 9): DeepSpeed-Ulysses over all
+    ``devices`` with ZeRO-3 on the same axis, the optimizer offloaded to the
+    CPU, activation checkpoints offloaded to host memory, TiledMLP and a tiled
+    loss. TiledMLP cuts the local tokens into ``ceil(tokens / H)`` shards, so
+    a tile holds at most ``H`` tokens; the loss's logits tiles are as TSP's."""
+    setting = make_setting(model, seq_len, micro_batch, devices, dtype, 3, True, None, logits_tile_mib,
+                           offload_activations=True, offload_optimizer=True, devices_per_node=devices_per_node)
+    return plan_baseline(setting, alst_name(devices), f"sp={devices}, ZeRO-3, CPU optimizer + checkpoint offload, "
+                          f"tiled MLP and loss", 1, devices, 1, "ulysses", mlp_tile=setting.model.hidden_size,
+                          tiled_loss=True)
+
+
+def recommend(plans, memory_per_device_bytes):
+    """The feasible plans whose peak fits ``memory_per_device_bytes``, best first:
+    fewest bytes received per FLOP computed (the step's communication against
+    its compute; one fast interconnect is assumed for all ``N`` devices, so a
+    layout that would spill across nodes is not penalised), then least memory."""
+    fits = [p for p in plans if p.feasible and p.total <= memory_per_device_bytes]
+    return sorted(fits, key=lambda p: (p.comm_per_step / p.flops_per_step, p.total))

@@ -1,0 +1,216 @@
+"""What ``ds-tsp plan`` prints and draws: the per-strategy table (with the
+paper's measured peaks beside it), the longest-sequence table (with ALST's
+published lengths beside it), and peak memory against sequence length."""
+
+from dataclasses import replace
+
+from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
+from .memory import MEMORY_PARTS
+from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name
+from .strategies import alst_name, plan
+
+
+def format_gb(nbytes):
+    return f"{nbytes / GB:.1f}"
+
+
+def _paper_footer(plans, paper):
+    setting = plans[0].setting
+    by_name = {p.name: p for p in plans}
+    lines = []
+    expected = {**PAPER_SETTING, "model": model_shape(PAPER_SETTING["model"])}
+    ours = dict(model=replace(setting.model, name=expected["model"].name), seq_len=setting.seq_len,
+                micro_batch=setting.micro_batch, devices=setting.devices, dtype=setting.dtype)
+    if ours != expected:
+        lines.append("WARNING: the paper's numbers are for llama-7b, S=131072, B=1, 8 devices, bf16; this table "
+                     "is for another setting, so the two columns do not compare.")
+    ratios = {n: paper[n] * GB / by_name[n].total for n in paper if n in by_name}
+    if ratios:
+        lines.append(f"Paper column: peak GB/GPU measured on MI300X by the paper; its 140.0 GB layout is TP+SP with "
+                     f"t=1 x c=8 (= SP-Ulysses(8) here) and its 85.0 GB layout t=2 x c=4, inferred from their model "
+                     f"states (16P/t = {16 * setting.model.params / 2 / GB:.0f} and "
+                     f"{16 * setting.model.params / GB:.0f} GB leave about 31 GB of activations each).")
+        lines.append("Difference, measured / estimated: " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios.items()) +
+                     ". The estimate counts tensors only: no caching-allocator reserve or fragmentation, no "
+                     "RCCL/NCCL or kernel workspaces, no fp32 gradient-accumulation buffers, and it models ds_tsp's "
+                     "TSP, not the paper's implementation, whose buffers are not published.")
+    if setting.activation_checkpointing:
+        unckpt = {p.name: p for p in plan(setting.model, setting.seq_len, setting.micro_batch, setting.devices,
+                                          setting.dtype, setting.zero_stage, activation_checkpointing=False,
+                                          tsp_attention_backward=setting.tsp_attention_backward)}
+        tp = unckpt.get(f"TP({setting.devices})")
+        lines.append(f"Assumed, as the paper must: full activation checkpointing for every strategy; without it "
+                     f"TP({setting.devices}) alone would need {format_gb(tp.total)} GB per GPU "
+                     f"(> {PAPER_DEVICE_GB} GB on an MI300X) against the paper's 70.0.")
+    tsp, tp = by_name.get(tsp_name(setting.devices, False)), by_name.get(f"TP({setting.devices})")
+    paper_hybrids = sorted((p for p in plans if p.name in paper and p not in (tsp, tp)), key=lambda p: p.total)
+    folded = by_name.get(tsp_name(setting.devices))
+    if tsp and folded:
+        lines.append(f"The paper describes TSP schedules for attention and the gated MLP only, so its TSP is set "
+                     f"beside {tsp.name}; with the vocabulary folded as well (ds_tsp's default) {folded.name} "
+                     f"needs {format_gb(folded.total)} GB.")
+    if tsp and tp and paper_hybrids:
+        holds = tsp.total < tp.total < paper_hybrids[0].total
+        lines.append(f"Ordering TSP < TP < the paper's TP+SP layouts: {'reproduced' if holds else 'NOT reproduced'} "
+                     f"({format_gb(tsp.total)} < {format_gb(tp.total)} < "
+                     f"{' / '.join(format_gb(p.total) for p in paper_hybrids)} GB).")
+        for hybrid in (p for p in plans if p.name.startswith("TP+SP") and p.name not in paper):
+            if hybrid.total <= tp.total:
+                states = sum(hybrid.memory[k] - tp.memory[k] for k in ("weights", "grads", "optimizer"))
+                lines.append(f"{hybrid.name} ({hybrid.layout}), not one of the paper's layouts, comes out below "
+                             f"TP({setting.devices}) here ({format_gb(hybrid.total)} GB): splitting the sequence saves "
+                             f"{format_gb(tp.memory['activations'] - hybrid.memory['activations'])} GB of TP's replicated "
+                             f"activations for {format_gb(states)} GB more model states.")
+    return lines
+
+
+def format_table(plans, paper=None):
+    """Markdown table of ``plans`` (from one ``plan`` call) with a footer of the
+    assumptions; ``paper`` (``{plan name: GB}``, e.g. ``PAPER_PEAK_GB``) adds a column."""
+    setting = plans[0].setting
+    m, p = setting.model, setting.precision
+    head = ["strategy", "layout", "weights", "grads", "optim", "activ", "logits", "transient", "**peak GB**"]
+    if paper:
+        head.append("paper GB")
+    head += ["fwd MB/layer", "bwd MB/layer", "GB/step", "TFLOP/step"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for plan_ in plans:
+        cells = [plan_.name + ("" if plan_.feasible else " (infeasible)"), plan_.layout]
+        cells += [format_gb(plan_.memory[k]) for k in MEMORY_PARTS] + [f"**{format_gb(plan_.total)}**"]
+        if paper:
+            value = paper.get(plan_.name)
+            cells.append("" if value is None else f"{value:.1f}" + (f" ({PAPER_LABELS[plan_.name]})"
+                                                                      if plan_.name in PAPER_LABELS else ""))
+        cells += [f"{plan_.comm_forward_per_layer / 1e6:.1f}", f"{plan_.comm_backward_per_layer / 1e6:.1f}",
+                  f"{plan_.comm_per_step / GB:.1f}", f"{plan_.flops_per_step / 1e12:.0f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    footer = [
+        f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "
+        f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}, "
+        f"V={m.vocab_size}; S={setting.seq_len}, B={setting.micro_batch}, {setting.devices} devices, "
+        f"{setting.dtype}, ZeRO-{setting.zero_stage}, activation checkpointing "
+        f"{'on' if setting.activation_checkpointing else 'off'}, TSP attention backward "
+        f"{setting.tsp_attention_backward}.",
+        f"Memory per device, GB = 1e9 B: model states {p.weight + p.grad + p.optimizer} B/param "
+        f"({p.weight} weight + {p.grad} grad + {p.optimizer} optimizer), ZeRO over the weight-replica axis only; "
+        f"activations = tensors saved for backward (HF Llama layer, flash attention, for the baselines; "
+        f"ds_tsp's own saved tensors for TSP); logits = output + fp32 log-probs; transient = max(loss backward, "
+        f"one layer's backward buffers).",
+        f"TSP vocabulary: {tsp_name(setting.devices)} folds it (tsp.vocab_parallel, the default): each rank holds "
+        f"ceil(V/D) rows of the embedding and the LM head, and the fused head + loss keeps no logits, only the labels "
+        f"and fp32 log-sum-exp, with {setting.logits_tile_mib:g} MiB fp32 logits tiles (tsp.logits_tile_mib); "
+        f"{tsp_name(setting.devices, False)} keeps both whole on every rank (vocab_parallel false).",
+        "Communication: bytes received per device (ring all-reduce 2(p-1)/p, all-gather / reduce-scatter / "
+        "all-to-all (p-1)/p, broadcast 1 per non-owner, reduce (p-1) at the owner); per step = L x (fwd + bwd"
+        + (" + recomputed fwd" if setting.activation_checkpointing else "") + ") + embedding/head/replicated syncs.",
+        "TSP per layer (elements, x dtype bytes): fwd (D-1)/D (Wa + Wm + 2BS nkv d); bwd = fwd + (D-1)/D (Wa + Wm) "
+        "in fp32 (gradient reduce, ring accumulators) + (D-1)/D 2BS nkv d (dK, dV reduce-scatter). Folded vocabulary, "
+        "per step: embedding all-to-all (D-1)/D BSH/D fwd and bwd, LM-head ring (D-1) ceil(V/D) H fwd and bwd + the "
+        "same in fp32 bwd (gradient accumulators); replicated vocabulary: the embedding and head gradients "
+        "all-reduced instead.",
+    ]
+    options = [f"tsp.token_tile {setting.token_tile}" if setting.token_tile else "",
+               "" if setting.fp32_accumulators else "tsp.fp32_accumulators false",
+               "checkpoints in host memory (cpu_checkpointing)" if setting.offload_activations else "",
+               "optimizer offloaded to the CPU" if setting.offload_optimizer else ""]
+    if any(options):
+        hosts = ", ".join(f"{p.name} {format_gb(p.host_total)}" for p in plans if p.host_total)
+        footer.append("Options: " + ", ".join(o for o in options if o) + "." +
+                      (f" Host memory per node of {setting.ranks_per_node} ranks, GB: {hosts}." if hosts else ""))
+    if paper:
+        footer += _paper_footer(plans, paper)
+    return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
+
+
+def plot_memory_vs_seq(model, seq_lens, devices, path, micro_batch=1, dtype="bf16", zero_stage=0,
+                       activation_checkpointing=False, memory_per_device_bytes=None, tsp_attention_backward=None,
+                       logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, **options):
+    """PNG at ``path``: per-device peak memory against sequence length, one line
+    per strategy (log-log), with the device memory as a dashed line if given;
+    ``options`` as ``plan``'s."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    seq_lens = sorted(seq_lens)
+    curves = {}
+    for seq_len in seq_lens:
+        for plan_ in plan(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
+                          tsp_attention_backward, logits_tile_mib, **options):
+            curves.setdefault(plan_.name, []).append(plan_.total / GB)
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, totals in curves.items():
+        ax.plot(seq_lens, totals, marker="o", label=name, linewidth=2.5 if name.startswith("TSP") else 1.2)
+    if memory_per_device_bytes:
+        ax.axhline(memory_per_device_bytes / GB, color="black", linestyle="--", label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak memory per device (GB)")
+    ax.set_title(f"{model_shape(model).name}, {devices} devices, B={micro_batch}, {dtype}, ZeRO-{zero_stage}"
+                 + (", checkpointing" if activation_checkpointing else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _tokens_text(seq_len):
+    return f"{seq_len:,} ({seq_len / 1e6:.2f}M)"
+
+
+def _per_token_kb(result):
+    """The device terms of ``result`` at its limit, KB per local token, largest first."""
+    tokens = result.plan.tokens_per_device
+    return ", ".join(f"{name} {nbytes / tokens / 1e3:.1f}"
+                     for name, nbytes in sorted(result.plan.terms.items(), key=lambda item: -item[1]))
+
+
+def format_longest_table(results, memory_gb, host_memory_gb):
+    """Markdown table of ``longest.max_seq_len``'s ``results`` (one setting):
+    each strategy's longest sequence, its binding term and its memory there,
+    with ALST's published length where the setting is ALST's, and a footer of
+    the assumptions and of TSP against ALST."""
+    setting = results[0].plan.setting
+    m, N = setting.model, setting.devices
+    head = ["strategy", "layout", "longest sequence", "binding term", "device GB", "host GB/node", "ALST published"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for result in results:
+        if result.limit == "shape":
+            length = "cannot run"
+        else:
+            length = _tokens_text(result.seq_len) if result.seq_len else f"none (not even {result.step})"
+        binding = result.binding + (" (host)" if result.limit == "host" else "")
+        rows.append("| " + " | ".join([
+            result.name, result.layout, length, binding, format_gb(result.device_bytes), format_gb(result.host_bytes),
+            "" if result.published is None else _tokens_text(result.published)]) + " |")
+    footer = [
+        f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "
+        f"heads {m.num_heads}/{m.num_kv_heads}, V={m.vocab_size}; {N} devices x {memory_gb:g} GB, "
+        f"{host_memory_gb:g} GB host memory per node of {setting.ranks_per_node}, B={setting.micro_batch}, "
+        f"{setting.dtype}, activation checkpointing for every strategy.",
+        "Longest sequence: the largest multiple of the strategy's step (2N for TSP's zigzag, the sequence-parallel "
+        "size for Ulysses, 1 for TP) whose planned peak fits the device and whose offloads fit the host, found by "
+        "doubling then bisection; the next multiple does not fit. Binding term: the largest term of the budget the "
+        "next length breaks. Device GB / host GB: at the longest length. The peak counts tensors only (no "
+        "allocator reserve, fragmentation or communication workspaces).",
+    ]
+    if host_memory_gb == ALST_HOST_MEMORY_GB:
+        footer.append(f"Host memory {ALST_HOST_MEMORY_GB:g} GB per node is assumed (a DGX H100's 2 TB): neither "
+                      f"DESIGN.md nor ALST's published figures give its nodes' host memory.")
+    by_name = {r.name: r for r in results}
+    alst, tsp = by_name.get(alst_name(N)), by_name.get(tsp_name(N) + " + offload")
+    if alst is not None and alst.published:
+        footer.append(f"ALST published {_tokens_text(alst.published)} for this setting; the planner's model of "
+                      f"ALST gives {_tokens_text(alst.seq_len)} ({alst.seq_len / alst.published:.2f}x).")
+    if tsp is not None and alst is not None and tsp.seq_len and alst.seq_len:
+        anchor = alst.published or alst.seq_len
+        footer.append(f"{tsp.name}: {tsp.seq_len / anchor:.2f}x ALST's "
+                      f"{'published' if alst.published else 'modelled'} length. Per local token at the limit, KB: "
+                      f"{tsp.name}: {_per_token_kb(tsp)}; ALST: {_per_token_kb(alst)}.")
+    if alst is not None and alst.published is None:
+        footer.append(f"ALST published lengths are for Llama-3.1-8B on "
+                      f"{', '.join(str(n) for n in ALST_PUBLISHED)} x 80 GB, B=1, bf16 only.")
+    return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
