@@ -260,11 +260,12 @@ def attend_local_chunks(plan, q, K, V):
     return _cat(outputs, 0), _cat(lses, 0) if plan.explicit_backward else None
 
 
-def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse):
-    """``dq, dK, dV`` of ``attend_local_chunks`` from its saved output and lse;
-    ``dK, dV`` sum the blocks' parts in float32 (or wider)."""
-    acc_dtype = torch.promote_types(K.dtype, torch.float32)
-    grad_q, grad_K, grad_V = [], torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
+def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
+    """``dq`` of ``attend_local_chunks`` from its saved output and lse; the
+    blocks' parts of ``dK, dV`` are added to ``grad_K, grad_V`` (the head
+    groups' full-sequence sums, float32 or wider), so no second full-sequence
+    buffer exists."""
+    grad_q = []
     for rows, blocks in plan.query_blocks:
         row_grads = []
         for q_lo, q_hi, k_lo, k_hi in blocks:
@@ -275,7 +276,7 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse):
             grad_K[rows, k_lo:k_hi] += dk
             grad_V[rows, k_lo:k_hi] += dv
         grad_q.append(_cat(row_grads, 1))
-    return _cat(grad_q, 0), grad_K, grad_V
+    return _cat(grad_q, 0)
 
 
 def attention_forward(plan, x, packed, cos, sin):
@@ -351,14 +352,14 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
             o = saved["o"][j]
-            dq, dK, dV = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j])
+            dq = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dK_sum, dV_sum)
         else:  # the kernel has no fused backward: autograd through a recomputed forward
             with torch.enable_grad():
                 q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
                 o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
                 dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
-        dK_sum += dK
-        dV_sum += dV
+            dK_sum += dK
+            dV_sum += dV
         dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
