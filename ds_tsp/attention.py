@@ -364,8 +364,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x += (dq @ w["q_proj.weight"]).to(grad_x.dtype)
-        grads = {"q_proj.weight": dq.t() @ tokens, "q_proj.bias": dq.sum(0),
-                 "o_proj.weight": grad_tokens.t() @ o.detach().flatten(0, 1).flatten(1)}
+        # Weight-gradient partials stay float32 until their sum over ranks is rounded.
+        grads = {"q_proj.weight": comm.partial_matmul(dq.t(), tokens), "q_proj.bias": dq.sum(0, dtype=acc_dtype),
+                 "o_proj.weight": comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1))}
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
             # Sent in the model dtype, as the forward gathered K/V (the cost
             # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
@@ -375,8 +376,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             dk = dk.flatten(0, 1).flatten(1)
             dv = dv.flatten(0, 1).flatten(1)
             grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype)
-            kv_grads = {"k_proj.weight": dk.t() @ tokens, "k_proj.bias": dk.sum(0),
-                        "v_proj.weight": dv.t() @ tokens, "v_proj.bias": dv.sum(0)}
+            kv_grads = {"k_proj.weight": comm.partial_matmul(dk.t(), tokens), "k_proj.bias": dk.sum(0, dtype=acc_dtype),
+                        "v_proj.weight": comm.partial_matmul(dv.t(), tokens), "v_proj.bias": dv.sum(0, dtype=acc_dtype)}
             if holder == j:
                 grads.update(kv_grads)
             else:

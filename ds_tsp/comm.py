@@ -40,6 +40,21 @@ def accumulation_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+def partial_matmul(a, b):
+    """``a @ b`` with its sum over the inner dimension returned in float32 (or
+    wider) and not rounded to ``a``'s dtype: a partial gradient that is summed
+    over ranks, ring steps or tiles afterwards, so that the whole sum is rounded
+    once, as the unsharded model's single matmul is. On CUDA the product still
+    runs on bf16/fp16 tensor cores (``out_dtype``); elsewhere the inputs are
+    widened first."""
+    acc = accumulation_dtype(a.dtype)
+    if acc == a.dtype:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc)
+    return a.to(acc) @ b.to(acc)
+
+
 @dataclass
 class OpCount:
     calls: int = 0

@@ -99,14 +99,16 @@ def _shard_backward(x2, grad_y2, w, act_fn, gate, up):
     grad_h = grad_y2 @ w["down_proj.weight"]  # (N, F/D)
     grad_up = grad_h * act.detach()
     (grad_gate,) = torch.autograd.grad(act, gate, grad_h * up)
+    # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
     grads = {
-        "gate_proj.weight": grad_gate.t() @ x2,
-        "up_proj.weight": grad_up.t() @ x2,
-        "down_proj.weight": grad_y2.t() @ (act.detach() * up),
+        "gate_proj.weight": comm.partial_matmul(grad_gate.t(), x2),
+        "up_proj.weight": comm.partial_matmul(grad_up.t(), x2),
+        "down_proj.weight": comm.partial_matmul(grad_y2.t(), act.detach() * up),
     }
     if "gate_proj.bias" in w:
-        grads["gate_proj.bias"] = grad_gate.sum(0)
-        grads["up_proj.bias"] = grad_up.sum(0)
+        acc = accumulation_dtype(grad_gate.dtype)
+        grads["gate_proj.bias"] = grad_gate.sum(0, dtype=acc)
+        grads["up_proj.bias"] = grad_up.sum(0, dtype=acc)
     grad_x = grad_gate @ w["gate_proj.weight"] + grad_up @ w["up_proj.weight"]
     return grad_x, grads
 

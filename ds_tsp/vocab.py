@@ -302,7 +302,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
             dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
             dz = (dz * scale[span].unsqueeze(1)).to(w.dtype)
             grad_hidden[span] += dz @ w
-            grad_w[:count] += dz.t() @ hidden[span]
+            grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
         return grad_w
 
     grad_weight = ring_gradients(weight, tsp_group, step, overlap)
