@@ -25,6 +25,7 @@ them with ``tsp.timeout_minutes``), so a dead peer fails the op instead of
 hanging it.
 """
 
+import functools
 import math
 import pickle
 from collections import defaultdict
@@ -50,9 +51,22 @@ def partial_matmul(a, b):
     acc = accumulation_dtype(a.dtype)
     if acc == a.dtype:
         return a @ b
-    if a.is_cuda:
+    if _mm_out_dtype_works(a.device, a.dtype, acc):
         return torch.mm(a, b, out_dtype=acc)
     return a.to(acc) @ b.to(acc)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype_works(device, dtype, out_dtype):
+    """Whether ``torch.mm(..., out_dtype=)`` runs here (CUDA builds of torch >= 2.8)."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.mm(torch.ones(1, 1, dtype=dtype, device=device), torch.ones(1, 1, dtype=dtype, device=device),
+                 out_dtype=out_dtype)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 @dataclass
