@@ -2,12 +2,14 @@
 each rank sends and receives through ``torch.distributed`` (a counting shim,
 installed before DeepSpeed or ds_tsp are imported), live tensor bytes
 (a ``TorchDispatchMode``) and the kernel's RSS high-water mark. The method is
-spelled out in compare.py's docstring."""
+spelled out in compare.py's docstring; benchmarks/longest.py adds the split of
+live bytes into device and host memory (``in_host_memory``)."""
 
 import gc
 import threading
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from functools import partial, wraps
 
 import torch
@@ -183,6 +185,24 @@ def install_comm_shim():
 
 # --- peak memory: live tensor storages -----------------------------------------------------------------------------
 
+_host_scope = threading.local()
+
+
+@contextmanager
+def in_host_memory():
+    """Storages first seen inside this block, on this thread, count as host
+    memory in every ``LiveTensorBytes``. On CPU ranks host and device memory
+    are the same RAM: what a GPU run would put in host memory (ds_tsp's
+    offloaded checkpoints, ZeRO's CPU optimizer step) is told apart by where
+    it is made, not by its device."""
+    depth = getattr(_host_scope, "depth", 0)
+    _host_scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _host_scope.depth = depth
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of every live tensor storage in this process while the mode is on.
 
@@ -190,21 +210,28 @@ class LiveTensorBytes(TorchDispatchMode):
     alive at once. A storage is counted once, however many tensors view it;
     its bytes leave the sum when the storage is freed (weak-reference callback)
     and follow it when it is resized.
+
+    Host memory is counted apart (``host_state_bytes``, ``host_peak_bytes``):
+    the storages of ``host_tensors`` (alive on entry) and those first seen
+    inside ``in_host_memory``. Without either, every byte is device memory.
     """
 
-    def __init__(self):
+    def __init__(self, host_tensors=()):
         super().__init__()
         self._nbytes = {}
         self._refs = {}
+        self._host_tensors = list(host_tensors)
+        self._host_keys = set()
         # Storages that a collective's worker thread releases are freed (and
         # their callbacks run) on that thread. Re-entrant: registering one
         # storage can free another on this thread.
         self._lock = threading.RLock()
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.state_bytes = 0
+        self.live_bytes = self.peak_bytes = self.state_bytes = 0
+        self.host_live_bytes = self.host_peak_bytes = self.host_state_bytes = 0
 
     def __enter__(self):
+        self._host_keys.update(t.untyped_storage()._cdata for t in self._host_tensors)
+        self._host_tensors = []
         gc.collect()
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor):
@@ -213,12 +240,21 @@ class LiveTensorBytes(TorchDispatchMode):
                 if obj.requires_grad and obj.grad is not None:
                     self._track(obj.grad)
         self.state_bytes = self.peak_bytes = self.live_bytes
+        self.host_state_bytes = self.host_peak_bytes = self.host_live_bytes
         return super().__enter__()
 
     def __exit__(self, *exc):
         with self._lock:
             self._refs.clear()  # no callbacks once the measurement is over
         return super().__exit__(*exc)
+
+    def _add(self, key, nbytes):
+        if key in self._host_keys:
+            self.host_live_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        else:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _track(self, tensor):
         if tensor.device.type == "meta" or tensor.is_sparse:
@@ -231,17 +267,19 @@ class LiveTensorBytes(TorchDispatchMode):
         with self._lock:
             known = self._nbytes.get(key)
             if known is None:
+                if getattr(_host_scope, "depth", 0):
+                    self._host_keys.add(key)
                 self._refs[key] = weakref.ref(storage, partial(self._freed, key))
                 self._nbytes[key] = nbytes
-                self.live_bytes += nbytes
+                self._add(key, nbytes)
             elif known != nbytes:
                 self._nbytes[key] = nbytes
-                self.live_bytes += nbytes - known
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                self._add(key, nbytes - known)
 
     def _freed(self, key, _ref):
         with self._lock:
-            self.live_bytes -= self._nbytes.pop(key, 0)
+            self._add(key, -self._nbytes.pop(key, 0))
+            self._host_keys.discard(key)
             self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,4 +1,4 @@
-"""benchmarks/compare.py end to end at the smallest settings: every strategy
+"""benchmarks/compare.py and benchmarks/longest.py end to end at the smallest settings. compare: every strategy
 runs at D=2 and trains the single-process model, both TSP strategies' bytes
 equal the planner's op by op on every rank, and every measured peak has its
 planned counterpart."""
@@ -51,3 +51,46 @@ def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path):
     assert markdown.startswith("Command: `") and "| TSP (2) | 32 |" in markdown
     assert "| TSP, replicated vocab (2) | 32 |" in markdown and "folded / replicated" in markdown
     assert (tmp_path / "compare_memory.png").stat().st_size > 0 and (tmp_path / "compare_time.png").stat().st_size > 0
+
+
+def test_longest_finds_the_boundary_of_the_budget(tmp_path):
+    # A budget a few MiB above TSP's state: the search doubles from 64 tokens, then bisects on multiples of 32.
+    budget = 6.0
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "longest.py"), "--sizes", "2", "--strategies",
+           "tsp_offload", "ulysses", "--budget-mib", str(budget), "--start", "64", "--granularity", "32",
+           "--max-len", "4096", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "2",
+           "--intermediate", "64", "--vocab", "512", "--token-tile", "32", "--strategy-timeout", "120",
+           "--out", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    doc = json.load(open(tmp_path / "longest.json"))
+    assert doc["budget_mib"] == budget and doc["best_anchor"]["2"]["strategy"] == "ulysses"
+    assert [(e["strategy"], e["tsp_size"]) for e in doc["results"]] == [("tsp_offload", 2), ("ulysses", 2)]
+    for entry in doc["results"]:
+        assert entry["error"] is None, entry["error"]
+        lengths = {row["seq_len"]: row for row in entry["measured"]}
+        longest, grid = entry["longest_seq_len"], entry["grid"]
+        print(f"{entry['strategy']}: longest {longest}, measured "
+              f"{[(s, round(r['peak_mib'], 2), round(r['planned_mib'], 2)) for s, r in sorted(lengths.items())]}")
+        assert grid == 32 and longest > 0 and longest % grid == 0
+        # The length found fits, the next one on the grid was measured and does not: the search found the boundary.
+        assert lengths[longest]["fits"] and lengths[longest]["peak_mib"] <= budget
+        assert not lengths[longest + grid]["fits"] and lengths[longest + grid]["peak_mib"] > budget
+        assert entry["next_fits"] is False
+        # Doubling first: 64, 128, ... up to the first length that does not fit.
+        assert entry["order"][:2] == [64, 128]
+        for row in lengths.values():
+            assert row["fits"] == (row["peak_mib"] <= budget) and row["planned_mib"] > 0
+            assert row["planned_over_measured"] == row["planned_mib"] / row["peak_mib"]
+        # Peak memory grows with the length, as the search assumes.
+        peaks = [lengths[s]["peak_mib"] for s in sorted(lengths)]
+        assert peaks == sorted(peaks)
+    offloaded = doc["results"][0]["measured"]
+    # The offloaded optimizer and checkpoints are counted as host memory, and out of the device budget.
+    assert all(row["host_peak_mib"] > 0 for row in offloaded)
+    assert all(row["host_peak_mib"] == 0 for row in doc["results"][1]["measured"])
+    markdown = open(tmp_path / "longest.md").read()
+    assert markdown.startswith("Command: `") and "| TSP + offload | 2 |" in markdown
+    assert (tmp_path / "longest.png").stat().st_size > 0

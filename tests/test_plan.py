@@ -150,12 +150,15 @@ def test_folded_vocabulary_fits_llama3_8b_at_128k():
     # Issue #12: ds-tsp plan --model llama3-8b --seq-len 128K --devices 8 --activation-checkpointing
     # --zero-stage 1. With the embedding and LM head whole TSP needed 71.6 GB by the issue's count, most of it
     # the vocabulary's: 12.6 GB of logits, 21.0 GB of loss backward, 16 B x 1.05B embedding + head parameters.
-    # The loss backward runs before any gradient exists, so it overlaps the 3.9 GB of gradients: 67.7 GB.
+    # The loss backward runs before any gradient exists and before any layer is recomputed, so it overlaps the
+    # 3.9 GB of gradients and the recomputed layer's 2.4 GB of saved tensors: 65.4 GB (benchmarks/longest.py
+    # measured that overlap).
     plans = {p.name: p for p in planner.plan("llama3-8b", 128 * 1024, 1, 8, "bf16", zero_stage=1,
                                              activation_checkpointing=True)}
     replicated, folded = plans["TSP(8) replicated vocab"], plans["TSP(8)"]
-    assert f"{replicated.total / planner.GB:.1f}" == "67.7"
-    assert f"{(replicated.total + replicated.memory['grads']) / planner.GB:.1f}" == "71.6"
+    assert f"{replicated.total / planner.GB:.1f}" == "65.4"
+    recomputed = replicated.terms["saved tensors of the recomputed layer"]
+    assert f"{(replicated.total + replicated.memory['grads'] + recomputed) / planner.GB:.1f}" == "71.6"
     assert replicated.memory["logits"] == 16384 * (2 * 128256 + 8 + 4 * 128256) + 4
     assert folded.total <= 30 * planner.GB
     H, L, Vs, N = 4096, 32, 16032, 16384

@@ -27,7 +27,7 @@ from .memory import HEAD_BACKWARD, MEMORY_PARTS
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
                      PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting, logits_tile_tokens,
                      model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
-from .strategies import StrategyPlan, alst_name, plan, plan_alst, recommend
+from .strategies import StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
 from .tables import format_longest_table, format_table, plot_memory_vs_seq
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "MEMORY_PARTS", "PAPER_DEVICE_GB", "PAPER_LABELS", "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS",
     "TSP_ATTENTION_BACKWARDS", "LongestSequence", "ModelShape", "Precision", "Setting", "StrategyPlan",
     "add_plan_arguments", "alst_name", "format_longest_table", "format_table", "logits_tile_tokens",
-    "longest_fitting", "max_seq_len", "model_shape", "plan", "plan_alst", "plot_memory_vs_seq", "recommend",
-    "run_plan", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
+    "longest_fitting", "max_seq_len", "model_shape", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq",
+    "recommend", "run_plan", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
     "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]

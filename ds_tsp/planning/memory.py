@@ -3,7 +3,8 @@
 estimate), and what offloading puts in host memory instead.
 
 * Model states: mixed precision is 16 B/param (2 bf16 weight, 2 bf16 grad, 12
-  fp32 master + Adam m, v), fp32 is 4 + 4 + 8. ZeRO partitions them over the
+  fp32 master + Adam m, v), fp32 is 4 + 4 + 8, plus 4 under ZeRO, whose
+  optimizer keeps its own fp32 master partition even of an fp32 model. ZeRO partitions them over the
   axis on which weights are replicated: DP's, and also the sequence axis of
   SP/CP/TP+SP, as DeepSpeed does for Ulysses (ALST). TP and TSP spend all ``N``
   devices on one replica: nothing is left for ZeRO to partition. With
@@ -53,7 +54,10 @@ estimate), and what offloading puts in host memory instead.
   saves, per local token (``V/t`` under TP's vocab-parallel head). TSP's folded
   vocabulary has neither: its fused LM head + loss saves the labels and the
   log-sum-exp only; so does a tiled loss (ALST's).
-* Transient: the larger of the loss backward (dense logit gradients) and one
+* Transient: the larger of the loss backward (dense logit gradients: the
+  NLL's and the log-softmax's in fp32 and, for a model narrower than fp32, the
+  cast back; under ZeRO-3 also the LM head gathered whole with its whole
+  gradient) and one
   layer's backward buffers; for TSP that is one head group's full-sequence K/V
   with its gradients, the weight shards in flight, the fp32 gradient reduces
   and ring accumulators, one MLP tile's intermediates, and the input-gradient
@@ -138,6 +142,9 @@ def model_states(params, p, zero_stage, zero_group, offload_optimizer=False, lay
     fp32 master weights, the Adam moments and the fp32 gradients; the device
     then holds ``layer_params``' gradients at a time."""
     weights, grads, optimizer = params * p.weight, params * p.grad, params * p.optimizer
+    if zero_stage >= 1 and p.weight >= FLOAT32:
+        # ZeRO's optimizer keeps its own fp32 master partition even when the model is fp32
+        optimizer += params * FLOAT32
     if zero_group > 1:
         optimizer /= zero_group if zero_stage >= 1 else 1
         grads /= zero_group if zero_stage >= 2 else 1

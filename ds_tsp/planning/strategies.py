@@ -128,7 +128,7 @@ def plan_tsp(setting, vocab_parallel):
         route = 2 * tokens * INT64
     else:
         logits_saved, logits_held = logits_memory(m, p, tokens, 1)
-        vocab_transient = {"loss_backward": tokens * m.vocab_size * (2 * acc + e)}
+        vocab_transient = {"loss_backward": tokens * m.vocab_size * loss_backward_per_logit(p)}
         loss_backward = vocab_transient["loss_backward"]
         route = 0
 
@@ -161,8 +161,14 @@ def plan_tsp(setting, vocab_parallel):
     # The loss's backward (folded: the head's ring) is the first thing backward
     # runs, before any parameter holds a gradient: it overlaps the gradients'
     # memory rather than adding to it. The embedding's runs last, with all of them.
-    loss_backward_beyond_grads = max(loss_backward - states["grads"], 0)
+    loss_backward_beyond_grads = _loss_backward_beyond(setting, loss_backward, states)
     embedding_backward = vocab_transient.get("embedding_backward", 0)
+    # With checkpointing no layer is recomputed yet while the loss runs its
+    # backward, and none is left when the embedding runs its: the recomputed
+    # layer's saved tensors (counted in the activations) are not live then.
+    not_live = layer_saved if setting.activation_checkpointing else 0
+    loss_backward_beyond_grads = max(loss_backward_beyond_grads - not_live, 0)
+    embedding_backward = max(embedding_backward - not_live, 0)
     memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
               "transient": max(layer_backward, loss_backward_beyond_grads, embedding_backward)}
     terms = {STATES: sum(states.values()), **layer_terms,
@@ -185,6 +191,20 @@ def plan_tsp(setting, vocab_parallel):
                         notes=notes, detail=detail, terms=terms, host=host_memory(setting, tokens, optimizer_host))
 
 
+def loss_backward_per_logit(p):
+    """Bytes per logit of a dense loss's backward: the fp32 gradients of the
+    NLL and of the log-softmax and, where the model's dtype is narrower, the
+    logits' gradient cast back to it (an fp32 model has no such copy)."""
+    return 2 * p.accumulate + (p.element if p.element < p.accumulate else 0)
+
+
+def _loss_backward_beyond(setting, loss_backward, states):
+    """What the loss backward adds to the peak: it runs first, when no gradient
+    exists yet, except under ZeRO-3, whose gradient partition is one buffer
+    allocated once for the whole run."""
+    return loss_backward if setting.zero_stage >= 3 else max(loss_backward - states["grads"], 0)
+
+
 def _baseline_problem(m, t, c, kind, seq_len):
     nq, nkv = m.num_heads, m.num_kv_heads
     if nq % t or (nkv % t and t % nkv) or m.intermediate_size % t:
@@ -196,11 +216,16 @@ def _baseline_problem(m, t, c, kind, seq_len):
     return None
 
 
-def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False):
+def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
-    ``tiled_loss``, a loss computed in logits tiles (``memory.tiled_loss_memory``)."""
+    ``tiled_loss``, a loss computed in logits tiles (``memory.tiled_loss_memory``).
+    ``vocab_parallel``: the embedding and LM head split by vocabulary over ``t``
+    and the logits left split (Megatron); false is DeepSpeed AutoTP's training
+    layout (``plan_autotp``): the embedding whole on every rank, the LM head
+    split by columns with its output gathered, so every rank holds the logits
+    of the whole vocabulary."""
     m, p = setting.model, setting.precision
     e, acc, B, S, L, H = p.element, p.accumulate, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
@@ -210,7 +235,9 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     replica_group = c * dp  # ranks holding the same weights: gradient sync and ZeRO
     layer_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H + \
         m.mlp_params / t + m.layer_replicated_params
-    embedding = m.embedding_params / t
+    vocab_shards = t if vocab_parallel else 1
+    embedding = m.embedding_params / t if vocab_parallel else \
+        m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
     states, optimizer_host = model_states(L * layer_params + embedding, p, setting.zero_stage, replica_group,
                                           setting.offload_optimizer,
                                           layer_params=max(layer_params, m.vocab_size * H / t))
@@ -223,11 +250,13 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     layers, layer_terms = _layers(setting, tokens, layer_saved)
     zero3 = setting.zero_stage >= 3 and replica_group > 1
     if tiled_loss:
-        logits_saved, loss_backward = tiled_loss_memory(m, p, tokens, t, setting.logits_tile_mib, zero3)
+        logits_saved, loss_backward = tiled_loss_memory(m, p, tokens, vocab_shards, setting.logits_tile_mib, zero3)
         logits_held = 0
     else:
-        logits_saved, logits_held = logits_memory(m, p, tokens, t)
-        loss_backward = tokens * m.vocab_size / t * (2 * acc + e)
+        logits_saved, logits_held = logits_memory(m, p, tokens, vocab_shards)
+        loss_backward = tokens * m.vocab_size / vocab_shards * loss_backward_per_logit(p)
+        if zero3:  # the LM head gathered whole, and its whole gradient before the reduce-scatter
+            loss_backward += 2 * m.vocab_size / vocab_shards * H * e
 
     detail = {
         "saved_for_backward": (model_saved + L * layer_saved + logits_saved
@@ -353,6 +382,18 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
                            tsp_attention_backward, logits_tile_mib, **options)
     return baseline_plans(setting) + [plan_tsp(setting, vocab_parallel=False),
                                       plan_tsp(setting, vocab_parallel=True)]
+
+
+def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
+                **options):
+    """DeepSpeed AutoTP training over ``devices`` ranks (``tensor_parallel.autotp_size``):
+    ``TP(N)``'s layers with the vocabulary as AutoTP lays it out, the embedding
+    whole and the LM head's output gathered (``plan_baseline``'s
+    ``vocab_parallel`` false). Arguments as ``plan``'s."""
+    setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
+                           **options)
+    return plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
+                         vocab_parallel=False)
 
 
 def alst_name(devices):
