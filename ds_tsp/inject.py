@@ -5,6 +5,7 @@ from .consistency import BatchCheck, broadcast_replicated, check_same_model
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
+from .moe import TSPSparseMoE
 from .policy import AUTO, PolicyError, resolve_policy
 from .probe import probe_layers
 from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
@@ -58,17 +59,21 @@ def inject(model, topology, tsp_config, read=None, device=None):
 
 
 def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None):
-    """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as they are)."""
+    """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
+    they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
+    sparse, else a ``TSPGatedMLP``."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
-    tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group, layout_name=tsp_config.layout,
-                                         backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
+    tsp_attention = TSPAttention.from_hf(attention, policy.attention_config(config), topology.tsp_group,
+                                         layout_name=tsp_config.layout, backend=tsp_config.attention_backend,
+                                         overlap=tsp_config.overlap,
                                          token_tile=tsp_config.token_tile,
                                          fp32_accumulators=tsp_config.fp32_accumulators,
                                          read=_prefixed(read, policy.attention), device=device)
-    tsp_mlp = TSPGatedMLP.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
-                                  token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
-                                  read=_prefixed(read, policy.mlp), device=device)
+    mlp_class = TSPSparseMoE if policy.is_sparse(mlp) else TSPGatedMLP
+    tsp_mlp = mlp_class.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
+                               token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
+                               read=_prefixed(read, policy.mlp), device=device)
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,

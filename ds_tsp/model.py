@@ -11,11 +11,12 @@ ring (``ds_tsp.vocab``) and, with labels, no logits are returned.
 import torch
 import torch.nn.functional as F
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from . import layout
 from .documents import check_cu_seq_lens, document_starts
 from .mappings import sum_over_group
+from .moe import TSPSparseMoE, load_balancing_loss, recorded_router_logits
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
 
 
@@ -73,6 +74,7 @@ class TSPBatch:
         # Every rank's tokens: the vocabulary-parallel embedding serves them all.
         self.rank_input_ids = [layout.shard(input_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
         self.input_ids, self.position_ids = self.rank_input_ids[tsp_rank], own(position_ids)
+        self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
 
 
@@ -112,7 +114,21 @@ class TSPCausalLMMixin:
 
         Returns ``.loss`` and ``.logits``: the local tokens' full-vocabulary
         logits, or None when the loss is fused with a folded LM head (labels
-        given and ``tsp.vocab_parallel``), as with fused-loss kernels."""
+        given and ``tsp.vocab_parallel``), as with fused-loss kernels.
+
+        Mixture-of-experts models take ``output_router_logits`` (default: the
+        config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
+        loss over the whole sequence, added to ``.loss`` times
+        ``config.router_aux_loss_coef`` when labels are given, and
+        ``.router_logits`` holds per MoE layer the LOCAL tokens' ``(B*S/D, E)``
+        logits (this rank's shard, in its layout's order)."""
+        moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
+                      if isinstance(layer.mlp, TSPSparseMoE)]
+        output_router_logits = None
+        if moe_blocks:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = getattr(self.config, "output_router_logits", False)
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
         if use_cache:
@@ -131,12 +147,36 @@ class TSPCausalLMMixin:
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
         position_embeddings = rotary_tables(self.get_submodule(policy.rotary_emb), hidden, batch.position_ids,
                                             batch.max_position)
-        for decoder_layer in self.get_submodule(policy.layers):
-            hidden = decoder_layer(hidden, position_embeddings, batch.documents)
+        with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
+            for decoder_layer in self.get_submodule(policy.layers):
+                hidden = decoder_layer(hidden, position_embeddings, batch.documents)
         hidden = self.get_submodule(policy.final_norm)(hidden)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
                                         num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if not moe_blocks:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         router_logits=tuple(router_logits) if output_router_logits else None)
+
+
+def router_aux_loss(model, moe_blocks, router_logits, batch):
+    """The load-balancing loss of Hugging Face's MoE causal LMs over the whole
+    sequence (``ds_tsp.moe.load_balancing_loss``)."""
+    if len(router_logits) != len(moe_blocks):
+        raise RuntimeError(f"{len(moe_blocks)} MoE layers ran but {len(router_logits)} router outputs were recorded")
+    if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.gate.parameters()) and not all(
+            logits.requires_grad for logits in router_logits):
+        raise RuntimeError("the router logits carry no gradient (a reentrant activation checkpoint ran the layers "
+                           "without autograd), so the auxiliary loss would not train the routers: use HF's "
+                           "gradient_checkpointing_enable (non-reentrant) or set output_router_logits False")
+    top_k = moe_blocks[0].gate.top_k
+    return load_balancing_loss(router_logits, moe_blocks[0].num_experts, top_k, batch.real,
+                               model.tsp_topology.tsp_group)
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position):

@@ -17,10 +17,13 @@ submodule or the config attribute at fault, before any weight moves: nothing
 is ever converted approximately.
 """
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import attention, mlp
+from torch import nn
+
+from . import attention
 
 
 class PolicyError(ValueError):
@@ -100,6 +103,29 @@ LLAMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
 QWEN2 = {**COMMON, **SLIDING}  # q/k/v biases always, o_proj none: fixed by the class
 QWEN3 = {**COMMON, **SLIDING, "attention_bias": ATTENTION_BIAS}
 MISTRAL = {**COMMON, "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)")}
+# Mixture-of-experts routing: the TSP block runs Hugging Face's own router module
+# (softmax dtype, top-k, norm_topk_prob, weights' dtype) on the local tokens.
+MOE_ROUTING = {
+    "num_experts_per_tok": Accepts(any_value, "top-k of Hugging Face's own router module, run on the local tokens"),
+    "norm_topk_prob": Accepts(any_value, "read by Hugging Face's own router module"),
+    "output_router_logits": Accepts(any_value, "the auxiliary load-balancing loss is computed over the whole "
+                                    "sequence (ds_tsp.moe.load_balancing_loss); router_logits are the local tokens'"),
+    "router_aux_loss_coef": Accepts(any_value, "scales the auxiliary loss added to the loss, as HF's ForCausalLM does"),
+}
+# Dense layers among the MoE layers (Qwen2/3-MoE) become TSP gated MLPs.
+SPARSE_LAYERS = {
+    "mlp_only_layers": Accepts(any_value, "layers listed keep a dense MLP, which becomes a TSP gated MLP"),
+    "decoder_sparse_step": Accepts(any_value, "layers off the step keep a dense MLP, which becomes a TSP gated MLP"),
+}
+MIXTRAL = {**MISTRAL, **MOE_ROUTING,
+           "router_jitter_noise": Accepts(NO_DROPOUT, "multiplies the MoE input by random noise in training, which "
+                                          "the TSP block does not apply",
+                                          "build the model with router_jitter_noise = 0.0 before ds_tsp")}
+QWEN2_MOE = {**COMMON, **SLIDING, **MOE_ROUTING, **SPARSE_LAYERS,
+             "qkv_bias": Accepts(any_value, "q/k/v biases are sharded with their heads (o_proj has none)")}
+QWEN3_MOE = {**COMMON, **MOE_ROUTING, **SPARSE_LAYERS, "attention_bias": ATTENTION_BIAS,
+             "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)"),
+             "use_sliding_window": Accepts(any_value, "no forward reads it in transformers 5")}
 # A class accepted by shape: forward features Llama's lacks, named by the
 # config attributes transformers' models use for them, are accepted only at
 # the value that turns them off. What no attribute names, ds_tsp.probe finds.
@@ -136,6 +162,21 @@ def layer_types_window(config, index):
     return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
 
 
+def same_config(config):
+    return config
+
+
+def zero_window_is_none(config):
+    """Qwen2-MoE's config stores "no window" as ``sliding_window = 0`` (its
+    full-attention modules carry no window, and HF's masks never apply 0): the
+    config the TSP attention reads says None instead (a shallow copy)."""
+    if getattr(config, "sliding_window", None) != 0:
+        return config
+    config = copy.copy(config)
+    config.sliding_window = None
+    return config
+
+
 @dataclass(frozen=True)
 class DecoderPolicy:
     name: str
@@ -146,6 +187,8 @@ class DecoderPolicy:
     config: dict = field(default_factory=lambda: AUTO_CONFIG, hash=False)
     # The sliding window HF's mask gives layer ``index``; None: unknown (auto).
     hf_window: Callable | None = None
+    # The model's config as the TSP attention should read it (its window).
+    attention_config: Callable = same_config
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     final_norm: str = "model.norm"
@@ -155,11 +198,13 @@ class DecoderPolicy:
     mlp: str = "mlp"
     input_norm: str = "input_layernorm"
     post_attention_norm: str = "post_attention_layernorm"
+    # The sparse MoE block class at ``mlp`` (``ds_tsp.moe``); a layer may hold it
+    # or a dense gated MLP. None: dense MLPs only.
+    sparse_mlp: str | None = None
 
-    @property
-    def sharding(self):
-        """``{submodule: {weight name: split dim}}``; everything else is replicated."""
-        return {self.attention: attention.SHARD_DIMS, self.mlp: mlp.SHARD_DIMS}
+    def is_sparse(self, mlp_module):
+        """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block."""
+        return self.sparse_mlp is not None and type(mlp_module).__name__ == self.sparse_mlp
 
 
 POLICIES = {
@@ -167,6 +212,12 @@ POLICIES = {
     "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer", "Qwen2ForCausalLM", QWEN2, layer_types_window),
     "mistral": DecoderPolicy("mistral", "MistralDecoderLayer", "MistralForCausalLM", MISTRAL, config_window),
     "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer", "Qwen3ForCausalLM", QWEN3, layer_types_window),
+    "mixtral": DecoderPolicy("mixtral", "MixtralDecoderLayer", "MixtralForCausalLM", MIXTRAL, config_window,
+                             sparse_mlp="MixtralSparseMoeBlock"),
+    "qwen2_moe": DecoderPolicy("qwen2_moe", "Qwen2MoeDecoderLayer", "Qwen2MoeForCausalLM", QWEN2_MOE,
+                               layer_types_window, zero_window_is_none, sparse_mlp="Qwen2MoeSparseMoeBlock"),
+    "qwen3_moe": DecoderPolicy("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM", QWEN3_MOE, config_window,
+                               sparse_mlp="Qwen3MoeSparseMoeBlock"),
 }
 AUTO = DecoderPolicy("auto", None)
 
@@ -174,6 +225,9 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3): optional, but both or neither.
 ATTENTION_NORMS = ("q_norm", "k_norm")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A sparse MoE block: router, fused experts and, optionally, a shared expert with its gate.
+MOE_CHILDREN = ("gate", "experts")
+MOE_SHARED = ("shared_expert", "shared_expert_gate")
 
 
 def get_submodule(model, path):
@@ -233,7 +287,7 @@ def check_window(policy, layer, config, index, where):
     """The sliding window the TSP attention will use must be the one HF's mask uses for this layer."""
     if policy.hf_window is None:
         return  # auto: ds_tsp.probe compares the layer as a whole
-    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), config)
+    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), policy.attention_config(config))
     hf_window = policy.hf_window(config, index)
     if tsp_window != hf_window:
         raise PolicyError(f"{type(layer).__name__} at {where}: the Hugging Face forward masks with sliding window "
@@ -261,11 +315,14 @@ def check_layer(policy, layer, where):
     if policy.layer_class is not None and layer_class != policy.layer_class:
         raise PolicyError(f"{where} is a {layer_class}, but tsp.policy = {policy.name!r} converts "
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
-    expected = {policy.attention: ATTENTION_PROJECTIONS, policy.mlp: MLP_PROJECTIONS,
-                policy.input_norm: (), policy.post_attention_norm: ()}
     children = dict(layer.named_children())
+    sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
+    expected = {policy.attention: ATTENTION_PROJECTIONS, policy.mlp: () if sparse else MLP_PROJECTIONS,
+                policy.input_norm: (), policy.post_attention_norm: ()}
     check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
+        if sparse and child == policy.mlp:
+            continue  # check_sparse_block below
         if child not in children:
             raise PolicyError(f"{layer_class} at {where} has no '{child}' submodule: cannot convert it to a TSP layer")
         module = children[child]
@@ -287,8 +344,47 @@ def check_layer(policy, layer, where):
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
-    if not hasattr(children[policy.mlp], "act_fn"):
+    if sparse:
+        check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)
+    elif not hasattr(children[policy.mlp], "act_fn"):
         raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no act_fn: not a gated MLP ds_tsp knows")
+
+
+def check_sparse_block(block, where, layer_class):
+    """Refuse a sparse MoE block that is not router + fused experts (+ a shared
+    expert, a gated MLP without biases, and its gate, a Linear H -> 1 without bias)."""
+    block_class = type(block).__name__
+    children = {n for n, m in block.named_children() if _holds_tensors(m)}
+    missing = [name for name in MOE_CHILDREN if name not in children]
+    shared = set(MOE_SHARED) & children
+    if shared and shared != set(MOE_SHARED):
+        missing += sorted(set(MOE_SHARED) - shared)
+    unexpected = sorted(children - set(MOE_CHILDREN) - set(MOE_SHARED))
+    if missing or unexpected:
+        raise PolicyError(f"{layer_class} at {where} ({block_class}) lacks {missing} or has unexpected submodules "
+                          f"{unexpected}: not a sparse MoE block ds_tsp knows")
+    check_own_tensors(block, where, layer_class)
+    if getattr(block, "jitter_noise", 0):
+        raise PolicyError(f"{layer_class} at {where} multiplies its input by router jitter noise "
+                          f"({block.jitter_noise}), which the TSP block does not apply: build the model with "
+                          "router_jitter_noise = 0.0")
+    experts = block.experts
+    tensors = {n for n, _ in experts.named_parameters()}
+    if tensors != {"gate_up_proj", "down_proj"} or not hasattr(experts, "act_fn"):
+        raise PolicyError(f"{layer_class} at {where}.experts holds {sorted(tensors)}: ds_tsp takes fused 3-D "
+                          "gate_up_proj (E, 2F, H) and down_proj (E, H, F) with an act_fn, as transformers 5 lays "
+                          "them out")
+    if {n for n, _ in block.gate.named_parameters()} != {"weight"}:
+        raise PolicyError(f"{layer_class} at {where}.gate is not a router with one weight (E, H)")
+    if shared:
+        expert = block.shared_expert
+        grandchildren = {n for n, m in expert.named_children() if _holds_tensors(m)}
+        if grandchildren != set(MLP_PROJECTIONS) or not hasattr(expert, "act_fn") or any(
+                getattr(expert.get_submodule(p), "bias", None) is not None for p in MLP_PROJECTIONS):
+            raise PolicyError(f"{layer_class} at {where}.shared_expert is not a gated MLP without biases")
+        gate = block.shared_expert_gate
+        if not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None:
+            raise PolicyError(f"{layer_class} at {where}.shared_expert_gate is not a Linear(H, 1) without bias")
 
 
 def _check_biases(module, projections, where, layer_class):

@@ -13,7 +13,6 @@ on CPU ranks. Logs loss, tokens/s and per-rank memory.
 import argparse
 import inspect
 import json
-import os
 import time
 
 import psutil

@@ -4,8 +4,9 @@ import contextlib
 import io
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -24,11 +25,23 @@ def tiny_config(arch, **overrides):
         return MistralConfig(**{"sliding_window": 5, **kwargs})
     if arch == "qwen3":  # per-head q/k norms
         return Qwen3Config(**kwargs)
+    # HF's eager expert loop: its default grouped_mm takes no float64.
+    moe = {"experts_implementation": "eager", "num_experts_per_tok": 2, "output_router_logits": True,
+           "router_aux_loss_coef": 0.1, **kwargs}
+    if arch == "mixtral":  # 4 experts, always-normalised top-2 weights kept in float32
+        return MixtralConfig(**{"num_local_experts": 4, **moe})
+    if arch == "qwen2_moe":  # 4 experts of 8, a shared expert of 16 with its sigmoid gate, q/k/v biases
+        return Qwen2MoeConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16,
+                                 **moe})
+    if arch == "qwen3_moe":  # 8 experts of 8, renormalised top-2 (norm_topk_prob)
+        return Qwen3MoeConfig(**{"num_experts": 8, "moe_intermediate_size": 8, "norm_topk_prob": True, **moe})
     raise ValueError(arch)
 
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-                 "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM}
+                 "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
+                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
@@ -55,7 +68,8 @@ def causal_lm_types():
 # Tiny sizes only; every other attribute keeps its config class's default.
 TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2, attn_implementation="sdpa")
+                  eos_token_id=2, attn_implementation="sdpa",
+                  experts_implementation="eager")  # MoE models: grouped_mm takes no float64
 
 
 def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):

@@ -82,8 +82,8 @@ def packed_position_ids(documents):
 
 
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
-                 num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False, ignore_documents=False,
-                 **tsp_options):
+                 num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False,
+                 ignore_documents=False, **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``
     and the bytes saved for backward (negated, so ``check`` ignores them).
 
@@ -106,8 +106,8 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     packing = {"position_ids": position_ids}
     if cu_seq_lens:
         cumulative = torch.tensor([0] + documents[0]).cumsum(0)
-        packing = {**packing, "cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": max(documents[0]),
-                   "max_length_k": max(documents[0])}
+        packing = {**packing, "cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative,
+                   "max_length_q": max(documents[0]), "max_length_k": max(documents[0])}
     model = copy.deepcopy(ref)
     topo = TSPTopology(tsp_size)
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",

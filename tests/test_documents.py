@@ -110,7 +110,6 @@ def test_query_blocks_cover_each_document_causally(token_tile, window):
 def peak_bytes_of_a_step(documents):
     """Peak live tensor bytes of one forward and backward at D = world size,
     float32, one layer, with the row packing ``documents`` (None: one sequence)."""
-    import copy
     import os
     import sys
 

@@ -17,9 +17,10 @@ so shards differ.
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .. import attention, comm, mlp, vocab
+from .. import attention, comm, mlp, moe, vocab
 from ..attention import HeadGroups, TSPAttention
 from ..mlp import TSPGatedMLP
+from ..moe import TSPSparseMoE
 from ..model import TSPCausalLMMixin
 
 
@@ -41,17 +42,26 @@ def layer_shards(layer, config, policy, tsp_size):
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
     attn_specs = [attention.shard_spec(heads, config.hidden_size, attn.q_proj.bias is not None, r)
                   for r in range(tsp_size)]
-    gated = layer.get_submodule(policy.mlp)
-    intermediate_size = gated.gate_proj.out_features
-    mlp_specs = [mlp.shard_spec(gated.gate_proj.in_features, intermediate_size, tsp_size,
-                                gated.gate_proj.bias is not None)] * tsp_size
     return {
         policy.attention: (attn_specs, _holdings(attn_specs, lambda name, r: attention.shard_piece(heads, name, r),
                                                  attention.replicated_names(attn))),
-        policy.mlp: (mlp_specs, _holdings(mlp_specs,
-                                          lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
-                                          [mlp.DOWN_BIAS] if gated.down_proj.bias is not None else [])),
+        policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
     }
+
+
+def _mlp_shards(hf_mlp, policy, tsp_size):
+    """``(specs, holdings)`` of a layer's MLP: a dense gated MLP, or a sparse
+    MoE block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
+    if policy.is_sparse(hf_mlp):
+        hidden_size, num_experts, expert_size, shared_size = moe.hf_sizes(hf_mlp)
+        specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size)] * tsp_size
+        return specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size, tsp_size, name, r),
+                                moe.replicated_names(hf_mlp))
+    intermediate_size = hf_mlp.gate_proj.out_features
+    specs = [mlp.shard_spec(hf_mlp.gate_proj.in_features, intermediate_size, tsp_size,
+                            hf_mlp.gate_proj.bias is not None)] * tsp_size
+    return specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
+                            [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else [])
 
 
 def vocab_names(model, policy):
@@ -88,7 +98,7 @@ def block_specs(block):
     """The ``PackSpec`` of every rank's shard of an injected TSP block."""
     if isinstance(block, TSPAttention):
         return list(block.specs)
-    if isinstance(block, TSPGatedMLP):
+    if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
         return [block.spec] * comm.group_size(block.tsp_group)
     raise TypeError(f"{type(block).__name__} is not a TSP block")
 
@@ -100,6 +110,9 @@ def block_holdings(block):
     if isinstance(block, TSPAttention):
         holdings = _holdings(specs, lambda name, r: attention.shard_piece(block.heads, name, r),
                              list(block.replicated_params()))
+    elif isinstance(block, TSPSparseMoE):
+        holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
+                                                                   name, r), list(block.replicated_params()))
     else:
         holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
                              [mlp.DOWN_BIAS] if block.down_bias is not None else [])

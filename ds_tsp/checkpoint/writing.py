@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -29,6 +28,7 @@ from .. import comm
 from ..attention import TSPAttention
 from ..mlp import TSPGatedMLP
 from ..model import TSPCausalLMMixin, TSPDecoderLayer
+from ..moe import TSPSparseMoE
 from ..policy import resolve_policy
 from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
 from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
@@ -95,7 +95,7 @@ def gather_unit(prefix, module):
     """The ``GatherUnit`` of one module at Hugging Face name ``prefix``: a TSP
     block, a vocabulary-parallel matrix (none for a head tied to the embedding,
     whose rows the embedding's unit writes) or a module every rank holds whole."""
-    if isinstance(module, (TSPAttention, TSPGatedMLP)):
+    if isinstance(module, (TSPAttention, TSPGatedMLP, TSPSparseMoE)):
         names = dict.fromkeys(name for held in block_holdings(module) for name in held)
         own = module.shard_tensors()
         return GatherUnit({f"{prefix}.{n}": own.get(n, module.packed).dtype for n in names},

@@ -227,7 +227,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     split by columns with its output gathered, so every rank holds the logits
     of the whole vocabulary."""
     m, p = setting.model, setting.precision
-    e, acc, B, S, L, H = p.element, p.accumulate, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
+    e, B, S, L, H = p.element, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
     kv_heads = max(m.num_kv_heads / t, 1)  # replicated when fewer than t
     tokens = B * S / c

@@ -1,0 +1,428 @@
+"""The TSP sparse mixture-of-experts block: expert shards travel round a ring,
+tokens stay put (DESIGN.md 6c, the MLP's schedule of DESIGN.md 5).
+
+Rank ``j`` of the TSP group owns experts ``[j E/D, (j+1) E/D)``: their slices
+of Hugging Face's fused ``experts.gate_up_proj`` ``(E, 2F, H)`` and
+``experts.down_proj`` ``(E, H, F)`` (dim 0), and, for Qwen2-MoE, rows
+``[j Fs/D, (j+1) Fs/D)`` of the dense shared expert (``mlp.SHARD_DIMS``),
+packed into one flat buffer. The router (``gate``) and Qwen2-MoE's
+``shared_expert_gate`` are Hugging Face's own modules, replicated, run on the
+local tokens: routing (softmax dtype, top-k, ``norm_topk_prob``, the weights'
+dtype) is HF's by construction. The block's output is a sum of independent
+pieces (each routed expert's weighted output, each slice of the shared expert
+times its sigmoid gate), so every rank runs its own tokens through every shard
+in turn and sums locally:
+
+forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
+
+    weights, index = router(x)         # (N, k): HF's TopKRouter on local tokens
+    y = 0; buf = own shard
+    for t in 0..D-1:                   # buf holds experts and shared slice of rank (r - t) mod D
+        if t < D-1: post send(buf -> r+1), recv(next <- r-1)
+        for each expert e in buf, T = local tokens routed to e (slot s):
+            y[T] += weights[T, s] * down_e(act(gate_e x[T]) * up_e x[T])
+        y += sigmoid(shared_gate(x)) * shared slice(x)     # Qwen2-MoE
+        wait; buf = next
+
+Dropless: every token meets exactly its top-k experts, with no capacity. An
+expert no local token chose costs nothing but its hop. Backward runs the same
+ring (``ds_tsp.ring.ring_gradients``): each shard's gradient accumulator
+travels with it and ends, summed over every rank's tokens, on its owner; the
+gate and up projections are recomputed per expert (nothing ``(N, k, F)`` is
+kept), as the MLP does with token tiles.
+
+Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
+rank's packed shard (``w`` bytes each; accumulators in float32 or wider,
+``a`` bytes each):
+
+* ring (built here): forward ``(D-1) W w`` received (``(D-1)/D`` of the
+  layer's expert weights), backward ``(D-1) W (w + a)`` (weights again, plus
+  the accumulators), independent of the sequence; no all-to-all, no
+  all-reduce.
+* token all-to-all (the alternative, not built): each local token's hidden
+  state goes to its k experts and its k outputs come back, so forward about
+  ``2 k N H (D-1)/D`` elements with uniform routing (plus the ``D`` split
+  sizes), backward the same again (gradients of both), and the shared expert
+  still on the ring. The ring moves fewer bytes while
+  ``B*S < 1.5 E F D / k`` tokens (Qwen3-30B-A3B at D=8: about 147K tokens per
+  micro-batch); past that the all-to-all does.
+
+The auxiliary load-balancing loss (``load_balancing_loss``) adds one
+all-reduce of ``2E+1`` float64 values per forward.
+
+``router_logits`` (``output_router_logits``) are the local tokens' logits
+``(B*S/D, E)`` per MoE layer, in this rank's token order (zigzag shard), not
+the full sequence's ``(B*S, E)`` that Hugging Face returns.
+"""
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .amp import autocast_backward, autocast_forward
+from .comm import accumulation_dtype
+from .mappings import sum_over_group
+from .mlp import _shard_backward as gated_shard_backward
+from .mlp import shard_forward as gated_shard_forward
+from .packing import PackSpec, module_reader
+from .ring import ring_gradients, ring_steps
+
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
+# The shared expert's tensors, with the dim each is split on (mlp.SHARD_DIMS, no biases).
+SHARED = {"shared_expert.gate_proj.weight": 0, "shared_expert.up_proj.weight": 0, "shared_expert.down_proj.weight": 1}
+# Which dim of each full Hugging Face tensor is split across the TSP group; the
+# router and the shared expert's gate are replicated.
+SHARD_DIMS = {GATE_UP: 0, DOWN: 0, **SHARED}
+ROUTER, SHARED_GATE = "gate.weight", "shared_expert_gate.weight"
+
+
+def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0):
+    """``PackSpec`` of one rank's shard; raises if ``E`` (or the shared expert's
+    intermediate size) does not split evenly."""
+    if num_experts % tsp_size:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"num_experts {num_experts} is not divisible by tsp.size {tsp_size}: every TSP rank holds "
+                         f"E/D whole experts; choose tsp.size from {divisors} (that also divides the world size)")
+    if shared_size % tsp_size:
+        raise ValueError(f"shared_expert_intermediate_size {shared_size} is not divisible by tsp.size {tsp_size}: "
+                         f"choose tsp.size from the common divisors of {num_experts} and {shared_size}")
+    e, f = num_experts // tsp_size, shared_size // tsp_size
+    shapes = {GATE_UP: (e, 2 * expert_size, hidden_size), DOWN: (e, hidden_size, expert_size)}
+    if shared_size:
+        shapes.update({"shared_expert.gate_proj.weight": (f, hidden_size),
+                       "shared_expert.up_proj.weight": (f, hidden_size),
+                       "shared_expert.down_proj.weight": (hidden_size, f)})
+    return PackSpec(shapes)
+
+
+def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank):
+    """``(dim, start, length)`` of the full tensor ``name`` that ``tsp_rank``
+    holds, or None if it is not split."""
+    if name not in SHARD_DIMS:
+        return None
+    length = (num_experts if name in (GATE_UP, DOWN) else shared_size) // tsp_size
+    return SHARD_DIMS[name], tsp_rank * length, length
+
+
+def replicated_names(hf_moe):
+    """Hugging Face names of the tensors of a sparse MoE block every rank keeps whole."""
+    return [ROUTER] + ([SHARED_GATE] if getattr(hf_moe, "shared_expert_gate", None) is not None else [])
+
+
+def hf_sizes(hf_moe):
+    """``(hidden_size, num_experts, expert_size, shared_size)`` of a Hugging Face sparse MoE block."""
+    experts = hf_moe.experts
+    num_experts, two_f, hidden_size = experts.gate_up_proj.shape
+    shared = getattr(hf_moe, "shared_expert", None)
+    return hidden_size, num_experts, two_f // 2, 0 if shared is None else shared.gate_proj.out_features
+
+
+def _expert(w, local, expert_size):
+    """One expert's weights from an unpacked shard, under the gated MLP's names (views)."""
+    gate_up = w[GATE_UP][local]
+    return {"gate_proj.weight": gate_up[:expert_size], "up_proj.weight": gate_up[expert_size:],
+            "down_proj.weight": w[DOWN][local]}
+
+
+def _shared(w):
+    return {name.removeprefix("shared_expert."): w[name] for name in SHARED}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The local tokens grouped by expert: ``tokens[offsets[e]:offsets[e+1]]``
+    chose expert ``e`` in top-k slot ``slots[...]``."""
+
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    offsets: tuple
+
+    @classmethod
+    def of(cls, index, num_experts):
+        """From the router's ``(N, k)`` expert indices."""
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        top_k = index.shape[-1]
+        return cls(order // top_k, order % top_k, (0, *counts.cumsum(0).tolist()))
+
+    def of_expert(self, expert, tile):
+        """``[(tokens, slots)]`` of ``expert``, in pieces of at most ``tile`` tokens (0: one piece)."""
+        start, end = self.offsets[expert], self.offsets[expert + 1]
+        size = tile or max(end - start, 1)
+        return [(self.tokens[s:min(s + size, end)], self.slots[s:min(s + size, end)]) for s in range(start, end, size)]
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """Everything the expert ring needs besides tensors."""
+
+    spec: PackSpec
+    act_fn: object
+    group: object
+    num_experts: int
+    expert_size: int
+    shared: bool = False
+    overlap: bool = True
+    token_tile: int = 0  # most tokens one expert (or the shared slice) computes at once (0: all)
+    fp32_accumulators: bool = True
+
+    @property
+    def experts_per_rank(self):
+        return self.num_experts // comm.group_size(self.group)
+
+    def held_experts(self, t):
+        """``[(local index, global expert)]`` of the shard held at ring step ``t``."""
+        tsp_size = comm.group_size(self.group)
+        owner = (comm.group_rank(self.group) - t) % tsp_size
+        per_rank = self.num_experts // tsp_size
+        return [(local, owner * per_rank + local) for local in range(per_rank)]
+
+    def tiles(self, num_tokens):
+        size = self.token_tile or num_tokens
+        return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, max(size, 1))]
+
+    def accumulator_dtype(self, dtype):
+        return accumulation_dtype(dtype) if self.fp32_accumulators else dtype
+
+
+def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
+    """``(N, H)``: every local token's weighted outputs of its top-k experts (and
+    the shared expert times ``shared_scale`` ``(N, 1)``), the shards taken
+    round the ring (``ds_tsp.ring.ring_steps``)."""
+    y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+
+    def step(t, buf):
+        w = plan.spec.unpack(buf)
+        for local, expert in plan.held_experts(t):
+            weights_e = _expert(w, local, plan.expert_size)
+            for tokens, slots in routing.of_expert(expert, plan.token_tile):
+                out, _, _ = gated_shard_forward(x[tokens], weights_e, plan.act_fn)
+                # HF: expert output times its routing weight (type promotion), then summed per token.
+                y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
+        if plan.shared:
+            for start, end in plan.tiles(x.shape[0]):
+                out, _, _ = gated_shard_forward(x[start:end], _shared(w), plan.act_fn)
+                y[start:end] += (shared_scale[start:end] * out).to(y.dtype)
+
+    ring_steps(packed, plan.group, step, plan.overlap)
+    return y.to(x.dtype)
+
+
+def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
+    """``(grad_x, grad_weights, grad_shared_scale, grad_packed)``; ``grad_packed``
+    is this rank's own shard's gradient summed over every rank's tokens."""
+    acc_dtype = accumulation_dtype(packed.dtype)
+    grad_x = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+    grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=x.device)
+    grad_scale = None if shared_scale is None else torch.zeros(
+        shared_scale.shape, dtype=accumulation_dtype(shared_scale.dtype), device=x.device)
+
+    def piece_backward(x_piece, grad_piece, scale, w, grads):
+        """One expert (or shared slice) on some tokens: adds to ``grads``, returns
+        ``(grad_x, <grad_y, output>)`` for the tokens."""
+        gate = F.linear(x_piece, w["gate_proj.weight"])
+        up = F.linear(x_piece, w["up_proj.weight"])
+        out = F.linear(plan.act_fn(gate) * up, w["down_proj.weight"])
+        grad_scale_piece = (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
+        grad_out = (grad_piece * scale).to(x.dtype)
+        piece_grad_x, piece_grads = gated_shard_backward(x_piece, grad_out, w, plan.act_fn, gate, up)
+        for name, grad in piece_grads.items():
+            grads[name] += grad
+        return piece_grad_x, grad_scale_piece
+
+    def step(t, buf):
+        w = plan.spec.unpack(buf)
+        grad_shard = torch.zeros(packed.shape, dtype=acc_dtype, device=packed.device)
+        grad_w = plan.spec.unpack(grad_shard)
+        for local, expert in plan.held_experts(t):
+            weights_e, grads_e = _expert(w, local, plan.expert_size), _expert(grad_w, local, plan.expert_size)
+            for tokens, slots in routing.of_expert(expert, plan.token_tile):
+                piece_grad_x, grad_weight = piece_backward(x[tokens], grad_y[tokens], weights[tokens, slots, None],
+                                                           weights_e, grads_e)
+                grad_x.index_add_(0, tokens, piece_grad_x.to(grad_x.dtype))
+                grad_weights[tokens, slots] = grad_weight.to(grad_weights.dtype)
+        if plan.shared:
+            for start, end in plan.tiles(x.shape[0]):
+                piece_grad_x, grad_s = piece_backward(x[start:end], grad_y[start:end], shared_scale[start:end],
+                                                      _shared(w), _shared(grad_w))
+                grad_x[start:end] += piece_grad_x
+                grad_scale[start:end] += grad_s.unsqueeze(-1).to(grad_scale.dtype)
+        return grad_shard
+
+    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap)
+    return (grad_x.to(x.dtype), grad_weights.to(weights.dtype),
+            None if grad_scale is None else grad_scale.to(shared_scale.dtype), grad_packed.to(packed.dtype))
+
+
+class _MoERing(torch.autograd.Function):
+    # Under autocast the tokens, the shard and the routing weights are cast to
+    # the autocast dtype (HF keeps the routing weights float32 there).
+    @staticmethod
+    @autocast_forward(cast_inputs=True)
+    def forward(ctx, x, weights, index, shared_scale, packed, plan):
+        routing = Routing.of(index, plan.num_experts)
+        y = moe_ring_forward(x, weights, routing, shared_scale, packed, plan)
+        # Local tokens and this rank's own shard only: saved bytes scale as 1/D.
+        ctx.save_for_backward(x, weights, shared_scale, packed, routing.tokens, routing.slots)
+        ctx.plan, ctx.offsets = plan, routing.offsets
+        return y
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_y):
+        x, weights, shared_scale, packed, tokens, slots = ctx.saved_tensors
+        routing = Routing(tokens, slots, ctx.offsets)
+        grad_x, grad_weights, grad_scale, grad_packed = moe_ring_backward(grad_y, x, weights, routing, shared_scale,
+                                                                          packed, ctx.plan)
+        return grad_x, grad_weights, None, grad_scale, grad_packed, None
+
+
+class TSPSparseMoE(nn.Module):
+    """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
+    local tokens, experts sharded ``E/D`` per rank and moved by a ring (see the
+    module docstring).
+
+    Parameters: ``packed``, this rank's experts (and shared-expert slice) laid
+    out by ``self.spec``, tagged ``tensor_model_parallel``; the replicated
+    Hugging Face router ``gate`` and, for Qwen2-MoE, ``shared_expert_gate``.
+    """
+
+    def __init__(self, hidden_size, num_experts, expert_size, act_fn, router, tsp_group, shared_size=0,
+                 shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None):
+        super().__init__()
+        if bool(shared_size) != (shared_gate is not None):
+            raise ValueError("a shared expert needs its shared_expert_gate, and the gate its expert")
+        self.hidden_size, self.num_experts, self.expert_size = hidden_size, num_experts, expert_size
+        self.shared_size = shared_size
+        self.tsp_group = tsp_group
+        self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
+        self.spec = shard_spec(hidden_size, num_experts, expert_size, self.tsp_size, shared_size)
+        self.act_fn = act_fn
+        self.overlap = overlap
+        self.plan = MoEPlan(self.spec, act_fn, tsp_group, num_experts, expert_size, bool(shared_size), overlap,
+                            token_tile, fp32_accumulators)
+        self.gate = router
+        self.shared_expert_gate = shared_gate
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
+        # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
+        self.packed.tensor_model_parallel = True
+
+    def replicated_params(self):
+        """The parameters every rank holds whole, under Hugging Face names."""
+        params = {ROUTER: self.gate.weight}
+        if self.shared_expert_gate is not None:
+            params[SHARED_GATE] = self.shared_expert_gate.weight
+        return params
+
+    def shard_names(self):
+        """Hugging Face names of the tensors this module holds a part of."""
+        return list(self.spec.shapes) + list(self.replicated_params())
+
+    def shard_piece(self, name):
+        """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
+        return shard_piece(self.num_experts, self.shared_size, self.tsp_size, name, self.tsp_rank)
+
+    def load_shard(self, tensors):
+        """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""
+        if set(tensors) != set(self.shard_names()):
+            raise ValueError(f"TSPSparseMoE shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
+        with torch.no_grad():
+            self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
+            for name, param in self.replicated_params().items():
+                param.copy_(tensors[name])
+
+    def shard_tensors(self):
+        """This rank's slices under HF names, as views of the parameters."""
+        tensors = self.spec.unpack(self.packed.detach())
+        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
+        return tensors
+
+    @classmethod
+    def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):
+        """Build from a Hugging Face sparse MoE block (``gate``: its TopKRouter,
+        ``experts`` with fused 3-D ``gate_up_proj`` / ``down_proj``, and
+        optionally ``shared_expert`` + ``shared_expert_gate``), keeping this
+        rank's experts. The router and shared-expert gate modules are Hugging
+        Face's own, copied. ``read(name, piece)`` as in ``TSPGatedMLP.from_hf``."""
+        hidden_size, num_experts, expert_size, shared_size = hf_sizes(moe)
+        dtype = moe.experts.gate_up_proj.dtype
+        device = device or moe.experts.gate_up_proj.device
+
+        def replica(module):
+            return None if module is None else copy.deepcopy(module).to_empty(device=device)
+
+        module = cls(hidden_size, num_experts, expert_size, moe.experts.act_fn, replica(moe.gate), tsp_group,
+                     shared_size=shared_size, shared_gate=replica(getattr(moe, "shared_expert_gate", None)),
+                     overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=dtype,
+                     device=device)
+        read = read or module_reader(moe)
+        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
+        return module
+
+    def forward(self, x):
+        """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
+        x2 = x.reshape(-1, self.hidden_size)  # (N, H)
+        _, weights, index = self.gate(x2)  # HF's router: softmax, top-k, normalisation and dtypes as HF
+        shared_scale = None
+        if self.shared_expert_gate is not None:
+            shared_scale = torch.sigmoid(self.shared_expert_gate(x2))  # (N, 1)
+        return _MoERing.apply(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, expert_size={self.expert_size}, "
+                f"shared_size={self.shared_size}, tsp_size={self.tsp_size}, overlap={self.overlap}")
+
+
+# ------------------------------------------------ router logits and the auxiliary loss
+
+@contextlib.contextmanager
+def recorded_router_logits(blocks):
+    """Collect each ``TSPSparseMoE`` router's logits ``(N, E)`` during the
+    forward inside, in layer order, as Hugging Face's ``OutputRecorder`` does
+    (a forward hook on the router). Yields the list."""
+    logits = []
+    handles = [block.gate.register_forward_hook(lambda module, args, output: logits.append(output[0]))
+               for block in blocks]
+    try:
+        yield logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def load_balancing_loss(router_logits, num_experts, top_k, real, group):
+    """Hugging Face's ``load_balancing_loss_func`` over the whole sequence.
+
+    ``router_logits``: per MoE layer, this rank's ``(N, E)`` logits;
+    ``real``: ``(N,)`` bool, this rank's real tokens (not padding, HF's or
+    TSP's). HF's statistics are sums over every token of every layer (how
+    often each expert is in a top-k, the sum of its softmax probabilities, the
+    number of rows): each rank sums its own tokens, one all-reduce over the
+    TSP group adds them, and every rank computes the same loss. Its gradient
+    reaches each rank's own tokens' probabilities (``sum_over_group``'s
+    identity backward), as the cross-entropy's does.
+
+    Dtypes as HF: softmax and top-k in the logits' dtype, the statistics
+    float32. The sums run in float64 and are rounded to float32 once, so the
+    result does not depend on ``D`` or the token order; HF rounds at every
+    float32 add, so the two agree to float32 rounding of the statistics.
+    """
+    device = router_logits[0].device
+    mask = real.reshape(-1).to(device=device, dtype=torch.float32)
+    counts = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    for logits in router_logits:
+        probs = F.softmax(logits, dim=-1)
+        _, selected = torch.topk(probs, top_k, dim=-1)
+        counts.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k).double())
+        prob_sum = prob_sum + (probs.float() * mask.unsqueeze(-1)).double().sum(0)
+    rows = mask.double().sum() * len(router_logits)
+    stats = sum_over_group(torch.cat([counts, prob_sum, rows.view(1)]), group)
+    counts, prob_sum, rows = stats[:num_experts].float(), stats[num_experts:-1].float(), stats[-1].float()
+    return torch.sum((counts / rows) * (prob_sum / rows).unsqueeze(0)) * num_experts

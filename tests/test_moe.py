@@ -1,0 +1,240 @@
+"""Sparse mixture-of-experts models under TSP against the unsharded Hugging Face model.
+
+Tiny Mixtral (4 experts), Qwen2-MoE (4 experts and a shared expert with its
+gate) and Qwen3-MoE (8 experts, norm_topk_prob, and a dense layer among the
+MoE layers) in float64, top-2, the auxiliary loss on (coefficient 0.1, so its
+gradient matters): the loss and every gradient this rank holds match HF's at
+D = 1, 2, 4, with random routing, with routing that sends every token of
+every rank to experts 0 and 1 (router weights zero: all probabilities tie at
+1/E and top-k takes the first, as HF's does, so every other expert receives no
+token), and with right padding. One rank-pool call per D runs every case.
+
+Bounds: the gradients and the cross-entropy are float64 sums reordered by
+sharding (~1e-15), bound 1e-10 as the dense parity tests (parity.TOLERANCE).
+The auxiliary loss's statistics are float32 in HF (load_balancing_loss_func
+sums the routing probabilities in float32, rounding at every add); TSP sums
+them exactly and rounds once, so the two agree to float32 rounding of those
+sums, not to 1e-10: the aux loss is compared within AUX_BOUND (a few float32
+ulps of it), and the loss with it within 1e-10 plus the coefficient times that.
+Its gradient does not depend on that rounding (the counts are integers), so
+every gradient is held to 1e-10.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ds_tsp
+from ds_tsp import comm
+from ds_tsp.checkpoint import from_pretrained
+from ds_tsp.checkpoint import save_pretrained
+from ds_tsp.checkpoint.writing import write_state_dict
+from ds_tsp.config import TSPConfig
+from ds_tsp.moe import TSPSparseMoE, shard_spec
+from ds_tsp.policy import PolicyError, resolve_policy
+from ds_tsp.topology import TSPTopology
+from models import MOE_ARCHS, tiny_model
+from parity import TOLERANCE, shard_grad_diffs
+
+# float32 statistics of sums of O(1) terms over 2 layers: a few ulps (2^-23) of an aux loss of about top_k.
+AUX_BOUND = 1e-5
+# (arch, batch, seq_len, right_padding, routing, model overrides)
+CASES = [
+    ("mixtral", 2, 16, 0, "random", {}),
+    ("mixtral", 2, 13, 3, "first_experts", {}),
+    ("qwen2_moe", 2, 16, 0, "random", {}),
+    ("qwen2_moe", 2, 13, 3, "first_experts", {}),
+    ("qwen3_moe", 2, 16, 0, "random", {"mlp_only_layers": [1], "intermediate_size": 32}),
+    ("qwen3_moe", 1, 13, 4, "first_experts", {}),
+]
+
+
+def hf_loss(ref, input_ids, attention_mask):
+    """HF's loss with the auxiliary loss, but the cross-entropy in float64 (HF
+    upcasts logits to float32 only): ``(loss, aux_loss, exact loss, exact aux)``,
+    the last two with HF's aux formula on HF's full-sequence router logits,
+    its float32 statistics summed exactly (``exact_aux``)."""
+    out = ref(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True)
+    labels = input_ids[:, 1:].clone()
+    if attention_mask is not None:
+        labels[attention_mask[:, 1:] == 0] = -100
+    loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    coef = ref.config.router_aux_loss_coef
+    exact = exact_aux(out.router_logits, attention_mask, ref.config.num_experts_per_tok)
+    return loss + coef * out.aux_loss, out.aux_loss, (loss + coef * exact).item(), exact.item()
+
+
+def exact_aux(router_logits, attention_mask, top_k):
+    """transformers' load_balancing_loss_func, every sum in float64 and rounded
+    to float32 once (HF rounds at every float32 add)."""
+    num_experts = router_logits[0].shape[-1]
+    mask = torch.ones(router_logits[0].shape[0]) if attention_mask is None else attention_mask.reshape(-1).float()
+    counts, probs = torch.zeros(num_experts, dtype=torch.float64), torch.zeros(num_experts, dtype=torch.float64)
+    rows = 0
+    for logits in router_logits:
+        weights = F.softmax(logits, dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        counts += torch.zeros(num_experts, dtype=torch.float64).scatter_add_(
+            0, selected.reshape(-1), mask.repeat_interleave(top_k).double())
+        probs += (weights.float() * mask.unsqueeze(-1)).double().sum(0)
+        rows += mask.double().sum()
+    counts, probs, rows = counts.float(), probs.float(), rows.float()
+    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
+
+
+def build_case(arch, batch, seq_len, right_padding, routing, overrides):
+    torch.manual_seed(7)
+    ref = tiny_model(arch, **overrides)
+    if routing == "first_experts":
+        with torch.no_grad():
+            for layer in ref.model.layers:
+                if hasattr(layer.mlp, "experts"):
+                    layer.mlp.gate.weight.zero_()
+    input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len))
+    attention_mask = None
+    if right_padding:
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[0, -right_padding:] = 0
+    return ref, input_ids, attention_mask
+
+
+def moe_parity(cases, wrong_expert_shard=False):
+    """On every rank, per case: |loss - HF's|, |aux - HF's| and the gradient
+    diffs of ``shard_grad_diffs`` (experts, shared expert, routers included)."""
+    tsp_size = dist.get_world_size()
+    results = []
+    for case in cases:
+        ref, input_ids, attention_mask = build_case(*case)
+        model = copy.deepcopy(ref)
+        topo = TSPTopology(tsp_size)
+        ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+        kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
+        if wrong_expert_shard and topo.tsp_rank == tsp_size - 1:
+            with torch.no_grad():
+                model.model.layers[0].mlp.packed.mul_(1.5)
+        out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask)
+        out.loss.backward()
+        ref_loss, ref_aux, exact_loss, exact = hf_loss(ref, input_ids, attention_mask)
+        ref_loss.backward()
+        diffs = shard_grad_diffs(model, ref)
+        results.append({"loss": abs(out.loss.item() - ref_loss.item()),
+                        "aux": abs(out.aux_loss.item() - ref_aux.item()),
+                        "exact loss": abs(out.loss.item() - exact_loss), "exact aux": abs(out.aux_loss.item() - exact),
+                        "grads": diffs, "kinds": kinds, "router_logits": [tuple(t.shape) for t in out.router_logits]})
+    return results
+
+
+def check_case(per_rank, label, coef=0.1):
+    worst_of = {key: max(r[key] for r in per_rank) for key in ("loss", "aux", "exact loss", "exact aux")}
+    grads = {k: max(r["grads"][k] for r in per_rank if k in r["grads"]) for k in per_rank[0]["grads"]}
+    worst = max(grads, key=grads.get)
+    print(f"{label}: " + ", ".join(f"{key} {value:.2e}" for key, value in worst_of.items())
+          + f", gradients {grads[worst]:.2e} ({worst}); blocks {per_rank[0]['kinds']}")
+    assert worst_of["exact loss"] <= TOLERANCE and worst_of["exact aux"] <= TOLERANCE, worst_of
+    assert worst_of["aux"] <= AUX_BOUND and worst_of["loss"] <= TOLERANCE + coef * AUX_BOUND, worst_of
+    assert grads[worst] <= TOLERANCE, (worst, grads[worst])
+    return grads
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_loss_aux_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
+    per_rank = run_ranks(tsp_size, moe_parity, cases=CASES)
+    for i, case in enumerate(CASES):
+        results = [rank[i] for rank in per_rank]
+        grads = check_case(results, f"D={tsp_size} {case[0]} B={case[1]} S={case[2]} pad={case[3]} {case[4]}")
+        names = " ".join(grads)
+        assert "experts.gate_up_proj" in names and "mlp.gate.weight" in names
+        if case[0] == "qwen2_moe":
+            assert "shared_expert.down_proj.weight" in names and "shared_expert_gate.weight" in names
+        if case[5].get("mlp_only_layers"):
+            assert results[0]["kinds"] == ["TSPGatedMLP", "TSPSparseMoE"]
+        # The local tokens' logits: (B * padded S / D, E) per MoE layer.
+        padded = -(-case[2] // (2 * tsp_size)) * 2 * tsp_size
+        assert all(shape[0] == case[1] * padded // tsp_size for shape in results[0]["router_logits"])
+
+
+def test_a_wrong_expert_shard_is_caught(run_ranks):
+    per_rank = run_ranks(2, moe_parity, cases=CASES[:1], wrong_expert_shard=True)
+    worst = max(max(r[0]["grads"].values()) for r in per_rank)
+    loss = max(r[0]["loss"] for r in per_rank)
+    print(f"wrong expert shard on rank 1: loss {loss:.2e}, gradients {worst:.2e}")
+    assert loss > 1e3 * TOLERANCE and worst > 1e3 * TOLERANCE
+
+
+def test_experts_indivisible_by_tsp_size_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"num_experts 6 is not divisible by tsp.size 4.*\[1, 2, 3, 6\]"):
+        shard_spec(16, 6, 8, 4)
+
+
+def test_moe_layers_resolve_to_their_tables_and_jitter_is_refused():
+    for arch in MOE_ARCHS:
+        assert resolve_policy(tiny_model(arch)).name == arch
+    with pytest.raises(PolicyError, match="router_jitter_noise"):
+        resolve_policy(tiny_model("mixtral", router_jitter_noise=0.1))
+
+
+# ------------------------------------------------------------------ bytes
+
+def _counted(arch, dtype):
+    """One MoE block's bytes on the ring: forward, then forward + backward."""
+    topo = TSPTopology(dist.get_world_size())
+    ref = tiny_model(arch, dtype=getattr(torch, dtype))
+    block = TSPSparseMoE.from_hf(ref.model.layers[0].mlp, topo.tsp_group)
+    x = torch.randn(2, 8, ref.config.hidden_size, dtype=block.packed.dtype, requires_grad=True)
+    comm.counter.reset()
+    out = block(x)
+    forward = comm.counter.snapshot()
+    out.backward(torch.randn_like(out))
+    return forward, comm.counter.snapshot(), block.packed.numel(), block.packed.element_size()
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_ring_bytes_equal_the_formula(run_ranks, tsp_size):
+    for arch, dtype in (("qwen2_moe", "float64"), ("mixtral", "bfloat16")):
+        for forward, total, numel, size in run_ranks(tsp_size, _counted, arch=arch, dtype=dtype):
+            acc = 8 if dtype == "float64" else 4  # accumulators travel in float32 or wider
+            assert set(total) == {"ring"}, total  # no all-to-all, no all-reduce in the block
+            assert forward["ring"]["received"] == (tsp_size - 1) * numel * size
+            assert total["ring"]["received"] == (tsp_size - 1) * numel * (2 * size + acc)
+            assert total["ring"]["sent"] == total["ring"]["received"]
+            print(f"D={tsp_size} {arch} {dtype}: shard {numel} elements, forward {forward['ring']['received']} B, "
+                  f"forward+backward {total['ring']['received']} B received")
+
+
+# ------------------------------------------------------------ checkpoints
+
+def _load_and_save(src, dst):
+    """``from_pretrained`` (this rank's experts only), then ``save_pretrained``
+    (every block gathered, rank 0 writes); returns the expert shapes held here."""
+    tsp_size = dist.get_world_size()
+    model = from_pretrained(src, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size,
+                                                                   attention_backend="sdpa"))
+    held = {f"layer {index}": {n: t.shape for n, t in layer.mlp.spec.unpack(layer.mlp.packed.detach()).items()}
+            for index, layer in enumerate(model.model.layers) if isinstance(layer.mlp, TSPSparseMoE)}
+    save_pretrained(model, dst)
+    return held
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, tmp_path, tsp_size):
+    from safetensors.torch import load_file
+
+    for arch in MOE_ARCHS:
+        src, dst = str(tmp_path / f"{arch}-hf"), str(tmp_path / f"{arch}-{tsp_size}")
+        ref = tiny_model(arch)
+        # transformers 5 writes MoE experts in the legacy per-expert layout
+        # (experts.{e}.w1 / gate_proj ...) and fuses them on load; ds_tsp reads
+        # the fused layout the model holds, written here as HF would name it.
+        write_state_dict(src, ref.state_dict(), ref.config)
+        held = run_ranks(tsp_size, _load_and_save, src=src, dst=dst)
+        num_experts = ref.config.num_experts if arch != "mixtral" else ref.config.num_local_experts
+        assert held[0]["layer 0"]["experts.gate_up_proj"][0] == num_experts // tsp_size
+        expected, actual = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(dst,
+                                                                                                  "model.safetensors"))
+        assert sorted(actual) == sorted(expected)
+        for name in expected:
+            assert torch.equal(actual[name], expected[name]), name
