@@ -634,8 +634,8 @@ def test_tsp_against_alst_on_8x80gb_and_why_not_1_5x():
 
         assert per_token(tsp) >= per_token(alst)
         assert tsp.plan.terms["K/V of one head group"] == pytest.approx(2 * tsp.seq_len * 1 * 128 * (4 * 2 + 4))
-    # Guard: TSP's folding does pay where model states bind: without offloads it trains 10x Ulysses' length.
-    assert results["TSP(8)"].seq_len > 10 * results["SP-Ulysses(8)"].seq_len
+    # Guard: TSP's folding does pay where model states bind: without offloads it trains 6x Ulysses' length.
+    assert results["TSP(8)"].seq_len > 6 * results["SP-Ulysses(8)"].seq_len
 
 
 def test_token_tile_and_offloads_reduce_the_right_terms():

@@ -274,10 +274,14 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
                     ALL_TO_ALL: detail["all_to_all_buffers"], FULL_KV: detail["full_kv_grads"],
                     ZERO3_GATHERED: detail["zero3_gathered_layers"]}
     layer_backward = sum(layer_pieces.values())
+    # As for TSP: the loss backward runs before any gradient exists (but
+    # ZeRO-3's partition) and, with checkpointing, before any layer is recomputed.
+    not_live = layer_saved if setting.activation_checkpointing else 0
+    loss_backward_beyond = max(_loss_backward_beyond(setting, loss_backward, states) - not_live, 0)
     memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
-              "transient": max(layer_backward, detail["loss_backward"])}
+              "transient": max(layer_backward, loss_backward_beyond)}
     terms = {STATES: sum(states.values()), **layer_terms, MODEL_LEVEL: model_saved + logits_saved + logits_held,
-             **transient_terms(layer_pieces, {LOSS_BACKWARD: detail["loss_backward"]})}
+             **transient_terms(layer_pieces, {LOSS_BACKWARD: loss_backward_beyond})}
 
     def all_reduce(group, nbytes):
         return 2 * (group - 1) / group * nbytes
