@@ -12,7 +12,8 @@ import importlib
 from .inject import inject
 
 _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine",
-            "num_items_in_batch": "engine", "from_pretrained": "checkpoint", "save_pretrained": "checkpoint"}
+            "num_items_in_batch": "engine", "from_pretrained": "checkpoint", "save_pretrained": "checkpoint",
+            "TSPTrainer": "trainer", "TSPTrainerMixin": "trainer"}
 
 __all__ = sorted([*_EXPORTS, "inject"])
 

@@ -17,12 +17,14 @@ from .config import split_ds_config
 from .inject import inject
 from .model import num_targets
 from .offload import host_checkpoint
+from .optimizer import ClientOptimizer
 from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, **kwargs):
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, *,
+               tsp_topology=None, **kwargs):
     """Same arguments and return tuple as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -38,8 +40,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     (``train_batch(data_iter)``, batches of ``(input_ids, labels)``).
     Without it (or with ``enabled: false``) this is exactly ``deepspeed.initialize``.
 
-    Give the optimizer as a callable (``lambda params: torch.optim.AdamW(params)``)
-    or in the config: parameters only exist in their sharded form after injection.
+    The optimizer may be a callable (``lambda params: torch.optim.AdamW(params)``),
+    a config section, or, as for ``deepspeed.initialize``, an optimizer built
+    on the unsharded model (no step taken yet): it is rebuilt with the same
+    class and defaults over the sharded parameters, each in the parameter
+    group of the Hugging Face tensors it holds (``model_parameters``, tensors
+    or groups of the unsharded model, are mapped the same way). A packed shard
+    holding tensors of groups that differ only in ``weight_decay`` (a bias next
+    to its weight, under AdamW) joins the group without decay and the others'
+    decay is applied to its elements alone (``ClientOptimizer``).
+    ``tsp_topology`` reuses a topology already built (the Trainer builds it
+    for its data loaders).
     """
     source = config if config is not None else config_params
     if source is None and args is not None:
@@ -56,7 +67,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
 
     # Every check that needs only sizes runs before any weight is touched.
-    _check_client_parameters(optimizer, model_parameters)
+    client = ClientOptimizer.capture(model, optimizer, model_parameters)
+    if client.groups is not None and tsp_config.pipeline_stages > 1:
+        raise TypeError("with tsp.pipeline_stages > 1, pass the optimizer as a callable or a config section: "
+                        "pipeline stages rename the parameters an optimizer instance or model_parameters hold")
     _check_no_other_model_parallelism(ds_config)
     _check_activation_checkpointing(ds_config, tsp_config)
     # Joins an existing torch.distributed group if there is one.
@@ -64,7 +78,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     tsp_config.check_world(dist.get_world_size())
     if tsp_config.pipeline_stages > 1:
         check_pipeline_stages(model_config(model), tsp_config)
-    topology = TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
+    topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     if isinstance(model, (str, os.PathLike)):
         # A Hugging Face directory: each rank reads only its own slices.
         model = from_pretrained(model, topology, tsp_config)
@@ -83,7 +97,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # TSP attention also uses its per-head norms inside its backward, so all of
     # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
     set_z3_leaf_modules(model, [TSPAttention])
-    forward["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+    forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
+    if client.masks and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        raise ValueError("a packed TSP shard holds tensors with and without weight decay (e.g. q/k/v biases next to "
+                         "their weights), which is applied per element to the optimizer's float32 partitions of "
+                         "ZeRO 0-2 only: use zero_optimization.stage <= 2, or give every tensor the same decay")
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:
         # DeepSpeed refuses a config both in args and as config=; ours is parsed.
@@ -91,6 +109,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         forward["args"].deepspeed_config = None
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
+    client.attach(engine)
     return (engine, *rest)
 
 
@@ -177,14 +196,3 @@ def _check_no_other_model_parallelism(ds_config):
         raise ValueError(f"tensor_parallel.autotp_size = {autotp_size} turns on DeepSpeed AutoTP, but TSP already "
                          "shards the weights over the TSP group: remove the tensor_parallel section (or set "
                          "autotp_size to 1), or set tsp.enabled to false to use AutoTP instead")
-
-
-def _check_client_parameters(optimizer, model_parameters):
-    if model_parameters is not None:
-        raise TypeError("with tsp.enabled, leave model_parameters unset: ds_tsp passes the injected model's "
-                        "sharded parameters to DeepSpeed itself")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("with tsp.enabled, pass the optimizer as a callable (e.g. "
-                        "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)) or in the config's "
-                        "\"optimizer\" section: an optimizer built before ds_tsp.initialize holds the full, "
-                        "unsharded parameters that injection replaces")

@@ -201,11 +201,79 @@ def test_what_tsp_cannot_combine_with_is_refused(section, match):
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
 
 
-def test_optimizer_built_before_injection_is_refused():
+def _decay_groups(model, no_decay_for_biases=True):
+    """AdamW groups as the Hugging Face Trainer builds them: no decay on biases and norm weights."""
+    names = [n for n, _ in model.named_parameters()]
+    excluded = {n for n in names if "norm" in n or (no_decay_for_biases and n.endswith("bias"))}
+    params = dict(model.named_parameters())
+    return [{"params": [params[n] for n in names if n not in excluded], "weight_decay": 0.5},
+            {"params": [params[n] for n in names if n in excluded], "weight_decay": 0.0}]
+
+
+def _client_optimizer_run(zero_stage, as_model_parameters):
+    """TSP x DP with an AdamW built on the unsharded Qwen2 (q/k/v biases: each
+    packed attention shard mixes decayed weights and undecayed biases), or its
+    groups given as model_parameters, against one process's AdamW on the same
+    groups, and against one that (wrongly) decays the biases too."""
+    world = dist.get_world_size()
+    ref = tiny_model("qwen2", dtype=torch.float32)
+    wrong = copy.deepcopy(ref)
+    model = copy.deepcopy(ref)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+    lr = 3e-2
+    if as_model_parameters:
+        engine, *_ = ds_tsp.initialize(model=model, model_parameters=_decay_groups(model), config=config,
+                                       optimizer=lambda groups: torch.optim.AdamW(groups, lr=lr))
+    else:
+        optimizer = torch.optim.AdamW(_decay_groups(model), lr=lr)
+        engine, *_ = ds_tsp.initialize(model=model, optimizer=optimizer, config=config)
+    references = {"biases without decay": (ref, torch.optim.AdamW(_decay_groups(ref), lr=lr)),
+                  "biases decayed": (wrong, torch.optim.AdamW(_decay_groups(wrong, False), lr=lr))}
+    for batch in _global_batches(ref.config.vocab_size, world // 2):
+        _step(engine, batch)
+        for reference, reference_optimizer in references.values():
+            reference_optimizer.zero_grad()
+            reference(input_ids=batch, labels=batch).loss.backward()
+            reference_optimizer.step()
+    distances = {}
+    for label, (reference, _) in references.items():
+        params = dict(reference.named_parameters())
+        rel = []
+        for name, param in engine.module.named_parameters():
+            prefix = name.rsplit(".", 1)[0]
+            if getattr(param, "tensor_model_parallel", False):
+                pieces = sharded_pieces(engine.module.get_submodule(prefix),
+                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in params.items()})
+                rel += [_relative(value, expected) for value, expected in pieces.values()]
+            else:
+                rel.append(_relative(param.detach(), params[name].detach()))
+        distances[label] = max(rel)
+    return distances
+
+
+@pytest.mark.parametrize("world, zero_stage, as_model_parameters", [(4, 1, False), (4, 2, True), (2, 0, False)])
+def test_an_optimizer_built_on_the_unsharded_model_is_rebuilt_over_the_shards(run_ranks, world, zero_stage,
+                                                                            as_model_parameters):
+    per_rank = run_ranks(world, _client_optimizer_run, zero_stage=zero_stage, as_model_parameters=as_model_parameters)
+    distances = {label: max(d[label] for d in per_rank) for label in per_rank[0]}
+    print(f"TSP=2 DP={world // 2} ZeRO-{zero_stage}: max rel |dw| " +
+          ", ".join(f"{label} {value:.1e}" for label, value in distances.items()))
+    # float32 Adam over 3 steps: summation order moves weights by ~1e-6 relative.
+    assert distances["biases without decay"] <= BOUND["adam"]
+    assert distances["biases decayed"] >= 10 * BOUND["adam"]
+
+
+def test_an_optimizer_that_already_stepped_is_refused():
     model = tiny_model("llama", dtype=torch.float32)
-    with pytest.raises(TypeError, match="pass the optimizer as a callable"):
-        ds_tsp.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="already taken a step"):
+        ds_tsp.initialize(model=model, optimizer=optimizer,
                           config={"train_micro_batch_size_per_gpu": 1, "tsp": {"enabled": True, "size": 1}})
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
 
 
 def test_example_trains_under_the_deepspeed_launcher(tmp_path):

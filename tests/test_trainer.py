@@ -1,0 +1,261 @@
+"""The Hugging Face Trainer with TSP (``ds_tsp.TSPTrainer``) against one process's stock Trainer.
+
+Tiny Qwen2 (q/k/v biases, so each packed attention shard mixes decayed weights
+and undecayed biases), float32, AdamW with weight decay, a linear schedule
+with warm-up, gradient accumulation 2, 6 steps, rows of 3 to 16 real tokens
+(right padding), ZeRO-1. One rank-pool call per mesh trains, evaluates,
+saves, resumes from the step-3 checkpoint and reports what each rank saw; the
+stock Trainer runs once per mesh in the test process on the same global batches.
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import ds_tsp
+from models import tiny_model
+
+SEQ_LEN = 16
+MICRO_BATCH = 2  # per data-parallel replica
+ACCUMULATION = 2
+STEPS = 6
+EVAL_ROWS = 8  # a multiple of MICRO_BATCH * dp: no padding samples in the last eval batch
+# float32 over 6 AdamW steps with different summation orders (TSP sums, DP
+# all-reduce): losses and weights agree to ~1e-6 relative.
+BOUND = 1e-5
+# Logits of the reloaded model: weights ~1e-5 apart move logits (sums over the
+# hidden size, through two layers) by a few times that.
+LOGITS_BOUND = 1e-4
+
+
+def _rows(count, seed):
+    """Right-padded rows of 3 to 16 real tokens; padding is never a target."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        length = int(torch.randint(3, SEQ_LEN + 1, (1,), generator=generator))
+        input_ids = torch.randint(3, 61, (SEQ_LEN,), generator=generator)
+        mask = (torch.arange(SEQ_LEN) < length).long()
+        rows.append({"input_ids": input_ids * mask, "attention_mask": mask,
+                     "labels": input_ids.masked_fill(mask == 0, -100)})
+    return rows
+
+
+def _arguments(output_dir, per_device_batch, deepspeed=None):
+    """The same arguments for both runs; ``per_device_batch`` is the global batch
+    for one process. Evaluation batches too: the Trainer's eval loss of a step is
+    the mean over the tokens of all replicas' batches (``num_items_in_batch``)."""
+    # DeepSpeed on CPU ranks: accelerate's state is configured by ds_tsp.trainer.configure_cpu_ranks.
+    configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=per_device_batch,
+        per_device_eval_batch_size=per_device_batch, gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS,
+        learning_rate=3e-2, weight_decay=0.5, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+        save_strategy="steps", save_steps=3, report_to=[], seed=0, disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding", deepspeed=deepspeed, **configured)
+
+
+def _deepspeed_config(tsp_size):
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 1}, "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _learning_rates(trainer):
+    return [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+
+
+def _tsp_run(tsp_size, output_dir):
+    """On every rank: train, evaluate, save, resume from checkpoint-3."""
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.trainer import configure_cpu_ranks
+
+    try:
+        configure_cpu_ranks()
+        dp_size = dist.get_world_size() // tsp_size
+        train, evaluation = _rows(STEPS * ACCUMULATION * MICRO_BATCH * dp_size, 1), _rows(EVAL_ROWS, 2)
+        trainer = ds_tsp.TSPTrainer(model=tiny_model("qwen2", dtype=torch.float32),
+                                    args=_arguments(output_dir, MICRO_BATCH, _deepspeed_config(tsp_size)),
+                                    train_dataset=train, eval_dataset=evaluation)
+        first_batches = [batch["input_ids"] for _, batch in zip(range(2), trainer.get_train_dataloader())]
+        trainer.train()
+        out = dict(losses=_losses(trainer), learning_rates=_learning_rates(trainer),
+                   eval_loss=trainer.evaluate()["eval_loss"], tokens=trainer.state.num_input_tokens_seen,
+                   max_steps=trainer.state.max_steps, total_batch=trainer.get_total_train_batch_size(trainer.args),
+                   first_batches=first_batches, topology=(trainer.tsp_topology.dp_rank, trainer.tsp_topology.tsp_rank))
+        trainer.save_model(os.path.join(output_dir, "final"))
+
+        configure_cpu_ranks()
+        resumed = ds_tsp.TSPTrainer(model=tiny_model("qwen2", dtype=torch.float32),
+                                    args=_arguments(output_dir + "-resumed", MICRO_BATCH, _deepspeed_config(tsp_size)),
+                                    train_dataset=train, eval_dataset=evaluation)
+        resumed.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3"))
+        out["resumed_losses"] = _losses(resumed)[3:]  # the state read from checkpoint-3 logged steps 1-3
+        return out
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _stock_run(dp_size, output_dir):
+    train, evaluation = _rows(STEPS * ACCUMULATION * MICRO_BATCH * dp_size, 1), _rows(EVAL_ROWS, 2)
+    trainer = Trainer(model=tiny_model("qwen2", dtype=torch.float32),
+                      args=_arguments(output_dir, MICRO_BATCH * dp_size), train_dataset=train,
+                      eval_dataset=evaluation)
+    first_batches = [batch["input_ids"] for _, batch in zip(range(2), trainer.get_train_dataloader())]
+    trainer.train()
+    return dict(losses=_losses(trainer), learning_rates=_learning_rates(trainer),
+                eval_loss=trainer.evaluate()["eval_loss"], tokens=trainer.state.num_input_tokens_seen,
+                max_steps=trainer.state.max_steps, total_batch=trainer.get_total_train_batch_size(trainer.args),
+                first_batches=first_batches, model=trainer.model)
+
+
+def _relative(values, expected):
+    values, expected = torch.as_tensor(values, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return ((values - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("world, tsp_size", [(2, 2), (4, 2)])
+def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
+    dp_size = world // tsp_size
+    per_rank = run_ranks(world, _tsp_run, tsp_size=tsp_size, output_dir=str(tmp_path / "tsp"), timeout_s=400)
+    stock = _stock_run(dp_size, str(tmp_path / "stock"))
+    tsp = per_rank[0]
+    print(f"TSP={tsp_size} DP={dp_size}: losses {[round(v, 6) for v in tsp['losses']]}, stock "
+          f"{[round(v, 6) for v in stock['losses']]}; eval {tsp['eval_loss']:.6f} vs {stock['eval_loss']:.6f}; "
+          f"tokens {tsp['tokens']} vs {stock['tokens']}; resumed steps 4-6 {tsp['resumed_losses']}; max rel "
+          f"|dloss| {_relative(tsp['losses'], stock['losses']):.1e}, "
+          f"eval {_relative(tsp['eval_loss'], stock['eval_loss']):.1e}")
+
+    # save_model wrote an ordinary Hugging Face directory: the final weights and logits.
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tsp" / "final")
+    reference = dict(stock["model"].named_parameters())
+    worst = max(_relative(p.detach(), reference[n].detach()) for n, p in reloaded.named_parameters())
+    batch = torch.stack([row["input_ids"] for row in _rows(2, 3)])
+    with torch.no_grad():
+        logits_error = _relative(reloaded(input_ids=batch).logits, stock["model"](input_ids=batch).logits)
+    print(f"  reloaded weights max rel |dw| {worst:.1e}, logits {logits_error:.1e}")
+    assert worst <= BOUND and logits_error <= LOGITS_BOUND
+    # The check can fail: the weights moved far more than the bound.
+    start = dict(tiny_model("qwen2", dtype=torch.float32).named_parameters())
+    assert max(_relative(p.detach(), start[n].detach()) for n, p in reloaded.named_parameters()) > 1e3 * BOUND
+
+    # Every rank of a TSP group gets the same micro-batches; the replicas share the global batch.
+    for rank, out in enumerate(per_rank):
+        assert out["topology"] == (rank // tsp_size, rank % tsp_size)
+        group_first = per_rank[rank - rank % tsp_size]
+        assert all(torch.equal(a, b) for a, b in zip(out["first_batches"], group_first["first_batches"]))
+    for step, global_batch in enumerate(stock["first_batches"]):
+        replicas = torch.cat([per_rank[dp * tsp_size]["first_batches"][step] for dp in range(dp_size)])
+        assert torch.equal(replicas, global_batch)
+
+    # Batch size, steps and schedule count data-parallel replicas, not ranks.
+    assert tsp["total_batch"] == stock["total_batch"] == MICRO_BATCH * ACCUMULATION * dp_size
+    assert tsp["max_steps"] == stock["max_steps"] == STEPS
+    assert tsp["learning_rates"] == pytest.approx(stock["learning_rates"], rel=1e-12)
+    # The loss: the mean over all real tokens of each step, logged once per step.
+    assert len(tsp["losses"]) == STEPS
+    assert _relative(tsp["losses"], stock["losses"]) <= BOUND
+    assert abs(tsp["eval_loss"] - stock["eval_loss"]) / stock["eval_loss"] <= BOUND
+    # Every token counted once, not once per TSP rank.
+    assert tsp["tokens"] == stock["tokens"]
+    # Resuming from the step-3 checkpoint reproduces steps 4-6.
+    assert tsp["resumed_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
+
+
+def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path):
+    """examples/hf_trainer.py on 2 CPU ranks: the loss falls, each token is
+    counted once, and the model it writes loads in Hugging Face."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    steps, seq_len = 10, 64
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29519", os.path.join(root, "examples", "hf_trainer.py"),
+           "--deepspeed", os.path.join(root, "ds_configs", "trainer_tsp2_cpu.json"), "--steps", str(steps),
+           "--seq-len", str(seq_len), "--lr", "1e-2", "--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{\"step\"")]
+    losses = [entry["loss"] for entry in logs if "loss" in entry]
+    print(f"example: losses {[round(v, 3) for v in losses]}")
+    assert losses[-1] < losses[0] - 0.5
+    # batch 2 x accumulation 2 per step, one data-parallel replica: every token once.
+    assert logs[-1]["num_input_tokens_seen"] == steps * 2 * 2 * seq_len
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")
+    assert model.config.num_hidden_layers == 4
+
+
+# ------------------------------------------------------------------------ TRL
+
+def _chat_tokenizer():
+    """A byte-level tokenizer with a ChatML-like template, built in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}")
+    return tokenizer
+
+
+def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    tokenizer = _chat_tokenizer()
+    chats = Dataset.from_list([{"messages": [{"role": "user", "content": f"add {a} and {b}"},
+                                             {"role": "assistant", "content": str(a + b)}]}
+                               for a in range(4) for b in range(4)])
+    configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=4,
+                     gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-2, weight_decay=0.5, logging_steps=1,
+                     save_strategy="no", report_to=[], seed=0, disable_tqdm=True, max_length=SEQ_LEN * 2, bf16=False,
+                     deepspeed=deepspeed, **configured)
+    model = tiny_model("qwen2", dtype=torch.float32, vocab_size=len(tokenizer))
+    return trainer_class(model=model, args=args, train_dataset=chats, processing_class=tokenizer)
+
+
+def _tsp_sft_run(output_dir):
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.trainer import configure_cpu_ranks
+
+    from trl import SFTTrainer
+
+    class TSPSFTTrainer(ds_tsp.TSPTrainerMixin, SFTTrainer):
+        pass
+
+    try:
+        configure_cpu_ranks()
+        trainer = _sft_trainer(TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()))
+        trainer.train()
+        return _losses(trainer)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path):
+    """TRL's SFTTrainer with the mixin in front, on a chat dataset, against one
+    process's SFTTrainer (whose loss comes from TRL's fused LM head)."""
+    SFTTrainer = pytest.importorskip("trl").SFTTrainer
+
+    tsp_losses = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"))[0]
+    stock = _sft_trainer(SFTTrainer, str(tmp_path / "stock"), MICRO_BATCH)
+    stock.train()
+    print(f"SFT TSP=2: losses {[round(v, 6) for v in tsp_losses]}, stock {[round(v, 6) for v in _losses(stock)]}")
+    assert len(tsp_losses) == 4
+    assert _relative(tsp_losses, _losses(stock)) <= BOUND
