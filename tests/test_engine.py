@@ -97,17 +97,9 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
         ref_losses.append(ref_loss.item())
 
     ref_params = dict(ref.named_parameters())
-    rel = {}
     partitioned = zero_stage == 3 and all(_released(param) for param in engine.module.parameters())
     with _gathered(engine, zero_stage):
-        for name, param in engine.module.named_parameters():
-            if getattr(param, "tensor_model_parallel", False):
-                prefix = name.rsplit(".", 1)[0]
-                pieces = sharded_pieces(engine.module.get_submodule(prefix),
-                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in ref_params.items()})
-                rel.update({f"{prefix}.{n}": _relative(value, expected) for n, (value, expected) in pieces.items()})
-            else:
-                rel[name] = _relative(param.detach(), ref_params[name].detach())
+        rel = _relative_to(engine.module, ref_params)
     recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)
     # ZeRO-1/2 and ZeRO-3 optimizers each say whether their states live in host memory.
     offloaded = bool(getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer",
@@ -121,6 +113,24 @@ def _released(param):
     (all of it at DP=1) kept aside."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     return param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
+
+
+def _relative_to(module, ref_params):
+    """``{name: relative distance}`` of every tensor ``module`` holds (a TSP
+    shard: the pieces it holds) to the reference's Hugging Face parameters."""
+    rel = {}
+    for name, param in module.named_parameters():
+        prefix = name.rsplit(".", 1)[0]
+        if getattr(param, "tensor_model_parallel", False):
+            pieces = sharded_pieces(module.get_submodule(prefix),
+                                    {n.removeprefix(f"{prefix}."): p.detach() for n, p in ref_params.items()})
+            rel.update({f"{prefix}.{n}": _relative(value, expected) for n, (value, expected) in pieces.items()})
+        else:  # replicated: a TSP block's under its Hugging Face name
+            owner = module.get_submodule(prefix)
+            held = getattr(owner, "replicated_params", dict)()
+            name = next((f"{prefix}.{hf}" for hf, p in held.items() if p is param), name)
+            rel[name] = _relative(param.detach(), ref_params[name].detach())
+    return rel
 
 
 def _relative(value, expected):
@@ -239,17 +249,7 @@ def _client_optimizer_run(zero_stage, as_model_parameters):
             reference_optimizer.step()
     distances = {}
     for label, (reference, _) in references.items():
-        params = dict(reference.named_parameters())
-        rel = []
-        for name, param in engine.module.named_parameters():
-            prefix = name.rsplit(".", 1)[0]
-            if getattr(param, "tensor_model_parallel", False):
-                pieces = sharded_pieces(engine.module.get_submodule(prefix),
-                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in params.items()})
-                rel += [_relative(value, expected) for value, expected in pieces.values()]
-            else:
-                rel.append(_relative(param.detach(), params[name].detach()))
-        distances[label] = max(rel)
+        distances[label] = max(_relative_to(engine.module, dict(reference.named_parameters())).values())
     return distances
 
 
@@ -428,17 +428,7 @@ def _one_step_over_uneven_padding(world_tsp_size, accumulation, global_mean):
         with torch.no_grad():
             for param, grad in zip(stepped.parameters(), grads):
                 param -= LR["sgd"] * grad
-        ref_params = dict(stepped.named_parameters())
-        rel = []
-        for param_name, param in engine.module.named_parameters():
-            prefix = param_name.rsplit(".", 1)[0]
-            if getattr(param, "tensor_model_parallel", False):
-                pieces = sharded_pieces(engine.module.get_submodule(prefix),
-                                        {n.removeprefix(f"{prefix}."): p.detach() for n, p in ref_params.items()})
-                rel += [_relative(value, expected) for value, expected in pieces.values()]
-            elif param_name in ref_params:
-                rel.append(_relative(param.detach(), ref_params[param_name].detach()))
-        distances[name] = max(rel)
+        distances[name] = max(_relative_to(engine.module, dict(stepped.named_parameters())).values())
     return distances
 
 
