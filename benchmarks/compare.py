@@ -225,20 +225,22 @@ def run_tsp_replicated_vocab(world, args):
     return _run_tsp(world, args, vocab_parallel=False)
 
 
-def run_autotp(world, args):
+def run_autotp(world, args, build=build_model):
+    """``build(args)``: the Hugging Face model (``benchmarks/longest.py``
+    passes one with gradient checkpointing on); the same for the runners below."""
     config = ds_config(args, tensor_parallel={"autotp_size": world})
-    return FullSequenceRun(_deepspeed_engine(build_model(args), config))
+    return FullSequenceRun(_deepspeed_engine(build(args), config))
 
 
-def run_ulysses(world, args):
-    model = build_model(args)
+def run_ulysses(world, args, build=build_model):
+    model = build(args)
     mpu = register_ulysses(model, world, args)
     engine = _deepspeed_engine(model, ds_config(args, sequence_parallel_size=world), mpu)
     return UlyssesRun(engine, mpu.get_sequence_parallel_group(), backward_scale=1 / world)
 
 
-def run_ulysses_zero3(world, args):
-    model = build_model(args)
+def run_ulysses_zero3(world, args, build=build_model):
+    model = build(args)
     mpu = register_ulysses(model, world, args)
     config = ds_config(args, zero_stage=3, sequence_parallel_size=world)
     config["zero_optimization"].update(zero3_buckets(args))

@@ -61,8 +61,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from compare import (FullSequenceRun, UlyssesRun, _deepspeed_engine, _error_line, _exit, adamw, batch_ids,
-                     build_model, ds_config, register_ulysses, zero3_buckets)
+from compare import FullSequenceRun, _error_line, _exit, adamw, batch_ids, build_model, ds_config, zero3_buckets
 from measure import LiveTensorBytes, in_host_memory
 from report import plan_model
 
@@ -112,23 +111,15 @@ def _checkpointed_model(args):
 
 
 def run_autotp(world, args):
-    config = ds_config(args, tensor_parallel={"autotp_size": world})
-    return FullSequenceRun(_deepspeed_engine(_checkpointed_model(args), config))
+    return compare.run_autotp(world, args, build=_checkpointed_model)
 
 
 def run_ulysses(world, args):
-    model = _checkpointed_model(args)
-    mpu = register_ulysses(model, world, args)
-    engine = _deepspeed_engine(model, ds_config(args, sequence_parallel_size=world), mpu)
-    return UlyssesRun(engine, mpu.get_sequence_parallel_group(), backward_scale=1 / world)
+    return compare.run_ulysses(world, args, build=_checkpointed_model)
 
 
 def run_ulysses_zero3(world, args):
-    model = _checkpointed_model(args)
-    mpu = register_ulysses(model, world, args)
-    config = ds_config(args, zero_stage=3, sequence_parallel_size=world)
-    config["zero_optimization"].update(zero3_buckets(args))
-    return UlyssesRun(_deepspeed_engine(model, config, mpu), mpu.get_sequence_parallel_group())
+    return compare.run_ulysses_zero3(world, args, build=_checkpointed_model)
 
 
 STRATEGIES = {"tsp": run_tsp, "tsp_offload": run_tsp_offload, "autotp": run_autotp, "ulysses": run_ulysses,

@@ -23,7 +23,8 @@ from . import comm, layout
 from .amp import autocast_backward, autocast_forward
 from .attention_kernels import select_kernel
 from .documents import query_blocks
-from .packing import PackSpec, module_reader
+from .packing import PackedShardMixin, PackSpec, module_reader
+
 
 @dataclass(frozen=True)
 class HeadGroups:
@@ -428,7 +429,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm
 
 
-class TSPAttention(nn.Module):
+class TSPAttention(PackedShardMixin, nn.Module):
     """Self-attention of one decoder layer, sharded by head group over a TSP group.
 
     ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
@@ -496,28 +497,9 @@ class TSPAttention(nn.Module):
                        for name in ("q_norm", "k_norm") if getattr(self, name) is not None})
         return {name: param for name, param in params.items() if param is not None}
 
-    def shard_names(self):
-        """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + list(self.replicated_params())
-
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.heads, name, self.tsp_rank)
-
-    @torch.no_grad()
-    def load_shard(self, tensors):
-        """Copy this rank's pieces in (``{name: tensor}`` over ``shard_names()``)."""
-        if set(tensors) != set(self.shard_names()):
-            raise ValueError(f"TSPAttention shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
-        self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
-        for name, param in self.replicated_params().items():
-            param.copy_(tensors[name])
-
-    def shard_tensors(self):
-        """This rank's pieces under Hugging Face names (views of the parameters)."""
-        tensors = self.spec.unpack(self.packed.detach())
-        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
-        return tensors
 
     def plan(self, x, documents=None):
         """How to run this layer on the local tokens ``x``; ``documents``: the

@@ -34,7 +34,7 @@ from torch import nn
 from ds_tsp import comm
 from ds_tsp.amp import autocast_backward, autocast_forward
 from ds_tsp.comm import accumulation_dtype
-from ds_tsp.packing import PackSpec, module_reader
+from ds_tsp.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.ring import ring_gradients, ring_steps
 
 # Which dim of each full Hugging Face tensor is split across the TSP group; a
@@ -85,7 +85,7 @@ def shard_forward(x, w, act_fn):
     return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
 
 
-def _shard_backward(x2, grad_y2, w, act_fn, gate, up):
+def shard_backward(x2, grad_y2, w, act_fn, gate, up):
     """Gradients of one shard's contribution for the local tokens.
 
     ``x2``, ``grad_y2``: ``(N, H)`` local tokens; ``gate``, ``up``: ``(N, F/D)``
@@ -180,7 +180,7 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
             else:
                 gate = F.linear(x_tile, w["gate_proj.weight"], w.get("gate_proj.bias"))
                 up = F.linear(x_tile, w["up_proj.weight"], w.get("up_proj.bias"))
-            tile_grad_x, grads = _shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up)
+            tile_grad_x, grads = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up)
             grad_x[start:end] += tile_grad_x
             grad_shard += plan.spec.pack(grads)
         return grad_shard
@@ -211,7 +211,7 @@ class _MLPRing(torch.autograd.Function):
         return grad_x, grad_packed, None
 
 
-class TSPGatedMLP(nn.Module):
+class TSPGatedMLP(PackedShardMixin, nn.Module):
     """``down(act(gate(x)) * up(x))`` over the local tokens, weights sharded on
     ``F`` across ``tsp_group`` and moved by a ring (see the module docstring).
 
@@ -255,29 +255,9 @@ class TSPGatedMLP(nn.Module):
         """The parameters every rank holds whole, under Hugging Face names."""
         return {DOWN_BIAS: self.down_bias} if self.down_bias is not None else {}
 
-    def shard_names(self):
-        """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + list(self.replicated_params())
-
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.intermediate_size, self.tsp_size, name, self.tsp_rank)
-
-    def load_shard(self, tensors):
-        """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""
-        if set(tensors) != set(self.shard_names()):
-            raise ValueError(f"TSPGatedMLP shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
-        with torch.no_grad():
-            self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
-            if self.down_bias is not None:
-                self.down_bias.copy_(tensors[DOWN_BIAS])
-
-    def shard_tensors(self):
-        """This rank's slices under HF names, as views of the parameters."""
-        tensors = self.spec.unpack(self.packed.detach())
-        if self.down_bias is not None:
-            tensors[DOWN_BIAS] = self.down_bias.detach()
-        return tensors
 
     @classmethod
     def from_hf(cls, mlp, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):

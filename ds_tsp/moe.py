@@ -67,9 +67,9 @@ from . import comm
 from .amp import autocast_backward, autocast_forward
 from .comm import accumulation_dtype
 from .mappings import sum_over_group
-from .mlp import _shard_backward as gated_shard_backward
+from .mlp import shard_backward as gated_shard_backward
 from .mlp import shard_forward as gated_shard_forward
-from .packing import PackSpec, module_reader
+from .packing import PackedShardMixin, PackSpec, module_reader
 from .ring import ring_gradients, ring_steps
 
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
@@ -283,7 +283,7 @@ class _MoERing(torch.autograd.Function):
         return grad_x, grad_weights, None, grad_scale, grad_packed, None
 
 
-class TSPSparseMoE(nn.Module):
+class TSPSparseMoE(PackedShardMixin, nn.Module):
     """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
     local tokens, experts sharded ``E/D`` per rank and moved by a ring (see the
     module docstring).
@@ -320,28 +320,9 @@ class TSPSparseMoE(nn.Module):
             params[SHARED_GATE] = self.shared_expert_gate.weight
         return params
 
-    def shard_names(self):
-        """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + list(self.replicated_params())
-
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.num_experts, self.shared_size, self.tsp_size, name, self.tsp_rank)
-
-    def load_shard(self, tensors):
-        """Copy this rank's slices (HF names, already cut along ``SHARD_DIMS``) in."""
-        if set(tensors) != set(self.shard_names()):
-            raise ValueError(f"TSPSparseMoE shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
-        with torch.no_grad():
-            self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
-            for name, param in self.replicated_params().items():
-                param.copy_(tensors[name])
-
-    def shard_tensors(self):
-        """This rank's slices under HF names, as views of the parameters."""
-        tensors = self.spec.unpack(self.packed.detach())
-        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
-        return tensors
 
     @classmethod
     def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):

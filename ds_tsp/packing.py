@@ -38,6 +38,32 @@ class PackSpec:
                 for name, shape in self.shapes.items()}
 
 
+class PackedShardMixin:
+    """Checkpoint access of a TSP block holding one packed shard (``packed``,
+    laid out by ``spec``) and parameters every rank holds whole
+    (``replicated_params()``, by Hugging Face name), as the attention, MLP and
+    MoE blocks do: ``shard_names``, ``load_shard`` and ``shard_tensors``."""
+
+    def shard_names(self):
+        """Hugging Face names of the tensors this module holds a part of."""
+        return list(self.spec.shapes) + list(self.replicated_params())
+
+    @torch.no_grad()
+    def load_shard(self, tensors):
+        """Copy this rank's pieces in (``{name: tensor}`` over ``shard_names()``)."""
+        if set(tensors) != set(self.shard_names()):
+            raise ValueError(f"{type(self).__name__} shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
+        self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
+        for name, param in self.replicated_params().items():
+            param.copy_(tensors[name])
+
+    def shard_tensors(self):
+        """This rank's pieces under Hugging Face names (views of the parameters)."""
+        tensors = self.spec.unpack(self.packed.detach())
+        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
+        return tensors
+
+
 def module_reader(module):
     """``read(name, piece)`` over a module's own parameters: the tensor ``name``
     narrowed to ``piece = (dim, start, length)``, or whole when ``piece`` is None.
