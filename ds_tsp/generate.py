@@ -23,8 +23,9 @@ layer:
   outputs ``(B, H)`` are all-gathered and summed in rank order.
 * MLP: rank ``j`` runs the token through its own ``F``-shard (1/D of the
   FLOPs, where the ring would have every rank compute the whole MLP for the
-  same token); the ``D`` partial outputs are all-gathered and summed in rank
-  order.
+  same token); a mixture of experts routes the token on every rank and rank
+  ``j`` runs its own experts (and shared-expert slice). The ``D`` partial
+  outputs are all-gathered and summed in rank order.
 
 Summing all-gathered parts in a fixed order (rather than an all-reduce) makes
 the hidden states, hence the logits and the chosen tokens, bit-identical on
@@ -54,7 +55,6 @@ import torch.nn.functional as F
 from . import comm, layout
 from .attention import attention_forward, project, rotate
 from .kv_cache import KVCache, placement, prompt_tokens
-from .mlp import shard_forward
 from .model import TSPCausalLMMixin, rotary_tables
 from .vocab import embed_local_tokens, full_vocab_logits
 
@@ -269,12 +269,9 @@ class TSPDecoder:
         return y.unsqueeze(1)
 
     def _mlp(self, mlp, h):
-        """This rank's ``F``-shard of the MLP for the new token, summed over the group."""
-        part, _, _ = shard_forward(h[:, 0], mlp.spec.unpack(mlp.packed.detach()), mlp.act_fn)
-        y = self._sum_over_group(part)  # (B, H)
-        if mlp.down_bias is not None:
-            y = y + mlp.down_bias
-        return y.unsqueeze(1)
+        """This rank's share of the MLP (its ``F``-shard; for a mixture of
+        experts, its experts) for the new token, summed over the group."""
+        return self._sum_over_group(mlp.decode_share(h[:, 0])).unsqueeze(1)  # (B, 1, H)
 
     def _sum_over_group(self, part):
         """Sum of every rank's ``part``, in rank order, so bit-identical on every rank."""

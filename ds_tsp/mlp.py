@@ -279,6 +279,17 @@ class TSPGatedMLP(PackedShardMixin, nn.Module):
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
+    @torch.no_grad()
+    def decode_share(self, x):
+        """For tokens ``x`` ``(N, H)`` that every rank holds (decoding), this
+        rank's share of the output from its own shard alone, no weight moving:
+        the shares sum over the group to the MLP's output (``down_proj``'s bias
+        included once, by rank 0)."""
+        y, _, _ = shard_forward(x, self.spec.unpack(self.packed.detach()), self.act_fn)
+        if self.down_bias is not None and self.tsp_rank == 0:
+            y = y + self.down_bias
+        return y
+
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
         y = _MLPRing.apply(x, self.packed, self.plan)

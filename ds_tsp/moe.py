@@ -346,6 +346,26 @@ class TSPSparseMoE(PackedShardMixin, nn.Module):
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
+    @torch.no_grad()
+    def decode_share(self, x):
+        """For tokens ``x`` ``(N, H)`` that every rank holds (decoding), this
+        rank's share of the output: its own experts' weighted outputs for the
+        tokens routed to them and its slice of the shared expert, no weight
+        moving; the shares sum over the group to the block's output."""
+        _, weights, index = self.gate(x)
+        shared_scale = None if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
+        y = torch.zeros(x.shape, dtype=self.plan.accumulator_dtype(x.dtype), device=x.device)
+        routing = Routing.of(index, self.num_experts)
+        w = self.spec.unpack(self.packed.detach())
+        for local, expert in self.plan.held_experts(0):
+            for tokens, slots in routing.of_expert(expert, 0):
+                out, _, _ = gated_shard_forward(x[tokens], _expert(w, local, self.expert_size), self.plan.act_fn)
+                y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
+        if shared_scale is not None:
+            out, _, _ = gated_shard_forward(x, _shared(w), self.plan.act_fn)
+            y += (shared_scale * out).to(y.dtype)
+        return y.to(x.dtype)
+
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
         x2 = x.reshape(-1, self.hidden_size)  # (N, H)

@@ -137,6 +137,19 @@ def test_mistral_sliding_window_at_four_ranks(run_ranks):
     assert diff <= TOLERANCE
 
 
+def test_mixture_of_experts_generates_as_hugging_face(run_ranks):
+    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE at D=2: each rank
+    decodes with its own experts only; tokens equal HF's cached generate."""
+    prompts = _prompts(2, seed=9)
+    for arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+        per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+        diff = _max_logit_diff(per_rank, ref_logits)
+        print(f"D=2 {arch}: max|logit diff| {diff:.2e}")
+        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+        assert diff <= TOLERANCE
+
+
 # Dynamic RoPE rescales from the largest position id, here past max_position_embeddings
 # already in the prompt, and again at every decode step.
 DYNAMIC_ROPE = {"max_position_embeddings": 8,
