@@ -744,3 +744,10 @@ def test_cli_max_seq_len_and_alst(tmp_path):
                                                "--activation-checkpointing", "--offload-activations",
                                                "--offload-optimizer"]), out=out) == 0
     assert "tsp.token_tile 8192" in out.getvalue() and "Host memory per node of 8 ranks" in out.getvalue()
+
+
+def test_mixture_of_experts_configs_are_refused():
+    from models import tiny_config
+
+    with pytest.raises(ValueError, match=r"num_local_experts = 4: the planner models dense decoder layers only"):
+        planner.model_shape(tiny_config("mixtral").to_dict())

@@ -151,6 +151,10 @@ def _shape_fields(model):
     raise TypeError(f"model must be a preset name, a config path, a dict or a Hugging Face config, not {type(model)}")
 
 
+# Config keys of mixture-of-experts models (Mixtral; Qwen2/3-MoE and others).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 def model_shape(model):
     """``ModelShape`` from a preset name, a Hugging Face config (object, dict,
     directory or JSON file) or a ``ModelShape``."""
@@ -159,6 +163,12 @@ def model_shape(model):
     fields = _shape_fields(model)
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
         fields = {**fields, **fields["text_config"]}
+    experts = {key: fields[key] for key in MOE_KEYS if (fields.get(key) or 0) > 1}
+    if experts:
+        key, value = next(iter(experts.items()))
+        raise ValueError(f"model config has {key} = {value}: the planner models dense decoder layers only, and "
+                         "would count one expert's MLP for the whole layer; mixture-of-experts models are not "
+                         "planned yet")
     try:
         heads = fields["num_attention_heads"]
         return ModelShape(
