@@ -83,6 +83,11 @@ def check_pipeline_stages(config, tsp_config):
     if layers % stages:
         raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
                          f"{stages}: choose tsp.pipeline_stages from the divisors of {layers}")
+    experts = next((key for key in ("num_local_experts", "num_experts") if (getattr(config, key, 0) or 0) > 1), None)
+    if experts:
+        raise ValueError(f"{experts} = {getattr(config, experts)}: mixture-of-experts models are not supported with "
+                         "tsp.pipeline_stages > 1 yet (the stages would drop the load-balancing loss): use "
+                         "tsp.pipeline_stages = 1")
     if getattr(config, "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings = true ties the first and last pipeline stages, which ds_tsp does not "
                          "support yet: use tsp.pipeline_stages = 1 for this model")

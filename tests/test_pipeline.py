@@ -157,3 +157,12 @@ def test_layers_that_do_not_split_are_refused():
     model = ds_tsp.inject(tiny_model("llama", num_hidden_layers=3), TSPTopology(1), TSPConfig(enabled=True))
     with pytest.raises(ValueError, match="num_hidden_layers = 3 does not split evenly over tsp.pipeline_stages = 2"):
         build_pipeline(model, TSPTopology(1), TSPConfig(enabled=True, pipeline_stages=2))
+
+
+def test_mixture_of_experts_models_are_refused_in_pipelines():
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.pipeline import check_pipeline_stages
+
+    with pytest.raises(ValueError, match="num_local_experts = 4: mixture-of-experts models are not supported with "
+                                         r"tsp.pipeline_stages > 1"):
+        check_pipeline_stages(tiny_model("mixtral").config, TSPConfig(enabled=True, pipeline_stages=2))
