@@ -292,8 +292,9 @@ def planned(strategy, world, seq_len, args):
     zero_stage = {"tsp_offload": OFFLOAD_ZERO_STAGE, "ulysses_zero3": 3}.get(strategy, 0)
     offloads = strategy == "tsp_offload"
     if strategy == "autotp":  # plan's TP(N) is Megatron's vocabulary-parallel head; AutoTP gathers the logits
+        # compare.FullSequenceRun keeps only the loss, so the logits output is freed before backward.
         return plan_autotp(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
-                           activation_checkpointing=True)
+                           activation_checkpointing=True, logits_kept=False)
     plans = plan(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
                  activation_checkpointing=True, token_tile=args.token_tile, offload_activations=offloads,
                  offload_optimizer=offloads)

@@ -216,7 +216,8 @@ def _baseline_problem(m, t, c, kind, seq_len):
     return None
 
 
-def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True):
+def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
+                  logits_kept=True):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
@@ -225,7 +226,9 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     and the logits left split (Megatron); false is DeepSpeed AutoTP's training
     layout (``plan_autotp``): the embedding whole on every rank, the LM head
     split by columns with its output gathered, so every rank holds the logits
-    of the whole vocabulary."""
+    of the whole vocabulary. ``logits_kept``: the training loop keeps the
+    model's logits output through backward (false: only the loss, so the
+    logits are freed once the loss has its log-probabilities)."""
     m, p = setting.model, setting.precision
     e, B, S, L, H = p.element, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
@@ -254,6 +257,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
         logits_held = 0
     else:
         logits_saved, logits_held = logits_memory(m, p, tokens, vocab_shards)
+        logits_held = logits_held if logits_kept else 0
         loss_backward = tokens * m.vocab_size / vocab_shards * loss_backward_per_logit(p)
         if zero3:  # the LM head gathered whole, and its whole gradient before the reduce-scatter
             loss_backward += 2 * m.vocab_size / vocab_shards * H * e
@@ -389,7 +393,7 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
 
 
 def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
-                **options):
+                logits_kept=True, **options):
     """DeepSpeed AutoTP training over ``devices`` ranks (``tensor_parallel.autotp_size``):
     ``TP(N)``'s layers with the vocabulary as AutoTP lays it out, the embedding
     whole and the LM head's output gathered (``plan_baseline``'s
@@ -397,7 +401,7 @@ def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0
     setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
                            **options)
     return plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
-                         vocab_parallel=False)
+                         vocab_parallel=False, logits_kept=logits_kept)
 
 
 def alst_name(devices):
