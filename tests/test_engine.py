@@ -154,6 +154,9 @@ def _gathered(engine, zero_stage):
     (4, 2, 3, "adam", False, False, "qwen3", True),  # per-head norms: replicated, gathered, summed
     (4, 2, 1, "adam", True, False, "llama", False), (4, 2, 2, "sgd", False, True, "llama", False),
     (2, 2, 3, "adam", "cpu", False, "qwen3", True),  # states and checkpoints in host memory, ZeRO-3
+    # Experts on the ring (a shared expert too) with the load-balancing loss, which is over each replica's
+    # batch (as under DDP), so one replica: the reference's is over the whole batch.
+    (2, 2, 2, "adam", False, False, "qwen2_moe", False), (2, 2, 3, "adam", False, False, "mixtral", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
                                                activation_checkpointing, config_optimizer, arch, offload_optimizer):
