@@ -531,5 +531,6 @@ def replicated_names(attn):
 
 def sliding_window_of(attn, config):
     """The layer's sliding window: Qwen2-style modules carry it per layer,
-    Mistral-style configs set it for every layer; None means full causal."""
-    return getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+    Mistral-style configs set it for every layer; None means full causal, and
+    so does 0 (Qwen2-MoE's config says "no window" so; no mask applies it)."""
+    return getattr(attn, "sliding_window", getattr(config, "sliding_window", None)) or None

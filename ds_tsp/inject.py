@@ -64,7 +64,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     sparse, else a ``TSPGatedMLP``."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
-    tsp_attention = TSPAttention.from_hf(attention, policy.attention_config(config), topology.tsp_group,
+    tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
                                          layout_name=tsp_config.layout, backend=tsp_config.attention_backend,
                                          overlap=tsp_config.overlap,
                                          token_tile=tsp_config.token_tile,

@@ -13,17 +13,19 @@ import math
 
 import torch
 
+from .packing import PackedShardMixin
+
+
 def hf_tensors(model):
     """``[(parameter, {Hugging Face name: numel})]`` of an injected model, each
     parameter once: a TSP block's packed shard holds its spec's tensors in
     order, every other parameter (replicated in a block, a vocabulary shard,
-    a norm) the one Hugging Face tensor of its own name. A block is known by
-    its shape (``packed``, ``spec``, ``replicated_params``), as ``mlp.py``'s."""
+    a norm) the one Hugging Face tensor of its own name."""
     out = []
     for name, param in model.named_parameters():
         prefix, _, _ = name.rpartition(".")
         module = model.get_submodule(prefix)
-        if all(hasattr(module, attr) for attr in ("packed", "spec", "replicated_params")):
+        if isinstance(module, PackedShardMixin):
             if param is module.packed:
                 out.append((param, {f"{prefix}.{n}": math.prod(shape) for n, shape in module.spec.shapes.items()}))
                 continue

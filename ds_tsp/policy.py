@@ -17,7 +17,6 @@ submodule or the config attribute at fault, before any weight moves: nothing
 is ever converted approximately.
 """
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -162,21 +161,6 @@ def layer_types_window(config, index):
     return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
 
 
-def same_config(config):
-    return config
-
-
-def zero_window_is_none(config):
-    """Qwen2-MoE's config stores "no window" as ``sliding_window = 0`` (its
-    full-attention modules carry no window, and HF's masks never apply 0): the
-    config the TSP attention reads says None instead (a shallow copy)."""
-    if getattr(config, "sliding_window", None) != 0:
-        return config
-    config = copy.copy(config)
-    config.sliding_window = None
-    return config
-
-
 @dataclass(frozen=True)
 class DecoderPolicy:
     name: str
@@ -187,8 +171,6 @@ class DecoderPolicy:
     config: dict = field(default_factory=lambda: AUTO_CONFIG, hash=False)
     # The sliding window HF's mask gives layer ``index``; None: unknown (auto).
     hf_window: Callable | None = None
-    # The model's config as the TSP attention should read it (its window).
-    attention_config: Callable = same_config
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     final_norm: str = "model.norm"
@@ -215,7 +197,7 @@ POLICIES = {
     "mixtral": DecoderPolicy("mixtral", "MixtralDecoderLayer", "MixtralForCausalLM", MIXTRAL, config_window,
                              sparse_mlp="MixtralSparseMoeBlock"),
     "qwen2_moe": DecoderPolicy("qwen2_moe", "Qwen2MoeDecoderLayer", "Qwen2MoeForCausalLM", QWEN2_MOE,
-                               layer_types_window, zero_window_is_none, sparse_mlp="Qwen2MoeSparseMoeBlock"),
+                               layer_types_window, sparse_mlp="Qwen2MoeSparseMoeBlock"),
     "qwen3_moe": DecoderPolicy("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM", QWEN3_MOE, config_window,
                                sparse_mlp="Qwen3MoeSparseMoeBlock"),
 }
@@ -287,7 +269,7 @@ def check_window(policy, layer, config, index, where):
     """The sliding window the TSP attention will use must be the one HF's mask uses for this layer."""
     if policy.hf_window is None:
         return  # auto: ds_tsp.probe compares the layer as a whole
-    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), policy.attention_config(config))
+    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), config)
     hf_window = policy.hf_window(config, index)
     if tsp_window != hf_window:
         raise PolicyError(f"{type(layer).__name__} at {where}: the Hugging Face forward masks with sliding window "

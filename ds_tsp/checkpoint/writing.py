@@ -25,10 +25,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .. import comm
-from ..attention import TSPAttention
-from ..mlp import TSPGatedMLP
 from ..model import TSPCausalLMMixin, TSPDecoderLayer
-from ..moe import TSPSparseMoE
+from ..packing import PackedShardMixin
 from ..policy import resolve_policy
 from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
 from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
@@ -95,7 +93,7 @@ def gather_unit(prefix, module):
     """The ``GatherUnit`` of one module at Hugging Face name ``prefix``: a TSP
     block, a vocabulary-parallel matrix (none for a head tied to the embedding,
     whose rows the embedding's unit writes) or a module every rank holds whole."""
-    if isinstance(module, (TSPAttention, TSPGatedMLP, TSPSparseMoE)):
+    if isinstance(module, PackedShardMixin):
         names = dict.fromkeys(name for held in block_holdings(module) for name in held)
         own = module.shard_tensors()
         return GatherUnit({f"{prefix}.{n}": own.get(n, module.packed).dtype for n in names},
