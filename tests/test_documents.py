@@ -18,6 +18,9 @@ def test_packed_documents_match_hugging_face(run_ranks, tsp_size):
     for arch in ("llama", "mistral"):  # mistral's sliding window takes the autograd-recompute path
         per_rank = run_ranks(tsp_size, model_parity, arch=arch, batch=2, seq_len=19, documents=DOCUMENTS)
         check(per_rank, f"D={tsp_size} {arch} packed {DOCUMENTS}")
+    per_rank = run_ranks(tsp_size, model_parity, arch="llama", batch=2, seq_len=19, documents=DOCUMENTS,
+                         layout="contiguous")
+    check(per_rank, f"D={tsp_size} llama packed {DOCUMENTS}, contiguous layout")
 
 
 def test_flash_attention_cu_seq_lens_match_hugging_face(run_ranks):
