@@ -42,18 +42,27 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 class TSPBatch:
     """One micro-batch as this rank sees it: padded, shifted, sharded.
     ``documents`` are the rows' packed documents (``ds_tsp.documents``), None
-    when each row is one sequence."""
+    when each row is one sequence.
+
+    What the host must know about the batch (whether the mask is right
+    padding, where documents start, how many targets there are, and the
+    embedding's all-to-all sizes) is read from ONE host copy of the batch
+    (``host_copy``), before the step's first kernel, so the layers, the loss
+    and backward never wait for the device. ``rank_input_ids`` are that host
+    copy's shards; the tensors the layers compute with stay on the device."""
 
     def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
                  cu_seq_lens=None):
         batch, seq_len = input_ids.shape
-        real = _real_tokens(attention_mask, batch, seq_len, input_ids.device)
         if position_ids is not None and position_ids.shape == (1, seq_len):
             position_ids = position_ids.expand(batch, -1)  # HF accepts positions shared by every row
         if position_ids is not None and position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
                              f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
-        self.documents = document_starts(position_ids, attention_mask, cu_seq_lens, input_ids.shape)
+        host_ids, host_labels, host_positions, host_mask = host_copy(input_ids, labels, position_ids, attention_mask)
+        host_real = _real_tokens(host_mask, batch, seq_len, host_ids.device)
+        self.documents = document_starts(host_positions, host_mask, cu_seq_lens, input_ids.shape)
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
         # What rotary types that scale with the sequence read (HF: max(position_ids)).
@@ -61,8 +70,9 @@ class TSPBatch:
         shifted = None
         if labels is not None:
             shifted = shifted_targets(labels, real)
-            self.num_real_labels = int((shifted != IGNORE_INDEX).sum())
+            self.num_real_labels = int((shifted_targets(host_labels, host_real) != IGNORE_INDEX).sum())
         input_ids, self.num_padding = layout.pad_to_multiple(input_ids, tsp_size, value=0)
+        host_ids, _ = layout.pad_to_multiple(host_ids, tsp_size, value=0)
         # Padding goes after the last real token, so causal masking keeps every
         # real token from seeing it; its positions just continue the sequence.
         tail = position_ids[:, -1:] + torch.arange(1, self.num_padding + 1, device=input_ids.device)
@@ -71,11 +81,23 @@ class TSPBatch:
         def own(t):
             return layout.shard(t, tsp_rank, tsp_size, layout_name)
 
-        # Every rank's tokens: the vocabulary-parallel embedding serves them all.
-        self.rank_input_ids = [layout.shard(input_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
-        self.input_ids, self.position_ids = self.rank_input_ids[tsp_rank], own(position_ids)
+        # Every rank's tokens, on the host: the vocabulary-parallel embedding routes them all.
+        self.rank_input_ids = [layout.shard(host_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
+        self.input_ids, self.position_ids = own(input_ids), own(position_ids)
         self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def host_copy(*tensors):
+    """CPU copies of ``tensors`` (None stays None), in one device-to-host
+    transfer for all of those on an accelerator; CPU tensors are returned as they are."""
+    on_device = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not on_device:
+        return tensors
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in on_device]).cpu()
+    copies = iter(piece.view(t.shape).to(t.dtype) for piece, t in
+                  zip(flat.split([t.numel() for t in on_device]), on_device))
+    return tuple(t if t is None or t.device.type == "cpu" else next(copies) for t in tensors)
 
 
 def shifted_targets(labels, real):
@@ -144,7 +166,8 @@ class TSPCausalLMMixin:
                              attention_mask=attention_mask)
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout, cu_seq_lens)
-        hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank)
+        hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
+                                    batch.input_ids)
         position_embeddings = rotary_tables(self.get_submodule(policy.rotary_emb), hidden, batch.position_ids,
                                             batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
@@ -207,4 +230,6 @@ def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None)
         local_sum = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                                     batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
-    return sum_over_group(local_sum, tsp_group) / max(count, 1), logits
+    # A tensor count (the HF Trainer passes one, maybe on the device) is not read on the host.
+    divisor = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+    return sum_over_group(local_sum, tsp_group) / divisor, logits

@@ -32,7 +32,7 @@ class TSPEmbeddingPipe(nn.Module):
         self.batch_check(input_ids=input_ids)
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
         positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
-        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank), positions
+        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids), positions
 
 
 class TSPDecoderLayerPipe(nn.Module):

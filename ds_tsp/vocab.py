@@ -19,8 +19,8 @@ bytes received by rank ``r``::
     forward   sum_{j != r} c[r][j] * H * e      # ~ (D-1)/D * N * H * e for spread ids
     backward  sum_{k != r} c[k][r] * H * e
 
-(the row counts cost one host synchronisation per micro-batch, which also
-checks the ids). The alternative, a masked lookup of all ``B*S`` tokens on
+(the counts come from the host copy of the batch the model reads once per
+micro-batch, which also checks the ids). The alternative, a masked lookup of all ``B*S`` tokens on
 every rank and a reduce-scatter of the ``(B, S, H)`` partial sums, receives
 ``(D-1)/D * B*S * H * e``: ``D`` times more, so it is not offered.
 
@@ -108,24 +108,27 @@ class EmbeddingRoute:
     ``k``, taken at ``shard_rows`` (local row indices, grouped by destination);
     ``recv_counts[j]`` rows come from rank ``j`` and land, in order, on the
     local tokens ``order[...]`` whose ids rank ``j`` owns.
+
+    The route is worked out on the host from a host copy of the ids (the
+    model's ``TSPBatch`` hands one over, so the training forward reads nothing
+    back from the device here) and its two index tensors go to ``device``.
     """
 
-    def __init__(self, rank_ids, vocab_size, rows, tsp_rank):
-        ids = torch.stack([t.reshape(-1) for t in rank_ids])  # (D, N)
+    def __init__(self, rank_ids, vocab_size, rows, tsp_rank, device):
+        ids = torch.stack([t.reshape(-1) for t in rank_ids]).cpu()  # (D, N); a no-op on host ids
         tsp_size = ids.shape[0]
-        owners = ids.div(rows, rounding_mode="floor").clamp(0, tsp_size - 1)
-        pairs = (torch.arange(tsp_size, device=ids.device).unsqueeze(1) * tsp_size + owners).reshape(-1)
-        invalid = ((ids < 0) | (ids >= vocab_size)).sum()
-        # The one host synchronisation: the counts size the all-to-all.
-        *counts, bad = torch.cat([torch.bincount(pairs, minlength=tsp_size * tsp_size), invalid.view(1)]).tolist()
+        bad = int(((ids < 0) | (ids >= vocab_size)).sum())
         if bad:
             raise ValueError(f"input_ids hold {bad} id(s) outside [0, vocab_size = {vocab_size}): check the "
                              "tokenizer and the model's vocabulary (resize_token_embeddings before ds_tsp.inject)")
-        counts = [counts[k * tsp_size:(k + 1) * tsp_size] for k in range(tsp_size)]  # counts[k][j]
-        self.send_counts = [counts[k][tsp_rank] for k in range(tsp_size)]
+        owners = ids.div(rows, rounding_mode="floor")
+        pairs = (torch.arange(tsp_size).unsqueeze(1) * tsp_size + owners).reshape(-1)
+        counts = torch.bincount(pairs, minlength=tsp_size * tsp_size).view(tsp_size, tsp_size).tolist()
+        self.send_counts = [counts[k][tsp_rank] for k in range(tsp_size)]  # counts[k][j]
         self.recv_counts = counts[tsp_rank]
-        self.shard_rows = ids[owners == tsp_rank] - tsp_rank * rows  # row-major: grouped by destination
-        self.order = torch.argsort(owners[tsp_rank], stable=True)  # local tokens grouped by owner
+        # Row-major: grouped by destination.
+        self.shard_rows = (ids[owners == tsp_rank] - tsp_rank * rows).to(device, non_blocking=True)
+        self.order = torch.argsort(owners[tsp_rank], stable=True).to(device, non_blocking=True)
         self.num_tokens = ids.shape[1]
 
 
@@ -223,8 +226,9 @@ class VocabParallelEmbedding(_VocabShard):
 
     def forward(self, rank_ids):
         """``rank_ids``: every rank's local ids (D tensors of one shape ``(B, n)``,
-        the same list on every rank). Returns this rank's embeddings ``(B, n, H)``."""
-        route = EmbeddingRoute(rank_ids, self.vocab_size, self.rows, self.tsp_rank)
+        the same list on every rank; host tensors spare a device read). Returns
+        this rank's embeddings ``(B, n, H)``."""
+        route = EmbeddingRoute(rank_ids, self.vocab_size, self.rows, self.tsp_rank, self.weight.device)
         padding = None
         if self.padding_idx is not None and self.padding_idx // self.rows == self.tsp_rank:
             padding = self.padding_idx - self.tsp_rank * self.rows
@@ -374,12 +378,13 @@ class VocabParallelLMHead(_VocabShard):
         return torch.cat(gathered.unbind(0), dim=-1)[..., :self.vocab_size]
 
 
-def embed_local_tokens(embed, rank_ids, tsp_rank):
+def embed_local_tokens(embed, rank_ids, tsp_rank, local_ids=None):
     """This rank's embeddings from every rank's local ids: the vocabulary-parallel
-    embedding needs them all, a replicated one its own only."""
+    embedding needs them all, a replicated one its own only (``local_ids``, on
+    the embedding's device, when ``rank_ids`` are host copies)."""
     if isinstance(embed, VocabParallelEmbedding):
         return embed(rank_ids)
-    return embed(rank_ids[tsp_rank])
+    return embed(rank_ids[tsp_rank] if local_ids is None else local_ids)
 
 
 def full_vocab_logits(lm_head, hidden):
