@@ -1,7 +1,7 @@
 """The analytic planner behind ``ds-tsp plan``: per-device memory,
 communication and FLOPs of DP, TP, SP (Ulysses), CP (all-gather), TP+SP and
-TSP for a decoder LM (DESIGN.md 8), and the longest sequence each trains.
-Imports no torch.
+TSP for a decoder LM (DESIGN.md 8), the longest sequence each trains, and
+each one's step time on a cluster. Imports no torch.
 
 One module per concern, in the order they build on one another:
 
@@ -12,13 +12,14 @@ One module per concern, in the order they build on one another:
 | ``memory`` | the memory terms: saved tensors, model states, transients, offloads to host memory |
 | ``strategies`` | one function per strategy, ``plan`` (all of them), ``plan_alst``, ``recommend`` |
 | ``longest`` | ``max_seq_len``: the longest trainable sequence per strategy and its binding term |
-| ``anchors`` | published numbers: the TSP paper's peaks, ALST's longest sequences |
+| ``anchors`` | published numbers: the TSP paper's peaks, ALST's lengths, Ulysses' and Megatron CP's throughput |
+| ``timing`` | step time per strategy from FLOPs, links and overlap, its bound, and the throughput anchors |
 | ``tables`` | Markdown tables and the memory-against-length plot |
 | ``cli`` | the ``ds-tsp plan`` options and command |
 """
 
 from .anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS,
-                      PAPER_PEAK_GB, PAPER_SETTING)
+                      PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
 from .cli import add_plan_arguments, run_plan
 from .communication import (DIRECTIONS, tsp_bytes_by_op, tsp_bytes_per_layer, tsp_step_bytes_by_op,
                             tsp_vocab_bytes_by_op)
@@ -27,16 +28,19 @@ from .memory import HEAD_BACKWARD, MEMORY_PARTS
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
                      PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting, logits_tile_tokens,
                      model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
-from .strategies import StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
-from .tables import format_longest_table, format_table, plot_memory_vs_seq
+from .strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
+from .tables import format_longest_table, format_table, format_time_anchors, plot_memory_vs_seq
+from .timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
-    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_DEVICES_PER_NODE",
-    "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB", "HEAD_BACKWARD", "INT64",
-    "MEMORY_PARTS", "PAPER_DEVICE_GB", "PAPER_LABELS", "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS",
-    "TSP_ATTENTION_BACKWARDS", "LongestSequence", "ModelShape", "Precision", "Setting", "StrategyPlan",
-    "add_plan_arguments", "alst_name", "format_longest_table", "format_table", "logits_tile_tokens",
+    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",
+    "DEFAULT_DEVICES_PER_NODE", "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB",
+    "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "PAPER_DEVICE_GB", "PAPER_LABELS", "PAPER_PEAK_GB", "PAPER_SETTING",
+    "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster", "CommPart", "LongestSequence",
+    "ModelShape", "Precision", "Setting", "StepTime", "StrategyPlan", "add_plan_arguments", "alst_name",
+    "compare_anchor", "compare_anchors", "format_longest_table", "format_table", "format_time_anchors",
+    "logits_tile_tokens",
     "longest_fitting", "max_seq_len", "model_shape", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq",
-    "recommend", "run_plan", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
+    "recommend", "run_plan", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
     "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]

@@ -12,7 +12,16 @@ so its TSP is compared with ``TSP(8) replicated vocab``.
 Snowflake's ALST (Bekman et al. 2025, arXiv 2506.13996) trains Llama-3.1-8B at
 500K tokens on one H100-80GB, 3.7M on one node of 8 and 15M on 4 nodes (32);
 ``longest.max_seq_len`` sets those lengths beside its own for that setting.
+
+DeepSpeed-Ulysses' and Megatron context parallelism's (through NeMo) published
+per-GPU throughput, with the runs behind them (``TIME_ANCHORS``), are what
+``timing.compare_anchor`` sets its step-time model beside.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .shapes import model_shape
 
 # Peak GB per GPU reported by the paper: llama-7b shape, S = 128K, B = 1, 8 MI300X per replica.
 # Its two TP+SP layouts are not named in DESIGN.md; their model states 16P/t leave
@@ -34,3 +43,113 @@ ALST_PUBLISHED = {1: 500_000, 8: 3_700_000, 32: 15_000_000}
 # about 1 TB per node (32 layers x 3.7M tokens x 4096 x 2 B on one node; 15M over four), so 2 TB does not bind.
 ALST_HOST_MEMORY_GB = 2000
 ALST_DEVICES_PER_NODE = 8
+
+
+# --- step-time anchors: published throughput beside ``timing``'s model of the same run -------------------------
+
+@dataclass(frozen=True)
+class TimeAnchor:
+    """A published per-GPU throughput and the run behind it: ``gpus`` devices as
+    ``tp`` x ``sp`` (Ulysses or context parallel, ``kind`` "ulysses" or
+    "allgather") x data parallel, ``sequences_per_step`` sequences of
+    ``seq_len`` per optimizer step. ``count_flops(anchor)`` is the source's own
+    FLOPs per step (whole run), by which it reports ``published_tflops``;
+    ``published_seconds`` is the step time where the source gives it.
+    ``cluster`` holds ``timing.Cluster``'s fields for the source's hardware."""
+
+    label: str
+    source: str
+    model: dict
+    seq_len: int
+    gpus: int
+    tp: int
+    sp: int
+    kind: str
+    zero_stage: int
+    activation_checkpointing: bool
+    sequences_per_step: int
+    published_tflops: float
+    published_seconds: float | None
+    cluster: dict
+    count_flops: Callable
+    assumed: str  # what the source does not say and the comparison assumes
+
+    @property
+    def dp(self):
+        return self.gpus // (self.tp * self.sp)
+
+    @property
+    def seconds(self):
+        """The published step time, or the one the published TFLOPs imply."""
+        if self.published_seconds is not None:
+            return self.published_seconds
+        return self.count_flops(self) / (self.published_tflops * 1e12 * self.gpus)
+
+
+def megatron_deepspeed_flops(anchor):
+    """Megatron-DeepSpeed's ``throughput_calculator`` (microsoft/Megatron-DeepSpeed
+    megatron/utils.py, after Narayanan et al. 2021 eq. 3): ``24 f B s L h^2 (1 +
+    s/(6h) + V/(16 L h))``, ``f`` 4 with activation checkpointing (3 without):
+    attention over the full s x s square, the recomputed forward included."""
+    m = model_shape(anchor.model)
+    B, s, L, h, V = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size, m.vocab_size
+    return 24 * (4 if anchor.activation_checkpointing else 3) * B * s * L * h * h * (
+        1 + s / (6 * h) + V / (16 * L * h))
+
+
+def nemo_llama_flops(anchor):
+    """NeMo's ``flops_formulas.llama2`` (NVIDIA/NeMo nemo/utils/flops_formulas.py; Megatron-LM's
+    ``num_floating_point_operations`` is the same): ``B s L h^2 (12 + 12 nkv/nq + 18 F/h
+    + 12 s/h + 6 V/(L h))``, attention over the full s x s square, no recomputation."""
+    m = model_shape(anchor.model)
+    B, s, L, h = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size
+    return B * s * L * h * h * (12 + 12 * m.num_kv_heads / m.num_heads + 18 * m.intermediate_size / h
+                                + 12 * s / h + 6 * m.vocab_size / (L * h))
+
+
+# DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509v2, https://arxiv.org/abs/2309.14509): section 1
+# claims "sustained throughput of over 175 TFlops/GPU (over 54% of hardware peak)"; the runs behind it are
+# plotted (Figures 4-5: 7B on 32 and 30B on 64 A100s, dense attention), not tabulated, so their sequence
+# lengths cannot be read. Section 4.4's Tables 2 and 3 give time and TFLOPs per GPU for GPT-7B, dense
+# attention, global batch 8, A100s: those rows are the anchors. Their TFLOPs equal megatron_deepspeed_flops
+# with checkpointing on and V = 50304 (GPT-2's 50257 padded) over their times, within 0.3%.
+ULYSSES_SOURCE = "https://arxiv.org/abs/2309.14509 (section 4.4, Tables 2-3)"
+# GPT-7B: h 4096, 32 layers, 32 heads, a 4h MLP of two matrices (8h^2 weights, as the gated 3hF with F = 8h/3),
+# embedding tied to the head.
+ULYSSES_MODEL = dict(hidden_size=4096, intermediate_size=10923, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, head_dim=128, vocab_size=50304, tie_word_embeddings=True,
+                     name="gpt-7b")
+# (seq_len, GPUs): (milliseconds per iteration, TFLOPs per GPU), as published.
+ULYSSES_PUBLISHED = {(65536, 64): (9676.76, 161.3626667), (131072, 64): (32432.1333, 165.526667),
+                     (131072, 128): (17052.5143, 157.41), (131072, 256): (9886.7, 136.09),
+                     (262144, 256): (33486.5, 147.4)}
+# A100: 312 TFLOPs BF16 dense (175 TFLOPs is "over 54%" of the paper's peak: 56% of 312); NVLink 3, 600 GB/s
+# per GPU both ways, 300 each way. The paper does not name its network: assumed one 200 Gb/s HDR InfiniBand NIC
+# per GPU, 25 GB/s each way.
+A100_CLUSTER = dict(peak_tflops=312.0, intra_node_gb_s=300.0, inter_node_gb_s=25.0)
+ULYSSES_ASSUMED = ("data parallel 8 (one sequence per replica per step: global batch 8 at every GPU count), so "
+                   "Ulysses over GPUs/8; ZeRO-3 over all GPUs, as the paper's section 4.2 runs it; nodes of 8 A100s "
+                   "with one 200 Gb/s NIC per GPU")
+
+# Megatron-Core context parallelism through NeMo: "Long Sequence Performance", LLAMA2-7B FP8 on DGX-H100,
+# container NeMo 24.03.01
+# (https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_long_sequence.md).
+# The table gives TFLOPs per GPU and the layout, not the step time, the global batch or the FLOPs formula.
+NEMO_CP_SOURCE = "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (LLAMA2-7B FP8, DGX-H100)"
+# (seq_len, GPUs): (TP, CP, DP, TFLOPs per GPU); PP 1.
+NEMO_CP_PUBLISHED = {(65536, 64): (4, 2, 8, 574.0), (131072, 128): (4, 4, 8, 555.0), (262144, 256): (4, 8, 8, 549.0)}
+# H100 SXM: FP8 GEMMs at 1978.9 TFLOPs dense and attention in BF16 at 989.4 (assumed: FP8 for the linear
+# layers only, Transformer Engine's default then); NVLink 4 and one 400 Gb/s NIC per GPU (timing's defaults).
+H100_FP8_CLUSTER = dict(peak_tflops=989.4, matmul_peak_tflops=1978.9, intra_node_gb_s=450.0, inter_node_gb_s=50.0)
+NEMO_CP_ASSUMED = ("FLOPs counted by NeMo's llama2 formula (the table does not say); one sequence per replica per "
+                   "step; Megatron's distributed optimizer as ZeRO-1; no activation recomputation; FP8 matmuls, "
+                   "BF16 attention; TP innermost, then CP, on nodes of 8")
+
+TIME_ANCHORS = tuple(
+    [TimeAnchor(f"DeepSpeed-Ulysses GPT-7B {s // 1024}K, {n} A100", ULYSSES_SOURCE, ULYSSES_MODEL, s, n, 1, n // 8,
+                "ulysses", 3, True, 8, tflops, ms / 1e3, A100_CLUSTER, megatron_deepspeed_flops, ULYSSES_ASSUMED)
+     for (s, n), (ms, tflops) in ULYSSES_PUBLISHED.items()]
+    + [TimeAnchor(f"Megatron CP (NeMo) Llama-2-7B {s // 1024}K, {n} H100 FP8", NEMO_CP_SOURCE, "llama-7b", s, n,
+                  tp, cp, "allgather", 1, False, dp, tflops, None, H100_FP8_CLUSTER, nemo_llama_flops,
+                  NEMO_CP_ASSUMED)
+       for (s, n), (tp, cp, dp, tflops) in NEMO_CP_PUBLISHED.items()])

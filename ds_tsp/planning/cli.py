@@ -1,6 +1,8 @@
-"""``ds-tsp plan``: the per-strategy table at one sequence length, or with
-``--max-seq-len`` the longest sequence each strategy trains (``--alst``: in
-ALST's setting, with its published lengths beside)."""
+"""``ds-tsp plan``: the per-strategy table at one sequence length (with each
+strategy's step time on a cluster), or with ``--max-seq-len`` the longest
+sequence each strategy trains (``--alst``: in ALST's setting, with its
+published lengths beside), or with ``--time-anchors`` the step-time model
+beside published throughput."""
 
 import argparse
 import json
@@ -13,7 +15,8 @@ from .longest import max_seq_len
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, PRECISIONS, PRESETS,
                      TSP_ATTENTION_BACKWARDS)
 from .strategies import plan, recommend
-from .tables import format_gb, format_longest_table, format_table, plot_memory_vs_seq
+from .tables import format_gb, format_longest_table, format_table, format_time_anchors, plot_memory_vs_seq
+from .timing import DEFAULT_CLUSTER, Cluster, compare_anchors, step_time
 
 DEFAULT_MODEL = "llama-7b"
 
@@ -105,6 +108,21 @@ def add_plan_arguments(parser):
                         help=f"--max-seq-len in ALST's setting: {ALST_MODEL} on "
                              f"{' / '.join(str(n) for n in ALST_PUBLISHED)} x {ALST_DEVICE_GB} GB, with ALST's "
                              f"published lengths beside")
+    parser.add_argument("--efficiency", type=_positive_float, default=DEFAULT_CLUSTER.efficiency,
+                        help="fraction of the peak the compute achieves, for the step time (default "
+                             f"{DEFAULT_CLUSTER.efficiency:g}; published 64K-256K runs imply about 0.33)")
+    parser.add_argument("--peak-tflops", type=_positive_float, default=DEFAULT_CLUSTER.peak_tflops,
+                        help="device peak in the training dtype, dense TFLOPs (default "
+                             f"{DEFAULT_CLUSTER.peak_tflops:g}, H100/H200 SXM BF16; A100: 312)")
+    parser.add_argument("--intra-node-bandwidth", type=_positive_float, default=DEFAULT_CLUSTER.intra_node_gb_s,
+                        metavar="GB_S", help="GB/s per device each way inside a node (default "
+                                             f"{DEFAULT_CLUSTER.intra_node_gb_s:g}, NVLink 4; A100 NVLink 3: 300)")
+    parser.add_argument("--inter-node-bandwidth", type=_positive_float, default=DEFAULT_CLUSTER.inter_node_gb_s,
+                        metavar="GB_S", help="GB/s per device each way between nodes (default "
+                                             f"{DEFAULT_CLUSTER.inter_node_gb_s:g}, one 400 Gb/s NDR NIC per GPU)")
+    parser.add_argument("--time-anchors", action="store_true",
+                        help="the step-time model beside published throughput: DeepSpeed-Ulysses (GPT-7B, A100) "
+                             "and Megatron context parallelism (NeMo, Llama-2-7B, H100), at --efficiency")
     parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
     return parser
 
@@ -146,10 +164,25 @@ def _run_max_seq_len(args, out):
         _write_json(args.json, {"max_seq_len": settings}, out)
 
 
+def _run_time_anchors(args, out):
+    """``--time-anchors``: the model beside every published run, on the run's own hardware."""
+    comparisons = compare_anchors(args.efficiency)
+    print(format_time_anchors(comparisons), file=out)
+    if args.json:
+        _write_json(args.json, {"time_anchors": [
+            {"run": c.anchor.label, "source": c.anchor.source, "layout": c.plan.layout,
+             "published_tflops_per_gpu": c.anchor.published_tflops, "model_tflops_per_gpu": c.tflops,
+             "model_over_published": c.ratio, "published_s_per_step": c.anchor.seconds,
+             "model_s_per_step": c.seconds, "bound": c.time.bound, "implied_efficiency": c.implied_efficiency}
+            for c in comparisons]}, out)
+
+
 def _run_table(args, out):
     """The per-strategy table at ``--seq-len`` (and recommendation, plot)."""
     if args.alst:
         raise ValueError("--alst is a --max-seq-len setting")
+    cluster = Cluster(peak_tflops=args.peak_tflops, efficiency=args.efficiency,
+                      intra_node_gb_s=args.intra_node_bandwidth, inter_node_gb_s=args.inter_node_bandwidth)
     model = args.model or DEFAULT_MODEL
     zero_stage = args.zero_stage or 0
     checkpointing = args.activation_checkpointing
@@ -160,7 +193,7 @@ def _run_table(args, out):
                    devices_per_node=args.devices_per_node)
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)
-    print(format_table(plans, PAPER_PEAK_GB if args.paper else None), file=out)
+    print(format_table(plans, PAPER_PEAK_GB if args.paper else None, cluster), file=out)
     if args.memory_gb is not None:
         fits = recommend(plans, args.memory_gb * GB)
         if fits:
@@ -183,14 +216,23 @@ def _run_table(args, out):
                                            "peak_gb": p.total / GB, "host_gb_per_node": p.host_total / GB,
                                            "terms_gb": {k: v / GB for k, v in p.terms.items()},
                                            "comm_gb_per_step": p.comm_per_step / GB,
-                                           "tflop_per_step": p.flops_per_step / 1e12} for p in plans]}, out)
+                                           "tflop_per_step": p.flops_per_step / 1e12, **_time_fields(p, cluster)}
+                                          for p in plans]}, out)
+
+
+def _time_fields(plan_, cluster):
+    time = step_time(plan_, cluster)
+    return {"s_per_step": time.seconds, "tokens_per_s_per_gpu": time.tokens_per_s_per_device,
+            "tflops_per_gpu": time.tflops_per_device, "bound": time.bound}
 
 
 def run_plan(args, out=None):
     """``ds-tsp plan``: print the table(s); returns the exit status."""
     out = out or sys.stdout
     try:
-        if args.max_seq_len or args.alst:
+        if args.time_anchors:
+            _run_time_anchors(args, out)
+        elif args.max_seq_len or args.alst:
             _run_max_seq_len(args, out)
         else:
             _run_table(args, out)

@@ -14,8 +14,12 @@ counts TSP's: per step = ``L * (forward + backward [+ forward again when
 checkpointing])`` plus the once-per-step syncs (embedding, LM head, replicated
 gradients, ZeRO).
 
+The bytes are also kept by kind (``StrategyPlan.comm_parts``, named by the
+constants below), with the group each kind runs in, for ``timing``.
+
 FLOPs count matmuls (2 per multiply-add) and causal attention
-(``2*B*S^2*nq*d`` forward); backward is 2x the matmuls and 2.5x attention
+(``2*B*S^2*nq*d`` forward; the attention's part is also kept apart, as
+``attention_flops_per_step``); backward is 2x the matmuls and 2.5x attention
 (flash); TSP adds the attention forward again when its backward is not fused,
 and the LM head's forward again when the vocabulary is folded (the fused loss
 recomputes its logits tile by tile); a tiled MLP recomputes its tiles'
@@ -32,6 +36,31 @@ from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWAR
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, PRECISIONS,
                      TSP_ATTENTION_BACKWARDS, Setting, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
                      vocab_rows_per_rank)
+
+
+# What each strategy sends, by kind (``StrategyPlan.comm_parts``). The baselines:
+TP_ACTIVATIONS = "tp_activations"  # TP all-reduces of activations and their gradients (and the vocab-parallel ends)
+SP_ALL_TO_ALL = "sp_all_to_all"  # Ulysses: q, k, v in and the attention output back
+CP_KV = "cp_kv"  # context parallel: the full-sequence K/V gathered, dK/dV scattered back
+ZERO3_GATHER = "zero3_gather"  # ZeRO-3: every layer's parameters gathered before its forward and backward
+GRAD_REDUCE = "grad_reduce"  # gradients reduced over the weight replicas (reduce-scatter under ZeRO)
+PARAM_GATHER = "param_gather"  # ZeRO-1/2: the updated weights gathered after the optimizer step
+# TSP, one per ``comm`` op (``communication.tsp_step_bytes_by_op``):
+TSP_PARTS = {"broadcast": "tsp_weight_broadcast", "ring": "tsp_ring", "all_gather": "tsp_kv_gather",
+             "reduce_scatter": "tsp_kv_grad_scatter", "reduce": "tsp_weight_grad_reduce",
+             "all_to_all": "tsp_embedding_all_to_all", "all_reduce": "tsp_replicated_grads"}
+
+
+@dataclass(frozen=True)
+class CommPart:
+    """Bytes one device receives per step in one kind of communication, and its
+    group: ``group_size`` ranks ``stride`` apart (TP innermost, then SP/CP, then
+    DP; a TSP group is consecutive), running ``op`` (a ``comm`` op name)."""
+
+    nbytes: float
+    group_size: int
+    stride: int
+    op: str
 
 
 @dataclass
@@ -53,6 +82,9 @@ class StrategyPlan:
     detail: dict = field(default_factory=dict)  # named pieces of the memory terms, bytes
     terms: dict = field(default_factory=dict)  # the peak as named terms (memory.STATES, ...), summing to total
     host: dict = field(default_factory=dict)  # per node: what offloading puts in host memory, bytes
+    comm_parts: dict = field(default_factory=dict)  # name -> CommPart, summing to comm_per_step
+    attention_flops_per_step: float = 0.0  # the part of flops_per_step in QK^T and PV (and their backward)
+    devices_per_replica: int = 1  # devices sharing one micro-batch: t*c, D for TSP (1 for DP)
 
     @property
     def total(self):
@@ -64,22 +96,26 @@ class StrategyPlan:
 
 
 def _flops(m, setting, B, S, share, tsp, fused_head=False, mlp_recompute=0.0):
-    """FLOPs per device per step: the replica's total for ``B`` sequences of ``S``
-    times ``share``; ``fused_head``: the LM head + loss recomputes the logits in
-    backward; ``mlp_recompute``: the share of the MLP's forward matmuls a tiled
-    MLP runs again in backward."""
+    """FLOPs per device per step, and the attention's part of them: the replica's
+    total for ``B`` sequences of ``S`` times ``share``; ``fused_head``: the LM head
+    + loss recomputes the logits in backward; ``mlp_recompute``: the share of the
+    MLP's forward matmuls a tiled MLP runs again in backward."""
     L, T = m.num_layers, B * S
     attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
     mm_attn, mm_mlp = 2 * T * m.attention_params, 2 * T * m.mlp_params
     head = 2 * T * m.vocab_size * m.hidden_size
     forward = L * (mm_attn + mm_mlp + attn) + head
     backward = L * (2 * (mm_attn + mm_mlp) + 2.5 * attn) + (3 if fused_head else 2) * head
+    attention = L * attn * 3.5
     if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
         backward += L * attn
+        attention += L * attn
     if mlp_recompute:
         backward += L * mlp_recompute * mm_mlp
     recompute = L * (mm_attn + mm_mlp + attn) if setting.activation_checkpointing else 0
-    return (forward + backward + recompute) * share
+    if setting.activation_checkpointing:
+        attention += L * attn
+    return (forward + backward + recompute) * share, attention * share
 
 
 def _layers(setting, tokens, layer_saved):
@@ -181,14 +217,17 @@ def plan_tsp(setting, vocab_parallel):
     else:
         forward = tsp_bytes_per_layer(m, S, B, D, e, "forward")
         backward = tsp_bytes_per_layer(m, S, B, D, e, "backward")
-        per_step = sum(tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
-                                            activation_checkpointing=setting.activation_checkpointing).values())
+        by_op = tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
+                                     activation_checkpointing=setting.activation_checkpointing)
+        per_step = sum(by_op.values())
+    parts = {} if problem else {TSP_PARTS[op]: CommPart(nbytes, D, 1, op) for op, nbytes in by_op.items() if nbytes}
     notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
-    flops = _flops(m, setting, B, S, 1 / D, tsp=True, fused_head=vocab_parallel,
-                   mlp_recompute=2 / 3 if mlp_tiled else 0.0)
+    flops, attention_flops = _flops(m, setting, B, S, 1 / D, tsp=True, fused_head=vocab_parallel,
+                                    mlp_recompute=2 / 3 if mlp_tiled else 0.0)
     return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
                         memory, forward, backward, per_step, flops, tokens, setting, feasible=problem is None,
-                        notes=notes, detail=detail, terms=terms, host=host_memory(setting, tokens, optimizer_host))
+                        notes=notes, detail=detail, terms=terms, host=host_memory(setting, tokens, optimizer_host),
+                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=D)
 
 
 def loss_backward_per_logit(p):
@@ -293,32 +332,40 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     def gather(group, nbytes):  # all-gather / reduce-scatter / all-to-all: (p-1)/p of the full tensor
         return (group - 1) / group * nbytes
 
-    forward = all_reduce(t, tokens * H * e) * 2  # after attention and after the MLP
-    if kind == "ulysses":
-        forward += gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e)  # q, k, v in; output back
-    if kind == "allgather":
-        forward += gather(c, B * S * 2 * kv_heads * d * e)
-    if zero3:
-        forward += gather(replica_group, layer_params * e)
-    backward = forward  # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather
-    if setting.zero_stage >= 1:
-        backward += gather(replica_group, layer_params * p.grad)  # reduce-scatter of gradients
-    else:
-        backward += all_reduce(replica_group, layer_params * p.grad)
+    grad_reduce = gather if setting.zero_stage >= 1 else all_reduce  # reduce-scatter under ZeRO
+    tp_layer = all_reduce(t, tokens * H * e) * 2  # after attention and after the MLP
+    sp_layer = {"ulysses": gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
+                "allgather": gather(c, B * S * 2 * kv_heads * d * e)}.get(kind, 0)
+    zero3_layer = gather(replica_group, layer_params * e) if zero3 else 0
+    forward = tp_layer + sp_layer + zero3_layer
+    # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather, then the gradients
+    layer_grads = grad_reduce(replica_group, layer_params * p.grad)
+    backward = forward + layer_grads
     recompute = forward if setting.activation_checkpointing else 0
     per_step = L * (forward + backward + recompute)
-    per_step += 2 * all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
-    per_step += (gather if setting.zero_stage >= 1 else all_reduce)(replica_group, embedding * p.grad)
-    if setting.zero_stage in (1, 2):  # updated weights gathered back after the step
-        per_step += gather(replica_group, (L * layer_params + embedding) * e)
-    if zero3:
-        per_step += 2 * gather(replica_group, embedding * e)
+    vocab_tp = 2 * all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
+    embedding_grads = grad_reduce(replica_group, embedding * p.grad)
+    param_gather = gather(replica_group, (L * layer_params + embedding) * e) if setting.zero_stage in (1, 2) else 0
+    zero3_embedding = 2 * gather(replica_group, embedding * e) if zero3 else 0
+    for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
+        per_step += once_per_step
 
+    passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
+    parts = {TP_ACTIVATIONS: CommPart(L * passes * tp_layer + vocab_tp, t, 1, "all_reduce"),
+             SP_ALL_TO_ALL if kind == "ulysses" else CP_KV: CommPart(
+                 L * passes * sp_layer, c, t, "all_to_all" if kind == "ulysses" else "all_gather"),
+             ZERO3_GATHER: CommPart(L * passes * zero3_layer + zero3_embedding, replica_group, t, "all_gather"),
+             GRAD_REDUCE: CommPart(L * layer_grads + embedding_grads, replica_group, t,
+                                   "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
+             PARAM_GATHER: CommPart(param_gather, replica_group, t, "all_gather")}
     problem = _baseline_problem(m, t, c, kind, S)
-    flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False, mlp_recompute=1.0 if mlp_tiled else 0.0)
+    flops, attention_flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False,
+                                    mlp_recompute=1.0 if mlp_tiled else 0.0)
     return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, tokens, setting,
                         feasible=problem is None, notes=problem or "", detail=detail, terms=terms,
-                        host=host_memory(setting, tokens, optimizer_host))
+                        host=host_memory(setting, tokens, optimizer_host),
+                        comm_parts={k: v for k, v in parts.items() if v.nbytes},
+                        attention_flops_per_step=attention_flops, devices_per_replica=t * c)
 
 
 def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
