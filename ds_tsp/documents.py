@@ -116,9 +116,25 @@ def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1,
                     blocks.append((first - lo + i * chunk_len, end - lo + i * chunk_len, starts[k], end))
                     k += 1
             groups.append((slice(row, row + 1), 1, blocks))
-    return [(rows, [tile for block in blocks
+    return [(rows, [tile for block in _merge_adjacent(blocks)
                     for tile in _tiles(block, token_tile and max(1, token_tile // rows_in_group), window)])
             for rows, rows_in_group, blocks in groups]
+
+
+def _merge_adjacent(blocks):
+    """Blocks whose queries follow one another and that see the same keys'
+    start at the same causal offset (``k_hi - q_hi``) are one block: the
+    contiguous layout's two chunks, the zigzag layout's at D = 1, the two
+    chunks' pieces of one document. Fewer, longer kernel calls; the same mask."""
+    merged = []
+    for block in blocks:
+        if merged:
+            q_lo, q_hi, k_lo, k_hi = merged[-1]
+            if block[0] == q_hi and block[2] == k_lo and block[3] - block[1] == k_hi - q_hi:
+                merged[-1] = (q_lo, block[1], k_lo, block[3])
+                continue
+        merged.append(block)
+    return merged
 
 
 def _tiles(block, tile_len, window):
