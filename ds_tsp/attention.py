@@ -10,6 +10,12 @@ locally through ``o_proj``, so no all-reduce is needed.
 Backward re-broadcasts the shards and re-gathers K/V (only local tokens are
 saved), reduce-scatters dK/dV back to the token owners and reduces each
 shard's weight gradient to its owner.
+
+With ``tsp.overlap`` every collective of a head group is in flight under
+another group's compute: the broadcast of shard ``j+1`` and the K/V
+all-gather of group ``j+1`` under group ``j``'s attention, and in backward
+the dK/dV reduce-scatter of group ``j`` and its weight-gradient reduce under
+group ``j+1``'s attention backward.
 """
 
 import copy
@@ -217,19 +223,31 @@ def project(x, weights, name, heads_per_rank, head_dim):
 
 
 def gather_kv(plan, k, v):
-    """Local ``k, v`` ``(B, S/D, h, d)`` -> full-sequence ``K, V`` ``(B, S, h, d)`` in natural order."""
-    gathered, _ = comm.all_gather(torch.stack([k, v]), plan.group)  # (D, 2, B, S/D, h, d)
-    full = layout.unshard(gathered, plan.tsp_size, plan.layout, dim=2)
-    return full[0], full[1]
+    """Start the all-gather of the local ``k, v`` ``(B, S/D, h, d)``; the
+    returned pending op's ``wait()`` gives the full-sequence ``K, V``
+    ``(B, S, h, d)`` in natural order (one copy out of the gather buffer)."""
+    gathered, work = comm.all_gather(torch.stack([k, v]), plan.group, async_op=True)  # (D, 2, B, S/D, h, d)
+
+    def natural():
+        full = layout.unshard(gathered, plan.tsp_size, plan.layout, dim=2)
+        return full[0], full[1]
+
+    return comm.PendingSum(work, natural)
 
 
-def scatter_kv_grads(plan, dK, dV, dtype):
-    """Full-sequence ``dK, dV`` (this rank's sums, float32 or wider) -> the local
-    tokens' sums over the group in ``dtype``: sent in ``dtype``, added in float32
-    or wider on arrival, cast once."""
-    stacked = layout.stack_shards(torch.stack([dK.to(dtype), dV.to(dtype)]), plan.tsp_size, plan.layout, dim=2)
-    local = comm.reduce_scatter_fp32(stacked, plan.group).to(dtype)
-    return local[0], local[1]
+def scatter_kv_grads(plan, dKV, dtype):
+    """Start the reduce-scatter of the full-sequence ``dKV`` ``(2, B, S, h, d)``
+    (this rank's sums of dK and dV, float32 or wider): sent in ``dtype`` (one
+    copy into the ranks' order), added in float32 or wider on arrival; the
+    pending op's ``wait()`` gives the local tokens' ``(dk, dv)`` in ``dtype``."""
+    stacked = layout.stack_shards(dKV, plan.tsp_size, plan.layout, dim=2, dtype=dtype)
+    pending = comm.reduce_scatter_fp32(stacked, plan.group, async_op=True)
+
+    def local():
+        summed = pending.wait().to(dtype)
+        return summed[0], summed[1]
+
+    return comm.PendingSum(None, local)
 
 
 def _cat(pieces, dim):
@@ -297,19 +315,36 @@ def attention_forward(plan, x, packed, cos, sin):
     # tsp.fp32_accumulators is off.
     out = torch.zeros(x.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
     saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
-    for j, shard in shard_stream(plan, packed):
+    gathers = {}  # key/value holder -> its K/V all-gather in flight
+    stream = shard_stream(plan, packed)
+
+    def receive():
+        """The next shard's weights; a key/value holder's K/V gather starts at once."""
+        j, shard = next(stream)
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
             v = project(x, w, "v_proj", heads.kv_heads, d)
-            K, V = gather_kv(plan, rotate(k, plan.k_norm, cos, sin), v)
+            gathers[j] = gather_kv(plan, rotate(k, plan.k_norm, cos, sin), v)
             saved["k"].append(k), saved["v"].append(v)
+        return w
+
+    upcoming = receive()
+    for j in range(plan.tsp_size):
+        w = upcoming
+        if plan.overlap and j + 1 < plan.tsp_size:
+            upcoming = receive()  # shard j+1 and its K/V gather travel under group j's attention
+        if heads.holds_kv(j):
+            K = V = None  # the previous set's K/V go before this one's are unpacked
+            K, V = gathers.pop(j).wait()
         q = project(x, w, "q_proj", heads.q_heads, d)
         o, lse = attend_local_chunks(plan, rotate(q, plan.q_norm, cos, sin), K, V)
         out += F.linear(o.flatten(2), w["o_proj.weight"])
         saved["q"].append(q)
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
+        if not plan.overlap and j + 1 < plan.tsp_size:
+            upcoming = receive()
     return out.to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
 
 
@@ -331,7 +366,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     weight gradient to owner ``j``. dK/dV are summed over the replica set,
     reduce-scattered back to the token owners, and the key/value weight
     gradient is reduced to the holder, in the same message as the holder's
-    query/output gradient.
+    query/output gradient. With ``plan.overlap`` the next group's shard and
+    K/V are on their way, and a completed set's reduce-scatter (with the
+    reduces that wait for it) runs under the next group's compute.
     """
     heads = plan.heads
     tsp_rank = comm.group_rank(plan.group)
@@ -342,59 +379,100 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
     works, own_parts = [], []  # this rank's reduced gradient: query/output part, then key/value part
     norm_grads = {"q": [], "k": []}
-    for j, shard in shard_stream(plan, packed):
+    gathers = {}  # key/value holder -> its K/V all-gather in flight
+    stream = shard_stream(plan, packed)
+
+    def receive():
+        """The next shard's weights; a key/value holder's K/V gather starts at once."""
+        j, shard = next(stream)
         w = plan.specs[j].unpack(shard)
-        holder = heads.kv_holder(j)
-        if holder == j:
-            kv_weights, kv_set = w, holder // heads.kv_replicas
-            K, V = gather_kv(plan, rotate(saved["k"][kv_set], plan.k_norm, cos, sin), saved["v"][kv_set])
-            dK_sum, dV_sum = torch.zeros_like(K, dtype=acc_dtype), torch.zeros_like(V, dtype=acc_dtype)
-        q = rotate(saved["q"][j], plan.q_norm, cos, sin)
-        grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
-        if plan.explicit_backward:
-            o = saved["o"][j]
-            dq = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dK_sum, dV_sum)
-        else:  # the kernel has no fused backward: autograd through a recomputed forward
-            with torch.enable_grad():
-                q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
-                o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
-                dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
-            dK_sum += dK
-            dV_sum += dV
-        dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
-        norm_grads["q"].append(grad_q_norm)
-        dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
-        grad_x += (dq @ w["q_proj.weight"]).to(grad_x.dtype)
-        # Weight-gradient partials stay float32 until their sum over ranks is rounded.
-        grads = {"q_proj.weight": comm.partial_matmul(dq.t(), tokens), "q_proj.bias": dq.sum(0, dtype=acc_dtype),
-                 "o_proj.weight": comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1))}
-        if j == holder + heads.kv_replicas - 1:  # the replica set is complete
-            # Sent in the model dtype, as the forward gathered K/V (the cost
-            # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
-            dk, dv = scatter_kv_grads(plan, dK_sum, dV_sum, x.dtype)
-            dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
-            norm_grads["k"].append(grad_k_norm)
-            dk = dk.flatten(0, 1).flatten(1)
-            dv = dv.flatten(0, 1).flatten(1)
-            grad_x += (dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype)
-            kv_grads = {"k_proj.weight": comm.partial_matmul(dk.t(), tokens), "k_proj.bias": dk.sum(0, dtype=acc_dtype),
-                        "v_proj.weight": comm.partial_matmul(dv.t(), tokens), "v_proj.bias": dv.sum(0, dtype=acc_dtype)}
-            if holder == j:
-                grads.update(kv_grads)
-            else:
-                holder_spec = plan.specs[holder]
-                kv_only = [n for n in holder_spec.shapes if n.startswith(("k_proj", "v_proj"))]
-                reduced = _reduce_to(plan, torch.cat([kv_grads[n].reshape(-1) for n in kv_only]).to(acc_dtype),
-                                     holder, works)
-                if holder == tsp_rank:
-                    own_parts.append(reduced)
-        if heads.holds_kv(j) and j != holder + heads.kv_replicas - 1:
+        if heads.holds_kv(j):
+            kv_set = j // heads.kv_replicas
+            gathers[j] = gather_kv(plan, rotate(saved["k"][kv_set], plan.k_norm, cos, sin), saved["v"][kv_set])
+        return w
+
+    def reduce_shard_grads(j, grads):
+        """Send shard ``j``'s weight gradients (float32 or wider) to its owner."""
+        if heads.holds_kv(j) and "k_proj.weight" not in grads:  # the set's key/value part goes later
             flat = torch.cat([grads[n].reshape(-1) for n in plan.specs[j].shapes if n in grads])
         else:
             flat = plan.specs[j].pack({n: grads[n] for n in plan.specs[j].shapes})
         reduced = _reduce_to(plan, flat.to(acc_dtype), j, works)
         if j == tsp_rank:
             own_parts.insert(0, reduced)
+
+    def finish_kv_set(j, holder, kv_set, kv_weights, scatter, grads):
+        """The replica set ending at group ``j``: its reduce-scattered dK/dV into
+        the input gradient and the key/value weight gradients, which go to the
+        holder (with ``j``'s own query/output part when ``j`` is the holder)."""
+        dk, dv = scatter.wait()
+        dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
+        norm_grads["k"].append(grad_k_norm)
+        dk = dk.flatten(0, 1).flatten(1)
+        dv = dv.flatten(0, 1).flatten(1)
+        grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
+        kv_grads = {"k_proj.weight": comm.partial_matmul(dk.t(), tokens), "k_proj.bias": dk.sum(0, dtype=acc_dtype),
+                    "v_proj.weight": comm.partial_matmul(dv.t(), tokens), "v_proj.bias": dv.sum(0, dtype=acc_dtype)}
+        if holder == j:
+            reduce_shard_grads(j, {**grads, **kv_grads})
+            return
+        kv_only = [n for n in plan.specs[holder].shapes if n.startswith(("k_proj", "v_proj"))]
+        reduced = _reduce_to(plan, torch.cat([kv_grads[n].reshape(-1) for n in kv_only]).to(acc_dtype), holder,
+                             works)
+        if holder == tsp_rank:
+            own_parts.append(reduced)
+
+    upcoming, unfinished = receive(), None
+    for j in range(plan.tsp_size):
+        w = upcoming
+        if plan.overlap and j + 1 < plan.tsp_size:
+            upcoming = receive()  # shard j+1 and its K/V gather travel under group j's backward
+        holder = heads.kv_holder(j)
+        if holder == j:
+            kv_weights, kv_set = w, holder // heads.kv_replicas
+            K = V = None  # the previous set's K/V go before this one's are unpacked
+            K, V = gathers.pop(j).wait()
+            dKV = torch.zeros((2, *K.shape), dtype=acc_dtype, device=K.device)  # the set's dK, dV sums
+        q = rotate(saved["q"][j], plan.q_norm, cos, sin)
+        grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
+        if plan.explicit_backward:
+            o = saved["o"][j]
+            dq = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dKV[0], dKV[1])
+        else:  # the kernel has no fused backward: autograd through a recomputed forward
+            with torch.enable_grad():
+                q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
+                o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
+                dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
+            dKV[0] += dK
+            dKV[1] += dV
+        if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
+            finish_kv_set(*unfinished)
+            unfinished = None
+        dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
+        norm_grads["q"].append(grad_q_norm)
+        dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
+        grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
+        # Weight-gradient partials stay float32 until their sum over ranks is rounded.
+        grads = {"q_proj.weight": comm.partial_matmul(dq.t(), tokens), "q_proj.bias": dq.sum(0, dtype=acc_dtype),
+                 "o_proj.weight": comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1))}
+        if j == holder + heads.kv_replicas - 1:  # the replica set is complete
+            # Sent in the model dtype, as the forward gathered K/V (the cost
+            # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
+            scatter = scatter_kv_grads(plan, dKV, x.dtype)
+            K = V = dKV = None
+            if holder != j:  # only the holder's message waits for the key/value part
+                reduce_shard_grads(j, grads)
+                grads = {}
+            unfinished = (j, holder, kv_set, kv_weights, scatter, grads)
+            if not plan.overlap:
+                finish_kv_set(*unfinished)
+                unfinished = None
+        else:
+            reduce_shard_grads(j, grads)
+        if not plan.overlap and j + 1 < plan.tsp_size:
+            upcoming = receive()
+    if unfinished is not None:
+        finish_kv_set(*unfinished)
     for work in works:
         if work is not None:
             work.wait()

@@ -177,20 +177,18 @@ def reduce_scatter(stacked, group, async_op=False):
     return out, work
 
 
-def _sum_slices_fp32(stacked, group):
-    """All-to-all of ``stacked`` ``(D, *shape)``, uncounted; this rank's slice
-    of the sum, added in group-rank order in float32 or wider."""
-    received = torch.empty_like(stacked)  # received[j]: rank j's summand of this rank's slice
-    dist.all_to_all_single(received, stacked, group=group)
-    total = received[0].to(accumulation_dtype(stacked.dtype))
+def _add_slices_fp32(received):
+    """The slices ``received[j]`` (rank j's summands) added in group-rank order in float32 or wider."""
+    total = received[0].to(accumulation_dtype(received.dtype))
     for part in received[1:]:
         total += part
     return total
 
 
-def reduce_scatter_fp32(stacked, group):
+def reduce_scatter_fp32(stacked, group, async_op=False):
     """``reduce_scatter`` with the bytes in ``stacked``'s dtype but the sum in
-    float32 or wider; returns this rank's slice of the sum in that wider dtype.
+    float32 or wider; returns this rank's slice of the sum in that wider dtype
+    (with ``async_op``, a ``PendingSum`` whose ``wait()`` returns it).
 
     Narrower inputs go as an all-to-all of the same slices (each rank sends and
     receives ``D-1`` of them, as a reduce-scatter does; counted as
@@ -201,18 +199,22 @@ def reduce_scatter_fp32(stacked, group):
     size = group_size(group)
     acc = accumulation_dtype(stacked.dtype)
     if size == 1:
-        return stacked[0].to(acc)
+        local = stacked[0].to(acc)
+        return PendingSum(None, lambda: local) if async_op else local
     if acc == stacked.dtype:
-        return reduce_scatter(stacked, group)[0]
+        local, work = reduce_scatter(stacked, group, async_op=async_op)
+        return PendingSum(work, lambda: local) if async_op else local
     if stacked.shape[0] != size:
         raise ValueError(f"reduce_scatter_fp32 expects a leading dim of {size} (the group size), "
                          f"got {tuple(stacked.shape)}")
     stacked = stacked.contiguous()
     counter.add("reduce_scatter", sent=(size - 1) * _nbytes(stacked[0]), received=(size - 1) * _nbytes(stacked[0]))
-    return _sum_slices_fp32(stacked, group)
+    received = torch.empty_like(stacked)  # received[j]: rank j's summand of this rank's slice
+    work = dist.all_to_all_single(received, stacked, group=group, async_op=async_op)
+    return PendingSum(work, lambda: _add_slices_fp32(received)) if async_op else _add_slices_fp32(received)
 
 
-def all_reduce_fp32(tensor, group):
+def all_reduce_fp32(tensor, group, async_op=False):
     """The sum of ``tensor`` over ``group``, a new tensor of ``tensor``'s dtype:
     the float32 (or wider) sum rounded once, the same on every rank, for the
     bytes of an ``all_reduce`` in ``tensor``'s dtype (counted as one).
@@ -221,24 +223,47 @@ def all_reduce_fp32(tensor, group):
     padded), then an all-gather of the summed pieces in ``tensor``'s dtype:
     ``2 (D-1) n / D`` each way, as a ring all-reduce. Wider inputs take
     ``all_reduce`` itself.
+
+    With ``async_op`` the sum is launched and a ``PendingSum`` returned, whose
+    ``wait()`` returns it: the wider inputs' all-reduce, or the narrower
+    inputs' exchange of pieces, is in flight until then (the narrower inputs'
+    all-gather of summed pieces runs inside ``wait()``, as it needs the sums).
     """
     size = group_size(group)
     if size == 1:
-        return tensor.clone()
+        return PendingSum(None, tensor.clone) if async_op else tensor.clone()
     if accumulation_dtype(tensor.dtype) == tensor.dtype:
         out = tensor.clone()
-        all_reduce(out, group)
-        return out
+        work = all_reduce(out, group, async_op=async_op)
+        return PendingSum(work, lambda: out) if async_op else out
     flat = tensor.reshape(-1)
     piece = -(-flat.numel() // size)
     stacked = flat.new_zeros(size * piece)
     stacked[:flat.numel()] = flat
     moved = 2 * (size - 1) * _nbytes(tensor) // size
     counter.add("all_reduce", sent=moved, received=moved)
-    local = _sum_slices_fp32(stacked.view(size, piece), group).to(tensor.dtype)
-    gathered = local.new_empty(size * piece)
-    _all_gather_single(gathered, local, group=group)
-    return gathered[:flat.numel()].view(tensor.shape)
+    received = torch.empty_like(stacked)  # received[j]: rank j's summand of this rank's piece
+    work = dist.all_to_all_single(received, stacked, group=group, async_op=async_op)
+
+    def gather_sums():
+        local = _add_slices_fp32(received.view(size, piece)).to(tensor.dtype)
+        gathered = local.new_empty(size * piece)
+        _all_gather_single(gathered, local, group=group)
+        return gathered[:flat.numel()].view(tensor.shape)
+
+    return PendingSum(work, gather_sums) if async_op else gather_sums()
+
+
+class PendingSum:
+    """A ``reduce_scatter_fp32`` or ``all_reduce_fp32`` launched with ``async_op``; ``wait()`` returns the sum."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
 
 
 def reduce(tensor, dst, group, async_op=False):

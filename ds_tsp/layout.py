@@ -56,10 +56,19 @@ def unshard(stacked, tsp_size, layout, dim=1):
     return torch.cat(natural, dim=dim)
 
 
-def stack_shards(x, tsp_size, layout, dim=1):
+def stack_shards(x, tsp_size, layout, dim=1, dtype=None):
     """Every rank's shard of the full sequence ``x``, stacked ``(D, ...)``: the
-    input a reduce-scatter needs to hand each rank its own tokens."""
-    return torch.stack([shard(x, r, tsp_size, layout, dim=dim) for r in range(tsp_size)])
+    input a reduce-scatter needs to hand each rank its own tokens. One copy
+    (in ``dtype``, ``x``'s by default), chunk by chunk into the result."""
+    check_divisible(x.shape[dim], tsp_size)
+    chunks = x.chunk(2 * tsp_size, dim=dim)
+    local_shape = list(x.shape)
+    local_shape[dim] //= tsp_size
+    stacked = x.new_empty((tsp_size, *local_shape), dtype=dtype or x.dtype)
+    for r in range(tsp_size):
+        for piece, c in zip(stacked[r].chunk(2, dim=dim), chunk_ids(r, tsp_size, layout)):
+            piece.copy_(chunks[c])
+    return stacked
 
 
 def positions(tsp_rank, tsp_size, layout, seq_len, device=None):

@@ -208,3 +208,61 @@ def test_auto_backend_falls_back_to_sdpa_on_cpu_and_says_so(caplog):
     assert len(messages) == 1 and "flash-attn is not installed" in messages[0]
     with pytest.raises(RuntimeError, match="tsp.attention_backend = \"flash\" cannot be used"):
         select_kernel("flash", "cpu", torch.bfloat16)
+
+
+def _schedule(overlap):
+    """The order in which one layer's forward and backward start and finish
+    their K/V all-gathers and dK/dV reduce-scatters and run their head groups'
+    attention, on this rank (D = 2, a key/value head per rank)."""
+    from unittest import mock
+
+    from ds_tsp import attention
+
+    events = []
+
+    def logged(name, fn):
+        def run(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    def pending(name, fn):
+        def start(*args, **kwargs):
+            events.append(f"start {name}")
+            op = fn(*args, **kwargs)
+            return comm.PendingSum(None, logged(f"wait {name}", op.wait))
+        return start
+
+    patches = [mock.patch.object(attention, "gather_kv", pending("gather", attention.gather_kv)),
+               mock.patch.object(attention, "scatter_kv_grads", pending("scatter", attention.scatter_kv_grads)),
+               mock.patch.object(attention, "attend_local_chunks", logged("attend", attention.attend_local_chunks)),
+               mock.patch.object(attention, "attend_local_chunks_backward",
+                                 logged("attend backward", attention.attend_local_chunks_backward))]
+    config = _config("llama", 4, 2)
+    attn, x, grad_y = _reference("llama", config, 1, "zigzag")
+    for patch in patches:
+        patch.start()
+    try:
+        _tsp_forward_backward(attn, config, x, grad_y, TSPTopology(2), "zigzag", overlap)
+    finally:
+        for patch in patches:
+            patch.stop()
+    return events
+
+
+def test_overlap_puts_the_next_groups_collectives_under_this_groups_compute(run_ranks):
+    """With ``overlap`` the K/V gather of group 1 starts before group 0 attends,
+    and group 0's dK/dV reduce-scatter is waited on only after group 1's
+    attention backward; without it, each collective finishes before the next
+    group's compute."""
+    # The fused backward (explicit) is the CPU default: no recompute in backward.
+    overlapped = ["start gather", "start gather", "wait gather", "attend", "wait gather", "attend",  # forward
+                  "start gather", "start gather", "wait gather", "attend backward", "start scatter",
+                  "wait gather", "attend backward", "wait scatter", "start scatter", "wait scatter"]
+    serial = ["start gather", "wait gather", "attend", "start gather", "wait gather", "attend",
+              "start gather", "wait gather", "attend backward", "start scatter", "wait scatter",
+              "start gather", "wait gather", "attend backward", "start scatter", "wait scatter"]
+    for overlap, expected in ((True, overlapped), (False, serial)):
+        for events in run_ranks(2, _schedule, overlap=overlap):
+            print(f"overlap={overlap}: {events}")
+            assert events == expected

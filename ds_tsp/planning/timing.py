@@ -37,7 +37,7 @@ the frameworks run them):
 * TSP weight broadcasts and the MLP / LM-head ring: overlapped (DESIGN.md 4
   and 5: shard ``j+1`` arrives while shard ``j`` computes); the K/V all-gather
   and dK/dV reduce-scatter: overlapped, the next head group's under the current
-  group's compute, as issue #15 schedules them; the weight-gradient reduces:
+  group's compute, as ``ds_tsp/attention.py`` runs them; the weight-gradient reduces:
   overlapped (posted, waited at the layer's end). The embedding all-to-all is
   blocking (the first layer needs the rows) and so are the all-reduces of the
   gradients every rank holds whole (ds_tsp runs them synchronously).
