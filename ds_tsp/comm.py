@@ -41,19 +41,22 @@ def accumulation_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def partial_matmul(a, b):
+def partial_matmul(a, b, out=None):
     """``a @ b`` with its sum over the inner dimension returned in float32 (or
     wider) and not rounded to ``a``'s dtype: a partial gradient that is summed
     over ranks, ring steps or tiles afterwards, so that the whole sum is rounded
     once, as the unsharded model's single matmul is. On CUDA the product still
     runs on bf16/fp16 tensor cores (``out_dtype``); elsewhere the inputs are
-    widened first."""
+    widened first. With ``out`` (that wider dtype) the product is added into it
+    in place (in the matmul itself where the dtypes allow) and ``out`` returned."""
     acc = accumulation_dtype(a.dtype)
     if acc == a.dtype:
-        return a @ b
+        return a @ b if out is None else out.addmm_(a, b)
     if _mm_out_dtype_works(a.device, a.dtype, acc):
-        return torch.mm(a, b, out_dtype=acc)
-    return a.to(acc) @ b.to(acc)
+        product = torch.mm(a, b, out_dtype=acc)
+    else:
+        product = a.to(acc) @ b.to(acc)
+    return product if out is None else out.add_(product)
 
 
 @functools.lru_cache(maxsize=None)

@@ -85,12 +85,14 @@ def shard_forward(x, w, act_fn):
     return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
 
 
-def shard_backward(x2, grad_y2, w, act_fn, gate, up):
+def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None):
     """Gradients of one shard's contribution for the local tokens.
 
     ``x2``, ``grad_y2``: ``(N, H)`` local tokens; ``gate``, ``up``: ``(N, F/D)``
     saved by the forward (local tokens of one shard, so 1/D of the full MLP's
-    intermediate activations over all steps). Returns ``(dx (N, H), {name: dW})``.
+    intermediate activations over all steps). Returns ``(dx (N, H), {name: dW})``;
+    with ``into`` (``{name: accumulator}``, float32 or wider) the weight
+    gradients are added into those in place instead and ``into`` is returned.
     The activation's derivative comes from autograd so any ``ACT2FN`` entry works.
     """
     with torch.enable_grad():
@@ -99,18 +101,17 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up):
     grad_h = grad_y2 @ w["down_proj.weight"]  # (N, F/D)
     grad_up = grad_h * act.detach()
     (grad_gate,) = torch.autograd.grad(act, gate, grad_h * up)
+    into = {} if into is None else into
     # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
-    grads = {
-        "gate_proj.weight": comm.partial_matmul(grad_gate.t(), x2),
-        "up_proj.weight": comm.partial_matmul(grad_up.t(), x2),
-        "down_proj.weight": comm.partial_matmul(grad_y2.t(), act.detach() * up),
-    }
+    for name, (a, b) in {"gate_proj.weight": (grad_gate, x2), "up_proj.weight": (grad_up, x2),
+                         "down_proj.weight": (grad_y2, act.detach() * up)}.items():
+        into[name] = comm.partial_matmul(a.t(), b, out=into.get(name))
     if "gate_proj.bias" in w:
         acc = accumulation_dtype(grad_gate.dtype)
-        grads["gate_proj.bias"] = grad_gate.sum(0, dtype=acc)
-        grads["up_proj.bias"] = grad_up.sum(0, dtype=acc)
+        for name, grad in (("gate_proj.bias", grad_gate), ("up_proj.bias", grad_up)):
+            into[name] = grad.sum(0, dtype=acc) if name not in into else into[name].add_(grad.sum(0, dtype=acc))
     grad_x = grad_gate @ w["gate_proj.weight"] + grad_up @ w["up_proj.weight"]
-    return grad_x, grads
+    return grad_x, into
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
     def step(t, buf):
         w = plan.spec.unpack(buf)
         grad_shard = torch.zeros(packed.shape, dtype=acc_dtype, device=packed.device)
+        into = plan.spec.unpack(grad_shard)  # every tile's weight gradients add up in place
         for start, end in tiles:
             x_tile = x2[start:end]
             if gates:
@@ -180,9 +182,8 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
             else:
                 gate = F.linear(x_tile, w["gate_proj.weight"], w.get("gate_proj.bias"))
                 up = F.linear(x_tile, w["up_proj.weight"], w.get("up_proj.bias"))
-            tile_grad_x, grads = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up)
+            tile_grad_x, _ = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up, into)
             grad_x[start:end] += tile_grad_x
-            grad_shard += plan.spec.pack(grads)
         return grad_shard
 
     grad_packed = ring_gradients(packed, plan.group, step, plan.overlap)
