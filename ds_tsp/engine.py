@@ -1,12 +1,16 @@
 """``ds_tsp.initialize``: ``deepspeed.initialize`` with the ``tsp`` section honoured."""
 
 import copy
+import functools
 import os
 from datetime import timedelta
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
 
@@ -85,6 +89,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model.train()
     else:
         model = inject(model, topology, tsp_config)
+    replicated_grads = model.tsp_replicated_grads
     if tsp_config.pipeline_stages > 1:
         # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
         model = build_pipeline(model, topology, tsp_config, bool(ds_config.get("activation_checkpointing")))
@@ -110,7 +115,98 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
     client.attach(engine)
+    if replicated_grads is not None:
+        schedule_replicated_grads(engine, replicated_grads)
     return (engine, *rest)
+
+
+def schedule_replicated_grads(engine, replicated_grads):
+    """Sum the gradients of what every TSP rank holds whole (a
+    ``ds_tsp.mappings.ReplicatedGrads``) where DeepSpeed's own gradient
+    reduction over the data-parallel group lets it happen least often.
+
+    * ZeRO-0 and ZeRO-1 (and pipelines, which run only those) accumulate the
+      micro-steps' gradients where they live (``.grad``, ZeRO-1's fp32
+      ``grad_accum``, the bf16 optimizer's fp32 buffers) and reduce them after
+      the boundary micro-step's backward (``allreduce_gradients``; the
+      pipeline's ``_bf16_reduce_grads``). The sum is deferred to just before
+      that: once per optimizer step, bucketed.
+    * ZeRO-1 with ``overlap_comm`` reduces the accumulated gradients from its
+      own post-accumulation hooks in the boundary backward: the sum runs in
+      ours, which come first, in that backward only (per parameter, as the
+      next hook reads each gradient at once).
+    * ZeRO-2 and ZeRO-3 reduce every micro-step's gradient from their hooks
+      and accumulate the reduced partitions, and ZeRO-1 moving gradients into
+      a wider ``grad_accum`` under ``overlap_comm`` does so in the same hook:
+      each micro-step's gradient is summed before it reaches ``.grad``, as
+      without an engine.
+
+    On the wire the gradients take the dtype DeepSpeed reduces them in over
+    data parallelism (``_wire_dtype``).
+    """
+    optimizer = engine.optimizer
+    wire_dtype = functools.partial(_wire_dtype, engine)
+    if optimizer is None or engine.zero_optimization_partition_gradients() or getattr(engine, "zenflow", False):
+        replicated_grads.every_backward(wire_dtype)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.overlap_comm:
+        if optimizer.use_grad_accum_attribute:
+            replicated_grads.every_backward(wire_dtype)
+        else:
+            replicated_grads.at_boundary_in_hooks(engine.is_gradient_accumulation_boundary, wire_dtype)
+    else:
+        replicated_grads.deferred(wire_dtype)
+        _sum_before_reduction(engine, replicated_grads)
+
+
+def _sum_before_reduction(engine, replicated_grads):
+    """Wrap the engine's boundary reductions so that the replicated gradients
+    are summed over the TSP group first, once per optimizer step."""
+    grad_of = _accumulated_gradient(engine.optimizer)
+    held = {id(param) for param in engine.module.parameters()}  # a pipeline stage holds some only
+    params = [p for p in replicated_grads.params if id(p) in held]
+    summed_at = []
+
+    def sum_first(reduce):
+        @functools.wraps(reduce)
+        def reduce_after_the_sum(*args, **kwargs):
+            step = (engine.global_steps, engine.micro_steps)
+            if engine.is_gradient_accumulation_boundary() and summed_at != [step]:
+                summed_at[:] = [step]  # a second reduction call in the same step must not sum again
+                grads = [(param, grad_of(param)) for param in params if param.requires_grad]
+                replicated_grads.sum_now([(param, grad) for param, grad in grads if grad is not None],
+                                         engine.zero_reduce_bucket_size())
+            return reduce(*args, **kwargs)
+        return reduce_after_the_sum
+
+    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+        if hasattr(engine, name):
+            setattr(engine, name, sum_first(getattr(engine, name)))
+
+
+def _accumulated_gradient(optimizer):
+    """``param -> the tensor its micro-steps' gradients accumulate in``, where
+    the optimizer reduces it from (None before any backward)."""
+    if isinstance(optimizer, BF16_Optimizer):  # fp32 buffers, filled after each backward
+        buffers = {id(lp): hp for lps, hps in zip(optimizer.bf16_groups, optimizer.fp32_groups_gradients)
+                   for lp, hp in zip(lps, hps)}
+        return lambda param: buffers.get(id(param))
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):  # .grad, or a wider grad_accum
+        return optimizer.get_param_gradient_attribute
+    return lambda param: param.grad
+
+
+def _wire_dtype(engine, param, grad_dtype):
+    """The dtype DeepSpeed reduces ``param``'s gradient in over data
+    parallelism: ``communication_data_type`` if set, else the fp16/bf16
+    model's dtype, else float32 (ZeRO's per-parameter choice under its
+    ``torch_autocast``). Float64 gradients stay float64 where DeepSpeed would
+    fall back to float32: a float64 model is run for its precision."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        wire = optimizer.get_param_comm_dtype(param)
+    else:  # the engine's own all-reduce (ZeRO-0, the bf16 optimizer)
+        wire = engine.communication_data_type
+    return grad_dtype if wire == torch.float32 and grad_dtype == torch.float64 else wire
 
 
 def num_items_in_batch(engine, micro_batches):

@@ -50,9 +50,10 @@ def inject(model, topology, tsp_config, read=None, device=None):
     if read is None:
         broadcast_replicated(model, topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
-    sum_grads_over_group(replicated, topology.tsp_group)
+    replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 
     model.__class__ = _tsp_class(type(model))
+    model.tsp_replicated_grads = replicated_grads  # ds_tsp.initialize schedules their sum per ZeRO stage
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
     model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
     return model

@@ -5,6 +5,9 @@ unsharded biases) see only the local tokens, so their gradient is the sum over
 the TSP group; the loss is the sum of per-rank partial sums.
 """
 
+import functools
+from collections import defaultdict
+
 import torch
 
 from . import comm
@@ -33,30 +36,118 @@ def sum_over_group(tensor, group):
 
 def sum_grads_over_group(params, group):
     """Make every parameter's gradient the sum over ``group`` of the per-rank
-    gradients, exactly once per backward.
-
-    A hook on the leaf runs on the gradient autograd has accumulated for it
-    (tied weights included) before it reaches ``.grad``, so it runs ahead of
-    ZeRO's post-accumulation hooks and of gradient accumulation across
-    micro-steps. Every rank runs the same graph, so the all-reduces line up.
-    bf16 gradients travel in bf16 and are summed in float32, rounded once.
-    Frozen parameters get the hook too (it persists through ``requires_grad``
-    changes), so one unfrozen later is still summed.
-    """
+    gradients, once per optimizer step: a ``ReplicatedGrads`` over ``params``
+    (duplicates dropped), summing in each backward until an engine schedules
+    it otherwise; None for a group of size 1, where there is nothing to sum."""
     if comm.group_size(group) == 1:
-        return
+        return None
+    return ReplicatedGrads(params, group)
 
-    def hook(grad):
-        return comm.all_reduce_fp32(grad, group)
 
-    seen = set()
-    for param in params:
-        if id(param) not in seen:
-            seen.add(id(param))
+class ReplicatedGrads:
+    """The gradients of the parameters every rank of a TSP group holds whole
+    (embedding and LM head when not folded, norms, unsharded biases, Qwen3's
+    q/k norms): each rank's covers its own tokens only, so the parameter's
+    gradient is their sum over the group. They are summed in float32 or wider
+    (``comm.all_reduce_fp32``), in ``wire_dtype(param, grad_dtype)`` on the
+    wire (by default the gradient's own dtype), and rounded once.
+
+    When the sum runs depends on who reads the gradient, and so on the engine
+    (``ds_tsp.engine`` picks per ZeRO stage):
+
+    * ``every_backward`` (the default, and under ZeRO-2/3, which reduce each
+      micro-step's gradient from their own hooks): a hook on each leaf sums
+      the gradient autograd has accumulated for it in this backward (tied
+      weights included) before it reaches ``.grad``, so ahead of any
+      post-accumulation hook (ZeRO's, DDP's), of ``torch.autograd.grad``'s
+      answer and of accumulation over micro-steps. One all-reduce per
+      parameter per backward, synchronous: whatever reads it next may read it
+      at once.
+    * ``at_boundary_in_hooks(is_boundary)`` (ZeRO-1 with ``overlap_comm``,
+      which reduces the accumulated gradient from its own hook in the
+      boundary micro-step's backward): a post-accumulation hook, registered
+      here before any engine's, sums the accumulated ``.grad`` in place in
+      that backward only. One all-reduce per parameter per optimizer step.
+    * ``deferred`` (ZeRO-0, ZeRO-1, pipelines: DeepSpeed reduces after the
+      boundary backward): no hook sums; the engine calls ``sum_now`` on the
+      accumulated gradients, wherever it keeps them, just before its own
+      reduction. One all-reduce per bucket per optimizer step.
+
+    Every rank runs the same graph and the same schedule, so the all-reduces
+    line up. Frozen parameters get the hooks too (they persist through
+    ``requires_grad`` changes), so one unfrozen later is still summed.
+    """
+
+    EVERY_BACKWARD, AT_BOUNDARY_IN_HOOKS, DEFERRED = "every backward", "at the boundary, in hooks", "deferred"
+
+    def __init__(self, params, group):
+        self.group = group
+        self.params = list({id(param): param for param in params}.values())
+        self.every_backward()
+        for param in self.params:
             frozen = not param.requires_grad
             param.requires_grad_(True)
-            param.register_hook(hook)
+            param.register_hook(functools.partial(self._sum_in_backward, param))
+            param.register_post_accumulate_grad_hook(self._sum_accumulated_at_boundary)
             param.requires_grad_(not frozen)
+
+    def every_backward(self, wire_dtype=None):
+        self.schedule, self.is_boundary = self.EVERY_BACKWARD, None
+        self.wire_dtype = wire_dtype or _own_dtype
+
+    def at_boundary_in_hooks(self, is_boundary, wire_dtype=None):
+        self.schedule, self.is_boundary = self.AT_BOUNDARY_IN_HOOKS, is_boundary
+        self.wire_dtype = wire_dtype or _own_dtype
+
+    def deferred(self, wire_dtype=None):
+        self.schedule, self.is_boundary = self.DEFERRED, None
+        self.wire_dtype = wire_dtype or _own_dtype
+
+    def _sum_in_backward(self, param, grad):
+        if self.schedule != self.EVERY_BACKWARD:
+            return grad
+        return self._summed(param, grad)
+
+    def _sum_accumulated_at_boundary(self, param):
+        if self.schedule == self.AT_BOUNDARY_IN_HOOKS and self.is_boundary():
+            param.grad.copy_(self._summed(param, param.grad))
+
+    def _summed(self, param, grad):
+        return comm.all_reduce_fp32(grad.to(self.wire_dtype(param, grad.dtype)), self.group).to(grad.dtype)
+
+    def sum_now(self, grads, bucket_numel):
+        """Replace each of ``grads`` (``(param, gradient)`` pairs, in the same
+        order on every rank; the gradient wherever the engine accumulates it)
+        by its sum over the group, in place. The gradients travel flattened in
+        buckets of at most ``bucket_numel`` elements per wire dtype (a larger
+        gradient alone), so the messages are the buckets, not the parameters;
+        every bucket is launched before the first is waited on."""
+        by_wire = defaultdict(list)  # wire dtype -> gradients, in order
+        for param, grad in grads:
+            by_wire[self.wire_dtype(param, grad.dtype)].append(grad)
+        launched = [(bucket, comm.all_reduce_fp32(torch.cat([g.reshape(-1).to(wire) for g in bucket]), self.group,
+                                                  async_op=True))
+                    for wire, same_wire in by_wire.items() for bucket in _buckets(same_wire, bucket_numel)]
+        for bucket, pending in launched:
+            for grad, summed in zip(bucket, pending.wait().split([g.numel() for g in bucket])):
+                grad.copy_(summed.view_as(grad))
+
+
+def _buckets(tensors, bucket_numel):
+    """Runs of consecutive ``tensors`` of at most ``bucket_numel`` elements in
+    all (a larger tensor alone), filled as DeepSpeed fills its reduce buckets."""
+    buckets, numel = [], 0
+    for tensor in tensors:
+        if not buckets or numel + tensor.numel() > bucket_numel:
+            buckets.append([])
+            numel = 0
+        buckets[-1].append(tensor)
+        numel += tensor.numel()
+    return buckets
+
+
+def _own_dtype(param, grad_dtype):
+    return grad_dtype
 
 
 class _GatherRows(torch.autograd.Function):

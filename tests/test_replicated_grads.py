@@ -1,0 +1,298 @@
+"""Replicated gradients (norms; embedding and LM head when the vocabulary is not
+folded) summed over the TSP group where DeepSpeed's own reduction lets it
+happen least often (``ds_tsp.engine.schedule_replicated_grads``), in the dtype
+DeepSpeed reduces gradients in (``communication_data_type``)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from ds_tsp import comm
+from ds_tsp import planning as planner
+from models import tiny_config, tiny_model
+from test_engine import _gathered, _relative_to
+
+MICRO_BATCH = 2
+SEQ_LEN = 16
+LR = 0.1
+# Tiny Llama (tests/models.py): 2 layers, so 2 * 2 + 1 = 5 norms of hidden size 16 are replicated when the
+# vocabulary is folded, plus the 61 x 16 embedding and LM head when it is not.
+NORMS, HIDDEN, VOCAB = 5, 16, 61
+
+
+def _config(zero_stage, accumulation, tsp_size=2, zero=None, **extra):
+    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
+            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
+            "zero_optimization": {"stage": zero_stage, **(zero or {})},
+            "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}, **extra}
+
+
+def _counted_backwards(zero_stage, accumulation=2, steps=2, zero=None, vocab_parallel=True, reduce_again=False,
+                       **extra):
+    """``(calls, bytes received)`` of ``comm``'s all-reduces inside each
+    ``engine.backward`` of ``steps`` optimizer steps at TSP=2, DP=1 (the loss's
+    all-reduce is in the forward); with ``reduce_again``, then those of a
+    second ``allreduce_gradients`` call after the last boundary backward."""
+    config = _config(zero_stage, accumulation, zero=zero, **extra)
+    config["tsp"]["vocab_parallel"] = vocab_parallel
+    engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=config,
+                                   optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    generator = torch.Generator().manual_seed(3)
+    counts = []
+    for _ in range(steps * accumulation):
+        ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=generator)
+        loss = engine(input_ids=ids, labels=ids).loss
+        comm.counter.reset()
+        engine.backward(loss)
+        counts.append(_all_reduces())
+        if reduce_again and len(counts) == steps * accumulation:
+            comm.counter.reset()
+            engine.allreduce_gradients()
+            counts.append(_all_reduces())
+        engine.step()
+    return counts
+
+
+def _all_reduces():
+    count = comm.counter.snapshot().get("all_reduce", {"calls": 0, "received": 0})
+    return count["calls"], count["received"]
+
+
+def _planned_replicated_bytes(elem_bytes, vocab_parallel=True):
+    """The planner's all-reduce bytes of one step less the loss's (one float32 scalar)."""
+    planned = planner.tsp_step_bytes_by_op(tiny_config("llama").to_dict(), SEQ_LEN, MICRO_BATCH, 2, elem_bytes,
+                                           vocab_parallel=vocab_parallel)
+    return planned["all_reduce"] - 4
+
+
+FP32_NORM_BYTES = NORMS * HIDDEN * 4  # at D=2 a rank receives n of an all-reduce of n bytes
+
+
+@pytest.mark.parametrize("zero_stage, bf16", [(0, False), (1, False), (0, True)])
+def test_zero_0_and_1_sum_once_per_step_in_one_bucket(run_ranks, zero_stage, bf16):
+    # GAS=2: nothing moves in the first micro-step's backward; the boundary backward sends every norm's accumulated
+    # gradient in one message (reduce_bucket_size is DeepSpeed's default, 5e8 elements), in bf16 for a bf16
+    # model (ZeRO-0: DeepSpeed's fp16 optimizer over bf16). Under ZeRO-0 a second allreduce_gradients in the
+    # same step sums nothing again (ZeRO-1's own reduction cannot run twice).
+    reduce_again = zero_stage == 0
+    expected = [(0, 0), (1, FP32_NORM_BYTES // 2 if bf16 else FP32_NORM_BYTES)] * 2 + [(0, 0)] * reduce_again
+    for counts in run_ranks(2, _counted_backwards, zero_stage=zero_stage, reduce_again=reduce_again,
+                            bf16={"enabled": bf16}):
+        print(f"ZeRO-{zero_stage}{' bf16' * bf16} GAS=2: (all-reduces, bytes) per backward"
+              f"{', then a second reduction' * reduce_again} {counts}")
+        assert counts == expected
+    # What the planner counts per micro-step is what one boundary moves.
+    assert _planned_replicated_bytes(4) == FP32_NORM_BYTES
+
+
+def test_messages_are_the_buckets_not_the_parameters(run_ranks):
+    # Buckets of 32 elements hold two 16-element norms each: 5 norms, 3 messages, the same bytes.
+    per_rank = run_ranks(2, _counted_backwards, zero_stage=1, zero={"reduce_bucket_size": 2 * HIDDEN})
+    for counts in per_rank:
+        print(f"ZeRO-1, buckets of {2 * HIDDEN} elements: {counts}")
+        assert counts == [(0, 0), (3, FP32_NORM_BYTES)] * 2
+    # Unfolded vocabulary: the embedding and the head (61 x 16 each) join the norms in one default bucket;
+    # without an engine the same model sends one message per parameter in every backward.
+    unfolded = (NORMS * HIDDEN + 2 * VOCAB * HIDDEN) * 4
+    assert _planned_replicated_bytes(4, vocab_parallel=False) == unfolded
+    for counts in run_ranks(2, _counted_backwards, zero_stage=0, vocab_parallel=False):
+        print(f"ZeRO-0, vocabulary not folded: {counts}")
+        assert counts == [(0, 0), (1, unfolded)] * 2
+
+
+def _plain_backward_counts():
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.topology import TSPTopology
+
+    model = ds_tsp.inject(tiny_model("llama", dtype=torch.float32), TSPTopology(2),
+                          TSPConfig(enabled=True, size=2, attention_backend="sdpa", vocab_parallel=False))
+    ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    loss = model(input_ids=ids, labels=ids).loss
+    comm.counter.reset()
+    loss.backward()
+    return _all_reduces()
+
+
+def test_without_an_engine_every_backward_sums_each_parameter(run_ranks):
+    unfolded = (NORMS * HIDDEN + 2 * VOCAB * HIDDEN) * 4
+    for counted in run_ranks(2, _plain_backward_counts):
+        assert counted == (NORMS + 2, unfolded)
+
+
+@pytest.mark.parametrize("zero_stage, zero, extra, per_backward", [
+    (2, None, {}, [(NORMS, FP32_NORM_BYTES)] * 4),  # ZeRO-2 reduces each micro-step from its hooks
+    (3, None, {}, [(NORMS, FP32_NORM_BYTES)] * 4),
+    # ZeRO-1 with overlap_comm reduces in its hooks in the boundary backward only ...
+    (1, {"overlap_comm": True}, {}, [(0, 0), (NORMS, FP32_NORM_BYTES)] * 2),
+    # ... and there first moves each bf16 gradient into its fp32 grad_accum, every micro-step.
+    (1, {"overlap_comm": True, "offload_optimizer": {"device": "cpu"}},
+     {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_force_ds_cpu_optimizer": False},
+     [(NORMS, FP32_NORM_BYTES // 2)] * 4),
+])
+def test_where_zero_reads_gradients_in_hooks_the_sum_comes_first(run_ranks, zero_stage, zero, extra, per_backward):
+    for counts in run_ranks(2, _counted_backwards, zero_stage=zero_stage, zero=zero, **extra):
+        print(f"ZeRO-{zero_stage} {zero or ''} {extra or ''}: {counts}")
+        assert counts == per_backward
+
+
+def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False):
+    """Two SGD steps of TSP=2 x DP=2 with 2 accumulation steps against one
+    process's steps on each global batch; the relative distance of every
+    tensor. ``skip_the_sum``: the replicated gradients are never summed over
+    the TSP group, to show the comparison would catch it."""
+    accumulation, steps = 2, 2
+    world = dist.get_world_size()
+    dp_size = world // 2
+    ref = tiny_model("llama", dtype=torch.float32)
+    engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=_config(zero_stage, accumulation, zero=zero),
+                                   optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    if skip_the_sum:
+        engine.module.tsp_replicated_grads.sum_now = lambda grads, bucket_numel: None
+    topo = engine.tsp_topology
+    generator = torch.Generator().manual_seed(5)
+    rows = dp_size * accumulation * MICRO_BATCH
+    batches = [torch.randint(0, VOCAB, (rows, SEQ_LEN), generator=generator) for _ in range(steps)]
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=LR)
+    for batch in batches:
+        mine = batch.view(dp_size, accumulation, MICRO_BATCH, SEQ_LEN)[topo.dp_rank]
+        for ids in mine:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        # Every row holds SEQ_LEN real tokens, so the mean of the micro-batch means is the batch mean.
+        ref_optimizer.zero_grad()
+        ref(input_ids=batch, labels=batch).loss.backward()
+        ref_optimizer.step()
+    with _gathered(engine, zero_stage):
+        return _relative_to(engine.module, dict(ref.named_parameters()))
+
+
+# float32: summation orders differ (TSP sums, DP averages, accumulation), ~1e-7 relative per step.
+BOUND = 1e-5
+
+
+@pytest.mark.parametrize("zero_stage, zero", [(0, None), (1, None), (1, {"overlap_comm": True}), (2, None),
+                                              (3, None)])
+def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero):
+    for rank, rel in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero)):
+        worst = max(rel, key=rel.get)
+        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}: max rel |dw| {rel[worst]:.2e} ({worst})")
+        assert rel[worst] <= BOUND
+
+
+def test_the_comparison_catches_a_missing_sum(run_ranks):
+    per_rank = run_ranks(4, _accumulated_steps, zero_stage=1, skip_the_sum=True)
+    worst = max(max(rel.values()) for rel in per_rank)
+    print(f"replicated gradients not summed: max rel |dw| {worst:.2e}")
+    assert worst > 1e2 * BOUND
+
+
+def _wire_bytes_and_losses():
+    """Per configuration, TSP=2, ZeRO-1, 2 steps of 2 accumulation steps: the
+    boundary backwards' all-reduces (calls, bytes), the losses, and the
+    replicated gradients as summed at the first boundary (the same weights in
+    every run), in float32, from wherever the optimizer accumulates them."""
+    bf16, fp32_accumulation, fp32_wire = {"enabled": True}, {"grad_accum_dtype": "fp32"}, "fp32"
+    offloaded = {"offload_optimizer": {"device": "cpu"}}
+    runs = {"fp32": {}, "bf16": dict(bf16=bf16),
+            "bf16, fp32 on the wire": dict(bf16=bf16, communication_data_type=fp32_wire),
+            # ZeRO-1 over bf16 weights with fp32 gradient accumulation: DeepSpeed's bf16 optimizer ...
+            "bf16 optimizer": dict(bf16=bf16, data_types=fp32_accumulation),
+            "bf16 optimizer, fp32 on the wire": dict(bf16=bf16, data_types=fp32_accumulation,
+                                                     communication_data_type=fp32_wire),
+            # ... or, with the optimizer offloaded, ZeRO-1 accumulating in each parameter's fp32 grad_accum.
+            "bf16, fp32 grad_accum": dict(bf16=bf16, data_types=fp32_accumulation, zero=offloaded,
+                                          zero_force_ds_cpu_optimizer=False)}
+    results = {}
+    for label, extra in runs.items():
+        engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=_config(1, 2, **extra),
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+        replicated_grads = engine.module.tsp_replicated_grads
+        names = {id(param): name for name, param in engine.module.named_parameters()}
+        summed, sum_now = {}, replicated_grads.sum_now
+
+        def sum_and_keep(grads, bucket_numel):
+            sum_now(grads, bucket_numel)
+            if not summed:
+                summed.update({names[id(param)]: grad.float().clone() for param, grad in grads})
+
+        replicated_grads.sum_now = sum_and_keep
+        generator = torch.Generator().manual_seed(3)
+        losses, boundary = [], []
+        for micro_step in range(4):
+            ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=generator)
+            loss = engine(input_ids=ids, labels=ids).loss
+            comm.counter.reset()
+            engine.backward(loss)
+            if micro_step % 2:
+                boundary.append(_all_reduces())
+            engine.step()
+            losses.append(loss.item())
+        results[label] = dict(boundary=boundary, losses=losses, grads=summed, optimizer=type(engine.optimizer).__name__,
+                              grad_accum=getattr(engine.optimizer, "use_grad_accum_attribute", False))
+    return results
+
+
+def test_gradients_travel_in_deepspeeds_communication_dtype(run_ranks):
+    bf16_bytes = NORMS * HIDDEN * 2
+    expected = {"fp32": FP32_NORM_BYTES, "bf16": bf16_bytes, "bf16, fp32 on the wire": FP32_NORM_BYTES,
+                "bf16 optimizer": bf16_bytes, "bf16 optimizer, fp32 on the wire": FP32_NORM_BYTES,
+                "bf16, fp32 grad_accum": bf16_bytes}
+    per_rank = run_ranks(2, _wire_bytes_and_losses)
+    for rank, out in enumerate(per_rank):
+        fp32 = out["fp32"]
+        for label, run in out.items():
+            grad_err = max(((run["grads"][n] - g).abs().max() / g.abs().max()).item() for n, g in fp32["grads"].items())
+            print(f"rank {rank} {label} ({run['optimizer']}): boundary all-reduces {run['boundary']}, "
+                  f"losses {[round(v, 4) for v in run['losses']]}, summed gradients' rel err to fp32 {grad_err:.1e}")
+            assert run["boundary"] == [(1, expected[label])] * 2
+            assert run["grads"].keys() == fp32["grads"].keys() and len(fp32["grads"]) == NORMS
+            # bf16 keeps 8 mantissa bits: gradients and losses follow float32 to ~1e-2 (measured 2.3e-2 on the
+            # gradients, the same in every bf16 run: the model's bf16 arithmetic, not the wire). Unsummed, the
+            # gradient would be one rank's part of the sum, ~0.5 off.
+            assert grad_err < 5e-2
+            assert max(abs(a - b) for a, b in zip(run["losses"], fp32["losses"])) < 5e-2
+        assert out["bf16 optimizer"]["optimizer"] == "BF16_Optimizer"
+        assert out["bf16"]["optimizer"] == out["bf16, fp32 grad_accum"]["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert out["bf16, fp32 grad_accum"]["grad_accum"] and not out["bf16"]["grad_accum"]
+    # Summed: both TSP ranks hold the same gradient (each rank's own tokens give different ones).
+    for label in per_rank[0]:
+        assert all(torch.equal(per_rank[0][label]["grads"][n], per_rank[1][label]["grads"][n])
+                   for n in per_rank[0][label]["grads"])
+
+
+def _pipeline_counts(zero_stage, bf16):
+    """PP=2 x TSP=2, 2 micro-batches per ``train_batch``: ``comm``'s
+    all-reduces (calls, bytes received) per batch, and the losses."""
+    config = _config(zero_stage, 2, bf16={"enabled": bf16})
+    config["tsp"]["pipeline_stages"] = 2
+    engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=config,
+                                   optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    generator = torch.Generator().manual_seed(3)
+    counts, losses = [], []
+    for _ in range(2):
+        micro_batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=generator) for _ in range(2)]
+        comm.counter.reset()
+        losses.append(engine.train_batch(data_iter=iter([(ids, ids) for ids in micro_batches])).item())
+        counts.append(_all_reduces())
+    return dict(stage=engine.stage_id, counts=counts, losses=losses, optimizer=type(engine.optimizer).__name__)
+
+
+def test_pipeline_stages_sum_once_per_batch(run_ranks):
+    # Stage 0 holds layer 0's two norms, stage 1 layer 1's two and the final norm: one message per stage and
+    # batch, after the batch's backward passes, in the model's dtype; stage 1 also all-reduces each
+    # micro-batch's float32 loss. ZeRO-1 in float32; the bf16 pipeline's own optimizer sums in float32 buffers,
+    # reduced by the pipeline's _bf16_reduce_grads.
+    runs = {(1, False): ("DeepSpeedZeroOptimizer", 4), (0, True): ("BF16_Optimizer", 2)}
+    losses = {}
+    for (zero_stage, bf16), (optimizer, elem) in runs.items():
+        expected = {0: (1, 2 * HIDDEN * elem), 1: (1 + 2, 3 * HIDDEN * elem + 2 * 4)}
+        for rank, out in enumerate(run_ranks(4, _pipeline_counts, zero_stage=zero_stage, bf16=bf16)):
+            print(f"rank {rank} stage {out['stage']} ZeRO-{zero_stage} {out['optimizer']}: (all-reduces, bytes) per "
+                  f"batch {out['counts']}, losses {[round(v, 4) for v in out['losses']]}")
+            assert out["optimizer"] == optimizer
+            assert out["counts"] == [expected[out["stage"]]] * 2
+            losses[bf16] = out["losses"]
+    assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 5e-2
