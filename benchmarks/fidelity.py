@@ -285,7 +285,7 @@ def tsp_fp32_wire_errors(args, ref, tsp_size):
 
     def in_fp32(plan, dKV, dtype):
         pending = scatter_kv_grads(plan, dKV, comm.accumulation_dtype(dtype))
-        return comm.PendingSum(None, lambda: tuple(t.to(dtype) for t in pending.wait()))
+        return comm.Pending(None, lambda: tuple(t.to(dtype) for t in pending.wait()))
 
     attention.scatter_kv_grads = in_fp32
     try:  # the forward is TSP's own, so its loss row would be TSP's: left out

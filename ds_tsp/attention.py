@@ -232,7 +232,7 @@ def gather_kv(plan, k, v):
         full = layout.unshard(gathered, plan.tsp_size, plan.layout, dim=2)
         return full[0], full[1]
 
-    return comm.PendingSum(work, natural)
+    return comm.Pending(work, natural)
 
 
 def scatter_kv_grads(plan, dKV, dtype):
@@ -247,7 +247,7 @@ def scatter_kv_grads(plan, dKV, dtype):
         summed = pending.wait().to(dtype)
         return summed[0], summed[1]
 
-    return comm.PendingSum(None, local)
+    return comm.Pending(None, local)
 
 
 def _cat(pieces, dim):

@@ -191,7 +191,7 @@ def _add_slices_fp32(received):
 def reduce_scatter_fp32(stacked, group, async_op=False):
     """``reduce_scatter`` with the bytes in ``stacked``'s dtype but the sum in
     float32 or wider; returns this rank's slice of the sum in that wider dtype
-    (with ``async_op``, a ``PendingSum`` whose ``wait()`` returns it).
+    (with ``async_op``, a ``Pending`` whose ``wait()`` returns it).
 
     Narrower inputs go as an all-to-all of the same slices (each rank sends and
     receives ``D-1`` of them, as a reduce-scatter does; counted as
@@ -203,10 +203,10 @@ def reduce_scatter_fp32(stacked, group, async_op=False):
     acc = accumulation_dtype(stacked.dtype)
     if size == 1:
         local = stacked[0].to(acc)
-        return PendingSum(None, lambda: local) if async_op else local
+        return Pending(None, lambda: local) if async_op else local
     if acc == stacked.dtype:
         local, work = reduce_scatter(stacked, group, async_op=async_op)
-        return PendingSum(work, lambda: local) if async_op else local
+        return Pending(work, lambda: local) if async_op else local
     if stacked.shape[0] != size:
         raise ValueError(f"reduce_scatter_fp32 expects a leading dim of {size} (the group size), "
                          f"got {tuple(stacked.shape)}")
@@ -214,7 +214,7 @@ def reduce_scatter_fp32(stacked, group, async_op=False):
     counter.add("reduce_scatter", sent=(size - 1) * _nbytes(stacked[0]), received=(size - 1) * _nbytes(stacked[0]))
     received = torch.empty_like(stacked)  # received[j]: rank j's summand of this rank's slice
     work = dist.all_to_all_single(received, stacked, group=group, async_op=async_op)
-    return PendingSum(work, lambda: _add_slices_fp32(received)) if async_op else _add_slices_fp32(received)
+    return Pending(work, lambda: _add_slices_fp32(received)) if async_op else _add_slices_fp32(received)
 
 
 def all_reduce_fp32(tensor, group, async_op=False):
@@ -227,18 +227,18 @@ def all_reduce_fp32(tensor, group, async_op=False):
     ``2 (D-1) n / D`` each way, as a ring all-reduce. Wider inputs take
     ``all_reduce`` itself.
 
-    With ``async_op`` the sum is launched and a ``PendingSum`` returned, whose
+    With ``async_op`` the sum is launched and a ``Pending`` returned, whose
     ``wait()`` returns it: the wider inputs' all-reduce, or the narrower
     inputs' exchange of pieces, is in flight until then (the narrower inputs'
     all-gather of summed pieces runs inside ``wait()``, as it needs the sums).
     """
     size = group_size(group)
     if size == 1:
-        return PendingSum(None, tensor.clone) if async_op else tensor.clone()
+        return Pending(None, tensor.clone) if async_op else tensor.clone()
     if accumulation_dtype(tensor.dtype) == tensor.dtype:
         out = tensor.clone()
         work = all_reduce(out, group, async_op=async_op)
-        return PendingSum(work, lambda: out) if async_op else out
+        return Pending(work, lambda: out) if async_op else out
     flat = tensor.reshape(-1)
     piece = -(-flat.numel() // size)
     stacked = flat.new_zeros(size * piece)
@@ -254,11 +254,13 @@ def all_reduce_fp32(tensor, group, async_op=False):
         _all_gather_single(gathered, local, group=group)
         return gathered[:flat.numel()].view(tensor.shape)
 
-    return PendingSum(work, gather_sums) if async_op else gather_sums()
+    return Pending(work, gather_sums) if async_op else gather_sums()
 
 
-class PendingSum:
-    """A ``reduce_scatter_fp32`` or ``all_reduce_fp32`` launched with ``async_op``; ``wait()`` returns the sum."""
+class Pending:
+    """A collective in flight (``reduce_scatter_fp32`` or ``all_reduce_fp32``
+    with ``async_op``, an all-gather the caller wraps): ``wait()`` finishes
+    it and returns its result, computed by ``finish`` once ``work`` is done."""
 
     def __init__(self, work, finish):
         self._work, self._finish = work, finish

@@ -230,7 +230,7 @@ def _schedule(overlap):
         def start(*args, **kwargs):
             events.append(f"start {name}")
             op = fn(*args, **kwargs)
-            return comm.PendingSum(None, logged(f"wait {name}", op.wait))
+            return comm.Pending(None, logged(f"wait {name}", op.wait))
         return start
 
     patches = [mock.patch.object(attention, "gather_kv", pending("gather", attention.gather_kv)),
