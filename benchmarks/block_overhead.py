@@ -21,7 +21,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ds_tsp.attention import TSPAttention
-from ds_tsp.attention_kernels import SDPAKernel, flash_unavailable_reason, select_kernel
+from ds_tsp.attention_kernels import SDPAKernel
+from ds_tsp.attention_selection import flash_unavailable_reason, select_kernel
 from ds_tsp.mlp import TSPGatedMLP
 from ds_tsp.model import TSPDecoderLayer
 

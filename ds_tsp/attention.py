@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import comm, layout
 from .amp import autocast_backward, autocast_forward
-from .attention_kernels import select_kernel
+from .attention_selection import select_kernel
 from .documents import query_blocks
 from .packing import PackedShardMixin, PackSpec, module_reader
 

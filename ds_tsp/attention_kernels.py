@@ -14,18 +14,27 @@ For training, a kernel may also offer ``explicit_backward(head_dim, window)`` an
 out, lse, scale) -> (dq, dk, dv)``: the TSP backward then saves the output and
 log-sum-exp of the local queries and runs the fused backward directly, instead
 of recomputing the attention forward under autograd.
+
+Backends (``tsp.attention_backend``), each with that explicit backward for full
+causal attention:
+
+* ``"sdpa"``: torch's fused flash ops (CPU: every float dtype; CUDA: fp16/bf16),
+  else ``F.scaled_dot_product_attention``;
+* ``"cudnn"``: torch's cuDNN attention ops (CUDA, fp16/bf16);
+* ``"flash"``: flash-attn 2's own forward and backward with the log-sum-exp.
+
+Which of them serves a layer, and ``"auto"``'s choice among them, is
+``ds_tsp.attention_selection``.
 """
 
 import functools
-import importlib.util
+import inspect
 import logging
 
 import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger("ds_tsp")
-
-BACKENDS = ("auto", "sdpa", "flash")
 
 
 def bottom_right_causal_mask(q_len, k_len, window=None, device=None):
@@ -61,6 +70,8 @@ class SDPAKernel:
         return out.transpose(1, 2), lse
 
 
+# ---- torch's fused ops, as (B, h, L, d) blocks with top-left causal masks ----
+
 class _CPUFlashOps:
     """torch's fused CPU flash kernels (any float dtype, float64 included)."""
 
@@ -76,6 +87,13 @@ class _CPUFlashOps:
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_rng_state(device, dtype, shape):
+    """Dropout seed/offset for backward ops that take one: without dropout it is
+    never read, so one tensor per device serves every call (no fill per call)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class _CUDAFlashOps:
     """torch's fused CUDA flash kernels (float16/bfloat16, dense batches)."""
 
@@ -89,17 +107,43 @@ class _CUDAFlashOps:
     def backward(self, grad_out, q, k, v, out, lse, causal, scale):
         # Dense batches without dropout: no sequence offsets (None, as the
         # forward returns them), and an RNG state that is never read.
-        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
-        # The kernel reads the log-sum-exp (and gradients) as dense: slices of
-        # a longer sequence must be copied first.
-        grad_out, q, k, v, out, lse = (t.contiguous() for t in (grad_out, q, k, v, out, lse))
+        seed, offset = _unused_rng_state(q.device, torch.uint64, (2,)), _unused_rng_state(q.device, torch.uint64, ())
+        # Strided slices of longer tensors are fine (the kernel needs a unit
+        # last stride and makes grad_out and out dense itself), but it reads
+        # the log-sum-exp as a dense (B, h, Lq) array.
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+            grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
             scale=scale)
 
 
-def _flash_ops(device, dtype):
+class CUDNNOps:
+    """torch's cuDNN attention ops (CUDA, float16/bfloat16, head size <= 128)."""
+
+    def __init__(self):
+        # torch versions return the log-sum-exp as (B, h, Lq) or (B, h, Lq, 1);
+        # the backward gets it back in the shape the forward gave.
+        self._lse_has_unit_dim = False
+
+    def supports(self, head_dim):
+        return head_dim <= 128 and head_dim % 8 == 0
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                          scale=scale)
+        self._lse_has_unit_dim = lse.dim() == 4
+        return out, lse.squeeze(-1) if self._lse_has_unit_dim else lse
+
+    def backward(self, grad_out, q, k, v, out, lse, causal, scale):
+        seed = offset = _unused_rng_state(q.device, torch.int64, ())
+        lse = lse.contiguous()  # read as a dense array, like the flash kernels
+        if self._lse_has_unit_dim:
+            lse = lse.unsqueeze(-1)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+            scale=scale)
+
+
+def flash_ops(device, dtype):
     device = torch.device(device).type
     if device == "cpu":
         return _CPUFlashOps()
@@ -109,17 +153,18 @@ def _flash_ops(device, dtype):
 
 
 class BlockwiseFlashKernel(SDPAKernel):
-    """SDPA plus an explicit backward for full causal attention (no window).
+    """SDPA plus an explicit backward for full causal attention (no window),
+    over torch's fused ops (``ops``), whose causal mask is top-left aligned.
 
     A bottom-right causal block is a full block (the keys before the queries'
-    own chunk) plus a square causal block (their own chunk): one fused flash
-    call each, merged by log-sum-exp. Backward runs each block's fused
-    backward against the MERGED output and log-sum-exp, which gives the exact
-    gradient of the merged attention (ring-flash-attention's pattern).
+    own chunk) plus a square causal block (their own chunk): one fused call
+    each, merged by log-sum-exp. Backward runs each block's fused backward
+    against the MERGED output and log-sum-exp, which gives the exact gradient
+    of the merged attention (ring-flash-attention's pattern).
     """
 
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, ops, name="sdpa"):
+        self.ops, self.name = ops, name
 
     def explicit_backward(self, head_dim, window):
         """Whether ``forward``/``backward`` serve this layer: full causal
@@ -139,19 +184,14 @@ class BlockwiseFlashKernel(SDPAKernel):
         q, k, v = _heads_first(q, k, v)
         grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
         lse = lse.to(self._lse_dtype(q))
-        # The two blocks' query gradients add up in float32 (or wider), cast once.
-        grad_q = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
-        grad_k, grad_v = [], []
-        for k_block, v_block, causal in _blocks(q, k, v):
-            dq, dk, dv = self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
-            grad_q += dq
-            grad_k.append(dk)
-            grad_v.append(dv)
-        grad_k, grad_v = torch.cat(grad_k, dim=2), torch.cat(grad_v, dim=2)
-        if rep > 1:  # fold the repeated key/value heads back onto their group
-            grad_k = grad_k.unflatten(1, (-1, rep)).sum(2)
-            grad_v = grad_v.unflatten(1, (-1, rep)).sum(2)
-        return grad_q.to(q.dtype).transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
+        grads = [self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
+                 for k_block, v_block, causal in _blocks(q, k, v)]
+        grad_q = grads[0][0]
+        if len(grads) == 2:  # the blocks' query gradients add up in float32 (or wider), cast once
+            grad_q = (grad_q.to(torch.promote_types(q.dtype, torch.float32)) + grads[1][0]).to(q.dtype)
+        grad_k = _cat([_fold_heads(dk, rep) for _, dk, _ in grads], dim=2)
+        grad_v = _cat([_fold_heads(dv, rep) for _, _, dv in grads], dim=2)
+        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
 
     @staticmethod
     def _lse_dtype(q):
@@ -167,6 +207,15 @@ def _heads_first(q, k, v):
     return q, k, v
 
 
+def _fold_heads(grad, rep):
+    """Gradient of repeated key/value heads ``(B, hq, L, d)`` summed back onto their group."""
+    return grad if rep == 1 else grad.unflatten(1, (-1, rep)).sum(2)
+
+
+def _cat(pieces, dim):
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
 def _blocks(q, k, v):
     """The full block before the queries' own keys (if any), then the causal square."""
     prefix = k.shape[2] - q.shape[2]
@@ -176,13 +225,14 @@ def _blocks(q, k, v):
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Softmax-weighted union of two attention results over disjoint keys."""
-    block_out = block_out.to(torch.promote_types(block_out.dtype, torch.float32))
+    """Softmax-weighted union of two attention results over disjoint keys; a
+    single block passes through in its own dtype, a merge is float32 or wider."""
     if out is None:
         return block_out, block_lse
+    acc = torch.promote_types(out.dtype, torch.float32)
     merged = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-    return out, merged
+    share = torch.exp(block_lse - merged).unsqueeze(-1).to(acc)  # the new block's softmax mass
+    return torch.lerp(out.to(acc), block_out.to(acc), share), merged
 
 
 def _log_sum_exp(q, k, scale, mask):
@@ -191,15 +241,99 @@ def _log_sum_exp(q, k, scale, mask):
     return scores.masked_fill(~mask, float("-inf")).logsumexp(dim=-1)
 
 
+# ---- flash-attn ----
+
+class _FlashAttnLSE:
+    """flash-attn's ``_flash_attn_forward`` / ``_flash_attn_backward`` (what its
+    own autograd Function calls), by keyword: 2.5 takes ``window_size``, 2.6
+    adds ``softcap``, 2.6.3+ splits the window into ``window_size_left/right``
+    and returns 4 values instead of 8. Bottom-right causal alignment and
+    grouped-query heads are native, so one call serves a whole block."""
+
+    # Everything these functions took in 2.5-2.8, with the values for dense,
+    # full causal attention without dropout; the per-call tensors are added.
+    FIXED = {"dropout_p": 0.0, "causal": True, "window_size": (-1, -1), "window_size_left": -1,
+             "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False,
+             "deterministic": False, "rng_state": None}
+    # What must be there for the call to mean what ds_tsp asks.
+    FORWARD = ("q", "k", "v", "softmax_scale", "causal")
+    BACKWARD = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal")
+
+    def __init__(self, forward, backward, parameters):
+        self._forward, self._backward = forward, backward
+        self._parameters = parameters  # {"_flash_attn_forward": names, "_flash_attn_backward": names}
+
+    @classmethod
+    def load(cls, module):
+        """The API of flash-attn's ``flash_attn_interface`` ``module``, or None
+        and why ds_tsp cannot call it."""
+        functions, parameters = {}, {}
+        for name, own in (("_flash_attn_forward", cls.FORWARD), ("_flash_attn_backward", cls.BACKWARD)):
+            functions[name] = getattr(module, name, None)
+            if functions[name] is None:
+                return None, f"flash-attn has no {name}"
+            names = parameters[name] = _parameter_names(functions[name])
+            if names is None:
+                return None, f"the parameters of flash-attn's {name} cannot be read"
+            unknown = [n for n, required in names.items() if required and n not in own + tuple(cls.FIXED)]
+            missing = [n for n in own if n not in names]
+            if unknown or missing:
+                return None, (f"flash-attn's {name} takes {list(names)}, not the 2.5-2.8 parameters ds_tsp knows "
+                              f"(unknown {unknown}, missing {missing})")
+        return cls(*functions.values(), parameters), None
+
+    def forward(self, q, k, v, scale):
+        outputs = self._forward(**self._arguments("_flash_attn_forward", q=q, k=k, v=v, softmax_scale=scale))
+        if len(outputs) == 8:  # out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
+            return outputs[0], outputs[5]
+        if len(outputs) == 4:  # out_padded, softmax_lse, S_dmask, rng_state
+            return outputs[0], outputs[1]
+        raise RuntimeError(f"flash-attn's _flash_attn_forward returned {len(outputs)} values; ds_tsp knows 8 "
+                           "(flash-attn < 2.6.3) and 4")
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        # Filled in place; the kernel reads the log-sum-exp as a dense array.
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self._backward(**self._arguments("_flash_attn_backward", dout=grad_out, q=q, k=k, v=v, out=out,
+                                         softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale))
+        return dq, dk, dv
+
+    def _arguments(self, function, **tensors):
+        """The keyword arguments ``function`` takes, of the fixed ones and ``tensors``."""
+        return {name: value for name, value in {**self.FIXED, **tensors}.items() if name in self._parameters[function]}
+
+
+def _parameter_names(fn):
+    """``{name: required}`` of ``fn``'s parameters, or None if they cannot be
+    read. ``torch.library.custom_op`` (flash-attn 2.6.3+ on torch >= 2.4) wraps
+    the Python function as ``_init_fn``, behind a ``(*args, **kwargs)`` call."""
+    try:
+        parameters = inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return {p.name: p.default is p.empty for p in parameters}
+
+
 class FlashKernel:
-    """flash-attn 2 (CUDA, fp16/bf16): bottom-right causal alignment is native."""
+    """flash-attn 2 (CUDA, fp16/bf16): bottom-right causal alignment, grouped-query
+    heads and sliding windows are native."""
 
     name = "flash"
 
-    def __init__(self):
-        from flash_attn import flash_attn_func
+    def __init__(self, interface=None):
+        """``interface``: flash-attn's ``flash_attn_interface`` module (imported if None)."""
+        if interface is None:
+            from flash_attn import flash_attn_interface as interface
+        self._flash_attn_func = interface.flash_attn_func
+        self._lse_api, reason = _FlashAttnLSE.load(interface)
+        if reason:
+            logger.warning("tsp.attention_backend flash: %s; attention backward recomputes the forward", reason)
 
-        self._flash_attn_func = flash_attn_func
+    def explicit_backward(self, head_dim, window):
+        """Full causal attention at a head size flash-attn takes unpadded."""
+        return self._lse_api is not None and window is None and head_dim % 8 == 0 and head_dim <= 256
 
     def attend(self, q, k, v, scale, window=None, with_lse=False):
         window_size = (-1, -1) if window is None else (window - 1, 0)
@@ -207,40 +341,10 @@ class FlashKernel:
                                             return_attn_probs=True)
         return out, lse if with_lse else None
 
+    def forward(self, q, k, v, scale):
+        return self._lse_api.forward(q, k, v, scale)
 
-def flash_unavailable_reason(device, dtype):
-    """Why flash-attn cannot serve this device and dtype, or None if it can."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn is not installed (pip install ds_tsp[flash] on a CUDA machine)"
-    if torch.device(device).type != "cuda":
-        return f"flash-attn needs a CUDA device, the model is on {torch.device(device).type}"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs float16 or bfloat16, the model is {dtype}"
-    return None
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        return self._lse_api.backward(grad_out, q, k, v, out, lse, scale)
 
 
-_announced = set()
-
-
-def select_kernel(backend, device, dtype):
-    """The kernel for ``tsp.attention_backend``; ``auto`` prefers flash and says
-    once in the log when it falls back to SDPA. Cached: every layer asks on
-    every forward."""
-    return _select_kernel(backend, torch.device(device).type, dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _select_kernel(backend, device, dtype):
-    if backend not in BACKENDS:
-        raise ValueError(f"tsp.attention_backend = {backend!r}: choose one of {BACKENDS}")
-    reason = flash_unavailable_reason(device, dtype) if backend in ("auto", "flash") else None
-    if backend == "flash" and reason:
-        raise RuntimeError(f"tsp.attention_backend = \"flash\" cannot be used: {reason}; "
-                           "set tsp.attention_backend to \"auto\" or \"sdpa\"")
-    if backend == "sdpa" or reason:
-        if backend == "auto" and reason not in _announced:
-            _announced.add(reason)
-            logger.info("tsp.attention_backend auto: using torch SDPA because %s", reason)
-        ops = _flash_ops(device, dtype)
-        return SDPAKernel() if ops is None else BlockwiseFlashKernel(ops)
-    return FlashKernel()

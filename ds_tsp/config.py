@@ -27,7 +27,7 @@ _EXPECTED = {
     "size": "an integer >= 1 (the TSP group size D)",
     "pipeline_stages": "an integer >= 1",
     "layout": "one of \"zigzag\", \"contiguous\"",
-    "attention_backend": "one of \"auto\", \"sdpa\", \"flash\"",
+    "attention_backend": "one of \"auto\", \"sdpa\", \"cudnn\", \"flash\"",
     "overlap": "true or false",
     "policy": "\"auto\" or one of " + ", ".join(f"\"{name}\"" for name in POLICY_NAMES),
     "timeout_minutes": "a finite number of minutes > 0",
@@ -62,8 +62,8 @@ class TSPConfig(DeepSpeedConfigModel):
     layout: Literal["zigzag", "contiguous"] = "zigzag"
     """ How the sequence is split over the group; zigzag balances causal attention. """
 
-    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
-    """ Attention kernel; "auto" picks flash when available, else sdpa. """
+    attention_backend: Literal["auto", "sdpa", "cudnn", "flash"] = "auto"
+    """ Attention kernel; "auto" picks the fastest that passes a parity check where several serve (CUDA), else sdpa. """
 
     overlap: bool = True
     """ Prefetch the next weight shard while the current one computes. """

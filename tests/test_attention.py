@@ -10,7 +10,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from ds_tsp import comm, layout
 from ds_tsp.attention import TSPAttention, slice_full_tensor
-from ds_tsp.attention_kernels import bottom_right_causal_mask, select_kernel
+from ds_tsp.attention_kernels import bottom_right_causal_mask
+from ds_tsp.attention_selection import select_kernel
 from ds_tsp.topology import TSPTopology
 
 # float64 end to end: the sharded schedule only reorders sums, so differences
@@ -197,10 +198,10 @@ def test_heads_that_tsp_cannot_serve_are_refused():
 
 
 def test_auto_backend_falls_back_to_sdpa_on_cpu_and_says_so(caplog):
-    from ds_tsp import attention_kernels
+    from ds_tsp import attention_selection
 
-    attention_kernels._select_kernel.cache_clear()
-    attention_kernels._announced.clear()
+    attention_selection._select_kernel.cache_clear()
+    attention_selection._announced.clear()
     caplog.set_level("INFO", logger="ds_tsp")
     assert select_kernel("auto", "cpu", torch.float32).name == "sdpa"
     assert select_kernel("auto", "cpu", torch.bfloat16).name == "sdpa"

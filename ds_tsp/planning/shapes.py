@@ -25,10 +25,10 @@ PRESETS = {
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
-# and log-sum-exp and runs the fused flash backward (ds_tsp's torch-flash
-# kernels: CPU, and CUDA fp16/bf16 without flash-attn, for full causal attention
-# with head_dim <= 256); "recompute" saves q, k, v only and runs the attention
-# forward again under autograd (flash-attn, fp32 on CUDA, sliding windows).
+# and log-sum-exp and runs the fused backward (every backend of
+# ds_tsp.attention_kernels for full causal attention: torch's flash ops on CPU
+# and CUDA fp16/bf16, cuDNN, flash-attn); "recompute" saves q, k, v only and
+# runs the attention forward again under autograd (fp32 on CUDA, sliding windows).
 TSP_ATTENTION_BACKWARDS = ("fused", "recompute")
 
 # ``tsp.logits_tile_mib``: the largest fp32 logits tile of the fused LM head + loss.

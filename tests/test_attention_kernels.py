@@ -1,0 +1,319 @@
+"""The local attention kernels and ``auto``'s choice among them, on CPU.
+
+The CUDA kernels (torch's flash and cuDNN ops, flash-attn) need a GPU. Here runs
+everything that decides among them: the candidate lists and refusals, the parity
+check against float64 attention (with the CPU kernels, and wrong kernels it must
+refuse), the choice of the fastest (with a fake timer), and the adapter to
+flash-attn's private forward/backward against the signatures of its 2.5, 2.6
+and 2.6.3+ releases (fakes that compute attention exactly, in float64).
+"""
+
+import math
+import types
+from typing import Optional
+
+import pytest
+import torch
+
+from ds_tsp import attention_kernels as ak
+from ds_tsp import attention_selection as sel
+from ds_tsp.attention_kernels import BlockwiseFlashKernel, FlashKernel, SDPAKernel, bottom_right_causal_mask
+from ds_tsp.attention_selection import (PARITY_SHAPES, PARITY_TOLERANCE, AttentionProblem, AutoKernel, parity_errors,
+                                        select_kernel)
+
+
+@pytest.fixture(autouse=True)
+def fresh_selection():
+    sel._select_kernel.cache_clear()
+    sel._announced.clear()
+    yield
+    sel._select_kernel.cache_clear()
+
+
+def _worst_errors(kernel, dtype, head_dim, window):
+    worst = {}
+    for q_len, k_len in PARITY_SHAPES:
+        problem = AttentionProblem.random(2, q_len, k_len, 8, 2, head_dim, window, dtype, "cpu")
+        for name, error in parity_errors(kernel, problem).items():
+            worst[name] = max(worst.get(name, 0.0), error)
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_cpu_kernels_match_float64_attention(dtype, window):
+    for kernel in (SDPAKernel(), BlockwiseFlashKernel(ak._CPUFlashOps())):
+        worst = _worst_errors(kernel, dtype, 16, window)
+        print(f"{type(kernel).__name__} {dtype} window={window}: " + ", ".join(f"{k} {e:.1e}"
+                                                                            for k, e in worst.items()))
+        assert max(worst.values()) <= PARITY_TOLERANCE[dtype], worst
+        # The blockwise kernel's fused backward (it alone returns the lse) ran where it serves.
+        assert ("lse" in worst) == (isinstance(kernel, BlockwiseFlashKernel) and window is None)
+
+
+class TopLeftCausal(SDPAKernel):
+    """SDPA's own ``is_causal`` for every block: top-left aligned, wrong when Lq < Lk."""
+
+    def attend(self, q, k, v, scale, window=None, with_lse=False):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+
+class StaleLSE(BlockwiseFlashKernel):
+    """Right output and lse, but a backward against a shifted lse: only the gradients are wrong."""
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        return super().backward(grad_out, q, k, v, out, lse + 0.5, scale)
+
+
+class Broken(SDPAKernel):
+    def attend(self, q, k, v, scale, window=None, with_lse=False):
+        raise RuntimeError("no kernel for this shape")
+
+
+def _cpu_candidates(*names):
+    kernels = {"top_left": TopLeftCausal(), "stale_lse": StaleLSE(ak._CPUFlashOps()), "broken": Broken(),
+               "plain": SDPAKernel(), "blockwise": BlockwiseFlashKernel(ak._CPUFlashOps())}
+    return {name: kernels[name] for name in names}
+
+
+class FakeTimer:
+    def __init__(self, seconds):
+        self.seconds, self.timed = seconds, []
+
+    def __call__(self, name, run):
+        self.timed.append(name)
+        return self.seconds[name]
+
+
+def test_the_wrong_kernels_are_refused_and_the_fastest_right_one_serves(caplog):
+    caplog.set_level("INFO", logger="ds_tsp")
+    # The guard: each wrong kernel is off by far more than the tolerance.
+    assert max(_worst_errors(TopLeftCausal(), torch.float32, 16, None).values()) > 1e-1
+    stale = _worst_errors(StaleLSE(ak._CPUFlashOps()), torch.float32, 16, None)
+    assert max(stale[k] for k in ("out", "lse")) <= 1e-5 < 1e-1 < min(stale[k] for k in ("dq", "dk", "dv"))
+
+    # The wrong ones are also the "fastest": the parity check, not the clock, rules them out.
+    timer = FakeTimer({"top_left": 0.1, "stale_lse": 0.1, "broken": 0.1, "plain": 2.0, "blockwise": 1.0})
+    auto = AutoKernel("cpu", torch.float32, _cpu_candidates("top_left", "stale_lse", "broken", "plain", "blockwise"),
+                      timer=timer)
+    assert auto.explicit_backward(16, None)
+    assert timer.timed == ["plain", "blockwise"] and auto.choices == {(16, False): "blockwise"}
+    [message] = [r.getMessage() for r in caplog.records if "tsp.attention_backend auto on" in r.getMessage()]
+    print(message)
+    assert message.startswith("tsp.attention_backend auto on cpu float32, head_dim 16, full causal: blockwise")
+    assert "top_left: out off by" in message and "stale_lse: dq off by" in message
+    assert "broken: RuntimeError: no kernel for this shape" in message
+
+    # Calls go to the chosen kernel.
+    problem = AttentionProblem.random(2, 80, 208, 8, 2, 16, None, torch.float32, "cpu")
+    blockwise = auto.candidates["blockwise"]
+    out, lse = auto.forward(problem.q, problem.k, problem.v, problem.scale)
+    assert torch.equal(out, blockwise.forward(problem.q, problem.k, problem.v, problem.scale)[0])
+    grads = auto.backward(problem.grad_out, problem.q, problem.k, problem.v, out, lse, problem.scale)
+    expected = blockwise.backward(problem.grad_out, problem.q, problem.k, problem.v, out, lse, problem.scale)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_timings_within_the_margin_keep_the_earlier_candidate_and_choices_are_cached():
+    candidates = _cpu_candidates("plain", "blockwise")
+    auto = AutoKernel("cpu", torch.float32, candidates, timer=FakeTimer({"plain": 1.0, "blockwise": 1.04}))
+    assert not auto.explicit_backward(16, None)  # plain SDPA: the layer recomputes in backward
+    auto = AutoKernel("cpu", torch.float32, candidates, timer=FakeTimer({"plain": 1.0, "blockwise": 0.9}))
+    assert auto.explicit_backward(16, None)
+    # Per head size and windowed or not; each timed once.
+    assert not auto.explicit_backward(16, 5) and not auto.explicit_backward(16, 9)
+    auto.explicit_backward(8, None)
+    assert auto.choices == {(16, False): "blockwise", (16, True): "blockwise", (8, False): "blockwise"}
+    assert auto.timer.timed == ["plain", "blockwise"] * 3
+    problem = AttentionProblem.random(1, 6, 10, 4, 2, 16, 5, torch.float32, "cpu")
+    out, _ = auto.attend(problem.q, problem.k, problem.v, problem.scale, window=5)
+    assert torch.equal(out, candidates["blockwise"].attend(problem.q, problem.k, problem.v, problem.scale, 5)[0])
+
+
+def test_no_passing_candidate_is_an_error_naming_the_fix():
+    auto = AutoKernel("cpu", torch.float32, _cpu_candidates("top_left", "broken"), timer=FakeTimer({}))
+    with pytest.raises(RuntimeError, match=r"tsp.attention_backend = \"auto\": no attention kernel passed its parity "
+                                           r"check on cpu float32, head_dim 16, full causal \(top_left: out off by .*"
+                                           r"set tsp.attention_backend to one of"):
+        auto.explicit_backward(16, None)
+
+
+def test_the_check_leaves_the_callers_state_alone():
+    """The first use may come in an inference forward or under autocast, mid-training:
+    the check still runs with autograd in the model's dtype and does not touch the RNG."""
+    rng = torch.get_rng_state()
+    auto = AutoKernel("cpu", torch.bfloat16, _cpu_candidates("plain", "blockwise"),
+                      timer=FakeTimer({"plain": 2.0, "blockwise": 1.0}))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+        assert auto.explicit_backward(16, None)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_device_timer_measures_runs():
+    calls = []
+    seconds = sel.device_timer(torch.device("cpu"), repeats=2)("x", lambda: calls.append(1))
+    assert len(calls) == 3 and 0 <= seconds < 1  # one warm-up, two timed
+
+
+def test_backends_that_cannot_serve_are_refused_with_the_fix():
+    with pytest.raises(RuntimeError, match=r"tsp.attention_backend = \"cudnn\" cannot be used: cuDNN attention needs "
+                                           r"a CUDA device, the model is on cpu; set tsp.attention_backend to "
+                                           r"\"auto\" or \"sdpa\""):
+        select_kernel("cudnn", "cpu", torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"tsp.attention_backend = \"flash\" cannot be used"):
+        select_kernel("flash", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'xformers': choose one of \('auto', 'sdpa', 'cudnn', 'flash'\)"):
+        select_kernel("xformers", "cpu", torch.float32)
+    assert sel.cudnn_unavailable_reason("cuda", torch.float32) == ("cuDNN attention needs float16 or bfloat16, "
+                                                                  "the model is torch.float32")
+    sdpa = select_kernel("sdpa", "cpu", torch.float32)
+    assert isinstance(sdpa, BlockwiseFlashKernel) and sdpa.name == "sdpa"
+
+
+def test_auto_candidates():
+    candidates, reasons = sel.auto_candidates("cpu", torch.bfloat16)
+    assert list(candidates) == ["sdpa"] and isinstance(candidates["sdpa"], BlockwiseFlashKernel)
+    assert [r.split(" ")[0] for r in reasons] == ["flash-attn", "cuDNN"]
+    candidates, _ = sel.auto_candidates("cuda", torch.float32)  # no fused torch op takes fp32 on CUDA
+    assert type(candidates["sdpa"]) is SDPAKernel
+
+
+def test_auto_races_where_several_backends_serve(monkeypatch):
+    # A stand-in for a CUDA machine with cuDNN: only the candidate list is built, nothing runs.
+    monkeypatch.setitem(sel._FUSED_BACKENDS, "cudnn", (lambda device, dtype: None, lambda: SDPAKernel()))
+    auto = select_kernel("auto", "cuda", torch.bfloat16)
+    assert isinstance(auto, AutoKernel) and list(auto.candidates) == ["cudnn", "sdpa"]
+    assert isinstance(auto.candidates["sdpa"].ops, ak._CUDAFlashOps)
+
+
+# ---- flash-attn's private API, by release (fakes computing exact attention) ----
+
+def _attention(q, k, v, scale, window_left):
+    """Float64 probabilities, scores' lse and repeated k/v heads for flash-attn's layout (B, L, h, d)."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 2), v.double().repeat_interleave(rep, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    window = None if window_left < 0 else window_left + 1
+    scores = scores.masked_fill(~bottom_right_causal_mask(q.shape[1], k.shape[1], window), -math.inf)
+    return scores, scores.logsumexp(-1), q, k, v
+
+
+def _forward(q, k, v, scale, causal, window_left):
+    assert causal
+    scores, lse, _, _, v64 = _attention(q, k, v, scale, window_left)
+    out = torch.einsum("bhqk,bkhd->bqhd", (scores - lse.unsqueeze(-1)).exp(), v64)
+    return out.to(q.dtype), lse  # lse kept in float64, so the adapter's plumbing is checked to 1e-10
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window_left):
+    """Flash attention's backward: from the given output and log-sum-exp, as the kernel does."""
+    assert causal
+    scores, _, q64, k64, v64 = _attention(q, k, v, scale, window_left)
+    probs = (scores - lse.double().unsqueeze(-1)).exp()
+    dout, out = dout.double(), out.double()
+    d_scores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout, v64)
+                        - (dout * out).sum(-1).transpose(1, 2).unsqueeze(-1))
+    rep = q.shape[2] // k.shape[2]
+    dq.copy_(torch.einsum("bhqk,bkhd->bqhd", d_scores, k64) * scale)
+    dk.copy_((torch.einsum("bhqk,bqhd->bkhd", d_scores, q64) * scale).unflatten(2, (-1, rep)).sum(3))
+    dv.copy_(torch.einsum("bhqk,bqhd->bkhd", probs, dout).unflatten(2, (-1, rep)).sum(3))
+
+
+def _flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_attn_probs):
+    assert causal and return_attn_probs
+    scores, lse, _, _, _ = _attention(q, k, v, softmax_scale, window_size[0])
+    rep = q.shape[2] // k.shape[2]
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1).to(q.dtype), v.repeat_interleave(rep, 2))
+    return out, lse, None
+
+
+def _fixed(dropout_p, softcap=0.0, alibi_slopes=None, deterministic=False, return_softmax=False):
+    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and not deterministic and not return_softmax
+
+
+def _v2_5_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
+    _fixed(dropout_p, alibi_slopes=alibi_slopes, return_softmax=return_softmax)
+    out, lse = _forward(q, k, v, softmax_scale, causal, window_size[0])
+    return out, q, k, v, out, lse, None, None
+
+
+def _v2_5_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                   alibi_slopes, deterministic, rng_state=None):
+    _fixed(dropout_p, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size[0])
+    return dq, dk, dv, None
+
+
+def _v2_6_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+    _fixed(dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
+    out, lse = _forward(q, k, v, softmax_scale, causal, window_size[0])
+    return out, q, k, v, out, lse, None, None
+
+
+def _v2_6_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                   softcap, alibi_slopes, deterministic, rng_state=None):
+    _fixed(dropout_p, softcap, alibi_slopes, deterministic)
+    _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size[0])
+    return dq, dk, dv, None
+
+
+# 2.6.3+ registers them as torch custom ops, whose Python signature is (*args, **kwargs).
+@torch.library.custom_op("ds_tsp_tests::flash_attn_forward", mutates_args=())
+def _v2_7_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                  causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                  alibi_slopes: Optional[torch.Tensor], return_softmax: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _fixed(dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
+    out, lse = _forward(q, k, v, softmax_scale, causal, window_size_left)
+    return out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("ds_tsp_tests::flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _v2_7_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                   dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+                   window_size_left: int, window_size_right: int, softcap: float,
+                   alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                   rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _fixed(dropout_p, softcap, alibi_slopes, deterministic)
+    _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size_left)
+    return torch.empty(0)
+
+
+def _unknown_forward(q, k, v, qv, softmax_scale, causal):  # a future signature with a new required input
+    raise AssertionError("must not be called")
+
+
+RELEASES = {"2.5": (_v2_5_forward, _v2_5_backward), "2.6": (_v2_6_forward, _v2_6_backward),
+            "2.6.3+": (_v2_7_forward, _v2_7_backward)}
+
+
+def _interface(forward, backward):
+    return types.SimpleNamespace(_flash_attn_forward=forward, _flash_attn_backward=backward,
+                                 flash_attn_func=_flash_attn_func)
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+@pytest.mark.parametrize("window", [None, 37])
+def test_flash_attn_private_api_by_release(release, window):
+    kernel = FlashKernel(_interface(*RELEASES[release]))
+    assert kernel.explicit_backward(16, None) and not kernel.explicit_backward(12, None)
+    worst = _worst_errors(kernel, torch.float64, 16, window)
+    print(f"flash-attn {release} window={window}: " + ", ".join(f"{k} {e:.1e}" for k, e in worst.items()))
+    assert max(worst.values()) <= PARITY_TOLERANCE[torch.float64]
+    assert ("lse" in worst) == (window is None)  # the fused backward ran where it serves
+
+
+def test_an_unknown_flash_attn_api_is_refused_clearly(caplog):
+    caplog.set_level("WARNING", logger="ds_tsp")
+    kernel = FlashKernel(_interface(_unknown_forward, _v2_6_backward))
+    assert not kernel.explicit_backward(16, None)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("tsp.attention_backend flash: flash-attn's _flash_attn_forward takes ['q', 'k', 'v', "
+                              "'qv', 'softmax_scale', 'causal'], not the 2.5-2.8 parameters ds_tsp knows "
+                              "(unknown ['qv'], missing [])")
+    assert message.endswith("attention backward recomputes the forward")
+    # Its public attention still serves, with autograd.
+    assert max(_worst_errors(kernel, torch.float64, 16, None).values()) <= PARITY_TOLERANCE[torch.float64]
