@@ -1,6 +1,9 @@
 """Cost of the TSP machinery itself: a TSP decoder layer at D=1 against the
-Hugging Face layer it replaces, forward + backward, same dtype, same kernel
-family (torch SDPA). Also checks the GPU attention path numerically.
+Hugging Face layer it replaces, forward + backward, same dtype, with every
+attention backend that serves the device (``tsp.attention_backend``: sdpa,
+cudnn, flash, and auto's choice). Also checks each backend numerically against
+the HF layer and its fused kernel against autograd through SDPA, and stops
+before timing one that is wrong. The GPU check (one run, a few minutes):
 
     python benchmarks/block_overhead.py --device cuda --out benchmarks/results
     python benchmarks/block_overhead.py --device cpu --seq-lens 512 1024 --preset small
@@ -22,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from ds_tsp.attention import TSPAttention
 from ds_tsp.attention_kernels import SDPAKernel
-from ds_tsp.attention_selection import flash_unavailable_reason, select_kernel
+from ds_tsp.attention_selection import BACKENDS, cudnn_unavailable_reason, flash_unavailable_reason, select_kernel
 from ds_tsp.mlp import TSPGatedMLP
 from ds_tsp.model import TSPDecoderLayer
 
@@ -32,12 +35,19 @@ PRESETS = {  # Llama-3-8B-shaped layer, and a small one for CPU runs
 }
 
 
-def build(preset, device, dtype):
+def backends_serving(device, dtype):
+    """The explicit backends that can run here, then auto (its choice logged)."""
+    unavailable = {"cudnn": cudnn_unavailable_reason, "flash": flash_unavailable_reason}
+    explicit = [name for name in BACKENDS[1:] if name not in unavailable or not unavailable[name](device, dtype)]
+    return explicit + (["auto"] if len(explicit) > 1 else [])
+
+
+def build(preset, device, dtype, backend="sdpa"):
     config = LlamaConfig(**PRESETS[preset], num_hidden_layers=1, max_position_embeddings=1 << 17,
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     hf = LlamaDecoderLayer(config, 0).to(device=device, dtype=dtype)
-    tsp = TSPDecoderLayer(hf.input_layernorm, TSPAttention.from_hf(hf.self_attn, config, None, backend="sdpa"),
+    tsp = TSPDecoderLayer(hf.input_layernorm, TSPAttention.from_hf(hf.self_attn, config, None, backend=backend),
                           hf.post_attention_layernorm, TSPGatedMLP.from_hf(hf.mlp, None))
     return config, hf, tsp
 
@@ -65,9 +75,9 @@ def timed(fn, device, repeats):
     return statistics.median(times)
 
 
-def parity(preset, device, dtype):
-    """Max |diff| of output and input grad, TSP vs HF, on ``device``."""
-    config, hf, tsp = build(preset, device, dtype)
+def parity(preset, device, dtype, backend="sdpa"):
+    """Max |diff| of output and input grad, TSP (with ``backend``) vs HF, on ``device``."""
+    config, hf, tsp = build(preset, device, dtype, backend)
     x = torch.randn(1, 1024, config.hidden_size, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     pos = torch.arange(1024, device=device).unsqueeze(0)
@@ -78,10 +88,10 @@ def parity(preset, device, dtype):
             "scale": y_ref.abs().max().item()}
 
 
-def kernel_check(device, dtype):
-    """The fused-backward kernel against autograd through SDPA, for a query
-    chunk over a longer key prefix (the zigzag case), GQA 4:1."""
-    kernel = select_kernel("sdpa", device, dtype)
+def kernel_check(device, dtype, backend="sdpa"):
+    """``backend``'s fused-backward kernel against autograd through SDPA, for a
+    query chunk over a longer key prefix (the zigzag case), GQA 4:1."""
+    kernel = select_kernel(backend, device, dtype)
     if not hasattr(kernel, "backward"):
         return "no explicit backward for this device and dtype"
     torch.manual_seed(0)
@@ -103,15 +113,17 @@ def check_parity(result):
     """Stop before timing a layer that computes the wrong thing. float32 differs
     from the HF layer by rounding only (~1e-6 of the output's scale); bfloat16
     by its 8-bit mantissa (~1e-2)."""
-    bounds = {"parity_float32": 1e-4, "parity_bfloat16": 2e-2, "parity_float16": 2e-2}
-    for key, bound in bounds.items():
-        if key in result and max(result[key]["out"], result[key]["grad_x"]) > bound * result[key]["scale"]:
-            raise SystemExit(f"{key}: TSP layer differs from the HF layer beyond {bound} of scale: {result[key]}")
+    bounds = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+    for backend, by_dtype in result["parity"].items():
+        for dtype, diffs in by_dtype.items():
+            if max(diffs["out"], diffs["grad_x"]) > bounds[dtype] * diffs["scale"]:
+                raise SystemExit(f"{backend} {dtype}: TSP layer differs from the HF layer beyond {bounds[dtype]} of "
+                                 f"scale: {diffs}")
     # The gradients' scale is not the output's: a loose bound that still
     # catches a wrong block, merge or layout (those are off by O(scale)).
-    check = result["kernel_check"]
-    if isinstance(check, dict) and max(check[k] for k in ("out", "dq", "dk", "dv")) > 0.2 * check["scale"]:
-        raise SystemExit(f"fused attention kernel differs from SDPA autograd: {check}")
+    for backend, check in result["kernel_check"].items():
+        if isinstance(check, dict) and max(check[k] for k in ("out", "dq", "dk", "dv")) > 0.2 * check["scale"]:
+            raise SystemExit(f"{backend}: fused attention kernel differs from SDPA autograd: {check}")
 
 
 def main():
@@ -127,29 +139,34 @@ def main():
     seq_lens = args.seq_lens or ([4096, 16384, 32768] if device == "cuda" else [512, 1024])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
+    backends = backends_serving(device, dtype)
+    explicit = [b for b in backends if b != "auto"]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
-              "dtype": str(dtype), "torch": torch.__version__,
+              "dtype": str(dtype), "torch": torch.__version__, "backends": backends,
               "flash_attn": flash_unavailable_reason(device, dtype) or "available",
-              "kernel": type(select_kernel("sdpa", device, dtype)).__name__,
-              "parity_float32": parity(preset, device, torch.float32),
-              "parity_" + str(dtype)[6:]: parity(preset, device, dtype),
-              "kernel_check": kernel_check(device, dtype), "rows": []}
+              "cudnn_attention": cudnn_unavailable_reason(device, dtype) or "available",
+              "kernel": {b: type(select_kernel(b, device, dtype)).__name__ for b in backends},
+              "parity": {b: {str(t)[6:]: parity(preset, device, t, b) for t in {torch.float32, dtype}
+                             if b in backends_serving(device, t)} for b in explicit},
+              "kernel_check": {b: kernel_check(device, dtype, b) for b in explicit}, "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     check_parity(result)
-    config, hf, tsp = build(preset, device, dtype)
+    config, hf, _ = build(preset, device, dtype)
+    layers = [("hf", hf, True)] + [(f"tsp_{b}", build(preset, device, dtype, b)[2], False) for b in backends]
     rotary = LlamaRotaryEmbedding(config).to(device)
     for seq_len in seq_lens:
         x = torch.randn(1, seq_len, config.hidden_size, device=device, dtype=dtype)
         grad = torch.randn_like(x)
         cos_sin = rotary(x, torch.arange(seq_len, device=device).unsqueeze(0))
         row = {"seq_len": seq_len}
-        for name, layer, is_hf in (("hf", hf, True), ("tsp", tsp, False)):
+        for name, layer, is_hf in layers:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             row[f"{name}_s"] = timed(lambda: step(layer, x, cos_sin, grad, is_hf), device, args.repeats)
             if device == "cuda":
                 row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["tsp_over_hf"] = row["tsp_s"] / row["hf_s"]
+        for backend in backends:
+            row[f"tsp_{backend}_over_hf"] = row[f"tsp_{backend}_s"] / row["hf_s"]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
 
@@ -159,9 +176,11 @@ def main():
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(f"{result['device']}, {preset} layer, {dtype}, fwd+bwd, median of {args.repeats}\n\n")
-        f.write("| seq len | HF layer (s) | TSP layer D=1 (s) | TSP / HF |\n|---|---|---|---|\n")
+        f.write("| seq len | HF layer (s) | " + " | ".join(f"TSP D=1, {b} (s) | / HF" for b in backends) + " |\n")
+        f.write("|---|---|" + "---|---|" * len(backends) + "\n")
         for row in result["rows"]:
-            f.write(f"| {row['seq_len']} | {row['hf_s']:.4f} | {row['tsp_s']:.4f} | {row['tsp_over_hf']:.3f} |\n")
+            f.write(f"| {row['seq_len']} | {row['hf_s']:.4f} | " + " | ".join(
+                f"{row[f'tsp_{b}_s']:.4f} | {row[f'tsp_{b}_over_hf']:.3f}" for b in backends) + " |\n")
     print(open(stem + ".md").read())
 
 
