@@ -25,6 +25,11 @@ the pieces add up over the ranks), replicated ones once.
   fp32 on arrival from partials that were fp32 (the dK/dV reduce-scatter) sent
   in fp32 instead: what keeping bf16 on the wire costs. (The norms' gradients
   also travel in bf16, but autograd hands them over in bf16 already.)
+* ``tsp_bf16_wire``: ``tsp`` with the parameter-gradient partial sums (the
+  attention's weight-gradient reduces, the MLP and LM-head rings'
+  accumulators) sent in bf16 and added in fp32 on arrival, as a config that
+  sets ``"communication_data_type": "bf16"`` has them: what halving those
+  bytes costs. (Unset, they travel in fp32, as in ``tsp``.)
 * ``ulysses``: ``UlyssesSPAttentionHF`` at ``sequence_parallel_size = D``, rank
   ``r`` holding the ``r``-th contiguous chunk (as ``benchmarks/compare.py``
   feeds it), the loss the sum of the ranks' fp32 sums over the real-token
@@ -86,7 +91,7 @@ def parse_args(argv=None):
                         help="independent (weights, batch) samples, seeds --seed, --seed+1, ...; errors pooled")
     parser.add_argument("--loss-batches", type=int, default=32,
                         help="more batches per sample whose scalar loss (forward only) the loss row pools over")
-    parser.add_argument("--strategies", nargs="+", default=["tsp", "tsp_fp32_wire", "ulysses"])
+    parser.add_argument("--strategies", nargs="+", default=["tsp", "tsp_fp32_wire", "tsp_bf16_wire", "ulysses"])
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--name", default="fidelity")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per D")
@@ -221,16 +226,18 @@ def run_reference(args):
 
 # --- the sharded cases, one process per rank ---------------------------------------------------------------------
 
-def tsp_errors(args, ref, tsp_size):
+def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None):
     import ds_tsp
     from ds_tsp import layout, vocab
     from ds_tsp.config import TSPConfig
+    from ds_tsp.engine import set_grad_wire_dtype
     from ds_tsp.topology import TSPTopology
 
     input_ids = batch_ids(args)
     model = build_model(args, torch.bfloat16)
     topo = TSPTopology(tsp_size)
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout="zigzag", attention_backend="sdpa"))
+    set_grad_wire_dtype(model, grad_wire_dtype)
     outputs, per_token = {}, []
     hooks = layer_outputs(model.model.layers, outputs)
     ring_loss = vocab._CrossEntropyRing.apply
@@ -296,6 +303,14 @@ def tsp_fp32_wire_errors(args, ref, tsp_size):
     return sums
 
 
+def tsp_bf16_wire_errors(args, ref, tsp_size):
+    """``tsp_errors`` with the parameter-gradient partial sums sent in bf16."""
+    # The forward is TSP's own, so its loss row would be TSP's: left out.
+    sums = tsp_errors(args, {**ref, "loss_batches": []}, tsp_size, grad_wire_dtype=torch.bfloat16)
+    sums.pop("loss", None)
+    return sums
+
+
 def ulysses_errors(args, ref, sp_size):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -345,7 +360,8 @@ def ulysses_errors(args, ref, sp_size):
     return errors.sums
 
 
-STRATEGIES = {"tsp": tsp_errors, "tsp_fp32_wire": tsp_fp32_wire_errors, "ulysses": ulysses_errors}
+STRATEGIES = {"tsp": tsp_errors, "tsp_fp32_wire": tsp_fp32_wire_errors, "tsp_bf16_wire": tsp_bf16_wire_errors,
+              "ulysses": ulysses_errors}
 
 
 def _worker(rank, world, rendezvous, reference_file, args, results):
@@ -487,6 +503,8 @@ def plot(result, args, path):
     xs = [1] + [int(d) for d in sizes]
     for ax, strategy in zip(axes[0], strategies):
         for key in keys:
+            if any(key not in result["sharded"][d][strategy] for d in sizes):
+                continue  # the wire variants' loss: their forward is tsp's own
             ys = [1.0] + [result["sharded"][d][strategy][key] / base[key] for d in sizes]
             line, = ax.plot(xs, [min(y, TOP) for y in ys], marker="o", label=key,
                             linestyle=":" if "loss" in key else "-")

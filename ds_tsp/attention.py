@@ -8,8 +8,10 @@ the sequence and attends causally; the partial outputs of the head groups sum
 locally through ``o_proj``, so no all-reduce is needed.
 
 Backward re-broadcasts the shards and re-gathers K/V (only local tokens are
-saved), reduce-scatters dK/dV back to the token owners and reduces each
-shard's weight gradient to its owner.
+saved), reduce-scatters dK/dV back to the token owners (in the model's dtype,
+added in float32) and reduces each shard's weight gradient to its owner
+(partial sums in float32 or wider, sent in the gradient wire dtype of
+``comm.gradient_wire_dtype`` and added in the wider dtype on arrival).
 
 With ``tsp.overlap`` every collective of a head group is in flight under
 another group's compute: the broadcast of shard ``j+1`` and the K/V
@@ -143,6 +145,7 @@ class AttentionPlan:
     explicit_backward: bool  # save each head group's output and lse; run the fused backward
     query_blocks: list  # documents.query_blocks: which keys each query tile attends to
     fp32_accumulators: bool = True  # sum head groups and input gradients in float32 (or wider)
+    grad_wire_dtype: object = None  # weight-gradient reduces' wire dtype (comm.gradient_wire_dtype; None: float32)
     q_norm: object = None  # per-head norms applied before the rotary embedding (Qwen3), replicated
     k_norm: object = None
 
@@ -353,8 +356,15 @@ def _accumulator_dtype(plan, dtype):
 
 
 def _reduce_to(plan, grad, owner, works):
-    works.append(comm.reduce(grad, owner, plan.group, async_op=plan.overlap))
-    return grad
+    """Start the sum of ``grad`` (float32 or wider) at ``owner``, sent in the
+    plan's gradient wire dtype and added in ``grad``'s; returns the pending op,
+    also put in ``works`` (without ``plan.overlap`` it is finished already)."""
+    wire = comm.gradient_wire_dtype(plan.grad_wire_dtype, grad.dtype)
+    pending = comm.reduce_fp32(grad, owner, plan.group, wire, async_op=True)
+    if not plan.overlap:
+        pending.wait()
+    works.append(pending)
+    return pending
 
 
 def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
@@ -377,7 +387,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
     grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
-    works, own_parts = [], []  # this rank's reduced gradient: query/output part, then key/value part
+    works, own_parts = [], []  # the reduces in flight; this rank's: query/output part, then key/value part
     norm_grads = {"q": [], "k": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
@@ -473,11 +483,11 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             upcoming = receive()
     if unfinished is not None:
         finish_kv_set(*unfinished)
-    for work in works:
-        if work is not None:
-            work.wait()
+    for pending in works:
+        pending.wait()
     norm_grads = {name: None if grads[0] is None else sum(grads) for name, grads in norm_grads.items()}
-    return grad_x.view(x.shape).to(x.dtype), torch.cat(own_parts).to(packed.dtype), norm_grads["q"], norm_grads["k"]
+    own = torch.cat([pending.wait() for pending in own_parts])
+    return grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), norm_grads["q"], norm_grads["k"]
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -538,6 +548,9 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.sliding_window = sliding_window
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
+        # The weight-gradient reduces' wire dtype; None: float32 (or wider). ds_tsp.initialize
+        # sets DeepSpeed's communication_data_type here when the config names it.
+        self.grad_wire_dtype = None
 
     @classmethod
     def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True, token_tile=0,
@@ -591,7 +604,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
                                                        self.layout_name, x.shape[0], self.token_tile,
                                                        self.sliding_window),
-                             fp32_accumulators=self.fp32_accumulators)
+                             fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype)
 
     def forward(self, x, position_embeddings, documents=None):
         cos, sin = position_embeddings

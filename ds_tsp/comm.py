@@ -18,7 +18,8 @@ Counts are the logical data of the op, as a ring implementation moves it:
 ``reduce_scatter_fp32`` and ``all_reduce_fp32`` move the same bytes in the
 input's dtype as ``reduce_scatter`` and ``all_reduce`` (and are counted under
 those names) but add in float32 or wider: a bf16 reduce-scatter or all-reduce
-sums on the wire in bf16, one rounding per hop.
+sums on the wire in bf16, one rounding per hop. ``reduce_fp32`` does the same
+for a ``reduce`` of float32 partial sums sent in a narrower wire dtype.
 
 Timeouts are carried by the process groups themselves (``topology`` creates
 them with ``tsp.timeout_minutes``), so a dead peer fails the op instead of
@@ -39,6 +40,17 @@ def accumulation_dtype(dtype):
     """float32, or ``dtype`` where that is wider (float64 stays float64): what
     sums over ranks, ring steps and head groups run in."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def gradient_wire_dtype(wire_dtype, dtype):
+    """The dtype in which TSP's parameter-gradient partial sums of a ``dtype``
+    model travel between ranks (the attention's weight-gradient reduces, the
+    rings' gradient accumulators): ``wire_dtype`` where one is set (DeepSpeed's
+    ``communication_data_type``, when the config names it), else the
+    accumulation dtype. A float64 model keeps float64 whatever ``wire_dtype``
+    says: it is run for its precision (the parity tests)."""
+    acc = accumulation_dtype(dtype)
+    return acc if wire_dtype is None or acc == torch.float64 else wire_dtype
 
 
 def partial_matmul(a, b, out=None):
@@ -258,17 +270,62 @@ def all_reduce_fp32(tensor, group, async_op=False):
 
 
 class Pending:
-    """A collective in flight (``reduce_scatter_fp32`` or ``all_reduce_fp32``
-    with ``async_op``, an all-gather the caller wraps): ``wait()`` finishes
-    it and returns its result, computed by ``finish`` once ``work`` is done."""
+    """A collective in flight (``reduce_scatter_fp32``, ``all_reduce_fp32`` or
+    ``reduce_fp32`` with ``async_op``, an all-gather the caller wraps):
+    ``wait()`` finishes it and returns its result, computed by ``finish`` once
+    ``work`` is done; later calls return the same result."""
 
     def __init__(self, work, finish):
-        self._work, self._finish = work, finish
+        self._work, self._finish, self._result = work, finish, None
 
     def wait(self):
-        if self._work is not None:
-            self._work.wait()
-        return self._finish()
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._result, self._finish, self._work = self._finish(), None, None
+        return self._result
+
+
+def reduce_fp32(tensor, dst, group, dtype=None, async_op=False):
+    """The sum over ``group`` of ``tensor`` (partial sums, float32 or wider) at
+    group rank ``dst``, sent in ``dtype`` (default: ``tensor``'s) and added in
+    ``tensor``'s dtype; returns the sum on ``dst`` and None elsewhere (with
+    ``async_op``, a ``Pending`` whose ``wait()`` returns it).
+
+    A narrower ``dtype`` goes as a gather to ``dst`` (each other rank sends
+    ``n`` bytes of ``dtype``, ``dst`` receives ``(D-1) n``: a ``reduce``'s
+    bytes, counted as one), and ``dst`` adds the parts in group-rank order,
+    its own unrounded: a reduce in that dtype would sum on the wire in it, one
+    rounding per hop. Otherwise ``reduce`` itself, in place in ``tensor``.
+    """
+    size = group_size(group)
+    wire = tensor.dtype if dtype is None else dtype
+    if size == 1:
+        return Pending(None, lambda: tensor) if async_op else tensor
+    rank = group_rank(group)
+    if wire == tensor.dtype:
+        work = reduce(tensor, dst, group, async_op=async_op)
+        result = tensor if rank == dst else None
+        return Pending(work, lambda: result) if async_op else result
+    sent = tensor.to(wire).contiguous()
+    if rank == dst:
+        counter.add("reduce", sent=0, received=(size - 1) * _nbytes(sent))
+        received = sent.new_empty((size, *sent.shape))  # received[j]: rank j's part
+        gather_list = list(received.unbind(0))
+    else:
+        counter.add("reduce", sent=_nbytes(sent), received=0)
+        received = gather_list = None
+    work = dist.gather(sent, gather_list, dst=global_rank(group, dst), group=group, async_op=async_op)
+
+    def add_in_rank_order():
+        if received is None:
+            return None
+        total = (tensor if dst == 0 else received[0]).to(tensor.dtype, copy=True)
+        for j in range(1, size):
+            total += tensor if j == dst else received[j]
+        return total
+
+    return Pending(work, add_in_rank_order) if async_op else add_in_rank_order()
 
 
 def reduce(tensor, dst, group, async_op=False):

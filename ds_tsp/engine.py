@@ -9,6 +9,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.config import get_communication_data_type
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import set_z3_leaf_modules
@@ -19,11 +20,14 @@ from .attention import TSPAttention
 from .checkpoint import from_pretrained
 from .config import split_ds_config
 from .inject import inject
+from .mlp import TSPGatedMLP
 from .model import num_targets
+from .moe import TSPSparseMoE
 from .offload import host_checkpoint
 from .optimizer import ClientOptimizer
 from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
+from .vocab import VocabParallelLMHead
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -90,6 +94,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     else:
         model = inject(model, topology, tsp_config)
     replicated_grads = model.tsp_replicated_grads
+    # Only a communication_data_type the config names: TSP's partial sums go in float32 otherwise.
+    set_grad_wire_dtype(model, get_communication_data_type(ds_config))
     if tsp_config.pipeline_stages > 1:
         # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
         model = build_pipeline(model, topology, tsp_config, bool(ds_config.get("activation_checkpointing")))
@@ -118,6 +124,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if replicated_grads is not None:
         schedule_replicated_grads(engine, replicated_grads)
     return (engine, *rest)
+
+
+def set_grad_wire_dtype(model, dtype):
+    """The dtype every TSP block of ``model`` sends its parameter-gradient
+    partial sums in (the attention's weight-gradient reduces, the MLP, MoE and
+    LM-head rings' accumulators; ``comm.gradient_wire_dtype``), added in
+    float32 on arrival; None keeps float32 (float64 models keep float64).
+
+    ``initialize`` passes DeepSpeed's ``communication_data_type`` only when the
+    config sets it, not DeepSpeed's default for a bf16 model (bf16): those
+    partials are per-rank sums over head groups or ring steps, and rounding
+    each to bf16 adds up to ``D`` roundings per weight gradient where the
+    unsharded model's one matmul rounds once."""
+    for module in model.modules():
+        if isinstance(module, (TSPAttention, TSPGatedMLP, TSPSparseMoE, VocabParallelLMHead)):
+            module.grad_wire_dtype = dtype
 
 
 def schedule_replicated_grads(engine, replicated_grads):

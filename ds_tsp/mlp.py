@@ -17,7 +17,8 @@ forward, on rank ``r`` with local tokens ``x`` ``(B, S/D, H)``::
 backward runs the same ring (``ds_tsp.ring``): the gradient accumulator of
 each shard travels with it and ends, summed over every rank's tokens, on its
 owner. Per rank and backward: ``D-1`` weight hops and ``D-1`` accumulator
-hops, no all-reduce, no broadcast.
+hops (in the gradient wire dtype, ``MLPPlan.grad_wire_dtype``), no
+all-reduce, no broadcast.
 
 ``down_proj.bias`` is not split (it would be added ``D`` times): it stays a
 replicated parameter added once per token outside the ring; its gradient is
@@ -25,7 +26,7 @@ local and summed over the group by whoever sums replicated gradients.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,7 @@ class MLPPlan:
     overlap: bool = True
     token_tile: int = 0  # most local tokens one shard step computes at once (0: all)
     fp32_accumulators: bool = True  # sum the ring steps and the input gradients in float32 (or wider)
+    grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
 
     def tiles(self, num_tokens):
         """``[(start, end)]`` over the ``num_tokens`` local tokens."""
@@ -186,7 +188,8 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
             grad_x[start:end] += tile_grad_x
         return grad_shard
 
-    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap)
+    wire = comm.gradient_wire_dtype(plan.grad_wire_dtype, packed.dtype)
+    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap, wire)
     return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
 
 
@@ -251,6 +254,17 @@ class TSPGatedMLP(PackedShardMixin, nn.Module):
                     view.uniform_(-bound, bound)
             if self.down_bias is not None:
                 self.down_bias.zero_()
+
+    @property
+    def grad_wire_dtype(self):
+        """The dtype the ring's gradient accumulators travel in; None: float32
+        (or wider). ``ds_tsp.initialize`` sets DeepSpeed's
+        ``communication_data_type`` here when the config names it."""
+        return self.plan.grad_wire_dtype
+
+    @grad_wire_dtype.setter
+    def grad_wire_dtype(self, dtype):
+        self.plan = replace(self.plan, grad_wire_dtype=dtype)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

@@ -32,8 +32,8 @@ gate and up projections are recomputed per expert (nothing ``(N, k, F)`` is
 kept), as the MLP does with token tiles.
 
 Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
-rank's packed shard (``w`` bytes each; accumulators in float32 or wider,
-``a`` bytes each):
+rank's packed shard (``w`` bytes each; accumulators summed in float32 or
+wider, ``a`` bytes each in the gradient wire dtype, ``comm.gradient_wire_dtype``):
 
 * ring (built here): forward ``(D-1) W w`` received (``(D-1)/D`` of the
   layer's expert weights), backward ``(D-1) W (w + a)`` (weights again, plus
@@ -57,7 +57,7 @@ the full sequence's ``(B*S, E)`` that Hugging Face returns.
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +171,7 @@ class MoEPlan:
     overlap: bool = True
     token_tile: int = 0  # most tokens one expert (or the shared slice) computes at once (0: all)
     fp32_accumulators: bool = True
+    grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
 
     @property
     def experts_per_rank(self):
@@ -255,7 +256,8 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
                 grad_scale[start:end] += grad_s.unsqueeze(-1).to(grad_scale.dtype)
         return grad_shard
 
-    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap)
+    wire = comm.gradient_wire_dtype(plan.grad_wire_dtype, packed.dtype)
+    grad_packed = ring_gradients(packed, plan.group, step, plan.overlap, wire)
     return (grad_x.to(x.dtype), grad_weights.to(weights.dtype),
             None if grad_scale is None else grad_scale.to(shared_scale.dtype), grad_packed.to(packed.dtype))
 
@@ -312,6 +314,17 @@ class TSPSparseMoE(PackedShardMixin, nn.Module):
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
+
+    @property
+    def grad_wire_dtype(self):
+        """The dtype the ring's gradient accumulators travel in; None: float32
+        (or wider). ``ds_tsp.initialize`` sets DeepSpeed's
+        ``communication_data_type`` here when the config names it."""
+        return self.plan.grad_wire_dtype
+
+    @grad_wire_dtype.setter
+    def grad_wire_dtype(self, dtype):
+        self.plan = replace(self.plan, grad_wire_dtype=dtype)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

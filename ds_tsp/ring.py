@@ -12,6 +12,11 @@ holds travels with that shard (posted with the next weight hop, added to on
 arrival), and after the last step it makes one more hop, to the owner, which
 adds the partial it kept. Per rank: ``D-1`` weight hops and ``D-1``
 accumulator hops, no all-reduce, no broadcast.
+
+The accumulators are sums in float32 (or wider) on every rank; they travel in
+the gradient wire dtype (``comm.gradient_wire_dtype``: float32 unless
+DeepSpeed's ``communication_data_type`` says otherwise), rounded to it only to
+be sent, and are added to the receiver's unrounded partial on arrival.
 """
 
 from . import comm
@@ -33,11 +38,12 @@ def ring_steps(shard, tsp_group, step, overlap=True):
             buf = next_buf
 
 
-def ring_gradients(shard, tsp_group, step, overlap=True):
+def ring_gradients(shard, tsp_group, step, overlap=True, wire_dtype=None):
     """Run the ring again for backward: ``step(t, buf)`` returns the partial
     gradient of the shard in ``buf`` from this rank's tokens (shaped like
-    ``buf``, in the dtype it should travel and be summed in). Returns this
-    rank's own shard's gradient summed over every rank of the group."""
+    ``buf``, in the dtype it is summed in). The accumulators travel in
+    ``wire_dtype`` (default: that dtype). Returns this rank's own shard's
+    gradient summed over every rank of the group, in the partials' dtype."""
     tsp_size = comm.group_size(tsp_group)
     if tsp_size == 1:
         return step(0, shard)
@@ -48,7 +54,7 @@ def ring_gradients(shard, tsp_group, step, overlap=True):
             next_buf = ring.send_recv(buf)
         if acc is not None:
             # The accumulator of the shard held at t-1 follows it to r+1; ours arrives from r-1.
-            next_acc = ring.send_recv(acc)
+            next_acc = ring.send_recv(acc.to(wire_dtype or acc.dtype))
         ring.commit() if overlap else ring.wait()
         partial = step(t, buf)
         ring.wait()
@@ -57,10 +63,10 @@ def ring_gradients(shard, tsp_group, step, overlap=True):
         elif t == 1:
             acc = partial
         else:
-            acc = next_acc + partial
+            acc = partial + next_acc  # in the partial's dtype, whatever the wire's
         if t < tsp_size - 1:
             buf = next_buf
     # After step D-1 rank r holds shard r+1: one last hop hands its sum to the owner.
-    next_acc = ring.send_recv(acc)
+    next_acc = ring.send_recv(acc.to(wire_dtype or acc.dtype))
     ring.wait()
-    return next_acc + own_partial
+    return own_partial + next_acc

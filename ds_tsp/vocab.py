@@ -38,8 +38,10 @@ Backward runs the ring again, recomputing each tile's ``z`` and
 ``dz = (softmax(z) - onehot) * dloss`` from the saved ``lse``:
 ``dh[T] += dz @ W_buf`` and ``dW_buf += dz^T @ h[T]`` in an accumulator that
 travels with the shard and ends on its owner. Bytes received per rank: forward
-``(D-1) * Vs*H * e``, backward ``(D-1) * Vs*H * (e + a)`` (``a``: the fp32, or
-float64, accumulator). Products run in the model dtype, sums in fp32 or wider.
+``(D-1) * Vs*H * e``, backward ``(D-1) * Vs*H * (e + a)`` (``a``: the
+accumulator's element on the wire, ``comm.gradient_wire_dtype``: fp32 (float64
+for float64 models) unless DeepSpeed's ``communication_data_type`` names a
+narrower one). Products run in the model dtype, sums in fp32 or wider.
 A tile is at most ``tsp.logits_tile_mib`` MiB of fp32 logits.
 
 Without labels the local tokens' full-vocabulary logits are returned, with the
@@ -283,9 +285,11 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
     return losses, lse
 
 
-def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True):
+def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
+                                grad_wire_dtype=None):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
-    rank's tokens, from the saved log-sum-exp (logits recomputed per tile)."""
+    rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
+    accumulators travel in ``comm.gradient_wire_dtype(grad_wire_dtype, ...)``."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
@@ -309,7 +313,8 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
             grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
         return grad_w
 
-    grad_weight = ring_gradients(weight, tsp_group, step, overlap)
+    wire = comm.gradient_wire_dtype(grad_wire_dtype, weight.dtype)
+    grad_weight = ring_gradients(weight, tsp_group, step, overlap, wire)
     return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
 
 
@@ -319,11 +324,12 @@ class _CrossEntropyRing(torch.autograd.Function):
     # losses stay in float32 as in HF's loss.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap):
+    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype):
         losses, lse = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap)
         # Local tokens only (hidden, labels, lse) plus this rank's own shard.
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
+        ctx.grad_wire_dtype = grad_wire_dtype
         return losses
 
     @staticmethod
@@ -331,8 +337,9 @@ class _CrossEntropyRing(torch.autograd.Function):
     def backward(ctx, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden, grad_weight = cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse,
-                                                               ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap)
-        return grad_hidden, grad_weight, None, None, None, None, None
+                                                               ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
+                                                               ctx.grad_wire_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class VocabParallelLMHead(_VocabShard):
@@ -346,6 +353,9 @@ class VocabParallelLMHead(_VocabShard):
         self.tied = tied_to is not None
         self.tile = tile_tokens(logits_tile_mib, self.rows)
         self.overlap = overlap
+        # The ring's gradient accumulators' wire dtype; None: float32 (or wider). ds_tsp.initialize
+        # sets DeepSpeed's communication_data_type here when the config names it.
+        self.grad_wire_dtype = None
 
     @classmethod
     def from_hf(cls, lm_head, tsp_group, logits_tile_mib=32.0, overlap=True, tied_to=None, read=None, device=None):
@@ -366,7 +376,8 @@ class VocabParallelLMHead(_VocabShard):
         """Sum over this rank's tokens of the cross-entropy against ``labels``
         (``IGNORE_INDEX`` skipped), fused with the head; no full logits."""
         losses = _CrossEntropyRing.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1),
-                                         self.vocab_size, self.tile, self.tsp_group, self.overlap)
+                                         self.vocab_size, self.tile, self.tsp_group, self.overlap,
+                                         self.grad_wire_dtype)
         return losses.sum()
 
     @torch.no_grad()

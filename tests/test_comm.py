@@ -86,6 +86,15 @@ def test_collectives_values_and_bytes(run_ranks, world_size, tsp_size, dtype):
         assert not failed, f"rank {rank}: {failed}"
 
 
+def test_gradient_wire_dtype():
+    # Unset: the accumulation dtype; set: that dtype, except for float64 models, which keep float64.
+    assert comm.gradient_wire_dtype(None, torch.bfloat16) == torch.float32
+    assert comm.gradient_wire_dtype(None, torch.float64) == torch.float64
+    assert comm.gradient_wire_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
+    assert comm.gradient_wire_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert comm.gradient_wire_dtype(torch.float16, torch.float64) == torch.float64
+
+
 def test_size_one_group_moves_nothing():
     comm.counter.reset()
     x = torch.ones(4)
@@ -131,13 +140,37 @@ def _fp32_sums(world_size, tsp_size):
     # Float32 inputs take the plain collectives, with their values and bytes.
     y = torch.full((3,), float(r + 1))
     checks["all_reduce_fp32_of_fp32"] = torch.equal(comm.all_reduce_fp32(y, group), torch.full((3,), D * (D + 1) / 2))
+
+    # reduce_fp32: float32 partials sent in bf16 to the last rank (a global rank != group rank on a subgroup).
+    # The owner's own 1 + 2^-12 is not a bf16 number, nor are the others' 2^-8 + 2^-20: the sum keeps the
+    # owner's part whole and the others' parts as bf16 rounded them, every term exact in float32.
+    owner, tiny = D - 1, 2.0 ** -20
+    part = torch.full((5,), 1 + 2.0 ** -12 if r == owner else small + tiny)
+    for wire, expected in ((torch.bfloat16, 1 + 2.0 ** -12 + (D - 1) * small),
+                           (torch.float32, 1 + 2.0 ** -12 + (D - 1) * (small + tiny))):
+        name = f"reduce_{str(wire).removeprefix('torch.')}_wire"
+        comm.counter.reset()
+        pending = comm.reduce_fp32(part.clone(), owner, group, wire, async_op=True)
+        total = pending.wait()
+        nbytes = 5 * wire.itemsize
+        if r == owner:
+            checks[name] = total.dtype == torch.float32 and torch.equal(total, torch.full((5,), expected))
+            checks[f"{name}_bytes"] = (comm.counter.sent(), comm.counter.received()) == (0, (D - 1) * nbytes)
+            checks[f"{name}_waits_once"] = pending.wait() is total
+        else:
+            checks[name] = total is None
+            checks[f"{name}_bytes"] = (comm.counter.sent(), comm.counter.received()) == (nbytes, 0)
+        checks[f"{name}_counted_as"] = sorted(comm.counter.snapshot()) == ["reduce"]
+    summed = comm.reduce_fp32(part.clone(), owner, group, torch.bfloat16)  # without async_op: the sum itself
+    checks["reduce_bf16_wire_sync"] = (summed is None) == (r != owner)
     return checks
 
 
 @pytest.mark.parametrize("world_size, tsp_size", [(2, 2), (4, 4), (4, 2)])
 def test_fp32_sums_of_bf16(run_ranks, world_size, tsp_size):
-    """bf16 in, bf16 bytes on the wire, float32 sums: the values a bf16 sum
-    would round away survive, and the bytes are the plain collectives'."""
+    """bf16 in (or, for ``reduce_fp32``, float32 partials sent in bf16), bf16
+    bytes on the wire, float32 sums: the values a bf16 sum would round away
+    survive, and the bytes are the plain collectives'."""
     for rank, checks in enumerate(run_ranks(world_size, _fp32_sums, world_size=world_size, tsp_size=tsp_size)):
         failed = [name for name, ok in checks.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"

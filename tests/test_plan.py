@@ -49,6 +49,16 @@ def test_tsp_layer_bytes_by_hand():
     assert planner.tsp_bytes_by_op(m, SEQ, BATCH, 4, 2, "both", tsp_rank=1) == {
         "broadcast": 2 * 640 * 2, "ring": 1152 * (2 + 2 + 4), "all_gather": 2 * 384 * 2, "reduce": 3 * 128 * 4,
         "reduce_scatter": 384 * 2}
+    # communication_data_type "bf16": the reduce and the accumulator hops in 2 B, the rest as it was;
+    # a float64 model keeps its 8 B sums whatever the wire setting.
+    assert planner.tsp_bytes_by_op(m, SEQ, BATCH, 4, 2, "both", tsp_rank=1, grad_wire_bytes=2) == {
+        "broadcast": 2 * 640 * 2, "ring": 1152 * (2 + 2 + 2), "all_gather": 2 * 384 * 2, "reduce": 3 * 128 * 2,
+        "reduce_scatter": 384 * 2}
+    # float32, rank 0: forward 2048 elements, reduce 3*256 and accumulators 1152 in 2 B, dK/dV 384 in 4 B.
+    assert planner.tsp_bytes_per_layer(m, SEQ, BATCH, 4, 4, "backward", tsp_rank=0, grad_wire_bytes=2) == \
+        2048 * 4 + (768 + 1152) * 2 + 384 * 4
+    assert planner.tsp_bytes_by_op(m, SEQ, BATCH, 4, 8, "both", grad_wire_bytes=2) == \
+        planner.tsp_bytes_by_op(m, SEQ, BATCH, 4, 8, "both")
     # The design formula of DESIGN.md section 8, where every shard is equal.
     for D in (2, 4):
         wa, wm = 768, 1536
@@ -103,6 +113,8 @@ def test_vocab_bytes_by_hand():
     # One batch's exact counts: 5 of this rank's tokens owned elsewhere, 11 of the other's owned here.
     exact = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", rows_exchanged=(5, 11))
     assert exact["all_to_all"] == (5 + 11) * 16 * 2
+    # float32 with a bf16 gradient wire: the shard in 4 B, its accumulator in 2 B.
+    assert planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 4, "backward", grad_wire_bytes=2)["ring"] == 31 * 16 * 6
     # Nothing moves at D=1; the expected rows are fractional where D*D does not divide B*S.
     assert planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 1, 2, "both") == {}
     assert planner.tsp_vocab_bytes_by_op(m, 12, 1, 4, 2, "forward")["all_to_all"] == 3 * 12 / 16 * 16 * 2
@@ -218,7 +230,7 @@ def _saved_bytes(params, run):
     return out, sum(saved.values())
 
 
-def _counted_layer(num_heads, num_kv_heads, dtype, bias):
+def _counted_layer(num_heads, num_kv_heads, dtype, bias, grad_wire_dtype=None):
     """One decoder layer's two TSP blocks on every rank of the world: bytes
     received per op (forward, backward) and bytes saved for backward."""
     group, rank, D = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -227,6 +239,7 @@ def _counted_layer(num_heads, num_kv_heads, dtype, bias):
     with torch.no_grad():
         attn.packed.normal_(0, 0.3)
     mlp = TSPGatedMLP(HIDDEN, INTER, nn.SiLU(), group, bias=bias, dtype=dtype)
+    attn.grad_wire_dtype = mlp.grad_wire_dtype = grad_wire_dtype
     x = torch.randn(BATCH, SEQ // D, HIDDEN, dtype=dtype, requires_grad=True)
     cos, sin = torch.randn(2, BATCH, SEQ // D, HEAD_DIM, dtype=dtype)
     comm.counter.reset()
@@ -267,13 +280,14 @@ def test_tsp_bytes_equal_what_the_code_counts(run_ranks):
             assert backward == fp32_sums != same_dtype
 
 
-def _counted_model_steps(cases):
+def _counted_model_steps(cases, grad_wire_dtype=None):
     """Bytes this rank receives per ``comm`` op in one training step (forward and
     backward with labels) of a tiny injected model, for each ``(arch, dtype,
     vocab_parallel, checkpointing)``, with the embedding rows one batch exchanges:
     (this rank's local ids owned elsewhere, the other ranks' ids owned here)."""
     from ds_tsp import inject, layout
     from ds_tsp.config import TSPConfig
+    from ds_tsp.engine import set_grad_wire_dtype
     from ds_tsp.topology import TSPTopology
     from models import tiny_model
 
@@ -284,6 +298,7 @@ def _counted_model_steps(cases):
         model = inject(tiny_model(arch, dtype=dtype), TSPTopology(D),
                        TSPConfig(enabled=True, size=D, attention_backend="sdpa", vocab_parallel=vocab_parallel,
                                  check_batch="never"))
+        set_grad_wire_dtype(model, grad_wire_dtype)
         if checkpointing:
             model.train()
             model.activation_checkpointing_enable()
@@ -319,6 +334,43 @@ def test_step_bytes_equal_what_the_model_counts(run_ranks):
     # Guard: this batch's rows are not the expected (D-1)/D, so the exact counts are what matched.
     expected = planner.tsp_vocab_bytes_by_op(tiny_config("llama").to_dict(), SEQ, BATCH, 2, 8, "both")
     assert per_rank[0][0][0]["all_to_all"] != expected["all_to_all"]
+
+
+def test_bf16_wire_bytes_equal_what_the_code_counts(run_ranks):
+    # communication_data_type "bf16": the weight-gradient reduce and the ring accumulators in a = 2 bytes an
+    # element, op by op as the code counts, per layer (the attention's reduce, the MLP ring) and per step (the
+    # LM head's ring too), at D = 2. A float64 model keeps float64: its bytes are the default formula's.
+    D, wire = 2, torch.bfloat16
+    for num_heads, num_kv_heads, dtype, bias in [(8, 1, torch.float32, True), (4, 2, torch.bfloat16, False),
+                                                 (4, 2, torch.float64, False)]:
+        m, e = _shape(num_heads, num_kv_heads, bias), dtype.itemsize
+        for rank, forward, backward, _ in run_ranks(D, _counted_layer, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                    dtype=dtype, bias=bias, grad_wire_dtype=wire):
+            planned = {d: planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, d, tsp_rank=rank, grad_wire_bytes=2)
+                       for d in ("forward", "backward")}
+            default = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "backward", tsp_rank=rank)
+            print(f"nq={num_heads} nkv={num_kv_heads} {dtype} rank {rank}, bf16 wire: backward {backward}, "
+                  f"fp32 wire's formula {default}")
+            assert forward == planned["forward"]
+            assert backward == planned["backward"]
+            if dtype == torch.float32:  # the reduce and the accumulator hops exactly halved, nothing else
+                weight_hops = default["ring"] // 2  # the ring's backward: (e + a) = (4 + 4) B an element
+                assert backward == {**default, "reduce": default["reduce"] // 2,
+                                    "ring": weight_hops + weight_hops // 2}
+            if dtype == torch.float64:
+                assert backward == default
+    from models import tiny_config
+
+    cases = [("llama", torch.float32, True, False), ("llama", torch.float64, True, False)]
+    for rank, per_case in enumerate(run_ranks(D, _counted_model_steps, cases=cases, grad_wire_dtype=wire)):
+        for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(cases, per_case):
+            planned = planner.tsp_step_bytes_by_op(tiny_config(arch).to_dict(), SEQ, BATCH, D, dtype.itemsize,
+                                                   tsp_rank=rank, rows_exchanged=rows, grad_wire_bytes=2)
+            print(f"{arch} {dtype} rank {rank}, bf16 wire: counted {counted}, planned {planned}")
+            assert {op: v for op, v in counted.items() if op != "barrier"} == planned
+            fp32_wire = planner.tsp_step_bytes_by_op(tiny_config(arch).to_dict(), SEQ, BATCH, D, dtype.itemsize,
+                                                     tsp_rank=rank, rows_exchanged=rows)
+            assert (planned == fp32_wire) == (dtype == torch.float64)
 
 
 def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True):

@@ -296,3 +296,42 @@ def test_pipeline_stages_sum_once_per_batch(run_ranks):
             assert out["counts"] == [expected[out["stage"]]] * 2
             losses[bf16] = out["losses"]
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 5e-2
+
+
+def _grad_wire_runs():
+    """Per config, TSP=2, ZeRO-1: the gradient wire dtype of each kind of TSP
+    block after ``ds_tsp.initialize``, and the bytes one backward receives per op."""
+    from ds_tsp.attention import TSPAttention
+    from ds_tsp.mlp import TSPGatedMLP
+    from ds_tsp.vocab import VocabParallelLMHead
+
+    runs = {"fp32, unset": {}, "fp32, bf16 on the wire": dict(communication_data_type="bf16"),
+            "bf16, unset": dict(bf16={"enabled": True})}
+    results = {}
+    for label, extra in runs.items():
+        engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=_config(1, 1, **extra),
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+        blocks = (TSPAttention, TSPGatedMLP, VocabParallelLMHead)
+        wires = {kind.__name__: {str(m.grad_wire_dtype) for m in engine.module.modules() if isinstance(m, kind)}
+                 for kind in blocks}
+        ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+        loss = engine(input_ids=ids, labels=ids).loss
+        comm.counter.reset()
+        engine.backward(loss)
+        results[label] = dict(wires=wires, received={op: c["received"] for op, c in comm.counter.snapshot().items()})
+    return results
+
+
+def test_communication_data_type_reaches_the_blocks_only_when_set(run_ranks):
+    # "communication_data_type": "bf16" sets every block's parameter-gradient wire; unset, the blocks keep
+    # float32 partials, also for a bf16 model, where DeepSpeed's own default would be bf16.
+    for rank, out in enumerate(run_ranks(2, _grad_wire_runs)):
+        for label, run in out.items():
+            print(f"rank {rank} {label}: wire dtypes {run['wires']}, backward bytes received {run['received']}")
+        assert all(w == {"None"} for w in out["fp32, unset"]["wires"].values())
+        assert all(w == {"None"} for w in out["bf16, unset"]["wires"].values())
+        assert all(w == {"torch.bfloat16"} for w in out["fp32, bf16 on the wire"]["wires"].values())
+        unset, bf16_wire = out["fp32, unset"]["received"], out["fp32, bf16 on the wire"]["received"]
+        assert bf16_wire["reduce"] * 2 == unset["reduce"] == out["bf16, unset"]["received"]["reduce"]
+        # The ring's backward: weight hops (4 B) unchanged, accumulator hops 4 B -> 2 B.
+        assert bf16_wire["ring"] * 4 == unset["ring"] * 3

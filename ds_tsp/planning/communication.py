@@ -4,13 +4,27 @@ all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
 ``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``), for the folded
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
-(``tsp_step_bytes_by_op``). The baselines' bytes are in ``strategies``."""
+(``tsp_step_bytes_by_op``). The baselines' bytes are in ``strategies``.
+
+TSP's parameter-gradient partial sums (the attention's weight-gradient
+``reduce``, the rings' gradient accumulators) travel in ``a`` bytes an element
+(``grad_wire_bytes``): float32 (float64 for float64 models) by default, 2 with
+a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
 from .shapes import FLOAT32, model_shape, tsp_attention_shard, tsp_shape_problem, vocab_rows_per_rank
 
 DIRECTIONS = ("forward", "backward", "both")
+
+
+def gradient_wire_bytes(elem_bytes, grad_wire_bytes=None):
+    """``a``: bytes per element of TSP's parameter-gradient partial sums on the
+    wire, as ``comm.gradient_wire_dtype`` picks them: ``grad_wire_bytes`` (the
+    ``communication_data_type`` a DeepSpeed config names), else the float32
+    (or wider) sums' ``max(elem, 4)``; a float64 model keeps 8."""
+    acc = max(elem_bytes, FLOAT32)
+    return acc if grad_wire_bytes is None or acc > FLOAT32 else grad_wire_bytes
 
 
 def _by_direction(forward, backward, direction):
@@ -20,7 +34,8 @@ def _by_direction(forward, backward, direction):
     return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
 
 
-def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None):
+def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
+                    grad_wire_bytes=None):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -30,8 +45,9 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d)`` elements averaged over ranks. Backward:
     the same again (shards re-sent, K/V re-gathered), plus the ``reduce`` of this
     rank's own attention-shard gradient from the other ``D-1`` ranks and the
-    ``D-1`` ring hops of MLP gradient accumulators, both in ``max(elem, 4)``
-    bytes (sums in fp32 or wider), and the ``reduce_scatter`` of dK, dV in
+    ``D-1`` ring hops of MLP gradient accumulators, both in ``a`` bytes
+    (``gradient_wire_bytes(elem, grad_wire_bytes)``: ``max(elem, 4)`` by
+    default, sums in fp32 or wider), and the ``reduce_scatter`` of dK, dV in
     ``elem`` bytes. With ``nkv < D`` a key/value head is stored once, on the
     first rank of the heads sharing it, so shards differ by rank:
     ``tsp_rank=None`` gives the mean over ranks (own shard ``Wa/D``), a rank its
@@ -39,7 +55,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     """
     m = model_shape(model)
     D, e = tsp_size, elem_bytes
-    acc = max(e, FLOAT32)
+    a = gradient_wire_bytes(e, grad_wire_bytes)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
     problem = tsp_shape_problem(m, D)
@@ -53,21 +69,23 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     mlp = Fraction((D - 1) * m.mlp_params, D)
     kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
     forward = {"broadcast": e * (m.attention_params - own), "ring": e * mlp, "all_gather": e * kv}
-    backward = {**forward, "ring": (e + acc) * mlp, "reduce": acc * (D - 1) * own, "reduce_scatter": e * kv}
+    backward = {**forward, "ring": (e + a) * mlp, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
     return _by_direction(forward, backward, direction)
 
 
-def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None):
+def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
+                        grad_wire_bytes=None):
     """Total of ``tsp_bytes_by_op``: bytes one rank receives in one TSP layer
     (forward ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d) * elem`` on average)."""
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
-                                                      tsp_rank).values())
+                                                      tsp_rank, grad_wire_bytes=grad_wire_bytes).values())
     return int(total) if total.denominator == 1 else float(total)
 
 
 # --- outside the blocks: the folded vocabulary and the parameters every rank holds whole ---------
 
-def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, rows_exchanged=None):
+def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, rows_exchanged=None, *,
+                          grad_wire_bytes=None):
     """Bytes one rank receives for the folded vocabulary in one training step,
     per ``comm`` op name; ``direction`` is "forward", "backward" or "both".
 
@@ -81,7 +99,8 @@ def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, dir
 
     ``ring``, the fused LM head + loss: forward, ``D-1`` hops of a head shard
     (``Vs*H*elem``); backward, the same again plus ``D-1`` hops of its gradient
-    accumulator in ``max(elem, 4)`` bytes. Tied models send the one shard.
+    accumulator in ``a`` bytes (``gradient_wire_bytes``: ``max(elem, 4)`` by
+    default). Tied models send the one shard.
     The loss's all-reduce is in ``tsp_step_bytes_by_op``, both settings have it.
     """
     m = model_shape(model)
@@ -97,7 +116,8 @@ def tsp_vocab_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, dir
         rows_exchanged = (expected, expected)
     shard = vocab_rows_per_rank(m.vocab_size, D) * H
     forward = {"all_to_all": rows_exchanged[0] * H * e, "ring": (D - 1) * shard * e}
-    backward = {"all_to_all": rows_exchanged[1] * H * e, "ring": (D - 1) * shard * (e + max(e, FLOAT32))}
+    a = gradient_wire_bytes(e, grad_wire_bytes)
+    backward = {"all_to_all": rows_exchanged[1] * H * e, "ring": (D - 1) * shard * (e + a)}
     return _by_direction(forward, backward, direction)
 
 
@@ -107,7 +127,7 @@ def _all_reduced(nbytes, group_size):
 
 
 def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, vocab_parallel=True,
-                         activation_checkpointing=False, tsp_rank=None, rows_exchanged=None):
+                         activation_checkpointing=False, tsp_rank=None, rows_exchanged=None, grad_wire_bytes=None):
     """Bytes one rank receives in one training step (forward and backward of one
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
@@ -117,18 +137,19 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     loss (one scalar in ``max(elem, 4)`` bytes) and the gradients of what every
     rank holds whole, one all-reduce per tensor in ``elem`` bytes: the norms
     (and MLP down biases), and without ``vocab_parallel`` the embedding and the
-    LM head too. ``tsp_rank`` is as in ``tsp_bytes_by_op``.
+    LM head too. ``tsp_rank`` and ``grad_wire_bytes`` are as in ``tsp_bytes_by_op``.
     """
     m = model_shape(model)
     D, e, H, L = tsp_size, elem_bytes, m.hidden_size, m.num_layers
     if D == 1:
         return {}
-    counts = {op: L * v for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank).items()}
+    wire = {"grad_wire_bytes": grad_wire_bytes}
+    counts = {op: L * v for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, **wire).items()}
     if activation_checkpointing:  # every layer's forward runs again in backward
         for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank).items():
             counts[op] += L * v
     if vocab_parallel:
-        for op, v in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged).items():
+        for op, v in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged, **wire).items():
             counts[op] = counts.get(op, 0) + v
     whole = [H] * (2 * L + 1) + [H] * (L if m.mlp_bias else 0)  # norms, final norm, MLP down biases
     if not vocab_parallel:
