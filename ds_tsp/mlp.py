@@ -26,7 +26,7 @@ local and summed over the group by whoever sums replicated gradients.
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from ds_tsp import comm
 from ds_tsp.amp import autocast_backward, autocast_forward
 from ds_tsp.comm import accumulation_dtype
 from ds_tsp.packing import PackedShardMixin, PackSpec, module_reader
-from ds_tsp.ring import ring_gradients, ring_steps
+from ds_tsp.ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
 # Which dim of each full Hugging Face tensor is split across the TSP group; a
 # name absent from this table (down_proj.bias) is replicated.
@@ -215,7 +215,7 @@ class _MLPRing(torch.autograd.Function):
         return grad_x, grad_packed, None
 
 
-class TSPGatedMLP(PackedShardMixin, nn.Module):
+class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """``down(act(gate(x)) * up(x))`` over the local tokens, weights sharded on
     ``F`` across ``tsp_group`` and moved by a ring (see the module docstring).
 
@@ -254,17 +254,6 @@ class TSPGatedMLP(PackedShardMixin, nn.Module):
                     view.uniform_(-bound, bound)
             if self.down_bias is not None:
                 self.down_bias.zero_()
-
-    @property
-    def grad_wire_dtype(self):
-        """The dtype the ring's gradient accumulators travel in; None: float32
-        (or wider). ``ds_tsp.initialize`` sets DeepSpeed's
-        ``communication_data_type`` here when the config names it."""
-        return self.plan.grad_wire_dtype
-
-    @grad_wire_dtype.setter
-    def grad_wire_dtype(self, dtype):
-        self.plan = replace(self.plan, grad_wire_dtype=dtype)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

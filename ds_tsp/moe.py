@@ -57,7 +57,7 @@ the full sequence's ``(B*S, E)`` that Hugging Face returns.
 
 import contextlib
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,7 @@ from .mappings import sum_over_group
 from .mlp import shard_backward as gated_shard_backward
 from .mlp import shard_forward as gated_shard_forward
 from .packing import PackedShardMixin, PackSpec, module_reader
-from .ring import ring_gradients, ring_steps
+from .ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 # The shared expert's tensors, with the dim each is split on (mlp.SHARD_DIMS, no biases).
@@ -285,7 +285,7 @@ class _MoERing(torch.autograd.Function):
         return grad_x, grad_weights, None, grad_scale, grad_packed, None
 
 
-class TSPSparseMoE(PackedShardMixin, nn.Module):
+class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
     local tokens, experts sharded ``E/D`` per rank and moved by a ring (see the
     module docstring).
@@ -314,17 +314,6 @@ class TSPSparseMoE(PackedShardMixin, nn.Module):
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
-
-    @property
-    def grad_wire_dtype(self):
-        """The dtype the ring's gradient accumulators travel in; None: float32
-        (or wider). ``ds_tsp.initialize`` sets DeepSpeed's
-        ``communication_data_type`` here when the config names it."""
-        return self.plan.grad_wire_dtype
-
-    @grad_wire_dtype.setter
-    def grad_wire_dtype(self, dtype):
-        self.plan = replace(self.plan, grad_wire_dtype=dtype)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

@@ -19,6 +19,8 @@ DeepSpeed's ``communication_data_type`` says otherwise), rounded to it only to
 be sent, and are added to the receiver's unrounded partial on arrival.
 """
 
+import dataclasses
+
 from . import comm
 
 
@@ -70,3 +72,18 @@ def ring_gradients(shard, tsp_group, step, overlap=True, wire_dtype=None):
     next_acc = ring.send_recv(acc.to(wire_dtype or acc.dtype))
     ring.wait()
     return own_partial + next_acc
+
+
+class RingWireDtypeMixin:
+    """``grad_wire_dtype`` of a module whose ring plan (``self.plan``, a frozen
+    dataclass) carries it: the dtype the ring's gradient accumulators travel
+    in; None: float32 (or wider). ``ds_tsp.initialize`` sets DeepSpeed's
+    ``communication_data_type`` here when the config names it."""
+
+    @property
+    def grad_wire_dtype(self):
+        return self.plan.grad_wire_dtype
+
+    @grad_wire_dtype.setter
+    def grad_wire_dtype(self, dtype):
+        self.plan = dataclasses.replace(self.plan, grad_wire_dtype=dtype)
