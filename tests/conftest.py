@@ -19,3 +19,13 @@ def run_ranks(rank_pools):
     """``run_ranks(world_size, body, **kwargs)`` runs ``body(**kwargs)`` on that many
     gloo ranks and returns the per-rank results."""
     return rank_pools.run
+
+
+@pytest.fixture
+def own_processes(rank_pools):
+    """For a test that starts its own processes (the deepspeed launcher, a
+    benchmark): the rank pools close first, so their idle workers, and the
+    gloo threads of the groups earlier tests destroyed (a gloo group's threads
+    outlive destroy_process_group), do not compete with it for the cores. The
+    next test that needs ranks starts fresh pools."""
+    rank_pools.close()

@@ -11,7 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path):
+def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
     # An odd vocabulary: the folded shards carry a padding row at D=2.
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--sizes", "2", "--seq-lens", "16", "32",
            "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
@@ -53,7 +53,7 @@ def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path):
     assert (tmp_path / "compare_memory.png").stat().st_size > 0 and (tmp_path / "compare_time.png").stat().st_size > 0
 
 
-def test_longest_finds_the_boundary_of_the_budget(tmp_path):
+def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
     # A budget a few MiB above TSP's state: the search doubles from 64 tokens, then bisects on multiples of 32.
     budget = 6.0
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "longest.py"), "--sizes", "2", "--strategies",
@@ -96,7 +96,7 @@ def test_longest_finds_the_boundary_of_the_budget(tmp_path):
     assert (tmp_path / "longest.png").stat().st_size > 0
 
 
-def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path):
+def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_processes):
     """benchmarks/fidelity.py at D=2, small: TSP's bf16 error against float64
     is at most 1.5x the unsharded model's for every gradient group and the
     token losses (the committed run holds 1.1x at D = 2, 4, 8)."""

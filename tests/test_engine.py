@@ -279,7 +279,7 @@ def test_an_optimizer_that_already_stepped_is_refused():
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
 
 
-def test_example_trains_under_the_deepspeed_launcher(tmp_path):
+def test_example_trains_under_the_deepspeed_launcher(tmp_path, own_processes):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29517", os.path.join(root, "examples", "train.py"),

@@ -172,7 +172,7 @@ def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
     assert tsp["resumed_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
 
 
-def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path):
+def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes):
     """examples/hf_trainer.py on 2 CPU ranks: the loss falls, each token is
     counted once, and the model it writes loads in Hugging Face."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
