@@ -31,7 +31,7 @@ estimate), and what offloading puts in host memory instead.
   all-gather CP keeps the gathered full-sequence K/V. TSP is modelled by what
   ``ds_tsp.attention`` and ``ds_tsp.mlp`` actually save: the attention's local
   ``x``, ``q``, ``k``, ``v`` and, with its fused backward, each head group's
-  output and lse (with flash-attn it recomputes them instead), the MLP's local
+  output and lse (sliding-window layers recompute them instead), the MLP's local
   ``x`` and each shard's gate and up projections, plus the same norms:
   ``8H + 8 + 4e*H + e*(nq + 2nkv)*d + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
   embedding ids, cos/sin, final norm, LM-head input and loss, equal to the

@@ -40,7 +40,9 @@ the frameworks run them):
   group's compute, as ``ds_tsp/attention.py`` runs them; the weight-gradient reduces:
   overlapped (posted, waited at the layer's end). The embedding all-to-all is
   blocking (the first layer needs the rows) and so are the all-reduces of the
-  gradients every rank holds whole (ds_tsp runs them synchronously).
+  gradients every rank holds whole (ds_tsp waits for them before DeepSpeed's own
+  reduction reads those gradients: bucketed once per optimizer step under
+  ZeRO-0/1, per micro-step under ZeRO-2/3).
 
 Overlapped traffic hides under the step's whole compute, not only the phase
 that issues it, and costs no compute; bandwidths are what a large message
