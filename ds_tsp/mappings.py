@@ -119,30 +119,48 @@ class ReplicatedGrads:
         """Replace each of ``grads`` (``(param, gradient)`` pairs, in the same
         order on every rank; the gradient wherever the engine accumulates it)
         by its sum over the group, in place. The gradients travel flattened in
-        buckets of at most ``bucket_numel`` elements per wire dtype (a larger
-        gradient alone), so the messages are the buckets, not the parameters;
-        every bucket is launched before the first is waited on."""
+        buckets of at most ``bucket_numel`` elements per wire dtype, so the
+        messages are the buckets, not the parameters; a gradient of
+        ``ALONE_NUMEL`` elements or more (an embedding or LM head kept whole)
+        travels alone, summed in place where its dtype is the wire's and the
+        sum's, so no copy of it is made. Every bucket is launched before the
+        first is waited on."""
         by_wire = defaultdict(list)  # wire dtype -> gradients, in order
         for param, grad in grads:
             by_wire[self.wire_dtype(param, grad.dtype)].append(grad)
-        launched = [(bucket, comm.all_reduce_fp32(torch.cat([g.reshape(-1).to(wire) for g in bucket]), self.group,
-                                                  async_op=True))
+        launched = [(bucket, self._launch(bucket, wire))
                     for wire, same_wire in by_wire.items() for bucket in _buckets(same_wire, bucket_numel)]
         for bucket, pending in launched:
-            for grad, summed in zip(bucket, pending.wait().split([g.numel() for g in bucket])):
-                grad.copy_(summed.view_as(grad))
+            summed = pending.wait()
+            if summed is not None:  # else summed in place
+                for grad, part in zip(bucket, summed.split([g.numel() for g in bucket])):
+                    grad.copy_(part.view_as(grad))
+
+    def _launch(self, bucket, wire):
+        """The sum of one bucket in flight; its ``wait()`` gives the flat sum, or
+        None where the one gradient was summed in place."""
+        (first, *rest) = bucket
+        if not rest and first.dtype == wire == comm.accumulation_dtype(wire) and first.is_contiguous():
+            return comm.Pending(comm.all_reduce(first, self.group, async_op=True), lambda: None)
+        return comm.all_reduce_fp32(torch.cat([g.reshape(-1).to(wire) for g in bucket]), self.group, async_op=True)
+
+
+# A replicated gradient this large goes in a message of its own (summed in place).
+ALONE_NUMEL = 1 << 20
 
 
 def _buckets(tensors, bucket_numel):
     """Runs of consecutive ``tensors`` of at most ``bucket_numel`` elements in
-    all (a larger tensor alone), filled as DeepSpeed fills its reduce buckets."""
+    all (a larger tensor alone), filled as DeepSpeed fills its reduce buckets;
+    a tensor of ``ALONE_NUMEL`` elements or more is a bucket of its own."""
     buckets, numel = [], 0
     for tensor in tensors:
-        if not buckets or numel + tensor.numel() > bucket_numel:
+        alone = tensor.numel() >= ALONE_NUMEL
+        if alone or not buckets or numel + tensor.numel() > bucket_numel:
             buckets.append([])
             numel = 0
         buckets[-1].append(tensor)
-        numel += tensor.numel()
+        numel = bucket_numel if alone else numel + tensor.numel()  # nothing joins a tensor that goes alone
     return buckets
 
 
