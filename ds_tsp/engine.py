@@ -85,7 +85,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
     if tsp_config.pipeline_stages > 1:
-        check_pipeline_stages(model_config(model), tsp_config)
+        check_pipeline_stages(model_config(model), tsp_config, ds_config)
     topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     if isinstance(model, (str, os.PathLike)):
         # A Hugging Face directory: each rank reads only its own slices.

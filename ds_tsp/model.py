@@ -198,8 +198,7 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
                            "without autograd), so the auxiliary loss would not train the routers: use HF's "
                            "gradient_checkpointing_enable (non-reentrant) or set output_router_logits False")
     top_k = moe_blocks[0].gate.top_k
-    return load_balancing_loss(router_logits, moe_blocks[0].num_experts, top_k, batch.real,
-                               model.tsp_topology.tsp_group)
+    return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position):

@@ -399,33 +399,47 @@ def recorded_router_logits(blocks):
             handle.remove()
 
 
-def load_balancing_loss(router_logits, num_experts, top_k, real, group):
+def load_balancing_loss(router_logits, top_k, real, group):
     """Hugging Face's ``load_balancing_loss_func`` over the whole sequence.
 
     ``router_logits``: per MoE layer, this rank's ``(N, E)`` logits;
     ``real``: ``(N,)`` bool, this rank's real tokens (not padding, HF's or
-    TSP's). HF's statistics are sums over every token of every layer (how
-    often each expert is in a top-k, the sum of its softmax probabilities, the
-    number of rows): each rank sums its own tokens, one all-reduce over the
-    TSP group adds them, and every rank computes the same loss. Its gradient
-    reaches each rank's own tokens' probabilities (``sum_over_group``'s
-    identity backward), as the cross-entropy's does.
-
-    Dtypes as HF: softmax and top-k in the logits' dtype, the statistics
-    float32. The sums run in float64 and are rounded to float32 once, so the
-    result does not depend on ``D`` or the token order; HF rounds at every
-    float32 add, so the two agree to float32 rounding of the statistics.
+    TSP's). HF's statistics are sums over every token of every layer
+    (``routing_statistics``): each rank sums its own tokens, one all-reduce
+    over the TSP group adds them, and every rank computes the same loss
+    (``balance_loss``). Its gradient reaches each rank's own tokens'
+    probabilities (``sum_over_group``'s identity backward), as the
+    cross-entropy's does.
     """
-    device = router_logits[0].device
-    mask = real.reshape(-1).to(device=device, dtype=torch.float32)
-    counts = torch.zeros(num_experts, dtype=torch.float64, device=device)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float64, device=device)
-    for logits in router_logits:
-        probs = F.softmax(logits, dim=-1)
-        _, selected = torch.topk(probs, top_k, dim=-1)
-        counts.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k).double())
-        prob_sum = prob_sum + (probs.float() * mask.unsqueeze(-1)).double().sum(0)
-    rows = mask.double().sum() * len(router_logits)
-    stats = sum_over_group(torch.cat([counts, prob_sum, rows.view(1)]), group)
+    return balance_loss(sum(routing_statistics(logits, real, top_k) for logits in router_logits), group)
+
+
+def routing_statistics(logits, real, top_k):
+    """One MoE layer's share of the load-balancing statistics over this rank's
+    real tokens: ``(2E+1,)`` float64, how often each expert is in a token's
+    top-k, the sum of its softmax probabilities, and the number of rows.
+    Summing them over layers (and pipeline stages) gives HF's statistics.
+
+    Dtypes as HF: softmax and top-k in the logits' dtype, the probabilities
+    float32. The sums run in float64 and are rounded to float32 once
+    (``balance_loss``), so the result does not depend on ``D`` or the token
+    order; HF rounds at every float32 add, so the two agree to float32
+    rounding of the statistics.
+    """
+    mask = real.reshape(-1).to(device=logits.device, dtype=torch.float32)
+    probs = F.softmax(logits, dim=-1)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    counts = torch.zeros(logits.shape[-1], dtype=torch.float64, device=logits.device)
+    counts.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k).double())
+    prob_sum = (probs.float() * mask.unsqueeze(-1)).double().sum(0)
+    return torch.cat([counts, prob_sum, mask.double().sum().view(1)])
+
+
+def balance_loss(statistics, group):
+    """The load-balancing loss from this rank's summed ``routing_statistics``:
+    one all-reduce of ``2E+1`` float64 values over the TSP group, then HF's
+    ``E * sum(fraction routed * mean probability)``."""
+    num_experts = statistics.shape[0] // 2
+    stats = sum_over_group(statistics, group)
     counts, prob_sum, rows = stats[:num_experts].float(), stats[num_experts:-1].float(), stats[-1].float()
     return torch.sum((counts / rows) * (prob_sum / rows).unsqueeze(0)) * num_experts

@@ -7,9 +7,20 @@ over all real tokens of the full sequence, fused on the ring when the
 vocabulary is folded. What passes between stages is
 ``(hidden (B, S/D, H), positions (B, S/D + 1))``: the local shard, never the
 full sequence (``positions`` are this rank's position ids and, last, the
-sequence's largest, which rotary types that scale with the sequence read). The pipeline topology is DeepSpeed's ``pipe x data x model``
-with the TSP group as the model axis, the same rank order as
-``ds_tsp.topology``.
+sequence's largest, which rotary types that scale with the sequence read).
+Mixture-of-experts models with ``output_router_logits`` add a third tensor,
+the load-balancing statistics of the layers so far (``(2E+1,)`` float64,
+``ds_tsp.moe.routing_statistics``, this rank's tokens): each MoE layer adds
+its own, and the loss adds ``router_aux_loss_coef`` times the loss they give
+over the whole sequence, as the unstaged model does. Their gradient comes
+back with the hidden state's and enters each layer's router through
+``_StatisticsLink`` in the same backward pass (DeepSpeed runs one backward
+call per floating output; without the link the statistics' call would run the
+layers' backward a second time, and DeepSpeed's reentrant checkpoint cannot
+run twice, so these models checkpoint with ``pipeline.use_reentrant: false``).
+The pipeline topology is
+DeepSpeed's ``pipe x data x model`` with the TSP group as the model axis, the
+same rank order as ``ds_tsp.topology``.
 """
 
 import torch
@@ -18,21 +29,29 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from .model import TSPBatch, lm_head_and_loss, rotary_tables
+from .moe import TSPSparseMoE, balance_loss, recorded_router_logits, routing_statistics
 from .vocab import embed_local_tokens
 
 
 class TSPEmbeddingPipe(nn.Module):
-    def __init__(self, embed_tokens, topology, layout_name, batch_check):
+    def __init__(self, embed_tokens, topology, layout_name, batch_check, num_experts=0):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.tsp_rank, self.tsp_size, self.layout_name = topology.tsp_rank, topology.tsp_size, layout_name
         self.batch_check = batch_check  # tsp.check_batch: the same micro-batch on every TSP rank
+        self.num_experts = num_experts  # > 0: the message carries load-balancing statistics
 
     def forward(self, input_ids):
         self.batch_check(input_ids=input_ids)
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
         positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
-        return embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids), positions
+        hidden = embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids)
+        if not self.num_experts:
+            return hidden, positions
+        # A leaf that takes a gradient, so a first stage without MoE layers still has one for each float output.
+        statistics = torch.zeros(2 * self.num_experts + 1, dtype=torch.float64, device=hidden.device,
+                                 requires_grad=True)
+        return hidden, positions, statistics
 
 
 class TSPDecoderLayerPipe(nn.Module):
@@ -45,9 +64,47 @@ class TSPDecoderLayerPipe(nn.Module):
         self.rotary_emb = rotary_emb
 
     def forward(self, inputs):
-        hidden, positions = inputs
+        hidden, positions, *statistics = inputs
         tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:])
-        return self.layer(hidden, tables), positions
+        blocks = [module for module in self.layer.modules() if isinstance(module, TSPSparseMoE)] if statistics else []
+        with recorded_router_logits(blocks) as router_logits:
+            hidden = self.layer(hidden, tables)
+        if not statistics:
+            return hidden, positions
+        statistics = statistics[0]
+        if blocks:
+            # Without a mask, the padding TSP appends is what lies past the sequence's largest position.
+            real = positions[:, :-1] <= positions[:, -1:]
+            mine = sum(routing_statistics(logits, real, block.gate.top_k) for logits, block in zip(router_logits, blocks))
+            hidden, link = _StatisticsLink.apply(hidden, mine)
+            statistics = statistics + mine.detach() + link
+        return hidden, positions, statistics
+
+
+class _StatisticsLink(torch.autograd.Function):
+    """``(hidden, zeros)``: the layer's output unchanged, and a zero tensor the
+    layer adds to the statistics it passes on. In backward the statistics'
+    gradient arrives through the zeros; it is held until the hidden state's
+    gradient arrives too (in the same backward call, or in DeepSpeed's next
+    one) and both go on together, the statistics' into this layer's routers.
+    So the statistics' own backward call stops here, and the layer's backward
+    runs once."""
+
+    @staticmethod
+    def forward(ctx, hidden, statistics):
+        ctx.set_materialize_grads(False)
+        ctx.arrived = {}
+        return hidden.view_as(hidden), torch.zeros_like(statistics)
+
+    @staticmethod
+    def backward(ctx, grad_hidden, grad_statistics):
+        for key, grad in (("hidden", grad_hidden), ("statistics", grad_statistics)):
+            if grad is not None:
+                ctx.arrived[key] = grad + ctx.arrived[key] if key in ctx.arrived else grad
+        if len(ctx.arrived) < 2:
+            return None, None
+        arrived, ctx.arrived = ctx.arrived, {}
+        return arrived["hidden"], arrived["statistics"]
 
 
 class TSPHeadPipe(nn.Module):
@@ -59,35 +116,52 @@ class TSPHeadPipe(nn.Module):
         self.lm_head = lm_head
 
     def forward(self, inputs):
-        hidden, _ = inputs
-        return self.norm(hidden)
+        hidden, _, *statistics = inputs
+        return (self.norm(hidden), *statistics) if statistics else self.norm(hidden)
 
 
 class TSPPipeLoss:
     """LM head and mean cross-entropy over all real tokens of the full sequence
-    (labels come full, as the data iterator yields them)."""
+    (labels come full, as the data iterator yields them), plus
+    ``aux_loss_coef`` times the load-balancing loss when the last stage's
+    output carries its statistics."""
 
-    def __init__(self, head_pipe, topology, layout_name):
+    def __init__(self, head_pipe, topology, layout_name, aux_loss_coef=0.0):
         self.head_pipe, self.topology, self.layout_name = head_pipe, topology, layout_name
+        self.aux_loss_coef = aux_loss_coef
 
-    def __call__(self, hidden, labels):
+    def __call__(self, outputs, labels):
         topo = self.topology
+        hidden, *statistics = outputs if isinstance(outputs, tuple) else (outputs,)
         batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
         loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group)
+        if statistics:
+            loss = loss + self.aux_loss_coef * balance_loss(statistics[0], topo.tsp_group)
         return loss
 
 
-def check_pipeline_stages(config, tsp_config):
-    """Refuse, from the config alone, a model the pipeline stages cannot split."""
+def carries_routing_statistics(config):
+    """Whether the stages pass load-balancing statistics (a mixture-of-experts
+    model with ``output_router_logits``)."""
+    experts = max((getattr(config, key, 0) or 0) for key in ("num_local_experts", "num_experts"))
+    return experts > 1 and bool(getattr(config, "output_router_logits", False))
+
+
+def check_pipeline_stages(config, tsp_config, ds_config=None):
+    """Refuse, from the configs alone, a model the pipeline stages cannot split;
+    set what DeepSpeed's pipeline engine must do for it in ``ds_config``."""
     layers, stages = config.num_hidden_layers, tsp_config.pipeline_stages
     if layers % stages:
         raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
                          f"{stages}: choose tsp.pipeline_stages from the divisors of {layers}")
-    experts = next((key for key in ("num_local_experts", "num_experts") if (getattr(config, key, 0) or 0) > 1), None)
-    if experts:
-        raise ValueError(f"{experts} = {getattr(config, experts)}: mixture-of-experts models are not supported with "
-                         "tsp.pipeline_stages > 1 yet (the stages would drop the load-balancing loss): use "
-                         "tsp.pipeline_stages = 1")
+    if ds_config is not None and carries_routing_statistics(config) and ds_config.get("activation_checkpointing"):
+        pipeline = ds_config.setdefault("pipeline", {})
+        if pipeline.get("use_reentrant"):
+            raise ValueError("pipeline.use_reentrant = true: the stages of this mixture-of-experts model pass their "
+                             "load-balancing statistics beside the hidden state, and DeepSpeed's reentrant "
+                             "checkpoint cannot run backward for two outputs: set pipeline.use_reentrant to false "
+                             "or leave it out, or set output_router_logits = false in the model config")
+        pipeline["use_reentrant"] = False
     if getattr(config, "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings = true ties the first and last pipeline stages, which ds_tsp does not "
                          "support yet: use tsp.pipeline_stages = 1 for this model")
@@ -103,13 +177,16 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     policy, stages = model.tsp_policy, tsp_config.pipeline_stages
     decoder_layers = list(model.get_submodule(policy.layers))
     rotary_emb = model.get_submodule(policy.rotary_emb)
+    moe_blocks = [module for module in model.modules() if isinstance(module, TSPSparseMoE)]
+    num_experts = moe_blocks[0].num_experts if carries_routing_statistics(model.config) else 0
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
-                               model.tsp_batch_check)]
+                               model.tsp_batch_check, num_experts)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
     head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head))
     layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
-    pipe = PipelineModule(layers=layers, loss_fn=TSPPipeLoss(head, topology, tsp_config.layout), topology=pipe_topology,
+    loss_fn = TSPPipeLoss(head, topology, tsp_config.layout, getattr(model.config, "router_aux_loss_coef", 0.0))
+    pipe = PipelineModule(layers=layers, loss_fn=loss_fn, topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
                           activation_checkpoint_interval=1 if activation_checkpointing else 0,
                           checkpointable_layers=["TSPDecoderLayerPipe"])

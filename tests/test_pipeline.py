@@ -31,11 +31,11 @@ def _hf_name(pipe_name, num_layers):
 
 
 def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False, wrong_shard=False,
-                  zero_stage=1, save_dir=None):
+                  zero_stage=1, save_dir=None, arch="llama"):
     world = dist.get_world_size()
     stages = 2
     dp_size = world // (stages * tsp_size)
-    ref = tiny_model("llama", dtype=torch.float32)
+    ref = tiny_model(arch, dtype=torch.float32)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1000, "tsp": {"enabled": True, "size": tsp_size, "pipeline_stages": stages, "attention_backend": "sdpa"}}
@@ -60,7 +60,7 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     for step, batch in enumerate(batches):
         if resume and step == 1:
             engine.save_checkpoint(checkpoint_dir, tag="step1")
-            engine, *_ = ds_tsp.initialize(model=tiny_model("llama", dtype=torch.float32), config=config,
+            engine, *_ = ds_tsp.initialize(model=tiny_model(arch, dtype=torch.float32), config=config,
                                            optimizer=lambda params: torch.optim.SGD(params, lr=LR))
             engine.load_checkpoint(checkpoint_dir, tag="step1")
         losses.append(engine.train_batch(data_iter=micro_batches(batch)).item())
@@ -69,7 +69,9 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     ref_losses = []
     for batch in batches:
         ref_opt.zero_grad()
-        loss = ref(input_ids=batch, labels=batch).loss
+        # The mean of the micro-batches' losses, as the pipeline's (a mixture-of-experts model's load-balancing
+        # loss is over each micro-batch); for a dense model, the whole batch's loss.
+        loss = sum(ref(input_ids=micro, labels=micro).loss for micro in batch.split(MICRO_BATCH)) / len(batch) * MICRO_BATCH
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default clipping
         ref_opt.step()
@@ -96,15 +98,19 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
                 engine=type(engine).__name__, checkpoint_interval=engine.module.activation_checkpoint_interval)
 
 
-@pytest.mark.parametrize("tsp_size, activation_checkpointing", [(2, False), (1, False), (2, True)])
-def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing):
+@pytest.mark.parametrize("tsp_size, activation_checkpointing, arch", [
+    (2, False, "llama"), (1, False, "llama"), (2, True, "llama"),
+    # Experts on the ring and the load-balancing loss over both stages' layers (a shared expert in Qwen2-MoE).
+    (2, False, "qwen2_moe"), (2, True, "mixtral"),
+])
+def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch):
     covered = set()
     for rank, out in enumerate(run_ranks(4, _pipeline_run, tsp_size=tsp_size,
-                                         activation_checkpointing=activation_checkpointing)):
+                                         activation_checkpointing=activation_checkpointing, arch=arch)):
         worst = max(out["rel"], key=out["rel"].get)
         loss_err = max(abs(a - b) / b for a, b in zip(out["losses"], out["ref_losses"]))
-        print(f"rank {rank} PP=2 TSP={tsp_size} stage {out['stage']}: max rel |dw| {out['rel'][worst]:.2e} ({worst}), "
-              f"loss rel err {loss_err:.2e}, losses {[round(v, 5) for v in out['losses']]}")
+        print(f"rank {rank} {arch} PP=2 TSP={tsp_size} stage {out['stage']}: max rel |dw| {out['rel'][worst]:.2e} "
+              f"({worst}), loss rel err {loss_err:.2e}, losses {[round(v, 5) for v in out['losses']]}")
         assert out["engine"] == "PipelineEngine"
         assert out["checkpoint_interval"] == int(activation_checkpointing)
         assert out["rel"][worst] <= BOUND and loss_err <= BOUND
@@ -128,16 +134,17 @@ def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
         assert a["losses"] == b["losses"]
 
 
-def test_save_pretrained_writes_every_stage(run_ranks, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch):
     """PP=2 x TSP=2: the Hugging Face directory holds both stages' layers, the
     final norm and the head, as trained (against the single-process run)."""
     from transformers import AutoModelForCausalLM
 
     save_dir = str(tmp_path / "saved")
-    ref_params = run_ranks(4, _pipeline_run, tsp_size=2, save_dir=save_dir)[0]["ref_params"]
+    ref_params = run_ranks(4, _pipeline_run, tsp_size=2, save_dir=save_dir, arch=arch)[0]["ref_params"]
     assert os.path.isfile(os.path.join(save_dir, "model.safetensors.index.json"))  # several 8 KB files
-    saved = dict(AutoModelForCausalLM.from_pretrained(save_dir).named_parameters())
-    initial = dict(tiny_model("llama", dtype=torch.float32).named_parameters())
+    saved = dict(AutoModelForCausalLM.from_pretrained(save_dir, experts_implementation="eager").named_parameters())
+    initial = dict(tiny_model(arch, dtype=torch.float32).named_parameters())
     assert saved.keys() == ref_params.keys()
     rel = {n: ((saved[n] - p).abs().max() / p.abs().max()).item() for n, p in ref_params.items()}
     moved = {n: ((initial[n] - p).abs().max() / p.abs().max()).item() for n, p in ref_params.items()}
@@ -159,10 +166,16 @@ def test_layers_that_do_not_split_are_refused():
         build_pipeline(model, TSPTopology(1), TSPConfig(enabled=True, pipeline_stages=2))
 
 
-def test_mixture_of_experts_models_are_refused_in_pipelines():
+def test_checkpointed_mixture_of_experts_stages_use_the_non_reentrant_checkpoint():
+    """Their stages pass the load-balancing statistics beside the hidden state,
+    which DeepSpeed's reentrant checkpoint cannot run backward for."""
     from ds_tsp.config import TSPConfig
     from ds_tsp.pipeline import check_pipeline_stages
 
-    with pytest.raises(ValueError, match="num_local_experts = 4: mixture-of-experts models are not supported with "
-                                         r"tsp.pipeline_stages > 1"):
-        check_pipeline_stages(tiny_model("mixtral").config, TSPConfig(enabled=True, pipeline_stages=2))
+    config, tsp_config = tiny_model("mixtral").config, TSPConfig(enabled=True, pipeline_stages=2)
+    ds_config = {"activation_checkpointing": {"partition_activations": False}}
+    check_pipeline_stages(config, tsp_config, ds_config)
+    assert ds_config["pipeline"]["use_reentrant"] is False
+    ds_config["pipeline"]["use_reentrant"] = True
+    with pytest.raises(ValueError, match="pipeline.use_reentrant = true: .* set pipeline.use_reentrant to false"):
+        check_pipeline_stages(config, tsp_config, ds_config)
