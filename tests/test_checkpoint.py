@@ -21,7 +21,7 @@ from ds_tsp.cli import main
 from ds_tsp.config import TSPConfig
 from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
-from models import COMMON, tiny_model
+from models import COMMON, MOE_ARCHS, tiny_model
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
@@ -505,3 +505,89 @@ def test_bad_max_shard_size_is_refused_by_name(checkpoints, tmp_path):
         with pytest.raises(CheckpointError, match=rf"max_shard_size = {bad!r} is not a size"):
             save_pretrained(model, str(tmp_path / "never"), max_shard_size=bad)
     assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------ mixture of experts: per-expert files
+
+def test_moe_experts_are_written_one_tensor_per_expert_as_transformers_writes_them(run_ranks, tmp_path):
+    """transformers' save_pretrained writes a MoE model's experts one tensor per
+    expert (its conversion mapping, reverted), and Hub checkpoints hold them so;
+    save_pretrained (at tsp.size 2, from those files), write_state_dict (the
+    writer of ds-tsp export) and convert --join write the same: the same files,
+    index text and tensors, which Hugging Face loads back. convert's rank files
+    hold each rank's piece of the fused tensors."""
+    from ds_tsp.checkpoint.writing import write_state_dict
+
+    for arch in MOE_ARCHS:
+        ref = tiny_model(arch)
+        hf, hf_sharded = str(tmp_path / arch / "hf"), str(tmp_path / arch / "hf_sharded")
+        ref.save_pretrained(hf)
+        ref.save_pretrained(hf_sharded, max_shard_size="8KB")
+        saved, exported = str(tmp_path / arch / "saved"), str(tmp_path / arch / "exported")
+        run_ranks(2, _load_and_save_sharded, src=hf, dst=saved, max_shard_size="8KB")
+        write_state_dict(exported, ref.state_dict(), ref.config, max_shard_size="8KB")
+        weights = sorted(name for name in os.listdir(hf_sharded) if "safetensors" in name)
+        assert len(weights) > 3 and not any("gate_up_proj" in name for name in hf_tensors(hf_sharded))
+        for out in (saved, exported):
+            assert sorted(name for name in os.listdir(out) if "safetensors" in name) == weights, out
+            with open(os.path.join(hf_sharded, "model.safetensors.index.json")) as a, \
+                    open(os.path.join(out, "model.safetensors.index.json")) as b:
+                assert a.read() == b.read(), out
+            for name in weights[:-1]:  # the files, not the index
+                assert_same_tensors(load_file(os.path.join(out, name)), load_file(os.path.join(hf_sharded, name)))
+        assert_same_tensors(AutoModelForCausalLM.from_pretrained(saved).state_dict(), ref.state_dict())
+
+        shards, joined = str(tmp_path / arch / "shards"), str(tmp_path / arch / "joined")
+        assert main(["convert", "--in", hf, "--out", shards, "--tsp-size", "2"]) == 0
+        with open(os.path.join(shards, "tsp_shards.json")) as f:
+            ranks = json.load(f)["ranks"]
+        full = ref.state_dict()
+        for rank in ranks:
+            for name, tensor in load_file(os.path.join(shards, rank["file"])).items():
+                piece = rank["pieces"][name]
+                assert torch.equal(tensor, full[name] if piece is None else full[name].narrow(*piece)), name
+        assert main(["convert", "--join", "--in", shards, "--out", joined]) == 0
+        assert_same_tensors(hf_tensors(joined), hf_tensors(hf))
+
+
+def _bad_expert_files(root):
+    """Qwen3-MoE files missing one expert's up projection, and files holding
+    one layer's experts both fused and per expert."""
+    ref = tiny_model("qwen3_moe")
+    paths = {}
+    for kind in ("missing", "both"):
+        paths[kind] = os.path.join(root, kind)
+        ref.save_pretrained(paths[kind])
+        tensors = load_file(os.path.join(paths[kind], "model.safetensors"))
+        if kind == "missing":
+            del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+        else:
+            tensors["model.layers.0.mlp.experts.down_proj"] = ref.model.layers[0].mlp.experts.down_proj.detach()
+        save_file(tensors, os.path.join(paths[kind], "model.safetensors"), metadata={"format": "pt"})
+    return paths
+
+
+def test_incomplete_or_doubled_per_expert_files_are_refused_by_name(tmp_path):
+    paths = _bad_expert_files(str(tmp_path))
+    topology, tsp_config = _topology_and_config()
+    with pytest.raises(CheckpointError, match=r"experts of model\.layers\.1\.mlp\.experts\.gate_up_proj one tensor "
+                                              r"per expert, but not model\.layers\.1\.mlp\.experts\.2\.up_proj"):
+        from_pretrained(paths["missing"], topology, tsp_config)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.down_proj both fused and per expert"):
+        from_pretrained(paths["both"], topology, tsp_config)
+
+
+def test_up_read_as_gate_would_be_caught(tmp_path, monkeypatch):
+    """The guard: with Mixtral's w3 (up) read as the gate, the experts loaded
+    differ from the fused layout's, which the bit-for-bit comparisons check."""
+    from ds_tsp.checkpoint import expert_files
+
+    ref = tiny_model("mixtral")
+    ref.save_pretrained(str(tmp_path / "hf"))
+    topology, tsp_config = _topology_and_config()
+    right = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
+    assert torch.equal(right, ds_tsp.inject(copy.deepcopy(ref), topology, tsp_config).model.layers[0].mlp.packed)
+    swapped = expert_files.ExpertFiles(".block_sparse_moe.", {"gate_up_proj": ("w3", "w1"), "down_proj": ("w2",)})
+    monkeypatch.setitem(expert_files.EXPERT_FILES, "mixtral", swapped)
+    wrong = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
+    assert not torch.equal(wrong, right)

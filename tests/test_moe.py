@@ -226,9 +226,8 @@ def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, 
     for arch in MOE_ARCHS:
         src, dst = str(tmp_path / f"{arch}-hf"), str(tmp_path / f"{arch}-{tsp_size}")
         ref = tiny_model(arch)
-        # transformers 5 writes MoE experts in the legacy per-expert layout
-        # (experts.{e}.w1 / gate_proj ...) and fuses them on load; ds_tsp reads
-        # the fused layout the model holds, written here as HF would name it.
+        # write_state_dict writes the experts one tensor per expert, as transformers' save_pretrained does;
+        # ds_tsp reads them back.
         write_state_dict(src, ref.state_dict(), ref.config)
         held = run_ranks(tsp_size, _load_and_save, src=src, dst=dst)
         num_experts = ref.config.num_experts if arch != "mixtral" else ref.config.num_local_experts
@@ -238,3 +237,119 @@ def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, 
         assert sorted(actual) == sorted(expected)
         for name in expected:
             assert torch.equal(actual[name], expected[name]), name
+
+
+# ------------------------------------ Hub checkpoints: one tensor per expert
+
+def _recording_safe_open(read):
+    """``safetensors.safe_open`` that appends to ``read`` the name of every
+    tensor whose data is read (``get_tensor``, a slice's ``[...]``), not headers."""
+    import contextlib
+
+    from safetensors import safe_open
+
+    class Slice:
+        def __init__(self, piece, name):
+            self.piece, self.name = piece, name
+
+        def get_shape(self):
+            return self.piece.get_shape()
+
+        def __getitem__(self, index):
+            read.append(self.name)
+            return self.piece[index]
+
+    class File:
+        def __init__(self, f):
+            self.f = f
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            return Slice(self.f.get_slice(name), name)
+
+    @contextlib.contextmanager
+    def recording(file, framework):
+        with safe_open(file, framework=framework) as f:
+            yield File(f)
+
+    return recording
+
+
+def _per_expert_parity(per_expert, fused):
+    """Load ``per_expert`` (transformers' file layout) recording what is read,
+    and ``fused``; their parameters, the expert tensors read, and the loss,
+    aux loss and gradients against HF's model loaded from ``per_expert``."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from ds_tsp.checkpoint import reading
+
+    tsp_size = dist.get_world_size()
+    topology, tsp_config = TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa")
+    read = []
+    with mock.patch.object(reading, "safe_open", _recording_safe_open(read)):
+        model = from_pretrained(per_expert, topology, tsp_config)
+    loaded, expected = model.state_dict(), from_pretrained(fused, topology, tsp_config).state_dict()
+    differ = sorted(set(loaded) ^ set(expected)) + [n for n in expected if n in loaded
+                                                    and not torch.equal(loaded[n], expected[n])]
+    ref = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float64, experts_implementation="eager")
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, ref.config.vocab_size, (2, 16))
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    ref_loss, ref_aux, exact_loss, exact = hf_loss(ref, input_ids, None)
+    ref_loss.backward()
+    return {"read": [name for name in read if _expert_of(name) is not None], "differ": differ,
+            "loss": abs(out.loss.item() - ref_loss.item()), "aux": abs(out.aux_loss.item() - ref_aux.item()),
+            "exact loss": abs(out.loss.item() - exact_loss), "exact aux": abs(out.aux_loss.item() - exact),
+            "grads": shard_grad_diffs(model, ref), "kinds": sorted({type(l.mlp).__name__ for l in model.model.layers})}
+
+
+def _expert_of(name):
+    """The expert of a per-expert file name (``...experts.{e}.w1.weight``), else None."""
+    import re
+
+    match = re.search(r"\.experts\.(\d+)\.", name)
+    return None if match is None else int(match[1])
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_from_pretrained_reads_hub_per_expert_files_own_experts_only(run_ranks, tmp_path, arch, tsp_size):
+    """transformers' save_pretrained writes experts one tensor per expert (Mixtral's
+    block_sparse_moe.experts.{e}.w1/w2/w3, Qwen's mlp.experts.{e}.gate/up/down_proj),
+    as Hub checkpoints hold them; here in several files with an index. Each rank
+    reads exactly its own experts' tensors, holds bit for bit what the fused
+    layout gives it, and its loss and gradients equal HF's from the same files."""
+    import json
+
+    from safetensors.torch import save_file
+
+    ref = tiny_model(arch)
+    per_expert, fused = str(tmp_path / "per_expert"), str(tmp_path / "fused")
+    ref.save_pretrained(per_expert, max_shard_size="8KB")
+    with open(os.path.join(per_expert, "model.safetensors.index.json")) as f:
+        names = list(json.load(f)["weight_map"])
+    assert not any("gate_up_proj" in name for name in names)
+    ref.config.save_pretrained(fused)
+    save_file({n: t.contiguous() for n, t in ref.state_dict().items()}, os.path.join(fused, "model.safetensors"),
+              metadata={"format": "pt"})
+
+    per_rank = run_ranks(tsp_size, _per_expert_parity, per_expert=per_expert, fused=fused)
+    num_experts = ref.config.num_local_experts if arch == "mixtral" else ref.config.num_experts
+    per_rank_experts = num_experts // tsp_size
+    for tsp_rank, result in enumerate(per_rank):
+        own = [name for name in names if _expert_of(name) is not None
+               and _expert_of(name) // per_rank_experts == tsp_rank]
+        assert sorted(result["read"]) == sorted(own), tsp_rank
+        assert result["differ"] == [], result["differ"]
+    print(f"D={tsp_size} {arch}: {len(per_rank[0]['read'])} of "
+          f"{sum(_expert_of(n) is not None for n in names)} expert tensors read on rank 0")
+    check_case(per_rank, f"D={tsp_size} {arch} from per-expert files")

@@ -1,9 +1,11 @@
 """Checkpoints: Hugging Face safetensors in, TSP shards out of them, and back.
 
 Three floors, imported one way only: ``planning`` (which piece of which tensor
-every TSP rank holds, from sizes alone) <- ``reading`` (Hugging Face and
-``ds-tsp convert`` directories, ``from_pretrained``) <- ``writing``
-(gathering, ``save_pretrained``, ``ds-tsp convert``).
+every TSP rank holds, from sizes alone) and ``expert_files`` (transformers'
+per-expert file names of sparse-MoE experts against the fused tensors the
+model holds) <- ``reading`` (Hugging Face and ``ds-tsp convert`` directories,
+``from_pretrained``) <- ``writing`` (gathering, ``save_pretrained``,
+``ds-tsp convert``).
 """
 
 from .planning import layer_shards, meta_model, shard_plan

@@ -11,6 +11,12 @@ A directory holding several checkpoints is read the way Hugging Face reads it
 ``pytorch_model.bin`` files, which ds_tsp does not read, come next), so both
 load the same weights; ``tsp_shards.json`` is read only where no Hugging Face
 weights are.
+
+Sparse-MoE experts are read in either layout a checkpoint may hold them:
+fused, as the model holds them, or one tensor per expert, as Hub checkpoints
+and transformers' ``save_pretrained`` hold them (``expert_files``). Under the
+per-expert layout a rank reads only its own experts' tensors and concatenates
+them into its piece of the fused tensor.
 """
 
 import json
@@ -23,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..inject import inject
 from ..policy import resolve_policy
+from .expert_files import expert_files
 from .planning import meta_model, narrow_index, shard_plan
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -109,6 +116,88 @@ class SafetensorsCheckpoint:
                 return f.get_tensor(name)
             return f.get_slice(name)[narrow_index(piece)]
 
+    def read_whole(self, names):
+        """``{name: tensor}`` of ``names``, each whole; one opening per file."""
+        by_file = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        tensors = {}
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                tensors.update({name: f.get_tensor(name) for name in file_names})
+        return tensors
+
+
+class ExpertFilesCheckpoint:
+    """A Hugging Face checkpoint (``SafetensorsCheckpoint``) seen under the
+    model's names: files in transformers' per-expert layout (``ExpertFiles``)
+    read as the fused tensors the model holds, the block renamed where the
+    layout renames it (Mixtral's ``block_sparse_moe``); fused files read as
+    they are.
+
+    ``read`` of a fused tensor reads only the experts of its piece: a rank
+    holding experts ``[a, b)`` reads their ``3 (b - a)`` tensors per MoE layer
+    and no other expert's.
+    """
+
+    def __init__(self, files, layout):
+        self.path, self.files, self.layout = files.path, files, layout
+        self.sources = {}  # model name -> file name
+        by_expert = {}  # fused model name -> {expert: {projection: file name}}
+        for file_name in files.names:
+            found = layout.expert_of(file_name)
+            if found is None:
+                self.sources[layout.model_name(file_name)] = file_name
+            else:
+                name, expert, projection = found
+                by_expert.setdefault(name, {}).setdefault(expert, {})[projection] = file_name
+        self.experts = {name: self._expert_names(name, held) for name, held in by_expert.items()}
+        both = sorted(set(self.sources) & set(self.experts))
+        if both:
+            raise CheckpointError(f"{self.path} holds {both[0]} both fused and per expert: keep one of the two")
+        self.shapes = {name: files.shapes[source] for name, source in self.sources.items()}
+        for name, experts in self.experts.items():
+            shapes = [files.shapes[file_name] for parts in experts for file_name in parts]
+            if len(set(shapes)) != 1:
+                raise CheckpointError(f"the per-expert tensors of {name} in {self.path} differ in shape: {shapes}")
+            rows, columns = shapes[0]
+            self.shapes[name] = (len(experts), rows * len(experts[0]), columns)
+
+    def _expert_names(self, name, held):
+        """Per expert, the file names of its projections in the fused order; every
+        expert ``0..E-1`` with every projection, or ``CheckpointError`` naming a missing one."""
+        projections = self.layout.projections_of(name)
+        for expert in range(max(held) + 1):
+            for projection in projections:
+                if projection not in held.get(expert, {}):
+                    raise CheckpointError(f"{self.path} holds experts of {name} one tensor per expert, but not "
+                                          f"{self.layout.expert_file_name(name, expert, projection)}")
+        return [[held[expert][projection] for projection in projections] for expert in range(len(held))]
+
+    @property
+    def names(self):
+        return list(self.shapes)
+
+    def read(self, name, piece=None):
+        experts = self.experts.get(name)
+        if experts is None:
+            return self.files.read(self.sources[name], piece)
+        dim, start, length = piece or (0, 0, len(experts))
+        # A rank's piece is whole experts (dim 0); any other piece is cut from all of them.
+        chosen = experts[start:start + length] if dim == 0 else experts
+        tensors = self.files.read_whole([file_name for parts in chosen for file_name in parts])
+        fused = torch.stack([torch.cat([tensors[file_name] for file_name in parts]) for parts in chosen])
+        return fused if dim == 0 else fused.narrow(dim, start, length)
+
+
+def hf_checkpoint(path, config=None):
+    """The tensors of the Hugging Face checkpoint at ``path`` under the model's
+    names: ``SafetensorsCheckpoint``, through ``ExpertFilesCheckpoint`` where
+    ``config``'s architecture has a per-expert file layout (None: as the files name them)."""
+    files = SafetensorsCheckpoint(path)
+    layout = expert_files(config)
+    return files if layout is None else ExpertFilesCheckpoint(files, layout)
+
 
 class TSPShardCheckpoint:
     """A directory written by ``ds-tsp convert``: per TSP rank, one file holding
@@ -153,9 +242,10 @@ class TSPShardCheckpoint:
         return self.read_rank(name, self.tsp_rank)
 
 
-def open_checkpoint(path, tsp_size=1, tsp_rank=0):
+def open_checkpoint(path, tsp_size=1, tsp_rank=0, config=None):
     """The reader for ``path``: the Hugging Face weights that Hugging Face itself
-    would load, else the pre-sharded files of ``tsp_shards.json``."""
+    would load (``hf_checkpoint``: under the names of a model with ``config``),
+    else the pre-sharded files of ``tsp_shards.json``."""
     path = os.fspath(path)
     chosen = hf_weights_file(path) if os.path.isdir(path) else None
     if chosen is None and os.path.isfile(os.path.join(path, TSP_SHARDS)):
@@ -169,7 +259,7 @@ def open_checkpoint(path, tsp_size=1, tsp_rank=0):
         raise CheckpointError(f"{path} holds {chosen}, which Hugging Face loads before any other file there, but "
                               "ds_tsp reads safetensors only: re-save the model with save_pretrained (which writes "
                               f"safetensors) and remove {chosen}")
-    return SafetensorsCheckpoint(path)
+    return hf_checkpoint(path, config)
 
 
 def check_tensors_present(model, checkpoint):
@@ -258,7 +348,7 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
     model, dtype = meta_model(path, torch_dtype)
     policy = resolve_policy(model, tsp_config.policy)
     plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel)[topology.tsp_rank]
-    checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank)
+    checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank, model.config)
     check_tensors_present(model, checkpoint)
 
     blocks = tuple(f"{policy.layers}.{i}.{part}." for i in range(len(model.get_submodule(policy.layers)))

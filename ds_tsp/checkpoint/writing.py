@@ -6,10 +6,16 @@ folded vocabulary matrix: one all-gather; a replicated module: nothing to
 gather), each unit's full tensors go to global rank 0's CPU (from another
 pipeline stage by a broadcast over the pipeline group of TSP rank 0), and rank
 0 writes each weights file as soon as its last tensor arrives. Files are cut
-by ``max_shard_size`` with huggingface_hub's ``split_torch_state_dict_into_shards``
+by ``max_shard_size`` with huggingface_hub's split (``split_into_files``)
 and indexed by ``model.safetensors.index.json`` exactly as Hugging Face's
 ``save_pretrained`` does, so rank 0 holds about one file's worth of tensors,
 not the model, and no other rank more than one unit.
+
+Every writer here (``save_pretrained``, ``write_state_dict`` for ``ds-tsp
+export``, ``ds-tsp convert --join``) writes the names transformers' own
+``save_pretrained`` writes: sparse-MoE experts one tensor per expert
+(``expert_files``), as Hub checkpoints hold them and as transformers 4 named
+them; transformers 5 fuses them again on load.
 """
 
 import copy
@@ -20,18 +26,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub import split_state_dict_into_shards_factory, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from .. import comm
 from ..model import TSPCausalLMMixin, TSPDecoderLayer
 from ..packing import PackedShardMixin
 from ..policy import resolve_policy
 from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
+from .expert_files import expert_files, to_files
 from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
 from .reading import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError,
-                      SafetensorsCheckpoint, TSPShardCheckpoint, check_tensors_present, checkpoint_files, rank_file)
+                      TSPShardCheckpoint, check_tensors_present, checkpoint_files, hf_checkpoint, rank_file)
 
 # Hugging Face's default before transformers 5 (which writes up to 50GB per
 # file): the writer holds about one file in CPU memory.
@@ -192,31 +200,48 @@ def check_max_shard_size(max_shard_size):
                               f"string such as \"{DEFAULT_MAX_SHARD_SIZE}\" or \"500MB\" (units KB, MB, GB, TB)")
 
 
-def split_into_files(shapes, dtypes, max_shard_size):
-    """Hugging Face's split of tensors (``{name: shape}`` in the order to write,
-    ``{name: dtype}``) into files of at most ``max_shard_size`` bytes (a larger
-    tensor gets a file of its own), from sizes alone."""
-    sizes = {name: torch.empty(shape, dtype=dtypes[name], device="meta") for name, shape in shapes.items()}
-    return split_torch_state_dict_into_shards(sizes, filename_pattern=_FILENAME_PATTERN,
-                                              max_shard_size=max_shard_size)
+def split_into_files(shapes, dtypes, max_shard_size, layout=None):
+    """Hugging Face's split of the model's tensors (``{name: shape}`` in the
+    order to write, ``{name: dtype}``), written under the file names of
+    ``layout`` (``expert_files.to_files``), into files of at most
+    ``max_shard_size`` bytes (a larger tensor gets a file of its own), from sizes alone.
+
+    transformers writes one layer's experts of one projection from one storage,
+    which the split keeps in one file and sizes as a whole; so do we.
+    """
+    files = to_files(layout, {name: torch.empty(shape, dtype=dtypes[name], device="meta")
+                              for name, shape in shapes.items()})
+    blocks = {}
+    for file_name, tensor in files.items():
+        expert = layout.expert_of(file_name) if layout is not None else None
+        blocks.setdefault(file_name if expert is None else (expert[0], expert[2]), []).append(tensor)
+    storage = {id(tensor): (key, sum(t.nbytes for t in tensors)) for key, tensors in blocks.items()
+               for tensor in tensors}
+    return split_state_dict_into_shards_factory(files, filename_pattern=_FILENAME_PATTERN,
+                                                max_shard_size=max_shard_size,
+                                                get_storage_id=lambda tensor: storage[id(tensor)][0],
+                                                get_storage_size=lambda tensor: storage[id(tensor)][1])
 
 
 class ShardWriter:
-    """Writes the files of a ``split`` as tensors arrive in any order: each file
-    as soon as its last tensor is in, then ``model.safetensors.index.json`` when
-    there is more than one, as Hugging Face's ``save_pretrained`` writes them."""
+    """Writes the files of a ``split`` (``split_into_files`` with the same
+    ``layout``) as the model's tensors arrive in any order: each file as soon
+    as its last tensor is in, then ``model.safetensors.index.json`` when there
+    is more than one, as Hugging Face's ``save_pretrained`` writes them."""
 
-    def __init__(self, out_dir, split, total_parameters):
-        self.out_dir, self.split, self.total_parameters = out_dir, split, total_parameters
+    def __init__(self, out_dir, split, total_parameters, layout=None):
+        self.out_dir, self.split, self.total_parameters, self.layout = out_dir, split, total_parameters, layout
         self.missing = {file: set(names) for file, names in split.filename_to_tensors.items()}
         self.pending = {}
 
     def add(self, name, tensor):
-        file = self.split.tensor_to_filename[name]
-        self.pending.setdefault(file, {})[name] = tensor.detach().to("cpu").contiguous()
-        self.missing[file].discard(name)
-        if not self.missing[file]:
-            save_file(self.pending.pop(file), os.path.join(self.out_dir, file), metadata={"format": "pt"})
+        """The model's tensor ``name``, under its file names."""
+        for file_name, part in to_files(self.layout, {name: tensor}).items():
+            file = self.split.tensor_to_filename[file_name]
+            self.pending.setdefault(file, {})[file_name] = part.detach().to("cpu").contiguous()
+            self.missing[file].discard(file_name)
+            if not self.missing[file]:
+                save_file(self.pending.pop(file), os.path.join(self.out_dir, file), metadata={"format": "pt"})
 
     def close(self):
         unwritten = sorted(name for names in self.missing.values() for name in names)
@@ -262,7 +287,7 @@ def write_state_dict(out_dir, state, config, generation_config=None, max_shard_s
                      model_class=None):
     """Write a full Hugging Face ``state`` held in memory (tied copies left out)
     as ``config.json`` plus weights files cut by ``max_shard_size``, in the order
-    of the model's own state dict."""
+    of the model's own state dict, under the names transformers writes."""
     check_max_shard_size(max_shard_size)
     meta, _ = meta_model(config, model_class=model_class)
     order = [name for name in meta.state_dict() if name in state]
@@ -270,9 +295,10 @@ def write_state_dict(out_dir, state, config, generation_config=None, max_shard_s
     os.makedirs(out_dir, exist_ok=True)
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     write_config(out_dir, config, model_class or type(meta), dtype, generation_config)
+    layout = expert_files(config)
     split = split_into_files({n: t.shape for n, t in state.items()}, {n: t.dtype for n, t in state.items()},
-                             max_shard_size)
-    writer = ShardWriter(out_dir, split, meta.num_parameters())
+                             max_shard_size, layout)
+    writer = ShardWriter(out_dir, split, meta.num_parameters(), layout)
     for name, tensor in state.items():
         writer.add(name, tensor)
     writer.close()
@@ -320,8 +346,9 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     """Write a TSP model as a plain Hugging Face checkpoint in ``out_dir``:
     ``config.json``, ``generation_config.json`` and ``model.safetensors``, or
     files of at most ``max_shard_size`` (int bytes, or "5GB", "500MB", ...)
-    with ``model.safetensors.index.json``, the names and shapes of the original
-    model, which ``AutoModelForCausalLM.from_pretrained`` loads.
+    with ``model.safetensors.index.json``, the names and shapes transformers'
+    ``save_pretrained`` writes for the original model (sparse-MoE experts one
+    tensor per expert), which ``AutoModelForCausalLM.from_pretrained`` loads.
 
     ``model`` is an injected model (``ds_tsp.inject``, ``ds_tsp.from_pretrained``),
     the engine of ``ds_tsp.initialize`` or its ``module``; with
@@ -348,7 +375,9 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
         # Hugging Face's model.dtype: the first floating tensor's.
         first_float = next((dtypes[n] for n in shapes if dtypes[n].is_floating_point), torch.float32)
         write_config(out_dir, stage.config, stage.model_class, first_float, stage.generation_config)
-        writer = ShardWriter(out_dir, split_into_files(shapes, dtypes, max_shard_size), meta.num_parameters())
+        layout = expert_files(stage.config)
+        writer = ShardWriter(out_dir, split_into_files(shapes, dtypes, max_shard_size, layout), meta.num_parameters(),
+                             layout)
     if topology.dp_rank == 0:
         position = {name: i for i, name in enumerate(shapes)}
         local = {min((n for n in unit.dtypes if n in position), key=position.get): unit for unit in units
@@ -401,7 +430,8 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
     """Pre-shard the Hugging Face checkpoint ``in_dir`` for a TSP group of
     ``tsp_size``, in one process: ``out_dir`` gets ``rank{r}-of-{D}.safetensors``
     per rank (that rank's piece of every sharded tensor and every replicated
-    tensor whole, all under Hugging Face names), ``tsp_shards.json`` (full
+    tensor whole, all under the model's names: a sparse-MoE block's experts
+    fused, whichever layout ``in_dir`` holds them in), ``tsp_shards.json`` (full
     shapes and every rank's pieces) and the other files of ``in_dir``. With
     ``vocab_parallel`` (as ``tsp.vocab_parallel``) the embedding and LM head
     are sharded by rows too.
@@ -415,7 +445,7 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
                               "Hugging Face checkpoint")
     model, _ = meta_model(in_dir)
     plans = shard_plan(model, resolve_policy(model, policy), tsp_size, vocab_parallel)
-    source = SafetensorsCheckpoint(in_dir)
+    source = hf_checkpoint(in_dir, model.config)
     check_tensors_present(model, source)
     prepare_out_dir(in_dir, out_dir, force)
 
@@ -447,7 +477,7 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
 def join_checkpoint(in_dir, out_dir, tsp_size=None, force=False):
     """Turn a directory written by ``shard_checkpoint`` (for ``tsp_size``, if
     given) back into a Hugging Face checkpoint (``model.safetensors`` plus the
-    other files), tensor for tensor."""
+    other files), tensor for tensor, under the names transformers writes."""
     in_dir, out_dir = os.fspath(in_dir), os.fspath(out_dir)
     if not os.path.isfile(os.path.join(in_dir, TSP_SHARDS)):
         raise CheckpointError(f"{in_dir} has no {TSP_SHARDS}: it is not the output of ds-tsp convert")
@@ -460,4 +490,5 @@ def join_checkpoint(in_dir, out_dir, tsp_size=None, force=False):
     for name in tqdm(shards.names, desc=f"Joining {shards.tsp_size} TSP shards", unit="tensor"):
         state[name] = join_holdings(name, [(held[name], shards.read_rank(name, r))
                                            for r, held in enumerate(shards.holdings) if name in held])
+    state = to_files(expert_files(AutoConfig.from_pretrained(in_dir)), state)
     save_file(state, os.path.join(out_dir, SAFE_WEIGHTS), metadata={"format": "pt"})

@@ -1,0 +1,97 @@
+"""transformers' per-expert file layout of sparse-MoE blocks, against the fused tensors the model holds.
+
+transformers 5 holds a sparse-MoE block's experts fused, ``mlp.experts.gate_up_proj``
+``(E, 2F, H)`` and ``mlp.experts.down_proj`` ``(E, H, F)``, but Hub checkpoints
+hold one tensor per expert and projection, and transformers' own
+``save_pretrained`` writes that layout back (its ``conversion_mapping.py``,
+reverted on save)::
+
+    Mixtral               block_sparse_moe.experts.{e}.w1 / w3 / w2 .weight     (gate, up, down)
+    Qwen2-MoE, Qwen3-MoE  mlp.experts.{e}.gate_proj / up_proj / down_proj .weight
+
+where ``gate_up_proj[e]`` is gate then up on dim 0 (``(F, H)`` each) and
+``down_proj[e]`` is down; Mixtral's whole block is renamed in the files
+(``block_sparse_moe.`` for ``mlp.``, its router too). Names and views only, no
+files: ``reading`` groups file names into the model's tensors, ``writing``
+splits the model's tensors into file names.
+"""
+
+import re
+from dataclasses import dataclass
+
+from transformers.core_model_loading import dot_natural_key
+
+_FUSED = re.compile(r"(?P<block>.+\.)experts\.(?P<fused>gate_up_proj|down_proj)")
+_PER_EXPERT = re.compile(r"(?P<block>.+\.)experts\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class ExpertFiles:
+    """How one architecture's files name its sparse-MoE blocks: ``file_block``
+    where the model has ``.mlp.``, and per fused tensor the per-expert
+    projections it concatenates (on dim 0 of each expert, in this order)."""
+
+    file_block: str
+    projections: dict
+
+    def file_name(self, name):
+        """The file's name of the model's tensor ``name`` (not an expert tensor)."""
+        return name.replace(".mlp.", self.file_block)
+
+    def model_name(self, file_name):
+        """The model's name of the file's tensor ``file_name`` (not a per-expert one)."""
+        return file_name.replace(self.file_block, ".mlp.")
+
+    def expert_of(self, file_name):
+        """``(fused model name, expert, projection)`` when ``file_name`` is one
+        expert's projection in this layout, else None."""
+        match = _PER_EXPERT.fullmatch(file_name)
+        if match is None:
+            return None
+        fused = next((f for f, projections in self.projections.items() if match["projection"] in projections), None)
+        if fused is None:
+            return None
+        return f"{self.model_name(match['block'])}experts.{fused}", int(match["expert"]), match["projection"]
+
+    def projections_of(self, name):
+        """The per-expert projections of the fused model tensor ``name``, in its order."""
+        return self.projections[_FUSED.fullmatch(name)["fused"]]
+
+    def expert_file_name(self, name, expert, projection):
+        """The file's name of ``projection`` of ``expert`` of the fused model tensor ``name``."""
+        return f"{self.file_name(_FUSED.fullmatch(name)['block'])}experts.{expert}.{projection}.weight"
+
+    def files_of(self, name, tensor):
+        """``[(file name, tensor)]`` that the model's tensor ``name`` is written as
+        (views of ``tensor``), in transformers' order: each projection's experts in turn."""
+        if _FUSED.fullmatch(name) is None:
+            return [(self.file_name(name), tensor)]
+        projections = self.projections_of(name)
+        return [(self.expert_file_name(name, expert, projection), part[expert])
+                for projection, part in zip(projections, tensor.chunk(len(projections), dim=1))
+                for expert in range(tensor.shape[0])]
+
+
+_QWEN_MOE = ExpertFiles(".mlp.", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
+# By config.model_type, as transformers chooses its conversions.
+EXPERT_FILES = {
+    "mixtral": ExpertFiles(".block_sparse_moe.", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+}
+
+
+def expert_files(config):
+    """The ``ExpertFiles`` of a model's config, or None: its files name tensors as the model does."""
+    return EXPERT_FILES.get(getattr(config, "model_type", None))
+
+
+def to_files(layout, tensors):
+    """``{file name: tensor}`` of the model's ``{name: tensor}`` as transformers
+    writes them: per expert under ``layout``, in its save order (the model's
+    names in natural order, each expanded), else unchanged."""
+    if layout is None:
+        return dict(tensors)
+    # transformers' save order (its revert_weight_conversion sorts the names so).
+    return {file_name: part for name in sorted(tensors, key=dot_natural_key)
+            for file_name, part in layout.files_of(name, tensors[name])}
