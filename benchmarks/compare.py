@@ -1,9 +1,19 @@
 """TSP against DeepSpeed's own parallelisms on CPU gloo ranks: peak memory,
-bytes communicated and step time per rank, for one small Llama-shaped model
-with a vocabulary realistic for its width (hidden 512, vocabulary 128,256).
+bytes communicated and step time per rank, for two small models (``--models``):
 
-    python benchmarks/compare.py                       # the committed run (benchmarks/results/compare.md)
-    python benchmarks/compare.py --vocab 32000 --name compare_vocab32000   # the same model, a 32K vocabulary
+* ``dense``: Llama-shaped, with a vocabulary realistic for its width (hidden
+  512, vocabulary 128,256), at ``--sizes`` (default D = 2);
+* ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
+  depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
+  top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
+  (default D = 2 and 4). TSP shards the experts ``E/D`` per rank and moves them
+  round the ring (``ds_tsp.moe``); Ulysses replicates them; ZeRO-3 partitions
+  them and gathers a layer's at a time; DeepSpeed's AutoTP refuses the model
+  (its error is reported).
+
+    python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
+    python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
+    python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
     python benchmarks/compare.py --sizes 2 --seq-lens 64 128 --layers 1 --vocab 1024 --out /tmp/cmp  # a smoke run
 
 Strategies, each trained for ``--warmup`` + ``--steps`` AdamW steps on the same
@@ -64,10 +74,12 @@ TSP strategies' counters, op by op and rank by rank, against
 exchanges for this batch, ``embedding_rows_exchanged``).
 
 Writes ``<name>.md``, ``<name>_<D>.json`` and ``<name>_{memory,time}.png``
-under ``--out`` (``--name`` defaults to ``compare``).
+under ``--out`` (``--name`` defaults to ``compare``), the MoE row's under
+``<name>_moe``. ``--vocab`` and the sizes, where given, apply to both models.
 """
 
 import argparse
+import copy
 import os
 import queue
 import shlex
@@ -95,7 +107,7 @@ import torch.distributed.nn.functional as dist_nn  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from report import write_report  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
 from ds_tsp import comm as tsp_comm  # noqa: E402
@@ -110,13 +122,19 @@ TSP_LAYOUT = "zigzag"
 # --- the strategies ------------------------------------------------------------------------------------------------
 
 def build_model(args):
-    """The same weights on every rank of every strategy (seeded)."""
+    """The same weights on every rank of every strategy (seeded): ``args.model``'s,
+    Llama (dense) or Qwen3-MoE (``moe``, Hugging Face's default grouped experts,
+    no load-balancing loss: ``output_router_logits`` false as in its config)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq_lens),
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).float()
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False, attn_implementation="sdpa")
+    if args.model == "moe":
+        config = Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
+                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return Qwen3MoeForCausalLM(config).float()
+    return LlamaForCausalLM(LlamaConfig(**common)).float()
 
 
 def ds_config(args, zero_stage=0, **sections):
@@ -263,7 +281,11 @@ STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_
               "autotp_x_ulysses": run_autotp_x_ulysses}
 
 
-def strategies_for(world):
+def strategies_for(world, model="dense"):
+    """What runs at ``world`` ranks; the MoE row runs TSP with its default folded
+    vocabulary only, and AutoTP (which DeepSpeed refuses for it) to show its error."""
+    if model == "moe":
+        return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
     if world == 4:
         names.append("autotp_x_ulysses")
@@ -425,9 +447,18 @@ def embedding_rows_exchanged(args, world, seq_len):
 
 # --- main ----------------------------------------------------------------------------------------------------------
 
+# The models' own defaults, where --vocab and the sizes are not given.
+MODEL_DEFAULTS = {"dense": {"vocab": 128256, "sizes": [2], "suffix": ""},
+                  "moe": {"vocab": 32000, "sizes": [2, 4], "suffix": "_moe"}}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2], help="ranks D per parallel strategy")
+    parser.add_argument("--models", nargs="+", default=list(MODEL_DEFAULTS), choices=list(MODEL_DEFAULTS),
+                        help="the dense (Llama) row, the mixture-of-experts (Qwen3-MoE) row, or both (default)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="ranks D per parallel strategy (default: dense 2, "
+                                                              "and the MoE row's --moe-sizes)")
+    parser.add_argument("--moe-sizes", type=int, nargs="+", help="D for the MoE row (default 2 4; --sizes if given)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES)[1:], choices=list(STRATEGIES)[1:])
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps; the last is the memory-tracked one")
@@ -436,41 +467,62 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=1376)
-    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size (Llama 3: 128256)")
+    parser.add_argument("--intermediate", type=int, default=1376, help="the dense MLP's")
+    parser.add_argument("--experts", type=int, default=8, help="MoE row: experts per sparse layer")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE row: experts per token")
+    parser.add_argument("--expert-intermediate", type=int, default=512, help="MoE row: one expert's intermediate size")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default: dense 128256, Llama 3's; MoE 32000)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--strategy-timeout", type=float, default=600, help="seconds for one strategy, all lengths")
     parser.add_argument("--collective-timeout", type=float, default=120, help="gloo timeout, so a dead peer fails")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default="compare", help="stem of the files written under --out")
+    parser.add_argument("--name", default="compare", help="stem of the files written under --out (the MoE row's "
+                                                          "with _moe)")
     args = parser.parse_args(argv)
     args.seq_lens = sorted(args.seq_lens)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the last warm-up step is the memory-tracked one")
-    for world in args.sizes:
-        if world < 2:
-            parser.error("--sizes are parallel group sizes, 2 or more (the single process always runs)")
-        for seq_len in args.seq_lens:
-            if seq_len % (2 * world):
-                parser.error(f"--seq-lens {seq_len} is not a multiple of 2*D = {2 * world}")
+    for model in args.models:
+        for world in sizes_of(args, model):
+            if world < 2:
+                parser.error("--sizes are parallel group sizes, 2 or more (the single process always runs)")
+            for seq_len in args.seq_lens:
+                if seq_len % (2 * world):
+                    parser.error(f"--seq-lens {seq_len} is not a multiple of 2*D = {2 * world}")
+            if model == "moe" and args.experts % world:
+                parser.error(f"--experts {args.experts} is not divisible by D = {world}: TSP holds E/D experts a rank")
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS"))
-    command = f"{env} " + " ".join(shlex.quote(a) for a in ["python", os.path.relpath(__file__)] + sys.argv[1:])
+def sizes_of(args, model):
+    if model == "moe" and args.moe_sizes:
+        return args.moe_sizes
+    return args.sizes or MODEL_DEFAULTS[model]["sizes"]
+
+
+def model_args(args, model):
+    """``args`` for one model's row: its sizes, vocabulary and file stem."""
+    defaults = MODEL_DEFAULTS[model]
+    row = copy.copy(args)
+    row.model, row.sizes = model, sizes_of(args, model)
+    row.vocab = args.vocab or defaults["vocab"]
+    row.name = args.name + defaults["suffix"]
+    return row
+
+
+def run_row(args, command):
+    """Every strategy at every size for ``args.model``; writes and prints its report."""
     start = time.monotonic()
     results = {"single": run_strategy("single", 1, args)}
-    print(f"[{time.monotonic() - start:.0f} s] single process done", flush=True)
+    print(f"[{time.monotonic() - start:.0f} s] {args.model}: single process done", flush=True)
     for world in args.sizes:
-        for name in strategies_for(world):
+        for name in strategies_for(world, args.model):
             if name not in args.strategies:
                 results[(name, world)] = {s: "unsupported: not run (--strategies)" for s in args.seq_lens}
                 continue
             results[(name, world)] = run_strategy(name, world, args)
             status = {s: "ok" if not isinstance(v, str) else v[:100] for s, v in results[(name, world)].items()}
-            print(f"[{time.monotonic() - start:.0f} s] {name} D={world}: {status}", flush=True)
+            print(f"[{time.monotonic() - start:.0f} s] {args.model} {name} D={world}: {status}", flush=True)
     meta = {"command": command, "elapsed_s": time.monotonic() - start, "model": _model_card(args),
             "warmup": args.warmup, "timed_steps": args.steps, "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count()}
@@ -479,10 +531,23 @@ def main(argv=None):
     print(open(write_report(results, args, meta, rows_exchanged)).read())
 
 
+def main(argv=None):
+    args = parse_args(argv)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS"))
+    command = f"{env} " + " ".join(shlex.quote(a) for a in ["python", os.path.relpath(__file__)] + sys.argv[1:])
+    for model in args.models:
+        run_row(model_args(args, model), command)
+
+
 def _model_card(args):
-    return {"arch": "LlamaForCausalLM", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+    card = {"arch": "LlamaForCausalLM", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
             "kv_heads": args.kv_heads, "intermediate": args.intermediate, "vocab": args.vocab, "batch": args.batch,
             "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LR})"}
+    if args.model == "moe":
+        card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,
+                    top_k=args.top_k, expert_intermediate=args.expert_intermediate)
+        del card["intermediate"]
+    return card
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """benchmarks/compare.py and benchmarks/longest.py end to end at the smallest settings. compare: every strategy
 runs at D=2 and trains the single-process model, both TSP strategies' bytes
 equal the planner's op by op on every rank, and every measured peak has its
-planned counterpart."""
+planned counterpart; its MoE row likewise at D = 2 and 4."""
 
 import json
 import os
@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
     # An odd vocabulary: the folded shards carry a padding row at D=2.
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--sizes", "2", "--seq-lens", "16", "32",
-           "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "dense", "--sizes", "2",
+           "--seq-lens", "16", "32", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+           "--intermediate", "128",
            "--vocab", "67", "--warmup", "1", "--steps", "1", "--strategy-timeout", "60", "--out", str(tmp_path)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -51,6 +52,49 @@ def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path, own_proc
     assert markdown.startswith("Command: `") and "| TSP (2) | 32 |" in markdown
     assert "| TSP, replicated vocab (2) | 32 |" in markdown and "folded / replicated" in markdown
     assert (tmp_path / "compare_memory.png").stat().st_size > 0 and (tmp_path / "compare_time.png").stat().st_size > 0
+
+
+def test_compare_moe_row_at_the_smallest_settings(tmp_path, own_processes):
+    """The MoE row alone (a one-layer Qwen3-MoE, 4 experts, top-2) at D = 2 and 4: TSP, Ulysses and Ulysses +
+    ZeRO-3 train the single-process model; TSP's counted bytes equal the planner's op by op on every rank; AutoTP
+    is reported as refused by DeepSpeed, with the planner's reason; TSP has the lowest peak."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "moe", "--sizes", "2", "4",
+           "--seq-lens", "16", "32", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+           "--experts", "4", "--top-k", "2", "--expert-intermediate", "32", "--vocab", "67", "--warmup", "1",
+           "--steps", "1", "--strategy-timeout", "120", "--out", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    for world in (2, 4):
+        doc = json.load(open(tmp_path / f"compare_moe_{world}.json"))
+        assert doc["model"]["arch"] == "Qwen3MoeForCausalLM" and doc["model"]["experts"] == 4
+        assert sorted(doc["strategies"]) == ["autotp", "single", "tsp", "ulysses", "ulysses_zero3"]
+        for seq_len, result in doc["strategies"]["autotp"]["results"].items():
+            assert isinstance(result, str) and "moe_tp_experts" in result, result
+        peaks = {}
+        for name in ("single", "tsp", "ulysses", "ulysses_zero3"):
+            for seq_len, result in doc["strategies"][name]["results"].items():
+                assert not isinstance(result, str), f"{name} at {seq_len}: {result}"
+                summary = result["summary"]
+                print(f"MoE D={world} {name} S={seq_len}: peak {summary['peak_live_mib']:.3f} MiB, "
+                      f"recv {summary['received_mib_per_step']:.3f} MiB/step, loss diff "
+                      f"{summary.get('max_loss_diff_vs_single', 0):.1e}")
+                assert summary.get("max_loss_diff_vs_single", 0.0) < 1e-4
+                peaks[(name, seq_len)] = summary["peak_live_mib"]
+                assert doc["planned_peak"][name][seq_len]["measured_mib"] == summary["peak_live_mib"]
+        assert "autotp" not in doc["planned_peak"]  # no planner figure for what DeepSpeed refuses
+        for seq_len in ("16", "32"):
+            assert peaks[("tsp", seq_len)] < min(peaks[(name, seq_len)] for name in ("ulysses", "ulysses_zero3"))
+        for seq_len, row in doc["tsp_bytes"]["tsp"].items():
+            assert row["measured_by_op"] == row["planned_by_op"], (world, seq_len, row)
+            assert row["max_op_deviation"] == 0 and row["measured"] == row["planned"]
+            assert "ring" in row["measured_by_op"][0] and "all_to_all" in row["measured_by_op"][0]
+    markdown = open(tmp_path / "compare_moe.md").read()
+    assert "Qwen3-MoE-shaped" in markdown and "| TSP (4) | 32 |" in markdown
+    assert "within 1% of the planner's, op by op and rank by rank, at every D and length: yes" in markdown
+    assert "TSP has the lowest per-rank peak memory at every D and length." in markdown
+    assert "AutoTP at D=2" in markdown and "TPPlanConverter" in markdown
 
 
 def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):

@@ -798,8 +798,266 @@ def test_cli_max_seq_len_and_alst(tmp_path):
     assert "tsp.token_tile 8192" in out.getvalue() and "Host memory per node of 8 ranks" in out.getvalue()
 
 
-def test_mixture_of_experts_configs_are_refused():
+# --- mixture of experts (issue #17) --------------------------------------------------------------
+
+def _moe_shape(**overrides):
+    """Qwen2-MoE-like sizes for the byte formulas: E=4 experts of F_e=8, top-2, a shared expert of F_s=16."""
+    return {**_shape(layers=2), "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16, **overrides}
+
+
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}),
+                                             ("qwen2_moe", dict(num_hidden_layers=4, mlp_only_layers=[0],
+                                                                decoder_sparse_step=2)),
+                                             ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2)),
+                                             ("qwen3", {})])
+def test_moe_parameters_by_hand_and_against_the_hf_model(arch, overrides):
+    from models import MODEL_CLASSES, tiny_config
+
+    config = tiny_config(arch, **overrides)
+    m = planner.model_shape(config.to_dict())
+    hf = MODEL_CLASSES[arch](config)
+    numel = sum(p.numel() for p in hf.parameters())
+    # By hand, H=16, V=61 untied, nq=4, nkv=2, d=4 (Wa = 768 + q/k/v biases 32 for Qwen2-MoE), norms 2H a layer
+    # and H at the end, the embedding and LM head 2*61*16 = 1952 (+ 16 final norm).
+    H, outside = HIDDEN, 2 * 61 * HIDDEN + HIDDEN
+    wa = 768 + (32 if arch == "qwen2_moe" else 0)
+    qk_norms = 2 * HEAD_DIM if arch.startswith("qwen3") else 0
+    layer = wa + 2 * H + qk_norms
+    expected = {  # (total, active, sparse layers)
+        # 2 sparse layers: router 4x16, 4 experts of 3*16*32 (F_e = intermediate_size); top-2 active.
+        "mixtral": (2 * (layer + 4 * H + 4 * 3 * H * 32), 2 * (layer + 4 * H + 2 * 3 * H * 32), 2),
+        # router 4x16 + shared-expert gate 1x16; 4 experts of 3*16*8 and a shared expert of 3*16*16.
+        "qwen2_moe": (2 * (layer + 5 * H + 4 * 384 + 768), 2 * (layer + 5 * H + 2 * 384 + 768), 2),
+        # router 8x16, 8 experts of 3*16*8.
+        "qwen3_moe": (2 * (layer + 8 * H + 8 * 384), 2 * (layer + 8 * H + 2 * 384), 2),
+        "qwen3": (2 * (layer + 3 * H * 32),) * 2 + (0,),
+    }[arch]
+    if overrides.get("mlp_only_layers"):  # 4 layers: 0 dense (listed), 1 sparse, 2 dense (off the step), 3 sparse
+        expected = (expected[0] + 2 * (layer + 3 * H * 32), expected[1] + 2 * (layer + 3 * H * 32), 2)
+    if overrides.get("num_hidden_layers") == 3:  # layers 0 and 2 dense (off the step of 2), layer 1 sparse
+        expected = (expected[0] // 2 + 2 * (layer + 3 * H * 32), expected[1] // 2 + 2 * (layer + 3 * H * 32), 1)
+    total, active, sparse = expected
+    print(f"{arch} {overrides}: planner {m.params} total / {m.active_params} active, by hand {total + outside} / "
+          f"{active + outside}, Hugging Face sum(p.numel()) {numel}")
+    assert m.params == total + outside == numel
+    assert m.active_params == active + outside and m.moe_layers == sparse
+    assert m.routed_expert_params == sparse * m.num_experts * m.expert_params
+    assert m.is_moe == (arch != "qwen3") and m.qk_norm == arch.startswith("qwen3")
+
+
+def test_moe_presets_match_their_published_sizes():
+    # Qwen3-30B-A3B: "30.5B in total and 3.3B activated" (3.35B, rounded down in the name and the model card);
+    # Mixtral 8x7B: 46.7B, 12.9B active per token.
+    qwen = planner.model_shape("qwen3-30b-a3b")
+    assert (f"{qwen.params / 1e9:.1f}", f"{qwen.active_params / 1e9:.2f}") == ("30.5", "3.35")
+    mixtral = planner.model_shape("mixtral-8x7b")
+    assert (f"{mixtral.params / 1e9:.1f}", f"{mixtral.active_params / 1e9:.1f}") == ("46.7", "12.9")
+    assert mixtral.moe_layers == 32 and mixtral.renormalise_top_k and mixtral.router_weights_fp32
+
+
+def test_moe_bytes_by_hand():
+    m = _moe_shape()
+    # W = E/D * 3 H F_e + 3 H F_s / D elements a rank's packed shard: at D=2, 2*384 + 384 = 1152.
+    # bf16 ring: forward (D-1) W * 2, backward (D-1) W (2 + 4).
+    ring = planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
+    assert ring == {"ring": 1152 * 2 + 1152 * 6}
+    assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward") == {"ring": 1152 * 2}
+    # The layer: the attention's bytes and the expert ring in the MLP's place.
+    dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", sparse=False)
+    sparse = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", sparse=True)
+    assert sparse == {**dense, "ring": ring["ring"]}
+    # D=4: W = 1*384 + 192 = 576, 3 hops.
+    assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 4, 4, "both") == {"ring": 3 * 576 * (4 + 4 + 4)}
+    # The token all-to-all: N = B*S/D = 16 local tokens, k=2 copies of H=16 out and back, (D-1)/D of them
+    # leave the rank: 2*2*16*16/2 = 512 elements each way; 1 int64 split size received; the shared
+    # expert's (D-1)/D * 3 H F_s = 384 elements still on the ring. Backward: the gradients of both.
+    a2a = planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward", "all_to_all")
+    assert a2a == {"all_to_all": 512 * 2 + 8, "ring": 384 * 2}
+    assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "backward", "all_to_all") == \
+        {"all_to_all": 512 * 2, "ring": 384 * 6}
+    # No shared expert (Qwen3-MoE): nothing on the ring.
+    assert planner.tsp_moe_bytes_by_op(_moe_shape(shared_expert_intermediate_size=0), SEQ, BATCH, 2, 2, "forward",
+                                       "all_to_all") == {"all_to_all": 512 * 2 + 8}
+    # Crossover, forward, no shared expert, split sizes aside: 1.5 E F_e D / k = 1.5*4*8*2/2 = 48 tokens.
+    plain = _moe_shape(shared_expert_intermediate_size=0)
+    forward = planner.moe_crossover_tokens(plain, 2, 2, "forward")
+    assert forward == pytest.approx(48 - 8 / (2 * 2 * 16 * 2 / 2 / 2))
+    # Both directions, bf16 with fp32 accumulators (2e + a = 8 B vs 2 x 2e = 8 B a token element): 3 E F_e D / k.
+    both = planner.moe_crossover_tokens(plain, 2, 2)
+    assert both == pytest.approx(3 * 4 * 8 * 2 / 2 - 8 / (4 * 2 * 16 / 2 * 2 / 2))
+    # The ring's bytes do not grow with the tokens, the all-to-all's do: the ring is the cheaper past the crossover.
+    for S in (94, 96):
+        moved = {schedule: sum(planner.tsp_moe_bytes_by_op(plain, S, 1, 2, 2, "both", schedule).values())
+                 for schedule in ("ring", "all_to_all")}
+        assert (moved["ring"] < moved["all_to_all"]) == (S > both)
+    with pytest.raises(ValueError, match="schedule"):
+        planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", "broadcast")
+    with pytest.raises(ValueError, match="no mixture-of-experts"):
+        planner.tsp_moe_bytes_by_op(_shape(), SEQ, BATCH, 2, 2, "both")
+    mixed = _moe_shape(num_hidden_layers=3, decoder_sparse_step=2)
+    with pytest.raises(ValueError, match="say which with sparse="):
+        planner.tsp_bytes_by_op(mixed, SEQ, BATCH, 2, 2, "both")
+
+
+def test_moe_step_bytes_by_op():
+    # 1 dense and 2 sparse layers; every layer's norms, the routers (4 x 16) and shared-expert gates (1 x 16)
+    # all-reduced at D=2 (bf16: each tensor's bytes once), the loss, and the load-balancing statistics
+    # (2E+1 = 9 float64 values) when output_router_logits.
+    m = _moe_shape(num_hidden_layers=3, mlp_only_layers=[1])
+    dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", sparse=False)
+    sparse = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", sparse=True)
+    vocab = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
+    step = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2)
+    whole = 7 * HIDDEN + 2 * (4 + 1) * HIDDEN
+    assert step == {**{op: dense[op] + 2 * sparse[op] for op in dense}, "ring": dense["ring"] + 2 * sparse["ring"]
+                    + vocab["ring"], "all_to_all": vocab["all_to_all"], "all_reduce": 4 + whole * 2}
+    aux = planner.tsp_step_bytes_by_op({**m, "output_router_logits": True}, SEQ, BATCH, 2, 2)
+    assert aux == {**step, "all_reduce": step["all_reduce"] + 9 * 8}
+    # The plan's per-layer figures are the mean over the layers.
+    plans = {p.name: p for p in planner.plan(m, SEQ, BATCH, 2, "bf16")}
+    forward = [planner.tsp_bytes_per_layer(m, SEQ, BATCH, 2, 2, "forward", sparse=s) for s in (False, True)]
+    assert plans["TSP(2)"].comm_forward_per_layer == pytest.approx((forward[0] + 2 * forward[1]) / 3)
+    assert plans["TSP(2)"].comm_per_step == sum(step.values())
+
+
+def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
+    # The whole model, layers, expert ring, vocabulary, router and shared-expert-gate gradients and the
+    # load-balancing loss's all-reduce (the tiny configs have output_router_logits on), against
+    # tsp_step_bytes_by_op with the batch's exact embedding rows, at D=2 and 4 (Mixtral and Qwen2-MoE have
+    # 4 experts, Qwen3-MoE 8); Qwen3's q/k norms are replicated too.
     from models import tiny_config
 
-    with pytest.raises(ValueError, match=r"num_local_experts = 4: the planner models dense decoder layers only"):
-        planner.model_shape(tiny_config("mixtral").to_dict())
+    cases = {2: [("mixtral", torch.float64, True, False), ("qwen2_moe", torch.bfloat16, True, False),
+                 ("qwen3_moe", torch.float32, False, False), ("qwen3_moe", torch.float32, True, True),
+                 ("qwen3", torch.float32, True, False)],
+             4: [("qwen2_moe", torch.float32, True, False), ("qwen3_moe", torch.bfloat16, True, False)]}
+    for D, per_world in cases.items():
+        for rank, per_case in enumerate(run_ranks(D, _counted_model_steps, cases=per_world)):
+            for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(per_world, per_case):
+                config = tiny_config(arch).to_dict()
+                planned = planner.tsp_step_bytes_by_op(config, SEQ, BATCH, D, dtype.itemsize,
+                                                       vocab_parallel=vocab_parallel,
+                                                       activation_checkpointing=checkpointing, tsp_rank=rank,
+                                                       rows_exchanged=rows)
+                print(f"D={D} {arch} {dtype} vocab_parallel={vocab_parallel} checkpointing={checkpointing} "
+                      f"rank {rank}: counted {counted}, planned {planned}")
+                assert {op: v for op, v in counted.items() if op != "barrier"} == planned
+                if arch != "qwen3":
+                    # Guard: the MoE layers counted as dense MLPs of intermediate_size would not match.
+                    m = planner.model_shape(config)
+                    dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", rank, sparse=False)
+                    assert dense["ring"] != planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both",
+                                                                    rank, sparse=True)["ring"]
+
+
+def _live_saved_bytes(params, run):
+    """``_saved_bytes``, counting only what autograd still holds when ``run()``
+    returns: a saved tensor whose node is freed at once (the dropped values of
+    the load-balancing loss's top-k) may share its address with a later one."""
+    import weakref
+
+    params = {p.untyped_storage().data_ptr() for p in params}
+    saved = []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()  # holds the graph, and so what it saved, while the live storages are summed
+    live = sum({ptr: nbytes for ref, ptr, nbytes in saved if ref() is not None}.values())
+    del out
+    return live
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_moe_saved_activations_equal_the_models(dtype, name):
+    # One rank, the whole model: TSP's sparse layers (ds_tsp.moe) and Hugging Face's with its default
+    # grouped experts (the baselines' count); Qwen2-MoE with a dense layer among the sparse ones; the
+    # load-balancing loss on (the tiny configs) and off.
+    from ds_tsp import inject
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.topology import TSPTopology
+    from models import tiny_config, tiny_model
+
+    for arch, overrides in [("mixtral", {}), ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+                            ("qwen3_moe", {}), ("qwen3_moe", dict(output_router_logits=False)), ("qwen3", {})]:
+        plans = {p.name: p for p in planner.plan(tiny_config(arch, **overrides).to_dict(), SEQ, BATCH, 1, name)}
+        tsp = inject(tiny_model(arch, dtype=dtype, **overrides), TSPTopology(1),
+                     TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+        torch.manual_seed(1)
+        input_ids = torch.randint(0, 61, (BATCH, SEQ))
+        measured = _live_saved_bytes(tsp.parameters(), lambda: tsp(input_ids=input_ids, labels=input_ids))
+        planned = plans["TSP(1)"].detail["saved_for_backward"]
+        hf = tiny_model(arch, dtype=dtype, **overrides, **({} if arch == "qwen3" else
+                                                          {"experts_implementation": "grouped_mm"}))
+        hf_measured = _live_saved_bytes(hf.parameters(), lambda: hf(input_ids=input_ids, labels=input_ids))
+        hf_planned = plans["DP(1)"].detail["saved_for_backward"]
+        print(f"{arch} {overrides} {name}: TSP saved {measured} B, planned {planned:.0f} B; HF saved "
+              f"{hf_measured} B, planned {hf_planned:.0f} B")
+        assert measured == planned and hf_measured == hf_planned
+
+
+def test_moe_plans_shard_the_experts_and_say_what_deepspeed_refuses():
+    m = planner.model_shape("qwen3-30b-a3b")
+    plans = {p.name: p for p in planner.plan("qwen3-30b-a3b", 32768, 1, 8, "bf16", activation_checkpointing=True)}
+    # TSP: 1/8 of every expert (16 of 128 per rank), attention by heads (4 query heads and, on the rank that
+    # holds it, one of the 4 key/value heads), routers and norms whole, folded vocabulary.
+    tsp = plans["TSP(8)"]
+    attention = 4 * 128 * 2 * 2048 + 2 * 128 * 2048
+    per_rank = 48 * (attention + 16 * m.expert_params + m.layer_replicated_params(True)) + \
+        2 * 151936 / 8 * 2048 + 2048
+    assert tsp.memory["weights"] == pytest.approx(2 * per_rank)
+    # Ulysses replicates the experts: all 30.5B parameters' states on every rank; ZeRO-3 partitions them.
+    ulysses = plans["SP-Ulysses(8)"]
+    assert ulysses.memory["weights"] == pytest.approx(2 * m.params)
+    zero3 = {p.name: p for p in planner.plan("qwen3-30b-a3b", 32768, 1, 8, "bf16", 3, True)}["SP-Ulysses(8)"]
+    assert zero3.memory["weights"] == pytest.approx(2 * m.params / 8)
+    # ... gathering a whole sparse layer (128 experts) at a time, which TSP never holds.
+    assert zero3.detail["zero3_gathered_layers"] > 2 * 128 * m.expert_params * 2
+    assert tsp.total < zero3.total < ulysses.total
+    # FLOPs count the active experts only: the matmuls' 2 forward + 4 backward + 2 recomputed FLOPs per
+    # active parameter and token, and a TSP expert's projections recomputed in backward (its 2 more), where
+    # every expert counted would give 8 per parameter of the 30.5B.
+    matmuls = (tsp.flops_per_step - tsp.attention_flops_per_step) * 8 / 32768
+    assert 8 * m.active_params < matmuls < 10 * m.active_params < 8 * m.params / 7
+    # AutoTP: DeepSpeed refuses the model; no figures are made up.
+    autotp = planner.plan_autotp("qwen3-30b-a3b", 4096, 1, 8)
+    assert not autotp.feasible and "moe_tp_experts" in autotp.notes and autotp.total != autotp.total
+    assert planner.plan_autotp(_shape(), SEQ, BATCH, 2).feasible
+    # TSP's shape rules: E and the shared expert's F_s divide by D, the dense F only where a dense layer exists.
+    eight_heads = dict(num_attention_heads=8, intermediate_size=24)
+    assert "num_experts 4 is not divisible by 8" in planner.tsp_shape_problem(
+        planner.model_shape(_moe_shape(**eight_heads)), 8)
+    assert "shared_expert_intermediate_size 12 is not divisible by 8" in planner.tsp_shape_problem(
+        planner.model_shape(_moe_shape(**eight_heads, num_experts=8, shared_expert_intermediate_size=12)), 8)
+    mixtral = planner.model_shape({**_moe_shape(), "model_type": "mixtral", "num_local_experts": 4,
+                                   "intermediate_size": 6})
+    assert planner.tsp_shape_problem(mixtral, 4) is None  # experts whole: F_e = 6 need not divide
+
+
+def test_moe_cli_prints_the_expert_facts():
+    parser = planner.add_plan_arguments(argparse.ArgumentParser())
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--model", "qwen3-30b-a3b", "--seq-len", "32K"]), out=out) == 0
+    text = out.getvalue()
+    print(text[text.index("Mixture of experts"):])
+    assert "30.53B total, 3.35B active" in text and "16 of 128 experts" in text
+    assert "expert ring" in text and "token all-to-all" in text and "cheaper" in text
+    assert "AutoTP(8)" in text and "refuses" in text
+    out = io.StringIO()
+    assert planner.run_plan(parser.parse_args(["--seq-len", "4K"]), out=out) == 0
+    assert "Mixture of experts" not in out.getvalue()
+
+
+def test_other_mixture_of_experts_configs_are_refused():
+    with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
+                                         r"layers of mixtral, qwen2_moe, qwen3_moe only"):
+        planner.model_shape({**_shape(), "model_type": "deepseek_v2", "n_routed_experts": 64})
+    with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'olmoe'\)"):
+        planner.model_shape({**_shape(), "model_type": "olmoe", "num_experts": 8})
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        planner.model_shape({**_shape(), "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2})

@@ -1,46 +1,51 @@
 """The analytic planner behind ``ds-tsp plan``: per-device memory,
 communication and FLOPs of DP, TP, SP (Ulysses), CP (all-gather), TP+SP and
-TSP for a decoder LM (DESIGN.md 8), the longest sequence each trains, and
+TSP for a decoder LM (DESIGN.md 8), dense or mixture-of-experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c), the longest sequence each trains, and
 each one's step time on a cluster. Imports no torch.
 
 One module per concern, in the order they build on one another:
 
 | module | holds |
 |---|---|
-| ``shapes`` | model sizes (presets, HF configs), precisions, the run's ``Setting``, how TSP cuts a model |
-| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``ds_tsp.comm`` counts them |
+| ``shapes`` | model sizes (presets, HF configs, MoE layers), precisions, the run's ``Setting``, how TSP cuts a model |
+| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``ds_tsp.comm`` counts them; |
+| | a MoE layer's expert ring against the token all-to-all |
 | ``memory`` | the memory terms: saved tensors, model states, transients, offloads to host memory |
 | ``strategies`` | one function per strategy, ``plan`` (all of them), ``plan_alst``, ``recommend`` |
 | ``longest`` | ``max_seq_len``: the longest trainable sequence per strategy and its binding term |
 | ``anchors`` | published numbers: the TSP paper's peaks, ALST's lengths, Ulysses' and Megatron CP's throughput |
 | ``timing`` | step time per strategy from FLOPs, links and overlap, its bound, and the throughput anchors |
-| ``tables`` | Markdown tables and the memory-against-length plot |
+| ``tables`` | Markdown tables, a MoE model's facts and the memory-against-length plot |
 | ``cli`` | the ``ds-tsp plan`` options and command |
 """
 
 from .anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS,
                       PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
 from .cli import add_plan_arguments, run_plan
-from .communication import (DIRECTIONS, tsp_bytes_by_op, tsp_bytes_per_layer, tsp_step_bytes_by_op,
-                            tsp_vocab_bytes_by_op)
+from .communication import (DIRECTIONS, MOE_SCHEDULES, moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer,
+                            tsp_moe_bytes_by_op, tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
 from .longest import LongestSequence, longest_fitting, max_seq_len
 from .memory import HEAD_BACKWARD, MEMORY_PARTS
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
-                     PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting, logits_tile_tokens,
-                     model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
-from .strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
-from .tables import format_longest_table, format_table, format_time_anchors, plot_memory_vs_seq
+                     MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting,
+                     logits_tile_tokens, model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
+from .strategies import (AUTOTP_MOE_REFUSED, CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp,
+                         recommend)
+from .tables import (format_longest_table, format_moe_facts, format_table, format_time_anchors, moe_facts,
+                     plot_memory_vs_seq)
 from .timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
-    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",
+    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "AUTOTP_MOE_REFUSED", "DEFAULT_CLUSTER",
     "DEFAULT_DEVICES_PER_NODE", "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB",
-    "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "PAPER_DEVICE_GB", "PAPER_LABELS", "PAPER_PEAK_GB", "PAPER_SETTING",
-    "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster", "CommPart", "LongestSequence",
-    "ModelShape", "Precision", "Setting", "StepTime", "StrategyPlan", "add_plan_arguments", "alst_name",
-    "compare_anchor", "compare_anchors", "format_longest_table", "format_table", "format_time_anchors",
-    "logits_tile_tokens",
-    "longest_fitting", "max_seq_len", "model_shape", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq",
-    "recommend", "run_plan", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
-    "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
+    "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "MOE_MODEL_TYPES", "MOE_SCHEDULES", "PAPER_DEVICE_GB", "PAPER_LABELS",
+    "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",
+    "CommPart", "LongestSequence", "ModelShape", "Precision", "Setting", "StepTime", "StrategyPlan",
+    "add_plan_arguments", "alst_name", "compare_anchor", "compare_anchors", "format_longest_table",
+    "format_moe_facts", "format_table", "format_time_anchors", "logits_tile_tokens", "longest_fitting",
+    "max_seq_len", "model_shape", "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp",
+    "plot_memory_vs_seq", "recommend", "run_plan", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer",
+    "tsp_moe_bytes_by_op", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op", "tsp_vocab_bytes_by_op",
+    "vocab_rows_per_rank",
 ]

@@ -15,7 +15,8 @@ from .longest import max_seq_len
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, PRECISIONS, PRESETS,
                      TSP_ATTENTION_BACKWARDS)
 from .strategies import plan, recommend
-from .tables import format_gb, format_longest_table, format_table, format_time_anchors, plot_memory_vs_seq
+from .tables import (format_gb, format_longest_table, format_moe_facts, format_table, format_time_anchors,
+                     moe_facts, plot_memory_vs_seq)
 from .timing import DEFAULT_CLUSTER, Cluster, compare_anchors, step_time
 
 DEFAULT_MODEL = "llama-7b"
@@ -194,6 +195,8 @@ def _run_table(args, out):
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)
     print(format_table(plans, PAPER_PEAK_GB if args.paper else None, cluster), file=out)
+    if plans[0].setting.model.is_moe:
+        print(format_moe_facts(plans), file=out)
     if args.memory_gb is not None:
         fits = recommend(plans, args.memory_gb * GB)
         if fits:
@@ -211,7 +214,9 @@ def _run_table(args, out):
                            args.tsp_attention_backward, args.logits_tile_mib, **options)
         print(f"Wrote {args.plot}", file=out)
     if args.json:
-        _write_json(args.json, {"plans": [{"strategy": p.name, "layout": p.layout, "feasible": p.feasible,
+        facts = moe_facts(plans[0].setting)
+        _write_json(args.json, {**({"moe": facts} if facts else {}),
+                                "plans": [{"strategy": p.name, "layout": p.layout, "feasible": p.feasible,
                                            "memory_gb": {k: v / GB for k, v in p.memory.items()},
                                            "peak_gb": p.total / GB, "host_gb_per_node": p.host_total / GB,
                                            "terms_gb": {k: v / GB for k, v in p.terms.items()},

@@ -6,6 +6,12 @@ all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
 (``tsp_step_bytes_by_op``). The baselines' bytes are in ``strategies``.
 
+A mixture-of-experts layer's experts travel round the ring as the dense MLP's
+shards do (``ds_tsp.moe``, the schedule built); ``tsp_moe_bytes_by_op`` gives
+that block's bytes and those of the alternative, tokens sent to their experts
+by all-to-all, and ``moe_crossover_tokens`` the micro-batch at which the two
+move the same bytes.
+
 TSP's parameter-gradient partial sums (the attention's weight-gradient
 ``reduce``, the rings' gradient accumulators) travel in ``a`` bytes an element
 (``grad_wire_bytes``): float32 (float64 for float64 models) by default, 2 with
@@ -13,9 +19,10 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
-from .shapes import FLOAT32, model_shape, tsp_attention_shard, tsp_shape_problem, vocab_rows_per_rank
+from .shapes import FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_shape_problem, vocab_rows_per_rank
 
 DIRECTIONS = ("forward", "backward", "both")
+MOE_SCHEDULES = ("ring", "all_to_all")
 
 
 def gradient_wire_bytes(elem_bytes, grad_wire_bytes=None):
@@ -34,8 +41,28 @@ def _by_direction(forward, backward, direction):
     return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
 
 
+def _layer_kind(m, sparse):
+    """``sparse`` as given, else the model's one kind of layer."""
+    if sparse is not None:
+        return bool(sparse)
+    if m.is_moe and m.moe_layers < m.num_layers:
+        raise ValueError(f"{m.name} has {m.num_layers - m.moe_layers} dense and {m.moe_layers} sparse layers: "
+                         "say which with sparse=")
+    return m.is_moe
+
+
+def _check(m, seq_len, tsp_size, direction):
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
+    problem = tsp_shape_problem(m, tsp_size)
+    if problem:
+        raise ValueError(f"TSP cannot shard this model over {tsp_size} ranks: {problem}")
+    if tsp_size > 1 and seq_len % tsp_size:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of tsp_size {tsp_size}")
+
+
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                    grad_wire_bytes=None):
+                    grad_wire_bytes=None, sparse=None):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -52,33 +79,95 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     first rank of the heads sharing it, so shards differ by rank:
     ``tsp_rank=None`` gives the mean over ranks (own shard ``Wa/D``), a rank its
     exact count. Values are int when whole (always, for a given rank).
+
+    ``sparse``: a mixture-of-experts layer, whose experts (and shared expert)
+    take the MLP's place on the ring, ``Wx = 3H (E F_e + F_s)`` for ``Wm``
+    (``tsp_moe_bytes_by_op``); by default the model's kind of layer (a model
+    with both kinds must say).
     """
     m = model_shape(model)
     D, e = tsp_size, elem_bytes
     a = gradient_wire_bytes(e, grad_wire_bytes)
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
-    problem = tsp_shape_problem(m, D)
-    if problem:
-        raise ValueError(f"TSP cannot shard this model over {D} ranks: {problem}")
+    sparse = _layer_kind(m, sparse)
+    _check(m, seq_len, D, direction)
     if D == 1:
         return {}
-    if seq_len % D:
-        raise ValueError(f"seq_len {seq_len} is not a multiple of tsp_size {D}")
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
-    mlp = Fraction((D - 1) * m.mlp_params, D)
+    ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
     kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
-    forward = {"broadcast": e * (m.attention_params - own), "ring": e * mlp, "all_gather": e * kv}
-    backward = {**forward, "ring": (e + a) * mlp, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    forward = {"broadcast": e * (m.attention_params - own), "ring": e * ffn, "all_gather": e * kv}
+    backward = {**forward, "ring": (e + a) * ffn, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
     return _by_direction(forward, backward, direction)
 
 
-def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
+def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
                         grad_wire_bytes=None):
+    """Bytes one rank receives in one sparse MoE block (experts ``E/D`` per rank,
+    tokens ``N = B*S/D`` per rank), per ``comm`` op name, for either schedule.
+
+    ``"ring"`` (``ds_tsp.moe``, built): the packed shard of ``W = E/D * 3H F_e +
+    3H F_s/D`` elements travels round the ring; forward ``(D-1) W e``, backward
+    ``(D-1) W (e + a)`` (the weights again and their gradient accumulators,
+    ``a = gradient_wire_bytes(e, grad_wire_bytes)``), whatever the tokens.
+
+    ``"all_to_all"`` (the alternative, not built): each local token's hidden
+    state goes to the owners of its ``k`` experts and their outputs come back,
+    ``2 k N H (D-1)/D`` elements each way with routing spread evenly over the
+    experts (the expected count, and the mean over ranks), after the ``D``
+    split sizes (int64, ``D-1`` received); backward the gradients of both,
+    the same again; the experts' weight gradients stay on their owner. The
+    shared expert, dense, stays on the ring: ``(D-1)/D * 3H F_s``.
+    """
+    m = model_shape(model)
+    D, e = tsp_size, elem_bytes
+    if schedule not in MOE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {MOE_SCHEDULES}, not {schedule!r}")
+    if not m.is_moe:
+        raise ValueError(f"{m.name} has no mixture-of-experts layer")
+    _check(m, seq_len, D, direction)
+    if D == 1:
+        return {}
+    a = gradient_wire_bytes(e, grad_wire_bytes)
+    if schedule == "ring":
+        weights = Fraction((D - 1) * m.ffn_params(sparse=True), D)
+        return _by_direction({"ring": e * weights}, {"ring": (e + a) * weights}, direction)
+    tokens = Fraction(micro_batch * seq_len, D)
+    moved = e * 2 * m.experts_per_token * tokens * m.hidden_size * Fraction(D - 1, D)
+    shared = Fraction((D - 1) * m.shared_expert_params, D)
+    forward = {"all_to_all": moved + INT64 * (D - 1), "ring": e * shared}
+    backward = {"all_to_all": moved, "ring": (e + a) * shared}
+    return _by_direction({k: v for k, v in forward.items() if v}, {k: v for k, v in backward.items() if v},
+                         direction)
+
+
+def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_wire_bytes=None):
+    """Tokens per micro-batch (``B*S``) at which the token all-to-all moves as many
+    bytes as the expert ring in one sparse MoE block (``tsp_moe_bytes_by_op``).
+    The ring's bytes do not depend on the tokens and the all-to-all's grow with
+    them, so the all-to-all moves fewer below it and the ring fewer above it
+    (long sequences). Forward alone that is ``1.5 E F_e D / k`` (less the split
+    sizes); with backward ``0.75 E F_e D (2e + a) / (k e)``."""
+    m = model_shape(model)
+    D = tsp_size
+    if D == 1:
+        return float("inf")
+    ring = sum(Fraction(v) for v in tsp_moe_bytes_by_op(m, D, 1, D, elem_bytes, direction, "ring",
+                                                         grad_wire_bytes=grad_wire_bytes).values())
+    a2a = {S: sum(Fraction(v) for v in tsp_moe_bytes_by_op(m, S, 1, D, elem_bytes, direction, "all_to_all",
+                                                           grad_wire_bytes=grad_wire_bytes).values())
+           for S in (D, 2 * D)}
+    per_token = (a2a[2 * D] - a2a[D]) / D  # the all-to-all is linear in B*S; the shared expert's ring is not
+    fixed = a2a[D] - per_token * D
+    return float((ring - fixed) / per_token)
+
+
+def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
+                        grad_wire_bytes=None, sparse=None):
     """Total of ``tsp_bytes_by_op``: bytes one rank receives in one TSP layer
     (forward ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d) * elem`` on average)."""
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
-                                                      tsp_rank, grad_wire_bytes=grad_wire_bytes).values())
+                                                      tsp_rank, grad_wire_bytes=grad_wire_bytes,
+                                                      sparse=sparse).values())
     return int(total) if total.denominator == 1 else float(total)
 
 
@@ -131,28 +220,40 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     """Bytes one rank receives in one training step (forward and backward of one
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
-    The layers: ``L`` times ``tsp_bytes_by_op(..., "both")``, plus its forward
-    again with activation checkpointing. With ``vocab_parallel`` (the default),
+    The layers: each layer's ``tsp_bytes_by_op(..., "both")`` (dense and sparse
+    layers each their own), plus its forward again with activation
+    checkpointing. With ``vocab_parallel`` (the default),
     ``tsp_vocab_bytes_by_op(..., "both", rows_exchanged)``. ``all_reduce``: the
-    loss (one scalar in ``max(elem, 4)`` bytes) and the gradients of what every
-    rank holds whole, one all-reduce per tensor in ``elem`` bytes: the norms
-    (and MLP down biases), and without ``vocab_parallel`` the embedding and the
-    LM head too. ``tsp_rank`` and ``grad_wire_bytes`` are as in ``tsp_bytes_by_op``.
+    loss (one scalar in ``max(elem, 4)`` bytes), with ``output_router_logits``
+    the load-balancing loss's statistics (``2E+1`` float64 values, one
+    all-reduce a forward), and the gradients of what every rank holds whole, one
+    all-reduce per tensor in ``elem`` bytes (``ModelShape.replicated_tensors``:
+    the norms, Qwen3's q/k norms, MLP down biases, routers and shared-expert
+    gates), and without ``vocab_parallel`` the embedding and the LM head too.
+    ``tsp_rank`` and ``grad_wire_bytes`` are as in ``tsp_bytes_by_op``.
     """
     m = model_shape(model)
-    D, e, H, L = tsp_size, elem_bytes, m.hidden_size, m.num_layers
+    D, e, H = tsp_size, elem_bytes, m.hidden_size
     if D == 1:
         return {}
     wire = {"grad_wire_bytes": grad_wire_bytes}
-    counts = {op: L * v for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, **wire).items()}
-    if activation_checkpointing:  # every layer's forward runs again in backward
-        for op, v in tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank).items():
-            counts[op] += L * v
+    counts = {}
+    whole = [H]  # the final norm
+    for sparse, layers in m.layer_kinds:
+        per_layer = [tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, sparse=sparse, **wire)]
+        if activation_checkpointing:  # every layer's forward runs again in backward
+            per_layer.append(tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank, sparse=sparse))
+        for ops in per_layer:
+            for op, v in ops.items():
+                counts[op] = counts.get(op, 0) + layers * v
+        whole += m.replicated_tensors(sparse) * layers
     if vocab_parallel:
         for op, v in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged, **wire).items():
             counts[op] = counts.get(op, 0) + v
-    whole = [H] * (2 * L + 1) + [H] * (L if m.mlp_bias else 0)  # norms, final norm, MLP down biases
-    if not vocab_parallel:
+    else:
         whole += [m.vocab_size * H] * (1 if m.tie_word_embeddings else 2)
-    counts["all_reduce"] = _all_reduced(max(e, FLOAT32), D) + sum(_all_reduced(numel * e, D) for numel in whole)
+    reduced = _all_reduced(max(e, FLOAT32), D) + sum(_all_reduced(numel * e, D) for numel in whole)
+    if m.is_moe and m.output_router_logits:
+        reduced += _all_reduced((2 * m.num_experts + 1) * 8, D)  # moe.load_balancing_loss, float64
+    counts["all_reduce"] = reduced
     return counts

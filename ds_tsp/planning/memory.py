@@ -43,6 +43,16 @@ estimate), and what offloading puts in host memory instead.
   token, replicated over TP) and one layer is recomputed at a time; with
   ``cpu_checkpointing`` those inputs live in pinned host memory, every rank's
   of a node in that node's, and one comes back to the device at a time.
+* Mixture of experts: a sparse layer saves, per token, the router's softmax,
+  top-k and renormalisation tensors and the routing weights; ds_tsp's MoE
+  block adds the token order by expert (two int64 a slot) and keeps no
+  expert intermediate (each expert recomputes its projections in backward);
+  Hugging Face's grouped experts keep, per top-k slot, the routed hidden
+  state, ``4 F_e`` intermediates, the expert's output and three int64
+  indices. The load-balancing loss (``output_router_logits``) adds its own
+  softmax and, in ds_tsp, each layer's real-token mask. Both counts are exact
+  against the saved-tensor hooks too (what autograd still holds when the
+  forward returns).
 * Token tiles (``tsp.token_tile``; ALST's TiledMLP for its baseline): when the
   local tokens exceed one tile, the MLP saves only its input and recomputes
   its intermediates tile by tile in backward, so they are bounded by the tile
@@ -96,29 +106,97 @@ HOST_CHECKPOINTS = "host memory for offloaded checkpoints"
 HOST_OPTIMIZER = "host memory for the offloaded optimizer"
 
 
-def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False):
+def router_saved_per_token(m, e):
+    """Bytes a sparse layer's Hugging Face router saves per token (ds_tsp runs
+    the same module): the float32 softmax, the top-k indices and, where the
+    top-k weights are renormalised in place, their pre-division copy and the
+    divisor; with ``output_router_logits`` also the load-balancing loss's own
+    softmax (in the logits' dtype). That loss's top-k keeps nothing: its
+    values are dropped, and its saved indices with them."""
+    k = m.experts_per_token
+    saved = FLOAT32 * m.num_experts + INT64 * k + ((FLOAT32 * k + FLOAT32) if m.renormalise_top_k else 0)
+    return saved + (e * m.num_experts if m.output_router_logits else 0)
+
+
+def routing_weight_bytes(m, e):
+    """Bytes of one routing weight as the experts receive it: float32 (Mixtral), else the model's dtype."""
+    return FLOAT32 if m.router_weights_fp32 else e
+
+
+def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False):
     """Bytes ds_tsp's decoder layer saves per local token: two RMSNorms, the
     attention's local x, q, k, v (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
-    values each over the D steps)."""
+    values each over the D steps).
+
+    A sparse layer (``ds_tsp.moe``) saves its local x, no expert intermediate
+    (each expert's are recomputed in backward), the router's tensors
+    (``router_saved_per_token``), the routing weights, the token order by
+    expert and top-k slot (two int64 a slot), with a shared expert its gate's
+    sigmoid and, with ``output_router_logits``, the float32 mask of real
+    tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
     saved = 2 * (4 * H + 4 + e * H) + 2 * e * H + e * (nq + 2 * m.num_kv_heads) * m.head_dim
-    if not mlp_tiled:
+    if sparse:
+        k = m.experts_per_token
+        saved += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
+        saved += e if m.shared_expert_size else 0
+        saved += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
+    elif not mlp_tiled:
         saved += 2 * e * m.intermediate_size
     if attention_backward == "fused":
         saved += e * nq * m.head_dim + max(e, FLOAT32) * nq
     return saved
 
 
-def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False):
+# Hugging Face's default experts (``experts_implementation`` "grouped_mm") per top-k slot: the routed
+# token's hidden state, the up/gate projection, act(gate), act(gate) * up, the down projection's output,
+# the slot's routing weight, and three int64 index tensors (the sort's permutation and the gathers it
+# drives), as the saved-tensor hooks see them in transformers 5.24.
+HF_SLOT_ORDERINGS = 3
+
+
+def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True):
     """Bytes a Hugging Face Llama layer saves per token (flash attention, no
     dropout), heads and F split over ``t`` tensor-parallel ranks; a tiled MLP
-    (ALST's TiledMLP) saves only its input, which the norm's output already is."""
+    (ALST's TiledMLP) saves only its input, which the norm's output already is.
+    Qwen3's per-head q/k RMSNorms save each head's float32 input, 1/rms and
+    normalised value.
+
+    A sparse layer (Hugging Face's default grouped experts) saves per token the
+    router's tensors (``router_saved_per_token``) and per top-k slot
+    ``4e F_e`` (over ``t`` where ``experts_split``) + ``2e H`` + its routing
+    weight + three int64 orderings; a shared expert (a gated MLP of ``F_s``
+    over ``t``) also its output and its gate's sigmoid. Plus, per layer,
+    ``hf_moe_layer_saved``."""
     H, d, nq = m.hidden_size, m.head_dim, m.num_heads
     replicated = 2 * (4 * H + 4 + e * H) + 2 * e * H
     attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
-    return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
+    if m.qk_norm:
+        attention += (nq + m.num_kv_heads) * (FLOAT32 * d + FLOAT32 + e * d)
+    if not sparse:
+        return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
+    k = m.experts_per_token
+    experts = k * 4 * e * m.expert_size / (t if experts_split else 1)
+    slots = k * (2 * e * H + routing_weight_bytes(m, e) + HF_SLOT_ORDERINGS * INT64)
+    shared = (4 * e * m.shared_expert_size / t + e * H + e) if m.shared_expert_size else 0
+    return replicated + router_saved_per_token(m, e) + slots + attention / t + experts + shared
+
+
+def load_balancing_saved(m, tsp):
+    """Outside the layers, with ``output_router_logits``: what the load-balancing
+    loss saves on its ``(E,)`` statistics, ds_tsp's (``moe.balance_loss``: four
+    float32 vectors of ``E`` and the row count) or Hugging Face's (the mean
+    probability of each expert, float32)."""
+    if not (m.is_moe and m.output_router_logits):
+        return 0
+    return FLOAT32 * (4 * m.num_experts + 1) if tsp else FLOAT32 * m.num_experts
+
+
+def hf_moe_layer_saved(m):
+    """Per sparse layer, whatever the tokens: the grouped experts' int32 offsets, one an expert."""
+    return 4 * m.num_experts
 
 
 def model_level_saved(m, e, tokens, rope_rows):

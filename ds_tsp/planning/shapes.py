@@ -1,8 +1,9 @@
 """What the planner knows of a model and a run: the decoder's sizes
-(``ModelShape``, from a preset or a Hugging Face config), the bytes of each
-number (``Precision``), the run's options (``Setting``), and how TSP cuts a
-model (which sizes it refuses, each rank's attention shard, the folded
-vocabulary's rows and logits tiles). Imports no torch."""
+(``ModelShape``, from a preset or a Hugging Face config, mixture-of-experts
+models included), the bytes of each number (``Precision``), the run's options
+(``Setting``), and how TSP cuts a model (which sizes it refuses, each rank's
+attention shard, the folded vocabulary's rows and logits tiles). Imports no
+torch."""
 
 import json
 from collections.abc import Mapping
@@ -22,6 +23,15 @@ PRESETS = {
     # ALST's model (DESIGN.md 9): the shape of Llama-3-8B; only its RoPE scaling differs, which costs no memory.
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # Mixture of experts, as their Hugging Face configs give them: 30.5B parameters, 3.3B active per token.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # 46.7B parameters, 12.9B active per token.
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                         tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
@@ -44,7 +54,16 @@ DEFAULT_DEVICES_PER_NODE = 8
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder LM that the cost model needs (Hugging Face names)."""
+    """The sizes of a decoder LM that the cost model needs (Hugging Face names).
+
+    A mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) has
+    ``moe_layers`` sparse layers, each a router (``E x H``, replicated), ``E``
+    routed experts of ``expert_size`` (gated MLPs, no biases) of which every
+    token uses ``experts_per_token`` (``k``), and optionally a shared expert of
+    ``shared_expert_size`` with its sigmoid gate (``1 x H``, replicated); its
+    other ``num_layers - moe_layers`` layers have a dense MLP of
+    ``intermediate_size``. Per-layer sizes take ``sparse``: which kind of layer.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -58,6 +77,25 @@ class ModelShape:
     mlp_bias: bool = False  # gate/up biases sharded, down bias replicated
     sliding_window: int | None = None
     name: str = "custom"
+    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3), replicated
+    num_experts: int = 0  # E; 0: a dense model
+    experts_per_token: int = 0  # k, the router's top-k
+    expert_size: int = 0  # F of one routed expert
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert, 0 where there is none
+    moe_layers: int = 0
+    renormalise_top_k: bool = False  # the top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    router_weights_fp32: bool = False  # the routing weights stay float32 (Mixtral); else the model dtype
+    output_router_logits: bool = False  # the load-balancing loss is computed (the config's output_router_logits)
+
+    @property
+    def is_moe(self):
+        return self.moe_layers > 0
+
+    @property
+    def layer_kinds(self):
+        """``((sparse, count), ...)``: how many layers of each kind, dense first, none empty."""
+        kinds = ((False, self.num_layers - self.moe_layers), (True, self.moe_layers))
+        return tuple((sparse, count) for sparse, count in kinds if count)
 
     @property
     def attention_params(self):
@@ -67,24 +105,77 @@ class ModelShape:
 
     @property
     def mlp_params(self):
-        """``Wm``: gate, up, down (and gate/up biases)."""
+        """``Wm``: gate, up, down (and gate/up biases) of a dense layer's MLP."""
         H, F = self.hidden_size, self.intermediate_size
         return 3 * H * F + (2 * F if self.mlp_bias else 0)
 
     @property
-    def layer_replicated_params(self):
-        """Per layer, what no strategy shards: two RMSNorm weights (and the down bias)."""
-        return 2 * self.hidden_size + (self.hidden_size if self.mlp_bias else 0)
+    def expert_params(self):
+        """One routed expert: gate, up, down of ``expert_size``."""
+        return 3 * self.hidden_size * self.expert_size
+
+    @property
+    def shared_expert_params(self):
+        return 3 * self.hidden_size * self.shared_expert_size
+
+    @property
+    def router_params(self):
+        """A sparse layer's replicated routing: the router and the shared expert's gate."""
+        return self.num_experts * self.hidden_size + (self.hidden_size if self.shared_expert_size else 0)
+
+    def ffn_params(self, sparse=False):
+        """The feed-forward block's parameters that TSP (and TP) shard: ``Wm``, or
+        ``E`` experts and the shared expert (``Wx = 3H (E F_e + F_s)``)."""
+        return self.num_experts * self.expert_params + self.shared_expert_params if sparse else self.mlp_params
+
+    def active_ffn_params(self, sparse=False):
+        """The sharded feed-forward parameters one token multiplies by: ``k``
+        experts and the shared expert, in a sparse layer (its routing is in
+        ``layer_replicated_params``)."""
+        if not sparse:
+            return self.mlp_params
+        return self.experts_per_token * self.expert_params + self.shared_expert_params
+
+    def layer_replicated_params(self, sparse=False):
+        """Per layer, what no strategy shards: two RMSNorm weights, Qwen3's q/k
+        norms, and the dense MLP's down bias or the sparse layer's routing."""
+        H = self.hidden_size
+        own = 2 * H + (2 * self.head_dim if self.qk_norm else 0)
+        return own + (self.router_params if sparse else (H if self.mlp_bias else 0))
+
+    def replicated_tensors(self, sparse=False):
+        """Sizes of the tensors of one layer that every TSP rank holds whole, in
+        elements, one entry a tensor (ds_tsp sums each one's gradient over the group)."""
+        H = self.hidden_size
+        tensors = [H, H] + ([self.head_dim] * 2 if self.qk_norm else [])
+        if sparse:
+            return tensors + [self.num_experts * H] + ([H] if self.shared_expert_size else [])
+        return tensors + ([H] if self.mlp_bias else [])
 
     @property
     def embedding_params(self):
         """Embedding and LM head (one matrix when tied), plus the final norm."""
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
+    def _layers_sum(self, ffn):
+        return sum(count * (self.attention_params + ffn(sparse) + self.layer_replicated_params(sparse))
+                   for sparse, count in self.layer_kinds)
+
     @property
     def params(self):
-        return self.num_layers * (self.attention_params + self.mlp_params + self.layer_replicated_params) + \
-            self.embedding_params
+        """Every parameter (Hugging Face's ``sum(p.numel())``)."""
+        return self._layers_sum(self.ffn_params) + self.embedding_params
+
+    @property
+    def active_params(self):
+        """The parameters one token uses: ``params`` less the routed experts it
+        skips (``E - k`` per sparse layer); ``params`` for a dense model."""
+        return self._layers_sum(self.active_ffn_params) + self.embedding_params
+
+    @property
+    def routed_expert_params(self):
+        """Every routed expert of every sparse layer (the shared experts not included)."""
+        return self.moe_layers * self.num_experts * self.expert_params
 
 
 @dataclass(frozen=True)
@@ -151,8 +242,52 @@ def _shape_fields(model):
     raise TypeError(f"model must be a preset name, a config path, a dict or a Hugging Face config, not {type(model)}")
 
 
-# Config keys of mixture-of-experts models (Mixtral; Qwen2/3-MoE and others).
+# Mixture-of-experts model types the planner knows (ds_tsp.policy runs the same three), and the keys by
+# which other MoE configs are recognised and refused.
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _moe_fields(fields):
+    """The ``ModelShape`` fields of a mixture-of-experts config: Mixtral
+    (``num_local_experts``, every layer sparse, experts of ``intermediate_size``,
+    top-k always renormalised, routing weights kept float32) or Qwen2/3-MoE
+    (``num_experts``, experts of ``moe_intermediate_size``, layer ``i`` sparse
+    unless in ``mlp_only_layers`` or off ``decoder_sparse_step``,
+    ``norm_topk_prob``, Qwen2-MoE's ``shared_expert_intermediate_size``);
+    ``{}`` for a dense config. Other MoE configs are refused."""
+    experts = {key: fields[key] for key in MOE_KEYS if (fields.get(key) or 0) > 0}
+    if not experts:
+        return {}
+    model_type = fields.get("model_type")
+    qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
+    mixtral = not qwen and ("num_local_experts" in experts if model_type is None else model_type == "mixtral")
+    if "n_routed_experts" in experts or not (qwen or mixtral):
+        key, value = next(iter(experts.items()))
+        raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
+                         f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
+    num_experts = experts.get("num_experts") or experts.get("num_local_experts")
+    layers = fields["num_hidden_layers"]
+    if mixtral:
+        return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"], moe_layers=layers, renormalise_top_k=True,
+                    router_weights_fp32=True, output_router_logits=bool(fields.get("output_router_logits")))
+    step, dense = fields.get("decoder_sparse_step") or 1, set(fields.get("mlp_only_layers") or ())
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
+                expert_size=fields["moe_intermediate_size"],
+                shared_expert_size=fields.get("shared_expert_intermediate_size") or 0, moe_layers=len(sparse),
+                renormalise_top_k=bool(fields.get("norm_topk_prob")),
+                output_router_logits=bool(fields.get("output_router_logits")))
+
+
+def _attention_bias(fields):
+    """q/k/v biases: ``attention_bias``, else ``qkv_bias`` (Qwen2-MoE in transformers 5),
+    else Qwen2's and Qwen2-MoE's (which always had them)."""
+    for key in ("attention_bias", "qkv_bias"):
+        if fields.get(key) is not None:
+            return bool(fields[key])
+    return fields.get("model_type") in ("qwen2", "qwen2_moe")
 
 
 def model_shape(model):
@@ -163,12 +298,6 @@ def model_shape(model):
     fields = _shape_fields(model)
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
         fields = {**fields, **fields["text_config"]}
-    experts = {key: fields[key] for key in MOE_KEYS if (fields.get(key) or 0) > 1}
-    if experts:
-        key, value = next(iter(experts.items()))
-        raise ValueError(f"model config has {key} = {value}: the planner models dense decoder layers only, and "
-                         "would count one expert's MLP for the whole layer; mixture-of-experts models are not "
-                         "planned yet")
     try:
         heads = fields["num_attention_heads"]
         return ModelShape(
@@ -177,20 +306,21 @@ def model_shape(model):
             num_kv_heads=fields.get("num_key_value_heads") or heads,
             head_dim=fields.get("head_dim") or fields["hidden_size"] // heads, vocab_size=fields["vocab_size"],
             tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
-            attention_bias=bool(fields.get("attention_bias", fields.get("model_type") == "qwen2")),
-            mlp_bias=bool(fields.get("mlp_bias", False)),
+            attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
-            name=str(fields.get("name", "custom")))
+            name=str(fields.get("name", "custom")), qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe"),
+            **_moe_fields(fields))
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
-                         f"num_hidden_layers, num_attention_heads and vocab_size") from None
+                         f"num_hidden_layers, num_attention_heads and vocab_size (and, for mixture-of-experts "
+                         f"models, num_experts_per_tok and moe_intermediate_size)") from None
 
 
 # --- how TSP cuts a model ------------------------------------------------------------------------
 
 def tsp_shape_problem(m, tsp_size):
-    """Why TSP cannot run ``m`` at ``tsp_size`` (the rules of ``attention.HeadGroups``
-    and ``mlp.shard_spec``), or None."""
+    """Why TSP cannot run ``m`` at ``tsp_size`` (the rules of ``attention.HeadGroups``,
+    ``mlp.shard_spec`` and ``moe.shard_spec``), or None."""
     D, nq, nkv = tsp_size, m.num_heads, m.num_kv_heads
     if nq % D:
         return f"num_attention_heads {nq} is not divisible by {D}"
@@ -198,8 +328,12 @@ def tsp_shape_problem(m, tsp_size):
         return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}"
     if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
         return f"num_key_value_heads {nkv} and {D} do not divide one another"
-    if m.intermediate_size % D:
+    if m.num_layers > m.moe_layers and m.intermediate_size % D:
         return f"intermediate_size {m.intermediate_size} is not divisible by {D}"
+    if m.is_moe and m.num_experts % D:
+        return f"num_experts {m.num_experts} is not divisible by {D}: every rank holds E/D whole experts"
+    if m.is_moe and m.shared_expert_size % D:
+        return f"shared_expert_intermediate_size {m.shared_expert_size} is not divisible by {D}"
     return None
 
 

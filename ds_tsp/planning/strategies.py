@@ -9,6 +9,15 @@ TSP is planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
 (the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
 device; ``TSP(N) replicated vocab`` keeps both whole on every device.
 
+Mixture-of-experts models (``ModelShape.layer_kinds``): each sparse layer is
+planned as each strategy runs a Hugging Face MoE layer. TSP holds ``E/D``
+experts per rank and moves them round the ring (``ds_tsp.moe``); DP, SP and
+CP replicate every expert (ZeRO-3 partitions them over the sequence axis and
+gathers one layer's whole at a time); TP splits each expert's ``F_e`` over
+``t`` (Megatron's expert tensor parallelism: a model, no DeepSpeed anchor);
+DeepSpeed's AutoTP refuses these models (``AUTOTP_MOE_REFUSED``). Per-layer
+figures are then the mean over the layers.
+
 Communication is bytes RECEIVED per device, counted as ``communication``
 counts TSP's: per step = ``L * (forward + backward [+ forward again when
 checkpointing])`` plus the once-per-step syncs (embedding, LM head, replicated
@@ -24,6 +33,8 @@ FLOPs count matmuls (2 per multiply-add) and causal attention
 and the LM head's forward again when the vocabulary is folded (the fused loss
 recomputes its logits tile by tile); a tiled MLP recomputes its tiles'
 projections in backward (TSP: gate and up; ALST's TiledMLP: the whole MLP).
+A sparse layer counts its router and the ``k`` experts (and shared expert)
+each token uses; TSP's experts recompute their projections in backward.
 """
 
 from dataclasses import dataclass, field
@@ -31,8 +42,9 @@ from dataclasses import dataclass, field
 from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
 from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
                      HEAD_BACKWARD, KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
-                     ZERO3_GATHERED, hf_layer_saved_per_token, host_memory, logits_memory, model_level_saved,
-                     model_states, tiled_loss_memory, transient_terms, tsp_layer_saved_per_token, tsp_vocab_memory)
+                     ZERO3_GATHERED, hf_layer_saved_per_token, hf_moe_layer_saved, host_memory, load_balancing_saved,
+                     logits_memory, model_level_saved, model_states, tiled_loss_memory, transient_terms,
+                     tsp_layer_saved_per_token, tsp_vocab_memory)
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, PRECISIONS,
                      TSP_ATTENTION_BACKWARDS, Setting, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
                      vocab_rows_per_rank)
@@ -95,46 +107,91 @@ class StrategyPlan:
         return sum(self.host.values())
 
 
-def _flops(m, setting, B, S, share, tsp, fused_head=False, mlp_recompute=0.0):
+def _flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None):
     """FLOPs per device per step, and the attention's part of them: the replica's
     total for ``B`` sequences of ``S`` times ``share``; ``fused_head``: the LM head
-    + loss recomputes the logits in backward; ``mlp_recompute``: the share of the
-    MLP's forward matmuls a tiled MLP runs again in backward."""
-    L, T = m.num_layers, B * S
+    + loss recomputes the logits in backward; ``ffn_recompute(sparse)``: the
+    parameters of a layer's feed-forward block whose forward matmuls run again
+    in backward (a tiled MLP's, a TSP expert's). A sparse layer's matmuls are
+    its active ones (``ModelShape.active_ffn_params``: k experts and the shared
+    expert) and the router's."""
+    T = B * S
     attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
-    mm_attn, mm_mlp = 2 * T * m.attention_params, 2 * T * m.mlp_params
+    mm_attn = 2 * T * m.attention_params
     head = 2 * T * m.vocab_size * m.hidden_size
-    forward = L * (mm_attn + mm_mlp + attn) + head
-    backward = L * (2 * (mm_attn + mm_mlp) + 2.5 * attn) + (3 if fused_head else 2) * head
-    attention = L * attn * 3.5
-    if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
-        backward += L * attn
-        attention += L * attn
-    if mlp_recompute:
-        backward += L * mlp_recompute * mm_mlp
-    recompute = L * (mm_attn + mm_mlp + attn) if setting.activation_checkpointing else 0
-    if setting.activation_checkpointing:
-        attention += L * attn
+    forward, backward = head, (3 if fused_head else 2) * head
+    attention = recompute = 0
+    for sparse, layers in m.layer_kinds:
+        mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
+        forward += layers * (mm_attn + mm_ffn + attn)
+        backward += layers * (2 * (mm_attn + mm_ffn) + 2.5 * attn)
+        attention += layers * attn * 3.5
+        if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
+            backward += layers * attn
+            attention += layers * attn
+        if ffn_recompute:
+            backward += layers * 2 * T * ffn_recompute(sparse)
+        if setting.activation_checkpointing:
+            recompute += layers * (mm_attn + mm_ffn + attn)
+            attention += layers * attn
     return (forward + backward + recompute) * share, attention * share
 
 
 def _layers(setting, tokens, layer_saved):
     """Activations of the layers, and their named terms: with checkpointing every
-    layer's input (one, when they are offloaded) and one layer's saved tensors."""
+    layer's input (one, when they are offloaded) and one layer's saved tensors
+    (the larger kind's, where dense and sparse layers differ).
+    ``layer_saved``: ``{sparse: bytes one layer of that kind saves}``."""
     m, e = setting.model, setting.precision.element
     if not setting.activation_checkpointing:
-        return m.num_layers * layer_saved, {EVERY_LAYER: m.num_layers * layer_saved}
+        every = sum(layers * layer_saved[sparse] for sparse, layers in m.layer_kinds)
+        return every, {EVERY_LAYER: every}
     kept = 1 if setting.offload_activations else m.num_layers
     checkpoints = kept * tokens * e * m.hidden_size
-    return checkpoints + layer_saved, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
-                                       RECOMPUTED: layer_saved}
+    one = max(layer_saved.values())
+    return checkpoints + one, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                               RECOMPUTED: one}
+
+
+def _per_layer(m, value):
+    """The mean over the layers of ``value(sparse)``: the value itself where every layer is of one kind."""
+    return sum(layers * value(sparse) for sparse, layers in m.layer_kinds) / m.num_layers
+
+
+def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, grad_x_bytes, sparse):
+    """One TSP layer's backward buffers (``plan_tsp``'s detail), by name."""
+    e, acc, B = setting.precision.element, setting.precision.accumulate, setting.micro_batch
+    S = tokens * D // B
+    kv_heads = max(m.num_kv_heads // D, 1)
+    if sparse:
+        # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
+        # shared expert.
+        expert_tokens = min(tile, -(-m.experts_per_token * tokens // m.num_experts))
+        intermediates = 6 * max(expert_tokens * m.expert_size, tile * m.shared_expert_size / D) * e
+    else:
+        intermediates = (8 if tile < tokens else 6) * tile * (m.intermediate_size / D) * e
+    return {
+        # backward of one head group: K, V, the gather buffer, the two dK/dV
+        # copies in the model dtype and their fp32 sums, over the full sequence
+        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + acc),
+        "weight_shards_in_flight": 2 * (attn_shard + ffn_shard) * e,
+        # every head group's gradient reduce stays posted until the layer ends
+        "attention_grad_reduces": m.attention_params * acc,
+        "mlp_accumulators": 3 * ffn_shard * acc,  # travelling, arriving, own partial
+        # one shard's gradients of a tile (a sparse layer: of one expert's tokens);
+        # tiled, also the tile's gate and up computed again
+        "mlp_shard_intermediates": intermediates,
+        "grad_x": tokens * m.hidden_size * grad_x_bytes,
+    }
 
 
 def plan_tsp(setting, vocab_parallel):
     """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
-    the embedding and LM head whole on every rank."""
+    the embedding and LM head whole on every rank. A sparse layer's experts are
+    sharded ``E/D`` per rank and travel round the ring as the MLP's shards do
+    (``ds_tsp.moe``)."""
     m, p, D = setting.model, setting.precision, setting.devices
-    e, acc, B, L, H = p.element, p.accumulate, setting.micro_batch, m.num_layers, m.hidden_size
+    e, acc, B, H = p.element, p.accumulate, setting.micro_batch, m.hidden_size
     problem = tsp_shape_problem(m, D)
     S = -(-setting.seq_len // (2 * D)) * 2 * D  # zigzag pads to a multiple of 2D
     tokens = B * S // D
@@ -142,17 +199,20 @@ def plan_tsp(setting, vocab_parallel):
     tile = min(tokens, setting.token_tile) if setting.token_tile else tokens
     mlp_tiled = tile < tokens
     attn_shard = max(tsp_attention_shard(m, D, r) for r in range(D))
-    mlp_shard = m.mlp_params / D
+    ffn_shard = {sparse: m.ffn_params(sparse) / D for sparse, _ in m.layer_kinds}
+    layer_params = {sparse: attn_shard + ffn_shard[sparse] + m.layer_replicated_params(sparse)
+                    for sparse, _ in m.layer_kinds}
     vocab_rows = vocab_rows_per_rank(m.vocab_size, D) if vocab_parallel else m.vocab_size
     vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
     states, optimizer_host = model_states(
-        L * (attn_shard + mlp_shard + m.layer_replicated_params) + H + vocab, p, setting.zero_stage, 1,
-        setting.offload_optimizer,
-        layer_params=max(attn_shard + mlp_shard + m.layer_replicated_params, vocab_rows * H))
+        sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab, p, setting.zero_stage,
+        1, setting.offload_optimizer, layer_params=max(*layer_params.values(), vocab_rows * H))
 
-    layer_saved = tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled)
+    layer_saved = {sparse: tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse)
+                   for sparse, _ in m.layer_kinds}
     # cos/sin of the local tokens plus, per sequence, the row of the largest position (model.rotary_tables)
     model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B)
+    model_saved += load_balancing_saved(m, tsp=True)
     layers, layer_terms = _layers(setting, tokens, layer_saved)
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
         logits_saved, vocab_transient = tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
@@ -168,25 +228,18 @@ def plan_tsp(setting, vocab_parallel):
         loss_backward = vocab_transient["loss_backward"]
         route = 0
 
-    kv_heads = max(m.num_kv_heads // D, 1)
     # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
     # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
     grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
+    transients = {sparse: _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard[sparse],
+                                               grad_x_bytes, sparse) for sparse, _ in m.layer_kinds}
+    layer = max(transients.values(), key=lambda pieces: sum(pieces.values()))
     detail = {
-        "saved_for_backward": (model_saved + L * layer_saved + logits_saved
-                               if not setting.activation_checkpointing else None),
+        "saved_for_backward": (model_saved + sum(n * layer_saved[sparse] for sparse, n in m.layer_kinds)
+                               + logits_saved if not setting.activation_checkpointing else None),
         "embedding_route": route,
         "logits_output": logits_held,
-        # backward of one head group: K, V, the gather buffer, the two dK/dV
-        # copies in the model dtype and their fp32 sums, over the full sequence
-        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + acc),
-        "weight_shards_in_flight": 2 * (attn_shard + mlp_shard) * e,
-        # every head group's gradient reduce stays posted until the layer ends
-        "attention_grad_reduces": m.attention_params * acc,
-        "mlp_accumulators": 3 * mlp_shard * acc,  # travelling, arriving, own partial
-        # one shard's gradients of a tile; tiled, also the tile's gate and up computed again
-        "mlp_shard_intermediates": (8 if mlp_tiled else 6) * tile * (m.intermediate_size / D) * e,
-        "grad_x": tokens * H * grad_x_bytes,
+        **layer,
         **vocab_transient,
     }
     layer_pieces = {KV_GROUP: detail["kv_head_group"], GRAD_X: detail["grad_x"],
@@ -202,7 +255,7 @@ def plan_tsp(setting, vocab_parallel):
     # With checkpointing no layer is recomputed yet while the loss runs its
     # backward, and none is left when the embedding runs its: the recomputed
     # layer's saved tensors (counted in the activations) are not live then.
-    not_live = layer_saved if setting.activation_checkpointing else 0
+    not_live = max(layer_saved.values()) if setting.activation_checkpointing else 0
     loss_backward_beyond_grads = max(loss_backward_beyond_grads - not_live, 0)
     embedding_backward = max(embedding_backward - not_live, 0)
     memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
@@ -215,15 +268,24 @@ def plan_tsp(setting, vocab_parallel):
     if problem:
         forward = backward = per_step = float("nan")
     else:
-        forward = tsp_bytes_per_layer(m, S, B, D, e, "forward")
-        backward = tsp_bytes_per_layer(m, S, B, D, e, "backward")
+        def per_layer(direction):
+            return _per_layer(m, lambda sparse: tsp_bytes_per_layer(m, S, B, D, e, direction, sparse=sparse))
+
+        forward, backward = per_layer("forward"), per_layer("backward")
         by_op = tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
                                      activation_checkpointing=setting.activation_checkpointing)
         per_step = sum(by_op.values())
     parts = {} if problem else {TSP_PARTS[op]: CommPart(nbytes, D, 1, op) for op, nbytes in by_op.items() if nbytes}
     notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
+
+    def recomputed(sparse):
+        # A TSP expert recomputes its gate, up and down projections in backward; a tiled MLP its gate and up.
+        if sparse:
+            return m.experts_per_token * m.expert_params + m.shared_expert_params
+        return 2 / 3 * m.mlp_params if mlp_tiled else 0
+
     flops, attention_flops = _flops(m, setting, B, S, 1 / D, tsp=True, fused_head=vocab_parallel,
-                                    mlp_recompute=2 / 3 if mlp_tiled else 0.0)
+                                    ffn_recompute=recomputed)
     return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
                         memory, forward, backward, per_step, flops, tokens, setting, feasible=problem is None,
                         notes=notes, detail=detail, terms=terms, host=host_memory(setting, tokens, optimizer_host),
@@ -244,10 +306,13 @@ def _loss_backward_beyond(setting, loss_backward, states):
     return loss_backward if setting.zero_stage >= 3 else max(loss_backward - states["grads"], 0)
 
 
-def _baseline_problem(m, t, c, kind, seq_len):
+def _baseline_problem(m, t, c, kind, seq_len, experts_split=True):
     nq, nkv = m.num_heads, m.num_kv_heads
-    if nq % t or (nkv % t and t % nkv) or m.intermediate_size % t:
+    dense = m.num_layers > m.moe_layers
+    if nq % t or (nkv % t and t % nkv) or (dense and m.intermediate_size % t):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
+    if m.is_moe and ((experts_split and m.expert_size % t) or m.shared_expert_size % t):
+        return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
     if kind == "ulysses" and (nq // t) % c:
         return f"{nq // t} query heads per TP rank do not split over sp={c}"
     if kind == "allgather" and seq_len % (2 * c):
@@ -255,8 +320,18 @@ def _baseline_problem(m, t, c, kind, seq_len):
     return None
 
 
+def _baseline_ffn_params(m, t, sparse, experts_split):
+    """One device's feed-forward parameters under ``t``-way tensor parallelism:
+    the dense MLP's ``F`` split; a sparse layer's experts split by ``F_e``
+    (``experts_split``, Megatron's expert tensor parallelism) or whole on every
+    rank, its shared expert split by ``F_s``."""
+    if not sparse:
+        return m.mlp_params / t
+    return m.num_experts * m.expert_params / (t if experts_split else 1) + m.shared_expert_params / t
+
+
 def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
-                  logits_kept=True):
+                  logits_kept=True, experts_split=True):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
@@ -267,28 +342,42 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     split by columns with its output gathered, so every rank holds the logits
     of the whole vocabulary. ``logits_kept``: the training loop keeps the
     model's logits output through backward (false: only the loss, so the
-    logits are freed once the loss has its log-probabilities)."""
+    logits are freed once the loss has its log-probabilities).
+
+    Sparse MoE layers are Hugging Face's (router and grouped experts, all
+    replicated over the sequence and data axes: Ulysses and CP replicate the
+    experts, ZeRO-3 partitions them and gathers a whole layer's at a time);
+    ``experts_split``: ``t`` splits every expert's ``F_e``, else the experts
+    stay whole on every tensor-parallel rank. TiledMLP tiles dense MLPs only."""
     m, p = setting.model, setting.precision
     e, B, S, L, H = p.element, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
+    kinds = m.layer_kinds
     kv_heads = max(m.num_kv_heads / t, 1)  # replicated when fewer than t
     tokens = B * S / c
     mlp_tiled = bool(mlp_tile) and tokens > mlp_tile
     replica_group = c * dp  # ranks holding the same weights: gradient sync and ZeRO
-    layer_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H + \
-        m.mlp_params / t + m.layer_replicated_params
+    attention_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H
+    layer_params = {sparse: attention_params + _baseline_ffn_params(m, t, sparse, experts_split)
+                    + m.layer_replicated_params(sparse) for sparse, _ in kinds}
+    all_layers = sum(layers * layer_params[sparse] for sparse, layers in kinds)
     vocab_shards = t if vocab_parallel else 1
     embedding = m.embedding_params / t if vocab_parallel else \
         m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
-    states, optimizer_host = model_states(L * layer_params + embedding, p, setting.zero_stage, replica_group,
+    states, optimizer_host = model_states(all_layers + embedding, p, setting.zero_stage, replica_group,
                                           setting.offload_optimizer,
-                                          layer_params=max(layer_params, m.vocab_size * H / t))
+                                          layer_params=max(*layer_params.values(), m.vocab_size * H / t))
 
-    layer_saved = tokens * hf_layer_saved_per_token(m, e, t, ulysses=kind == "ulysses" and c > 1,
-                                                    mlp_tiled=mlp_tiled)
-    if kind == "allgather" and c > 1:  # the gathered full-sequence K/V replaces the local one
-        layer_saved += (B * S - tokens) * 2 * kv_heads * d * e
-    model_saved = model_level_saved(m, e, tokens, rope_rows=S / c)  # HF rotary: one row per position
+    ulysses = kind == "ulysses" and c > 1
+    layer_saved = {}
+    for sparse, _ in kinds:
+        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled and not sparse, sparse,
+                                                                experts_split)
+        layer_saved[sparse] += hf_moe_layer_saved(m) if sparse else 0
+        if kind == "allgather" and c > 1:  # the gathered full-sequence K/V replaces the local one
+            layer_saved[sparse] += (B * S - tokens) * 2 * kv_heads * d * e
+    # HF rotary: one row per position
+    model_saved = model_level_saved(m, e, tokens, rope_rows=S / c) + load_balancing_saved(m, tsp=False)
     layers, layer_terms = _layers(setting, tokens, layer_saved)
     zero3 = setting.zero_stage >= 3 and replica_group > 1
     if tiled_loss:
@@ -301,16 +390,23 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
         if zero3:  # the LM head gathered whole, and its whole gradient before the reduce-scatter
             loss_backward += 2 * m.vocab_size / vocab_shards * H * e
 
+    def ffn_grads(sparse):
+        """Gradients of the feed-forward intermediates in backward; tiled, of one
+        tile, with the tile's four recomputed; a sparse layer's of every slot."""
+        if not sparse:
+            return (7 * mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e
+        experts = m.experts_per_token * m.expert_size / (t if experts_split else 1)
+        return 3 * tokens * (experts + m.shared_expert_size / t) * e
+
     detail = {
-        "saved_for_backward": (model_saved + L * layer_saved + logits_saved
-                               if not setting.activation_checkpointing else None),
+        "saved_for_backward": (model_saved + sum(layers * layer_saved[sparse] for sparse, layers in kinds)
+                               + logits_saved if not setting.activation_checkpointing else None),
         "logits_output": logits_held,
-        # gradients of the MLP's intermediates; tiled, of one tile, with the tile's four recomputed
-        "mlp_grads": (7 * mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e,
+        "mlp_grads": max(ffn_grads(sparse) for sparse, _ in kinds),
         "grad_x": 2 * tokens * H * e,
-        "all_to_all_buffers": tokens * (nq / t + 2 * kv_heads) * d * e if kind == "ulysses" and c > 1 else 0,
+        "all_to_all_buffers": tokens * (nq / t + 2 * kv_heads) * d * e if ulysses else 0,
         "full_kv_grads": 2 * B * S * 2 * kv_heads * d * e if kind == "allgather" and c > 1 else 0,
-        "zero3_gathered_layers": 2 * layer_params * e if zero3 else 0,
+        "zero3_gathered_layers": 2 * max(layer_params.values()) * e if zero3 else 0,
         "loss_backward": loss_backward,
     }
     layer_pieces = {MLP_TILE: detail["mlp_grads"], GRAD_X: detail["grad_x"],
@@ -319,7 +415,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     layer_backward = sum(layer_pieces.values())
     # As for TSP: the loss backward runs before any gradient exists (but
     # ZeRO-3's partition) and, with checkpointing, before any layer is recomputed.
-    not_live = layer_saved if setting.activation_checkpointing else 0
+    not_live = max(layer_saved.values()) if setting.activation_checkpointing else 0
     loss_backward_beyond = max(_loss_backward_beyond(setting, loss_backward, states) - not_live, 0)
     memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
               "transient": max(layer_backward, loss_backward_beyond)}
@@ -333,36 +429,54 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
         return (group - 1) / group * nbytes
 
     grad_reduce = gather if setting.zero_stage >= 1 else all_reduce  # reduce-scatter under ZeRO
-    tp_layer = all_reduce(t, tokens * H * e) * 2  # after attention and after the MLP
+
+    def tp_layer(sparse):
+        # after attention and after the MLP; a sparse layer whose experts stay whole and that has no shared
+        # expert sums nothing after its feed-forward block
+        ffn_split = not sparse or experts_split or m.shared_expert_size
+        return all_reduce(t, tokens * H * e) * (2 if ffn_split else 1)
+
     sp_layer = {"ulysses": gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
                 "allgather": gather(c, B * S * 2 * kv_heads * d * e)}.get(kind, 0)
-    zero3_layer = gather(replica_group, layer_params * e) if zero3 else 0
-    forward = tp_layer + sp_layer + zero3_layer
+
+    def zero3_layer(sparse):
+        return gather(replica_group, layer_params[sparse] * e) if zero3 else 0
+
+    def forward_layer(sparse):
+        return tp_layer(sparse) + sp_layer + zero3_layer(sparse)
+
+    def layer_grads(sparse):
+        return grad_reduce(replica_group, layer_params[sparse] * p.grad)
+
+    passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
     # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather, then the gradients
-    layer_grads = grad_reduce(replica_group, layer_params * p.grad)
-    backward = forward + layer_grads
-    recompute = forward if setting.activation_checkpointing else 0
-    per_step = L * (forward + backward + recompute)
+    per_step = sum(layers * (passes * forward_layer(sparse) + layer_grads(sparse)) for sparse, layers in kinds)
     vocab_tp = 2 * all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
     embedding_grads = grad_reduce(replica_group, embedding * p.grad)
-    param_gather = gather(replica_group, (L * layer_params + embedding) * e) if setting.zero_stage in (1, 2) else 0
+    param_gather = gather(replica_group, (all_layers + embedding) * e) if setting.zero_stage in (1, 2) else 0
     zero3_embedding = 2 * gather(replica_group, embedding * e) if zero3 else 0
     for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
         per_step += once_per_step
 
-    passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
-    parts = {TP_ACTIVATIONS: CommPart(L * passes * tp_layer + vocab_tp, t, 1, "all_reduce"),
+    def summed(value):
+        return sum(layers * value(sparse) for sparse, layers in kinds)
+
+    parts = {TP_ACTIVATIONS: CommPart(passes * summed(tp_layer) + vocab_tp, t, 1, "all_reduce"),
              SP_ALL_TO_ALL if kind == "ulysses" else CP_KV: CommPart(
                  L * passes * sp_layer, c, t, "all_to_all" if kind == "ulysses" else "all_gather"),
-             ZERO3_GATHER: CommPart(L * passes * zero3_layer + zero3_embedding, replica_group, t, "all_gather"),
-             GRAD_REDUCE: CommPart(L * layer_grads + embedding_grads, replica_group, t,
+             ZERO3_GATHER: CommPart(passes * summed(zero3_layer) + zero3_embedding, replica_group, t, "all_gather"),
+             GRAD_REDUCE: CommPart(summed(layer_grads) + embedding_grads, replica_group, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
              PARAM_GATHER: CommPart(param_gather, replica_group, t, "all_gather")}
-    problem = _baseline_problem(m, t, c, kind, S)
-    flops, attention_flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False,
-                                    mlp_recompute=1.0 if mlp_tiled else 0.0)
-    return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, tokens, setting,
-                        feasible=problem is None, notes=problem or "", detail=detail, terms=terms,
+    problem = _baseline_problem(m, t, c, kind, S, experts_split)
+
+    def recomputed(sparse):  # TiledMLP runs a dense MLP's forward again in backward
+        return m.mlp_params if mlp_tiled and not sparse else 0
+
+    flops, attention_flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False, ffn_recompute=recomputed)
+    return StrategyPlan(name, layout, memory, _per_layer(m, forward_layer),
+                        _per_layer(m, lambda sparse: forward_layer(sparse) + layer_grads(sparse)), per_step, flops,
+                        tokens, setting, feasible=problem is None, notes=problem or "", detail=detail, terms=terms,
                         host=host_memory(setting, tokens, optimizer_host),
                         comm_parts={k: v for k, v in parts.items() if v.nbytes},
                         attention_flops_per_step=attention_flops, devices_per_replica=t * c)
@@ -439,16 +553,35 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
                                       plan_tsp(setting, vocab_parallel=True)]
 
 
+# Why DeepSpeed's AutoTP cannot train a mixture-of-experts model (checked with DeepSpeed 0.19.8 and
+# transformers 5.24 on Mixtral, Qwen2-MoE and Qwen3-MoE): deepspeed.initialize raises it.
+AUTOTP_MOE_REFUSED = (
+    "DeepSpeed 0.19.8's AutoTP refuses it: the model's Hugging Face tp_plan uses the partition styles "
+    "'moe_tp_experts' and 'packed_colwise', which DeepSpeed's TPPlanConverter does not support, so "
+    "deepspeed.initialize raises before any layer is split (a hand-written tensor_parallel.partition_config is "
+    "the way round; DeepSpeed's own MoE presets name per-expert Linear layers, not transformers 5's fused 3-D "
+    "experts)")
+
+
 def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                 logits_kept=True, **options):
     """DeepSpeed AutoTP training over ``devices`` ranks (``tensor_parallel.autotp_size``):
     ``TP(N)``'s layers with the vocabulary as AutoTP lays it out, the embedding
     whole and the LM head's output gathered (``plan_baseline``'s
-    ``vocab_parallel`` false). Arguments as ``plan``'s."""
+    ``vocab_parallel`` false). Arguments as ``plan``'s.
+
+    A mixture-of-experts model is refused by DeepSpeed (``AUTOTP_MOE_REFUSED``):
+    the plan is infeasible, says why, and has no figures (NaN)."""
     setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
                            **options)
-    return plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
-                         vocab_parallel=False, logits_kept=logits_kept)
+    found = plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
+                          vocab_parallel=False, logits_kept=logits_kept)
+    if not setting.model.is_moe:
+        return found
+    nan = float("nan")
+    return StrategyPlan(found.name, found.layout, {part: nan for part in found.memory}, nan, nan, nan, nan,
+                        found.tokens_per_device, setting, feasible=False, notes=AUTOTP_MOE_REFUSED,
+                        devices_per_replica=devices)
 
 
 def alst_name(devices):

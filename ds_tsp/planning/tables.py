@@ -1,15 +1,17 @@
 """What ``ds-tsp plan`` prints and draws: the per-strategy table (with the
 paper's measured peaks beside it, and each strategy's step time on a cluster),
-the longest-sequence table (with ALST's published lengths beside it), the
-step-time model against published throughput, and peak memory against
-sequence length."""
+a mixture-of-experts model's facts (parameters, expert bytes per device, the
+expert ring against the token all-to-all), the longest-sequence table (with
+ALST's published lengths beside it), the step-time model against published
+throughput, and peak memory against sequence length."""
 
 from dataclasses import replace
 
 from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
+from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op
 from .memory import MEMORY_PARTS
-from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name
-from .strategies import alst_name, plan
+from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name, tsp_shape_problem
+from .strategies import AUTOTP_MOE_REFUSED, alst_name, plan
 from .timing import DEFAULT_CLUSTER, step_time
 
 
@@ -114,7 +116,9 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         "in fp32 (gradient reduce, ring accumulators) + (D-1)/D 2BS nkv d (dK, dV reduce-scatter). Folded vocabulary, "
         "per step: embedding all-to-all (D-1)/D BSH/D fwd and bwd, LM-head ring (D-1) ceil(V/D) H fwd and bwd + the "
         "same in fp32 bwd (gradient accumulators); replicated vocabulary: the embedding and head gradients "
-        "all-reduced instead.",
+        "all-reduced instead." + (" A sparse layer has its experts and shared expert, Wx = 3H (E F_e + F_s), on "
+                                  "the ring in Wm's place; per-layer figures are the mean over the layers."
+                                  if m.is_moe else ""),
         f"Time (timing): {cluster.describe()}, {setting.devices_per_node} devices per node. s/step = blocking "
         "communication + max(compute, overlapped communication per link); TP all-reduces, Ulysses all-to-alls, "
         "ZeRO-1/2's weight gather and TSP's embedding all-to-all and replicated-gradient all-reduces block; ZeRO-3 "
@@ -134,6 +138,70 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
     if paper:
         footer += _paper_footer(plans, paper)
     return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
+
+
+def moe_facts(setting):
+    """A mixture-of-experts model's facts at ``setting`` (None for a dense model):
+    total and active parameters, the routed experts' weight bytes on one
+    device under TSP (``E/D`` experts a layer), TP (``1/t`` of each) and the
+    layouts that replicate them, and one sparse layer's bytes received per
+    rank and step (forward + backward) by the expert ring TSP runs and by the
+    token all-to-all, with the micro-batch size in tokens where they cross."""
+    m, D, p = setting.model, setting.devices, setting.precision
+    if not m.is_moe:
+        return None
+    e, B, S = p.element, setting.micro_batch, -(-setting.seq_len // (2 * D)) * 2 * D
+    experts = m.routed_expert_params * p.weight
+    facts = {"params": m.params, "active_params": m.active_params, "moe_layers": m.moe_layers,
+             "num_experts": m.num_experts, "experts_per_token": m.experts_per_token, "expert_size": m.expert_size,
+             "shared_expert_size": m.shared_expert_size, "routed_expert_bytes": experts,
+             "expert_bytes_per_device": {tsp_name(D): experts / D, f"TP({D})": experts / D,
+                                         f"SP-Ulysses({D})": experts},
+             "autotp": AUTOTP_MOE_REFUSED}
+    if D > 1 and tsp_shape_problem(m, D) is None:
+        a = gradient_wire_bytes(e)
+        facts["sparse_layer_bytes"] = {schedule: sum(tsp_moe_bytes_by_op(m, S, B, D, e, "both", schedule).values())
+                                       for schedule in ("ring", "all_to_all")}
+        facts["crossover_tokens"] = {direction: moe_crossover_tokens(m, D, e, direction)
+                                     for direction in ("both", "forward")}
+        facts["accumulator_bytes"] = a
+    return facts
+
+
+def format_moe_facts(plans):
+    """Lines for a mixture-of-experts model (``moe_facts``), "" for a dense one."""
+    setting = plans[0].setting
+    facts, m, D = moe_facts(setting), setting.model, setting.devices
+    if facts is None:
+        return ""
+    shared = f", a shared expert of F_s={m.shared_expert_size}" if m.shared_expert_size else ", no shared expert"
+    per_device = facts["expert_bytes_per_device"]
+    lines = [
+        f"{m.name}: {m.moe_layers} of {m.num_layers} layers sparse, {m.num_experts} experts of F_e={m.expert_size}, "
+        f"top-{m.experts_per_token}{shared}: {m.params / 1e9:.2f}B total, {m.active_params / 1e9:.2f}B active "
+        f"parameters per token; the routed experts are {m.routed_expert_params / 1e9:.2f}B "
+        f"({format_gb(facts['routed_expert_bytes'])} GB of {setting.dtype} weights).",
+        f"Routed-expert weights per device, GB: {tsp_name(D)} {format_gb(per_device[tsp_name(D)])} "
+        f"({m.num_experts // D if m.num_experts % D == 0 else m.num_experts / D:g} of {m.num_experts} experts a "
+        f"layer); TP({D}) {format_gb(per_device[f'TP({D})'])} (1/{D} of every expert's F_e, Megatron's expert "
+        f"tensor parallelism, modelled); SP-Ulysses({D}), CP and DP {format_gb(per_device[f'SP-Ulysses({D})'])} "
+        f"(every expert on every device; ZeRO-3 partitions them and gathers one layer's whole at a time).",
+        f"AutoTP({D}): {facts['autotp']}.",
+    ]
+    if "sparse_layer_bytes" in facts:
+        moved, cross = facts["sparse_layer_bytes"], facts["crossover_tokens"]
+        tokens = setting.micro_batch * setting.seq_len
+        cheaper = "expert ring" if moved["ring"] <= moved["all_to_all"] else "token all-to-all"
+        lines.append(
+            f"One sparse layer, bytes received per rank and step (forward + backward, {setting.dtype}, gradient "
+            f"accumulators in {facts['accumulator_bytes']} B): expert ring (TSP, ds_tsp.moe) "
+            f"{moved['ring'] / 1e6:.1f} MB, whatever the tokens; token all-to-all (the alternative, routing spread "
+            f"evenly) {moved['all_to_all'] / 1e6:.1f} MB at B x S = {tokens:,} tokens. The {cheaper} is cheaper "
+            f"here; the ring moves fewer bytes past {cross['both']:,.0f} tokens per micro-batch, the all-to-all "
+            f"below ({cross['forward']:,.0f} counting the forward alone).")
+    else:
+        lines.append(f"TSP({D}) cannot shard this model: {tsp_shape_problem(m, D) or 'one device moves nothing'}.")
+    return "Mixture of experts:\n\n" + "\n".join(f"* {line}" for line in lines) + "\n"
 
 
 def plot_memory_vs_seq(model, seq_lens, devices, path, micro_batch=1, dtype="bf16", zero_stage=0,
