@@ -43,9 +43,14 @@ wider, ``a`` bytes each in the gradient wire dtype, ``comm.gradient_wire_dtype``
   state goes to its k experts and its k outputs come back, so forward about
   ``2 k N H (D-1)/D`` elements with uniform routing (plus the ``D`` split
   sizes), backward the same again (gradients of both), and the shared expert
-  still on the ring. The ring moves fewer bytes while
-  ``B*S < 1.5 E F D / k`` tokens (Qwen3-30B-A3B at D=8: about 147K tokens per
-  micro-batch); past that the all-to-all does.
+  still on the ring. The ring's bytes do not grow with the sequence and the
+  all-to-all's do, so the all-to-all moves fewer below
+  ``B*S = 1.5 E F D / k`` tokens (forward; forward and backward in bf16 with
+  float32 accumulators: ``0.75 E F D (2w + a) / (k w)``) and the ring past it
+  (``ds_tsp.planning``'s ``moe_crossover_tokens``; Qwen3-30B-A3B at D=8:
+  147,456 and 294,912 tokens per micro-batch). TSP is for sequences past
+  that, so the ring is built; at 32K tokens the all-to-all would move about
+  9x fewer bytes (``ds-tsp plan --model qwen3-30b-a3b``).
 
 The auxiliary load-balancing loss (``load_balancing_loss``) adds one
 all-reduce of ``2E+1`` float64 values per forward.
