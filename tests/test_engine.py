@@ -161,6 +161,7 @@ def _gathered(engine, zero_stage):
     # though its gradient norms agree within 2.5e-7 at the first step and its SGD weights within 1e-7.
     (4, 2, 1, "adam", False, False, "qwen2_moe", False), (4, 2, 2, "adam", False, False, "qwen2_moe", False),
     (4, 2, 1, "sgd", False, False, "mixtral", False), (4, 2, 2, "sgd", False, False, "qwen3_moe", False),
+    (4, 2, 0, "sgd", False, False, "qwen3_moe", False),
     (2, 2, 3, "adam", False, False, "mixtral", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
