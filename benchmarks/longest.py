@@ -447,6 +447,7 @@ def parse_args(argv=None):
     if args.start < 1 or args.granularity < 1 or args.max_len < args.start:
         parser.error("--start and --granularity must be >= 1 and --max-len >= --start")
     args.seq_lens = [args.max_len]  # compare.build_model sizes max_position_embeddings by it
+    args.model = "dense"  # compare.build_model's Llama-shaped model
     return args
 
 
