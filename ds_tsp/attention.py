@@ -442,7 +442,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             kv_weights, kv_set = w, holder // heads.kv_replicas
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
-            dKV = torch.zeros((2, *K.shape), dtype=acc_dtype, device=K.device)  # the set's dK, dV sums
+            # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
+            dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q = rotate(saved["q"][j], plan.q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:

@@ -78,7 +78,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,
-                           layer.get_submodule(policy.post_attention_norm), tsp_mlp)
+                           layer.get_submodule(policy.post_attention_norm), tsp_mlp, tsp_config.recompute_norms)
 
 
 def keep_frozen(hf_block, tsp_block, layer_class, where):

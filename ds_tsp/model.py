@@ -10,6 +10,7 @@ ring (``ds_tsp.vocab``) and, with labels, no logits are returned.
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
@@ -25,18 +26,30 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     attention and MLP. Subclassing HF's checkpointing layer makes
     ``model.gradient_checkpointing_enable()`` recompute it."""
 
-    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
+    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp, recompute_norms=False):
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attn = self_attn
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        self.recompute_norms = recompute_norms  # tsp.recompute_norms
 
     def forward(self, hidden_states, position_embeddings, documents=None):
         residual = hidden_states
-        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, documents)
+        normalized = normalize(self.input_layernorm, hidden_states, self.recompute_norms)
+        hidden_states = residual + self.self_attn(normalized, position_embeddings, documents)
         residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + self.mlp(normalize(self.post_attention_layernorm, hidden_states, self.recompute_norms))
+
+
+def normalize(norm, hidden, recompute):
+    """``norm(hidden)``. With ``recompute`` (``tsp.recompute_norms``) autograd
+    keeps only ``hidden`` and backward runs the norm again (torch's
+    non-reentrant checkpoint), instead of keeping the norm's float32 copy of
+    its input and its normalised values; the numbers are the same."""
+    if recompute and torch.is_grad_enabled() and hidden.requires_grad:
+        return torch.utils.checkpoint.checkpoint(norm, hidden, use_reentrant=False)
+    return norm(hidden)
 
 
 class TSPBatch:
@@ -173,7 +186,7 @@ class TSPCausalLMMixin:
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
             for decoder_layer in self.get_submodule(policy.layers):
                 hidden = decoder_layer(hidden, position_embeddings, batch.documents)
-        hidden = self.get_submodule(policy.final_norm)(hidden)
+        hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
                                         num_items_in_batch)
         if not moe_blocks:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from .model import TSPBatch, lm_head_and_loss, rotary_tables
+from .model import TSPBatch, lm_head_and_loss, normalize, rotary_tables
 from .moe import TSPSparseMoE, balance_loss, recorded_router_logits, routing_statistics
 from .vocab import embed_local_tokens
 
@@ -110,14 +110,16 @@ class _StatisticsLink(torch.autograd.Function):
 class TSPHeadPipe(nn.Module):
     """The final norm; holds the LM head, which ``TSPPipeLoss`` applies."""
 
-    def __init__(self, norm, lm_head):
+    def __init__(self, norm, lm_head, recompute_norm=False):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.recompute_norm = recompute_norm  # tsp.recompute_norms
 
     def forward(self, inputs):
         hidden, _, *statistics = inputs
-        return (self.norm(hidden), *statistics) if statistics else self.norm(hidden)
+        hidden = normalize(self.norm, hidden, self.recompute_norm)
+        return (hidden, *statistics) if statistics else hidden
 
 
 class TSPPipeLoss:
@@ -182,7 +184,8 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
                                model.tsp_batch_check, num_experts)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
-    head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head))
+    head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head),
+                       tsp_config.recompute_norms)
     layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
     loss_fn = TSPPipeLoss(head, topology, tsp_config.layout, getattr(model.config, "router_aux_loss_coef", 0.0))

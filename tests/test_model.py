@@ -56,6 +56,22 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
     check(per_rank, f"D={tsp_size} {cases[0]} checkpoints in host memory")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_recomputed_norms_change_no_number(run_ranks, tsp_size):
+    """tsp.recompute_norms: every RMSNorm (the final one too) keeps only its
+    input and runs again in backward, alone and inside recomputed layers."""
+    for checkpointing in (False, "host"):
+        plain = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13, checkpointing=checkpointing)
+        recomputed = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13,
+                               checkpointing=checkpointing, recompute_norms=True)
+        check(recomputed, f"D={tsp_size} qwen3 recomputed norms, checkpointing {checkpointing}")
+        for rank, (a, b) in enumerate(zip(plain, recomputed)):
+            print(f"rank {rank}: saved for backward {-a['saved_bytes']} B, {-b['saved_bytes']} B with the norms "
+                  "recomputed")
+            # Each norm's float32 copy of its input (B, S/D, H) at least, three norms without layer checkpoints.
+            assert -b["saved_bytes"] < -a["saved_bytes"]
+
+
 def test_activation_checkpointing_recomputes_exactly(run_ranks):
     plain = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32)
     recomputed = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing=True)

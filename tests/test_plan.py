@@ -373,22 +373,24 @@ def test_bf16_wire_bytes_equal_what_the_code_counts(run_ranks):
             assert (planned == fp32_wire) == (dtype == torch.float64)
 
 
-def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True):
+def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True, recompute_norms=False):
     from ds_tsp import inject
     from ds_tsp.config import TSPConfig
     from ds_tsp.topology import TSPTopology
     from models import tiny_model
 
     model = inject(tiny_model(arch, dtype=dtype), TSPTopology(tsp_size),
-                   TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa", vocab_parallel=vocab_parallel))
+                   TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa", vocab_parallel=vocab_parallel,
+                             recompute_norms=recompute_norms))
     input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
     return _saved_bytes(model.parameters(), lambda: model(input_ids=input_ids, labels=input_ids))[1]
 
 
-def _planned(name, devices, dtype, arch="llama"):
+def _planned(name, devices, dtype, arch="llama", **options):
     from models import tiny_config
 
-    return {p.name: p for p in planner.plan(tiny_config(arch).to_dict(), SEQ, BATCH, devices, dtype)}[name]
+    return {p.name: p for p in planner.plan(tiny_config(arch).to_dict(), SEQ, BATCH, devices, dtype,
+                                            **options)}[name]
 
 
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
@@ -398,11 +400,14 @@ def test_saved_activations_equal_the_models(dtype, name):
     # The whole TSP model (embedding, layers, final norm, LM head, loss), one rank. Mistral's sliding
     # window takes the attention backward that recomputes instead of saving the output and lse. The
     # folded vocabulary saves no embedding ids and no log-probs, only the loss's labels and fp32 lse.
-    for arch, vocab_parallel in (("llama", True), ("llama", False), ("mistral", True)):
-        measured = _tsp_model_saved(1, dtype, arch, vocab_parallel)
+    # tsp.recompute_norms: each RMSNorm keeps only its input (torch's checkpoint saves it).
+    for arch, vocab_parallel, recompute_norms in (("llama", True, False), ("llama", False, False),
+                                                  ("mistral", True, False), ("llama", True, True)):
+        measured = _tsp_model_saved(1, dtype, arch, vocab_parallel, recompute_norms)
         plan_name = planner.tsp_name(1, vocab_parallel)
-        planned = _planned(plan_name, 1, name, arch).detail["saved_for_backward"]
-        print(f"{plan_name} {arch} {name}: saved {measured} B, planned {planned:.0f} B")
+        planned = _planned(plan_name, 1, name, arch, recompute_norms=recompute_norms).detail["saved_for_backward"]
+        print(f"{plan_name} {arch} {name} recompute_norms={recompute_norms}: saved {measured} B, "
+              f"planned {planned:.0f} B")
         assert measured == planned
     # The baselines' count is the Hugging Face layer's: the unsharded model.
     hf = tiny_model("llama", dtype=dtype)
@@ -603,7 +608,8 @@ def _plan_at(result, seq_len, memory_options):
     N, zero = result.plan.setting.devices, result.plan.setting.zero_stage
     if result.name.startswith("ALST"):
         return planner.plan_alst("llama3.1-8b", seq_len, N)
-    options = dict(memory_options, token_tile=planner.DEFAULT_TOKEN_TILE)
+    options = dict(memory_options, token_tile=planner.DEFAULT_TOKEN_TILE,
+                   recompute_norms=result.plan.setting.recompute_norms)
     if result.name.endswith("+ offload"):
         options.update(offload_activations=True, offload_optimizer=True)
     plans = {p.name: p for p in planner.plan("llama3.1-8b", seq_len, 1, N, "bf16", zero, True, **options)}
@@ -663,30 +669,32 @@ def test_alst_model_reproduces_its_published_lengths():
         assert alst.binding == "saved tensors of the recomputed layer"
 
 
-def test_tsp_against_alst_on_8x80gb_and_why_not_1_5x():
-    # Issue #14's target: TSP's longest sequence on 8 x 80 GB at least 1.5x ALST's 3.7M. The model says no,
-    # and this is why: at millions of tokens both split every token's activations over the same 8 devices and
-    # both have shrunk their model states to a few GB, so the longest sequence is set by what one local token
-    # costs; TSP's local token costs no less than ALST's (same recomputed layer and model-level tensors; TSP
-    # adds its head group's full-sequence K/V and an fp32 input-gradient accumulator, ALST its all-to-all
-    # buffers and a second copy of the attention output).
+def test_tsp_against_alst_on_8x80gb():
+    # Issue #14's target: TSP's longest sequence on 8 x 80 GB at least 1.5x ALST's 3.7M. At millions of tokens
+    # both split every token's activations over the same 8 devices and both have shrunk their model states to a
+    # few GB, so the longest sequence is set by what one local token costs. TSP's recomputed norms
+    # (tsp.recompute_norms, on in max_seq_len) keep only their inputs; with tsp.fp32_accumulators false its
+    # input gradient and dK/dV sums are in bf16, and then TSP's local token costs less than ALST's.
+    lengths = {}
     for fp32_accumulators in (True, False):
-        results = {r.name: r for r in planner.max_seq_len("llama3.1-8b", 8, 80, HOST_GB,
-                                                          fp32_accumulators=fp32_accumulators)}
-        tsp, alst = results["TSP(8) + offload"], results[planner.alst_name(8)]
-        print(f"fp32_accumulators={fp32_accumulators}: TSP {tsp.seq_len}, ALST {alst.seq_len}, published 3.7M")
-        assert 3_000_000 < tsp.seq_len < 1.5 * 3_700_000
-        assert tsp.binding == alst.binding == "saved tensors of the recomputed layer"
-        budget = 80 * planner.GB
-        for result in (tsp, alst):
-            assert result.plan.terms["model states"] < 0.05 * budget
-
-        def per_token(result):
-            return (result.device_bytes - result.plan.terms["model states"]) / result.plan.tokens_per_device
-
-        assert per_token(tsp) >= per_token(alst)
-        assert tsp.plan.terms["K/V of one head group"] == pytest.approx(2 * tsp.seq_len * 1 * 128 * (4 * 2 + 4))
-    # Guard: TSP's folding does pay where model states bind: without offloads it trains 6x Ulysses' length.
+        for recompute_norms in (True, False):
+            results = {r.name: r for r in planner.max_seq_len("llama3.1-8b", 8, 80, HOST_GB,
+                                                              fp32_accumulators=fp32_accumulators,
+                                                              recompute_norms=recompute_norms)}
+            tsp, alst = results["TSP(8) + offload"], results[planner.alst_name(8)]
+            lengths[fp32_accumulators, recompute_norms] = tsp.seq_len
+            print(f"fp32_accumulators={fp32_accumulators} recompute_norms={recompute_norms}: TSP {tsp.seq_len} "
+                  f"({tsp.seq_len / 3_700_000:.3f}x), ALST {alst.seq_len}, published 3.7M")
+            assert tsp.binding == alst.binding == "saved tensors of the recomputed layer"
+            for result in (tsp, alst):
+                assert result.plan.terms["model states"] < 0.05 * 80 * planner.GB
+            kv_bytes = 4 * 2 + (4 if fp32_accumulators else 2)  # K, V, gather, wire copy; their sums
+            assert tsp.plan.terms["K/V of one head group"] == pytest.approx(2 * tsp.seq_len * 1 * 128 * kv_bytes)
+    assert lengths[False, True] >= 1.5 * 3_700_000
+    assert 1.2 * 3_700_000 < lengths[True, True] < 1.5 * 3_700_000
+    # The guard: with Hugging Face's norms (and fp32 sums) TSP's local token costs more than ALST's.
+    assert lengths[True, False] < 3_700_000
+    # TSP's folding pays where model states bind: without offloads it trains 6x Ulysses' length.
     assert results["TSP(8)"].seq_len > 6 * results["SP-Ulysses(8)"].seq_len
 
 
@@ -712,12 +720,21 @@ def test_token_tile_and_offloads_reduce_the_right_terms():
         assert plans(token_tile=tile)["TSP(8)"].memory == tsp.memory
     assert tiled["TP(8)"].memory == base["TP(8)"].memory
 
-    # fp32_accumulators false: the input gradient sums in bf16, one fp32 (S/D, H) copy less; fp32 models have none.
+    # fp32_accumulators false: the input gradient sums in bf16, one fp32 (S/D, H) copy less, and so do the head
+    # group's full-sequence dK, dV (one KV head a group here); fp32 models have none.
     narrow = plans(fp32_accumulators=False)["TSP(8)"]
     assert tsp.detail["grad_x"] - narrow.detail["grad_x"] == tokens * H * 4
-    assert {k: v for k, v in narrow.detail.items() if k != "grad_x"} == \
-        {k: v for k, v in tsp.detail.items() if k != "grad_x"}
+    assert tsp.detail["kv_head_group"] - narrow.detail["kv_head_group"] == 2 * S * 128 * (4 - 2)
+    assert {k: v for k, v in narrow.detail.items() if k not in ("grad_x", "kv_head_group")} == \
+        {k: v for k, v in tsp.detail.items() if k not in ("grad_x", "kv_head_group")}
     assert plans("fp32", fp32_accumulators=False)["TSP(8)"].memory == plans("fp32")["TSP(8)"].memory
+
+    # recompute_norms: the recomputed layer's two norms keep their inputs (the first's is the checkpointed
+    # input, counted as such) instead of a float32 copy, 1/rms and the normalised value; the final norm too.
+    norms = plans(recompute_norms=True)["TSP(8)"]
+    per_token = 2 * (4 * H + 4 + 2 * H) - 2 * H + (4 * H + 4 + 2 * H) - 2 * H
+    assert tsp.memory["activations"] - norms.memory["activations"] == tokens * per_token
+    assert plans(recompute_norms=True)["TP(8)"].memory == base["TP(8)"].memory
 
     # Checkpoints in host memory: the device keeps one layer's input instead of L; the node holds every rank's.
     offloaded = plans(offload_activations=True)

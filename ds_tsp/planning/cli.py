@@ -87,6 +87,9 @@ def add_plan_arguments(parser):
     parser.add_argument("--fp32-accumulators", action=argparse.BooleanOptionalAction, default=True,
                         help="tsp.fp32_accumulators: TSP sums head groups, ring steps and input gradients in fp32 "
                              "(default: on)")
+    parser.add_argument("--recompute-norms", action=argparse.BooleanOptionalAction, default=None,
+                        help="tsp.recompute_norms: TSP's RMSNorms keep only their input and run again in backward "
+                             "(default: off; on with --max-seq-len)")
     parser.add_argument("--offload-activations", action="store_true",
                         help="activation checkpoints in host memory (activation_checkpointing.cpu_checkpointing); "
                              "needs --activation-checkpointing")
@@ -146,11 +149,12 @@ def _run_max_seq_len(args, out):
     host_memory_gb = ALST_HOST_MEMORY_GB if args.host_memory_gb is None else args.host_memory_gb
     token_tile = DEFAULT_TOKEN_TILE if args.token_tile is None else args.token_tile
     zero_stage = 1 if args.zero_stage is None else args.zero_stage
+    recompute_norms = args.recompute_norms is not False
     settings = []
     for devices in (tuple(ALST_PUBLISHED) if args.alst else (args.devices,)):
         results = max_seq_len(model, devices, memory_gb, host_memory_gb, micro_batch=args.micro_batch,
                               dtype=args.dtype, zero_stage=zero_stage, token_tile=token_tile,
-                              fp32_accumulators=args.fp32_accumulators,
+                              fp32_accumulators=args.fp32_accumulators, recompute_norms=recompute_norms,
                               tsp_attention_backward=args.tsp_attention_backward,
                               logits_tile_mib=args.logits_tile_mib, devices_per_node=args.devices_per_node)
         if args.alst:
@@ -160,7 +164,7 @@ def _run_max_seq_len(args, out):
                          "host_memory_gb": host_memory_gb, "devices_per_node": args.devices_per_node,
                          "micro_batch": args.micro_batch, "dtype": args.dtype, "zero_stage": zero_stage,
                          "token_tile": token_tile, "fp32_accumulators": args.fp32_accumulators,
-                         "results": [result.as_dict() for result in results]})
+                         "recompute_norms": recompute_norms, "results": [result.as_dict() for result in results]})
     if args.json:
         _write_json(args.json, {"max_seq_len": settings}, out)
 
@@ -190,7 +194,7 @@ def _run_table(args, out):
     if checkpointing is None:
         checkpointing = bool(args.paper)
     options = dict(token_tile=args.token_tile or 0, fp32_accumulators=args.fp32_accumulators,
-                   offload_activations=args.offload_activations, offload_optimizer=args.offload_optimizer,
+                   recompute_norms=bool(args.recompute_norms), offload_activations=args.offload_activations, offload_optimizer=args.offload_optimizer,
                    devices_per_node=args.devices_per_node)
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)

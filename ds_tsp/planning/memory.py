@@ -123,7 +123,14 @@ def routing_weight_bytes(m, e):
     return FLOAT32 if m.router_weights_fp32 else e
 
 
-def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False):
+def rms_norm_saved_per_token(m, e, recompute=False):
+    """Bytes an RMSNorm saves per token: Hugging Face's keeps its float32 copy
+    of the input, ``1/rms`` and the normalised value in the model's dtype;
+    recomputed in backward (``tsp.recompute_norms``) it keeps only its input."""
+    return e * m.hidden_size if recompute else 4 * m.hidden_size + 4 + e * m.hidden_size
+
+
+def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
     """Bytes ds_tsp's decoder layer saves per local token: two RMSNorms, the
     attention's local x, q, k, v (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
@@ -137,7 +144,7 @@ def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     sigmoid and, with ``output_router_logits``, the float32 mask of real
     tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
-    saved = 2 * (4 * H + 4 + e * H) + 2 * e * H + e * (nq + 2 * m.num_kv_heads) * m.head_dim
+    saved = 2 * rms_norm_saved_per_token(m, e, recompute_norms) + 2 * e * H + e * (nq + 2 * m.num_kv_heads) * m.head_dim
     if sparse:
         k = m.experts_per_token
         saved += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
@@ -199,11 +206,12 @@ def hf_moe_layer_saved(m):
     return 4 * m.num_experts
 
 
-def model_level_saved(m, e, tokens, rope_rows):
+def model_level_saved(m, e, tokens, rope_rows, recompute_norm=False):
     """Outside the layers: input ids, cos/sin (``rope_rows`` rows of ``d``), the
-    final norm and the LM head's input."""
+    final norm (``rms_norm_saved_per_token``) and the LM head's input."""
     H = m.hidden_size
-    return tokens * (INT64 + 4 * H + 4 + 2 * e * H) + rope_rows * 2 * m.head_dim * e
+    return (tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H)
+            + rope_rows * 2 * m.head_dim * e)
 
 
 def logits_memory(m, p, tokens, vocab_shards):

@@ -207,6 +207,7 @@ class Setting:
     logits_tile_mib: float = DEFAULT_LOGITS_TILE_MIB  # tsp.logits_tile_mib, for the folded vocabulary
     token_tile: int = 0  # tsp.token_tile (0: no tiling), TSP layers only
     fp32_accumulators: bool = True  # tsp.fp32_accumulators
+    recompute_norms: bool = False  # tsp.recompute_norms
     offload_activations: bool = False  # activation_checkpointing.cpu_checkpointing: checkpoints in host memory
     offload_optimizer: bool = False  # zero_optimization.offload_optimizer.device "cpu"
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE

@@ -172,8 +172,8 @@ def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, gra
         intermediates = (8 if tile < tokens else 6) * tile * (m.intermediate_size / D) * e
     return {
         # backward of one head group: K, V, the gather buffer, the two dK/dV
-        # copies in the model dtype and their fp32 sums, over the full sequence
-        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + acc),
+        # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
+        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
         "weight_shards_in_flight": 2 * (attn_shard + ffn_shard) * e,
         # every head group's gradient reduce stays posted until the layer ends
         "attention_grad_reduces": m.attention_params * acc,
@@ -208,10 +208,14 @@ def plan_tsp(setting, vocab_parallel):
         sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab, p, setting.zero_stage,
         1, setting.offload_optimizer, layer_params=max(*layer_params.values(), vocab_rows * H))
 
-    layer_saved = {sparse: tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse)
+    layer_saved = {sparse: tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
+                                                              setting.recompute_norms)
                    for sparse, _ in m.layer_kinds}
+    if setting.activation_checkpointing and setting.recompute_norms:
+        # The recomputed layer's first norm keeps the layer's checkpointed input, already counted as such.
+        layer_saved = {sparse: saved - tokens * e * H for sparse, saved in layer_saved.items()}
     # cos/sin of the local tokens plus, per sequence, the row of the largest position (model.rotary_tables)
-    model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B)
+    model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
     model_saved += load_balancing_saved(m, tsp=True)
     layers, layer_terms = _layers(setting, tokens, layer_saved)
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
@@ -484,7 +488,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 
 def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                  tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
-                 fp32_accumulators=True, offload_activations=False, offload_optimizer=False,
+                 fp32_accumulators=True, recompute_norms=False, offload_activations=False, offload_optimizer=False,
                  devices_per_node=DEFAULT_DEVICES_PER_NODE):
     """A checked ``Setting`` (arguments as ``plan``'s)."""
     if dtype not in PRECISIONS:
@@ -512,7 +516,7 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
         raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
     return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
                    tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
-                   bool(offload_activations), bool(offload_optimizer), devices_per_node)
+                   bool(recompute_norms), bool(offload_activations), bool(offload_optimizer), devices_per_node)
 
 
 def baseline_plans(setting):
@@ -543,6 +547,7 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     ``token_tile`` (``tsp.token_tile``; 0, the default here, is the layer
     without tiles, ``DEFAULT_TOKEN_TILE`` the runtime's default),
     ``fp32_accumulators`` (``tsp.fp32_accumulators``, default true),
+    ``recompute_norms`` (``tsp.recompute_norms``, default false),
     ``offload_activations`` (checkpoints in host memory: ``cpu_checkpointing``),
     ``offload_optimizer`` (ZeRO's ``offload_optimizer: cpu``) and
     ``devices_per_node`` (ranks whose offloads share one host); the offloads
