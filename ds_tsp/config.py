@@ -37,6 +37,7 @@ _EXPECTED = {
     "token_tile": "an integer >= 0 (tokens; 0 turns tiling off)",
     "fp32_accumulators": "true or false",
     "recompute_norms": "true or false",
+    "prefetch_checkpoints": "true or false",
 }
 
 
@@ -90,6 +91,11 @@ class TSPConfig(DeepSpeedConfigModel):
     fp32_accumulators: bool = True
     """ Sum the attention head groups, the MLP ring steps and the layer-input gradients in float32 for bf16/fp16
     models (one extra float32 copy of the local (S/D, H) activations); false sums in the model's dtype. """
+
+    prefetch_checkpoints: bool = False
+    """ With activation_checkpointing.cpu_checkpointing: start copying the layer below's checkpointed input back
+    from host memory when a layer's backward starts, on a side stream (CUDA), so the copy runs under that
+    layer's recompute and backward; costs one more layer input (B, S/D, H) on the device. """
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of

@@ -23,7 +23,7 @@ from .inject import inject
 from .mlp import TSPGatedMLP
 from .model import num_targets
 from .moe import TSPSparseMoE
-from .offload import host_checkpoint
+from .offload import host_checkpoint_function
 from .optimizer import ClientOptimizer
 from .pipeline import build_pipeline, check_pipeline_stages
 from .topology import TSPTopology
@@ -102,7 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         mpu_for_deepspeed = None
         _no_partitioned_pipe_messages(ds_config)
     else:
-        _configure_activation_checkpointing(model, ds_config, topology)
+        _configure_activation_checkpointing(model, ds_config, topology, tsp_config)
         mpu_for_deepspeed = topology.mpu()
     # ZeRO-3 gathers a module's own parameters around its forward and backward;
     # TSP attention also uses its per-head norms inside its backward, so all of
@@ -265,6 +265,10 @@ def _check_activation_checkpointing(ds_config, tsp_config):
         raise ValueError("activation_checkpointing.partition_activations = true splits checkpointed activations over "
                          "the model-parallel group, which here is the TSP group whose activations are already split "
                          "by token: set it to false (cpu_checkpointing alone still moves checkpoints to host memory)")
+    if tsp_config.prefetch_checkpoints and not section.get("cpu_checkpointing"):
+        raise ValueError("tsp.prefetch_checkpoints = true brings checkpoints back from host memory early, but "
+                         "activation_checkpointing.cpu_checkpointing is not set: set it to true, or set "
+                         "tsp.prefetch_checkpoints to false")
     if section.get("cpu_checkpointing") and tsp_config.pipeline_stages > 1:
         raise ValueError("activation_checkpointing.cpu_checkpointing = true is not supported with "
                          f"tsp.pipeline_stages = {tsp_config.pipeline_stages}: pipeline stages checkpoint with "
@@ -272,18 +276,20 @@ def _check_activation_checkpointing(ds_config, tsp_config):
                          "cpu_checkpointing to false, or use tsp.pipeline_stages = 1")
 
 
-def _configure_activation_checkpointing(model, ds_config, topology):
+def _configure_activation_checkpointing(model, ds_config, topology, tsp_config):
     """With an ``activation_checkpointing`` section, every TSP layer is
     recomputed in backward by ``deepspeed.checkpointing.checkpoint``, or with
     ``cpu_checkpointing`` by ``ds_tsp.offload.host_checkpoint``, which keeps
-    each layer's input in host memory; the recompute re-issues the layer's
+    each layer's input in host memory (and with ``tsp.prefetch_checkpoints``
+    brings the next one back early); the recompute re-issues the layer's
     collectives in the same order on every rank."""
     section = ds_config.get("activation_checkpointing")
     if not section:
         return
     model.train()
     if section.get("cpu_checkpointing"):
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint_function(
+            tsp_config.prefetch_checkpoints))
         return
     deepspeed.checkpointing.configure(topology.mpu(), deepspeed_config=ds_config)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)

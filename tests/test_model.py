@@ -72,6 +72,52 @@ def test_recomputed_norms_change_no_number(run_ranks, tsp_size):
             assert -b["saved_bytes"] < -a["saved_bytes"]
 
 
+def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
+    """tsp.prefetch_checkpoints: each layer's backward first takes its own input
+    back, then starts the layer below's (on CUDA, on a side stream: a no-op on
+    CPU, so the order is recorded here); numbers as without."""
+    from ds_tsp.offload import HostCopy, host_checkpoint_function
+
+    events, made = [], []
+    original_init, original_prefetch, original_to_device = HostCopy.__init__, HostCopy.prefetch, HostCopy.to_device
+
+    def init(self, *args):
+        original_init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(HostCopy, "__init__", init)
+    monkeypatch.setattr(HostCopy, "prefetch", lambda self: (events.append(("prefetch", made.index(self))),
+                                                            original_prefetch(self)))
+    monkeypatch.setattr(HostCopy, "to_device", lambda self: (events.append(("back", made.index(self))),
+                                                             original_to_device(self))[1])
+    losses = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model = ds_tsp.inject(tiny_model("llama", num_hidden_layers=3), TSPTopology(1),
+                              TSPConfig(enabled=True, attention_backend="sdpa"))
+        model.train()
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint_function(prefetch))
+        input_ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        events.clear(), made.clear()
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses[prefetch] = (loss.item(), [p.grad.clone() for p in model.parameters()])
+        print(f"prefetch={prefetch}: {events}")
+        expected = [("back", 2), ("prefetch", 1), ("back", 1), ("prefetch", 0), ("back", 0)] if prefetch else \
+            [("back", 2), ("back", 1), ("back", 0)]
+        assert events == expected
+    assert losses[True][0] == losses[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(losses[True][1], losses[False][1]))
+
+
+def test_prefetch_without_host_checkpoints_is_refused():
+    from ds_tsp.engine import _check_activation_checkpointing
+
+    with pytest.raises(ValueError, match="tsp.prefetch_checkpoints = true .* activation_checkpointing.cpu_checkpointing"):
+        _check_activation_checkpointing({"activation_checkpointing": {}}, TSPConfig(enabled=True,
+                                                                                   prefetch_checkpoints=True))
+
+
 def test_activation_checkpointing_recomputes_exactly(run_ranks):
     plain = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32)
     recomputed = run_ranks(2, model_parity, arch="qwen2", batch=2, seq_len=32, checkpointing=True)
