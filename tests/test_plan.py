@@ -313,6 +313,21 @@ def _counted_model_steps(cases, grad_wire_dtype=None):
     return results
 
 
+def _check_counted_steps(D, cases, per_rank):
+    """Every rank's counted bytes per op (``_counted_model_steps``) equal ``tsp_step_bytes_by_op``'s."""
+    from models import tiny_config
+
+    for rank, per_case in enumerate(per_rank):
+        for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(cases, per_case):
+            planned = planner.tsp_step_bytes_by_op(tiny_config(arch).to_dict(), SEQ, BATCH, D, dtype.itemsize,
+                                                   vocab_parallel=vocab_parallel,
+                                                   activation_checkpointing=checkpointing, tsp_rank=rank,
+                                                   rows_exchanged=rows)
+            print(f"D={D} {arch} {dtype} vocab_parallel={vocab_parallel} checkpointing={checkpointing} "
+                  f"rank {rank}: counted {counted}, planned {planned}")
+            assert {op: v for op, v in counted.items() if op != "barrier"} == planned
+
+
 def test_step_bytes_equal_what_the_model_counts(run_ranks):
     # The whole model at D=2: layers, embedding all-to-all, head ring, the loss and the gradients of
     # what every rank holds whole, against tsp_step_bytes_by_op with the batch's exact embedding rows.
@@ -322,15 +337,7 @@ def test_step_bytes_equal_what_the_model_counts(run_ranks):
              ("llama_tied", torch.bfloat16, True, False), ("llama_tied", torch.bfloat16, False, False),
              ("llama", torch.bfloat16, True, True)]
     per_rank = run_ranks(2, _counted_model_steps, cases=cases)
-    for rank, per_case in enumerate(per_rank):
-        for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(cases, per_case):
-            planned = planner.tsp_step_bytes_by_op(tiny_config(arch).to_dict(), SEQ, BATCH, 2, dtype.itemsize,
-                                                   vocab_parallel=vocab_parallel,
-                                                   activation_checkpointing=checkpointing, tsp_rank=rank,
-                                                   rows_exchanged=rows)
-            print(f"{arch} {dtype} vocab_parallel={vocab_parallel} checkpointing={checkpointing} rank {rank}: "
-                  f"counted {counted}, planned {planned}")
-            assert {op: v for op, v in counted.items() if op != "barrier"} == planned
+    _check_counted_steps(2, cases, per_rank)
     # Guard: this batch's rows are not the expected (D-1)/D, so the exact counts are what matched.
     expected = planner.tsp_vocab_bytes_by_op(tiny_config("llama").to_dict(), SEQ, BATCH, 2, 8, "both")
     assert per_rank[0][0][0]["all_to_all"] != expected["all_to_all"]
@@ -950,22 +957,14 @@ def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
                  ("qwen3", torch.float32, True, False)],
              4: [("qwen2_moe", torch.float32, True, False), ("qwen3_moe", torch.bfloat16, True, False)]}
     for D, per_world in cases.items():
-        for rank, per_case in enumerate(run_ranks(D, _counted_model_steps, cases=per_world)):
-            for (arch, dtype, vocab_parallel, checkpointing), (counted, rows) in zip(per_world, per_case):
-                config = tiny_config(arch).to_dict()
-                planned = planner.tsp_step_bytes_by_op(config, SEQ, BATCH, D, dtype.itemsize,
-                                                       vocab_parallel=vocab_parallel,
-                                                       activation_checkpointing=checkpointing, tsp_rank=rank,
-                                                       rows_exchanged=rows)
-                print(f"D={D} {arch} {dtype} vocab_parallel={vocab_parallel} checkpointing={checkpointing} "
-                      f"rank {rank}: counted {counted}, planned {planned}")
-                assert {op: v for op, v in counted.items() if op != "barrier"} == planned
-                if arch != "qwen3":
-                    # Guard: the MoE layers counted as dense MLPs of intermediate_size would not match.
-                    m = planner.model_shape(config)
-                    dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", rank, sparse=False)
-                    assert dense["ring"] != planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both",
-                                                                    rank, sparse=True)["ring"]
+        _check_counted_steps(D, per_world, run_ranks(D, _counted_model_steps, cases=per_world))
+        for arch, dtype, _, _ in per_world:
+            if arch != "qwen3":
+                # Guard: the MoE layers counted as dense MLPs of intermediate_size would not match.
+                m = planner.model_shape(tiny_config(arch).to_dict())
+                dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", 0, sparse=False)
+                assert dense["ring"] != planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", 0,
+                                                                sparse=True)["ring"]
 
 
 def _live_saved_bytes(params, run):
