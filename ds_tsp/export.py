@@ -37,11 +37,12 @@ from tqdm.auto import tqdm
 from .checkpoint.planning import join_holdings, layer_shards, meta_model, untied, vocab_names
 from .checkpoint.reading import CheckpointError
 from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, prepare_out_dir, write_state_dict
+from .moe import ROUTER, SHARED_GATE
 from .policy import resolve_policy
 
-# Replicated tensors of a TSP block: Hugging Face name -> parameter name.
+# Replicated tensors of a TSP block: Hugging Face name -> parameter name (a MoE block's routers keep HF's).
 _BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "q_norm.weight": "q_norm.weight",
-                     "k_norm.weight": "k_norm.weight"}
+                     "k_norm.weight": "k_norm.weight", ROUTER: ROUTER, SHARED_GATE: SHARED_GATE}
 # ZeRO 0-2 write mp_rank_XX_model_states.pt per TSP rank; ZeRO-3 one per data-parallel rank as well.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")

@@ -357,12 +357,13 @@ def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
     ds_tsp.save_pretrained(engine.module, gathered_dir)
 
 
-def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])  # MoE: per-expert files, as transformers writes them
+def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch):
     from safetensors.torch import load_file
 
     from ds_tsp.cli import main as cli
 
-    tiny_model("llama", dtype=torch.float32).save_pretrained(tmp_path / "hf")
+    tiny_model(arch, dtype=torch.float32).save_pretrained(tmp_path / "hf")
     run_ranks(4, _train_save_and_gather, model_dir=str(tmp_path / "hf"), checkpoint_dir=str(tmp_path / "ds"),
               gathered_dir=str(tmp_path / "gathered"))
     assert cli(["export", "--checkpoint", str(tmp_path / "ds"), "--model", str(tmp_path / "hf"),
