@@ -21,6 +21,8 @@ Strategies, all fp32, AdamW, micro-batch ``--batch``, activation checkpointing
 on (as long-context training runs):
 
 * ``tsp``: ``ds_tsp.initialize``, folded vocabulary, ``tsp.token_tile``,
+  ``tsp.recompute_norms`` (the long-sequence setting, as ``ds-tsp plan
+  --max-seq-len`` plans it; ``--no-recompute-norms`` for Hugging Face's norms),
   DeepSpeed's ``activation_checkpointing`` section, ZeRO-0;
 * ``tsp_offload``: the same with ``cpu_checkpointing`` (each layer's
   checkpointed input in host memory, ``ds_tsp.offload``) and ZeRO-2 with
@@ -81,7 +83,7 @@ OFFLOAD_ZERO_STAGE = 2  # DeepSpeed's optimizer offload needs ZeRO >= 1; at DP =
 
 def _tsp_section(world, args):
     return {"enabled": True, "size": world, "layout": compare.TSP_LAYOUT, "attention_backend": "sdpa",
-            "token_tile": args.token_tile}
+            "token_tile": args.token_tile, "recompute_norms": args.recompute_norms}
 
 
 def run_tsp(world, args):
@@ -138,9 +140,9 @@ def _host_copy_made_in_host_memory():
     returns a copy, as the host-to-device copy would on a GPU."""
     make, to_device = offload.HostCopy.__init__, offload.HostCopy.to_device
 
-    def made_in_host_memory(self, tensor):
+    def made_in_host_memory(self, tensor, *args, **kwargs):
         with in_host_memory():
-            make(self, tensor)
+            make(self, tensor, *args, **kwargs)
 
     def copied_back(self):
         out = to_device(self)
@@ -296,7 +298,8 @@ def planned(strategy, world, seq_len, args):
         return plan_autotp(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
                            activation_checkpointing=True, logits_kept=False)
     plans = plan(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
-                 activation_checkpointing=True, token_tile=args.token_tile, offload_activations=offloads,
+                 activation_checkpointing=True, token_tile=args.token_tile,
+                 recompute_norms=args.recompute_norms and strategy in TSP_STRATEGIES, offload_activations=offloads,
                  offload_optimizer=offloads)
     return next(p for p in plans if p.name == name)
 
@@ -344,7 +347,8 @@ def write_markdown(doc, path):
              f"torch {doc['torch']}, DeepSpeed {doc['deepspeed']}. Budget: {doc['budget_mib']:g} MiB of peak live "
              f"tensors per rank (device memory; host memory counted apart, see `benchmarks/longest.py`). Model: "
              f"{_model_line(doc['model'])}; every strategy with activation checkpointing; TSP with "
-             f"`tsp.token_tile` = {doc['token_tile']}. Search: doubling from {doc['start']} tokens, then bisection "
+             f"`tsp.token_tile` = {doc['token_tile']} and `tsp.recompute_norms` = "
+             f"{str(doc['recompute_norms']).lower()}. Search: doubling from {doc['start']} tokens, then bisection "
              f"on multiples of {doc['granularity']} tokens (and of each strategy's sequence divisor).", "",
              "| strategy | D | longest sequence | / best anchor | peak at longest (MiB) | next length fits | "
              "planned / measured, worst | planner's binding term past it |", "|---|---|---|---|---|---|---|---|"]
@@ -362,7 +366,7 @@ def write_markdown(doc, path):
               "Peak: max over ranks of the peak live device bytes of one training step; host: the same for the "
               "host memory of the offloads (planned: the planner's host bytes per rank). Planned: "
               "`ds_tsp.planning.plan(model, S, B, D, dtype=\"fp32\", zero_stage, activation_checkpointing=True, "
-              "token_tile, offload_*)`.", "",
+              "token_tile, recompute_norms, offload_*)`.", "",
               "| strategy | D | seq len | fits | peak (MiB) | planned (MiB) | planned / measured | host (MiB) | "
               "planned host (MiB) | step (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for entry in doc["results"]:
@@ -430,6 +434,8 @@ def parse_args(argv=None):
     parser.add_argument("--granularity", type=int, default=64, help="lengths searched are multiples of this")
     parser.add_argument("--max-len", type=int, default=1 << 16, help="the doubling stops here")
     parser.add_argument("--token-tile", type=int, default=512, help="tsp.token_tile")
+    parser.add_argument("--recompute-norms", action=argparse.BooleanOptionalAction, default=True,
+                        help="tsp.recompute_norms for the TSP strategies (default: on, the long-sequence setting)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -466,8 +472,9 @@ def main(argv=None):
                   f"{entries[-1]['longest_seq_len']} ({' '.join(steps)}){' ' + error if error else ''}", flush=True)
     doc = {"command": command, "elapsed_s": time.monotonic() - begin, "budget_mib": args.budget_mib,
            "start": args.start, "granularity": args.granularity, "max_len": args.max_len,
-           "token_tile": args.token_tile, "model": compare._model_card(args), "torch": torch.__version__,
-           "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count(), "results": entries}
+           "token_tile": args.token_tile, "recompute_norms": args.recompute_norms, "model": compare._model_card(args),
+           "torch": torch.__version__, "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count(),
+           "results": entries}
     for world in args.sizes:
         anchor = best_anchor(entries, world)
         doc.setdefault("best_anchor", {})[str(world)] = anchor and {"strategy": anchor["strategy"],
