@@ -3,6 +3,7 @@ Face model (D = 1), TSP and DeepSpeed-Ulysses at D = 2, 4 and 8, on CPU gloo ran
 
     python benchmarks/fidelity.py                              # the committed run (benchmarks/results/fidelity.md)
     python benchmarks/fidelity.py --sizes 2 --seq-len 512 --out /tmp/fid   # a smoke run
+    python benchmarks/fidelity.py --loss-batches 24 --strategies tsp_bf16_sums --name fidelity_bf16_sums
 
 One small Llama-shaped model (hidden 64, 2 layers, 8 heads, 8 key/value heads,
 vocabulary 512) and a fixed batch of ``--seq-len`` tokens per sample (4096: 512 tokens
@@ -30,6 +31,13 @@ the pieces add up over the ranks), replicated ones once.
   accumulators) sent in bf16 and added in fp32 on arrival, as a config that
   sets ``"communication_data_type": "bf16"`` has them: what halving those
   bytes costs. (Unset, they travel in fp32, as in ``tsp``.)
+* ``tsp_bf16_sums``: ``tsp`` in the long-sequence setting,
+  ``tsp.fp32_accumulators: false`` and ``tsp.recompute_norms: true``: the head
+  groups' outputs, the MLP ring steps, the input gradients and a head group's
+  dK/dV add up in bf16 instead of in fp32 cast once. The forward's sums change
+  too, so its loss row is measured. ``recompute_norms`` runs each RMSNorm again
+  in backward on the same input and changes no number: what this measures is
+  ``fp32_accumulators`` off.
 * ``ulysses``: ``UlyssesSPAttentionHF`` at ``sequence_parallel_size = D``, rank
   ``r`` holding the ``r``-th contiguous chunk (as ``benchmarks/compare.py``
   feeds it), the loss the sum of the ranks' fp32 sums over the real-token
@@ -56,6 +64,7 @@ the unsharded model does, so its loss error is the same number.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -226,7 +235,8 @@ def run_reference(args):
 
 # --- the sharded cases, one process per rank ---------------------------------------------------------------------
 
-def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None):
+def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, **tsp_options):
+    """TSP's errors; ``tsp_options`` are further ``tsp`` config keys."""
     import ds_tsp
     from ds_tsp import layout, vocab
     from ds_tsp.config import TSPConfig
@@ -236,7 +246,8 @@ def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None):
     input_ids = batch_ids(args)
     model = build_model(args, torch.bfloat16)
     topo = TSPTopology(tsp_size)
-    ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout="zigzag", attention_backend="sdpa"))
+    config = TSPConfig(enabled=True, size=tsp_size, layout="zigzag", attention_backend="sdpa", **tsp_options)
+    ds_tsp.inject(model, topo, config)
     set_grad_wire_dtype(model, grad_wire_dtype)
     outputs, per_token = {}, []
     hooks = layer_outputs(model.model.layers, outputs)
@@ -361,6 +372,7 @@ def ulysses_errors(args, ref, sp_size):
 
 
 STRATEGIES = {"tsp": tsp_errors, "tsp_fp32_wire": tsp_fp32_wire_errors, "tsp_bf16_wire": tsp_bf16_wire_errors,
+              "tsp_bf16_sums": functools.partial(tsp_errors, fp32_accumulators=False, recompute_norms=True),
               "ulysses": ulysses_errors}
 
 
@@ -428,15 +440,24 @@ def is_gradient(key):
     return key not in ("loss", "token_losses") and not key.endswith(".output")
 
 
-def verdicts(result):
-    """Per D and quantity (loss and gradient groups): TSP's error over the
-    unsharded model's, and whether it is within ``LIMIT``."""
+def checked(result):
+    """The TSP cases held to ``LIMIT``: those with a forward of their own (a
+    loss row); the wire variants' forward is ``tsp``'s."""
+    sharded = result["sharded"].values()
+    names = dict.fromkeys(name for cases in sharded for name in cases)
+    return [name for name in names if name.startswith("tsp") and all("loss" in cases[name] for cases in sharded
+                                                                     if name in cases)]
+
+
+def verdicts(result, strategy):
+    """Per D and quantity (loss and gradient groups): ``strategy``'s error
+    over the unsharded model's, and whether it is within ``LIMIT``."""
     base = result["hf"]
     out = {}
     for size, cases in result["sharded"].items():
-        tsp = cases.get("tsp")
-        if tsp is not None:
-            out[size] = {k: {"ratio": tsp[k] / base[k], "within": tsp[k] <= LIMIT * base[k]}
+        errors = cases.get(strategy)
+        if errors is not None:
+            out[size] = {k: {"ratio": errors[k] / base[k], "within": errors[k] <= LIMIT * base[k]}
                          for k in ordered_keys(base) if not k.endswith(".output")}
     return out
 
@@ -471,11 +492,12 @@ def markdown(result, args):
                 row.append("-" if value is None else f"{value:.3e} ({value / base[key]:.2f}x)")
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-    checks = verdicts(result)
-    if checks:
+    for strategy in checked(result):
+        checks = verdicts(result, strategy)
         sizes = sorted(checks, key=int)
-        lines += [f"TSP's error over the unsharded model's, within {LIMIT}x (loss and every gradient group), and "
-                  f"its growth from D={sizes[0]} to D={sizes[-1]}:", "",
+        label = "TSP" if strategy == "tsp" else f"`{strategy}`"
+        lines += [f"{label}'s error over the unsharded model's, within {LIMIT}x (loss and every gradient group), "
+                  f"and its growth from D={sizes[0]} to D={sizes[-1]}:", "",
                   "| group | " + " | ".join(f"D={d}" for d in sizes) + f" | D={sizes[-1]} / D={sizes[0]} |",
                   "|---|" + "---|" * (len(sizes) + 1)]
         for key in checks[sizes[0]]:
@@ -565,7 +587,8 @@ def main(argv=None):
     for size, cases in result["sharded"].items():
         for strategy, errors in cases.items():
             print(f"D={size} {strategy}: ratio to D=1 {json.dumps({k: f'{v / base[k]:.2f}' for k, v in errors.items()})}")
-    result["tsp_within_limit"] = verdicts(result)
+    for strategy in checked(result):
+        result[f"{strategy}_within_limit"] = verdicts(result, strategy)
     write_results(result, args)
     print(markdown(result, args))
 

@@ -141,19 +141,23 @@ def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
 
 
 def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_processes):
-    """benchmarks/fidelity.py at D=2, small: TSP's bf16 error against float64
-    is at most 1.5x the unsharded model's for every gradient group and the
-    token losses (the committed run holds 1.1x at D = 2, 4, 8)."""
+    """benchmarks/fidelity.py at D=2, small: TSP's bf16 error against float64,
+    with float32 sums (the default) and bf16 ones (``tsp_bf16_sums``), is at
+    most 1.5x the unsharded model's for every gradient group and the token
+    losses (the committed runs: within 1.1x at D = 2, 4, 8 with float32 sums,
+    up to 1.10x at D = 8 with bf16 ones)."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fidelity.py"), "--sizes", "2", "--samples", "2",
-           "--seq-len", "512", "--loss-batches", "0", "--strategies", "tsp", "--out", str(tmp_path),
+           "--seq-len", "512", "--loss-batches", "0", "--strategies", "tsp", "tsp_bf16_sums", "--out", str(tmp_path),
            "--name", "fidelity"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.load(open(tmp_path / "fidelity.json"))
-    hf, tsp = doc["hf"], doc["sharded"]["2"]["tsp"]
-    ratios = {key: tsp[key] / hf[key] for key in hf if key != "loss" and not key.endswith(".output")}
-    print("TSP bf16 error over the unsharded model's at D=2: "
-          + ", ".join(f"{key} {ratio:.2f}x" for key, ratio in ratios.items()))
-    assert len(ratios) >= 7 and all(hf[key] > 0 for key in ratios)
-    assert max(ratios.values()) <= 1.5
+    hf = doc["hf"]
+    for strategy in ("tsp", "tsp_bf16_sums"):
+        errors = doc["sharded"]["2"][strategy]
+        ratios = {key: errors[key] / hf[key] for key in hf if key != "loss" and not key.endswith(".output")}
+        print(f"{strategy} bf16 error over the unsharded model's at D=2: "
+              + ", ".join(f"{key} {ratio:.2f}x" for key, ratio in ratios.items()))
+        assert len(ratios) >= 7 and all(hf[key] > 0 for key in ratios)
+        assert max(ratios.values()) <= 1.5
