@@ -75,7 +75,8 @@ class TSPDecoderLayerPipe(nn.Module):
         if blocks:
             # Without a mask, the padding TSP appends is what lies past the sequence's largest position.
             real = positions[:, :-1] <= positions[:, -1:]
-            mine = sum(routing_statistics(logits, real, block.gate.top_k) for logits, block in zip(router_logits, blocks))
+            mine = sum(routing_statistics(logits, real, block.gate.top_k)
+                       for logits, block in zip(router_logits, blocks))
             hidden, link = _StatisticsLink.apply(hidden, mine)
             statistics = statistics + mine.detach() + link
         return hidden, positions, statistics

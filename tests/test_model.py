@@ -113,7 +113,8 @@ def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
 def test_prefetch_without_host_checkpoints_is_refused():
     from ds_tsp.engine import _check_activation_checkpointing
 
-    with pytest.raises(ValueError, match="tsp.prefetch_checkpoints = true .* activation_checkpointing.cpu_checkpointing"):
+    with pytest.raises(ValueError, match="tsp.prefetch_checkpoints = true .* "
+                                         "activation_checkpointing.cpu_checkpointing"):
         _check_activation_checkpointing({"activation_checkpointing": {}}, TSPConfig(enabled=True,
                                                                                    prefetch_checkpoints=True))
 

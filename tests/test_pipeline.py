@@ -71,7 +71,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
         ref_opt.zero_grad()
         # The mean of the micro-batches' losses, as the pipeline's (a mixture-of-experts model's load-balancing
         # loss is over each micro-batch); for a dense model, the whole batch's loss.
-        loss = sum(ref(input_ids=micro, labels=micro).loss for micro in batch.split(MICRO_BATCH)) / len(batch) * MICRO_BATCH
+        micros = batch.split(MICRO_BATCH)
+        loss = sum(ref(input_ids=micro, labels=micro).loss for micro in micros) / len(micros)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default clipping
         ref_opt.step()

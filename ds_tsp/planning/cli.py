@@ -194,7 +194,8 @@ def _run_table(args, out):
     if checkpointing is None:
         checkpointing = bool(args.paper)
     options = dict(token_tile=args.token_tile or 0, fp32_accumulators=args.fp32_accumulators,
-                   recompute_norms=bool(args.recompute_norms), offload_activations=args.offload_activations, offload_optimizer=args.offload_optimizer,
+                   recompute_norms=bool(args.recompute_norms), offload_activations=args.offload_activations,
+                   offload_optimizer=args.offload_optimizer,
                    devices_per_node=args.devices_per_node)
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)

@@ -112,7 +112,8 @@ def alst_published(model, devices, memory_gb, micro_batch=1, dtype="bf16"):
 
 
 def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dtype="bf16", zero_stage=1,
-                token_tile=DEFAULT_TOKEN_TILE, fp32_accumulators=True, recompute_norms=True, tsp_attention_backward=None,
+                token_tile=DEFAULT_TOKEN_TILE, fp32_accumulators=True, recompute_norms=True,
+                tsp_attention_backward=None,
                 logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, devices_per_node=DEFAULT_DEVICES_PER_NODE):
     """``LongestSequence`` of every strategy (module docstring) for ``devices``
     devices of ``memory_gb`` GB and ``host_memory_gb`` GB of host memory per
@@ -128,7 +129,8 @@ def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dty
                         recompute_norms=recompute_norms, devices_per_node=devices_per_node)
     offload = make_setting(model, 2 * N, micro_batch, N, dtype, max(zero_stage, 1), True, tsp_attention_backward,
                            logits_tile_mib, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
-                           recompute_norms=recompute_norms, offload_activations=True, offload_optimizer=True, devices_per_node=devices_per_node)
+                           recompute_norms=recompute_norms, offload_activations=True, offload_optimizer=True,
+                           devices_per_node=devices_per_node)
     tiles = (f"token_tile={token_tile}" + ("" if fp32_accumulators else ", fp32_accumulators=false")
              + (", recompute_norms" if recompute_norms else ""))
 
