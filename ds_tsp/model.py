@@ -17,7 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from . import layout
 from .documents import check_cu_seq_lens, document_starts
 from .mappings import sum_over_group
-from .moe import TSPSparseMoE, load_balancing_loss, recorded_router_logits
+from .moe import TSPSparseMoE, full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
 
 
@@ -154,12 +154,15 @@ class TSPCausalLMMixin:
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
         loss over the whole sequence, added to ``.loss`` times
-        ``config.router_aux_loss_coef`` when labels are given, and
-        ``.router_logits`` holds per MoE layer the LOCAL tokens' ``(B*S/D, E)``
-        logits (this rank's shard, in its layout's order)."""
+        ``config.router_aux_loss_coef`` when labels are given. ``.router_logits``
+        holds per MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face's
+        when ``output_router_logits`` is passed here, else (turned on by the
+        config alone, as for the load-balancing loss in training) the LOCAL
+        tokens' ``(B*S/D, E)`` (this rank's shard, in its layout's order)."""
         moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
                       if isinstance(layer.mlp, TSPSparseMoE)]
         output_router_logits = None
+        asked = bool(kwargs.get("output_router_logits"))  # passed here: the whole sequence's, as HF's
         if moe_blocks:
             output_router_logits = kwargs.pop("output_router_logits", None)
             if output_router_logits is None:
@@ -196,8 +199,12 @@ class TSPCausalLMMixin:
             aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss
+        if output_router_logits:
+            router_logits = full_sequence_router_logits(router_logits, input_ids.shape[0], batch.num_padding,
+                                                        topo.tsp_group, self.tsp_config.layout) if asked else \
+                tuple(router_logits)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         router_logits=tuple(router_logits) if output_router_logits else None)
+                                         router_logits=router_logits if output_router_logits else None)
 
 
 def router_aux_loss(model, moe_blocks, router_logits, batch):

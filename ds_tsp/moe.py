@@ -55,9 +55,12 @@ wider, ``a`` bytes each in the gradient wire dtype, ``comm.gradient_wire_dtype``
 The auxiliary load-balancing loss (``load_balancing_loss``) adds one
 all-reduce of ``2E+1`` float64 values per forward.
 
-``router_logits`` (``output_router_logits``) are the local tokens' logits
-``(B*S/D, E)`` per MoE layer, in this rank's token order (zigzag shard), not
-the full sequence's ``(B*S, E)`` that Hugging Face returns.
+``router_logits``: with ``output_router_logits`` passed to the forward, per
+MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face returns them
+(``full_sequence_router_logits``: one all-gather a layer); when only the
+config turns them on (the load-balancing loss in training), the local tokens'
+``(B*S/D, E)`` in this rank's token order (zigzag shard), which is all the
+loss needs, so training gathers nothing.
 """
 
 import contextlib
@@ -68,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import comm, layout
 from .amp import autocast_backward, autocast_forward
 from .comm import accumulation_dtype
 from .mappings import sum_over_group
@@ -402,6 +405,20 @@ def recorded_router_logits(blocks):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def full_sequence_router_logits(router_logits, batch_size, num_padding, group, layout_name):
+    """Hugging Face's layout of ``router_logits`` (per MoE layer this rank's
+    ``(B*S/D, E)``): per layer ``(B*S, E)`` over the whole sequence in natural
+    order, the padding TSP appends dropped. One all-gather per layer; the
+    result is for reading (no gradient flows back through it)."""
+    full = []
+    for logits in router_logits:
+        local = logits.detach().view(batch_size, -1, logits.shape[-1])
+        gathered, _ = comm.all_gather(local, group)
+        natural = layout.unshard(gathered, comm.group_size(group), layout_name, dim=1)
+        full.append(layout.unpad(natural, num_padding, dim=1).reshape(-1, logits.shape[-1]))
+    return tuple(full)
 
 
 def load_balancing_loss(router_logits, top_k, real, group):

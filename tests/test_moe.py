@@ -157,6 +157,44 @@ def test_loss_aux_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size
         assert all(shape[0] == case[1] * padded // tsp_size for shape in results[0]["router_logits"])
 
 
+def full_router_logits(cases):
+    """On every rank, per case: the largest |TSP's - HF's| over the router logits
+    of every MoE layer, asked for in the forward (HF's ``(B*S, E)`` layout), and
+    the shapes TSP returned."""
+    tsp_size, results = dist.get_world_size(), []
+    for case in cases:
+        ref, input_ids, attention_mask = build_case(*case)
+        model = copy.deepcopy(ref)
+        ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+        with torch.no_grad():
+            mine = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).router_logits
+            hf = ref(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                     output_router_logits=True).router_logits
+        # HF's attention masks padded keys from padded queries too, TSP's only from real ones: the rows of
+        # right padding (attention_mask 0) differ, and neither model uses them.
+        real = torch.ones(input_ids.numel(), dtype=torch.bool) if attention_mask is None else \
+            attention_mask.reshape(-1).bool()
+        results.append({"shapes": [tuple(t.shape) for t in mine], "hf_shapes": [tuple(t.shape) for t in hf],
+                        "diff": max((a - b)[real].abs().max().item() for a, b in zip(mine, hf)),
+                        "spread": min((b - b.mean(0)).abs().max().item() for b in hf)})
+    return results
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_router_logits_asked_for_are_hugging_faces(run_ranks, tsp_size):
+    """``output_router_logits=True`` in the forward: every MoE layer's logits over
+    the whole sequence, in HF's order and shape (TSP's padding dropped, rows for
+    HF's right padding kept), equal to HF's at every real token."""
+    cases = [("mixtral", 2, 13, 3, "random", {}), ("qwen2_moe", 1, 13, 4, "random", {}), CASES[4]]
+    for rank, results in enumerate(run_ranks(tsp_size, full_router_logits, cases=cases)):
+        for case, result in zip(cases, results):
+            print(f"D={tsp_size} rank {rank} {case[0]} B={case[1]} S={case[2]}: router logits {result['shapes']}, "
+                  f"max|diff| {result['diff']:.2e} over the real tokens")
+            assert result["shapes"] == result["hf_shapes"]
+            assert result["diff"] <= TOLERANCE
+            assert result["spread"] > 1e-3  # the tokens' logits differ, so a wrong order would show
+
+
 def test_a_wrong_expert_shard_is_caught(run_ranks):
     per_rank = run_ranks(2, moe_parity, cases=CASES[:1], wrong_expert_shard=True)
     worst = max(max(r[0]["grads"].values()) for r in per_rank)
