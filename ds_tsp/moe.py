@@ -57,7 +57,7 @@ all-reduce of ``2E+1`` float64 values per forward.
 
 ``router_logits``: with ``output_router_logits`` passed to the forward, per
 MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face returns them
-(``full_sequence_router_logits``: one all-gather a layer); when only the
+(``full_sequence_router_logits``: one all-gather for all layers); when only the
 config turns them on (the load-balancing loss in training), the local tokens'
 ``(B*S/D, E)`` in this rank's token order (zigzag shard), which is all the
 loss needs, so training gathers nothing.
@@ -410,15 +410,13 @@ def recorded_router_logits(blocks):
 def full_sequence_router_logits(router_logits, batch_size, num_padding, group, layout_name):
     """Hugging Face's layout of ``router_logits`` (per MoE layer this rank's
     ``(B*S/D, E)``): per layer ``(B*S, E)`` over the whole sequence in natural
-    order, the padding TSP appends dropped. One all-gather per layer; the
-    result is for reading (no gradient flows back through it)."""
-    full = []
-    for logits in router_logits:
-        local = logits.detach().view(batch_size, -1, logits.shape[-1])
-        gathered, _ = comm.all_gather(local, group)
-        natural = layout.unshard(gathered, comm.group_size(group), layout_name, dim=1)
-        full.append(layout.unpad(natural, num_padding, dim=1).reshape(-1, logits.shape[-1]))
-    return tuple(full)
+    order, the padding TSP appends dropped. One all-gather for all layers;
+    the result is for reading (no gradient flows back through it)."""
+    num_experts = router_logits[0].shape[-1]
+    local = torch.stack([logits.detach().view(batch_size, -1, num_experts) for logits in router_logits])
+    gathered, _ = comm.all_gather(local, group)  # (D, layers, B, S/D, E)
+    natural = layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name, dim=2), num_padding, dim=2)
+    return tuple(layer.reshape(-1, num_experts) for layer in natural.unbind(0))
 
 
 def load_balancing_loss(router_logits, top_k, real, group):

@@ -60,7 +60,7 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
 def test_recomputed_norms_change_no_number(run_ranks, tsp_size):
     """tsp.recompute_norms: every RMSNorm (the final one too) keeps only its
     input and runs again in backward, alone and inside recomputed layers."""
-    for checkpointing in (False, "host"):
+    for checkpointing in (False, True, "host"):  # none, DeepSpeed's reentrant layer checkpoints, host memory
         plain = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13, checkpointing=checkpointing)
         recomputed = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13,
                                checkpointing=checkpointing, recompute_norms=True)
