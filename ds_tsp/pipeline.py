@@ -181,7 +181,7 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     decoder_layers = list(model.get_submodule(policy.layers))
     rotary_emb = model.get_submodule(policy.rotary_emb)
     moe_blocks = [module for module in model.modules() if isinstance(module, TSPSparseMoE)]
-    num_experts = moe_blocks[0].num_experts if carries_routing_statistics(model.config) else 0
+    num_experts = moe_blocks[0].num_experts if moe_blocks and carries_routing_statistics(model.config) else 0
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
                                model.tsp_batch_check, num_experts)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
