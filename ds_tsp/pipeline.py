@@ -62,11 +62,12 @@ class TSPDecoderLayerPipe(nn.Module):
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
+        self.moe_blocks = [module for module in layer.modules() if isinstance(module, TSPSparseMoE)]
 
     def forward(self, inputs):
         hidden, positions, *statistics = inputs
         tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:])
-        blocks = [module for module in self.layer.modules() if isinstance(module, TSPSparseMoE)] if statistics else []
+        blocks = self.moe_blocks if statistics else []
         with recorded_router_logits(blocks) as router_logits:
             hidden = self.layer(hidden, tables)
         if not statistics:
