@@ -185,8 +185,21 @@ def rotate(t, norm, cos, sin):
     return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
+def kept_for_backward(raw, rotated, norm):
+    """What the backward keeps of the projected queries or keys: the rotated
+    values attention saw, so nothing is redone; with a per-head norm its input,
+    which the norm's backward needs (rotated again in backward)."""
+    return rotated if norm is None else raw
+
+
+def rotated_from_kept(kept, norm, cos, sin):
+    """The queries or keys attention saw, from what ``kept_for_backward`` kept."""
+    return kept if norm is None else rotate(kept, norm, cos, sin)
+
+
 def rotate_backward(t, grad, norm, cos, sin):
-    """Gradients of ``rotate`` for its input ``t`` and its norm's weight (None without one)."""
+    """Gradients of ``rotate`` for its input ``t`` and its norm's weight (None
+    without one; ``t`` is then not read)."""
     if norm is None:
         return apply_rotary_transpose(grad, cos, sin), None
     with torch.enable_grad():
@@ -228,7 +241,10 @@ def project(x, weights, name, heads_per_rank, head_dim):
 def gather_kv(plan, k, v):
     """Start the all-gather of the local ``k, v`` ``(B, S/D, h, d)``; the
     returned pending op's ``wait()`` gives the full-sequence ``K, V``
-    ``(B, S, h, d)`` in natural order (one copy out of the gather buffer)."""
+    ``(B, S, h, d)`` in natural order (one copy out of the gather buffer; at
+    D=1 ``k, v`` themselves)."""
+    if plan.tsp_size == 1:
+        return comm.Pending(None, lambda: (k, v))
     gathered, work = comm.all_gather(torch.stack([k, v]), plan.group, async_op=True)  # (D, 2, B, S/D, h, d)
 
     def natural():
@@ -243,6 +259,9 @@ def scatter_kv_grads(plan, dKV, dtype):
     (this rank's sums of dK and dV, float32 or wider): sent in ``dtype`` (one
     copy into the ranks' order), added in float32 or wider on arrival; the
     pending op's ``wait()`` gives the local tokens' ``(dk, dv)`` in ``dtype``."""
+    if plan.tsp_size == 1:
+        local = dKV.to(dtype)
+        return comm.Pending(None, lambda: (local[0], local[1]))
     stacked = layout.stack_shards(dKV, plan.tsp_size, plan.layout, dim=2, dtype=dtype)
     pending = comm.reduce_scatter_fp32(stacked, plan.group, async_op=True)
 
@@ -295,8 +314,8 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
                                               V[rows, k_lo:k_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],
                                               plan.scale)
             row_grads.append(dq)
-            grad_K[rows, k_lo:k_hi] += dk
-            grad_V[rows, k_lo:k_hi] += dv
+            grad_K[rows, k_lo:k_hi].add_(dk)
+            grad_V[rows, k_lo:k_hi].add_(dv)
         grad_q.append(_cat(row_grads, 1))
     return _cat(grad_q, 0)
 
@@ -307,16 +326,16 @@ def attention_forward(plan, x, packed, cos, sin):
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set.
     Returns the output ``(B, S/D, H)`` and what backward needs, all of local
-    tokens only, as lists (stacking would copy them): the projected (not yet
-    rotated) ``q`` of every head group (D of ``(B, S/D, hq, d)``), the
-    projected ``k, v`` of every key/value head group (``min(D, nkv)`` of
-    ``(B, S/D, hkv, d)``), and with ``plan.explicit_backward`` every head
+    tokens only, as lists (stacking would copy them): the ``q`` of every head
+    group (D of ``(B, S/D, hq, d)``) and the ``k, v`` of every key/value head
+    group (``min(D, nkv)`` of ``(B, S/D, hkv, d)``), ``q`` and ``k`` as
+    ``kept_for_backward`` keeps them, and with ``plan.explicit_backward`` every head
     group's attention output ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``.
     """
     heads, d = plan.heads, plan.heads.head_dim
     # The head groups' outputs add up in float32 (or wider), cast once, unless
     # tsp.fp32_accumulators is off.
-    out = torch.zeros(x.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
+    out = None
     saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
@@ -328,8 +347,9 @@ def attention_forward(plan, x, packed, cos, sin):
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
             v = project(x, w, "v_proj", heads.kv_heads, d)
-            gathers[j] = gather_kv(plan, rotate(k, plan.k_norm, cos, sin), v)
-            saved["k"].append(k), saved["v"].append(v)
+            k_rotated = rotate(k, plan.k_norm, cos, sin)
+            gathers[j] = gather_kv(plan, k_rotated, v)
+            saved["k"].append(kept_for_backward(k, k_rotated, plan.k_norm)), saved["v"].append(v)
         return w
 
     upcoming = receive()
@@ -341,9 +361,11 @@ def attention_forward(plan, x, packed, cos, sin):
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
         q = project(x, w, "q_proj", heads.q_heads, d)
-        o, lse = attend_local_chunks(plan, rotate(q, plan.q_norm, cos, sin), K, V)
-        out += F.linear(o.flatten(2), w["o_proj.weight"])
-        saved["q"].append(q)
+        q_rotated = rotate(q, plan.q_norm, cos, sin)
+        o, lse = attend_local_chunks(plan, q_rotated, K, V)
+        group_out = F.linear(o.flatten(2), w["o_proj.weight"])
+        out = group_out.to(_accumulator_dtype(plan, x.dtype)) if out is None else out.add_(group_out)
+        saved["q"].append(kept_for_backward(q, q_rotated, plan.q_norm))
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
@@ -387,7 +409,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
     grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
-    works, own_parts = [], []  # the reduces in flight; this rank's: query/output part, then key/value part
+    works, own_parts = [], []  # the reduces in flight; this rank's: (part of its shard's gradient, its reduce)
+    grad_shards = {}  # group j -> this rank's partial gradient of shard j, flat and laid out like it
     norm_grads = {"q": [], "k": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
@@ -398,20 +421,35 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             kv_set = j // heads.kv_replicas
-            gathers[j] = gather_kv(plan, rotate(saved["k"][kv_set], plan.k_norm, cos, sin), saved["v"][kv_set])
+            gathers[j] = gather_kv(plan, rotated_from_kept(saved["k"][kv_set], plan.k_norm, cos, sin),
+                                   saved["v"][kv_set])
         return w
 
-    def reduce_shard_grads(j, grads):
-        """Send shard ``j``'s weight gradients (float32 or wider) to its owner."""
-        if heads.holds_kv(j) and "k_proj.weight" not in grads:  # the set's key/value part goes later
-            flat = torch.cat([grads[n].reshape(-1) for n in plan.specs[j].shapes if n in grads])
-        else:
-            flat = plan.specs[j].pack({n: grads[n] for n in plan.specs[j].shapes})
-        reduced = _reduce_to(plan, flat.to(acc_dtype), j, works)
-        if j == tsp_rank:
-            own_parts.insert(0, reduced)
+    def shard_grads(j):
+        """Views, by name, of shard ``j``'s gradient buffer, which the weight
+        gradients are written into (float32 or wider), so the messages need no packing."""
+        if j not in grad_shards:
+            grad_shards[j] = torch.empty(plan.specs[j].numel, dtype=acc_dtype, device=x.device)
+        return plan.specs[j].unpack(grad_shards[j])
 
-    def finish_kv_set(j, holder, kv_set, kv_weights, scatter, grads):
+    def write_projection_grads(into, name, grad, inputs):
+        """Projection ``name``'s weight (and bias) gradient from its output's ``grad``."""
+        # Weight-gradient partials stay float32 until their sum over ranks is rounded.
+        comm.partial_matmul(grad.t(), inputs, out=into[f"{name}.weight"], add=False)
+        if f"{name}.bias" in into:
+            torch.sum(grad, 0, dtype=acc_dtype, out=into[f"{name}.bias"])
+
+    def reduce_part(j, part):
+        """Send ``part`` (``"query/output"``, ``"key/value"`` or ``"all"``) of
+        shard ``j``'s gradient buffer to its owner ``j``."""
+        spec, flat = plan.specs[j], grad_shards[j]
+        kv_start = spec.offsets.get("k_proj.weight", spec.numel)  # the key/value heads are the tail
+        piece = {"query/output": flat[:kv_start], "key/value": flat[kv_start:], "all": flat}[part]
+        reduced = _reduce_to(plan, piece, j, works)
+        if j == tsp_rank:
+            own_parts.append((piece, reduced))
+
+    def finish_kv_set(j, holder, kv_set, kv_weights, scatter):
         """The replica set ending at group ``j``: its reduce-scattered dK/dV into
         the input gradient and the key/value weight gradients, which go to the
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
@@ -421,16 +459,10 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
         grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
-        kv_grads = {"k_proj.weight": comm.partial_matmul(dk.t(), tokens), "k_proj.bias": dk.sum(0, dtype=acc_dtype),
-                    "v_proj.weight": comm.partial_matmul(dv.t(), tokens), "v_proj.bias": dv.sum(0, dtype=acc_dtype)}
-        if holder == j:
-            reduce_shard_grads(j, {**grads, **kv_grads})
-            return
-        kv_only = [n for n in plan.specs[holder].shapes if n.startswith(("k_proj", "v_proj"))]
-        reduced = _reduce_to(plan, torch.cat([kv_grads[n].reshape(-1) for n in kv_only]).to(acc_dtype), holder,
-                             works)
-        if holder == tsp_rank:
-            own_parts.append(reduced)
+        into = shard_grads(holder)
+        write_projection_grads(into, "k_proj", dk, tokens)
+        write_projection_grads(into, "v_proj", dv, tokens)
+        reduce_part(holder, "all" if holder == j else "key/value")
 
     upcoming, unfinished = receive(), None
     for j in range(plan.tsp_size):
@@ -444,7 +476,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             K, V = gathers.pop(j).wait()
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
-        q = rotate(saved["q"][j], plan.q_norm, cos, sin)
+        q = rotated_from_kept(saved["q"][j], plan.q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
             o = saved["o"][j]
@@ -454,8 +486,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
                 q, K_leaf, V_leaf = (t.detach().requires_grad_() for t in (q, K, V))
                 o, _ = attend_local_chunks(plan, q, K_leaf, V_leaf)
                 dq, dK, dV = torch.autograd.grad(o, (q, K_leaf, V_leaf), grad_o)
-            dKV[0] += dK
-            dKV[1] += dV
+            dKV[0].add_(dK)
+            dKV[1].add_(dV)
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
             finish_kv_set(*unfinished)
             unfinished = None
@@ -463,23 +495,23 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
-        # Weight-gradient partials stay float32 until their sum over ranks is rounded.
-        grads = {"q_proj.weight": comm.partial_matmul(dq.t(), tokens), "q_proj.bias": dq.sum(0, dtype=acc_dtype),
-                 "o_proj.weight": comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1))}
+        into = shard_grads(j)
+        write_projection_grads(into, "q_proj", dq, tokens)
+        comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1), out=into["o_proj.weight"],
+                            add=False)
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
             # Sent in the model dtype, as the forward gathered K/V (the cost
             # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
             scatter = scatter_kv_grads(plan, dKV, x.dtype)
             K = V = dKV = None
             if holder != j:  # only the holder's message waits for the key/value part
-                reduce_shard_grads(j, grads)
-                grads = {}
-            unfinished = (j, holder, kv_set, kv_weights, scatter, grads)
+                reduce_part(j, "all")
+            unfinished = (j, holder, kv_set, kv_weights, scatter)
             if not plan.overlap:
                 finish_kv_set(*unfinished)
                 unfinished = None
         else:
-            reduce_shard_grads(j, grads)
+            reduce_part(j, "query/output")
         if not plan.overlap and j + 1 < plan.tsp_size:
             upcoming = receive()
     if unfinished is not None:
@@ -487,7 +519,11 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     for pending in works:
         pending.wait()
     norm_grads = {name: None if grads[0] is None else sum(grads) for name, grads in norm_grads.items()}
-    own = torch.cat([pending.wait() for pending in own_parts])
+    for piece, pending in own_parts:
+        summed = pending.wait()
+        if summed is not piece:  # a reduce in place leaves the sum where it was
+            piece.copy_(summed)
+    own = grad_shards[tsp_rank]
     return grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), norm_grads["q"], norm_grads["k"]
 
 

@@ -73,7 +73,10 @@ class SDPAKernel:
 # ---- torch's fused ops, as (B, h, L, d) blocks with top-left causal masks ----
 
 class _CPUFlashOps:
-    """torch's fused CPU flash kernels (any float dtype, float64 included)."""
+    """torch's fused CPU flash kernels (any float dtype, float64 included);
+    grouped-query heads are native (dK/dV come back per key/value head)."""
+
+    grouped_query = True
 
     def supports(self, head_dim):
         return True
@@ -97,6 +100,8 @@ def _unused_rng_state(device, dtype, shape):
 class _CUDAFlashOps:
     """torch's fused CUDA flash kernels (float16/bfloat16, dense batches)."""
 
+    grouped_query = False
+
     def supports(self, head_dim):
         return head_dim <= 256 and head_dim % 8 == 0
 
@@ -118,6 +123,8 @@ class _CUDAFlashOps:
 
 class CUDNNOps:
     """torch's cuDNN attention ops (CUDA, float16/bfloat16, head size <= 128)."""
+
+    grouped_query = False
 
     def __init__(self):
         # torch versions return the log-sum-exp as (B, h, Lq) or (B, h, Lq, 1);
@@ -172,7 +179,7 @@ class BlockwiseFlashKernel(SDPAKernel):
         return window is None and self.ops.supports(head_dim)
 
     def forward(self, q, k, v, scale):
-        q, k, v = _heads_first(q, k, v)
+        q, k, v = _heads_first(q, k, v, self.ops.grouped_query)
         out = lse = None
         for k_block, v_block, causal in _blocks(q, k, v):
             block_out, block_lse = self.ops.forward(q, k_block, v_block, causal, scale)
@@ -180,8 +187,8 @@ class BlockwiseFlashKernel(SDPAKernel):
         return out.to(q.dtype).transpose(1, 2), lse
 
     def backward(self, grad_out, q, k, v, out, lse, scale):
-        rep = q.shape[2] // k.shape[2]
-        q, k, v = _heads_first(q, k, v)
+        rep = 1 if self.ops.grouped_query else q.shape[2] // k.shape[2]
+        q, k, v = _heads_first(q, k, v, self.ops.grouped_query)
         grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
         lse = lse.to(self._lse_dtype(q))
         grads = [self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
@@ -198,9 +205,10 @@ class BlockwiseFlashKernel(SDPAKernel):
         return torch.promote_types(q.dtype, torch.float32) if q.device.type == "cpu" else torch.float32
 
 
-def _heads_first(q, k, v):
-    """``(B, L, h, d)`` -> ``(B, h, L, d)``, key/value heads repeated to the query heads."""
-    rep = q.shape[2] // k.shape[2]
+def _heads_first(q, k, v, grouped_query):
+    """``(B, L, h, d)`` -> ``(B, h, L, d)``; key/value heads repeated to the
+    query heads unless the kernel takes them ``grouped_query``."""
+    rep = 1 if grouped_query else q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -53,22 +53,27 @@ def gradient_wire_dtype(wire_dtype, dtype):
     return acc if wire_dtype is None or acc == torch.float64 else wire_dtype
 
 
-def partial_matmul(a, b, out=None):
+def partial_matmul(a, b, out=None, add=True):
     """``a @ b`` with its sum over the inner dimension returned in float32 (or
     wider) and not rounded to ``a``'s dtype: a partial gradient that is summed
     over ranks, ring steps or tiles afterwards, so that the whole sum is rounded
     once, as the unsharded model's single matmul is. On CUDA the product still
     runs on bf16/fp16 tensor cores (``out_dtype``); elsewhere the inputs are
     widened first. With ``out`` (that wider dtype) the product is added into it
-    in place (in the matmul itself where the dtypes allow) and ``out`` returned."""
+    in place, or written to it when not ``add`` (in the matmul itself where the
+    dtypes allow), and ``out`` returned."""
     acc = accumulation_dtype(a.dtype)
     if acc == a.dtype:
-        return a @ b if out is None else out.addmm_(a, b)
+        if out is None:
+            return a @ b
+        return out.addmm_(a, b) if add else torch.mm(a, b, out=out)
     if _mm_out_dtype_works(a.device, a.dtype, acc):
         product = torch.mm(a, b, out_dtype=acc)
     else:
         product = a.to(acc) @ b.to(acc)
-    return product if out is None else out.add_(product)
+    if out is None:
+        return product
+    return out.add_(product) if add else out.copy_(product)
 
 
 @functools.lru_cache(maxsize=None)

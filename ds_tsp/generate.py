@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, layout
-from .attention import attention_forward, project, rotate
+from .attention import attention_forward, project, rotate, rotated_from_kept
 from .kv_cache import KVCache, placement, prompt_tokens
 from .model import TSPCausalLMMixin, rotary_tables
 from .vocab import embed_local_tokens, full_vocab_logits
@@ -218,8 +218,8 @@ class TSPDecoder:
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
             out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
-            # Saved as projected, before the norm and the rotation.
-            keys, values = rotate(torch.stack(saved["k"]), attn.k_norm, cos, sin), torch.stack(saved["v"])
+            keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
+            values = torch.stack(saved["v"])
             self.cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(values)[:, keep])
             hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

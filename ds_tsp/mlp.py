@@ -86,14 +86,15 @@ def shard_forward(x, w, act_fn):
     return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
 
 
-def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None):
+def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     """Gradients of one shard's contribution for the local tokens.
 
     ``x2``, ``grad_y2``: ``(N, H)`` local tokens; ``gate``, ``up``: ``(N, F/D)``
     saved by the forward (local tokens of one shard, so 1/D of the full MLP's
     intermediate activations over all steps). Returns ``(dx (N, H), {name: dW})``;
     with ``into`` (``{name: accumulator}``, float32 or wider) the weight
-    gradients are added into those in place instead and ``into`` is returned.
+    gradients are added into those in place instead (written, when not
+    ``add``) and ``into`` is returned.
     The activation's derivative comes from autograd so any ``ACT2FN`` entry works.
     """
     with torch.enable_grad():
@@ -106,11 +107,14 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None):
     # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
     for name, (a, b) in {"gate_proj.weight": (grad_gate, x2), "up_proj.weight": (grad_up, x2),
                          "down_proj.weight": (grad_y2, act.detach() * up)}.items():
-        into[name] = comm.partial_matmul(a.t(), b, out=into.get(name))
+        into[name] = comm.partial_matmul(a.t(), b, out=into.get(name), add=add)
     if "gate_proj.bias" in w:
         acc = accumulation_dtype(grad_gate.dtype)
         for name, grad in (("gate_proj.bias", grad_gate), ("up_proj.bias", grad_up)):
-            into[name] = grad.sum(0, dtype=acc) if name not in into else into[name].add_(grad.sum(0, dtype=acc))
+            if name not in into:
+                into[name] = grad.sum(0, dtype=acc)
+            else:
+                into[name].add_(grad.sum(0, dtype=acc)) if add else torch.sum(grad, 0, dtype=acc, out=into[name])
     grad_x = grad_gate @ w["gate_proj.weight"] + grad_up @ w["up_proj.weight"]
     return grad_x, into
 
@@ -149,14 +153,14 @@ def mlp_ring_forward(x, packed, plan):
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
     tiles = plan.tiles(x2.shape[0])
     keep = len(tiles) == 1
-    y = torch.zeros(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+    y = torch.empty(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
     gates, ups = [], []
 
     def step(t, buf):
         w = plan.spec.unpack(buf)
         for start, end in tiles:
             step_y, gate, up = shard_forward(x2[start:end], w, plan.act_fn)
-            y[start:end] += step_y
+            y[start:end].add_(step_y) if t else y[start:end].copy_(step_y)
             if keep:
                 gates.append(gate), ups.append(up)
 
@@ -171,12 +175,12 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
     x2, grad_y2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, H)
     tiles = plan.tiles(x2.shape[0])
     acc_dtype = accumulation_dtype(packed.dtype)
-    grad_x = torch.zeros(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+    grad_x = torch.empty(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
 
     def step(t, buf):
         w = plan.spec.unpack(buf)
-        grad_shard = torch.zeros(packed.shape, dtype=acc_dtype, device=packed.device)
-        into = plan.spec.unpack(grad_shard)  # every tile's weight gradients add up in place
+        grad_shard = torch.empty(packed.shape, dtype=acc_dtype, device=packed.device)
+        into = plan.spec.unpack(grad_shard)  # the first tile writes the weight gradients, the others add
         for start, end in tiles:
             x_tile = x2[start:end]
             if gates:
@@ -184,8 +188,9 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
             else:
                 gate = F.linear(x_tile, w["gate_proj.weight"], w.get("gate_proj.bias"))
                 up = F.linear(x_tile, w["up_proj.weight"], w.get("up_proj.bias"))
-            tile_grad_x, _ = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up, into)
-            grad_x[start:end] += tile_grad_x
+            tile_grad_x, _ = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up, into,
+                                            add=start > 0)
+            grad_x[start:end].add_(tile_grad_x) if t else grad_x[start:end].copy_(tile_grad_x)
         return grad_shard
 
     wire = comm.gradient_wire_dtype(plan.grad_wire_dtype, packed.dtype)
