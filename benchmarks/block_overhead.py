@@ -60,19 +60,25 @@ def step(layer, x, cos_sin, grad, is_hf):
     return out.detach(), x.grad
 
 
-def timed(fn, device, repeats):
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_alternately(fns, device, repeats):
+    """Median seconds of each of ``fns``, timed in turns (one call of each per
+    round, the order rotating), so that every layer sees the same machine: a
+    shared CPU's speed drifts over a run by more than the overheads measured."""
+    for fn in fns:
+        for _ in range(2):
+            fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        for offset in range(len(fns)):
+            index = (round_ + offset) % len(fns)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fns[index]()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def parity(preset, device, dtype, backend="sdpa"):
@@ -159,11 +165,13 @@ def main():
         grad = torch.randn_like(x)
         cos_sin = rotary(x, torch.arange(seq_len, device=device).unsqueeze(0))
         row = {"seq_len": seq_len}
-        for name, layer, is_hf in layers:
-            if device == "cuda":
+        steps = [lambda layer=layer, is_hf=is_hf: step(layer, x, cos_sin, grad, is_hf) for _, layer, is_hf in layers]
+        for (name, _, _), seconds in zip(layers, timed_alternately(steps, device, args.repeats)):
+            row[f"{name}_s"] = seconds
+        if device == "cuda":
+            for (name, _, _), fn in zip(layers, steps):
                 torch.cuda.reset_peak_memory_stats()
-            row[f"{name}_s"] = timed(lambda: step(layer, x, cos_sin, grad, is_hf), device, args.repeats)
-            if device == "cuda":
+                fn()
                 row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         for backend in backends:
             row[f"tsp_{backend}_over_hf"] = row[f"tsp_{backend}_s"] / row["hf_s"]
@@ -175,7 +183,8 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(f"{result['device']}, {preset} layer, {dtype}, fwd+bwd, median of {args.repeats}\n\n")
+        f.write(f"{result['device']}, {preset} layer, {dtype}, fwd+bwd, median of {args.repeats} "
+                f"(the layers timed in turns)\n\n")
         f.write("| seq len | HF layer (s) | " + " | ".join(f"TSP D=1, {b} (s) | / HF" for b in backends) + " |\n")
         f.write("|---|---|" + "---|---|" * len(backends) + "\n")
         for row in result["rows"]:

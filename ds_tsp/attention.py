@@ -335,7 +335,8 @@ def attention_forward(plan, x, packed, cos, sin):
     heads, d = plan.heads, plan.heads.head_dim
     # The head groups' outputs add up in float32 (or wider), cast once, unless
     # tsp.fp32_accumulators is off.
-    out = None
+    out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
+                      device=x.device)
     saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
@@ -363,14 +364,13 @@ def attention_forward(plan, x, packed, cos, sin):
         q = project(x, w, "q_proj", heads.q_heads, d)
         q_rotated = rotate(q, plan.q_norm, cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V)
-        group_out = F.linear(o.flatten(2), w["o_proj.weight"])
-        out = group_out.to(_accumulator_dtype(plan, x.dtype)) if out is None else out.add_(group_out)
+        comm.add_matmul(out, o.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
         saved["q"].append(kept_for_backward(q, q_rotated, plan.q_norm))
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
             upcoming = receive()
-    return out.to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
+    return out.view(x.shape).to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
 
 
 def _accumulator_dtype(plan, dtype):
@@ -458,7 +458,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         norm_grads["k"].append(grad_k_norm)
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
-        grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
+        comm.add_matmul(comm.add_matmul(grad_x, dk, kv_weights["k_proj.weight"]), dv, kv_weights["v_proj.weight"])
         into = shard_grads(holder)
         write_projection_grads(into, "k_proj", dk, tokens)
         write_projection_grads(into, "v_proj", dv, tokens)
@@ -494,7 +494,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
-        grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
+        comm.add_matmul(grad_x, dq, w["q_proj.weight"])
         into = shard_grads(j)
         write_projection_grads(into, "q_proj", dq, tokens)
         comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1), out=into["o_proj.weight"],

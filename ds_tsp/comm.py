@@ -76,6 +76,16 @@ def partial_matmul(a, b, out=None, add=True):
     return out.add_(product) if add else out.copy_(product)
 
 
+def add_matmul(total, a, b, add=True):
+    """``total += a @ b`` in place (``total = a @ b`` when not ``add``), the sum
+    fused into the matmul where the dtypes agree; otherwise the product, in
+    ``a``'s dtype, is widened on the add. Returns ``total``."""
+    if total.dtype == a.dtype:
+        return total.addmm_(a, b) if add else torch.mm(a, b, out=total)
+    product = a @ b
+    return total.add_(product) if add else total.copy_(product)
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_out_dtype_works(device, dtype, out_dtype):
     """Whether ``torch.mm(..., out_dtype=)`` runs here (CUDA builds of torch >= 2.8)."""

@@ -192,6 +192,7 @@ class TSPDecoder:
         self.lm_head = model.get_submodule(policy.lm_head)
         self.cache, self.targets = None, None
 
+    @torch.no_grad()
     def prefill(self, prompt, lengths, num_decode_steps):
         """Run the left-aligned ``prompt`` ``(B, P)`` (``lengths`` real tokens per
         row) through the TSP layers, fill this rank's cache and size it for
@@ -225,6 +226,7 @@ class TSPDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
+    @torch.no_grad()
     def step(self, tokens, positions, target):
         """One new token per row (``tokens``, ``positions`` ``(B,)``, the same on
         every rank), cached on rank ``target``; returns its logits ``(B, V)``."""

@@ -78,12 +78,16 @@ def shard_piece(intermediate_size, tsp_size, name, tsp_rank):
     return SHARD_DIMS[name], tsp_rank * f, f
 
 
-def shard_forward(x, w, act_fn):
+def shard_forward(x, w, act_fn, out=None, add=True):
     """One shard's contribution for the local tokens ``(..., H) -> (..., H)``,
-    and its gate and up projections ``(..., F/D)`` for backward."""
+    and its gate and up projections ``(..., F/D)`` for backward. With ``out``
+    (``(N, H)`` for tokens ``x`` ``(N, H)``) the contribution is added to it in
+    place (written, when not ``add``), and ``out`` returned for it."""
     gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-    return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
+    if out is None:
+        return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
+    return comm.add_matmul(out, act_fn(gate) * up, w["down_proj.weight"].t(), add), gate, up
 
 
 def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
@@ -115,7 +119,7 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
                 into[name] = grad.sum(0, dtype=acc)
             else:
                 into[name].add_(grad.sum(0, dtype=acc)) if add else torch.sum(grad, 0, dtype=acc, out=into[name])
-    grad_x = grad_gate @ w["gate_proj.weight"] + grad_up @ w["up_proj.weight"]
+    grad_x = (grad_gate @ w["gate_proj.weight"]).addmm_(grad_up, w["up_proj.weight"])
     return grad_x, into
 
 
@@ -159,8 +163,7 @@ def mlp_ring_forward(x, packed, plan):
     def step(t, buf):
         w = plan.spec.unpack(buf)
         for start, end in tiles:
-            step_y, gate, up = shard_forward(x2[start:end], w, plan.act_fn)
-            y[start:end].add_(step_y) if t else y[start:end].copy_(step_y)
+            _, gate, up = shard_forward(x2[start:end], w, plan.act_fn, out=y[start:end], add=t > 0)
             if keep:
                 gates.append(gate), ups.append(up)
 
