@@ -104,14 +104,17 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     with torch.enable_grad():
         gate = gate.detach().requires_grad_()
         act = act_fn(gate)
+    into = {} if into is None else into
+    # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
+    # Each (N, F/D) temporary is dropped as soon as it has been read, so few are alive at once.
+    into["down_proj.weight"] = comm.partial_matmul(grad_y2.t(), act.detach() * up, out=into.get("down_proj.weight"),
+                                                   add=add)
     grad_h = grad_y2 @ w["down_proj.weight"]  # (N, F/D)
     grad_up = grad_h * act.detach()
     (grad_gate,) = torch.autograd.grad(act, gate, grad_h * up)
-    into = {} if into is None else into
-    # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
-    for name, (a, b) in {"gate_proj.weight": (grad_gate, x2), "up_proj.weight": (grad_up, x2),
-                         "down_proj.weight": (grad_y2, act.detach() * up)}.items():
-        into[name] = comm.partial_matmul(a.t(), b, out=into.get(name), add=add)
+    del grad_h, act
+    for name, grad in (("gate_proj.weight", grad_gate), ("up_proj.weight", grad_up)):
+        into[name] = comm.partial_matmul(grad.t(), x2, out=into.get(name), add=add)
     if "gate_proj.bias" in w:
         acc = accumulation_dtype(grad_gate.dtype)
         for name, grad in (("gate_proj.bias", grad_gate), ("up_proj.bias", grad_up)):
