@@ -139,9 +139,10 @@ class MLPPlan:
     grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
 
     def tiles(self, num_tokens):
-        """``[(start, end)]`` over the ``num_tokens`` local tokens."""
+        """``[(start, end)]`` over the ``num_tokens`` local tokens; at least one
+        (empty with no tokens), so the first tile's writes always happen."""
         size = self.token_tile or num_tokens
-        return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, max(size, 1))]
+        return [(start, min(start + size, num_tokens)) for start in range(0, max(num_tokens, 1), max(size, 1))]
 
     def accumulator_dtype(self, dtype):
         return accumulation_dtype(dtype) if self.fp32_accumulators else dtype
