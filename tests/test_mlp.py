@@ -132,6 +132,19 @@ def test_spec_and_tags():
     assert set(module.shard_tensors()) == set(SHARD_DIMS) | {"down_proj.bias"}
 
 
+@pytest.mark.parametrize("token_tile", [0, 4])
+def test_no_local_tokens_give_zero_gradients(token_tile):
+    """The ring writes its sums from the first tile on (no zero fill): with no
+    tokens the output is empty and the weight gradient zero, not whatever the
+    uninitialised buffers held."""
+    module = TSPGatedMLP(HIDDEN, 32, nn.SiLU(), None, bias=True, token_tile=token_tile, dtype=torch.float64)
+    x = torch.zeros(2, 0, HIDDEN, dtype=torch.float64, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(module.packed.grad, torch.zeros_like(module.packed))
+
+
 def _counted(tsp_size, dtype, bias):
     topo = TSPTopology(tsp_size)
     dtype = getattr(torch, dtype)
