@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ds_tsp.attention import TSPAttention
-from ds_tsp.attention_kernels import SDPAKernel
+from ds_tsp.attention_kernels import SDPAKernel, takes_grouped_query
 from ds_tsp.attention_selection import BACKENDS, cudnn_unavailable_reason, flash_unavailable_reason, select_kernel
 from ds_tsp.mlp import TSPGatedMLP
 from ds_tsp.model import TSPDecoderLayer
@@ -152,6 +152,9 @@ def main():
               "flash_attn": flash_unavailable_reason(device, dtype) or "available",
               "cudnn_attention": cudnn_unavailable_reason(device, dtype) or "available",
               "kernel": {b: type(select_kernel(b, device, dtype)).__name__ for b in backends},
+              # Whether each blockwise kernel takes grouped-query heads itself (else K/V are repeated per call).
+              "grouped_query": {b: takes_grouped_query(select_kernel(b, device, dtype).ops, device, dtype)
+                                for b in explicit if hasattr(select_kernel(b, device, dtype), "ops")},
               "parity": {b: {str(t)[6:]: parity(preset, device, t, b) for t in {torch.float32, dtype}
                              if b in backends_serving(device, t)} for b in explicit},
               "kernel_check": {b: kernel_check(device, dtype, b) for b in explicit}, "rows": []}

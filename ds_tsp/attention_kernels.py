@@ -73,10 +73,7 @@ class SDPAKernel:
 # ---- torch's fused ops, as (B, h, L, d) blocks with top-left causal masks ----
 
 class _CPUFlashOps:
-    """torch's fused CPU flash kernels (any float dtype, float64 included);
-    grouped-query heads are native (dK/dV come back per key/value head)."""
-
-    grouped_query = True
+    """torch's fused CPU flash kernels (any float dtype, float64 included)."""
 
     def supports(self, head_dim):
         return True
@@ -100,8 +97,6 @@ def _unused_rng_state(device, dtype, shape):
 class _CUDAFlashOps:
     """torch's fused CUDA flash kernels (float16/bfloat16, dense batches)."""
 
-    grouped_query = False
-
     def supports(self, head_dim):
         return head_dim <= 256 and head_dim % 8 == 0
 
@@ -123,8 +118,6 @@ class _CUDAFlashOps:
 
 class CUDNNOps:
     """torch's cuDNN attention ops (CUDA, float16/bfloat16, head size <= 128)."""
-
-    grouped_query = False
 
     def __init__(self):
         # torch versions return the log-sum-exp as (B, h, Lq) or (B, h, Lq, 1);
@@ -179,7 +172,7 @@ class BlockwiseFlashKernel(SDPAKernel):
         return window is None and self.ops.supports(head_dim)
 
     def forward(self, q, k, v, scale):
-        q, k, v = _heads_first(q, k, v, self.ops.grouped_query)
+        q, k, v = _heads_first(q, k, v, takes_grouped_query(self.ops, q.device, q.dtype))
         out = lse = None
         for k_block, v_block, causal in _blocks(q, k, v):
             block_out, block_lse = self.ops.forward(q, k_block, v_block, causal, scale)
@@ -187,8 +180,9 @@ class BlockwiseFlashKernel(SDPAKernel):
         return out.to(q.dtype).transpose(1, 2), lse
 
     def backward(self, grad_out, q, k, v, out, lse, scale):
-        rep = 1 if self.ops.grouped_query else q.shape[2] // k.shape[2]
-        q, k, v = _heads_first(q, k, v, self.ops.grouped_query)
+        grouped_query = takes_grouped_query(self.ops, q.device, q.dtype)
+        rep = 1 if grouped_query else q.shape[2] // k.shape[2]
+        q, k, v = _heads_first(q, k, v, grouped_query)
         grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
         lse = lse.to(self._lse_dtype(q))
         grads = [self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
@@ -203,6 +197,41 @@ class BlockwiseFlashKernel(SDPAKernel):
     @staticmethod
     def _lse_dtype(q):
         return torch.promote_types(q.dtype, torch.float32) if q.device.type == "cpu" else torch.float32
+
+
+_GROUPED_QUERY = {}  # (ops type, device, dtype) -> takes_grouped_query's answer
+
+
+def takes_grouped_query(ops, device, dtype):
+    """Whether ``ops`` (torch's fused flash or cuDNN ops) take fewer key/value
+    heads than query heads, forward and backward (dK/dV per key/value head),
+    with the numbers of the key/value heads repeated; else the kernel repeats
+    them (one copy of K and V per call). Probed once per ops type, device and
+    dtype on a small causal problem, so a kernel that refuses, or maps query
+    heads to the wrong key/value heads, is never used that way."""
+    key = (type(ops), torch.device(device), dtype)
+    if key not in _GROUPED_QUERY:
+        _GROUPED_QUERY[key] = _grouped_query_matches_repeated(ops, torch.device(device), dtype)
+    return _GROUPED_QUERY[key]
+
+
+def _grouped_query_matches_repeated(ops, device, dtype):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, heads, 32, 64, generator=generator).to(device, dtype) for heads in (4, 2, 2, 4))
+    scale = 64 ** -0.5
+    try:
+        out, lse = ops.forward(q, k, v, True, scale)
+        grads = ops.backward(grad, q, k, v, out, lse, True, scale)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError):
+        return False
+    k_all, v_all = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    ref_out, ref_lse = ops.forward(q, k_all, v_all, True, scale)
+    ref_dq, ref_dk, ref_dv = ops.backward(grad, q, k_all, v_all, ref_out, ref_lse, True, scale)
+    expected = (ref_out, ref_dq, _fold_heads(ref_dk, 2), _fold_heads(ref_dv, 2))
+    # The same kernel either way: only the order of the key/value heads' gradient sums differs.
+    tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    return all(a.shape == b.shape and (a.float() - b.float()).abs().max() <= tolerance * b.float().abs().max()
+               for a, b in zip((out, *grads), expected))
 
 
 def _heads_first(q, k, v, grouped_query):

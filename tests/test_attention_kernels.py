@@ -72,6 +72,37 @@ class Broken(SDPAKernel):
         raise RuntimeError("no kernel for this shape")
 
 
+class TiledHeads(ak._CPUFlashOps):
+    """Takes fewer key/value heads but pairs query head h with key/value head
+    h mod hkv (the heads tiled, not repeated): right shapes, wrong heads."""
+
+    def forward(self, q, k, v, causal, scale):
+        rep = q.shape[1] // k.shape[1]
+        return super().forward(q, k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1), causal, scale)
+
+    def backward(self, grad_out, q, k, v, out, lse, causal, scale):
+        rep = q.shape[1] // k.shape[1]
+        dq, dk, dv = super().backward(grad_out, q, k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1), out, lse,
+                                      causal, scale)
+        return dq, dk.unflatten(1, (rep, -1)).sum(1), dv.unflatten(1, (rep, -1)).sum(1)
+
+
+class NoGroupedQuery(ak._CPUFlashOps):
+    def forward(self, q, k, v, causal, scale):
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal the number of heads in query")
+        return super().forward(q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize("ops, native", [(ak._CPUFlashOps(), True), (TiledHeads(), False),
+                                         (NoGroupedQuery(), False)])
+def test_grouped_query_heads_go_to_the_kernel_only_where_it_pairs_them_right(ops, native):
+    assert ak.takes_grouped_query(ops, "cpu", torch.float32) is native
+    # Either way the blockwise kernel gives the right attention: the probe decides who repeats the heads.
+    worst = _worst_errors(BlockwiseFlashKernel(ops), torch.float64, 16, None)
+    assert max(worst.values()) <= PARITY_TOLERANCE[torch.float64], worst
+
+
 def _cpu_candidates(*names):
     kernels = {"top_left": TopLeftCausal(), "stale_lse": StaleLSE(ak._CPUFlashOps()), "broken": Broken(),
                "plain": SDPAKernel(), "blockwise": BlockwiseFlashKernel(ak._CPUFlashOps())}
