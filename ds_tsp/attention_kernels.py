@@ -216,8 +216,10 @@ def takes_grouped_query(ops, device, dtype):
 
 
 def _grouped_query_matches_repeated(ops, device, dtype):
-    generator = torch.Generator().manual_seed(0)  # a few KiB: the first training step's peak barely notices
-    q, k, v, grad = (torch.randn(1, heads, 16, 64, generator=generator).to(device, dtype) for heads in (2, 1, 1, 2))
+    # Two query heads per key/value head and two key/value heads (so repeating and tiling differ), in a few
+    # KiB: a first training step's peak does not notice.
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, heads, 8, 64, generator=generator).to(device, dtype) for heads in (4, 2, 2, 4))
     scale = 64 ** -0.5
     try:
         out, lse = ops.forward(q, k, v, True, scale)
