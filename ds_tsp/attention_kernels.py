@@ -205,16 +205,18 @@ _GROUPED_QUERY = {}  # (ops type, device, dtype) -> takes_grouped_query's answer
 def takes_grouped_query(ops, device, dtype):
     """Whether ``ops`` (torch's fused flash or cuDNN ops) take fewer key/value
     heads than query heads, forward and backward (dK/dV per key/value head),
-    with the numbers of the key/value heads repeated; else the kernel repeats
-    them (one copy of K and V per call). Probed once per ops type, device and
-    dtype on a small causal problem, so a kernel that refuses, or maps query
-    heads to the wrong key/value heads, is never used that way."""
+    and give the numbers that repeating the key/value heads gives; if not, the
+    kernel repeats them (one copy of K and V per call). Probed once per ops
+    type, device and dtype on a small causal problem (one host read, at first
+    use), so a kernel that refuses, or pairs query heads with the wrong
+    key/value heads, is never used that way."""
     key = (type(ops), torch.device(device), dtype)
     if key not in _GROUPED_QUERY:
         _GROUPED_QUERY[key] = _grouped_query_matches_repeated(ops, torch.device(device), dtype)
     return _GROUPED_QUERY[key]
 
 
+@torch.no_grad()
 def _grouped_query_matches_repeated(ops, device, dtype):
     # Two query heads per key/value head and two key/value heads (so repeating and tiling differ), in a few
     # KiB: a first training step's peak does not notice.
