@@ -11,6 +11,8 @@ before timing one that is wrong. The GPU check (one run, a few minutes):
 Writes ``block_overhead_<device>.json`` and a markdown table; the target is a
 TSP layer within 5% of the HF layer. D=1 moves no data, so what is measured is
 the packing, the per-chunk causal attention and the hand-written backward.
+On CUDA each row also counts the host syncs of one forward + backward of each
+layer (``torch.cuda.set_sync_debug_mode``), which should be none.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import torch
 from transformers import LlamaConfig
@@ -79,6 +82,22 @@ def timed_alternately(fns, device, repeats):
                 torch.cuda.synchronize()
             times[index].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
+
+
+def host_syncs(fn):
+    """How often ``fn`` (after a warm-up call) makes the host wait for the GPU
+    (a value read back, a blocking copy, a synchronize): torch's sync debug
+    mode warns at each, from backward's threads too."""
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def parity(preset, device, dtype, backend="sdpa"):
@@ -176,6 +195,7 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
                 fn()
                 row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row[f"{name}_host_syncs"] = host_syncs(fn)  # the training forward and backward: 0 expected
         for backend in backends:
             row[f"tsp_{backend}_over_hf"] = row[f"tsp_{backend}_s"] / row["hf_s"]
         result["rows"].append(row)
