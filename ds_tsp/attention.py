@@ -260,8 +260,8 @@ def scatter_kv_grads(plan, dKV, dtype):
     copy into the ranks' order), added in float32 or wider on arrival; the
     pending op's ``wait()`` gives the local tokens' ``(dk, dv)`` in ``dtype``."""
     if plan.tsp_size == 1:
-        local = dKV.to(dtype)
-        return comm.Pending(None, lambda: (local[0], local[1]))
+        own = dKV.to(dtype)
+        return comm.Pending(None, lambda: (own[0], own[1]))
     stacked = layout.stack_shards(dKV, plan.tsp_size, plan.layout, dim=2, dtype=dtype)
     pending = comm.reduce_scatter_fp32(stacked, plan.group, async_op=True)
 
