@@ -1,7 +1,8 @@
-"""benchmarks/compare.py and benchmarks/longest.py end to end at the smallest settings. compare: every strategy
-runs at D=2 and trains the single-process model, both TSP strategies' bytes
-equal the planner's op by op on every rank, and every measured peak has its
-planned counterpart; its MoE row likewise at D = 2 and 4."""
+"""The benchmarks (compare.py, longest.py, fidelity.py, block_overhead.py) end
+to end at the smallest settings. compare: every strategy runs at D=2 and
+trains the single-process model, both TSP strategies' bytes equal the
+planner's op by op on every rank, and every measured peak has its planned
+counterpart; its MoE row likewise at D = 2 and 4."""
 
 import json
 import os
@@ -161,3 +162,22 @@ def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_proce
               + ", ".join(f"{key} {ratio:.2f}x" for key, ratio in ratios.items()))
         assert len(ratios) >= 7 and all(hf[key] > 0 for key in ratios)
         assert max(ratios.values()) <= 1.5
+
+
+def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processes):
+    """benchmarks/block_overhead.py (the prepared GPU script) end to end on CPU: the TSP layer's parity with the
+    HF layer and of its fused kernel with SDPA autograd, the grouped-query probe (CPU flash ops take the heads
+    natively), and a row of timings in the JSON and the markdown table."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "block_overhead.py"), "--device", "cpu", "--preset",
+           "small", "--seq-lens", "64", "--repeats", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "block_overhead_cpu.json"))
+    assert doc["backends"] == ["sdpa"] and doc["grouped_query"] == {"sdpa": True}
+    diffs = doc["parity"]["sdpa"]["float32"]
+    assert max(diffs["out"], diffs["grad_x"]) <= 1e-4 * diffs["scale"], diffs
+    assert max(doc["kernel_check"]["sdpa"][k] for k in ("out", "dq", "dk", "dv")) <= 1e-4, doc["kernel_check"]
+    (row,) = doc["rows"]
+    assert row["seq_len"] == 64 and row["hf_s"] > 0 and row["tsp_sdpa_over_hf"] == row["tsp_sdpa_s"] / row["hf_s"]
+    assert "| 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
