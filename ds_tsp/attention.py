@@ -458,7 +458,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         norm_grads["k"].append(grad_k_norm)
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
-        comm.add_matmul(comm.add_matmul(grad_x, dk, kv_weights["k_proj.weight"]), dv, kv_weights["v_proj.weight"])
+        grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
         into = shard_grads(holder)
         write_projection_grads(into, "k_proj", dk, tokens)
         write_projection_grads(into, "v_proj", dv, tokens)
@@ -494,7 +494,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
         norm_grads["q"].append(grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
-        comm.add_matmul(grad_x, dq, w["q_proj.weight"])
+        grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
         into = shard_grads(j)
         write_projection_grads(into, "q_proj", dq, tokens)
         comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1), out=into["o_proj.weight"],

@@ -171,18 +171,14 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
                                          config_optimizer=config_optimizer, arch=arch,
                                          offload_optimizer=offload_optimizer)):
         worst = max(out["rel"], key=out["rel"].get)
-        norm_errs = [abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None]
-        norm_err = max(norm_errs, default=0.0)
+        norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
         print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage}"
               f"{' optimizer offloaded' if offload_optimizer else ''} {optimizer}: "
               f"max rel |dw| {out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
               f"losses {[round(v, 5) for v in out['losses']]}")
         assert out["rel"][worst] <= BOUND[optimizer]
         assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
-        # The first step's norm differs by summation order only; later steps' by that order's float32
-        # rounding carried through the updates too (1.4e-6 after two Adam steps).
-        assert all(err <= 1e-6 for err in norm_errs[:1])
-        assert norm_err <= 1e-5
+        assert norm_err <= 1e-6
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == bool(activation_checkpointing)
         assert out["partitioned"] == (zero_stage == 3)
