@@ -919,6 +919,8 @@ def test_moe_bytes_by_hand():
         planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", "broadcast")
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         planner.tsp_moe_bytes_by_op(_shape(), SEQ, BATCH, 2, 2, "both")
+    with pytest.raises(ValueError, match="no mixture-of-experts"):  # not a ring of 0 bytes
+        planner.tsp_bytes_by_op(_shape(), SEQ, BATCH, 2, 2, "both", sparse=True)
     mixed = _moe_shape(num_hidden_layers=3, decoder_sparse_step=2)
     with pytest.raises(ValueError, match="say which with sparse="):
         planner.tsp_bytes_by_op(mixed, SEQ, BATCH, 2, 2, "both")

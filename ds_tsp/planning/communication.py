@@ -43,6 +43,8 @@ def _by_direction(forward, backward, direction):
 
 def _layer_kind(m, sparse):
     """``sparse`` as given, else the model's one kind of layer."""
+    if sparse and not m.is_moe:
+        raise ValueError(f"{m.name} has no mixture-of-experts layer: sparse=True asks for one")
     if sparse is not None:
         return bool(sparse)
     if m.is_moe and m.moe_layers < m.num_layers:

@@ -123,11 +123,13 @@ def routing_weight_bytes(m, e):
     return FLOAT32 if m.router_weights_fp32 else e
 
 
-def rms_norm_saved_per_token(m, e, recompute=False):
-    """Bytes an RMSNorm saves per token: Hugging Face's keeps its float32 copy
-    of the input, ``1/rms`` and the normalised value in the model's dtype;
-    recomputed in backward (``tsp.recompute_norms``) it keeps only its input."""
-    return e * m.hidden_size if recompute else 4 * m.hidden_size + 4 + e * m.hidden_size
+def rms_norm_saved_per_token(m, e, recompute=False, width=None):
+    """Bytes an RMSNorm over ``width`` values (default: the hidden size) saves
+    per token: Hugging Face's keeps its float32 copy of the input, ``1/rms``
+    and the normalised value in the model's dtype; recomputed in backward
+    (``tsp.recompute_norms``) it keeps only its input."""
+    width = width or m.hidden_size
+    return e * width if recompute else FLOAT32 * width + FLOAT32 + e * width
 
 
 def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
@@ -164,7 +166,7 @@ def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
 HF_SLOT_ORDERINGS = 3
 
 
-def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True):
+def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False):
     """Bytes a Hugging Face Llama layer saves per token (flash attention, no
     dropout), heads and F split over ``t`` tensor-parallel ranks; a tiled MLP
     (ALST's TiledMLP) saves only its input, which the norm's output already is.
@@ -173,19 +175,19 @@ def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, ex
 
     A sparse layer (Hugging Face's default grouped experts) saves per token the
     router's tensors (``router_saved_per_token``) and per top-k slot
-    ``4e F_e`` (over ``t`` where ``experts_split``) + ``2e H`` + its routing
+    ``4e F_e / t`` + ``2e H`` + its routing
     weight + three int64 orderings; a shared expert (a gated MLP of ``F_s``
     over ``t``) also its output and its gate's sigmoid. Plus, per layer,
     ``hf_moe_layer_saved``."""
     H, d, nq = m.hidden_size, m.head_dim, m.num_heads
-    replicated = 2 * (4 * H + 4 + e * H) + 2 * e * H
+    replicated = 2 * rms_norm_saved_per_token(m, e) + 2 * e * H
     attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
     if m.qk_norm:
-        attention += (nq + m.num_kv_heads) * (FLOAT32 * d + FLOAT32 + e * d)
+        attention += (nq + m.num_kv_heads) * rms_norm_saved_per_token(m, e, width=d)
     if not sparse:
         return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
     k = m.experts_per_token
-    experts = k * 4 * e * m.expert_size / (t if experts_split else 1)
+    experts = k * 4 * e * m.expert_size / t
     slots = k * (2 * e * H + routing_weight_bytes(m, e) + HF_SLOT_ORDERINGS * INT64)
     shared = (4 * e * m.shared_expert_size / t + e * H + e) if m.shared_expert_size else 0
     return replicated + router_saved_per_token(m, e) + slots + attention / t + experts + shared

@@ -139,9 +139,7 @@ class ModelShape:
     def layer_replicated_params(self, sparse=False):
         """Per layer, what no strategy shards: two RMSNorm weights, Qwen3's q/k
         norms, and the dense MLP's down bias or the sparse layer's routing."""
-        H = self.hidden_size
-        own = 2 * H + (2 * self.head_dim if self.qk_norm else 0)
-        return own + (self.router_params if sparse else (H if self.mlp_bias else 0))
+        return sum(self.replicated_tensors(sparse))
 
     def replicated_tensors(self, sparse=False):
         """Sizes of the tensors of one layer that every TSP rank holds whole, in

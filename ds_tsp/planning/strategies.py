@@ -310,12 +310,12 @@ def _loss_backward_beyond(setting, loss_backward, states):
     return loss_backward if setting.zero_stage >= 3 else max(loss_backward - states["grads"], 0)
 
 
-def _baseline_problem(m, t, c, kind, seq_len, experts_split=True):
+def _baseline_problem(m, t, c, kind, seq_len):
     nq, nkv = m.num_heads, m.num_kv_heads
     dense = m.num_layers > m.moe_layers
     if nq % t or (nkv % t and t % nkv) or (dense and m.intermediate_size % t):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
-    if m.is_moe and ((experts_split and m.expert_size % t) or m.shared_expert_size % t):
+    if m.is_moe and (m.expert_size % t or m.shared_expert_size % t):
         return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
     if kind == "ulysses" and (nq // t) % c:
         return f"{nq // t} query heads per TP rank do not split over sp={c}"
@@ -324,18 +324,17 @@ def _baseline_problem(m, t, c, kind, seq_len, experts_split=True):
     return None
 
 
-def _baseline_ffn_params(m, t, sparse, experts_split):
+def _baseline_ffn_params(m, t, sparse):
     """One device's feed-forward parameters under ``t``-way tensor parallelism:
     the dense MLP's ``F`` split; a sparse layer's experts split by ``F_e``
-    (``experts_split``, Megatron's expert tensor parallelism) or whole on every
-    rank, its shared expert split by ``F_s``."""
+    (Megatron's expert tensor parallelism), its shared expert by ``F_s``."""
     if not sparse:
         return m.mlp_params / t
-    return m.num_experts * m.expert_params / (t if experts_split else 1) + m.shared_expert_params / t
+    return (m.num_experts * m.expert_params + m.shared_expert_params) / t
 
 
 def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
-                  logits_kept=True, experts_split=True):
+                  logits_kept=True):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
@@ -350,9 +349,8 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 
     Sparse MoE layers are Hugging Face's (router and grouped experts, all
     replicated over the sequence and data axes: Ulysses and CP replicate the
-    experts, ZeRO-3 partitions them and gathers a whole layer's at a time);
-    ``experts_split``: ``t`` splits every expert's ``F_e``, else the experts
-    stay whole on every tensor-parallel rank. TiledMLP tiles dense MLPs only."""
+    experts, ZeRO-3 partitions them and gathers a whole layer's at a time;
+    ``t`` splits every expert's ``F_e``). TiledMLP tiles dense MLPs only."""
     m, p = setting.model, setting.precision
     e, B, S, L, H = p.element, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
@@ -362,7 +360,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     mlp_tiled = bool(mlp_tile) and tokens > mlp_tile
     replica_group = c * dp  # ranks holding the same weights: gradient sync and ZeRO
     attention_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H
-    layer_params = {sparse: attention_params + _baseline_ffn_params(m, t, sparse, experts_split)
+    layer_params = {sparse: attention_params + _baseline_ffn_params(m, t, sparse)
                     + m.layer_replicated_params(sparse) for sparse, _ in kinds}
     all_layers = sum(layers * layer_params[sparse] for sparse, layers in kinds)
     vocab_shards = t if vocab_parallel else 1
@@ -375,8 +373,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     ulysses = kind == "ulysses" and c > 1
     layer_saved = {}
     for sparse, _ in kinds:
-        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled and not sparse, sparse,
-                                                                experts_split)
+        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled and not sparse, sparse)
         layer_saved[sparse] += hf_moe_layer_saved(m) if sparse else 0
         if kind == "allgather" and c > 1:  # the gathered full-sequence K/V replaces the local one
             layer_saved[sparse] += (B * S - tokens) * 2 * kv_heads * d * e
@@ -399,8 +396,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
         tile, with the tile's four recomputed; a sparse layer's of every slot."""
         if not sparse:
             return (7 * mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e
-        experts = m.experts_per_token * m.expert_size / (t if experts_split else 1)
-        return 3 * tokens * (experts + m.shared_expert_size / t) * e
+        return 3 * tokens * (m.experts_per_token * m.expert_size + m.shared_expert_size) / t * e
 
     detail = {
         "saved_for_backward": (model_saved + sum(layers * layer_saved[sparse] for sparse, layers in kinds)
@@ -435,10 +431,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     grad_reduce = gather if setting.zero_stage >= 1 else all_reduce  # reduce-scatter under ZeRO
 
     def tp_layer(sparse):
-        # after attention and after the MLP; a sparse layer whose experts stay whole and that has no shared
-        # expert sums nothing after its feed-forward block
-        ffn_split = not sparse or experts_split or m.shared_expert_size
-        return all_reduce(t, tokens * H * e) * (2 if ffn_split else 1)
+        return all_reduce(t, tokens * H * e) * 2  # after attention and after the feed-forward block
 
     sp_layer = {"ulysses": gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
                 "allgather": gather(c, B * S * 2 * kv_heads * d * e)}.get(kind, 0)
@@ -472,7 +465,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
              GRAD_REDUCE: CommPart(summed(layer_grads) + embedding_grads, replica_group, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
              PARAM_GATHER: CommPart(param_gather, replica_group, t, "all_gather")}
-    problem = _baseline_problem(m, t, c, kind, S, experts_split)
+    problem = _baseline_problem(m, t, c, kind, S)
 
     def recomputed(sparse):  # TiledMLP runs a dense MLP's forward again in backward
         return m.mlp_params if mlp_tiled and not sparse else 0
