@@ -83,7 +83,9 @@ def test_compare_moe_row_at_the_smallest_settings(tmp_path, own_processes):
                       f"{summary.get('max_loss_diff_vs_single', 0):.1e}")
                 assert summary.get("max_loss_diff_vs_single", 0.0) < 1e-4
                 peaks[(name, seq_len)] = summary["peak_live_mib"]
-                assert doc["planned_peak"][name][seq_len]["measured_mib"] == summary["peak_live_mib"]
+                planned = doc["planned_peak"][name][seq_len]
+                print(f"    planned {planned['planned_mib']:.3f} MiB")
+                assert planned["planned_mib"] > 0 and planned["measured_mib"] == summary["peak_live_mib"]
         assert "autotp" not in doc["planned_peak"]  # no planner figure for what DeepSpeed refuses
         for seq_len in ("32",):
             assert peaks[("tsp", seq_len)] < min(peaks[(name, seq_len)] for name in ("ulysses", "ulysses_zero3"))
