@@ -407,15 +407,36 @@ def recorded_router_logits(blocks):
             handle.remove()
 
 
+class _FullSequenceRows(torch.autograd.Function):
+    """Forward: every rank's ``(..., S/D, E)`` rows (dim -2) all-gathered into
+    natural order, TSP's padding dropped. Backward: each rank keeps the
+    gradient of its own rows, as every rank computes the same loss from the
+    same gathered rows (``sum_over_group``'s rule, not a sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, local, group, num_padding, layout_name):
+        ctx.group, ctx.layout_name = group, layout_name
+        dim = local.dim() - 2
+        gathered, _ = comm.all_gather(local, group)  # (D, ..., S/D, E)
+        return layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name, dim=dim), num_padding,
+                            dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tsp_size, dim = comm.group_size(ctx.group), grad.dim() - 2
+        padded, _ = layout.pad_to_multiple(grad, tsp_size, 0.0, dim=dim)
+        return layout.shard(padded, comm.group_rank(ctx.group), tsp_size, ctx.layout_name, dim=dim), None, None, None
+
+
 def full_sequence_router_logits(router_logits, batch_size, num_padding, group, layout_name):
     """Hugging Face's layout of ``router_logits`` (per MoE layer this rank's
     ``(B*S/D, E)``): per layer ``(B*S, E)`` over the whole sequence in natural
     order, the padding TSP appends dropped. One all-gather for all layers;
-    the result is for reading (no gradient flows back through it)."""
+    differentiable, so a loss computed from them (HF's
+    ``load_balancing_loss_func``) reaches the routers as it does in HF."""
     num_experts = router_logits[0].shape[-1]
-    local = torch.stack([logits.detach().view(batch_size, -1, num_experts) for logits in router_logits])
-    gathered, _ = comm.all_gather(local, group)  # (D, layers, B, S/D, E)
-    natural = layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name, dim=2), num_padding, dim=2)
+    local = torch.stack([logits.view(batch_size, -1, num_experts) for logits in router_logits])  # (L, B, S/D, E)
+    natural = _FullSequenceRows.apply(local, group, num_padding, layout_name)
     return tuple(layer.reshape(-1, num_experts) for layer in natural.unbind(0))
 
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import ds_tsp
 from ds_tsp import comm
@@ -166,17 +167,27 @@ def full_router_logits(cases):
         ref, input_ids, attention_mask = build_case(*case)
         model = copy.deepcopy(ref)
         ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
-        with torch.no_grad():
-            mine = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).router_logits
-            hf = ref(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                     output_router_logits=True).router_logits
+        mine = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).router_logits
+        hf = ref(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                 output_router_logits=True).router_logits
         # HF's attention masks padded keys from padded queries too, TSP's only from real ones: the rows of
         # right padding (attention_mask 0) differ, and neither model uses them.
         real = torch.ones(input_ids.numel(), dtype=torch.bool) if attention_mask is None else \
             attention_mask.reshape(-1).bool()
+        # A loss of the user's own from the logits (HF's load-balancing loss, computed alike on every rank)
+        # reaches the routers as in HF: each rank's own tokens' part, summed over the group with the routers'
+        # other replicated gradients.
+        top_k = ref.config.num_experts_per_tok
+        for logits in (mine, hf):
+            load_balancing_loss_func(logits, logits[0].shape[-1], top_k, attention_mask).backward()
+        routers = {name: p.grad for name, p in ref.named_parameters() if name.endswith(".gate.weight")}
+        mine_routers = {name: p.grad for name, p in model.named_parameters() if name.endswith(".gate.weight")}
         results.append({"shapes": [tuple(t.shape) for t in mine], "hf_shapes": [tuple(t.shape) for t in hf],
                         "diff": max((a - b)[real].abs().max().item() for a, b in zip(mine, hf)),
-                        "spread": min((b - b.mean(0)).abs().max().item() for b in hf)})
+                        "spread": min((b - b.mean(0)).abs().max().item() for b in hf),
+                        "routers": sorted(mine_routers) == sorted(routers) and len(routers) > 0,
+                        "router_grad_diff": max((mine_routers[n] - g).abs().max().item() for n, g in routers.items()),
+                        "router_grad_scale": max(g.abs().max().item() for g in routers.values())})
     return results
 
 
@@ -193,6 +204,11 @@ def test_router_logits_asked_for_are_hugging_faces(run_ranks, tsp_size):
             assert result["shapes"] == result["hf_shapes"]
             assert result["diff"] <= TOLERANCE
             assert result["spread"] > 1e-3  # the tokens' logits differ, so a wrong order would show
+            print(f"    routers' gradients from HF's load-balancing loss of them: max|diff| "
+                  f"{result['router_grad_diff']:.2e} (scale {result['router_grad_scale']:.2e})")
+            assert result["routers"]
+            # A gradient summed over ranks (D times too large) or none at all would be off by the scale.
+            assert result["router_grad_diff"] <= TOLERANCE < 1e-3 * result["router_grad_scale"]
 
 
 def test_a_wrong_expert_shard_is_caught(run_ranks):
