@@ -18,7 +18,9 @@ sequences without it):
 * ``TSP(N) + offload``: checkpoints in host memory (``cpu_checkpointing``) and
   ZeRO's CPU optimizer offload;
 * ``TP(N)`` (AutoTP), the best ``TP+SP(t x c)`` split, ``SP-Ulysses(N)``: as
-  DeepSpeed runs them, ZeRO over the sequence axis at the stage given;
+  DeepSpeed runs them, ZeRO over the sequence axis at the stage given; for a
+  mixture-of-experts model, which AutoTP refuses, TP splits every expert's
+  ``F_e`` as Megatron's expert tensor parallelism does, and the layout says so;
 * ALST: ``strategies.plan_alst``.
 """
 
@@ -142,6 +144,8 @@ def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dty
         return search(plan_at, 2 * N, device_budget, host_budget)
 
     def baseline(name, layout, t, c):
+        if t > 1 and base.model.is_moe:
+            layout += ", experts split by F_e (Megatron's expert TP; DeepSpeed's AutoTP refuses this model)"
         return search(lambda seq_len: plan_baseline(replace(base, seq_len=seq_len), name, layout, t, c, 1,
                                                      "none" if c == 1 else "ulysses"),
                       c, device_budget, host_budget)
