@@ -12,7 +12,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.config import get_communication_data_type
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils import set_z3_leaf_modules
+from deepspeed.utils import safe_get_local_grad, safe_set_local_grad, set_z3_leaf_modules
 from transformers import AutoConfig
 
 from . import comm
@@ -153,22 +153,34 @@ def schedule_replicated_grads(engine, replicated_grads):
       the boundary micro-step's backward (``allreduce_gradients``; the
       pipeline's ``_bf16_reduce_grads``). The sum is deferred to just before
       that: once per optimizer step, bucketed.
+    * ZeRO-3 reduces every micro-step's gradient from its hooks and
+      accumulates the reduced partitions: every TSP rank partitions a
+      replicated parameter alike over the data-parallel group, so the
+      accumulated partitions are summed just after the boundary backward's
+      reduction, once per optimizer step, bucketed (``_sum_partitions_after``).
     * ZeRO-1 with ``overlap_comm`` reduces the accumulated gradients from its
       own post-accumulation hooks in the boundary backward: the sum runs in
       ours, which come first, in that backward only (per parameter, as the
       next hook reads each gradient at once).
-    * ZeRO-2 and ZeRO-3 reduce every micro-step's gradient from their hooks
-      and accumulate the reduced partitions, and ZeRO-1 moving gradients into
+    * ZeRO-2 reduces every micro-step's gradient from its hooks into slices of
+      flat data-parallel partitions, which line up across TSP ranks only when
+      every rank's parameter layout is the same (not so when
+      ``num_key_value_heads < tsp.size``), and ZeRO-1 moving gradients into
       a wider ``grad_accum`` under ``overlap_comm`` does so in the same hook:
-      each micro-step's gradient is summed before it reaches ``.grad``, as
-      without an engine.
+      there each micro-step's gradient is summed before it reaches ``.grad``,
+      as without an engine.
 
     On the wire the gradients take the dtype DeepSpeed reduces them in over
     data parallelism (``_wire_dtype``).
     """
     optimizer = engine.optimizer
     wire_dtype = functools.partial(_wire_dtype, engine)
-    if optimizer is None or engine.zero_optimization_partition_gradients() or getattr(engine, "zenflow", False):
+    if optimizer is None or getattr(engine, "zenflow", False):
+        replicated_grads.every_backward(wire_dtype)
+    elif engine.zero_optimization_partition_weights():
+        replicated_grads.deferred(wire_dtype)
+        _sum_partitions_after(engine, replicated_grads)
+    elif engine.zero_optimization_partition_gradients():
         replicated_grads.every_backward(wire_dtype)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.overlap_comm:
         if optimizer.use_grad_accum_attribute:
@@ -186,23 +198,69 @@ def _sum_before_reduction(engine, replicated_grads):
     grad_of = _accumulated_gradient(engine.optimizer)
     held = {id(param) for param in engine.module.parameters()}  # a pipeline stage holds some only
     params = [p for p in replicated_grads.params if id(p) in held]
-    summed_at = []
 
-    def sum_first(reduce):
-        @functools.wraps(reduce)
-        def reduce_after_the_sum(*args, **kwargs):
-            step = (engine.global_steps, engine.micro_steps)
-            if engine.is_gradient_accumulation_boundary() and summed_at != [step]:
-                summed_at[:] = [step]  # a second reduction call in the same step must not sum again
-                grads = [(param, grad_of(param)) for param in params if param.requires_grad]
-                replicated_grads.sum_now([(param, grad) for param, grad in grads if grad is not None],
-                                         engine.zero_reduce_bucket_size())
-            return reduce(*args, **kwargs)
-        return reduce_after_the_sum
+    def sum_accumulated():
+        grads = [(param, grad_of(param)) for param in params if param.requires_grad]
+        replicated_grads.sum_now([(param, grad) for param, grad in grads if grad is not None],
+                                 engine.zero_reduce_bucket_size())
 
+    once = _once_per_boundary(engine, sum_accumulated)  # shared: the second reduction in a step must not sum
     for name in ("allreduce_gradients", "_bf16_reduce_grads"):
         if hasattr(engine, name):
-            setattr(engine, name, sum_first(getattr(engine, name)))
+            _wrap(engine, name, before=once)
+
+
+def _sum_partitions_after(engine, replicated_grads):
+    """ZeRO-3: after the boundary backward's reduction (or, under
+    ``managed_gradient_accumulation: false``, after ``step()`` finalizes the
+    accumulated partitions), sum each replicated parameter's accumulated
+    gradient partition over the TSP group, once per optimizer step. Read and written
+    through DeepSpeed's local-gradient API, which finds the partition in device
+    memory, host memory or NVMe and, under offload, refreshes the norm ZeRO
+    keeps for it."""
+    params = replicated_grads.params
+
+    def sum_partitions():
+        grads = [(param, safe_get_local_grad(param)) for param in params if param.requires_grad]
+        replicated_grads.sum_now(grads, engine.zero_reduce_bucket_size())
+        for param, grad in grads:
+            safe_set_local_grad(param, grad)
+
+    once = _once_per_boundary(engine, sum_partitions)
+    _wrap(engine, "allreduce_gradients", after=once)
+    if hasattr(engine.optimizer, "finalize_gradient_accumulation_boundary"):
+        _wrap(engine.optimizer, "finalize_gradient_accumulation_boundary", after=once)
+
+
+def _once_per_boundary(engine, action):
+    """``action`` as a call that runs it at a gradient-accumulation boundary,
+    at most once per step, however many reduction calls that step makes."""
+    done_at = []
+
+    def run_once():
+        step = (engine.global_steps, engine.micro_steps)
+        if engine.is_gradient_accumulation_boundary() and done_at != [step]:
+            done_at[:] = [step]
+            action()
+
+    return run_once
+
+
+def _wrap(owner, name, before=None, after=None):
+    """Replace ``owner``'s method ``name`` by one that calls ``before()``, the
+    method, then ``after()``."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        if before is not None:
+            before()
+        result = method(*args, **kwargs)
+        if after is not None:
+            after()
+        return result
+
+    setattr(owner, name, wrapped)
 
 
 def _accumulated_gradient(optimizer):

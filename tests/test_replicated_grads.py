@@ -12,6 +12,7 @@ import torch.distributed as dist
 import ds_tsp
 from ds_tsp import comm
 from ds_tsp import planning as planner
+from ds_tsp.mappings import ReplicatedGrads
 from models import tiny_config, tiny_model
 from test_engine import _gathered, _relative_to
 
@@ -33,7 +34,7 @@ def _config(zero_stage, accumulation, tsp_size=2, zero=None, **extra):
 def _counted_backwards(zero_stage, accumulation=2, steps=2, zero=None, vocab_parallel=True, reduce_again=False,
                        **extra):
     """``(calls, bytes received)`` of ``comm``'s all-reduces inside each
-    ``engine.backward`` of ``steps`` optimizer steps at TSP=2, DP=1 (the loss's
+    ``engine.backward`` of ``steps`` optimizer steps at TSP=2, DP = world / 2 (the loss's
     all-reduce is in the forward); with ``reduce_again``, then those of a
     second ``allreduce_gradients`` call after the last boundary backward."""
     config = _config(zero_stage, accumulation, zero=zero, **extra)
@@ -124,7 +125,6 @@ def test_without_an_engine_every_backward_sums_each_parameter(run_ranks):
 
 @pytest.mark.parametrize("zero_stage, zero, extra, per_backward", [
     (2, None, {}, [(NORMS, FP32_NORM_BYTES)] * 4),  # ZeRO-2 reduces each micro-step from its hooks
-    (3, None, {}, [(NORMS, FP32_NORM_BYTES)] * 4),
     # ZeRO-1 with overlap_comm reduces in its hooks in the boundary backward only ...
     (1, {"overlap_comm": True}, {}, [(0, 0), (NORMS, FP32_NORM_BYTES)] * 2),
     # ... and there first moves each bf16 gradient into its fp32 grad_accum, every micro-step.
@@ -138,16 +138,32 @@ def test_where_zero_reads_gradients_in_hooks_the_sum_comes_first(run_ranks, zero
         assert counts == per_backward
 
 
-def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False):
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_3_sums_its_partitions_once_per_step_in_one_bucket(run_ranks, world):
+    # GAS=2: nothing moves in the first micro-step's backward; after the boundary backward's reduction each rank
+    # sends its data-parallel partition of every norm's accumulated gradient in one message, so at DP=2 half of
+    # what DP=1 sends. A second allreduce_gradients in the same step sums nothing again.
+    dp_size = world // 2
+    expected = [(0, 0), (1, FP32_NORM_BYTES // dp_size)] * 2 + [(0, 0)]
+    for counts in run_ranks(world, _counted_backwards, zero_stage=3, reduce_again=True):
+        print(f"ZeRO-3 TSP=2 DP={dp_size} GAS=2: (all-reduces, bytes) per backward, then a second reduction {counts}")
+        assert counts == expected
+
+
+def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True):
     """Two SGD steps of TSP=2 x DP=2 with 2 accumulation steps against one
     process's steps on each global batch; the relative distance of every
-    tensor. ``skip_the_sum``: the replicated gradients are never summed over
-    the TSP group, to show the comparison would catch it."""
+    tensor, and when the replicated gradients were summed. ``skip_the_sum``:
+    they are never summed over the TSP group, to show the comparison would
+    catch it. ``managed=False``: DeepSpeed's
+    ``managed_gradient_accumulation: false``, where each ``step()`` the
+    caller makes is the boundary."""
     accumulation, steps = 2, 2
     world = dist.get_world_size()
     dp_size = world // 2
     ref = tiny_model("llama", dtype=torch.float32)
-    engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=_config(zero_stage, accumulation, zero=zero),
+    config = _config(zero_stage, accumulation, zero=zero, managed_gradient_accumulation=managed)
+    engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     if skip_the_sum:
         engine.module.tsp_replicated_grads.sum_now = lambda grads, bucket_numel: None
@@ -160,32 +176,46 @@ def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False):
         mine = batch.view(dp_size, accumulation, MICRO_BATCH, SEQ_LEN)[topo.dp_rank]
         for ids in mine:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if managed:
+                engine.step()
+        if not managed:
             engine.step()
         # Every row holds SEQ_LEN real tokens, so the mean of the micro-batch means is the batch mean.
         ref_optimizer.zero_grad()
         ref(input_ids=batch, labels=batch).loss.backward()
         ref_optimizer.step()
     with _gathered(engine, zero_stage):
-        return _relative_to(engine.module, dict(ref.named_parameters()))
+        return _relative_to(engine.module, dict(ref.named_parameters())), engine.module.tsp_replicated_grads.schedule
 
 
 # float32: summation orders differ (TSP sums, DP averages, accumulation), ~1e-7 relative per step.
 BOUND = 1e-5
 
 
-@pytest.mark.parametrize("zero_stage, zero", [(0, None), (1, None), (1, {"overlap_comm": True}), (2, None),
-                                              (3, None)])
-def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero):
-    for rank, rel in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero)):
+DEFERRED, IN_HOOKS, EVERY_BACKWARD = (ReplicatedGrads.DEFERRED, ReplicatedGrads.AT_BOUNDARY_IN_HOOKS,
+                                     ReplicatedGrads.EVERY_BACKWARD)
+
+
+@pytest.mark.parametrize("zero_stage, zero, managed, summed", [
+    (0, None, True, DEFERRED), (1, None, True, DEFERRED), (1, {"overlap_comm": True}, True, IN_HOOKS),
+    (2, None, True, EVERY_BACKWARD), (3, None, True, DEFERRED),
+    (1, None, False, DEFERRED), (3, None, False, DEFERRED),  # the boundary is the caller's step(), which sums
+])
+def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, summed):
+    for rank, (rel, schedule) in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero,
+                                                      managed=managed)):
         worst = max(rel, key=rel.get)
-        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}: max rel |dw| {rel[worst]:.2e} ({worst})")
+        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}{'' if managed else ' unmanaged'}: "
+              f"max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
         assert rel[worst] <= BOUND
+        assert schedule == summed
 
 
-def test_the_comparison_catches_a_missing_sum(run_ranks):
-    per_rank = run_ranks(4, _accumulated_steps, zero_stage=1, skip_the_sum=True)
-    worst = max(max(rel.values()) for rel in per_rank)
-    print(f"replicated gradients not summed: max rel |dw| {worst:.2e}")
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_the_comparison_catches_a_missing_sum(run_ranks, zero_stage):
+    per_rank = run_ranks(4, _accumulated_steps, zero_stage=zero_stage, skip_the_sum=True)
+    worst = max(max(rel.values()) for rel, _ in per_rank)
+    print(f"ZeRO-{zero_stage}, replicated gradients not summed: max rel |dw| {worst:.2e}")
     assert worst > 1e2 * BOUND
 
 
