@@ -158,17 +158,22 @@ def schedule_replicated_grads(engine, replicated_grads):
       replicated parameter alike over the data-parallel group, so the
       accumulated partitions are summed just after the boundary backward's
       reduction, once per optimizer step, bucketed (``_sum_partitions_after``).
+    * ZeRO-2 does the same into slices of flat data-parallel partitions. Each
+      rank's slice of a replicated parameter (its ``_hp_mapping`` fragment)
+      depends on the layout of everything the rank holds; where every rank's
+      slices are the same as its TSP peers' (checked once, over the world),
+      the slices are summed after the boundary reduction like ZeRO-3's
+      partitions (``_sum_fragments_after``).
     * ZeRO-1 with ``overlap_comm`` reduces the accumulated gradients from its
       own post-accumulation hooks in the boundary backward: the sum runs in
       ours, which come first, in that backward only (per parameter, as the
       next hook reads each gradient at once).
-    * ZeRO-2 reduces every micro-step's gradient from its hooks into slices of
-      flat data-parallel partitions, which line up across TSP ranks only when
-      every rank's parameter layout is the same (not so when
-      ``num_key_value_heads < tsp.size``), and ZeRO-1 moving gradients into
-      a wider ``grad_accum`` under ``overlap_comm`` does so in the same hook:
-      there each micro-step's gradient is summed before it reaches ``.grad``,
-      as without an engine.
+    * ZeRO-2 whose slices differ across TSP ranks (uneven shards, e.g.
+      ``num_key_value_heads < tsp.size``) or whose optimizer is offloaded
+      (its reduction hooks take each gradient's norm and host copy at once),
+      and ZeRO-1 moving gradients into a wider ``grad_accum`` under
+      ``overlap_comm`` in the same hook: there each micro-step's gradient is
+      summed before it reaches ``.grad``, as without an engine.
 
     On the wire the gradients take the dtype DeepSpeed reduces them in over
     data parallelism (``_wire_dtype``).
@@ -180,6 +185,9 @@ def schedule_replicated_grads(engine, replicated_grads):
     elif engine.zero_optimization_partition_weights():
         replicated_grads.deferred(wire_dtype)
         _sum_partitions_after(engine, replicated_grads)
+    elif engine.zero_optimization_partition_gradients() and _fragments_line_up(engine, replicated_grads.params):
+        replicated_grads.deferred(wire_dtype)
+        _sum_fragments_after(engine, replicated_grads)
     elif engine.zero_optimization_partition_gradients():
         replicated_grads.every_backward(wire_dtype)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.overlap_comm:
@@ -226,10 +234,56 @@ def _sum_partitions_after(engine, replicated_grads):
         for param, grad in grads:
             safe_set_local_grad(param, grad)
 
-    once = _once_per_boundary(engine, sum_partitions)
+    _after_each_boundary_reduction(engine, _once_per_boundary(engine, sum_partitions))
+
+
+def _after_each_boundary_reduction(engine, once):
+    """Run ``once`` after ZeRO-2/3's reduction of each backward (the boundary's
+    is the one where it acts) and after ``step()`` finalizes the accumulated
+    gradients under ``managed_gradient_accumulation: false``."""
     _wrap(engine, "allreduce_gradients", after=once)
     if hasattr(engine.optimizer, "finalize_gradient_accumulation_boundary"):
         _wrap(engine.optimizer, "finalize_gradient_accumulation_boundary", after=once)
+
+
+def _fragments_line_up(engine, params):
+    """ZeRO-2 without offload: every rank holds the same slice of each
+    replicated parameter as its TSP peers (one gather over the TSP group, one
+    over the world, so that every rank picks the same schedule: a replica that
+    summed before the data-parallel mean would mix summed and unsummed
+    gradients in it)."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+        return False
+    trained = [param for param in params if param.requires_grad]
+    held = [_fragment_address(param) for param in trained]
+    linked = all(hasattr(param, "_hp_mapping") for param in trained)  # else no slice is known, and none summed
+    mine = linked and all(peer == held for peer in comm.all_gather_objects(held, engine.tsp_topology.tsp_group))
+    return all(comm.all_gather_objects(mine, None))
+
+
+def _fragment_address(param):
+    """``(start, numel)`` of the slice of ``param`` in this rank's ZeRO-1/2
+    partition; ``(0, 0)`` if none."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return 0, 0
+    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+
+
+def _sum_fragments_after(engine, replicated_grads):
+    """ZeRO-2 whose slices line up (``_fragments_line_up``): after the
+    boundary backward's reduction (or in ``step()`` under
+    ``managed_gradient_accumulation: false``), sum each replicated parameter's
+    accumulated gradient slice over the TSP group in place, where ZeRO's step
+    reads it (what ``param.set_full_hp_grad`` writes), once per optimizer step."""
+    params = [param for param in replicated_grads.params if param.requires_grad and _fragment_address(param)[1]]
+
+    def sum_fragments():
+        grads = [(param, param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group)) for param in params]
+        replicated_grads.sum_now(grads, engine.zero_reduce_bucket_size())
+
+    _after_each_boundary_reduction(engine, _once_per_boundary(engine, sum_fragments))
 
 
 def _once_per_boundary(engine, action):

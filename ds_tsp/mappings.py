@@ -55,8 +55,10 @@ class ReplicatedGrads:
     When the sum runs depends on who reads the gradient, and so on the engine
     (``ds_tsp.engine`` picks per ZeRO stage):
 
-    * ``every_backward`` (the default, and under ZeRO-2, which reduces each
-      micro-step's gradient from its own hooks): a hook on each leaf sums
+    * ``every_backward`` (the default, and where ZeRO reduces each
+      micro-step's gradient from its own hooks and the accumulated result
+      cannot be summed: ZeRO-2 offloaded, or holding different slices on
+      different TSP ranks): a hook on each leaf sums
       the gradient autograd has accumulated for it in this backward (tied
       weights included) before it reaches ``.grad``, so ahead of any
       post-accumulation hook (ZeRO's, DDP's), of ``torch.autograd.grad``'s
@@ -69,11 +71,11 @@ class ReplicatedGrads:
       here before any engine's, sums the accumulated ``.grad`` in place in
       that backward only. One all-reduce per parameter per optimizer step.
     * ``deferred`` (ZeRO-0, ZeRO-1, pipelines: DeepSpeed reduces after the
-      boundary backward; ZeRO-3: its accumulated partitions line up across
+      boundary backward; ZeRO-2/3: the accumulated partitions line up across
       TSP ranks): no hook sums; the engine calls ``sum_now`` on the
       accumulated gradients, wherever it keeps them, just before its own
-      reduction (ZeRO-3: on the partitions, just after it). One all-reduce per
-      bucket per optimizer step.
+      reduction (ZeRO-2/3: on the partitions, just after it). One all-reduce
+      per bucket per optimizer step.
 
     Every rank runs the same graph and the same schedule, so the all-reduces
     line up. Frozen parameters get the hooks too (they persist through

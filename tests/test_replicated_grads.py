@@ -124,7 +124,6 @@ def test_without_an_engine_every_backward_sums_each_parameter(run_ranks):
 
 
 @pytest.mark.parametrize("zero_stage, zero, extra, per_backward", [
-    (2, None, {}, [(NORMS, FP32_NORM_BYTES)] * 4),  # ZeRO-2 reduces each micro-step from its hooks
     # ZeRO-1 with overlap_comm reduces in its hooks in the boundary backward only ...
     (1, {"overlap_comm": True}, {}, [(0, 0), (NORMS, FP32_NORM_BYTES)] * 2),
     # ... and there first moves each bf16 gradient into its fp32 grad_accum, every micro-step.
@@ -138,31 +137,34 @@ def test_where_zero_reads_gradients_in_hooks_the_sum_comes_first(run_ranks, zero
         assert counts == per_backward
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zero_3_sums_its_partitions_once_per_step_in_one_bucket(run_ranks, world):
+@pytest.mark.parametrize("zero_stage, world", [(2, 2), (3, 2), (3, 4)])
+def test_zero_2_and_3_sum_their_partitions_once_per_step_in_one_bucket(run_ranks, zero_stage, world):
     # GAS=2: nothing moves in the first micro-step's backward; after the boundary backward's reduction each rank
-    # sends its data-parallel partition of every norm's accumulated gradient in one message, so at DP=2 half of
-    # what DP=1 sends. A second allreduce_gradients in the same step sums nothing again.
+    # sends its data-parallel partition of every norm's accumulated gradient in one message (ZeRO-3: of each
+    # norm, so at DP=2 half of what DP=1 sends). A second allreduce_gradients in the same step sums nothing again.
+    # ZeRO-2's slices at DP=2 depend on the layout: SLICES_DIFFER below.
     dp_size = world // 2
-    expected = [(0, 0), (1, FP32_NORM_BYTES // dp_size)] * 2 + [(0, 0)]
-    for counts in run_ranks(world, _counted_backwards, zero_stage=3, reduce_again=True):
-        print(f"ZeRO-3 TSP=2 DP={dp_size} GAS=2: (all-reduces, bytes) per backward, then a second reduction {counts}")
+    reduce_again = zero_stage == 3  # ZeRO-2's own reduction cannot run twice
+    expected = [(0, 0), (1, FP32_NORM_BYTES // dp_size)] * 2 + [(0, 0)] * reduce_again
+    for counts in run_ranks(world, _counted_backwards, zero_stage=zero_stage, reduce_again=reduce_again):
+        print(f"ZeRO-{zero_stage} TSP=2 DP={dp_size} GAS=2: (all-reduces, bytes) per backward"
+              f"{', then a second reduction' * reduce_again} {counts}")
         assert counts == expected
 
 
-def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True):
+def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, model=None, **extra):
     """Two SGD steps of TSP=2 x DP=2 with 2 accumulation steps against one
     process's steps on each global batch; the relative distance of every
     tensor, and when the replicated gradients were summed. ``skip_the_sum``:
     they are never summed over the TSP group, to show the comparison would
     catch it. ``managed=False``: DeepSpeed's
     ``managed_gradient_accumulation: false``, where each ``step()`` the
-    caller makes is the boundary."""
+    caller makes is the boundary. ``model``: overrides of the tiny Llama's
+    config."""
     accumulation, steps = 2, 2
-    world = dist.get_world_size()
-    dp_size = world // 2
-    ref = tiny_model("llama", dtype=torch.float32)
-    config = _config(zero_stage, accumulation, zero=zero, managed_gradient_accumulation=managed)
+    dp_size = dist.get_world_size() // 2
+    ref = tiny_model("llama", dtype=torch.float32, **(model or {}))
+    config = _config(zero_stage, accumulation, zero=zero, managed_gradient_accumulation=managed, **extra)
     engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     if skip_the_sum:
@@ -196,17 +198,30 @@ DEFERRED, IN_HOOKS, EVERY_BACKWARD = (ReplicatedGrads.DEFERRED, ReplicatedGrads.
                                      ReplicatedGrads.EVERY_BACKWARD)
 
 
-@pytest.mark.parametrize("zero_stage, zero, managed, summed", [
-    (0, None, True, DEFERRED), (1, None, True, DEFERRED), (1, {"overlap_comm": True}, True, IN_HOOKS),
-    (2, None, True, EVERY_BACKWARD), (3, None, True, DEFERRED),
-    (1, None, False, DEFERRED), (3, None, False, DEFERRED),  # the boundary is the caller's step(), which sums
+OFFLOADED = {"offload_optimizer": {"device": "cpu"}}
+# One layer, one KV head, intermediate size 16: the TSP ranks' attention shards differ in size (K/V rows), which
+# moves the data-parallel partition boundary of ZeRO-2's flat buffer through the middle of one rank's
+# post-attention norm and past the other's. Summed after the reduction, the TSP ranks' messages would not even
+# have the same size.
+SLICES_DIFFER = {"num_hidden_layers": 1, "num_key_value_heads": 1, "intermediate_size": 16}
+
+
+@pytest.mark.parametrize("zero_stage, zero, managed, model, summed", [
+    (0, None, True, None, DEFERRED), (1, None, True, None, DEFERRED), (1, {"overlap_comm": True}, True, None, IN_HOOKS),
+    (2, None, True, None, DEFERRED), (3, None, True, None, DEFERRED),
+    # The boundary is the caller's step(), which sums.
+    (1, None, False, None, DEFERRED), (2, None, False, None, DEFERRED), (3, None, False, None, DEFERRED),
+    # ZeRO-2 sums in its hooks where it reads each gradient there (offload) or where TSP ranks hold different slices
+    # of a norm.
+    (2, OFFLOADED, True, None, EVERY_BACKWARD), (2, None, True, SLICES_DIFFER, EVERY_BACKWARD),
 ])
-def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, summed):
+def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, model, summed):
+    extra = {"zero_force_ds_cpu_optimizer": False} if zero == OFFLOADED else {}
     for rank, (rel, schedule) in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero,
-                                                      managed=managed)):
+                                                      managed=managed, model=model, **extra)):
         worst = max(rel, key=rel.get)
-        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}{'' if managed else ' unmanaged'}: "
-              f"max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
+        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}{'' if managed else ' unmanaged'}"
+              f"{' slices differ' if model else ''}: max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
         assert rel[worst] <= BOUND
         assert schedule == summed
 
