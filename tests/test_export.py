@@ -84,10 +84,18 @@ def test_zero3_is_exported_from_its_master_weights(bf16_checkpoints, tmp_path, c
     assert "is a ZeRO-3 checkpoint" in err and "--fp32-master" in err
     zero3 = _export(model_dir, checkpoints[3], str(tmp_path / "zero3"), "--fp32-master")
     zero1 = _export(model_dir, checkpoints[1], str(tmp_path / "zero1"), "--fp32-master")
-    worst = max(((zero3[n] - zero1[n]).abs().max() / zero1[n].abs().max()).item() for n in zero1)
-    print(f"ZeRO-3 vs ZeRO-1 master weights: max rel {worst:.2e}")
+    assert zero3.keys() == zero1.keys()
+    rel = {n: ((zero3[n] - zero1[n]).abs().max() / zero1[n].abs().max()).item() for n in zero1}
+    replicated = {n for n in rel if "norm" in n}
+    worst_sharded = max(v for n, v in rel.items() if n not in replicated)
+    worst_replicated = max(rel[n] for n in replicated)
+    print(f"ZeRO-3 vs ZeRO-1 master weights: max rel {worst_sharded:.2e} sharded, {worst_replicated:.2e} norms")
     # ZeRO-3 reduce-scatters gradients where ZeRO-1 all-reduces them: float32 sums in another order.
-    assert zero3.keys() == zero1.keys() and worst <= 1e-6
+    assert worst_sharded <= 1e-6
+    # The norms' gradients are summed over the TSP group after ZeRO-3's bf16 data-parallel mean and before
+    # ZeRO-1's, so they round differently in bf16 (1.1e-4 after the two Adam steps); their bf16 weights, which an
+    # export that missed the master would read, are 3.3e-3 off.
+    assert worst_replicated <= 5e-4
 
 
 def test_fp32_master_needs_zero_optimizer_files(bf16_checkpoints, tmp_path, capsys):
