@@ -222,10 +222,10 @@ def _sum_partitions_after(engine, replicated_grads):
     """ZeRO-3: after the boundary backward's reduction (or, under
     ``managed_gradient_accumulation: false``, after ``step()`` finalizes the
     accumulated partitions), sum each replicated parameter's accumulated
-    gradient partition over the TSP group, once per optimizer step. Read and written
-    through DeepSpeed's local-gradient API, which finds the partition in device
-    memory, host memory or NVMe and, under offload, refreshes the norm ZeRO
-    keeps for it."""
+    gradient partition over the TSP group, once per optimizer step. Read and
+    written through DeepSpeed's local-gradient API, which finds the partition
+    in device memory, host memory or NVMe and, under offload, refreshes the
+    norm ZeRO keeps for it."""
     params = replicated_grads.params
 
     def sum_partitions():

@@ -58,9 +58,9 @@ class ReplicatedGrads:
     * ``every_backward`` (the default, and where ZeRO reduces each
       micro-step's gradient from its own hooks and the accumulated result
       cannot be summed: ZeRO-2 offloaded, or holding different slices on
-      different TSP ranks): a hook on each leaf sums
-      the gradient autograd has accumulated for it in this backward (tied
-      weights included) before it reaches ``.grad``, so ahead of any
+      different TSP ranks): a hook on each leaf sums the gradient autograd
+      has accumulated for it in this backward (tied weights included)
+      before it reaches ``.grad``, so ahead of any
       post-accumulation hook (ZeRO's, DDP's), of ``torch.autograd.grad``'s
       answer and of accumulation over micro-steps. One all-reduce per
       parameter per backward, synchronous: whatever reads it next may read it
