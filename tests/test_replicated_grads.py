@@ -152,7 +152,7 @@ def test_zero_2_and_3_sum_their_partitions_once_per_step_in_one_bucket(run_ranks
         assert counts == expected
 
 
-def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, model=None, **extra):
+def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, model=None, clip=0.0, **extra):
     """Two SGD steps of TSP=2 x DP=2 with 2 accumulation steps against one
     process's steps on each global batch; the relative distance of every
     tensor, and when the replicated gradients were summed. ``skip_the_sum``:
@@ -160,11 +160,13 @@ def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, 
     catch it. ``managed=False``: DeepSpeed's
     ``managed_gradient_accumulation: false``, where each ``step()`` the
     caller makes is the boundary. ``model``: overrides of the tiny Llama's
-    config."""
+    config. ``clip``: ``gradient_clipping`` (also applied to the reference),
+    which reads the norm of the summed gradients."""
     accumulation, steps = 2, 2
     dp_size = dist.get_world_size() // 2
     ref = tiny_model("llama", dtype=torch.float32, **(model or {}))
     config = _config(zero_stage, accumulation, zero=zero, managed_gradient_accumulation=managed, **extra)
+    config["gradient_clipping"] = clip
     engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     if skip_the_sum:
@@ -185,6 +187,8 @@ def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, 
         # Every row holds SEQ_LEN real tokens, so the mean of the micro-batch means is the batch mean.
         ref_optimizer.zero_grad()
         ref(input_ids=batch, labels=batch).loss.backward()
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) > clip, "the test must exercise clipping"
         ref_optimizer.step()
     with _gathered(engine, zero_stage):
         return _relative_to(engine.module, dict(ref.named_parameters())), engine.module.tsp_replicated_grads.schedule
@@ -206,22 +210,29 @@ OFFLOADED = {"offload_optimizer": {"device": "cpu"}}
 SLICES_DIFFER = {"num_hidden_layers": 1, "num_key_value_heads": 1, "intermediate_size": 16}
 
 
-@pytest.mark.parametrize("zero_stage, zero, managed, model, summed", [
-    (0, None, True, None, DEFERRED), (1, None, True, None, DEFERRED), (1, {"overlap_comm": True}, True, None, IN_HOOKS),
-    (2, None, True, None, DEFERRED), (3, None, True, None, DEFERRED),
+CLIP = 0.5
+
+
+@pytest.mark.parametrize("zero_stage, zero, managed, model, clip, summed", [
+    (0, None, True, None, 0.0, DEFERRED), (1, None, True, None, 0.0, DEFERRED),
+    (1, {"overlap_comm": True}, True, None, 0.0, IN_HOOKS), (2, None, True, None, 0.0, DEFERRED),
+    (3, None, True, None, 0.0, DEFERRED),
     # The boundary is the caller's step(), which sums.
-    (1, None, False, None, DEFERRED), (2, None, False, None, DEFERRED), (3, None, False, None, DEFERRED),
+    (1, None, False, None, 0.0, DEFERRED), (2, None, False, None, 0.0, DEFERRED), (3, None, False, None, 0.0, DEFERRED),
     # ZeRO-2 sums in its hooks where it reads each gradient there (offload) or where TSP ranks hold different slices
     # of a norm.
-    (2, OFFLOADED, True, None, EVERY_BACKWARD), (2, None, True, SLICES_DIFFER, EVERY_BACKWARD),
+    (2, OFFLOADED, True, None, 0.0, EVERY_BACKWARD), (2, None, True, SLICES_DIFFER, 0.0, EVERY_BACKWARD),
+    # Clipping reads the norm of the summed gradients (ZeRO-3 offloaded: the norms ZeRO keeps per partition).
+    (2, None, True, None, CLIP, DEFERRED), (3, None, True, None, CLIP, DEFERRED), (3, OFFLOADED, True, None, CLIP, DEFERRED),
 ])
-def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, model, summed):
+def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, model, clip, summed):
     extra = {"zero_force_ds_cpu_optimizer": False} if zero == OFFLOADED else {}
     for rank, (rel, schedule) in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero,
-                                                      managed=managed, model=model, **extra)):
+                                                      managed=managed, model=model, clip=clip, **extra)):
         worst = max(rel, key=rel.get)
         print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}{'' if managed else ' unmanaged'}"
-              f"{' slices differ' if model else ''}: max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
+              f"{' slices differ' if model else ''}{f' clipped to {clip}' if clip else ''}: "
+              f"max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
         assert rel[worst] <= BOUND
         assert schedule == summed
 
