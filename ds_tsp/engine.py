@@ -151,36 +151,41 @@ def schedule_replicated_grads(engine, replicated_grads):
       micro-steps' gradients where they live (``.grad``, ZeRO-1's fp32
       ``grad_accum``, the bf16 optimizer's fp32 buffers) and reduce them after
       the boundary micro-step's backward (``allreduce_gradients``; the
-      pipeline's ``_bf16_reduce_grads``). The sum is deferred to just before
-      that: once per optimizer step, bucketed.
+      pipeline's ``_bf16_reduce_grads``; at the end of a
+      ``coalesce_grad_reduction()`` block, its flush). The sum is deferred to
+      just before that: once per optimizer step, bucketed.
     * ZeRO-3 reduces every micro-step's gradient from its hooks and
       accumulates the reduced partitions: every TSP rank partitions a
       replicated parameter alike over the data-parallel group, so the
-      accumulated partitions are summed just after the boundary backward's
-      reduction, once per optimizer step, bucketed (``_sum_partitions_after``).
+      accumulated partitions are summed just after the boundary's reduction
+      epilogue, once per optimizer step, bucketed (``_sum_partitions_after``).
     * ZeRO-2 does the same into slices of flat data-parallel partitions. Each
       rank's slice of a replicated parameter (its ``_hp_mapping`` fragment)
       depends on the layout of everything the rank holds; where every rank's
       slices are the same as its TSP peers' (checked once, over the world),
       the slices are summed after the boundary reduction like ZeRO-3's
-      partitions (``_sum_fragments_after``).
+      partitions (``_sum_fragments_after``). Not with
+      ``round_robin_gradients``, whose partitions DeepSpeed's fragments do not
+      follow.
     * ZeRO-1 with ``overlap_comm`` reduces the accumulated gradients from its
       own post-accumulation hooks in the boundary backward: the sum runs in
       ours, which come first, in that backward only (per parameter, as the
-      next hook reads each gradient at once).
+      next hook reads each gradient at once), outside ``no_sync()`` and
+      ``coalesce_grad_reduction()``, and before the latter's flush.
     * ZeRO-2 whose slices differ across TSP ranks (uneven shards, e.g.
-      ``num_key_value_heads < tsp.size``) or whose optimizer is offloaded
+      ``num_key_value_heads < tsp.size``), are round-robin or are offloaded
       (its reduction hooks take each gradient's norm and host copy at once),
-      and ZeRO-1 moving gradients into a wider ``grad_accum`` under
-      ``overlap_comm`` in the same hook: there each micro-step's gradient is
-      summed before it reaches ``.grad``, as without an engine.
+      ZeRO-3's SuperOffload (which steps from its hooks) and ZeRO-1 moving
+      gradients into a wider ``grad_accum`` under ``overlap_comm`` in the same
+      hook: there each micro-step's gradient is summed before it reaches
+      ``.grad``, as without an engine.
 
     On the wire the gradients take the dtype DeepSpeed reduces them in over
     data parallelism (``_wire_dtype``).
     """
     optimizer = engine.optimizer
     wire_dtype = functools.partial(_wire_dtype, engine)
-    if optimizer is None or getattr(engine, "zenflow", False):
+    if optimizer is None or getattr(engine, "zenflow", False) or _steps_in_backward(engine):
         replicated_grads.every_backward(wire_dtype)
     elif engine.zero_optimization_partition_weights():
         replicated_grads.deferred(wire_dtype)
@@ -194,15 +199,35 @@ def schedule_replicated_grads(engine, replicated_grads):
         if optimizer.use_grad_accum_attribute:
             replicated_grads.every_backward(wire_dtype)
         else:
-            replicated_grads.at_boundary_in_hooks(engine.is_gradient_accumulation_boundary, wire_dtype)
+            replicated_grads.at_boundary_in_hooks(functools.partial(_reduces_in_this_backward, engine), wire_dtype)
+            _sum_before_reduction(engine, replicated_grads, names=(COALESCED_REDUCTION,))
     else:
         replicated_grads.deferred(wire_dtype)
         _sum_before_reduction(engine, replicated_grads)
 
 
-def _sum_before_reduction(engine, replicated_grads):
-    """Wrap the engine's boundary reductions so that the replicated gradients
-    are summed over the TSP group first, once per optimizer step."""
+# The engine's reductions of ZeRO 0-1 and pipelines, after the boundary backward; the last reduces what
+# ``engine.coalesce_grad_reduction()`` held back, at the end of that block.
+BOUNDARY_REDUCTIONS = ("allreduce_gradients", "_bf16_reduce_grads", "_flush_coalesced_reduction_zero12")
+COALESCED_REDUCTION = BOUNDARY_REDUCTIONS[-1]
+
+
+def _steps_in_backward(engine):
+    """ZeRO-3's SuperOffload starts the host optimizer's step on each finished
+    sub-group from its reduction hooks, before any boundary sum could run."""
+    return getattr(engine, "super_offload", lambda: False)()
+
+
+def _reduces_in_this_backward(engine):
+    """The engine reduces gradients at the end of this backward: a boundary
+    micro-step outside ``no_sync()`` and ``coalesce_grad_reduction()`` (which
+    hold reduction back, also at a counted boundary)."""
+    return engine.is_gradient_accumulation_boundary() and not engine.inside_no_sync_ctxt
+
+
+def _sum_before_reduction(engine, replicated_grads, names=BOUNDARY_REDUCTIONS):
+    """Wrap the engine's boundary reductions ``names`` so that the replicated
+    gradients are summed over the TSP group first, once per optimizer step."""
     grad_of = _accumulated_gradient(engine.optimizer)
     held = {id(param) for param in engine.module.parameters()}  # a pipeline stage holds some only
     params = [p for p in replicated_grads.params if id(p) in held]
@@ -213,7 +238,7 @@ def _sum_before_reduction(engine, replicated_grads):
                                  engine.zero_reduce_bucket_size())
 
     once = _once_per_boundary(engine, sum_accumulated)  # shared: the second reduction in a step must not sum
-    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+    for name in names:
         if hasattr(engine, name):
             _wrap(engine, name, before=once)
 
@@ -238,10 +263,11 @@ def _sum_partitions_after(engine, replicated_grads):
 
 
 def _after_each_boundary_reduction(engine, once):
-    """Run ``once`` after ZeRO-2/3's reduction of each backward (the boundary's
-    is the one where it acts) and after ``step()`` finalizes the accumulated
+    """Run ``once`` after ZeRO-2/3's reduction epilogue (at the end of each
+    backward, and of a ``coalesce_grad_reduction()`` block; the boundary's is
+    the one where it acts) and after ``step()`` finalizes the accumulated
     gradients under ``managed_gradient_accumulation: false``."""
-    _wrap(engine, "allreduce_gradients", after=once)
+    _wrap(engine.optimizer, "independent_gradient_partition_epilogue", after=once)
     if hasattr(engine.optimizer, "finalize_gradient_accumulation_boundary"):
         _wrap(engine.optimizer, "finalize_gradient_accumulation_boundary", after=once)
 
@@ -253,8 +279,8 @@ def _fragments_line_up(engine, params):
     summed before the data-parallel mean would mix summed and unsummed
     gradients in it)."""
     optimizer = engine.optimizer
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
-        return False
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload or optimizer.round_robin_gradients:
+        return False  # round-robin partitions: the fragments DeepSpeed links follow the groups' original order
     trained = [param for param in params if param.requires_grad]
     held = [_fragment_address(param) for param in trained]
     linked = all(hasattr(param, "_hp_mapping") for param in trained)  # else no slice is known, and none summed

@@ -152,20 +152,27 @@ def test_zero_2_and_3_sum_their_partitions_once_per_step_in_one_bucket(run_ranks
         assert counts == expected
 
 
-def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, model=None, clip=0.0, **extra):
-    """Two SGD steps of TSP=2 x DP=2 with 2 accumulation steps against one
+def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, accumulate="engine", model=None, clip=0.0,
+                       **extra):
+    """Two SGD steps of TSP=2 x DP=2, each over 2 micro-batches, against one
     process's steps on each global batch; the relative distance of every
     tensor, and when the replicated gradients were summed. ``skip_the_sum``:
     they are never summed over the TSP group, to show the comparison would
-    catch it. ``managed=False``: DeepSpeed's
-    ``managed_gradient_accumulation: false``, where each ``step()`` the
-    caller makes is the boundary. ``model``: overrides of the tiny Llama's
-    config. ``clip``: ``gradient_clipping`` (also applied to the reference),
-    which reads the norm of the summed gradients."""
+    catch it. ``accumulate``, who accumulates the micro-batches:
+    ``"engine"`` (``gradient_accumulation_steps: 2``), ``"step"``
+    (``managed_gradient_accumulation: false``: the caller's ``step()`` is the
+    boundary), ``"coalesce"`` (both backwards inside
+    ``engine.coalesce_grad_reduction()``) or ``"no_sync"`` (the first inside
+    ``engine.no_sync()``); the last two each backward half the loss, at
+    ``gradient_accumulation_steps: 1``. ``model``: overrides of the tiny
+    Llama's config. ``clip``: ``gradient_clipping`` (also applied to the
+    reference), which reads the norm of the summed gradients."""
     accumulation, steps = 2, 2
     dp_size = dist.get_world_size() // 2
     ref = tiny_model("llama", dtype=torch.float32, **(model or {}))
-    config = _config(zero_stage, accumulation, zero=zero, managed_gradient_accumulation=managed, **extra)
+    by_engine = accumulate in ("engine", "step")
+    config = _config(zero_stage, accumulation if by_engine else 1, zero=zero,
+                     managed_gradient_accumulation=accumulate != "step", **extra)
     config["gradient_clipping"] = clip
     engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), config=config,
                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
@@ -178,11 +185,19 @@ def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, managed=True, 
     ref_optimizer = torch.optim.SGD(ref.parameters(), lr=LR)
     for batch in batches:
         mine = batch.view(dp_size, accumulation, MICRO_BATCH, SEQ_LEN)[topo.dp_rank]
-        for ids in mine:
+        if accumulate == "coalesce":
+            with engine.coalesce_grad_reduction():
+                for ids in mine:
+                    engine.backward(engine(input_ids=ids, labels=ids).loss / accumulation)
+        elif accumulate == "no_sync":
+            with engine.no_sync():
+                engine.backward(engine(input_ids=mine[0], labels=mine[0]).loss / accumulation)
+            engine.backward(engine(input_ids=mine[1], labels=mine[1]).loss / accumulation)
+        for ids in mine if by_engine else []:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
-            if managed:
+            if accumulate == "engine":
                 engine.step()
-        if not managed:
+        if accumulate != "engine":
             engine.step()
         # Every row holds SEQ_LEN real tokens, so the mean of the micro-batch means is the batch mean.
         ref_optimizer.zero_grad()
@@ -213,28 +228,48 @@ SLICES_DIFFER = {"num_hidden_layers": 1, "num_key_value_heads": 1, "intermediate
 CLIP = 0.5
 
 
-@pytest.mark.parametrize("zero_stage, zero, managed, model, clip, summed", [
-    (0, None, True, None, 0.0, DEFERRED), (1, None, True, None, 0.0, DEFERRED),
-    (1, {"overlap_comm": True}, True, None, 0.0, IN_HOOKS), (2, None, True, None, 0.0, DEFERRED),
-    (3, None, True, None, 0.0, DEFERRED),
-    # The boundary is the caller's step(), which sums.
-    (1, None, False, None, 0.0, DEFERRED), (2, None, False, None, 0.0, DEFERRED), (3, None, False, None, 0.0, DEFERRED),
-    # ZeRO-2 sums in its hooks where it reads each gradient there (offload) or where TSP ranks hold different slices
-    # of a norm.
-    (2, OFFLOADED, True, None, 0.0, EVERY_BACKWARD), (2, None, True, SLICES_DIFFER, 0.0, EVERY_BACKWARD),
+@pytest.mark.parametrize("zero_stage, zero, accumulate, model, clip, summed", [
+    (0, None, "engine", None, 0.0, DEFERRED), (1, None, "engine", None, 0.0, DEFERRED),
+    (1, {"overlap_comm": True}, "engine", None, 0.0, IN_HOOKS), (2, None, "engine", None, 0.0, DEFERRED),
+    (3, None, "engine", None, 0.0, DEFERRED),
+    # The boundary is the caller's step(), which sums ...
+    (1, None, "step", None, 0.0, DEFERRED), (2, None, "step", None, 0.0, DEFERRED),
+    (3, None, "step", None, 0.0, DEFERRED),
+    # ... or the reduction at the end of a coalesce_grad_reduction() block, or the first backward out of no_sync().
+    (1, None, "coalesce", None, 0.0, DEFERRED), (1, {"overlap_comm": True}, "coalesce", None, 0.0, IN_HOOKS),
+    (2, None, "coalesce", None, 0.0, DEFERRED), (3, None, "coalesce", None, 0.0, DEFERRED),
+    (1, None, "no_sync", None, 0.0, DEFERRED),
+    # ZeRO-2 sums in its hooks where it reads each gradient there (offload), where TSP ranks hold different slices
+    # of a norm, or where DeepSpeed's fragments of them follow another order than its round-robin partitions.
+    (2, OFFLOADED, "engine", None, 0.0, EVERY_BACKWARD), (2, None, "engine", SLICES_DIFFER, 0.0, EVERY_BACKWARD),
+    (2, {"round_robin_gradients": True}, "engine", None, 0.0, EVERY_BACKWARD),
     # Clipping reads the norm of the summed gradients (ZeRO-3 offloaded: the norms ZeRO keeps per partition).
-    (2, None, True, None, CLIP, DEFERRED), (3, None, True, None, CLIP, DEFERRED), (3, OFFLOADED, True, None, CLIP, DEFERRED),
+    (2, None, "engine", None, CLIP, DEFERRED), (3, None, "engine", None, CLIP, DEFERRED),
+    (3, OFFLOADED, "engine", None, CLIP, DEFERRED),
 ])
-def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, managed, model, clip, summed):
+def test_accumulated_steps_match_a_single_process(run_ranks, zero_stage, zero, accumulate, model, clip, summed):
     extra = {"zero_force_ds_cpu_optimizer": False} if zero == OFFLOADED else {}
     for rank, (rel, schedule) in enumerate(run_ranks(4, _accumulated_steps, zero_stage=zero_stage, zero=zero,
-                                                      managed=managed, model=model, clip=clip, **extra)):
+                                                      accumulate=accumulate, model=model, clip=clip, **extra)):
         worst = max(rel, key=rel.get)
-        print(f"rank {rank} TSP=2 DP=2 GAS=2 ZeRO-{zero_stage} {zero or ''}{'' if managed else ' unmanaged'}"
-              f"{' slices differ' if model else ''}{f' clipped to {clip}' if clip else ''}: "
+        print(f"rank {rank} TSP=2 DP=2 ZeRO-{zero_stage} {zero or ''}, accumulated by {accumulate}"
+              f"{', slices differ' if model else ''}{f', clipped to {clip}' if clip else ''}: "
               f"max rel |dw| {rel[worst]:.2e} ({worst}), summed {schedule}")
         assert rel[worst] <= BOUND
         assert schedule == summed
+
+
+def test_superoffload_sums_every_backward():
+    # ZeRO-3's SuperOffload steps the host optimizer on each finished sub-group from its reduction hooks (CUDA
+    # only): nothing may wait for a boundary, so each gradient is summed before ZeRO reads it.
+    from types import SimpleNamespace
+
+    from ds_tsp.engine import schedule_replicated_grads
+    replicated_grads = ReplicatedGrads([torch.nn.Parameter(torch.ones(2))], group=None)
+    replicated_grads.deferred()
+    engine = SimpleNamespace(optimizer=object(), super_offload=lambda: True)
+    schedule_replicated_grads(engine, replicated_grads)
+    assert replicated_grads.schedule == EVERY_BACKWARD
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
