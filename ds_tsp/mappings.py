@@ -53,7 +53,7 @@ class ReplicatedGrads:
     wire (by default the gradient's own dtype), and rounded once.
 
     When the sum runs depends on who reads the gradient, and so on the engine
-    (``ds_tsp.engine`` picks per ZeRO stage):
+    (``ds_tsp.replicated_schedule`` picks per ZeRO stage):
 
     * ``every_backward`` (the default, and where ZeRO reduces each
       micro-step's gradient from its own hooks and the accumulated result

@@ -1,7 +1,7 @@
 """Replicated gradients (norms; embedding and LM head when the vocabulary is not
 folded) summed over the TSP group where DeepSpeed's own reduction lets it
-happen least often (``ds_tsp.engine.schedule_replicated_grads``), in the dtype
-DeepSpeed reduces gradients in (``communication_data_type``)."""
+happen least often (``ds_tsp.replicated_schedule``), in the dtype DeepSpeed
+reduces gradients in (``communication_data_type``)."""
 
 import copy
 
@@ -264,7 +264,7 @@ def test_superoffload_sums_every_backward():
     # only): nothing may wait for a boundary, so each gradient is summed before ZeRO reads it.
     from types import SimpleNamespace
 
-    from ds_tsp.engine import schedule_replicated_grads
+    from ds_tsp.replicated_schedule import schedule_replicated_grads
     replicated_grads = ReplicatedGrads([torch.nn.Parameter(torch.ones(2))], group=None)
     replicated_grads.deferred()
     engine = SimpleNamespace(optimizer=object(), super_offload=lambda: True)
