@@ -48,10 +48,9 @@ def schedule_replicated_grads(engine, replicated_grads):
       (its reduction hooks take each gradient's norm and host copy at once),
       ZeRO-3's SuperOffload (which steps from its hooks) or NVMe optimizer
       offload (where reading one partition swaps its whole sub-group in and
-      out), and ZeRO-1 moving
-      gradients into a wider ``grad_accum`` under ``overlap_comm`` in the same
-      hook: there each micro-step's gradient is summed before it reaches
-      ``.grad``, as without an engine.
+      out), and ZeRO-1 moving gradients into a wider ``grad_accum`` under
+      ``overlap_comm`` in the same hook: there each micro-step's gradient is
+      summed before it reaches ``.grad``, as without an engine.
 
     On the wire the gradients take the dtype DeepSpeed reduces them in over
     data parallelism (``_wire_dtype``).
@@ -117,12 +116,11 @@ def _sum_before_reduction(engine, replicated_grads, names=BOUNDARY_REDUCTIONS):
 
 
 def _sum_partitions_after(engine, replicated_grads):
-    """ZeRO-3: after the boundary backward's reduction (or, under
-    ``managed_gradient_accumulation: false``, after ``step()`` finalizes the
-    accumulated partitions), sum each replicated parameter's accumulated
-    gradient partition over the TSP group, once per optimizer step. Read and
-    written through DeepSpeed's local-gradient API, which finds the partition
-    in device memory, host memory or NVMe and, under offload, refreshes the
+    """ZeRO-3: after the boundary's reduction
+    (``_after_each_boundary_reduction``), sum each replicated parameter's
+    accumulated gradient partition over the TSP group, once per optimizer
+    step. Read and written through DeepSpeed's local-gradient API, which finds
+    the partition in device or host memory and, under offload, refreshes the
     norm ZeRO keeps for it."""
     params = replicated_grads.params
 
@@ -172,10 +170,10 @@ def _fragment_address(param):
 
 def _sum_fragments_after(engine, replicated_grads):
     """ZeRO-2 whose slices line up (``_fragments_line_up``): after the
-    boundary backward's reduction (or in ``step()`` under
-    ``managed_gradient_accumulation: false``), sum each replicated parameter's
-    accumulated gradient slice over the TSP group in place, where ZeRO's step
-    reads it (what ``param.set_full_hp_grad`` writes), once per optimizer step."""
+    boundary's reduction (``_after_each_boundary_reduction``), sum each
+    replicated parameter's accumulated gradient slice over the TSP group in
+    place, where ZeRO's step reads it (what ``param.set_full_hp_grad``
+    writes), once per optimizer step."""
     params = [param for param in replicated_grads.params if param.requires_grad and _fragment_address(param)[1]]
 
     def sum_fragments():
