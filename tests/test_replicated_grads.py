@@ -193,10 +193,11 @@ def _accumulated_steps(zero_stage, zero=None, skip_the_sum=False, accumulate="en
             with engine.no_sync():
                 engine.backward(engine(input_ids=mine[0], labels=mine[0]).loss / accumulation)
             engine.backward(engine(input_ids=mine[1], labels=mine[1]).loss / accumulation)
-        for ids in mine if by_engine else []:
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            if accumulate == "engine":
-                engine.step()
+        else:
+            for ids in mine:
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                if accumulate == "engine":
+                    engine.step()
         if accumulate != "engine":
             engine.step()
         # Every row holds SEQ_LEN real tokens, so the mean of the micro-batch means is the batch mean.
