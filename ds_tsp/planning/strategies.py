@@ -39,6 +39,7 @@ each token uses; TSP's experts recompute their projections in backward.
 
 from dataclasses import dataclass, field
 
+from ..layout import padded_length
 from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
 from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
                      HEAD_BACKWARD, KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
@@ -193,7 +194,7 @@ def plan_tsp(setting, vocab_parallel):
     m, p, D = setting.model, setting.precision, setting.devices
     e, acc, B, H = p.element, p.accumulate, setting.micro_batch, m.hidden_size
     problem = tsp_shape_problem(m, D)
-    S = -(-setting.seq_len // (2 * D)) * 2 * D  # zigzag pads to a multiple of 2D
+    S = padded_length(setting.seq_len, D)  # two zigzag chunks per rank
     tokens = B * S // D
     # tsp.token_tile: the MLP runs the local tokens in tiles once they exceed one
     tile = min(tokens, setting.token_tile) if setting.token_tile else tokens

@@ -7,6 +7,7 @@ throughput, and peak memory against sequence length."""
 
 from dataclasses import replace
 
+from ..layout import padded_length
 from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
 from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op
 from .memory import MEMORY_PARTS
@@ -150,7 +151,7 @@ def moe_facts(setting):
     m, D, p = setting.model, setting.devices, setting.precision
     if not m.is_moe:
         return None
-    e, B, S = p.element, setting.micro_batch, -(-setting.seq_len // (2 * D)) * 2 * D
+    e, B, S = p.element, setting.micro_batch, padded_length(setting.seq_len, D)
     experts = m.routed_expert_params * p.weight
     facts = {"params": m.params, "active_params": m.active_params, "moe_layers": m.moe_layers,
              "num_experts": m.num_experts, "experts_per_token": m.experts_per_token, "expert_size": m.expert_size,
