@@ -107,7 +107,8 @@ import torch.distributed.nn.functional as dist_nn  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from report import write_report  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from compare_model import model_config  # noqa: E402
+from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
 from ds_tsp import comm as tsp_comm  # noqa: E402
@@ -122,19 +123,12 @@ TSP_LAYOUT = "zigzag"
 # --- the strategies ------------------------------------------------------------------------------------------------
 
 def build_model(args):
-    """The same weights on every rank of every strategy (seeded): ``args.model``'s,
-    Llama (dense) or Qwen3-MoE (``moe``, Hugging Face's default grouped experts,
-    no load-balancing loss: ``output_router_logits`` false as in its config)."""
+    """The same weights on every rank of every strategy (seeded): ``args.model``'s
+    (``compare_model.model_config``)."""
     torch.manual_seed(0)
-    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                  max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False, attn_implementation="sdpa")
-    if args.model == "moe":
-        config = Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
-                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
-                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-        return Qwen3MoeForCausalLM(config).float()
-    return LlamaForCausalLM(LlamaConfig(**common)).float()
+    config = model_config(args)
+    model_class = Qwen3MoeForCausalLM if args.model == "moe" else LlamaForCausalLM
+    return model_class(config).float()
 
 
 def ds_config(args, zero_stage=0, **sections):

@@ -9,6 +9,7 @@ strategies in the order they ran.
 import json
 import os
 
+from compare_model import model_config
 from ds_tsp.planning import AUTOTP_MOE_REFUSED, plan, tsp_name, tsp_step_bytes_by_op
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
@@ -43,16 +44,9 @@ def is_moe(args):
 
 def plan_model(args):
     """The benchmark model as ``ds_tsp.planning`` reads a Hugging Face config
-    (compare.py's ``build_model``): Llama, or Qwen3-MoE for the MoE row."""
-    fields = {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-              "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
-              "tie_word_embeddings": False, "name": "compare.py model"}
-    if is_moe(args):
-        fields.update(model_type="qwen3_moe", head_dim=args.hidden // args.heads, num_experts=args.experts,
-                      num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-                      name="compare.py MoE model")
-    return fields
+    (``compare_model.model_config``): Llama, or Qwen3-MoE for the MoE row."""
+    name = "compare.py MoE model" if is_moe(args) else "compare.py model"
+    return {**model_config(args).to_dict(), "name": name}
 
 
 # --- measured figures, max over ranks ------------------------------------------------------------------------------
