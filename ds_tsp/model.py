@@ -156,9 +156,10 @@ class TSPCausalLMMixin:
         loss over the whole sequence, added to ``.loss`` times
         ``config.router_aux_loss_coef`` when labels are given. ``.router_logits``
         holds per MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face's
-        (differentiable) when ``output_router_logits`` is passed here, else (turned on by the
-        config alone, as for the load-balancing loss in training) the LOCAL
-        tokens' ``(B*S/D, E)`` (this rank's shard, in its layout's order)."""
+        (differentiable) when ``output_router_logits`` is passed here, else
+        (turned on by the config alone, as for the load-balancing loss in
+        training) the LOCAL tokens' ``(B*S/D, E)`` (this rank's shard, in its
+        layout's order)."""
         moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
                       if isinstance(layer.mlp, TSPSparseMoE)]
         output_router_logits = None
