@@ -22,6 +22,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
 from models import COMMON, MOE_ARCHS, tiny_model
+from test_engine import ZERO3_PARTITIONED
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
@@ -591,3 +592,35 @@ def test_up_read_as_gate_would_be_caught(tmp_path, monkeypatch):
     monkeypatch.setitem(expert_files.EXPERT_FILES, "mixtral", swapped)
     wrong = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
     assert not torch.equal(wrong, right)
+
+
+# ------------------------------------------------------------ under ZeRO-3
+
+def _zero3_save(src, dst, max_shard_size):
+    """An engine whose every parameter (TSP shards, norms, vocabulary rows) ZeRO-3
+    partitions over 2 data-parallel replicas, saved without a step taken."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **ZERO3_PARTITIONED},
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+    engine, *_ = ds_tsp.initialize(model=src, config=config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters())
+    save_pretrained(engine, dst, max_shard_size=max_shard_size)
+    # The partitions are released again once saved.
+    return all(p.numel() == 0 for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen3"])
+def test_zero3_saves_the_files_of_zero0(run_ranks, tmp_path, arch):
+    """TSP 2 x DP 2 under ZeRO-3 writes what Hugging Face writes for the same weights
+    (files, index text, tensors bit for bit): each block is gathered over the
+    data-parallel group, then joined over TSP."""
+    src, dst = str(tmp_path / "hf"), str(tmp_path / "saved")
+    tiny_model(arch, dtype=torch.float32).save_pretrained(src, max_shard_size="8KB")
+    assert run_ranks(4, _zero3_save, src=src, dst=dst, max_shard_size="8KB") == [True] * 4
+    expected = sorted(os.listdir(src))
+    assert sorted(os.listdir(dst)) == expected and "model.safetensors.index.json" in expected
+    with open(os.path.join(src, "model.safetensors.index.json")) as a, \
+            open(os.path.join(dst, "model.safetensors.index.json")) as b:
+        assert a.read() == b.read()
+    for name in expected:
+        if name.endswith(".safetensors"):
+            assert_same_tensors(load_file(os.path.join(dst, name)), load_file(os.path.join(src, name)))

@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
+import deepspeed
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
@@ -91,27 +92,42 @@ def gather_vocab(module):
 @dataclass
 class GatherUnit:
     """Tensors gathered together: ``dtypes`` names them (Hugging Face names) and
-    ``gather()`` returns them full, collectively over the unit's TSP group."""
+    ``gather()`` returns them full, collectively over the unit's TSP group and,
+    where ZeRO-3 partitions ``params``, over their data-parallel group first."""
 
     dtypes: dict
-    gather: Callable[[], dict]
+    collect: Callable[[], dict]
+    params: tuple = ()
+
+    def gather(self):
+        partitioned = [p for p in self.params if hasattr(p, "ds_id")]
+        if not partitioned:
+            return self.collect()
+        # One module's partitions at a time (DeepSpeed's own gather over the data-parallel group), copied
+        # out before they are released again.
+        with deepspeed.zero.GatheredParameters(partitioned):
+            return {name: tensor.clone() for name, tensor in self.collect().items()}
 
 
 def gather_unit(prefix, module):
     """The ``GatherUnit`` of one module at Hugging Face name ``prefix``: a TSP
     block, a vocabulary-parallel matrix (none for a head tied to the embedding,
-    whose rows the embedding's unit writes) or a module every rank holds whole."""
+    whose rows the embedding's unit writes) or a module every rank holds whole.
+    The dtypes come from the parameters alone, so partitioned ones need no gather."""
+    params = tuple(module.parameters())
     if isinstance(module, PackedShardMixin):
         names = dict.fromkeys(name for held in block_holdings(module) for name in held)
-        own = module.shard_tensors()
-        return GatherUnit({f"{prefix}.{n}": own.get(n, module.packed).dtype for n in names},
-                          lambda: {f"{prefix}.{n}": t for n, t in gather_block(module).items()})
+        replicated = module.replicated_params()
+        return GatherUnit({f"{prefix}.{n}": (replicated[n] if n in replicated else module.packed).dtype for n in names},
+                          lambda: {f"{prefix}.{n}": t for n, t in gather_block(module).items()}, params)
     if isinstance(module, (VocabParallelEmbedding, VocabParallelLMHead)):
         if getattr(module, "tied", False):
             return GatherUnit({}, dict)
-        return GatherUnit({f"{prefix}.weight": module.weight.dtype}, lambda: {f"{prefix}.weight": gather_vocab(module)})
-    return GatherUnit({f"{prefix}.{n}": t.dtype for n, t in module.state_dict().items()},
-                      lambda: {f"{prefix}.{n}": t for n, t in module.state_dict().items()})
+        return GatherUnit({f"{prefix}.weight": module.weight.dtype},
+                          lambda: {f"{prefix}.weight": gather_vocab(module)}, params)
+    dtypes = {f"{prefix}.{n}": t.dtype for n, t in module.named_parameters()}
+    dtypes.update({f"{prefix}.{n}": t.dtype for n, t in module.named_buffers() if n in module.state_dict()})
+    return GatherUnit(dtypes, lambda: {f"{prefix}.{n}": t for n, t in module.state_dict().items()}, params)
 
 
 # ---------------------------------------------------------- what a rank holds
@@ -146,6 +162,11 @@ class SavedStage:
         return [unit for unit in units if unit.dtypes]
 
     @property
+    def partitioned(self):
+        """Whether ZeRO-3 partitions this rank's parameters over its data-parallel group."""
+        return any(hasattr(p, "ds_id") for m in self.modules.values() for p in m.parameters())
+
+    @property
     def device(self):
         return next((p.device for m in self.modules.values() for p in m.parameters()), torch.device("cpu"))
 
@@ -172,12 +193,6 @@ def saved_stage(model):
     else:
         raise TypeError(f"ds_tsp.save_pretrained takes a TSP model (ds_tsp.inject, ds_tsp.from_pretrained), the engine "
                         f"of ds_tsp.initialize or its module, not a {type(model).__name__}")
-    partitioned = next((name for prefix, m in stage.modules.items() for name, p in m.named_parameters(prefix=prefix)
-                        if hasattr(p, "ds_id")), None)
-    if partitioned is not None:
-        raise CheckpointError(f"{partitioned} is partitioned by ZeRO-3 (zero_optimization.stage = 3), which "
-                              "save_pretrained does not gather: write engine.save_checkpoint(DIR) and turn it into a "
-                              "Hugging Face directory with `ds-tsp export --checkpoint DIR --fp32-master`")
     return stage
 
 
@@ -365,7 +380,9 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     check_max_shard_size(max_shard_size)
     stage = saved_stage(model)
     topology = stage.topology
-    units = stage.units() if topology.dp_rank == 0 else []
+    # Replica 0 gathers over TSP; under ZeRO-3 every replica joins the data-parallel gathers first.
+    gathering = topology.dp_rank == 0 or stage.partitioned
+    units = stage.units() if gathering else []
     plan, shapes, dtypes, meta = _write_plan(stage, units, out_dir, overwrite)
 
     writer = None
@@ -378,7 +395,7 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
         layout = expert_files(stage.config)
         writer = ShardWriter(out_dir, split_into_files(shapes, dtypes, max_shard_size, layout), meta.num_parameters(),
                              layout)
-    if topology.dp_rank == 0:
+    if gathering:
         position = {name: i for i, name in enumerate(shapes)}
         local = {min((n for n in unit.dtypes if n in position), key=position.get): unit for unit in units
                  if any(n in position for n in unit.dtypes)}
@@ -388,7 +405,7 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
                 full = local[names[0]].gather() if pp_rank == topology.pp_rank else {}
                 for name in names:
                     tensor = full.get(name)
-                    if pp_rank != 0 and topology.tsp_rank == 0:
+                    if pp_rank != 0 and topology.tsp_rank == 0 and topology.dp_rank == 0:
                         # From the stage that holds it to global rank 0 (stage 0 of this pipeline
                         # group); comm has no point-to-point send, so TSP rank 0 of the other
                         # stages receive and drop a copy.
