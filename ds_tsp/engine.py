@@ -106,10 +106,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
     set_z3_leaf_modules(model, [TSPAttention])
     forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
-    if client.masks and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
-        raise ValueError("a packed TSP shard holds tensors with and without weight decay (e.g. q/k/v biases next to "
-                         "their weights), which is applied per element to the optimizer's float32 partitions of "
-                         "ZeRO 0-2 only: use zero_optimization.stage <= 2, or give every tensor the same decay")
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:
         # DeepSpeed refuses a config both in args and as config=; ours is parsed.
@@ -117,10 +113,28 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         forward["args"].deepspeed_config = None
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
+    _refuse_consolidated_state_dicts(engine)
     client.attach(engine)
     if replicated_grads is not None:
         schedule_replicated_grads(engine, replicated_grads)
     return (engine, *rest)
+
+
+def _refuse_consolidated_state_dicts(engine):
+    """DeepSpeed's own 16-bit exports gather each parameter over the data-parallel
+    group only, so on a TSP engine they would write every rank's TSP shard under
+    one name: ``save_16bit_model`` and the state dicts behind it (accelerate's
+    ``get_state_dict`` calls them) name the ds_tsp call instead."""
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise NotImplementedError(
+                f"engine.{name}() would gather only ZeRO's data-parallel partitions of a TSP engine, whose "
+                "parameters are TSP shards: call ds_tsp.save_pretrained(engine, DIR), which writes the Hugging Face "
+                "model (safetensors, every ZeRO stage, every pipeline stage)")
+        return refused
+
+    for name in ("save_16bit_model", "_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict"):
+        setattr(engine, name, refuse(name))
 
 
 def set_grad_wire_dtype(model, dtype):

@@ -12,6 +12,7 @@ import inspect
 import math
 
 import torch
+import torch.distributed as dist
 
 from .packing import PackedShardMixin
 
@@ -137,11 +138,11 @@ class ClientOptimizer:
         inner.register_step_pre_hook(self._decay_before_step)
 
     def _decay_before_step(self, optimizer, args, kwargs):
-        # ZeRO 1-2 step the optimizer one parameter group at a time.
+        # ZeRO 1-2 step the optimizer one parameter group at a time, ZeRO-3 one sub-group of one.
         for group in optimizer.param_groups:
             for mask in self.masks:
                 if mask.host == group.get(DecayMask.TAG):
-                    mask.apply(group["lr"])
+                    mask.apply(group["lr"], group["params"])
 
 
 class DecayMask:
@@ -163,19 +164,32 @@ class DecayMask:
             if decay[group]:
                 self.segments.append((start, start + numel, decay[group]))
             start += numel
-        if wrapped and not hasattr(self.param, "_hp_mapping"):
+        if wrapped and not hasattr(self.param, "_hp_mapping") and not hasattr(self.param, "ds_id"):
             raise TypeError("this DeepSpeed optimizer (fp16 without ZeRO?) keeps no float32 fragment per parameter: "
-                            "a shard of tensors with and without weight decay needs ZeRO 0-2 in fp32 or bf16")
+                            "a shard of tensors with and without weight decay needs ZeRO in fp32 or bf16, or no "
+                            "DeepSpeed optimizer wrapper")
 
     @torch.no_grad()
-    def apply(self, lr):
-        mapping = getattr(self.param, "_hp_mapping", False)
-        if mapping is None:  # ZeRO: none of this shard is in this rank's partition
-            return
-        if mapping is False:  # no ZeRO, no wrapper: the optimizer updates the parameter itself
-            values, offset = self.param.data.view(-1), 0
-        else:  # this rank's float32 fragment, holding the shard's elements from ``offset`` on
-            values, offset = mapping.get_hp_fragment().view(-1), mapping.lp_fragment_address.start
+    def apply(self, lr, stepping):
+        """Decay this shard's elements of the float32 values the optimizer is
+        about to update (``stepping``: the tensors of the group it steps)."""
+        if hasattr(self.param, "ds_id"):
+            # ZeRO-3: this rank's partition of the float32 master, the ceil(numel / dp) elements from
+            # its partition rank on, once: when the sub-group holding it steps.
+            values = self.param._z3_optimizer.get_local_fp32_param(self.param)
+            if values is None or not any(values.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                                         for p in stepping):
+                return
+            values = values.view(-1)
+            offset = dist.get_rank(self.param.ds_process_group) * self.param.ds_tensor.ds_numel
+        else:
+            mapping = getattr(self.param, "_hp_mapping", False)
+            if mapping is None:  # ZeRO 1-2: none of this shard is in this rank's partition
+                return
+            if mapping is False:  # no ZeRO, no wrapper: the optimizer updates the parameter itself
+                values, offset = self.param.data.view(-1), 0
+            else:  # this rank's float32 fragment, holding the shard's elements from ``offset`` on
+                values, offset = mapping.get_hp_fragment().view(-1), mapping.lp_fragment_address.start
         for start, end, weight_decay in self.segments:
             lo, hi = max(start - offset, 0), min(end - offset, values.numel())
             if lo < hi:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import Trainer
+from transformers.utils import logging
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .checkpoint import save_pretrained
@@ -41,6 +42,8 @@ from .config import split_ds_config
 from .engine import initialize
 from .model import TSPCausalLMMixin
 from .topology import TSPTopology
+
+logger = logging.get_logger(__name__)
 
 
 class TSPTrainerMixin:
@@ -96,6 +99,28 @@ class TSPTrainerMixin:
             added = self.state.num_input_tokens_seen - seen
             self.state.num_input_tokens_seen = seen + added // self.tsp_topology.tsp_size
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        """The Trainer's ``save_model`` on a TSP engine, at every ZeRO stage:
+        ``ds_tsp.save_pretrained`` gathers each block from its TSP and (ZeRO-3)
+        data-parallel shards, where the Trainer's own path would gather the
+        whole model's TSP shards at once (``accelerator.get_state_dict``).
+        ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save: false`` saves the
+        DeepSpeed checkpoint only, as Hugging Face does, and says how to export it."""
+        if self.tsp_topology is None or not isinstance(self.model, TSPCausalLMMixin):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        engine = self.model_wrapped
+        if engine.zero_optimization_partition_weights() and not engine.zero_gather_16bit_weights_on_model_save():
+            logger.warning(f"stage3_gather_16bit_weights_on_model_save=false: saving the DeepSpeed checkpoint only; "
+                           f"turn it into a Hugging Face directory with `ds-tsp export --checkpoint {output_dir} "
+                           "--model <the model's Hugging Face directory> --out <dir> --fp32-master`")
+            self._save_trainer_files(output_dir)
+            engine.save_checkpoint(output_dir)
+        else:
+            self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save(self, output_dir=None, state_dict=None):
         """Gathered Hugging Face files (``ds_tsp.save_pretrained``), which every
         rank joins; the Trainer's own files (processing class, arguments) as usual."""
@@ -103,8 +128,13 @@ class TSPTrainerMixin:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_pretrained(self.model, output_dir, overwrite=True)
+        self._save_trainer_files(output_dir)
+
+    def _save_trainer_files(self, output_dir):
+        """What the Trainer writes beside the weights (processing class, arguments), from the saving rank."""
         if not self.args.should_save:
             return
+        os.makedirs(output_dir, exist_ok=True)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, f"{output_dir}/{TRAINING_ARGS_NAME}")

@@ -5,7 +5,9 @@
 
 The DeepSpeed config is plain JSON (the Trainer reads it) with a ``tsp``
 section and ``"auto"`` batch sizes, which the Trainer fills from its
-arguments; ``ds_configs/trainer_tsp2_cpu.json`` is TSP=2 with ZeRO-1. Against
+arguments; ``ds_configs/trainer_tsp2_cpu.json`` is TSP=2 with ZeRO-1,
+``trainer_tsp2_zero3_cpu.json`` and ``trainer_tsp2_zero2_offload_cpu.json`` are
+the Hugging Face docs' ZeRO-3 and ZeRO-2 (optimizer offload) configs. Against
 a stock Trainer script, two lines change: ``ds_tsp.TSPTrainer`` in place of
 ``transformers.Trainer``, and the ``tsp`` section in the config. Without
 ``--model`` it fine-tunes the small byte-level Llama of ``examples/train.py``
@@ -39,6 +41,8 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=2, help="per data-parallel replica")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="write a Trainer checkpoint (Hugging Face model + DeepSpeed checkpoint) every N steps")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args()
 
@@ -65,7 +69,8 @@ def main():
         output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
         max_steps=args.steps, learning_rate=args.lr, weight_decay=0.01, warmup_steps=5, logging_steps=5,
-        save_strategy="no", report_to=[], include_num_input_tokens_seen="all", disable_tqdm=True,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
+        include_num_input_tokens_seen="all", disable_tqdm=True,
         accelerator_config={"use_configured_state": on_cpu})
     torch.manual_seed(training_args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else small_byte_llama()

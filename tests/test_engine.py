@@ -239,8 +239,8 @@ def _client_optimizer_run(zero_stage, as_model_parameters):
     wrong = copy.deepcopy(ref)
     model = copy.deepcopy(ref)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+              "zero_optimization": {"stage": zero_stage, **(ZERO3_PARTITIONED if zero_stage == 3 else {})},
+              "zero_allow_untested_optimizer": True, "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
     lr = 3e-2
     if as_model_parameters:
         engine, *_ = ds_tsp.initialize(model=model, model_parameters=_decay_groups(model), config=config,
@@ -257,12 +257,14 @@ def _client_optimizer_run(zero_stage, as_model_parameters):
             reference(input_ids=batch, labels=batch).loss.backward()
             reference_optimizer.step()
     distances = {}
-    for label, (reference, _) in references.items():
-        distances[label] = max(_relative_to(engine.module, dict(reference.named_parameters())).values())
+    with _gathered(engine, zero_stage):
+        for label, (reference, _) in references.items():
+            distances[label] = max(_relative_to(engine.module, dict(reference.named_parameters())).values())
     return distances
 
 
-@pytest.mark.parametrize("world, zero_stage, as_model_parameters", [(4, 1, False), (4, 2, True), (2, 0, False)])
+@pytest.mark.parametrize("world, zero_stage, as_model_parameters",
+                         [(4, 1, False), (4, 2, True), (2, 0, False), (4, 3, False)])
 def test_an_optimizer_built_on_the_unsharded_model_is_rebuilt_over_the_shards(run_ranks, world, zero_stage,
                                                                             as_model_parameters):
     per_rank = run_ranks(world, _client_optimizer_run, zero_stage=zero_stage, as_model_parameters=as_model_parameters)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import ds_tsp
+from ds_tsp.cli import main
 from models import tiny_model
 
 SEQ_LEN = 16
@@ -172,25 +173,40 @@ def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
     assert tsp["resumed_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
 
 
-def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes):
-    """examples/hf_trainer.py on 2 CPU ranks: the loss falls, each token is
-    counted once, and the model it writes loads in Hugging Face."""
+@pytest.mark.parametrize("config", ["trainer_tsp2_zero3_cpu.json", "trainer_tsp2_zero2_offload_cpu.json"])
+def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes, config):
+    """examples/hf_trainer.py on 2 CPU ranks with the Hugging Face docs' ZeRO-3 and
+    ZeRO-2 (optimizer offload) configs, "auto" sizes, DeepSpeed's own AdamW and
+    WarmupLR: the loss falls, each token is counted once, and the model save_model
+    writes loads in Hugging Face and is the engine's: the float32 master weights
+    of the DeepSpeed checkpoint written at the same step (the ZeRO-1 Trainer is
+    tested against one process in test_trainer_matches_one_process)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     steps, seq_len = 10, 64
+    out = tmp_path / "out"
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29519", os.path.join(root, "examples", "hf_trainer.py"),
-           "--deepspeed", os.path.join(root, "ds_configs", "trainer_tsp2_cpu.json"), "--steps", str(steps),
-           "--seq-len", str(seq_len), "--lr", "1e-2", "--output-dir", str(tmp_path / "out")]
+           "--deepspeed", os.path.join(root, "ds_configs", config), "--steps", str(steps), "--save-steps", str(steps),
+           "--seq-len", str(seq_len), "--lr", "1e-2", "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     logs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{\"step\"")]
     losses = [entry["loss"] for entry in logs if "loss" in entry]
-    print(f"example: losses {[round(v, 3) for v in losses]}")
+    print(f"example ({config}): losses {[round(v, 3) for v in losses]}")
     assert losses[-1] < losses[0] - 0.5
     # batch 2 x accumulation 2 per step, one data-parallel replica: every token once.
     assert logs[-1]["num_input_tokens_seen"] == steps * 2 * 2 * seq_len
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.config.num_hidden_layers == 4
+    checkpoint = out / f"checkpoint-{steps}"
+    assert main(["export", "--checkpoint", str(checkpoint), "--model", str(checkpoint), "--out",
+                 str(tmp_path / "master"), "--fp32-master"]) == 0
+    master = AutoModelForCausalLM.from_pretrained(tmp_path / "master").state_dict()
+    saved = model.state_dict()
+    assert saved.keys() == master.keys()
+    worst = max((saved[n] - master[n]).abs().max().item() for n in master)
+    print(f"  saved model vs the checkpoint's master weights: max |dw| {worst:.1e}")
+    assert worst == 0
 
 
 # ------------------------------------------------------------------------ TRL

@@ -14,6 +14,8 @@ nkv < D only the first rank of each key/value replica set stores those heads,
 so shards differ.
 """
 
+import contextlib
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -172,10 +174,27 @@ def meta_model(path_or_config, torch_dtype=None, model_class=None):
     if not hasattr(config, "model_type"):
         config = AutoConfig.from_pretrained(path_or_config)
     dtype = resolve_dtype(torch_dtype, config)
-    with torch.device("meta"):
+    with torch.device("meta"), _without_hf_zero3_init():
         if model_class is None:
             return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
         return model_class._from_config(config, dtype=dtype), dtype
+
+
+@contextlib.contextmanager
+def _without_hf_zero3_init():
+    """Once ``TrainingArguments(deepspeed=<a ZeRO-3 config>)`` exists, transformers
+    builds every model under ``deepspeed.zero.Init`` and initialises its weights
+    by gathering them, which a model of sizes alone on the meta device cannot do."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    active = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if active is not None:
+            hf_deepspeed.set_hf_deepspeed_config(active)
 
 
 def hf_class(model_or_class):
