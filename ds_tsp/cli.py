@@ -8,6 +8,8 @@ writing anything and refuse to write into a non-empty directory without
 ``--force``. ``ds-tsp export --checkpoint DS_DIR --model HF_DIR --out DIR``
 turns a DeepSpeed checkpoint of a TSP run into a Hugging Face checkpoint
 (``--fp32-master``: the ZeRO optimizer's float32 master weights).
+``ds-tsp reshard --checkpoint DS_DIR --out DIR`` turns it into a universal
+checkpoint that an engine of any TSP x DP x PP layout and ZeRO stage loads.
 ``ds-tsp plan --paper`` prints per-device memory, communication and FLOPs of
 every parallel layout for the paper's setting (or any model, length and size);
 ``ds-tsp plan --max-seq-len`` the longest sequence each trains on given device
@@ -18,6 +20,7 @@ import argparse
 import sys
 
 from .checkpoint import join_checkpoint, shard_checkpoint
+from .checkpoint.resharding import reshard
 from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
 from .config import POLICY_NAMES
 from .export import export_deepspeed_checkpoint
@@ -77,6 +80,17 @@ def build_parser():
                         help="largest weights file, in bytes or with a unit (e.g. 500MB); larger models get several "
                              f"files and model.safetensors.index.json (default: {DEFAULT_MAX_SHARD_SIZE})")
     export.set_defaults(run=run_export)
+    reshard = commands.add_parser(
+        "reshard", help="make a DeepSpeed checkpoint of a TSP run loadable at any TSP x DP x PP layout and ZeRO stage",
+        description="Run DeepSpeed's universal-checkpoint converter over a ds_tsp engine's checkpoint "
+                    "(engine.save_checkpoint): --out then holds one full tensor per parameter with its float32 "
+                    "master and Adam moments, which an engine of any layout loads with "
+                    "\"checkpoint\": {\"load_universal\": true} in its DeepSpeed config.")
+    reshard.add_argument("--checkpoint", required=True, metavar="DIR", help="DeepSpeed checkpoint directory")
+    reshard.add_argument("--tag", help="checkpoint tag (default: the one named in DIR/latest)")
+    reshard.add_argument("--out", dest="out_dir", required=True, metavar="DIR", help="output directory")
+    reshard.add_argument("--force", action="store_true", help="replace an existing output directory")
+    reshard.set_defaults(run=run_reshard)
     plan = commands.add_parser(
         "plan", help="per-device memory, communication and FLOPs of DP, TP, SP, TP+SP and TSP for a model",
         description="Analytic plan of every parallel layout for a model at a sequence length and device count; "
@@ -100,6 +114,12 @@ def run_convert(args):
 def run_export(args):
     export_deepspeed_checkpoint(args.checkpoint, args.model, args.out_dir, tag=args.tag, force=args.force,
                                 fp32_master=args.fp32_master, max_shard_size=args.max_shard_size)
+
+
+def run_reshard(args):
+    tag = reshard(args.checkpoint, args.out_dir, tag=args.tag, force=args.force)
+    print(f"ds-tsp reshard: {args.out_dir}/{tag} loads at any layout with \"checkpoint\": "
+          "{\"load_universal\": true}")
 
 
 def main(argv=None):

@@ -14,6 +14,8 @@ from transformers import AutoConfig
 from . import comm
 from .attention import TSPAttention
 from .checkpoint import from_pretrained
+from .checkpoint.resharding import attach_layout_checks
+from .checkpoint.universal import describe_for_universal_checkpoints, load_zero3_universal_states
 from .config import split_ds_config
 from .inject import inject
 from .mlp import TSPGatedMLP
@@ -105,6 +107,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # TSP attention also uses its per-head norms inside its backward, so all of
     # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
     set_z3_leaf_modules(model, [TSPAttention])
+    describe_for_universal_checkpoints(model)
     forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:
@@ -114,6 +117,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
     engine.tsp_topology = topology
     _refuse_consolidated_state_dicts(engine)
+    attach_layout_checks(engine)
+    if engine.zero_optimization_partition_weights():
+        load_zero3_universal_states(engine.optimizer)
     client.attach(engine)
     if replicated_grads is not None:
         schedule_replicated_grads(engine, replicated_grads)

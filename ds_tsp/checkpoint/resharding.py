@@ -1,0 +1,245 @@
+"""DeepSpeed checkpoints of TSP engines across layouts: the saved layout, plain loads refused at another, reshards.
+
+``engine.save_checkpoint`` writes, beside DeepSpeed's files, ``ds_tsp_layout.json``
+in the tag folder: the ``(tsp, dp, pp, zero stage)`` the files are cut for.
+``engine.load_checkpoint`` reads it before DeepSpeed reads anything and refuses
+a plain load at another layout, naming both and the command that reshards:
+``ds-tsp reshard`` (``reshard``), which runs DeepSpeed's own universal
+converter (``ds_to_universal``) over the description of every TSP shard the
+model states carry (``checkpoint.universal``). An engine of any layout loads
+the result with ``"checkpoint": {"load_universal": true}``; the Trainer's
+``resume_from_checkpoint`` reshards on the way (``load_resharded``).
+
+The reshard reads each source file once, one at a time (DeepSpeed's converter
+dumps every parameter's fragments, then joins one parameter at a time), and
+writes into a temporary directory beside ``--out`` that is renamed into place
+once complete.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import tempfile
+
+from .reading import CheckpointError
+
+LAYOUT_FILE = "ds_tsp_layout.json"
+LAYOUT_FORMAT = "ds_tsp.layout"
+# DeepSpeed's names of the newest tag: plain and universal checkpoints.
+LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
+
+
+def engine_layout(engine):
+    """``{"tsp", "dp", "pp", "zero_stage"}`` of a ds_tsp engine."""
+    topology = engine.tsp_topology
+    return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
+            "zero_stage": int(engine.zero_optimization_stage())}
+
+
+def describe(layout):
+    stage = f"ZeRO-{layout['zero_stage']}"
+    return f"tsp {layout['tsp']} x dp {layout['dp']} x pp {layout['pp']}, {stage}"
+
+
+def read_layout(folder):
+    """The layout a tag folder's files are cut for (None: not written by ds_tsp)."""
+    path = os.path.join(folder, LAYOUT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    if record.get("format") != LAYOUT_FORMAT:
+        raise CheckpointError(f"{path} is not a ds_tsp layout record")
+    return record
+
+
+def write_layout(folder, layout, universal=False):
+    with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
+        json.dump({"format": LAYOUT_FORMAT, "version": 1, **layout, "universal": universal}, f, indent=1)
+
+
+def resolve_tag(load_dir, tag, universal):
+    """DeepSpeed's choice of tag: ``tag``, else the one ``latest`` (``latest_universal``) names."""
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, LATEST_UNIVERSAL if universal else LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def load_refusal(load_dir, tag, current, universal):
+    """Why ``engine.load_checkpoint(load_dir, tag)`` cannot load into an engine of
+    layout ``current`` (a message naming the fix), or None."""
+    resolved = resolve_tag(load_dir, tag, universal)
+    saved = read_layout(os.path.join(load_dir, resolved)) if resolved is not None else None
+    if saved is None:
+        return None
+    if saved["universal"] and not universal:
+        return (f"{load_dir}/{resolved} is a universal checkpoint (ds-tsp reshard): load it with "
+                "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
+    if universal:
+        return None
+    keys = ("tsp", "dp", "pp", "zero_stage") if current["zero_stage"] or saved["zero_stage"] else ("tsp", "pp",
+                                                                                                    "zero_stage")
+    if all(saved[key] == current[key] for key in keys):
+        return None
+    return (f"{load_dir}/{resolved} was saved at {describe(saved)}, this engine is {describe(current)}: a plain "
+            f"load would read other ranks' shards. Reshard it first, `ds-tsp reshard --checkpoint {load_dir} "
+            f"--tag {resolved} --out {os.path.normpath(load_dir)}-universal`, and load that with "
+            "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
+
+
+def reshard(checkpoint_dir, out_dir, tag=None, force=False):
+    """Turn the DeepSpeed checkpoint ``checkpoint_dir`` (tag ``tag``, default the
+    one ``latest`` names) of a ds_tsp engine into a universal checkpoint in
+    ``out_dir`` (``out_dir/<tag>`` and ``latest_universal``), which an engine of
+    any layout loads with ``"checkpoint": {"load_universal": true}``. Returns the tag."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
+    tag = resolve_tag(checkpoint_dir, tag, universal=False)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir} has no '{LATEST}' file: pass --tag")
+    source = os.path.join(checkpoint_dir, tag)
+    saved = read_layout(source)
+    if saved is None:
+        raise CheckpointError(f"{source} has no {LAYOUT_FILE}: it was not written by the engine of "
+                              "ds_tsp.initialize (engine.save_checkpoint)")
+    if saved["universal"]:
+        raise CheckpointError(f"{source} is a universal checkpoint already: load it with "
+                              "\"checkpoint\": {\"load_universal\": true}")
+    if saved["zero_stage"] == 0:
+        raise CheckpointError(f"{source} was saved with zero_optimization.stage 0, whose optimizer state DeepSpeed's "
+                              "universal checkpoints do not read: train with stage 1, 2 or 3 to move between layouts")
+    if os.path.exists(out_dir):
+        if not force:
+            raise CheckpointError(f"--out {out_dir} exists: pass --force to replace it, or choose another --out")
+        if os.path.exists(os.path.join(out_dir, LATEST)) or os.path.samefile(out_dir, checkpoint_dir):
+            raise CheckpointError(f"--out {out_dir} holds the checkpoint to reshard: choose another --out")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        ds_to_universal(argparse.Namespace(input_folder=source, output_folder=os.path.join(staging, tag),
+                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                           strict=True, inject_missing_state=False))
+        _name_model_states_for_every_stage(os.path.join(staging, tag))
+        _optimizer_state_for_every_stage(os.path.join(staging, tag))
+        write_layout(os.path.join(staging, tag), saved, universal=True)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return tag
+
+
+_MODEL_STATES = re.compile(r"(zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")
+
+
+def _name_model_states_for_every_stage(folder):
+    """A universal load reads the model-states file of its TSP rank (the LR
+    scheduler, step counts, client state) under its own ZeRO stage's name:
+    ``mp_rank_XX_model_states.pt`` at ZeRO 0-2, ``zero_pp_rank_0_mp_rank_XX_...``
+    at ZeRO-3. Each file gets the other name too (a hard link where it can)."""
+    for name in os.listdir(folder):
+        match = _MODEL_STATES.fullmatch(name)
+        if match is None:
+            continue
+        other = f"mp_rank_{match.group(2)}_model_states.pt" if match.group(1) else f"zero_pp_rank_0_{name}"
+        if not os.path.exists(os.path.join(folder, other)):
+            try:
+                os.link(os.path.join(folder, name), os.path.join(folder, other))
+            except OSError:
+                shutil.copyfile(os.path.join(folder, name), os.path.join(folder, other))
+
+
+def _optimizer_state_for_every_stage(folder):
+    """DeepSpeed's converter writes ``zero/optimizer_state.pt`` in the layout of
+    the source's ZeRO stage, and the loaders of ZeRO 1-2 and ZeRO-3 read
+    different ones (top-level ``param_groups`` and ``ds_version``; the torch
+    optimizer's ``optimizer_state_dict`` with its step): complete it for both,
+    without ZeRO-3's copy of one partition of the master weights."""
+    import deepspeed
+    import torch
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+
+    zero = os.path.join(folder, "zero")
+    path = os.path.join(zero, "optimizer_state.pt")
+    state = torch.load(path, weights_only=False)
+    state.pop("fp32_flat_groups", None)
+    state.setdefault(DS_VERSION, deepspeed.__version__)
+    params = [os.path.join(zero, name) for name in sorted(os.listdir(zero)) if os.path.isdir(os.path.join(zero, name))]
+    if OPTIMIZER_STATE_DICT in state:  # from ZeRO-3: ZeRO 1-2 read the step beside each parameter's moments
+        step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"]
+        for param in params:
+            torch.save(step, os.path.join(param, "step.pt"))
+    else:  # from ZeRO 1-2: ZeRO-3 reads it from the torch optimizer's state
+        step = next(torch.load(os.path.join(p, "step.pt"), weights_only=False) for p in params
+                    if os.path.isfile(os.path.join(p, "step.pt")))
+        state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: state[PARAM_GROUPS]}
+    torch.save(state, path)
+
+
+def attach_layout_checks(engine):
+    """Make ``engine.save_checkpoint`` record the engine's layout and
+    ``engine.load_checkpoint`` refuse a plain load at another; with
+    ``engine.tsp_reshard_on_load`` (the Trainer's resume) it reshards instead."""
+    import torch.distributed as dist
+
+    save, load, layout = engine.save_checkpoint, engine.load_checkpoint, engine_layout(engine)
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        # DeepSpeed's own default tag.
+        folder = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{engine.global_steps}")
+        saved = save(save_dir, tag, *args, **kwargs)
+        if dist.get_rank() == 0:
+            write_layout(folder, layout)
+        dist.barrier()
+        return saved
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        universal = engine.load_universal_checkpoint()
+        refusal = load_refusal(load_dir, tag, layout, universal)
+        if refusal is None:
+            return load(load_dir, tag, *args, **kwargs)
+        if not getattr(engine, "tsp_reshard_on_load", False) or universal:
+            raise CheckpointError(refusal)
+        return _load_resharded(engine, load, load_dir, tag, *args, **kwargs)
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+def _load_resharded(engine, load, load_dir, tag, *args, **kwargs):
+    """Reshard ``load_dir`` into ``load_dir/universal`` (global rank 0) and load
+    that as a universal checkpoint."""
+    import torch.distributed as dist
+
+    resharded = os.path.join(load_dir, "universal")
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            tag = reshard(load_dir, resharded, tag, force=True)
+        except (CheckpointError, OSError) as err:
+            failure = str(err)
+    failure, tag = _broadcast((failure, tag))
+    if failure is not None:
+        raise CheckpointError(failure)
+    config = engine._config
+    config.load_universal_checkpoint = True
+    try:
+        return load(resharded, tag, *args, **kwargs)
+    finally:
+        config.load_universal_checkpoint = False
+
+
+def _broadcast(value):
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

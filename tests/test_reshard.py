@@ -1,0 +1,172 @@
+"""Checkpoints that travel: two Adam steps at one TSP x DP x PP layout and ZeRO
+stage, save, ``ds-tsp reshard``, rebuild at another layout from a model with
+different weights, load, two more steps; against one float64 process's four
+steps with the same global batches and learning-rate schedule."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.lr_schedules import WarmupLR
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+import ds_tsp
+from ds_tsp.checkpoint import CheckpointError
+from ds_tsp.cli import main
+from ds_tsp.packing import PackedShardMixin
+from ds_tsp.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from models import tiny_model
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 4
+LR = dict(warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=6)
+# float32 engines against the float64 reference over four Adam steps: summation orders move weights by ~1e-7
+# relative, losses by ~1e-7; the moments carry the gradients' float32 error (twice over in exp_avg_sq ~ g^2), most
+# in the experts, whose gradients sum few tokens (1.1e-5 in Qwen3-MoE's exp_avg_sq).
+WEIGHTS_BOUND, LOSS_BOUND, MOMENTS_BOUND = 2e-6, 1e-6, 3e-5
+
+
+def _batches(vocab_size):
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(4)]
+
+
+def _engine(arch, layout, seed, universal=False, **overrides):
+    tsp, zero = layout["tsp"], layout["zero"]
+    dp = dist.get_world_size() // tsp
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero}, "scheduler": {"type": "WarmupLR", "params": LR},
+              "tsp": {"enabled": True, "size": tsp, "attention_backend": "sdpa", **layout.get("tsp_options", {})}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    model = tiny_model(arch, seed=seed, dtype=torch.float32, **overrides)
+    engine, *_ = ds_tsp.initialize(model=model, config=config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-2))
+    return engine
+
+
+def _step(engine, batch):
+    topology = engine.tsp_topology
+    mine = batch.chunk(topology.dp_size)[topology.dp_rank]
+    loss = engine(input_ids=mine, labels=mine).loss
+    engine.backward(loss)
+    engine.step()
+    # The global batch's loss: every replica has as many tokens.
+    total = loss.detach().double().reshape(1)
+    dist.all_reduce(total, group=topology.dp_group)
+    return total.item() / topology.dp_size
+
+
+def _reference(arch, batches, **overrides):
+    """One process, float64 (the same float32 draws as the engines' seed 0), four Adam steps."""
+    model = tiny_model(arch, seed=0, dtype=torch.float32, **overrides).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = WarmupLR(optimizer, **LR)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    states = {"fp32": {n: p.detach() for n, p in model.named_parameters()}}
+    for key in ("exp_avg", "exp_avg_sq"):
+        states[key] = {n: optimizer.state[p][key] for n, p in model.named_parameters()}
+    return losses, states, scheduler.get_last_lr()[0]
+
+
+def _held(module):
+    """``[(parameter, [(Hugging Face name, piece or None, view of the parameter's values)])]``."""
+    out = []
+    for prefix, block in module.named_modules():
+        if isinstance(block, PackedShardMixin):
+            out.append((block.packed, [(f"{prefix}.{n}", block.shard_piece(n), lambda t, n=n, b=block: b.spec.unpack(
+                t.reshape(-1))[n]) for n in block.spec.shapes]))
+            out += [(p, [(f"{prefix}.{n}", None, lambda t: t)]) for n, p in block.replicated_params().items()]
+        elif isinstance(block, (VocabParallelEmbedding, VocabParallelLMHead)) and not getattr(block, "tied", False):
+            piece = block.shard_piece("weight")
+            out.append((block.weight, [(f"{prefix}.weight", piece, lambda t, length=piece[2]: t[:length])]))
+        elif not isinstance(block, (VocabParallelEmbedding, VocabParallelLMHead)) and "norm" in prefix.rsplit(".")[-1]:
+            out += [(p, [(f"{prefix}.{n}", None, lambda t: t)]) for n, p in block.named_parameters(recurse=False)]
+    return out
+
+
+def _distance(engine, states, key):
+    """Max relative distance of this rank's float32 master (``fp32``) or Adam moment to the reference's."""
+    worst = 0.0
+    for param, pieces in _held(engine.module):
+        values = safe_get_full_fp32_param(param) if key == "fp32" else safe_get_full_optimizer_state(param, key)
+        for name, piece, view in pieces:
+            expected = states[key][name]
+            expected = expected if piece is None else expected.narrow(*piece)
+            worst = max(worst, ((view(values).double() - expected).abs().max() / expected.abs().max()).item())
+    return worst
+
+
+def _move(arch, source, target, root, corrupt_moments=False, overrides=None):
+    """On every rank: two steps at ``source``, save, reshard (rank 0), two steps at ``target``."""
+    overrides = overrides or {}
+    batches = _batches(tiny_model(arch, **overrides).config.vocab_size)
+    engine = _engine(arch, source, seed=0, **overrides)
+    losses = [_step(engine, batch) for batch in batches[:2]]
+    engine.save_checkpoint(os.path.join(root, "saved"))
+    if dist.get_rank() == 0:
+        assert main(["reshard", "--checkpoint", os.path.join(root, "saved"), "--out",
+                     os.path.join(root, "universal")]) == 0
+        if corrupt_moments:  # the guard: one block's moments rolled onto other elements (another shard's)
+            folder = os.path.join(root, "universal", "global_step2", "zero", "model.layers.0.self_attn.packed")
+            for key in ("exp_avg", "exp_avg_sq"):
+                state = torch.load(os.path.join(folder, f"{key}.pt"), weights_only=False)
+                state["param"] = state["param"].roll(state["param"].numel() // 2)
+                torch.save(state, os.path.join(folder, f"{key}.pt"))
+    dist.barrier()
+    del engine
+    moved = _engine(arch, target, seed=1, universal=True, **overrides)
+    moved.load_checkpoint(os.path.join(root, "universal"))
+    steps_after_load = moved.global_steps
+    losses += [_step(moved, batch) for batch in batches[2:]]
+    reference_losses, states, reference_lr = _reference(arch, batches, **overrides)
+    return dict(losses=losses, reference_losses=reference_losses, steps=(steps_after_load, moved.global_steps),
+                lr=(moved.get_lr()[0], reference_lr),
+                **{key: _distance(moved, states, key) for key in ("fp32", "exp_avg", "exp_avg_sq")})
+
+
+def _worst(per_rank):
+    """Rank 0's losses, steps and LR (every rank's are the same), every rank's largest distances."""
+    return {**per_rank[0], **{key: max(out[key] for out in per_rank) for key in ("fp32", "exp_avg", "exp_avg_sq")}}
+
+
+MOVES = {
+    "tsp2xdp2-to-tsp4": ("llama", dict(tsp=2, zero=1), dict(tsp=4, zero=1), None),
+    "tsp4-to-tsp2xdp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1), None),
+    "zero2-tsp2xdp2-to-tsp4": ("qwen2", dict(tsp=2, zero=2), dict(tsp=4, zero=2), None),
+    "zero1-to-zero3": ("qwen3", dict(tsp=2, zero=1), dict(tsp=2, zero=3), None),
+    # Without the load-balancing loss, which DP ranks take over their own batches (as DDP does), not the global one.
+    "moe-tsp2-to-tsp4": ("qwen3_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=1), dict(output_router_logits=False)),
+    # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
+    "folded-vocab-uneven-zero3-to-zero2": ("llama_tied", dict(tsp=2, zero=3), dict(tsp=4, zero=2), None),
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_a_checkpoint_resumes_on_another_layout(run_ranks, tmp_path, move):
+    arch, source, target, overrides = MOVES[move]
+    out = _worst(run_ranks(4, _move, arch=arch, source=source, target=target, root=str(tmp_path),
+                           overrides=overrides))
+    rel_losses = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], out["reference_losses"]))
+    print(f"{move}: losses {[round(v, 7) for v in out['losses']]} vs {[round(v, 7) for v in out['reference_losses']]}"
+          f" (max rel {rel_losses:.1e}); max rel weights {out['fp32']:.1e}, exp_avg {out['exp_avg']:.1e}, "
+          f"exp_avg_sq {out['exp_avg_sq']:.1e}; steps {out['steps']}, lr {out['lr']}")
+    assert rel_losses <= LOSS_BOUND
+    assert out["fp32"] <= WEIGHTS_BOUND
+    assert out["exp_avg"] <= MOMENTS_BOUND and out["exp_avg_sq"] <= MOMENTS_BOUND
+    assert out["steps"] == (2, 4)
+    assert out["lr"][0] == pytest.approx(out["lr"][1], rel=1e-12)
+
+
+def test_moments_of_the_wrong_shard_are_caught(run_ranks, tmp_path):
+    out = _worst(run_ranks(4, _move, arch="llama", source=dict(tsp=2, zero=1), target=dict(tsp=4, zero=1),
+                           root=str(tmp_path), corrupt_moments=True))
+    print(f"moments rolled onto other elements: max rel weights {out['fp32']:.1e}, exp_avg {out['exp_avg']:.1e}")
+    assert out["fp32"] > 100 * WEIGHTS_BOUND
