@@ -170,3 +170,33 @@ def test_moments_of_the_wrong_shard_are_caught(run_ranks, tmp_path):
                            root=str(tmp_path), corrupt_moments=True))
     print(f"moments rolled onto other elements: max rel weights {out['fp32']:.1e}, exp_avg {out['exp_avg']:.1e}")
     assert out["fp32"] > 100 * WEIGHTS_BOUND
+
+
+def _plain_load(root):
+    """Save at TSP 2 x DP 2, then load into a TSP 4 engine without resharding,
+    and the resharded checkpoint without load_universal."""
+    engine = _engine("llama", dict(tsp=2, zero=1), seed=0)
+    _step(engine, _batches(61)[0])
+    engine.save_checkpoint(os.path.join(root, "saved"))
+    if dist.get_rank() == 0:
+        assert main(["reshard", "--checkpoint", os.path.join(root, "saved"), "--out",
+                     os.path.join(root, "universal")]) == 0
+    dist.barrier()
+    other = _engine("llama", dict(tsp=4, zero=1), seed=1)
+    before = [p.detach().clone() for p in other.module.parameters()]
+    errors = []
+    for folder in ("saved", "universal"):
+        with pytest.raises(CheckpointError) as refused:
+            other.load_checkpoint(os.path.join(root, folder))
+        errors.append(str(refused.value))
+    untouched = all(torch.equal(a, b) for a, b in zip(before, other.module.parameters()))
+    return errors, untouched
+
+
+def test_a_plain_load_at_another_layout_is_refused_before_anything_is_read(run_ranks, tmp_path):
+    (wrong_layout, universal), untouched = run_ranks(4, _plain_load, root=str(tmp_path))[0]
+    print(wrong_layout)
+    assert "saved at tsp 2 x dp 2 x pp 1, ZeRO-1, this engine is tsp 4 x dp 1 x pp 1, ZeRO-1" in wrong_layout
+    assert f"ds-tsp reshard --checkpoint {tmp_path / 'saved'} --tag global_step1" in wrong_layout
+    assert "load_universal" in wrong_layout and "load_universal" in universal
+    assert untouched

@@ -75,6 +75,8 @@ def load_refusal(load_dir, tag, current, universal):
     """Why ``engine.load_checkpoint(load_dir, tag)`` cannot load into an engine of
     layout ``current`` (a message naming the fix), or None."""
     resolved = resolve_tag(load_dir, tag, universal)
+    if resolved is None and not universal and os.path.isfile(os.path.join(load_dir, LATEST_UNIVERSAL)):
+        resolved = resolve_tag(load_dir, None, universal=True)
     saved = read_layout(os.path.join(load_dir, resolved)) if resolved is not None else None
     if saved is None:
         return None
