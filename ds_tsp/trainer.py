@@ -18,7 +18,10 @@ through the contracts transformers and accelerate already have, in this order:
    ``ds_tsp.initialize`` instead (injection, the TSP ``mpu``, the Trainer's
    AdamW rebuilt over the shards with its weight-decay groups by name);
 4. evaluation gathers one copy per TSP group, the token count divides by the
-   TSP size, and ``save_model`` writes gathered Hugging Face files.
+   TSP size, and ``save_model`` writes gathered Hugging Face files;
+5. ``resume_from_checkpoint`` from a checkpoint saved at another TSP x DP
+   layout or ZeRO stage reshards its DeepSpeed files into ``universal/`` beside
+   them (``ds_tsp.checkpoint.resharding``) and loads that.
 
 Pipelines (``tsp.pipeline_stages > 1``) are refused: the Trainer drives a
 forward and backward per micro-batch, a pipeline engine a whole batch.
@@ -241,4 +244,7 @@ def _tsp_engine(topology, config_params, model, **kwargs):
     config = dict(config_params)
     config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
                                   * topology.dp_size)
-    return initialize(model=model, config=config, tsp_topology=topology, **kwargs)
+    engine, *rest = initialize(model=model, config=config, tsp_topology=topology, **kwargs)
+    # resume_from_checkpoint at another layout reshards the checkpoint's DeepSpeed files on the way.
+    engine.tsp_reshard_on_load = True
+    return (engine, *rest)

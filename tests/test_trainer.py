@@ -102,6 +102,14 @@ def _tsp_run(tsp_size, output_dir):
                                     train_dataset=train, eval_dataset=evaluation)
         resumed.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3"))
         out["resumed_losses"] = _losses(resumed)[3:]  # the state read from checkpoint-3 logged steps 1-3
+        if dp_size > 1:  # once more on one TSP group of every rank: the checkpoint is resharded on the way
+            configure_cpu_ranks()
+            moved = ds_tsp.TSPTrainer(model=tiny_model("qwen2", dtype=torch.float32),
+                                      args=_arguments(output_dir + "-moved", MICRO_BATCH * dp_size,
+                                                      _deepspeed_config(tsp_size * dp_size)),
+                                      train_dataset=train, eval_dataset=evaluation)
+            moved.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-3"))
+            out["moved_losses"] = _losses(moved)[3:]
         return out
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -169,8 +177,11 @@ def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
     assert abs(tsp["eval_loss"] - stock["eval_loss"]) / stock["eval_loss"] <= BOUND
     # Every token counted once, not once per TSP rank.
     assert tsp["tokens"] == stock["tokens"]
-    # Resuming from the step-3 checkpoint reproduces steps 4-6.
+    # Resuming from the step-3 checkpoint reproduces steps 4-6, at the same layout or at TSP 4.
     assert tsp["resumed_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
+    if dp_size > 1:
+        print(f"  resumed at TSP={tsp_size * dp_size} DP=1: steps 4-6 {tsp['moved_losses']}")
+        assert tsp["moved_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
 
 
 @pytest.mark.parametrize("config", ["trainer_tsp2_zero3_cpu.json", "trainer_tsp2_zero2_offload_cpu.json"])
