@@ -107,7 +107,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # TSP attention also uses its per-head norms inside its backward, so all of
     # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
     set_z3_leaf_modules(model, [TSPAttention])
-    describe_for_universal_checkpoints(model)
+    describe_for_universal_checkpoints(model, topology)
     forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(args, "deepspeed_config", None) is not None:

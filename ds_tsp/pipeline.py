@@ -202,6 +202,16 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     return pipe
 
 
+def hf_prefixes(policy, num_layers):
+    """``{pipe module prefix: Hugging Face module prefix}`` of every layer
+    ``build_pipeline`` makes, whatever the number of stages (DeepSpeed names
+    the layers by their index in the whole pipeline)."""
+    names = {"0.embed_tokens": policy.embed_tokens}
+    names.update({f"{index + 1}.layer": f"{policy.layers}.{index}" for index in range(num_layers)})
+    names.update({f"{num_layers + 1}.norm": policy.final_norm, f"{num_layers + 1}.lm_head": policy.lm_head})
+    return names
+
+
 def stage_modules(pipe):
     """``{Hugging Face module name: module}`` of the layers this rank's stage of
     a ``build_pipeline`` pipeline holds (DeepSpeed names them by layer index)."""

@@ -33,11 +33,12 @@ def _batches(vocab_size):
 
 
 def _engine(arch, layout, seed, universal=False, **overrides):
-    tsp, zero = layout["tsp"], layout["zero"]
-    dp = dist.get_world_size() // tsp
+    tsp, zero, pp = layout["tsp"], layout["zero"], layout.get("pp", 1)
+    dp = dist.get_world_size() // (tsp * pp)
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": zero}, "scheduler": {"type": "WarmupLR", "params": LR},
-              "tsp": {"enabled": True, "size": tsp, "attention_backend": "sdpa", **layout.get("tsp_options", {})}}
+              "steps_per_print": 1000,
+              "tsp": {"enabled": True, "size": tsp, "pipeline_stages": pp, "attention_backend": "sdpa"}}
     if universal:
         config["checkpoint"] = {"load_universal": True}
     model = tiny_model(arch, seed=seed, dtype=torch.float32, **overrides)
@@ -48,6 +49,8 @@ def _engine(arch, layout, seed, universal=False, **overrides):
 def _step(engine, batch):
     topology = engine.tsp_topology
     mine = batch.chunk(topology.dp_size)[topology.dp_rank]
+    if topology.pp_size > 1:  # the last stage's loss, averaged over the replicas, on every rank
+        return engine.train_batch(data_iter=iter([(mine, mine)])).item()
     loss = engine(input_ids=mine, labels=mine).loss
     engine.backward(loss)
     engine.step()
@@ -145,6 +148,7 @@ MOVES = {
     # Without the load-balancing loss, which DP ranks take over their own batches (as DDP does), not the global one.
     "moe-tsp2-to-tsp4": ("qwen3_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=1), dict(output_router_logits=False)),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
+    "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "folded-vocab-uneven-zero3-to-zero2": ("llama_tied", dict(tsp=2, zero=3), dict(tsp=4, zero=2), None),
 }
 

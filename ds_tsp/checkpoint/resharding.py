@@ -32,10 +32,16 @@ LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
 
 
 def engine_layout(engine):
-    """``{"tsp", "dp", "pp", "zero_stage"}`` of a ds_tsp engine."""
-    topology = engine.tsp_topology
+    """``{"tsp", "dp", "pp", "zero_stage", "pipeline_names"}`` of a ds_tsp
+    engine; ``pipeline_names`` pairs the module names of pipeline stages with
+    the model's own, which a reshard gives every parameter under both."""
+    from ..pipeline import hf_prefixes
+
+    topology, module = engine.tsp_topology, engine.module
+    config = getattr(module, "tsp_model_config", None) or module.config
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
-            "zero_stage": int(engine.zero_optimization_stage())}
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "pipeline_names": hf_prefixes(module.tsp_policy, config.num_hidden_layers)}
 
 
 def describe(layout):
@@ -129,6 +135,7 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
         ds_to_universal(argparse.Namespace(input_folder=source, output_folder=os.path.join(staging, tag),
                                            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
                                            strict=True, inject_missing_state=False))
+        _name_params_for_pipelines_and_not(os.path.join(staging, tag, "zero"), saved["pipeline_names"])
         _name_model_states_for_every_stage(os.path.join(staging, tag))
         _optimizer_state_for_every_stage(os.path.join(staging, tag))
         write_layout(os.path.join(staging, tag), saved, universal=True)
@@ -138,6 +145,23 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return tag
+
+
+def _name_params_for_pipelines_and_not(zero, pipeline_names):
+    """The loader finds a parameter's universal tensors under the engine's own
+    name of it: with pipeline stages, the pipe's (``3.layer.mlp.packed``), else
+    the model's (``model.layers.2.mlp.packed``). Each gets the other name too (a
+    symbolic link), so the checkpoint loads with or without stages."""
+    to_model = {f"{pipe}.": f"{model}." for pipe, model in pipeline_names.items()}
+    to_pipe = {model: pipe for pipe, model in to_model.items()}
+    for name in os.listdir(zero):
+        if not os.path.isdir(os.path.join(zero, name)):
+            continue
+        for prefixes in (to_model, to_pipe):
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                os.symlink(name, os.path.join(zero, prefixes[prefix] + name[len(prefix):]), target_is_directory=True)
+                break
 
 
 _MODEL_STATES = re.compile(r"(zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")

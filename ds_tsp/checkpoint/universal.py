@@ -39,6 +39,7 @@ from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFIN
                                             UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
 
+from .. import comm
 from ..packing import PackedShardMixin
 from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
 from .planning import block_holdings, block_specs
@@ -141,9 +142,21 @@ def universal_info(module):
     return info
 
 
-def describe_for_universal_checkpoints(module):
-    """Put ``universal_info`` where ``engine.save_checkpoint`` looks for it."""
-    setattr(module, UNIVERSAL_CHECKPOINT_INFO, universal_info(module))
+def describe_for_universal_checkpoints(module, topology):
+    """Put ``universal_info`` where ``engine.save_checkpoint`` looks for it. The
+    converter reads it from one file, so with pipeline stages each stage's
+    description is gathered over its pipeline group into one of the whole model."""
+    info = universal_info(module)
+    if topology.pp_size > 1:
+        stages = comm.all_gather_objects(info, topology.pp_group)
+        info[AFFINE_MAP][AFFINE_MAP_PARAMS] = {pattern: entry for stage in stages
+                                               for pattern, entry in stage[AFFINE_MAP][AFFINE_MAP_PARAMS].items()}
+        info[TP_REPLICATED_PARAMETER_PATTERNS] = [p for stage in stages for p in stage[TP_REPLICATED_PARAMETER_PATTERNS]]
+        vocabulary = [p for stage in stages for p in stage.get(VOCABULARY_PARAMETER_PATTERNS, [])]
+        if vocabulary:
+            info.update({VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+                         ORIGINAL_VOCAB_SIZE: next(s[ORIGINAL_VOCAB_SIZE] for s in stages if ORIGINAL_VOCAB_SIZE in s)})
+    setattr(module, UNIVERSAL_CHECKPOINT_INFO, info)
 
 
 def load_zero3_universal_states(optimizer):
