@@ -36,7 +36,9 @@ from tqdm.auto import tqdm
 
 from .checkpoint.planning import join_holdings, layer_shards, meta_model, untied, vocab_names
 from .checkpoint.reading import CheckpointError
-from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, prepare_out_dir, write_state_dict
+from .checkpoint.staging import staged
+from .checkpoint.writing import (DEFAULT_MAX_SHARD_SIZE, check_out_dir, copy_other_files, replaced_by_a_checkpoint,
+                                 write_state_dict)
 from .moe import ROUTER, SHARED_GATE
 from .policy import resolve_policy
 
@@ -199,7 +201,7 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     missing = expected - set(state)
     if missing:
         raise CheckpointError(f"the checkpoint lacks {sorted(missing)[:5]}: was it written from this model?")
-    # Copies the model directory's other files (tokenizer, generation config).
-    prepare_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
-    write_state_dict(os.fspath(out_dir), state, model.config, getattr(model, "generation_config", None),
-                     max_shard_size)
+    check_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
+    with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
+        copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
+        write_state_dict(staging, state, model.config, getattr(model, "generation_config", None), max_shard_size)

@@ -56,13 +56,18 @@ def rank_file(tsp_rank, tsp_size):
     return f"rank{tsp_rank}-of-{tsp_size}.safetensors"
 
 
+def is_checkpoint_file(name):
+    """Whether ``name`` is a checkpoint file: weights, an index, a TSP shard file or description."""
+    return _CHECKPOINT_FILE.fullmatch(name) is not None
+
+
 def checkpoint_files(directory):
     """The names of the checkpoint files (weights, indexes, TSP shards) in
     ``directory``, sorted; empty when it does not exist."""
     if not os.path.isdir(directory):
         return []
     return sorted(name for name in os.listdir(directory)
-                  if _CHECKPOINT_FILE.fullmatch(name) and os.path.isfile(os.path.join(directory, name)))
+                  if is_checkpoint_file(name) and os.path.isfile(os.path.join(directory, name)))
 
 
 def hf_weights_file(directory):

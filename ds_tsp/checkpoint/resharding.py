@@ -21,9 +21,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 
 from .reading import CheckpointError
+from .staging import staged
 
 LAYOUT_FILE = "ds_tsp_layout.json"
 LAYOUT_FORMAT = "ds_tsp.layout"
@@ -128,22 +128,15 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
             raise CheckpointError(f"--out {out_dir} exists: pass --force to replace it, or choose another --out")
         if os.path.exists(os.path.join(out_dir, LATEST)) or os.path.samefile(out_dir, checkpoint_dir):
             raise CheckpointError(f"--out {out_dir} holds the checkpoint to reshard: choose another --out")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
-        ds_to_universal(argparse.Namespace(input_folder=source, output_folder=os.path.join(staging, tag),
-                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                           strict=True, inject_missing_state=False))
-        _name_params_for_pipelines_and_not(os.path.join(staging, tag, "zero"), saved["pipeline_names"])
-        _name_model_states_for_every_stage(os.path.join(staging, tag))
-        _optimizer_state_for_every_stage(os.path.join(staging, tag))
-        write_layout(os.path.join(staging, tag), saved, universal=True)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with staged(out_dir) as staging:
+        folder = os.path.join(staging, tag)
+        ds_to_universal(argparse.Namespace(input_folder=source, output_folder=folder, num_extract_workers=1,
+                                           num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                           inject_missing_state=False))
+        _name_params_for_pipelines_and_not(os.path.join(folder, "zero"), saved["pipeline_names"])
+        _name_model_states_for_every_stage(folder)
+        _optimizer_state_for_every_stage(folder)
+        write_layout(folder, saved, universal=True)
     return tag
 
 

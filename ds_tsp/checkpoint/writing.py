@@ -18,6 +18,7 @@ export``, ``ds-tsp convert --join``) writes the names transformers' own
 them; transformers 5 fuses them again on load.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -31,6 +32,7 @@ from huggingface_hub import split_state_dict_into_shards_factory, split_torch_st
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
+from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 from .. import comm
 from ..model import TSPCausalLMMixin, TSPDecoderLayer
@@ -40,7 +42,9 @@ from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
 from .expert_files import expert_files, to_files
 from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
 from .reading import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError,
-                      TSPShardCheckpoint, check_tensors_present, checkpoint_files, hf_checkpoint, rank_file)
+                      TSPShardCheckpoint, check_tensors_present, checkpoint_files, hf_checkpoint, is_checkpoint_file,
+                      rank_file)
+from .staging import staged
 
 # Hugging Face's default before transformers 5 (which writes up to 50GB per
 # file): the writer holds about one file in CPU memory.
@@ -280,11 +284,11 @@ def _out_dir_refusal(out_dir, overwrite):
     return None
 
 
-def remove_checkpoint(out_dir):
-    """Remove every checkpoint file from ``out_dir`` (weights, indexes, TSP shards),
-    so that what is written next is the only checkpoint there."""
-    for name in checkpoint_files(out_dir):
-        os.remove(os.path.join(out_dir, name))
+def replaced_by_a_checkpoint(name):
+    """Whether a new checkpoint replaces the entry ``name`` of its directory: every
+    weights, index and TSP shard file, so that it is the only checkpoint there,
+    and the configs it writes. The rest (a tokenizer, training arguments) stays."""
+    return is_checkpoint_file(name) or name in (CONFIG_NAME, GENERATION_CONFIG_NAME)
 
 
 def write_config(out_dir, config, model_class, dtype, generation_config=None):
@@ -307,7 +311,6 @@ def write_state_dict(out_dir, state, config, generation_config=None, max_shard_s
     meta, _ = meta_model(config, model_class=model_class)
     order = [name for name in meta.state_dict() if name in state]
     state = {name: state[name] for name in order + sorted(set(state) - set(order))}
-    os.makedirs(out_dir, exist_ok=True)
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     write_config(out_dir, config, model_class or type(meta), dtype, generation_config)
     layout = expert_files(config)
@@ -385,57 +388,64 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     units = stage.units() if gathering else []
     plan, shapes, dtypes, meta = _write_plan(stage, units, out_dir, overwrite)
 
-    writer = None
-    if topology.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        remove_checkpoint(out_dir)
-        # Hugging Face's model.dtype: the first floating tensor's.
-        first_float = next((dtypes[n] for n in shapes if dtypes[n].is_floating_point), torch.float32)
-        write_config(out_dir, stage.config, stage.model_class, first_float, stage.generation_config)
-        layout = expert_files(stage.config)
-        writer = ShardWriter(out_dir, split_into_files(shapes, dtypes, max_shard_size, layout), meta.num_parameters(),
-                             layout)
-    if gathering:
-        position = {name: i for i, name in enumerate(shapes)}
-        local = {min((n for n in unit.dtypes if n in position), key=position.get): unit for unit in units
-                 if any(n in position for n in unit.dtypes)}
-        with torch.no_grad():
-            for pp_rank, names in tqdm(plan, desc="Writing Hugging Face checkpoint", unit="unit",
-                                       disable=topology.rank != 0):
-                full = local[names[0]].gather() if pp_rank == topology.pp_rank else {}
-                for name in names:
-                    tensor = full.get(name)
-                    if pp_rank != 0 and topology.tsp_rank == 0 and topology.dp_rank == 0:
-                        # From the stage that holds it to global rank 0 (stage 0 of this pipeline
-                        # group); comm has no point-to-point send, so TSP rank 0 of the other
-                        # stages receive and drop a copy.
-                        if tensor is None:
-                            tensor = torch.empty(shapes[name], dtype=dtypes[name], device=stage.device)
-                        tensor = tensor.contiguous()
-                        comm.broadcast(tensor, src=pp_rank, group=topology.pp_group)
-                    if writer is not None:
-                        writer.add(name, tensor)
-        if writer is not None:
-            writer.close()
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if topology.rank == 0:
+            # Written beside out_dir, which it becomes once every file is complete.
+            staging = stack.enter_context(staged(out_dir, replaced=replaced_by_a_checkpoint))
+            # Hugging Face's model.dtype: the first floating tensor's.
+            first_float = next((dtypes[n] for n in shapes if dtypes[n].is_floating_point), torch.float32)
+            write_config(staging, stage.config, stage.model_class, first_float, stage.generation_config)
+            layout = expert_files(stage.config)
+            writer = ShardWriter(staging, split_into_files(shapes, dtypes, max_shard_size, layout),
+                                 meta.num_parameters(), layout)
+        if gathering:
+            _gather_and_write(stage, units, plan, shapes, dtypes, writer)
     comm.barrier(None)
+
+
+def _gather_and_write(stage, units, plan, shapes, dtypes, writer):
+    """Every unit of ``plan`` gathered in turn, on the ranks that gather, and
+    written by global rank 0's ``writer``."""
+    topology = stage.topology
+    position = {name: i for i, name in enumerate(shapes)}
+    local = {min((n for n in unit.dtypes if n in position), key=position.get): unit for unit in units
+             if any(n in position for n in unit.dtypes)}
+    with torch.no_grad():
+        for pp_rank, names in tqdm(plan, desc="Writing Hugging Face checkpoint", unit="unit",
+                                   disable=topology.rank != 0):
+            full = local[names[0]].gather() if pp_rank == topology.pp_rank else {}
+            for name in names:
+                tensor = full.get(name)
+                if pp_rank != 0 and topology.tsp_rank == 0 and topology.dp_rank == 0:
+                    # From the stage that holds it to global rank 0 (stage 0 of this pipeline
+                    # group); comm has no point-to-point send, so TSP rank 0 of the other
+                    # stages receive and drop a copy.
+                    if tensor is None:
+                        tensor = torch.empty(shapes[name], dtype=dtypes[name], device=stage.device)
+                    tensor = tensor.contiguous()
+                    comm.broadcast(tensor, src=pp_rank, group=topology.pp_group)
+                if writer is not None:
+                    writer.add(name, tensor)
+    if writer is not None:
+        writer.close()
 
 
 # ---------------------------------------------------------------- conversion
 
-def prepare_out_dir(in_dir, out_dir, force):
-    """Refuse to write over ``in_dir`` or, without ``force``, into a non-empty
-    ``out_dir``; with ``force``, drop its old weight files so that it ends up
-    holding exactly one checkpoint."""
+def check_out_dir(in_dir, out_dir, force):
+    """Refuse to write over ``in_dir`` or, without ``force``, into a non-empty ``out_dir``."""
     if os.path.exists(out_dir) and os.path.samefile(in_dir, out_dir):
         raise CheckpointError(f"--out {out_dir} is the input directory: choose another output directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        if not force:
-            raise CheckpointError(f"output directory {out_dir} exists and is not empty: pass --force to "
-                                  "overwrite it, or choose another --out")
-        remove_checkpoint(out_dir)
-    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise CheckpointError(f"output directory {out_dir} exists and is not empty: pass --force to "
+                              "overwrite it, or choose another --out")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"output {out_dir} exists and is not a directory")
-    os.makedirs(out_dir, exist_ok=True)
+
+
+def copy_other_files(in_dir, out_dir):
+    """The files of ``in_dir`` that are not weights (config, tokenizer, ...) into ``out_dir``."""
     weights = set(checkpoint_files(in_dir))
     for name in sorted(os.listdir(in_dir)):
         source = os.path.join(in_dir, name)
@@ -464,8 +474,14 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
     plans = shard_plan(model, resolve_policy(model, policy), tsp_size, vocab_parallel)
     source = hf_checkpoint(in_dir, model.config)
     check_tensors_present(model, source)
-    prepare_out_dir(in_dir, out_dir, force)
+    check_out_dir(in_dir, out_dir, force)
+    with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
+        copy_other_files(in_dir, staging)
+        _write_shards(source, plans, tsp_size, staging)
 
+
+def _write_shards(source, plans, tsp_size, out_dir):
+    """Every rank's file of ``shard_checkpoint``, then ``tsp_shards.json``."""
     # Tensors outside the plan (norms; embeddings and LM head if not folded) go whole into every file.
     in_blocks = set().union(*plans)
     replicated = dict.fromkeys(name for name in source.names if name not in in_blocks)
@@ -486,7 +502,6 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
                           "pieces": {name: None if p is None else list(p) for name, p in pieces.items()}})
     description = {"format": TSP_SHARDS_FORMAT, "version": 1, "tsp_size": tsp_size,
                    "tensors": {name: tensors[name] for name in source.names}, "ranks": ranks}
-    # Written last: a directory without it is not mistaken for a finished conversion.
     with open(os.path.join(out_dir, TSP_SHARDS), "w") as f:
         json.dump(description, f, indent=1)
 
@@ -502,10 +517,12 @@ def join_checkpoint(in_dir, out_dir, tsp_size=None, force=False):
     if tsp_size is not None and tsp_size != shards.tsp_size:
         raise CheckpointError(f"{in_dir} holds shards for tsp.size {shards.tsp_size}, not {tsp_size}: "
                               "drop --tsp-size to join it")
-    prepare_out_dir(in_dir, out_dir, force)
+    check_out_dir(in_dir, out_dir, force)
     state = {}
     for name in tqdm(shards.names, desc=f"Joining {shards.tsp_size} TSP shards", unit="tensor"):
         state[name] = join_holdings(name, [(held[name], shards.read_rank(name, r))
                                            for r, held in enumerate(shards.holdings) if name in held])
     state = to_files(expert_files(AutoConfig.from_pretrained(in_dir)), state)
-    save_file(state, os.path.join(out_dir, SAFE_WEIGHTS), metadata={"format": "pt"})
+    with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
+        copy_other_files(in_dir, staging)
+        save_file(state, os.path.join(staging, SAFE_WEIGHTS), metadata={"format": "pt"})
