@@ -627,3 +627,44 @@ def test_zero3_saves_the_files_of_zero0(run_ranks, tmp_path, arch):
     for name in expected:
         if name.endswith(".safetensors"):
             assert_same_tensors(load_file(os.path.join(dst, name)), load_file(os.path.join(src, name)))
+
+
+# ------------------------------------------------------ a save that dies
+
+@pytest.mark.parametrize("dying_rank", [0, 1])
+def test_a_save_that_dies_leaves_the_old_checkpoint_whole(tmp_path, dying_rank):
+    """The target holds a checkpoint of other weights and a tokenizer file; a
+    rank dies inside save_pretrained (the writer after its second file, or its
+    peer while blocks are gathered). The target is still the old checkpoint,
+    file for file, and loads; the next save replaces the leftover and the old
+    checkpoint with the new one and keeps the tokenizer file."""
+    from ds_tsp.checkpoint.staging import leftovers
+
+    target = tmp_path / "target"
+    old = tiny_model("llama", seed=0, dtype=torch.float32)
+    old.save_pretrained(target, max_shard_size="4KB")
+    (target / "tokenizer.json").write_text("{}")
+    before = {name: (target / name).read_bytes() for name in os.listdir(target)}
+    assert len([name for name in before if name.endswith(".safetensors")]) > 2
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_dies_while_saving.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(script)}
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(tmp_path / "rdzv"), str(target),
+                               str(dying_rank)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[dying_rank].returncode == 3, outputs[dying_rank]
+    assert procs[1 - dying_rank].returncode != 0, outputs[1 - dying_rank]
+
+    after = {name: (target / name).read_bytes() for name in os.listdir(target)}
+    assert after == before
+    assert_same_tensors(AutoModelForCausalLM.from_pretrained(target).state_dict(), old.state_dict())
+    # The writer killed outright leaves its temporary directory beside the target, which nothing reads ...
+    assert len(leftovers(target)) == (1 if dying_rank == 0 else 0)
+
+    # ... and the next save removes.
+    new = tiny_model("llama", seed=1, dtype=torch.float32)
+    save_pretrained(ds_tsp.inject(copy.deepcopy(new), *_topology_and_config(1)), str(target), overwrite=True)
+    assert leftovers(target) == []
+    assert (target / "tokenizer.json").read_text() == "{}"
+    assert_same_tensors(AutoModelForCausalLM.from_pretrained(target).state_dict(), new.state_dict())
