@@ -16,7 +16,12 @@ holds rank ``d``'s partition of flat float32 vectors laid out by the
 group's vector (parameters in order, each followed by its alignment padding)
 into consecutive pieces, one per rank; ZeRO 3 cuts every parameter into
 ``ceil(numel / dp)`` pieces, one per rank, padded at the end. ZeRO-3 keeps
-no weights in the model-states files, so it is read with ``fp32_master`` only.
+no weights in the model-states files: it is read with ``fp32_master``, or, where
+the 16-bit weights were saved beside it (a Trainer checkpoint's
+``model.safetensors``, gathered by ``save_model`` at the same step), from those.
+Pipeline stages write each layer's weights per TSP rank
+(``layer_XX-model_YY-model_states.pt``), named inside the pipe; they are
+renamed to the model's names (``ds_tsp.pipeline.hf_prefixes``).
 
 Every file is read with ``torch.load(weights_only=True)``; the optimizer files
 pickle three DeepSpeed objects besides tensors, which are allowlisted by name.
@@ -35,11 +40,12 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
 from .checkpoint.planning import join_holdings, layer_shards, meta_model, untied, vocab_names
-from .checkpoint.reading import CheckpointError
+from .checkpoint.reading import CheckpointError, check_tensors_present, hf_checkpoint, hf_weights_file
 from .checkpoint.staging import staged
 from .checkpoint.writing import (DEFAULT_MAX_SHARD_SIZE, check_out_dir, copy_other_files, replaced_by_a_checkpoint,
                                  write_state_dict)
 from .moe import ROUTER, SHARED_GATE
+from .pipeline import hf_prefixes
 from .policy import resolve_policy
 
 # Replicated tensors of a TSP block: Hugging Face name -> parameter name (a MoE block's routers keep HF's).
@@ -47,6 +53,7 @@ _BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "q_
                      "k_norm.weight": "k_norm.weight", ROUTER: ROUTER, SHARED_GATE: SHARED_GATE}
 # ZeRO 0-2 write mp_rank_XX_model_states.pt per TSP rank; ZeRO-3 one per data-parallel rank as well.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+_LAYER_STATES = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 # What DeepSpeed's optimizer files pickle besides tensors and builtins: the
 # loss scaler (static for bf16, dynamic for fp16), the ZeRO stage and ZeRO 1/2's
@@ -137,15 +144,49 @@ def fp32_master_weights(folder, model_states, tsp_rank):
     return master
 
 
-def rank_weights(folder, fp32_master=False):
+def pipeline_rank_weights(folder, pipeline_names):
+    """Every TSP rank's module state of a pipeline checkpoint, under the model's
+    names: DeepSpeed writes each pipe layer's state per TSP rank
+    (``layer_XX-model_YY-model_states.pt``), named inside the layer;
+    ``pipeline_names`` (``ds_tsp.pipeline.hf_prefixes``) renames them."""
+    files = defaultdict(dict)
+    for name in sorted(os.listdir(folder)):
+        if m := _LAYER_STATES.fullmatch(name):
+            files[int(m.group(2))][int(m.group(1))] = os.path.join(folder, name)
+    to_model = {f"{pipe}.": f"{model}." for pipe, model in pipeline_names.items()}
+    states = []
+    for tsp_rank in range(len(files)):
+        state = {}
+        for layer, path in sorted(files[tsp_rank].items()):
+            for name, tensor in load_weights_only(path).items():
+                name = f"{layer}.{name}"
+                prefix = next((p for p in to_model if name.startswith(p)), None)
+                if prefix is None:
+                    raise CheckpointError(f"{path} holds {name}, which no layer of the model's pipeline has: was "
+                                          "it written from this model (--model)?")
+                state[to_model[prefix] + name[len(prefix):]] = tensor
+        states.append(state)
+    return states
+
+
+def rank_weights(folder, fp32_master=False, pipeline_names=None):
     """Every TSP rank's module state (``{name: tensor}``), in rank order: the
     model-dtype weights, or with ``fp32_master`` the float32 master weights
-    (buffers and frozen parameters cast to float32)."""
+    (buffers and frozen parameters cast to float32). ``pipeline_names`` reads
+    the layer files of pipeline stages."""
+    if any(_LAYER_STATES.fullmatch(name) for name in os.listdir(folder)):
+        if fp32_master:
+            raise CheckpointError(f"{folder} holds pipeline stages, whose ZeRO files ds-tsp export does not join: "
+                                  "export their model-dtype weights (drop --fp32-master), or load the checkpoint "
+                                  "(ds-tsp reshard) into an engine without stages and save that")
+        return pipeline_rank_weights(folder, pipeline_names)
     states = read_rank_states(folder)
     if not fp32_master:
         if any(t.numel() == 0 for t in states[0]["module"].values()):
-            raise CheckpointError(f"{folder} is a ZeRO-3 checkpoint, whose model-states files hold no weights: "
-                                  "export its fp32 master weights with --fp32-master (fp32_master=True)")
+            raise CheckpointError(f"{folder} is a ZeRO-3 checkpoint, whose model-states files hold no weights, and "
+                                  "no 16-bit weights were saved beside it (save_model with "
+                                  "stage3_gather_16bit_weights_on_model_save: true): export its fp32 master weights "
+                                  "with --fp32-master (fp32_master=True)")
         return [state["module"] for state in states]
     weights = []
     for tsp_rank, state in enumerate(states):
@@ -175,7 +216,35 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     weights (ZeRO 0-2)."""
     model, _ = meta_model(model_dir)
     policy = resolve_policy(model, "auto")
-    states = rank_weights(checkpoint_folder(os.fspath(checkpoint_dir), tag), fp32_master)
+    folder = checkpoint_folder(os.fspath(checkpoint_dir), tag)
+    if not fp32_master and is_zero3(folder) and hf_weights_file(os.fspath(checkpoint_dir)) is not None:
+        state = saved_16bit_weights(os.fspath(checkpoint_dir), model)
+    else:
+        state = joined_state(model, policy, rank_weights(folder, fp32_master,
+                                                         hf_prefixes(policy, model.config.num_hidden_layers)))
+    check_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
+    with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
+        copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
+        write_state_dict(staging, state, model.config, getattr(model, "generation_config", None), max_shard_size)
+
+
+def is_zero3(folder):
+    """Whether ZeRO-3 wrote the checkpoint in ``folder`` (its model states are per data-parallel rank)."""
+    return any((m := _MODEL_STATES.fullmatch(name)) and m.group(1) is not None for name in os.listdir(folder))
+
+
+def saved_16bit_weights(checkpoint_dir, model):
+    """The model-dtype weights ZeRO-3 gathered beside its DeepSpeed checkpoint
+    (the Trainer's ``save_model`` under ``stage3_gather_16bit_weights_on_model_save``
+    writes them at the same step), checked against ``model``."""
+    source = hf_checkpoint(checkpoint_dir, model.config)
+    check_tensors_present(model, source)
+    expected = set(untied(model, dict(model.state_dict())))
+    return {name: source.read(name) for name in source.names if name in expected}
+
+
+def joined_state(model, policy, states):
+    """The model's full tensors from every TSP rank's module state (``rank_weights``)."""
     tsp_size = len(states)
     full = {}
     for index, layer in enumerate(tqdm(model.get_submodule(policy.layers), desc=f"Joining {tsp_size} TSP ranks",
@@ -201,7 +270,4 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     missing = expected - set(state)
     if missing:
         raise CheckpointError(f"the checkpoint lacks {sorted(missing)[:5]}: was it written from this model?")
-    check_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
-    with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
-        copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
-        write_state_dict(staging, state, model.config, getattr(model, "generation_config", None), max_shard_size)
+    return state

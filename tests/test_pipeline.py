@@ -81,6 +81,7 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     ref_params = {n: p.detach() for n, p in ref.named_parameters()}
     if save_dir is not None:
         ds_tsp.save_pretrained(engine, save_dir, max_shard_size="8KB")
+        engine.save_checkpoint(save_dir + "-deepspeed")
         return dict(ref_params=ref_params if dist.get_rank() == 0 else None)
     num_layers = ref.config.num_hidden_layers
     rel = {}
@@ -157,6 +158,12 @@ def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch):
     assert rel[worst] <= BOUND
     # The guard: a stage left out, or saved untrained, would be this far off.
     assert min(moved.values()) > 100 * BOUND
+    # ds-tsp export joins the stages' layer files of the DeepSpeed checkpoint into the same tensors.
+    from ds_tsp.cli import main
+    exported = str(tmp_path / "exported")
+    assert main(["export", "--checkpoint", save_dir + "-deepspeed", "--model", save_dir, "--out", exported]) == 0
+    again = AutoModelForCausalLM.from_pretrained(exported, experts_implementation="eager").state_dict()
+    assert all(torch.equal(again[n], p) for n, p in saved.items())
 
 
 def test_layers_that_do_not_split_are_refused():

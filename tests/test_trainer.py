@@ -218,6 +218,11 @@ def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes
     worst = max((saved[n] - master[n]).abs().max().item() for n in master)
     print(f"  saved model vs the checkpoint's master weights: max |dw| {worst:.1e}")
     assert worst == 0
+    # Without --fp32-master: ZeRO-2's model-dtype weights, or the 16-bit weights ZeRO-3 saved beside its checkpoint.
+    assert main(["export", "--checkpoint", str(checkpoint), "--model", str(checkpoint), "--out",
+                 str(tmp_path / "model_dtype")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model_dtype").state_dict()
+    assert all(torch.equal(exported[n], saved[n]) for n in saved)
 
 
 # ------------------------------------------------------------------------ TRL
