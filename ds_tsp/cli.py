@@ -17,6 +17,7 @@ and host memory (``--alst``: in ALST's setting, its published lengths beside).
 """
 
 import argparse
+import ctypes
 import sys
 
 from .checkpoint import join_checkpoint, shard_checkpoint
@@ -117,9 +118,24 @@ def run_export(args):
 
 
 def run_reshard(args):
+    _return_freed_memory()
     tag = reshard(args.checkpoint, args.out_dir, tag=args.tag, force=args.force)
     print(f"ds-tsp reshard: {args.out_dir}/{tag} loads at any layout with \"checkpoint\": "
           "{\"load_universal\": true}")
+
+
+def _return_freed_memory():
+    """DeepSpeed's converter loads one checkpoint file after another and frees
+    each; glibc's allocator keeps freed large blocks for reuse, so the process
+    would grow to the sum of several files. Large blocks are mapped and unmapped
+    instead (glibc's ``mallopt``; elsewhere nothing changes)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_trim_threshold, 0)
 
 
 def main(argv=None):
