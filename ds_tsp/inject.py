@@ -1,5 +1,7 @@
 """``ds_tsp.inject``: rewrite a Hugging Face causal LM into a TSP model, in place."""
 
+import torch
+
 from .attention import TSPAttention
 from .consistency import BatchCheck, broadcast_replicated, check_same_model
 from .mappings import sum_grads_over_group
@@ -18,6 +20,8 @@ def inject(model, topology, tsp_config, read=None, device=None):
     (``piece = (dim, start, length)``, None for whole); by default the model's
     own parameters are sliced. The steps run in this order:
 
+    0. a model DeepSpeed's ``zero.Init`` partitioned is gathered, layer by
+       layer as it is sharded (``unpartition``);
     1. resolve the policy and check the config and every layer (and, with
        ``tsp.vocab_parallel``, the embedding and head) fit it, and that every
        rank of the TSP group holds a model of the same tensors, before any
@@ -33,14 +37,19 @@ def inject(model, topology, tsp_config, read=None, device=None):
     5. give the model the TSP forward (HF calling convention, full sequence in).
     """
     policy = resolve_policy(model, tsp_config.policy)
+    layers = model.get_submodule(policy.layers)
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
+        unpartition(model, skip=() if policy is AUTO else tuple(layers))
     check_same_model(model, topology.tsp_group)
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
     if policy is AUTO:  # accepted by shape only: its forward must equal the TSP layers' on a probe
         probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
-    layers = model.get_submodule(policy.layers)
     for index, layer in enumerate(layers):
+        if partitioned:
+            unpartition(layer)
         prefix = f"{policy.layers}.{index}"
         layers[index] = tsp_layer(layer, model.config, policy, topology, tsp_config,
                                   read=_prefixed(read, prefix), device=device)
@@ -57,6 +66,28 @@ def inject(model, topology, tsp_config, read=None, device=None):
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
     model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
     return model
+
+
+def unpartition(module, skip=()):
+    """Turn the parameters DeepSpeed's ``zero.Init`` partitioned (a Hugging Face
+    ``from_pretrained`` after ``TrainingArguments(deepspeed=<ZeRO-3 config>)``)
+    into whole, plain parameters, in ``module`` but not in the ``skip``
+    submodules: gathered once (DeepSpeed's ``GatheredParameters``) and copied,
+    each tied parameter to one copy. ZeRO-3 then partitions the TSP shards over
+    the data-parallel group only, as it does a model built without ``zero.Init``."""
+    import deepspeed
+
+    skipped = {id(p) for sub in skip for p in sub.parameters()}
+    owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+              if p is not None and hasattr(p, "ds_id") and id(p) not in skipped]
+    if not owners:
+        return
+    copies = {}
+    with deepspeed.zero.GatheredParameters(list({id(p): p for _, _, p in owners}.values())):
+        for owner, name, param in owners:
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
+            owner._parameters[name] = copies[id(param)]
 
 
 def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None):

@@ -291,3 +291,53 @@ def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path):
     print(f"SFT TSP=2: losses {[round(v, 6) for v in tsp_losses]}, stock {[round(v, 6) for v in _losses(stock)]}")
     assert len(tsp_losses) == 4
     assert _relative(tsp_losses, _losses(stock)) <= BOUND
+
+
+# ------------------------------------------------------------ ZeRO-3 in the Trainer
+
+def _zero3_from_pretrained_run(model_dir, output_dir):
+    """Hugging Face's ZeRO-3 flow: TrainingArguments first, so from_pretrained
+    builds the model under zero.Init (partitioned over the world); then
+    TSPTrainer, whose injection gathers it layer by layer. save_model with
+    stage3_gather_16bit_weights_on_model_save false writes the DeepSpeed
+    checkpoint only."""
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.trainer import configure_cpu_ranks
+
+    try:
+        configure_cpu_ranks()
+        config = {**_deepspeed_config(2), "zero_optimization": {
+            "stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}
+        args = _arguments(output_dir, MICRO_BATCH, config)
+        args.max_steps, args.save_strategy, args.gradient_accumulation_steps = 2, "no", 1
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+        trainer = ds_tsp.TSPTrainer(model=model, args=args, train_dataset=_rows(8, 1))
+        first = next(iter(trainer.get_train_dataloader()))
+        trainer.train()
+        trainer.save_model(os.path.join(output_dir, "final"))
+        return dict(partitioned=partitioned, losses=_losses(trainer), first=first)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_zero3_models_built_under_zero_init_train_and_save(run_ranks, tmp_path):
+    model_dir = str(tmp_path / "hf")
+    reference = tiny_model("qwen2", dtype=torch.float32)
+    reference.save_pretrained(model_dir)
+    out = run_ranks(2, _zero3_from_pretrained_run, model_dir=model_dir, output_dir=str(tmp_path / "out"))[0]
+    assert out["partitioned"]
+    first = out["first"]
+    with torch.no_grad():
+        expected = reference(**{k: first[k] for k in ("input_ids", "attention_mask", "labels")}).loss.item()
+    print(f"zero.Init model under TSP: first loss {out['losses'][0]:.6f}, one process {expected:.6f}")
+    assert abs(out["losses"][0] - expected) / expected <= BOUND
+    assert len(out["losses"]) == 2
+    final = tmp_path / "out" / "final"
+    assert (final / "latest").is_file() and not (final / "model.safetensors").exists()
+    assert main(["export", "--checkpoint", str(final), "--model", model_dir, "--out", str(tmp_path / "exported"),
+                 "--fp32-master"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    moved = max((p - reference.get_parameter(n)).abs().max().item() for n, p in exported.named_parameters())
+    assert moved > 1e-3  # two AdamW steps at lr 3e-2
