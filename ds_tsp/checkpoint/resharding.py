@@ -8,12 +8,14 @@ a plain load at another layout, naming both and the command that reshards:
 converter (``ds_to_universal``) over the description of every TSP shard the
 model states carry (``checkpoint.universal``). An engine of any layout loads
 the result with ``"checkpoint": {"load_universal": true}``; the Trainer's
-``resume_from_checkpoint`` reshards on the way (``load_resharded``).
+``resume_from_checkpoint`` reshards on the way (``_load_resharded``).
 
-The reshard reads each source file once, one at a time (DeepSpeed's converter
-dumps every parameter's fragments, then joins one parameter at a time), and
-writes into a temporary directory beside ``--out`` that is renamed into place
-once complete.
+DeepSpeed's converter reads one source file at a time, dumps every
+parameter's fragments and joins one parameter at a time, so it never holds
+the model (``benchmarks/reshard_memory.py``: about one optimizer file and one
+model-states file at its peak; it reads the model-states files and one
+optimizer file more than once). The result is written into a temporary
+directory beside ``--out`` and swapped in once complete (``staging``).
 """
 
 import argparse
@@ -22,6 +24,13 @@ import os
 import re
 import shutil
 
+import deepspeed
+import torch
+from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+from .. import comm
+from ..pipeline import hf_prefixes
 from .reading import CheckpointError
 from .staging import staged
 
@@ -35,8 +44,6 @@ def engine_layout(engine):
     """``{"tsp", "dp", "pp", "zero_stage", "pipeline_names"}`` of a ds_tsp
     engine; ``pipeline_names`` pairs the module names of pipeline stages with
     the model's own, which a reshard gives every parameter under both."""
-    from ..pipeline import hf_prefixes
-
     topology, module = engine.tsp_topology, engine.module
     config = getattr(module, "tsp_model_config", None) or module.config
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
@@ -106,8 +113,6 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
     one ``latest`` names) of a ds_tsp engine into a universal checkpoint in
     ``out_dir`` (``out_dir/<tag>`` and ``latest_universal``), which an engine of
     any layout loads with ``"checkpoint": {"load_universal": true}``. Returns the tag."""
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
     checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
     tag = resolve_tag(checkpoint_dir, tag, universal=False)
     if tag is None:
@@ -183,10 +188,6 @@ def _optimizer_state_for_every_stage(folder):
     different ones (top-level ``param_groups`` and ``ds_version``; the torch
     optimizer's ``optimizer_state_dict`` with its step): complete it for both,
     without ZeRO-3's copy of one partition of the master weights."""
-    import deepspeed
-    import torch
-    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
-
     zero = os.path.join(folder, "zero")
     path = os.path.join(zero, "optimizer_state.pt")
     state = torch.load(path, weights_only=False)
@@ -208,25 +209,27 @@ def attach_layout_checks(engine):
     """Make ``engine.save_checkpoint`` record the engine's layout and
     ``engine.load_checkpoint`` refuse a plain load at another; with
     ``engine.tsp_reshard_on_load`` (the Trainer's resume) it reshards instead."""
-    import torch.distributed as dist
-
     save, load, layout = engine.save_checkpoint, engine.load_checkpoint, engine_layout(engine)
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         # DeepSpeed's own default tag.
         folder = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{engine.global_steps}")
         saved = save(save_dir, tag, *args, **kwargs)
-        if dist.get_rank() == 0:
+        if comm.group_rank(None) == 0:
             write_layout(folder, layout)
-        dist.barrier()
+        comm.barrier(None)
         return saved
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         universal = engine.load_universal_checkpoint()
+        if universal and not layout["zero_stage"]:
+            # DeepSpeed would load nothing at all, silently.
+            raise CheckpointError("\"checkpoint\": {\"load_universal\": true} restores through ZeRO's optimizer, "
+                                  "which zero_optimization.stage 0 has none of: use stage 1, 2 or 3")
         refusal = load_refusal(load_dir, tag, layout, universal)
         if refusal is None:
             return load(load_dir, tag, *args, **kwargs)
-        if not getattr(engine, "tsp_reshard_on_load", False) or universal:
+        if not getattr(engine, "tsp_reshard_on_load", False) or universal or not layout["zero_stage"]:
             raise CheckpointError(refusal)
         return _load_resharded(engine, load, load_dir, tag, *args, **kwargs)
 
@@ -236,16 +239,15 @@ def attach_layout_checks(engine):
 def _load_resharded(engine, load, load_dir, tag, *args, **kwargs):
     """Reshard ``load_dir`` into ``load_dir/universal`` (global rank 0) and load
     that as a universal checkpoint."""
-    import torch.distributed as dist
-
     resharded = os.path.join(load_dir, "universal")
     failure = None
-    if dist.get_rank() == 0:
+    if comm.group_rank(None) == 0:
         try:
             tag = reshard(load_dir, resharded, tag, force=True)
         except (CheckpointError, OSError) as err:
             failure = str(err)
-    failure, tag = _broadcast((failure, tag))
+    # Every rank raises the same error, or none.
+    failure, tag = comm.all_gather_objects((failure, tag), None)[0]
     if failure is not None:
         raise CheckpointError(failure)
     config = engine._config
@@ -255,10 +257,3 @@ def _load_resharded(engine, load, load_dir, tag, *args, **kwargs):
     finally:
         config.load_universal_checkpoint = False
 
-
-def _broadcast(value):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

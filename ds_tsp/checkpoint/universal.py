@@ -22,9 +22,13 @@ ZeRO sizes. The model states carry the description the converter reads
 * everything else (norms, routers, biases every rank holds) is replicated,
   which the converter checks is equal on every TSP rank.
 
-None of it needs new machinery in DeepSpeed: its affine maps express every
-TSP shard. Only the data-parallel and pipeline renaming of pipeline stages is
-ds_tsp's (``ds_tsp.checkpoint.resharding``).
+DeepSpeed's affine maps express every TSP shard, so its converter joins them
+unchanged. Three things its loaders do not do are ds_tsp's: ZeRO-3's loader
+cuts the data-parallel partition from the whole universal tensor (here the TSP
+shard is cut first, ``load_zero3_universal_states``); and a reshard gives
+every parameter the pipe's and the model's names, and writes the model-states
+and optimizer files the way both ZeRO 1-2 and ZeRO-3 read them
+(``ds_tsp.checkpoint.resharding``).
 """
 
 import math
@@ -114,8 +118,8 @@ def universal_info(module):
     """The ``universal_checkpoint_info`` of an injected TSP model (or pipeline
     stage), which DeepSpeed writes into every model-states file. Each sharded
     parameter gets its ``UniversalShard`` (``tsp_universal_shard``) for
-    ``load_zero3_state``, and a packed one its map where DeepSpeed's ZeRO 1-2
-    loader reads it."""
+    ``load_zero3_universal_states``, and a packed one its map where DeepSpeed's
+    ZeRO 1-2 loader reads it."""
     maps, vocabulary, replicated = {}, [], []
     vocab_size = None
     sharded = set()
@@ -151,7 +155,8 @@ def describe_for_universal_checkpoints(module, topology):
         stages = comm.all_gather_objects(info, topology.pp_group)
         info[AFFINE_MAP][AFFINE_MAP_PARAMS] = {pattern: entry for stage in stages
                                                for pattern, entry in stage[AFFINE_MAP][AFFINE_MAP_PARAMS].items()}
-        info[TP_REPLICATED_PARAMETER_PATTERNS] = [p for stage in stages for p in stage[TP_REPLICATED_PARAMETER_PATTERNS]]
+        info[TP_REPLICATED_PARAMETER_PATTERNS] = [pattern for stage in stages
+                                                  for pattern in stage[TP_REPLICATED_PARAMETER_PATTERNS]]
         vocabulary = [p for stage in stages for p in stage.get(VOCABULARY_PARAMETER_PATTERNS, [])]
         if vocabulary:
             info.update({VOCABULARY_PARAMETER_PATTERNS: vocabulary,
