@@ -9,7 +9,8 @@ whole suite would otherwise pile up hundreds of them, which once cost more
 CPU time than the tests themselves. Ranks meet through a file rendezvous in a fresh temporary
 directory, so concurrent runs never fight over ports. Every call has a timeout:
 a hung or crashed rank fails the test and the pool is torn down and started
-afresh for the next test.
+afresh for the next test; so is a pool whose workers have piled up the threads
+of more than a few destroyed groups.
 
 A body is a module-level function ``body(**kwargs)``; it reads its rank from
 ``torch.distributed`` and returns something picklable. ``run`` returns the list
@@ -27,6 +28,9 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180
 FAILED_PEER_WAIT_S = 10
+# A destroyed gloo group's threads live on in its workers; past this many a pool is replaced (cheaply: the
+# fork server keeps the imports) before they slow every later test down.
+MAX_WORKER_THREADS = 64
 # Imported once by the fork server; nothing in them starts threads or process groups.
 PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.engine", "ds_tsp.generate"]
 
@@ -120,6 +124,16 @@ class RankPool:
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{details}")
         return outputs
 
+    def threads(self):
+        """The most threads any worker runs now."""
+        counts = []
+        for proc in self.procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{proc.pid}/task")))
+            except OSError:
+                counts.append(0)
+        return max(counts)
+
     def close(self, graceful=True):
         if graceful:
             for q in self.tasks:
@@ -143,11 +157,14 @@ class RankPools:
         if pool is None:
             pool = self.pools[world_size] = RankPool(world_size)
         try:
-            return pool.run(fn, timeout_s=timeout_s, **kwargs)
+            outputs = pool.run(fn, timeout_s=timeout_s, **kwargs)
         except RankFailure:
             # Ranks may be stuck in a collective the failing rank never joined.
             self.pools.pop(world_size).close(graceful=False)
             raise
+        if pool.threads() > MAX_WORKER_THREADS:
+            self.pools.pop(world_size).close()
+        return outputs
 
     def close(self):
         for pool in self.pools.values():
