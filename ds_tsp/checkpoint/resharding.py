@@ -19,6 +19,7 @@ directory beside ``--out`` and swapped in once complete (``staging``).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -133,7 +134,7 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
             raise CheckpointError(f"--out {out_dir} exists: pass --force to replace it, or choose another --out")
         if os.path.exists(os.path.join(out_dir, LATEST)) or os.path.samefile(out_dir, checkpoint_dir):
             raise CheckpointError(f"--out {out_dir} holds the checkpoint to reshard: choose another --out")
-    with staged(out_dir) as staging:
+    with staged(out_dir) as staging, _mapped_loads():
         folder = os.path.join(staging, tag)
         ds_to_universal(argparse.Namespace(input_folder=source, output_folder=folder, num_extract_workers=1,
                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
@@ -143,6 +144,27 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
         _optimizer_state_for_every_stage(folder)
         write_layout(folder, saved, universal=True)
     return tag
+
+
+@contextlib.contextmanager
+def _mapped_loads():
+    """DeepSpeed's converter ``torch.load``s whole files, some more than once:
+    every model-states file for its metadata and again for parameters without
+    optimizer state, the first optimizer file for the ZeRO stage and for the
+    optimizer's common state. Memory-mapped, each load reads only the tensors it
+    uses, so only the extraction reads the optimizer files' tensors, once, and
+    a file no longer used holds no memory."""
+    load = torch.load
+
+    def mapped(*args, **kwargs):
+        kwargs.setdefault("mmap", True)
+        return load(*args, **kwargs)
+
+    torch.load = mapped
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 def _name_params_for_pipelines_and_not(zero, pipeline_names):
@@ -202,7 +224,9 @@ def _optimizer_state_for_every_stage(folder):
         step = next(torch.load(os.path.join(p, "step.pt"), weights_only=False) for p in params
                     if os.path.isfile(os.path.join(p, "step.pt")))
         state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: state[PARAM_GROUPS]}
-    torch.save(state, path)
+    # Beside it, then over it: the file read (mapped, _mapped_loads) is still in use.
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def attach_layout_checks(engine):
