@@ -50,6 +50,20 @@ def assert_same_tensors(actual, expected):
         assert torch.equal(actual[name], expected[name]), name
 
 
+def assert_same_sharded_checkpoint(actual, expected):
+    """The same files, the same index text and the same tensors in each file,
+    in a checkpoint of several weights files."""
+    names = sorted(os.listdir(expected))
+    assert len([name for name in names if name.endswith(".safetensors")]) > 2
+    assert sorted(os.listdir(actual)) == names
+    with open(os.path.join(expected, "model.safetensors.index.json")) as a, \
+            open(os.path.join(actual, "model.safetensors.index.json")) as b:
+        assert a.read() == b.read()
+    for name in names:
+        if name.endswith(".safetensors"):
+            assert_same_tensors(load_file(os.path.join(actual, name)), load_file(os.path.join(expected, name)))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """``{arch: path}`` of tiny float64 models saved by Hugging Face, plus a
@@ -382,15 +396,8 @@ def test_save_pretrained_writes_shards_and_index_as_hugging_face_does(run_ranks,
     the same files, the same index text and the same tensors in each file."""
     src, dst = checkpoints["llama_sharded"], str(tmp_path / "saved")
     listings = run_ranks(2, _load_and_save_sharded, src=src, dst=dst, max_shard_size=max_shard_size)
-    expected = sorted(os.listdir(src))
-    assert len([name for name in expected if name.endswith(".safetensors")]) > 2
-    assert all(files == expected for files in listings)
-    with open(os.path.join(src, "model.safetensors.index.json")) as a, \
-            open(os.path.join(dst, "model.safetensors.index.json")) as b:
-        assert a.read() == b.read()
-    for name in expected:
-        if name.endswith(".safetensors"):
-            assert_same_tensors(load_file(os.path.join(dst, name)), load_file(os.path.join(src, name)))
+    assert all(files == sorted(os.listdir(src)) for files in listings)
+    assert_same_sharded_checkpoint(dst, src)
     reloaded = AutoModelForCausalLM.from_pretrained(dst)
     assert_same_tensors(reloaded.state_dict(), AutoModelForCausalLM.from_pretrained(src).state_dict())
 
@@ -619,14 +626,7 @@ def test_zero3_saves_the_files_of_zero0(run_ranks, tmp_path, arch):
     src, dst = str(tmp_path / "hf"), str(tmp_path / "saved")
     tiny_model(arch, dtype=torch.float32).save_pretrained(src, max_shard_size="8KB")
     assert run_ranks(4, _zero3_save, src=src, dst=dst, max_shard_size="8KB") == [True] * 4
-    expected = sorted(os.listdir(src))
-    assert sorted(os.listdir(dst)) == expected and "model.safetensors.index.json" in expected
-    with open(os.path.join(src, "model.safetensors.index.json")) as a, \
-            open(os.path.join(dst, "model.safetensors.index.json")) as b:
-        assert a.read() == b.read()
-    for name in expected:
-        if name.endswith(".safetensors"):
-            assert_same_tensors(load_file(os.path.join(dst, name)), load_file(os.path.join(src, name)))
+    assert_same_sharded_checkpoint(dst, src)
 
 
 # ------------------------------------------------------ a save that dies
