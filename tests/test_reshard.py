@@ -15,6 +15,7 @@ import ds_tsp
 from ds_tsp.checkpoint import CheckpointError
 from ds_tsp.cli import main
 from ds_tsp.packing import PackedShardMixin
+from ds_tsp.pipeline import hf_prefixes
 from ds_tsp.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from models import tiny_model
 
@@ -79,10 +80,24 @@ def _reference(arch, batches, **overrides):
     return losses, states, scheduler.get_last_lr()[0]
 
 
+def _model_name(module):
+    """The model's name of a module name of ``module`` (a pipeline's: ``3.layer.mlp`` -> ``model.layers.2.mlp``)."""
+    if not hasattr(module, "tsp_model_config"):
+        return lambda name: name
+    names = hf_prefixes(module.tsp_policy, module.tsp_model_config.num_hidden_layers)
+    to_model = {f"{pipe}.": f"{model}." for pipe, model in names.items()}
+
+    def rename(name):
+        prefix = next((p for p in to_model if f"{name}.".startswith(p)), None)
+        return name if prefix is None else (to_model[prefix] + f"{name}."[len(prefix):]).rstrip(".")
+    return rename
+
+
 def _held(module):
     """``[(parameter, [(Hugging Face name, piece or None, view of the parameter's values)])]``."""
     out = []
-    for prefix, block in module.named_modules():
+    rename = _model_name(module)
+    for prefix, block in ((rename(prefix), block) for prefix, block in module.named_modules()):
         if isinstance(block, PackedShardMixin):
             out.append((block.packed, [(f"{prefix}.{n}", block.shard_piece(n), lambda t, n=n, b=block: b.spec.unpack(
                 t.reshape(-1))[n]) for n in block.spec.shapes]))
@@ -149,6 +164,7 @@ MOVES = {
     "moe-tsp2-to-tsp4": ("qwen3_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=1), dict(output_router_logits=False)),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
+    "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),
     "folded-vocab-uneven-zero3-to-zero2": ("llama_tied", dict(tsp=2, zero=3), dict(tsp=4, zero=2), None),
 }
 
