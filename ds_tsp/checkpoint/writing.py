@@ -3,9 +3,12 @@
 ``save_pretrained`` streams: the model is walked in Hugging Face's order one
 gathering unit at a time (a TSP block: one collective over its TSP group; a
 folded vocabulary matrix: one all-gather; a replicated module: nothing to
-gather), each unit's full tensors go to global rank 0's CPU (from another
-pipeline stage by a broadcast over the pipeline group of TSP rank 0), and rank
-0 writes each weights file as soon as its last tensor arrives. Files are cut
+gather; under ZeRO-3, DeepSpeed's ``GatheredParameters`` over the unit's
+data-parallel group first), each unit's full tensors go to global rank 0's
+CPU (from another pipeline stage by a broadcast over the pipeline group of TSP
+rank 0), and rank 0 writes each weights file as soon as its last tensor
+arrives, into a directory beside the target that replaces it once complete
+(``staging``). Files are cut
 by ``max_shard_size`` with huggingface_hub's split (``split_into_files``)
 and indexed by ``model.safetensors.index.json`` exactly as Hugging Face's
 ``save_pretrained`` does, so rank 0 holds about one file's worth of tensors,
@@ -372,12 +375,14 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     the engine of ``ds_tsp.initialize`` or its ``module``; with
     ``tsp.pipeline_stages > 1`` (a ``PipelineEngine``) every stage's layers, the
     final norm and the head are written. An ``out_dir`` that already holds a
-    checkpoint is refused unless ``overwrite``, which first removes its weights,
-    index and TSP shard files.
+    checkpoint is refused unless ``overwrite``: its weights, index and TSP shard
+    files are then replaced, its other files kept.
 
     Collective: every rank calls it. The ranks of data-parallel replica 0
-    gather, unit by unit, and global rank 0 writes (see the module docstring);
-    no rank returns before the files exist.
+    gather, unit by unit (under ZeRO-3 every replica joins each unit's
+    data-parallel gather first), and global rank 0 writes, beside ``out_dir``,
+    which the files become once all are written (``staging``; see the module
+    docstring); no rank returns before they are in place.
     """
     out_dir = os.fspath(out_dir)
     check_max_shard_size(max_shard_size)
