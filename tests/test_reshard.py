@@ -40,6 +40,9 @@ def _engine(arch, layout, seed, universal=False, **overrides):
               "zero_optimization": {"stage": zero}, "scheduler": {"type": "WarmupLR", "params": LR},
               "steps_per_print": 1000,
               "tsp": {"enabled": True, "size": tsp, "pipeline_stages": pp, "attention_backend": "sdpa"}}
+    if layout.get("offload"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
     if universal:
         config["checkpoint"] = {"load_universal": True}
     model = tiny_model(arch, seed=seed, dtype=torch.float32, **overrides)
@@ -160,8 +163,11 @@ MOVES = {
     "tsp4-to-tsp2xdp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1), None),
     "zero2-tsp2xdp2-to-tsp4": ("qwen2", dict(tsp=2, zero=2), dict(tsp=4, zero=2), None),
     "zero1-to-zero3": ("qwen3", dict(tsp=2, zero=1), dict(tsp=2, zero=3), None),
+    "zero1-to-zero2-offloaded": ("llama", dict(tsp=2, zero=1), dict(tsp=4, zero=2, offload=True), None),
     # Without the load-balancing loss, which DP ranks take over their own batches (as DDP does), not the global one.
     "moe-tsp2-to-tsp4": ("qwen3_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=1), dict(output_router_logits=False)),
+    "shared-expert-zero2-to-zero1": ("qwen2_moe", dict(tsp=2, zero=2), dict(tsp=4, zero=1),
+                                     dict(output_router_logits=False)),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),
