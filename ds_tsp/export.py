@@ -21,7 +21,9 @@ the 16-bit weights were saved beside it (a Trainer checkpoint's
 ``model.safetensors``, gathered by ``save_model`` at the same step), from those.
 Pipeline stages write each layer's weights per TSP rank
 (``layer_XX-model_YY-model_states.pt``), named inside the pipe; they are
-renamed to the model's names (``ds_tsp.pipeline.hf_prefixes``).
+renamed to the model's names (``ds_tsp.pipeline.hf_prefixes``). Their ZeRO
+files follow the stages, so their float32 master weights are read through
+DeepSpeed's universal converter (``ds-tsp reshard``) instead.
 
 Every file is read with ``torch.load(weights_only=True)``; the optimizer files
 pickle three DeepSpeed objects besides tensors, which are allowlisted by name.
@@ -31,15 +33,18 @@ import math
 import os
 import pickle
 import re
+import tempfile
 from collections import defaultdict
 
 import torch
+from deepspeed.checkpoint.constants import PARAM
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
 from .checkpoint.planning import join_holdings, layer_shards, meta_model, untied, vocab_names
+from .checkpoint.resharding import reshard
 from .checkpoint.reading import CheckpointError, check_tensors_present, hf_checkpoint, hf_weights_file
 from .checkpoint.staging import staged
 from .checkpoint.writing import (DEFAULT_MAX_SHARD_SIZE, check_out_dir, copy_other_files, replaced_by_a_checkpoint,
@@ -174,11 +179,7 @@ def rank_weights(folder, fp32_master=False, pipeline_names=None):
     model-dtype weights, or with ``fp32_master`` the float32 master weights
     (buffers and frozen parameters cast to float32). ``pipeline_names`` reads
     the layer files of pipeline stages."""
-    if any(_LAYER_STATES.fullmatch(name) for name in os.listdir(folder)):
-        if fp32_master:
-            raise CheckpointError(f"{folder} holds pipeline stages, whose ZeRO files ds-tsp export does not join: "
-                                  "export their model-dtype weights (drop --fp32-master), or load the checkpoint "
-                                  "(ds-tsp reshard) into an engine without stages and save that")
+    if is_pipeline(folder):
         return pipeline_rank_weights(folder, pipeline_names)
     states = read_rank_states(folder)
     if not fp32_master:
@@ -219,6 +220,8 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     folder = checkpoint_folder(os.fspath(checkpoint_dir), tag)
     if not fp32_master and is_zero3(folder) and hf_weights_file(os.fspath(checkpoint_dir)) is not None:
         state = saved_16bit_weights(os.fspath(checkpoint_dir), model)
+    elif fp32_master and is_pipeline(folder):
+        state = resharded_master_weights(os.fspath(checkpoint_dir), os.path.basename(folder), model, policy)
     else:
         state = joined_state(model, policy, rank_weights(folder, fp32_master,
                                                          hf_prefixes(policy, model.config.num_hidden_layers)))
@@ -226,6 +229,39 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
         copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
         write_state_dict(staging, state, model.config, getattr(model, "generation_config", None), max_shard_size)
+
+
+def is_pipeline(folder):
+    """Whether pipeline stages wrote the checkpoint in ``folder`` (one file per pipe layer and TSP rank)."""
+    return any(_LAYER_STATES.fullmatch(name) for name in os.listdir(folder))
+
+
+def resharded_master_weights(checkpoint_dir, tag, model, policy):
+    """The float32 master weights of a checkpoint whose ZeRO files follow pipeline
+    stages: resharded by DeepSpeed's universal converter (``ds-tsp reshard``)
+    into a temporary directory, where every parameter is one full tensor under
+    the model's names (a packed block: its tensors whole, in name order)."""
+    with tempfile.TemporaryDirectory(prefix="ds_tsp_export_") as scratch:
+        reshard(checkpoint_dir, os.path.join(scratch, "universal"), tag)
+        zero = os.path.join(scratch, "universal", tag, "zero")
+
+        def master(name):
+            return torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)[PARAM]
+
+        state = {}
+        for index, layer in enumerate(model.get_submodule(policy.layers)):
+            prefix = f"{policy.layers}.{index}"
+            for block, (specs, _) in layer_shards(layer, model.config, policy, 1).items():
+                flat, offset = master(f"{prefix}.{block}.packed").reshape(-1), 0
+                for name, shape in sorted(specs[0].shapes.items()):
+                    state[f"{prefix}.{block}.{name}"] = flat[offset:offset + math.prod(shape)].view(shape)
+                    offset += math.prod(shape)
+                state.update({f"{prefix}.{block}.{hf}": master(f"{prefix}.{block}.{param}")
+                              for hf, param in _BLOCK_REPLICATED.items()
+                              if os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{param}"))})
+        expected = untied(model, dict(model.state_dict()))
+        state.update({name: master(name) for name in expected if name not in state})
+        return {name: state[name].view(expected[name].shape) for name in expected}
 
 
 def is_zero3(folder):

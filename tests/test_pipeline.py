@@ -139,7 +139,7 @@ def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
-def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch):
+def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch, capsys):
     """PP=2 x TSP=2: the Hugging Face directory holds both stages' layers, the
     final norm and the head, as trained (against the single-process run)."""
     from transformers import AutoModelForCausalLM
@@ -164,6 +164,11 @@ def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch):
     assert main(["export", "--checkpoint", save_dir + "-deepspeed", "--model", save_dir, "--out", exported]) == 0
     again = AutoModelForCausalLM.from_pretrained(exported, experts_implementation="eager").state_dict()
     assert all(torch.equal(again[n], p) for n, p in saved.items())
+    # Its float32 master weights go through DeepSpeed's universal converter, which moves Adam's state only:
+    # this SGD run's is refused by name (tests/test_reshard.py exports an Adam run's).
+    assert main(["export", "--checkpoint", save_dir + "-deepspeed", "--model", save_dir, "--out",
+                 str(tmp_path / "master"), "--fp32-master"]) == 1
+    assert "move Adam's (exp_avg, exp_avg_sq)" in capsys.readouterr().err
 
 
 def test_layers_that_do_not_split_are_refused():

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.lr_schedules import WarmupLR
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from transformers import AutoModelForCausalLM
 
 import ds_tsp
 from ds_tsp.checkpoint import CheckpointError
@@ -21,7 +22,8 @@ from models import tiny_model
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 4
-LR = dict(warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=6)
+# The first step moves the weights too (warmup_min_lr > 0), so the checkpoint holds trained weights.
+LR = dict(warmup_min_lr=1e-3, warmup_max_lr=1e-2, warmup_num_steps=6)
 # float32 engines against the float64 reference over four Adam steps: summation orders move weights by ~1e-7
 # relative, losses by ~1e-7; the moments carry the gradients' float32 error (twice over in exp_avg_sq ~ g^2), most
 # in the experts, whose gradients sum few tokens (1.1e-5 in Qwen3-MoE's exp_avg_sq).
@@ -189,6 +191,20 @@ def test_a_checkpoint_resumes_on_another_layout(run_ranks, tmp_path, move):
     assert out["exp_avg"] <= MOMENTS_BOUND and out["exp_avg_sq"] <= MOMENTS_BOUND
     assert out["steps"] == (2, 4)
     assert out["lr"][0] == pytest.approx(out["lr"][1], rel=1e-12)
+    if source.get("pp", 1) > 1:
+        # ds-tsp export of the stages: the weights of their layer files, and the float32 master of their ZeRO
+        # files through the converter, which float32 training keeps equal.
+        model_dir = str(tmp_path / "hf")
+        tiny_model(arch, dtype=torch.float32).save_pretrained(model_dir)
+        exported = {}
+        for flags in ([], ["--fp32-master"]):
+            out_dir = str(tmp_path / f"export{len(flags)}")
+            assert main(["export", "--checkpoint", str(tmp_path / "saved"), "--model", model_dir, "--out", out_dir,
+                         *flags]) == 0
+            exported[len(flags)] = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
+        assert exported[0].keys() == exported[1].keys()
+        assert all(torch.equal(exported[0][n], exported[1][n]) for n in exported[0])
+        assert not torch.equal(exported[1]["model.norm.weight"], tiny_model(arch, dtype=torch.float32).model.norm.weight)
 
 
 def test_moments_of_the_wrong_shard_are_caught(run_ranks, tmp_path):

@@ -27,7 +27,7 @@ import shutil
 
 import deepspeed
 import torch
-from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
 from .. import comm
@@ -129,6 +129,7 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
     if saved["zero_stage"] == 0:
         raise CheckpointError(f"{source} was saved with zero_optimization.stage 0, whose optimizer state DeepSpeed's "
                               "universal checkpoints do not read: train with stage 1, 2 or 3 to move between layouts")
+    _check_adam_states(source)
     if os.path.exists(out_dir):
         if not force:
             raise CheckpointError(f"--out {out_dir} exists: pass --force to replace it, or choose another --out")
@@ -144,6 +145,23 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
         _optimizer_state_for_every_stage(folder)
         write_layout(folder, saved, universal=True)
     return tag
+
+
+def _check_adam_states(source):
+    """DeepSpeed's universal checkpoints carry Adam's state (``exp_avg``,
+    ``exp_avg_sq``, ``step``) and its converter fails on any other optimizer's:
+    refuse those by name first."""
+    files = sorted(name for name in os.listdir(source) if name.endswith("optim_states.pt"))
+    if not files:
+        raise CheckpointError(f"{source} has no ZeRO optimizer files (*optim_states.pt): nothing to reshard")
+    optimizer = torch.load(os.path.join(source, files[0]), map_location="cpu", weights_only=False,
+                           mmap=True)[OPTIMIZER_STATE_DICT]
+    inner = optimizer.get(BASE_OPTIMIZER_STATE) or optimizer.get(OPTIMIZER_STATE_DICT) or {}
+    keys = set(next(iter(inner.get("state", {}).values()), {}))
+    if not {"exp_avg", "exp_avg_sq"} <= keys:
+        raise CheckpointError(f"{source} holds an optimizer state with {sorted(keys) or 'no entries'}; DeepSpeed's "
+                              "universal checkpoints move Adam's (exp_avg, exp_avg_sq): reshard a checkpoint of Adam "
+                              "or AdamW that has taken a step")
 
 
 @contextlib.contextmanager
