@@ -171,7 +171,9 @@ class TSPCausalLMMixin:
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
         if use_cache:
-            raise ValueError("use_cache is not supported by the TSP training forward")
+            raise ValueError("use_cache is not supported by the TSP training forward (Hugging Face's model.generate "
+                             "needs it): generate with ds_tsp.generate.generate(model, input_ids, max_new_tokens, "
+                             "...), which prefills with the TSP schedules into a sequence-sharded KV cache")
         cu_seq_lens = check_cu_seq_lens(kwargs)
         unsupported = {key: value for key, value in kwargs.items()
                        if value not in (None, False) and not (key == "return_dict" and value is True)}

@@ -273,3 +273,11 @@ def test_eos_stops_when_every_sequence_is_done(run_ranks):
     assert hf_tokens.shape[1] < PROMPT_LEN + NEW_TOKENS
     assert all(torch.equal(r["sequences"], hf_tokens) for r in per_rank)
     assert (hf_tokens[:, -1] == eos).all()
+
+
+def test_hugging_face_generate_names_the_ds_tsp_call():
+    """Hugging Face's model.generate needs a KV cache the TSP training forward does
+    not build: the refusal names ds_tsp.generate.generate."""
+    model = _tsp_model("llama", 1)
+    with pytest.raises(ValueError, match=r"ds_tsp\.generate\.generate\(model, input_ids, max_new_tokens"):
+        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
