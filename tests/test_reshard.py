@@ -24,10 +24,10 @@ SEQ_LEN = 16
 GLOBAL_BATCH = 4
 # The first step moves the weights too (warmup_min_lr > 0), so the checkpoint holds trained weights.
 LR = dict(warmup_min_lr=1e-3, warmup_max_lr=1e-2, warmup_num_steps=6)
-# float32 engines against the float64 reference over four Adam steps: summation orders move weights by ~1e-7
-# relative, losses by ~1e-7; the moments carry the gradients' float32 error (twice over in exp_avg_sq ~ g^2), most
-# in the experts, whose gradients sum few tokens (1.1e-5 in Qwen3-MoE's exp_avg_sq).
-WEIGHTS_BOUND, LOSS_BOUND, MOMENTS_BOUND = 2e-6, 1e-6, 3e-5
+# float32 engines against the float64 reference over four Adam steps: summation orders move weights by up to
+# 6.3e-7 relative, losses by 1.9e-7; the moments carry the gradients' float32 error (twice over in exp_avg_sq ~ g^2),
+# most in the experts, whose gradients sum few tokens (5.9e-6 in Qwen2-MoE's exp_avg).
+WEIGHTS_BOUND, LOSS_BOUND, MOMENTS_BOUND = 2e-6, 1e-6, 1.5e-5
 
 
 def _batches(vocab_size):
