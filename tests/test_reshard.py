@@ -41,7 +41,8 @@ def _engine(arch, layout, seed, universal=False, **overrides):
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": zero}, "scheduler": {"type": "WarmupLR", "params": LR},
               "steps_per_print": 1000,
-              "tsp": {"enabled": True, "size": tsp, "pipeline_stages": pp, "attention_backend": "sdpa"}}
+              "tsp": {"enabled": True, "size": tsp, "pipeline_stages": pp, "attention_backend": "sdpa",
+                      "vocab_parallel": layout.get("vocab_parallel", True)}}
     if layout.get("offload"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
@@ -173,6 +174,12 @@ MOVES = {
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),
+    "replicated-vocab-tsp2xdp2-to-tsp4": ("llama", dict(tsp=2, zero=1, vocab_parallel=False),
+                                          dict(tsp=4, zero=2, vocab_parallel=False), None),
+    # 61 rows whole, then 16 per rank (three padding rows), under ZeRO 1 and 3.
+    "replicated-vocab-to-folded": ("llama", dict(tsp=2, zero=1, vocab_parallel=False), dict(tsp=4, zero=1), None),
+    "folded-vocab-to-replicated-zero3": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=3, vocab_parallel=False),
+                                         None),
     "folded-vocab-uneven-zero3-to-zero2": ("llama_tied", dict(tsp=2, zero=3), dict(tsp=4, zero=2), None),
 }
 

@@ -27,7 +27,8 @@ import shutil
 
 import deepspeed
 import torch
-from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS,
+                                            VOCAB_TENSOR)
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
 from .. import comm
@@ -47,9 +48,11 @@ def engine_layout(engine):
     the model's own, which a reshard gives every parameter under both."""
     topology, module = engine.tsp_topology, engine.module
     config = getattr(module, "tsp_model_config", None) or module.config
+    policy = module.tsp_policy
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
             "zero_stage": int(engine.zero_optimization_stage()),
-            "pipeline_names": hf_prefixes(module.tsp_policy, config.num_hidden_layers)}
+            "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
+            "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"]}
 
 
 def describe(layout):
@@ -143,6 +146,7 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
         _name_params_for_pipelines_and_not(os.path.join(folder, "zero"), saved["pipeline_names"])
         _name_model_states_for_every_stage(folder)
         _optimizer_state_for_every_stage(folder)
+        _mark_vocabulary(os.path.join(folder, "zero"), saved["vocabulary"])
         write_layout(folder, saved, universal=True)
     return tag
 
@@ -162,6 +166,24 @@ def _check_adam_states(source):
         raise CheckpointError(f"{source} holds an optimizer state with {sorted(keys) or 'no entries'}; DeepSpeed's "
                               "universal checkpoints move Adam's (exp_avg, exp_avg_sq): reshard a checkpoint of Adam "
                               "or AdamW that has taken a step")
+
+
+def _mark_vocabulary(zero, names):
+    """Mark the embedding and the LM head as DeepSpeed's vocabulary tensors even
+    where the source held them whole (``tsp.vocab_parallel: false``), so that a
+    loader with folded rows pads them to ``D * ceil(V / D)`` rows and cuts them
+    as TSP does, rather than splitting ``V`` rows evenly, which ``V`` may not allow."""
+    for name in names:
+        folder = os.path.join(zero, name)
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = os.path.join(folder, f"{state}.pt")
+            if not os.path.isfile(path):
+                continue
+            saved = torch.load(path, weights_only=False)
+            if not saved.get(VOCAB_TENSOR):
+                saved[VOCAB_TENSOR] = True
+                torch.save(saved, path + ".tmp")  # beside, then over: the file read may be mapped
+                os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager
