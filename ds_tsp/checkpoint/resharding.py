@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 
 import deepspeed
 import torch
@@ -34,7 +33,7 @@ from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 from .. import comm
 from ..pipeline import hf_prefixes
 from .reading import CheckpointError
-from .staging import staged
+from .staging import link_or_copy, staged
 
 LAYOUT_FILE = "ds_tsp_layout.json"
 LAYOUT_FORMAT = "ds_tsp.layout"
@@ -182,8 +181,7 @@ def _mark_vocabulary(zero, names):
             saved = torch.load(path, weights_only=False)
             if not saved.get(VOCAB_TENSOR):
                 saved[VOCAB_TENSOR] = True
-                torch.save(saved, path + ".tmp")  # beside, then over: the file read may be mapped
-                os.replace(path + ".tmp", path)
+                _rewrite(path, saved)
 
 
 @contextlib.contextmanager
@@ -238,10 +236,7 @@ def _name_model_states_for_every_stage(folder):
             continue
         other = f"mp_rank_{match.group(2)}_model_states.pt" if match.group(1) else f"zero_pp_rank_0_{name}"
         if not os.path.exists(os.path.join(folder, other)):
-            try:
-                os.link(os.path.join(folder, name), os.path.join(folder, other))
-            except OSError:
-                shutil.copyfile(os.path.join(folder, name), os.path.join(folder, other))
+            link_or_copy(os.path.join(folder, name), os.path.join(folder, other))
 
 
 def _optimizer_state_for_every_stage(folder):
@@ -264,7 +259,12 @@ def _optimizer_state_for_every_stage(folder):
         step = next(torch.load(os.path.join(p, "step.pt"), weights_only=False) for p in params
                     if os.path.isfile(os.path.join(p, "step.pt")))
         state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: state[PARAM_GROUPS]}
-    # Beside it, then over it: the file read (mapped, _mapped_loads) is still in use.
+    _rewrite(path, state)
+
+
+def _rewrite(path, state):
+    """Save ``state`` over the file ``path`` it was read from: beside it, then over
+    it, as the file may still be mapped (``_mapped_loads``)."""
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -314,6 +314,7 @@ def _load_resharded(engine, load, load_dir, tag, *args, **kwargs):
     failure, tag = comm.all_gather_objects((failure, tag), None)[0]
     if failure is not None:
         raise CheckpointError(failure)
+    # DeepSpeed reads "checkpoint.load_universal" from its parsed config at each load; this one load turns it on.
     config = engine._config
     config.load_universal_checkpoint = True
     try:

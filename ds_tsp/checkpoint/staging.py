@@ -60,12 +60,13 @@ def staged(target, replaced=lambda name: True):
 def _carry(source, destination):
     """``source`` at ``destination`` too, by hard links (files, recursively)."""
     if os.path.isdir(source) and not os.path.islink(source):
-        shutil.copytree(source, destination, symlinks=True, copy_function=_link_or_copy)
+        shutil.copytree(source, destination, symlinks=True, copy_function=link_or_copy)
     else:
-        _link_or_copy(source, destination)
+        link_or_copy(source, destination)
 
 
-def _link_or_copy(source, destination):
+def link_or_copy(source, destination):
+    """``source`` at ``destination`` too: a hard link, or a copy where links are refused."""
     if os.path.islink(source):
         os.symlink(os.readlink(source), destination)
         return

@@ -23,12 +23,13 @@ ZeRO sizes. The model states carry the description the converter reads
   which the converter checks is equal on every TSP rank.
 
 DeepSpeed's affine maps express every TSP shard, so its converter joins them
-unchanged. Three things its loaders do not do are ds_tsp's: ZeRO-3's loader
-cuts the data-parallel partition from the whole universal tensor (here the TSP
-shard is cut first, ``load_zero3_universal_states``); and a reshard gives
-every parameter the pipe's and the model's names, and writes the model-states
-and optimizer files the way both ZeRO 1-2 and ZeRO-3 read them
-(``ds_tsp.checkpoint.resharding``).
+unchanged. What its loaders do not do is ds_tsp's: ZeRO-3's loader cuts the
+data-parallel partition from the whole universal tensor (here the TSP shard is
+cut first, ``load_zero3_universal_states``); and a reshard
+(``ds_tsp.checkpoint.resharding``) gives every parameter the pipe's and the
+model's names, writes the model-states and optimizer files the way both ZeRO
+1-2 and ZeRO-3 read them, and marks the embedding and head as vocabulary
+tensors whether or not the source folded them.
 """
 
 import math
@@ -71,7 +72,7 @@ def packed_map(specs, holdings):
     base, offset = {}, 0
     for name in sorted(full_shapes):
         base[name] = offset
-        offset += _numel(full_shapes[name])
+        offset += math.prod(full_shapes[name])
     pieces_by_rank = {}
     for rank, (spec, held) in enumerate(zip(specs, holdings)):
         pieces = []
@@ -83,13 +84,6 @@ def packed_map(specs, holdings):
                                       _row_major(shape), holders))
         pieces_by_rank[rank] = pieces
     return ParamAffineMap((offset,), {rank: (spec.numel,) for rank, spec in enumerate(specs)}, pieces_by_rank)
-
-
-def _numel(shape):
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _exact(name):
