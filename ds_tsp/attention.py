@@ -185,6 +185,18 @@ def rotate(t, norm, cos, sin):
     return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
+def rotary_tables(rotary_emb, hidden, positions, max_position):
+    """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
+    rotary embedding computes them for the whole sequence. Rotary types that
+    scale with the sequence (``dynamic``) read the largest position id, so the
+    full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
+    appended to the positions and its row dropped from the tables. Positions
+    past it (the padding TSP appends) are clamped to it: no real token sees them."""
+    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
+    cos, sin = rotary_emb(hidden, probe)
+    return cos[:, :-1], sin[:, :-1]
+
+
 def kept_for_backward(raw, rotated, norm):
     """What the backward keeps of the projected queries or keys: the rotated
     values attention saw, so nothing is redone; with a per-head norm its input,

@@ -1,11 +1,17 @@
-"""TSP inference: a prefill with the training schedules, then one token at a time
-with the weights at rest and a sequence-sharded KV cache.
+"""TSP inference behind Hugging Face's ``model.generate``: a prefill with the
+training schedules, then one token at a time with the weights at rest and a
+sequence-sharded KV cache (``ds_tsp.kv_cache.TSPCache``).
+
+A TSP model's forward with a cache (``use_cache=True``, or the ``cache`` that
+``generate`` passes) is ``cached_forward``: Hugging Face's loop does the
+decoding (greedy, sampling and its warpers, beam search, penalties, stopping
+criteria, streamers) on every rank alike, and each forward it calls runs here.
 
 Prefill runs the prompt through the TSP layers exactly as the training forward
 does (broadcast schedule for attention, ring for the MLP, no autograd): the
 prompt is thousands of tokens, so moving weights is the right trade. Each rank
 keeps, per layer, the rotated K and the V of its own prompt tokens
-(``kv_cache``).
+(``TSPCache``).
 
 Decoding is the opposite regime: one token per sequence, so moving
 activations is orders of magnitude cheaper than moving weights (Llama-2-7B,
@@ -44,77 +50,113 @@ and nothing else (no weight moves), plus, with the folded vocabulary
 (``(B - b_r) * H * e``, ``b_r`` of the new tokens owned by rank ``r``) and
 the all-gather of the logits slices (``(D-1) * B * ceil(V/D) * e``). The
 prefill adds one all-gather of ``B * H`` (the last prompt token's hidden
-state, from its owner) and the same logits all-gather.
+state, from its owner), the same logits all-gather, and the broadcast of TSP
+rank 0's random state (``agree_on_random_state``).
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 
 from . import comm, layout
-from .attention import attention_forward, project, rotate, rotated_from_kept
-from .kv_cache import KVCache, placement, prompt_tokens
-from .model import TSPCausalLMMixin, rotary_tables
+from .attention import attention_forward, project, rotary_tables, rotate, rotated_from_kept
+from .kv_cache import TSPCache, prompt_tokens
 from .vocab import embed_local_tokens, full_vocab_logits
 
 
-@dataclass
-class GenerateOutput:
-    """What ``generate(..., return_dict_in_generate=True)`` returns."""
-
-    sequences: torch.Tensor  # (B, prompt_len + generated), like Hugging Face's
-    logits: tuple  # one (B, V) per generated token, before temperature and top-k
-    cache: KVCache  # this rank's slice of the KV cache at the end
-
-
 @torch.no_grad()
-def generate(model, input_ids, max_new_tokens, do_sample=False, temperature=1.0, top_k=None, seed=None,
-             eos_token_id=None, pad_token_id=None, attention_mask=None, return_dict_in_generate=False):
-    """Greedy or sampled generation with a model injected by ``ds_tsp.inject``.
+def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0):
+    """``(logits, cache)`` of a TSP model's forward with a KV cache, as Hugging
+    Face's ``generate`` calls it, on every rank of the TSP group with the same
+    arguments.
 
-    Call on every rank of the TSP group with the same arguments; every rank
-    returns the same tokens. ``input_ids`` ``(B, P)``; prompts of different
-    lengths are LEFT padded with ``attention_mask`` (zeros, then ones) as for
-    Hugging Face generation: padding is never attended and positions count
-    from each prompt's first real token. ``eos_token_id`` (an id or a list;
-    None: the model's ``generation_config``, [] : never stop early) ends a
-    sequence; finished sequences are filled with ``pad_token_id`` (None: the
-    generation config's, else the first EOS id) and generation stops once all
-    are done.
-    Sampling with a ``seed`` is reproducible; without one, TSP rank 0 draws
-    the seed and broadcasts it, so the ranks still agree.
-
-    Returns a LongTensor ``(B, P + generated)``, or a ``GenerateOutput``.
+    Without a cache, or with the empty one ``generate`` makes, ``input_ids``
+    ``(B, P)`` are prompts, LEFT padded where ``attention_mask`` is zero (as
+    for Hugging Face generation): the prefill, which returns a new
+    ``TSPCache``. With that cache, ``input_ids`` ``(B, n)`` are the next ``n``
+    tokens of every row and ``attention_mask`` covers all ``seen + n``
+    columns: decode steps. Positions count from each prompt's first real
+    token; ``position_ids``, where given, must be those. ``logits`` ``(B, 1, V)``
+    are the last token's, bit-identical on every rank, so every rank's loop
+    picks the same tokens.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep != 1:
+        raise ValueError(f"a TSP forward with a KV cache returns the last token's logits only: it takes "
+                         f"logits_to_keep=1, as model.generate passes it (got {logits_to_keep!r}; assisted and "
+                         "speculative decoding, which ask for more, are not supported: a TSP cache cannot roll "
+                         "tokens back); for every token's logits run the forward without use_cache or cache")
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
+                         "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
+                         "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
     decoder = TSPDecoder(model)
+    if isinstance(cache, TSPCache):
+        _check_continuation(cache, input_ids, attention_mask, position_ids)
+        for column in range(input_ids.shape[1]):
+            logits = decoder.step(cache, input_ids[:, column])
+        cache.seen_tokens += input_ids.shape[1]
+        return logits.unsqueeze(1), cache
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(f"cache is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; a TSP model "
+                         "continues only from the TSPCache its own prefill returned: pass the whole prompt and no "
+                         "cache")
     prompt, lengths = left_aligned(input_ids, attention_mask)
-    eos, pad = _eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
-    generator = _generator(decoder, seed, input_ids.device) if do_sample else None
+    _check_prompt_positions(position_ids, attention_mask, input_ids)
+    model.tsp_batch_check(input_ids=input_ids, attention_mask=attention_mask)
+    agree_on_random_state(decoder.group, input_ids.device)
+    cache, logits = decoder.prefill(prompt, lengths)
+    cache.seen_tokens = input_ids.shape[1]
+    return logits.unsqueeze(1), cache
 
-    logits = decoder.prefill(prompt, lengths, num_decode_steps=max_new_tokens - 1)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    tokens, all_logits = [], []
-    for step in range(max_new_tokens):
-        next_tokens = _next_tokens(logits, do_sample, temperature, top_k, generator)
-        if eos is not None:
-            next_tokens = torch.where(unfinished, next_tokens, pad)
-            unfinished &= ~torch.isin(next_tokens, eos)
-        tokens.append(next_tokens)
-        all_logits.append(logits)
-        if step + 1 == max_new_tokens or not unfinished.any():
-            break
-        logits = decoder.step(next_tokens, lengths + step, decoder.targets[step])
-    sequences = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
-    if return_dict_in_generate:
-        return GenerateOutput(sequences, tuple(all_logits), decoder.cache)
-    return sequences
+
+def _check_prompt_positions(position_ids, attention_mask, input_ids):
+    """Refuse prompt ``position_ids`` other than Hugging Face's from the mask
+    (each real token's count of real tokens before it)."""
+    if position_ids is None:
+        return
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    expected = real.long().cumsum(dim=1) - 1
+    if position_ids.shape[-1] != input_ids.shape[1] or not bool(((position_ids == expected) | ~real).all()):
+        raise ValueError("position_ids must count each prompt's real tokens from 0 (Hugging Face's "
+                         "attention_mask.cumsum(-1) - 1), as TSP generation places the cached keys; pass no "
+                         "position_ids, or those")
+
+
+def _check_continuation(cache, input_ids, attention_mask, position_ids):
+    """Refuse new tokens that do not continue every row of ``cache``."""
+    batch, n = input_ids.shape
+    if batch != cache.next_positions.shape[0]:
+        raise ValueError(f"input_ids has {batch} rows but the TSP cache {cache.next_positions.shape[0]}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, cache.seen_tokens + n):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; after {cache.seen_tokens} "
+                         f"cached columns and {n} new tokens it must be ({batch}, {cache.seen_tokens + n})")
+    continues = []
+    if attention_mask is not None:
+        continues.append(attention_mask[:, -n:].bool().all())
+    if position_ids is not None:
+        expected = cache.next_positions.unsqueeze(1) + torch.arange(n, device=cache.next_positions.device)
+        continues.append((position_ids.to(expected.device) == expected).all())
+    if continues and not bool(torch.stack(continues).all()):
+        raise ValueError("new tokens must be real (attention_mask ones) at the positions that continue each row "
+                         "(position_ids: the row's real tokens so far); TSP generation does not mask generated "
+                         "tokens")
+
+
+def agree_on_random_state(group, device):
+    """Give every rank of ``group`` TSP rank 0's random state for ``device``,
+    from which Hugging Face's sampling draws: with identical logits, every rank
+    then samples the same tokens. Ranks seeded alike see no change."""
+    if comm.group_size(group) == 1:
+        return
+    on_cpu = device.type == "cpu"
+    accelerator = get_accelerator()
+    state = torch.get_rng_state() if on_cpu else accelerator.get_rng_state(device.index)
+    state = state.to(device)
+    comm.broadcast(state, src=0, group=group)
+    if on_cpu:
+        torch.set_rng_state(state)
+    else:
+        accelerator.set_rng_state(state.cpu(), device.index)
 
 
 def left_aligned(input_ids, attention_mask):
@@ -175,13 +217,9 @@ def merge_partials(out, lse):
 
 
 class TSPDecoder:
-    """Prefill and single-token steps of one injected model on this rank; holds
-    this rank's ``KVCache`` and the placement of the generated tokens."""
+    """Prefill and single-token steps of one injected model on this rank."""
 
     def __init__(self, model):
-        if not isinstance(model, TSPCausalLMMixin):
-            raise TypeError(f"{type(model).__name__} is not a TSP model: call ds_tsp.inject (or "
-                            "ds_tsp.checkpoint.from_pretrained) before ds_tsp.generate")
         policy, topology = model.tsp_policy, model.tsp_topology
         self.group, self.tsp_rank, self.tsp_size = topology.tsp_group, topology.tsp_rank, topology.tsp_size
         self.layout = model.tsp_config.layout
@@ -190,14 +228,12 @@ class TSPDecoder:
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)
-        self.cache, self.targets = None, None
 
     @torch.no_grad()
-    def prefill(self, prompt, lengths, num_decode_steps):
+    def prefill(self, prompt, lengths):
         """Run the left-aligned ``prompt`` ``(B, P)`` (``lengths`` real tokens per
-        row) through the TSP layers, fill this rank's cache and size it for
-        ``num_decode_steps`` more tokens; returns the logits ``(B, V)`` of each
-        row's last real token, on every rank."""
+        row) through the TSP layers; returns this rank's new ``TSPCache`` and the
+        logits ``(B, V)`` of each row's last real token, on every rank."""
         batch, prompt_len = prompt.shape
         D, r, device = self.tsp_size, self.tsp_rank, prompt.device
         padded, _ = layout.pad_to_multiple(prompt, D, value=0)
@@ -207,13 +243,12 @@ class TSPDecoder:
         cos, sin = rotary_tables(self.rotary, hidden, positions.expand(batch, -1), (lengths.max() - 1).view(1, 1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
-        self.targets, final_counts = placement(prompt_counts, num_decode_steps)
         keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
         heads = self.layers[0].self_attn.heads
-        self.cache = KVCache(len(self.layers), batch, final_counts[r], heads.num_kv_heads, heads.head_dim,
-                             hidden.dtype, device)
-        slots = self.cache.reserve(kept_positions.expand(batch, -1),
-                                   kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
+        cache = TSPCache(len(self.layers), batch, heads.num_kv_heads, heads.head_dim, hidden.dtype, device, r,
+                         prompt_counts)
+        slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
+        cache.next_positions = lengths.clone()
 
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -221,27 +256,31 @@ class TSPDecoder:
             out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
             keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
             values = torch.stack(saved["v"])
-            self.cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(values)[:, keep])
+            cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(values)[:, keep])
             hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
+        return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
     @torch.no_grad()
-    def step(self, tokens, positions, target):
-        """One new token per row (``tokens``, ``positions`` ``(B,)``, the same on
-        every rank), cached on rank ``target``; returns its logits ``(B, V)``."""
+    def step(self, cache, tokens):
+        """One new token per row (``tokens`` ``(B,)``, the same on every rank) at
+        each row's next position, cached on the rank ``cache`` places it on;
+        returns its logits ``(B, V)``."""
+        positions = cache.next_positions
+        target = cache.place_next_token()
         hidden = embed_local_tokens(self.embed, [tokens.unsqueeze(1)] * self.tsp_size, self.tsp_rank)  # (B, 1, H)
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))
         slots = None
         if target == self.tsp_rank:
-            slots = self.cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
+            slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin,
+            hidden = hidden + self._attention(cache, index, layer.self_attn, layer.input_layernorm(hidden), cos, sin,
                                               slots, positions)
             hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        cache.next_positions = positions + 1
         return self._logits(hidden)
 
-    def _attention(self, index, attn, h, cos, sin, slots, positions):
+    def _attention(self, cache, index, attn, h, cos, sin, slots, positions):
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
         heads, D = attn.heads, self.tsp_size
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
@@ -257,9 +296,9 @@ class TSPDecoder:
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
-            self.cache.write(index, slots, k_new.unsqueeze(1), v_new.unsqueeze(1))
-        keys, values = self.cache.layer(index)
-        out, lse = attend_cache(q_all, keys, values, self.cache.positions, self.cache.valid, positions,
+            cache.write(index, slots, k_new.unsqueeze(1), v_new.unsqueeze(1))
+        keys, values = cache.layer(index)
+        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions,
                                 attn.scale, attn.sliding_window)
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
         partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
@@ -303,37 +342,3 @@ class TSPDecoder:
 def _all_kv_heads(groups):
     """``(G, B, S/D, hkv, d)`` per key/value head group -> ``(B, S/D, nkv, d)``."""
     return groups.permute(1, 2, 0, 3, 4).flatten(2, 3)
-
-
-def _eos_and_pad(model, eos_token_id, pad_token_id, device):
-    """``(eos ids tensor or None, pad id)``; None falls back to the generation config, as in Hugging Face."""
-    config = getattr(model, "generation_config", None)
-    if eos_token_id is None and config is not None:
-        eos_token_id = config.eos_token_id
-    if eos_token_id is None:
-        return None, None
-    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not eos:
-        return None, None
-    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
-    return torch.tensor(eos, device=device), eos[0] if pad is None else pad
-
-
-def _generator(decoder, seed, device):
-    """A generator seeded identically on every rank of the TSP group."""
-    if seed is None:
-        drawn = torch.randint(0, 2**62, (1,), device=device)
-        comm.broadcast(drawn, src=0, group=decoder.group)
-        seed = int(drawn)
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _next_tokens(logits, do_sample, temperature, top_k, generator):
-    """Greedy, or sampling after temperature then top-k (Hugging Face's order)."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    if top_k is not None:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)

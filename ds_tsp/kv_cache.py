@@ -1,4 +1,4 @@
-"""The sequence-sharded KV cache of TSP inference.
+"""The sequence-sharded KV cache of TSP inference, as a transformers ``Cache``.
 
 Every rank of a TSP group keeps, for every layer, the rotated keys and the
 values of the tokens IT owns, for all key/value heads, with their global
@@ -8,13 +8,23 @@ padding of the layout is dropped); each generated token's K/V goes to the
 least-filled rank (ties: lowest rank), so after the prompt's padding
 imbalance (< 2 tokens) is absorbed no rank holds more than one token more
 than another. Every rank computes the same placement from sizes alone, so
-none of it needs communication, and the storage is allocated once at its
-final size.
+none of it needs communication.
+
+Being a ``Cache`` is what lets Hugging Face's ``generate`` carry it from step
+to step, reorder it for beam search (``reorder_cache``) and expand it
+(``batch_repeat_interleave``); only the TSP decoder (``ds_tsp.generate``)
+reads and writes its tensors. Rolling tokens back (``crop``, which assisted
+and speculative decoding need) is refused.
 """
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import layout
+
+# A full cache grows by at least this fraction of its capacity, so the
+# reallocations of a long generation stay few and the slack stays small.
+GROWTH = 1 / 8
 
 
 def prompt_tokens(tsp_rank, tsp_size, layout_name, prompt_len, device=None):
@@ -27,60 +37,99 @@ def prompt_tokens(tsp_rank, tsp_size, layout_name, prompt_len, device=None):
     return keep, positions[keep]
 
 
-def placement(prompt_counts, num_new_tokens):
-    """The rank that caches each of ``num_new_tokens`` generated tokens, and the
-    per-rank slot counts at the end (``prompt_counts``: prompt tokens per rank)."""
-    counts = list(prompt_counts)
-    targets = []
-    for _ in range(num_new_tokens):
-        target = counts.index(min(counts))
-        counts[target] += 1
-        targets.append(target)
-    return targets, counts
+def _not_for_hugging_face_attention(*_args, **_kwargs):
+    raise TypeError("a TSP KV cache holds this rank's tokens only and is read and written by the TSP decoder "
+                    "(ds_tsp.generate); a Hugging Face attention layer cannot use it")
 
 
-class KVCache:
+class TSPCacheLayer(CacheLayerMixin):
+    """One decoder layer's rotated keys and values in this rank's slots,
+    ``(B, capacity, nkv, d)`` each (their positions are the cache's)."""
+
+    def __init__(self, keys, values):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    lazy_initialization = update = get_mask_sizes = _not_for_hugging_face_attention
+
+    def get_seq_length(self):
+        raise TypeError("ask the TSPCache, not one of its layers, for its length")
+
+    def get_max_length(self):
+        return -1
+
+
+class TSPCache(Cache):
     """This rank's slots of every layer's cache.
 
-    ``keys[l]``, ``values[l]``: ``(B, capacity, nkv, d)``; ``positions`` and
-    ``valid`` ``(B, capacity)`` are shared by the layers (a slot holds the same
-    token in each). A slot is invalid for a row when it holds padding of that
-    row; invalid slots are never attended. Only the first ``length`` slots are
-    filled.
+    ``positions`` and ``valid`` ``(B, length)`` are shared by the layers (a
+    slot holds the same token in each); a slot is invalid for a row when it
+    holds padding of that row, and invalid slots are never attended.
+    ``rank_counts`` are the slots of every rank of the group (the same list on
+    each), from which every rank places the next token alike;
+    ``next_positions`` ``(B,)`` the position of each row's next token.
+    ``get_seq_length`` counts the input columns seen, padding included, as
+    Hugging Face's caches do.
     """
 
-    def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, dtype, device):
-        shape = (batch, capacity, num_kv_heads, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self._valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+    def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts):
+        shape = (batch, rank_counts[tsp_rank], num_kv_heads, head_dim)
+        super().__init__(layers=[TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
+                                               torch.empty(shape, dtype=dtype, device=device))
+                                 for _ in range(num_layers)])
+        self._positions = torch.zeros(shape[:2], dtype=torch.long, device=device)
+        self._valid = torch.zeros(shape[:2], dtype=torch.bool, device=device)
         self.length = 0
+        self.tsp_rank = tsp_rank
+        self.rank_counts = list(rank_counts)
+        self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.seen_tokens = 0
 
     @property
     def capacity(self):
         return self._valid.shape[1]
 
+    def place_next_token(self):
+        """The rank that caches the next generated token (the least filled,
+        ties to the lowest rank); counts it there."""
+        target = self.rank_counts.index(min(self.rank_counts))
+        self.rank_counts[target] += 1
+        return target
+
     def reserve(self, positions, valid):
         """Claim the next ``n`` slots for tokens at ``positions`` ``(B, n)``, valid
-        per row where ``valid`` ``(B, n)``; returns the slots as a slice."""
+        per row where ``valid`` ``(B, n)``, growing the storage if it is full;
+        returns the slots as a slice."""
         n = positions.shape[1]
         if self.length + n > self.capacity:
-            raise RuntimeError(f"KV cache full: {self.length} + {n} slots > capacity {self.capacity}")
+            self._grow(self.length + n)
         slots = slice(self.length, self.length + n)
         self._positions[:, slots] = positions
         self._valid[:, slots] = valid
         self.length += n
         return slots
 
+    def _grow(self, needed):
+        capacity = max(needed, self.capacity + max(int(self.capacity * GROWTH), 16))
+
+        def grown(tensor):
+            bigger = tensor.new_zeros((tensor.shape[0], capacity, *tensor.shape[2:]))
+            bigger[:, :self.length] = tensor[:, :self.length]
+            return bigger
+
+        for layer in self.layers:
+            layer.keys, layer.values = grown(layer.keys), grown(layer.values)
+        self._positions, self._valid = grown(self._positions), grown(self._valid)
+
     def write(self, layer, slots, keys, values):
         """Store rotated ``keys`` and ``values`` ``(B, n, nkv, d)`` of ``layer`` in ``slots``."""
-        self.keys[layer][:, slots] = keys
-        self.values[layer][:, slots] = values
+        self.layers[layer].keys[:, slots] = keys
+        self.layers[layer].values[:, slots] = values
 
     def layer(self, layer):
         """``(keys, values)`` of ``layer``'s filled slots, ``(B, length, nkv, d)`` each."""
-        return self.keys[layer][:, :self.length], self.values[layer][:, :self.length]
+        return self.layers[layer].keys[:, :self.length], self.layers[layer].values[:, :self.length]
 
     @property
     def positions(self):
@@ -92,4 +141,36 @@ class KVCache:
 
     def nbytes(self):
         """Bytes of the cached keys and values (filled slots, all layers)."""
-        return sum(t[:, :self.length].numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t[:, :self.length].numel() * t.element_size()
+                   for layer in self.layers for t in (layer.keys, layer.values))
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx=None):
+        return -1
+
+    def _select_rows(self, select):
+        """Apply ``select`` (a function of a tensor with the batch first) to every per-row tensor."""
+        for layer in self.layers:
+            layer.keys, layer.values = select(layer.keys), select(layer.values)
+        self._positions, self._valid = select(self._positions), select(self._valid)
+        self.next_positions = select(self.next_positions)
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row ``i`` becomes row ``beam_idx[i]``, on every rank alike."""
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        self._select_rows(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("a TSP KV cache cannot roll tokens back (crop), which assisted and speculative "
+                                  "decoding (assistant_model, prompt_lookup_num_tokens) need: generate without them")
+
+    def reset(self):
+        raise NotImplementedError("a TSP KV cache is not reset between generations: pass no cache to "
+                                  "model.generate and the prefill builds a new one")

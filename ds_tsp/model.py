@@ -15,7 +15,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from . import layout
+from .attention import rotary_tables
 from .documents import check_cu_seq_lens, document_starts
+from .generate import cached_forward
 from .mappings import sum_over_group
 from .moe import TSPSparseMoE, full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
@@ -142,8 +144,12 @@ class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
-                use_cache=None, num_items_in_batch=None, **kwargs):
-        """``num_items_in_batch`` (as the HF Trainer passes it under gradient
+                use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, **kwargs):
+        """With ``use_cache`` or a ``cache`` this is the inference forward that
+        Hugging Face's ``model.generate`` calls (``ds_tsp.generate.cached_forward``):
+        prefill or decode steps, the last token's logits and the ``TSPCache``.
+
+        ``num_items_in_batch`` (as the HF Trainer passes it under gradient
         accumulation, or ``ds_tsp.num_items_in_batch`` gives it) replaces the
         micro-batch's count of target tokens as the loss divisor.
 
@@ -170,16 +176,23 @@ class TSPCausalLMMixin:
                 output_router_logits = getattr(self.config, "output_router_logits", False)
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
-        if use_cache:
-            raise ValueError("use_cache is not supported by the TSP training forward (Hugging Face's model.generate "
-                             "needs it): generate with ds_tsp.generate.generate(model, input_ids, max_new_tokens, "
-                             "...), which prefills with the TSP schedules into a sequence-sharded KV cache")
         cu_seq_lens = check_cu_seq_lens(kwargs)
         unsupported = {key: value for key, value in kwargs.items()
                        if value not in (None, False) and not (key == "return_dict" and value is True)}
         if unsupported:
             raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
                              "local tokens' logits only")
+        if use_cache or cache is not None:
+            if labels is not None or asked or cu_seq_lens is not None:
+                raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
+                                 "output_router_logits or packed documents: train without use_cache")
+            logits, cache = cached_forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep)
+            output = MoeCausalLMOutputWithPast if moe_blocks else CausalLMOutputWithPast
+            return output(logits=logits, cache=cache)
+        if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
+            raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
+                             f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
+                             "keeps the last token's")
         policy, topo = self.tsp_policy, self.tsp_topology
         self.tsp_batch_check(input_ids=input_ids, labels=labels, position_ids=position_ids,
                              attention_mask=attention_mask)
@@ -222,18 +235,6 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
                            "gradient_checkpointing_enable (non-reentrant) or set output_router_logits False")
     top_k = moe_blocks[0].gate.top_k
     return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
-
-
-def rotary_tables(rotary_emb, hidden, positions, max_position):
-    """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
-    rotary embedding computes them for the whole sequence. Rotary types that
-    scale with the sequence (``dynamic``) read the largest position id, so the
-    full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
-    appended to the positions and its row dropped from the tables. Positions
-    past it (the padding TSP appends) are clamped to it: no real token sees them."""
-    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    cos, sin = rotary_emb(hidden, probe)
-    return cos[:, :-1], sin[:, :-1]
 
 
 def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None):

@@ -48,7 +48,7 @@ def any_value(value):
 
 
 # RoPE types whose tables the TSP model gets from the model's own rotary module
-# (called with the whole sequence's largest position, see model.rotary_tables),
+# (called with the whole sequence's largest position, see attention.rotary_tables),
 # each checked equal to HF's in float64 (tests/test_policy.py).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 

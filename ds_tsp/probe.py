@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from . import comm, layout
-from .model import TSPBatch, rotary_tables
+from .attention import rotary_tables
+from .model import TSPBatch
 from .policy import PolicyError
 
 # Relative to the largest output: float64 round-off of a reordered layer is

@@ -102,12 +102,26 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     partitioned = zero_stage == 3 and all(_released(param) for param in engine.module.parameters())
     with _gathered(engine, zero_stage):
         rel = _relative_to(engine.module, ref_params)
+    generated = _generates_as_reference(engine.module, ref)
     recomputed = all(layer.gradient_checkpointing for layer in engine.module.model.layers)
     # ZeRO-1/2 and ZeRO-3 optimizers each say whether their states live in host memory.
     offloaded = bool(getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer",
                                                                                   False))
     return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, recomputed=recomputed,
-                partitioned=partitioned, offloaded=offloaded)
+                partitioned=partitioned, offloaded=offloaded, generated=generated)
+
+
+def _generates_as_reference(model, ref):
+    """Whether the trained engine's model generates the reference's greedy
+    tokens, or "refused" (ZeRO-3 keeps the shards partitioned)."""
+    prompt = torch.arange(1, 9).unsqueeze(0)
+    try:
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, pad_token_id=0)
+    except ValueError as refusal:
+        assert "ZeRO-3" in str(refusal), refusal
+        return "refused"
+    return torch.equal(tokens, ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                            pad_token_id=0))
 
 
 def _released(param):
@@ -183,6 +197,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert out["recomputed"] == bool(activation_checkpointing)
         assert out["partitioned"] == (zero_stage == 3)
         assert out["offloaded"] == offload_optimizer
+        assert out["generated"] == ("refused" if zero_stage == 3 else True)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

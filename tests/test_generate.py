@@ -1,13 +1,16 @@
-"""TSP generation (prefill + incremental decoding) against Hugging Face, float64."""
+"""Hugging Face's model.generate on a TSP model (prefill + decoding from the
+sequence-sharded cache) against model.generate on the unsharded model, float64."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import ds_tsp
 from ds_tsp import comm
 from ds_tsp.config import TSPConfig
-from ds_tsp.generate import TSPDecoder, generate
+from ds_tsp.generate import cached_forward
+from ds_tsp.kv_cache import TSPCache
 from ds_tsp.topology import TSPTopology
 from ds_tsp.vocab import shard_rows
 from models import COMMON, tiny_model
@@ -23,8 +26,17 @@ def _prompts(batch, seed=5):
     return torch.randint(0, COMMON["vocab_size"], (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
 
 
-def _tsp_model(arch, tsp_size, wrong_shard=False):
-    model = ds_tsp.inject(tiny_model(arch), TSPTopology(tsp_size),
+def _left_padded(lengths, seed=11):
+    """Prompts of ``lengths`` real tokens, LEFT padded with token 0 to ``PROMPT_LEN``, and their mask."""
+    prompts = _prompts(len(lengths), seed)
+    mask = torch.zeros_like(prompts)
+    for row, length in enumerate(lengths):
+        mask[row, PROMPT_LEN - length:] = 1
+    return prompts.masked_fill(mask == 0, 0), mask
+
+
+def _tsp_model(arch, tsp_size, wrong_shard=False, **overrides):
+    model = ds_tsp.inject(tiny_model(arch, **overrides), TSPTopology(tsp_size),
                           TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
     if wrong_shard and model.tsp_topology.tsp_rank == tsp_size - 1:
         with torch.no_grad():
@@ -32,42 +44,51 @@ def _tsp_model(arch, tsp_size, wrong_shard=False):
     return model
 
 
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _generate_recording_logits(model, input_ids, **kwargs):
+    """``model.generate`` and the float64 logits of each step (``generate``
+    itself hands its logits processors float32 copies)."""
+    logits = []
+    hook = model.register_forward_hook(lambda module, args, output: logits.append(output.logits[:, -1]))
+    try:
+        out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)
+    finally:
+        hook.remove()
+    return out, torch.stack(logits, dim=1)
+
+
 def _run_generate(arch, input_ids, wrong_shard=False, measure_step=False, **kwargs):
     """On every rank: the generated sequences, per-step logits and cache size;
     with ``measure_step``, the bytes of one decode step by collective."""
-    tsp_size = dist.get_world_size() if dist.is_initialized() else 1
-    model = _tsp_model(arch, tsp_size, wrong_shard)
-    out = generate(model, input_ids, return_dict_in_generate=True, **kwargs)
-    result = {"sequences": out.sequences, "logits": torch.stack(out.logits, dim=1),
-              "cache_bytes": out.cache.nbytes(), "cache_tokens": out.cache.length}
+    model = _tsp_model(arch, _world_size(), wrong_shard)
+    kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
+    out, logits = _generate_recording_logits(model, input_ids, pad_token_id=0, **kwargs)
+    result = {"sequences": out.sequences, "logits": logits, "cache_bytes": out.cache.nbytes(),
+              "cache_tokens": out.cache.length}
     if measure_step:
-        decoder = TSPDecoder(model)
-        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1])
-        logits = decoder.prefill(input_ids, lengths, num_decode_steps=1)
+        step_logits, cache = cached_forward(model, input_ids, logits_to_keep=1)
         comm.counter.reset()
-        tokens = logits.argmax(dim=-1)
-        decoder.step(tokens, lengths, decoder.targets[0])
+        tokens = step_logits.argmax(dim=-1)  # (B, 1)
+        cached_forward(model, tokens, cache=cache, logits_to_keep=1)
         result["step_ops"] = comm.counter.snapshot()
-        owned = (tokens // shard_rows(model.config.vocab_size, tsp_size) == model.tsp_topology.tsp_rank).sum()
+        owned = (tokens // shard_rows(model.config.vocab_size, model.tsp_topology.tsp_size)
+                 == model.tsp_topology.tsp_rank).sum()
         result["step_tokens_owned"] = int(owned)
     return result
 
 
 def _hf_reference(arch, input_ids, attention_mask=None, max_new_tokens=NEW_TOKENS, **kwargs):
-    """Hugging Face's generated tokens and float64 logits of every step.
-
-    ``generate`` casts logits to float32, so the logits come from HF forwards
-    on the generated prefixes instead (the full-sequence forward, no cache).
-    """
+    """Hugging Face's generated tokens and float64 logits of every step."""
     ref = tiny_model(arch)
     if attention_mask is None:  # without it HF would take token 0 (its pad id here) for padding
         attention_mask = torch.ones_like(input_ids)
-    tokens = ref.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens,
-                          pad_token_id=kwargs.pop("pad_token_id", 0), **kwargs)
-    prompt_len = input_ids.shape[1]
-    with torch.no_grad():
-        logits = [ref(input_ids=tokens[:, :prompt_len + s]).logits[:, -1] for s in range(tokens.shape[1] - prompt_len)]
-    return tokens, torch.stack(logits, dim=1)
+    out, logits = _generate_recording_logits(ref, input_ids, attention_mask=attention_mask,
+                                             max_new_tokens=max_new_tokens,
+                                             pad_token_id=kwargs.pop("pad_token_id", 0), **kwargs)
+    return out.sequences, logits
 
 
 def _max_logit_diff(per_rank, ref_logits):
@@ -92,6 +113,11 @@ def _decode_step_bytes(tsp_size, batch, tokens_owned):
     return blocks + (batch - tokens_owned) * hidden * 8, blocks + (tsp_size - 1) * tokens_owned * hidden * 8
 
 
+def _in_process(_, body, **kwargs):
+    """D = 1 runs in this process (no process group), sparing a rank pool's start-up."""
+    return [body(**kwargs)]
+
+
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
     batch = 2
@@ -99,12 +125,11 @@ def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
     tokens_cached = PROMPT_LEN + NEW_TOKENS - 1  # the last token is never fed back
     single_device = _run_generate("llama", prompts, max_new_tokens=NEW_TOKENS)["cache_bytes"]
     assert single_device == tokens_cached * _kv_bytes_per_token(batch)
-    # D = 1 runs in this process (no process group), sparing a rank pool's start-up.
-    run = run_ranks if tsp_size > 1 else (lambda _, body, **kwargs: [body(**kwargs)])
+    run = run_ranks if tsp_size > 1 else _in_process
     for arch in ("llama", "qwen2", "qwen3"):
         ref_tokens, ref_logits = _hf_reference(arch, prompts)
         per_rank = run(tsp_size, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=NEW_TOKENS,
-                       measure_step=True, pad_token_id=0)
+                       measure_step=True)
         diff = _max_logit_diff(per_rank, ref_logits)
         cache = [r["cache_bytes"] for r in per_rank]
         print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}; KV cache bytes per rank {cache} "
@@ -127,19 +152,59 @@ def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
             assert sum(op["sent"] for op in ops.values()) == sent
 
 
-def test_mistral_sliding_window_at_four_ranks(run_ranks):
-    prompts = _prompts(1, seed=8)
-    ref_tokens, ref_logits = _hf_reference("mistral", prompts, max_new_tokens=12)
-    per_rank = run_ranks(4, _run_generate, arch="mistral", input_ids=prompts, max_new_tokens=12)
-    diff = _max_logit_diff(per_rank, ref_logits)
-    print(f"D=4 mistral (window 5): max|logit diff| {diff:.2e}")
-    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-    assert diff <= TOLERANCE
+# Decoding strategies Hugging Face's loop runs on the TSP logits, each against
+# the same strategy on the unsharded model.
+STRATEGIES = {"greedy": {}, "beams_2": {"num_beams": 2}, "beams_4": {"num_beams": 4, "num_return_sequences": 2},
+              "repetition_penalty": {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}}
+LEFT_PADDED_LENGTHS = [13, 6, 9]
+# Hugging Face's Mixtral computes its load-balancing loss in generate too when
+# the config asks for router logits, and fails there on a padded mask.
+_NO_ROUTER_LOSS = {"mixtral": {"output_router_logits": False}}
+
+
+def _run_strategies(arch, input_ids, attention_mask, max_new_tokens):
+    model = _tsp_model(arch, _world_size(), **_NO_ROUTER_LOSS.get(arch, {}))
+    return {name: model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                 pad_token_id=0, **kwargs) for name, kwargs in STRATEGIES.items()}
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_decoding_strategies_give_hugging_face_tokens(run_ranks, tsp_size):
+    """Greedy, beam search (2 and 4 beams: the sharded cache is reordered on
+    every rank) and repetition / no-repeat-ngram penalties, on left-padded
+    prompts of different lengths; sliding-window Mistral and Mixtral (MoE)
+    included."""
+    prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
+    for arch in ("llama", "qwen3", "mistral", "mixtral"):
+        ref = tiny_model(arch, **_NO_ROUTER_LOSS.get(arch, {}))
+        expected = {name: ref.generate(prompts, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
+                    for name, kwargs in STRATEGIES.items()}
+        per_rank = run_ranks(tsp_size, _run_strategies, arch=arch, input_ids=prompts, attention_mask=mask,
+                             max_new_tokens=10)
+        for name in STRATEGIES:
+            print(f"D={tsp_size} {arch} {name}: {tuple(expected[name].shape)} tokens equal HF's")
+            assert all(torch.equal(r[name], expected[name]) for r in per_rank), (arch, name)
+        assert not torch.equal(expected["greedy"], expected["repetition_penalty"])  # the penalty changed tokens
+
+
+def test_left_padded_batch_matches_each_prompt_alone(run_ranks):
+    prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
+    per_rank = run_ranks(4, _run_generate, arch="qwen2", input_ids=prompts, attention_mask=mask,
+                         max_new_tokens=16)
+    worst = 0.0
+    for row, length in enumerate(LEFT_PADDED_LENGTHS):
+        alone = prompts[row:row + 1, PROMPT_LEN - length:]
+        ref_tokens, ref_logits = _hf_reference("qwen2", alone, max_new_tokens=16)
+        for r in per_rank:
+            assert torch.equal(r["sequences"][row, PROMPT_LEN:], ref_tokens[0, length:])
+            worst = max(worst, (r["logits"][row] - ref_logits[0]).abs().max().item())
+    print(f"D=4 left-padded batch {LEFT_PADDED_LENGTHS}: max|logit diff| vs each prompt alone {worst:.2e}")
+    assert worst <= TOLERANCE
 
 
 def test_mixture_of_experts_generates_as_hugging_face(run_ranks):
     """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE at D=2: each rank
-    decodes with its own experts only; tokens equal HF's cached generate."""
+    decodes with its own experts only."""
     prompts = _prompts(2, seed=9)
     for arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
         ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
@@ -157,27 +222,24 @@ DYNAMIC_ROPE = {"max_position_embeddings": 8,
 
 
 def _generate_dynamic_rope(input_ids, max_new_tokens):
-    tsp_size = dist.get_world_size()
-    model = ds_tsp.inject(tiny_model("llama", **DYNAMIC_ROPE), TSPTopology(tsp_size),
-                          TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
-    out = generate(model, input_ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, pad_token_id=0)
+    model = _tsp_model("llama", dist.get_world_size(), **DYNAMIC_ROPE)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
-@pytest.mark.parametrize("tsp_size", [2, 4])
-def test_dynamic_rope_generates_as_hugging_face(run_ranks, tsp_size):
-    """Against HF's own cached generation: with dynamic RoPE its cached keys keep
-    the frequencies they were rotated with, so no-cache forwards are not the
-    reference here. HF returns these logits in float32: the bound is float32
-    rounding of logits of magnitude ~10 (per-rank rotary tables in the prefill move them by ~5)."""
+def test_dynamic_rope_generates_as_hugging_face(run_ranks):
+    """Hugging Face's cached keys keep the frequencies they were rotated with,
+    as the TSP cache's do. ``output_logits`` are float32: the bound is float32
+    rounding of logits of magnitude ~10."""
     prompts = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
     ref = tiny_model("llama", **DYNAMIC_ROPE)
     hf = ref.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=8,
                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     hf_logits = torch.stack(hf.logits, dim=1).double()
-    per_rank = run_ranks(tsp_size, _generate_dynamic_rope, input_ids=prompts, max_new_tokens=8)
+    per_rank = run_ranks(4, _generate_dynamic_rope, input_ids=prompts, max_new_tokens=8)
     diff = max((logits.double() - hf_logits).abs().max().item() for _, logits in per_rank)
-    print(f"D={tsp_size} dynamic RoPE: max|logit diff| against HF's float32 logits {diff:.2e}")
+    print(f"D=4 dynamic RoPE: max|logit diff| against HF's float32 logits {diff:.2e}")
     assert all(torch.equal(sequences, hf.sequences) for sequences, _ in per_rank)
     assert diff <= 1e-5
 
@@ -191,67 +253,43 @@ def test_a_wrong_shard_is_caught(run_ranks):
     assert diff > 1e3 * TOLERANCE
 
 
-def _left_padded_batch():
-    lengths = [13, 6, 9]
-    prompts = _prompts(len(lengths), seed=11)
-    mask = torch.zeros_like(prompts)
-    for row, length in enumerate(lengths):
-        mask[row, PROMPT_LEN - length:] = 1
-    return prompts.masked_fill(mask == 0, 0), mask, lengths
+SAMPLING = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02,
+                pad_token_id=0)
 
 
-@pytest.mark.parametrize("tsp_size", [2, 4])
-def test_left_padded_batch_matches_each_prompt_alone(run_ranks, tsp_size):
-    prompts, mask, lengths = _left_padded_batch()
-    per_rank = run_ranks(tsp_size, _run_generate, arch="qwen2", input_ids=prompts, attention_mask=mask,
-                         max_new_tokens=16)
-    batched_hf, _ = _hf_reference("qwen2", prompts, attention_mask=mask, max_new_tokens=16)
-    worst = 0.0
-    for row, length in enumerate(lengths):
-        alone = prompts[row:row + 1, PROMPT_LEN - length:]
-        ref_tokens, ref_logits = _hf_reference("qwen2", alone, max_new_tokens=16)
-        for r in per_rank:
-            assert torch.equal(r["sequences"][row, PROMPT_LEN:], ref_tokens[0, length:])
-            worst = max(worst, (r["logits"][row] - ref_logits[0]).abs().max().item())
-    print(f"D={tsp_size} left-padded batch {lengths}: max|logit diff| vs each prompt alone {worst:.2e}")
-    assert worst <= TOLERANCE
-    assert all(torch.equal(r["sequences"], batched_hf) for r in per_rank)
-    assert all(torch.equal(r["sequences"][:, :PROMPT_LEN], prompts) for r in per_rank)
-
-
-def test_right_padding_and_holes_are_refused():
-    model = _tsp_model("llama", 1)
-    ids = torch.zeros(2, 6, dtype=torch.long)
-    for mask in ([[1, 1, 1, 1, 0, 0], [1] * 6], [[0, 1, 1, 0, 1, 1], [1] * 6]):
-        with pytest.raises(ValueError, match="attention_mask must be left padding"):
-            generate(model, ids, 4, attention_mask=torch.tensor(mask))
-    with pytest.raises(ValueError, match="at least one real token"):
-        generate(model, ids, 4, attention_mask=torch.tensor([[0] * 6, [1] * 6]))
-    with pytest.raises(TypeError, match="not a TSP model"):
-        generate(tiny_model("llama"), ids, 4)
-
-
-def _sample_with_seeds(arch):
+def _sample(seed_per_rank):
+    """Sampled sequences under seeds 7, 7 again and 8; ``seed_per_rank`` seeds
+    each rank differently for a fourth run."""
+    model = _tsp_model("llama", dist.get_world_size())
     prompts = _prompts(2)
-    model = _tsp_model(arch, dist.get_world_size())
-    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=10)
-    runs = {"seed_7": 7, "seed_7_again": 7, "seed_8": 8, "no_seed": None}
-    return {name: generate(model, prompts, seed=seed, **kwargs) for name, seed in runs.items()}
+    runs = {}
+    for name, seed in (("seed_7", 7), ("seed_7_again", 7), ("seed_8", 8)):
+        torch.manual_seed(seed)
+        runs[name] = model.generate(prompts, attention_mask=torch.ones_like(prompts), **SAMPLING)
+    torch.manual_seed(seed_per_rank + dist.get_rank())
+    runs["seeds_differ"] = model.generate(prompts, attention_mask=torch.ones_like(prompts), **SAMPLING)
+    return runs
 
 
-def test_sampling_is_identical_on_every_rank_and_reproducible(run_ranks):
-    per_rank = run_ranks(2, _sample_with_seeds, arch="llama")
+def test_sampling_is_identical_on_every_rank_and_equals_hugging_face(run_ranks):
+    """Temperature, top-k, top-p and min-p: on one process Hugging Face's
+    sampling is reproducible under a seed (CPU), and TSP draws the same tokens
+    from the same seed, since its logits agree to ~1e-15 and are float32 when
+    sampled. Ranks seeded differently still agree: the prefill hands every
+    rank TSP rank 0's random state."""
+    per_rank = run_ranks(2, _sample, seed_per_rank=100)
     for key in per_rank[0]:
         assert all(torch.equal(r[key], per_rank[0][key]) for r in per_rank), key
     first = per_rank[0]
     assert torch.equal(first["seed_7"], first["seed_7_again"])
     assert not torch.equal(first["seed_7"], first["seed_8"])
-    # The same seed at D=1 draws the same tokens: the logits agree to ~1e-15.
-    single = generate(_tsp_model("llama", 1), _prompts(2), 20, do_sample=True, temperature=0.8, top_k=10, seed=7)
-    assert torch.equal(single, first["seed_7"])
-    # top_k = 1 is greedy.
-    greedy = generate(_tsp_model("llama", 1), _prompts(2), 20)
-    assert torch.equal(generate(_tsp_model("llama", 1), _prompts(2), 20, do_sample=True, top_k=1, seed=3), greedy)
+    ref = tiny_model("llama")
+    prompts = _prompts(2)
+    torch.manual_seed(7)
+    assert torch.equal(ref.generate(prompts, attention_mask=torch.ones_like(prompts), **SAMPLING), first["seed_7"])
+    torch.manual_seed(100)  # rank 0's seed
+    assert torch.equal(ref.generate(prompts, attention_mask=torch.ones_like(prompts), **SAMPLING),
+                       first["seeds_differ"])
 
 
 def _early_eos(tokens):
@@ -262,22 +300,129 @@ def _early_eos(tokens):
     return min(first, key=first.get)
 
 
-def test_eos_stops_when_every_sequence_is_done(run_ranks):
+class StopAfter(StoppingCriteria):
+    """Stops every row once the sequences are ``length`` long."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def _stop_stream_and_score(eos, stop_at):
+    """EOS, ``max_length``, a stopping criterion, a streamer on rank 0 and
+    ``return_dict_in_generate`` with scores, as a server would use them."""
+    model = _tsp_model("llama", dist.get_world_size())
+    prompts = _prompts(2, seed=21)
+    mask = torch.ones_like(prompts)
+    with_eos = model.generate(prompts, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                              pad_token_id=eos)
+    streamer = RecordingStreamer(_DigitsTokenizer(), skip_prompt=True) if dist.get_rank() == 0 else None
+    streamed = model.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=8, pad_token_id=0,
+                              streamer=streamer)
+    by_length = model.generate(prompts, attention_mask=mask, max_length=PROMPT_LEN + 5, pad_token_id=0)
+    stopped = model.generate(prompts, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([StopAfter(stop_at)]))
+    scored = model.generate(prompts, attention_mask=mask, max_new_tokens=6, pad_token_id=0, num_beams=2,
+                            return_dict_in_generate=True, output_scores=True)
+    return {"eos": with_eos, "max_length": by_length, "stopped": stopped, "scored": scored.sequences,
+            "scores": torch.stack(scored.scores), "beam_scores": scored.sequences_scores, "streamed": streamed,
+            "stream_text": None if streamer is None else "".join(streamer.printed)}
+
+
+class _DigitsTokenizer:
+    """Token ids as text, for ``TextStreamer`` on a model without a tokenizer."""
+
+    def decode(self, ids, **kwargs):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class RecordingStreamer(TextStreamer):
+    """A ``TextStreamer`` that keeps what it would print."""
+
+    def __init__(self, tokenizer, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        self.printed = []
+
+    def on_finalized_text(self, text, stream_end=False):
+        self.printed.append(text)
+
+
+def test_stopping_streaming_and_scores_as_hugging_face(run_ranks):
     prompts = _prompts(2, seed=21)
     free_run, _ = _hf_reference("llama", prompts)
     eos = _early_eos(free_run[:, PROMPT_LEN:])
-    hf_tokens, _ = _hf_reference("llama", prompts, eos_token_id=eos, pad_token_id=eos)
-    per_rank = run_ranks(2, _run_generate, arch="llama", input_ids=prompts, max_new_tokens=NEW_TOKENS,
-                         eos_token_id=eos)
-    print(f"EOS {eos}: stopped after {hf_tokens.shape[1] - PROMPT_LEN} of {NEW_TOKENS} tokens")
-    assert hf_tokens.shape[1] < PROMPT_LEN + NEW_TOKENS
-    assert all(torch.equal(r["sequences"], hf_tokens) for r in per_rank)
-    assert (hf_tokens[:, -1] == eos).all()
+    ref = tiny_model("llama")
+    mask = torch.ones_like(prompts)
+    hf_eos = ref.generate(prompts, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                          pad_token_id=eos)
+    hf_scored = ref.generate(prompts, attention_mask=mask, max_new_tokens=6, pad_token_id=0, num_beams=2,
+                             return_dict_in_generate=True, output_scores=True)
+    stop_at = PROMPT_LEN + 7
+    per_rank = run_ranks(2, _stop_stream_and_score, eos=eos, stop_at=stop_at)
+    print(f"EOS {eos}: stopped after {hf_eos.shape[1] - PROMPT_LEN} of {NEW_TOKENS} tokens")
+    assert hf_eos.shape[1] < PROMPT_LEN + NEW_TOKENS and (hf_eos[:, -1] == eos).all()
+    scores_diff = max((r["scores"] - torch.stack(hf_scored.scores)).abs().max().item() for r in per_rank)
+    print(f"beam scores: max|diff| against HF's (float32) {scores_diff:.2e}")
+    for r in per_rank:
+        assert torch.equal(r["eos"], hf_eos)
+        assert torch.equal(r["max_length"], free_run[:, :PROMPT_LEN + 5])
+        assert torch.equal(r["stopped"], free_run[:, :stop_at])
+        assert torch.equal(r["scored"], hf_scored.sequences)
+        assert torch.allclose(r["beam_scores"], hf_scored.sequences_scores, atol=1e-5)
+    assert scores_diff <= 1e-5  # float32 scores of logits ~10
+    streamed = per_rank[0]["streamed"]
+    assert torch.equal(streamed, free_run[:1, :PROMPT_LEN + 8])
+    assert per_rank[0]["stream_text"] == _DigitsTokenizer().decode(streamed[0, PROMPT_LEN:].tolist())
+    assert per_rank[1]["stream_text"] is None
 
 
-def test_hugging_face_generate_names_the_ds_tsp_call():
-    """Hugging Face's model.generate needs a KV cache the TSP training forward does
-    not build: the refusal names ds_tsp.generate.generate."""
+def _cached_forward_outside_generate(arch):
+    """``model(..., use_cache=True)`` as a user would call it: the prompt,
+    then two tokens at once from the returned cache."""
+    model = _tsp_model(arch, dist.get_world_size())
+    prompts, mask = _left_padded([14, 8])
+    first = model(prompts, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    new = torch.tensor([[3, 4], [5, 6]])
+    second = model(new, attention_mask=torch.cat([mask, torch.ones_like(new)], dim=1), cache=first.cache,
+                   logits_to_keep=1)
+    return first.logits, second.logits, type(second.cache).__name__, second.cache.get_seq_length()
+
+
+def test_a_cached_forward_returns_the_cache_as_hugging_face(run_ranks):
+    prompts, mask = _left_padded([14, 8])
+    ref = tiny_model("qwen3")
+    first = ref(prompts, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0))  # generate's positions: TSP derives them alike
+    new = torch.tensor([[3, 4], [5, 6]])
+    second = ref(new, attention_mask=torch.cat([mask, torch.ones_like(new)], dim=1), cache=first.cache,
+                 position_ids=mask.sum(1, keepdim=True) + torch.arange(2), logits_to_keep=1)
+    per_rank = run_ranks(2, _cached_forward_outside_generate, arch="qwen3")
+    for first_logits, second_logits, cache_type, seen in per_rank:
+        assert cache_type == "TSPCache" and seen == PROMPT_LEN + 2
+        assert (first_logits - first.logits).abs().max() <= TOLERANCE
+        assert (second_logits - second.logits).abs().max() <= TOLERANCE
+
+
+def test_what_a_tsp_cache_cannot_do_is_refused():
     model = _tsp_model("llama", 1)
-    with pytest.raises(ValueError, match=r"ds_tsp\.generate\.generate\(model, input_ids, max_new_tokens"):
-        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="logits_to_keep=1, as model.generate passes it"):
+        model(ids, use_cache=True)
+    for mask in ([[1, 1, 1, 1, 0, 0], [1] * 6], [[0, 1, 1, 0, 1, 1], [1] * 6]):
+        with pytest.raises(ValueError, match="attention_mask must be left padding"):
+            model.generate(ids, attention_mask=torch.tensor(mask), max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="at least one real token"):
+        model.generate(ids, attention_mask=torch.tensor([[0] * 6, [1] * 6]), max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="position_ids must count each prompt's real tokens"):
+        model(ids, position_ids=torch.arange(6).expand(2, -1) + 1, use_cache=True, logits_to_keep=1)
+    cache = model(ids, use_cache=True, logits_to_keep=1).cache
+    assert isinstance(cache, TSPCache)
+    with pytest.raises(ValueError, match="must be real"):
+        model(ids[:, :1], attention_mask=torch.tensor([[1] * 6 + [0]] * 2), cache=cache, logits_to_keep=1)
+    with pytest.raises(ValueError, match="assisted and speculative decoding"):
+        model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=4, pad_token_id=0,
+                       prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="takes no labels"):
+        model(ids, labels=ids, use_cache=True, logits_to_keep=1)
