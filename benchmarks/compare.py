@@ -31,10 +31,11 @@ weights and the same sequence (fp32, micro-batch ``--batch``):
 * ``ulysses_zero3``: the same with ZeRO-3 over the same D ranks (ALST style);
 * ``autotp_x_ulysses``: AutoTP 2 x Ulysses 2, only where D = 4.
 
-Each strategy runs in its own process group: the parent imports torch,
-transformers, DeepSpeed and ds_tsp once and forks D ranks per strategy, which
-meet through a file rendezvous and report through a queue. One engine per
-strategy trains through the sequence lengths in ascending order. A rank that
+Each strategy runs in its own process group (``ranks.run_on_ranks``): the
+parent imports torch, transformers, DeepSpeed and ds_tsp once and forks D
+ranks per strategy, which meet through a file rendezvous and report through a
+queue. One engine per strategy trains through the sequence lengths in
+ascending order. A rank that
 fails is reported as ``unsupported: <error>`` for that strategy and sequence
 length (and the longer ones, which are not tried), and the run goes on.
 
@@ -81,15 +82,10 @@ under ``--out`` (``--name`` defaults to ``compare``), the MoE row's under
 import argparse
 import copy
 import os
-import queue
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from collections import defaultdict
-from datetime import timedelta
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -104,8 +100,8 @@ install_comm_shim()
 
 import deepspeed  # noqa: E402
 import torch.distributed.nn.functional as dist_nn  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
 from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
@@ -331,98 +327,9 @@ def measure(run, seq_len, args):
     }
 
 
-def _error_line(exc):
-    """The exception and where it was raised, on one line."""
-    where = traceback.extract_tb(exc.__traceback__)[-1]
-    what = " ".join(" ".join(traceback.format_exception_only(type(exc), exc)).split())
-    return f"{what} (at {os.path.basename(where.filename)}:{where.lineno})"[:400]
-
-
-def _worker(strategy, world, rank, rendezvous, args, results):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(1)
-    collective_bytes.reset()
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.collective_timeout))
-        # deepspeed.comm joins the group now: Ulysses' group set-up asks it before deepspeed.initialize does.
-        deepspeed.init_distributed(dist_backend="gloo")
-        run = STRATEGIES[strategy](world, args)
-    except Exception as exc:  # reported as unsupported for every length; the run goes on
-        _exit(results, (rank, "error", None, _error_line(exc)))
-    for seq_len in args.seq_lens:
-        try:
-            results.put((rank, "ok", seq_len, measure(run, seq_len, args)))
-        except Exception as exc:
-            _exit(results, (rank, "error", seq_len, _error_line(exc)))
-    _exit(results, (rank, "done", None, None))
-
-
-def _exit(results, message):
-    """Send the last message and leave without tearing down DeepSpeed and gloo:
-    their destructors can abort a rank whose peers are already gone."""
-    results.put(message)
-    # os._exit skips the queue's feeder thread: flush it first.
-    results.close()
-    results.join_thread()
-    os._exit(0)
-
-
 def run_strategy(strategy, world, args):
-    """Fork ``world`` ranks, collect per-rank results per sequence length.
-
-    Returns ``{seq_len: [per-rank dict] | "unsupported: <error>"}``.
-    """
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="ds_tsp_compare_") as tmp:
-        procs = [ctx.Process(target=_worker, args=(strategy, world, r, os.path.join(tmp, "rdzv"), args, results),
-                             daemon=True) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        per_len = defaultdict(dict)
-        errors, done = {}, set()
-        deadline = time.monotonic() + args.strategy_timeout
-        while len(done) < world:
-            # After the first failure, the other ranks get a short grace to
-            # report their own error, then they are ended.
-            wait = min(10.0, deadline - time.monotonic()) if errors else deadline - time.monotonic()
-            if wait <= 0:
-                break
-            try:
-                rank, kind, seq_len, payload = results.get(timeout=wait)
-            except queue.Empty:
-                if errors or all(not p.is_alive() for p in procs):
-                    break
-                continue
-            if kind == "ok":
-                per_len[seq_len][rank] = payload
-            elif kind == "error":
-                errors.setdefault(seq_len, payload)
-                done.add(rank)
-            else:
-                done.add(rank)
-        for proc in procs:
-            proc.join(timeout=1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    if len(done) < world and not errors:
-        errors[None] = f"no answer within {args.strategy_timeout} s"
-    out, failure = {}, None
-    for seq_len in args.seq_lens:
-        if failure is None and seq_len in errors:
-            failure = errors[seq_len]
-        if failure is None and None in errors:
-            failure = errors[None]
-        ranks = per_len.get(seq_len, {})
-        if failure is None and len(ranks) == world:
-            out[seq_len] = [ranks[r] for r in range(world)]
-        else:
-            out[seq_len] = f"unsupported: {failure or 'a peer rank failed'}"
-    return out
-
+    """``{seq_len: [per-rank dict] | "unsupported: <error>"}`` of ``strategy`` on ``world`` forked ranks."""
+    return run_on_ranks(STRATEGIES[strategy], measure, args.seq_lens, world, args)
 
 
 # --- what the planner needs to know of the batch -------------------------------------------------------------------

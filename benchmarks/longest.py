@@ -63,8 +63,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from compare import FullSequenceRun, _error_line, _exit, adamw, batch_ids, build_model, ds_config, zero3_buckets
+from compare import FullSequenceRun, adamw, batch_ids, build_model, ds_config, zero3_buckets
 from measure import LiveTensorBytes, in_host_memory
+from ranks import _error_line, _exit
 from report import plan_model
 
 import ds_tsp

@@ -22,7 +22,7 @@ layer:
 
 * attention: rank ``j`` projects q/k/v of head group ``j`` with its own shard;
   one all-gather hands every rank all heads' q and the new k/v, which the
-  rank chosen by ``kv_cache.placement`` appends to its cache. Each rank
+  rank chosen by ``TSPCache.place_next_token`` appends to its cache. Each rank
   attends all heads over its LOCAL cache, giving partial ``(out, lse)``; an
   all-to-all sends head group ``j``'s partials to rank ``j``, which merges
   them by log-sum-exp and applies its ``o_proj`` columns. The ``D`` partial
@@ -46,9 +46,14 @@ float64 models)::
                 + 2 * H * e ]               # all-gathers of attention and MLP outputs
 
 and nothing else (no weight moves), plus, with the folded vocabulary
-(``tsp.vocab_parallel``), the new tokens' embedding rows from their owners
-(``(B - b_r) * H * e``, ``b_r`` of the new tokens owned by rank ``r``) and
-the all-gather of the logits slices (``(D-1) * B * ceil(V/D) * e``). The
+(``tsp.vocab_parallel``), the all-gather of each rank's embedding rows of
+the new tokens (``(D-1) * B * H * e``; zeros where another rank owns the id)
+and the all-gather of the logits slices (``(D-1) * B * ceil(V/D) * e``).
+These are latency-bound messages (``comm.all_gather_small``): where
+DeepSpeed's shared-memory all-reduce carries the group, as for its
+tensor-parallel inference (CPU ranks, the TSP group spanning the world), each
+all-gather of ``n`` bytes a rank is an all-reduce over zero-filled slots that
+moves ``2 (D-1) n`` instead, and the all-to-all one of ``2 (D-1) D n``. The
 prefill adds one all-gather of ``B * H`` (the last prompt token's hidden
 state, from its owner), the same logits all-gather, and the broadcast of TSP
 rank 0's random state (``agree_on_random_state``).
@@ -61,7 +66,7 @@ from deepspeed.accelerator import get_accelerator
 from . import comm, layout
 from .attention import attention_forward, project, rotary_tables, rotate, rotated_from_kept
 from .kv_cache import TSPCache, prompt_tokens
-from .vocab import embed_local_tokens, full_vocab_logits
+from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding
 
 
 @torch.no_grad()
@@ -251,15 +256,19 @@ class TSPDecoder:
         cache.next_positions = lengths.clone()
 
         for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(hidden)
-            out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
-            keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
-            values = torch.stack(saved["v"])
-            cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(values)[:, keep])
-            hidden = hidden + (out if attn.o_bias is None else out + attn.o_bias)
+            hidden = hidden + self._prefill_attention(cache, index, slots, keep, layer.self_attn,
+                                                      layer.input_layernorm(hidden), cos, sin)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
+
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, cos, sin):
+        """The broadcast schedule's attention output for the local tokens ``h``;
+        their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
+        What the schedule saves for a backward is freed on return, before the MLP."""
+        out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
+        keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
+        cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(torch.stack(saved["v"]))[:, keep])
+        return out if attn.o_bias is None else out + attn.o_bias
 
     @torch.no_grad()
     def step(self, cache, tokens):
@@ -268,7 +277,7 @@ class TSPDecoder:
         returns its logits ``(B, V)``."""
         positions = cache.next_positions
         target = cache.place_next_token()
-        hidden = embed_local_tokens(self.embed, [tokens.unsqueeze(1)] * self.tsp_size, self.tsp_rank)  # (B, 1, H)
+        hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))
         slots = None
         if target == self.tsp_rank:
@@ -291,7 +300,7 @@ class TSPDecoder:
             v = project(h, w, "v_proj", hkv, d)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
-        gathered, _ = comm.all_gather(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
+        gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
@@ -302,7 +311,7 @@ class TSPDecoder:
                                 attn.scale, attn.sliding_window)
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
         partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
-        received, _ = comm.all_to_all(partial, self.group)  # every rank's partial for this rank's heads
+        received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
         o, _ = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
         y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
         if attn.o_bias is not None:
@@ -316,7 +325,7 @@ class TSPDecoder:
 
     def _sum_over_group(self, part):
         """Sum of every rank's ``part``, in rank order, so bit-identical on every rank."""
-        gathered, _ = comm.all_gather(part, self.group)
+        gathered = comm.all_gather_small(part, self.group)
         total = gathered[0].to(torch.promote_types(part.dtype, torch.float32))
         for other in gathered[1:]:
             total = total + other
@@ -329,7 +338,7 @@ class TSPDecoder:
         rows, cols = (positions.unsqueeze(0) == last.unsqueeze(1)).nonzero(as_tuple=True)
         mine = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
         mine[rows] = hidden[rows, cols]
-        gathered, _ = comm.all_gather(mine, self.group)  # (D, B, H)
+        gathered = comm.all_gather_small(mine, self.group)  # (D, B, H)
         owned = torch.stack([layout.positions(j, self.tsp_size, self.layout, padded_len, device=hidden.device)
                              for j in range(self.tsp_size)])  # (D, S/D)
         owners = (owned.unsqueeze(0) == last[:, None, None]).any(dim=-1).int().argmax(dim=1)  # (B,)

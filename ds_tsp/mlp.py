@@ -126,6 +126,12 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     return grad_x, into
 
 
+# Without a backward to come (a generation's prefill) tiles cost no
+# recompute, so the ring steps take the local tokens this many at a time: the
+# (tile, F/D) intermediates stay small, the matmuls large enough to run at speed.
+PREFILL_TOKEN_TILE = 1024
+
+
 @dataclass(frozen=True)
 class MLPPlan:
     """Everything the ring needs besides tensors."""
@@ -138,29 +144,31 @@ class MLPPlan:
     fp32_accumulators: bool = True  # sum the ring steps and the input gradients in float32 (or wider)
     grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
 
-    def tiles(self, num_tokens):
-        """``[(start, end)]`` over the ``num_tokens`` local tokens; at least one
-        (empty with no tokens), so the first tile's writes always happen."""
-        size = self.token_tile or num_tokens
+    def tiles(self, num_tokens, at_most=None):
+        """``[(start, end)]`` over the ``num_tokens`` local tokens, of at most
+        ``token_tile`` (and ``at_most``) tokens; at least one (empty with no
+        tokens), so the first tile's writes always happen."""
+        size = min(self.token_tile or num_tokens, at_most or num_tokens)
         return [(start, min(start + size, num_tokens)) for start in range(0, max(num_tokens, 1), max(size, 1))]
 
     def accumulator_dtype(self, dtype):
         return accumulation_dtype(dtype) if self.fp32_accumulators else dtype
 
 
-def mlp_ring_forward(x, packed, plan):
+def mlp_ring_forward(x, packed, plan, for_backward=True):
     """Sum of every shard's MLP over the local tokens ``x`` ``(B, S/D, H)``, in
     tiles of at most ``plan.token_tile`` tokens per shard step.
 
-    Also returns, when the local tokens fit in one tile, the gate and up
-    projections of every step, lists of ``(N, F/D)`` in ring order, for
-    backward (kept as they are: stacking would copy them); with several tiles
-    nothing beyond ``x``, and backward recomputes them tile by tile, so no
-    ``(N, F/D)`` buffer ever exists.
+    Also returns, when the local tokens fit in one tile and ``for_backward``,
+    the gate and up projections of every step, lists of ``(N, F/D)`` in ring
+    order, for backward (kept as they are: stacking would copy them); with
+    several tiles nothing beyond ``x``, and backward recomputes them tile by
+    tile, so no ``(N, F/D)`` buffer ever exists. Without a backward to come (a
+    generation's prefill) each step's are freed as the next one starts.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    tiles = plan.tiles(x2.shape[0])
-    keep = len(tiles) == 1
+    tiles = plan.tiles(x2.shape[0], PREFILL_TOKEN_TILE if not for_backward else None)
+    keep = len(tiles) == 1 and for_backward
     y = torch.empty(x2.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
     gates, ups = [], []
 
@@ -210,8 +218,8 @@ class _MLPRing(torch.autograd.Function):
     # linear layers cast theirs: the ring then moves half the bytes.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, packed, plan):
-        y, gates, ups = mlp_ring_forward(x, packed, plan)
+    def forward(ctx, x, packed, plan, for_backward):
+        y, gates, ups = mlp_ring_forward(x, packed, plan, for_backward)
         # Local tokens only (x and, in one tile, each step's gate/up), plus
         # this rank's own shard: saved bytes scale as 1/D.
         ctx.save_for_backward(x, packed, *gates, *ups)
@@ -224,7 +232,7 @@ class _MLPRing(torch.autograd.Function):
         x, packed, *steps = ctx.saved_tensors
         gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]
         grad_x, grad_packed = mlp_ring_backward(grad_y, x, packed, gates, ups, ctx.plan)
-        return grad_x, grad_packed, None
+        return grad_x, grad_packed, None, None
 
 
 class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
@@ -308,7 +316,8 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
-        y = _MLPRing.apply(x, self.packed, self.plan)
+        for_backward = torch.is_grad_enabled() and (x.requires_grad or self.packed.requires_grad)
+        y = _MLPRing.apply(x, self.packed, self.plan, for_backward)
         if self.down_bias is not None:
             y = y + self.down_bias
         return y

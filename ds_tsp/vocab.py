@@ -237,6 +237,19 @@ class VocabParallelEmbedding(_VocabShard):
         out = _EmbeddingExchange.apply(self.weight, route, self.tsp_group, padding)
         return out.view(*rank_ids[self.tsp_rank].shape, self.hidden_size)
 
+    def replicated_lookup(self, ids):
+        """Embeddings ``(..., H)`` of ``ids`` that are the same on every rank
+        (generation): each rank looks up the ids it owns, zeros for the others,
+        and the parts are all-gathered and added. One part per id is not zero,
+        so the sum is exact, the same on every rank."""
+        bad = int(((ids < 0) | (ids >= self.vocab_size)).sum())
+        if bad:
+            raise ValueError(f"input_ids hold {bad} id(s) outside [0, vocab_size = {self.vocab_size})")
+        local = ids - self.tsp_rank * self.rows
+        owned = (local >= 0) & (local < self.rows)
+        part = torch.where(owned.unsqueeze(-1), self.weight[local.clamp(0, self.rows - 1)], 0)
+        return comm.all_gather_small(part, self.tsp_group).sum(dim=0)
+
 
 # ---------------------------------------------------------- LM head and loss
 
@@ -385,7 +398,7 @@ class VocabParallelLMHead(_VocabShard):
         """Full-vocabulary logits ``(..., V)`` of a ``hidden`` that is the same on
         every rank (generation): each rank's ``(..., Vs)`` slice, all-gathered."""
         part = F.linear(hidden, self.weight)
-        gathered, _ = comm.all_gather(part, self.tsp_group)  # (D, ..., Vs)
+        gathered = comm.all_gather_small(part, self.tsp_group)  # (D, ..., Vs)
         return torch.cat(gathered.unbind(0), dim=-1)[..., :self.vocab_size]
 
 
@@ -396,6 +409,13 @@ def embed_local_tokens(embed, rank_ids, tsp_rank, local_ids=None):
     if isinstance(embed, VocabParallelEmbedding):
         return embed(rank_ids)
     return embed(rank_ids[tsp_rank] if local_ids is None else local_ids)
+
+
+def replicated_embedding(embed, ids):
+    """Embeddings of ``ids`` that are the same on every rank (generation)."""
+    if isinstance(embed, VocabParallelEmbedding):
+        return embed.replicated_lookup(ids)
+    return embed(ids)
 
 
 def full_vocab_logits(lm_head, hidden):

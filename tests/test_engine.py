@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 
 import ds_tsp
-from models import tiny_model
+from ds_tsp import comm
+from ds_tsp.generate import cached_forward
+from ds_tsp.vocab import shard_rows
+from models import COMMON, tiny_model
 from parity import sharded_pieces
 
 STEPS = 3
@@ -113,15 +116,30 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
 
 def _generates_as_reference(model, ref):
     """Whether the trained engine's model generates the reference's greedy
-    tokens, or "refused" (ZeRO-3 keeps the shards partitioned)."""
+    tokens, or "refused" (ZeRO-3 keeps the shards partitioned); and one decode
+    step's bytes by collective."""
     prompt = torch.arange(1, 9).unsqueeze(0)
     try:
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, pad_token_id=0)
     except ValueError as refusal:
         assert "ZeRO-3" in str(refusal), refusal
-        return "refused"
-    return torch.equal(tokens, ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+        return "refused", None
+    logits, cache = cached_forward(model, prompt, logits_to_keep=1)
+    comm.counter.reset()
+    cached_forward(model, logits.argmax(dim=-1), cache=cache, logits_to_keep=1)
+    same = torch.equal(tokens, ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
                                             pad_token_id=0))
+    return same, comm.counter.snapshot()
+
+
+def _shared_memory_decode_step_bytes(tsp_size, batch=1, e=4):
+    """``ds_tsp.generate``'s decode-step bytes where DeepSpeed's shared-memory
+    all-reduce carries them (float32: e = a = 4)."""
+    hq, hkv = COMMON["num_attention_heads"] // tsp_size, max(COMMON["num_key_value_heads"] // tsp_size, 1)
+    d, hidden = COMMON["head_dim"], COMMON["hidden_size"]
+    per_layer = 2 * (tsp_size - 1) * batch * ((hq + 2 * hkv) * d + tsp_size * hq * (d + 1) + 2 * hidden) * e
+    outside = 2 * (tsp_size - 1) * batch * (hidden + shard_rows(COMMON["vocab_size"], tsp_size)) * e
+    return COMMON["num_hidden_layers"] * per_layer + outside
 
 
 def _released(param):
@@ -197,7 +215,13 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert out["recomputed"] == bool(activation_checkpointing)
         assert out["partitioned"] == (zero_stage == 3)
         assert out["offloaded"] == offload_optimizer
-        assert out["generated"] == ("refused" if zero_stage == 3 else True)
+        generated, step_ops = out["generated"]
+        assert generated == ("refused" if zero_stage == 3 else True)
+        if world == tsp_size and zero_stage < 3:  # the TSP group is the world: DeepSpeed's shared-memory all-reduce
+            assert set(step_ops) == {"all_reduce"}
+            assert step_ops["all_reduce"]["received"] == _shared_memory_decode_step_bytes(tsp_size)
+        elif step_ops is not None:
+            assert set(step_ops) <= {"all_gather", "all_to_all"}
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

@@ -71,12 +71,8 @@ def _run_generate(arch, input_ids, wrong_shard=False, measure_step=False, **kwar
     if measure_step:
         step_logits, cache = cached_forward(model, input_ids, logits_to_keep=1)
         comm.counter.reset()
-        tokens = step_logits.argmax(dim=-1)  # (B, 1)
-        cached_forward(model, tokens, cache=cache, logits_to_keep=1)
+        cached_forward(model, step_logits.argmax(dim=-1), cache=cache, logits_to_keep=1)
         result["step_ops"] = comm.counter.snapshot()
-        owned = (tokens // shard_rows(model.config.vocab_size, model.tsp_topology.tsp_size)
-                 == model.tsp_topology.tsp_rank).sum()
-        result["step_tokens_owned"] = int(owned)
     return result
 
 
@@ -99,18 +95,15 @@ def _kv_bytes_per_token(batch):
     return COMMON["num_hidden_layers"] * 2 * batch * COMMON["num_key_value_heads"] * COMMON["head_dim"] * 8
 
 
-def _decode_step_bytes(tsp_size, batch, tokens_owned):
-    """The module docstring's formula, float64 (e = a = 8 bytes): ``(received, sent)``
-    by a rank that owns the embedding rows of ``tokens_owned`` of the new tokens."""
+def _decode_step_bytes(tsp_size, batch):
+    """The module docstring's formula, float64 (e = a = 8 bytes): bytes received (= sent) per rank."""
     hq = COMMON["num_attention_heads"] // tsp_size
     hkv = max(COMMON["num_key_value_heads"] // tsp_size, 1)
     d, hidden = COMMON["head_dim"], COMMON["hidden_size"]
     per_layer = (tsp_size - 1) * batch * ((hq + 2 * hkv) * d + hq * (d + 1) + 2 * hidden) * 8
     logits = (tsp_size - 1) * batch * shard_rows(COMMON["vocab_size"], tsp_size) * 8
-    if tsp_size == 1:
-        return 0, 0
-    blocks = COMMON["num_hidden_layers"] * per_layer + logits
-    return blocks + (batch - tokens_owned) * hidden * 8, blocks + (tsp_size - 1) * tokens_owned * hidden * 8
+    embedding = (tsp_size - 1) * batch * hidden * 8
+    return COMMON["num_hidden_layers"] * per_layer + logits + embedding
 
 
 def _in_process(_, body, **kwargs):
@@ -147,9 +140,9 @@ def test_greedy_tokens_logits_cache_and_bytes_match(run_ranks, tsp_size):
         for r in per_rank:
             ops = r["step_ops"]
             assert set(ops) <= {"all_gather", "all_to_all"}
-            received, sent = _decode_step_bytes(tsp_size, batch, r["step_tokens_owned"])
-            assert sum(op["received"] for op in ops.values()) == received
-            assert sum(op["sent"] for op in ops.values()) == sent
+            expected = _decode_step_bytes(tsp_size, batch)
+            assert sum(op["received"] for op in ops.values()) == expected
+            assert sum(op["sent"] for op in ops.values()) == expected
 
 
 # Decoding strategies Hugging Face's loop runs on the TSP logits, each against
