@@ -419,3 +419,25 @@ def test_what_a_tsp_cache_cannot_do_is_refused():
                        prompt_lookup_num_tokens=2)
     with pytest.raises(ValueError, match="takes no labels"):
         model(ids, labels=ids, use_cache=True, logits_to_keep=1)
+
+
+def _resident_bytes(arch, context):
+    """This rank's weight bytes, and its KV cache bytes after a prefill of ``context`` tokens."""
+    model = _tsp_model(arch, dist.get_world_size())
+    _, cache = cached_forward(model, _prompts(1)[:, :context], logits_to_keep=1)
+    return sum(p.numel() * p.element_size() for p in model.parameters()), cache.nbytes()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_the_serving_planner_counts_what_each_rank_keeps(run_ranks, arch):
+    """``ds-tsp plan --serve``: TSP's weights per rank are the most any rank
+    holds, its KV cache per token what the cache holds (float64: e = 8)."""
+    from ds_tsp.planning import serving_plans
+    config = tiny_model(arch).config.to_dict()
+    single, _, tsp = serving_plans(config, 2, micro_batch=1, dtype="fp32")
+    per_rank = run_ranks(2, _resident_bytes, arch=arch, context=PROMPT_LEN)
+    # fp32's element is 4 bytes; these models are float64: twice the planned bytes.
+    assert max(weights for weights, _ in per_rank) == 2 * tsp.weights
+    assert sum(cache for _, cache in per_rank) == 2 * single.kv_cache(PROMPT_LEN)
+    assert max(cache for _, cache in per_rank) <= 2 * tsp.kv_cache(PROMPT_LEN)
+    assert single.weights == sum(p.numel() for p in tiny_model(arch).parameters()) * 4

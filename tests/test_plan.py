@@ -583,6 +583,28 @@ def test_cli(tmp_path):
     assert planner.run_plan(parser.parse_args(["--model", "no-such-model"]), out=io.StringIO()) == 1
 
 
+def test_serve_gives_the_longest_context_that_fits(tmp_path):
+    """``--serve``: Llama-3-8B on 8 x 80 GB, bf16. By hand: a token's K and V
+    in every layer are 2 * 32 * 8 * 128 * 2 bytes, whole on one device, an
+    eighth (one head each) under TP(8) and an eighth of the tokens under TSP(8)."""
+    plans = planner.serving_plans("llama3-8b", 8)
+    single, tp, tsp = plans
+    assert single.kv_per_token == 2 * 32 * 8 * 128 * 2 and tp.kv_per_token == single.kv_per_token / 8
+    assert single.weights == planner.model_shape("llama3-8b").params * 2
+    assert tsp.weights < tp.weights < single.weights  # TP keeps the embedding whole
+    budget = 80e9
+    for p in plans:
+        longest = p.longest_context(budget)
+        assert p.weights + p.kv_cache(longest) <= budget < p.weights + p.kv_cache(longest + (8 if p is tsp else 1))
+    parser = planner.add_plan_arguments(argparse.ArgumentParser())
+    out = io.StringIO()
+    args = parser.parse_args(["--serve", "--model", "llama3-8b", "--memory-gb", "80", "--json",
+                              str(tmp_path / "serve.json")])
+    assert planner.run_plan(args, out=out) == 0
+    assert f"| TSP(8) | 2.01 | 0.0168 | {tsp.longest_context(budget):,} |" in out.getvalue()
+    assert planner.run_plan(parser.parse_args(["--serve"]), out=io.StringIO()) == 1  # no --memory-gb
+
+
 # --- the longest sequence (issue #14) ------------------------------------------------------------
 
 def test_llama3_1_8b_preset_is_its_config():

@@ -14,6 +14,7 @@ One module per concern, in the order they build on one another:
 | ``memory`` | the memory terms: saved tensors, model states, transients, offloads to host memory |
 | ``strategies`` | one function per strategy, ``plan`` (all of them), ``plan_alst``, ``recommend`` |
 | ``longest`` | ``max_seq_len``: the longest trainable sequence per strategy and its binding term |
+| ``serving`` | ``serving_plans``: the weights and KV cache each strategy keeps for inference, the longest context |
 | ``anchors`` | published numbers: the TSP paper's peaks, ALST's lengths, Ulysses' and Megatron CP's throughput |
 | ``timing`` | step time per strategy from FLOPs, links and overlap, its bound, and the throughput anchors |
 | ``tables`` | Markdown tables, a MoE model's facts and the memory-against-length plot |
@@ -27,6 +28,7 @@ from .communication import (DIRECTIONS, MOE_SCHEDULES, moe_crossover_tokens, tsp
                             tsp_moe_bytes_by_op, tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
 from .longest import LongestSequence, longest_fitting, max_seq_len
 from .memory import HEAD_BACKWARD, MEMORY_PARTS
+from .serving import ServingPlan, format_serving_table, serving_plans
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
                      MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting,
                      logits_tile_tokens, model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
@@ -41,11 +43,11 @@ __all__ = [
     "DEFAULT_DEVICES_PER_NODE", "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB",
     "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "MOE_MODEL_TYPES", "MOE_SCHEDULES", "PAPER_DEVICE_GB", "PAPER_LABELS",
     "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",
-    "CommPart", "LongestSequence", "ModelShape", "Precision", "Setting", "StepTime", "StrategyPlan",
+    "CommPart", "LongestSequence", "ModelShape", "Precision", "ServingPlan", "Setting", "StepTime", "StrategyPlan",
     "add_plan_arguments", "alst_name", "compare_anchor", "compare_anchors", "format_longest_table",
-    "format_moe_facts", "format_table", "format_time_anchors", "logits_tile_tokens", "longest_fitting",
-    "max_seq_len", "model_shape", "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp",
-    "plot_memory_vs_seq", "recommend", "run_plan", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer",
-    "tsp_moe_bytes_by_op", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op", "tsp_vocab_bytes_by_op",
-    "vocab_rows_per_rank",
+    "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors", "logits_tile_tokens",
+    "longest_fitting", "max_seq_len", "model_shape", "moe_crossover_tokens", "moe_facts", "plan", "plan_alst",
+    "plan_autotp", "plot_memory_vs_seq", "recommend", "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op",
+    "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
+    "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]

@@ -1,8 +1,9 @@
 """``ds-tsp plan``: the per-strategy table at one sequence length (with each
 strategy's step time on a cluster), or with ``--max-seq-len`` the longest
 sequence each strategy trains (``--alst``: in ALST's setting, with its
-published lengths beside), or with ``--time-anchors`` the step-time model
-beside published throughput."""
+published lengths beside), or with ``--serve`` the longest context each
+serves, or with ``--time-anchors`` the step-time model beside published
+throughput."""
 
 import argparse
 import json
@@ -12,8 +13,9 @@ from pathlib import Path
 
 from .anchors import ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_PEAK_GB
 from .longest import max_seq_len
+from .serving import format_serving_table, serving_plans
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, PRECISIONS, PRESETS,
-                     TSP_ATTENTION_BACKWARDS)
+                     TSP_ATTENTION_BACKWARDS, model_shape)
 from .strategies import plan, recommend
 from .tables import (format_gb, format_longest_table, format_moe_facts, format_table, format_time_anchors,
                      moe_facts, plot_memory_vs_seq)
@@ -124,6 +126,10 @@ def add_plan_arguments(parser):
     parser.add_argument("--inter-node-bandwidth", type=_positive_float, default=DEFAULT_CLUSTER.inter_node_gb_s,
                         metavar="GB_S", help="GB/s per device each way between nodes (default "
                                              f"{DEFAULT_CLUSTER.inter_node_gb_s:g}, one 400 Gb/s NDR NIC per GPU)")
+    parser.add_argument("--serve", action="store_true",
+                        help="inference: the longest context each strategy (one device, DeepSpeed TP inference, "
+                             "TSP) holds in --memory-gb per device with its weights and KV cache, at --devices, "
+                             "--micro-batch (sequences decoded at once) and --dtype")
     parser.add_argument("--time-anchors", action="store_true",
                         help="the step-time model beside published throughput: DeepSpeed-Ulysses (GPT-7B, A100) "
                              "and Megatron context parallelism (NeMo, Llama-2-7B, H100), at --efficiency")
@@ -167,6 +173,22 @@ def _run_max_seq_len(args, out):
                          "recompute_norms": recompute_norms, "results": [result.as_dict() for result in results]})
     if args.json:
         _write_json(args.json, {"max_seq_len": settings}, out)
+
+
+def _run_serve(args, out):
+    """``--serve``: the longest context per strategy for inference."""
+    if args.max_seq_len or args.alst or args.paper or args.plot:
+        raise ValueError("--serve is its own table: drop --max-seq-len, --alst, --paper and --plot")
+    if args.memory_gb is None:
+        raise ValueError("--serve needs --memory-gb (the device memory the weights and KV cache must fit)")
+    model = args.model or DEFAULT_MODEL
+    plans = serving_plans(model, args.devices, args.micro_batch, args.dtype)
+    name = model_shape(model).name
+    print(format_serving_table(plans, args.memory_gb, name, args.micro_batch, args.dtype), file=out)
+    if args.json:
+        _write_json(args.json, {"serve": {"model": name, "devices": args.devices, "micro_batch": args.micro_batch,
+                                          "dtype": args.dtype, "memory_gb": args.memory_gb,
+                                          "plans": [p.as_dict(args.memory_gb * GB) for p in plans]}}, out)
 
 
 def _run_time_anchors(args, out):
@@ -242,6 +264,8 @@ def run_plan(args, out=None):
     try:
         if args.time_anchors:
             _run_time_anchors(args, out)
+        elif args.serve:
+            _run_serve(args, out)
         elif args.max_seq_len or args.alst:
             _run_max_seq_len(args, out)
         else:

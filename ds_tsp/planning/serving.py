@@ -1,0 +1,103 @@
+"""Serving: the longest context each strategy holds per device for inference
+(``ds-tsp plan --serve``), counting what stays resident while decoding: the
+weights and the KV cache. Per device, in the serving dtype (``e`` bytes),
+batch ``B``, context ``S`` tokens:
+
+* single device: every weight; KV cache ``2 L B S nkv d e``;
+* TP (DeepSpeed's tensor-parallel inference, AutoTP): attention heads, MLP
+  columns and the LM head's rows split ``D`` ways, the embedding and the norms
+  whole; each device caches its ``max(nkv/D, 1)`` key/value heads of every token;
+* TSP: every block's weights ``1/D`` (``tsp_attention_shard``, the MLP or
+  experts ``/D``), the vocabulary folded (``ceil(V/D)`` rows of the embedding
+  and the head), norms whole; each device caches all key/value heads of
+  ``S/D`` tokens (``ds_tsp.kv_cache``), plus one generated token of imbalance.
+
+The prefill's transient activations (freed before decoding) are not in it:
+``benchmarks/inference.py`` measures them.
+"""
+
+from dataclasses import dataclass
+
+from .shapes import PRECISIONS, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem, vocab_rows_per_rank
+from .strategies import AUTOTP_MOE_REFUSED
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """One strategy's resident bytes per device: ``weights`` and the KV cache,
+    ``kv_per_token`` bytes per context token (the whole batch)."""
+
+    name: str
+    weights: float
+    kv_per_token: float
+    tokens_per_device_divisor: int = 1  # TSP: each device caches 1/D of the tokens
+    problem: str | None = None  # why the strategy cannot serve the model
+
+    def kv_cache(self, context):
+        """KV cache bytes per device at ``context`` tokens."""
+        if self.tokens_per_device_divisor == 1:
+            return self.kv_per_token * context
+        return self.kv_per_token * (-(-context // self.tokens_per_device_divisor) + 1)
+
+    def longest_context(self, memory_bytes):
+        """The most context tokens whose weights and KV cache fit ``memory_bytes`` per device (0: none)."""
+        if self.problem or memory_bytes <= self.weights:
+            return 0
+        per_device = int((memory_bytes - self.weights) // self.kv_per_token)
+        if self.tokens_per_device_divisor == 1:
+            return per_device
+        return max(per_device - 1, 0) * self.tokens_per_device_divisor
+
+    def as_dict(self, memory_bytes=None):
+        out = {"name": self.name, "weights_bytes": self.weights, "kv_bytes_per_token": self.kv_per_token,
+               "kv_tokens_per_device": f"1/{self.tokens_per_device_divisor}", "problem": self.problem}
+        if memory_bytes is not None:
+            out["longest_context"] = self.longest_context(memory_bytes)
+        return out
+
+
+def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
+    """``[ServingPlan]``: one device, then TP and TSP over ``devices``."""
+    m = model_shape(model)
+    e, D, H = PRECISIONS[dtype].element, devices, m.hidden_size
+    kv_head_token = 2 * m.num_layers * micro_batch * m.head_dim * e  # K and V of one head, every layer
+    layers_replicated = sum(count * m.layer_replicated_params(sparse) for sparse, count in m.layer_kinds)
+    single = ServingPlan("single device", m.params * e, kv_head_token * m.num_kv_heads)
+    plans = [single]
+    if D == 1:
+        return plans
+
+    sharded = sum(count * (m.attention_params + m.ffn_params(sparse)) for sparse, count in m.layer_kinds)
+    tp_problem = (f"num_attention_heads {m.num_heads} is not divisible by {D}" if m.num_heads % D else
+                  AUTOTP_MOE_REFUSED if m.is_moe else None)
+    vocab = m.vocab_size * H
+    # AutoTP splits an untied LM head by rows; the embedding (and a head tied to it) stays whole.
+    tp_weights = (sharded / D + layers_replicated + vocab + (0 if m.tie_word_embeddings else vocab / D) + H) * e
+    plans.append(ServingPlan(f"TP({D})", tp_weights, kv_head_token * max(m.num_kv_heads // D, 1), problem=tp_problem))
+
+    tsp_problem = tsp_shape_problem(m, D)
+    attention = 0 if tsp_problem else max(tsp_attention_shard(m, D, r) for r in range(D))
+    ffn = sum(count * m.ffn_params(sparse) for sparse, count in m.layer_kinds) / D
+    vocab_rows = vocab_rows_per_rank(m.vocab_size, D) * H * (1 if m.tie_word_embeddings else 2)
+    tsp_weights = (m.num_layers * attention + ffn + layers_replicated + vocab_rows + H) * e
+    plans.append(ServingPlan(tsp_name(D), tsp_weights, kv_head_token * m.num_kv_heads,
+                             tokens_per_device_divisor=D, problem=tsp_problem))
+    return plans
+
+
+def format_serving_table(plans, memory_gb, model_name, micro_batch, dtype):
+    """Markdown: per strategy, resident weights, KV cache per 1K tokens and the longest context."""
+    gb = 1e9
+    lines = [f"Serving {model_name}, batch {micro_batch}, {dtype}, on {memory_gb:g} GB per device "
+             "(weights + KV cache; the prefill's transient activations are not counted):", "",
+             "| strategy | weights GB / device | KV cache GB / device / 1K tokens | longest context |",
+             "|---|---|---|---|"]
+    for p in plans:
+        if p.problem:
+            lines.append(f"| {p.name} | - | - | cannot serve it: {p.problem} |")
+            continue
+        per_1k = p.kv_per_token * 1024 / p.tokens_per_device_divisor / gb
+        longest = p.longest_context(memory_gb * gb)
+        lines.append(f"| {p.name} | {p.weights / gb:.2f} | {per_1k:.4f} | "
+                     f"{f'{longest:,}' if longest else 'the weights do not fit'} |")
+    return "\n".join(lines)
