@@ -139,6 +139,9 @@ def _check_continuation(cache, input_ids, attention_mask, position_ids):
     if attention_mask is not None:
         continues.append(attention_mask[:, -n:].bool().all())
     if position_ids is not None:
+        if position_ids.shape[-1] != n:
+            raise ValueError(f"position_ids has {position_ids.shape[-1]} columns for {n} new tokens: pass the new "
+                             "tokens' positions only, or none")
         expected = cache.next_positions.unsqueeze(1) + torch.arange(n, device=cache.next_positions.device)
         continues.append((position_ids.to(expected.device) == expected).all())
     if continues and not bool(torch.stack(continues).all()):

@@ -1,5 +1,5 @@
-"""The benchmarks (compare.py, longest.py, fidelity.py, block_overhead.py) end
-to end at the smallest settings. compare: every strategy runs at D=2 and
+"""The benchmarks (compare.py, longest.py, fidelity.py, block_overhead.py,
+inference.py) end to end at the smallest settings. compare: every strategy runs at D=2 and
 trains the single-process model, both TSP strategies' bytes equal the
 planner's op by op on every rank, and every measured peak has its planned
 counterpart; its MoE row likewise at D = 2 and 4."""
@@ -183,3 +183,34 @@ def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processe
     (row,) = doc["rows"]
     assert row["seq_len"] == 64 and row["hf_s"] > 0 and row["tsp_sdpa_over_hf"] == row["tsp_sdpa_s"] / row["hf_s"]
     assert "| 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
+
+
+def test_inference_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
+    """benchmarks/inference.py: one process, DeepSpeed TP inference and TSP at
+    D=2 generate the same tokens; TSP's KV cache per rank is half the single
+    process's (up to the one generated token of imbalance) and its weights the least."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "inference.py"), "--sizes", "2", "--prompt-lens", "32",
+           "64", "--batches", "1", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64", "--heads", "4",
+           "--kv-heads", "2", "--intermediate", "128", "--vocab", "67", "--strategy-timeout", "120",
+           "--out", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    rows = {(r["strategy"], r["prompt_len"], r["batch"]): r for r in json.load(open(tmp_path / "inference.json"))["results"]}
+    assert len(rows) == 3 * 2 * 2
+    for (strategy, prompt_len, batch), row in rows.items():
+        assert "error" not in row, row
+        print(f"{strategy} prompt {prompt_len} batch {batch}: peak {row['peak_live_mib']:.3f} MiB, "
+              f"KV {row['kv_cache_mib']:.4f} MiB, {row['decode_tokens_per_s']:.0f} tokens/s")
+        assert row["tokens_equal_single"] and row["tokens_agree_across_ranks"]
+        assert all(r["peak_live_bytes"] >= r["held_bytes"] + r["kv_cache_bytes"] > 0 for r in row["per_rank"])
+        if strategy == "tsp":
+            single = rows[("single", prompt_len, batch)]
+            token = single["kv_cache_mib"] / (prompt_len + 1)  # prompt + 1 generated token cached
+            assert abs(row["kv_cache_mib"] - single["kv_cache_mib"] / 2) <= token
+            assert row["held_mib"] < rows[("tp", prompt_len, batch)]["held_mib"] < single["held_mib"]
+            assert row["tsp_decode_step_received_kib"] > 0
+    markdown = open(tmp_path / "inference.md").read()
+    assert "| TSP | 2 | 64 | 2 |" in markdown and "TSP (2) / TP (2) peak" in markdown
+    assert (tmp_path / "inference.png").stat().st_size > 0

@@ -35,9 +35,10 @@ def _left_padded(lengths, seed=11):
     return prompts.masked_fill(mask == 0, 0), mask
 
 
-def _tsp_model(arch, tsp_size, wrong_shard=False, **overrides):
+def _tsp_model(arch, tsp_size, wrong_shard=False, vocab_parallel=True, **overrides):
     model = ds_tsp.inject(tiny_model(arch, **overrides), TSPTopology(tsp_size),
-                          TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+                          TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
+                                    vocab_parallel=vocab_parallel))
     if wrong_shard and model.tsp_topology.tsp_rank == tsp_size - 1:
         with torch.no_grad():
             model.model.layers[0].self_attn.packed.mul_(1.5)
@@ -60,10 +61,10 @@ def _generate_recording_logits(model, input_ids, **kwargs):
     return out, torch.stack(logits, dim=1)
 
 
-def _run_generate(arch, input_ids, wrong_shard=False, measure_step=False, **kwargs):
+def _run_generate(arch, input_ids, wrong_shard=False, measure_step=False, vocab_parallel=True, **kwargs):
     """On every rank: the generated sequences, per-step logits and cache size;
     with ``measure_step``, the bytes of one decode step by collective."""
-    model = _tsp_model(arch, _world_size(), wrong_shard)
+    model = _tsp_model(arch, _world_size(), wrong_shard, vocab_parallel)
     kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
     out, logits = _generate_recording_logits(model, input_ids, pad_token_id=0, **kwargs)
     result = {"sequences": out.sequences, "logits": logits, "cache_bytes": out.cache.nbytes(),
@@ -180,10 +181,12 @@ def test_decoding_strategies_give_hugging_face_tokens(run_ranks, tsp_size):
         assert not torch.equal(expected["greedy"], expected["repetition_penalty"])  # the penalty changed tokens
 
 
-def test_left_padded_batch_matches_each_prompt_alone(run_ranks):
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_left_padded_batch_matches_each_prompt_alone(run_ranks, vocab_parallel):
+    """The folded vocabulary (embedding rows and logits from their owners) and the replicated one."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     per_rank = run_ranks(4, _run_generate, arch="qwen2", input_ids=prompts, attention_mask=mask,
-                         max_new_tokens=16)
+                         max_new_tokens=16, vocab_parallel=vocab_parallel)
     worst = 0.0
     for row, length in enumerate(LEFT_PADDED_LENGTHS):
         alone = prompts[row:row + 1, PROMPT_LEN - length:]
@@ -191,7 +194,8 @@ def test_left_padded_batch_matches_each_prompt_alone(run_ranks):
         for r in per_rank:
             assert torch.equal(r["sequences"][row, PROMPT_LEN:], ref_tokens[0, length:])
             worst = max(worst, (r["logits"][row] - ref_logits[0]).abs().max().item())
-    print(f"D=4 left-padded batch {LEFT_PADDED_LENGTHS}: max|logit diff| vs each prompt alone {worst:.2e}")
+    print(f"D=4 left-padded batch {LEFT_PADDED_LENGTHS}, vocab_parallel {vocab_parallel}: max|logit diff| vs "
+          f"each prompt alone {worst:.2e}")
     assert worst <= TOLERANCE
 
 
