@@ -96,7 +96,8 @@ def build_parser():
         "plan", help="per-device memory, communication and FLOPs of DP, TP, SP, TP+SP and TSP for a model",
         description="Analytic plan of every parallel layout for a model at a sequence length and device count; "
                     "--paper prints the paper's 7B / 128K / 8-device numbers beside. --max-seq-len: the longest "
-                    "sequence each layout trains on --devices x --memory-gb (--alst: ALST's setting).")
+                    "sequence each layout trains on --devices x --memory-gb (--alst: ALST's setting). --serve: the "
+                    "longest context each serves with its weights and KV cache.")
     add_plan_arguments(plan)
     plan.set_defaults(run=run_plan)
     return parser
