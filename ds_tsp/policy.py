@@ -223,12 +223,23 @@ def _from_transformers(obj):
     return type(obj).__module__.startswith("transformers.")
 
 
+def refuse_adapters(model):
+    """PEFT models (a ``PeftModel``, or a Hugging Face model whose layers PEFT
+    wrapped) are not sharded yet: refused by name rather than half-converted."""
+    wrapped = next((module for module in model.modules() if type(module).__module__.startswith("peft.")), None)
+    if wrapped is not None:
+        raise PolicyError(f"{type(model).__name__} holds PEFT adapters ({type(wrapped).__name__}), which ds_tsp does "
+                          "not shard yet: train them without TSP, or merge them first "
+                          "(peft_model.merge_and_unload()) and hand ds_tsp the merged Hugging Face model")
+
+
 def resolve_policy(model, name="auto"):
     """The policy for ``model`` (``tsp.policy``), after checking its config and
     every layer fit it. A table applies only to the transformers classes it was
     written for; any other class of the same shape gets ``auto``."""
     if name != "auto" and name not in POLICIES:
         raise PolicyError(f"tsp.policy = {name!r} is unknown: choose \"auto\" or one of {sorted(POLICIES)}")
+    refuse_adapters(model)
     model_class = type(model).__name__
     layers = get_submodule(model, AUTO.layers)
     if layers is None or len(layers) == 0:
