@@ -82,7 +82,7 @@ def test_there_are_runnable_snippets():
 
 @pytest.mark.parametrize("page, kind, body", _runnable_snippets(),
                          ids=[f"{page}-{i}" for i, (page, _, _) in enumerate(_runnable_snippets())])
-def test_a_runnable_snippet_runs(page, kind, body, own_processes, tmp_path):
+def test_a_runnable_snippet_runs(page, kind, body, tmp_path):
     if kind == "python":
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
