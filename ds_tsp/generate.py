@@ -90,10 +90,6 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          f"logits_to_keep=1, as model.generate passes it (got {logits_to_keep!r}; assisted and "
                          "speculative decoding, which ask for more, are not supported: a TSP cache cannot roll "
                          "tokens back); for every token's logits run the forward without use_cache or cache")
-    if any(hasattr(param, "ds_id") for param in model.parameters()):
-        raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
-                         "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
-                         "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
     decoder = TSPDecoder(model)
     if isinstance(cache, TSPCache):
         _check_continuation(cache, input_ids, attention_mask, position_ids)
@@ -105,6 +101,10 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError(f"cache is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; a TSP model "
                          "continues only from the TSPCache its own prefill returned: pass the whole prompt and no "
                          "cache")
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
+                         "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
+                         "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
     prompt, lengths = left_aligned(input_ids, attention_mask)
     _check_prompt_positions(position_ids, attention_mask, input_ids)
     model.tsp_batch_check(input_ids=input_ids, attention_mask=attention_mask)

@@ -445,3 +445,30 @@ def test_the_serving_planner_counts_what_each_rank_keeps(run_ranks, arch):
     assert sum(cache for _, cache in per_rank) == 2 * single.kv_cache(PROMPT_LEN)
     assert max(cache for _, cache in per_rank) <= 2 * tsp.kv_cache(PROMPT_LEN)
     assert single.weights == sum(p.numel() for p in tiny_model(arch).parameters()) * 4
+
+
+def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
+    """``TSPCache``'s row operations (beam search, expansion, selection) move
+    every layer's keys and values, the positions, validity and next positions
+    alike, and storage grows past its first size."""
+    cache = TSPCache(num_layers=2, batch=3, num_kv_heads=1, head_dim=2, dtype=torch.float64, device="cpu",
+                     tsp_rank=0, rank_counts=[2])
+    slots = cache.reserve(torch.tensor([[0, 1]] * 3), torch.ones(3, 2, dtype=torch.bool))
+    for layer in range(2):
+        rows = torch.arange(3, dtype=torch.float64).view(3, 1, 1, 1).expand(3, 2, 1, 2) + 10 * layer
+        cache.write(layer, slots, rows, -rows)
+    cache.next_positions = torch.tensor([2, 5, 7])
+    grown = cache.reserve(torch.tensor([[2]] * 3), torch.ones(3, 1, dtype=torch.bool))  # past the first capacity
+    assert grown == slice(2, 3) and cache.capacity > 2 and cache.length == 3
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert cache.next_positions.tolist() == [7, 7, 2]
+    assert cache.layer(1)[0][:, 0, 0, 0].tolist() == [12.0, 12.0, 10.0] and cache.layer(1)[1][2, 0, 0, 0] == -10
+    cache.batch_repeat_interleave(2)
+    assert cache.next_positions.tolist() == [7, 7, 7, 7, 2, 2] and cache.positions.shape == (6, 3)
+    cache.batch_select_indices(torch.tensor([4, 0]))
+    assert cache.next_positions.tolist() == [2, 7] and cache.layer(0)[0][:, 0, 0, 0].tolist() == [0.0, 2.0]
+    assert cache.nbytes() == 2 * 2 * 2 * 3 * 1 * 2 * 8  # layers x (K, V) x rows x filled slots x nkv x d x 8 bytes
+    with pytest.raises(NotImplementedError, match="cannot roll tokens back"):
+        cache.crop(1)
+    with pytest.raises(TypeError, match="read and written by the TSP decoder"):
+        cache.update(torch.zeros(1), torch.zeros(1), 0)
