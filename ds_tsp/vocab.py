@@ -80,13 +80,38 @@ def shard_piece(vocab_size, tsp_size, tsp_rank):
     return 0, start, min(start + rows, vocab_size) - start
 
 
+def embedding_scale(embed):
+    """The constant a scaled word embedding multiplies its lookup by (a 0-d
+    tensor: Gemma's ``embed_scale``), or None for a plain ``nn.Embedding``.
+
+    Transformers' ``*ScaledWordEmbedding`` classes return ``lookup *
+    embed_scale.to(weight.dtype)``; where the module holds real tensors, a
+    probe checks that its forward is exactly that. Anything else is refused."""
+    if type(embed) is nn.Embedding:
+        return None
+    scale = getattr(embed, "embed_scale", None)
+    scaled_class = (isinstance(embed, nn.Embedding) and type(embed).__name__.endswith("ScaledWordEmbedding")
+                    and type(embed).__module__.startswith("transformers."))
+    if not scaled_class or not torch.is_tensor(scale) or scale.dim() != 0:
+        raise VocabError("nor a transformers *ScaledWordEmbedding with a constant embed_scale: it may transform "
+                         "its output")
+    if not embed.weight.is_meta and not scale.is_meta:
+        ids = torch.arange(min(embed.num_embeddings, 8), device=embed.weight.device)
+        with torch.no_grad():
+            if not torch.equal(embed(ids), F.embedding(ids, embed.weight) * scale.to(embed.weight.dtype)):
+                raise VocabError("its forward is not its lookup times embed_scale")
+    return scale
+
+
 def check_foldable(embed, lm_head, where="model"):
     """Refuse, before any weight moves, an embedding or head that the folded
     vocabulary would not reproduce exactly."""
     fix = "set tsp.vocab_parallel to false to keep them replicated"
-    if type(embed) is not nn.Embedding:
+    try:
+        embedding_scale(embed)
+    except VocabError as refusal:
         raise VocabError(f"{where}'s input embedding is a {type(embed).__name__}, not a plain nn.Embedding "
-                         f"(it may scale or transform its output): ds_tsp cannot fold it; {fix}")
+                         f"({refusal}): ds_tsp cannot fold it; {fix}") from None
     if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
         raise VocabError(f"{where}'s input embedding uses max_norm, scale_grad_by_freq or sparse gradients, "
                          f"which the vocabulary-parallel embedding does not reproduce; {fix}")
@@ -212,15 +237,23 @@ class _VocabShard(nn.Module):
 class VocabParallelEmbedding(_VocabShard):
     """``nn.Embedding`` with its rows sharded over ``tsp_group`` (see the module docstring)."""
 
-    def __init__(self, vocab_size, hidden_size, tsp_group, padding_idx=None, dtype=None, device=None):
+    def __init__(self, vocab_size, hidden_size, tsp_group, padding_idx=None, embed_scale=None, dtype=None,
+                 device=None):
         super().__init__(vocab_size, hidden_size, tsp_group, dtype=dtype, device=device)
         self.padding_idx = padding_idx
+        # A scaled word embedding's constant (Gemma's), applied in the weight's dtype as Hugging Face applies it;
+        # not persistent, as Hugging Face's is not.
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone(),
+                             persistent=False)
 
     @classmethod
     def from_hf(cls, embed, tsp_group, read=None, device=None):
-        """Build from an ``nn.Embedding`` (maybe on the meta device when ``read``
-        supplies this rank's rows from a checkpoint)."""
+        """Build from an ``nn.Embedding`` or a scaled word embedding (the weight
+        maybe on the meta device when ``read`` supplies this rank's rows from a
+        checkpoint)."""
+        scale = embedding_scale(embed)
         module = cls(embed.num_embeddings, embed.embedding_dim, tsp_group, padding_idx=embed.padding_idx,
+                     embed_scale=None if scale is None else scale.to(device or embed.weight.device),
                      dtype=embed.weight.dtype, device=device or embed.weight.device)
         piece = module.shard_piece("weight")
         module.load_shard({"weight": read("weight", piece) if read else embed.weight.detach().narrow(*piece)})
@@ -235,7 +268,10 @@ class VocabParallelEmbedding(_VocabShard):
         if self.padding_idx is not None and self.padding_idx // self.rows == self.tsp_rank:
             padding = self.padding_idx - self.tsp_rank * self.rows
         out = _EmbeddingExchange.apply(self.weight, route, self.tsp_group, padding)
-        return out.view(*rank_ids[self.tsp_rank].shape, self.hidden_size)
+        return self._scaled(out.view(*rank_ids[self.tsp_rank].shape, self.hidden_size))
+
+    def _scaled(self, looked_up):
+        return looked_up if self.embed_scale is None else looked_up * self.embed_scale.to(self.weight.dtype)
 
     def replicated_lookup(self, ids):
         """Embeddings ``(..., H)`` of ``ids`` that are the same on every rank
@@ -248,7 +284,7 @@ class VocabParallelEmbedding(_VocabShard):
         local = ids - self.tsp_rank * self.rows
         owned = (local >= 0) & (local < self.rows)
         part = torch.where(owned.unsqueeze(-1), self.weight[local.clamp(0, self.rows - 1)], 0)
-        return comm.all_gather_small(part, self.tsp_group).sum(dim=0)
+        return self._scaled(comm.all_gather_small(part, self.tsp_group).sum(dim=0))
 
 
 # ---------------------------------------------------------- LM head and loss

@@ -4,7 +4,8 @@ import contextlib
 import io
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -25,6 +26,8 @@ def tiny_config(arch, **overrides):
         return MistralConfig(**{"sliding_window": 5, **kwargs})
     if arch == "qwen3":  # per-head q/k norms
         return Qwen3Config(**kwargs)
+    if arch == "gemma":  # its embedding scales the looked-up rows by sqrt(H); (1 + w) norms; tied head
+        return GemmaConfig(**kwargs)
     # HF's eager expert loop: its default grouped_mm takes no float64.
     moe = {"experts_implementation": "eager", "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.1, **kwargs}
@@ -39,6 +42,7 @@ def tiny_config(arch, **overrides):
 
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
+                 "gemma": GemmaForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")

@@ -14,6 +14,7 @@ from ds_tsp.kv_cache import TSPCache
 from ds_tsp.topology import TSPTopology
 from ds_tsp.vocab import shard_rows
 from models import COMMON, tiny_model
+from parity import FLOAT32_NORM_TOLERANCE
 
 # float64 end to end: sharding and the log-sum-exp merge of partial attention
 # only reorder sums (~1e-15); a wrong shard moves logits by ~1e-1 (guard test).
@@ -472,3 +473,16 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
         cache.crop(1)
     with pytest.raises(TypeError, match="read and written by the TSP decoder"):
         cache.update(torch.zeros(1), torch.zeros(1), 0)
+
+
+def test_a_scaled_embedding_generates_as_hugging_face(run_ranks):
+    """Gemma at D=4: the folded embedding scales the rows it looks up (prefill
+    and each new token) as Hugging Face's does. Its RMSNorms compute in
+    float32, so the float64 logits agree to float32 rounding."""
+    prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
+    ref_tokens, ref_logits = _hf_reference("gemma", prompts, attention_mask=mask, max_new_tokens=12)
+    per_rank = run_ranks(4, _run_generate, arch="gemma", input_ids=prompts, attention_mask=mask, max_new_tokens=12)
+    diff = _max_logit_diff(per_rank, ref_logits)
+    print(f"D=4 gemma: max|logit diff| {diff:.2e}")
+    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+    assert diff <= FLOAT32_NORM_TOLERANCE

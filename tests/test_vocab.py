@@ -151,10 +151,11 @@ def test_whole_model_with_folded_vocabulary_matches_hugging_face(run_ranks, tsp_
         "tied, right padding": dict(arch="llama_tied", batch=2, seq_len=19, right_padding=5),
         "num_items_in_batch": dict(arch="qwen2", batch=2, seq_len=16, num_items_in_batch=40),
         "replicated vocabulary": dict(arch="llama", batch=2, seq_len=13, vocab_parallel=False),
+        "scaled embedding (Gemma), tied": dict(arch="gemma", batch=2, seq_len=13),
     }
     for label, case in cases.items():
         per_rank = run_ranks(tsp_size, model_parity, model_overrides=overrides, **case)
-        check(per_rank, f"D={tsp_size} {label}")
+        check(per_rank, f"D={tsp_size} {label}", case["arch"])
 
 
 @pytest.mark.parametrize("wrong_shard", ["model.embed_tokens", "lm_head"])
@@ -200,6 +201,15 @@ def test_what_cannot_be_folded_is_refused_before_any_weight_moves():
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # untouched
     ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, vocab_parallel=False))
+
+    # Named like transformers' scaled embeddings, but its forward is not the lookup times embed_scale: the probe.
+    pretender = type("FakeScaledWordEmbedding", (nn.Embedding,), {
+        "__module__": "transformers.fake", "forward": lambda self, ids: nn.Embedding.forward(self, ids) * 2.0 + 1.0})
+    model = tiny_model("llama")
+    model.model.embed_tokens = pretender(61, 16).double()
+    model.model.embed_tokens.embed_scale = torch.tensor(2.0, dtype=torch.float64)
+    with pytest.raises(VocabError, match="its forward is not its lookup times embed_scale"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
 
     biased = tiny_model("llama")
     biased.lm_head = nn.Linear(16, 61, bias=True).double()

@@ -310,7 +310,8 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
 
     state_names = set(model.state_dict())
     for name, buffer in list(model.named_buffers()):
-        if name.startswith(skip_prefixes) or not buffer.is_meta:
+        # Non-persistent buffers are in no file: made here for the TSP blocks too (a scaled embedding's constant).
+        if not buffer.is_meta or (name.startswith(skip_prefixes) and name in state_names):
             continue
         module, attr = _owner(model, name)
         if name in state_names:
