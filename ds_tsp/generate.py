@@ -192,7 +192,7 @@ def left_aligned(input_ids, attention_mask):
 def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None):
     """Partial attention of one new token per row over this rank's cached keys.
 
-    ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, T, nkv, d)`` with global
+    ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, nkv, T, d)`` with global
     ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
     Every cached key is at or before the query, so only validity and the
     sliding window mask. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
@@ -200,19 +200,20 @@ def attend_cache(q, keys, values, key_positions, key_valid, query_positions, sca
     and ``lse = -inf``, which weigh nothing in ``merge_partials``.
     """
     # Softmax and sums in at least float32, as the merge needs; a fused
-    # decoding kernel (flash-decoding) would avoid upcasting the cache.
+    # decoding kernel (flash-decoding) would avoid upcasting a bf16 cache.
+    # The cache's (B, nkv, T, d) layout lets both products read it in place.
     acc = torch.promote_types(q.dtype, torch.float32)
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
+    num_kv_heads = keys.shape[1]
     q = q.to(acc).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bthd->bhgt", q, keys.to(acc)) * scale  # (B, nkv, nq/nkv, T)
+    scores = q @ keys.to(acc).transpose(-1, -2) * scale  # (B, nkv, nq/nkv, T)
     visible = key_valid
     if window is not None:
         visible = visible & (key_positions > query_positions.unsqueeze(1) - window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
-    out = torch.einsum("bhgt,bthd->bhgd", probs, values.to(acc))
+    out = probs @ values.to(acc)  # (B, nkv, nq/nkv, d)
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 

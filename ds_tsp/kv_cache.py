@@ -44,7 +44,8 @@ def _not_for_hugging_face_attention(*_args, **_kwargs):
 
 class TSPCacheLayer(CacheLayerMixin):
     """One decoder layer's rotated keys and values in this rank's slots,
-    ``(B, capacity, nkv, d)`` each (their positions are the cache's)."""
+    ``(B, nkv, capacity, d)`` each, Hugging Face's layout (their positions are
+    the cache's): a decode step's attention multiplies them in place."""
 
     def __init__(self, keys, values):
         super().__init__()
@@ -74,12 +75,12 @@ class TSPCache(Cache):
     """
 
     def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts):
-        shape = (batch, rank_counts[tsp_rank], num_kv_heads, head_dim)
+        shape = (batch, num_kv_heads, rank_counts[tsp_rank], head_dim)
         super().__init__(layers=[TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
                                                torch.empty(shape, dtype=dtype, device=device))
                                  for _ in range(num_layers)])
-        self._positions = torch.zeros(shape[:2], dtype=torch.long, device=device)
-        self._valid = torch.zeros(shape[:2], dtype=torch.bool, device=device)
+        self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
+        self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)
         self.length = 0
         self.tsp_rank = tsp_rank
         self.rank_counts = list(rank_counts)
@@ -113,23 +114,25 @@ class TSPCache(Cache):
     def _grow(self, needed):
         capacity = max(needed, self.capacity + max(int(self.capacity * GROWTH), 16))
 
-        def grown(tensor):
-            bigger = tensor.new_zeros((tensor.shape[0], capacity, *tensor.shape[2:]))
-            bigger[:, :self.length] = tensor[:, :self.length]
+        def grown(tensor, dim):
+            shape = list(tensor.shape)
+            shape[dim] = capacity
+            bigger = tensor.new_zeros(shape)
+            bigger.narrow(dim, 0, self.length).copy_(tensor.narrow(dim, 0, self.length))
             return bigger
 
         for layer in self.layers:
-            layer.keys, layer.values = grown(layer.keys), grown(layer.values)
-        self._positions, self._valid = grown(self._positions), grown(self._valid)
+            layer.keys, layer.values = grown(layer.keys, 2), grown(layer.values, 2)
+        self._positions, self._valid = grown(self._positions, 1), grown(self._valid, 1)
 
     def write(self, layer, slots, keys, values):
         """Store rotated ``keys`` and ``values`` ``(B, n, nkv, d)`` of ``layer`` in ``slots``."""
-        self.layers[layer].keys[:, slots] = keys
-        self.layers[layer].values[:, slots] = values
+        self.layers[layer].keys[:, :, slots] = keys.transpose(1, 2)
+        self.layers[layer].values[:, :, slots] = values.transpose(1, 2)
 
     def layer(self, layer):
-        """``(keys, values)`` of ``layer``'s filled slots, ``(B, length, nkv, d)`` each."""
-        return self.layers[layer].keys[:, :self.length], self.layers[layer].values[:, :self.length]
+        """``(keys, values)`` of ``layer``'s filled slots, ``(B, nkv, length, d)`` each."""
+        return self.layers[layer].keys[:, :, :self.length], self.layers[layer].values[:, :, :self.length]
 
     @property
     def positions(self):
@@ -141,7 +144,7 @@ class TSPCache(Cache):
 
     def nbytes(self):
         """Bytes of the cached keys and values (filled slots, all layers)."""
-        return sum(t[:, :self.length].numel() * t.element_size()
+        return sum(t[:, :, :self.length].numel() * t.element_size()
                    for layer in self.layers for t in (layer.keys, layer.values))
 
     def get_seq_length(self, layer_idx=0):
