@@ -4,9 +4,10 @@ weights and the KV cache. Per device, in the serving dtype (``e`` bytes),
 batch ``B``, context ``S`` tokens:
 
 * single device: every weight; KV cache ``2 L B S nkv d e``;
-* TP (DeepSpeed's tensor-parallel inference, AutoTP): attention heads, MLP
+* TP (DeepSpeed's tensor-parallel inference, AutoTP): query heads, MLP
   columns and the LM head's rows split ``D`` ways, the embedding and the norms
-  whole; each device caches its ``max(nkv/D, 1)`` key/value heads of every token;
+  whole; each device keeps (projections) and caches (every token's K and V)
+  ``max(nkv/D, 1)`` key/value heads;
 * TSP: every block's weights ``1/D`` (``tsp_attention_shard``, the MLP or
   experts ``/D``), the vocabulary folded (``ceil(V/D)`` rows of the embedding
   and the head), norms whole; each device caches all key/value heads of
@@ -67,12 +68,16 @@ def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
     if D == 1:
         return plans
 
-    sharded = sum(count * (m.attention_params + m.ffn_params(sparse)) for sparse, count in m.layer_kinds)
+    # AutoTP splits q/o and the MLP D ways; with fewer key/value heads than devices each keeps one whole.
+    kv_params = 2 * m.num_kv_heads * m.head_dim * (H + (1 if m.attention_bias else 0))
+    tp_attention = (m.attention_params - kv_params) / D + kv_params * max(m.num_kv_heads // D, 1) / m.num_kv_heads
+    tp_ffn = sum(count * m.ffn_params(sparse) for sparse, count in m.layer_kinds) / D
     tp_problem = (f"num_attention_heads {m.num_heads} is not divisible by {D}" if m.num_heads % D else
                   AUTOTP_MOE_REFUSED if m.is_moe else None)
     vocab = m.vocab_size * H
     # AutoTP splits an untied LM head by rows; the embedding (and a head tied to it) stays whole.
-    tp_weights = (sharded / D + layers_replicated + vocab + (0 if m.tie_word_embeddings else vocab / D) + H) * e
+    tp_weights = (m.num_layers * tp_attention + tp_ffn + layers_replicated + vocab
+                  + (0 if m.tie_word_embeddings else vocab / D) + H) * e
     plans.append(ServingPlan(f"TP({D})", tp_weights, kv_head_token * max(m.num_kv_heads // D, 1), problem=tp_problem))
 
     tsp_problem = tsp_shape_problem(m, D)
