@@ -82,7 +82,6 @@ class TSPCache(Cache):
         self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
         self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)
         self.length = 0
-        self.tsp_rank = tsp_rank
         self.rank_counts = list(rank_counts)
         self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.seen_tokens = 0
