@@ -590,6 +590,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
         # DeepSpeed counts parameters tagged model-parallel on every TSP rank in
         # gradient norms (each rank holds a different shard).
         self.packed.tensor_model_parallel = True
+        self.lora = None  # LoRA adapters of this rank's shard (ds_tsp.lora)
         self.o_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if o_bias else None
         # Per-head norms of queries and keys (Qwen3): small, kept whole on every rank.
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -658,7 +659,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def forward(self, x, position_embeddings, documents=None):
         cos, sin = position_embeddings
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
-        out = _TSPAttentionFunction.apply(x, self.packed, cos, sin, self.plan(x, documents), *norm_weights)
+        out = _TSPAttentionFunction.apply(x, self.shard_weights(), cos, sin, self.plan(x, documents), *norm_weights)
         return out if self.o_bias is None else out + self.o_bias
 
 

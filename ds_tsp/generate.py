@@ -269,7 +269,7 @@ class TSPDecoder:
         """The broadcast schedule's attention output for the local tokens ``h``;
         their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
         What the schedule saves for a backward is freed on return, before the MLP."""
-        out, saved = attention_forward(attn.plan(h), h, attn.packed.detach(), cos, sin)
+        out, saved = attention_forward(attn.plan(h), h, attn.shard_weights().detach(), cos, sin)
         keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
         cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(torch.stack(saved["v"]))[:, keep])
         return out if attn.o_bias is None else out + attn.o_bias
@@ -297,7 +297,7 @@ class TSPDecoder:
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
         heads, D = attn.heads, self.tsp_size
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
-        w = attn.spec.unpack(attn.packed.detach())
+        w = attn.spec.unpack(attn.shard_weights().detach())
         q = rotate(project(h, w, "q_proj", hq, d), attn.q_norm, cos, sin)  # (B, 1, hq, d)
         if heads.holds_kv(self.tsp_rank):
             k = rotate(project(h, w, "k_proj", hkv, d), attn.k_norm, cos, sin)

@@ -4,6 +4,7 @@ import torch
 
 from .attention import TSPAttention
 from .consistency import BatchCheck, broadcast_replicated, check_same_model
+from .lora import block_adapters, check_adapter_paths, shard_adapters, take_adapters
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
@@ -15,6 +16,10 @@ from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 def inject(model, topology, tsp_config, read=None, device=None):
     """Turn ``model`` (e.g. a ``LlamaForCausalLM``) into a TSP model and return it.
+A ``PeftModel`` with a LoRA adapter (or the Hugging Face model inside one)
+becomes the TSP model of its Hugging Face model, its adapters sharded with
+their base weights (``ds_tsp.lora``) and its PEFT config kept as
+``tsp_peft_config``, for ``ds_tsp.save_pretrained`` to write PEFT's files.
 
     ``read(full_name, piece)`` supplies each tensor or this rank's piece of it
     (``piece = (dim, start, length)``, None for whole); by default the model's
@@ -36,8 +41,10 @@ def inject(model, topology, tsp_config, read=None, device=None):
        make their gradients sum over the TSP group once;
     5. give the model the TSP forward (HF calling convention, full sequence in).
     """
+    model, peft_config, adapters = take_adapters(model)
     policy = resolve_policy(model, tsp_config.policy)
     layers = model.get_submodule(policy.layers)
+    check_adapter_paths(adapters, policy, layers)
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
         unpartition(model, skip=() if policy is AUTO else tuple(layers))
@@ -52,7 +59,8 @@ def inject(model, topology, tsp_config, read=None, device=None):
             unpartition(layer)
         prefix = f"{policy.layers}.{index}"
         layers[index] = tsp_layer(layer, model.config, policy, topology, tsp_config,
-                                  read=_prefixed(read, prefix), device=device)
+                                  read=_prefixed(read, prefix), device=device,
+                                  adapters=block_adapters(adapters, prefix))
     if tsp_config.vocab_parallel:
         fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
 
@@ -65,6 +73,7 @@ def inject(model, topology, tsp_config, read=None, device=None):
     model.tsp_replicated_grads = replicated_grads  # ds_tsp.initialize schedules their sum per ZeRO stage
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
     model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
+    model.tsp_peft_config = peft_config
     return model
 
 
@@ -90,10 +99,11 @@ def unpartition(module, skip=()):
             owner._parameters[name] = copies[id(param)]
 
 
-def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None):
+def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None):
     """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
     they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
-    sparse, else a ``TSPGatedMLP``."""
+    sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: LoRA
+    weights}`` (``ds_tsp.lora.take_adapters``), sharded with their blocks."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
     tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
@@ -108,6 +118,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                                read=_prefixed(read, policy.mlp), device=device)
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
+    for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
+        shard_adapters(block, block_adapters(adapters or {}, where), topology.tsp_group, from_model=read is None)
     return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,
                            layer.get_submodule(policy.post_attention_norm), tsp_mlp, tsp_config.recompute_norms)
 

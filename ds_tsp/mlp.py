@@ -258,6 +258,7 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.packed = nn.Parameter(torch.empty(self.spec.numel, **factory))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
+        self.lora = None  # LoRA adapters of this rank's shard (ds_tsp.lora)
         self.down_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.reset_parameters()
 
@@ -309,15 +310,16 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         rank's share of the output from its own shard alone, no weight moving:
         the shares sum over the group to the MLP's output (``down_proj``'s bias
         included once, by rank 0)."""
-        y, _, _ = shard_forward(x, self.spec.unpack(self.packed.detach()), self.act_fn)
+        y, _, _ = shard_forward(x, self.spec.unpack(self.shard_weights().detach()), self.act_fn)
         if self.down_bias is not None and self.tsp_rank == 0:
             y = y + self.down_bias
         return y
 
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
-        for_backward = torch.is_grad_enabled() and (x.requires_grad or self.packed.requires_grad)
-        y = _MLPRing.apply(x, self.packed, self.plan, for_backward)
+        packed = self.shard_weights()
+        for_backward = torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad)
+        y = _MLPRing.apply(x, packed, self.plan, for_backward)
         if self.down_bias is not None:
             y = y + self.down_bias
         return y

@@ -322,6 +322,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
+        self.lora = None  # no LoRA on the experts (ds_tsp.lora)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

@@ -42,7 +42,8 @@ class PackedShardMixin:
     """Checkpoint access of a TSP block holding one packed shard (``packed``,
     laid out by ``spec``) and parameters every rank holds whole
     (``replicated_params()``, by Hugging Face name), as the attention, MLP and
-    MoE blocks do: ``shard_names``, ``load_shard`` and ``shard_tensors``."""
+    MoE blocks do: ``shard_names``, ``load_shard`` and ``shard_tensors``, and
+    ``lora``, its ``ds_tsp.lora.LoRAShards`` or None."""
 
     def shard_names(self):
         """Hugging Face names of the tensors this module holds a part of."""
@@ -56,6 +57,11 @@ class PackedShardMixin:
         self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
         for name, param in self.replicated_params().items():
             param.copy_(tensors[name])
+
+    def shard_weights(self):
+        """The packed shard the schedules compute with: ``packed``, merged with
+        this rank's LoRA adapters where the block has them (``ds_tsp.lora``)."""
+        return self.packed if self.lora is None else self.lora(self.packed)
 
     def shard_tensors(self):
         """This rank's pieces under Hugging Face names (views of the parameters)."""

@@ -1,0 +1,210 @@
+"""PEFT's LoRA adapters on TSP blocks: each adapter sharded the way its base weight is.
+
+A LoRA projection computes ``x W^T + s (x A^T) B^T`` with the frozen base ``W``
+``(out, in)``, ``A`` ``(r, in)``, ``B`` ``(out, r)`` and PEFT's scaling ``s``
+(``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``). That is ``x W'^T``
+with ``W' = W + s B A``, and a TSP rank's rows (or columns) of ``W'`` need only
+its rows of ``B`` (or columns of ``A``):
+
+* a projection split by output rows (``q/k/v_proj`` by head group,
+  ``gate/up_proj`` by ``F`` rows): ``W'_j = W_j + s B_j A``: ``B`` split by the
+  same rows, ``A`` whole on every rank;
+* one split by input columns (``o_proj``, ``down_proj``): ``W'_j = W_j + s B A_j``:
+  ``A`` split by the same columns, ``B`` whole.
+
+Each forward a block builds this rank's merged shard ``W'_j`` from its frozen
+packed shard and its adapters (``LoRAShards.forward``: one ``(rows, r) x (r,
+cols)`` product per adapted projection), and the schedules move and compute
+with it exactly as they move the base shard without adapters: one collective
+per step, the same bytes. Backward, the schedules deliver the merged shard's
+gradient ``dW'_j`` (summed over every rank's tokens) to its owner as they
+always do, and autograd takes it into the adapters: ``dB_j = s dW'_j A^T`` and
+``dA_j = s B^T dW'_j`` are whole on the owner; the whole factor's
+``s B_j^T dW'_j`` (or ``s dW'_j A_j^T``) is this rank's summand, summed over
+the TSP group once, as a norm's gradient is (``sum_grads_over_group``).
+
+The frozen base never gets a gradient; the merged shard lives from the
+forward to the backward (the schedules keep their shard), one more copy of
+this rank's ``1/D`` of the block's weights. ``lora_dropout`` would apply a
+mask to ``x`` inside the adapter only, which a merged weight cannot, and is
+refused; so are DoRA and every other PEFT layer than a plain LoRA ``Linear``.
+"""
+
+import torch
+from torch import nn
+
+from . import comm
+from .policy import PolicyError
+
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAAdapter(nn.Module):
+    """This rank's part of one projection's adapter: ``lora_A`` ``(r, in)`` and
+    ``lora_B`` ``(out, r)`` of the rows or columns its base shard holds, and
+    PEFT's ``scaling``. The split factor is tagged ``tensor_model_parallel``
+    (its shards differ by rank); the whole one is replicated."""
+
+    def __init__(self, lora_A, lora_B, scaling, split_by_rows):
+        super().__init__()
+        self.lora_A, self.lora_B = nn.Parameter(lora_A), nn.Parameter(lora_B)
+        self.scaling, self.split_by_rows = scaling, split_by_rows
+        (self.lora_B if split_by_rows else self.lora_A).tensor_model_parallel = True
+
+    def delta(self, dtype):
+        """``s B A`` ``(out, in)`` of this rank's rows or columns, in ``dtype``."""
+        return (self.lora_B @ self.lora_A * self.scaling).to(dtype)
+
+    def extra_repr(self):
+        return f"r={self.lora_A.shape[0]}, scaling={self.scaling}, split_by={'rows' if self.split_by_rows else 'columns'}"
+
+
+class LoRAShards(nn.Module):
+    """The adapters of one TSP block, by projection name; ``forward(packed)``
+    returns the block's merged packed shard (see the module docstring)."""
+
+    def __init__(self, spec, adapters):
+        super().__init__()
+        self.spec = spec
+        self.adapters = nn.ModuleDict(adapters)
+
+    def forward(self, packed):
+        views, pieces = self.spec.unpack(packed), []
+        for name, view in views.items():
+            projection, kind = name.rsplit(".", 1)
+            adapter = self.adapters[projection] if projection in self.adapters and kind == "weight" else None
+            pieces.append((view if adapter is None else view + adapter.delta(view.dtype)).reshape(-1))
+        for projection, adapter in self.adapters.items():
+            if f"{projection}.weight" not in views:
+                # A rank holding no key/value heads (nkv < D): A is in its graph
+                # all the same, so its gradient's sum over the group has this
+                # rank's (zero) summand.
+                pieces.append(adapter.lora_A.reshape(-1)[:0].to(packed.dtype))
+        return torch.cat(pieces)
+
+
+def shard_adapters(block, adapters, tsp_group, from_model):
+    """Give the TSP ``block`` its ``LoRAShards`` from ``adapters`` (``{projection:
+    (lora_A, lora_B, scaling)}``, whole tensors). ``from_model``: they come from
+    a model object, which may differ between ranks in value (PEFT draws ``A`` at
+    random): TSP rank 0's are broadcast first."""
+    if not adapters:
+        return
+    shards = {}
+    for projection, (lora_A, lora_B, scaling) in adapters.items():
+        lora_A, lora_B = lora_A.detach().clone(), lora_B.detach().clone()
+        if from_model and comm.group_size(tsp_group) > 1:
+            for tensor in (lora_A, lora_B):
+                comm.broadcast(tensor, src=0, group=tsp_group)
+        by_rows = projection in ROW_SPLIT
+        piece = block.shard_piece(f"{projection}.weight")
+        held = f"{projection}.weight" in block.spec.shapes
+        if by_rows:
+            lora_B = lora_B.narrow(0, piece[1], piece[2]) if held else lora_B[:0]
+        else:
+            lora_A = lora_A.narrow(1, piece[1], piece[2])
+        shards[projection] = LoRAAdapter(lora_A.contiguous(), lora_B.contiguous(), scaling, by_rows)
+    block.lora = LoRAShards(block.spec, shards)
+
+
+def is_peft_model(model):
+    return type(model).__module__.startswith("peft.")
+
+
+def take_adapters(model):
+    """``(hf_model, peft_config, adapters)``: for a ``PeftModel`` (or the
+    Hugging Face model inside one), the Hugging Face model with each LoRA layer
+    replaced by its base layer, PEFT's config of the adapter, and ``{module
+    path: (lora_A, lora_B, scaling)}`` of the adapters; ``(model, None, {})``
+    for a model without PEFT layers. Anything ds_tsp cannot shard exactly is
+    refused by the option that made it, before any weight moves."""
+    from peft.tuners.lora.layer import Linear as LoRALinear
+
+    peft_configs = getattr(model, "peft_config", None)
+    hf_model = model.base_model.model if is_peft_model(model) else model
+    layers = {path: module for path, module in hf_model.named_modules() if is_peft_model(module)}
+    if not layers and not is_peft_model(model):
+        return model, None, {}
+    if peft_configs is None:  # the inner model: PeftModel's config is on its LoRA layers' owner
+        peft_configs = next((m.peft_config for m in hf_model.modules() if hasattr(m, "peft_config")), None)
+    peft_config = _one_lora_config(peft_configs)
+    adapters = {}
+    for path, layer in layers.items():
+        if type(layer) is not LoRALinear:
+            raise PolicyError(f"{path} is a PEFT {type(layer).__name__}: ds_tsp shards plain LoRA adapters on "
+                              f"{', '.join(TARGETS)} only (modules_to_save, trainable_token_indices, "
+                              "target_parameters and LoRA on embeddings or the LM head are not supported): drop "
+                              "it from the PEFT config")
+        adapters[path] = _lora_weights(path, layer)
+    for path, layer in layers.items():
+        hf_model.set_submodule(path, layer.get_base_layer())
+    return hf_model, peft_config, adapters
+
+
+def _one_lora_config(peft_configs):
+    if not peft_configs or len(peft_configs) != 1:
+        raise PolicyError(f"the PEFT model holds adapters {sorted(peft_configs or {})}: ds_tsp shards exactly one; "
+                          "delete the others (peft_model.delete_adapter(name)) or merge them first")
+    (name, config), = peft_configs.items()
+    if str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+        raise PolicyError(f"PEFT adapter {name!r} is {config.peft_type}: ds_tsp shards LoRA adapters only")
+    refused = {"use_dora": "DoRA's column norms of W + sBA span every TSP shard",
+               "layer_replication": "replicated layers share their base weights",
+               "modules_to_save": "whole trainable copies of modules are not sharded",
+               "trainable_token_indices": "trainable token rows are not sharded",
+               "target_parameters": "adapters on raw parameters (MoE experts) are not sharded"}
+    for option, reason in refused.items():
+        if getattr(config, option, None):
+            raise PolicyError(f"LoraConfig({option}={getattr(config, option)!r}) is not supported under TSP "
+                              f"({reason}): leave {option} unset")
+    if config.bias != "none":
+        raise PolicyError(f"LoraConfig(bias={config.bias!r}) trains base biases, which TSP packs into frozen "
+                          "shards: use bias=\"none\"")
+    if config.lora_dropout:
+        raise PolicyError(f"LoraConfig(lora_dropout={config.lora_dropout}) drops inputs of the adapter only, which "
+                          "TSP's merged shard (W + s B A) cannot: set lora_dropout=0.0")
+    return config
+
+
+def _lora_weights(path, layer):
+    (adapter,) = layer.active_adapters if len(layer.active_adapters) == 1 else (None,)
+    if adapter is None or layer.disable_adapters or layer.merged:
+        raise PolicyError(f"{path}: ds_tsp shards one active, unmerged LoRA adapter (active: "
+                          f"{layer.active_adapters}, merged: {layer.merged}, disabled: {layer.disable_adapters})")
+    for option in ("use_dora", "lora_bias"):
+        if getattr(layer, option).get(adapter):
+            raise PolicyError(f"{path}: LoraConfig({option}=True) is not supported under TSP: leave it False")
+    if getattr(layer, "lora_variant", {}).get(adapter) is not None:
+        raise PolicyError(f"{path}: the LoRA variant {type(layer.lora_variant[adapter]).__name__} is not supported "
+                          "under TSP: use plain LoRA")
+    if layer.fan_in_fan_out:
+        raise PolicyError(f"{path}: LoraConfig(fan_in_fan_out=True) (Conv1D layers) is not supported under TSP")
+    if not isinstance(layer.lora_dropout[adapter], nn.Identity):
+        raise PolicyError(f"{path}: lora_dropout > 0 is not supported under TSP: set lora_dropout=0.0")
+    return layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, layer.scaling[adapter]
+
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_adapter_paths(adapters, policy, layers):
+    """Refuse adapters anywhere but on the projections TSP shards: a decoder
+    layer's attention and dense MLP (a sparse MLP's experts are fused tensors)."""
+    allowed = set()
+    for index, layer in enumerate(layers):
+        prefix = f"{policy.layers}.{index}"
+        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in ATTENTION_TARGETS}
+        if not policy.is_sparse(layer.get_submodule(policy.mlp)):
+            allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in MLP_TARGETS}
+    for path in adapters:
+        if path not in allowed:
+            raise PolicyError(f"a LoRA adapter on {path}: ds_tsp shards adapters on the decoder layers' "
+                              f"{', '.join(ATTENTION_TARGETS)} and a dense MLP's {', '.join(MLP_TARGETS)}: drop it "
+                              "from LoraConfig(target_modules=...)")
+
+
+def block_adapters(adapters, prefix):
+    """The adapters under module path ``prefix``, by their path below it."""
+    return {path[len(prefix) + 1:]: weights for path, weights in adapters.items() if path.startswith(f"{prefix}.")}

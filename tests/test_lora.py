@@ -1,0 +1,149 @@
+"""PEFT LoRA models under TSP against the unsharded PEFT model, float64."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from ds_tsp.config import TSPConfig
+from ds_tsp.lora import ROW_SPLIT
+from ds_tsp.policy import PolicyError
+from ds_tsp.topology import TSPTopology
+from models import tiny_model
+from parity import TOLERANCE, reference_loss
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def peft_model(arch, targets, seed=0, model_overrides=None, **lora_options):
+    """A tiny ``arch`` with LoRA on ``targets``; ``init_lora_weights=False``
+    draws non-zero ``lora_B``, so the adapters change the forward."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, **lora_options)
+    return get_peft_model(tiny_model(arch, **(model_overrides or {})), config)
+
+
+def adapter_pieces(tsp_model, reference):
+    """``{name: (adapter tensor held here, the matching piece of the reference's)}``
+    for every adapter factor of the TSP model, under PEFT's parameter names;
+    ``reference(name)`` gives the reference's full tensor."""
+    pieces = {}
+    for index, layer in enumerate(tsp_model.model.layers):
+        for block_name in ("self_attn", "mlp"):
+            block = getattr(layer, block_name)
+            for projection, adapter in (block.lora.adapters.items() if block.lora is not None else ()):
+                piece = block.shard_piece(f"{projection}.weight")
+                for factor in ("lora_A", "lora_B"):
+                    name = f"model.layers.{index}.{block_name}.{projection}.{factor}"
+                    full = reference(name)
+                    if factor == "lora_B" and projection in ROW_SPLIT:
+                        full = full.narrow(0, piece[1], piece[2])[:getattr(adapter, factor).shape[0]]
+                    elif factor == "lora_A" and projection not in ROW_SPLIT:
+                        full = full.narrow(1, piece[1], piece[2])
+                    pieces[name] = (getattr(adapter, factor), full)
+    return pieces
+
+
+def lora_parity(arch, targets, batch=2, seq_len=13, inner=False, wrong_adapter=None, model_overrides=None,
+                **lora_options):
+    """On every rank: |loss - the PEFT model's loss| and the max |diff| of every
+    adapter gradient held here against the matching piece of the PEFT model's;
+    ``wrong_adapter``: a PEFT name whose factor the last rank scales by 1.5."""
+    tsp_size = dist.get_world_size()
+    ref = peft_model(arch, targets, model_overrides=model_overrides, **lora_options)
+    model = copy.deepcopy(ref)
+    input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    topology = TSPTopology(tsp_size)
+    tsp_model = ds_tsp.inject(model.base_model.model if inner else model, topology,
+                              TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    if wrong_adapter and topology.tsp_rank == tsp_size - 1:
+        with torch.no_grad():
+            module, factor = wrong_adapter.rsplit(".", 1)
+            layer, block_name, projection = module.rsplit(".", 2)
+            block = getattr(tsp_model.get_submodule(layer), block_name)
+            getattr(block.lora.adapters[projection], factor).mul_(1.5)
+    out = tsp_model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    ref_loss = reference_loss(ref, input_ids)
+    ref_loss.backward()
+    ref_grads = {n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+                 for n, p in ref.named_parameters() if p.requires_grad}
+    diffs = {"loss": abs(out.loss.item() - ref_loss.item())}
+    for name, (held, full) in adapter_pieces(tsp_model, ref_grads.get).items():
+        if held.numel():
+            diffs[name] = (held.grad - full).abs().max().item()
+    trainable = [n for n, p in tsp_model.named_parameters() if p.requires_grad]
+    frozen_grads = [n for n, p in tsp_model.named_parameters() if not p.requires_grad and p.grad is not None]
+    return {"diffs": diffs, "adapters": len(ref_grads), "trainable": trainable, "frozen_grads": frozen_grads}
+
+
+def check_lora(per_rank, label):
+    worst = {}
+    for result in per_rank:
+        assert result["frozen_grads"] == [], result["frozen_grads"]
+        assert all(".lora." in name for name in result["trainable"]), result["trainable"]
+        for key, value in result["diffs"].items():
+            worst[key] = max(worst.get(key, 0.0), value)
+    held = {key.rsplit(".", 1)[0] for key in worst if key != "loss"}
+    assert 2 * len(held) == per_rank[0]["adapters"], (sorted(held), per_rank[0]["adapters"])
+    name = max(worst, key=worst.get)
+    print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}, {len(worst) - 1} adapter factors")
+    for key, value in worst.items():
+        assert value <= TOLERANCE, (key, value)
+    return worst
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_size):
+    """LoRA on every projection kind (nkv = 2 < D at D = 4), Qwen3's q/k norms,
+    and a MoE model with adapters on its attention."""
+    cases = [("llama", ALL_TARGETS, {}), ("qwen3", ALL_TARGETS, {"use_rslora": True}),
+             # the auxiliary loss off: its float32 statistics are test_moe's (here: the cross-entropy's gradients)
+             ("qwen2_moe", ATTENTION_ONLY, {"model_overrides": {"output_router_logits": False}})]
+    for arch, targets, options in cases:
+        per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
+        check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
+
+
+def test_the_inner_model_and_a_wrong_adapter_shard(run_ranks):
+    per_rank = run_ranks(2, lora_parity, arch="mistral", targets=("q_proj", "down_proj"), inner=True)
+    check_lora(per_rank, "D=2 mistral, the Hugging Face model inside the PeftModel")
+    for wrong in ("model.layers.0.self_attn.q_proj.lora_B", "model.layers.1.mlp.down_proj.lora_A"):
+        per_rank = run_ranks(2, lora_parity, arch="llama", targets=ALL_TARGETS, wrong_adapter=wrong)
+        loss = max(result["diffs"]["loss"] for result in per_rank)
+        print(f"{wrong} scaled by 1.5 on the last rank: loss moves {loss:.2e}")
+        assert loss > 1e-4
+
+
+def refusal(arch, targets, inner=False, **lora_options):
+    model = peft_model(arch, targets, **lora_options)
+    try:
+        ds_tsp.inject(model.base_model.model if inner else model, TSPTopology(1), TSPConfig(enabled=True, size=1))
+    except PolicyError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("targets, options, says", [
+    (("q_proj",), {"lora_dropout": 0.1}, "lora_dropout"),
+    (("q_proj",), {"use_dora": True}, "use_dora"),
+    (("q_proj",), {"bias": "lora_only"}, "bias"),
+    (("q_proj",), {"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    (("q_proj", "lm_head"), {}, "lm_head"),
+    (("embed_tokens",), {}, "embed_tokens"),
+])
+def test_what_cannot_be_sharded_is_refused_by_name(run_ranks, targets, options, says):
+    (message,) = run_ranks(1, refusal, arch="llama", targets=targets, **options)
+    print(message)
+    assert message is not None and says in message
+
+
+def test_a_moe_models_expert_adapters_are_refused(run_ranks):
+    (message,) = run_ranks(1, refusal, arch="qwen2_moe", targets=("q_proj", "gate_proj"))
+    print(message)
+    assert "shared_expert.gate_proj" in message and "target_modules" in message
