@@ -105,8 +105,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         mpu_for_deepspeed = topology.mpu()
     # ZeRO-3 gathers a module's own parameters around its forward and backward;
     # TSP attention also uses its per-head norms inside its backward, so all of
-    # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE).
-    set_z3_leaf_modules(model, [TSPAttention])
+    # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE);
+    # so are a block's LoRA adapters and its shard, which it merges (ds_tsp.lora).
+    set_z3_leaf_modules(model, [TSPAttention, TSPGatedMLP])
     describe_for_universal_checkpoints(model, topology)
     forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
     ds_config["tsp"] = tsp_config.model_dump()

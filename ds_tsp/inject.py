@@ -74,6 +74,12 @@ their base weights (``ds_tsp.lora``) and its PEFT config kept as
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
     model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
     model.tsp_peft_config = peft_config
+    if adapters:
+        # Everything before the first adapter is frozen, so no block input would need
+        # a gradient, and ZeRO-3 releases a block's parameters after backward reaches
+        # an input that needs none, before its adapters' gradients: as PEFT asks
+        # of gradient checkpointing, the embedding's output needs one.
+        model.enable_input_require_grads()
     return model
 
 

@@ -13,7 +13,7 @@ its rows of ``B`` (or columns of ``A``):
   ``A`` split by the same columns, ``B`` whole.
 
 Each forward a block builds this rank's merged shard ``W'_j`` from its frozen
-packed shard and its adapters (``LoRAShards.forward``: one ``(rows, r) x (r,
+packed shard and its adapters (``LoRAShards.merge``: one ``(rows, r) x (r,
 cols)`` product per adapted projection), and the schedules move and compute
 with it exactly as they move the base shard without adapters: one collective
 per step, the same bytes. Backward, the schedules deliver the merged shard's
@@ -61,15 +61,19 @@ class LoRAAdapter(nn.Module):
 
 
 class LoRAShards(nn.Module):
-    """The adapters of one TSP block, by projection name; ``forward(packed)``
-    returns the block's merged packed shard (see the module docstring)."""
+    """The adapters of one TSP block, by projection name; ``merge(packed)``
+    returns the block's merged packed shard (see the module docstring). Not a
+    forward: ZeRO-3 gathers the adapters with their block (a leaf module),
+    whose input needs a gradient, so they stay gathered until the block's
+    backward has reached them; a forward of its own, on the frozen shard
+    alone, would release them before."""
 
     def __init__(self, spec, adapters):
         super().__init__()
         self.spec = spec
         self.adapters = nn.ModuleDict(adapters)
 
-    def forward(self, packed):
+    def merge(self, packed):
         views, pieces = self.spec.unpack(packed), []
         for name, view in views.items():
             projection, kind = name.rsplit(".", 1)

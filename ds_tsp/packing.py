@@ -61,7 +61,7 @@ class PackedShardMixin:
     def shard_weights(self):
         """The packed shard the schedules compute with: ``packed``, merged with
         this rank's LoRA adapters where the block has them (``ds_tsp.lora``)."""
-        return self.packed if self.lora is None else self.lora(self.packed)
+        return self.packed if self.lora is None else self.lora.merge(self.packed)
 
     def shard_tensors(self):
         """This rank's pieces under Hugging Face names (views of the parameters)."""

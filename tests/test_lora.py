@@ -18,14 +18,14 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def peft_model(arch, targets, seed=0, model_overrides=None, **lora_options):
+def peft_model(arch, targets, seed=0, model_overrides=None, dtype=torch.float64, **lora_options):
     """A tiny ``arch`` with LoRA on ``targets``; ``init_lora_weights=False``
     draws non-zero ``lora_B``, so the adapters change the forward."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, **lora_options)
-    return get_peft_model(tiny_model(arch, **(model_overrides or {})), config)
+    return get_peft_model(tiny_model(arch, dtype=dtype, **(model_overrides or {})), config)
 
 
 def adapter_pieces(tsp_model, reference):
@@ -147,3 +147,106 @@ def test_a_moe_models_expert_adapters_are_refused(run_ranks):
     (message,) = run_ranks(1, refusal, arch="qwen2_moe", targets=("q_proj", "gate_proj"))
     print(message)
     assert "shared_expert.gate_proj" in message and "target_modules" in message
+
+
+# ------------------------------------------------------------ under the engine
+
+STEPS, MICRO_BATCH, SEQ_LEN = 3, 2, 16
+
+
+def frozen_weights(engine):
+    """Copies of the frozen parameters, whole (ZeRO-3 partitions them too)."""
+    import contextlib
+
+    import deepspeed
+
+    frozen = {name: param for name, param in engine.module.named_parameters() if not param.requires_grad}
+    partitioned = [param for param in frozen.values() if hasattr(param, "ds_id")]
+    with deepspeed.zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext():
+        return {name: param.detach().clone() for name, param in frozen.items()}
+
+
+def lora_training(tsp_size, zero_stage, out_dir):
+    """AdamW on the adapters of a float32 LoRA model for STEPS steps, under the
+    engine and on one process; then ``ds_tsp.save_pretrained`` and, on rank 0,
+    the directory loaded by PEFT over a fresh base model."""
+    from peft import PeftModel
+
+    dp_size = dist.get_world_size() // tsp_size
+    ref = peft_model("llama", ALL_TARGETS, dtype=torch.float32)
+    model = copy.deepcopy(ref)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+    engine, *_ = ds_tsp.initialize(model=model, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+                                   config=config)
+    frozen = frozen_weights(engine)
+    # The parameters ZeRO's optimizer partitions and keeps float32 masters of.
+    groups = getattr(engine.optimizer, "fp16_groups", None) or engine.optimizer.bit16_groups
+    optimized = {id(param) for group in groups for param in group}
+    in_optimizer = {"frozen": sum(id(p) in optimized for p in engine.module.parameters() if not p.requires_grad),
+                    "adapters": sum(id(p) in optimized for p in engine.module.parameters() if p.requires_grad),
+                    "all adapters": sum(p.requires_grad for p in engine.module.parameters())}
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    losses, ref_losses = [], []
+    topology = engine.tsp_topology
+    for _ in range(STEPS):
+        batch = torch.randint(0, ref.config.vocab_size, (dp_size * MICRO_BATCH, SEQ_LEN), generator=generator)
+        micro = batch[topology.dp_rank * MICRO_BATCH:(topology.dp_rank + 1) * MICRO_BATCH]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = sum(ref(input_ids=m, labels=m).loss for m in batch.split(MICRO_BATCH)) / dp_size
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)  # DeepSpeed's default
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+    after = frozen_weights(engine)
+    base_unchanged = after.keys() == frozen.keys() and all(torch.equal(after[n], frozen[n]) for n in frozen)
+    probe = torch.randint(0, ref.config.vocab_size, (2, SEQ_LEN), generator=generator)
+    with torch.no_grad():
+        engine_loss = engine(input_ids=probe, labels=probe).loss.item()
+        engine_logits = None if zero_stage == 3 else engine.module(input_ids=probe, use_cache=True,
+                                                                          logits_to_keep=1).logits[:, -1]
+    ds_tsp.save_pretrained(engine, out_dir)
+    result = {"losses": losses, "ref_losses": ref_losses, "base_unchanged": base_unchanged,
+              "in_optimizer": in_optimizer}
+    if dist.get_rank() == 0:
+        loaded = PeftModel.from_pretrained(tiny_model("llama", dtype=torch.float32), out_dir)
+        trained = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+        result["adapter_rel"] = max(((p - trained[n]).abs().max() / trained[n].abs().max()).item()
+                                    for n, p in loaded.named_parameters() if n in trained)
+        result["loaded_adapters"] = sum(1 for n in dict(loaded.named_parameters()) if n in trained)
+        with torch.no_grad():
+            out = loaded(input_ids=probe, labels=probe)
+        result["loss_vs_loaded"] = abs(out.loss.item() - engine_loss)
+        if engine_logits is not None:
+            result["logits_vs_loaded"] = (out.logits[:, -1] - engine_logits).abs().max().item()
+    return result
+
+
+@pytest.mark.parametrize("world, tsp_size, zero_stage", [(4, 2, 2), (2, 2, 3)])
+def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_path, world, tsp_size, zero_stage):
+    """The base weights stay bit-identical, only the adapters reach ZeRO's
+    optimizer (partitioned, with float32 masters), the losses follow the one-process
+    PEFT model's, and PEFT loads the saved adapters with its logits."""
+    per_rank = run_ranks(world, lora_training, tsp_size=tsp_size, zero_stage=zero_stage, out_dir=str(tmp_path))
+    first = per_rank[0]
+    replicas = per_rank[::tsp_size]  # the micro-batch losses of each data-parallel replica, averaged
+    losses = [sum(step) / len(replicas) for step in zip(*(result["losses"] for result in replicas))]
+    print(f"TSP {tsp_size} x DP {world // tsp_size} ZeRO-{zero_stage}: losses {losses} vs one process "
+          f"{first['ref_losses']}; saved adapters vs one process's {first['adapter_rel']:.1e} (relative), loss of "
+          f"the loaded model vs the engine's {first['loss_vs_loaded']:.1e}, logits {first.get('logits_vs_loaded')}")
+    for result in per_rank:
+        assert result["base_unchanged"]
+        counts = result["in_optimizer"]
+        assert counts["frozen"] == 0 and counts["adapters"] == counts["all adapters"] == 2 * 2 * len(ALL_TARGETS)
+    assert losses == pytest.approx(first["ref_losses"], rel=1e-5)
+    assert first["loaded_adapters"] == 2 * len(ALL_TARGETS) * 2  # A and B, 7 projections, 2 layers
+    assert first["adapter_rel"] < 1e-4
+    assert first["loss_vs_loaded"] < 1e-5
+    if zero_stage != 3:
+        assert first["logits_vs_loaded"] < 1e-5

@@ -42,6 +42,7 @@ from ..model import TSPCausalLMMixin, TSPDecoderLayer
 from ..packing import PackedShardMixin
 from ..policy import resolve_policy
 from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
+from .adapters import save_adapters
 from .expert_files import expert_files, to_files
 from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
 from .reading import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError,
@@ -383,9 +384,17 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     data-parallel gather first), and global rank 0 writes, beside ``out_dir``,
     which the files become once all are written (``staging``; see the module
     docstring); no rank returns before they are in place.
+
+    A model with LoRA adapters (``ds_tsp.inject`` of a ``PeftModel``) writes
+    PEFT's adapter directory instead, as ``PeftModel.save_pretrained`` does
+    (``ds_tsp.checkpoint.adapters``): load it with ``PeftModel.from_pretrained``
+    over the base model, and ``merge_and_unload()`` there for a merged model.
     """
     out_dir = os.fspath(out_dir)
     check_max_shard_size(max_shard_size)
+    module = model.module if not isinstance(model, TSPCausalLMMixin) and hasattr(model, "module") else model
+    if getattr(module, "tsp_peft_config", None) is not None:
+        return save_adapters(module, out_dir, overwrite)
     stage = saved_stage(model)
     topology = stage.topology
     # Replica 0 gathers over TSP; under ZeRO-3 every replica joins the data-parallel gathers first.

@@ -1,0 +1,100 @@
+"""A TSP model's LoRA adapters as PEFT's adapter directory: ``adapter_config.json``
+and ``adapter_model.safetensors`` under the names ``PeftModel.save_pretrained``
+writes, which ``PeftModel.from_pretrained`` loads on one process.
+
+Every adapter factor is small (``r`` rows or columns), so each block's
+adapters are gathered whole over its TSP group (under ZeRO-3 over its
+data-parallel group first) and global rank 0 writes them all in one file.
+"""
+
+import contextlib
+import copy
+import os
+
+import deepspeed
+import torch
+from safetensors.torch import save_file
+
+from .. import comm
+from ..lora import ROW_SPLIT
+from .reading import CheckpointError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def gather_pieces(tensor, group):
+    """Every rank's ``tensor`` in rank order; the ranks' shapes may differ (a
+    rank holding no key/value heads has no rows of their ``lora_B``)."""
+    shapes = comm.all_gather_objects(tuple(tensor.shape), group)
+    pieces = []
+    for owner, shape in enumerate(shapes):
+        piece = tensor.detach().contiguous() if owner == comm.group_rank(group) else tensor.new_empty(shape)
+        if piece.numel():
+            comm.broadcast(piece, src=owner, group=group)
+        pieces.append(piece)
+    return pieces
+
+
+def full_adapter(block, projection, adapter):
+    """The whole ``(lora_A, lora_B)`` of one projection: the split factor's
+    pieces joined in rank order, the whole one this rank's."""
+    if projection in ROW_SPLIT:
+        return adapter.lora_A.detach(), torch.cat(gather_pieces(adapter.lora_B, block.tsp_group), dim=0)
+    return torch.cat(gather_pieces(adapter.lora_A, block.tsp_group), dim=1), adapter.lora_B.detach()
+
+
+def adapter_blocks(model):
+    """``[(module path, TSP block)]`` of the blocks holding adapters, in the model's order."""
+    policy = model.tsp_policy
+    blocks = []
+    for index, layer in enumerate(model.get_submodule(policy.layers)):
+        for name, block in ((policy.attention, layer.self_attn), (policy.mlp, layer.mlp)):
+            if block.lora is not None:
+                blocks.append((f"{policy.layers}.{index}.{name}", block))
+    return blocks
+
+
+def adapter_state_dict(model):
+    """``{PEFT name: whole tensor}`` of every adapter, on every rank that gathers
+    (collective over each block's TSP group, and its data-parallel group where
+    ZeRO-3 partitions the adapters)."""
+    state = {}
+    for prefix, block in adapter_blocks(model):
+        params = [p for p in block.lora.parameters() if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(params) if params else contextlib.nullcontext():
+            for projection, adapter in block.lora.adapters.items():
+                lora_A, lora_B = full_adapter(block, projection, adapter)
+                state[f"base_model.model.{prefix}.{projection}.lora_A.weight"] = lora_A.cpu().clone()
+                state[f"base_model.model.{prefix}.{projection}.lora_B.weight"] = lora_B.cpu().clone()
+    return state
+
+
+def _out_dir_refusal(out_dir, overwrite):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"save_pretrained: {out_dir} exists and is not a directory: choose another out_dir"
+    if os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)) and not overwrite:
+        return (f"save_pretrained: {out_dir} already holds adapters ({ADAPTER_WEIGHTS}): pass overwrite=True to "
+                "replace them, or choose another out_dir")
+    return None
+
+
+def save_adapters(model, out_dir, overwrite=False):
+    """Write PEFT's adapter directory of the TSP ``model`` (see the module
+    docstring): its files are replaced with ``overwrite``, the directory's
+    other files kept. Collective: every rank calls it; global rank 0 writes."""
+    topology = model.tsp_topology
+    refusal = comm.all_gather_objects(_out_dir_refusal(out_dir, overwrite) if topology.rank == 0 else None, None)[0]
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    partitioned = any(hasattr(p, "ds_id") for _, block in adapter_blocks(model) for p in block.lora.parameters())
+    state = adapter_state_dict(model) if topology.dp_rank == 0 or partitioned else {}
+    if topology.rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(state, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = copy.deepcopy(model.tsp_peft_config)
+        config.inference_mode = True  # as PeftModel.save_pretrained writes it
+        if config.base_model_name_or_path is None:
+            config.base_model_name_or_path = getattr(model.config, "_name_or_path", None) or None
+        config.save_pretrained(out_dir)
+    comm.barrier(None)
