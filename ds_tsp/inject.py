@@ -70,6 +70,9 @@ their base weights (``ds_tsp.lora``) and its PEFT config kept as
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 
     model.__class__ = _tsp_class(type(model))
+    # A forward set on the instance (TRL's fused LM head) would hide the TSP
+    # forward that injection puts in front of the model's class.
+    vars(model).pop("forward", None)
     model.tsp_replicated_grads = replicated_grads  # ds_tsp.initialize schedules their sum per ZeRO stage
     model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
     model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)

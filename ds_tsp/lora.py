@@ -30,6 +30,8 @@ mask to ``x`` inside the adapter only, which a merged weight cannot, and is
 refused; so are DoRA and every other PEFT layer than a plain LoRA ``Linear``.
 """
 
+import re
+
 import torch
 from torch import nn
 
@@ -212,3 +214,18 @@ def check_adapter_paths(adapters, policy, layers):
 def block_adapters(adapters, prefix):
     """The adapters under module path ``prefix``, by their path below it."""
     return {path[len(prefix) + 1:]: weights for path, weights in adapters.items() if path.startswith(f"{prefix}.")}
+
+
+def peft_parameter_name(name):
+    """What a PEFT model's parameter is called in the TSP model's terms (the
+    Hugging Face module path): ``model.layers.0.self_attn.q_proj.lora_A`` for
+    PEFT's ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``,
+    ``...q_proj.weight`` for its ``...q_proj.base_layer.weight``."""
+    name = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1", name.removeprefix("base_model.model."))
+    return name.replace(".base_layer.", ".")
+
+
+def adapter_parameter_name(module_name, param_name):
+    """The same for a parameter of an injected model's ``LoRAAdapter`` at
+    ``module_name`` (``model.layers.0.self_attn.lora.adapters.q_proj``)."""
+    return f"{module_name.replace('.lora.adapters.', '.')}.{param_name}"

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .lora import LoRAAdapter, adapter_parameter_name, is_peft_model, peft_parameter_name
 from .packing import PackedShardMixin
 
 
@@ -21,7 +22,8 @@ def hf_tensors(model):
     """``[(parameter, {Hugging Face name: numel})]`` of an injected model, each
     parameter once: a TSP block's packed shard holds its spec's tensors in
     order, every other parameter (replicated in a block, a vocabulary shard,
-    a norm) the one Hugging Face tensor of its own name."""
+    a norm) the one Hugging Face tensor of its own name; a LoRA adapter's
+    factor is named by its projection (``lora.peft_parameter_name``)."""
     out = []
     for name, param in model.named_parameters():
         prefix, _, _ = name.rpartition(".")
@@ -31,6 +33,8 @@ def hf_tensors(model):
                 out.append((param, {f"{prefix}.{n}": math.prod(shape) for n, shape in module.spec.shapes.items()}))
                 continue
             name = next((f"{prefix}.{hf}" for hf, p in module.replicated_params().items() if p is param), name)
+        elif isinstance(module, LoRAAdapter):
+            name = adapter_parameter_name(prefix, name.rpartition(".")[2])
         out.append((param, {name: param.numel()}))
     return out
 
@@ -67,7 +71,8 @@ class ClientOptimizer:
         if instance and optimizer.state:
             raise ValueError("the optimizer has already taken a step: its state belongs to the unsharded "
                              "parameters; build it afresh (or pass a callable) before ds_tsp.initialize")
-        names = {id(param): name for name, param in model.named_parameters()}
+        peft = is_peft_model(model) or any(is_peft_model(module) for module in model.modules())
+        names = {id(param): peft_parameter_name(name) if peft else name for name, param in model.named_parameters()}
         source = list(optimizer.param_groups if instance else model_parameters)
         grouped = all(isinstance(entry, dict) for entry in source)
         groups = []

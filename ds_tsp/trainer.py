@@ -43,6 +43,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from .checkpoint import save_pretrained
 from .config import split_ds_config
 from .engine import initialize
+from .lora import is_peft_model
 from .model import TSPCausalLMMixin
 from .topology import TSPTopology
 
@@ -109,7 +110,7 @@ class TSPTrainerMixin:
         whole model's TSP shards at once (``accelerator.get_state_dict``).
         ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save: false`` saves the
         DeepSpeed checkpoint only, as Hugging Face does, and says how to export it."""
-        if self.tsp_topology is None or not isinstance(self.model, TSPCausalLMMixin):
+        if self.tsp_topology is None or _tsp_model(self.model) is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.model_wrapped
@@ -127,10 +128,10 @@ class TSPTrainerMixin:
     def _save(self, output_dir=None, state_dict=None):
         """Gathered Hugging Face files (``ds_tsp.save_pretrained``), which every
         rank joins; the Trainer's own files (processing class, arguments) as usual."""
-        if self.tsp_topology is None or not isinstance(self.model, TSPCausalLMMixin):
+        if self.tsp_topology is None or _tsp_model(self.model) is None:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(self.model, output_dir, overwrite=True)
+        save_pretrained(_tsp_model(self.model), output_dir, overwrite=True)
         self._save_trainer_files(output_dir)
 
     def _save_trainer_files(self, output_dir):
@@ -141,6 +142,13 @@ class TSPTrainerMixin:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, f"{output_dir}/{TRAINING_ARGS_NAME}")
+
+
+def _tsp_model(model):
+    """The TSP model that the Trainer's ``model`` is, or wraps (a ``PeftModel``'s
+    Hugging Face model, which the engine holds); None before injection."""
+    inner = model.base_model.model if is_peft_model(model) else model
+    return inner if isinstance(inner, TSPCausalLMMixin) else None
 
 
 class TSPTrainer(TSPTrainerMixin, Trainer):
@@ -238,9 +246,6 @@ def _tsp_engine(topology, config_params, model, **kwargs):
     """``ds_tsp.initialize`` with accelerate's arguments. Accelerate counts every
     rank as a data-parallel replica in ``train_batch_size``; DeepSpeed checks it
     against the TSP mpu's data-parallel size."""
-    # A forward set on the instance (TRL's fused LM head) would hide the TSP
-    # forward that injection puts in front of the model's class.
-    vars(model).pop("forward", None)
     config = dict(config_params)
     config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
                                   * topology.dp_size)

@@ -11,7 +11,9 @@ the Hugging Face docs' ZeRO-3 and ZeRO-2 (optimizer offload) configs. Against
 a stock Trainer script, two lines change: ``ds_tsp.TSPTrainer`` in place of
 ``transformers.Trainer``, and the ``tsp`` section in the config. Without
 ``--model`` it fine-tunes the small byte-level Llama of ``examples/train.py``
-on text that ships with Python, so it needs no download. On CPU ranks
+on text that ships with Python, so it needs no download. ``--lora 8`` trains
+LoRA adapters of rank 8 (a PEFT model, as for any Trainer) and writes PEFT's
+adapter directory. On CPU ranks
 (``DS_ACCELERATOR=cpu``) accelerate needs its state configured for DeepSpeed
 over gloo first (``ds_tsp.trainer.configure_cpu_ranks``). Prints the Trainer's
 logs as JSON lines, then the loss of the first and last 5 steps, the eval loss
@@ -43,6 +45,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save-steps", type=int, default=0,
                         help="write a Trainer checkpoint (Hugging Face model + DeepSpeed checkpoint) every N steps")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="fine-tune LoRA adapters of this rank on every projection (PEFT), the base frozen")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args()
 
@@ -74,6 +78,11 @@ def main():
         accelerator_config={"use_configured_state": on_cpu})
     torch.manual_seed(training_args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else small_byte_llama()
+    if args.lora:  # PEFT's own model: TSP shards each adapter with its base weight
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     corpus = byte_corpus()
     trainer = ds_tsp.TSPTrainer(model=model, args=training_args,
                                 train_dataset=windows(corpus, 4096, args.seq_len, seed=0),
@@ -81,7 +90,8 @@ def main():
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
     final_dir = os.path.join(args.output_dir, "final")
-    trainer.save_model(final_dir)  # an ordinary Hugging Face directory, gathered from the TSP shards
+    # An ordinary Hugging Face directory gathered from the TSP shards; with --lora PEFT's adapter directory.
+    trainer.save_model(final_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if dist.get_rank() == 0:
         print(f"ds_tsp: {trainer.tsp_topology} | loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps, "

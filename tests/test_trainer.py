@@ -11,6 +11,7 @@ stock Trainer runs once per mesh in the test process on the same global batches.
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -225,6 +226,33 @@ def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes
     assert all(torch.equal(exported[n], saved[n]) for n in saved)
 
 
+def test_example_fine_tunes_lora_adapters_under_the_deepspeed_launcher(tmp_path, own_processes):
+    """examples/hf_trainer.py --lora 8 on 2 CPU ranks (ZeRO-1): a PEFT model's
+    adapters train (the loss falls) and save_model writes PEFT's adapter
+    directory, which PEFT loads over the base model on one process."""
+    from peft import PeftModel
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29521", os.path.join(root, "examples", "hf_trainer.py"),
+           "--deepspeed", os.path.join(root, "ds_configs", "trainer_tsp2_cpu.json"), "--lora", "8", "--steps", "15",
+           "--seq-len", "64", "--lr", "1e-2", "--output-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines()
+              if line.startswith("{\"step\"") and "\"loss\"" in line]
+    print(f"example --lora 8: losses {[round(v, 3) for v in losses]}")
+    assert losses[-1] < losses[0] - 0.3
+    assert sorted(os.listdir(out / "final")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                 "training_args.bin"]
+    sys.path.insert(0, os.path.join(root, "examples"))
+    from train import small_byte_llama
+
+    loaded = PeftModel.from_pretrained(small_byte_llama(), out / "final")
+    assert sum(".lora_A." in name for name, _ in loaded.named_parameters()) == 7 * loaded.config.num_hidden_layers
+
+
 # ------------------------------------------------------------------------ TRL
 
 def _chat_tokenizer():
@@ -244,8 +272,9 @@ def _chat_tokenizer():
     return tokenizer
 
 
-def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None):
+def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None, lora=False):
     from datasets import Dataset
+    from peft import LoraConfig
     from trl import SFTConfig
 
     tokenizer = _chat_tokenizer()
@@ -258,10 +287,14 @@ def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None):
                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True, max_length=SEQ_LEN * 2, bf16=False,
                      deepspeed=deepspeed, **configured)
     model = tiny_model("qwen2", dtype=torch.float32, vocab_size=len(tokenizer))
-    return trainer_class(model=model, args=args, train_dataset=chats, processing_class=tokenizer)
+    # TRL wraps the model in PEFT itself; non-zero lora_B, so the adapters matter from the first step.
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                             init_lora_weights=False) if lora else None
+    return trainer_class(model=model, args=args, train_dataset=chats, processing_class=tokenizer,
+                         peft_config=peft_config)
 
 
-def _tsp_sft_run(output_dir):
+def _tsp_sft_run(output_dir, lora):
     from accelerate.state import AcceleratorState
 
     from ds_tsp.trainer import configure_cpu_ranks
@@ -273,22 +306,25 @@ def _tsp_sft_run(output_dir):
 
     try:
         configure_cpu_ranks()
-        trainer = _sft_trainer(TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()))
+        trainer = _sft_trainer(TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()),
+                               lora)
         trainer.train()
         return _losses(trainer)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path, lora):
     """TRL's SFTTrainer with the mixin in front, on a chat dataset, against one
-    process's SFTTrainer (whose loss comes from TRL's fused LM head)."""
+    process's SFTTrainer (whose loss comes from TRL's fused LM head); with
+    ``peft_config``, TRL's own PEFT model of LoRA adapters."""
     SFTTrainer = pytest.importorskip("trl").SFTTrainer
 
-    tsp_losses = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"))[0]
-    stock = _sft_trainer(SFTTrainer, str(tmp_path / "stock"), MICRO_BATCH)
+    tsp_losses = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"), lora=lora)[0]
+    stock = _sft_trainer(SFTTrainer, str(tmp_path / "stock"), MICRO_BATCH, lora=lora)
     stock.train()
-    print(f"SFT TSP=2: losses {[round(v, 6) for v in tsp_losses]}, stock {[round(v, 6) for v in _losses(stock)]}")
+    print(f"SFT TSP=2 (LoRA {lora}): losses {[round(v, 6) for v in tsp_losses]}, stock {[round(v, 6) for v in _losses(stock)]}")
     assert len(tsp_losses) == 4
     assert _relative(tsp_losses, _losses(stock)) <= BOUND
 
