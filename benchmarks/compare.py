@@ -14,7 +14,14 @@ bytes communicated and step time per rank, for two small models (``--models``):
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
     python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
+    python benchmarks/compare.py --models dense --lora-rank 16   # LoRA on every projection (compare_lora.md)
     python benchmarks/compare.py --sizes 2 --seq-lens 64 128 --layers 1 --vocab 1024 --out /tmp/cmp  # a smoke run
+
+With ``--lora-rank R`` every strategy trains PEFT's LoRA adapters of rank R
+(``--lora-targets``) over the frozen base, the same PeftModel for each: TSP
+(``ds_tsp.initialize`` takes the PeftModel), Ulysses and Ulysses + ZeRO-3
+(DeepSpeed's engine over the PeftModel) and the single process; the planner
+sections are left out (``ds_tsp.planning`` models full fine-tuning).
 
 Strategies, each trained for ``--warmup`` + ``--steps`` AdamW steps on the same
 weights and the same sequence (fp32, micro-batch ``--batch``):
@@ -124,7 +131,12 @@ def build_model(args):
     torch.manual_seed(0)
     config = model_config(args)
     model_class = Qwen3MoeForCausalLM if args.model == "moe" else LlamaForCausalLM
-    return model_class(config).float()
+    model = model_class(config).float()
+    if args.lora_rank:  # PEFT's LoRA model, the base frozen; non-zero B so the adapters change the forward
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=args.lora_targets, init_lora_weights=False))
+    return model
 
 
 def ds_config(args, zero_stage=0, **sections):
@@ -271,9 +283,12 @@ STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_
               "autotp_x_ulysses": run_autotp_x_ulysses}
 
 
-def strategies_for(world, model="dense"):
+def strategies_for(world, model="dense", lora=False):
     """What runs at ``world`` ranks; the MoE row runs TSP with its default folded
-    vocabulary only, and AutoTP (which DeepSpeed refuses for it) to show its error."""
+    vocabulary only, and AutoTP (which DeepSpeed refuses for it) to show its error;
+    with LoRA, TSP, Ulysses and Ulysses + ZeRO-3 (AutoTP does not take PEFT layers)."""
+    if lora:
+        return ["tsp", "ulysses", "ulysses_zero3"]
     if model == "moe":
         return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
@@ -374,6 +389,10 @@ def parse_args(argv=None):
     parser.add_argument("--expert-intermediate", type=int, default=512, help="MoE row: one expert's intermediate size")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default: dense 128256, Llama 3's; MoE 32000)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0, help="train PEFT LoRA adapters of this rank, the base "
+                                                                  "frozen (files named <name>_lora)")
+    parser.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
     parser.add_argument("--strategy-timeout", type=float, default=600, help="seconds for one strategy, all lengths")
     parser.add_argument("--collective-timeout", type=float, default=120, help="gloo timeout, so a dead peer fails")
     parser.add_argument("--out", default="benchmarks/results")
@@ -407,7 +426,7 @@ def model_args(args, model):
     row = copy.copy(args)
     row.model, row.sizes = model, sizes_of(args, model)
     row.vocab = args.vocab or defaults["vocab"]
-    row.name = args.name + defaults["suffix"]
+    row.name = args.name + defaults["suffix"] + ("_lora" if args.lora_rank else "")
     return row
 
 
@@ -417,7 +436,7 @@ def run_row(args, command):
     results = {"single": run_strategy("single", 1, args)}
     print(f"[{time.monotonic() - start:.0f} s] {args.model}: single process done", flush=True)
     for world in args.sizes:
-        for name in strategies_for(world, args.model):
+        for name in strategies_for(world, args.model, bool(args.lora_rank)):
             if name not in args.strategies:
                 results[(name, world)] = {s: "unsupported: not run (--strategies)" for s in args.seq_lens}
                 continue
@@ -444,6 +463,8 @@ def _model_card(args):
     card = {"arch": "LlamaForCausalLM", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
             "kv_heads": args.kv_heads, "intermediate": args.intermediate, "vocab": args.vocab, "batch": args.batch,
             "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LR})"}
+    if args.lora_rank:
+        card.update(lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     if args.model == "moe":
         card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,
                     top_k=args.top_k, expert_intermediate=args.expert_intermediate)

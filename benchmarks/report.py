@@ -137,6 +137,8 @@ def tabulate(results, args, rows_exchanged):
                 ref_losses = None if name == "single" or isinstance(ref, str) else ref[0]["losses"]
                 key = (name, world, seq_len)
                 summaries[key] = value if isinstance(value, str) else summarize(value, ref_losses)
+                if getattr(args, "lora_rank", 0):
+                    continue  # the planner models full fine-tuning
                 if planner_counterpart(name, world, is_moe(args)):
                     planned_peaks[key] = planned_peak_row(args, name, world, seq_len, summaries[key])
                 if name in TSP_VOCAB_PARALLEL:
@@ -171,7 +173,8 @@ def write_markdown(results, tables, args, meta):
     lines = _preamble(args, meta)
     for world in args.sizes:
         lines += _strategy_table(results, summaries, args, world)
-    lines += _folded_table(results, summaries, args)
+    lines += _lora_table(results, summaries, args) if getattr(args, "lora_rank", 0) else _folded_table(
+        results, summaries, args)
     lines += _planned_peak_table(planned_peaks, args)
     lines += _tsp_bytes_table(tsp_bytes, args)
     lines += ["", bytes_verdict(tsp_bytes)]
@@ -275,6 +278,28 @@ def _folded_table(results, summaries, args):
             lines.append(f"| {world} | {seq_len} | {folded['peak_live_mib']:.1f} | {replicated['peak_live_mib']:.1f} | "
                          f"{folded['peak_live_mib'] / replicated['peak_live_mib']:.3f} | {other_text} |")
     return lines + [""]
+
+
+def _lora_table(results, summaries, args):
+    """TSP + LoRA's per-rank peak against each other strategy's, per D and length."""
+    lines = ["", "### LoRA: TSP's peak over the others'", "",
+             f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets)}, base frozen (fp32 here, as every "
+             "figure of this benchmark), AdamW on the adapters only.", "",
+             "| D | seq len | TSP (MiB) | " + " | ".join(f"TSP / {LABELS[n]}" for n in ("single", "ulysses",
+                                                                                   "ulysses_zero3")) + " |",
+             "|---|---|---|---|---|---|"]
+    for world in args.sizes:
+        for seq_len in args.seq_lens:
+            tsp = summaries.get(("tsp", world, seq_len))
+            if tsp is None or isinstance(tsp, str):
+                continue
+            ratios = []
+            for name in ("single", "ulysses", "ulysses_zero3"):
+                other = summaries.get((name, world, seq_len))
+                ratios.append("-" if other is None or isinstance(other, str) else
+                              f"{tsp['peak_live_mib'] / other['peak_live_mib']:.2f}")
+            lines.append(f"| {world} | {seq_len} | {tsp['peak_live_mib']:.1f} | " + " | ".join(ratios) + " |")
+    return lines
 
 
 def _planned_peak_table(planned_peaks, args):

@@ -250,3 +250,32 @@ def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_p
     assert first["loss_vs_loaded"] < 1e-5
     if zero_stage != 3:
         assert first["logits_vs_loaded"] < 1e-5
+
+
+# ------------------------------------------------------------------- planner
+
+def adapter_numel(targets):
+    tsp_size = dist.get_world_size()
+    tsp_model = ds_tsp.inject(peft_model("llama", targets), TSPTopology(tsp_size),
+                              TSPConfig(enabled=True, size=tsp_size))
+    return sum(p.numel() for n, p in tsp_model.named_parameters() if ".lora." in n)
+
+
+def test_the_planner_counts_the_adapters_each_rank_holds_and_freezes_the_base(run_ranks):
+    from ds_tsp.planning import plan
+    from ds_tsp.planning.shapes import lora_adapter_params, model_shape
+
+    config = tiny_model("llama").config
+    shape = model_shape(config)
+    for targets in (ALL_TARGETS, ("q_proj", "down_proj")):
+        held = run_ranks(2, adapter_numel, targets=targets)
+        planned = shape.num_layers * lora_adapter_params(shape, 4, targets, 2)
+        print(f"LoRA on {targets}: each rank holds {held}, planned {planned}")
+        assert held == [planned] * 2
+    full = {p.name: p for p in plan(config, 4096, 1, 2, "bf16")}
+    lora = {p.name: p for p in plan(config, 4096, 1, 2, "bf16", lora_rank=4, lora_targets=ALL_TARGETS)}
+    for name, plan_full in full.items():
+        adapters = lora[name].memory["grads"] / 2  # bf16 gradients of the adapters only
+        assert lora[name].memory["weights"] == pytest.approx(plan_full.memory["weights"] + 2 * adapters)
+        assert lora[name].memory["optimizer"] == pytest.approx(12 * adapters)
+        assert lora[name].memory["grads"] < plan_full.memory["grads"]

@@ -14,7 +14,8 @@ from pathlib import Path
 from .anchors import ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_PEAK_GB
 from .longest import max_seq_len
 from .serving import format_serving_table, serving_plans
-from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, PRECISIONS, PRESETS,
+from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, LORA_TARGETS, PRECISIONS,
+                     PRESETS,
                      TSP_ATTENTION_BACKWARDS, model_shape)
 from .strategies import plan, recommend
 from .tables import (format_gb, format_longest_table, format_moe_facts, format_table, format_time_anchors,
@@ -97,6 +98,11 @@ def add_plan_arguments(parser):
                              "needs --activation-checkpointing")
     parser.add_argument("--offload-optimizer", action="store_true",
                         help="ZeRO's offload_optimizer to the CPU (needs --zero-stage >= 1)")
+    parser.add_argument("--lora-rank", type=_non_negative_int, default=0,
+                        help="plan LoRA fine-tuning: adapters of this rank, the base frozen in the model dtype "
+                             "(default 0: full fine-tuning)")
+    parser.add_argument("--lora-targets", nargs="+", default=list(LORA_TARGETS), choices=LORA_TARGETS,
+                        help="the projections with adapters (default: all seven)")
     parser.add_argument("--memory-gb", type=float, help="device memory in GB: list the strategies that fit, best "
                                                         "first; with --max-seq-len, the device budget")
     parser.add_argument("--host-memory-gb", type=float,
@@ -218,7 +224,8 @@ def _run_table(args, out):
     options = dict(token_tile=args.token_tile or 0, fp32_accumulators=args.fp32_accumulators,
                    recompute_norms=bool(args.recompute_norms), offload_activations=args.offload_activations,
                    offload_optimizer=args.offload_optimizer,
-                   devices_per_node=args.devices_per_node)
+                   devices_per_node=args.devices_per_node, lora_rank=args.lora_rank,
+                   lora_targets=tuple(args.lora_targets))
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)
     print(format_table(plans, PAPER_PEAK_GB if args.paper else None, cluster), file=out)

@@ -12,6 +12,12 @@ estimate), and what offloading puts in host memory instead.
   live in host memory, and so do the gradients, in fp32, as DeepSpeed's
   ZeRO-Offload copies each one out when backward produces it: the device keeps
   its weights and one layer's gradients at a time.
+* LoRA (``lora_rank``): the base is frozen, held in the model dtype with no
+  gradient, master or optimizer state (``lora_model_states``); the adapters
+  of ``lora_targets`` carry the full states, split as ds_tsp splits them
+  (``shapes.lora_adapter_params``; TP alike). TSP keeps each layer's merged
+  shard ``W + sBA`` (``ds_tsp.lora``) from forward to backward: one more
+  copy of its shards, in the model dtype, among the saved tensors.
 * Activations are the tensors autograd saves for backward, counted tensor by
   tensor (Korthikanti et al. 2022, "Reducing Activation Recomputation", method).
   Their ``S*B*H*(34 + 5*a*S/H)`` bytes per layer is for a GPT layer (LayerNorm,
@@ -243,6 +249,16 @@ def model_states(params, p, zero_stage, zero_group, offload_optimizer=False, lay
         host = partition * (p.optimizer + FLOAT32)
         grads, optimizer = layer_params * p.grad, 0
     return {"weights": weights, "grads": grads, "optimizer": optimizer}, host
+
+
+def lora_model_states(frozen_params, adapter_params, p, zero_stage, zero_group, offload_optimizer=False,
+                      layer_adapter_params=0):
+    """``model_states`` of a LoRA run: the adapters' full states and the frozen
+    base's weights alone (the model dtype: no gradient, master or optimizer
+    state; partitioned only by ZeRO-3)."""
+    states, host = model_states(adapter_params, p, zero_stage, zero_group, offload_optimizer, layer_adapter_params)
+    states["weights"] += frozen_params * p.weight / (zero_group if zero_stage >= 3 and zero_group > 1 else 1)
+    return states, host
 
 
 def host_memory(setting, checkpoint_tokens, optimizer_host):

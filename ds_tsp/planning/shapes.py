@@ -209,6 +209,8 @@ class Setting:
     offload_activations: bool = False  # activation_checkpointing.cpu_checkpointing: checkpoints in host memory
     offload_optimizer: bool = False  # zero_optimization.offload_optimizer.device "cpu"
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the base frozen (0: full fine-tuning)
+    lora_targets: tuple = ()
 
     @property
     def precision(self):
@@ -217,6 +219,27 @@ class Setting:
     @property
     def ranks_per_node(self):
         return min(self.devices, self.devices_per_node)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Which projections split by output rows under TSP and TP (their lora_B splits, lora_A is whole).
+LORA_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def lora_adapter_params(m, rank, targets, shards, sparse=False):
+    """Parameters of one layer's LoRA adapters that one of ``shards`` ranks
+    holds (TSP's and TP's split: the factor on the split side by ``shards``,
+    the other whole); a sparse layer's MLP takes none (ds_tsp refuses them)."""
+    H, d, F = m.hidden_size, m.head_dim, m.intermediate_size
+    sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
+             "o_proj": (m.num_heads * d, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
+    total = 0
+    for name in targets:
+        if sparse and name in ("gate_proj", "up_proj", "down_proj"):
+            continue
+        fan_in, fan_out = sizes[name]
+        total += rank * (fan_in + fan_out / shards) if name in LORA_ROW_SPLIT else rank * (fan_in / shards + fan_out)
+    return total
 
 
 def _shape_fields(model):

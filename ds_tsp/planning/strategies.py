@@ -44,10 +44,11 @@ from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
 from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
                      HEAD_BACKWARD, KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
                      ZERO3_GATHERED, hf_layer_saved_per_token, hf_moe_layer_saved, host_memory, load_balancing_saved,
-                     logits_memory, model_level_saved, model_states, tiled_loss_memory, transient_terms,
+                     logits_memory, lora_model_states, model_level_saved, model_states, tiled_loss_memory,
+                     transient_terms,
                      tsp_layer_saved_per_token, tsp_vocab_memory)
-from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, PRECISIONS,
-                     TSP_ATTENTION_BACKWARDS, Setting, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
+from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, LORA_TARGETS, PRECISIONS,
+                     TSP_ATTENTION_BACKWARDS, Setting, lora_adapter_params, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
                      vocab_rows_per_rank)
 
 
@@ -205,13 +206,22 @@ def plan_tsp(setting, vocab_parallel):
                     for sparse, _ in m.layer_kinds}
     vocab_rows = vocab_rows_per_rank(m.vocab_size, D) if vocab_parallel else m.vocab_size
     vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
-    states, optimizer_host = model_states(
-        sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab, p, setting.zero_stage,
-        1, setting.offload_optimizer, layer_params=max(*layer_params.values(), vocab_rows * H))
+    all_params = sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
+    if setting.lora_rank:
+        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
+                    for sparse, _ in m.layer_kinds}
+        states, optimizer_host = lora_model_states(
+            all_params, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds), p, setting.zero_stage, 1,
+            setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
+    else:
+        states, optimizer_host = model_states(all_params, p, setting.zero_stage, 1, setting.offload_optimizer,
+                                              layer_params=max(*layer_params.values(), vocab_rows * H))
 
     layer_saved = {sparse: tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
                                                               setting.recompute_norms)
                    for sparse, _ in m.layer_kinds}
+    if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
+        layer_saved = {sparse: saved + e * (attn_shard + ffn_shard[sparse]) for sparse, saved in layer_saved.items()}
     if setting.activation_checkpointing and setting.recompute_norms:
         # The recomputed layer's first norm keeps the layer's checkpointed input, already counted as such.
         layer_saved = {sparse: saved - tokens * e * H for sparse, saved in layer_saved.items()}
@@ -367,9 +377,16 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     vocab_shards = t if vocab_parallel else 1
     embedding = m.embedding_params / t if vocab_parallel else \
         m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
-    states, optimizer_host = model_states(all_layers + embedding, p, setting.zero_stage, replica_group,
-                                          setting.offload_optimizer,
-                                          layer_params=max(*layer_params.values(), m.vocab_size * H / t))
+    if setting.lora_rank:
+        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, t, sparse)
+                    for sparse, _ in kinds}
+        states, optimizer_host = lora_model_states(
+            all_layers + embedding, sum(layers * adapters[sparse] for sparse, layers in kinds), p,
+            setting.zero_stage, replica_group, setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
+    else:
+        states, optimizer_host = model_states(all_layers + embedding, p, setting.zero_stage, replica_group,
+                                              setting.offload_optimizer,
+                                              layer_params=max(*layer_params.values(), m.vocab_size * H / t))
 
     ulysses = kind == "ulysses" and c > 1
     layer_saved = {}
@@ -483,8 +500,14 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                  tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
                  fp32_accumulators=True, recompute_norms=False, offload_activations=False, offload_optimizer=False,
-                 devices_per_node=DEFAULT_DEVICES_PER_NODE):
+                 devices_per_node=DEFAULT_DEVICES_PER_NODE, lora_rank=0, lora_targets=LORA_TARGETS):
     """A checked ``Setting`` (arguments as ``plan``'s)."""
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an integer >= 0 (0: full fine-tuning), not {lora_rank!r}")
+    unknown = sorted(set(lora_targets) - set(LORA_TARGETS))
+    if unknown:
+        raise ValueError(f"lora_targets {unknown} are not projections ds_tsp shards adapters on: choose from "
+                         f"{', '.join(LORA_TARGETS)}")
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, not {dtype!r}")
     if zero_stage not in (0, 1, 2, 3):
@@ -510,7 +533,8 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
         raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
     return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
                    tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
-                   bool(recompute_norms), bool(offload_activations), bool(offload_optimizer), devices_per_node)
+                   bool(recompute_norms), bool(offload_activations), bool(offload_optimizer), devices_per_node,
+                   lora_rank, tuple(lora_targets))
 
 
 def baseline_plans(setting):
@@ -545,7 +569,8 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     ``offload_activations`` (checkpoints in host memory: ``cpu_checkpointing``),
     ``offload_optimizer`` (ZeRO's ``offload_optimizer: cpu``) and
     ``devices_per_node`` (ranks whose offloads share one host); the offloads
-    apply to every strategy."""
+    apply to every strategy. ``lora_rank`` (> 0) and ``lora_targets`` plan
+    LoRA fine-tuning: the base frozen, adapters on those projections."""
     setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
                            tsp_attention_backward, logits_tile_mib, **options)
     return baseline_plans(setting) + [plan_tsp(setting, vocab_parallel=False),
