@@ -18,6 +18,7 @@ from .checkpoint.resharding import attach_layout_checks
 from .checkpoint.universal import describe_for_universal_checkpoints, load_zero3_universal_states
 from .config import split_ds_config
 from .inject import inject
+from .lora import holds_adapters
 from .mlp import TSPGatedMLP
 from .model import num_targets
 from .moe import TSPSparseMoE
@@ -84,6 +85,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
     if tsp_config.pipeline_stages > 1:
+        if not isinstance(model, (str, os.PathLike)) and holds_adapters(model):
+            raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with PEFT adapters is not "
+                             "supported: train LoRA with pipeline_stages 1 (TSP x DP)")
         check_pipeline_stages(model_config(model), tsp_config, ds_config)
     topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     if isinstance(model, (str, os.PathLike)):

@@ -115,7 +115,13 @@ def shard_adapters(block, adapters, tsp_group, from_model):
 
 
 def is_peft_model(model):
+    """Whether ``model`` is one of PEFT's own modules (a ``PeftModel``, a LoRA layer, ...)."""
     return type(model).__module__.startswith("peft.")
+
+
+def holds_adapters(model):
+    """Whether ``model`` is a ``PeftModel`` or holds PEFT's layers."""
+    return any(is_peft_model(module) for module in model.modules())
 
 
 def take_adapters(model):

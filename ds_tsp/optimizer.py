@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .lora import LoRAAdapter, adapter_parameter_name, is_peft_model, peft_parameter_name
+from .lora import LoRAAdapter, adapter_parameter_name, holds_adapters, peft_parameter_name
 from .packing import PackedShardMixin
 
 
@@ -71,7 +71,7 @@ class ClientOptimizer:
         if instance and optimizer.state:
             raise ValueError("the optimizer has already taken a step: its state belongs to the unsharded "
                              "parameters; build it afresh (or pass a callable) before ds_tsp.initialize")
-        peft = is_peft_model(model) or any(is_peft_model(module) for module in model.modules())
+        peft = holds_adapters(model)
         names = {id(param): peft_parameter_name(name) if peft else name for name, param in model.named_parameters()}
         source = list(optimizer.param_groups if instance else model_parameters)
         grouped = all(isinstance(entry, dict) for entry in source)

@@ -335,10 +335,13 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
-                                grad_wire_dtype=None):
+                                grad_wire_dtype=None, weight_grad=True):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
     rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
-    accumulators travel in ``comm.gradient_wire_dtype(grad_wire_dtype, ...)``."""
+    accumulators travel in ``comm.gradient_wire_dtype(grad_wire_dtype, ...)``.
+    Without ``weight_grad`` (a frozen head: LoRA) the shards go round the ring
+    once more for ``grad_hidden`` alone, with no accumulators, and ``grad_weight``
+    is None."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
@@ -346,7 +349,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
     grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
 
     def step(t, buf):
-        grad_w = torch.zeros(buf.shape, dtype=acc, device=buf.device)
+        grad_w = torch.zeros(buf.shape, dtype=acc, device=buf.device) if weight_grad else None
         first, count = _shard_columns(tsp_rank, t, tsp_size, rows, vocab_size)
         if count == 0:
             return grad_w
@@ -359,9 +362,13 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
             dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
             dz = (dz * scale[span].unsqueeze(1)).to(w.dtype)
             grad_hidden[span] += dz @ w
-            grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
+            if weight_grad:
+                grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
         return grad_w
 
+    if not weight_grad:
+        ring_steps(weight, tsp_group, step, overlap)
+        return grad_hidden.to(hidden.dtype), None
     wire = comm.gradient_wire_dtype(grad_wire_dtype, weight.dtype)
     grad_weight = ring_gradients(weight, tsp_group, step, overlap, wire)
     return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
@@ -387,7 +394,7 @@ class _CrossEntropyRing(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden, grad_weight = cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse,
                                                                ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
-                                                               ctx.grad_wire_dtype)
+                                                               ctx.grad_wire_dtype, ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 

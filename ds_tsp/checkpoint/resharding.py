@@ -41,6 +41,12 @@ LAYOUT_FORMAT = "ds_tsp.layout"
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
 
 
+# Universal checkpoints do not describe how ds_tsp splits LoRA adapters.
+LORA_RESHARD_REFUSED = ("{source} is a LoRA run's checkpoint, whose adapter shards ds_tsp does not reshard: resume it at "
+                        "the TSP x DP x PP layout it was saved at, or write its adapters (ds_tsp.save_pretrained), "
+                        "which PeftModel.from_pretrained loads for a model of any layout")
+
+
 def engine_layout(engine):
     """``{"tsp", "dp", "pp", "zero_stage", "pipeline_names"}`` of a ds_tsp
     engine; ``pipeline_names`` pairs the module names of pipeline stages with
@@ -51,7 +57,8 @@ def engine_layout(engine):
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
             "zero_stage": int(engine.zero_optimization_stage()),
             "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
-            "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"]}
+            "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"],
+            "lora": getattr(module, "tsp_peft_config", None) is not None}
 
 
 def describe(layout):
@@ -128,6 +135,8 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
     if saved["universal"]:
         raise CheckpointError(f"{source} is a universal checkpoint already: load it with "
                               "\"checkpoint\": {\"load_universal\": true}")
+    if saved.get("lora"):
+        raise CheckpointError(LORA_RESHARD_REFUSED.format(source=source))
     if saved["zero_stage"] == 0:
         raise CheckpointError(f"{source} was saved with zero_optimization.stage 0, whose optimizer state DeepSpeed's "
                               "universal checkpoints do not read: train with stage 1, 2 or 3 to move between layouts")
@@ -290,6 +299,8 @@ def attach_layout_checks(engine):
             # DeepSpeed would load nothing at all, silently.
             raise CheckpointError("\"checkpoint\": {\"load_universal\": true} restores through ZeRO's optimizer, "
                                   "which zero_optimization.stage 0 has none of: use stage 1, 2 or 3")
+        if universal and layout["lora"]:
+            raise CheckpointError(LORA_RESHARD_REFUSED.format(source=load_dir))
         refusal = load_refusal(load_dir, tag, layout, universal)
         if refusal is None:
             return load(load_dir, tag, *args, **kwargs)
