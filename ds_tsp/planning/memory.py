@@ -17,7 +17,8 @@ estimate), and what offloading puts in host memory instead.
   of ``lora_targets`` carry the full states, split as ds_tsp splits them
   (``shapes.lora_adapter_params``; TP alike). TSP keeps each layer's merged
   shard ``W + sBA`` (``ds_tsp.lora``) from forward to backward: one more
-  copy of its shards, in the model dtype, among the saved tensors.
+  copy of its shards, in the model dtype, among the saved tensors; its
+  frozen folded head's backward ring keeps no gradient accumulators.
 * Activations are the tensors autograd saves for backward, counted tensor by
   tensor (Korthikanti et al. 2022, "Reducing Activation Recomputation", method).
   Their ``S*B*H*(34 + 5*a*S/H)`` bytes per layer is for a GPT layer (LayerNorm,

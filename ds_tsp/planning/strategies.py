@@ -232,7 +232,9 @@ def plan_tsp(setting, vocab_parallel):
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
         logits_saved, vocab_transient = tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
         logits_held = 0
-        loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD)
+        # A frozen head (LoRA) keeps no gradient accumulators on its ring.
+        loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD
+                            if not (setting.lora_rank and k == "head_grad_accumulators"))
         # The embedding's backward keeps its route on ctx, not as saved tensors: the ids of its own rows that
         # every rank's tokens use (N expected) and the local tokens' order, instead of the ids nn.Embedding saves.
         model_saved -= tokens * INT64
