@@ -132,7 +132,9 @@ def build_model(args):
     config = model_config(args)
     model_class = Qwen3MoeForCausalLM if args.model == "moe" else LlamaForCausalLM
     model = model_class(config).float()
-    if args.lora_rank:  # PEFT's LoRA model, the base frozen; non-zero B so the adapters change the forward
+    # --lora-rank: PEFT's LoRA model, the base frozen, non-zero B so the adapters change the forward
+    # (longest.py's arguments have no LoRA)
+    if getattr(args, "lora_rank", 0):
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                                  target_modules=args.lora_targets, init_lora_weights=False))
@@ -463,7 +465,7 @@ def _model_card(args):
     card = {"arch": "LlamaForCausalLM", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
             "kv_heads": args.kv_heads, "intermediate": args.intermediate, "vocab": args.vocab, "batch": args.batch,
             "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LR})"}
-    if args.lora_rank:
+    if getattr(args, "lora_rank", 0):
         card.update(lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     if args.model == "moe":
         card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,

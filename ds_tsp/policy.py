@@ -224,13 +224,13 @@ def _from_transformers(obj):
 
 
 def refuse_adapters(model):
-    """PEFT models (a ``PeftModel``, or a Hugging Face model whose layers PEFT
-    wrapped) are not sharded yet: refused by name rather than half-converted."""
+    """Only ``ds_tsp.inject`` (``ds_tsp.lora.take_adapters``) shards PEFT
+    adapters: anywhere else a model holding them is refused by name rather
+    than half-converted."""
     wrapped = next((module for module in model.modules() if type(module).__module__.startswith("peft.")), None)
     if wrapped is not None:
-        raise PolicyError(f"{type(model).__name__} holds PEFT adapters ({type(wrapped).__name__}), which ds_tsp does "
-                          "not shard yet: train them without TSP, or merge them first "
-                          "(peft_model.merge_and_unload()) and hand ds_tsp the merged Hugging Face model")
+        raise PolicyError(f"{type(model).__name__} holds PEFT adapters ({type(wrapped).__name__}): hand the "
+                          "PeftModel to ds_tsp.inject or ds_tsp.initialize, which shard them (ds_tsp.lora)")
 
 
 def resolve_policy(model, name="auto"):

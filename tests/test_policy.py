@@ -21,7 +21,7 @@ from ds_tsp.topology import TSPTopology
 from ds_tsp.vocab import VocabError
 from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
                     tiny_causal_lm, tiny_model)
-from parity import FLOAT32_NORM_MODELS, TOLERANCE, check, reference_loss, shard_grad_diffs, tolerance_of
+from parity import FLOAT32_NORM_MODELS, check, reference_loss, shard_grad_diffs, tolerance_of
 
 TABLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "mistral": "MistralForCausalLM"}
@@ -229,15 +229,3 @@ def test_the_probe_accepts_a_genuine_look_alike_and_all_ranks_agree(run_ranks):
     per_rank = run_ranks(2, probe_verdicts)
     assert all(refused and "ClampedDecoderLayer" in refused for refused, _ in per_rank)
     check([diffs for _, diffs in per_rank], "D=2 class-renamed Llama layer (auto policy, probed)")
-
-
-def test_peft_adapters_are_refused_by_name():
-    """A PeftModel, or the Hugging Face model inside it with its layers wrapped,
-    is refused naming the adapters, before anything is sharded (it used to
-    crash with a KeyError while sharding)."""
-    from peft import LoraConfig, get_peft_model
-    peft_model = get_peft_model(tiny_model("llama"), LoraConfig(target_modules=["q_proj", "v_proj", "down_proj"]))
-    config = TSPConfig(enabled=True, size=1, attention_backend="sdpa")
-    for model in (peft_model, peft_model.base_model.model):
-        with pytest.raises(PolicyError, match=r"holds PEFT adapters \(.*\), which ds_tsp does not shard yet"):
-            ds_tsp.inject(model, TSPTopology(1), config)
