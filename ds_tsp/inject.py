@@ -16,10 +16,10 @@ from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 def inject(model, topology, tsp_config, read=None, device=None):
     """Turn ``model`` (e.g. a ``LlamaForCausalLM``) into a TSP model and return it.
-A ``PeftModel`` with a LoRA adapter (or the Hugging Face model inside one)
-becomes the TSP model of its Hugging Face model, its adapters sharded with
-their base weights (``ds_tsp.lora``) and its PEFT config kept as
-``tsp_peft_config``, for ``ds_tsp.save_pretrained`` to write PEFT's files.
+    A ``PeftModel`` with a LoRA adapter (or the Hugging Face model inside one)
+    becomes the TSP model of its Hugging Face model, its adapters sharded with
+    their base weights (``ds_tsp.lora``) and its PEFT config kept as
+    ``tsp_peft_config``, for ``ds_tsp.save_pretrained`` to write PEFT's files.
 
     ``read(full_name, piece)`` supplies each tensor or this rank's piece of it
     (``piece = (dim, start, length)``, None for whole); by default the model's

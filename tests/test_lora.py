@@ -279,3 +279,19 @@ def test_the_planner_counts_the_adapters_each_rank_holds_and_freezes_the_base(ru
         assert lora[name].memory["weights"] == pytest.approx(plan_full.memory["weights"] + 2 * adapters)
         assert lora[name].memory["optimizer"] == pytest.approx(12 * adapters)
         assert lora[name].memory["grads"] < plan_full.memory["grads"]
+
+
+def pipeline_refusal():
+    config = {"train_micro_batch_size_per_gpu": 1, "tsp": {"enabled": True, "size": 1, "pipeline_stages": 2}}
+    try:
+        ds_tsp.initialize(model=peft_model("llama", ("q_proj",)), config=config,
+                          optimizer=lambda params: torch.optim.AdamW(params))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_pipeline_stages_with_adapters_are_refused(run_ranks):
+    messages = run_ranks(2, pipeline_refusal)
+    print(messages[0])
+    assert all(m is not None and "pipeline_stages = 2 with PEFT adapters" in m for m in messages)
