@@ -32,7 +32,7 @@ from .vocab import VocabParallelLMHead
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, *,
-               tsp_topology=None, **kwargs):
+               tsp_topology=None, tsp_adapter=None, **kwargs):
     """Same arguments and return tuple as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -58,7 +58,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     to its weight, under AdamW) joins the group without decay and the others'
     decay is applied to its elements alone (``ClientOptimizer``).
     ``tsp_topology`` reuses a topology already built (the Trainer builds it
-    for its data loaders).
+    for its data loaders). ``tsp_adapter``, with ``model`` a checkpoint
+    directory: a PEFT adapter directory of LoRA adapters read onto it, each
+    rank reading only its slices (``ds_tsp.from_pretrained(..., adapter=)``).
     """
     source = config if config is not None else config_params
     if source is None and args is not None:
@@ -75,6 +77,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
 
     # Every check that needs only sizes runs before any weight is touched.
+    if tsp_adapter is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError("tsp_adapter reads a PEFT adapter directory onto the checkpoint directory given as model; "
+                        "for a model object, pass PeftModel.from_pretrained(model, ADAPTER_DIR) as model instead")
     client = ClientOptimizer.capture(model, optimizer, model_parameters)
     if client.groups is not None and tsp_config.pipeline_stages > 1:
         raise TypeError("with tsp.pipeline_stages > 1, pass the optimizer as a callable or a config section: "
@@ -85,14 +90,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.check_world(dist.get_world_size())
     if tsp_config.pipeline_stages > 1:
-        if not isinstance(model, (str, os.PathLike)) and holds_adapters(model):
+        if tsp_adapter is not None or not isinstance(model, (str, os.PathLike)) and holds_adapters(model):
             raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with PEFT adapters is not "
                              "supported: train LoRA with pipeline_stages 1 (TSP x DP)")
         check_pipeline_stages(model_config(model), tsp_config, ds_config)
     topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
     if isinstance(model, (str, os.PathLike)):
         # A Hugging Face directory: each rank reads only its own slices.
-        model = from_pretrained(model, topology, tsp_config)
+        model = from_pretrained(model, topology, tsp_config, adapter=tsp_adapter)
         model.train()
     else:
         model = inject(model, topology, tsp_config)

@@ -4,7 +4,7 @@ import torch
 
 from .attention import TSPAttention
 from .consistency import BatchCheck, broadcast_replicated, check_same_model
-from .lora import block_adapters, check_adapter_paths, shard_adapters, take_adapters
+from .lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from .mappings import sum_grads_over_group
 from .mlp import TSPGatedMLP
 from .model import TSPCausalLMMixin, TSPDecoderLayer
@@ -14,12 +14,14 @@ from .probe import probe_layers
 from .vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 
-def inject(model, topology, tsp_config, read=None, device=None):
+def inject(model, topology, tsp_config, read=None, device=None, adapter_files=None):
     """Turn ``model`` (e.g. a ``LlamaForCausalLM``) into a TSP model and return it.
     A ``PeftModel`` with a LoRA adapter (or the Hugging Face model inside one)
     becomes the TSP model of its Hugging Face model, its adapters sharded with
     their base weights (``ds_tsp.lora``) and its PEFT config kept as
     ``tsp_peft_config``, for ``ds_tsp.save_pretrained`` to write PEFT's files.
+    ``adapter_files`` (``checkpoint.adapters.AdapterFiles``, with ``read``)
+    gives the adapters of a PEFT directory instead, the base then frozen.
 
     ``read(full_name, piece)`` supplies each tensor or this rank's piece of it
     (``piece = (dim, start, length)``, None for whole); by default the model's
@@ -42,9 +44,15 @@ def inject(model, topology, tsp_config, read=None, device=None):
     5. give the model the TSP forward (HF calling convention, full sequence in).
     """
     model, peft_config, adapters = take_adapters(model)
+    if adapter_files is not None:
+        peft_config, adapters = adapter_files.config, adapter_files.adapters()
+        model.requires_grad_(False)  # as PEFT freezes the base
     policy = resolve_policy(model, tsp_config.policy)
     layers = model.get_submodule(policy.layers)
     check_adapter_paths(adapters, policy, layers)
+    if adapter_files is None:
+        adapters = {path: (model_reader(lora_A, lora_B, topology.tsp_group), scaling)
+                    for path, (lora_A, lora_B, scaling) in adapters.items()}
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
         unpartition(model, skip=() if policy is AUTO else tuple(layers))
@@ -111,8 +119,8 @@ def unpartition(module, skip=()):
 def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None):
     """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
     they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
-    sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: LoRA
-    weights}`` (``ds_tsp.lora.take_adapters``), sharded with their blocks."""
+    sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: (read,
+    scaling)}`` (``ds_tsp.lora.shard_adapters``), sharded with their blocks."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
     tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
@@ -128,7 +136,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
-        shard_adapters(block, block_adapters(adapters or {}, where), topology.tsp_group, from_model=read is None)
+        shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,
                            layer.get_submodule(policy.post_attention_norm), tsp_mlp, tsp_config.recompute_norms)
 

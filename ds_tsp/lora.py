@@ -90,28 +90,40 @@ class LoRAShards(nn.Module):
         return torch.cat(pieces)
 
 
-def shard_adapters(block, adapters, tsp_group, from_model):
-    """Give the TSP ``block`` its ``LoRAShards`` from ``adapters`` (``{projection:
-    (lora_A, lora_B, scaling)}``, whole tensors). ``from_model``: they come from
-    a model object, which may differ between ranks in value (PEFT draws ``A`` at
-    random): TSP rank 0's are broadcast first."""
+def shard_adapters(block, adapters):
+    """Give the TSP ``block`` its ``LoRAShards`` from ``adapters``: ``{projection:
+    (read, scaling)}``, ``read(factor, piece)`` returning ``lora_A`` or ``lora_B``
+    cut to ``piece = (dim, start, length)`` (None: whole), from a model object
+    (``model_reader``) or from PEFT's files (``checkpoint.adapters.AdapterFiles``)."""
     if not adapters:
         return
     shards = {}
-    for projection, (lora_A, lora_B, scaling) in adapters.items():
-        lora_A, lora_B = lora_A.detach().clone(), lora_B.detach().clone()
-        if from_model and comm.group_size(tsp_group) > 1:
-            for tensor in (lora_A, lora_B):
-                comm.broadcast(tensor, src=0, group=tsp_group)
+    for projection, (read, scaling) in adapters.items():
         by_rows = projection in ROW_SPLIT
-        piece = block.shard_piece(f"{projection}.weight")
-        held = f"{projection}.weight" in block.spec.shapes
+        _, start, length = block.shard_piece(f"{projection}.weight")
+        if f"{projection}.weight" not in block.spec.shapes:  # a rank holding no key/value heads
+            length = 0
         if by_rows:
-            lora_B = lora_B.narrow(0, piece[1], piece[2]) if held else lora_B[:0]
+            lora_A, lora_B = read("lora_A", None), read("lora_B", (0, start, length))
         else:
-            lora_A = lora_A.narrow(1, piece[1], piece[2])
+            lora_A, lora_B = read("lora_A", (1, start, length)), read("lora_B", None)
         shards[projection] = LoRAAdapter(lora_A.contiguous(), lora_B.contiguous(), scaling, by_rows)
     block.lora = LoRAShards(block.spec, shards)
+
+
+def model_reader(lora_A, lora_B, tsp_group):
+    """``read(factor, piece)`` over an adapter of a model object, which may
+    differ between ranks in value (PEFT draws ``A`` at random): TSP rank 0's
+    factors, broadcast once."""
+    factors = {"lora_A": lora_A.detach().clone(), "lora_B": lora_B.detach().clone()}
+    if comm.group_size(tsp_group) > 1:
+        for tensor in factors.values():
+            comm.broadcast(tensor, src=0, group=tsp_group)
+
+    def read(factor, piece):
+        return factors[factor] if piece is None else factors[factor].narrow(*piece).clone()
+
+    return read
 
 
 def is_peft_model(model):
@@ -140,7 +152,7 @@ def take_adapters(model):
         return model, None, {}
     if peft_configs is None:  # the inner model: PeftModel's config is on its LoRA layers' owner
         peft_configs = next((m.peft_config for m in hf_model.modules() if hasattr(m, "peft_config")), None)
-    peft_config = _one_lora_config(peft_configs)
+    peft_config = one_lora_config(peft_configs)
     adapters = {}
     for path, layer in layers.items():
         if type(layer) is not LoRALinear:
@@ -154,7 +166,7 @@ def take_adapters(model):
     return hf_model, peft_config, adapters
 
 
-def _one_lora_config(peft_configs):
+def one_lora_config(peft_configs):
     if not peft_configs or len(peft_configs) != 1:
         raise PolicyError(f"the PEFT model holds adapters {sorted(peft_configs or {})}: ds_tsp shards exactly one; "
                           "delete the others (peft_model.delete_adapter(name)) or merge them first")

@@ -297,3 +297,64 @@ def test_pipeline_stages_with_adapters_are_refused(run_ranks):
     messages = run_ranks(2, pipeline_refusal)
     print(messages[0])
     assert all(m is not None and "pipeline_stages = 2 with PEFT adapters" in m for m in messages)
+
+
+# ------------------------------------------------- an adapter directory, by slices
+
+def adapter_directory_parity(base_dir, adapter_dir):
+    """``ds_tsp.from_pretrained(base_dir, ..., adapter=adapter_dir)`` against
+    PEFT's own load of the same directories: loss and adapter gradients, and
+    the adapter elements this rank read against those it holds and those the
+    file holds."""
+    from unittest import mock
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ds_tsp.checkpoint.adapters import AdapterFiles
+
+    tsp_size = dist.get_world_size()
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir, is_trainable=True)
+    reads, reader = [], AdapterFiles._reader
+
+    def counted(self, path):
+        read = reader(self, path)
+
+        def read_and_count(factor, piece):
+            out = read(factor, piece)
+            reads.append(out.numel())
+            return out
+        return read_and_count
+
+    with mock.patch.object(AdapterFiles, "_reader", counted):
+        tsp_model = ds_tsp.from_pretrained(base_dir, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size),
+                                           adapter=adapter_dir)
+    input_ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    tsp_model.train()
+    out = tsp_model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    ref_loss = reference_loss(ref, input_ids)
+    ref_loss.backward()
+    ref_grads = {n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+                 for n, p in ref.named_parameters() if p.requires_grad}
+    diffs = {"loss": abs(out.loss.item() - ref_loss.item())}
+    for name, (held, full) in adapter_pieces(tsp_model, ref_grads.get).items():
+        if held.numel():
+            diffs[name] = (held.grad - full).abs().max().item()
+    trainable = [n for n, p in tsp_model.named_parameters() if p.requires_grad]
+    frozen_grads = [n for n, p in tsp_model.named_parameters() if not p.requires_grad and p.grad is not None]
+    held = sum(p.numel() for n, p in tsp_model.named_parameters() if ".lora." in n)
+    return {"diffs": diffs, "adapters": len(ref_grads), "trainable": trainable, "frozen_grads": frozen_grads,
+            "read": sum(reads), "held": held, "in_file": sum(p.numel() for p in ref_grads.values())}
+
+
+def test_an_adapter_directory_loads_onto_a_tsp_model_by_slices(run_ranks, tmp_path):
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    tiny_model("llama").save_pretrained(base_dir)  # the base peft_model wraps
+    peft_model("llama", ALL_TARGETS).save_pretrained(adapter_dir)
+    for tsp_size in (2, 4):
+        per_rank = run_ranks(tsp_size, adapter_directory_parity, base_dir=str(base_dir), adapter_dir=str(adapter_dir))
+        check_lora(per_rank, f"D={tsp_size} from_pretrained(base, adapter=PEFT's directory)")
+        for result in per_rank:
+            assert result["read"] == result["held"] < result["in_file"], result
+        print(f"  adapter elements read per rank {[r['read'] for r in per_rank]} of {per_rank[0]['in_file']}")

@@ -1,6 +1,8 @@
 """A TSP model's LoRA adapters as PEFT's adapter directory: ``adapter_config.json``
 and ``adapter_model.safetensors`` under the names ``PeftModel.save_pretrained``
-writes, which ``PeftModel.from_pretrained`` loads on one process.
+writes, which ``PeftModel.from_pretrained`` loads on one process; and such a
+directory read onto a TSP model (``AdapterFiles``), each rank reading only
+its slices.
 
 Every adapter factor is small (``r`` rows or columns), so each block's
 adapters are gathered whole over its TSP group (under ZeRO-3 over its
@@ -15,8 +17,10 @@ import deepspeed
 import torch
 from safetensors.torch import save_file
 
+from safetensors import safe_open
+
 from .. import comm
-from ..lora import ROW_SPLIT
+from ..lora import ROW_SPLIT, one_lora_config
 from .reading import CheckpointError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -98,3 +102,42 @@ def save_adapters(model, out_dir, overwrite=False):
             config.base_model_name_or_path = getattr(model.config, "_name_or_path", None) or None
         config.save_pretrained(out_dir)
     comm.barrier(None)
+
+
+class AdapterFiles:
+    """PEFT's adapter directory ``path`` as ``ds_tsp.inject`` takes it
+    (``adapter_files``): its ``LoraConfig`` (checked as a ``PeftModel``'s is)
+    and, by ``adapters()``, a reader per adapter that reads only the piece a
+    TSP rank holds."""
+
+    PREFIX = "base_model.model."
+
+    def __init__(self, path):
+        from peft import PeftConfig
+
+        weights = os.path.join(path, ADAPTER_WEIGHTS)
+        if not os.path.isfile(weights):
+            raise CheckpointError(f"{path} holds no {ADAPTER_WEIGHTS}: pass the directory PeftModel.save_pretrained "
+                                  "or ds_tsp.save_pretrained wrote")
+        self.config = one_lora_config({"default": PeftConfig.from_pretrained(path)})
+        if self.config.rank_pattern or self.config.alpha_pattern:
+            raise CheckpointError(f"{path}: LoraConfig(rank_pattern=..., alpha_pattern=...) is not read onto a TSP "
+                                  "model: load it with PeftModel.from_pretrained and hand ds_tsp that model")
+        self.file = safe_open(weights, framework="pt")
+
+    def adapters(self):
+        """``{module path: (read, scaling)}`` (``ds_tsp.lora.shard_adapters``)."""
+        config = self.config
+        scaling = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
+        paths = sorted({key[len(self.PREFIX):].removesuffix(".lora_A.weight") for key in self.file.keys()
+                        if key.startswith(self.PREFIX) and key.endswith(".lora_A.weight")})
+        return {path: (self._reader(path), scaling) for path in paths}
+
+    def _reader(self, path):
+        def read(factor, piece):
+            tensor = self.file.get_slice(f"{self.PREFIX}{path}.{factor}.weight")
+            if piece is None:
+                return tensor[:]
+            dim, start, length = piece
+            return tensor[start:start + length] if dim == 0 else tensor[:, start:start + length]
+        return read

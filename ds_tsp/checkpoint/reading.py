@@ -331,7 +331,7 @@ def _check_materialised(model):
         raise RuntimeError(f"ds_tsp.from_pretrained left tensors on the meta device: {on_meta}")
 
 
-def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
+def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", adapter=None):
     """A TSP model straight from a Hugging Face checkpoint directory, reading only
     this rank's shards of the decoder blocks.
 
@@ -349,8 +349,17 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
     3. ``inject`` with a reader that loads only this rank's piece of each
        sharded tensor from disk;
     4. check nothing is left on the meta device.
+
+    ``adapter``: a PEFT adapter directory of LoRA adapters on this model
+    (``PeftModel.save_pretrained``, ``ds_tsp.save_pretrained`` of a LoRA
+    model), read onto the TSP blocks, each rank reading only its slices;
+    the base is then frozen, as a ``PeftModel``'s.
     """
     path = os.fspath(path)
+    adapter_files = None
+    if adapter is not None:
+        from .adapters import AdapterFiles  # adapters imports this module
+        adapter_files = AdapterFiles(os.fspath(adapter))
     model, dtype = meta_model(path, torch_dtype)
     policy = resolve_policy(model, tsp_config.policy)
     plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel)[topology.tsp_rank]
@@ -373,7 +382,7 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu"):
         progress.update()
         return checkpoint.read(full_name, piece).to(dtype)
 
-    inject(model, topology, tsp_config, read=read, device=device)
+    inject(model, topology, tsp_config, read=read, device=device, adapter_files=adapter_files)
     progress.close()
     _check_materialised(model)
     return model.eval()
