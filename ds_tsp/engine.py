@@ -68,10 +68,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     forward = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
                    lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn, **kwargs)
     plain = dict(model=model, mpu=mpu, config=config, config_params=config_params, **forward)
-    if source is None:
-        return deepspeed.initialize(**plain)
-    ds_config, tsp_config = split_ds_config(source)
-    if not tsp_config.enabled:
+    ds_config, tsp_config = split_ds_config(source) if source is not None else (None, None)
+    if tsp_config is None or not tsp_config.enabled:
+        if tsp_adapter is not None:
+            raise ValueError("tsp_adapter reads PEFT adapters onto a TSP model, but the config has no tsp section "
+                             "with enabled: true: enable TSP, or load the adapters with PeftModel.from_pretrained")
         return deepspeed.initialize(**plain)
     if mpu is not None:
         raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
