@@ -68,6 +68,13 @@ def lora_parity(arch, targets, batch=2, seq_len=13, inner=False, wrong_adapter=N
             layer, block_name, projection = module.rsplit(".", 2)
             block = getattr(tsp_model.get_submodule(layer), block_name)
             getattr(block.lora.adapters[projection], factor).mul_(1.5)
+    return compare_adapter_gradients(tsp_model, ref, input_ids)
+
+
+def compare_adapter_gradients(tsp_model, ref, input_ids):
+    """One forward and backward of both models: |loss diff|, the max |diff| of
+    every adapter gradient held here, what trains and what got a gradient
+    though frozen (for ``check_lora``); ``in_file``: the reference's adapter elements."""
     out = tsp_model(input_ids=input_ids, labels=input_ids)
     out.loss.backward()
     ref_loss = reference_loss(ref, input_ids)
@@ -80,7 +87,8 @@ def lora_parity(arch, targets, batch=2, seq_len=13, inner=False, wrong_adapter=N
             diffs[name] = (held.grad - full).abs().max().item()
     trainable = [n for n, p in tsp_model.named_parameters() if p.requires_grad]
     frozen_grads = [n for n, p in tsp_model.named_parameters() if not p.requires_grad and p.grad is not None]
-    return {"diffs": diffs, "adapters": len(ref_grads), "trainable": trainable, "frozen_grads": frozen_grads}
+    return {"diffs": diffs, "adapters": len(ref_grads), "trainable": trainable, "frozen_grads": frozen_grads,
+            "in_file": sum(p.numel() for p in ref_grads.values())}
 
 
 def check_lora(per_rank, label):
@@ -331,21 +339,9 @@ def adapter_directory_parity(base_dir, adapter_dir):
                                            adapter=adapter_dir)
     input_ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
     tsp_model.train()
-    out = tsp_model(input_ids=input_ids, labels=input_ids)
-    out.loss.backward()
-    ref_loss = reference_loss(ref, input_ids)
-    ref_loss.backward()
-    ref_grads = {n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
-                 for n, p in ref.named_parameters() if p.requires_grad}
-    diffs = {"loss": abs(out.loss.item() - ref_loss.item())}
-    for name, (held, full) in adapter_pieces(tsp_model, ref_grads.get).items():
-        if held.numel():
-            diffs[name] = (held.grad - full).abs().max().item()
-    trainable = [n for n, p in tsp_model.named_parameters() if p.requires_grad]
-    frozen_grads = [n for n, p in tsp_model.named_parameters() if not p.requires_grad and p.grad is not None]
+    result = compare_adapter_gradients(tsp_model, ref, input_ids)
     held = sum(p.numel() for n, p in tsp_model.named_parameters() if ".lora." in n)
-    return {"diffs": diffs, "adapters": len(ref_grads), "trainable": trainable, "frozen_grads": frozen_grads,
-            "read": sum(reads), "held": held, "in_file": sum(p.numel() for p in ref_grads.values())}
+    return {**result, "read": sum(reads), "held": held}
 
 
 def test_an_adapter_directory_loads_onto_a_tsp_model_by_slices(run_ranks, tmp_path):
