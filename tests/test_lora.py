@@ -1,6 +1,7 @@
 """PEFT LoRA models under TSP against the unsharded PEFT model, float64."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -223,6 +224,15 @@ def lora_training(tsp_size, zero_stage, out_dir):
     ds_tsp.save_pretrained(engine, out_dir)
     result = {"losses": losses, "ref_losses": ref_losses, "base_unchanged": base_unchanged,
               "in_optimizer": in_optimizer}
+    # Its DeepSpeed checkpoint resumes at this layout only: resharding it is refused by name.
+    engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
+    if dist.get_rank() == 0:
+        from ds_tsp.checkpoint.reading import CheckpointError
+        from ds_tsp.checkpoint.resharding import reshard
+        try:
+            reshard(os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "universal"))
+        except CheckpointError as error:
+            result["reshard_refused"] = str(error)
     loaded = PeftModel.from_pretrained(tiny_model("llama", dtype=torch.float32), out_dir)
     with torch.no_grad():
         out = loaded(input_ids=probe, labels=probe)
@@ -259,6 +269,7 @@ def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_p
     assert first["loaded_adapters"] == 2 * len(ALL_TARGETS) * 2  # A and B, 7 projections, 2 layers
     assert first["adapter_rel"] < 1e-4
     assert first["loss_vs_loaded"] < 1e-5
+    assert "LoRA run's checkpoint" in first.get("reshard_refused", ""), first.get("reshard_refused")
     assert max(result["logits_vs_loaded"] for result in per_rank) < 1e-5
 
 
