@@ -37,6 +37,7 @@ _EXPECTED = {
     "token_tile": "an integer >= 0 (tokens; 0 turns tiling off)",
     "fp32_accumulators": "true or false",
     "recompute_norms": "true or false",
+    "moe_schedule": "one of \"auto\", \"ring\", \"all_to_all\"",
     "prefetch_checkpoints": "true or false",
 }
 
@@ -96,6 +97,13 @@ class TSPConfig(DeepSpeedConfigModel):
     """ With activation_checkpointing.cpu_checkpointing: start copying the layer below's checkpointed input back
     from host memory when a layer's backward starts, on a side stream (CUDA), so the copy runs under that
     layer's recompute and backward; costs one more layer input (B, S/D, H) on the device. """
+
+    moe_schedule: Literal["auto", "ring", "all_to_all"] = "auto"
+    """ How a sparse mixture-of-experts layer meets its experts: "ring" moves the expert shards round the TSP group
+    (bytes independent of the sequence), "all_to_all" keeps them at rest and sends each token to the ranks owning
+    its top-k experts and back (bytes growing with the tokens); "auto" picks, per layer and micro-batch shape, the
+    one the cost model says moves fewer bytes (ds-tsp plan reports both). Decoding uses neither: weights stay at
+    rest and the ranks' shares are summed. """
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of

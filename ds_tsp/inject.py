@@ -129,10 +129,11 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                                          token_tile=tsp_config.token_tile,
                                          fp32_accumulators=tsp_config.fp32_accumulators,
                                          read=_prefixed(read, policy.attention), device=device)
-    mlp_class = TSPSparseMoE if policy.is_sparse(mlp) else TSPGatedMLP
-    tsp_mlp = mlp_class.from_hf(mlp, topology.tsp_group, overlap=tsp_config.overlap,
-                               token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
-                               read=_prefixed(read, policy.mlp), device=device)
+    sparse = policy.is_sparse(mlp)
+    tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
+        mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
+        fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, policy.mlp), device=device,
+        **({"schedule": tsp_config.moe_schedule} if sparse else {}))
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):

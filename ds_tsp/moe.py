@@ -1,11 +1,14 @@
-"""The TSP sparse mixture-of-experts block: expert shards travel round a ring,
-tokens stay put (DESIGN.md 6c, the MLP's schedule of DESIGN.md 5).
+"""The TSP sparse mixture-of-experts block: expert shards travel round a ring
+while tokens stay put (DESIGN.md 6c, the MLP's schedule of DESIGN.md 5), or
+experts stay at rest while tokens go to them by all-to-all; ``tsp.moe_schedule``
+picks, "auto" by the cost model per layer and micro-batch shape.
 
 Rank ``j`` of the TSP group owns experts ``[j E/D, (j+1) E/D)``: their slices
 of Hugging Face's fused ``experts.gate_up_proj`` ``(E, 2F, H)`` and
 ``experts.down_proj`` ``(E, H, F)`` (dim 0), and, for Qwen2-MoE, rows
 ``[j Fs/D, (j+1) Fs/D)`` of the dense shared expert (``mlp.SHARD_DIMS``),
-packed into one flat buffer. The router (``gate``) and Qwen2-MoE's
+packed into one flat buffer, the same under both schedules (a checkpoint does
+not know which trained it). The router (``gate``) and Qwen2-MoE's
 ``shared_expert_gate`` are Hugging Face's own modules, replicated, run on the
 local tokens: routing (softmax dtype, top-k, ``norm_topk_prob``, the weights'
 dtype) is HF's by construction. The block's output is a sum of independent
@@ -13,7 +16,7 @@ pieces (each routed expert's weighted output, each slice of the shared expert
 times its sigmoid gate), so every rank runs its own tokens through every shard
 in turn and sums locally:
 
-forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
+ring, forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
 
     weights, index = router(x)         # (N, k): HF's TopKRouter on local tokens
     y = 0; buf = own shard
@@ -23,6 +26,25 @@ forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
             y[T] += weights[T, s] * down_e(act(gate_e x[T]) * up_e x[T])
         y += sigmoid(shared_gate(x)) * shared slice(x)     # Qwen2-MoE
         wait; buf = next
+
+all-to-all, forward (``moe_all_to_all_forward``)::
+
+    weights, index = router(x)
+    rows = x[token of each (token, slot)], sorted by expert, so by owner   # (N k, H)
+    exchange the split sizes: rows for each of the owner's E/D experts     # all_to_all of (D, E/D) int64
+    received = all_to_all(rows)        # every rank's rows for this rank's experts, by source then expert
+    outputs[rows of e] = down_e(act(gate_e received) * up_e received)  for each own expert e
+    returned = all_to_all back(outputs)                # the outputs of this rank's rows, in their order
+    for e in 0..E-1: y[T_e] += weights[T_e, s] * returned[rows of e]  # HF's order: expert by expert
+    y += sigmoid(shared_gate(x)) * shared expert(x)    # Qwen2-MoE: its slices on the MLP's ring
+
+Backward is its transpose: the output rows' gradients (times the routing
+weights) go to the experts' owners by the same routes, the input rows'
+gradients come back by the reverse ones, the routing weights' gradients are
+local (the returned outputs are kept), and each expert's weight gradient is
+summed on its owner from every rank's rows, with no accumulator ring. Decoding
+(``decode_share``) uses neither schedule: every rank holds the step's tokens,
+runs its own experts on those routed to them and the shares are summed.
 
 Dropless: every token meets exactly its top-k experts, with no capacity. An
 expert no local token chose costs nothing but its hop. Backward runs the same
@@ -35,22 +57,25 @@ Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
 rank's packed shard (``w`` bytes each; accumulators summed in float32 or
 wider, ``a`` bytes each in the gradient wire dtype, ``comm.gradient_wire_dtype``):
 
-* ring (built here): forward ``(D-1) W w`` received (``(D-1)/D`` of the
-  layer's expert weights), backward ``(D-1) W (w + a)`` (weights again, plus
-  the accumulators), independent of the sequence; no all-to-all, no
-  all-reduce.
-* token all-to-all (the alternative, not built): each local token's hidden
-  state goes to its k experts and its k outputs come back, so forward about
-  ``2 k N H (D-1)/D`` elements with uniform routing (plus the ``D`` split
-  sizes), backward the same again (gradients of both), and the shared expert
-  still on the ring. The ring's bytes do not grow with the sequence and the
-  all-to-all's do, so the all-to-all moves fewer below
+* ring: forward ``(D-1) W w`` received (``(D-1)/D`` of the layer's expert
+  weights), backward ``(D-1) W (w + a)`` (weights again, plus the
+  accumulators), independent of the sequence; no all-to-all, no all-reduce.
+* token all-to-all: the ``E/D`` split sizes of each other rank, then the rows
+  routed to this rank's experts and the outputs of its own rows computed
+  elsewhere, ``2 k N (D-1)/D`` rows of ``H`` with routing spread evenly;
+  backward the same rows again (their gradients), and Qwen2-MoE's shared
+  expert on the ring as above (``W`` its slice alone). It grows with the
+  sequence and the ring's does not, so the all-to-all moves fewer below
   ``B*S = 1.5 E F D / k`` tokens (forward; forward and backward in bf16 with
-  float32 accumulators: ``0.75 E F D (2w + a) / (k w)``) and the ring past it
-  (``ds_tsp.planning``'s ``moe_crossover_tokens``; Qwen3-30B-A3B at D=8:
-  147,456 and 294,912 tokens per micro-batch). TSP is for sequences past
-  that, so the ring is built; at 32K tokens the all-to-all would move about
-  9x fewer bytes (``ds-tsp plan --model qwen3-30b-a3b``).
+  float32 accumulators: ``0.75 E F D (2w + a) / (k w)``) and the ring past
+  it. ``ds_tsp.planning.moe_block_bytes_by_op`` holds both formulas;
+  ``tsp.moe_schedule: "auto"`` (``TSPSparseMoE.schedule_for``) takes the
+  cheaper for each layer's ``N`` with ``cheaper_moe_schedule``
+  (Qwen3-30B-A3B at D=8 crosses at 147,456 and 294,912 tokens per
+  micro-batch; at 32K tokens the all-to-all moves about 9x fewer bytes).
+  Memory: the all-to-all keeps the received rows and the returned outputs
+  for backward, about ``2 k N H`` elements, where the ring keeps nothing of
+  the experts beyond the local tokens.
 
 The auxiliary load-balancing loss (``load_balancing_loss``) adds one
 all-reduce of ``2E+1`` float64 values per forward.
@@ -65,6 +90,7 @@ loss needs, so training gathers nothing.
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +101,15 @@ from . import comm, layout
 from .amp import autocast_backward, autocast_forward
 from .comm import accumulation_dtype
 from .mappings import sum_over_group
+from .mlp import MLPPlan, mlp_ring
 from .mlp import shard_backward as gated_shard_backward
 from .mlp import shard_forward as gated_shard_forward
+from .mlp import shard_spec as mlp_shard_spec
 from .packing import PackedShardMixin, PackSpec, module_reader
+from .planning.communication import MOE_SCHEDULES, cheaper_moe_schedule
 from .ring import RingWireDtypeMixin, ring_gradients, ring_steps
+
+logger = logging.getLogger("ds_tsp")
 
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 # The shared expert's tensors, with the dim each is split on (mlp.SHARD_DIMS, no biases).
@@ -180,6 +211,23 @@ class MoEPlan:
     token_tile: int = 0  # most tokens one expert (or the shared slice) computes at once (0: all)
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
+    schedule: str = "auto"  # tsp.moe_schedule: "ring", "all_to_all", or "auto" (the cost model's choice per shape)
+
+    @property
+    def routed_spec(self):
+        """``PackSpec`` of the routed experts alone, the head of ``spec``: what
+        the all-to-all schedule keeps at rest."""
+        return PackSpec({name: self.spec.shapes[name] for name in (GATE_UP, DOWN)})
+
+    @property
+    def shared_plan(self):
+        """The shared expert's slice (the tail of ``spec``) as a dense MLP shard
+        on the MLP's ring, for the all-to-all schedule."""
+        tsp_size = comm.group_size(self.group)
+        spec = mlp_shard_spec(self.spec.shapes[DOWN][1], self.spec.shapes["shared_expert.down_proj.weight"][1] *
+                              tsp_size, tsp_size, bias=False)
+        return MLPPlan(spec, self.act_fn, self.group, self.overlap, self.token_tile, self.fp32_accumulators,
+                       self.grad_wire_dtype)
 
     @property
     def experts_per_rank(self):
@@ -293,6 +341,107 @@ class _MoERing(torch.autograd.Function):
         return grad_x, grad_weights, None, grad_scale, grad_packed, None
 
 
+@dataclass(frozen=True)
+class TokenExchange:
+    """Where the routed rows ``(token, expert)`` go under the all-to-all
+    schedule. In routing order (by expert, so by owner) this rank sends
+    ``send_counts[j]`` rows to rank ``j`` and receives ``recv_counts[j]`` from
+    it, each source's rows ordered by expert; ``received`` groups the received
+    rows by this rank's local expert (a ``Routing`` over them, slots unused)."""
+
+    send_counts: tuple
+    recv_counts: tuple
+    received: Routing
+
+    @classmethod
+    def of(cls, routing, plan):
+        """Exchanges the split sizes: every rank's row count for each of this
+        rank's experts (one all-to-all of ``E/D`` int64 per rank pair)."""
+        tsp_size, per_rank = comm.group_size(plan.group), plan.experts_per_rank
+        offsets = torch.tensor(routing.offsets)
+        counts = (offsets[1:] - offsets[:-1]).view(tsp_size, per_rank)  # (D, E/D): rows for rank j's experts
+        incoming, _ = comm.all_to_all(counts, plan.group)  # (D, E/D): rows rank j sends to each local expert
+        local_expert = torch.arange(per_rank).repeat(tsp_size).repeat_interleave(incoming.reshape(-1))
+        return cls(tuple(counts.sum(1).tolist()), tuple(incoming.sum(1).tolist()),
+                   Routing.of(local_expert.unsqueeze(-1), per_rank))
+
+
+def moe_all_to_all_forward(x, weights, routing, exchange, experts, plan):
+    """``(y, received, returned)``: ``y`` ``(N, H)`` every local token's weighted
+    outputs of its top-k experts, the rows sent to the experts' owners and the
+    outputs sent back (``experts``: this rank's routed experts, at rest);
+    ``received`` ``(R, H)`` the rows this rank's experts computed on,
+    ``returned`` ``(N k, H)`` the outputs of this rank's rows in routing order,
+    both kept for backward."""
+    received = comm.all_to_all_rows(x[routing.tokens], exchange.send_counts, exchange.recv_counts, plan.group)
+    outputs = torch.empty_like(received)
+    w = plan.routed_spec.unpack(experts)
+    for local in range(plan.experts_per_rank):
+        for rows, _ in exchange.received.of_expert(local, plan.token_tile):
+            outputs[rows], _, _ = gated_shard_forward(received[rows], _expert(w, local, plan.expert_size), plan.act_fn)
+    returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
+    y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+    for expert in range(plan.num_experts):  # HF's order: expert by expert, each output times its routing weight
+        start, end = routing.offsets[expert], routing.offsets[expert + 1]
+        tokens, slots = routing.tokens[start:end], routing.slots[start:end]
+        y.index_add_(0, tokens, (returned[start:end] * weights[tokens, slots, None]).to(y.dtype))
+    return y.to(x.dtype), received, returned
+
+
+def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, returned, experts, plan):
+    """``(grad_x, grad_weights, grad_experts)``: the transpose of the forward.
+    The output gradients go to the experts' owners by the forward's routes,
+    the input gradients come back by the reverse ones; ``grad_experts`` is this
+    rank's experts' gradient from every rank's rows, summed here (no ring)."""
+    acc_dtype = accumulation_dtype(experts.dtype)
+    grad_rows = grad_y[routing.tokens]  # (N k, H) in routing order
+    grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=grad_y.device)
+    grad_weights[routing.tokens, routing.slots] = (grad_rows.to(acc_dtype) * returned.to(acc_dtype)).sum(-1).to(
+        grad_weights.dtype)
+    grad_outputs = (grad_rows * weights[routing.tokens, routing.slots, None]).to(received.dtype)
+    grad_outputs = comm.all_to_all_rows(grad_outputs, exchange.send_counts, exchange.recv_counts, plan.group)
+    grad_experts = torch.zeros(experts.shape, dtype=acc_dtype, device=experts.device)
+    w, grad_w = plan.routed_spec.unpack(experts), plan.routed_spec.unpack(grad_experts)
+    grad_received = torch.empty_like(received)
+    for local in range(plan.experts_per_rank):
+        weights_e, grads_e = _expert(w, local, plan.expert_size), _expert(grad_w, local, plan.expert_size)
+        for rows, _ in exchange.received.of_expert(local, plan.token_tile):
+            gate = F.linear(received[rows], weights_e["gate_proj.weight"])
+            up = F.linear(received[rows], weights_e["up_proj.weight"])
+            grad_received[rows], piece_grads = gated_shard_backward(received[rows], grad_outputs[rows], weights_e,
+                                                                    plan.act_fn, gate, up)
+            for name, grad in piece_grads.items():
+                grads_e[name] += grad
+    grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
+    grad_x = torch.zeros((grad_y.shape[0], grad_y.shape[1]), dtype=plan.accumulator_dtype(grad_y.dtype),
+                         device=grad_y.device)
+    grad_x.index_add_(0, routing.tokens, grad_sent.to(grad_x.dtype))
+    return grad_x.to(grad_y.dtype), grad_weights.to(weights.dtype), grad_experts.to(experts.dtype)
+
+
+class _MoEAllToAll(torch.autograd.Function):
+    # Under autocast as _MoERing: tokens, experts and routing weights in the autocast dtype.
+    @staticmethod
+    @autocast_forward(cast_inputs=True)
+    def forward(ctx, x, weights, index, experts, plan):
+        routing = Routing.of(index, plan.num_experts)
+        exchange = TokenExchange.of(routing, plan)
+        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, experts, plan)
+        # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent.
+        ctx.save_for_backward(weights, experts, routing.tokens, routing.slots, received, returned)
+        ctx.plan, ctx.offsets, ctx.exchange = plan, routing.offsets, exchange
+        return y
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_y):
+        weights, experts, tokens, slots, received, returned = ctx.saved_tensors
+        routing = Routing(tokens, slots, ctx.offsets)
+        grad_x, grad_weights, grad_experts = moe_all_to_all_backward(grad_y, weights, routing, ctx.exchange,
+                                                                     received, returned, experts, ctx.plan)
+        return grad_x, grad_weights, None, grad_experts, None
+
+
 class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
     local tokens, experts sharded ``E/D`` per rank and moved by a ring (see the
@@ -304,7 +453,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """
 
     def __init__(self, hidden_size, num_experts, expert_size, act_fn, router, tsp_group, shared_size=0,
-                 shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None):
+                 shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="auto", dtype=None,
+                 device=None):
         super().__init__()
         if bool(shared_size) != (shared_gate is not None):
             raise ValueError("a shared expert needs its shared_expert_gate, and the gate its expert")
@@ -315,8 +465,11 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.spec = shard_spec(hidden_size, num_experts, expert_size, self.tsp_size, shared_size)
         self.act_fn = act_fn
         self.overlap = overlap
+        if schedule not in ("auto", *MOE_SCHEDULES):
+            raise ValueError(f"tsp.moe_schedule must be one of {('auto', *MOE_SCHEDULES)}, not {schedule!r}")
         self.plan = MoEPlan(self.spec, act_fn, tsp_group, num_experts, expert_size, bool(shared_size), overlap,
-                            token_tile, fp32_accumulators)
+                            token_tile, fp32_accumulators, schedule=schedule)
+        self._logged_choices = set()
         self.gate = router
         self.shared_expert_gate = shared_gate
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
@@ -336,7 +489,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         return shard_piece(self.num_experts, self.shared_size, self.tsp_size, name, self.tsp_rank)
 
     @classmethod
-    def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):
+    def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, schedule="auto", read=None,
+                device=None):
         """Build from a Hugging Face sparse MoE block (``gate``: its TopKRouter,
         ``experts`` with fused 3-D ``gate_up_proj`` / ``down_proj``, and
         optionally ``shared_expert`` + ``shared_expert_gate``), keeping this
@@ -351,8 +505,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
         module = cls(hidden_size, num_experts, expert_size, moe.experts.act_fn, replica(moe.gate), tsp_group,
                      shared_size=shared_size, shared_gate=replica(getattr(moe, "shared_expert_gate", None)),
-                     overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=dtype,
-                     device=device)
+                     overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators, schedule=schedule,
+                     dtype=dtype, device=device)
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -384,11 +538,37 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         shared_scale = None
         if self.shared_expert_gate is not None:
             shared_scale = torch.sigmoid(self.shared_expert_gate(x2))  # (N, 1)
-        return _MoERing.apply(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
+        if self.schedule_for(x2, index.shape[-1]) == "ring":
+            return _MoERing.apply(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
+        routed = self.plan.routed_spec.numel
+        y = _MoEAllToAll.apply(x2, weights, index, self.packed[:routed], self.plan)
+        if shared_scale is not None:  # HF: the shared expert's output times its sigmoid gate, added
+            y = y + shared_scale * mlp_ring(x2, self.packed[routed:], self.plan.shared_plan)
+        return y.view(x.shape)
+
+    def schedule_for(self, x2, top_k):
+        """The schedule of this forward: ``tsp.moe_schedule``, or for "auto" the
+        one that moves fewer bytes for ``x2``'s ``N`` local tokens
+        (``ds_tsp.planning.cheaper_moe_schedule``: forward and backward in
+        training mode, forward alone in eval mode), logged once per choice."""
+        if self.plan.schedule != "auto":
+            return self.plan.schedule
+        element = x2.element_size() if not torch.is_autocast_enabled(x2.device.type) else \
+            torch.finfo(torch.get_autocast_dtype(x2.device.type)).bits // 8
+        wire = self.plan.grad_wire_dtype
+        choice = cheaper_moe_schedule(self.hidden_size, self.num_experts, self.expert_size, self.shared_size, top_k,
+                                      x2.shape[0], self.tsp_size, element, "both" if self.training else "forward",
+                                      grad_wire_bytes=None if wire is None else torch.finfo(wire).bits // 8)
+        if choice not in self._logged_choices and self.tsp_rank == 0:
+            logger.info("tsp.moe_schedule auto: %s for %d local tokens (E=%d, top-%d, D=%d)", choice, x2.shape[0],
+                        self.num_experts, top_k, self.tsp_size)
+        self._logged_choices.add(choice)
+        return choice
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, expert_size={self.expert_size}, "
-                f"shared_size={self.shared_size}, tsp_size={self.tsp_size}, overlap={self.overlap}")
+                f"shared_size={self.shared_size}, tsp_size={self.tsp_size}, overlap={self.overlap}, "
+                f"schedule={self.plan.schedule}")
 
 
 # ------------------------------------------------ router logits and the auxiliary loss

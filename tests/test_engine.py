@@ -54,7 +54,7 @@ def _step(engine, batch):
 
 
 def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False,
-                       wrong_shard=False, arch="llama", offload_optimizer=False):
+                       wrong_shard=False, arch="llama", offload_optimizer=False, moe_schedule="ring"):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -64,7 +64,7 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage, **(ZERO3_PARTITIONED if zero_stage == 3 else {})},
               "zero_allow_untested_optimizer": True,
-              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa", "moe_schedule": moe_schedule}}
     if activation_checkpointing:
         # "cpu": each layer's checkpointed input waits for backward in host memory.
         config["activation_checkpointing"] = {"partition_activations": False,
@@ -222,6 +222,24 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
             assert step_ops["all_reduce"]["received"] == _shared_memory_decode_step_bytes(tsp_size)
         elif step_ops is not None:
             assert set(step_ops) <= {"all_gather", "all_to_all"}
+
+
+@pytest.mark.parametrize("world, zero_stage, arch", [(4, 2, "qwen2_moe"), (2, 3, "mixtral")])
+def test_moe_all_to_all_trains_like_a_single_process(run_ranks, world, zero_stage, arch):
+    """Tokens to their experts by all-to-all (experts at rest, their gradients
+    summed where they live): TSP 2 x DP 2 under ZeRO-2 (Qwen2-MoE, its shared
+    expert still on the ring) and TSP 2 under ZeRO-3 (Mixtral), Adam, as the
+    ring's rows above."""
+    for rank, out in enumerate(run_ranks(world, _train_and_compare, tsp_size=2, zero_stage=zero_stage,
+                                         optimizer="adam", arch=arch, moe_schedule="all_to_all")):
+        worst = max(out["rel"], key=out["rel"].get)
+        norm_err = max(abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]))
+        print(f"rank {rank} all-to-all {arch} TSP=2 DP={world // 2} ZeRO-{zero_stage}: max rel |dw| "
+              f"{out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
+              f"losses {[round(v, 5) for v in out['losses']]} (one process: {[round(v, 5) for v in out['ref_losses']]})")
+        assert out["rel"][worst] <= BOUND["adam"] and norm_err <= 1e-6
+        assert any("experts.gate_up_proj" in name for name in out["rel"])
+        assert out["partitioned"] == (zero_stage == 3)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

@@ -20,8 +20,11 @@ Its gradient does not depend on that rounding (the counts are integers), so
 every gradient is held to 1e-10.
 """
 
+import contextlib
 import copy
+import itertools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import ds_tsp
-from ds_tsp import comm
+from ds_tsp import comm, moe
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.checkpoint import save_pretrained
 from ds_tsp.checkpoint.writing import write_state_dict
@@ -43,6 +46,7 @@ from parity import TOLERANCE, shard_grad_diffs
 
 # float32 statistics of sums of O(1) terms over 2 layers: a few ulps (2^-23) of an aux loss of about top_k.
 AUX_BOUND = 1e-5
+SCHEDULES = ("ring", "all_to_all")
 # (arch, batch, seq_len, right_padding, routing, model overrides)
 CASES = [
     ("mixtral", 2, 16, 0, "random", {}),
@@ -103,21 +107,25 @@ def build_case(arch, batch, seq_len, right_padding, routing, overrides):
     return ref, input_ids, attention_mask
 
 
-def moe_parity(cases, wrong_expert_shard=False):
-    """On every rank, per case: |loss - HF's|, |aux - HF's| and the gradient
-    diffs of ``shard_grad_diffs`` (experts, shared expert, routers included)."""
+def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False):
+    """On every rank, per schedule and case: |loss - HF's|, |aux - HF's| and the
+    gradient diffs of ``shard_grad_diffs`` (experts, shared expert, routers
+    included). ``wrong_return``: the all-to-all's outputs come back to their
+    tokens reversed."""
     tsp_size = dist.get_world_size()
     results = []
-    for case in cases:
+    for schedule, case in itertools.product(schedules, cases):
         ref, input_ids, attention_mask = build_case(*case)
         model = copy.deepcopy(ref)
         topo = TSPTopology(tsp_size)
-        ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+        ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
+                                             moe_schedule=schedule))
         kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
         if wrong_expert_shard and topo.tsp_rank == tsp_size - 1:
             with torch.no_grad():
                 model.model.layers[0].mlp.packed.mul_(1.5)
-        out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask)
+        with _reversed_returns() if wrong_return else contextlib.nullcontext():
+            out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask)
         out.loss.backward()
         ref_loss, ref_aux, exact_loss, exact = hf_loss(ref, input_ids, attention_mask)
         ref_loss.backward()
@@ -127,6 +135,26 @@ def moe_parity(cases, wrong_expert_shard=False):
                         "exact loss": abs(out.loss.item() - exact_loss), "exact aux": abs(out.aux_loss.item() - exact),
                         "grads": diffs, "kinds": kinds, "router_logits": [tuple(t.shape) for t in out.router_logits]})
     return results
+
+
+@contextlib.contextmanager
+def _reversed_returns():
+    """In the all-to-all schedule's forward, the experts' outputs come back to
+    their tokens in reverse order (the second of its two row exchanges)."""
+    forward = moe.moe_all_to_all_forward
+
+    def with_reversed_return(*args):
+        exchange, calls = comm.all_to_all_rows, itertools.count()
+
+        def rows(*exchange_args):
+            received = exchange(*exchange_args)
+            return received.flip(0) if next(calls) == 1 else received
+
+        with mock.patch.object(comm, "all_to_all_rows", rows):
+            return forward(*args)
+
+    with mock.patch.object(moe, "moe_all_to_all_forward", with_reversed_return):
+        yield
 
 
 def check_case(per_rank, label, coef=0.1):
@@ -143,10 +171,14 @@ def check_case(per_rank, label, coef=0.1):
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_loss_aux_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
+    """Under both schedules; "first_experts" routes every token to experts 0 and
+    1, so the other experts' owners get no row, and at D = 2 (and Qwen3-MoE's
+    8 experts at D = 4) every token of every rank goes to rank 0."""
     per_rank = run_ranks(tsp_size, moe_parity, cases=CASES)
-    for i, case in enumerate(CASES):
+    for i, (schedule, case) in enumerate(itertools.product(SCHEDULES, CASES)):
         results = [rank[i] for rank in per_rank]
-        grads = check_case(results, f"D={tsp_size} {case[0]} B={case[1]} S={case[2]} pad={case[3]} {case[4]}")
+        grads = check_case(results, f"D={tsp_size} {schedule} {case[0]} B={case[1]} S={case[2]} pad={case[3]} "
+                                    f"{case[4]}")
         names = " ".join(grads)
         assert "experts.gate_up_proj" in names and "mlp.gate.weight" in names
         if case[0] == "qwen2_moe":
@@ -211,11 +243,14 @@ def test_router_logits_asked_for_are_hugging_faces(run_ranks, tsp_size):
             assert result["router_grad_diff"] <= TOLERANCE < 1e-3 * result["router_grad_scale"]
 
 
-def test_a_wrong_expert_shard_is_caught(run_ranks):
-    per_rank = run_ranks(2, moe_parity, cases=CASES[:1], wrong_expert_shard=True)
+@pytest.mark.parametrize("wrong", ["expert shard ring", "expert shard all_to_all", "return all_to_all"])
+def test_a_wrong_expert_shard_or_return_permutation_is_caught(run_ranks, wrong):
+    what, schedule = wrong.rsplit(" ", 1)
+    per_rank = run_ranks(2, moe_parity, cases=CASES[:1], schedules=(schedule,),
+                         wrong_expert_shard=what == "expert shard", wrong_return=what == "return")
     worst = max(max(r[0]["grads"].values()) for r in per_rank)
     loss = max(r[0]["loss"] for r in per_rank)
-    print(f"wrong expert shard on rank 1: loss {loss:.2e}, gradients {worst:.2e}")
+    print(f"wrong {what} ({schedule}): loss {loss:.2e}, gradients {worst:.2e}")
     assert loss > 1e3 * TOLERANCE and worst > 1e3 * TOLERANCE
 
 
@@ -233,17 +268,108 @@ def test_moe_layers_resolve_to_their_tables_and_jitter_is_refused():
 
 # ------------------------------------------------------------------ bytes
 
-def _counted(arch, dtype):
-    """One MoE block's bytes on the ring: forward, then forward + backward."""
+def _block_and_tokens(arch, dtype, schedule, balanced):
+    """Layer 0's MoE block of a tiny model, and tokens ``(2, 8, H)`` for it.
+    ``balanced``: token ``i`` of every rank is routed to experts ``ki .. ki+k-1``
+    (mod E), so each rank sends every other rank exactly ``k N / D`` rows."""
     topo = TSPTopology(dist.get_world_size())
     ref = tiny_model(arch, dtype=getattr(torch, dtype))
-    block = TSPSparseMoE.from_hf(ref.model.layers[0].mlp, topo.tsp_group)
-    x = torch.randn(2, 8, ref.config.hidden_size, dtype=block.packed.dtype, requires_grad=True)
+    block = TSPSparseMoE.from_hf(ref.model.layers[0].mlp, topo.tsp_group, schedule=schedule)
+    torch.manual_seed(11 + topo.tsp_rank)
+    x = torch.randn(2, 8, ref.config.hidden_size, dtype=block.packed.dtype)
+    if balanced:
+        x = _balanced_routing(block, x, ref.config.num_experts_per_tok)
+    return block, x, ref.config.num_experts_per_tok
+
+
+def _count(block, x):
+    """Bytes counted in the block's forward, then its forward + backward."""
+    x = x.clone().requires_grad_()
     comm.counter.reset()
     out = block(x)
     forward = comm.counter.snapshot()
     out.backward(torch.randn_like(out))
-    return forward, comm.counter.snapshot(), block.packed.numel(), block.packed.element_size()
+    return forward, comm.counter.snapshot()
+
+
+def _counted(arch, dtype):
+    """One MoE block's bytes on the ring: forward, forward + backward, and its shard's numel and element size."""
+    block, x, _ = _block_and_tokens(arch, dtype, "ring", False)
+    return (*_count(block, x), block.packed.numel(), block.packed.element_size())
+
+
+def _balanced_routing(block, x, top_k):
+    """Tokens ``x`` (and ``block``'s router) such that token ``i`` chooses experts
+    ``ki .. ki+k-1`` (mod E): the router reads the first ``E`` hidden features,
+    and those are 10 for the chosen experts, 0 for the others."""
+    num_experts = block.num_experts
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[:, :num_experts] = torch.eye(num_experts)
+        x = x.clone()
+        x[..., :num_experts] = 0
+        flat = x.view(-1, x.shape[-1])
+        for i in range(flat.shape[0]):
+            flat[i, [(top_k * i + j) % num_experts for j in range(top_k)]] = 10
+    return x
+
+
+def _exchanged_rows(block, x):
+    """Rows this rank receives in one all-to-all forward, from every rank's
+    routing of its own tokens: the rows others route to this rank's experts and
+    the outputs of this rank's rows computed elsewhere."""
+    _, _, index = block.gate(x.reshape(-1, x.shape[-1]))
+    owner = index.reshape(-1) // (block.num_experts // block.tsp_size)
+    sends = torch.bincount(owner, minlength=block.tsp_size)  # rows this rank sends to each rank
+    every = [torch.empty_like(sends) for _ in range(block.tsp_size)]
+    dist.all_gather(every, sends)
+    rank = block.tsp_rank
+    return int(sum(every[j][rank] for j in range(block.tsp_size) if j != rank) + sends.sum() - sends[rank])
+
+
+def _counted_all_to_all(arch, dtype, balanced):
+    """``_count`` under the all-to-all schedule, a forward without gradients, and
+    the rows received per pass counted from every rank's routing."""
+    block, x, top_k = _block_and_tokens(arch, dtype, "all_to_all", balanced)
+    rows = _exchanged_rows(block, x)
+    forward, total = _count(block, x)
+    comm.counter.reset()
+    with torch.no_grad():
+        block(x)
+    return {"forward": forward, "total": total, "no_grad": comm.counter.snapshot(), "rows": rows,
+            "sizes": (block.hidden_size, block.num_experts, block.expert_size, block.shared_size, top_k,
+                      x.shape[0] * x.shape[1]), "element": block.packed.element_size()}
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_all_to_all_bytes_equal_the_formula_and_the_planners(run_ranks, tsp_size):
+    """Per rank: forward the split sizes (``E/D`` int64 from each other rank) and
+    the rows received (``_exchanged_rows``, from the routing) times ``H``;
+    backward the same rows again; Qwen2-MoE's shared expert on the ring. With
+    balanced routing that is the planner's expected ``2 k N (D-1)/D`` rows."""
+    from ds_tsp.planning import moe_block_bytes_by_op
+
+    for arch, dtype in (("qwen2_moe", "float64"), ("mixtral", "bfloat16"), ("qwen3_moe", "float32")):
+        for balanced in (False, True):
+            per_rank = run_ranks(tsp_size, _counted_all_to_all, arch=arch, dtype=dtype, balanced=balanced)
+            for rank, r in enumerate(per_rank):
+                hidden, experts, _, shared, top_k, tokens = r["sizes"]
+                e = r["element"]
+                splits = (tsp_size - 1) * experts // tsp_size * 8
+                assert r["no_grad"]["all_to_all"]["received"] == r["rows"] * hidden * e + splits
+                assert r["total"]["all_to_all"]["received"] == 2 * r["rows"] * hidden * e + splits
+                assert r["total"]["all_to_all"]["calls"] == 5  # split sizes, rows, outputs; their gradients
+                assert set(r["total"]) == ({"all_to_all", "ring"} if shared else {"all_to_all"}), r["total"]
+                for direction, counted in (("forward", r["forward"]), ("both", r["total"])):
+                    planned = moe_block_bytes_by_op(*r["sizes"][:5], tokens, tsp_size, e, direction, "all_to_all",
+                                                    rows_received=r["rows"])
+                    assert {op: c["received"] for op, c in counted.items()} == planned, (direction, planned)
+                    if balanced:
+                        assert r["rows"] == 2 * top_k * tokens * (tsp_size - 1) // tsp_size
+                        assert planned == moe_block_bytes_by_op(*r["sizes"][:5], tokens, tsp_size, e, direction,
+                                                                "all_to_all")
+                print(f"D={tsp_size} rank {rank} {arch} {dtype} {'balanced' if balanced else 'random'} routing: "
+                      f"{r['rows']} rows received per pass, {r['total']['all_to_all']['received']} B all-to-all")
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])

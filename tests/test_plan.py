@@ -294,10 +294,11 @@ def _counted_model_steps(cases, grad_wire_dtype=None):
     D, rank = dist.get_world_size(), dist.get_rank()
     results = []
     for arch, dtype, vocab_parallel, checkpointing in cases:
-        # check_batch "never": the first forward's batch check is not a step's traffic.
+        # check_batch "never": the first forward's batch check is not a step's traffic. The expert ring, whose
+        # bytes do not depend on the routing (the all-to-all's are checked in test_moe.py).
         model = inject(tiny_model(arch, dtype=dtype), TSPTopology(D),
                        TSPConfig(enabled=True, size=D, attention_backend="sdpa", vocab_parallel=vocab_parallel,
-                                 check_batch="never"))
+                                 check_batch="never", moe_schedule="ring"))
         set_grad_wire_dtype(model, grad_wire_dtype)
         if checkpointing:
             model.train()
@@ -916,27 +917,29 @@ def test_moe_bytes_by_hand():
     # D=4: W = 1*384 + 192 = 576, 3 hops.
     assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 4, 4, "both") == {"ring": 3 * 576 * (4 + 4 + 4)}
     # The token all-to-all: N = B*S/D = 16 local tokens, k=2 copies of H=16 out and back, (D-1)/D of them
-    # leave the rank: 2*2*16*16/2 = 512 elements each way; 1 int64 split size received; the shared
+    # leave the rank: 2*2*16*16/2 = 512 elements each way; E/D = 2 int64 split sizes received; the shared
     # expert's (D-1)/D * 3 H F_s = 384 elements still on the ring. Backward: the gradients of both.
     a2a = planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward", "all_to_all")
-    assert a2a == {"all_to_all": 512 * 2 + 8, "ring": 384 * 2}
+    assert a2a == {"all_to_all": 512 * 2 + 16, "ring": 384 * 2}
     assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "backward", "all_to_all") == \
         {"all_to_all": 512 * 2, "ring": 384 * 6}
     # No shared expert (Qwen3-MoE): nothing on the ring.
     assert planner.tsp_moe_bytes_by_op(_moe_shape(shared_expert_intermediate_size=0), SEQ, BATCH, 2, 2, "forward",
-                                       "all_to_all") == {"all_to_all": 512 * 2 + 8}
+                                       "all_to_all") == {"all_to_all": 512 * 2 + 16}
     # Crossover, forward, no shared expert, split sizes aside: 1.5 E F_e D / k = 1.5*4*8*2/2 = 48 tokens.
     plain = _moe_shape(shared_expert_intermediate_size=0)
     forward = planner.moe_crossover_tokens(plain, 2, 2, "forward")
-    assert forward == pytest.approx(48 - 8 / (2 * 2 * 16 * 2 / 2 / 2))
+    assert forward == pytest.approx(48 - 16 / (2 * 2 * 16 * 2 / 2 / 2))
     # Both directions, bf16 with fp32 accumulators (2e + a = 8 B vs 2 x 2e = 8 B a token element): 3 E F_e D / k.
     both = planner.moe_crossover_tokens(plain, 2, 2)
-    assert both == pytest.approx(3 * 4 * 8 * 2 / 2 - 8 / (4 * 2 * 16 / 2 * 2 / 2))
+    assert both == pytest.approx(3 * 4 * 8 * 2 / 2 - 16 / (4 * 2 * 16 / 2 * 2 / 2))
     # The ring's bytes do not grow with the tokens, the all-to-all's do: the ring is the cheaper past the crossover.
     for S in (94, 96):
         moved = {schedule: sum(planner.tsp_moe_bytes_by_op(plain, S, 1, 2, 2, "both", schedule).values())
                  for schedule in ("ring", "all_to_all")}
         assert (moved["ring"] < moved["all_to_all"]) == (S > both)
+        # tsp.moe_schedule "auto" takes the cheaper, from the block's sizes and N = S/D local tokens.
+        assert planner.cheaper_moe_schedule(16, 4, 8, 0, 2, S // 2, 2, 2, "both") == min(moved, key=moved.get)
     with pytest.raises(ValueError, match="schedule"):
         planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", "broadcast")
     with pytest.raises(ValueError, match="no mixture-of-experts"):
@@ -1087,6 +1090,7 @@ def test_moe_cli_prints_the_expert_facts():
     print(text[text.index("Mixture of experts"):])
     assert "30.53B total, 3.35B active" in text and "16 of 128 experts" in text
     assert "expert ring" in text and "token all-to-all" in text and "cheaper" in text
+    assert 'tsp.moe_schedule "auto" (the default) picks it ("all_to_all")' in text  # 32K tokens: 9x fewer bytes
     assert "AutoTP(8)" in text and "refuses" in text
     out = io.StringIO()
     assert planner.run_plan(parser.parse_args(["--seq-len", "4K"]), out=out) == 0

@@ -24,8 +24,9 @@ One module per concern, in the order they build on one another:
 from .anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS,
                       PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
 from .cli import add_plan_arguments, run_plan
-from .communication import (DIRECTIONS, MOE_SCHEDULES, moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer,
-                            tsp_moe_bytes_by_op, tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
+from .communication import (DIRECTIONS, MOE_SCHEDULES, cheaper_moe_schedule, moe_block_bytes_by_op,
+                            moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer, tsp_moe_bytes_by_op,
+                            tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
 from .longest import LongestSequence, longest_fitting, max_seq_len
 from .memory import HEAD_BACKWARD, MEMORY_PARTS
 from .serving import ServingPlan, format_serving_table, serving_plans
@@ -44,10 +45,10 @@ __all__ = [
     "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "MOE_MODEL_TYPES", "MOE_SCHEDULES", "PAPER_DEVICE_GB", "PAPER_LABELS",
     "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",
     "CommPart", "LongestSequence", "ModelShape", "Precision", "ServingPlan", "Setting", "StepTime", "StrategyPlan",
-    "add_plan_arguments", "alst_name", "compare_anchor", "compare_anchors", "format_longest_table",
+    "add_plan_arguments", "alst_name", "cheaper_moe_schedule", "compare_anchor", "compare_anchors", "format_longest_table",
     "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors", "logits_tile_tokens",
-    "longest_fitting", "max_seq_len", "model_shape", "moe_crossover_tokens", "moe_facts", "plan", "plan_alst",
-    "plan_autotp", "plot_memory_vs_seq", "recommend", "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op",
+    "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op", "moe_crossover_tokens", "moe_facts",
+    "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend", "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op",
     "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
     "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]

@@ -7,10 +7,11 @@ vocabulary (``tsp_vocab_bytes_by_op``) and per training step
 (``tsp_step_bytes_by_op``). The baselines' bytes are in ``strategies``.
 
 A mixture-of-experts layer's experts travel round the ring as the dense MLP's
-shards do (``ds_tsp.moe``, the schedule built); ``tsp_moe_bytes_by_op`` gives
-that block's bytes and those of the alternative, tokens sent to their experts
-by all-to-all, and ``moe_crossover_tokens`` the micro-batch at which the two
-move the same bytes.
+shards do, or stay at rest while the tokens go to them by all-to-all
+(``ds_tsp.moe``, both built); ``tsp_moe_bytes_by_op`` gives that block's bytes
+under either schedule, ``moe_crossover_tokens`` the micro-batch at which the
+two move the same bytes, and ``cheaper_moe_schedule`` the choice
+``tsp.moe_schedule: "auto"`` makes.
 
 TSP's parameter-gradient partial sums (the attention's weight-gradient
 ``reduce``, the rings' gradient accumulators) travel in ``a`` bytes an element
@@ -64,7 +65,7 @@ def _check(m, seq_len, tsp_size, direction):
 
 
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                    grad_wire_bytes=None, sparse=None):
+                    grad_wire_bytes=None, sparse=None, moe_schedule="ring"):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -82,10 +83,11 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     ``tsp_rank=None`` gives the mean over ranks (own shard ``Wa/D``), a rank its
     exact count. Values are int when whole (always, for a given rank).
 
-    ``sparse``: a mixture-of-experts layer, whose experts (and shared expert)
-    take the MLP's place on the ring, ``Wx = 3H (E F_e + F_s)`` for ``Wm``
-    (``tsp_moe_bytes_by_op``); by default the model's kind of layer (a model
-    with both kinds must say).
+    ``sparse``: a mixture-of-experts layer, whose block's bytes under
+    ``moe_schedule`` (``tsp_moe_bytes_by_op``; "auto": the one
+    ``cheaper_moe_schedule`` picks for a training step) take the MLP's place:
+    on the ring ``Wx = 3H (E F_e + F_s)`` for ``Wm``; by default the model's
+    kind of layer (a model with both kinds must say).
     """
     m = model_shape(model)
     D, e = tsp_size, elem_bytes
@@ -95,51 +97,91 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     if D == 1:
         return {}
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
-    ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
     kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
-    forward = {"broadcast": e * (m.attention_params - own), "ring": e * ffn, "all_gather": e * kv}
-    backward = {**forward, "ring": (e + a) * ffn, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
+    backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    if sparse:
+        schedule = moe_schedule
+        if schedule == "auto":
+            schedule = cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
+                                            m.experts_per_token, Fraction(micro_batch * seq_len, D), D, e, "both",
+                                            grad_wire_bytes=grad_wire_bytes)
+        for ops, part in ((forward, "forward"), (backward, "backward")):
+            for op, v in tsp_moe_bytes_by_op(m, seq_len, micro_batch, D, e, part, schedule,
+                                             grad_wire_bytes=grad_wire_bytes).items():
+                ops[op] = ops.get(op, 0) + Fraction(v)
+    else:
+        ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
+        forward["ring"], backward["ring"] = e * ffn, (e + a) * ffn
     return _by_direction(forward, backward, direction)
 
 
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
-                        grad_wire_bytes=None):
-    """Bytes one rank receives in one sparse MoE block (experts ``E/D`` per rank,
-    tokens ``N = B*S/D`` per rank), per ``comm`` op name, for either schedule.
-
-    ``"ring"`` (``ds_tsp.moe``, built): the packed shard of ``W = E/D * 3H F_e +
-    3H F_s/D`` elements travels round the ring; forward ``(D-1) W e``, backward
-    ``(D-1) W (e + a)`` (the weights again and their gradient accumulators,
-    ``a = gradient_wire_bytes(e, grad_wire_bytes)``), whatever the tokens.
-
-    ``"all_to_all"`` (the alternative, not built): each local token's hidden
-    state goes to the owners of its ``k`` experts and their outputs come back,
-    ``2 k N H (D-1)/D`` elements each way with routing spread evenly over the
-    experts (the expected count, and the mean over ranks), after the ``D``
-    split sizes (int64, ``D-1`` received); backward the gradients of both,
-    the same again; the experts' weight gradients stay on their owner. The
-    shared expert, dense, stays on the ring: ``(D-1)/D * 3H F_s``.
-    """
+                        grad_wire_bytes=None, rows_received=None):
+    """Bytes one rank receives in one sparse MoE block of ``model`` (experts
+    ``E/D`` per rank, tokens ``N = B*S/D`` per rank), per ``comm`` op name, for
+    either schedule: ``moe_block_bytes_by_op`` over the model's sizes."""
     m = model_shape(model)
-    D, e = tsp_size, elem_bytes
-    if schedule not in MOE_SCHEDULES:
-        raise ValueError(f"schedule must be one of {MOE_SCHEDULES}, not {schedule!r}")
     if not m.is_moe:
         raise ValueError(f"{m.name} has no mixture-of-experts layer")
-    _check(m, seq_len, D, direction)
+    _check(m, seq_len, tsp_size, direction)
+    return moe_block_bytes_by_op(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
+                                 m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
+                                 direction, schedule, grad_wire_bytes=grad_wire_bytes, rows_received=rows_received)
+
+
+def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
+                          elem_bytes, direction, schedule, *, grad_wire_bytes=None, rows_received=None):
+    """Bytes one rank receives in one sparse MoE block (``ds_tsp.moe``), per
+    ``comm`` op name: ``E`` experts of ``3 H F_e`` weights, ``E/D`` per rank,
+    top-``k`` routing, a shared expert of ``F_s`` (0: none), ``N`` local tokens.
+    The same formula serves the planner and ``tsp.moe_schedule: "auto"``.
+
+    ``"ring"``: the packed shard of ``W = E/D * 3H F_e + 3H F_s/D`` elements
+    travels round the ring; forward ``(D-1) W e``, backward ``(D-1) W (e + a)``
+    (the weights again and their gradient accumulators,
+    ``a = gradient_wire_bytes(e, grad_wire_bytes)``), whatever the tokens.
+
+    ``"all_to_all"``: the ``E/D`` split sizes of each other rank (int64,
+    forward only), then each routed row ``(token, expert)`` goes to the
+    expert's owner and its output comes back: a rank receives the rows other
+    ranks route to its experts and the outputs of its own rows computed
+    elsewhere, ``rows_received`` rows of ``H`` in all (by default the expected
+    ``2 k N (D-1)/D``, routing spread evenly, also the mean over ranks);
+    backward the gradients of both, the same rows again. The experts' weight
+    gradients stay on their owner. The shared expert, dense, stays on the
+    ring: ``(D-1)/D * 3H F_s`` each way, plus its accumulators backward.
+    """
+    D, e, H = tsp_size, elem_bytes, hidden_size
+    if schedule not in MOE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {MOE_SCHEDULES}, not {schedule!r}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
     if D == 1:
         return {}
     a = gradient_wire_bytes(e, grad_wire_bytes)
+    shared = Fraction((D - 1) * 3 * H * shared_size, D)
     if schedule == "ring":
-        weights = Fraction((D - 1) * m.ffn_params(sparse=True), D)
+        weights = Fraction((D - 1) * 3 * H * num_experts * expert_size, D) + shared
         return _by_direction({"ring": e * weights}, {"ring": (e + a) * weights}, direction)
-    tokens = Fraction(micro_batch * seq_len, D)
-    moved = e * 2 * m.experts_per_token * tokens * m.hidden_size * Fraction(D - 1, D)
-    shared = Fraction((D - 1) * m.shared_expert_params, D)
-    forward = {"all_to_all": moved + INT64 * (D - 1), "ring": e * shared}
+    if rows_received is None:
+        rows_received = 2 * top_k * Fraction(local_tokens) * Fraction(D - 1, D)
+    moved = e * H * Fraction(rows_received)
+    forward = {"all_to_all": moved + INT64 * (D - 1) * Fraction(num_experts, D), "ring": e * shared}
     backward = {"all_to_all": moved, "ring": (e + a) * shared}
     return _by_direction({k: v for k, v in forward.items() if v}, {k: v for k, v in backward.items() if v},
                          direction)
+
+
+def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
+                         elem_bytes, direction, *, grad_wire_bytes=None):
+    """``tsp.moe_schedule: "auto"``: the schedule of ``MOE_SCHEDULES`` whose
+    expected bytes (``moe_block_bytes_by_op``) are fewer for this block and
+    micro-batch shape; the ring where they tie."""
+    moved = {schedule: sum(Fraction(v) for v in moe_block_bytes_by_op(
+        hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size, elem_bytes, direction,
+        schedule, grad_wire_bytes=grad_wire_bytes).values()) for schedule in MOE_SCHEDULES}
+    return min(MOE_SCHEDULES, key=lambda schedule: moved[schedule])
 
 
 def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_wire_bytes=None):
@@ -218,7 +260,8 @@ def _all_reduced(nbytes, group_size):
 
 
 def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, vocab_parallel=True,
-                         activation_checkpointing=False, tsp_rank=None, rows_exchanged=None, grad_wire_bytes=None):
+                         activation_checkpointing=False, tsp_rank=None, rows_exchanged=None, grad_wire_bytes=None,
+                         moe_schedule="ring"):
     """Bytes one rank receives in one training step (forward and backward of one
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
@@ -232,19 +275,23 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     all-reduce per tensor in ``elem`` bytes (``ModelShape.replicated_tensors``:
     the norms, Qwen3's q/k norms, MLP down biases, routers and shared-expert
     gates), and without ``vocab_parallel`` the embedding and the LM head too.
-    ``tsp_rank`` and ``grad_wire_bytes`` are as in ``tsp_bytes_by_op``.
+    ``tsp_rank``, ``grad_wire_bytes`` and ``moe_schedule`` are as in
+    ``tsp_bytes_by_op`` (the all-to-all's rows as routing spread evenly would
+    send them).
     """
     m = model_shape(model)
     D, e, H = tsp_size, elem_bytes, m.hidden_size
     if D == 1:
         return {}
     wire = {"grad_wire_bytes": grad_wire_bytes}
+    layer_options = {**wire, "moe_schedule": moe_schedule}
     counts = {}
     whole = [H]  # the final norm
     for sparse, layers in m.layer_kinds:
-        per_layer = [tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, sparse=sparse, **wire)]
+        per_layer = [tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, sparse=sparse, **layer_options)]
         if activation_checkpointing:  # every layer's forward runs again in backward
-            per_layer.append(tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank, sparse=sparse))
+            per_layer.append(tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank, sparse=sparse,
+                                             **layer_options))
         for ops in per_layer:
             for op, v in ops.items():
                 counts[op] = counts.get(op, 0) + layers * v

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..layout import padded_length
 from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
-from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op
+from .communication import cheaper_moe_schedule, gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op
 from .memory import MEMORY_PARTS
 from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name, tsp_shape_problem
 from .strategies import AUTOTP_MOE_REFUSED, alst_name, plan
@@ -146,8 +146,9 @@ def moe_facts(setting):
     total and active parameters, the routed experts' weight bytes on one
     device under TSP (``E/D`` experts a layer), TP (``1/t`` of each) and the
     layouts that replicate them, and one sparse layer's bytes received per
-    rank and step (forward + backward) by the expert ring TSP runs and by the
-    token all-to-all, with the micro-batch size in tokens where they cross."""
+    rank and step (forward + backward) by the expert ring and by the token
+    all-to-all, the micro-batch size in tokens where they cross, and the one
+    ``tsp.moe_schedule: "auto"`` picks at this shape."""
     m, D, p = setting.model, setting.devices, setting.precision
     if not m.is_moe:
         return None
@@ -165,6 +166,9 @@ def moe_facts(setting):
                                        for schedule in ("ring", "all_to_all")}
         facts["crossover_tokens"] = {direction: moe_crossover_tokens(m, D, e, direction)
                                      for direction in ("both", "forward")}
+        facts["auto_schedule"] = cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size,
+                                                      m.shared_expert_size, m.experts_per_token, B * S // D, D, e,
+                                                      "both")
         facts["accumulator_bytes"] = a
     return facts
 
@@ -192,14 +196,14 @@ def format_moe_facts(plans):
     if "sparse_layer_bytes" in facts:
         moved, cross = facts["sparse_layer_bytes"], facts["crossover_tokens"]
         tokens = setting.micro_batch * setting.seq_len
-        cheaper = "expert ring" if moved["ring"] <= moved["all_to_all"] else "token all-to-all"
+        cheaper = {"ring": "expert ring", "all_to_all": "token all-to-all"}[facts["auto_schedule"]]
         lines.append(
             f"One sparse layer, bytes received per rank and step (forward + backward, {setting.dtype}, gradient "
-            f"accumulators in {facts['accumulator_bytes']} B): expert ring (TSP, ds_tsp.moe) "
-            f"{moved['ring'] / 1e6:.1f} MB, whatever the tokens; token all-to-all (the alternative, routing spread "
-            f"evenly) {moved['all_to_all'] / 1e6:.1f} MB at B x S = {tokens:,} tokens. The {cheaper} is cheaper "
-            f"here; the ring moves fewer bytes past {cross['both']:,.0f} tokens per micro-batch, the all-to-all "
-            f"below ({cross['forward']:,.0f} counting the forward alone).")
+            f"accumulators in {facts['accumulator_bytes']} B): expert ring {moved['ring'] / 1e6:.1f} MB, whatever "
+            f"the tokens; token all-to-all (routing spread evenly) {moved['all_to_all'] / 1e6:.1f} MB at B x S = "
+            f"{tokens:,} tokens. The {cheaper} is cheaper here, and tsp.moe_schedule \"auto\" (the default) "
+            f"picks it (\"{facts['auto_schedule']}\"); the ring moves fewer bytes past {cross['both']:,.0f} tokens "
+            f"per micro-batch, the all-to-all below ({cross['forward']:,.0f} counting the forward alone).")
     else:
         lines.append(f"TSP({D}) cannot shard this model: {tsp_shape_problem(m, D) or 'one device moves nothing'}.")
     return "Mixture of experts:\n\n" + "\n".join(f"* {line}" for line in lines) + "\n"
