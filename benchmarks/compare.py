@@ -6,10 +6,11 @@ bytes communicated and step time per rank, for two small models (``--models``):
 * ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
-  (default D = 2 and 4). TSP shards the experts ``E/D`` per rank and moves them
-  round the ring (``ds_tsp.moe``); Ulysses replicates them; ZeRO-3 partitions
-  them and gathers a layer's at a time; DeepSpeed's AutoTP refuses the model
-  (its error is reported).
+  (default D = 2 and 4). TSP shards the experts ``E/D`` per rank and moves
+  them round the ring or the tokens to them by all-to-all (``ds_tsp.moe``);
+  AutoEP holds them ``E/D`` per rank too and sends the tokens by all-to-all;
+  Ulysses replicates them; ZeRO-3 partitions them and gathers a layer's at a
+  time; DeepSpeed's AutoTP refuses the model (its error is reported).
 
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
@@ -32,11 +33,18 @@ weights and the same sequence (fp32, micro-batch ``--batch``):
   head sharded by vocabulary rows, the loss fused with the head on a ring;
 * ``tsp_replicated_vocab``: the same with ``tsp.vocab_parallel`` false: the
   embedding and LM head whole on every rank, full logits of the local tokens;
+* ``tsp_ring``, ``tsp_all_to_all`` (MoE row only): ``tsp`` with
+  ``tsp.moe_schedule`` "ring" (expert shards round the ring) and
+  "all_to_all" (tokens to their experts); ``tsp`` itself runs "auto", the
+  default, which picks one of the two per layer and micro-batch shape;
 * ``autotp``: DeepSpeed AutoTP training, ``"tensor_parallel": {"autotp_size": D}``;
 * ``ulysses``: DeepSpeed-Ulysses for HF models (``UlyssesSPAttentionHF``,
   ``sequence_parallel_size = D``), ZeRO-0;
 * ``ulysses_zero3``: the same with ZeRO-3 over the same D ranks (ALST style);
-* ``autotp_x_ulysses``: AutoTP 2 x Ulysses 2, only where D = 4.
+* ``autotp_x_ulysses``: AutoTP 2 x Ulysses 2, only where D = 4;
+* ``autoep`` (MoE row only): DeepSpeed AutoEP, ``"expert_parallel":
+  {"autoep_size": D}`` (``autoep_section``), ZeRO-0, the whole sequence on every rank;
+* ``autoep_zero3`` (MoE row only): the same with ZeRO-3 over the same D ranks.
 
 Each strategy runs in its own process group (``ranks.run_on_ranks``): the
 parent imports torch, transformers, DeepSpeed and ds_tsp once and forks D
@@ -87,6 +95,7 @@ under ``--out`` (``--name`` defaults to ``compare``), the MoE row's under
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import shlex
@@ -232,19 +241,27 @@ def run_single(world, args):
     return FullSequenceRun(_deepspeed_engine(build_model(args), ds_config(args)))
 
 
-def _run_tsp(world, args, vocab_parallel):
+def _run_tsp(world, args, vocab_parallel=True, moe_schedule="auto"):
     tsp = {"enabled": True, "size": world, "layout": TSP_LAYOUT, "attention_backend": "sdpa",
-           "vocab_parallel": vocab_parallel}
+           "vocab_parallel": vocab_parallel, "moe_schedule": moe_schedule}
     engine, *_ = ds_tsp.initialize(model=build_model(args), optimizer=adamw, config=ds_config(args, tsp=tsp))
     return FullSequenceRun(engine)
 
 
 def run_tsp(world, args):
-    return _run_tsp(world, args, vocab_parallel=True)
+    return _run_tsp(world, args)
 
 
 def run_tsp_replicated_vocab(world, args):
     return _run_tsp(world, args, vocab_parallel=False)
+
+
+def run_tsp_ring(world, args):
+    return _run_tsp(world, args, moe_schedule="ring")
+
+
+def run_tsp_all_to_all(world, args):
+    return _run_tsp(world, args, moe_schedule="all_to_all")
 
 
 def run_autotp(world, args, build=build_model):
@@ -269,6 +286,71 @@ def run_ulysses_zero3(world, args, build=build_model):
     return UlyssesRun(_deepspeed_engine(model, config, mpu), mpu.get_sequence_parallel_group())
 
 
+def autoep_section(world):
+    """DeepSpeed AutoEP's ``expert_parallel`` section: the experts of every MoE
+    block split ``E/D`` per rank over an expert-parallel group of all D ranks
+    (one expert-data-parallel replica), tokens sent to their experts by
+    all-to-all (``comm_backend`` "comm", i.e. ``torch.distributed``, counted by
+    the shim). ``preset_model`` names Hugging Face's Qwen3-MoE layout, so a model
+    AutoEP does not know fails instead of being matched against every preset.
+    Routing, top-k renormalisation and SwiGLU experts are the preset's, the
+    same as the model's (``norm_topk_prob`` true); AutoEP is dropless."""
+    return {"enabled": True, "autoep_size": world, "preset_model": "qwen3_moe"}
+
+
+@contextlib.contextmanager
+def _autoep_output_capture_compat():
+    """Let DeepSpeed 0.19.8's AutoEP build under transformers >= 5.2x.
+
+    After replacing the MoE blocks, AutoEP retargets transformers' router-logits
+    recorder (``output_router_logits``, unused here) by reading and restoring
+    ``transformers.utils.output_capturing._CAN_RECORD_REGISTRY`` as a plain dict
+    keyed by ``str(module.__class__)``. transformers now makes it a dict subclass
+    whose ``get(model)`` and ``__setitem__(model, ...)`` take the model and key
+    it themselves, so AutoEP's ``registry.get(key, default)`` raises
+    ``TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were
+    given``. For the engine's construction only, string keys get plain-dict
+    ``get``/``__setitem__``; transformers' own calls (with a model) are unchanged."""
+    try:
+        from transformers.utils.output_capturing import _CanRecordRegistry
+    except ImportError:
+        yield
+        return
+    get, setitem = _CanRecordRegistry.get, _CanRecordRegistry.__setitem__
+
+    def compat_get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else get(self, key)
+
+    def compat_setitem(self, key, value):
+        return dict.__setitem__(self, key, value) if isinstance(key, str) else setitem(self, key, value)
+
+    _CanRecordRegistry.get, _CanRecordRegistry.__setitem__ = compat_get, compat_setitem
+    try:
+        yield
+    finally:
+        _CanRecordRegistry.get, _CanRecordRegistry.__setitem__ = get, setitem
+
+
+def _autoep_engine(model, config):
+    with _autoep_output_capture_compat():
+        return _deepspeed_engine(model, config)
+
+
+def run_autoep(world, args, build=build_model):
+    """AutoEP over D data-parallel ranks that all feed the whole sequence (as for
+    AutoTP): an expert sees each of its tokens once from every rank, and
+    DeepSpeed divides expert gradients by the data-parallel size D, so every
+    gradient is the single process's."""
+    config = ds_config(args, expert_parallel=autoep_section(world))
+    return FullSequenceRun(_autoep_engine(build(args), config))
+
+
+def run_autoep_zero3(world, args, build=build_model):
+    config = ds_config(args, zero_stage=3, expert_parallel=autoep_section(world))
+    config["zero_optimization"].update(zero3_buckets(args))
+    return FullSequenceRun(_autoep_engine(build(args), config))
+
+
 def run_autotp_x_ulysses(world, args):
     tp_size = sp_size = 2
     if world != tp_size * sp_size:
@@ -281,18 +363,20 @@ def run_autotp_x_ulysses(world, args):
 
 
 STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_tsp_replicated_vocab,
-              "autotp": run_autotp, "ulysses": run_ulysses, "ulysses_zero3": run_ulysses_zero3,
-              "autotp_x_ulysses": run_autotp_x_ulysses}
+              "tsp_ring": run_tsp_ring, "tsp_all_to_all": run_tsp_all_to_all, "autotp": run_autotp, "ulysses": run_ulysses, "ulysses_zero3": run_ulysses_zero3,
+              "autotp_x_ulysses": run_autotp_x_ulysses, "autoep": run_autoep, "autoep_zero3": run_autoep_zero3}
 
 
 def strategies_for(world, model="dense", lora=False):
     """What runs at ``world`` ranks; the MoE row runs TSP with its default folded
-    vocabulary only, and AutoTP (which DeepSpeed refuses for it) to show its error;
-    with LoRA, TSP, Ulysses and Ulysses + ZeRO-3 (AutoTP does not take PEFT layers)."""
+    vocabulary under each ``tsp.moe_schedule`` ("auto", the default, then
+    "ring" and "all_to_all"), AutoTP (which DeepSpeed refuses for it) to show
+    its error, and AutoEP with ZeRO-0 and ZeRO-3 (MoE only); with LoRA, TSP,
+    Ulysses and Ulysses + ZeRO-3 (AutoTP does not take PEFT layers)."""
     if lora:
         return ["tsp", "ulysses", "ulysses_zero3"]
     if model == "moe":
-        return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
+        return ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
     if world == 4:
         names.append("autotp_x_ulysses")

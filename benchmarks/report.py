@@ -10,14 +10,18 @@ import json
 import os
 
 from compare_model import model_config
-from ds_tsp.planning import AUTOTP_MOE_REFUSED, plan, tsp_name, tsp_step_bytes_by_op
+from ds_tsp.planning import (AUTOTP_MOE_REFUSED, cheaper_moe_schedule, model_shape, plan, tsp_name,
+                             tsp_step_bytes_by_op)
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
-          "autotp": "AutoTP", "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
-          "autotp_x_ulysses": "AutoTP x Ulysses"}
+          "tsp_ring": "TSP, expert ring", "tsp_all_to_all": "TSP, token all-to-all", "autotp": "AutoTP", "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
+          "autotp_x_ulysses": "AutoTP x Ulysses", "autoep": "AutoEP", "autoep_zero3": "AutoEP + ZeRO-3"}
 
-# tsp.vocab_parallel of each TSP strategy: its bytes are planned with it.
-TSP_VOCAB_PARALLEL = {"tsp": True, "tsp_replicated_vocab": False}
+# tsp.vocab_parallel and tsp.moe_schedule of each TSP strategy: its bytes are planned with them.
+TSP_STRATEGIES = {"tsp": (True, "auto"), "tsp_replicated_vocab": (False, "auto"), "tsp_ring": (True, "ring"),
+                  "tsp_all_to_all": (True, "all_to_all")}
+# TSP under one MoE schedule each, beside "tsp" ("auto"): compared with it in their own table, not as other strategies.
+TSP_SCHEDULE_VARIANTS = ("tsp_ring", "tsp_all_to_all")
 
 ELEMENT_BYTES = 4  # every strategy trains in fp32
 
@@ -59,6 +63,8 @@ def summarize(per_rank, reference_losses):
         "peak_rss_mib": max(_mib(r["peak_rss_bytes"]) for r in per_rank),
         "received_mib_per_step": max(_mib(r["received_per_step"]) for r in per_rank),
         "sent_mib_per_step": max(_mib(r["sent_per_step"]) for r in per_rank),
+        "all_to_all_mib_per_step": max(_mib(sum(count["received"] for op, count in r["by_op_per_step"].items()
+                                                if op in ("all_to_all", "all_to_all_single"))) for r in per_rank),
         "step_s": max(r["step_s"] for r in per_rank),
         "losses": per_rank[0]["losses"],
     }
@@ -73,11 +79,13 @@ def planner_counterpart(name, world, moe=False):
     """``(plan name, devices, ZeRO stage)`` of ``ds_tsp.planning``'s estimate for a
     measured strategy, or None where the planner has none (AutoTP on a MoE
     model, which DeepSpeed refuses: the planner's TP splits the experts, which
-    AutoTP would not)."""
-    if moe and name == "autotp":
-        return None
+    AutoTP would not; AutoEP; TSP's token all-to-all, whose saved rows the
+    planner does not model)."""
+    if moe and name in ("autotp", "tsp", "tsp_all_to_all"):
+        return None  # the planner's TSP keeps the experts on the ring: its MoE peak is tsp_ring's
     return {"single": ("DP(1)", 1, 0), "tsp": (tsp_name(world), world, 0),
             "tsp_replicated_vocab": (tsp_name(world, vocab_parallel=False), world, 0),
+            "tsp_ring": (tsp_name(world), world, 0),
             "autotp": (f"TP({world})", world, 0), "ulysses": (f"SP-Ulysses({world})", world, 0),
             "ulysses_zero3": (f"SP-Ulysses({world})", world, 3)}.get(name)
 
@@ -94,15 +102,23 @@ def planned_peak_row(args, name, world, seq_len, summary):
     return row
 
 
-def tsp_bytes_row(args, world, seq_len, per_rank, vocab_parallel, rows_exchanged):
+def tsp_bytes_row(args, world, seq_len, per_rank, vocab_parallel, moe_schedule, rows_exchanged):
     """Bytes received per TSP rank per step: ``ds_tsp.planning.tsp_step_bytes_by_op``
     for each rank (with the embedding rows that rank exchanges for this batch,
-    ``rows_exchanged[rank]``) against ds_tsp's own counters, op by op."""
-    planned = [tsp_step_bytes_by_op(plan_model(args), seq_len, args.batch, world, ELEMENT_BYTES,
-                                    vocab_parallel=vocab_parallel, tsp_rank=rank,
+    ``rows_exchanged[rank]``, and ``moe_schedule``) against ds_tsp's own
+    counters, op by op. ``even_routing``: the plan counts the token
+    all-to-all's rows as routing spread evenly would send them, so the
+    measured bytes differ by how unevenly this batch was routed."""
+    m = model_shape(plan_model(args))
+    schedule = moe_schedule if moe_schedule != "auto" or not m.is_moe else cheaper_moe_schedule(
+        m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size, m.experts_per_token,
+        args.batch * seq_len // world, world, ELEMENT_BYTES, "both")
+    planned = [tsp_step_bytes_by_op(m, seq_len, args.batch, world, ELEMENT_BYTES,
+                                    vocab_parallel=vocab_parallel, tsp_rank=rank, moe_schedule=schedule,
                                     rows_exchanged=rows_exchanged[rank] if vocab_parallel else None)
                for rank in range(world)]
-    row = {"planned": max(sum(p.values()) for p in planned), "planned_by_op": planned}
+    row = {"planned": max(sum(p.values()) for p in planned), "planned_by_op": planned,
+           "moe_schedule": schedule if m.is_moe else None, "even_routing": m.is_moe and schedule == "all_to_all"}
     if isinstance(per_rank, str):
         return row
     measured = [{op: count["received"] for op, count in r["ds_tsp_by_op_per_step"].items()} for r in per_rank]
@@ -141,8 +157,8 @@ def tabulate(results, args, rows_exchanged):
                     continue  # the planner models full fine-tuning
                 if planner_counterpart(name, world, is_moe(args)):
                     planned_peaks[key] = planned_peak_row(args, name, world, seq_len, summaries[key])
-                if name in TSP_VOCAB_PARALLEL:
-                    tsp_bytes[key] = tsp_bytes_row(args, world, seq_len, value, TSP_VOCAB_PARALLEL[name],
+                if name in TSP_STRATEGIES:
+                    tsp_bytes[key] = tsp_bytes_row(args, world, seq_len, value, *TSP_STRATEGIES[name],
                                                    rows_exchanged[(world, seq_len)])
     return summaries, planned_peaks, tsp_bytes
 
@@ -175,6 +191,7 @@ def write_markdown(results, tables, args, meta):
         lines += _strategy_table(results, summaries, args, world)
     lines += _lora_table(results, summaries, args) if getattr(args, "lora_rank", 0) else _folded_table(
         results, summaries, args)
+    lines += _moe_schedule_table(summaries, tsp_bytes, args) if is_moe(args) else []
     lines += _planned_peak_table(planned_peaks, args)
     lines += _tsp_bytes_table(tsp_bytes, args)
     lines += ["", bytes_verdict(tsp_bytes)]
@@ -203,7 +220,8 @@ def _preamble(args, meta):
     moe = ["* MoE row: TSP shards the experts E/D per rank and moves them round the ring with the dense blocks' "
            "shards (`ds_tsp.moe`); Ulysses keeps every expert on every rank; ZeRO-3 partitions them and gathers "
            "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP refuses the model (see "
-           "Unsupported);"] if is_moe(args) else []
+           "Unsupported); DeepSpeed's AutoEP holds E/D experts per rank and sends every rank's tokens to them by "
+           "all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []
     return [f"Command: `{meta['command']}`", "",
             f"Whole run: {meta['elapsed_s']:.0f} s on {meta['cpu_count']} shared CPU cores (gloo, one thread per "
             f"rank), torch {meta['torch']}, DeepSpeed {meta['deepspeed']}. Model: {_model_text(model)}, "
@@ -252,7 +270,8 @@ def _strategy_table(results, summaries, args, world):
 
 def _lowest_other(results, summaries, world, seq_len):
     """``(name, summary)`` of the lowest-peak strategy other than TSP, or None."""
-    rows = [(name, summaries[(name, world, seq_len)]) for name in names_at(results, world)[1:] if name != "tsp"]
+    rows = [(name, summaries[(name, world, seq_len)]) for name in names_at(results, world)[1:]
+            if name not in ("tsp", *TSP_SCHEDULE_VARIANTS)]
     rows = [(name, row) for name, row in rows if not isinstance(row, str)]
     return min(rows, key=lambda item: item[1]["peak_live_mib"]) if rows else None
 
@@ -302,6 +321,39 @@ def _lora_table(results, summaries, args):
     return lines
 
 
+def _moe_schedule_table(summaries, tsp_bytes, args):
+    """TSP's two MoE schedules and "auto" against AutoEP: bytes received per rank
+    per step (everything the shim saw, max over ranks), the all-to-all part of
+    them, and per-rank peak."""
+    names = ("tsp_ring", "tsp_all_to_all", "tsp", "autoep", "autoep_zero3")
+    lines = ["### Mixture of experts: TSP's schedules against AutoEP", "",
+             "Received per rank per step, MiB (all traffic the shim saw, max over ranks; in brackets its "
+             "all-to-all part: TSP's folded embedding rows and tokens to experts, AutoEP's tokens), and per-rank "
+             "peak memory, MiB. Auto: the schedule `tsp.moe_schedule: \"auto\"` picked "
+             "(`ds_tsp.planning.cheaper_moe_schedule`); auto <= cheaper: its bytes are at most the cheaper "
+             "schedule's (within 1%); all-to-all <= AutoEP: TSP's token all-to-all receives no more than AutoEP "
+             "at the same D, all-to-all and all traffic.", "",
+             "| D | seq len | " + " | ".join(f"{LABELS[n]} MiB/step" for n in names) + " | auto | auto <= cheaper "
+             "| all-to-all <= AutoEP | " + " | ".join(f"{LABELS[n]} peak" for n in names) + " |",
+             "|---|---|" + "---|" * (2 * len(names) + 3)]
+    for world in args.sizes:
+        for seq_len in args.seq_lens:
+            rows = {n: summaries.get((n, world, seq_len)) for n in names}
+            ok = {n: r for n, r in rows.items() if r is not None and not isinstance(r, str)}
+            moved = {n: r["received_mib_per_step"] for n, r in ok.items()}
+            auto = tsp_bytes.get(("tsp", world, seq_len), {}).get("moe_schedule") or "-"
+            cheaper = ("-" if not {"tsp", "tsp_ring", "tsp_all_to_all"} <= set(moved) else
+                       "yes" if moved["tsp"] <= 1.01 * min(moved["tsp_ring"], moved["tsp_all_to_all"]) else "NO")
+            versus = ("-" if not {"tsp_all_to_all", "autoep"} <= set(moved) else
+                      "yes" if moved["tsp_all_to_all"] <= moved["autoep"] and ok["tsp_all_to_all"][
+                          "all_to_all_mib_per_step"] <= ok["autoep"]["all_to_all_mib_per_step"] else "NO")
+            lines.append(f"| {world} | {seq_len} | " + " | ".join(
+                f"{moved[n]:.3f} ({ok[n]['all_to_all_mib_per_step']:.3f})" if n in moved else "-" for n in names)
+                         + f" | {auto} | {cheaper} | {versus} | "
+                         + " | ".join(f"{ok[n]['peak_live_mib']:.1f}" if n in ok else "-" for n in names) + " |")
+    return lines + [""]
+
+
 def _planned_peak_table(planned_peaks, args):
     lines = ["### Peak memory: measured against the planner", "",
              "Planned: `ds_tsp.planning.plan(model, S, B, D, dtype=\"fp32\", zero_stage)`, the per-device total "
@@ -328,18 +380,22 @@ def _tsp_bytes_table(tsp_bytes, args):
              "| D | seq len | strategy | planned (MiB) | measured (MiB) | ratio | worst op | all traffic (MiB) |",
              "|---|---|---|---|---|---|---|---|"]
     for (name, world, seq_len), row in tsp_bytes.items():
+        label = LABELS[name] + (" (all-to-all: planned for even routing)" if row.get("even_routing") else "")
         if "measured" not in row:
-            lines.append(f"| {world} | {seq_len} | {LABELS[name]} | {_mib(row['planned']):.3f} | - | - | - | - |")
+            lines.append(f"| {world} | {seq_len} | {label} | {_mib(row['planned']):.3f} | - | - | - | - |")
             continue
-        lines.append(f"| {world} | {seq_len} | {LABELS[name]} | {_mib(row['planned']):.3f} | "
+        lines.append(f"| {world} | {seq_len} | {label} | {_mib(row['planned']):.3f} | "
                      f"{_mib(row['measured']):.3f} | {row['ratio']:.4f} | {row['max_op_deviation']:.1e} | "
                      f"{_mib(row['measured_all_traffic']):.3f} |")
     return lines
 
 
 def bytes_verdict(tsp_bytes):
-    """One line: whether TSP's counted bytes equal the planner's within ``BYTES_TOLERANCE`` at every point."""
-    measured = {key: row for key, row in tsp_bytes.items() if "measured" in row}
+    """One line: whether TSP's counted bytes equal the planner's within
+    ``BYTES_TOLERANCE`` at every point whose plan does not depend on the
+    batch's routing (the token all-to-all's is checked against the exact
+    routing in tests/test_moe.py)."""
+    measured = {key: row for key, row in tsp_bytes.items() if "measured" in row and not row.get("even_routing")}
     if not measured:
         return "No TSP run to set against the planner's bytes."
     worst_key, worst = max(measured.items(), key=lambda item: item[1]["max_op_deviation"])
@@ -390,7 +446,8 @@ def tsp_not_lowest(results, summaries, args):
                 continue
             for name in names_at(results, world)[1:]:
                 other = summaries[(name, world, seq_len)]
-                if name == "tsp" or isinstance(other, str) or other["peak_live_mib"] >= tsp["peak_live_mib"]:
+                if name in ("tsp", *TSP_SCHEDULE_VARIANTS) or isinstance(other, str) or \
+                        other["peak_live_mib"] >= tsp["peak_live_mib"]:
                     continue
                 beaten_by.add(name)
                 notes.append(
@@ -417,8 +474,8 @@ def unsupported_notes(summaries, moe=False):
 def _line_style(name):
     if name == "single":
         return {"linestyle": ":", "linewidth": 1.5}
-    if name in TSP_VOCAB_PARALLEL:
-        return {"linestyle": "-" if TSP_VOCAB_PARALLEL[name] else "--", "linewidth": 2.5}
+    if name in TSP_STRATEGIES:
+        return {"linestyle": "-" if name == "tsp" else "--", "linewidth": 2.5}
     return {"linestyle": "-", "linewidth": 1.5}
 
 
