@@ -1,27 +1,42 @@
 """The benchmarks (compare.py, longest.py, fidelity.py, block_overhead.py,
-inference.py) end to end at the smallest settings. compare: every strategy runs at D=2 and
-trains the single-process model, both TSP strategies' bytes equal the
-planner's op by op on every rank, and every measured peak has its planned
-counterpart; its MoE row likewise at D = 2 and 4."""
+inference.py) end to end at the smallest settings. compare, in one run: every
+strategy of the dense row at D=2 trains the single-process model, both TSP
+strategies' bytes equal the planner's op by op on every rank, and every
+measured peak has its planned counterpart; its MoE row likewise at D = 4, with
+TSP's MoE schedules and AutoEP."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
-    # An odd vocabulary: the folded shards carry a padding row at D=2.
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "dense", "--sizes", "2",
-           "--seq-lens", "32", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-           "--intermediate", "128",
-           "--vocab", "67", "--warmup", "1", "--steps", "1", "--strategy-timeout", "60", "--out", str(tmp_path)]
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory, rank_pools):
+    """compare.py's dense row at D = 2 and MoE row at D = 4 in one run (one set of imports and one single-process
+    reference per row): a one-layer model 64 wide, 32 tokens, an odd vocabulary (the folded shards carry a
+    padding row at D = 2); the MoE row a Qwen3-MoE of 4 experts, top-2. Every strategy but AutoEP + ZeRO-3 (left
+    out to save time)."""
+    rank_pools.close()  # as own_processes: the run's ranks get the cores
+    out = tmp_path_factory.mktemp("compare")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "dense", "moe", "--sizes", "2",
+           "--moe-sizes", "4", "--seq-lens", "32", "--layers", "1", "--hidden", "64", "--heads", "4",
+           "--kv-heads", "2", "--intermediate", "128", "--experts", "4", "--top-k", "2", "--expert-intermediate", "32",
+           "--vocab", "67", "--warmup", "1", "--steps", "1", "--strategy-timeout", "120", "--out", str(out),
+           "--strategies", "tsp", "tsp_replicated_vocab", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses",
+           "ulysses_zero3", "autoep"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
 
+
+def test_compare_runs_every_strategy_at_the_smallest_settings(compare_run):
+    tmp_path = compare_run
     doc = json.load(open(tmp_path / "compare_2.json"))
     assert sorted(doc["strategies"]) == ["autotp", "single", "tsp", "tsp_replicated_vocab", "ulysses",
                                          "ulysses_zero3"]
@@ -55,22 +70,14 @@ def test_compare_runs_every_strategy_at_the_smallest_settings(tmp_path, own_proc
     assert (tmp_path / "compare_memory.png").stat().st_size > 0 and (tmp_path / "compare_time.png").stat().st_size > 0
 
 
-def test_compare_moe_row_at_the_smallest_settings(tmp_path, own_processes):
+def test_compare_moe_row_at_the_smallest_settings(compare_run):
     """The MoE row (a one-layer Qwen3-MoE, 4 experts, top-2) at D = 4, one expert per rank: TSP under "auto",
     "ring" and "all_to_all", Ulysses + ZeRO-3 and AutoEP train the single-process model; the ring's counted
     bytes equal the planner's op by op on every rank, the all-to-all's are planned for even routing and
     marked so; auto picks the all-to-all at 8 local tokens and moves no more than the cheaper schedule, the
     all-to-all no more than AutoEP; AutoTP is reported as refused by DeepSpeed, with the planner's reason;
-    TSP has the lowest peak. (Ulysses and AutoEP + ZeRO-3 are left out here to save time.)"""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "moe", "--sizes", "4",
-           "--seq-lens", "32", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-           "--experts", "4", "--top-k", "2", "--expert-intermediate", "32", "--vocab", "67", "--warmup", "1",
-           "--steps", "1", "--strategy-timeout", "120", "--out", str(tmp_path), "--strategies", "tsp", "tsp_ring",
-           "tsp_all_to_all", "autotp", "ulysses_zero3", "autoep"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
+    TSP has the lowest peak."""
+    tmp_path = compare_run
     doc = json.load(open(tmp_path / "compare_moe_4.json"))
     assert doc["model"]["arch"] == "Qwen3MoeForCausalLM" and doc["model"]["experts"] == 4
     assert sorted(doc["strategies"]) == ["autoep", "autoep_zero3", "autotp", "single", "tsp", "tsp_all_to_all",
@@ -78,18 +85,19 @@ def test_compare_moe_row_at_the_smallest_settings(tmp_path, own_processes):
     for result in doc["strategies"]["autotp"]["results"].values():
         assert isinstance(result, str) and "moe_tp_experts" in result, result
     summaries = {}
-    for name in ("single", "tsp", "tsp_ring", "tsp_all_to_all", "ulysses_zero3", "autoep"):
+    for name in ("single", "tsp", "tsp_ring", "tsp_all_to_all", "ulysses", "ulysses_zero3", "autoep"):
         result = doc["strategies"][name]["results"]["32"]
         assert not isinstance(result, str), f"{name}: {result}"
         summary = summaries[name] = result["summary"]
         print(f"MoE D=4 {name} S=32: peak {summary['peak_live_mib']:.3f} MiB, recv "
               f"{summary['received_mib_per_step']:.3f} MiB/step, loss diff {summary.get('max_loss_diff_vs_single', 0):.1e}")
         assert summary.get("max_loss_diff_vs_single", 0.0) < 1e-4
-    for name in ("single", "tsp_ring", "ulysses_zero3"):
+    for name in ("single", "tsp_ring", "ulysses", "ulysses_zero3"):
         planned = doc["planned_peak"][name]["32"]
         assert planned["planned_mib"] > 0 and planned["measured_mib"] == summaries[name]["peak_live_mib"]
     assert not {"autotp", "autoep", "tsp_all_to_all"} & set(doc["planned_peak"])  # no planner figure for these
-    assert summaries["tsp"]["peak_live_mib"] < min(summaries[n]["peak_live_mib"] for n in ("ulysses_zero3", "autoep"))
+    assert summaries["tsp"]["peak_live_mib"] < min(summaries[n]["peak_live_mib"] for n in ("ulysses", "ulysses_zero3",
+                                                                                          "autoep"))
     moved = {name: summaries[name]["received_mib_per_step"] for name in summaries}
     assert moved["tsp"] <= 1.01 * min(moved["tsp_ring"], moved["tsp_all_to_all"])
     # Every rank of AutoEP feeds the whole sequence, a TSP rank 1/D of it: TSP's all-to-all is the smaller. All
