@@ -29,6 +29,8 @@ INVALID_SECTIONS = {
     "logits_tile_zero": ({"logits_tile_mib": 0}, r"tsp\.logits_tile_mib = 0.*MiB > 0"),
     "logits_tile_nan": ({"logits_tile_mib": float("nan")}, r"tsp\.logits_tile_mib = NaN.*finite"),
     "token_tile_negative": ({"token_tile": -1}, r"tsp\.token_tile = -1.*integer >= 0"),
+    "moe_schedule_unknown": ({"moe_schedule": "alltoall"},
+                             r'tsp\.moe_schedule = "alltoall".*one of "auto", "ring", "all_to_all"'),
     "fp32_accumulators_string": ({"fp32_accumulators": "no"}, r"tsp\.fp32_accumulators = \"no\".*true or false"),
     "check_batch_unknown": ({"check_batch": "sometimes"}, r"tsp\.check_batch = \"sometimes\".*\"first\", \"always\""),
     "unknown_key": ({"sise": 2}, r"tsp\.sise is not a known key; known keys: enabled, size, pipeline_stages"),

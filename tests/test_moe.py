@@ -341,6 +341,50 @@ def _counted_all_to_all(arch, dtype, balanced):
                       x.shape[0] * x.shape[1]), "element": block.packed.element_size()}
 
 
+def _auto_choices():
+    """What "auto" runs for few and many local tokens, in training and eval
+    mode, the planner's choice for each, and the log lines it wrote."""
+    import logging
+
+    from ds_tsp.planning import cheaper_moe_schedule
+
+    block, _, top_k = _block_and_tokens("qwen3_moe", "float64", "auto", False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ds_tsp").addHandler(handler)
+    logging.getLogger("ds_tsp").setLevel(logging.INFO)
+    choices = []
+    try:
+        for tokens in (8, 8, 4096):
+            for training in (True, False):
+                block.train(training)
+                x = torch.randn(tokens, block.hidden_size, dtype=torch.float64)
+                comm.counter.reset()
+                with torch.no_grad():
+                    block(x.unsqueeze(0))
+                ran = "all_to_all" if "all_to_all" in comm.counter.snapshot() else "ring"
+                planned = cheaper_moe_schedule(block.hidden_size, block.num_experts, block.expert_size, 0, top_k,
+                                               tokens, block.tsp_size, 8, "both" if training else "forward")
+                choices.append((tokens, training, ran, planned))
+    finally:
+        logging.getLogger("ds_tsp").removeHandler(handler)
+    return choices, [r.getMessage() for r in records]
+
+
+def test_auto_runs_the_schedule_the_cost_model_picks_and_says_so_once(run_ranks):
+    """Qwen3-MoE's tiny block at D = 2: "auto" sends 8 local tokens by all-to-all and
+    takes the ring for 4096, as ``cheaper_moe_schedule`` says (forward and
+    backward in training mode, forward alone in eval); rank 0 logs each choice once."""
+    for rank, (choices, logged) in enumerate(run_ranks(2, _auto_choices)):
+        print(f"rank {rank}: {choices}; logged {logged}")
+        assert all(ran == planned for _, _, ran, planned in choices)
+        assert {ran for tokens, _, ran, _ in choices if tokens == 8} == {"all_to_all"}
+        assert {ran for tokens, _, ran, _ in choices if tokens == 4096} == {"ring"}
+        assert logged == ([] if rank else ["tsp.moe_schedule auto: all_to_all for 8 local tokens (E=8, top-2, D=2)",
+                                           "tsp.moe_schedule auto: ring for 4096 local tokens (E=8, top-2, D=2)"])
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_all_to_all_bytes_equal_the_formula_and_the_planners(run_ranks, tsp_size):
     """Per rank: forward the split sizes (``E/D`` int64 from each other rank) and
