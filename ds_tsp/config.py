@@ -86,8 +86,9 @@ class TSPConfig(DeepSpeedConfigModel):
 
     token_tile: int = Field(8192, ge=0)
     """ Largest number of local tokens (over the micro-batch's rows) that a TSP layer's attention query block and
-    MLP ring step process at once, which bounds the layer's working memory however long the sequence; 0 processes
-    all local tokens at once. """
+    MLP ring step process at once, which bounds the layer's working memory however long the sequence (a MoE
+    expert's tokens too; the rows moe_schedule "all_to_all" exchanges, k per local token, are not tiled); 0
+    processes all local tokens at once. """
 
     fp32_accumulators: bool = True
     """ Sum the attention head groups, the MLP ring steps and the layer-input gradients in float32 for bf16/fp16
@@ -102,8 +103,10 @@ class TSPConfig(DeepSpeedConfigModel):
     """ How a sparse mixture-of-experts layer meets its experts: "ring" moves the expert shards round the TSP group
     (bytes independent of the sequence), "all_to_all" keeps them at rest and sends each token to the ranks owning
     its top-k experts and back (bytes growing with the tokens); "auto" picks, per layer and micro-batch shape, the
-    one the cost model says moves fewer bytes (ds-tsp plan reports both). Decoding uses neither: weights stay at
-    rest and the ranks' shares are summed. """
+    one the cost model says moves fewer bytes (ds-tsp plan reports both). The all-to-all keeps the rows it
+    exchanged for backward, about 2 k H elements per local token and layer, where the ring keeps none: without
+    activation checkpointing at long sequences, "ring" may fit where "auto" does not. Decoding uses neither:
+    weights stay at rest and the ranks' shares are summed. """
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of

@@ -235,14 +235,6 @@ class _MLPRing(torch.autograd.Function):
         return grad_x, grad_packed, None, None
 
 
-def mlp_ring(x, packed, plan):
-    """The MLP of the local tokens ``x`` over every shard of ``plan.spec``, this
-    rank's being ``packed``. Forward: the shards round the ring; backward: the
-    ring again, each shard's gradient ending on its owner."""
-    for_backward = torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad)
-    return _MLPRing.apply(x, packed, plan, for_backward)
-
-
 class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """``down(act(gate(x)) * up(x))`` over the local tokens, weights sharded on
     ``F`` across ``tsp_group`` and moved by a ring (see the module docstring).
@@ -325,7 +317,9 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
-        y = mlp_ring(x, self.shard_weights(), self.plan)
+        packed = self.shard_weights()
+        for_backward = torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad)
+        y = _MLPRing.apply(x, packed, self.plan, for_backward)
         if self.down_bias is not None:
             y = y + self.down_bias
         return y

@@ -46,12 +46,13 @@ summed on its owner from every rank's rows, with no accumulator ring. Decoding
 (``decode_share``) uses neither schedule: every rank holds the step's tokens,
 runs its own experts on those routed to them and the shares are summed.
 
-Dropless: every token meets exactly its top-k experts, with no capacity. An
-expert no local token chose costs nothing but its hop. Backward runs the same
-ring (``ds_tsp.ring.ring_gradients``): each shard's gradient accumulator
-travels with it and ends, summed over every rank's tokens, on its owner; the
-gate and up projections are recomputed per expert (nothing ``(N, k, F)`` is
-kept), as the MLP does with token tiles.
+Both are dropless: every token meets exactly its top-k experts, with no
+capacity. On the ring an expert no local token chose costs nothing but its
+hop, and backward runs the same ring (``ds_tsp.ring.ring_gradients``): each
+shard's gradient accumulator travels with it and ends, summed over every
+rank's tokens, on its owner. Under both the gate and up projections are
+recomputed per expert in backward (nothing ``(N, k, F)`` is kept), as the MLP
+does with token tiles.
 
 Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
 rank's packed shard (``w`` bytes each; accumulators summed in float32 or
@@ -94,14 +95,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import comm, layout
-from .amp import autocast_backward, autocast_forward
+from .amp import _compute_dtype, autocast_backward, autocast_forward
 from .comm import accumulation_dtype
 from .mappings import sum_over_group
-from .mlp import MLPPlan, mlp_ring
+from .mlp import MLPPlan, mlp_ring_backward, mlp_ring_forward
 from .mlp import shard_backward as gated_shard_backward
 from .mlp import shard_forward as gated_shard_forward
 from .mlp import shard_spec as mlp_shard_spec
@@ -110,6 +112,8 @@ from .planning.communication import MOE_SCHEDULES, cheaper_moe_schedule
 from .ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
 logger = logging.getLogger("ds_tsp")
+# What tsp.moe_schedule "auto" has said in the log: each choice once per shape, not once per layer.
+_announced = set()
 
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 # The shared expert's tensors, with the dim each is split on (mlp.SHARD_DIMS, no biases).
@@ -199,7 +203,7 @@ class Routing:
 
 @dataclass(frozen=True)
 class MoEPlan:
-    """Everything the expert ring needs besides tensors."""
+    """Everything either schedule needs besides tensors."""
 
     spec: PackSpec
     act_fn: object
@@ -346,38 +350,40 @@ class TokenExchange:
     """Where the routed rows ``(token, expert)`` go under the all-to-all
     schedule. In routing order (by expert, so by owner) this rank sends
     ``send_counts[j]`` rows to rank ``j`` and receives ``recv_counts[j]`` from
-    it, each source's rows ordered by expert; ``received`` groups the received
-    rows by this rank's local expert (a ``Routing`` over them, slots unused)."""
+    it, each source's rows ordered by expert; ``by_local_expert`` groups the
+    received rows by this rank's local expert (a ``Routing`` over them, slots
+    unused)."""
 
     send_counts: tuple
     recv_counts: tuple
-    received: Routing
+    by_local_expert: Routing
 
     @classmethod
     def of(cls, routing, plan):
         """Exchanges the split sizes: every rank's row count for each of this
-        rank's experts (one all-to-all of ``E/D`` int64 per rank pair)."""
-        tsp_size, per_rank = comm.group_size(plan.group), plan.experts_per_rank
-        offsets = torch.tensor(routing.offsets)
+        rank's experts (one all-to-all of ``E/D`` int64 per rank pair, on the
+        tokens' device)."""
+        tsp_size, per_rank, device = comm.group_size(plan.group), plan.experts_per_rank, routing.tokens.device
+        offsets = torch.tensor(routing.offsets, device=device)
         counts = (offsets[1:] - offsets[:-1]).view(tsp_size, per_rank)  # (D, E/D): rows for rank j's experts
         incoming, _ = comm.all_to_all(counts, plan.group)  # (D, E/D): rows rank j sends to each local expert
-        local_expert = torch.arange(per_rank).repeat(tsp_size).repeat_interleave(incoming.reshape(-1))
+        local_expert = torch.arange(per_rank, device=device).repeat(tsp_size).repeat_interleave(incoming.reshape(-1))
         return cls(tuple(counts.sum(1).tolist()), tuple(incoming.sum(1).tolist()),
                    Routing.of(local_expert.unsqueeze(-1), per_rank))
 
 
-def moe_all_to_all_forward(x, weights, routing, exchange, experts, plan):
+def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     """``(y, received, returned)``: ``y`` ``(N, H)`` every local token's weighted
-    outputs of its top-k experts, the rows sent to the experts' owners and the
-    outputs sent back (``experts``: this rank's routed experts, at rest);
-    ``received`` ``(R, H)`` the rows this rank's experts computed on,
-    ``returned`` ``(N k, H)`` the outputs of this rank's rows in routing order,
-    both kept for backward."""
+    outputs of its top-k experts, in the accumulator dtype, the rows sent to
+    the experts' owners and the outputs sent back (``routed_shard``: this
+    rank's routed experts, at rest); ``received`` ``(R, H)`` the rows this
+    rank's experts computed on, ``returned`` ``(N k, H)`` the outputs of this
+    rank's rows in routing order, both kept for backward."""
     received = comm.all_to_all_rows(x[routing.tokens], exchange.send_counts, exchange.recv_counts, plan.group)
     outputs = torch.empty_like(received)
-    w = plan.routed_spec.unpack(experts)
+    w = plan.routed_spec.unpack(routed_shard)
     for local in range(plan.experts_per_rank):
-        for rows, _ in exchange.received.of_expert(local, plan.token_tile):
+        for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             outputs[rows], _, _ = gated_shard_forward(received[rows], _expert(w, local, plan.expert_size), plan.act_fn)
     returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
     y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
@@ -385,27 +391,28 @@ def moe_all_to_all_forward(x, weights, routing, exchange, experts, plan):
         start, end = routing.offsets[expert], routing.offsets[expert + 1]
         tokens, slots = routing.tokens[start:end], routing.slots[start:end]
         y.index_add_(0, tokens, (returned[start:end] * weights[tokens, slots, None]).to(y.dtype))
-    return y.to(x.dtype), received, returned
+    return y, received, returned
 
 
-def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, returned, experts, plan):
-    """``(grad_x, grad_weights, grad_experts)``: the transpose of the forward.
-    The output gradients go to the experts' owners by the forward's routes,
-    the input gradients come back by the reverse ones; ``grad_experts`` is this
-    rank's experts' gradient from every rank's rows, summed here (no ring)."""
-    acc_dtype = accumulation_dtype(experts.dtype)
+def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, returned, routed_shard, plan):
+    """``(grad_x, grad_weights, grad_routed_shard)``: the transpose of the
+    forward, ``grad_x`` in the accumulator dtype. The output gradients go to
+    the experts' owners by the forward's routes, the input gradients come back
+    by the reverse ones; ``grad_routed_shard`` is this rank's experts'
+    gradient from every rank's rows, summed here (no ring)."""
+    acc_dtype = accumulation_dtype(routed_shard.dtype)
     grad_rows = grad_y[routing.tokens]  # (N k, H) in routing order
     grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=grad_y.device)
     grad_weights[routing.tokens, routing.slots] = (grad_rows.to(acc_dtype) * returned.to(acc_dtype)).sum(-1).to(
         grad_weights.dtype)
     grad_outputs = (grad_rows * weights[routing.tokens, routing.slots, None]).to(received.dtype)
     grad_outputs = comm.all_to_all_rows(grad_outputs, exchange.send_counts, exchange.recv_counts, plan.group)
-    grad_experts = torch.zeros(experts.shape, dtype=acc_dtype, device=experts.device)
-    w, grad_w = plan.routed_spec.unpack(experts), plan.routed_spec.unpack(grad_experts)
+    grad_shard = torch.zeros(routed_shard.shape, dtype=acc_dtype, device=routed_shard.device)
+    w, grad_w = plan.routed_spec.unpack(routed_shard), plan.routed_spec.unpack(grad_shard)
     grad_received = torch.empty_like(received)
     for local in range(plan.experts_per_rank):
         weights_e, grads_e = _expert(w, local, plan.expert_size), _expert(grad_w, local, plan.expert_size)
-        for rows, _ in exchange.received.of_expert(local, plan.token_tile):
+        for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             gate = F.linear(received[rows], weights_e["gate_proj.weight"])
             up = F.linear(received[rows], weights_e["up_proj.weight"])
             grad_received[rows], piece_grads = gated_shard_backward(received[rows], grad_outputs[rows], weights_e,
@@ -413,39 +420,61 @@ def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, return
             for name, grad in piece_grads.items():
                 grads_e[name] += grad
     grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
-    grad_x = torch.zeros((grad_y.shape[0], grad_y.shape[1]), dtype=plan.accumulator_dtype(grad_y.dtype),
-                         device=grad_y.device)
+    grad_x = torch.zeros(grad_y.shape, dtype=plan.accumulator_dtype(grad_y.dtype), device=grad_y.device)
     grad_x.index_add_(0, routing.tokens, grad_sent.to(grad_x.dtype))
-    return grad_x.to(grad_y.dtype), grad_weights.to(weights.dtype), grad_experts.to(experts.dtype)
+    return grad_x, grad_weights.to(weights.dtype), grad_shard.to(routed_shard.dtype)
 
 
 class _MoEAllToAll(torch.autograd.Function):
-    # Under autocast as _MoERing: tokens, experts and routing weights in the autocast dtype.
+    """The routed experts by token all-to-all and, for Qwen2-MoE, the shared
+    expert's slices on the MLP's ring, over the whole packed shard: it is
+    saved as the parameter itself (no view of it), so ZeRO-3 may release it
+    between forward and backward as it does for the expert ring."""
+
+    # Under autocast as _MoERing: tokens, the shard and the routing weights in the autocast dtype.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, weights, index, experts, plan):
+    def forward(ctx, x, weights, index, shared_scale, packed, plan):
         routing = Routing.of(index, plan.num_experts)
         exchange = TokenExchange.of(routing, plan)
-        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, experts, plan)
+        routed = plan.routed_spec.numel
+        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, packed[:routed], plan)
+        shared_out, steps = None, []
+        if plan.shared:  # HF: the shared expert's output times its sigmoid gate, added
+            shared_out, gates, ups = mlp_ring_forward(x, packed[routed:], plan.shared_plan)
+            y += (shared_scale * shared_out).to(y.dtype)
+            steps = gates + ups
         # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent.
-        ctx.save_for_backward(weights, experts, routing.tokens, routing.slots, received, returned)
+        # The shared expert's backward needs the local tokens too, and its output for its gate's gradient.
+        ctx.save_for_backward(weights, packed, routing.tokens, routing.slots, received, returned,
+                              x if plan.shared else None, shared_scale, shared_out, *steps)
         ctx.plan, ctx.offsets, ctx.exchange = plan, routing.offsets, exchange
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     @autocast_backward
     def backward(ctx, grad_y):
-        weights, experts, tokens, slots, received, returned = ctx.saved_tensors
-        routing = Routing(tokens, slots, ctx.offsets)
-        grad_x, grad_weights, grad_experts = moe_all_to_all_backward(grad_y, weights, routing, ctx.exchange,
-                                                                     received, returned, experts, ctx.plan)
-        return grad_x, grad_weights, None, grad_experts, None
+        weights, packed, tokens, slots, received, returned, x, shared_scale, shared_out, *steps = ctx.saved_tensors
+        plan, routed = ctx.plan, ctx.plan.routed_spec.numel
+        grad_x, grad_weights, grad_routed = moe_all_to_all_backward(
+            grad_y, weights, Routing(tokens, slots, ctx.offsets), ctx.exchange, received, returned, packed[:routed],
+            plan)
+        grad_packed, grad_scale = torch.empty_like(packed), None
+        grad_packed[:routed] = grad_routed
+        if plan.shared:
+            acc_dtype = accumulation_dtype(shared_scale.dtype)
+            grad_scale = (grad_y.to(acc_dtype) * shared_out.to(acc_dtype)).sum(-1, keepdim=True).to(shared_scale.dtype)
+            gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]
+            grad_shared_x, grad_packed[routed:] = mlp_ring_backward((grad_y * shared_scale).to(grad_y.dtype), x,
+                                                                    packed[routed:], gates, ups, plan.shared_plan)
+            grad_x += grad_shared_x
+        return grad_x.to(grad_y.dtype), grad_weights, None, grad_scale, grad_packed, None
 
 
 class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
-    local tokens, experts sharded ``E/D`` per rank and moved by a ring (see the
-    module docstring).
+    local tokens, experts sharded ``E/D`` per rank, moved by a ring or met by a
+    token all-to-all (``tsp.moe_schedule``, see the module docstring).
 
     Parameters: ``packed``, this rank's experts (and shared-expert slice) laid
     out by ``self.spec``, tagged ``tensor_model_parallel``; the replicated
@@ -469,7 +498,6 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
             raise ValueError(f"tsp.moe_schedule must be one of {('auto', *MOE_SCHEDULES)}, not {schedule!r}")
         self.plan = MoEPlan(self.spec, act_fn, tsp_group, num_experts, expert_size, bool(shared_size), overlap,
                             token_tile, fp32_accumulators, schedule=schedule)
-        self._logged_choices = set()
         self.gate = router
         self.shared_expert_gate = shared_gate
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
@@ -538,13 +566,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         shared_scale = None
         if self.shared_expert_gate is not None:
             shared_scale = torch.sigmoid(self.shared_expert_gate(x2))  # (N, 1)
-        if self.schedule_for(x2, index.shape[-1]) == "ring":
-            return _MoERing.apply(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
-        routed = self.plan.routed_spec.numel
-        y = _MoEAllToAll.apply(x2, weights, index, self.packed[:routed], self.plan)
-        if shared_scale is not None:  # HF: the shared expert's output times its sigmoid gate, added
-            y = y + shared_scale * mlp_ring(x2, self.packed[routed:], self.plan.shared_plan)
-        return y.view(x.shape)
+        schedule = _MoERing if self.schedule_for(x2, index.shape[-1]) == "ring" else _MoEAllToAll
+        return schedule.apply(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
 
     def schedule_for(self, x2, top_k):
         """The schedule of this forward: ``tsp.moe_schedule``, or for "auto" the
@@ -553,16 +576,16 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         training mode, forward alone in eval mode), logged once per choice."""
         if self.plan.schedule != "auto":
             return self.plan.schedule
-        element = x2.element_size() if not torch.is_autocast_enabled(x2.device.type) else \
-            torch.finfo(torch.get_autocast_dtype(x2.device.type)).bits // 8
         wire = self.plan.grad_wire_dtype
         choice = cheaper_moe_schedule(self.hidden_size, self.num_experts, self.expert_size, self.shared_size, top_k,
-                                      x2.shape[0], self.tsp_size, element, "both" if self.training else "forward",
-                                      grad_wire_bytes=None if wire is None else torch.finfo(wire).bits // 8)
-        if choice not in self._logged_choices and self.tsp_rank == 0:
-            logger.info("tsp.moe_schedule auto: %s for %d local tokens (E=%d, top-%d, D=%d)", choice, x2.shape[0],
-                        self.num_experts, top_k, self.tsp_size)
-        self._logged_choices.add(choice)
+                                      x2.shape[0], self.tsp_size, _compute_dtype(x2).itemsize,
+                                      "both" if self.training else "forward",
+                                      grad_wire_bytes=None if wire is None else wire.itemsize)
+        said = (choice, x2.shape[0], self.num_experts, top_k, self.tsp_size)
+        if said not in _announced:
+            _announced.add(said)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.info("tsp.moe_schedule auto: %s for %d local tokens (E=%d, top-%d, D=%d)", *said)
         return choice
 
     def extra_repr(self):

@@ -146,6 +146,7 @@ def out_of_bound(errors):
     (2, "llama", False),  # replicated head: HF's loss path, TSP blocks under autocast
     (2, "qwen3", True),  # per-head norms (float32 weights) inside the attention Function
     (2, "qwen2", True),  # q/k/v biases
+    (2, "qwen2_moe", True),  # float32 routing weights, the token all-to-all ("auto" here) and the shared expert
 ])
 def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,

@@ -32,7 +32,8 @@ def _sharded_grads_and_bytes(cases):
     results = []
     for arch, dtype in cases:
         model = inject(tiny_model(arch, dtype=dtype), TSPTopology(D),
-                       TSPConfig(enabled=True, size=D, attention_backend="sdpa", check_batch="never"))
+                       TSPConfig(enabled=True, size=D, attention_backend="sdpa", check_batch="never",
+                                 moe_schedule="ring"))  # the experts on the wire, with their gradients
         torch.manual_seed(3)  # the same batch on every rank
         input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
         runs = {}

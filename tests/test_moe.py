@@ -107,7 +107,7 @@ def build_case(arch, batch, seq_len, right_padding, routing, overrides):
     return ref, input_ids, attention_mask
 
 
-def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False):
+def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False, token_tile=8192):
     """On every rank, per schedule and case: |loss - HF's|, |aux - HF's| and the
     gradient diffs of ``shard_grad_diffs`` (experts, shared expert, routers
     included). ``wrong_return``: the all-to-all's outputs come back to their
@@ -119,7 +119,7 @@ def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_retur
         model = copy.deepcopy(ref)
         topo = TSPTopology(tsp_size)
         ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
-                                             moe_schedule=schedule))
+                                             moe_schedule=schedule, token_tile=token_tile))
         kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
         if wrong_expert_shard and topo.tsp_rank == tsp_size - 1:
             with torch.no_grad():
@@ -241,6 +241,15 @@ def test_router_logits_asked_for_are_hugging_faces(run_ranks, tsp_size):
             assert result["routers"]
             # A gradient summed over ranks (D times too large) or none at all would be off by the scale.
             assert result["router_grad_diff"] <= TOLERANCE < 1e-3 * result["router_grad_scale"]
+
+
+def test_token_tiles_change_no_number(run_ranks):
+    """Three local tokens at a time through each expert (and the shared expert's
+    ring), under both schedules at D = 2: ragged tiles, numbers as HF's."""
+    cases = [CASES[0], CASES[2]]
+    per_rank = run_ranks(2, moe_parity, cases=cases, token_tile=3)
+    for i, (schedule, case) in enumerate(itertools.product(SCHEDULES, cases)):
+        check_case([rank[i] for rank in per_rank], f"D=2 token_tile=3 {schedule} {case[0]}")
 
 
 @pytest.mark.parametrize("wrong", ["expert shard ring", "expert shard all_to_all", "return all_to_all"])
