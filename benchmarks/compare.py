@@ -363,8 +363,9 @@ def run_autotp_x_ulysses(world, args):
 
 
 STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_tsp_replicated_vocab,
-              "tsp_ring": run_tsp_ring, "tsp_all_to_all": run_tsp_all_to_all, "autotp": run_autotp, "ulysses": run_ulysses, "ulysses_zero3": run_ulysses_zero3,
-              "autotp_x_ulysses": run_autotp_x_ulysses, "autoep": run_autoep, "autoep_zero3": run_autoep_zero3}
+              "tsp_ring": run_tsp_ring, "tsp_all_to_all": run_tsp_all_to_all, "autotp": run_autotp,
+              "ulysses": run_ulysses, "ulysses_zero3": run_ulysses_zero3, "autotp_x_ulysses": run_autotp_x_ulysses,
+              "autoep": run_autoep, "autoep_zero3": run_autoep_zero3}
 
 
 def strategies_for(world, model="dense", lora=False):

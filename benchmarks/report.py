@@ -14,7 +14,8 @@ from ds_tsp.planning import (AUTOTP_MOE_REFUSED, cheaper_moe_schedule, model_sha
                              tsp_step_bytes_by_op)
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
-          "tsp_ring": "TSP, expert ring", "tsp_all_to_all": "TSP, token all-to-all", "autotp": "AutoTP", "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
+          "tsp_ring": "TSP, expert ring", "tsp_all_to_all": "TSP, token all-to-all", "autotp": "AutoTP",
+          "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
           "autotp_x_ulysses": "AutoTP x Ulysses", "autoep": "AutoEP", "autoep_zero3": "AutoEP + ZeRO-3"}
 
 # tsp.vocab_parallel and tsp.moe_schedule of each TSP strategy: its bytes are planned with them.

@@ -90,7 +90,8 @@ def test_compare_moe_row_at_the_smallest_settings(compare_run):
         assert not isinstance(result, str), f"{name}: {result}"
         summary = summaries[name] = result["summary"]
         print(f"MoE D=4 {name} S=32: peak {summary['peak_live_mib']:.3f} MiB, recv "
-              f"{summary['received_mib_per_step']:.3f} MiB/step, loss diff {summary.get('max_loss_diff_vs_single', 0):.1e}")
+              f"{summary['received_mib_per_step']:.3f} MiB/step, loss diff "
+              f"{summary.get('max_loss_diff_vs_single', 0):.1e}")
         assert summary.get("max_loss_diff_vs_single", 0.0) < 1e-4
     for name in ("single", "tsp_ring", "ulysses", "ulysses_zero3"):
         planned = doc["planned_peak"][name]["32"]

@@ -236,7 +236,8 @@ def test_moe_all_to_all_trains_like_a_single_process(run_ranks, world, zero_stag
         norm_err = max(abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]))
         print(f"rank {rank} all-to-all {arch} TSP=2 DP={world // 2} ZeRO-{zero_stage}: max rel |dw| "
               f"{out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
-              f"losses {[round(v, 5) for v in out['losses']]} (one process: {[round(v, 5) for v in out['ref_losses']]})")
+              f"losses {[round(v, 5) for v in out['losses']]} "
+              f"(one process: {[round(v, 5) for v in out['ref_losses']]})")
         assert out["rel"][worst] <= BOUND["adam"] and norm_err <= 1e-6
         assert any("experts.gate_up_proj" in name for name in out["rel"])
         assert out["partitioned"] == (zero_stage == 3)

@@ -117,7 +117,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
 
 
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
-                        grad_wire_bytes=None, rows_received=None):
+                        grad_wire_bytes=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts
     ``E/D`` per rank, tokens ``N = B*S/D`` per rank), per ``comm`` op name, for
     either schedule: ``moe_block_bytes_by_op`` over the model's sizes."""
@@ -127,7 +127,7 @@ def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direc
     _check(m, seq_len, tsp_size, direction)
     return moe_block_bytes_by_op(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
                                  m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
-                                 direction, schedule, grad_wire_bytes=grad_wire_bytes, rows_received=rows_received)
+                                 direction, schedule, grad_wire_bytes=grad_wire_bytes)
 
 
 def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
