@@ -219,7 +219,8 @@ def _model_text(model):
 def _preamble(args, meta):
     model = meta["model"]
     moe = ["* MoE row: TSP shards the experts E/D per rank and moves them round the ring with the dense blocks' "
-           "shards (`ds_tsp.moe`); Ulysses keeps every expert on every rank; ZeRO-3 partitions them and gathers "
+           "shards, or keeps them at rest and sends the tokens to them by all-to-all (`tsp.moe_schedule`: TSP runs "
+           "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.moe`); Ulysses keeps every expert on every rank; ZeRO-3 partitions them and gathers "
            "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP refuses the model (see "
            "Unsupported); DeepSpeed's AutoEP holds E/D experts per rank and sends every rank's tokens to them by "
            "all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []
