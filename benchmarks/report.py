@@ -10,7 +10,7 @@ import json
 import os
 
 from compare_model import model_config
-from ds_tsp.planning import (AUTOTP_MOE_REFUSED, cheaper_moe_schedule, model_shape, plan, tsp_name,
+from ds_tsp.planning import (AUTOTP_MOE_REFUSED, model_shape, plan, tsp_moe_schedule, tsp_name,
                              tsp_step_bytes_by_op)
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
@@ -111,15 +111,13 @@ def tsp_bytes_row(args, world, seq_len, per_rank, vocab_parallel, moe_schedule, 
     all-to-all's rows as routing spread evenly would send them, so the
     measured bytes differ by how unevenly this batch was routed."""
     m = model_shape(plan_model(args))
-    schedule = moe_schedule if moe_schedule != "auto" or not m.is_moe else cheaper_moe_schedule(
-        m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size, m.experts_per_token,
-        args.batch * seq_len // world, world, ELEMENT_BYTES, "both")
+    schedule = tsp_moe_schedule(m, seq_len, args.batch, world, ELEMENT_BYTES, moe_schedule) if m.is_moe else None
     planned = [tsp_step_bytes_by_op(m, seq_len, args.batch, world, ELEMENT_BYTES,
-                                    vocab_parallel=vocab_parallel, tsp_rank=rank, moe_schedule=schedule,
+                                    vocab_parallel=vocab_parallel, tsp_rank=rank, moe_schedule=schedule or "ring",
                                     rows_exchanged=rows_exchanged[rank] if vocab_parallel else None)
                for rank in range(world)]
     row = {"planned": max(sum(p.values()) for p in planned), "planned_by_op": planned,
-           "moe_schedule": schedule if m.is_moe else None, "even_routing": m.is_moe and schedule == "all_to_all"}
+           "moe_schedule": schedule, "even_routing": schedule == "all_to_all"}
     if isinstance(per_rank, str):
         return row
     measured = [{op: count["received"] for op, count in r["ds_tsp_by_op_per_step"].items()} for r in per_rank]
@@ -220,7 +218,8 @@ def _preamble(args, meta):
     model = meta["model"]
     moe = ["* MoE row: TSP shards the experts E/D per rank and moves them round the ring with the dense blocks' "
            "shards, or keeps them at rest and sends the tokens to them by all-to-all (`tsp.moe_schedule`: TSP runs "
-           "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.moe`); Ulysses keeps every expert on every rank; ZeRO-3 partitions them and gathers "
+           "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.moe`); Ulysses keeps "
+           "every expert on every rank; ZeRO-3 partitions them and gathers "
            "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP refuses the model (see "
            "Unsupported); DeepSpeed's AutoEP holds E/D experts per rank and sends every rank's tokens to them by "
            "all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []

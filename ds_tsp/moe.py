@@ -386,11 +386,10 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             outputs[rows], _, _ = gated_shard_forward(received[rows], _expert(w, local, plan.expert_size), plan.act_fn)
     returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
+    # Each output times its routing weight, added to its token: the rows are in expert order, so each token's
+    # sum runs expert by expert, as HF's loop adds them; one index_add_ for all experts.
     y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
-    for expert in range(plan.num_experts):  # HF's order: expert by expert, each output times its routing weight
-        start, end = routing.offsets[expert], routing.offsets[expert + 1]
-        tokens, slots = routing.tokens[start:end], routing.slots[start:end]
-        y.index_add_(0, tokens, (returned[start:end] * weights[tokens, slots, None]).to(y.dtype))
+    y.index_add_(0, routing.tokens, (returned * weights[routing.tokens, routing.slots, None]).to(y.dtype))
     return y, received, returned
 
 

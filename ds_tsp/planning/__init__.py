@@ -26,7 +26,7 @@ from .anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBL
 from .cli import add_plan_arguments, run_plan
 from .communication import (DIRECTIONS, MOE_SCHEDULES, cheaper_moe_schedule, moe_block_bytes_by_op,
                             moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer, tsp_moe_bytes_by_op,
-                            tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
+                            tsp_moe_schedule, tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
 from .longest import LongestSequence, longest_fitting, max_seq_len
 from .memory import HEAD_BACKWARD, MEMORY_PARTS
 from .serving import ServingPlan, format_serving_table, serving_plans
@@ -50,6 +50,6 @@ __all__ = [
     "logits_tile_tokens", "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op",
     "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend",
     "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op",
-    "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
+    "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_moe_schedule", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
     "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]

@@ -101,11 +101,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
     backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
     if sparse:
-        schedule = moe_schedule
-        if schedule == "auto":
-            schedule = cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
-                                            m.experts_per_token, Fraction(micro_batch * seq_len, D), D, e, "both",
-                                            grad_wire_bytes=grad_wire_bytes)
+        schedule = tsp_moe_schedule(m, seq_len, micro_batch, D, e, moe_schedule, grad_wire_bytes=grad_wire_bytes)
         for ops, part in ((forward, "forward"), (backward, "backward")):
             for op, v in tsp_moe_bytes_by_op(m, seq_len, micro_batch, D, e, part, schedule,
                                              grad_wire_bytes=grad_wire_bytes).items():
@@ -182,6 +178,19 @@ def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top
         hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size, elem_bytes, direction,
         schedule, grad_wire_bytes=grad_wire_bytes).values()) for schedule in MOE_SCHEDULES}
     return min(MOE_SCHEDULES, key=lambda schedule: moved[schedule])
+
+
+def tsp_moe_schedule(model, seq_len, micro_batch, tsp_size, elem_bytes, moe_schedule="auto", *,
+                     grad_wire_bytes=None):
+    """The schedule ``model``'s sparse layers run under ``moe_schedule`` in a
+    training step: itself, or for "auto" ``cheaper_moe_schedule``'s choice
+    (forward and backward) at ``N = B*S/D`` local tokens."""
+    if moe_schedule != "auto":
+        return moe_schedule
+    m = model_shape(model)
+    return cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
+                                m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
+                                "both", grad_wire_bytes=grad_wire_bytes)
 
 
 def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_wire_bytes=None):

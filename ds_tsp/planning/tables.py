@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..layout import padded_length
 from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
-from .communication import cheaper_moe_schedule, gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op
+from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op, tsp_moe_schedule
 from .memory import MEMORY_PARTS
 from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name, tsp_shape_problem
 from .strategies import AUTOTP_MOE_REFUSED, alst_name, plan
@@ -166,9 +166,7 @@ def moe_facts(setting):
                                        for schedule in ("ring", "all_to_all")}
         facts["crossover_tokens"] = {direction: moe_crossover_tokens(m, D, e, direction)
                                      for direction in ("both", "forward")}
-        facts["auto_schedule"] = cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size,
-                                                      m.shared_expert_size, m.experts_per_token, B * S // D, D, e,
-                                                      "both")
+        facts["auto_schedule"] = tsp_moe_schedule(m, S, B, D, e)
         facts["accumulator_bytes"] = a
     return facts
 
