@@ -31,6 +31,7 @@ from ds_tsp.attention_kernels import SDPAKernel, takes_grouped_query
 from ds_tsp.attention_selection import BACKENDS, cudnn_unavailable_reason, flash_unavailable_reason, select_kernel
 from ds_tsp.mlp import TSPGatedMLP
 from ds_tsp.model import TSPDecoderLayer
+from ds_tsp.policy import PRE_NORMS
 
 PRESETS = {  # Llama-3-8B-shaped layer, and a small one for CPU runs
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -50,8 +51,10 @@ def build(preset, device, dtype, backend="sdpa"):
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     hf = LlamaDecoderLayer(config, 0).to(device=device, dtype=dtype)
-    tsp = TSPDecoderLayer(hf.input_layernorm, TSPAttention.from_hf(hf.self_attn, config, None, backend=backend),
-                          hf.post_attention_layernorm, TSPGatedMLP.from_hf(hf.mlp, None))
+    tsp = TSPDecoderLayer(TSPAttention.from_hf(hf.self_attn, config, None, backend=backend),
+                          TSPGatedMLP.from_hf(hf.mlp, None),
+                          {"input_layernorm": hf.input_layernorm, "post_attention_layernorm": hf.post_attention_layernorm},
+                          PRE_NORMS)
     return config, hf, tsp
 
 

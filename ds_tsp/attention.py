@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from . import comm, layout
 from .amp import autocast_backward, autocast_forward
+from .attention_kernels import SoftCappedKernel
 from .attention_selection import select_kernel
 from .documents import query_blocks
 from .packing import PackedShardMixin, PackSpec, module_reader
@@ -185,16 +186,23 @@ def rotate(t, norm, cos, sin):
     return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
-def rotary_tables(rotary_emb, hidden, positions, max_position):
+def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
-    rotary embedding computes them for the whole sequence. Rotary types that
+    rotary embedding computes them for the whole sequence (for layers of type
+    ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the
     full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    cos, sin = rotary_emb(hidden, probe)
+    cos, sin = rotary_emb(hidden, probe) if kind is None else rotary_emb(hidden, probe, kind)
     return cos[:, :-1], sin[:, :-1]
+
+
+def layer_rotary_tables(rotary_emb, layers, hidden, positions, max_position):
+    """``rotary_tables`` for every ``rotary_kind`` among the TSP ``layers``, each computed once."""
+    return {kind: rotary_tables(rotary_emb, hidden, positions, max_position, kind)
+            for kind in dict.fromkeys(layer.rotary_kind for layer in layers)}
 
 
 def kept_for_backward(raw, rotated, norm):
@@ -579,7 +587,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
-                 k_norm=None):
+                 k_norm=None, softcap=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -596,6 +604,12 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        # Gemma-2's attention-logit soft-cap: a kernel of ds_tsp's own (SoftCappedKernel) serves it.
+        if softcap is not None and backend not in ("auto", "sdpa"):
+            raise ValueError(f"tsp.attention_backend = {backend!r} cannot soft-cap attention scores "
+                             f"(attn_logit_softcapping = {softcap}): set tsp.attention_backend to \"auto\" or "
+                             "\"sdpa\", with which ds_tsp's capped attention serves these layers")
+        self.softcap = softcap
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
         # The weight-gradient reduces' wire dtype; None: float32 (or wider). ds_tsp.initialize
@@ -626,7 +640,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
-                     dtype=weight.dtype, device=device, **norms)
+                     dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
+                     **norms)
         read = read or module_reader(attn)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -645,7 +660,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def plan(self, x, documents=None):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.documents``), None for one per row."""
-        kernel = select_kernel(self.backend, x.device, x.dtype)
+        kernel = (SoftCappedKernel(self.softcap) if self.softcap is not None
+                  else select_kernel(self.backend, x.device, x.dtype))
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
                                                                                      self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,

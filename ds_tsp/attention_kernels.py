@@ -70,6 +70,31 @@ class SDPAKernel:
         return out.transpose(1, 2), lse
 
 
+class SoftCappedKernel:
+    """Attention whose scores are soft-capped, ``cap * tanh(scores / cap)``,
+    before the mask (Gemma-2's ``attn_logit_softcapping``). torch's fused
+    kernels take no cap, so a block's scores are materialised (a query tile by
+    the keys it sees: ``tsp.token_tile`` bounds them) and autograd runs the
+    backward; the softmax runs in float32 or wider."""
+
+    name = "softcap"
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def attend(self, q, k, v, scale, window=None, with_lse=False):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        q_len, k_len = q.shape[1], k.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale / self.cap) * self.cap
+        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        lse = scores.detach().logsumexp(dim=-1) if with_lse else None
+        return out.transpose(1, 2), lse
+
+
 # ---- torch's fused ops, as (B, h, L, d) blocks with top-left causal masks ----
 
 class _CPUFlashOps:

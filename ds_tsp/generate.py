@@ -64,9 +64,9 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from . import comm, layout
-from .attention import attention_forward, project, rotary_tables, rotate, rotated_from_kept
+from .attention import attention_forward, layer_rotary_tables, project, rotate, rotated_from_kept
 from .kv_cache import TSPCache, prompt_tokens
-from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding
+from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 
 
 @torch.no_grad()
@@ -189,13 +189,14 @@ def left_aligned(input_ids, attention_mask):
     return input_ids.gather(1, index), lengths
 
 
-def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None):
+def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None, softcap=None):
     """Partial attention of one new token per row over this rank's cached keys.
 
     ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, nkv, T, d)`` with global
     ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
     Every cached key is at or before the query, so only validity and the
-    sliding window mask. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
+    sliding window mask; ``softcap`` caps the scores as the layer's attention
+    does. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
     in the accumulation dtype; a row with no visible key here gets ``out = 0``
     and ``lse = -inf``, which weigh nothing in ``merge_partials``.
     """
@@ -206,7 +207,7 @@ def attend_cache(q, keys, values, key_positions, key_valid, query_positions, sca
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     q = q.to(acc).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = q @ keys.to(acc).transpose(-1, -2) * scale  # (B, nkv, nq/nkv, T)
+    scores = soft_cap(q @ keys.to(acc).transpose(-1, -2) * scale, softcap)  # (B, nkv, nq/nkv, T)
     visible = key_valid
     if window is not None:
         visible = visible & (key_positions > query_positions.unsqueeze(1) - window)
@@ -237,6 +238,7 @@ class TSPDecoder:
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)
+        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
 
     @torch.no_grad()
     def prefill(self, prompt, lengths):
@@ -249,7 +251,8 @@ class TSPDecoder:
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
         rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
         hidden = embed_local_tokens(self.embed, rank_ids, r)  # (B, S/D, H)
-        cos, sin = rotary_tables(self.rotary, hidden, positions.expand(batch, -1), (lengths.max() - 1).view(1, 1))
+        tables = layer_rotary_tables(self.rotary, self.layers, hidden, positions.expand(batch, -1),
+                                     (lengths.max() - 1).view(1, 1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
@@ -260,9 +263,10 @@ class TSPDecoder:
         cache.next_positions = lengths.clone()
 
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._prefill_attention(cache, index, slots, keep, layer.self_attn,
-                                                      layer.input_layernorm(hidden), cos, sin)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            cos, sin = tables[layer.rotary_kind]
+            hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
+                cache, index, slots, keep, layer.self_attn, normed, cos, sin))
+            hidden = layer.branch("mlp", hidden, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
     def _prefill_attention(self, cache, index, slots, keep, attn, h, cos, sin):
@@ -282,14 +286,17 @@ class TSPDecoder:
         positions = cache.next_positions
         target = cache.place_next_token()
         hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
-        cos, sin = self.rotary(hidden, positions.unsqueeze(1))
+        tables = {kind: self.rotary(hidden, positions.unsqueeze(1)) if kind is None else
+                  self.rotary(hidden, positions.unsqueeze(1), kind)
+                  for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
         slots = None
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(cache, index, layer.self_attn, layer.input_layernorm(hidden), cos, sin,
-                                              slots, positions)
-            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            cos, sin = tables[layer.rotary_kind]
+            hidden = layer.branch("attention", hidden, lambda normed: self._attention(
+                cache, index, layer.self_attn, normed, cos, sin, slots, positions))
+            hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
         cache.next_positions = positions + 1
         return self._logits(hidden)
 
@@ -312,7 +319,7 @@ class TSPDecoder:
             cache.write(index, slots, k_new.unsqueeze(1), v_new.unsqueeze(1))
         keys, values = cache.layer(index)
         out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions,
-                                attn.scale, attn.sliding_window)
+                                attn.scale, attn.sliding_window, attn.softcap)
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
         partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
         received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
@@ -349,7 +356,7 @@ class TSPDecoder:
         return gathered[owners, torch.arange(hidden.shape[0], device=hidden.device)].unsqueeze(1)
 
     def _logits(self, hidden):
-        return full_vocab_logits(self.lm_head, self.final_norm(hidden))[:, 0]
+        return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_softcap)[:, 0]
 
 
 def _all_kv_heads(groups):

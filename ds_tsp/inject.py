@@ -68,7 +68,8 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
         prefix = f"{policy.layers}.{index}"
         layers[index] = tsp_layer(layer, model.config, policy, topology, tsp_config,
                                   read=_prefixed(read, prefix), device=device,
-                                  adapters=block_adapters(adapters, prefix))
+                                  adapters=block_adapters(adapters, prefix),
+                                  rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
     if tsp_config.vocab_parallel:
         fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
 
@@ -116,11 +117,12 @@ def unpartition(module, skip=()):
             owner._parameters[name] = copies[id(param)]
 
 
-def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None):
+def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None, rotary_kind=None):
     """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
     they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
     sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: (read,
-    scaling)}`` (``ds_tsp.lora.shard_adapters``), sharded with their blocks."""
+    scaling)}`` (``ds_tsp.lora.shard_adapters``), sharded with their blocks;
+    ``rotary_kind``: the rotary tables the layer takes (``DecoderPolicy.rotary_kind``)."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
     tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
@@ -138,8 +140,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
         shard_adapters(block, block_adapters(adapters or {}, where))
-    return TSPDecoderLayer(layer.get_submodule(policy.input_norm), tsp_attention,
-                           layer.get_submodule(policy.post_attention_norm), tsp_mlp, tsp_config.recompute_norms)
+    return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
+                           policy.norm_layout, tsp_config.recompute_norms, rotary_kind)
 
 
 def keep_frozen(hf_block, tsp_block, layer_class, where):

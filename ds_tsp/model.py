@@ -15,33 +15,49 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from . import layout
-from .attention import rotary_tables
+from .attention import layer_rotary_tables
 from .documents import check_cu_seq_lens, document_starts
 from .generate import cached_forward
 from .mappings import sum_over_group
 from .moe import TSPSparseMoE, full_sequence_router_logits, load_balancing_loss, recorded_router_logits
-from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens
+from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 
 
 class TSPDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer: the same residual structure as Llama's, with TSP
-    attention and MLP. Subclassing HF's checkpointing layer makes
-    ``model.gradient_checkpointing_enable()`` recompute it."""
+    """A decoder layer of two residual branches, TSP attention then the TSP MLP,
+    each with the Hugging Face norms the architecture puts around it (kept as
+    they are, under their Hugging Face names): ``layout`` maps ``"attention"``
+    and ``"mlp"`` to the names of the norms ``(before, after)`` the block, None
+    where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both).
+    ``rotary_kind`` names the rotary tables the layer takes (Gemma-3's layer
+    types; None: the model's one table). Subclassing HF's checkpointing layer
+    makes ``model.gradient_checkpointing_enable()`` recompute it."""
 
-    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp, recompute_norms=False):
+    def __init__(self, self_attn, mlp, norms, layout, recompute_norms=False, rotary_kind=None):
         super().__init__()
-        self.input_layernorm = input_layernorm
         self.self_attn = self_attn
-        self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        for name, norm in norms.items():
+            self.add_module(name, norm)
+        self.layout = layout
         self.recompute_norms = recompute_norms  # tsp.recompute_norms
+        self.rotary_kind = rotary_kind
+
+    def norms(self):
+        """The layer's norms by Hugging Face name."""
+        return {name: getattr(self, name) for pair in self.layout.values() for name in pair if name is not None}
+
+    def branch(self, block, hidden, run):
+        """``hidden`` plus the ``block`` (``"attention"`` or ``"mlp"``) ``run`` on
+        it, normed before and after as the layout says, in HF's order."""
+        before, after = self.layout[block]
+        out = run(hidden if before is None else normalize(getattr(self, before), hidden, self.recompute_norms))
+        return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
 
     def forward(self, hidden_states, position_embeddings, documents=None):
-        residual = hidden_states
-        normalized = normalize(self.input_layernorm, hidden_states, self.recompute_norms)
-        hidden_states = residual + self.self_attn(normalized, position_embeddings, documents)
-        residual = hidden_states
-        return residual + self.mlp(normalize(self.post_attention_layernorm, hidden_states, self.recompute_norms))
+        hidden_states = self.branch("attention", hidden_states,
+                                    lambda normed: self.self_attn(normed, position_embeddings, documents))
+        return self.branch("mlp", hidden_states, self.mlp)
 
 
 def normalize(norm, hidden, recompute):
@@ -200,14 +216,15 @@ class TSPCausalLMMixin:
                          self.tsp_config.layout, cu_seq_lens)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
                                     batch.input_ids)
-        position_embeddings = rotary_tables(self.get_submodule(policy.rotary_emb), hidden, batch.position_ids,
-                                            batch.max_position)
+        layers = self.get_submodule(policy.layers)
+        tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.position_ids,
+                                     batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
-            for decoder_layer in self.get_submodule(policy.layers):
-                hidden = decoder_layer(hidden, position_embeddings, batch.documents)
+            for decoder_layer in layers:
+                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
-                                        num_items_in_batch)
+                                        num_items_in_batch, getattr(self.config, "final_logit_softcapping", None))
         if not moe_blocks:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         aux_loss = None
@@ -237,19 +254,20 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
     return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
 
 
-def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None):
-    """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``.
+def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None):
+    """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``,
+    the logits soft-capped by ``logit_softcap`` (``config.final_logit_softcapping``).
 
     The loss (None without labels) is the mean cross-entropy over all real
     tokens of the full sequence: each rank sums its own tokens' losses and the
     sums add up over the TSP group. A folded head computes it on its ring and
     returns no logits; a replicated head returns the local tokens' logits."""
     if batch.labels is None:
-        return None, lm_head(hidden)
+        return None, soft_cap(lm_head(hidden), logit_softcap)
     if isinstance(lm_head, VocabParallelLMHead):
-        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels)
+        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels, logit_softcap)
     else:
-        logits = lm_head(hidden)
+        logits = soft_cap(lm_head(hidden), logit_softcap)
         local_sum = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                                     batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch

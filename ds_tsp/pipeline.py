@@ -67,7 +67,7 @@ class TSPDecoderLayerPipe(nn.Module):
 
     def forward(self, inputs):
         hidden, positions, *statistics = inputs
-        tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:])
+        tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:], self.layer.rotary_kind)
         blocks = self.moe_blocks if statistics else []
         with recorded_router_logits(blocks) as router_logits:
             hidden = self.layer(hidden, tables)
@@ -129,17 +129,18 @@ class TSPPipeLoss:
     """LM head and mean cross-entropy over all real tokens of the full sequence
     (labels come full, as the data iterator yields them), plus
     ``aux_loss_coef`` times the load-balancing loss when the last stage's
-    output carries its statistics."""
+    output carries its statistics; the logits soft-capped by ``logit_softcap``."""
 
-    def __init__(self, head_pipe, topology, layout_name, aux_loss_coef=0.0):
+    def __init__(self, head_pipe, topology, layout_name, aux_loss_coef=0.0, logit_softcap=None):
         self.head_pipe, self.topology, self.layout_name = head_pipe, topology, layout_name
-        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss_coef, self.logit_softcap = aux_loss_coef, logit_softcap
 
     def __call__(self, outputs, labels):
         topo = self.topology
         hidden, *statistics = outputs if isinstance(outputs, tuple) else (outputs,)
         batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
-        loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group)
+        loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group,
+                                   logit_softcap=self.logit_softcap)
         if statistics:
             loss = loss + self.aux_loss_coef * balance_loss(statistics[0], topo.tsp_group)
         return loss
@@ -191,7 +192,8 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
                        tsp_config.recompute_norms)
     layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
-    loss_fn = TSPPipeLoss(head, topology, tsp_config.layout, getattr(model.config, "router_aux_loss_coef", 0.0))
+    loss_fn = TSPPipeLoss(head, topology, tsp_config.layout, getattr(model.config, "router_aux_loss_coef", 0.0),
+                          getattr(model.config, "final_logit_softcapping", None))
     pipe = PipelineModule(layers=layers, loss_fn=loss_fn, topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
                           activation_checkpoint_interval=1 if activation_checkpointing else 0,

@@ -71,6 +71,13 @@ def full_or_sliding(layer_types):
     return layer_types is None or all(kind in LAYER_TYPES for kind in layer_types)
 
 
+def rope_per_layer_type(params):
+    """One supported table per layer type (Gemma-3: local and global RoPE), or one for all."""
+    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
+        return all(rope_supported(table) for table in params.values())
+    return rope_supported(params)
+
+
 NO_DROPOUT = (None, 0, 0.0)
 NEUTRAL_SCALE = (None, 1, 1.0)
 
@@ -116,6 +123,23 @@ SPARSE_LAYERS = {
     "mlp_only_layers": Accepts(any_value, "layers listed keep a dense MLP, which becomes a TSP gated MLP"),
     "decoder_sparse_step": Accepts(any_value, "layers off the step keep a dense MLP, which becomes a TSP gated MLP"),
 }
+# Gemma's forwards: (1 + w) RMSNorms and the embedding scaled by sqrt(H) are
+# modules the TSP model keeps (the norms) or folds (the embedding, vocab.py).
+GEMMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
+         "hidden_activation": Accepts(any_value, "the TSP MLP calls the Hugging Face MLP's own act_fn"),
+         "use_bidirectional_attention": Accepts((None, False), "bidirectional attention; the TSP attention is "
+                                                "causal", "leave use_bidirectional_attention unset for a causal LM")}
+SOFT_CAPPING = {
+    "attn_logit_softcapping": Accepts(any_value, "attention scores soft-capped, cap * tanh(s / cap), by ds_tsp's "
+                                      "capped attention kernel (attention_kernels.SoftCappedKernel)"),
+    "final_logit_softcapping": Accepts(any_value, "the final logits soft-capped inside the fused LM head + loss ring, "
+                                       "and in the logits returned and generated from"),
+    "query_pre_attn_scalar": Accepts(any_value, "the attention's scale, read from the attention module (scaling)"),
+}
+GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
+GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
+                                               "embedding for each layer type with the whole sequence's positions; "
+                                               f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
 MIXTRAL = {**MISTRAL, **MOE_ROUTING,
            "router_jitter_noise": Accepts(NO_DROPOUT, "multiplies the MoE input by random noise in training, which "
                                           "the TSP block does not apply",
@@ -161,6 +185,16 @@ def layer_types_window(config, index):
     return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
 
 
+def layer_type(config, index):
+    return config.layer_types[index]
+
+
+# The norms (before, after) each block: None where there is none.
+PRE_NORMS = {"attention": ("input_layernorm", None), "mlp": ("post_attention_layernorm", None)}
+SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
+                  "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+
+
 @dataclass(frozen=True)
 class DecoderPolicy:
     name: str
@@ -178,11 +212,17 @@ class DecoderPolicy:
     lm_head: str = "lm_head"
     attention: str = "self_attn"
     mlp: str = "mlp"
-    input_norm: str = "input_layernorm"
-    post_attention_norm: str = "post_attention_layernorm"
+    # The names of the norms (before, after) the "attention" and the "mlp" block.
+    norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
+    # The rotary tables layer ``index`` takes, where the model keeps one per layer type (Gemma-3); None: one for all.
+    rotary_kind: Callable | None = None
     # The sparse MoE block class at ``mlp`` (``ds_tsp.moe``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
+
+    def norm_names(self):
+        """The names of a layer's norms, in the order the layer applies them."""
+        return [name for pair in self.norm_layout.values() for name in pair if name is not None]
 
     def is_sparse(self, mlp_module):
         """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block."""
@@ -200,6 +240,11 @@ POLICIES = {
                                layer_types_window, sparse_mlp="Qwen2MoeSparseMoeBlock"),
     "qwen3_moe": DecoderPolicy("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM", QWEN3_MOE, config_window,
                                sparse_mlp="Qwen3MoeSparseMoeBlock"),
+    "gemma": DecoderPolicy("gemma", "GemmaDecoderLayer", "GemmaForCausalLM", GEMMA, no_window),
+    "gemma2": DecoderPolicy("gemma2", "Gemma2DecoderLayer", "Gemma2ForCausalLM", GEMMA2, layer_types_window,
+                            norm_layout=SANDWICH_NORMS),
+    "gemma3_text": DecoderPolicy("gemma3_text", "Gemma3DecoderLayer", "Gemma3ForCausalLM", GEMMA3, layer_types_window,
+                                 norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
 }
 AUTO = DecoderPolicy("auto", None)
 
@@ -311,7 +356,7 @@ def check_layer(policy, layer, where):
     children = dict(layer.named_children())
     sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
     expected = {policy.attention: ATTENTION_PROJECTIONS, policy.mlp: () if sparse else MLP_PROJECTIONS,
-                policy.input_norm: (), policy.post_attention_norm: ()}
+                **{name: () for name in policy.norm_names()}}
     check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
         if sparse and child == policy.mlp:

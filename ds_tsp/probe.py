@@ -127,7 +127,7 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         shard = TSPBatch(torch.zeros(batch, seq_len, dtype=torch.long, device=device), None, positions, None,
                          tsp_rank, tsp_size, tsp_config.layout)
         local = layout.shard(hidden, tsp_rank, tsp_size, tsp_config.layout)
-        tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position)
+        tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
         inside = _relative(tsp_layer(local, tables), layout.shard(layer_out, tsp_rank, tsp_size, tsp_config.layout))
     verdict = torch.tensor([outside, inside], dtype=torch.float64, device=device)
     comm.all_reduce(verdict, topology.tsp_group)

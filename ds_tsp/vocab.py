@@ -307,10 +307,27 @@ def _targets_in(labels, first, count):
     return column.clamp(0, max(count - 1, 0)), hit
 
 
-def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True):
+def soft_cap(logits, cap):
+    """``cap * tanh(logits / cap)``, Gemma-2/3's soft-capping of attention scores
+    and of the final logits, in Hugging Face's order of operations; None: ``logits``."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _capped_logits(hidden, w, acc, softcap):
+    """A tile's logits against shard rows ``w``, soft-capped, in ``acc``, and
+    the derivative of the cap (None without one) for the backward."""
+    z = F.linear(hidden, w).to(acc)
+    if softcap is None:
+        return z, None
+    capped = soft_cap(z, softcap)
+    return capped, 1 - (capped / softcap) ** 2
+
+
+def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None):
     """Per-token cross-entropy ``(N,)`` (0 where the label is ignored) and the
     log-sum-exp ``(N,)`` of every token's full-vocabulary logits, both in fp32
-    or wider. ``hidden`` ``(N, H)``, ``weight`` this rank's ``(Vs, H)`` head rows."""
+    or wider. ``hidden`` ``(N, H)``, ``weight`` this rank's ``(Vs, H)`` head rows;
+    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``)."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
@@ -324,7 +341,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
         w = buf[:count]
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
-            z = F.linear(hidden[span], w).to(acc)  # (tile, count)
+            z, _ = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
             lse[span] = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
             column, hit = _targets_in(labels[span], first, count)
             target_logit[span] += torch.where(hit, z.gather(1, column.unsqueeze(1)).squeeze(1), 0)
@@ -335,7 +352,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
-                                grad_wire_dtype=None, weight_grad=True):
+                                grad_wire_dtype=None, weight_grad=True, softcap=None):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
     rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
     accumulators travel in ``comm.gradient_wire_dtype(grad_wire_dtype, ...)``.
@@ -356,11 +373,12 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
         w = buf[:count]
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
-            z = F.linear(hidden[span], w).to(acc)  # (tile, count)
+            z, cap_slope = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
             dz = torch.exp(z - lse[span].unsqueeze(1))  # softmax over the full vocabulary
             column, hit = _targets_in(labels[span], first, count)
             dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
-            dz = (dz * scale[span].unsqueeze(1)).to(w.dtype)
+            dz = dz * scale[span].unsqueeze(1)
+            dz = (dz if cap_slope is None else dz * cap_slope).to(w.dtype)
             grad_hidden[span] += dz @ w
             if weight_grad:
                 grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
@@ -380,12 +398,13 @@ class _CrossEntropyRing(torch.autograd.Function):
     # losses stay in float32 as in HF's loss.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype):
-        losses, lse = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap)
+    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap):
+        losses, lse = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap,
+                                                 softcap)
         # Local tokens only (hidden, labels, lse) plus this rank's own shard.
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
-        ctx.grad_wire_dtype = grad_wire_dtype
+        ctx.grad_wire_dtype, ctx.softcap = grad_wire_dtype, softcap
         return losses
 
     @staticmethod
@@ -394,8 +413,9 @@ class _CrossEntropyRing(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden, grad_weight = cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse,
                                                                ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
-                                                               ctx.grad_wire_dtype, ctx.needs_input_grad[1])
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+                                                               ctx.grad_wire_dtype, ctx.needs_input_grad[1],
+                                                               ctx.softcap)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class VocabParallelLMHead(_VocabShard):
@@ -428,12 +448,13 @@ class VocabParallelLMHead(_VocabShard):
         weight = gather_rows(self.weight, self.tsp_group)[:self.vocab_size]
         return F.linear(hidden, weight)
 
-    def loss_sum(self, hidden, labels):
+    def loss_sum(self, hidden, labels, softcap=None):
         """Sum over this rank's tokens of the cross-entropy against ``labels``
-        (``IGNORE_INDEX`` skipped), fused with the head; no full logits."""
+        (``IGNORE_INDEX`` skipped) of the logits soft-capped by ``softcap``,
+        fused with the head; no full logits."""
         losses = _CrossEntropyRing.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1),
                                          self.vocab_size, self.tile, self.tsp_group, self.overlap,
-                                         self.grad_wire_dtype)
+                                         self.grad_wire_dtype, softcap)
         return losses.sum()
 
     @torch.no_grad()
@@ -461,8 +482,8 @@ def replicated_embedding(embed, ids):
     return embed(ids)
 
 
-def full_vocab_logits(lm_head, hidden):
-    """Logits ``(..., V)`` of a ``hidden`` replicated over the TSP group."""
+def full_vocab_logits(lm_head, hidden, softcap=None):
+    """Logits ``(..., V)`` of a ``hidden`` replicated over the TSP group, soft-capped by ``softcap``."""
     if isinstance(lm_head, VocabParallelLMHead):
-        return lm_head.replicated_logits(hidden)
-    return lm_head(hidden)
+        return soft_cap(lm_head.replicated_logits(hidden), softcap)
+    return soft_cap(lm_head(hidden), softcap)

@@ -4,14 +4,40 @@ import contextlib
 import io
 
 import torch
-from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.masking_utils import eager_mask
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
+
+
+def eager_wide_softmax(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                       **kwargs):
+    """Hugging Face's eager attention (Gemma-2's: scores soft-capped before the
+    mask) with the softmax in the model's dtype: HF's own runs it in float32
+    even in a float64 model, which would make the reference float32-exact only."""
+    scores = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, repeat_kv(value, module.num_key_value_groups))
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register("eager_wide_softmax", eager_wide_softmax)
+AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive float masks, as eager's
+# Gemma-2/3 at sizes where every feature bites: a window shorter than the test
+# sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
+# the scores and logits reach.
+GEMMA2_TINY = dict(sliding_window=5, query_pre_attn_scalar=4, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=2.0, attn_implementation="eager_wide_softmax")
 
 
 def tiny_config(arch, **overrides):
@@ -28,6 +54,15 @@ def tiny_config(arch, **overrides):
         return Qwen3Config(**kwargs)
     if arch == "gemma":  # its embedding scales the looked-up rows by sqrt(H); (1 + w) norms; tied head
         return GemmaConfig(**kwargs)
+    if arch == "gemma2":  # Gemma's, plus sandwich norms, soft-capped scores and logits, sliding layers
+        return Gemma2Config(**{**kwargs, **GEMMA2_TINY, **overrides})
+    if arch == "gemma3":  # Gemma-2's with per-head q/k norms, a RoPE table per layer type, no score cap
+        return Gemma3TextConfig(**{**kwargs, **GEMMA2_TINY, "attn_logit_softcapping": None,
+                                   "layer_types": ["sliding_attention", "full_attention"],
+                                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 1000.0}},
+                                   **overrides})
     # HF's eager expert loop: its default grouped_mm takes no float64.
     moe = {"experts_implementation": "eager", "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.1, **kwargs}
@@ -42,7 +77,7 @@ def tiny_config(arch, **overrides):
 
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-                 "gemma": GemmaForCausalLM,
+                 "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -81,7 +116,9 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    for attention in ("sdpa", "eager"):  # float64 SDPA is exact; eager softmaxes in float32
+    # float64 SDPA is exact; HF's eager softmaxes in float32, eager_wide_softmax in float64 (for
+    # the classes without SDPA; a few build their own attention and take eager only).
+    for attention in ("sdpa", "eager_wide_softmax", "eager"):
         # Some constructors print their config when they fail.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention})
@@ -90,8 +127,10 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):
                 with torch.device(device or "cpu"):
                     model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
                 break
-            except ValueError as error:
-                if attention == "eager" or "does not support an attention implementation" not in str(error):
+            except (ValueError, KeyError) as error:
+                unsupported = isinstance(error, KeyError) or "does not support an attention implementation" in str(
+                    error)
+                if attention == "eager" or not unsupported:
                     raise
     if device == "meta":
         return model

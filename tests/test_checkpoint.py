@@ -26,7 +26,7 @@ from test_engine import ZERO3_PARTITIONED
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma")
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3")
 
 
 def hf_tensors(path):

@@ -475,14 +475,18 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
         cache.update(torch.zeros(1), torch.zeros(1), 0)
 
 
-def test_a_scaled_embedding_generates_as_hugging_face(run_ranks):
-    """Gemma at D=4: the folded embedding scales the rows it looks up (prefill
-    and each new token) as Hugging Face's does. Its RMSNorms compute in
+@pytest.mark.parametrize("arch, tsp_size", [("gemma", 4), ("gemma2", 2), ("gemma3", 2)])
+def test_the_gemma_family_generates_as_hugging_face(run_ranks, arch, tsp_size):
+    """The folded embedding scales the rows it looks up (prefill and each new
+    token) as Hugging Face's does; Gemma-2's scores and final logits are
+    soft-capped in decoding too, its sliding layers see their window of the
+    cache, Gemma-3's layers their own RoPE table. Their RMSNorms compute in
     float32, so the float64 logits agree to float32 rounding."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
-    ref_tokens, ref_logits = _hf_reference("gemma", prompts, attention_mask=mask, max_new_tokens=12)
-    per_rank = run_ranks(4, _run_generate, arch="gemma", input_ids=prompts, attention_mask=mask, max_new_tokens=12)
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
+    per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,
+                         max_new_tokens=12)
     diff = _max_logit_diff(per_rank, ref_logits)
-    print(f"D=4 gemma: max|logit diff| {diff:.2e}")
+    print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}")
     assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
     assert diff <= FLOAT32_NORM_TOLERANCE

@@ -19,6 +19,27 @@ def test_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
             check(per_rank, f"D={tsp_size} {arch} B={batch} S={seq_len}")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_gemma_family_matches_hugging_face(run_ranks, tsp_size):
+    """Gemma, Gemma-2 (sandwich norms, soft-capped scores and logits, sliding
+    layers, a query_pre_attn_scalar scale) and Gemma-3 (per-head q/k norms, a
+    RoPE table per layer type): padded, packed, vocabulary folded or not."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=1, seq_len=16, vocab_parallel=False),
+             dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for arch in ("gemma", "gemma2", "gemma3"):
+        for case in cases:
+            per_rank = run_ranks(tsp_size, model_parity, arch=arch, **case)
+            check(per_rank, f"D={tsp_size} {arch} {case}", arch)
+
+
+def test_gemma2_wrong_shard_is_caught(run_ranks):
+    for wrong_shard in ("model.layers.1.self_attn", "lm_head"):
+        per_rank = run_ranks(2, model_parity, arch="gemma2", batch=2, seq_len=13, wrong_shard=wrong_shard)
+        worst = max(value for rank in per_rank for key, value in rank.items() if key != "saved_bytes")
+        print(f"gemma2, {wrong_shard} scaled on the last rank: max diff {worst:.2e}")
+        assert worst > 1e-3
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_tied_embeddings_contiguous_layout_and_right_padding(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama_tied", batch=2, seq_len=19, layout="contiguous",

@@ -159,9 +159,7 @@ class SavedStage:
         units = []
         for prefix, module in self.modules.items():
             if isinstance(module, TSPDecoderLayer):
-                parts = {self.policy.input_norm: module.input_layernorm, self.policy.attention: module.self_attn,
-                         self.policy.post_attention_norm: module.post_attention_layernorm,
-                         self.policy.mlp: module.mlp}
+                parts = {**module.norms(), self.policy.attention: module.self_attn, self.policy.mlp: module.mlp}
                 units += [gather_unit(f"{prefix}.{name}", part) for name, part in parts.items()]
             else:
                 units.append(gather_unit(prefix, module))
