@@ -5,8 +5,8 @@ import io
 
 import torch
 from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -14,8 +14,17 @@ COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_la
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
 
 
+# Phi-4-mini's shape: fused projections, GQA, 3/4 of each head rotary under
+# longrope (its short factors up to original_max_position_embeddings tokens,
+# its long ones past), a tied head.
+PHI4_MINI = dict(hidden_size=32, head_dim=8, tie_word_embeddings=True, original_max_position_embeddings=16,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]})
+PHI3_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def tiny_config(arch, **overrides):
-    kwargs = {**COMMON, **overrides}
+    kwargs = {**COMMON, **(PHI4_MINI if arch == "phi4_mini" else {}), **overrides}
     if arch == "llama":
         return LlamaConfig(**kwargs)
     if arch == "llama_tied":
@@ -28,6 +37,8 @@ def tiny_config(arch, **overrides):
         return Qwen3Config(**kwargs)
     if arch == "gemma":  # its embedding scales the looked-up rows by sqrt(H); (1 + w) norms; tied head
         return GemmaConfig(**kwargs)
+    if arch in ("phi3", "phi4_mini"):  # fused qkv_proj and gate_up_proj
+        return Phi3Config(**{**PHI3_TOKENS, **kwargs})
     # HF's eager expert loop: its default grouped_mm takes no float64.
     moe = {"experts_implementation": "eager", "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.1, **kwargs}
@@ -44,7 +55,8 @@ def tiny_config(arch, **overrides):
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
-                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
+                 "phi4_mini": Phi3ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 

@@ -71,8 +71,9 @@ def shard_grad_diffs(tsp_model, ref_model):
             block = getattr(layer, block_name)
             grads = block.spec.unpack(block.packed.grad)
             for name, grad in grads.items():
-                piece = block.shard_piece(name)
-                full = ref[f"model.layers.{index}.{block_name}.{name}"]
+                # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.
+                hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
+                full = ref[f"model.layers.{index}.{block_name}.{hf_name}"]
                 diffs[f"model.layers.{index}.{block_name}.{name}"] = (grad - full.narrow(*piece)).abs().max().item()
     return diffs
 
