@@ -118,6 +118,18 @@ class FusedRows:
         return out
 
 
+def split_rows(held, tensor):
+    """``[(piece, tensor part)]`` of a tensor that holds the rows of a holding
+    (``hf_holdings``): several pieces concatenated in order, or one."""
+    if not _several(held):
+        return [(held, tensor)]
+    return list(zip(held, tensor.split([length for _, _, length in held])))
+
+
 def row_pieces(held):
     """The pieces one holding ``hf_holdings`` gives is: its tuple of pieces, or the one piece (None: whole)."""
-    return list(held) if held is not None and isinstance(held[0], (tuple, list)) else [held]
+    return list(held) if _several(held) else [held]
+
+
+def _several(held):
+    return held is not None and isinstance(held[0], (tuple, list))

@@ -141,17 +141,17 @@ def test_a_wrong_shard_is_caught(run_ranks):
 
 
 def test_unsupported_blocks_are_refused_with_the_class_name():
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import GlmConfig, GlmForCausalLM
 
-    # Phi-3 fuses q/k/v (and gate/up) into single projections.
-    model = Phi3ForCausalLM(Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
-    with pytest.raises(PolicyError, match=r"Phi3DecoderLayer at model.layers.0.self_attn lacks "
-                                          r"\['q_proj', 'k_proj', 'v_proj'\]"):
+    # GLM fuses gate/up into one projection, which no policy of its class describes.
+    model = GlmForCausalLM(GlmConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+    with pytest.raises(PolicyError, match=r"GlmDecoderLayer at model.layers.0.mlp lacks "
+                                          r"\['gate_proj', 'up_proj'\]"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
-    with pytest.raises(PolicyError, match="is a Phi3DecoderLayer, but tsp.policy = 'llama' converts"):
+    with pytest.raises(PolicyError, match="is a GlmDecoderLayer, but tsp.policy = 'llama' converts"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, policy="llama"))
-    assert type(model).__name__ == "Phi3ForCausalLM"
+    assert type(model).__name__ == "GlmForCausalLM"
 
 
 def test_left_padding_is_refused():
