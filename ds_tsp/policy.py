@@ -4,7 +4,9 @@ One declarative table per architecture names its classes, its submodules and
 the config attributes that change its forward, each with the values whose
 forward the TSP model reproduces and why; how each projection's weight is
 sharded is the table of the block that takes it (``attention.SHARD_DIMS``,
-``mlp.SHARD_DIMS``). The tables were written from an audit of the installed
+``mlp.SHARD_DIMS``), and where Hugging Face fuses several projections into one
+tensor (Phi-3's ``qkv_proj``) the policy's ``fused`` table says which rows
+hold which (``ds_tsp.fused``). The tables were written from an audit of the installed
 transformers' forwards (CausalLM, Model, decoder layer, attention, MLP, norm,
 rotary embedding); ``tests/test_policy.py`` runs every class transformers
 ships through them.
@@ -113,9 +115,9 @@ QWEN3 = {**COMMON, **SLIDING, "attention_bias": ATTENTION_BIAS}
 MISTRAL = {**COMMON, "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)")}
 PHI3 = {**MISTRAL,
         "rope_parameters": Accepts(rope_with_partial_rotary, "the TSP model calls the model's own rotary embedding "
-                                   f"with the whole sequence's positions; rope_type {', '.join(ROPE_TYPES)} are checked "
-                                   "equal to HF, and a partial rotary factor rotates the first dims of each head "
-                                   "and passes the rest, as Phi-3's forward does; per-layer-type tables are not"),
+                                   f"with the whole sequence's positions; rope_type {', '.join(ROPE_TYPES)} are "
+                                   "checked equal to HF, and a partial rotary factor rotates the first dims of each "
+                                   "head and passes the rest, as Phi-3's forward does; per-layer-type tables are not"),
         "partial_rotary_factor": Accepts(any_value, "read only into rope_parameters"),
         "original_max_position_embeddings": Accepts(any_value, "read by longrope's tables (the whole sequence's "
                                                     "length picks them) and by generate, which restarts the cache "
