@@ -165,7 +165,7 @@ def _rotate_half_transpose(y):
     return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
 
 
-def _partial(x, cos):
+def _rotates_part(x, cos):
     """Whether ``cos`` rotates only the first dims of ``x``'s heads (a partial
     rotary factor: its tables are shorter than the head)."""
     return cos.shape[-1] < x.shape[-1]
@@ -176,7 +176,7 @@ def apply_rotary(x, cos, sin):
     the Hugging Face (rotate-half) convention. With tables shorter than the head
     (``r < d``, a partial rotary factor) only the first ``r`` dims of each head
     rotate and the rest pass unchanged, as Hugging Face's ``apply_rotary_pos_emb`` does."""
-    if _partial(x, cos):
+    if _rotates_part(x, cos):
         rotary = cos.shape[-1]
         return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -185,7 +185,7 @@ def apply_rotary(x, cos, sin):
 
 def apply_rotary_transpose(grad, cos, sin):
     """Gradient through ``apply_rotary`` (a linear map, so its transpose)."""
-    if _partial(grad, cos):
+    if _rotates_part(grad, cos):
         rotary = cos.shape[-1]
         return torch.cat([apply_rotary_transpose(grad[..., :rotary], cos, sin), grad[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
