@@ -32,6 +32,7 @@ from .amp import autocast_backward, autocast_forward
 from .attention_kernels import SoftCappedKernel
 from .attention_selection import select_kernel
 from .documents import query_blocks
+from .fused import FusedRows
 from .packing import PackedShardMixin, PackSpec, module_reader
 
 
@@ -165,15 +166,29 @@ def _rotate_half_transpose(y):
     return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
 
 
+def _rotates_part(x, cos):
+    """Whether ``cos`` rotates only the first dims of ``x``'s heads (a partial
+    rotary factor: its tables are shorter than the head)."""
+    return cos.shape[-1] < x.shape[-1]
+
+
 def apply_rotary(x, cos, sin):
-    """Rotary embedding of ``x`` ``(B, S, h, d)`` with ``cos``/``sin`` ``(B, S, d)``,
-    the Hugging Face (rotate-half) convention."""
+    """Rotary embedding of ``x`` ``(B, S, h, d)`` with ``cos``/``sin`` ``(B, S, r)``,
+    the Hugging Face (rotate-half) convention. With tables shorter than the head
+    (``r < d``, a partial rotary factor) only the first ``r`` dims of each head
+    rotate and the rest pass unchanged, as Hugging Face's ``apply_rotary_pos_emb`` does."""
+    if _rotates_part(x, cos):
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + rotate_half(x) * sin
 
 
 def apply_rotary_transpose(grad, cos, sin):
     """Gradient through ``apply_rotary`` (a linear map, so its transpose)."""
+    if _rotates_part(grad, cos):
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary_transpose(grad[..., :rotary], cos, sin), grad[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return grad * cos + _rotate_half_transpose(grad * sin)
 
@@ -618,15 +633,20 @@ class TSPAttention(PackedShardMixin, nn.Module):
 
     @classmethod
     def from_hf(cls, attn, config, tsp_group, layout_name="zigzag", backend="auto", overlap=True, token_tile=0,
-                fp32_accumulators=True, read=None, device=None):
+                fp32_accumulators=True, read=None, device=None, fused=None):
         """Build from a Hugging Face attention module, keeping this rank's shard.
 
         ``read(name, piece)`` returns the tensor ``name`` (e.g. ``q_proj.weight``)
         cut to ``piece`` (see ``shard_piece``); by default it slices ``attn``'s own
         parameters, and a checkpoint reader can pass its own (``attn`` may then
-        be on the meta device: only its shapes are used).
+        be on the meta device: only its shapes are used). ``fused``: the
+        policy's fused projections of this module (``DecoderPolicy.fused``,
+        Phi-3's ``qkv_proj``), whose rows ``read`` is then asked for under
+        Hugging Face's names (``ds_tsp.fused``).
         """
-        weight = attn.q_proj.weight
+        rows = hf_rows(attn, config, fused)
+        q_proj = rows.hf_module(attn, "q_proj")
+        weight = q_proj.weight
         device = device or weight.device
         norms = {}
         for name in ("q_norm", "k_norm"):
@@ -637,12 +657,13 @@ class TSPAttention(PackedShardMixin, nn.Module):
                 norm = copy.deepcopy(norm).to_empty(device=device)
             norms[name] = norm
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
-                     tsp_group, qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+                     tsp_group, qkv_bias=q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
                      **norms)
-        read = read or module_reader(attn)
+        module.hf_rows = rows
+        read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
@@ -677,6 +698,17 @@ class TSPAttention(PackedShardMixin, nn.Module):
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
         out = _TSPAttentionFunction.apply(x, self.shard_weights(), cos, sin, self.plan(x, documents), *norm_weights)
         return out if self.o_bias is None else out + self.o_bias
+
+
+def hf_rows(attn, config, fused=None):
+    """Where q/k/v lie in the Hugging Face module ``attn`` under the policy's
+    ``fused`` table for it (``ds_tsp.fused``: q rows, then k, then v)."""
+    head_dim = attn.head_dim
+    kv_rows = config.num_key_value_heads * head_dim
+    rows = FusedRows.of(fused or {}, {"q_proj": config.num_attention_heads * head_dim, "k_proj": kv_rows,
+                                      "v_proj": kv_rows})
+    rows.check_rows(attn, type(attn).__name__)
+    return rows
 
 
 def replicated_names(attn):

@@ -13,7 +13,7 @@ import hjson
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-POLICY_NAMES = ("llama", "qwen2", "mistral", "qwen3")
+POLICY_NAMES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 
 class TSPConfigError(ValueError):

@@ -251,11 +251,12 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
         state = {}
         for index, layer in enumerate(model.get_submodule(policy.layers)):
             prefix = f"{policy.layers}.{index}"
-            for block, (specs, _) in layer_shards(layer, model.config, policy, 1).items():
-                flat, offset = master(f"{prefix}.{block}.packed").reshape(-1), 0
-                for name, shape in sorted(specs[0].shapes.items()):
-                    state[f"{prefix}.{block}.{name}"] = flat[offset:offset + math.prod(shape)].view(shape)
+            for block, shards in layer_shards(layer, model.config, policy, 1).items():
+                flat, offset, tensors = master(f"{prefix}.{block}.packed").reshape(-1), 0, {}
+                for name, shape in sorted(shards.specs[0].shapes.items()):
+                    tensors[name] = flat[offset:offset + math.prod(shape)].view(shape)
                     offset += math.prod(shape)
+                state.update({f"{prefix}.{block}.{name}": t for name, t in shards.hf_rows.fuse(tensors).items()})
                 state.update({f"{prefix}.{block}.{hf}": master(f"{prefix}.{block}.{param}")
                               for hf, param in _BLOCK_REPLICATED.items()
                               if os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{param}"))})
@@ -286,16 +287,17 @@ def joined_state(model, policy, states):
     for index, layer in enumerate(tqdm(model.get_submodule(policy.layers), desc=f"Joining {tsp_size} TSP ranks",
                                        unit="layer")):
         prefix = f"{policy.layers}.{index}"
-        for block, (specs, holdings) in layer_shards(layer, model.config, policy, tsp_size).items():
+        for block, (specs, holdings, hf_rows) in layer_shards(layer, model.config, policy, tsp_size).items():
             named = []
             for spec, state in zip(specs, states):
                 tensors = spec.unpack(state[f"{prefix}.{block}.packed"])
                 tensors.update({hf: state[f"{prefix}.{block}.{param}"] for hf, param in _BLOCK_REPLICATED.items()
                                 if f"{prefix}.{block}.{param}" in state})
                 named.append(tensors)
-            for name in holdings[0].keys() | {n for held in holdings for n in held}:
-                full[f"{prefix}.{block}.{name}"] = join_holdings(
-                    name, [(held[name], tensors[name]) for held, tensors in zip(holdings, named) if name in held])
+            joined = {name: join_holdings(name, [(held[name], tensors[name])
+                                                 for held, tensors in zip(holdings, named) if name in held])
+                      for name in holdings[0].keys() | {n for held in holdings for n in held}}
+            full.update({f"{prefix}.{block}.{name}": tensor for name, tensor in hf_rows.fuse(joined).items()})
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i in range(len(model.get_submodule(policy.layers)))
                            for b in (policy.attention, policy.mlp))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})

@@ -130,12 +130,14 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                                          overlap=tsp_config.overlap,
                                          token_tile=tsp_config.token_tile,
                                          fp32_accumulators=tsp_config.fp32_accumulators,
-                                         read=_prefixed(read, policy.attention), device=device)
+                                         read=_prefixed(read, policy.attention), device=device,
+                                         fused=policy.fused.get(policy.attention))
     sparse = policy.is_sparse(mlp)
     tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
         mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
         fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, policy.mlp), device=device,
-        **({"schedule": tsp_config.moe_schedule} if sparse else {}))
+        **({"schedule": tsp_config.moe_schedule} if sparse else
+           {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
@@ -148,7 +150,9 @@ def keep_frozen(hf_block, tsp_block, layer_class, where):
     """Freeze what was frozen: each TSP parameter is trainable exactly when the
     Hugging Face tensors it holds were. The packed shard holds several, which
     must then agree."""
-    frozen = {name for name in tsp_block.shard_names() if not hf_block.get_parameter(name).requires_grad}
+    # A fused Hugging Face tensor (ds_tsp.fused) freezes every logical tensor in it.
+    frozen = {name for name in tsp_block.shard_names()
+              if not hf_block.get_parameter(tsp_block.hf_rows.hf_name(name)).requires_grad}
     if not frozen:
         return
     holders = [(tsp_block.packed, list(tsp_block.spec.shapes))]

@@ -35,6 +35,7 @@ from torch import nn
 from ds_tsp import comm
 from ds_tsp.amp import autocast_backward, autocast_forward
 from ds_tsp.comm import accumulation_dtype
+from ds_tsp.fused import FusedRows
 from ds_tsp.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
@@ -124,6 +125,15 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
                 into[name].add_(grad.sum(0, dtype=acc)) if add else torch.sum(grad, 0, dtype=acc, out=into[name])
     grad_x = (grad_gate @ w["gate_proj.weight"]).addmm_(grad_up, w["up_proj.weight"])
     return grad_x, into
+
+
+def hf_rows(mlp, fused=None):
+    """Where gate/up lie in the Hugging Face gated MLP ``mlp`` under the policy's
+    ``fused`` table for it (``ds_tsp.fused``: gate rows, then up)."""
+    intermediate_size = mlp.down_proj.in_features
+    rows = FusedRows.of(fused or {}, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
+    rows.check_rows(mlp, type(mlp).__name__)
+    return rows
 
 
 # Without a backward to come (a generation's prefill) tiles cost no
@@ -285,22 +295,28 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         return shard_piece(self.intermediate_size, self.tsp_size, name, self.tsp_rank)
 
     @classmethod
-    def from_hf(cls, mlp, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None):
-        """Build from a HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``,
-        ``act_fn``), keeping this rank's slice of it.
+    def from_hf(cls, mlp, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None,
+                fused=None, activation="act_fn"):
+        """Build from a HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``
+        and the activation module named ``activation``), keeping this rank's slice of it.
 
         ``read(name, piece)`` returns the tensor ``name`` cut to ``piece`` (see
         ``shard_piece``); by default it slices ``mlp``'s own parameters, and a
         checkpoint reader can pass its own (``mlp`` may then be on the meta device).
+        ``fused``: the policy's fused projections of this module
+        (``DecoderPolicy.fused``, Phi-3's ``gate_up_proj``), whose rows ``read``
+        is then asked for under Hugging Face's names (``ds_tsp.fused``).
         """
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        rows = hf_rows(mlp, fused)
+        gate, up, down = (rows.hf_module(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
         biases = [proj.bias is not None for proj in (gate, up, down)]
         if len(set(biases)) != 1:
             raise ValueError(f"TSPGatedMLP needs biases on all of gate/up/down_proj or none, got {biases}")
-        module = cls(gate.in_features, gate.out_features, mlp.act_fn, tsp_group, bias=biases[0], overlap=overlap,
-                     token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=gate.weight.dtype,
-                     device=device or gate.weight.device)
-        read = read or module_reader(mlp)
+        module = cls(down.out_features, down.in_features, getattr(mlp, activation), tsp_group, bias=biases[0],
+                     overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
+                     dtype=gate.weight.dtype, device=device or gate.weight.device)
+        module.hf_rows = rows
+        read = rows.reader(read or module_reader(mlp))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from .fused import FusedRows
+
 
 class PackSpec:
     def __init__(self, shapes):
@@ -43,7 +45,11 @@ class PackedShardMixin:
     laid out by ``spec``) and parameters every rank holds whole
     (``replicated_params()``, by Hugging Face name), as the attention, MLP and
     MoE blocks do: ``shard_names``, ``load_shard`` and ``shard_tensors``, and
-    ``lora``, its ``ds_tsp.lora.LoRAShards`` or None."""
+    ``lora``, its ``ds_tsp.lora.LoRAShards`` or None; ``hf_rows``, where its
+    tensors lie in Hugging Face's fused ones (``ds_tsp.fused``; ``from_hf``
+    sets it where the policy fuses any)."""
+
+    hf_rows = FusedRows()
 
     def shard_names(self):
         """Hugging Face names of the tensors this module holds a part of."""

@@ -4,7 +4,9 @@ One declarative table per architecture names its classes, its submodules and
 the config attributes that change its forward, each with the values whose
 forward the TSP model reproduces and why; how each projection's weight is
 sharded is the table of the block that takes it (``attention.SHARD_DIMS``,
-``mlp.SHARD_DIMS``). The tables were written from an audit of the installed
+``mlp.SHARD_DIMS``), and where Hugging Face fuses several projections into one
+tensor (Phi-3's ``qkv_proj``) the policy's ``fused`` table says which rows
+hold which (``ds_tsp.fused``). The tables were written from an audit of the installed
 transformers' forwards (CausalLM, Model, decoder layer, attention, MLP, norm,
 rotary embedding); ``tests/test_policy.py`` runs every class transformers
 ships through them.
@@ -53,15 +55,24 @@ def any_value(value):
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
 
-def rope_supported(params):
+def rope_supported(params, partial_rotary=False):
+    """Whether the TSP attention reproduces rotary embeddings of ``params``;
+    ``partial_rotary``: whether the model's forward rotates only the first
+    ``cos.shape[-1]`` dims of a head when its tables are shorter, as the TSP
+    attention does (Phi-3's ``apply_rotary_pos_emb``), rather than failing."""
     if params is None:
         return True
     # Per-layer-type tables ({"full_attention": {...}, ...}) have no top-level type.
     if not isinstance(params, dict) or params.get("rope_type") not in ROPE_TYPES:
         return False
-    # A partial rotary factor shortens the tables, which the TSP attention cannot
-    # apply, except with "proportional", whose tables keep the head's size.
-    return params["rope_type"] == "proportional" or params.get("partial_rotary_factor", 1.0) in (None, 1, 1.0)
+    # A partial rotary factor shortens the tables, except with "proportional",
+    # whose tables keep the head's size.
+    return (partial_rotary or params["rope_type"] == "proportional"
+            or params.get("partial_rotary_factor", 1.0) in (None, 1, 1.0))
+
+
+def rope_with_partial_rotary(params):
+    return rope_supported(params, partial_rotary=True)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -109,6 +120,21 @@ LLAMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
 QWEN2 = {**COMMON, **SLIDING}  # q/k/v biases always, o_proj none: fixed by the class
 QWEN3 = {**COMMON, **SLIDING, "attention_bias": ATTENTION_BIAS}
 MISTRAL = {**COMMON, "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)")}
+PHI3 = {**MISTRAL,
+        "rope_parameters": Accepts(rope_with_partial_rotary, "the TSP model calls the model's own rotary embedding "
+                                   f"with the whole sequence's positions; rope_type {', '.join(ROPE_TYPES)} are "
+                                   "checked equal to HF, and a partial rotary factor rotates the first dims of each "
+                                   "head and passes the rest, as Phi-3's forward does; per-layer-type tables are not"),
+        "partial_rotary_factor": Accepts(any_value, "read only into rope_parameters"),
+        "original_max_position_embeddings": Accepts(any_value, "read by longrope's tables (the whole sequence's "
+                                                    "length picks them) and by generate, which restarts the cache "
+                                                    "past it"),
+        "resid_pdrop": Accepts(NO_DROPOUT, "dropout of each block's output before the residual sum, which the TSP "
+                               "layer does not apply", "set model.config.resid_pdrop = 0.0 before ds_tsp (its numbers "
+                               "then match the unsharded model's in eval mode), or leave tsp.enabled false"),
+        "embd_pdrop": Accepts(NO_DROPOUT, "embedding dropout (which transformers 5's Phi-3 forward does not apply); "
+                              "refused so that a config asking for it is not trained without it",
+                              "set model.config.embd_pdrop = 0.0 before ds_tsp, or leave tsp.enabled false")}
 # Mixture-of-experts routing: the TSP block runs Hugging Face's own router module
 # (softmax dtype, top-k, norm_topk_prob, weights' dtype) on the local tokens.
 MOE_ROUTING = {
@@ -216,6 +242,11 @@ class DecoderPolicy:
     norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
     # The rotary tables layer ``index`` takes, where the model keeps one per layer type (Gemma-3); None: one for all.
     rotary_kind: Callable | None = None
+    # The gated MLP's activation module, by its attribute name.
+    activation: str = "act_fn"
+    # Fused projections, per block (``attention``, ``mlp``): ``{fused projection:
+    # the logical projections whose rows it holds, in row order}`` (``ds_tsp.fused``).
+    fused: dict = field(default_factory=dict, hash=False)
     # The sparse MoE block class at ``mlp`` (``ds_tsp.moe``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
@@ -223,6 +254,12 @@ class DecoderPolicy:
     def norm_names(self):
         """The names of a layer's norms, in the order the layer applies them."""
         return [name for pair in self.norm_layout.values() for name in pair if name is not None]
+
+    def hf_projections(self, block, projections):
+        """``projections`` of ``block`` as its Hugging Face module holds them: those this policy fuses under
+        their fused tensor's name, once."""
+        holder = {part: fused for fused, parts in self.fused.get(block, {}).items() for part in parts}
+        return tuple(dict.fromkeys(holder.get(name, name) for name in projections))
 
     def is_sparse(self, mlp_module):
         """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block."""
@@ -234,6 +271,10 @@ POLICIES = {
     "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer", "Qwen2ForCausalLM", QWEN2, layer_types_window),
     "mistral": DecoderPolicy("mistral", "MistralDecoderLayer", "MistralForCausalLM", MISTRAL, config_window),
     "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer", "Qwen3ForCausalLM", QWEN3, layer_types_window),
+    "phi3": DecoderPolicy("phi3", "Phi3DecoderLayer", "Phi3ForCausalLM", PHI3, config_window,
+                          activation="activation_fn",
+                          fused={"self_attn": {"qkv_proj": ("q_proj", "k_proj", "v_proj")},
+                                 "mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}),
     "mixtral": DecoderPolicy("mixtral", "MixtralDecoderLayer", "MixtralForCausalLM", MIXTRAL, config_window,
                              sparse_mlp="MixtralSparseMoeBlock"),
     "qwen2_moe": DecoderPolicy("qwen2_moe", "Qwen2MoeDecoderLayer", "Qwen2MoeForCausalLM", QWEN2_MOE,
@@ -355,7 +396,8 @@ def check_layer(policy, layer, where):
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
     children = dict(layer.named_children())
     sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
-    expected = {policy.attention: ATTENTION_PROJECTIONS, policy.mlp: () if sparse else MLP_PROJECTIONS,
+    expected = {policy.attention: policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS),
+                policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
                 **{name: () for name in policy.norm_names()}}
     check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
@@ -384,8 +426,9 @@ def check_layer(policy, layer, where):
                               "that the TSP layer would ignore: this layer is not supported")
     if sparse:
         check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)
-    elif not hasattr(children[policy.mlp], "act_fn"):
-        raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no act_fn: not a gated MLP ds_tsp knows")
+    elif not hasattr(children[policy.mlp], policy.activation):
+        raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
+                          "ds_tsp knows")
 
 
 def check_sparse_block(block, where, layer_class):

@@ -4,10 +4,10 @@ import contextlib
 import io
 
 import torch
-from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.masking_utils import eager_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
@@ -38,10 +38,17 @@ AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive fl
 # the scores and logits reach.
 GEMMA2_TINY = dict(sliding_window=5, query_pre_attn_scalar=4, attn_logit_softcapping=1.5,
                    final_logit_softcapping=2.0, attn_implementation="eager_wide_softmax")
+# Phi-4-mini's shape: fused projections, GQA, 3/4 of each head rotary under
+# longrope (its short factors up to original_max_position_embeddings tokens,
+# its long ones past), a tied head.
+PHI4_MINI = dict(hidden_size=32, head_dim=8, tie_word_embeddings=True, original_max_position_embeddings=16,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]})
+PHI3_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def tiny_config(arch, **overrides):
-    kwargs = {**COMMON, **overrides}
+    kwargs = {**COMMON, **(PHI4_MINI if arch == "phi4_mini" else {}), **overrides}
     if arch == "llama":
         return LlamaConfig(**kwargs)
     if arch == "llama_tied":
@@ -63,6 +70,8 @@ def tiny_config(arch, **overrides):
                                                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                           "rope_theta": 1000.0}},
                                    **overrides})
+    if arch in ("phi3", "phi4_mini"):  # fused qkv_proj and gate_up_proj
+        return Phi3Config(**{**PHI3_TOKENS, **kwargs})
     # HF's eager expert loop: its default grouped_mm takes no float64.
     moe = {"experts_implementation": "eager", "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.1, **kwargs}
@@ -79,7 +88,8 @@ def tiny_config(arch, **overrides):
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
-                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
+                 "phi4_mini": Phi3ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 

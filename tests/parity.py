@@ -71,8 +71,9 @@ def shard_grad_diffs(tsp_model, ref_model):
             block = getattr(layer, block_name)
             grads = block.spec.unpack(block.packed.grad)
             for name, grad in grads.items():
-                piece = block.shard_piece(name)
-                full = ref[f"model.layers.{index}.{block_name}.{name}"]
+                # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.
+                hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
+                full = ref[f"model.layers.{index}.{block_name}.{hf_name}"]
                 diffs[f"model.layers.{index}.{block_name}.{name}"] = (grad - full.narrow(*piece)).abs().max().item()
     return diffs
 
@@ -80,9 +81,15 @@ def shard_grad_diffs(tsp_model, ref_model):
 def sharded_pieces(module, full):
     """``{name: (value held here, the matching piece of the full tensor)}`` for
     every sharded tensor of a TSP block or vocabulary shard; ``full[name]`` gives
-    the reference's full tensor under the module's own Hugging Face names."""
-    return {name: (value, full[name].narrow(*module.shard_piece(name)))
-            for name, value in module.shard_tensors().items() if module.shard_piece(name) is not None}
+    the reference's full tensor under the module's own Hugging Face names (a
+    fused tensor's, such as Phi-3's qkv_proj, for the rows of its parts)."""
+    pieces = {}
+    for name, value in module.shard_tensors().items():
+        piece = module.shard_piece(name)
+        if piece is not None:
+            hf_name, piece = module.hf_rows.hf_piece(name, piece) if hasattr(module, "hf_rows") else (name, piece)
+            pieces[name] = (value, full[hf_name].narrow(*piece))
+    return pieces
 
 
 def packed_position_ids(documents):

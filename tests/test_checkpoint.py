@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+from transformers import AutoModelForCausalLM, GlmConfig, GlmForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ds_tsp
 from ds_tsp.checkpoint import CheckpointError, from_pretrained, save_pretrained
@@ -22,11 +22,14 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
 from models import COMMON, MOE_ARCHS, tiny_model
+from parity import sharded_pieces
 from test_engine import ZERO3_PARTITIONED
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3")
+# phi3: fused qkv_proj and gate_up_proj, each rank's shards read from and written
+# back to their rows (ds_tsp.fused); gemma3: sandwich norms and per-head q/k norms.
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3")
 
 
 def hf_tensors(path):
@@ -115,6 +118,50 @@ def test_from_pretrained_then_save_pretrained_is_bit_exact(run_ranks, checkpoint
     assert_same_tensors(reloaded.state_dict(), original.state_dict())
     if arch == "llama_tied":
         assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def _train_step_and_save(src, dst):
+    """``from_pretrained``, one SGD step, ``save_pretrained``; then every tensor
+    this rank holds (its pieces of the sharded ones, at their rows of Phi-3's
+    fused tensors) against Hugging Face's load of the saved files. Returns the
+    names that differ in any bit and whether the step changed every tensor."""
+    topology, tsp_config = _topology_and_config()
+    model = from_pretrained(src, topology, tsp_config)
+    model.train()
+    input_ids = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    save_pretrained(model, dst)
+    original, saved = ({n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
+                       for path in (src, dst))
+    differ, unchanged = [], []
+    for name, param in model.named_parameters():
+        prefix = name.rsplit(".", 1)[0]
+        owner = model.get_submodule(prefix)
+        if getattr(param, "tensor_model_parallel", False):
+            def pairs(full):
+                return sharded_pieces(owner, {n.removeprefix(f"{prefix}."): t for n, t in full.items()})
+        else:  # replicated: a TSP block's under its Hugging Face name
+            hf_name = next((f"{prefix}.{n}" for n, p in getattr(owner, "replicated_params", dict)().items()
+                            if p is param), name)
+
+            def pairs(full):
+                return {hf_name: (param.detach(), full[hf_name])}
+        differ += [f"{prefix}.{n}" for n, (held, full) in pairs(saved).items() if not torch.equal(held, full)]
+        unchanged += [f"{prefix}.{n}" for n, (held, full) in pairs(original).items() if torch.equal(held, full)]
+    return differ, unchanged
+
+
+def test_a_trained_step_saves_bit_exact(run_ranks, checkpoints, tmp_path):
+    """What training produced on every rank is what Hugging Face loads back,
+    bit for bit, Phi-3's fused q/k/v and gate/up rows included."""
+    for tsp_size in (2, 4):
+        dst = str(tmp_path / f"trained-{tsp_size}")
+        per_rank = run_ranks(tsp_size, _train_step_and_save, src=checkpoints["phi3"], dst=dst)
+        print(f"phi3 D={tsp_size}: tensors differing from the saved files per rank {[len(d) for d, _ in per_rank]}, "
+              f"left unchanged by the step {[u for _, u in per_rank]}")
+        assert all(not differ for differ, _ in per_rank)
+        assert all(not unchanged for _, unchanged in per_rank)
 
 
 def test_save_pretrained_with_data_parallel_replicas(run_ranks, checkpoints, tmp_path):
@@ -210,10 +257,10 @@ def test_size_errors_fire_before_any_tensor_is_read(run_ranks, tmp_path):
 
 def test_policy_and_missing_tensors_are_refused_by_name(checkpoints, tmp_path):
     topology, tsp_config = _topology_and_config()
-    # Phi-3 fuses q/k/v into one projection: not a block TSP can shard.
-    phi3 = _config_only(tmp_path / "phi3", Phi3Config(**COMMON, pad_token_id=0))
-    with pytest.raises(PolicyError, match="Phi3DecoderLayer"):
-        from_pretrained(phi3, topology, tsp_config)
+    # GLM fuses gate/up into one projection, which no policy of its class describes.
+    glm = _config_only(tmp_path / "glm", GlmConfig(**COMMON, pad_token_id=0))
+    with pytest.raises(PolicyError, match="GlmDecoderLayer"):
+        from_pretrained(glm, topology, tsp_config)
 
     broken = tmp_path / "broken"
     tiny_model("llama").save_pretrained(broken)
@@ -234,13 +281,19 @@ def test_convert_then_join_is_bit_exact(checkpoints, tmp_path, arch, tsp_size):
     assert description["tsp_size"] == tsp_size
     original = hf_tensors(src)
     # Each rank's file holds exactly its pieces (key/value heads only on the
-    # first rank of a replica set), and the tensors outside the blocks whole.
+    # first rank of a replica set; a fused tensor's row pieces concatenated),
+    # and the tensors outside the blocks whole.
     for rank in description["ranks"]:
         held = load_file(os.path.join(shards, rank["file"]))
         assert sorted(held) == sorted(rank["pieces"])
         for name, tensor in held.items():
             piece = rank["pieces"][name]
-            expected = original[name] if piece is None else original[name].narrow(*piece)
+            if piece is None:
+                expected = original[name]
+            elif isinstance(piece[0], list):
+                expected = torch.cat([original[name].narrow(*part) for part in piece])
+            else:
+                expected = original[name].narrow(*piece)
             assert torch.equal(tensor, expected), (name, rank["file"])
     assert set().union(*(rank["pieces"] for rank in description["ranks"])) == set(original)
     assert main(["convert", "--join", "--in", shards, "--out", joined]) == 0
@@ -260,11 +313,11 @@ def test_a_pre_sharded_checkpoint_loads_on_its_tsp_size_only(run_ranks, checkpoi
 
 
 def test_convert_refuses_unsupported_models_before_writing(tmp_path, capsys):
-    src, out = tmp_path / "phi3", tmp_path / "out"
+    src, out = tmp_path / "glm", tmp_path / "out"
     torch.manual_seed(0)
-    Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=0)).save_pretrained(src)
+    GlmForCausalLM(GlmConfig(**COMMON, pad_token_id=0)).save_pretrained(src)
     assert main(["convert", "--in", str(src), "--out", str(out), "--tsp-size", "2"]) == 1
-    assert "Phi3DecoderLayer" in capsys.readouterr().err
+    assert "GlmDecoderLayer" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -417,7 +417,8 @@ def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
     ds_tsp.save_pretrained(engine.module, gathered_dir)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])  # MoE: per-expert files, as transformers writes them
+# MoE: per-expert files, as transformers writes them; Phi-3: fused qkv_proj and gate_up_proj, joined from their rows.
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "phi3"])
 def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch):
     from safetensors.torch import load_file
 

@@ -213,6 +213,21 @@ def test_mixture_of_experts_generates_as_hugging_face(run_ranks):
         assert diff <= TOLERANCE
 
 
+def test_fused_projections_and_partial_rotary_generate_as_hugging_face(run_ranks):
+    """Phi-3 (fused qkv_proj, gate_up_proj) and the Phi-4-mini shape (3/4 of
+    each head rotary under longrope) at D=2; past original_max_position_embeddings
+    (16) Phi-3's generate drops the cache and prefills again with longrope's long
+    factors, on the TSP model as on Hugging Face's."""
+    prompts = _prompts(2, seed=9)
+    for arch in ("phi3", "phi4_mini"):
+        ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+        per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+        diff = _max_logit_diff(per_rank, ref_logits)
+        print(f"D=2 {arch}: max|logit diff| {diff:.2e}")
+        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+        assert diff <= TOLERANCE
+
+
 # Dynamic RoPE rescales from the largest position id, here past max_position_embeddings
 # already in the prompt, and again at every decode step.
 DYNAMIC_ROPE = {"max_position_embeddings": 8,

@@ -1,14 +1,27 @@
 """Whole injected models against the unsharded Hugging Face model, float64."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
+from ds_tsp.fused import FusedRows
 from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
 from models import tiny_model
 from parity import TOLERANCE, check, model_parity
+
+
+# Fused projections (Phi-3's qkv_proj and gate_up_proj, read at shifted rows),
+# padded and packed, the vocabulary folded and not; Phi-4-mini's shape rotates
+# 3/4 of each head under longrope: its short factors for 13 tokens, its long
+# ones for a packed row of 19, past original_max_position_embeddings = 16.
+FUSED_CASES = [dict(arch="phi3", batch=2, seq_len=13),
+               dict(arch="phi3", batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]], vocab_parallel=False),
+               dict(arch="phi4_mini", batch=2, seq_len=13, vocab_parallel=False),
+               dict(arch="phi4_mini", batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]])]
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -17,6 +30,8 @@ def test_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
         for batch, seq_len in ((1, 16), (2, 13)):  # 13 needs padding at every D > 0
             per_rank = run_ranks(tsp_size, model_parity, arch=arch, batch=batch, seq_len=seq_len)
             check(per_rank, f"D={tsp_size} {arch} B={batch} S={seq_len}")
+    for case in FUSED_CASES:
+        check(run_ranks(tsp_size, model_parity, **case), f"D={tsp_size} {case}")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -161,18 +176,39 @@ def test_a_wrong_shard_is_caught(run_ranks):
     assert worst > 1e3 * TOLERANCE
 
 
-def test_unsupported_blocks_are_refused_with_the_class_name():
-    from transformers import Phi3Config, Phi3ForCausalLM
+def _k_rows_read_from_the_q_offset(**kwargs):
+    """``model_parity`` with every k_proj shard read from qkv_proj's query rows."""
+    right_of = FusedRows.of
 
-    # Phi-3 fuses q/k/v (and gate/up) into single projections.
-    model = Phi3ForCausalLM(Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
-    with pytest.raises(PolicyError, match=r"Phi3DecoderLayer at model.layers.0.self_attn lacks "
-                                          r"\['q_proj', 'k_proj', 'v_proj'\]"):
+    def wrong(table, rows):
+        right = right_of(table, rows)
+        return FusedRows({**right.sources, **{f"k_proj.{kind}": right.sources[f"q_proj.{kind}"]
+                                              for kind in ("weight", "bias") if f"k_proj.{kind}" in right.sources}},
+                         right.totals)
+
+    with mock.patch.object(FusedRows, "of", wrong):
+        return model_parity(**kwargs)
+
+
+def test_a_fused_shard_read_from_the_wrong_rows_is_caught(run_ranks):
+    per_rank = run_ranks(2, _k_rows_read_from_the_q_offset, arch="phi3", batch=2, seq_len=13)
+    loss = max(d["loss"] for d in per_rank)
+    print(f"k rows read from the q offset: |loss diff| {loss:.2e}")
+    assert loss > 1e3 * TOLERANCE
+
+
+def test_unsupported_blocks_are_refused_with_the_class_name():
+    from transformers import GlmConfig, GlmForCausalLM
+
+    # GLM fuses gate/up into one projection, which no policy of its class describes.
+    model = GlmForCausalLM(GlmConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+    with pytest.raises(PolicyError, match=r"GlmDecoderLayer at model.layers.0.mlp lacks "
+                                          r"\['gate_proj', 'up_proj'\]"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
-    with pytest.raises(PolicyError, match="is a Phi3DecoderLayer, but tsp.policy = 'llama' converts"):
+    with pytest.raises(PolicyError, match="is a GlmDecoderLayer, but tsp.policy = 'llama' converts"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, policy="llama"))
-    assert type(model).__name__ == "Phi3ForCausalLM"
+    assert type(model).__name__ == "GlmForCausalLM"
 
 
 def test_left_padding_is_refused():

@@ -11,16 +11,21 @@ A rank's holdings in one block are ``{name: piece}``: every tensor of its
 packed shard (its spec) with the piece ``(dim, start, length)`` of the full
 tensor it is, plus the block's replicated tensors (piece None: whole). With
 nkv < D only the first rank of each key/value replica set stores those heads,
-so shards differ.
+so shards differ. The names are the TSP block's; where Hugging Face fuses
+projections (Phi-3's ``qkv_proj``) the block's ``FusedRows`` (``ds_tsp.fused``)
+translates them, and ``shard_plan``, in Hugging Face's names, gives such a
+tensor the tuple of row pieces a rank holds of it.
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .. import attention, comm, mlp, moe, vocab
 from ..attention import HeadGroups, TSPAttention
+from ..fused import FusedRows, split_rows
 from ..mlp import TSPGatedMLP
 from ..moe import TSPSparseMoE
 from ..model import TSPCausalLMMixin
@@ -32,38 +37,51 @@ def _holdings(specs, piece, replicated):
             for r, spec in enumerate(specs)]
 
 
+class BlockShards(NamedTuple):
+    """One block of a layer, for every rank of a TSP group: its ``PackSpec``s,
+    its ``{name: piece}`` holdings (``_holdings``) and where those names lie in
+    Hugging Face's tensors (``ds_tsp.fused``)."""
+
+    specs: list
+    holdings: list
+    hf_rows: FusedRows
+
+
 def layer_shards(layer, config, policy, tsp_size):
-    """``{block name: (specs, holdings)}`` of one Hugging Face decoder layer
-    (meta device is enough): every rank's ``PackSpec`` of the block's packed
-    shard and its ``{name: piece}`` holdings (see ``_holdings``).
+    """``{block name: BlockShards}`` of one Hugging Face decoder layer (meta
+    device is enough).
 
     Built with the functions the TSP modules use, so it raises their head and
     intermediate-size divisibility errors before any tensor is read.
     """
     attn = layer.get_submodule(policy.attention)
+    rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
-    attn_specs = [attention.shard_spec(heads, config.hidden_size, attn.q_proj.bias is not None, r)
+    attn_specs = [attention.shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r)
                   for r in range(tsp_size)]
     return {
-        policy.attention: (attn_specs, _holdings(attn_specs, lambda name, r: attention.shard_piece(heads, name, r),
-                                                 attention.replicated_names(attn))),
+        policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
+                                                            lambda name, r: attention.shard_piece(heads, name, r),
+                                                            attention.replicated_names(attn)), rows),
         policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
     }
 
 
 def _mlp_shards(hf_mlp, policy, tsp_size):
-    """``(specs, holdings)`` of a layer's MLP: a dense gated MLP, or a sparse
-    MoE block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
+    """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
+    block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
     if policy.is_sparse(hf_mlp):
         hidden_size, num_experts, expert_size, shared_size = moe.hf_sizes(hf_mlp)
         specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size)] * tsp_size
-        return specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size, tsp_size, name, r),
-                                moe.replicated_names(hf_mlp))
-    intermediate_size = hf_mlp.gate_proj.out_features
-    specs = [mlp.shard_spec(hf_mlp.gate_proj.in_features, intermediate_size, tsp_size,
-                            hf_mlp.gate_proj.bias is not None)] * tsp_size
-    return specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
-                            [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else [])
+        return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size,
+                                                                                   tsp_size, name, r),
+                                            moe.replicated_names(hf_mlp)), FusedRows())
+    rows = mlp.hf_rows(hf_mlp, policy.fused.get(policy.mlp))
+    hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
+    specs = [mlp.shard_spec(hidden_size, intermediate_size, tsp_size,
+                            rows.hf_module(hf_mlp, "gate_proj").bias is not None)] * tsp_size
+    return BlockShards(specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
+                                        [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else []), rows)
 
 
 def vocab_names(model, policy):
@@ -80,7 +98,9 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True):
     """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
     Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds,
     and, with ``vocab_parallel``, its rows of the embedding and LM head (after
-    checking that they can be folded)."""
+    checking that they can be folded). Names are Hugging Face's; a fused
+    tensor's value is the tuple of the row pieces the rank holds of it
+    (``ds_tsp.fused.row_pieces``)."""
     plans = [{} for _ in range(tsp_size)]
     if vocab_parallel:
         vocab.check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
@@ -90,9 +110,10 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True):
                                       vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
-        for block_name, (_, holdings) in layer_shards(layer, model.config, policy, tsp_size).items():
-            for plan, held in zip(plans, holdings):
-                plan.update({f"{prefix}.{block_name}.{name}": piece for name, piece in held.items()})
+        for block_name, block in layer_shards(layer, model.config, policy, tsp_size).items():
+            for plan, held in zip(plans, block.holdings):
+                plan.update({f"{prefix}.{block_name}.{name}": piece
+                             for name, piece in block.hf_rows.hf_holdings(held).items()})
     return plans
 
 
@@ -149,9 +170,11 @@ def join_pieces(pieces, tensors, name):
 
 
 def join_holdings(name, held):
-    """The full tensor ``name`` from ``[(piece, tensor)]`` of the ranks holding it."""
+    """The full tensor ``name`` from ``[(piece, tensor)]`` of the ranks holding
+    it; a rank's tuple of row pieces of a fused tensor comes as their concatenation."""
     if held[0][0] is None:
         return held[0][1]
+    held = [part for piece, tensor in held for part in split_rows(piece, tensor)]
     return join_pieces([piece for piece, _ in held], [tensor for _, tensor in held], name)
 
 

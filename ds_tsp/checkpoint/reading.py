@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..fused import row_pieces, split_rows
 from ..inject import inject
 from ..policy import resolve_policy
 from .expert_files import expert_files
@@ -212,8 +213,9 @@ class TSPShardCheckpoint:
          "tensors": {name: {"shape": [...], "dtype": "float32"}},
          "ranks": [{"file": "rank0-of-D.safetensors", "pieces": {name: [dim, start, length] or null}}, ...]}
 
-    where a null piece is the whole tensor and a name missing from a rank's
-    ``pieces`` is not in its file.
+    where a null piece is the whole tensor, a list of pieces the row pieces a
+    rank holds of a fused tensor (``ds_tsp.fused``), concatenated in its file,
+    and a name missing from a rank's ``pieces`` is not in its file.
     """
 
     def __init__(self, path, tsp_rank=0):
@@ -225,8 +227,7 @@ class TSPShardCheckpoint:
         self.tsp_size, self.tsp_rank = meta["tsp_size"], tsp_rank
         self.shapes = {name: tuple(t["shape"]) for name, t in meta["tensors"].items()}
         self.files = [os.path.join(self.path, rank["file"]) for rank in meta["ranks"]]
-        self.holdings = [{name: None if piece is None else tuple(piece) for name, piece in rank["pieces"].items()}
-                         for rank in meta["ranks"]]
+        self.holdings = [{name: _holding(piece) for name, piece in rank["pieces"].items()} for rank in meta["ranks"]]
 
     @property
     def names(self):
@@ -239,12 +240,20 @@ class TSPShardCheckpoint:
 
     def read(self, name, piece=None):
         held = self.holdings[self.tsp_rank]
-        if name not in held or held[name] != (None if piece is None else tuple(piece)):
+        wanted = None if piece is None else tuple(piece)
+        if name not in held or wanted not in row_pieces(held[name]):
             raise CheckpointError(f"{self.path} holds {held.get(name, 'nothing')} of {name} for TSP rank "
                                   f"{self.tsp_rank}, but the model asks for {piece}: re-run ds-tsp convert (with "
                                   "--no-vocab-parallel if tsp.vocab_parallel is false) "
                                   "for this model and tsp.size")
-        return self.read_rank(name, self.tsp_rank)
+        return dict(split_rows(held[name], self.read_rank(name, self.tsp_rank)))[wanted]
+
+
+def _holding(piece):
+    """A holding of ``tsp_shards.json`` as ``shard_plan`` gives it: None, a piece or a tuple of pieces."""
+    if piece is None:
+        return None
+    return tuple(tuple(part) for part in piece) if isinstance(piece[0], list) else tuple(piece)
 
 
 def open_checkpoint(path, tsp_size=1, tsp_rank=0, config=None):
@@ -376,7 +385,7 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
     _materialise_replicated(model, checkpoint, blocks, dtype, device, progress)
 
     def read(full_name, piece):
-        if full_name not in plan or piece != plan[full_name]:
+        if full_name not in plan or piece not in row_pieces(plan[full_name]):
             raise RuntimeError(f"the TSP block asks for piece {piece} of {full_name}, but ds_tsp.checkpoint "
                                f"planned {plan.get(full_name, 'nothing')}: shard_plan and the block disagree")
         progress.update()

@@ -38,6 +38,7 @@ from transformers import AutoConfig
 from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 from .. import comm
+from ..fused import row_pieces
 from ..model import TSPCausalLMMixin, TSPDecoderLayer
 from ..packing import PackedShardMixin
 from ..policy import resolve_policy
@@ -78,7 +79,8 @@ def gather_block(block):
     """The full Hugging Face tensors of one TSP block (``{name: tensor}``), on
     every rank of its TSP group: the packed shards are gathered, unpacked and
     put back where each rank's piece came from (one copy of rows several ranks
-    hold); replicated tensors are this rank's own."""
+    hold), fused where Hugging Face fuses them (``ds_tsp.fused``); replicated
+    tensors are this rank's own."""
     holdings = block_holdings(block)
     shards = gather_shards(block)
     own = block.shard_tensors()
@@ -87,7 +89,7 @@ def gather_block(block):
         held = [(pieces[name], shards[r][name] if pieces[name] is not None else own[name])
                 for r, pieces in enumerate(holdings) if name in pieces]
         full[name] = join_holdings(name, held)
-    return full
+    return block.hf_rows.fuse(full)
 
 
 def gather_vocab(module):
@@ -124,7 +126,7 @@ def gather_unit(prefix, module):
     The dtypes come from the parameters alone, so partitioned ones need no gather."""
     params = tuple(module.parameters())
     if isinstance(module, PackedShardMixin):
-        names = dict.fromkeys(name for held in block_holdings(module) for name in held)
+        names = dict.fromkeys(module.hf_rows.hf_name(name) for held in block_holdings(module) for name in held)
         replicated = module.replicated_params()
         return GatherUnit({f"{prefix}.{n}": (replicated[n] if n in replicated else module.packed).dtype for n in names},
                           lambda: {f"{prefix}.{n}": t for n, t in gather_block(module).items()}, params)
@@ -504,18 +506,25 @@ def _write_shards(source, plans, tsp_size, out_dir):
             pieces = {**{name: plan[name] for name in source.names if name in plan}, **replicated}
             held = {}
             for name, piece in pieces.items():
-                held[name] = source.read(name, piece).contiguous()
+                # A fused tensor's row pieces (ds_tsp.fused) are stored concatenated, in row order.
+                held[name] = torch.cat([source.read(name, part) for part in row_pieces(piece)]).contiguous()
                 tensors[name] = {"shape": list(source.shapes[name]),
                                  "dtype": str(held[name].dtype).removeprefix("torch.")}
                 bar.update()
             file = rank_file(tsp_rank, tsp_size)
             save_file(held, os.path.join(out_dir, file), metadata={"format": "pt"})
-            ranks.append({"file": file,
-                          "pieces": {name: None if p is None else list(p) for name, p in pieces.items()}})
+            ranks.append({"file": file, "pieces": {name: _json_piece(p) for name, p in pieces.items()}})
     description = {"format": TSP_SHARDS_FORMAT, "version": 1, "tsp_size": tsp_size,
                    "tensors": {name: tensors[name] for name in source.names}, "ranks": ranks}
     with open(os.path.join(out_dir, TSP_SHARDS), "w") as f:
         json.dump(description, f, indent=1)
+
+
+def _json_piece(piece):
+    """A holding in ``tsp_shards.json``: null, ``[dim, start, length]`` or a list of them (``row_pieces``)."""
+    if piece is None:
+        return None
+    return [list(part) for part in piece] if isinstance(piece[0], tuple) else list(piece)
 
 
 def join_checkpoint(in_dir, out_dir, tsp_size=None, force=False):
