@@ -148,8 +148,8 @@ class AttentionPlan:
     query_blocks: list  # documents.query_blocks: which keys each query tile attends to
     fp32_accumulators: bool = True  # sum head groups and input gradients in float32 (or wider)
     grad_wire_dtype: object = None  # weight-gradient reduces' wire dtype (comm.gradient_wire_dtype; None: float32)
-    q_norm: object = None  # per-head norms applied before the rotary embedding (Qwen3), replicated
-    k_norm: object = None
+    q_norm: object = None  # q/k norms applied before the rotary embedding, replicated: per head (Qwen3,
+    k_norm: object = None  # Gemma-3) or over the whole projection (OLMo-2: see ProjectionNormPiece)
 
     @property
     def tsp_size(self):
@@ -193,8 +193,44 @@ def apply_rotary_transpose(grad, cos, sin):
     return grad * cos + _rotate_half_transpose(grad * sin)
 
 
+@dataclass(frozen=True)
+class ProjectionNormPiece:
+    """A head group's part of an RMSNorm over a whole projection's width
+    (OLMo-2's q/k norms, over ``nq*d`` and ``nkv*d`` features). Each token's
+    inverse RMS over the full width comes first (``projection_squares``: the
+    width spans every rank's head groups), so a group's heads are then normed
+    alone, as Hugging Face's norm computes: in float32 or wider, times the
+    weight, back to the projection's dtype."""
+
+    weight: torch.Tensor  # (h*d,) the group's features of the norm weight
+    inv_rms: torch.Tensor  # (B, L) 1 / sqrt(mean square over the full width + eps), float32 or wider
+
+    def __call__(self, t):  # (B, L, h, d)
+        scaled = t.to(self.inv_rms.dtype) * self.inv_rms[..., None, None]
+        return (self.weight.view(t.shape[-2:]) * scaled).to(t.dtype)
+
+
+def norm_rows(plan, name, j, spans_projection):
+    """The features of the ``name`` (``"q"`` or ``"k"``) norm's weight that head
+    group ``j`` uses: all of a per-head norm's, the group's own rows of a norm
+    over the projection."""
+    if not spans_projection:
+        return slice(None)
+    return plan.heads.q_rows(j) if name == "q" else plan.heads.kv_rows(plan.heads.kv_holder(j))
+
+
+def group_norm(plan, name, j, inv_rms):
+    """The ``name`` (``"q"`` or ``"k"``) norm head group ``j`` applies: the
+    per-head norm itself (or None), or, given ``inv_rms`` (``{"q", "k"}``: each
+    token's inverse RMS over the projection), its ``ProjectionNormPiece``."""
+    norm = plan.q_norm if name == "q" else plan.k_norm
+    if norm is None or inv_rms is None:
+        return norm
+    return ProjectionNormPiece(norm.weight[norm_rows(plan, name, j, True)], inv_rms[name])
+
+
 def rotate(t, norm, cos, sin):
-    """Queries or keys as attention sees them: the per-head norm if the model
+    """Queries or keys as attention sees them: the q/k norm if the model
     has one, then the rotary embedding at the tokens' global positions."""
     # Back to t's dtype: under autocast t is in the autocast dtype while the
     # norm keeps its float32 weight (a no-op otherwise).
@@ -233,17 +269,23 @@ def rotated_from_kept(kept, norm, cos, sin):
 
 
 def rotate_backward(t, grad, norm, cos, sin):
-    """Gradients of ``rotate`` for its input ``t`` and its norm's weight (None
-    without one; ``t`` is then not read)."""
+    """Gradients of ``rotate`` for its input ``t``, its norm's weight (a
+    ``ProjectionNormPiece``'s rows of it) and a ``ProjectionNormPiece``'s
+    inverse RMS (None where there is none; without a norm ``t`` is not read)."""
     if norm is None:
-        return apply_rotary_transpose(grad, cos, sin), None
+        return apply_rotary_transpose(grad, cos, sin), None, None
     with torch.enable_grad():
-        # A stand-in leaf for the weight: differentiating the parameter itself
+        # Stand-in leaves for the weight: differentiating the parameter itself
         # would run its gradient hooks (the sum over the TSP group) here too.
         t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
-        normed = torch.func.functional_call(norm, {"weight": weight}, (t,)).to(t.dtype)  # as rotate
-        out = apply_rotary(normed, cos, sin)
-        return torch.autograd.grad(out, (t, weight), grad)
+        if isinstance(norm, ProjectionNormPiece):
+            leaves = (weight, norm.inv_rms.detach().requires_grad_())
+            normed = ProjectionNormPiece(*leaves)(t)
+        else:
+            leaves = (weight,)
+            normed = torch.func.functional_call(norm, {"weight": weight}, (t,)).to(t.dtype)  # as rotate
+        grads = torch.autograd.grad(apply_rotary(normed, cos, sin), (t, *leaves), grad)
+    return grads if len(grads) == 3 else (*grads, None)
 
 
 def shard_stream(plan, packed):
@@ -355,8 +397,10 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
     return _cat(grad_q, 0)
 
 
-def attention_forward(plan, x, packed, cos, sin):
-    """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``.
+def attention_forward(plan, x, packed, cos, sin, inv_rms=None):
+    """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``;
+    ``inv_rms``: with q/k norms over the whole projection, each local token's
+    inverse RMS of q and of k (``{"q", "k"}``, ``projection_squares_forward``).
 
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set.
@@ -383,7 +427,7 @@ def attention_forward(plan, x, packed, cos, sin):
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
             v = project(x, w, "v_proj", heads.kv_heads, d)
-            k_rotated = rotate(k, plan.k_norm, cos, sin)
+            k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin)
             gathers[j] = gather_kv(plan, k_rotated, v)
             saved["k"].append(kept_for_backward(k, k_rotated, plan.k_norm)), saved["v"].append(v)
         return w
@@ -397,7 +441,7 @@ def attention_forward(plan, x, packed, cos, sin):
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
         q = project(x, w, "q_proj", heads.q_heads, d)
-        q_rotated = rotate(q, plan.q_norm, cos, sin)
+        q_rotated = rotate(q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V)
         comm.add_matmul(out, o.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
         saved["q"].append(kept_for_backward(q, q_rotated, plan.q_norm))
@@ -424,9 +468,10 @@ def _reduce_to(plan, grad, owner, works):
     return pending
 
 
-def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
-    """Gradients of the local tokens ``x``, of this rank's packed shard, and of
-    the per-head norms' weights (None without them; local tokens' part).
+def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None):
+    """Gradients of the local tokens ``x``, of this rank's packed shard, of
+    the q/k norms' weights (None without them; local tokens' part) and, for
+    norms over the projection, of the tokens' inverse RMS of q and k (``inv_rms``).
 
     Per head group ``j``: re-broadcast its shard, re-gather its K/V (once per
     key/value replica set), attention backward, and reduce the query/output
@@ -446,7 +491,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
     grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
     works, own_parts = [], []  # the reduces in flight; this rank's: (part of its shard's gradient, its reduce)
     grad_shards = {}  # group j -> this rank's partial gradient of shard j, flat and laid out like it
-    norm_grads = {"q": [], "k": []}
+    norm_grads, rms_grads = {"q": None, "k": None}, {"q": None, "k": None}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
 
@@ -456,7 +501,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             kv_set = j // heads.kv_replicas
-            gathers[j] = gather_kv(plan, rotated_from_kept(saved["k"][kv_set], plan.k_norm, cos, sin),
+            gathers[j] = gather_kv(plan, rotated_from_kept(saved["k"][kv_set], group_norm(plan, "k", j, inv_rms),
+                                                           cos, sin),
                                    saved["v"][kv_set])
         return w
 
@@ -474,6 +520,17 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         if f"{name}.bias" in into:
             torch.sum(grad, 0, dtype=acc_dtype, out=into[f"{name}.bias"])
 
+    def add_norm_grads(name, j, grad_weight, grad_inv_rms):
+        """Head group ``j``'s part of the ``name`` norm's weight and inverse-RMS gradients."""
+        if grad_weight is None:
+            return
+        if norm_grads[name] is None:
+            norm = plan.q_norm if name == "q" else plan.k_norm
+            norm_grads[name] = torch.zeros(norm.weight.shape, dtype=grad_weight.dtype, device=grad_weight.device)
+        norm_grads[name][norm_rows(plan, name, j, inv_rms is not None)] += grad_weight
+        if grad_inv_rms is not None:
+            rms_grads[name] = grad_inv_rms if rms_grads[name] is None else rms_grads[name] + grad_inv_rms
+
     def reduce_part(j, part):
         """Send ``part`` (``"query/output"``, ``"key/value"`` or ``"all"``) of
         shard ``j``'s gradient buffer to its owner ``j``."""
@@ -489,8 +546,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         the input gradient and the key/value weight gradients, which go to the
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
         dk, dv = scatter.wait()
-        dk, grad_k_norm = rotate_backward(saved["k"][kv_set], dk, plan.k_norm, cos, sin)
-        norm_grads["k"].append(grad_k_norm)
+        dk, *grad_k_norm = rotate_backward(saved["k"][kv_set], dk, group_norm(plan, "k", holder, inv_rms), cos, sin)
+        add_norm_grads("k", holder, *grad_k_norm)
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
         grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
@@ -511,7 +568,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
             K, V = gathers.pop(j).wait()
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
-        q = rotated_from_kept(saved["q"][j], plan.q_norm, cos, sin)
+        q_norm = group_norm(plan, "q", j, inv_rms)
+        q = rotated_from_kept(saved["q"][j], q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
             o = saved["o"][j]
@@ -526,8 +584,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
             finish_kv_set(*unfinished)
             unfinished = None
-        dq, grad_q_norm = rotate_backward(saved["q"][j], dq, plan.q_norm, cos, sin)
-        norm_grads["q"].append(grad_q_norm)
+        dq, *grad_q_norm = rotate_backward(saved["q"][j], dq, q_norm, cos, sin)
+        add_norm_grads("q", j, *grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
         into = shard_grads(j)
@@ -553,13 +611,13 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin):
         finish_kv_set(*unfinished)
     for pending in works:
         pending.wait()
-    norm_grads = {name: None if grads[0] is None else sum(grads) for name, grads in norm_grads.items()}
     for piece, pending in own_parts:
         summed = pending.wait()
         if summed is not piece:  # a reduce in place leaves the sum where it was
             piece.copy_(summed)
     own = grad_shards[tsp_rank]
-    return grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), norm_grads["q"], norm_grads["k"]
+    return (grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), norm_grads["q"], norm_grads["k"], rms_grads["q"],
+            rms_grads["k"])
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -570,23 +628,98 @@ class _TSPAttentionFunction(torch.autograd.Function):
     # o_proj returns it.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight):
+    def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight, q_inv_rms, k_inv_rms):
         # The norm weights are inputs only so that autograd routes their gradients.
-        out, saved = attention_forward(plan, x, packed, cos, sin)
+        inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
+        out, saved = attention_forward(plan, x, packed, cos, sin, inv_rms)
         ctx.plan, ctx.saved_counts = plan, {name: len(tensors) for name, tensors in saved.items()}
-        ctx.save_for_backward(x, packed, cos, sin, *(t for tensors in saved.values() for t in tensors))
+        ctx.save_for_backward(x, packed, cos, sin, q_inv_rms, k_inv_rms,
+                              *(t for tensors in saved.values() for t in tensors))
         return out
 
     @staticmethod
     @autocast_backward
     def backward(ctx, grad_out):
-        x, packed, cos, sin, *flat = ctx.saved_tensors
+        x, packed, cos, sin, q_inv_rms, k_inv_rms, *flat = ctx.saved_tensors
         saved, start = {}, 0
         for name, count in ctx.saved_counts.items():
             saved[name], start = flat[start:start + count], start + count
-        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin)
-        grad_x, grad_packed, grad_q_norm, grad_k_norm = grads
-        return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm
+        inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
+        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin, inv_rms)
+        grad_x, grad_packed, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms = grads
+        return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms
+
+
+def projection_squares_forward(plan, x, packed):
+    """Each local token's sum of squares over the whole q and over the whole k
+    projection (every head group's; ``(B, S/D)`` each, float32 or wider), which
+    norms over a projection's width need before any head group is normed
+    (``ProjectionNormPiece``): the shards go round once more, ahead of the
+    attention's own round."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    sums = {name: torch.zeros(x.shape[:2], dtype=acc, device=x.device) for name in ("q", "k")}
+    for j, shard in shard_stream(plan, packed):
+        w = plan.specs[j].unpack(shard)
+        for name in ("q", "k") if plan.heads.holds_kv(j) else ("q",):
+            projected = F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+            sums[name] += projected.to(acc).pow(2).sum(dim=-1)  # as HF's norm: squares of the float32 (or wider) values
+    return sums["q"], sums["k"]
+
+
+def projection_squares_backward(plan, grad_sums, x, packed):
+    """Gradients of ``projection_squares_forward`` for ``x`` and this rank's
+    shard, from those of the sums (``{"q", "k"}``, ``(B, S/D)``): each group's
+    projections recomputed, their weight gradients reduced to the owner."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    tokens = x.flatten(0, 1)  # (N, H)
+    grad_x = torch.zeros(tokens.shape, dtype=acc, device=x.device)
+    tsp_rank, works, own = comm.group_rank(plan.group), [], []
+    for j, shard in shard_stream(plan, packed):
+        spec = plan.specs[j]
+        w, grad_shard = spec.unpack(shard), torch.zeros(spec.numel, dtype=acc, device=x.device)
+        if j == tsp_rank:
+            own_grad = grad_shard
+        into = spec.unpack(grad_shard)
+        for name in ("q", "k") if plan.heads.holds_kv(j) else ("q",):
+            weight, bias = f"{name}_proj.weight", f"{name}_proj.bias"
+            projected = F.linear(tokens, w[weight], w.get(bias)).to(acc)
+            grad = (2 * grad_sums[name].reshape(-1, 1).to(acc) * projected).to(x.dtype)  # (N, rows)
+            grad_x += (grad @ w[weight]).to(acc)
+            comm.partial_matmul(grad.t(), tokens, out=into[weight], add=False)
+            if bias in into:
+                torch.sum(grad, 0, dtype=acc, out=into[bias])
+            # Only the projection's own rows travel: the rest of the shard gets no gradient here.
+            start = spec.offsets[weight]
+            stop = start + into[weight].numel() + (into[bias].numel() if bias in into else 0)
+            piece = grad_shard[start:stop]
+            reduced = _reduce_to(plan, piece, j, works)
+            if j == tsp_rank:
+                own.append((piece, reduced))
+    for pending in works:
+        pending.wait()
+    for piece, pending in own:
+        summed = pending.wait()
+        if summed is not piece:
+            piece.copy_(summed)
+    return grad_x.view(x.shape).to(x.dtype), own_grad
+
+
+class _ProjectionSquares(torch.autograd.Function):
+    @staticmethod
+    @autocast_forward(cast_inputs=True)
+    def forward(ctx, x, packed, plan):
+        ctx.plan = plan
+        ctx.save_for_backward(x, packed)
+        return projection_squares_forward(plan, x, packed)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_q, grad_k):
+        x, packed = ctx.saved_tensors
+        grads = {"q": grad_q, "k": grad_k}
+        grads = {name: torch.zeros(x.shape[:2], device=x.device) if g is None else g for name, g in grads.items()}
+        grad_x, grad_packed = projection_squares_backward(ctx.plan, grads, x, packed)
+        return grad_x, grad_packed.to(packed.dtype), None
 
 
 class TSPAttention(PackedShardMixin, nn.Module):
@@ -615,8 +748,10 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.packed.tensor_model_parallel = True
         self.lora = None  # LoRA adapters of this rank's shard (ds_tsp.lora)
         self.o_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if o_bias else None
-        # Per-head norms of queries and keys (Qwen3): small, kept whole on every rank.
+        # Norms of queries and keys, small, kept whole on every rank: per head (Qwen3, Gemma-3) or over
+        # the whole projection (OLMo-2), whose RMS spans every rank's head groups (projection_squares_forward).
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.norms_span_projection = q_norm is not None and q_norm.weight.numel() != head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         # Gemma-2's attention-logit soft-cap: a kernel of ds_tsp's own (SoftCappedKernel) serves it.
@@ -693,10 +828,22 @@ class TSPAttention(PackedShardMixin, nn.Module):
                                                        self.sliding_window),
                              fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype)
 
+    def projection_inv_rms(self, x, packed, plan):
+        """With q/k norms over the whole projection, each local token's inverse
+        RMS of q and of k (``{"q", "k"}``, ``(B, S/D)``) as Hugging Face's
+        RMSNorm computes it (float32 or wider); None with per-head norms or none."""
+        if not self.norms_span_projection:
+            return None
+        sums = _ProjectionSquares.apply(x, packed, plan)
+        return {name: torch.rsqrt(total / norm.weight.numel() + norm.variance_epsilon)
+                for name, total, norm in zip(("q", "k"), sums, (self.q_norm, self.k_norm))}
+
     def forward(self, x, position_embeddings, documents=None):
         cos, sin = position_embeddings
+        plan, packed = self.plan(x, documents), self.shard_weights()
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
-        out = _TSPAttentionFunction.apply(x, self.shard_weights(), cos, sin, self.plan(x, documents), *norm_weights)
+        inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
+        out = _TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"])
         return out if self.o_bias is None else out + self.o_bias
 
 

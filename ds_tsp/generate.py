@@ -64,7 +64,8 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from . import comm, layout
-from .attention import attention_forward, layer_rotary_tables, project, rotate, rotated_from_kept
+from .attention import (apply_rotary, attention_forward, group_norm, layer_rotary_tables, project, rotate,
+                        rotated_from_kept)
 from .kv_cache import TSPCache, prompt_tokens
 from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 
@@ -273,8 +274,12 @@ class TSPDecoder:
         """The broadcast schedule's attention output for the local tokens ``h``;
         their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
         What the schedule saves for a backward is freed on return, before the MLP."""
-        out, saved = attention_forward(attn.plan(h), h, attn.shard_weights().detach(), cos, sin)
-        keys = rotated_from_kept(torch.stack(saved["k"]), attn.k_norm, cos, sin)
+        plan, packed = attn.plan(h), attn.shard_weights().detach()
+        inv_rms = attn.projection_inv_rms(h, packed, plan)
+        out, saved = attention_forward(plan, h, packed, cos, sin, inv_rms)
+        holders = [j for j in range(self.tsp_size) if plan.heads.holds_kv(j)]
+        keys = torch.stack([rotated_from_kept(k, group_norm(plan, "k", j, inv_rms), cos, sin)
+                            for k, j in zip(saved["k"], holders)])
         cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(torch.stack(saved["v"]))[:, keep])
         return out if attn.o_bias is None else out + attn.o_bias
 
@@ -305,18 +310,21 @@ class TSPDecoder:
         heads, D = attn.heads, self.tsp_size
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.shard_weights().detach())
-        q = rotate(project(h, w, "q_proj", hq, d), attn.q_norm, cos, sin)  # (B, 1, hq, d)
+        # Projected here, normed and rotated once gathered: every rank then holds
+        # every head of the new token (a norm over the projection needs them all).
+        q = project(h, w, "q_proj", hq, d)  # (B, 1, hq, d)
         if heads.holds_kv(self.tsp_rank):
-            k = rotate(project(h, w, "k_proj", hkv, d), attn.k_norm, cos, sin)
-            v = project(h, w, "v_proj", hkv, d)
+            k, v = project(h, w, "k_proj", hkv, d), project(h, w, "v_proj", hkv, d)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
         gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
+        q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
-            cache.write(index, slots, k_new.unsqueeze(1), v_new.unsqueeze(1))
+            k_new = _normed_and_rotated(attn, attn.k_norm, k_new.unsqueeze(1), cos, sin)
+            cache.write(index, slots, k_new, v_new.unsqueeze(1))
         keys, values = cache.layer(index)
         out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions,
                                 attn.scale, attn.sliding_window, attn.softcap)
@@ -357,6 +365,15 @@ class TSPDecoder:
 
     def _logits(self, hidden):
         return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_softcap)[:, 0]
+
+
+def _normed_and_rotated(attn, norm, t, cos, sin):
+    """Queries or keys ``(B, 1, heads, d)`` of every head of the new token as
+    attention sees them: normed (per head, or over all heads by Hugging Face's
+    own norm) and rotated."""
+    if norm is not None and attn.norms_span_projection:
+        return apply_rotary(norm(t.flatten(-2)).to(t.dtype).view_as(t), cos, sin)
+    return rotate(t, norm, cos, sin)
 
 
 def _all_kv_heads(groups):

@@ -166,6 +166,9 @@ GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
 GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
                                                "embedding for each layer type with the whole sequence's positions; "
                                                f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
+# OLMo-2/3: post-norms only; q/k RMSNorms over the whole projection width.
+OLMO2 = {**COMMON, "attention_bias": ATTENTION_BIAS}
+OLMO3 = {**OLMO2, **SLIDING, "rope_parameters": GEMMA3["rope_parameters"]}
 MIXTRAL = {**MISTRAL, **MOE_ROUTING,
            "router_jitter_noise": Accepts(NO_DROPOUT, "multiplies the MoE input by random noise in training, which "
                                           "the TSP block does not apply",
@@ -219,6 +222,7 @@ def layer_type(config, index):
 PRE_NORMS = {"attention": ("input_layernorm", None), "mlp": ("post_attention_layernorm", None)}
 SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
                   "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,8 @@ class DecoderPolicy:
     norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
     # The rotary tables layer ``index`` takes, where the model keeps one per layer type (Gemma-3); None: one for all.
     rotary_kind: Callable | None = None
+    # q/k norms "per head" (Qwen3, Gemma-3) or over the whole "projection" (OLMo-2), where there are any.
+    qk_norm_width: str = "head"
     # The gated MLP's activation module, by its attribute name.
     activation: str = "act_fn"
     # Fused projections, per block (``attention``, ``mlp``): ``{fused projection:
@@ -286,6 +292,10 @@ POLICIES = {
                             norm_layout=SANDWICH_NORMS),
     "gemma3_text": DecoderPolicy("gemma3_text", "Gemma3DecoderLayer", "Gemma3ForCausalLM", GEMMA3, layer_types_window,
                                  norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
+    "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
+                           qk_norm_width="projection"),
+    "olmo3": DecoderPolicy("olmo3", "Olmo3DecoderLayer", "Olmo3ForCausalLM", OLMO3, layer_types_window,
+                           norm_layout=POST_NORMS, rotary_kind=layer_type, qk_norm_width="projection"),
 }
 AUTO = DecoderPolicy("auto", None)
 
@@ -424,11 +434,29 @@ def check_layer(policy, layer, where):
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
+    check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
     if sparse:
         check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)
     elif not hasattr(children[policy.mlp], policy.activation):
         raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
                           "ds_tsp knows")
+
+
+def check_qk_norms(policy, attention, where, layer_class):
+    """q/k norms normalise each head (``head_dim`` features), or the whole
+    projection where the policy's audited forward does (OLMo-2)."""
+    if getattr(attention, "q_norm", None) is None:
+        return
+    spans_projection = policy.qk_norm_width == "projection"
+    for name, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+        width = getattr(attention, name).weight.numel()
+        expected = attention.get_submodule(projection).out_features if spans_projection else attention.head_dim
+        if width != expected:
+            kind = f"over the whole {projection} ({expected} features)" if spans_projection else \
+                f"per head (head_dim = {expected} features)"
+            raise PolicyError(f"{layer_class} at {where}.{name} normalises {width} features, but under tsp.policy "
+                              f"{policy.name!r} the TSP attention norms queries and keys {kind}: this layer is not "
+                              "supported")
 
 
 def check_sparse_block(block, where, layer_class):

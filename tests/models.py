@@ -7,9 +7,12 @@ import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.masking_utils import eager_mask
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -33,6 +36,20 @@ def eager_wide_softmax(module, query, key, value, attention_mask, dropout=0.0, s
 
 AttentionInterface.register("eager_wide_softmax", eager_wide_softmax)
 AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive float masks, as eager's
+
+
+def rms_norm_in_the_wider_dtype(self, hidden_states):
+    """OLMo-2/3's RMSNorm as Hugging Face writes it, but in float32 or the
+    input's dtype if wider: HF's computes in float32 even in a float64 model
+    (and so its q/k norms make every number after them float32-exact only)."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+
+
+Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = rms_norm_in_the_wider_dtype
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.
@@ -70,6 +87,13 @@ def tiny_config(arch, **overrides):
                                                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                           "rope_theta": 1000.0}},
                                    **overrides})
+    if arch == "olmo2":  # post-norms only; q/k norms over the whole projection
+        return Olmo2Config(**kwargs)
+    if arch == "olmo3":  # OLMo-2's, with sliding layers and a RoPE table per layer type
+        return Olmo3Config(**{**kwargs, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+                              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                  "full_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+                              **overrides})
     if arch in ("phi3", "phi4_mini"):  # fused qkv_proj and gate_up_proj
         return Phi3Config(**{**PHI3_TOKENS, **kwargs})
     # HF's eager expert loop: its default grouped_mm takes no float64.
@@ -89,7 +113,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
-                 "phi4_mini": Phi3ForCausalLM}
+                 "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 

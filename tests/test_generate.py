@@ -490,13 +490,14 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
         cache.update(torch.zeros(1), torch.zeros(1), 0)
 
 
-@pytest.mark.parametrize("arch, tsp_size", [("gemma", 4), ("gemma2", 2), ("gemma3", 2)])
-def test_the_gemma_family_generates_as_hugging_face(run_ranks, arch, tsp_size):
-    """The folded embedding scales the rows it looks up (prefill and each new
-    token) as Hugging Face's does; Gemma-2's scores and final logits are
+@pytest.mark.parametrize("arch, tsp_size", [("gemma", 4), ("gemma2", 2), ("gemma3", 2), ("olmo2", 2), ("olmo3", 4)])
+def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
+    """Gemma's folded embedding scales the rows it looks up (prefill and each
+    new token) as Hugging Face's does; Gemma-2's scores and final logits are
     soft-capped in decoding too, its sliding layers see their window of the
-    cache, Gemma-3's layers their own RoPE table. Their RMSNorms compute in
-    float32, so the float64 logits agree to float32 rounding."""
+    cache, Gemma-3's layers their own RoPE table; OLMo-2/3 norm each new
+    token's queries and keys over all heads. Gemma's RMSNorms compute in
+    float32, so its float64 logits agree to float32 rounding."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
     per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,
