@@ -1,10 +1,13 @@
 """TSP attention against the unsharded Hugging Face attention module, float64."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
@@ -32,6 +35,8 @@ def _config(arch, num_heads, num_kv_heads, sliding_window=None):
                              sliding_window=sliding_window, max_window_layers=0)
     elif arch == "qwen3":
         config = Qwen3Config(**common)
+    elif arch == "olmo2":  # q/k norms over the whole projection
+        config = Olmo2Config(**common)
     else:
         config = LlamaConfig(**common, attention_bias=arch == "llama_bias")
     return config
@@ -40,7 +45,8 @@ def _config(arch, num_heads, num_kv_heads, sliding_window=None):
 def _reference(arch, config, batch, layout_name):
     """The full HF module, a full input and upstream gradient, seeded identically on every rank."""
     torch.manual_seed(1234)
-    attn = {"qwen2": Qwen2Attention, "qwen3": Qwen3Attention}.get(arch, LlamaAttention)(config, layer_idx=0).double()
+    attn = {"qwen2": Qwen2Attention, "qwen3": Qwen3Attention, "olmo2": Olmo2Attention}.get(arch, LlamaAttention)(
+        config, layer_idx=0).double()
     with torch.no_grad():
         for name, p in attn.named_parameters():
             p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0, 0.3)
@@ -125,11 +131,11 @@ def test_a_wrong_shard_is_caught(run_ranks):
     assert worst > 1e3 * TOLERANCE
 
 
-def _bytes_and_saved(num_heads, num_kv_heads, batch):
+def _bytes_and_saved(num_heads, num_kv_heads, batch, arch="llama"):
     topo = TSPTopology(dist.get_world_size())
     D, r = topo.tsp_size, topo.tsp_rank
-    config = _config("llama", num_heads, num_kv_heads)
-    attn, x, grad_y = _reference("llama", config, batch, "zigzag")
+    config = _config(arch, num_heads, num_kv_heads)
+    attn, x, grad_y = _reference(arch, config, batch, "zigzag")
     tsp = TSPAttention.from_hf(attn, config, topo.tsp_group, backend="sdpa")
     x_local = layout.shard(x, r, D, "zigzag").clone().requires_grad_()
     pos = layout.positions(r, D, "zigzag", SEQ_LEN).unsqueeze(0).expand(batch, -1)
@@ -148,7 +154,9 @@ def _bytes_and_saved(num_heads, num_kv_heads, batch):
     return dict(forward_received=sum(c["received"] for c in forward.values()),
                 total_received=comm.counter.received(), ops=sorted(comm.counter.snapshot()),
                 saved_bytes=sum(saved.values()), shard_bytes=tsp.packed.numel() * 8, rank=r,
-                all_shards_numel=sum(spec.numel for spec in tsp.specs))
+                all_shards_numel=sum(spec.numel for spec in tsp.specs),
+                qk_rows_numel=sum(math.prod(tsp.spec.shapes[name]) for name in ("q_proj.weight", "k_proj.weight")
+                                  if name in tsp.spec.shapes))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (8, 4), (8, 2), (8, 1)])
@@ -175,6 +183,25 @@ def test_bytes_equal_the_design_formula(run_ranks, num_heads, num_kv_heads):
             assert out["forward_received"] == forward
             assert out["total_received"] == total
             assert out["ops"] == ["all_gather", "broadcast", "reduce", "reduce_scatter"]
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2])
+def test_norms_over_the_projection_send_the_shards_round_once_more(run_ranks, num_kv_heads):
+    """OLMo-2's q/k norms: the sums of squares over every head group take one
+    more round of the shards ahead of the attention's, in forward and in
+    backward, where the q and k rows' weight gradients go to their owners too."""
+    B, S, H, d, nq, elem = 2, SEQ_LEN, HIDDEN, HEAD_DIM, 8, 8
+    Wa = H * (nq + 2 * num_kv_heads) * d + nq * d * H
+    for D in (2, 4):
+        kv = (D - 1) * 2 * B * S * num_kv_heads * d // D
+        for out in run_ranks(D, _bytes_and_saved, num_heads=nq, num_kv_heads=num_kv_heads, batch=B, arch="olmo2"):
+            others = Wa - out["shard_bytes"] // elem  # every other rank's shard, broadcast
+            forward = (2 * others + kv) * elem
+            backward = (2 * others + 2 * kv + (D - 1) * (out["shard_bytes"] // elem + out["qk_rows_numel"])) * elem
+            print(f"D={D} nkv={num_kv_heads} rank {out['rank']}: forward {out['forward_received']} B (formula "
+                  f"{forward}), fwd+bwd {out['total_received']} B (formula {forward + backward})")
+            assert out["forward_received"] == forward
+            assert out["total_received"] == forward + backward
 
 
 def test_saved_for_backward_scales_as_one_over_d(run_ranks):

@@ -200,32 +200,21 @@ def test_left_padded_batch_matches_each_prompt_alone(run_ranks, vocab_parallel):
     assert worst <= TOLERANCE
 
 
-def test_mixture_of_experts_generates_as_hugging_face(run_ranks):
-    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE at D=2: each rank
-    decodes with its own experts only."""
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "phi3", "phi4_mini"])
+def test_experts_and_fused_projections_generate_as_hugging_face(run_ranks, arch):
+    """At D=2: Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE, each rank
+    decoding with its own experts only; Phi-3 (fused qkv_proj, gate_up_proj)
+    and the Phi-4-mini shape (3/4 of each head rotary under longrope): past
+    original_max_position_embeddings (16) Phi-3's generate drops the cache and
+    prefills again with longrope's long factors, on the TSP model as on
+    Hugging Face's."""
     prompts = _prompts(2, seed=9)
-    for arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
-        per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
-        diff = _max_logit_diff(per_rank, ref_logits)
-        print(f"D=2 {arch}: max|logit diff| {diff:.2e}")
-        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-        assert diff <= TOLERANCE
-
-
-def test_fused_projections_and_partial_rotary_generate_as_hugging_face(run_ranks):
-    """Phi-3 (fused qkv_proj, gate_up_proj) and the Phi-4-mini shape (3/4 of
-    each head rotary under longrope) at D=2; past original_max_position_embeddings
-    (16) Phi-3's generate drops the cache and prefills again with longrope's long
-    factors, on the TSP model as on Hugging Face's."""
-    prompts = _prompts(2, seed=9)
-    for arch in ("phi3", "phi4_mini"):
-        ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
-        per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
-        diff = _max_logit_diff(per_rank, ref_logits)
-        print(f"D=2 {arch}: max|logit diff| {diff:.2e}")
-        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-        assert diff <= TOLERANCE
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+    diff = _max_logit_diff(per_rank, ref_logits)
+    print(f"D=2 {arch}: max|logit diff| {diff:.2e}")
+    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+    assert diff <= TOLERANCE
 
 
 # Dynamic RoPE rescales from the largest position id, here past max_position_embeddings
@@ -490,7 +479,8 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
         cache.update(torch.zeros(1), torch.zeros(1), 0)
 
 
-@pytest.mark.parametrize("arch, tsp_size", [("gemma", 4), ("gemma2", 2), ("gemma3", 2), ("olmo2", 2), ("olmo3", 4)])
+@pytest.mark.parametrize("arch, tsp_size", [("gemma", 2), ("gemma", 4), ("gemma2", 2), ("gemma3", 2),
+                                            ("olmo2", 2), ("olmo3", 4)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are

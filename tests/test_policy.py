@@ -128,6 +128,13 @@ TABLE_VARIANTS = [
 ]
 
 
+def test_the_config_names_every_policy_table():
+    from ds_tsp.config import POLICY_NAMES
+    from ds_tsp.policy import POLICIES
+
+    assert POLICY_NAMES == tuple(POLICIES)
+
+
 def table_variants_parity(variants):
     return [parity(tiny_model(arch, **overrides), dist.get_world_size()) for arch, overrides in variants]
 
