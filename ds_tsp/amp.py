@@ -25,7 +25,7 @@ def _compute_dtype(tensor):
     return tensor.dtype
 
 
-def autocast_forward(cast_inputs):
+def autocast_forward(cast_inputs, keep=()):
     """``torch.amp.custom_fwd`` for Functions that run on any device and under
     any autocast dtype (``custom_fwd`` fixes both when it decorates).
 
@@ -37,7 +37,10 @@ def autocast_forward(cast_inputs):
     gradient back in its input's dtype, so float32 parameters get float32
     gradients. Without ``cast_inputs`` the Function runs in its inputs'
     dtypes, as the ops it stands for (lookups, collectives) do under
-    autocast. Pair with ``autocast_backward``."""
+    autocast. ``keep``: the positions (after ``ctx``) of arguments that stay
+    in their dtype even with ``cast_inputs`` (float32 statistics a norm
+    applies, as Hugging Face's norms compute in float32 under autocast).
+    Pair with ``autocast_backward``."""
 
     def decorate(forward):
         @functools.wraps(forward)
@@ -47,7 +50,8 @@ def autocast_forward(cast_inputs):
             if not _autocast_on(device_type):
                 return forward(ctx, *args)
             if cast_inputs:
-                args = [arg.to(_compute_dtype(arg)) if isinstance(arg, torch.Tensor) else arg for arg in args]
+                args = [arg.to(_compute_dtype(arg)) if isinstance(arg, torch.Tensor) and index not in keep else arg
+                        for index, arg in enumerate(args)]
             with torch.autocast(device_type, enabled=False):
                 return forward(ctx, *args)
 

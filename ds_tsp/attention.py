@@ -207,7 +207,7 @@ class ProjectionNormPiece:
 
     def __call__(self, t):  # (B, L, h, d)
         scaled = t.to(self.inv_rms.dtype) * self.inv_rms[..., None, None]
-        return (self.weight.view(t.shape[-2:]) * scaled).to(t.dtype)
+        return (self.weight.view(t.shape[-2:]).to(scaled.dtype) * scaled).to(t.dtype)
 
 
 def norm_rows(plan, name, j, spans_projection):
@@ -625,9 +625,10 @@ class _TSPAttentionFunction(torch.autograd.Function):
     # is cast to the autocast dtype and the layer runs as a model of that
     # dtype would: projections, rotary and attention in it, the head groups'
     # outputs summed in float32, the output in the autocast dtype as HF's
-    # o_proj returns it.
+    # o_proj returns it. The inverse RMS of q and k (norms over the projection)
+    # stay float32, as Hugging Face's norms compute.
     @staticmethod
-    @autocast_forward(cast_inputs=True)
+    @autocast_forward(cast_inputs=True, keep=(7, 8))
     def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight, q_inv_rms, k_inv_rms):
         # The norm weights are inputs only so that autograd routes their gradients.
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}

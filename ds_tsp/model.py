@@ -35,10 +35,13 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, self_attn, mlp, norms, layout, recompute_norms=False, rotary_kind=None):
         super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        for name, norm in norms.items():
-            self.add_module(name, norm)
+        # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
+        # flat buffers, its checkpoints) in this order.
+        for name, block, (before, after) in (("self_attn", self_attn, layout["attention"]),
+                                             ("mlp", mlp, layout["mlp"])):
+            for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
+                if module_name is not None:
+                    self.add_module(module_name, module)
         self.layout = layout
         self.recompute_norms = recompute_norms  # tsp.recompute_norms
         self.rotary_kind = rotary_kind
