@@ -11,6 +11,9 @@ from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Conf
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.masking_utils import eager_mask
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
@@ -50,6 +53,18 @@ def rms_norm_in_the_wider_dtype(self, hidden_states):
 
 
 Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = rms_norm_in_the_wider_dtype
+
+
+def gemma_rms_norm_in_the_wider_dtype(self, x):
+    """Gemma's ``(1 + w)`` RMSNorm as Hugging Face writes it, but in float32
+    or the input's dtype if wider: HF's multiplies by its weight in float32
+    even in a float64 model, so its weight's gradient, a sum over tokens, is
+    float32-rounded and depends on the order of that sum."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return (self._norm(x.to(wide)) * (1.0 + self.weight.to(wide))).type_as(x)
+
+
+GemmaRMSNorm.forward = Gemma2RMSNorm.forward = Gemma3RMSNorm.forward = gemma_rms_norm_in_the_wider_dtype
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.

@@ -46,7 +46,7 @@ def test_gemma_and_olmo_families_match_hugging_face(run_ranks, tsp_size):
     for arch in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3"):
         for case in cases:
             per_rank = run_ranks(tsp_size, model_parity, arch=arch, **case)
-            check(per_rank, f"D={tsp_size} {arch} {case}", arch)
+            check(per_rank, f"D={tsp_size} {arch} {case}")
 
 
 def test_a_wrong_shard_of_gemma2_or_olmo2_is_caught(run_ranks):
