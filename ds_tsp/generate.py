@@ -64,8 +64,8 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from . import comm, layout
-from .attention import (apply_rotary, attention_forward, group_norm, layer_rotary_tables, project, rotate,
-                        rotated_from_kept)
+from .attention import attention_forward, project
+from .rotary import apply_rotary, group_norm, layer_rotary_tables, rotate, rotated_from_kept
 from .kv_cache import TSPCache, prompt_tokens
 from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 

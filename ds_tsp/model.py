@@ -15,7 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from . import layout
-from .attention import layer_rotary_tables
+from .rotary import layer_rotary_tables
 from .documents import check_cu_seq_lens, document_starts
 from .generate import cached_forward
 from .mappings import sum_over_group

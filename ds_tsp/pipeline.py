@@ -28,7 +28,7 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from .attention import rotary_tables
+from .rotary import rotary_tables
 from .model import TSPBatch, lm_head_and_loss, normalize
 from .moe import TSPSparseMoE, balance_loss, recorded_router_logits, routing_statistics
 from .vocab import embed_local_tokens

@@ -3,7 +3,7 @@
 One declarative table per architecture names its classes, its submodules and
 the config attributes that change its forward, each with the values whose
 forward the TSP model reproduces and why; how each projection's weight is
-sharded is the table of the block that takes it (``attention.SHARD_DIMS``,
+sharded is the table of the block that takes it (``head_groups.SHARD_DIMS``,
 ``mlp.SHARD_DIMS``), and where Hugging Face fuses several projections into one
 tensor (Phi-3's ``qkv_proj``) the policy's ``fused`` table says which rows
 hold which (``ds_tsp.fused``). The tables were written from an audit of the installed
@@ -50,7 +50,7 @@ def any_value(value):
 
 
 # RoPE types whose tables the TSP model gets from the model's own rotary module
-# (called with the whole sequence's largest position, see attention.rotary_tables),
+# (called with the whole sequence's largest position, see rotary.rotary_tables),
 # each checked equal to HF's in float64 (tests/test_policy.py).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
@@ -442,15 +442,15 @@ def check_layer(policy, layer, where):
                           "ds_tsp knows")
 
 
-def check_qk_norms(policy, attention, where, layer_class):
+def check_qk_norms(policy, attn, where, layer_class):
     """q/k norms normalise each head (``head_dim`` features), or the whole
     projection where the policy's audited forward does (OLMo-2)."""
-    if getattr(attention, "q_norm", None) is None:
+    if getattr(attn, "q_norm", None) is None:
         return
     spans_projection = policy.qk_norm_width == "projection"
     for name, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
-        width = getattr(attention, name).weight.numel()
-        expected = attention.get_submodule(projection).out_features if spans_projection else attention.head_dim
+        width = getattr(attn, name).weight.numel()
+        expected = attn.get_submodule(projection).out_features if spans_projection else attn.head_dim
         if width != expected:
             kind = f"over the whole {projection} ({expected} features)" if spans_projection else \
                 f"per head (head_dim = {expected} features)"

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from . import comm, layout
-from .attention import rotary_tables
+from .rotary import rotary_tables
 from .model import TSPBatch
 from .policy import PolicyError
 

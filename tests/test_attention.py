@@ -12,7 +12,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from ds_tsp import comm, layout
-from ds_tsp.attention import TSPAttention, slice_full_tensor
+from ds_tsp.attention import TSPAttention
+from ds_tsp.head_groups import slice_full_tensor
 from ds_tsp.attention_kernels import bottom_right_causal_mask
 from ds_tsp.attention_selection import select_kernel
 from ds_tsp.topology import TSPTopology
@@ -215,7 +216,7 @@ def test_saved_for_backward_scales_as_one_over_d(run_ranks):
 
 
 def test_heads_that_tsp_cannot_serve_are_refused():
-    from ds_tsp.attention import HeadGroups
+    from ds_tsp.head_groups import HeadGroups
     with pytest.raises(ValueError, match="num_attention_heads = 6 is not divisible by tsp.size = 4"):
         HeadGroups(6, 6, 4, 4)
     with pytest.raises(ValueError, match="num_key_value_heads = 6 is not divisible by tsp.size = 4"):

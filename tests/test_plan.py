@@ -13,7 +13,8 @@ from torch import nn
 
 from ds_tsp import comm
 from ds_tsp import planning as planner
-from ds_tsp.attention import HeadGroups, TSPAttention
+from ds_tsp.attention import TSPAttention
+from ds_tsp.head_groups import HeadGroups
 from ds_tsp.mlp import TSPGatedMLP
 
 # Rank bodies live in this module, so every spawned rank imports it: what needs

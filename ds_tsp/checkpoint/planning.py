@@ -24,7 +24,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .. import attention, comm, mlp, moe, vocab
-from ..attention import HeadGroups, TSPAttention
+from ..attention import TSPAttention
+from ..head_groups import HeadGroups, shard_piece, shard_spec
 from ..fused import FusedRows, split_rows
 from ..mlp import TSPGatedMLP
 from ..moe import TSPSparseMoE
@@ -57,11 +58,11 @@ def layer_shards(layer, config, policy, tsp_size):
     attn = layer.get_submodule(policy.attention)
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
-    attn_specs = [attention.shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r)
+    attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r)
                   for r in range(tsp_size)]
     return {
         policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
-                                                            lambda name, r: attention.shard_piece(heads, name, r),
+                                                            lambda name, r: shard_piece(heads, name, r),
                                                             attention.replicated_names(attn)), rows),
         policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
     }
@@ -131,7 +132,7 @@ def block_holdings(block):
     its group, checked against the block's own ``shard_names``/``shard_piece``."""
     tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
     if isinstance(block, TSPAttention):
-        holdings = _holdings(specs, lambda name, r: attention.shard_piece(block.heads, name, r),
+        holdings = _holdings(specs, lambda name, r: shard_piece(block.heads, name, r),
                              list(block.replicated_params()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,

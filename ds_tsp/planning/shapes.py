@@ -341,7 +341,7 @@ def model_shape(model):
 # --- how TSP cuts a model ------------------------------------------------------------------------
 
 def tsp_shape_problem(m, tsp_size):
-    """Why TSP cannot run ``m`` at ``tsp_size`` (the rules of ``attention.HeadGroups``,
+    """Why TSP cannot run ``m`` at ``tsp_size`` (the rules of ``head_groups.HeadGroups``,
     ``mlp.shard_spec`` and ``moe.shard_spec``), or None."""
     D, nq, nkv = tsp_size, m.num_heads, m.num_kv_heads
     if nq % D:

@@ -225,7 +225,7 @@ def plan_tsp(setting, vocab_parallel):
     if setting.activation_checkpointing and setting.recompute_norms:
         # The recomputed layer's first norm keeps the layer's checkpointed input, already counted as such.
         layer_saved = {sparse: saved - tokens * e * H for sparse, saved in layer_saved.items()}
-    # cos/sin of the local tokens plus, per sequence, the row of the largest position (attention.rotary_tables)
+    # cos/sin of the local tokens plus, per sequence, the row of the largest position (rotary.rotary_tables)
     model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
     model_saved += load_balancing_saved(m, tsp=True)
     layers, layer_terms = _layers(setting, tokens, layer_saved)

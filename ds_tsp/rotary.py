@@ -1,0 +1,146 @@
+"""Queries and keys as attention sees them: the q/k norms, then the rotary embedding.
+
+A model's q/k norms are per head (Qwen3, Gemma-3) or over the whole
+projection (OLMo-2: ``ProjectionNormPiece``); the rotary embedding is the
+Hugging Face (rotate-half) convention at the tokens' GLOBAL positions, on a
+head's first dims where the rotary factor is partial (Phi-4-mini), with
+tables from the model's own rotary module (one per layer type where the model
+keeps several: Gemma-3, OLMo-3). The backward of both, for the TSP attention's
+explicit backward, is here too.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_half_transpose(y):
+    half = y.shape[-1] // 2
+    return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
+
+
+def _rotates_part(x, cos):
+    """Whether ``cos`` rotates only the first dims of ``x``'s heads (a partial
+    rotary factor: its tables are shorter than the head)."""
+    return cos.shape[-1] < x.shape[-1]
+
+
+def apply_rotary(x, cos, sin):
+    """Rotary embedding of ``x`` ``(B, S, h, d)`` with ``cos``/``sin`` ``(B, S, r)``,
+    the Hugging Face (rotate-half) convention. With tables shorter than the head
+    (``r < d``, a partial rotary factor) only the first ``r`` dims of each head
+    rotate and the rest pass unchanged, as Hugging Face's ``apply_rotary_pos_emb`` does."""
+    if _rotates_part(x, cos):
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_transpose(grad, cos, sin):
+    """Gradient through ``apply_rotary`` (a linear map, so its transpose)."""
+    if _rotates_part(grad, cos):
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary_transpose(grad[..., :rotary], cos, sin), grad[..., rotary:]], dim=-1)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return grad * cos + _rotate_half_transpose(grad * sin)
+
+
+@dataclass(frozen=True)
+class ProjectionNormPiece:
+    """A head group's part of an RMSNorm over a whole projection's width
+    (OLMo-2's q/k norms, over ``nq*d`` and ``nkv*d`` features). Each token's
+    inverse RMS over the full width comes first (``projection_squares``: the
+    width spans every rank's head groups), so a group's heads are then normed
+    alone, as Hugging Face's norm computes: in float32 or wider, times the
+    weight, back to the projection's dtype."""
+
+    weight: torch.Tensor  # (h*d,) the group's features of the norm weight
+    inv_rms: torch.Tensor  # (B, L) 1 / sqrt(mean square over the full width + eps), float32 or wider
+
+    def __call__(self, t):  # (B, L, h, d)
+        scaled = t.to(self.inv_rms.dtype) * self.inv_rms[..., None, None]
+        return (self.weight.view(t.shape[-2:]).to(scaled.dtype) * scaled).to(t.dtype)
+
+
+def norm_rows(plan, name, j, spans_projection):
+    """The features of the ``name`` (``"q"`` or ``"k"``) norm's weight that head
+    group ``j`` uses: all of a per-head norm's, the group's own rows of a norm
+    over the projection."""
+    if not spans_projection:
+        return slice(None)
+    return plan.heads.q_rows(j) if name == "q" else plan.heads.kv_rows(plan.heads.kv_holder(j))
+
+
+def group_norm(plan, name, j, inv_rms):
+    """The ``name`` (``"q"`` or ``"k"``) norm head group ``j`` applies: the
+    per-head norm itself (or None), or, given ``inv_rms`` (``{"q", "k"}``: each
+    token's inverse RMS over the projection), its ``ProjectionNormPiece``."""
+    norm = plan.q_norm if name == "q" else plan.k_norm
+    if norm is None or inv_rms is None:
+        return norm
+    return ProjectionNormPiece(norm.weight[norm_rows(plan, name, j, True)], inv_rms[name])
+
+
+def rotate(t, norm, cos, sin):
+    """Queries or keys as attention sees them: the q/k norm if the model
+    has one, then the rotary embedding at the tokens' global positions."""
+    # Back to t's dtype: under autocast t is in the autocast dtype while the
+    # norm keeps its float32 weight (a no-op otherwise).
+    return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
+
+
+def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
+    """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
+    rotary embedding computes them for the whole sequence (for layers of type
+    ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
+    scale with the sequence (``dynamic``) read the largest position id, so the
+    full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
+    appended to the positions and its row dropped from the tables. Positions
+    past it (the padding TSP appends) are clamped to it: no real token sees them."""
+    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
+    cos, sin = rotary_emb(hidden, probe) if kind is None else rotary_emb(hidden, probe, kind)
+    return cos[:, :-1], sin[:, :-1]
+
+
+def layer_rotary_tables(rotary_emb, layers, hidden, positions, max_position):
+    """``rotary_tables`` for every ``rotary_kind`` among the TSP ``layers``, each computed once."""
+    return {kind: rotary_tables(rotary_emb, hidden, positions, max_position, kind)
+            for kind in dict.fromkeys(layer.rotary_kind for layer in layers)}
+
+
+def kept_for_backward(raw, rotated, norm):
+    """What the backward keeps of the projected queries or keys: the rotated
+    values attention saw, so nothing is redone; with a per-head norm its input,
+    which the norm's backward needs (rotated again in backward)."""
+    return rotated if norm is None else raw
+
+
+def rotated_from_kept(kept, norm, cos, sin):
+    """The queries or keys attention saw, from what ``kept_for_backward`` kept."""
+    return kept if norm is None else rotate(kept, norm, cos, sin)
+
+
+def rotate_backward(t, grad, norm, cos, sin):
+    """Gradients of ``rotate`` for its input ``t``, its norm's weight (a
+    ``ProjectionNormPiece``'s rows of it) and a ``ProjectionNormPiece``'s
+    inverse RMS (None where there is none; without a norm ``t`` is not read)."""
+    if norm is None:
+        return apply_rotary_transpose(grad, cos, sin), None, None
+    with torch.enable_grad():
+        # Stand-in leaves for the weight: differentiating the parameter itself
+        # would run its gradient hooks (the sum over the TSP group) here too.
+        t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
+        if isinstance(norm, ProjectionNormPiece):
+            leaves = (weight, norm.inv_rms.detach().requires_grad_())
+            normed = ProjectionNormPiece(*leaves)(t)
+        else:
+            leaves = (weight,)
+            normed = torch.func.functional_call(norm, {"weight": weight}, (t,)).to(t.dtype)  # as rotate
+        grads = torch.autograd.grad(apply_rotary(normed, cos, sin), (t, *leaves), grad)
+    return grads if len(grads) == 3 else (*grads, None)
