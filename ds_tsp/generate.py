@@ -65,8 +65,8 @@ from deepspeed.accelerator import get_accelerator
 
 from . import comm, layout
 from .attention import attention_forward, project
-from .rotary import apply_rotary, group_norm, layer_rotary_tables, rotate, rotated_from_kept
 from .kv_cache import TSPCache, prompt_tokens
+from .rotary import apply_rotary, group_norm, layer_rotary_tables, rotary_of_kind, rotate, rotated_from_kept
 from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 
 
@@ -291,8 +291,7 @@ class TSPDecoder:
         positions = cache.next_positions
         target = cache.place_next_token()
         hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
-        tables = {kind: self.rotary(hidden, positions.unsqueeze(1)) if kind is None else
-                  self.rotary(hidden, positions.unsqueeze(1), kind)
+        tables = {kind: rotary_of_kind(self.rotary, hidden, positions.unsqueeze(1), kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
         slots = None
         if target == self.tsp_rank:

@@ -15,11 +15,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from . import layout
-from .rotary import layer_rotary_tables
 from .documents import check_cu_seq_lens, document_starts
 from .generate import cached_forward
 from .mappings import sum_over_group
 from .moe import TSPSparseMoE, full_sequence_router_logits, load_balancing_loss, recorded_router_logits
+from .rotary import layer_rotary_tables
 from .vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 
 
@@ -28,9 +28,10 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     each with the Hugging Face norms the architecture puts around it (kept as
     they are, under their Hugging Face names): ``layout`` maps ``"attention"``
     and ``"mlp"`` to the names of the norms ``(before, after)`` the block, None
-    where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both).
-    ``rotary_kind`` names the rotary tables the layer takes (Gemma-3's layer
-    types; None: the model's one table). Subclassing HF's checkpointing layer
+    where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both),
+    OLMo-2/3's post-norms (after only). ``rotary_kind`` names the rotary
+    tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
+    model's one table). Subclassing HF's checkpointing layer
     makes ``model.gradient_checkpointing_enable()`` recompute it."""
 
     def __init__(self, self_attn, mlp, norms, layout, recompute_norms=False, rotary_kind=None):

@@ -55,10 +55,10 @@ def apply_rotary_transpose(grad, cos, sin):
 class ProjectionNormPiece:
     """A head group's part of an RMSNorm over a whole projection's width
     (OLMo-2's q/k norms, over ``nq*d`` and ``nkv*d`` features). Each token's
-    inverse RMS over the full width comes first (``projection_squares``: the
-    width spans every rank's head groups), so a group's heads are then normed
-    alone, as Hugging Face's norm computes: in float32 or wider, times the
-    weight, back to the projection's dtype."""
+    inverse RMS over the full width comes first, as the width spans every
+    rank's head groups (``attention.projection_squares_forward``), so a group's
+    heads are then normed alone, as Hugging Face's norm computes: in float32 or
+    wider, times the weight, back to the projection's dtype."""
 
     weight: torch.Tensor  # (h*d,) the group's features of the norm weight
     inv_rms: torch.Tensor  # (B, L) 1 / sqrt(mean square over the full width + eps), float32 or wider
@@ -104,8 +104,14 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    cos, sin = rotary_emb(hidden, probe) if kind is None else rotary_emb(hidden, probe, kind)
+    cos, sin = rotary_of_kind(rotary_emb, hidden, probe, kind)
     return cos[:, :-1], sin[:, :-1]
+
+
+def rotary_of_kind(rotary_emb, hidden, positions, kind=None):
+    """The model's rotary module at ``positions``, for layers of type ``kind``
+    where it keeps a table per layer type."""
+    return rotary_emb(hidden, positions) if kind is None else rotary_emb(hidden, positions, kind)
 
 
 def layer_rotary_tables(rotary_emb, layers, hidden, positions, max_position):
