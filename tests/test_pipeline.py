@@ -31,11 +31,11 @@ def _hf_name(pipe_name, num_layers):
 
 
 def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkpointing=False, wrong_shard=False,
-                  zero_stage=1, save_dir=None, arch="llama", seq_len=SEQ_LEN):
+                  zero_stage=1, save_dir=None, arch="llama", seq_len=SEQ_LEN, model_overrides=None):
     world = dist.get_world_size()
     stages = 2
     dp_size = world // (stages * tsp_size)
-    ref = tiny_model(arch, dtype=torch.float32)
+    ref = tiny_model(arch, dtype=torch.float32, **(model_overrides or {}))
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1000, "tsp": {"enabled": True, "size": tsp_size, "pipeline_stages": stages, "attention_backend": "sdpa"}}
@@ -60,7 +60,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     for step, batch in enumerate(batches):
         if resume and step == 1:
             engine.save_checkpoint(checkpoint_dir, tag="step1")
-            engine, *_ = ds_tsp.initialize(model=tiny_model(arch, dtype=torch.float32), config=config,
+            engine, *_ = ds_tsp.initialize(model=tiny_model(arch, dtype=torch.float32, **(model_overrides or {})),
+                                           config=config,
                                            optimizer=lambda params: torch.optim.SGD(params, lr=LR))
             engine.load_checkpoint(checkpoint_dir, tag="step1")
         losses.append(engine.train_batch(data_iter=micro_batches(batch)).item())
@@ -100,17 +101,22 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
                 engine=type(engine).__name__, checkpoint_interval=engine.module.activation_checkpoint_interval)
 
 
-@pytest.mark.parametrize("tsp_size, activation_checkpointing, arch, seq_len", [
-    (2, False, "llama", SEQ_LEN), (1, False, "llama", SEQ_LEN), (2, True, "llama", SEQ_LEN),
+@pytest.mark.parametrize("tsp_size, activation_checkpointing, arch, seq_len, model_overrides", [
+    (2, False, "llama", SEQ_LEN, None), (1, False, "llama", SEQ_LEN, None), (2, True, "llama", SEQ_LEN, None),
     # Experts on the ring and the load-balancing loss over both stages' layers (a shared expert in Qwen2-MoE),
     # over 14 tokens padded to 16: the statistics must leave TSP's padding out.
-    (2, False, "qwen2_moe", 14), (2, True, "mixtral", SEQ_LEN),
+    (2, False, "qwen2_moe", 14, None), (2, True, "mixtral", SEQ_LEN, None),
+    # Sandwich norms and soft-capped scores on each stage, the last stage's loss of soft-capped logits (untied:
+    # a pipeline refuses tied embeddings across stages); OLMo-3's RoPE table per layer type and q/k norms over
+    # the projection, each stage computing its own layers' tables.
+    (2, False, "gemma2", SEQ_LEN, {"tie_word_embeddings": False}), (2, True, "olmo3", SEQ_LEN, None),
 ])
-def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch, seq_len):
+def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch, seq_len,
+                                               model_overrides):
     covered = set()
     for rank, out in enumerate(run_ranks(4, _pipeline_run, tsp_size=tsp_size,
                                          activation_checkpointing=activation_checkpointing, arch=arch,
-                                         seq_len=seq_len)):
+                                         seq_len=seq_len, model_overrides=model_overrides)):
         worst = max(out["rel"], key=out["rel"].get)
         loss_err = max(abs(a - b) / b for a, b in zip(out["losses"], out["ref_losses"]))
         print(f"rank {rank} {arch} PP=2 TSP={tsp_size} stage {out['stage']}: max rel |dw| {out['rel'][worst]:.2e} "
