@@ -19,23 +19,26 @@ from .packing import PackedShardMixin
 
 
 def hf_tensors(model):
-    """``[(parameter, {Hugging Face name: numel})]`` of an injected model, each
+    """``[(parameter, [(Hugging Face name, numel)])]`` of an injected model, each
     parameter once: a TSP block's packed shard holds its spec's tensors in
-    order, every other parameter (replicated in a block, a vocabulary shard,
-    a norm) the one Hugging Face tensor of its own name; a LoRA adapter's
-    factor is named by its projection (``lora.peft_parameter_name``)."""
+    order, each named by the Hugging Face tensor that holds its rows (Phi-3's
+    q, k and v pieces all by ``qkv_proj.weight``: ``ds_tsp.fused``), every
+    other parameter (replicated in a block, a vocabulary shard, a norm) the
+    one Hugging Face tensor of its own name; a LoRA adapter's factor is named
+    by its projection (``lora.peft_parameter_name``)."""
     out = []
     for name, param in model.named_parameters():
         prefix, _, _ = name.rpartition(".")
         module = model.get_submodule(prefix)
         if isinstance(module, PackedShardMixin):
             if param is module.packed:
-                out.append((param, {f"{prefix}.{n}": math.prod(shape) for n, shape in module.spec.shapes.items()}))
+                out.append((param, [(f"{prefix}.{module.hf_rows.hf_name(n)}", math.prod(shape))
+                                    for n, shape in module.spec.shapes.items()]))
                 continue
             name = next((f"{prefix}.{hf}" for hf, p in module.replicated_params().items() if p is param), name)
         elif isinstance(module, LoRAAdapter):
             name = adapter_parameter_name(prefix, name.rpartition(".")[2])
-        out.append((param, {name: param.numel()}))
+        out.append((param, [(name, param.numel())]))
     return out
 
 
@@ -93,17 +96,18 @@ class ClientOptimizer:
         # The tag finds a group again after load_state_dict, which replaces the group dicts.
         new_groups = [{**hyper, "params": [], DecayMask.TAG: index} for index, (hyper, _) in enumerate(self.groups)]
         for param, tensors in hf_tensors(model):
-            owners = [group_of.get(name) for name in tensors]
+            names = sorted({name for name, _ in tensors})
+            owners = [group_of.get(name) for name, _ in tensors]
             present = sorted({owner for owner in owners if owner is not None})
             if not present:
                 continue
             if None in owners:
-                raise ValueError(f"the optimizer holds only some of {sorted(tensors)}, which TSP packs into one "
+                raise ValueError(f"the optimizer holds only some of {names}, which TSP packs into one "
                                  "shard: give the optimizer all of them or none")
-            host = present[0] if len(present) == 1 else self._decay_host(present, tensors)
+            host = present[0] if len(present) == 1 else self._decay_host(present, names)
             new_groups[host]["params"].append(param)
             if len(present) > 1:
-                self.masks.append(DecayMask(param, [(numel, group_of[name]) for name, numel in tensors.items()], host))
+                self.masks.append(DecayMask(param, [(numel, group_of[name]) for name, numel in tensors], host))
         if isinstance(self.optimizer, torch.optim.Optimizer):
             # Defaults the constructor takes; the others (AdamW's decoupled_weight_decay) ride in every group.
             accepted = inspect.signature(type(self.optimizer)).parameters
@@ -111,14 +115,14 @@ class ClientOptimizer:
             return type(self.optimizer)(new_groups, **defaults), new_groups
         return self.optimizer, new_groups if self.grouped else new_groups[0]["params"]
 
-    def _decay_host(self, present, tensors):
+    def _decay_host(self, present, names):
         """The group a shard of tensors from several groups joins: the one
         without weight decay, when the groups differ in nothing else."""
         hypers = [self.groups[index][0] for index in present]
         others = [{k: v for k, v in hyper.items() if k != "weight_decay"} for hyper in hypers]
         hosts = [index for index, hyper in zip(present, hypers) if hyper.get("weight_decay", None) == 0]
         if any(other != others[0] for other in others) or not hosts:
-            raise ValueError(f"TSP packs {sorted(tensors)} into one shard, but the optimizer puts them in groups "
+            raise ValueError(f"TSP packs {names} into one shard, but the optimizer puts them in groups "
                              "that differ in more than weight_decay (or none has weight_decay 0); a shard trains "
                              "in one group: group them alike")
         return hosts[0]
