@@ -154,6 +154,7 @@ def _bytes_and_saved(num_heads, num_kv_heads, batch, arch="llama"):
     y.backward(torch.ones_like(y))
     return dict(forward_received=sum(c["received"] for c in forward.values()),
                 total_received=comm.counter.received(), ops=sorted(comm.counter.snapshot()),
+                by_op={op: counts["received"] for op, counts in comm.counter.snapshot().items()},
                 saved_bytes=sum(saved.values()), shard_bytes=tsp.packed.numel() * 8, rank=r,
                 all_shards_numel=sum(spec.numel for spec in tsp.specs),
                 qk_rows_numel=sum(math.prod(tsp.spec.shapes[name]) for name in ("q_proj.weight", "k_proj.weight")
@@ -190,9 +191,14 @@ def test_bytes_equal_the_design_formula(run_ranks, num_heads, num_kv_heads):
 def test_norms_over_the_projection_send_the_shards_round_once_more(run_ranks, num_kv_heads):
     """OLMo-2's q/k norms: the sums of squares over every head group take one
     more round of the shards ahead of the attention's, in forward and in
-    backward, where the q and k rows' weight gradients go to their owners too."""
+    backward, where the q and k rows' weight gradients go to their owners too;
+    the planner counts the same bytes, op by op."""
+    from ds_tsp.planning import ModelShape, tsp_bytes_by_op
+
     B, S, H, d, nq, elem = 2, SEQ_LEN, HIDDEN, HEAD_DIM, 8, 8
     Wa = H * (nq + 2 * num_kv_heads) * d + nq * d * H
+    shape = ModelShape(hidden_size=H, intermediate_size=4 * H, num_layers=1, num_heads=nq, num_kv_heads=num_kv_heads,
+                       head_dim=d, vocab_size=64, qk_norm=True, qk_norm_spans_projection=True)
     for D in (2, 4):
         kv = (D - 1) * 2 * B * S * num_kv_heads * d // D
         for out in run_ranks(D, _bytes_and_saved, num_heads=nq, num_kv_heads=num_kv_heads, batch=B, arch="olmo2"):
@@ -203,6 +209,9 @@ def test_norms_over_the_projection_send_the_shards_round_once_more(run_ranks, nu
                   f"{forward}), fwd+bwd {out['total_received']} B (formula {forward + backward})")
             assert out["forward_received"] == forward
             assert out["total_received"] == forward + backward
+            planned = tsp_bytes_by_op(shape, S, B, D, elem, "both", tsp_rank=out["rank"])
+            planned.pop("ring")  # the MLP's
+            assert planned == out["by_op"]
 
 
 def test_saved_for_backward_scales_as_one_over_d(run_ranks):

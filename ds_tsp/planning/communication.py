@@ -20,7 +20,8 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
-from .shapes import FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_shape_problem, vocab_rows_per_rank
+from .shapes import (FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_qk_rows, tsp_shape_problem,
+                     vocab_rows_per_rank)
 
 DIRECTIONS = ("forward", "backward", "both")
 MOE_SCHEDULES = ("ring", "all_to_all")
@@ -83,6 +84,10 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     ``tsp_rank=None`` gives the mean over ranks (own shard ``Wa/D``), a rank its
     exact count. Values are int when whole (always, for a given rank).
 
+    With q/k norms over the whole projection (OLMo-2/3) the shards go round
+    once more each way for the tokens' sums of squares, and backward reduces
+    the gradient of each rank's q and k rows to it as well.
+
     ``sparse``: a mixture-of-experts layer, whose block's bytes under
     ``moe_schedule`` (``tsp_moe_bytes_by_op``; "auto": the one
     ``cheaper_moe_schedule`` picks for a training step) take the MLP's place:
@@ -100,6 +105,14 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
     forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
     backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    if m.qk_norm_spans_projection:
+        # The sums of squares' round (attention.projection_squares_forward): the shards once more each way,
+        # and the gradient of this rank's q and k rows reduced to it.
+        qk_own = Fraction(m.num_heads + m.num_kv_heads, D) * m.head_dim * (m.hidden_size + int(m.attention_bias)) \
+            if tsp_rank is None else tsp_qk_rows(m, D, tsp_rank)
+        for ops in (forward, backward):
+            ops["broadcast"] = 2 * e * (m.attention_params - own)
+        backward["reduce"] += a * (D - 1) * qk_own
     if sparse:
         schedule = tsp_moe_schedule(m, seq_len, micro_batch, D, e, moe_schedule, grad_wire_bytes=grad_wire_bytes)
         for ops, part in ((forward, "forward"), (backward, "backward")):

@@ -52,6 +52,9 @@ DEFAULT_TOKEN_TILE = 8192
 DEFAULT_DEVICES_PER_NODE = 8
 
 
+# Model types whose q/k norms span the whole projection (ds_tsp.rotary.ProjectionNormPiece).
+PROJECTION_QK_NORMS = ("olmo2", "olmo3")
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder LM that the cost model needs (Hugging Face names).
@@ -77,7 +80,8 @@ class ModelShape:
     mlp_bias: bool = False  # gate/up biases sharded, down bias replicated
     sliding_window: int | None = None
     name: str = "custom"
-    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3), replicated
+    qk_norm: bool = False  # q/k RMSNorm weights, replicated: per head (Qwen3) or ...
+    qk_norm_spans_projection: bool = False  # ... over the whole projection (OLMo-2/3: one more round of shards)
     num_experts: int = 0  # E; 0: a dense model
     experts_per_token: int = 0  # k, the router's top-k
     expert_size: int = 0  # F of one routed expert
@@ -145,7 +149,11 @@ class ModelShape:
         """Sizes of the tensors of one layer that every TSP rank holds whole, in
         elements, one entry a tensor (ds_tsp sums each one's gradient over the group)."""
         H = self.hidden_size
-        tensors = [H, H] + ([self.head_dim] * 2 if self.qk_norm else [])
+        if self.qk_norm_spans_projection:
+            qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        else:
+            qk_norms = [self.head_dim] * 2 if self.qk_norm else []
+        tensors = [H, H] + qk_norms
         if sparse:
             return tensors + [self.num_experts * H] + ([H] if self.shared_expert_size else [])
         return tensors + ([H] if self.mlp_bias else [])
@@ -330,7 +338,9 @@ def model_shape(model):
             tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
-            name=str(fields.get("name", "custom")), qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe"),
+            name=str(fields.get("name", "custom")),
+            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS),
+            qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             **_moe_fields(fields))
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
@@ -357,6 +367,18 @@ def tsp_shape_problem(m, tsp_size):
     if m.is_moe and m.shared_expert_size % D:
         return f"shared_expert_intermediate_size {m.shared_expert_size} is not divisible by {D}"
     return None
+
+
+def tsp_qk_rows(m, tsp_size, tsp_rank):
+    """Elements of the q and k rows (weights and biases) of rank ``tsp_rank``'s
+    attention shard: what the round of a projection norm's sums of squares
+    reduces to it in backward."""
+    D, d, H = tsp_size, m.head_dim, m.hidden_size
+    bias = 1 if m.attention_bias else 0
+    rows = m.num_heads // D * d
+    if tsp_rank % max(D // m.num_kv_heads, 1) == 0:
+        rows += max(m.num_kv_heads // D, 1) * d
+    return rows * (H + bias)
 
 
 def tsp_attention_shard(m, tsp_size, tsp_rank):
