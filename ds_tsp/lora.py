@@ -50,7 +50,9 @@ class LoRAAdapter(nn.Module):
 
     def __init__(self, lora_A, lora_B, scaling, split_by_rows):
         super().__init__()
-        self.lora_A, self.lora_B = nn.Parameter(lora_A), nn.Parameter(lora_B)
+        # A Parameter already: the A of a fused projection's adapter, one for all its parts.
+        self.lora_A = lora_A if isinstance(lora_A, nn.Parameter) else nn.Parameter(lora_A)
+        self.lora_B = nn.Parameter(lora_B)
         self.scaling, self.split_by_rows = scaling, split_by_rows
         (self.lora_B if split_by_rows else self.lora_A).tensor_model_parallel = True
 
@@ -94,21 +96,38 @@ def shard_adapters(block, adapters):
     """Give the TSP ``block`` its ``LoRAShards`` from ``adapters``: ``{projection:
     (read, scaling)}``, ``read(factor, piece)`` returning ``lora_A`` or ``lora_B``
     cut to ``piece = (dim, start, length)`` (None: whole), from a model object
-    (``model_reader``) or from PEFT's files (``checkpoint.adapters.AdapterFiles``)."""
+    (``model_reader``) or from PEFT's files (``checkpoint.adapters.AdapterFiles``).
+
+    A fused projection's adapter (Phi-3's ``qkv_proj``: ``W + s B A`` over the
+    rows of q, k and v) becomes one adapter per part, each with its rows of
+    ``B`` (``ds_tsp.fused``) and all of them one ``A`` parameter."""
     if not adapters:
         return
     shards = {}
     for projection, (read, scaling) in adapters.items():
-        by_rows = projection in ROW_SPLIT
-        _, start, length = block.shard_piece(f"{projection}.weight")
-        if f"{projection}.weight" not in block.spec.shapes:  # a rank holding no key/value heads
-            length = 0
-        if by_rows:
-            lora_A, lora_B = read("lora_A", None), read("lora_B", (0, start, length))
+        if projection in block.hf_rows.totals:
+            lora_A = nn.Parameter(read("lora_A", None).contiguous())
+            for part in block.hf_rows.parts(projection):
+                first_row = block.hf_rows.sources[f"{part}.weight"][1]
+                shards[part] = _row_split_adapter(block, part, lora_A, scaling, lambda factor, piece, first=first_row:
+                                                  read(factor, (0, first + piece[1], piece[2])))
+            continue
+        if projection in ROW_SPLIT:
+            shards[projection] = _row_split_adapter(block, projection, read("lora_A", None).contiguous(), scaling,
+                                                    read)
         else:
-            lora_A, lora_B = read("lora_A", (1, start, length)), read("lora_B", None)
-        shards[projection] = LoRAAdapter(lora_A.contiguous(), lora_B.contiguous(), scaling, by_rows)
+            _, start, length = block.shard_piece(f"{projection}.weight")
+            shards[projection] = LoRAAdapter(read("lora_A", (1, start, length)).contiguous(),
+                                             read("lora_B", None).contiguous(), scaling, False)
     block.lora = LoRAShards(block.spec, shards)
+
+
+def _row_split_adapter(block, projection, lora_A, scaling, read):
+    """The adapter of a projection split by rows: ``A`` whole, this rank's rows of ``B``."""
+    _, start, length = block.shard_piece(f"{projection}.weight")
+    if f"{projection}.weight" not in block.spec.shapes:  # a rank holding no key/value heads
+        length = 0
+    return LoRAAdapter(lora_A, read("lora_B", (0, start, length)).contiguous(), scaling, True)
 
 
 def model_reader(lora_A, lora_B, tsp_group):
@@ -215,17 +234,20 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 def check_adapter_paths(adapters, policy, layers):
     """Refuse adapters anywhere but on the projections TSP shards: a decoder
-    layer's attention and dense MLP (a sparse MLP's experts are fused tensors)."""
+    layer's attention and dense MLP (a sparse MLP's experts are fused tensors),
+    as the model's modules hold them (Phi-3's fused ``qkv_proj``, ``gate_up_proj``)."""
+    attention = policy.hf_projections(policy.attention, ATTENTION_TARGETS)
+    mlp = policy.hf_projections(policy.mlp, MLP_TARGETS)
     allowed = set()
     for index, layer in enumerate(layers):
         prefix = f"{policy.layers}.{index}"
-        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in ATTENTION_TARGETS}
+        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in attention}
         if not policy.is_sparse(layer.get_submodule(policy.mlp)):
-            allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in MLP_TARGETS}
+            allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in mlp}
     for path in adapters:
         if path not in allowed:
             raise PolicyError(f"a LoRA adapter on {path}: ds_tsp shards adapters on the decoder layers' "
-                              f"{', '.join(ATTENTION_TARGETS)} and a dense MLP's {', '.join(MLP_TARGETS)}: drop it "
+                              f"{', '.join(attention)} and a dense MLP's {', '.join(mlp)}: drop it "
                               "from LoraConfig(target_modules=...)")
 
 
@@ -243,7 +265,11 @@ def peft_parameter_name(name):
     return name.replace(".base_layer.", ".")
 
 
-def adapter_parameter_name(module_name, param_name):
-    """The same for a parameter of an injected model's ``LoRAAdapter`` at
-    ``module_name`` (``model.layers.0.self_attn.lora.adapters.q_proj``)."""
-    return f"{module_name.replace('.lora.adapters.', '.')}.{param_name}"
+def adapter_parameter_name(model, module_name, param_name):
+    """The same for a parameter of the injected ``model``'s ``LoRAAdapter`` at
+    ``module_name`` (``model.layers.0.self_attn.lora.adapters.q_proj``): named
+    by the projection the Hugging Face module holds (Phi-3's ``qkv_proj`` for
+    its q, k and v parts)."""
+    block_name, _, projection = module_name.partition(".lora.adapters.")
+    hf_projection = model.get_submodule(block_name).hf_rows.hf_name(f"{projection}.weight").removesuffix(".weight")
+    return f"{block_name}.{hf_projection}.{param_name}"

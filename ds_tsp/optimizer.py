@@ -37,7 +37,7 @@ def hf_tensors(model):
                 continue
             name = next((f"{prefix}.{hf}" for hf, p in module.replicated_params().items() if p is param), name)
         elif isinstance(module, LoRAAdapter):
-            name = adapter_parameter_name(prefix, name.rpartition(".")[2])
+            name = adapter_parameter_name(model, prefix, name.rpartition(".")[2])
         out.append((param, [(name, param.numel())]))
     return out
 

@@ -18,6 +18,7 @@ from parity import TOLERANCE, reference_loss
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's modules
 
 
 def peft_model(arch, targets, seed=0, model_overrides=None, dtype=torch.float64, **lora_options):
@@ -40,11 +41,15 @@ def adapter_pieces(tsp_model, reference):
             block = getattr(layer, block_name)
             for projection, adapter in (block.lora.adapters.items() if block.lora is not None else ()):
                 piece = block.shard_piece(f"{projection}.weight")
+                # A fused projection's adapter (Phi-3's qkv_proj): its parts' rows of B, one A.
+                hf_projection, first_row = block.hf_rows.sources.get(f"{projection}.weight",
+                                                                     (f"{projection}.weight", 0))
                 for factor in ("lora_A", "lora_B"):
-                    name = f"model.layers.{index}.{block_name}.{projection}.{factor}"
+                    name = f"model.layers.{index}.{block_name}.{hf_projection.removesuffix('.weight')}.{factor}"
                     full = reference(name)
                     if factor == "lora_B" and projection in ROW_SPLIT:
-                        full = full.narrow(0, piece[1], piece[2])[:getattr(adapter, factor).shape[0]]
+                        full = full.narrow(0, first_row + piece[1], piece[2])[:getattr(adapter, factor).shape[0]]
+                        name += "" if hf_projection == f"{projection}.weight" else f" ({projection}'s rows)"
                     elif factor == "lora_A" and projection not in ROW_SPLIT:
                         full = full.narrow(1, piece[1], piece[2])
                     pieces[name] = (getattr(adapter, factor), full)
@@ -99,7 +104,7 @@ def check_lora(per_rank, label):
         assert all(".lora." in name for name in result["trainable"]), result["trainable"]
         for key, value in result["diffs"].items():
             worst[key] = max(worst.get(key, 0.0), value)
-    held = {key.rsplit(".", 1)[0] for key in worst if key != "loss"}
+    held = {key.split(" ")[0].rsplit(".", 1)[0] for key in worst if key != "loss"}
     assert 2 * len(held) == per_rank[0]["adapters"], (sorted(held), per_rank[0]["adapters"])
     name = max(worst, key=worst.get)
     print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}, {len(worst) - 1} adapter factors")
@@ -113,6 +118,8 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
     """LoRA on every projection kind (nkv = 2 < D at D = 4), Qwen3's q/k norms,
     and a MoE model with adapters on its attention."""
     cases = [("llama", ALL_TARGETS, {}), ("qwen3", ALL_TARGETS, {"use_rslora": True}),
+             # fused projections: one adapter on qkv_proj (on gate_up_proj) serves q, k and v (gate and up)
+             ("phi3", FUSED_TARGETS, {}),
              # the auxiliary loss off: its float32 statistics are test_moe's (here: the cross-entropy's gradients)
              ("qwen2_moe", ATTENTION_ONLY, {"model_overrides": {"output_router_logits": False}})]
     for arch, targets, options in cases:
@@ -176,14 +183,14 @@ def frozen_weights(engine):
         return {name: param.detach().clone() for name, param in frozen.items()}
 
 
-def lora_training(tsp_size, zero_stage, out_dir):
+def lora_training(tsp_size, zero_stage, out_dir, arch="llama", targets=ALL_TARGETS):
     """AdamW on the adapters of a float32 LoRA model for STEPS steps, under the
     engine and on one process; then ``ds_tsp.save_pretrained`` and, on rank 0,
     the directory loaded by PEFT over a fresh base model."""
     from peft import PeftModel
 
     dp_size = dist.get_world_size() // tsp_size
-    ref = peft_model("llama", ALL_TARGETS, dtype=torch.float32)
+    ref = peft_model(arch, targets, dtype=torch.float32)
     model = copy.deepcopy(ref)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
@@ -233,7 +240,7 @@ def lora_training(tsp_size, zero_stage, out_dir):
             reshard(os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "universal"))
         except CheckpointError as error:
             result["reshard_refused"] = str(error)
-    loaded = PeftModel.from_pretrained(tiny_model("llama", dtype=torch.float32), out_dir)
+    loaded = PeftModel.from_pretrained(tiny_model(arch, dtype=torch.float32), out_dir)
     with torch.no_grad():
         out = loaded(input_ids=probe, labels=probe)
     positions = layout.shard(torch.arange(SEQ_LEN).expand(probe.shape), topology.tsp_rank, tsp_size, "zigzag")
@@ -248,12 +255,20 @@ def lora_training(tsp_size, zero_stage, out_dir):
     return result
 
 
-@pytest.mark.parametrize("world, tsp_size, zero_stage", [(4, 2, 2), (2, 2, 3)])
-def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_path, world, tsp_size, zero_stage):
+@pytest.mark.parametrize("world, tsp_size, zero_stage, arch, targets, tsp_adapter_params", [
+    (4, 2, 2, "llama", ALL_TARGETS, 2 * 2 * len(ALL_TARGETS)),
+    (2, 2, 3, "llama", ALL_TARGETS, 2 * 2 * len(ALL_TARGETS)),
+    # Per layer: q, k and v's rows of B with the one A of qkv_proj, o_proj's A and B, gate and up's rows of B with
+    # gate_up_proj's A, down_proj's A and B; saved as PEFT's qkv_proj and gate_up_proj adapters.
+    (4, 2, 2, "phi3", FUSED_TARGETS, 2 * 11),
+])
+def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_path, world, tsp_size, zero_stage,
+                                                                arch, targets, tsp_adapter_params):
     """The base weights stay bit-identical, only the adapters reach ZeRO's
     optimizer (partitioned, with float32 masters), the losses follow the one-process
     PEFT model's, and PEFT loads the saved adapters with its logits."""
-    per_rank = run_ranks(world, lora_training, tsp_size=tsp_size, zero_stage=zero_stage, out_dir=str(tmp_path))
+    per_rank = run_ranks(world, lora_training, tsp_size=tsp_size, zero_stage=zero_stage, out_dir=str(tmp_path),
+                         arch=arch, targets=targets)
     first = per_rank[0]
     replicas = per_rank[::tsp_size]  # the micro-batch losses of each data-parallel replica, averaged
     losses = [sum(step) / len(replicas) for step in zip(*(result["losses"] for result in replicas))]
@@ -264,9 +279,9 @@ def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_p
     for result in per_rank:
         assert result["base_unchanged"]
         counts = result["in_optimizer"]
-        assert counts["frozen"] == 0 and counts["adapters"] == counts["all adapters"] == 2 * 2 * len(ALL_TARGETS)
+        assert counts["frozen"] == 0 and counts["adapters"] == counts["all adapters"] == tsp_adapter_params
     assert losses == pytest.approx(first["ref_losses"], rel=1e-5)
-    assert first["loaded_adapters"] == 2 * len(ALL_TARGETS) * 2  # A and B, 7 projections, 2 layers
+    assert first["loaded_adapters"] == 2 * len(targets) * 2  # A and B of every target, 2 layers
     assert first["adapter_rel"] < 1e-4
     assert first["loss_vs_loaded"] < 1e-5
     assert "LoRA run's checkpoint" in first.get("reshard_refused", ""), first.get("reshard_refused")
@@ -355,13 +370,16 @@ def adapter_directory_parity(base_dir, adapter_dir):
     return {**result, "read": sum(reads), "held": held}
 
 
-def test_an_adapter_directory_loads_onto_a_tsp_model_by_slices(run_ranks, tmp_path):
+@pytest.mark.parametrize("arch, targets", [("llama", ALL_TARGETS), ("phi3", FUSED_TARGETS)])
+def test_an_adapter_directory_loads_onto_a_tsp_model_by_slices(run_ranks, tmp_path, arch, targets):
+    """Each rank reads only its slices: of a fused projection's adapter (Phi-3's
+    qkv_proj), its parts' rows of B and the one A."""
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
-    tiny_model("llama").save_pretrained(base_dir)  # the base peft_model wraps
-    peft_model("llama", ALL_TARGETS).save_pretrained(adapter_dir)
+    tiny_model(arch).save_pretrained(base_dir)  # the base peft_model wraps
+    peft_model(arch, targets).save_pretrained(adapter_dir)
     for tsp_size in (2, 4):
         per_rank = run_ranks(tsp_size, adapter_directory_parity, base_dir=str(base_dir), adapter_dir=str(adapter_dir))
-        check_lora(per_rank, f"D={tsp_size} from_pretrained(base, adapter=PEFT's directory)")
+        check_lora(per_rank, f"D={tsp_size} {arch} from_pretrained(base, adapter=PEFT's directory)")
         for result in per_rank:
             assert result["read"] == result["held"] < result["in_file"], result
         print(f"  adapter elements read per rank {[r['read'] for r in per_rank]} of {per_rank[0]['in_file']}")

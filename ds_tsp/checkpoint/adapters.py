@@ -67,10 +67,15 @@ def adapter_state_dict(model):
     for prefix, block in adapter_blocks(model):
         params = [p for p in block.lora.parameters() if hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(params) if params else contextlib.nullcontext():
+            # Under the projection the Hugging Face module holds: a fused one's
+            # parts (in row order) share its A and stack their rows of B.
             for projection, adapter in block.lora.adapters.items():
                 lora_A, lora_B = full_adapter(block, projection, adapter)
-                state[f"base_model.model.{prefix}.{projection}.lora_A.weight"] = lora_A.cpu().clone()
-                state[f"base_model.model.{prefix}.{projection}.lora_B.weight"] = lora_B.cpu().clone()
+                hf_projection = block.hf_rows.hf_name(f"{projection}.weight").removesuffix(".weight")
+                name = f"base_model.model.{prefix}.{hf_projection}.lora_"
+                state[f"{name}A.weight"] = lora_A.cpu().clone()
+                B = lora_B.cpu().clone()
+                state[f"{name}B.weight"] = torch.cat([state[f"{name}B.weight"], B]) if f"{name}B.weight" in state else B
     return state
 
 
