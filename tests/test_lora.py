@@ -260,7 +260,7 @@ def lora_training(tsp_size, zero_stage, out_dir, arch="llama", targets=ALL_TARGE
     (2, 2, 3, "llama", ALL_TARGETS, 2 * 2 * len(ALL_TARGETS)),
     # Per layer: q, k and v's rows of B with the one A of qkv_proj, o_proj's A and B, gate and up's rows of B with
     # gate_up_proj's A, down_proj's A and B; saved as PEFT's qkv_proj and gate_up_proj adapters.
-    (4, 2, 2, "phi3", FUSED_TARGETS, 2 * 11),
+    (4, 2, 2, "phi3", FUSED_TARGETS, 2 * 11), (2, 2, 3, "phi3", FUSED_TARGETS, 2 * 11),
 ])
 def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_path, world, tsp_size, zero_stage,
                                                                 arch, targets, tsp_adapter_params):
