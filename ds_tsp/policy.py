@@ -434,6 +434,9 @@ def check_layer(policy, layer, where):
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
+    if not isinstance(getattr(children[policy.attention], "head_dim", None), int):
+        raise PolicyError(f"{layer_class} at {where}.{policy.attention} has no integer head_dim, which the TSP "
+                          "attention reads to split heads: this layer is not supported")
     check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
     if sparse:
         check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)

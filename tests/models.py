@@ -25,14 +25,15 @@ COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_la
 def eager_wide_softmax(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                        **kwargs):
     """Hugging Face's eager attention (Gemma-2's: scores soft-capped before the
-    mask) with the softmax in the model's dtype: HF's own runs it in float32
-    even in a float64 model, which would make the reference float32-exact only."""
+    mask) with the softmax in float32 or the model's dtype if wider: HF's own
+    runs it in float32 even in a float64 model, which would make the reference
+    float32-exact only."""
     scores = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     out = torch.matmul(probs, repeat_kv(value, module.num_key_value_groups))
     return out.transpose(1, 2).contiguous(), probs
 

@@ -86,7 +86,10 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
     tiles per layer, a ragged last one, windows and packed documents, sums in
     the model dtype (tsp.fp32_accumulators off)."""
     cases = [dict(arch="llama", batch=2, seq_len=29, token_tile=5), dict(arch="mistral", batch=1, seq_len=29,
-             token_tile=3), dict(arch="qwen3", batch=2, seq_len=19, token_tile=3, documents=[[6, 1, 8, 4], [19]])]
+             token_tile=3), dict(arch="qwen3", batch=2, seq_len=19, token_tile=3, documents=[[6, 1, 8, 4], [19]]),
+             # the soft-capped kernel on ragged query tiles of a window; q/k norms over the projection, tiled
+             dict(arch="gemma2", batch=2, seq_len=19, token_tile=3, documents=[[6, 1, 8, 4], [19]]),
+             dict(arch="olmo2", batch=2, seq_len=29, token_tile=5, overlap=False)]
     for case in cases:
         per_rank = run_ranks(tsp_size, model_parity, fp32_accumulators=False, **case)
         check(per_rank, f"D={tsp_size} {case}")

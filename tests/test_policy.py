@@ -154,12 +154,21 @@ def _inject(model, **options):
      r"config.rope_parameters = .*partial_rotary_factor.*partial rotary factors"),
     ("qwen2", {"attention_dropout": 0.1}, r"config.attention_dropout = 0.1.*set model.config.attention_dropout = 0.0"),
     ("phi3", {"resid_pdrop": 0.1}, r"config.resid_pdrop = 0.1.*set model.config.resid_pdrop = 0.0"),
+    ("gemma3", {"use_bidirectional_attention": True},
+     r"config.use_bidirectional_attention = True.*leave use_bidirectional_attention unset"),
 ])
 def test_a_config_value_outside_the_table_is_refused_by_name(arch, overrides, match):
     model = tiny_model(arch, **overrides)
     with pytest.raises(PolicyError, match=match):
         _inject(model)
     assert type(model.model.layers[0]).__name__ != "TSPDecoderLayer"
+
+
+def test_a_fused_kernel_for_soft_capped_scores_is_refused_by_name():
+    model = tiny_model("gemma2")
+    with pytest.raises(ValueError, match=r"tsp.attention_backend = 'flash' cannot soft-cap attention scores "
+                                         r"\(attn_logit_softcapping = 1.5\).*\"auto\" or \"sdpa\""):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, attention_backend="flash"))
 
 
 def test_a_rope_type_outside_the_table_is_refused():
