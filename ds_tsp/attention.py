@@ -7,8 +7,9 @@ its LOCAL tokens, rotates them at their GLOBAL positions, all-gathers K/V along
 the sequence and attends causally; the partial outputs of the head groups sum
 locally through ``o_proj``, so no all-reduce is needed.
 
-Backward re-broadcasts the shards and re-gathers K/V (only local tokens are
-saved), reduce-scatters dK/dV back to the token owners (in the model's dtype,
+Backward re-broadcasts the shards, projects the local tokens' queries, keys
+and values again and re-gathers K/V (only the local input and, with the fused
+backward, each head group's output and log-sum-exp are saved), reduce-scatters dK/dV back to the token owners (in the model's dtype,
 added in float32) and reduces each shard's weight gradient to its owner
 (partial sums in float32 or wider, sent in the gradient wire dtype of
 ``comm.gradient_wire_dtype`` and added in the wider dtype on arrival).
@@ -35,7 +36,7 @@ from .documents import query_blocks
 from .fused import FusedRows
 from .head_groups import HeadGroups, shard_piece, shard_spec
 from .packing import PackedShardMixin, module_reader
-from .rotary import group_norm, kept_for_backward, norm_rows, rotate, rotate_backward, rotated_from_kept
+from .rotary import group_norm, norm_rows, rotate, rotate_backward
 
 
 @dataclass(frozen=True)
@@ -171,26 +172,28 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
     return _cat(grad_q, 0)
 
 
-def attention_forward(plan, x, packed, cos, sin, inv_rms=None):
+def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None):
     """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``;
     ``inv_rms``: with q/k norms over the whole projection, each local token's
     inverse RMS of q and of k (``{"q", "k"}``, ``projection_squares_forward``).
 
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
-    with the set's first shard and are projected and gathered once for the set.
-    Returns the output ``(B, S/D, H)`` and what backward needs, all of local
-    tokens only, as lists (stacking would copy them): the ``q`` of every head
-    group (D of ``(B, S/D, hq, d)``) and the ``k, v`` of every key/value head
-    group (``min(D, nkv)`` of ``(B, S/D, hkv, d)``), ``q`` and ``k`` as
-    ``kept_for_backward`` keeps them, and with ``plan.explicit_backward`` every head
-    group's attention output ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``.
+    with the set's first shard and are projected and gathered once for the set;
+    ``kv_sink(k, v)``, if given, receives each set's rotated keys and values
+    of the local tokens (a generation's prefill caches them).
+    Returns the output ``(B, S/D, H)`` and what backward needs besides ``x``,
+    of local tokens only, as lists (stacking would copy them): with
+    ``plan.explicit_backward`` every head group's attention output
+    ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``; nothing without.
+    Queries, keys and values are not kept: backward projects them again from
+    ``x`` with the shards it receives anyway.
     """
     heads, d = plan.heads, plan.heads.head_dim
     # The head groups' outputs add up in float32 (or wider), cast once, unless
     # tsp.fp32_accumulators is off.
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
                       device=x.device)
-    saved = {"q": [], "k": [], "v": [], "o": [], "lse": []}
+    saved = {"o": [], "lse": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stream = shard_stream(plan, packed)
 
@@ -203,7 +206,8 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None):
             v = project(x, w, "v_proj", heads.kv_heads, d)
             k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin)
             gathers[j] = gather_kv(plan, k_rotated, v)
-            saved["k"].append(kept_for_backward(k, k_rotated, plan.k_norm)), saved["v"].append(v)
+            if kv_sink is not None:
+                kv_sink(k_rotated, v)
         return w
 
     upcoming = receive()
@@ -218,7 +222,6 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None):
         q_rotated = rotate(q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V)
         comm.add_matmul(out, o.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
-        saved["q"].append(kept_for_backward(q, q_rotated, plan.q_norm))
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
@@ -247,8 +250,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
     the q/k norms' weights (None without them; local tokens' part) and, for
     norms over the projection, of the tokens' inverse RMS of q and k (``inv_rms``).
 
-    Per head group ``j``: re-broadcast its shard, re-gather its K/V (once per
-    key/value replica set), attention backward, and reduce the query/output
+    Per head group ``j``: re-broadcast its shard, project its queries (and,
+    once per key/value replica set, its keys and values) from ``x`` again and
+    re-gather its K/V, attention backward, and reduce the query/output
     weight gradient to owner ``j``. dK/dV are summed over the replica set,
     reduce-scattered back to the token owners, and the key/value weight
     gradient is reduced to the holder, in the same message as the holder's
@@ -267,17 +271,18 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
     grad_shards = {}  # group j -> this rank's partial gradient of shard j, flat and laid out like it
     norm_grads, rms_grads = {"q": None, "k": None}, {"q": None, "k": None}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
+    keys = {}  # key/value holder -> its keys before the norm and rotary embedding, for their backward
     stream = shard_stream(plan, packed)
 
     def receive():
-        """The next shard's weights; a key/value holder's K/V gather starts at once."""
+        """The next shard's weights; a key/value holder's keys and values are
+        projected again and their gather starts at once."""
         j, shard = next(stream)
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
-            kv_set = j // heads.kv_replicas
-            gathers[j] = gather_kv(plan, rotated_from_kept(saved["k"][kv_set], group_norm(plan, "k", j, inv_rms),
-                                                           cos, sin),
-                                   saved["v"][kv_set])
+            keys[j] = project(x, w, "k_proj", heads.kv_heads, heads.head_dim)
+            gathers[j] = gather_kv(plan, rotate(keys[j], group_norm(plan, "k", j, inv_rms), cos, sin),
+                                   project(x, w, "v_proj", heads.kv_heads, heads.head_dim))
         return w
 
     def shard_grads(j):
@@ -315,12 +320,12 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
         if j == tsp_rank:
             own_parts.append((piece, reduced))
 
-    def finish_kv_set(j, holder, kv_set, kv_weights, scatter):
+    def finish_kv_set(j, holder, kv_weights, scatter):
         """The replica set ending at group ``j``: its reduce-scattered dK/dV into
         the input gradient and the key/value weight gradients, which go to the
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
         dk, dv = scatter.wait()
-        dk, *grad_k_norm = rotate_backward(saved["k"][kv_set], dk, group_norm(plan, "k", holder, inv_rms), cos, sin)
+        dk, *grad_k_norm = rotate_backward(keys.pop(holder), dk, group_norm(plan, "k", holder, inv_rms), cos, sin)
         add_norm_grads("k", holder, *grad_k_norm)
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
@@ -337,13 +342,14 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
             upcoming = receive()  # shard j+1 and its K/V gather travel under group j's backward
         holder = heads.kv_holder(j)
         if holder == j:
-            kv_weights, kv_set = w, holder // heads.kv_replicas
+            kv_weights = w
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
-        q = rotated_from_kept(saved["q"][j], q_norm, cos, sin)
+        raw_q = project(x, w, "q_proj", heads.q_heads, heads.head_dim)
+        q = rotate(raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
             o = saved["o"][j]
@@ -358,7 +364,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
             finish_kv_set(*unfinished)
             unfinished = None
-        dq, *grad_q_norm = rotate_backward(saved["q"][j], dq, q_norm, cos, sin)
+        dq, *grad_q_norm = rotate_backward(raw_q, dq, q_norm, cos, sin)
+        raw_q = None
         add_norm_grads("q", j, *grad_q_norm)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
@@ -373,7 +380,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
             K = V = dKV = None
             if holder != j:  # only the holder's message waits for the key/value part
                 reduce_part(j, "all")
-            unfinished = (j, holder, kv_set, kv_weights, scatter)
+            unfinished = (j, holder, kv_weights, scatter)
             if not plan.overlap:
                 finish_kv_set(*unfinished)
                 unfinished = None

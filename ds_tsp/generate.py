@@ -66,7 +66,7 @@ from deepspeed.accelerator import get_accelerator
 from . import comm, layout
 from .attention import attention_forward, project
 from .kv_cache import TSPCache, prompt_tokens
-from .rotary import apply_rotary, group_norm, layer_rotary_tables, rotary_of_kind, rotate, rotated_from_kept
+from .rotary import apply_rotary, layer_rotary_tables, rotary_of_kind, rotate
 from .vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 
 
@@ -276,11 +276,11 @@ class TSPDecoder:
         What the schedule saves for a backward is freed on return, before the MLP."""
         plan, packed = attn.plan(h), attn.shard_weights().detach()
         inv_rms = attn.projection_inv_rms(h, packed, plan)
-        out, saved = attention_forward(plan, h, packed, cos, sin, inv_rms)
-        holders = [j for j in range(self.tsp_size) if plan.heads.holds_kv(j)]
-        keys = torch.stack([rotated_from_kept(k, group_norm(plan, "k", j, inv_rms), cos, sin)
-                            for k, j in zip(saved["k"], holders)])
-        cache.write(index, slots, _all_kv_heads(keys)[:, keep], _all_kv_heads(torch.stack(saved["v"]))[:, keep])
+        keys, values = [], []
+        out, _ = attention_forward(plan, h, packed, cos, sin, inv_rms,
+                                   kv_sink=lambda k, v: (keys.append(k), values.append(v)))
+        cache.write(index, slots, _all_kv_heads(torch.stack(keys))[:, keep],
+                    _all_kv_heads(torch.stack(values))[:, keep])
         return out if attn.o_bias is None else out + attn.o_bias
 
     @torch.no_grad()

@@ -120,18 +120,6 @@ def layer_rotary_tables(rotary_emb, layers, hidden, positions, max_position):
             for kind in dict.fromkeys(layer.rotary_kind for layer in layers)}
 
 
-def kept_for_backward(raw, rotated, norm):
-    """What the backward keeps of the projected queries or keys: the rotated
-    values attention saw, so nothing is redone; with a per-head norm its input,
-    which the norm's backward needs (rotated again in backward)."""
-    return rotated if norm is None else raw
-
-
-def rotated_from_kept(kept, norm, cos, sin):
-    """The queries or keys attention saw, from what ``kept_for_backward`` kept."""
-    return kept if norm is None else rotate(kept, norm, cos, sin)
-
-
 def rotate_backward(t, grad, norm, cos, sin):
     """Gradients of ``rotate`` for its input ``t``, its norm's weight (a
     ``ProjectionNormPiece``'s rows of it) and a ``ProjectionNormPiece``'s

@@ -37,10 +37,11 @@ estimate), and what offloading puts in host memory instead.
   by ``c`` and also saves the attention output before its return all-to-all;
   all-gather CP keeps the gathered full-sequence K/V. TSP is modelled by what
   ``ds_tsp.attention`` and ``ds_tsp.mlp`` actually save: the attention's local
-  ``x``, ``q``, ``k``, ``v`` and, with its fused backward, each head group's
-  output and lse (sliding-window layers recompute them instead), the MLP's local
-  ``x`` and each shard's gate and up projections, plus the same norms:
-  ``8H + 8 + 4e*H + e*(nq + 2nkv)*d + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
+  ``x`` (its backward projects ``q``, ``k``, ``v`` again from it) and, with its
+  fused backward, each head group's output and lse (sliding-window layers
+  recompute them instead), the MLP's local ``x`` and each shard's gate and up
+  projections, plus the same norms:
+  ``8H + 8 + 4e*H + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
   embedding ids, cos/sin, final norm, LM-head input and loss, equal to the
   byte what ``torch.autograd.graph.saved_tensors_hooks`` sees on CPU
   (tests/test_plan.py; CPU SDPA saves the tensors flash attention does). The
@@ -141,7 +142,7 @@ def rms_norm_saved_per_token(m, e, recompute=False, width=None):
 
 def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
     """Bytes ds_tsp's decoder layer saves per local token: two RMSNorms, the
-    attention's local x, q, k, v (and, with the fused backward, its output and
+    attention's local x (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
     values each over the D steps).
@@ -153,7 +154,7 @@ def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     sigmoid and, with ``output_router_logits``, the float32 mask of real
     tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
-    saved = 2 * rms_norm_saved_per_token(m, e, recompute_norms) + 2 * e * H + e * (nq + 2 * m.num_kv_heads) * m.head_dim
+    saved = 2 * rms_norm_saved_per_token(m, e, recompute_norms) + 2 * e * H
     if sparse:
         k = m.experts_per_token
         saved += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
