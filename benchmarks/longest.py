@@ -84,7 +84,8 @@ OFFLOAD_ZERO_STAGE = 2  # DeepSpeed's optimizer offload needs ZeRO >= 1; at DP =
 
 def _tsp_section(world, args):
     return {"enabled": True, "size": world, "layout": compare.TSP_LAYOUT, "attention_backend": "sdpa",
-            "token_tile": args.token_tile, "recompute_norms": args.recompute_norms}
+            "token_tile": args.token_tile, "recompute_norms": args.recompute_norms,
+            "logits_tile_mib": args.logits_tile_mib}
 
 
 def run_tsp(world, args):
@@ -299,7 +300,7 @@ def planned(strategy, world, seq_len, args):
         return plan_autotp(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
                            activation_checkpointing=True, logits_kept=False)
     plans = plan(plan_model(args), seq_len, args.batch, world, dtype="fp32", zero_stage=zero_stage,
-                 activation_checkpointing=True, token_tile=args.token_tile,
+                 activation_checkpointing=True, token_tile=args.token_tile, logits_tile_mib=args.logits_tile_mib,
                  recompute_norms=args.recompute_norms and strategy in TSP_STRATEGIES, offload_activations=offloads,
                  offload_optimizer=offloads)
     return next(p for p in plans if p.name == name)
@@ -348,7 +349,8 @@ def write_markdown(doc, path):
              f"torch {doc['torch']}, DeepSpeed {doc['deepspeed']}. Budget: {doc['budget_mib']:g} MiB of peak live "
              f"tensors per rank (device memory; host memory counted apart, see `benchmarks/longest.py`). Model: "
              f"{_model_line(doc['model'])}; every strategy with activation checkpointing; TSP with "
-             f"`tsp.token_tile` = {doc['token_tile']} and `tsp.recompute_norms` = "
+             f"`tsp.token_tile` = {doc['token_tile']}, `tsp.logits_tile_mib` = {doc.get('logits_tile_mib', 32):g} "
+             f"and `tsp.recompute_norms` = "
              f"{str(doc['recompute_norms']).lower()}. Search: doubling from {doc['start']} tokens, then bisection "
              f"on multiples of {doc['granularity']} tokens (and of each strategy's sequence divisor).", "",
              "| strategy | D | longest sequence | / best anchor | peak at longest (MiB) | next length fits | "
@@ -435,6 +437,7 @@ def parse_args(argv=None):
     parser.add_argument("--granularity", type=int, default=64, help="lengths searched are multiples of this")
     parser.add_argument("--max-len", type=int, default=1 << 16, help="the doubling stops here")
     parser.add_argument("--token-tile", type=int, default=512, help="tsp.token_tile")
+    parser.add_argument("--logits-tile-mib", type=float, default=32.0, help="tsp.logits_tile_mib")
     parser.add_argument("--recompute-norms", action=argparse.BooleanOptionalAction, default=True,
                         help="tsp.recompute_norms for the TSP strategies (default: on, the long-sequence setting)")
     parser.add_argument("--hidden", type=int, default=64)
@@ -473,7 +476,8 @@ def main(argv=None):
                   f"{entries[-1]['longest_seq_len']} ({' '.join(steps)}){' ' + error if error else ''}", flush=True)
     doc = {"command": command, "elapsed_s": time.monotonic() - begin, "budget_mib": args.budget_mib,
            "start": args.start, "granularity": args.granularity, "max_len": args.max_len,
-           "token_tile": args.token_tile, "recompute_norms": args.recompute_norms, "model": compare._model_card(args),
+           "token_tile": args.token_tile, "logits_tile_mib": args.logits_tile_mib,
+           "recompute_norms": args.recompute_norms, "model": compare._model_card(args),
            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count(),
            "results": entries}
     for world in args.sizes:

@@ -98,7 +98,11 @@ class _HostCheckpoint(torch.autograd.Function):
             below.prefetch()
         with torch.enable_grad():
             out = ctx.run(hidden, *ctx.args)
-        torch.autograd.backward(out, grad)
+        # Backward starts from the output's place in the graph: the recomputed
+        # output itself is not needed and is freed before the layer's backward runs.
+        edge = torch.autograd.graph.get_gradient_edge(out)
+        del out
+        torch.autograd.backward(edge, grad)
         return None, None, hidden.grad, *(None for _ in ctx.args)
 
 

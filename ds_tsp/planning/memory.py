@@ -140,12 +140,14 @@ def rms_norm_saved_per_token(m, e, recompute=False, width=None):
     return e * width if recompute else FLOAT32 * width + FLOAT32 + e * width
 
 
-def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
-    """Bytes ds_tsp's decoder layer saves per local token: two RMSNorms, the
-    attention's local x (and, with the fused backward, its output and
+def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
+    """Bytes ds_tsp's decoder layer saves per local token, by block
+    (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it:
+    the attention's local x (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
-    values each over the D steps).
+    values each over the D steps). Backward frees the MLP's before the
+    attention's backward runs.
 
     A sparse layer (``ds_tsp.moe``) saves its local x, no expert intermediate
     (each expert's are recomputed in backward), the router's tensors
@@ -154,17 +156,18 @@ def tsp_layer_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     sigmoid and, with ``output_router_logits``, the float32 mask of real
     tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
-    saved = 2 * rms_norm_saved_per_token(m, e, recompute_norms) + 2 * e * H
+    norm = rms_norm_saved_per_token(m, e, recompute_norms)
+    attention, mlp = norm + e * H, norm + e * H
     if sparse:
         k = m.experts_per_token
-        saved += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
-        saved += e if m.shared_expert_size else 0
-        saved += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
+        mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
+        mlp += e if m.shared_expert_size else 0
+        mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
     elif not mlp_tiled:
-        saved += 2 * e * m.intermediate_size
+        mlp += 2 * e * m.intermediate_size
     if attention_backward == "fused":
-        saved += e * nq * m.head_dim + max(e, FLOAT32) * nq
-    return saved
+        attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
+    return {"attention": attention, "mlp": mlp}
 
 
 # Hugging Face's default experts (``experts_implementation`` "grouped_mm") per top-k slot: the routed

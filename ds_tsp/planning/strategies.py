@@ -46,7 +46,7 @@ from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWAR
                      ZERO3_GATHERED, hf_layer_saved_per_token, hf_moe_layer_saved, host_memory, load_balancing_saved,
                      logits_memory, lora_model_states, model_level_saved, model_states, tiled_loss_memory,
                      transient_terms,
-                     tsp_layer_saved_per_token, tsp_vocab_memory)
+                     tsp_block_saved_per_token, tsp_vocab_memory)
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, LORA_TARGETS, PRECISIONS,
                      TSP_ATTENTION_BACKWARDS, Setting, lora_adapter_params, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
                      vocab_rows_per_rank)
@@ -144,15 +144,39 @@ def _layers(setting, tokens, layer_saved):
     layer's input (one, when they are offloaded) and one layer's saved tensors
     (the larger kind's, where dense and sparse layers differ).
     ``layer_saved``: ``{sparse: bytes one layer of that kind saves}``."""
-    m, e = setting.model, setting.precision.element
+    m = setting.model
     if not setting.activation_checkpointing:
         every = sum(layers * layer_saved[sparse] for sparse, layers in m.layer_kinds)
         return every, {EVERY_LAYER: every}
-    kept = 1 if setting.offload_activations else m.num_layers
-    checkpoints = kept * tokens * e * m.hidden_size
+    checkpoints = _checkpoints(setting, tokens)
     one = max(layer_saved.values())
     return checkpoints + one, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
                                RECOMPUTED: one}
+
+
+def _checkpoints(setting, tokens):
+    """With activation checkpointing, the layers' checkpointed inputs on the
+    device: every layer's, or one when they are offloaded (the one back for
+    its recompute); nothing without checkpointing."""
+    if not setting.activation_checkpointing:
+        return 0
+    kept = 1 if setting.offload_activations else setting.model.num_layers
+    return kept * tokens * setting.precision.element * setting.model.hidden_size
+
+
+def _tsp_backward_phases(setting, blocks_saved, pieces, every_layer):
+    """The two peaks of one TSP layer's backward, each as ``(layer saved
+    tensors still live, {term: buffer bytes})``: the MLP's backward, with
+    every tensor the layer saved; then the attention's, once autograd has
+    freed the MLP's (and its norm's) saved tensors. The layer is the
+    recomputed one under checkpointing, else the last, with every layer's
+    saved tensors (``every_layer``) live."""
+    layer = sum(blocks_saved.values()) if setting.activation_checkpointing else every_layer
+    mlp = {GRAD_X: pieces["grad_x"], MLP_TILE: pieces["mlp_shard_intermediates"],
+           SHARDS: pieces["mlp_shards_in_flight"] + pieces["mlp_accumulators"]}
+    attention = {KV_GROUP: pieces["kv_head_group"], GRAD_X: pieces["grad_x"],
+                 SHARDS: pieces["attention_shards_in_flight"] + pieces["attention_grad_reduces"]}
+    return (layer, mlp), (layer - blocks_saved["mlp"], attention)
 
 
 def _per_layer(m, value):
@@ -176,9 +200,10 @@ def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, gra
         # backward of one head group: K, V, the gather buffer, the two dK/dV
         # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
         "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
-        "weight_shards_in_flight": 2 * (attn_shard + ffn_shard) * e,
-        # every head group's gradient reduce stays posted until the layer ends
+        "attention_shards_in_flight": 2 * attn_shard * e,
+        # every head group's gradient reduce stays posted until the attention's backward ends
         "attention_grad_reduces": m.attention_params * acc,
+        "mlp_shards_in_flight": 2 * ffn_shard * e,
         "mlp_accumulators": 3 * ffn_shard * acc,  # travelling, arriving, own partial
         # one shard's gradients of a tile (a sparse layer: of one expert's tokens);
         # tiled, also the tile's gate and up computed again
@@ -217,18 +242,24 @@ def plan_tsp(setting, vocab_parallel):
         states, optimizer_host = model_states(all_params, p, setting.zero_stage, 1, setting.offload_optimizer,
                                               layer_params=max(*layer_params.values(), vocab_rows * H))
 
-    layer_saved = {sparse: tokens * tsp_layer_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
-                                                              setting.recompute_norms)
-                   for sparse, _ in m.layer_kinds}
-    if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
-        layer_saved = {sparse: saved + e * (attn_shard + ffn_shard[sparse]) for sparse, saved in layer_saved.items()}
-    if setting.activation_checkpointing and setting.recompute_norms:
-        # The recomputed layer's first norm keeps the layer's checkpointed input, already counted as such.
-        layer_saved = {sparse: saved - tokens * e * H for sparse, saved in layer_saved.items()}
+    block_saved = {sparse: {block: tokens * saved for block, saved in tsp_block_saved_per_token(
+        m, e, setting.tsp_attention_backward, mlp_tiled, sparse, setting.recompute_norms).items()}
+        for sparse, _ in m.layer_kinds}
+    for sparse, blocks in block_saved.items():
+        if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
+            blocks["attention"] += e * attn_shard
+            blocks["mlp"] += e * ffn_shard[sparse]
+        if setting.activation_checkpointing:
+            # DeepSpeed's checkpoint keeps the recomputed layer's output through the layer's backward (ds_tsp's
+            # host checkpoint frees it); with tsp.recompute_norms the first norm keeps the layer's checkpointed
+            # input, already counted as such.
+            blocks["attention"] += tokens * e * H * ((0 if setting.offload_activations else 1)
+                                                     - (1 if setting.recompute_norms else 0))
+    layer_saved = {sparse: sum(blocks.values()) for sparse, blocks in block_saved.items()}
     # cos/sin of the local tokens plus, per sequence, the row of the largest position (rotary.rotary_tables)
     model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
     model_saved += load_balancing_saved(m, tsp=True)
-    layers, layer_terms = _layers(setting, tokens, layer_saved)
+    checkpoints = _checkpoints(setting, tokens)
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
         logits_saved, vocab_transient = tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
         logits_held = 0
@@ -250,19 +281,23 @@ def plan_tsp(setting, vocab_parallel):
     grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
     transients = {sparse: _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard[sparse],
                                                grad_x_bytes, sparse) for sparse, _ in m.layer_kinds}
-    layer = max(transients.values(), key=lambda pieces: sum(pieces.values()))
+    every_layer = sum(layers * layer_saved[sparse] for sparse, layers in m.layer_kinds)
+    # One layer's backward at its peak (of the larger kind where dense and sparse layers differ), the MLP's or
+    # the attention's: (kind, saved tensors still live, the backward's buffers by term).
+    phase = max(((sparse, live, pieces) for sparse, _ in m.layer_kinds
+                 for live, pieces in _tsp_backward_phases(setting, block_saved[sparse], transients[sparse],
+                                                          every_layer)),
+                key=lambda found: found[1] + sum(found[2].values()))
+    sparse, layers, layer_pieces = phase
+    layer = transients[sparse]
     detail = {
-        "saved_for_backward": (model_saved + sum(n * layer_saved[sparse] for sparse, n in m.layer_kinds)
-                               + logits_saved if not setting.activation_checkpointing else None),
+        "saved_for_backward": (model_saved + every_layer + logits_saved
+                               if not setting.activation_checkpointing else None),
         "embedding_route": route,
         "logits_output": logits_held,
         **layer,
         **vocab_transient,
     }
-    layer_pieces = {KV_GROUP: detail["kv_head_group"], GRAD_X: detail["grad_x"],
-                    MLP_TILE: detail["mlp_shard_intermediates"],
-                    SHARDS: sum(detail[k] for k in ("weight_shards_in_flight", "attention_grad_reduces",
-                                                    "mlp_accumulators"))}
     layer_backward = sum(layer_pieces.values())
     # The loss's backward (folded: the head's ring) is the first thing backward
     # runs, before any parameter holds a gradient: it overlaps the gradients'
@@ -272,10 +307,15 @@ def plan_tsp(setting, vocab_parallel):
     # With checkpointing no layer is recomputed yet while the loss runs its
     # backward, and none is left when the embedding runs its: the recomputed
     # layer's saved tensors (counted in the activations) are not live then.
-    not_live = max(layer_saved.values()) if setting.activation_checkpointing else 0
-    loss_backward_beyond_grads = max(loss_backward_beyond_grads - not_live, 0)
+    # Without, every layer's are live while the loss runs its backward, those
+    # the layer's attention phase has freed included.
+    not_live = layers if setting.activation_checkpointing else 0
+    loss_backward_beyond_grads = max(loss_backward_beyond_grads - (not_live or layers - every_layer), 0)
     embedding_backward = max(embedding_backward - not_live, 0)
-    memory = {**states, "activations": model_saved + route + layers, "logits": logits_saved + logits_held,
+    layer_terms = ({CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                    RECOMPUTED: layers} if setting.activation_checkpointing else {EVERY_LAYER: layers})
+    memory = {**states, "activations": model_saved + route + checkpoints + layers,
+              "logits": logits_saved + logits_held,
               "transient": max(layer_backward, loss_backward_beyond_grads, embedding_backward)}
     terms = {STATES: sum(states.values()), **layer_terms,
              MODEL_LEVEL: model_saved + route + logits_saved + logits_held,
