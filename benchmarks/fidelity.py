@@ -38,6 +38,11 @@ the pieces add up over the ranks), replicated ones once.
   too, so its loss row is measured. ``recompute_norms`` runs each RMSNorm again
   in backward on the same input and changes no number: what this measures is
   ``fp32_accumulators`` off.
+* ``tsp_long``: ``tsp`` as ``ds-tsp plan --max-seq-len`` plans it, sums in
+  fp32: every layer recomputed in backward from its input in host memory,
+  ``tsp.recompute_norms: true`` (the attention norms its input tile by tile
+  in backward) and ``tsp.token_tile`` of 128 tokens (several MLP, query and
+  norm tiles per rank at every D).
 * ``ulysses``: ``UlyssesSPAttentionHF`` at ``sequence_parallel_size = D``, rank
   ``r`` holding the ``r``-th contiguous chunk (as ``benchmarks/compare.py``
   feeds it), the loss the sum of the ranks' fp32 sums over the real-token
@@ -235,12 +240,15 @@ def run_reference(args):
 
 # --- the sharded cases, one process per rank ---------------------------------------------------------------------
 
-def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, **tsp_options):
-    """TSP's errors; ``tsp_options`` are further ``tsp`` config keys."""
+def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, host_checkpoints=False, **tsp_options):
+    """TSP's errors; ``tsp_options`` are further ``tsp`` config keys;
+    ``host_checkpoints``: every layer recomputed in backward from its input in
+    host memory (``cpu_checkpointing``)."""
     import ds_tsp
     from ds_tsp import layout, vocab
     from ds_tsp.config import TSPConfig
     from ds_tsp.engine import set_grad_wire_dtype
+    from ds_tsp.offload import host_checkpoint
     from ds_tsp.topology import TSPTopology
 
     input_ids = batch_ids(args)
@@ -249,6 +257,9 @@ def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, **tsp_options):
     config = TSPConfig(enabled=True, size=tsp_size, layout="zigzag", attention_backend="sdpa", **tsp_options)
     ds_tsp.inject(model, topo, config)
     set_grad_wire_dtype(model, grad_wire_dtype)
+    if host_checkpoints:
+        model.train()
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
     outputs, per_token = {}, []
     hooks = layer_outputs(model.model.layers, outputs)
     ring_loss = vocab._CrossEntropyRing.apply
@@ -371,8 +382,11 @@ def ulysses_errors(args, ref, sp_size):
     return errors.sums
 
 
+LONG_TOKEN_TILE = 128
 STRATEGIES = {"tsp": tsp_errors, "tsp_fp32_wire": tsp_fp32_wire_errors, "tsp_bf16_wire": tsp_bf16_wire_errors,
               "tsp_bf16_sums": functools.partial(tsp_errors, fp32_accumulators=False, recompute_norms=True),
+              "tsp_long": functools.partial(tsp_errors, recompute_norms=True, token_tile=LONG_TOKEN_TILE,
+                                            host_checkpoints=True),
               "ulysses": ulysses_errors}
 
 

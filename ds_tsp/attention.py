@@ -35,6 +35,7 @@ from .attention_selection import select_kernel
 from .documents import query_blocks
 from .fused import FusedRows
 from .head_groups import HeadGroups, shard_piece, shard_spec
+from .input_norm import TiledInputNorm, recomputable
 from .packing import PackedShardMixin, module_reader
 from .rotary import group_norm, norm_rows, rotate, rotate_backward
 
@@ -57,6 +58,8 @@ class AttentionPlan:
     grad_wire_dtype: object = None  # weight-gradient reduces' wire dtype (comm.gradient_wire_dtype; None: float32)
     q_norm: object = None  # q/k norms applied before the rotary embedding, replicated: per head (Qwen3,
     k_norm: object = None  # Gemma-3) or over the whole projection (OLMo-2: see ProjectionNormPiece)
+    input_norm: object = None  # the layer's norm before the attention, run inside it (ds_tsp.input_norm)
+    token_tile: int = 0  # tsp.token_tile: the input norm's tiles in backward
 
     @property
     def tsp_size(self):
@@ -172,10 +175,12 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
     return _cat(grad_q, 0)
 
 
-def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None):
+def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, input_norm=None):
     """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``;
     ``inv_rms``: with q/k norms over the whole projection, each local token's
-    inverse RMS of q and of k (``{"q", "k"}``, ``projection_squares_forward``).
+    inverse RMS of q and of k (``{"q", "k"}``, ``projection_squares_forward``);
+    ``input_norm``: a ``TiledInputNorm`` to apply to ``x`` first (``x`` is then
+    the layer's input; its normed values are not kept).
 
     Key/value heads shared by a replica set of head groups (nkv < D) arrive
     with the set's first shard and are projected and gathered once for the set;
@@ -189,6 +194,8 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None):
     ``x`` with the shards it receives anyway.
     """
     heads, d = plan.heads, plan.heads.head_dim
+    if input_norm is not None:
+        x = input_norm(x)
     # The head groups' outputs add up in float32 (or wider), cast once, unless
     # tsp.fp32_accumulators is off.
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
@@ -245,10 +252,13 @@ def _reduce_to(plan, grad, owner, works):
     return pending
 
 
-def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None):
+def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None, input_norm=None):
     """Gradients of the local tokens ``x``, of this rank's packed shard, of
-    the q/k norms' weights (None without them; local tokens' part) and, for
-    norms over the projection, of the tokens' inverse RMS of q and k (``inv_rms``).
+    the q/k norms' weights (None without them; local tokens' part), for
+    norms over the projection of the tokens' inverse RMS of q and k
+    (``inv_rms``) and, with an ``input_norm`` (``attention_forward``), of its
+    weight (else None; the local tokens' part): the normed values are
+    computed again a tile at a time wherever they are needed.
 
     Per head group ``j``: re-broadcast its shard, project its queries (and,
     once per key/value replica set, its keys and values) from ``x`` again and
@@ -274,15 +284,22 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
     keys = {}  # key/value holder -> its keys before the norm and rotary embedding, for their backward
     stream = shard_stream(plan, packed)
 
+    def projected(w, name, num_heads):
+        """Projection ``name`` of the local tokens, as the forward computed it."""
+        if input_norm is None:
+            return project(x, w, name, num_heads, heads.head_dim)
+        out = input_norm.project(tokens, w[f"{name}.weight"], w.get(f"{name}.bias"))
+        return out.view(*x.shape[:2], num_heads, heads.head_dim)
+
     def receive():
         """The next shard's weights; a key/value holder's keys and values are
         projected again and their gather starts at once."""
         j, shard = next(stream)
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
-            keys[j] = project(x, w, "k_proj", heads.kv_heads, heads.head_dim)
+            keys[j] = projected(w, "k_proj", heads.kv_heads)
             gathers[j] = gather_kv(plan, rotate(keys[j], group_norm(plan, "k", j, inv_rms), cos, sin),
-                                   project(x, w, "v_proj", heads.kv_heads, heads.head_dim))
+                                   projected(w, "v_proj", heads.kv_heads))
         return w
 
     def shard_grads(j):
@@ -292,10 +309,13 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
             grad_shards[j] = torch.empty(plan.specs[j].numel, dtype=acc_dtype, device=x.device)
         return plan.specs[j].unpack(grad_shards[j])
 
-    def write_projection_grads(into, name, grad, inputs):
+    def write_projection_grads(into, name, grad):
         """Projection ``name``'s weight (and bias) gradient from its output's ``grad``."""
         # Weight-gradient partials stay float32 until their sum over ranks is rounded.
-        comm.partial_matmul(grad.t(), inputs, out=into[f"{name}.weight"], add=False)
+        if input_norm is None:
+            comm.partial_matmul(grad.t(), tokens, out=into[f"{name}.weight"], add=False)
+        else:
+            input_norm.weight_gradient(grad, tokens, into[f"{name}.weight"])
         if f"{name}.bias" in into:
             torch.sum(grad, 0, dtype=acc_dtype, out=into[f"{name}.bias"])
 
@@ -331,8 +351,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
         dv = dv.flatten(0, 1).flatten(1)
         grad_x.add_((dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"]).to(grad_x.dtype))
         into = shard_grads(holder)
-        write_projection_grads(into, "k_proj", dk, tokens)
-        write_projection_grads(into, "v_proj", dv, tokens)
+        write_projection_grads(into, "k_proj", dk)
+        write_projection_grads(into, "v_proj", dv)
         reduce_part(holder, "all" if holder == j else "key/value")
 
     upcoming, unfinished = receive(), None
@@ -348,7 +368,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
-        raw_q = project(x, w, "q_proj", heads.q_heads, heads.head_dim)
+        raw_q = projected(w, "q_proj", heads.q_heads)
         q = rotate(raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if plan.explicit_backward:
@@ -370,7 +390,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
         dq = dq.flatten(0, 1).flatten(1)  # (N, hq*d)
         grad_x.add_((dq @ w["q_proj.weight"]).to(grad_x.dtype))
         into = shard_grads(j)
-        write_projection_grads(into, "q_proj", dq, tokens)
+        write_projection_grads(into, "q_proj", dq)
         comm.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1), out=into["o_proj.weight"],
                             add=False)
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
@@ -397,8 +417,14 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None)
         if summed is not piece:  # a reduce in place leaves the sum where it was
             piece.copy_(summed)
     own = grad_shards[tsp_rank]
-    return (grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), norm_grads["q"], norm_grads["k"], rms_grads["q"],
-            rms_grads["k"])
+    grad_input_norm = None
+    if input_norm is None:
+        grad_x = grad_x.view(x.shape).to(x.dtype)
+    else:
+        grad_x, grad_input_norm = input_norm.backward(tokens, grad_x)
+        grad_x = grad_x.view(x.shape)
+    return (grad_x, own.to(packed.dtype), norm_grads["q"], norm_grads["k"], rms_grads["q"], rms_grads["k"],
+            grad_input_norm)
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -407,14 +433,23 @@ class _TSPAttentionFunction(torch.autograd.Function):
     # dtype would: projections, rotary and attention in it, the head groups'
     # outputs summed in float32, the output in the autocast dtype as HF's
     # o_proj returns it. The inverse RMS of q and k (norms over the projection)
-    # stay float32, as Hugging Face's norms compute.
+    # stay float32, as Hugging Face's norms compute; so do the layer's input and
+    # its norm's weight where the input norm runs inside (plan.input_norm): the
+    # normed values are cast, as the unfused norm's output is by the projections.
     @staticmethod
-    @autocast_forward(cast_inputs=True, keep=(7, 8))
-    def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight, q_inv_rms, k_inv_rms):
+    @autocast_forward(cast_inputs=True, keep=(0, 7, 8, 9))
+    def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight, q_inv_rms, k_inv_rms,
+                input_norm_weight):
         # The norm weights are inputs only so that autograd routes their gradients.
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
-        out, saved = attention_forward(plan, x, packed, cos, sin, inv_rms)
-        ctx.plan, ctx.saved_counts = plan, {name: len(tensors) for name, tensors in saved.items()}
+        input_norm = None
+        if plan.input_norm is None:
+            x = x.to(packed.dtype)  # as autocast casts a projection's input
+        else:
+            input_norm = TiledInputNorm(plan.input_norm, input_norm_weight, packed.dtype, plan.token_tile)
+        out, saved = attention_forward(plan, x, packed, cos, sin, inv_rms, input_norm=input_norm)
+        ctx.plan, ctx.input_norm = plan, input_norm
+        ctx.saved_counts = {name: len(tensors) for name, tensors in saved.items()}
         ctx.save_for_backward(x, packed, cos, sin, q_inv_rms, k_inv_rms,
                               *(t for tensors in saved.values() for t in tensors))
         return out
@@ -427,9 +462,11 @@ class _TSPAttentionFunction(torch.autograd.Function):
         for name, count in ctx.saved_counts.items():
             saved[name], start = flat[start:start + count], start + count
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
-        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin, inv_rms)
-        grad_x, grad_packed, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms = grads
-        return grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms
+        grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin, inv_rms,
+                                   ctx.input_norm)
+        grad_x, grad_packed, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms, grad_input_norm = grads
+        return (grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms,
+                grad_input_norm)
 
 
 def projection_squares_forward(plan, x, packed):
@@ -595,9 +632,10 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.heads, name, self.tsp_rank)
 
-    def plan(self, x, documents=None):
+    def plan(self, x, documents=None, input_norm=None):
         """How to run this layer on the local tokens ``x``; ``documents``: the
-        rows' document starts (``ds_tsp.documents``), None for one per row."""
+        rows' document starts (``ds_tsp.documents``), None for one per row;
+        ``input_norm``: the layer's norm to run inside (``forward``)."""
         kernel = (SoftCappedKernel(self.softcap) if self.softcap is not None
                   else select_kernel(self.backend, x.device, x.dtype))
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
@@ -608,7 +646,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
                                                        self.layout_name, x.shape[0], self.token_tile,
                                                        self.sliding_window),
-                             fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype)
+                             fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
+                             input_norm=input_norm, token_tile=self.token_tile)
 
     def projection_inv_rms(self, x, packed, plan):
         """With q/k norms over the whole projection, each local token's inverse
@@ -620,12 +659,22 @@ class TSPAttention(PackedShardMixin, nn.Module):
         return {name: torch.rsqrt(total / norm.weight.numel() + norm.variance_epsilon)
                 for name, total, norm in zip(("q", "k"), sums, (self.q_norm, self.k_norm))}
 
-    def forward(self, x, position_embeddings, documents=None):
+    def takes_input_norm(self, norm):
+        """Whether ``forward`` can run ``norm`` inside (``ds_tsp.input_norm``):
+        a recomputable norm, and q/k norms that do not span the projection
+        (whose sums of squares need the normed input first)."""
+        return recomputable(norm) and not self.norms_span_projection
+
+    def forward(self, x, position_embeddings, documents=None, input_norm=None):
+        """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
+        applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
+        then the layer's input."""
         cos, sin = position_embeddings
-        plan, packed = self.plan(x, documents), self.shard_weights()
+        plan, packed = self.plan(x, documents, input_norm), self.shard_weights()
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
-        out = _TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"])
+        out = _TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
+                                          None if input_norm is None else input_norm.weight)
         return out if self.o_bias is None else out + self.o_bias
 
 

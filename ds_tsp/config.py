@@ -112,7 +112,8 @@ class TSPConfig(DeepSpeedConfigModel):
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of
-    the input and its normalised values (about a third of what a layer saves in bf16); the numbers do not
+    the input and its normalised values; the norm before the attention runs inside it, which keeps only the
+    layer's input and norms it again a token tile (token_tile) at a time in backward. The numbers do not
     change. """
 
     check_batch: Literal["first", "always", "never"] = "first"

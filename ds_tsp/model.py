@@ -51,16 +51,26 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         """The layer's norms by Hugging Face name."""
         return {name: getattr(self, name) for pair in self.layout.values() for name in pair if name is not None}
 
-    def branch(self, block, hidden, run):
+    def branch(self, block, hidden, run, run_with_norm=None):
         """``hidden`` plus the ``block`` (``"attention"`` or ``"mlp"``) ``run`` on
-        it, normed before and after as the layout says, in HF's order."""
+        it, normed before and after as the layout says, in HF's order.
+        ``run_with_norm(hidden, norm)``: the block given the norm before it to
+        run inside, used where ``tsp.recompute_norms`` asks for it and the
+        block can (its ``takes_input_norm``) while autograd records."""
         before, after = self.layout[block]
-        out = run(hidden if before is None else normalize(getattr(self, before), hidden, self.recompute_norms))
+        norm = None if before is None else getattr(self, before)
+        module = self.self_attn if block == "attention" else self.mlp
+        if (run_with_norm is not None and norm is not None and self.recompute_norms and torch.is_grad_enabled()
+                and module.takes_input_norm(norm)):
+            out = run_with_norm(hidden, norm)
+        else:
+            out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
         return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
 
     def forward(self, hidden_states, position_embeddings, documents=None):
-        hidden_states = self.branch("attention", hidden_states,
-                                    lambda normed: self.self_attn(normed, position_embeddings, documents))
+        hidden_states = self.branch(
+            "attention", hidden_states, lambda normed: self.self_attn(normed, position_embeddings, documents),
+            lambda hidden, norm: self.self_attn(hidden, position_embeddings, documents, input_norm=norm))
         return self.branch("mlp", hidden_states, self.mlp)
 
 

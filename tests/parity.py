@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
+from ds_tsp.input_norm import TiledInputNorm
 from ds_tsp.offload import host_checkpoint
 from ds_tsp.topology import TSPTopology
 from models import tiny_model
@@ -18,6 +19,8 @@ from models import tiny_model
 # float64 throughout; sharding only reorders sums (rounding ~1e-15), while a
 # wrong shard or position moves the loss by ~1e-2 (see the guard tests).
 TOLERANCE = 1e-10
+# What model_parity reports besides differences.
+NOT_DIFFS = ("saved_bytes", "input_norm_recomputes")
 def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None, position_ids=None):
     """HF's causal-LM loss, but in float64 (HF upcasts logits to float32 only);
     with ``num_items_in_batch``, the sum over real tokens divided by it.
@@ -89,8 +92,9 @@ def packed_position_ids(documents):
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
                  num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False,
                  ignore_documents=False, **tsp_options):
-    """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``
-    and the bytes saved for backward (negated, so ``check`` ignores them).
+    """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``,
+    the bytes saved for backward and how many times an attention recomputed its
+    input norm in backward (``ds_tsp.input_norm``), both of which ``check`` ignores.
 
     ``wrong_shard``: None, or the module path (``model.layers.0.mlp``,
     ``lm_head``, ...) whose shard the last rank scales by 1.5, to show the check
@@ -137,17 +141,21 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
             (one_sequence_per_row if ignore_documents else contextlib.nullcontext()):
         out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask,
                     num_items_in_batch=num_items_in_batch, **packing)
-    out.loss.backward()
+    recomputes, norm_backward = [], TiledInputNorm.backward
+    with mock.patch.object(TiledInputNorm, "backward", autospec=True,
+                           side_effect=lambda *args: (recomputes.append(1), norm_backward(*args))[1]):
+        out.loss.backward()
     ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch, position_ids)
     ref_loss.backward()
-    diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": -sum(saved.values())}
+    diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": sum(saved.values()),
+             "input_norm_recomputes": len(recomputes)}
     diffs.update(shard_grad_diffs(model, ref))
     return diffs
 
 
 def check(per_rank, label):
     # Ranks that do not hold a replicated key/value head report no k/v entries.
-    worst = {k: max(d[k] for d in per_rank if k in d) for k in set().union(*per_rank) if k != "saved_bytes"}
+    worst = {k: max(d[k] for d in per_rank if k in d) for k in set().union(*per_rank) if k not in NOT_DIFFS}
     name = max(worst, key=worst.get)
     print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}")
     for key, value in worst.items():

@@ -11,7 +11,7 @@ from ds_tsp.fused import FusedRows
 from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
 from models import tiny_model
-from parity import TOLERANCE, check, model_parity
+from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
 
 # Fused projections (Phi-3's qkv_proj and gate_up_proj, read at shifted rows),
@@ -53,7 +53,7 @@ def test_a_wrong_shard_of_gemma2_or_olmo2_is_caught(run_ranks):
     for arch, wrong_shard in (("gemma2", "model.layers.1.self_attn"), ("gemma2", "lm_head"),
                               ("olmo2", "model.layers.0.self_attn")):
         per_rank = run_ranks(2, model_parity, arch=arch, batch=2, seq_len=13, wrong_shard=wrong_shard)
-        worst = max(value for rank in per_rank for key, value in rank.items() if key != "saved_bytes")
+        worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
         print(f"{arch}, {wrong_shard} scaled on the last rank: max diff {worst:.2e}")
         assert worst > 1e-3
 
@@ -100,18 +100,42 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_recomputed_norms_change_no_number(run_ranks, tsp_size):
-    """tsp.recompute_norms: every RMSNorm (the final one too) keeps only its
-    input and runs again in backward, alone and inside recomputed layers."""
+    """tsp.recompute_norms: the attention runs its layer's input norm inside and
+    norms a token tile at a time in backward (ds_tsp.input_norm); every other
+    norm keeps only its input and runs again in backward. Alone and inside
+    recomputed layers (DeepSpeed's reentrant checkpoints, host memory), with
+    ragged token tiles, a sliding window, packed documents, Gemma-2's sandwich
+    norms of (1 + w) and soft-capped scores."""
     for checkpointing in (False, True, "host"):  # none, DeepSpeed's reentrant layer checkpoints, host memory
         plain = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13, checkpointing=checkpointing)
         recomputed = run_ranks(tsp_size, model_parity, arch="qwen3", batch=2, seq_len=13,
                                checkpointing=checkpointing, recompute_norms=True)
         check(recomputed, f"D={tsp_size} qwen3 recomputed norms, checkpointing {checkpointing}")
         for rank, (a, b) in enumerate(zip(plain, recomputed)):
-            print(f"rank {rank}: saved for backward {-a['saved_bytes']} B, {-b['saved_bytes']} B with the norms "
+            print(f"rank {rank}: saved for backward {a['saved_bytes']} B, {b['saved_bytes']} B with the norms "
                   "recomputed")
             # Each norm's float32 copy of its input (B, S/D, H) at least, three norms without layer checkpoints.
-            assert -b["saved_bytes"] < -a["saved_bytes"]
+            assert b["saved_bytes"] < a["saved_bytes"]
+            # One recompute in every layer's attention backward (two layers), none with the norms as modules.
+            assert (a["input_norm_recomputes"], b["input_norm_recomputes"]) == (0, 2)
+    documents = [[6, 1, 8, 4], [19]]
+    for case in (dict(arch="llama", batch=2, seq_len=29, token_tile=5, checkpointing=True),
+                 dict(arch="mistral", batch=1, seq_len=29, token_tile=3, checkpointing="host"),
+                 dict(arch="qwen3", batch=2, seq_len=19, token_tile=3, documents=documents, checkpointing=True),
+                 dict(arch="gemma2", batch=2, seq_len=19, token_tile=4, documents=documents, checkpointing="host")):
+        per_rank = run_ranks(tsp_size, model_parity, recompute_norms=True, **case)
+        check(per_rank, f"D={tsp_size} recomputed norms {case}")
+        assert all(rank["input_norm_recomputes"] == 2 for rank in per_rank)
+
+
+def test_recomputed_input_norm_guard(run_ranks):
+    """The check above fails when the attention's input norm is wrong: its
+    weight scaled on the last rank moves the numbers far past the tolerance."""
+    per_rank = run_ranks(2, model_parity, arch="llama", batch=2, seq_len=29, token_tile=5, checkpointing=True,
+                         recompute_norms=True, wrong_shard="model.layers.1.input_layernorm")
+    worst = max(v for d in per_rank for k, v in d.items() if k not in NOT_DIFFS)
+    print(f"input norm scaled by 1.5 on the last rank: max|diff| {worst:.2e}")
+    assert worst > 1e-3
 
 
 def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
@@ -169,15 +193,15 @@ def test_activation_checkpointing_recomputes_exactly(run_ranks):
     check(on_host, "D=2 qwen2 with activation checkpoints in host memory")
     layer_inputs = 2 * 2 * 32 // 2 * 16 * 8  # two layers' (B, S/D, H) float64 inputs
     for rank, (a, b, c) in enumerate(zip(plain, recomputed, on_host)):
-        print(f"rank {rank}: saved for backward {-a['saved_bytes']} B plain, {-b['saved_bytes']} B checkpointed, "
-              f"{-c['saved_bytes']} B checkpointed with the layer inputs in host memory")
-        assert -b["saved_bytes"] < 0.6 * -a["saved_bytes"]
-        assert -c["saved_bytes"] <= -b["saved_bytes"] - layer_inputs
+        print(f"rank {rank}: saved for backward {a['saved_bytes']} B plain, {b['saved_bytes']} B checkpointed, "
+              f"{c['saved_bytes']} B checkpointed with the layer inputs in host memory")
+        assert b["saved_bytes"] < 0.6 * a["saved_bytes"]
+        assert c["saved_bytes"] <= b["saved_bytes"] - layer_inputs
 
 
 def test_a_wrong_shard_is_caught(run_ranks):
     per_rank = run_ranks(2, model_parity, arch="llama", batch=1, seq_len=16, wrong_shard="model.layers.0.mlp")
-    worst = max(v for d in per_rank for k, v in d.items() if k != "saved_bytes")
+    worst = max(v for d in per_rank for k, v in d.items() if k not in NOT_DIFFS)
     print(f"wrong shard: max|diff| {worst:.2e}")
     assert worst > 1e3 * TOLERANCE
 

@@ -38,6 +38,9 @@ PAPER_DEVICE_GB = 192  # MI300X
 ALST_MODEL = "llama3.1-8b"
 ALST_DEVICE_GB = 80
 ALST_PUBLISHED = {1: 500_000, 8: 3_700_000, 32: 15_000_000}
+# FPDT's (DeepSpeed's Fully Pipelined Distributed Transformer, MLSys 2025) published longest sequence for an 8B
+# model of Llama-3's shape: 2M tokens on 4 GPUs of 80 GB, B=1, bf16; set beside ALST's figures.
+FPDT_PUBLISHED = {4: 2_000_000}
 # Host memory per node: neither DESIGN.md nor the figures above give it. Assumed: 2 TB, a DGX H100's system
 # memory (8 H100-80GB per node, as ALST's nodes). At the published lengths ALST's offloaded checkpoints take
 # about 1 TB per node (32 layers x 3.7M tokens x 4096 x 2 B on one node; 15M over four), so 2 TB does not bind.

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .anchors import ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_PEAK_GB
-from .longest import max_seq_len
+from .longest import fpdt_published, max_seq_len
 from .serving import format_serving_table, serving_plans
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, LORA_TARGETS, PRECISIONS,
                      PRESETS,
@@ -176,7 +176,10 @@ def _run_max_seq_len(args, out):
                          "host_memory_gb": host_memory_gb, "devices_per_node": args.devices_per_node,
                          "micro_batch": args.micro_batch, "dtype": args.dtype, "zero_stage": zero_stage,
                          "token_tile": token_tile, "fp32_accumulators": args.fp32_accumulators,
-                         "recompute_norms": recompute_norms, "results": [result.as_dict() for result in results]})
+                         "recompute_norms": recompute_norms,
+                         "fpdt_published_seq_len": fpdt_published(model, devices, memory_gb, args.micro_batch,
+                                                                  args.dtype),
+                         "results": [result.as_dict() for result in results]})
     if args.json:
         _write_json(args.json, {"max_seq_len": settings}, out)
 

@@ -26,7 +26,7 @@ sequences without it):
 
 from dataclasses import dataclass, replace
 
-from .anchors import ALST_DEVICE_GB, ALST_MODEL, ALST_PUBLISHED
+from .anchors import ALST_DEVICE_GB, ALST_MODEL, ALST_PUBLISHED, FPDT_PUBLISHED
 from .shapes import DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, model_shape, tsp_name
 from .strategies import make_setting, plan_alst, plan_baseline, plan_tsp
 
@@ -104,13 +104,21 @@ def search(plan_at, step, device_budget, host_budget, published=None):
     return LongestSequence(at.name, at.layout, seq_len, step, binding, limit, at, published)
 
 
-def alst_published(model, devices, memory_gb, micro_batch=1, dtype="bf16"):
-    """ALST's published length where the setting is ALST's (Llama-3.1-8B's shape,
-    80 GB devices, 1, 8 or 32 of them, B = 1, bf16), else None."""
+def _published_setting(model, memory_gb, micro_batch, dtype):
+    """Whether this is the setting the published lengths are for: Llama-3.1-8B's
+    shape on 80 GB devices, B = 1, bf16."""
     same_model = replace(model_shape(model), name="") == replace(model_shape(ALST_MODEL), name="")
-    if same_model and memory_gb == ALST_DEVICE_GB and micro_batch == 1 and dtype == "bf16":
-        return ALST_PUBLISHED.get(devices)
-    return None
+    return same_model and memory_gb == ALST_DEVICE_GB and micro_batch == 1 and dtype == "bf16"
+
+
+def alst_published(model, devices, memory_gb, micro_batch=1, dtype="bf16"):
+    """ALST's published length where the setting is ALST's (1, 8 or 32 devices), else None."""
+    return ALST_PUBLISHED.get(devices) if _published_setting(model, memory_gb, micro_batch, dtype) else None
+
+
+def fpdt_published(model, devices, memory_gb, micro_batch=1, dtype="bf16"):
+    """FPDT's published length where the setting is FPDT's (4 devices), else None."""
+    return FPDT_PUBLISHED.get(devices) if _published_setting(model, memory_gb, micro_batch, dtype) else None
 
 
 def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dtype="bf16", zero_stage=1,

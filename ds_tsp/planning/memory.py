@@ -142,7 +142,8 @@ def rms_norm_saved_per_token(m, e, recompute=False, width=None):
 
 def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
     """Bytes ds_tsp's decoder layer saves per local token, by block
-    (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it:
+    (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it
+    (with ``recompute_norms`` the attention's runs inside it and saves nothing more):
     the attention's local x (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
@@ -157,7 +158,8 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
     norm = rms_norm_saved_per_token(m, e, recompute_norms)
-    attention, mlp = norm + e * H, norm + e * H
+    # Recomputed, the attention's norm runs inside it (ds_tsp.input_norm), which keeps the layer's input alone.
+    attention, mlp = (e * H if recompute_norms else norm + e * H), norm + e * H
     if sparse:
         k = m.experts_per_token
         mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)

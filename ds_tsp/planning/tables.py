@@ -10,6 +10,7 @@ from dataclasses import replace
 from ..layout import padded_length
 from .anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
 from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op, tsp_moe_schedule
+from .longest import fpdt_published
 from .memory import MEMORY_PARTS
 from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name, tsp_shape_problem
 from .strategies import AUTOTP_MOE_REFUSED, alst_name, plan
@@ -295,6 +296,10 @@ def format_longest_table(results, memory_gb, host_memory_gb):
         footer.append(f"{tsp.name}: {tsp.seq_len / anchor:.2f}x ALST's "
                       f"{'published' if alst.published else 'modelled'} length. Per local token at the limit, KB: "
                       f"{tsp.name}: {_per_token_kb(tsp)}; ALST: {_per_token_kb(alst)}.")
+    fpdt = fpdt_published(m, N, memory_gb, setting.micro_batch, setting.dtype)
+    if fpdt and tsp is not None:
+        footer.append(f"FPDT published {_tokens_text(fpdt)} for an 8B model of this shape on {N} x {memory_gb:g} GB: "
+                      f"{tsp.name} is {tsp.seq_len / fpdt:.2f}x it.")
     if alst is not None and alst.published is None:
         footer.append(f"ALST published lengths are for Llama-3.1-8B on "
                       f"{', '.join(str(n) for n in ALST_PUBLISHED)} x 80 GB, B=1, bf16 only.")
