@@ -40,7 +40,7 @@ _EXPECTED = {
     "fp32_accumulators": "true or false",
     "recompute_norms": "true or false",
     "moe_schedule": "one of \"auto\", \"ring\", \"all_to_all\"",
-    "prefetch_checkpoints": "true or false",
+    "prefetch_checkpoints": "true, false or \"auto\"",
 }
 
 
@@ -96,10 +96,12 @@ class TSPConfig(DeepSpeedConfigModel):
     """ Sum the attention head groups, the MLP ring steps and the layer-input gradients in float32 for bf16/fp16
     models (one extra float32 copy of the local (S/D, H) activations); false sums in the model's dtype. """
 
-    prefetch_checkpoints: bool = False
+    prefetch_checkpoints: bool | Literal["auto"] = "auto"
     """ With activation_checkpointing.cpu_checkpointing: start copying the layer below's checkpointed input back
     from host memory when a layer's backward starts, on a side stream (CUDA), so the copy runs under that
-    layer's recompute and backward; costs one more layer input (B, S/D, H) on the device. """
+    layer's recompute and backward; costs one more layer input (B, S/D, H) on the device. "auto": where the
+    planner (ds-tsp plan) puts the run's peak at the micro-batch's shape, with that one more input, within the
+    device's memory (decided once per shape; never on CPU, where there is nothing to overlap). """
 
     moe_schedule: Literal["auto", "ring", "all_to_all"] = "auto"
     """ How a sparse mixture-of-experts layer meets its experts: "ring" moves the expert shards round the TSP group

@@ -23,6 +23,7 @@ from .mlp import TSPGatedMLP
 from .model import num_targets
 from .moe import TSPSparseMoE
 from .offload import host_checkpoint_function
+from .prefetch import PrefetchWhenAffordable
 from .optimizer import ClientOptimizer
 from .pipeline import build_pipeline, check_pipeline_stages
 from .replicated_schedule import schedule_replicated_grads
@@ -204,7 +205,7 @@ def _check_activation_checkpointing(ds_config, tsp_config):
         raise ValueError("activation_checkpointing.partition_activations = true splits checkpointed activations over "
                          "the model-parallel group, which here is the TSP group whose activations are already split "
                          "by token: set it to false (cpu_checkpointing alone still moves checkpoints to host memory)")
-    if tsp_config.prefetch_checkpoints and not section.get("cpu_checkpointing"):
+    if tsp_config.prefetch_checkpoints is True and not section.get("cpu_checkpointing"):
         raise ValueError("tsp.prefetch_checkpoints = true brings checkpoints back from host memory early, but "
                          "activation_checkpointing.cpu_checkpointing is not set: set it to true, or set "
                          "tsp.prefetch_checkpoints to false")
@@ -227,11 +228,25 @@ def _configure_activation_checkpointing(model, ds_config, topology, tsp_config):
         return
     model.train()
     if section.get("cpu_checkpointing"):
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint_function(
-            tsp_config.prefetch_checkpoints))
+        prefetch = tsp_config.prefetch_checkpoints
+        if prefetch == "auto":
+            prefetch = PrefetchWhenAffordable(model.config, topology.tsp_size, tsp_config.vocab_parallel,
+                                              planner_run(ds_config, tsp_config))
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint_function(prefetch))
         return
     deepspeed.checkpointing.configure(topology.mpu(), deepspeed_config=ds_config)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+
+
+def planner_run(ds_config, tsp_config):
+    """The planner's description of this run (``ds_tsp.planning.plan``'s keyword
+    arguments) beyond the model and the micro-batch: ZeRO's stage and optimizer
+    offload, and the ``tsp`` keys the memory model reads."""
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    return {"zero_stage": int(zero.get("stage", 0)), "offload_optimizer": offload,
+            "token_tile": tsp_config.token_tile, "fp32_accumulators": tsp_config.fp32_accumulators,
+            "recompute_norms": tsp_config.recompute_norms, "logits_tile_mib": tsp_config.logits_tile_mib}
 
 
 def _no_partitioned_pipe_messages(ds_config):

@@ -5,7 +5,7 @@ for backward and recomputes the rest there. ``host_checkpoint`` keeps that
 input in host memory instead of on the device: on CUDA it is copied to a
 pinned buffer on a side stream while the next layers compute, and copied back
 when the layer's backward starts, ordered after the first copy on the device
-(the host never waits). With ``prefetch`` (``tsp.prefetch_checkpoints``) the
+(the host never waits). With ``prefetch`` (``tsp.prefetch_checkpoints``; "auto": ``ds_tsp.prefetch``) the
 layer before's input starts back on the side stream as soon as this layer's
 backward starts, so that copy runs under this layer's recompute and backward,
 for one more layer input on the device while it does. The recompute then runs
@@ -82,6 +82,8 @@ class _HostCheckpoint(torch.autograd.Function):
     def forward(ctx, run, prefetch, hidden, *args):
         ctx.run, ctx.args = run, args
         ctx.needs_grad = hidden.requires_grad
+        if callable(prefetch):  # tsp.prefetch_checkpoints "auto" (ds_tsp.prefetch)
+            prefetch = prefetch(hidden)
         previous = _last_copies.get(hidden.device) if prefetch else None
         ctx.saved_hidden = HostCopy(hidden, previous)
         if prefetch:
@@ -111,10 +113,11 @@ def host_checkpoint(run, hidden, *args, prefetch=False):
     ``hidden`` in host memory (the ``gradient_checkpointing_func`` of a TSP
     layer). ``args`` (the rotary tables, the documents) are not
     differentiated and stay where they are: every layer shares them.
-    ``prefetch``: bring the layer below's input back under this layer's backward."""
+    ``prefetch``: bring the layer below's input back under this layer's
+    backward; a callable decides it from ``hidden`` (``ds_tsp.prefetch``)."""
     return _HostCheckpoint.apply(run, prefetch, hidden, *args)
 
 
 def host_checkpoint_function(prefetch):
     """The ``gradient_checkpointing_func`` for ``cpu_checkpointing`` (``tsp.prefetch_checkpoints``)."""
-    return functools.partial(host_checkpoint, prefetch=True) if prefetch else host_checkpoint
+    return functools.partial(host_checkpoint, prefetch=prefetch) if prefetch else host_checkpoint

@@ -157,7 +157,7 @@ def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
     monkeypatch.setattr(HostCopy, "to_device", lambda self: (events.append(("back", made.index(self))),
                                                              original_to_device(self))[1])
     losses = {}
-    for prefetch in (False, True):
+    for prefetch in (False, True):  # "auto" decides the same per shape: tested below
         torch.manual_seed(0)
         model = ds_tsp.inject(tiny_model("llama", num_hidden_layers=3), TSPTopology(1),
                               TSPConfig(enabled=True, attention_backend="sdpa"))
@@ -174,6 +174,35 @@ def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
         assert events == expected
     assert losses[True][0] == losses[False][0]
     assert all(torch.equal(a, b) for a, b in zip(losses[True][1], losses[False][1]))
+
+
+def test_auto_prefetch_where_the_planner_fits_one_more_input():
+    """tsp.prefetch_checkpoints "auto" (the default): prefetch where the
+    planner's peak of the run at the micro-batch's shape, with one more layer
+    input on the device, fits the device's memory; never without a device
+    memory to fit (CPU) or a dtype the planner models."""
+    from ds_tsp.engine import planner_run
+    from ds_tsp.planning.strategies import make_setting, plan_tsp
+    from ds_tsp.prefetch import PrefetchWhenAffordable
+
+    assert TSPConfig(enabled=True).prefetch_checkpoints == "auto"
+    config = tiny_model("llama").config
+    run = planner_run({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                      TSPConfig(enabled=True, recompute_norms=True))
+    assert run["zero_stage"] == 2 and run["offload_optimizer"] and run["recompute_norms"]
+    hidden = torch.zeros(1, 512, config.hidden_size, dtype=torch.bfloat16)  # D = 2: a sequence of 1024
+    peaks = {prefetch: plan_tsp(make_setting(config, 1024, 1, 2, "bf16", activation_checkpointing=True,
+                                             offload_activations=True, prefetch_checkpoints=prefetch, **run),
+                                vocab_parallel=True).total for prefetch in (False, True)}
+    assert peaks[True] - peaks[False] == 512 * config.hidden_size * 2
+    for memory, expected in ((peaks[True], True), (peaks[True] - 1, False), (None, False)):
+        decide = PrefetchWhenAffordable(config, 2, True, run, device_memory=lambda device: memory)
+        assert decide(hidden) is expected and decide.decided == {(tuple(hidden.shape), hidden.dtype,
+                                                                  hidden.device): expected}
+    ample = PrefetchWhenAffordable(config, 2, True, run, device_memory=lambda device: 1 << 40)
+    assert not ample(hidden.double())
+    # CPU tensors under the default device memory: nothing to overlap.
+    assert not PrefetchWhenAffordable(config, 2, True, run)(hidden)
 
 
 def test_prefetch_without_host_checkpoints_is_refused():

@@ -651,10 +651,12 @@ def _plan_at(result, seq_len, memory_options):
         return planner.plan_alst("llama3.1-8b", seq_len, N)
     options = dict(memory_options, token_tile=planner.DEFAULT_TOKEN_TILE,
                    recompute_norms=result.plan.setting.recompute_norms)
-    if result.name.endswith("+ offload"):
+    if result.name.endswith("+ offload, prefetched"):
+        options.update(prefetch_checkpoints=True)
+    if "+ offload" in result.name:
         options.update(offload_activations=True, offload_optimizer=True)
     plans = {p.name: p for p in planner.plan("llama3.1-8b", seq_len, 1, N, "bf16", zero, True, **options)}
-    return plans[result.name.removesuffix(" + offload")]
+    return plans[result.name.removesuffix(", prefetched").removesuffix(" + offload")]
 
 
 @pytest.mark.parametrize("devices", [1, 8, 32])
@@ -662,7 +664,8 @@ def test_max_seq_len_finds_the_boundary_and_names_the_binding_term(devices):
     budget, host_budget = 80 * planner.GB, HOST_GB * planner.GB
     results = planner.max_seq_len("llama3.1-8b", devices, 80, HOST_GB)
     names = [r.name for r in results]
-    assert names[:3] == [f"TSP({devices})", f"TSP({devices}) + offload", f"TP({devices})"]
+    assert names[:4] == [f"TSP({devices})", f"TSP({devices}) + offload", f"TSP({devices}) + offload, prefetched",
+                         f"TP({devices})"]
     assert names[-1] == planner.alst_name(devices) and f"SP-Ulysses({devices})" in names
     assert any(n.startswith("TP+SP") for n in names) == (devices > 2)
     for result in results:
@@ -685,6 +688,9 @@ def test_max_seq_len_finds_the_boundary_and_names_the_binding_term(devices):
     if devices > 1:
         assert by_name[f"TSP({devices})"].binding == "checkpointed layer inputs"
         assert by_name[f"TSP({devices}) + offload"].seq_len > 2 * by_name[f"TSP({devices})"].seq_len
+        # One more layer input on the device for the prefetch: a shorter longest sequence.
+        assert by_name[f"TSP({devices}) + offload, prefetched"].seq_len < \
+            by_name[f"TSP({devices}) + offload"].seq_len
     else:  # 16 B/param of an 8B model on one 80 GB device: nothing fits without the optimizer offload
         assert by_name["TSP(1)"].seq_len == 0 and by_name["TSP(1)"].binding == "model states"
 

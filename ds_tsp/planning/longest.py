@@ -17,6 +17,9 @@ sequences without it):
   on the device;
 * ``TSP(N) + offload``: checkpoints in host memory (``cpu_checkpointing``) and
   ZeRO's CPU optimizer offload;
+* ``TSP(N) + offload, prefetched``: the same with one more layer input on the
+  device, the next checkpoint coming back under the layer above's backward:
+  up to its length ``tsp.prefetch_checkpoints: "auto"`` prefetches;
 * ``TP(N)`` (AutoTP), the best ``TP+SP(t x c)`` split, ``SP-Ulysses(N)``: as
   DeepSpeed runs them, ZeRO over the sequence axis at the stage given; for a
   mixture-of-experts model, which AutoTP refuses, TP splits every expert's
@@ -161,6 +164,9 @@ def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dty
     results = [tsp(base, tsp_name(N), f"tsp={N}, {tiles}, ZeRO-{zero_stage}"),
                tsp(offload, tsp_name(N) + " + offload",
                    f"tsp={N}, {tiles}, ZeRO-{offload.zero_stage}, CPU optimizer + checkpoint offload"),
+               tsp(replace(offload, prefetch_checkpoints=True), tsp_name(N) + " + offload, prefetched",
+                   f"the same, each checkpoint back under the layer above's backward (tsp.prefetch_checkpoints "
+                   f"\"auto\" prefetches up to this length)"),
                baseline(f"TP({N})", f"tp={N}, ZeRO-{zero_stage}", N, 1)]
     splits = [baseline(f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}, ZeRO-{zero_stage}", t, N // t)
               for t in range(2, N) if N % t == 0]

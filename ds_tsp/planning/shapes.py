@@ -215,6 +215,7 @@ class Setting:
     fp32_accumulators: bool = True  # tsp.fp32_accumulators
     recompute_norms: bool = False  # tsp.recompute_norms
     offload_activations: bool = False  # activation_checkpointing.cpu_checkpointing: checkpoints in host memory
+    prefetch_checkpoints: bool = False  # tsp.prefetch_checkpoints: the next offloaded input back early (TSP only)
     offload_optimizer: bool = False  # zero_optimization.offload_optimizer.device "cpu"
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE
     lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the base frozen (0: full fine-tuning)

@@ -154,13 +154,14 @@ def _layers(setting, tokens, layer_saved):
                                RECOMPUTED: one}
 
 
-def _checkpoints(setting, tokens):
+def _checkpoints(setting, tokens, prefetch=False):
     """With activation checkpointing, the layers' checkpointed inputs on the
     device: every layer's, or one when they are offloaded (the one back for
-    its recompute); nothing without checkpointing."""
+    its recompute; two with ``prefetch``, the next one coming back under its
+    backward); nothing without checkpointing."""
     if not setting.activation_checkpointing:
         return 0
-    kept = 1 if setting.offload_activations else setting.model.num_layers
+    kept = (2 if prefetch else 1) if setting.offload_activations else setting.model.num_layers
     return kept * tokens * setting.precision.element * setting.model.hidden_size
 
 
@@ -259,7 +260,7 @@ def plan_tsp(setting, vocab_parallel):
     # cos/sin of the local tokens plus, per sequence, the row of the largest position (rotary.rotary_tables)
     model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
     model_saved += load_balancing_saved(m, tsp=True)
-    checkpoints = _checkpoints(setting, tokens)
+    checkpoints = _checkpoints(setting, tokens, setting.prefetch_checkpoints)
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
         logits_saved, vocab_transient = tsp_vocab_memory(m, p, D, tokens, setting.logits_tile_mib)
         logits_held = 0
@@ -542,7 +543,8 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                  tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
                  fp32_accumulators=True, recompute_norms=False, offload_activations=False, offload_optimizer=False,
-                 devices_per_node=DEFAULT_DEVICES_PER_NODE, lora_rank=0, lora_targets=LORA_TARGETS):
+                 prefetch_checkpoints=False, devices_per_node=DEFAULT_DEVICES_PER_NODE, lora_rank=0,
+                 lora_targets=LORA_TARGETS):
     """A checked ``Setting`` (arguments as ``plan``'s)."""
     if not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: full fine-tuning), not {lora_rank!r}")
@@ -563,6 +565,9 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
     if offload_activations and not activation_checkpointing:
         raise ValueError("offload_activations moves the checkpointed layer inputs to host memory: it needs "
                          "activation_checkpointing (DeepSpeed's cpu_checkpointing, likewise)")
+    if prefetch_checkpoints and not offload_activations:
+        raise ValueError("prefetch_checkpoints brings offloaded checkpoints back early: it needs "
+                         "offload_activations (DeepSpeed's cpu_checkpointing)")
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer is ZeRO's offload_optimizer: it needs zero_stage >= 1")
     m = model_shape(model)
@@ -575,8 +580,8 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
         raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
     return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
                    tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
-                   bool(recompute_norms), bool(offload_activations), bool(offload_optimizer), devices_per_node,
-                   lora_rank, tuple(lora_targets))
+                   bool(recompute_norms), bool(offload_activations), bool(prefetch_checkpoints),
+                   bool(offload_optimizer), devices_per_node, lora_rank, tuple(lora_targets))
 
 
 def baseline_plans(setting):
@@ -609,6 +614,8 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     ``fp32_accumulators`` (``tsp.fp32_accumulators``, default true),
     ``recompute_norms`` (``tsp.recompute_norms``, default false),
     ``offload_activations`` (checkpoints in host memory: ``cpu_checkpointing``),
+    ``prefetch_checkpoints`` (``tsp.prefetch_checkpoints``: TSP keeps one more
+    offloaded layer input on the device),
     ``offload_optimizer`` (ZeRO's ``offload_optimizer: cpu``) and
     ``devices_per_node`` (ranks whose offloads share one host); the offloads
     apply to every strategy. ``lora_rank`` (> 0) and ``lora_targets`` plan
