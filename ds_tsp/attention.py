@@ -9,7 +9,8 @@ locally through ``o_proj``, so no all-reduce is needed.
 
 Backward re-broadcasts the shards, projects the local tokens' queries, keys
 and values again and re-gathers K/V (only the local input and, with the fused
-backward, each head group's output and log-sum-exp are saved), reduce-scatters dK/dV back to the token owners (in the model's dtype,
+backward, each head group's output and log-sum-exp are saved),
+reduce-scatters dK/dV back to the token owners (in the model's dtype,
 added in float32) and reduces each shard's weight gradient to its owner
 (partial sums in float32 or wider, sent in the gradient wire dtype of
 ``comm.gradient_wire_dtype`` and added in the wider dtype on arrival).
@@ -274,9 +275,12 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
     tsp_rank = comm.group_rank(plan.group)
     # Products run in the model's dtype (tensor cores for bf16); their sums over
     # head groups and ranks accumulate in at least float32, cast once at the end.
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    # The compute dtype is the shard's: ``x`` is the layer's input, in its own
+    # dtype, when the input norm runs inside (float32 under autocast).
+    dtype = packed.dtype
+    acc_dtype = torch.promote_types(dtype, torch.float32)
     tokens, grad_tokens = x.flatten(0, 1), grad_out.flatten(0, 1)  # (N, H)
-    grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, x.dtype), device=x.device)
+    grad_x = torch.zeros(tokens.shape, dtype=_accumulator_dtype(plan, dtype), device=x.device)
     works, own_parts = [], []  # the reduces in flight; this rank's: (part of its shard's gradient, its reduce)
     grad_shards = {}  # group j -> this rank's partial gradient of shard j, flat and laid out like it
     norm_grads, rms_grads = {"q": None, "k": None}, {"q": None, "k": None}
@@ -396,7 +400,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
             # Sent in the model dtype, as the forward gathered K/V (the cost
             # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
-            scatter = scatter_kv_grads(plan, dKV, x.dtype)
+            scatter = scatter_kv_grads(plan, dKV, dtype)
             K = V = dKV = None
             if holder != j:  # only the holder's message waits for the key/value part
                 reduce_part(j, "all")

@@ -23,9 +23,9 @@ from .mlp import TSPGatedMLP
 from .model import num_targets
 from .moe import TSPSparseMoE
 from .offload import host_checkpoint_function
-from .prefetch import PrefetchWhenAffordable
 from .optimizer import ClientOptimizer
 from .pipeline import build_pipeline, check_pipeline_stages
+from .prefetch import PrefetchWhenAffordable
 from .replicated_schedule import schedule_replicated_grads
 from .topology import TSPTopology
 from .vocab import VocabParallelLMHead

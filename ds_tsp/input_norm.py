@@ -51,8 +51,12 @@ class TiledInputNorm:
         size = max(self.tile or num_tokens, 1)
         return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
 
+    def _norm(self, tokens, weight):
+        """Hugging Face's norm of ``tokens``, in the dtype its module returns."""
+        return torch.func.functional_call(self.module, {"weight": weight}, (tokens,))
+
     def _apply(self, tokens, weight):
-        return torch.func.functional_call(self.module, {"weight": weight}, (tokens,)).to(self.dtype)
+        return self._norm(tokens, weight).to(self.dtype)
 
     def __call__(self, tokens):
         """The normed ``tokens`` (no graph)."""
@@ -74,9 +78,10 @@ class TiledInputNorm:
 
     def backward(self, tokens, grad):
         """``(grad_tokens, grad_weight)`` from ``grad`` ``(N, H)`` of the normed
-        ``tokens`` (any dtype: cast to the normed values' first, as autograd hands
-        the unfused norm its output's gradient); the weight's gradient summed over
-        the tiles in float32 or wider."""
+        ``tokens`` (any dtype: cast first to the dtype the module's output has,
+        as autograd hands the unfused norm its output's gradient: float32 under
+        autocast, where the projections cast the normed values); the weight's
+        gradient summed over the tiles in float32 or wider."""
         grad_tokens = torch.empty_like(tokens)
         grad_weight = torch.zeros(self.weight.shape, dtype=torch.promote_types(self.weight.dtype, torch.float32),
                                   device=self.weight.device)
@@ -84,8 +89,8 @@ class TiledInputNorm:
             with torch.enable_grad():
                 # A stand-in leaf for the weight: differentiating the parameter itself would run its hooks here.
                 tile, weight = tokens[start:end].detach().requires_grad_(), self.weight.detach().requires_grad_()
-                tile_grad, weight_grad = torch.autograd.grad(self._apply(tile, weight), (tile, weight),
-                                                             grad[start:end].to(self.dtype))
+                normed = self._norm(tile, weight)
+                tile_grad, weight_grad = torch.autograd.grad(normed, (tile, weight), grad[start:end].to(normed.dtype))
             grad_tokens[start:end] = tile_grad
             grad_weight += weight_grad
         return grad_tokens, grad_weight.to(self.weight.dtype)

@@ -64,11 +64,13 @@ def hf_loss(model, input_ids):
     return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
 
-def autocast_parity(arch, batch, seq_len, vocab_parallel=True, backward_in_autocast=False, wrong_shard=None):
+def autocast_parity(arch, batch, seq_len, vocab_parallel=True, backward_in_autocast=False, wrong_shard=None,
+                    **tsp_options):
     """On every rank: the losses, and per gradient the squared norms of
     (TSP - fp32), (HF autocast - fp32), fp32 over this rank's piece, for the
     caller to sum over ranks. ``wrong_shard``: a module path whose shard the
-    last rank scales by 1.1, to show the bound would catch it."""
+    last rank scales by 1.1, to show the bound would catch it; ``tsp_options``:
+    further ``tsp`` keys."""
     tsp_size = dist.get_world_size()
     torch.manual_seed(7)
     fp32 = tiny_model(arch, dtype=torch.float32)
@@ -76,7 +78,7 @@ def autocast_parity(arch, batch, seq_len, vocab_parallel=True, backward_in_autoc
     input_ids = torch.randint(0, fp32.config.vocab_size, (batch, seq_len))
     topo = TSPTopology(tsp_size)
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
-                                         vocab_parallel=vocab_parallel))
+                                         vocab_parallel=vocab_parallel, **tsp_options))
     if wrong_shard and topo.tsp_rank == tsp_size - 1:
         with torch.no_grad():
             next(model.get_submodule(wrong_shard).parameters()).mul_(1.1)
@@ -140,20 +142,22 @@ def out_of_bound(errors):
     return [name for name, ratio in ratios(errors).items() if ratio > RATIO_BOUND]
 
 
-@pytest.mark.parametrize("tsp_size,arch,vocab_parallel", [
-    (1, "llama", True),
-    (2, "llama", True),
-    (2, "llama", False),  # replicated head: HF's loss path, TSP blocks under autocast
-    (2, "qwen3", True),  # per-head norms (float32 weights) inside the attention Function
-    (2, "qwen2", True),  # q/k/v biases
-    (2, "qwen2_moe", True),  # float32 routing weights, the token all-to-all ("auto" here) and the shared expert
-    (2, "olmo2", True),  # q/k norms over the projection: float32 inverse RMS from the extra round of shards
-    (2, "gemma2", True),  # the soft-capped kernel (scores and softmax in float32), soft-capped logits in the ring
+@pytest.mark.parametrize("tsp_size,arch,vocab_parallel,options", [
+    (1, "llama", True, {}),
+    (2, "llama", True, {}),
+    (2, "llama", False, {}),  # replicated head: HF's loss path, TSP blocks under autocast
+    (2, "qwen3", True, {}),  # per-head norms (float32 weights) inside the attention Function
+    # the input norm inside the attention (float32 input and weight, normed values cast), normed by tiles
+    (2, "qwen3", True, {"recompute_norms": True, "token_tile": 5}),
+    (2, "qwen2", True, {}),  # q/k/v biases
+    (2, "qwen2_moe", True, {}),  # float32 routing weights, the token all-to-all ("auto" here) and the shared expert
+    (2, "olmo2", True, {}),  # q/k norms over the projection: float32 inverse RMS from the extra round of shards
+    (2, "gemma2", True, {}),  # the soft-capped kernel (scores and softmax in float32), soft-capped logits in the ring
 ])
-def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel):
+def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel, options):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,
-                                       vocab_parallel=vocab_parallel))
-    report(errors, f"D={tsp_size} {arch} vocab_parallel={vocab_parallel}")
+                                       vocab_parallel=vocab_parallel, **options))
+    report(errors, f"D={tsp_size} {arch} vocab_parallel={vocab_parallel} {options}")
     assert errors["all gradients"][1] > 1e-4, "HF under autocast should differ from float32: was autocast on?"
     assert not out_of_bound(errors), out_of_bound(errors)
 
