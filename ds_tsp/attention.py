@@ -172,6 +172,7 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
             row_grads.append(dq)
             grad_K[rows, k_lo:k_hi].add_(dk)
             grad_V[rows, k_lo:k_hi].add_(dv)
+            del dk, dv  # a block's dK/dV (a full key prefix each) go before the next block's are made
         grad_q.append(_cat(row_grads, 1))
     return _cat(grad_q, 0)
 

@@ -373,15 +373,20 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
         w = buf[:count]
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
-            z, cap_slope = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
-            dz = torch.exp(z - lse[span].unsqueeze(1))  # softmax over the full vocabulary
+            # In place on the tile's logits, which nothing else reads: one (tile, count) buffer in fp32.
+            dz, cap_slope = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
+            dz.sub_(lse[span].unsqueeze(1)).exp_()  # softmax over the full vocabulary
             column, hit = _targets_in(labels[span], first, count)
             dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
-            dz = dz * scale[span].unsqueeze(1)
-            dz = (dz if cap_slope is None else dz * cap_slope).to(w.dtype)
+            dz.mul_(scale[span].unsqueeze(1))
+            if cap_slope is not None:
+                dz.mul_(cap_slope)
+                del cap_slope
+            dz = dz.to(w.dtype)
             grad_hidden[span] += dz @ w
             if weight_grad:
-                grad_w[:count] += comm.partial_matmul(dz.t(), hidden[span])
+                comm.partial_matmul(dz.t(), hidden[span], out=grad_w[:count])
+            del dz  # the next tile's logits are made after this one's are gone
         return grad_w
 
     if not weight_grad:

@@ -101,7 +101,12 @@ CHECKPOINT_BACK = "checkpointed input back from host"
 RECOMPUTED = "saved tensors of the recomputed layer"
 EVERY_LAYER = "saved tensors of every layer"
 MODEL_LEVEL = "embedding, final norm, LM-head input and loss tensors"
+# TSP's: what outside the layers stays live through their backward, and the
+# head's phase, with the final norm's, the head's and the loss's saved tensors.
+KEPT_OUTSIDE = "rotary tables, token ids and returned logits"
+HEAD_PHASE = "final norm, LM head and loss backward"
 KV_GROUP = "K/V of one head group"
+HEAD_GROUP_LOCAL = "local queries and keys of one head group"
 GRAD_X = "input-gradient buffers"
 MLP_TILE = "MLP intermediates"
 SHARDS = "weight shards and gradient buffers in flight"
@@ -221,12 +226,16 @@ def hf_moe_layer_saved(m):
     return 4 * m.num_experts
 
 
+def rope_saved(m, e, rope_rows):
+    """cos/sin: ``rope_rows`` rows of ``d`` each."""
+    return rope_rows * 2 * m.head_dim * e
+
+
 def model_level_saved(m, e, tokens, rope_rows, recompute_norm=False):
-    """Outside the layers: input ids, cos/sin (``rope_rows`` rows of ``d``), the
-    final norm (``rms_norm_saved_per_token``) and the LM head's input."""
+    """Outside the layers: input ids, cos/sin (``rope_saved``), the final norm
+    (``rms_norm_saved_per_token``) and the LM head's input."""
     H = m.hidden_size
-    return (tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H)
-            + rope_rows * 2 * m.head_dim * e)
+    return tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H) + rope_saved(m, e, rope_rows)
 
 
 def logits_memory(m, p, tokens, vocab_shards):
@@ -290,7 +299,8 @@ def tsp_vocab_memory(m, p, tsp_size, tokens, logits_tile_mib):
     tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
     saved = tokens * (INT64 + acc)
     transient = {
-        "logits_tiles": 3 * tile * rows * FLOAT32,  # z, softmax(z), dz of one token tile, fp32
+        # one token tile's logits in fp32, turned into dz in place, and dz cast to a narrower model dtype
+        "logits_tiles": tile * rows * (acc + (e if e < acc else 0)),
         "grad_hidden": tokens * H * acc,
         "head_shards_in_flight": 2 * rows * H * e,  # the shard in use and the next one arriving
         # ring.ring_gradients: the own shard's partial kept for the end, the

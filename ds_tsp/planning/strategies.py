@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from ..layout import padded_length
 from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
 from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
-                     HEAD_BACKWARD, KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
-                     ZERO3_GATHERED, hf_layer_saved_per_token, hf_moe_layer_saved, host_memory, load_balancing_saved,
-                     logits_memory, lora_model_states, model_level_saved, model_states, tiled_loss_memory,
-                     transient_terms,
+                     HEAD_BACKWARD, HEAD_GROUP_LOCAL, HEAD_PHASE, KEPT_OUTSIDE, KV_GROUP, LOSS_BACKWARD, MLP_TILE,
+                     MODEL_LEVEL, RECOMPUTED, SHARDS, STATES, ZERO3_GATHERED, hf_layer_saved_per_token,
+                     hf_moe_layer_saved, host_memory, load_balancing_saved, logits_memory, lora_model_states,
+                     model_level_saved, model_states, rope_saved, tiled_loss_memory, transient_terms,
                      tsp_block_saved_per_token, tsp_vocab_memory)
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, LORA_TARGETS, PRECISIONS,
                      TSP_ATTENTION_BACKWARDS, Setting, lora_adapter_params, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
@@ -175,7 +175,8 @@ def _tsp_backward_phases(setting, blocks_saved, pieces, every_layer):
     layer = sum(blocks_saved.values()) if setting.activation_checkpointing else every_layer
     mlp = {GRAD_X: pieces["grad_x"], MLP_TILE: pieces["mlp_shard_intermediates"],
            SHARDS: pieces["mlp_shards_in_flight"] + pieces["mlp_accumulators"]}
-    attention = {KV_GROUP: pieces["kv_head_group"], GRAD_X: pieces["grad_x"],
+    attention = {KV_GROUP: pieces["kv_head_group"], HEAD_GROUP_LOCAL: pieces["head_group_local"],
+                 GRAD_X: pieces["grad_x"],
                  SHARDS: pieces["attention_shards_in_flight"] + pieces["attention_grad_reduces"]}
     return (layer, mlp), (layer - blocks_saved["mlp"], attention)
 
@@ -190,6 +191,7 @@ def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, gra
     e, acc, B = setting.precision.element, setting.precision.accumulate, setting.micro_batch
     S = tokens * D // B
     kv_heads = max(m.num_kv_heads // D, 1)
+    q_heads = max(m.num_heads // D, 1)
     if sparse:
         # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
         # shared expert.
@@ -201,6 +203,10 @@ def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, gra
         # backward of one head group: K, V, the gather buffer, the two dK/dV
         # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
         "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
+        # of the local tokens, meanwhile: the group's queries before and after rotary, their output's gradient
+        # and their own; the set's keys before rotary (for its backward), the next group's, and its K/V on their
+        # way to the gather
+        "head_group_local": tokens * m.head_dim * e * (4 * q_heads + 4 * kv_heads),
         "attention_shards_in_flight": 2 * attn_shard * e,
         # every head group's gradient reduce stays posted until the attention's backward ends
         "attention_grad_reduces": m.attention_params * acc,
@@ -276,6 +282,11 @@ def plan_tsp(setting, vocab_parallel):
         vocab_transient = {"loss_backward": tokens * m.vocab_size * loss_backward_per_logit(p)}
         loss_backward = vocab_transient["loss_backward"]
         route = 0
+    # Outside the layers only cos/sin and the embedding's ids (its route, folded) stay through the layers'
+    # backward: the final norm's, the head's and the loss's saved tensors go with their own backward, which
+    # runs first, so they count in the head's phase alone.
+    kept_outside = rope_saved(m, e, tokens + B) + (route if vocab_parallel else tokens * INT64)
+    head_saved = model_saved + route - kept_outside + logits_saved
 
     # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
     # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
@@ -300,10 +311,12 @@ def plan_tsp(setting, vocab_parallel):
         **vocab_transient,
     }
     layer_backward = sum(layer_pieces.values())
-    # The loss's backward (folded: the head's ring) is the first thing backward
-    # runs, before any parameter holds a gradient: it overlaps the gradients'
-    # memory rather than adding to it. The embedding's runs last, with all of them.
-    loss_backward_beyond_grads = _loss_backward_beyond(setting, loss_backward, states)
+    # The head's phase, the loss's backward (folded: the head's ring) with the
+    # final norm's, the head's and the loss's saved tensors, is the first thing
+    # backward runs, before any parameter holds a gradient: it overlaps the
+    # gradients' memory rather than adding to it. The embedding's runs last,
+    # with all of them.
+    head_beyond_grads = _loss_backward_beyond(setting, head_saved + loss_backward, states)
     embedding_backward = vocab_transient.get("embedding_backward", 0)
     # With checkpointing no layer is recomputed yet while the loss runs its
     # backward, and none is left when the embedding runs its: the recomputed
@@ -311,17 +324,14 @@ def plan_tsp(setting, vocab_parallel):
     # Without, every layer's are live while the loss runs its backward, those
     # the layer's attention phase has freed included.
     not_live = layers if setting.activation_checkpointing else 0
-    loss_backward_beyond_grads = max(loss_backward_beyond_grads - (not_live or layers - every_layer), 0)
+    head_phase = max(head_beyond_grads - (not_live or layers - every_layer), 0)
     embedding_backward = max(embedding_backward - not_live, 0)
     layer_terms = ({CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
                     RECOMPUTED: layers} if setting.activation_checkpointing else {EVERY_LAYER: layers})
-    memory = {**states, "activations": model_saved + route + checkpoints + layers,
-              "logits": logits_saved + logits_held,
-              "transient": max(layer_backward, loss_backward_beyond_grads, embedding_backward)}
-    terms = {STATES: sum(states.values()), **layer_terms,
-             MODEL_LEVEL: model_saved + route + logits_saved + logits_held,
-             **transient_terms(layer_pieces, {LOSS_BACKWARD: loss_backward_beyond_grads,
-                                              EMBEDDING_BACKWARD: embedding_backward})}
+    memory = {**states, "activations": kept_outside + checkpoints + layers, "logits": logits_held,
+              "transient": max(layer_backward, head_phase, embedding_backward)}
+    terms = {STATES: sum(states.values()), **layer_terms, KEPT_OUTSIDE: kept_outside + logits_held,
+             **transient_terms(layer_pieces, {HEAD_PHASE: head_phase, EMBEDDING_BACKWARD: embedding_backward})}
 
     if problem:
         forward = backward = per_step = float("nan")
