@@ -309,27 +309,34 @@ def planned(strategy, world, seq_len, args):
 def summarize(strategy, world, measured, error, args):
     """One strategy at one D: every measured length (max over ranks) with the
     planner's peak, the longest length that fits and what binds past it."""
-    grid = grid_for(strategy, world, args)
     budget = args.budget_mib * MIB
     rows = []
     for seq_len, per_rank in measured.items():
         peak = max(r["peak_live_bytes"] for r in per_rank)
-        plan_ = planned(strategy, world, seq_len, args)
-        ranks_per_node = plan_.setting.ranks_per_node
         rows.append({"seq_len": seq_len, "fits": peak <= budget, "peak_mib": peak / MIB,
                      "state_mib": max(r["state_bytes"] for r in per_rank) / MIB,
                      "host_peak_mib": max(r["host_peak_bytes"] for r in per_rank) / MIB,
-                     "planned_mib": plan_.total / MIB, "planned_over_measured": plan_.total / peak,
-                     "planned_host_mib": plan_.host_total / ranks_per_node / MIB,
-                     "planned_terms_mib": {k: v / MIB for k, v in plan_.terms.items()},
                      "step_s": max(r["step_s"] for r in per_rank), "loss": per_rank[0]["loss"]})
+    return planned_entry(strategy, world, rows, list(measured), error, args)
+
+
+def planned_entry(strategy, world, rows, order, error, args):
+    """The entry of one strategy at one D from its measured ``rows``: each
+    with the planner's peak for its length, the longest length that fits and
+    what the planner says binds past it."""
+    grid = grid_for(strategy, world, args)
+    for row in rows:
+        plan_ = planned(strategy, world, row["seq_len"], args)
+        row.update(planned_mib=plan_.total / MIB, planned_over_measured=plan_.total / (row["peak_mib"] * MIB),
+                   planned_host_mib=plan_.host_total / plan_.setting.ranks_per_node / MIB,
+                   planned_terms_mib={k: v / MIB for k, v in plan_.terms.items()})
     longest = max((r["seq_len"] for r in rows if r["fits"]), default=0)
     beyond = [r for r in rows if r["seq_len"] == longest + grid]
     ratios = [r["planned_over_measured"] for r in rows]
     entry = {"strategy": strategy, "tsp_size": world, "grid": grid, "longest_seq_len": longest,
              "next_fits": beyond[0]["fits"] if beyond else None,
              "worst_planned_over_measured": max(ratios, key=lambda x: abs(x - 1)) if ratios else None,
-             "measured": sorted(rows, key=lambda r: r["seq_len"]), "order": list(measured), "error": error}
+             "measured": sorted(rows, key=lambda r: r["seq_len"]), "order": order, "error": error}
     if beyond:  # what the planner says grows past the budget first: its largest term one step beyond
         terms = beyond[0]["planned_terms_mib"]
         entry["binding_term"] = max(terms, key=terms.get)
@@ -344,7 +351,8 @@ def best_anchor(entries, world):
 
 
 def write_markdown(doc, path):
-    lines = [f"Command: `{doc['command']}`", "",
+    replanned = f" (the planner's side: `{doc['replanned']}`)" if doc.get("replanned") else ""
+    lines = [f"Command: `{doc['command']}`{replanned}", "",
              f"Whole run: {doc['elapsed_s']:.0f} s on {doc['cpu_count']} shared CPU cores (gloo, one thread per rank), "
              f"torch {doc['torch']}, DeepSpeed {doc['deepspeed']}. Budget: {doc['budget_mib']:g} MiB of peak live "
              f"tensors per rank (device memory; host memory counted apart, see `benchmarks/longest.py`). Model: "
@@ -451,6 +459,9 @@ def parse_args(argv=None):
     parser.add_argument("--collective-timeout", type=float, default=300, help="gloo timeout, so a dead peer fails")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="longest", help="stem of the files written under --out")
+    parser.add_argument("--replan", action="store_true",
+                        help="measure nothing: put the planner's peaks beside --out/--name's measured ones again "
+                             "(after a planner change) and rewrite its table and plot; pass the run's own options")
     args = parser.parse_args(argv)
     if min(args.sizes) < 2:
         parser.error("--sizes are parallel group sizes, 2 or more")
@@ -461,10 +472,34 @@ def parse_args(argv=None):
     return args
 
 
+def _settings(args):
+    """What a run's measurements depend on, as its JSON records them."""
+    return {"budget_mib": args.budget_mib, "token_tile": args.token_tile, "logits_tile_mib": args.logits_tile_mib,
+            "recompute_norms": args.recompute_norms, "model": compare._model_card(args)}
+
+
+def replan(args, command):
+    """``--replan``: the planner's side of a written run again, its measurements kept."""
+    path = os.path.join(args.out, f"{args.name}.json")
+    with open(path) as f:
+        doc = json.load(f)
+    for key, value in _settings(args).items():
+        if doc.get(key) != value:
+            raise SystemExit(f"--replan: {path} was measured with {key} = {doc.get(key)!r}, not {value!r}: "
+                             f"pass the options of its command, `{doc['command']}`")
+    doc["results"] = [planned_entry(e["strategy"], e["tsp_size"], e["measured"], e["order"], e["error"], args)
+                      for e in doc["results"]]
+    doc["replanned"] = command
+    return doc
+
+
 def main(argv=None):
     args = parse_args(argv)
     env = " ".join(f"{k}={os.environ[k]}" for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS"))
     command = f"{env} " + " ".join(shlex.quote(a) for a in ["python", os.path.relpath(__file__)] + sys.argv[1:])
+    if args.replan:
+        write_reports(replan(args, command), args)
+        return
     begin = time.monotonic()
     entries = []
     for world in args.sizes:
@@ -474,14 +509,17 @@ def main(argv=None):
             steps = [f"{s}:{statistics.mean(r['peak_live_bytes'] for r in v) / MIB:.1f}" for s, v in measured.items()]
             print(f"[{time.monotonic() - begin:.0f} s] {strategy} D={world}: longest "
                   f"{entries[-1]['longest_seq_len']} ({' '.join(steps)}){' ' + error if error else ''}", flush=True)
-    doc = {"command": command, "elapsed_s": time.monotonic() - begin, "budget_mib": args.budget_mib,
+    doc = {"command": command, "elapsed_s": time.monotonic() - begin, **_settings(args),
            "start": args.start, "granularity": args.granularity, "max_len": args.max_len,
-           "token_tile": args.token_tile, "logits_tile_mib": args.logits_tile_mib,
-           "recompute_norms": args.recompute_norms, "model": compare._model_card(args),
            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count(),
            "results": entries}
-    for world in args.sizes:
-        anchor = best_anchor(entries, world)
+    write_reports(doc, args)
+
+
+def write_reports(doc, args):
+    """``<name>.json``, ``.md`` and ``.png`` under ``--out``, and the table on stdout."""
+    for world in sorted({entry["tsp_size"] for entry in doc["results"]}):
+        anchor = best_anchor(doc["results"], world)
         doc.setdefault("best_anchor", {})[str(world)] = anchor and {"strategy": anchor["strategy"],
                                                                     "longest_seq_len": anchor["longest_seq_len"]}
     os.makedirs(args.out, exist_ok=True)

@@ -150,6 +150,8 @@ def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
         for row in lengths.values():
             assert row["fits"] == (row["peak_mib"] <= budget) and row["planned_mib"] > 0
             assert row["planned_over_measured"] == row["planned_mib"] / row["peak_mib"]
+            # Issue #32: the planner within 15% of the measured peak at every measured length.
+            assert abs(row["planned_over_measured"] - 1) <= 0.15, (entry["strategy"], row["seq_len"])
         # Peak memory grows with the length, as the search assumes.
         peaks = [lengths[s]["peak_mib"] for s in sorted(lengths)]
         assert peaks == sorted(peaks)
@@ -160,6 +162,16 @@ def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
     markdown = open(tmp_path / "longest.md").read()
     assert markdown.startswith("Command: `") and "| TSP + offload | 2 |" in markdown
     assert (tmp_path / "longest.png").stat().st_size > 0
+
+    # --replan measures nothing: the planner's side again (the same planner here: the same entries), and a run
+    # measured with other options is refused by name.
+    replan = subprocess.run(cmd + ["--replan"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert replan.returncode == 0, replan.stderr[-3000:]
+    again = json.load(open(tmp_path / "longest.json"))
+    assert again["results"] == doc["results"] and "--replan" in again["replanned"]
+    other = subprocess.run(cmd + ["--replan", "--token-tile", "64"], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert other.returncode != 0 and "measured with token_tile = 32, not 64" in other.stderr
 
 
 def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_processes):

@@ -77,14 +77,18 @@ estimate), and what offloading puts in host memory instead.
   cast back; under ZeRO-3 also the LM head gathered whole with its whole
   gradient) and one
   layer's backward buffers; for TSP that is one head group's full-sequence K/V
-  with its gradients, the weight shards in flight, the fp32 gradient reduces
-  and ring accumulators, one MLP tile's intermediates, and the input-gradient
-  accumulator (fp32 with ``tsp.fp32_accumulators``, the default; the model
-  dtype without). The folded loss backward holds three fp32 logits tiles
-  (``z``, softmax, ``dz``; ``tsp.logits_tile_mib`` each at most), the fp32
-  input gradient, two head shards and four fp32 shard-gradient buffers of the
-  ring; the folded embedding's backward its shard's gradient in fp32 and the
-  rows exchanged. The forward's output accumulators are freed before
+  with its gradients, the group's local queries and keys (before and after
+  rotary, with their gradients; the next group's keys on their way), the
+  weight shards in flight, the fp32 gradient reduces and ring accumulators,
+  one MLP tile's intermediates, and the input-gradient accumulator (fp32 with
+  ``tsp.fp32_accumulators``, the default; the model dtype without). TSP's
+  head's phase runs before any layer is recomputed: the final norm's, the
+  head's and the loss's saved tensors count there only, with the folded loss
+  backward's one fp32 logits tile (``tsp.logits_tile_mib`` at most, turned
+  into ``dz`` in place; and ``dz`` cast to a narrower model dtype), the fp32
+  input gradient, two received head shards and four fp32 shard-gradient
+  buffers of the ring (one and two at D = 2); the folded embedding's backward holds its shard's gradient in fp32
+  and the rows exchanged. The forward's output accumulators are freed before
   backward's buffers exist and stay below them.
 """
 
@@ -298,14 +302,18 @@ def tsp_vocab_memory(m, p, tsp_size, tokens, logits_tile_mib):
     rows = vocab_rows_per_rank(m.vocab_size, tsp_size)
     tile = logits_tile_tokens(rows, tokens, logits_tile_mib)
     saved = tokens * (INT64 + acc)
+    hops = tsp_size - 1
     transient = {
         # one token tile's logits in fp32, turned into dz in place, and dz cast to a narrower model dtype
         "logits_tiles": tile * rows * (acc + (e if e < acc else 0)),
         "grad_hidden": tokens * H * acc,
-        "head_shards_in_flight": 2 * rows * H * e,  # the shard in use and the next one arriving
+        # The shard in use and the next one arriving, received ones only: the
+        # first in use is the rank's own weight (one received at D = 2, none alone).
+        "head_shards_in_flight": min(hops, 2) * rows * H * e,
         # ring.ring_gradients: the own shard's partial kept for the end, the
-        # accumulator travelling, the one arriving and this step's partial
-        "head_grad_accumulators": 4 * rows * H * acc,
+        # accumulator travelling, the one arriving and this step's partial (at
+        # D = 2 the own partial and the other shard's; alone, the one partial)
+        "head_grad_accumulators": (min(2 * hops, 4) or 1) * rows * H * acc,
         # the local tokens' row gradients in owner order and the rows returned
         # (N expected), the shard's gradient summed in fp32 and cast back
         "embedding_backward": 2 * tokens * H * e + rows * H * (acc + e),
