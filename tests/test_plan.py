@@ -190,11 +190,13 @@ def test_folded_vocabulary_fits_llama3_8b_at_128k():
     # What is left: model states ~16.1 GB (the fp32 master weights and Adam moments, 12 GB, with nothing for
     # ZeRO to partition), 7.2 GB of checkpointed layer inputs and one layer's saved tensors, and a transient
     # that one layer's backward sets rather than the loss: its MLP's (1.24 GB with every tensor the layer
-    # saved live), while the head's 1.63 GB runs before any layer is recomputed.
+    # saved live, less the embedding's 0.13 GB gradient, which its own backward makes after every layer's),
+    # while the head's 1.63 GB runs before any layer is recomputed.
     loss = sum(folded.detail[k] for k in planner.HEAD_BACKWARD)
     mlp_phase = folded.detail["grad_x"] + folded.detail["mlp_shard_intermediates"] + \
         folded.detail["mlp_shards_in_flight"] + folded.detail["mlp_accumulators"]
-    assert folded.memory["transient"] == mlp_phase
+    assert folded.memory["transient"] == mlp_phase - Vs * H * 2
+    assert folded.terms["model states"] == 16 * (blocks + L * 2 * H + H + 2 * Vs * H) - Vs * H * 2
     assert loss > mlp_phase and loss > folded.detail["embedding_backward"]
     # Per step, the head ring (7 hops of the shard forward, 7 of it and of its fp32 accumulator backward)
     # receives what the all-reduce of the whole embedding and head gradients did, 2 x 2 (D-1)/D V H bf16,

@@ -310,7 +310,12 @@ def plan_tsp(setting, vocab_parallel):
         **layer,
         **vocab_transient,
     }
-    layer_backward = sum(layer_pieces.values())
+    # The embedding's gradient, counted among the model states, is made last, by its own backward: no layer's
+    # backward holds it. Not so a tied head's, ZeRO-3's partition (one buffer made once) or an offloaded
+    # optimizer's (one layer's gradients at a time).
+    unmade = 0 if m.tie_word_embeddings or setting.zero_stage >= 3 or setting.offload_optimizer else \
+        vocab_rows * H * p.grad
+    layer_backward = sum(layer_pieces.values()) - unmade
     # The head's phase, the loss's backward (folded: the head's ring) with the
     # final norm's, the head's and the loss's saved tensors, is the first thing
     # backward runs, before any parameter holds a gradient: it overlaps the
@@ -330,8 +335,12 @@ def plan_tsp(setting, vocab_parallel):
                     RECOMPUTED: layers} if setting.activation_checkpointing else {EVERY_LAYER: layers})
     memory = {**states, "activations": kept_outside + checkpoints + layers, "logits": logits_held,
               "transient": max(layer_backward, head_phase, embedding_backward)}
-    terms = {STATES: sum(states.values()), **layer_terms, KEPT_OUTSIDE: kept_outside + logits_held,
-             **transient_terms(layer_pieces, {HEAD_PHASE: head_phase, EMBEDDING_BACKWARD: embedding_backward})}
+    # Where a layer's backward sets the peak, the model states in it lack the embedding's gradient.
+    layer_binds = layer_backward >= max(head_phase, embedding_backward)
+    terms = {STATES: sum(states.values()) - (unmade if layer_binds else 0), **layer_terms,
+             KEPT_OUTSIDE: kept_outside + logits_held,
+             **({k: v for k, v in layer_pieces.items() if v} if layer_binds else
+                transient_terms({}, {HEAD_PHASE: head_phase, EMBEDDING_BACKWARD: embedding_backward}))}
 
     if problem:
         forward = backward = per_step = float("nan")
