@@ -3,6 +3,8 @@ measured on CPU gloo ranks (or GPUs where present), against the planner's.
 
     python benchmarks/longest.py                       # the committed run (benchmarks/results/longest.md)
     python benchmarks/longest.py --sizes 2 --budget-mib 8 --start 64 --out /tmp/longest   # a smoke run
+    python benchmarks/longest.py --logits-tile-mib 1 --name longest_tile1mib   # the logits tile scaled to the budget
+    python benchmarks/longest.py --replan       # the planner's side of the committed run again, nothing measured
 
 For each strategy and each ``D`` in ``--sizes``, ranks forked as in
 ``compare.py`` train one engine through a search on the sequence length: the

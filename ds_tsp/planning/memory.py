@@ -87,9 +87,10 @@ estimate), and what offloading puts in host memory instead.
   backward's one fp32 logits tile (``tsp.logits_tile_mib`` at most, turned
   into ``dz`` in place; and ``dz`` cast to a narrower model dtype), the fp32
   input gradient, two received head shards and four fp32 shard-gradient
-  buffers of the ring (one and two at D = 2); the folded embedding's backward holds its shard's gradient in fp32
-  and the rows exchanged. The forward's output accumulators are freed before
-  backward's buffers exist and stay below them.
+  buffers of the ring (one and two at D = 2); the folded embedding's backward
+  holds its shard's gradient in fp32 and the rows exchanged. No layer's
+  backward holds the embedding's gradient, made last. The forward's output
+  accumulators are freed before backward's buffers exist and stay below them.
 """
 
 from .shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
