@@ -315,6 +315,16 @@ def test_the_planner_counts_the_adapters_each_rank_holds_and_freezes_the_base(ru
         assert lora[name].memory["weights"] == pytest.approx(plan_full.memory["weights"] + 2 * adapters)
         assert lora[name].memory["optimizer"] == pytest.approx(12 * adapters)
         assert lora[name].memory["grads"] < plan_full.memory["grads"]
+    # Where a layer's backward sets the peak (checkpointed layers, small logits tiles), full fine-tuning's model
+    # states there lack the embedding's gradient, made after every layer's backward; a LoRA run's frozen
+    # embedding has none to lack.
+    for lora_rank, lacking in ((0, -(-shape.vocab_size // 2) * shape.hidden_size * 2), (4, 0)):
+        tsp = {p.name: p for p in plan(config, 4096, 1, 2, "bf16", zero_stage=1, activation_checkpointing=True,
+                                       logits_tile_mib=0.01, lora_rank=lora_rank,
+                                       lora_targets=ALL_TARGETS)}["TSP(2)"]
+        assert "MLP intermediates" in tsp.terms  # the layer's backward binds
+        states = sum(tsp.memory[k] for k in ("weights", "grads", "optimizer"))
+        assert tsp.terms["model states"] == states - lacking
 
 
 def pipeline_refusal():

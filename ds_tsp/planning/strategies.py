@@ -204,9 +204,9 @@ def _tsp_layer_transient(m, setting, D, tokens, tile, attn_shard, ffn_shard, gra
         # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
         "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
         # of the local tokens, meanwhile: the group's queries before and after rotary, their output's gradient
-        # and their own; the set's keys before rotary (for its backward), the next group's, and its K/V on their
-        # way to the gather
-        "head_group_local": tokens * m.head_dim * e * (4 * q_heads + 4 * kv_heads),
+        # and their own; the set's keys before rotary (for its backward) and, with another group to come, its
+        # keys and its K/V on their way to the gather
+        "head_group_local": tokens * m.head_dim * e * (4 * q_heads + (4 if D > 1 else 1) * kv_heads),
         "attention_shards_in_flight": 2 * attn_shard * e,
         # every head group's gradient reduce stays posted until the attention's backward ends
         "attention_grad_reduces": m.attention_params * acc,
@@ -312,9 +312,9 @@ def plan_tsp(setting, vocab_parallel):
     }
     # The embedding's gradient, counted among the model states, is made last, by its own backward: no layer's
     # backward holds it. Not so a tied head's, ZeRO-3's partition (one buffer made once) or an offloaded
-    # optimizer's (one layer's gradients at a time).
-    unmade = 0 if m.tie_word_embeddings or setting.zero_stage >= 3 or setting.offload_optimizer else \
-        vocab_rows * H * p.grad
+    # optimizer's (one layer's gradients at a time); a LoRA run's frozen embedding has none.
+    unmade = 0 if (m.tie_word_embeddings or setting.zero_stage >= 3 or setting.offload_optimizer
+                   or setting.lora_rank) else vocab_rows * H * p.grad
     layer_backward = sum(layer_pieces.values()) - unmade
     # The head's phase, the loss's backward (folded: the head's ring) with the
     # final norm's, the head's and the loss's saved tensors, is the first thing
