@@ -139,9 +139,15 @@ class CommCounter:
 
 counter = CommCounter()
 
-# torch 2.13 renamed the *_into_tensor / *_tensor forms; keep older torch working.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the *_into_tensor / *_tensor forms; keep older torch working. Looked up at each call, not
+# bound at import, so that a wrapper installed on torch.distributed later (a profiler's, a benchmark's byte
+# count) sees these calls as it sees every other.
+def _all_gather_single(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def _nbytes(tensor):

@@ -31,8 +31,13 @@ FAILED_PEER_WAIT_S = 10
 # A destroyed gloo group's threads live on in its workers; past this many a pool is replaced (cheaply: the
 # fork server keeps the imports) before they slow every later test down.
 MAX_WORKER_THREADS = 64
-# Imported once by the fork server; nothing in them starts threads or process groups.
-PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.engine", "ds_tsp.generate"]
+# Imported once by the fork server; nothing in them starts threads or process groups. Besides the packages, what
+# a fresh worker would otherwise import lazily, each time a pool is replaced: DeepSpeed's first optimizer check
+# imports its Muon optimizer, whose torch.compile decorators import inductor (about 2 s of CPU a rank); the
+# tests' Hugging Face model classes; the shared-memory op's loader (torch.utils.cpp_extension, setuptools).
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.engine", "ds_tsp.generate",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension",
+           "deepspeed.ops.op_builder.all_ops", "peft", "trl", "pytest", "models"]
 
 
 class RankFailure(AssertionError):
@@ -84,11 +89,17 @@ def _release_groups():
             value.clear()
 
 
+def forkserver_context():
+    """The multiprocessing context whose fork server imports ``PRELOAD`` once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class RankPool:
     def __init__(self, world_size):
         self.world_size = world_size
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = forkserver_context()
         self._dir = tempfile.TemporaryDirectory(prefix="ds_tsp_rdzv_")
         init_file = os.path.join(self._dir.name, "rendezvous")
         self.results = ctx.Queue()

@@ -7,10 +7,10 @@ TSP's MoE schedules and AutoEP."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,14 +23,14 @@ def compare_run(tmp_path_factory, rank_pools):
     out to save time)."""
     rank_pools.close()  # as own_processes: the run's ranks get the cores
     out = tmp_path_factory.mktemp("compare")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "dense", "moe", "--sizes", "2",
+    cmd = [os.path.join(ROOT, "benchmarks", "compare.py"), "--models", "dense", "moe", "--sizes", "2",
            "--moe-sizes", "4", "--seq-lens", "32", "--layers", "1", "--hidden", "64", "--heads", "4",
            "--kv-heads", "2", "--intermediate", "128", "--experts", "4", "--top-k", "2", "--expert-intermediate", "32",
            "--vocab", "67", "--warmup", "1", "--steps", "1", "--strategy-timeout", "120", "--out", str(out),
            "--strategies", "tsp", "tsp_replicated_vocab", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses",
            "ulysses_zero3", "autoep"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -122,13 +122,13 @@ def test_compare_moe_row_at_the_smallest_settings(compare_run):
 def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
     # A budget a few MiB above TSP's state: the search doubles from 256 tokens, then bisects on multiples of 64.
     budget = 3.0
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "longest.py"), "--sizes", "2", "--strategies",
+    cmd = [os.path.join(ROOT, "benchmarks", "longest.py"), "--sizes", "2", "--strategies",
            "tsp_offload", "ulysses", "--budget-mib", str(budget), "--start", "256", "--granularity", "64",
            "--max-len", "4096", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "2",
            "--intermediate", "64", "--vocab", "512", "--token-tile", "32", "--strategy-timeout", "120",
            "--out", str(tmp_path)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     doc = json.load(open(tmp_path / "longest.json"))
@@ -165,12 +165,11 @@ def test_longest_finds_the_boundary_of_the_budget(tmp_path, own_processes):
 
     # --replan measures nothing: the planner's side again (the same planner here: the same entries), and a run
     # measured with other options is refused by name.
-    replan = subprocess.run(cmd + ["--replan"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    replan = run_script(cmd + ["--replan"], env=env, cwd=ROOT, timeout=300)
     assert replan.returncode == 0, replan.stderr[-3000:]
     again = json.load(open(tmp_path / "longest.json"))
     assert again["results"] == doc["results"] and "--replan" in again["replanned"]
-    other = subprocess.run(cmd + ["--replan", "--token-tile", "64"], env=env, cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+    other = run_script(cmd + ["--replan", "--token-tile", "64"], env=env, cwd=ROOT, timeout=300)
     assert other.returncode != 0 and "measured with token_tile = 32, not 64" in other.stderr
 
 
@@ -180,11 +179,11 @@ def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_proce
     most 1.5x the unsharded model's for every gradient group and the token
     losses (the committed runs: within 1.1x at D = 2, 4, 8 with float32 sums,
     up to 1.10x at D = 8 with bf16 ones)."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fidelity.py"), "--sizes", "2", "--samples", "2",
+    cmd = [os.path.join(ROOT, "benchmarks", "fidelity.py"), "--sizes", "2", "--samples", "2",
            "--seq-len", "512", "--loss-batches", "0", "--strategies", "tsp", "tsp_bf16_sums", "--out", str(tmp_path),
            "--name", "fidelity"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.load(open(tmp_path / "fidelity.json"))
     hf = doc["hf"]
@@ -201,10 +200,9 @@ def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processe
     """benchmarks/block_overhead.py (the prepared GPU script) end to end on CPU: the TSP layer's parity with the
     HF layer and of its fused kernel with SDPA autograd, the grouped-query probe (CPU flash ops take the heads
     natively), and a row of timings in the JSON and the markdown table."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "block_overhead.py"), "--device", "cpu", "--preset",
+    cmd = [os.path.join(ROOT, "benchmarks", "block_overhead.py"), "--device", "cpu", "--preset",
            "small", "--seq-lens", "64", "--repeats", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
+    proc = run_script(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.load(open(tmp_path / "block_overhead_cpu.json"))
     assert doc["backends"] == ["sdpa"] and doc["grouped_query"] == {"sdpa": True}
@@ -220,12 +218,12 @@ def test_inference_runs_every_strategy_at_the_smallest_settings(tmp_path, own_pr
     """benchmarks/inference.py: one process, DeepSpeed TP inference and TSP at
     D=2 generate the same tokens; TSP's KV cache per rank is half the single
     process's (up to the one generated token of imbalance) and its weights the least."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "inference.py"), "--sizes", "2", "--prompt-lens", "32",
+    cmd = [os.path.join(ROOT, "benchmarks", "inference.py"), "--sizes", "2", "--prompt-lens", "32",
            "--batches", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64", "--heads", "4",
            "--kv-heads", "2", "--intermediate", "128", "--vocab", "67", "--strategy-timeout", "120",
            "--out", str(tmp_path)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     rows = {(r["strategy"], r["prompt_len"], r["batch"]): r for r in json.load(open(tmp_path / "inference.json"))["results"]}
