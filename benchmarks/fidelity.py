@@ -416,7 +416,11 @@ def _worker(rank, world, rendezvous, reference_file, args, results):
 
 
 def run_size(world, reference_file, args):
-    ctx = mp.get_context("spawn")
+    # Ranks are forked from a fork server that imported this script (torch, DeepSpeed, ds_tsp) once for the whole
+    # run, not spawned afresh for every sample and size; never forked from this process, whose float64 reference
+    # ran on OpenMP threads.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ds_tsp_fidelity_") as tmp:
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rdzv"), reference_file, args, results))

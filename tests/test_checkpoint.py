@@ -5,8 +5,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from ds_tsp.policy import PolicyError
 from ds_tsp.topology import TSPTopology
 from models import COMMON, MOE_ARCHS, tiny_model
 from parity import sharded_pieces
+from scripts import start_script
 from test_engine import ZERO3_PARTITIONED
 
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
@@ -347,56 +346,18 @@ def test_convert_refuses_a_non_empty_output_without_force(checkpoints, tmp_path,
 # Hugging Face maps safetensors files lazily, so every parameter is read once
 # after loading (in both modes): the peak then includes the model's weights
 # actually paged in, as using the model would.
-_MEASURE = r"""
-import json, os, resource, sys
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-mode, path, tsp_size, tsp_rank, rendezvous = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-
-def status_bytes(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-if mode == "tsp":
-    import torch.distributed as dist
-    import ds_tsp
-    from ds_tsp.checkpoint import from_pretrained
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=tsp_rank, world_size=tsp_size)
-    topology = ds_tsp.TSPTopology(tsp_size)
-with torch.device("meta"):  # warm-up: lazy imports of the modeling code are not loading
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base, peak = status_bytes("VmRSS"), lambda: status_bytes("VmHWM")
-except OSError:
-    base, peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, \
-        lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-if mode == "hf":
-    model = AutoModelForCausalLM.from_pretrained(path)
-else:
-    model = from_pretrained(path, topology, ds_tsp.TSPConfig(enabled=True, size=tsp_size))
-with torch.no_grad():
-    checksum = sum(float(p.sum()) for p in model.parameters())
-print(json.dumps({"peak_increase": peak() - base}))
-if mode == "tsp":
-    dist.destroy_process_group()
-"""
 
 
 def _measure(args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    return subprocess.Popen([sys.executable, "-c", _MEASURE, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return start_script([os.path.join(os.path.dirname(os.path.abspath(__file__)), "measure_from_pretrained.py"),
+                         *args], env=env)
 
 
-def _peak(proc):
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])["peak_increase"]
+def _peak(script):
+    proc = script.wait(timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_increase"]
 
 
 def test_each_rank_loads_about_half_the_weights_at_tsp_size_2(tmp_path):
@@ -701,13 +662,11 @@ def test_a_save_that_dies_leaves_the_old_checkpoint_whole(tmp_path, dying_rank):
     assert len([name for name in before if name.endswith(".safetensors")]) > 2
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_dies_while_saving.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(script)}
-    procs = [subprocess.Popen([sys.executable, script, str(rank), str(tmp_path / "rdzv"), str(target),
-                               str(dying_rank)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    assert procs[dying_rank].returncode == 3, outputs[dying_rank]
-    assert procs[1 - dying_rank].returncode != 0, outputs[1 - dying_rank]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = [start_script([script, rank, tmp_path / "rdzv", target, dying_rank], env=env) for rank in range(2)]
+    procs = [s.wait(timeout=120) for s in started]
+    assert procs[dying_rank].returncode == 3, procs[dying_rank].stdout + procs[dying_rank].stderr
+    assert procs[1 - dying_rank].returncode != 0, procs[1 - dying_rank].stdout + procs[1 - dying_rank].stderr
 
     after = {name: (target / name).read_bytes() for name in os.listdir(target)}
     assert after == before

@@ -8,13 +8,12 @@ import io
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 from ds_tsp import cli
 from ds_tsp.config import _EXPECTED, TSPConfig
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "examples/README.md"] + sorted(
@@ -85,8 +84,8 @@ def test_there_are_runnable_snippets():
 def test_a_runnable_snippet_runs(page, kind, body, tmp_path):
     if kind == "python":
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        (tmp_path / "snippet.py").write_text(body)
+        proc = run_script([tmp_path / "snippet.py"], cwd=tmp_path, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         print(proc.stdout[-500:])
         return

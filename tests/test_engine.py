@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import time
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from ds_tsp.generate import cached_forward
 from ds_tsp.vocab import shard_rows
 from models import COMMON, tiny_model
 from parity import sharded_pieces
+from scripts import start_script
 
 STEPS = 3
 MICRO_BATCH = 2
@@ -426,12 +426,12 @@ def test_resume_from_a_checkpoint_reproduces_the_losses(run_ranks, tmp_path):
 
 def test_a_dead_rank_fails_its_peer_instead_of_hanging(tmp_path):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_that_dies.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(script)}
-    procs = [subprocess.Popen([sys.executable, script, str(rank), str(tmp_path / "rdzv")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     start = time.monotonic()
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    started = [start_script([script, rank, tmp_path / "rdzv"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+               for rank in range(2)]
+    procs = [s.wait(timeout=120) for s in started]
     elapsed = time.monotonic() - start
+    outputs = [p.stdout + p.stderr for p in procs]
     print(f"survivor exited {procs[0].returncode} after {elapsed:.1f} s: {outputs[0].strip().splitlines()[-1]}")
     assert procs[1].returncode == 3, outputs[1]
     assert procs[0].returncode != 0, outputs[0]
