@@ -15,9 +15,11 @@ imported are set again where torch reads them later (``OMP_NUM_THREADS``).
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from distributed import forkserver_context
 
@@ -56,12 +58,17 @@ class Script:
     def wait(self, timeout):
         self._proc.join(timeout)
         if self._proc.exitcode is None:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.join()
+            self.kill()
             raise subprocess.TimeoutExpired(self.args, timeout, *self._outputs())
         result = subprocess.CompletedProcess(self.args, self._proc.exitcode, *self._outputs())
         self._dir.cleanup()
         return result
+
+    def kill(self):
+        """End the script and every process it started."""
+        if self._proc.exitcode is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.join()
 
     def _outputs(self):
         texts = []
@@ -77,3 +84,26 @@ def start_script(argv, env=None, cwd=None):
 
 def run_script(argv, env=None, cwd=None, timeout=300):
     return start_script(argv, env, cwd).wait(timeout)
+
+
+def run_as_launched(argv, world_size, env=None, cwd=None, timeout=300):
+    """``world_size`` ranks of a script on one node, each started as the
+    deepspeed launcher starts it (``deepspeed/launcher/launch.py``: the
+    rendezvous variables, ``RANK`` and ``LOCAL_RANK``, ``--local_rank=N``
+    before the script's own arguments), without the launcher's two processes;
+    ``tests/test_engine.py`` runs the launcher itself. Returns each rank's
+    ``subprocess.CompletedProcess``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(world_size)}
+    started = [start_script([argv[0], f"--local_rank={rank}", *argv[1:]], {**node, "RANK": str(rank),
+                                                                            "LOCAL_RANK": str(rank)}, cwd)
+               for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    try:
+        return [script.wait(max(1.0, deadline - time.monotonic())) for script in started]
+    finally:
+        for script in started:
+            script.kill()

@@ -10,7 +10,6 @@ stock Trainer runs once per mesh in the test process on the same global batches.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import ds_tsp
 from ds_tsp.cli import main
 from models import tiny_model
+from scripts import run_as_launched
 
 SEQ_LEN = 16
 MICRO_BATCH = 2  # per data-parallel replica
@@ -185,8 +185,18 @@ def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
         assert tsp["moved_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
 
 
+def _launched(argv, env, cwd):
+    """Two ranks of an example started as the deepspeed launcher starts them
+    (tests/scripts.py; examples/train.py runs under the launcher itself in
+    test_engine.py): rank 0's standard output, once both succeeded."""
+    procs = run_as_launched(argv, 2, env=env, cwd=cwd, timeout=400)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return procs[0].stdout
+
+
 @pytest.mark.parametrize("config", ["trainer_tsp2_zero3_cpu.json"])
-def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes, config):
+def test_example_fine_tunes_on_launched_ranks(tmp_path, own_processes, config):
     """examples/hf_trainer.py on 2 CPU ranks with the Hugging Face docs' ZeRO-3
     config (its ZeRO-2 offload config runs the LoRA example below), "auto" sizes, DeepSpeed's own AdamW and
     WarmupLR: the loss falls, each token is counted once, and the model save_model
@@ -197,12 +207,11 @@ def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     steps, seq_len = 10, 64
     out = tmp_path / "out"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29519", os.path.join(root, "examples", "hf_trainer.py"),
-           "--deepspeed", os.path.join(root, "ds_configs", config), "--steps", str(steps), "--save-steps", str(steps),
-           "--seq-len", str(seq_len), "--lr", "1e-2", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    logs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{\"step\"")]
+    argv = [os.path.join(root, "examples", "hf_trainer.py"), "--deepspeed", os.path.join(root, "ds_configs", config),
+            "--steps", str(steps), "--save-steps", str(steps), "--seq-len", str(seq_len), "--lr", "1e-2",
+            "--output-dir", str(out)]
+    stdout = _launched(argv, env, tmp_path)
+    logs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{\"step\"")]
     losses = [entry["loss"] for entry in logs if "loss" in entry]
     print(f"example ({config}): losses {[round(v, 3) for v in losses]}")
     assert losses[-1] < losses[0] - 0.5
@@ -226,7 +235,7 @@ def test_example_fine_tunes_under_the_deepspeed_launcher(tmp_path, own_processes
     assert all(torch.equal(exported[n], saved[n]) for n in saved)
 
 
-def test_example_fine_tunes_lora_adapters_under_the_deepspeed_launcher(tmp_path, own_processes):
+def test_example_fine_tunes_lora_adapters_on_launched_ranks(tmp_path, own_processes):
     """examples/hf_trainer.py --lora 8 on 2 CPU ranks with the Hugging Face
     docs' ZeRO-2 config with optimizer offload (DeepSpeed's CPU Adam on the
     adapters): a PEFT model's adapters train (the loss falls) and save_model
@@ -237,13 +246,11 @@ def test_example_fine_tunes_lora_adapters_under_the_deepspeed_launcher(tmp_path,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29521", os.path.join(root, "examples", "hf_trainer.py"),
-           "--deepspeed", os.path.join(root, "ds_configs", "trainer_tsp2_zero2_offload_cpu.json"), "--lora", "8",
-           "--steps", "15",
-           "--seq-len", "64", "--lr", "1e-2", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines()
+    argv = [os.path.join(root, "examples", "hf_trainer.py"), "--deepspeed",
+            os.path.join(root, "ds_configs", "trainer_tsp2_zero2_offload_cpu.json"), "--lora", "8", "--steps", "15",
+            "--seq-len", "64", "--lr", "1e-2", "--output-dir", str(out)]
+    stdout = _launched(argv, env, tmp_path)
+    losses = [json.loads(line)["loss"] for line in stdout.splitlines()
               if line.startswith("{\"step\"") and "\"loss\"" in line]
     print(f"example --lora 8: losses {[round(v, 3) for v in losses]}")
     assert losses[-1] < losses[0] - 0.3
