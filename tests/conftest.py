@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -5,6 +6,13 @@ import pytest
 from distributed import RankPools
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def pytest_collection_finish(session):
+    """The collected test modules and what they imported live for the whole
+    session: out of the garbage collector's sight (as in the rank workers),
+    full collections walk only what the tests make."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

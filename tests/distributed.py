@@ -17,12 +17,14 @@ A body is a module-level function ``body(**kwargs)``; it reads its rank from
 of per-rank results.
 """
 
+import gc
 import importlib
 import os
 import queue
 import sys
 import tempfile
 import traceback
+from multiprocessing import forkserver
 
 import torch.multiprocessing as mp
 
@@ -31,6 +33,7 @@ FAILED_PEER_WAIT_S = 10
 # A destroyed gloo group's threads live on in its workers; past this many a pool is replaced (cheaply: the
 # fork server keeps the imports) before they slow every later test down.
 MAX_WORKER_THREADS = 64
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Imported once by the fork server; nothing in them starts threads or process groups. Besides the packages, what
 # a fresh worker would otherwise import lazily, each time a pool is replaced: DeepSpeed's first optimizer check
 # imports its Muon optimizer, whose torch.compile decorators import inductor (about 2 s of CPU a rank); the
@@ -53,6 +56,9 @@ def _worker(rank, world_size, init_file, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What the fork server imported lives as long as the worker: out of the garbage collector's sight, a full
+    # collection (ZeRO-3 runs one in every engine it builds) walks only what the tests made.
+    gc.freeze()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
@@ -93,6 +99,17 @@ def forkserver_context():
     """The multiprocessing context whose fork server imports ``PRELOAD`` once."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # Python 3.11's fork server is handed this process's sys.path but does not apply it: it finds the tests' own
+    # modules (``models``) on PYTHONPATH, which it inherits when it starts.
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 
