@@ -34,13 +34,15 @@ FAILED_PEER_WAIT_S = 10
 # fork server keeps the imports) before they slow every later test down.
 MAX_WORKER_THREADS = 64
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# Imported once by the fork server; nothing in them starts threads or process groups. Besides the packages, what
-# a fresh worker would otherwise import lazily, each time a pool is replaced: DeepSpeed's first optimizer check
-# imports its Muon optimizer, whose torch.compile decorators import inductor (about 2 s of CPU a rank); the
-# tests' Hugging Face model classes; the shared-memory op's loader (torch.utils.cpp_extension, setuptools).
+# Imported once by the fork server; nothing in them starts Python threads or process groups (the Trainer's
+# pyarrow starts its allocator's background thread, which a fork leaves behind, as in datasets' forked workers).
+# Besides the packages, what a fresh worker would otherwise import lazily, each time a pool is replaced:
+# DeepSpeed's first optimizer check imports its Muon optimizer, whose torch.compile decorators import inductor
+# (about 2 s of CPU a rank); the tests' Hugging Face model classes; the Trainer (about 3 s); the shared-memory
+# op's loader (torch.utils.cpp_extension, setuptools).
 PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.engine", "ds_tsp.generate",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension",
-           "deepspeed.ops.op_builder.all_ops", "peft", "trl", "pytest", "models"]
+           "deepspeed.ops.op_builder.all_ops", "peft", "trl", "transformers.trainer", "pytest", "models"]
 
 
 class RankFailure(AssertionError):
