@@ -1,9 +1,8 @@
 """Run a Python script as ``python script.py args`` would (``argv`` is
-``[script.py, *args]``), in a process forked
-from the rank pools' fork server, which has already imported torch,
-transformers, DeepSpeed and ds_tsp: a benchmark, an example or a rank that is
-meant to die starts in well under a second instead of paying those imports
-(about 8 s of CPU) again.
+``[script.py, *args]``), in a process forked from the rank pools' fork server,
+which has already imported torch, transformers, DeepSpeed and ds_tsp: a
+benchmark, an example or a rank that is meant to die starts in well under a
+second instead of paying those imports (about 8 s of CPU) again.
 
 The script runs as ``__main__`` with its own ``sys.argv``, environment and
 working directory, its directory first on ``sys.path``, and its standard output
