@@ -19,8 +19,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker
 
 from distributed import forkserver_context
+
+
+def _own_resource_tracker():
+    """As in a fresh interpreter, the script's semaphores are tracked by a
+    tracker of its own, which reports what the script leaves behind (a rank
+    that dies on purpose skips its finalizers) on the script's standard error,
+    not the test process's."""
+    tracker = resource_tracker.ResourceTracker()
+    resource_tracker._resource_tracker = tracker
+    for name in ("ensure_running", "register", "unregister", "getfd"):
+        setattr(resource_tracker, name, getattr(tracker, name))
 
 
 def _main(path, argv, env, cwd, stdout_file, stderr_file):
@@ -29,6 +41,7 @@ def _main(path, argv, env, cwd, stdout_file, stderr_file):
         target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    _own_resource_tracker()
     os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:
