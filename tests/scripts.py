@@ -69,12 +69,13 @@ class Script:
 
     def wait(self, timeout):
         self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            self.kill()
-            raise subprocess.TimeoutExpired(self.args, timeout, *self._outputs())
-        result = subprocess.CompletedProcess(self.args, self._proc.exitcode, *self._outputs())
+        timed_out = self._proc.exitcode is None
+        self.kill()
+        stdout, stderr = self._outputs()
         self._dir.cleanup()
-        return result
+        if timed_out:
+            raise subprocess.TimeoutExpired(self.args, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(self.args, self._proc.exitcode, stdout, stderr)
 
     def kill(self):
         """End the script and every process it started."""

@@ -86,6 +86,41 @@ def test_collectives_values_and_bytes(run_ranks, world_size, tsp_size, dtype):
         assert not failed, f"rank {rank}: {failed}"
 
 
+def _seen_by_a_later_wrapper():
+    """Which of torch.distributed's gather / reduce-scatter functions a wrapper
+    installed after ds_tsp.comm was imported (as a profiler or compare.py's
+    byte count installs one) sees ds_tsp call."""
+    import torch.distributed as dist
+
+    seen = []
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                         "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def wrapped(name):
+        def call(*args, **kwargs):
+            seen.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, wrapped(name))
+    try:
+        group = TSPTopology(dist.get_world_size()).tsp_group
+        gathered, _ = comm.all_gather(torch.ones(3), group)
+        summed, _ = comm.reduce_scatter(torch.ones(dist.get_world_size(), 3), group)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return seen, gathered.sum().item(), summed.tolist()
+
+
+def test_a_wrapper_installed_after_import_sees_every_gather(run_ranks):
+    for seen, gathered, summed in run_ranks(2, _seen_by_a_later_wrapper):
+        assert gathered == 6 and summed == [2.0, 2.0, 2.0]
+        assert len(seen) == 2 and seen[0].startswith("all_gather") and seen[1].startswith("reduce_scatter"), seen
+
+
 def test_gradient_wire_dtype():
     # Unset: the accumulation dtype; set: that dtype, except for float64 models, which keep float64.
     assert comm.gradient_wire_dtype(None, torch.bfloat16) == torch.float32
