@@ -466,8 +466,6 @@ def test_memory_breakdown_and_model_states():
     # output DeepSpeed's checkpoint keeps through the layer's backward.
     ckpt = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", activation_checkpointing=True)}
     tokens = 2 * 4096 / 8
-    # norms, x twice, (fused attention backward) the output and fp32 lse of 32 heads, MLP gate/up
-    per_layer = 2 * (4 * 4096 + 4 + 2 * 4096) + 2 * 2 * 4096 + 2 * 4096 + 4 * 32 + 2 * 2 * 11008
     replicated_ckpt = ckpt["TSP(8) replicated vocab"]
     assert replicated_ckpt.terms["checkpointed layer inputs"] == 32 * tokens * 2 * 4096
     # The attention's backward binds: the MLP's saved tensors are freed by then; live are the first norm's, the
