@@ -10,7 +10,8 @@ bytes communicated and step time per rank, for two small models (``--models``):
   them round the ring or the tokens to them by all-to-all (``ds_tsp.moe``);
   AutoEP holds them ``E/D`` per rank too and sends the tokens by all-to-all;
   Ulysses replicates them; ZeRO-3 partitions them and gathers a layer's at a
-  time; DeepSpeed's AutoTP refuses the model (its error is reported).
+  time; DeepSpeed's AutoTP splits what the model's tp_plan names (its
+  attention, every expert whole on every rank), or its refusal is reported.
 
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
@@ -117,6 +118,7 @@ install_comm_shim()
 import deepspeed  # noqa: E402
 import torch.distributed.nn.functional as dist_nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
@@ -371,8 +373,8 @@ STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_
 def strategies_for(world, model="dense", lora=False):
     """What runs at ``world`` ranks; the MoE row runs TSP with its default folded
     vocabulary under each ``tsp.moe_schedule`` ("auto", the default, then
-    "ring" and "all_to_all"), AutoTP (which DeepSpeed refuses for it) to show
-    its error, and AutoEP with ZeRO-0 and ZeRO-3 (MoE only); with LoRA, TSP,
+    "ring" and "all_to_all"), AutoTP (measured where DeepSpeed runs it, its
+    error reported where it refuses), and AutoEP with ZeRO-0 and ZeRO-3 (MoE only); with LoRA, TSP,
     Ulysses and Ulysses + ZeRO-3 (AutoTP does not take PEFT layers)."""
     if lora:
         return ["tsp", "ulysses", "ulysses_zero3"]
@@ -532,7 +534,8 @@ def run_row(args, command):
             print(f"[{time.monotonic() - start:.0f} s] {args.model} {name} D={world}: {status}", flush=True)
     meta = {"command": command, "elapsed_s": time.monotonic() - start, "model": _model_card(args),
             "warmup": args.warmup, "timed_steps": args.steps, "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__, "cpu_count": os.cpu_count()}
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+            "cpu_count": os.cpu_count()}
     rows_exchanged = {(world, s): embedding_rows_exchanged(args, world, s) for world in args.sizes
                       for s in args.seq_lens}
     print(open(write_report(results, args, meta, rows_exchanged)).read())

@@ -10,8 +10,7 @@ import json
 import os
 
 from compare_model import model_config
-from ds_tsp.planning import (AUTOTP_MOE_REFUSED, model_shape, plan, tsp_moe_schedule, tsp_name,
-                             tsp_step_bytes_by_op)
+from ds_tsp.planning import model_shape, plan, tsp_moe_schedule, tsp_name, tsp_step_bytes_by_op
 
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
           "tsp_ring": "TSP, expert ring", "tsp_all_to_all": "TSP, token all-to-all", "autotp": "AutoTP",
@@ -79,8 +78,7 @@ def summarize(per_rank, reference_losses):
 def planner_counterpart(name, world, moe=False):
     """``(plan name, devices, ZeRO stage)`` of ``ds_tsp.planning``'s estimate for a
     measured strategy, or None where the planner has none (AutoTP on a MoE
-    model, which DeepSpeed refuses: the planner's TP splits the experts, which
-    AutoTP would not; AutoEP; TSP's token all-to-all, whose saved rows the
+    model: the planner's TP splits the experts, which AutoTP keeps whole; AutoEP; TSP's token all-to-all, whose saved rows the
     planner does not model)."""
     if moe and name in ("autotp", "tsp", "tsp_all_to_all"):
         return None  # the planner's TSP keeps the experts on the ring: its MoE peak is tsp_ring's
@@ -198,7 +196,7 @@ def write_markdown(results, tables, args, meta):
     lines += tsp_not_lowest(results, summaries, args) or [
         "TSP has the lowest per-rank peak memory at every D and length."]
     lines += ["", "### Unsupported", ""]
-    lines += unsupported_notes(summaries, is_moe(args)) or ["Every strategy ran at every D and length."]
+    lines += unsupported_notes(summaries) or ["Every strategy ran at every D and length."]
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -220,12 +218,14 @@ def _preamble(args, meta):
            "shards, or keeps them at rest and sends the tokens to them by all-to-all (`tsp.moe_schedule`: TSP runs "
            "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.moe`); Ulysses keeps "
            "every expert on every rank; ZeRO-3 partitions them and gathers "
-           "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP refuses the model (see "
-           "Unsupported); DeepSpeed's AutoEP holds E/D experts per rank and sends every rank's tokens to them by "
-           "all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []
+           "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP splits what the model's "
+           "Hugging Face tp_plan names (the attention: every expert stays whole on every rank and computes every "
+           "token), or its refusal is listed under Unsupported; DeepSpeed's AutoEP holds E/D experts per rank and "
+           "sends every rank's tokens to them by all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []
     return [f"Command: `{meta['command']}`", "",
             f"Whole run: {meta['elapsed_s']:.0f} s on {meta['cpu_count']} shared CPU cores (gloo, one thread per "
-            f"rank), torch {meta['torch']}, DeepSpeed {meta['deepspeed']}. Model: {_model_text(model)}, "
+            f"rank), torch {meta['torch']}, DeepSpeed {meta['deepspeed']}, transformers "
+            f"{meta.get('transformers', 'unrecorded')}. Model: {_model_text(model)}, "
             f"vocab {model['vocab']}, untied embedding and LM head, fp32, "
             f"micro-batch {model['batch']}, AdamW; {args.warmup} warm-up + {args.steps} timed steps per length, the "
             "same sequence for every strategy. Every figure is the max over ranks; how each is measured is in the "
@@ -323,14 +323,14 @@ def _lora_table(results, summaries, args):
 
 
 def _moe_schedule_table(summaries, tsp_bytes, args):
-    """TSP's two MoE schedules and "auto" against AutoEP: bytes received per rank
-    per step (everything the shim saw, max over ranks), the all-to-all part of
-    them, and per-rank peak."""
-    names = ("tsp_ring", "tsp_all_to_all", "tsp", "autoep", "autoep_zero3")
-    lines = ["### Mixture of experts: TSP's schedules against AutoEP", "",
+    """TSP's two MoE schedules and "auto" against AutoEP and AutoTP: bytes
+    received per rank per step (everything the shim saw, max over ranks), the
+    all-to-all part of them, and per-rank peak; "-" where a strategy did not run."""
+    names = ("tsp_ring", "tsp_all_to_all", "tsp", "autoep", "autoep_zero3", "autotp")
+    lines = ["### Mixture of experts: TSP's schedules against AutoEP and AutoTP", "",
              "Received per rank per step, MiB (all traffic the shim saw, max over ranks; in brackets its "
              "all-to-all part: TSP's folded embedding rows and tokens to experts, AutoEP's tokens), and per-rank "
-             "peak memory, MiB. Auto: the schedule `tsp.moe_schedule: \"auto\"` picked "
+             "peak memory, MiB; \"-\" where the strategy did not run (see Unsupported). Auto: the schedule `tsp.moe_schedule: \"auto\"` picked "
              "(`ds_tsp.planning.cheaper_moe_schedule`); auto <= cheaper: its bytes are at most the cheaper "
              "schedule's (within 1%); all-to-all <= AutoEP: TSP's token all-to-all receives no more than AutoEP "
              "at the same D, all-to-all and all traffic.", "",
@@ -460,13 +460,12 @@ def tsp_not_lowest(results, summaries, args):
     return notes + (["", "Why:", ""] + reasons if reasons else [])
 
 
-def unsupported_notes(summaries, moe=False):
+def unsupported_notes(summaries):
     notes = {}
     for (name, world, _), row in summaries.items():
         if isinstance(row, str):
             notes.setdefault((name, world), row)
-    why = {**UNSUPPORTED_WHY, **({"autotp": f"Why: {AUTOTP_MOE_REFUSED}."} if moe else {})}
-    return [f"* {LABELS[name]} at D={world}: {error}" + (f" {why[name]}" if name in why else "")
+    return [f"* {LABELS[name]} at D={world}: {error}" + (f" {UNSUPPORTED_WHY[name]}" if name in UNSUPPORTED_WHY else "")
             for (name, world), error in sorted(notes.items())]
 
 

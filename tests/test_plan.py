@@ -1089,7 +1089,7 @@ def test_moe_saved_activations_equal_the_models(dtype, name):
         assert measured == planned and hf_measured == hf_planned
 
 
-def test_moe_plans_shard_the_experts_and_say_what_deepspeed_refuses():
+def test_moe_plans_shard_the_experts_as_each_strategy_does():
     m = planner.model_shape("qwen3-30b-a3b")
     plans = {p.name: p for p in planner.plan("qwen3-30b-a3b", 32768, 1, 8, "bf16", activation_checkpointing=True)}
     # TSP: 1/8 of every expert (16 of 128 per rank), attention by heads (4 query heads and, on the rank that
@@ -1112,10 +1112,17 @@ def test_moe_plans_shard_the_experts_and_say_what_deepspeed_refuses():
     # every expert counted would give 8 per parameter of the 30.5B.
     matmuls = (tsp.flops_per_step - tsp.attention_flops_per_step) * 8 / 32768
     assert 8 * m.active_params < matmuls < 10 * m.active_params < 8 * m.params / 7
-    # AutoTP: DeepSpeed refuses the model; no figures are made up.
+    # AutoTP splits what the tp_plan names, the attention: every expert whole on every rank, computing every
+    # token, with one activation all-reduce per layer (after the attention) instead of Megatron TP's two.
     autotp = planner.plan_autotp("qwen3-30b-a3b", 4096, 1, 8)
-    assert not autotp.feasible and "moe_tp_experts" in autotp.notes and autotp.total != autotp.total
-    assert planner.plan_autotp(_shape(), SEQ, BATCH, 2).feasible
+    megatron_tp = {p.name: p for p in planner.plan("qwen3-30b-a3b", 4096, 1, 8)}["TP(8)"]
+    assert autotp.feasible and planner.plan_autotp(_shape(), SEQ, BATCH, 2).feasible
+    # 7/8 of every expert more per rank, and of the untied LM head (AutoTP's whole embedding, Megatron's split).
+    experts = m.moe_layers * m.num_experts * m.expert_params
+    more = 2 * (experts + m.vocab_size * m.hidden_size) * 7 / 8
+    assert autotp.memory["weights"] - megatron_tp.memory["weights"] == pytest.approx(more, rel=1e-4)
+    assert autotp.comm_parts["tp_activations"].nbytes < megatron_tp.comm_parts["tp_activations"].nbytes
+    assert autotp.flops_per_step > megatron_tp.flops_per_step
     # TSP's shape rules: E and the shared expert's F_s divide by D, the dense F only where a dense layer exists.
     eight_heads = dict(num_attention_heads=8, intermediate_size=24)
     assert "num_experts 4 is not divisible by 8" in planner.tsp_shape_problem(
@@ -1136,7 +1143,7 @@ def test_moe_cli_prints_the_expert_facts():
     assert "30.53B total, 3.35B active" in text and "16 of 128 experts" in text
     assert "expert ring" in text and "token all-to-all" in text and "cheaper" in text
     assert 'tsp.moe_schedule "auto" (the default) picks it ("all_to_all")' in text  # 32K tokens: 9x fewer bytes
-    assert "AutoTP(8)" in text and "refuses" in text
+    assert "AutoTP(8) 58.0" in text and "every expert on every device" in text and "refuses" not in text
     out = io.StringIO()
     assert planner.run_plan(parser.parse_args(["--seq-len", "4K"]), out=out) == 0
     assert "Mixture of experts" not in out.getvalue()

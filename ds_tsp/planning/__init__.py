@@ -33,14 +33,13 @@ from .serving import ServingPlan, format_serving_table, serving_plans
 from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
                      MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting,
                      logits_tile_tokens, model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
-from .strategies import (AUTOTP_MOE_REFUSED, CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp,
-                         recommend)
+from .strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
 from .tables import (format_longest_table, format_moe_facts, format_table, format_time_anchors, moe_facts,
                      plot_memory_vs_seq)
 from .timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
-    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "AUTOTP_MOE_REFUSED", "DEFAULT_CLUSTER",
+    "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",
     "DEFAULT_DEVICES_PER_NODE", "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB",
     "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "MOE_MODEL_TYPES", "MOE_SCHEDULES", "PAPER_DEVICE_GB", "PAPER_LABELS",
     "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",

@@ -189,7 +189,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
 HF_SLOT_ORDERINGS = 3
 
 
-def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False):
+def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True):
     """Bytes a Hugging Face Llama layer saves per token (flash attention, no
     dropout), heads and F split over ``t`` tensor-parallel ranks; a tiled MLP
     (ALST's TiledMLP) saves only its input, which the norm's output already is.
@@ -201,7 +201,8 @@ def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False):
     ``4e F_e / t`` + ``2e H`` + its routing
     weight + three int64 orderings; a shared expert (a gated MLP of ``F_s``
     over ``t``) also its output and its gate's sigmoid. Plus, per layer,
-    ``hf_moe_layer_saved``."""
+    ``hf_moe_layer_saved``. ``experts_split`` false: the experts whole on every
+    rank of ``t`` (AutoTP)."""
     H, d, nq = m.hidden_size, m.head_dim, m.num_heads
     replicated = 2 * rms_norm_saved_per_token(m, e) + 2 * e * H
     attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
@@ -209,10 +210,10 @@ def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False):
         attention += (nq + m.num_kv_heads) * rms_norm_saved_per_token(m, e, width=d)
     if not sparse:
         return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
-    k = m.experts_per_token
-    experts = k * 4 * e * m.expert_size / t
+    k, ffn_t = m.experts_per_token, t if experts_split else 1
+    experts = k * 4 * e * m.expert_size / ffn_t
     slots = k * (2 * e * H + routing_weight_bytes(m, e) + HF_SLOT_ORDERINGS * INT64)
-    shared = (4 * e * m.shared_expert_size / t + e * H + e) if m.shared_expert_size else 0
+    shared = (4 * e * m.shared_expert_size / ffn_t + e * H + e) if m.shared_expert_size else 0
     return replicated + router_saved_per_token(m, e) + slots + attention / t + experts + shared
 
 

@@ -20,7 +20,6 @@ The prefill's transient activations (freed before decoding) are not in it:
 from dataclasses import dataclass
 
 from .shapes import PRECISIONS, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem, vocab_rows_per_rank
-from .strategies import AUTOTP_MOE_REFUSED
 
 
 @dataclass(frozen=True)
@@ -68,12 +67,12 @@ def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
     if D == 1:
         return plans
 
-    # AutoTP splits q/o and the MLP D ways; with fewer key/value heads than devices each keeps one whole.
+    # AutoTP splits q/o and a dense MLP D ways (a sparse block stays whole: the MoE models' tp_plans name their
+    # attention only); with fewer key/value heads than devices each keeps one whole.
     kv_params = 2 * m.num_kv_heads * m.head_dim * (H + (1 if m.attention_bias else 0))
     tp_attention = (m.attention_params - kv_params) / D + kv_params * max(m.num_kv_heads // D, 1) / m.num_kv_heads
-    tp_ffn = sum(count * m.ffn_params(sparse) for sparse, count in m.layer_kinds) / D
-    tp_problem = (f"num_attention_heads {m.num_heads} is not divisible by {D}" if m.num_heads % D else
-                  AUTOTP_MOE_REFUSED if m.is_moe else None)
+    tp_ffn = sum(count * m.ffn_params(sparse) / (1 if sparse else D) for sparse, count in m.layer_kinds)
+    tp_problem = f"num_attention_heads {m.num_heads} is not divisible by {D}" if m.num_heads % D else None
     vocab = m.vocab_size * H
     # AutoTP splits an untied LM head by rows; the embedding (and a head tied to it) stays whole.
     tp_weights = (m.num_layers * tp_attention + tp_ffn + layers_replicated + vocab

@@ -15,8 +15,8 @@ experts per rank and moves them round the ring (``ds_tsp.moe``); DP, SP and
 CP replicate every expert (ZeRO-3 partitions them over the sequence axis and
 gathers one layer's whole at a time); TP splits each expert's ``F_e`` over
 ``t`` (Megatron's expert tensor parallelism: a model, no DeepSpeed anchor);
-DeepSpeed's AutoTP refuses these models (``AUTOTP_MOE_REFUSED``). Per-layer
-figures are then the mean over the layers.
+DeepSpeed's AutoTP keeps every expert whole on every rank (``plan_autotp``).
+Per-layer figures are then the mean over the layers.
 
 Communication is bytes RECEIVED per device, counted as ``communication``
 counts TSP's: per step = ``L * (forward + backward [+ forward again when
@@ -109,14 +109,16 @@ class StrategyPlan:
         return sum(self.host.values())
 
 
-def _flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None):
+def _flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None, ffn_replicas=None):
     """FLOPs per device per step, and the attention's part of them: the replica's
     total for ``B`` sequences of ``S`` times ``share``; ``fused_head``: the LM head
     + loss recomputes the logits in backward; ``ffn_recompute(sparse)``: the
     parameters of a layer's feed-forward block whose forward matmuls run again
-    in backward (a tiled MLP's, a TSP expert's). A sparse layer's matmuls are
-    its active ones (``ModelShape.active_ffn_params``: k experts and the shared
-    expert) and the router's."""
+    in backward (a tiled MLP's, a TSP expert's); ``ffn_replicas(sparse)``: how
+    many ranks of a share compute the same feed-forward work (AutoTP's whole
+    experts: ``t``). A sparse layer's matmuls are its active ones
+    (``ModelShape.active_ffn_params``: k experts and the shared expert) and the
+    router's."""
     T = B * S
     attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
     mm_attn = 2 * T * m.attention_params
@@ -125,6 +127,7 @@ def _flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None):
     attention = recompute = 0
     for sparse, layers in m.layer_kinds:
         mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
+        mm_ffn *= ffn_replicas(sparse) if ffn_replicas else 1
         forward += layers * (mm_attn + mm_ffn + attn)
         backward += layers * (2 * (mm_attn + mm_ffn) + 2.5 * attn)
         attention += layers * attn * 3.5
@@ -383,12 +386,12 @@ def _loss_backward_beyond(setting, loss_backward, states):
     return loss_backward if setting.zero_stage >= 3 else max(loss_backward - states["grads"], 0)
 
 
-def _baseline_problem(m, t, c, kind, seq_len):
+def _baseline_problem(m, t, c, kind, seq_len, experts_split):
     nq, nkv = m.num_heads, m.num_kv_heads
     dense = m.num_layers > m.moe_layers
     if nq % t or (nkv % t and t % nkv) or (dense and m.intermediate_size % t):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
-    if m.is_moe and (m.expert_size % t or m.shared_expert_size % t):
+    if m.is_moe and experts_split and (m.expert_size % t or m.shared_expert_size % t):
         return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
     if kind == "ulysses" and (nq // t) % c:
         return f"{nq // t} query heads per TP rank do not split over sp={c}"
@@ -407,7 +410,7 @@ def _baseline_ffn_params(m, t, sparse):
 
 
 def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
-                  logits_kept=True):
+                  logits_kept=True, experts_split=True):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
@@ -423,7 +426,9 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     Sparse MoE layers are Hugging Face's (router and grouped experts, all
     replicated over the sequence and data axes: Ulysses and CP replicate the
     experts, ZeRO-3 partitions them and gathers a whole layer's at a time;
-    ``t`` splits every expert's ``F_e``). TiledMLP tiles dense MLPs only."""
+    ``t`` splits every expert's ``F_e``; ``experts_split`` false keeps a sparse
+    block whole on every rank of ``t``, computing every token, with no
+    all-reduce after it, as AutoTP does). TiledMLP tiles dense MLPs only."""
     m, p = setting.model, setting.precision
     e, B, S, L, H = p.element, setting.micro_batch, setting.seq_len, m.num_layers, m.hidden_size
     d, nq = m.head_dim, m.num_heads
@@ -433,7 +438,11 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     mlp_tiled = bool(mlp_tile) and tokens > mlp_tile
     replica_group = c * dp  # ranks holding the same weights: gradient sync and ZeRO
     attention_params = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * kv_heads * d * H
-    layer_params = {sparse: attention_params + _baseline_ffn_params(m, t, sparse)
+
+    def ffn_t(sparse):  # the ranks splitting a layer's feed-forward block
+        return t if experts_split or not sparse else 1
+
+    layer_params = {sparse: attention_params + _baseline_ffn_params(m, ffn_t(sparse), sparse)
                     + m.layer_replicated_params(sparse) for sparse, _ in kinds}
     all_layers = sum(layers * layer_params[sparse] for sparse, layers in kinds)
     vocab_shards = t if vocab_parallel else 1
@@ -453,7 +462,8 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     ulysses = kind == "ulysses" and c > 1
     layer_saved = {}
     for sparse, _ in kinds:
-        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled and not sparse, sparse)
+        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled and not sparse, sparse,
+                                                                experts_split)
         layer_saved[sparse] += hf_moe_layer_saved(m) if sparse else 0
         if kind == "allgather" and c > 1:  # the gathered full-sequence K/V replaces the local one
             layer_saved[sparse] += (B * S - tokens) * 2 * kv_heads * d * e
@@ -476,7 +486,7 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
         tile, with the tile's four recomputed; a sparse layer's of every slot."""
         if not sparse:
             return (7 * mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e
-        return 3 * tokens * (m.experts_per_token * m.expert_size + m.shared_expert_size) / t * e
+        return 3 * tokens * (m.experts_per_token * m.expert_size + m.shared_expert_size) / ffn_t(sparse) * e
 
     detail = {
         "saved_for_backward": (model_saved + sum(layers * layer_saved[sparse] for sparse, layers in kinds)
@@ -510,8 +520,8 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 
     grad_reduce = gather if setting.zero_stage >= 1 else all_reduce  # reduce-scatter under ZeRO
 
-    def tp_layer(sparse):
-        return all_reduce(t, tokens * H * e) * 2  # after attention and after the feed-forward block
+    def tp_layer(sparse):  # after attention and after a split feed-forward block
+        return all_reduce(t, tokens * H * e) * (2 if ffn_t(sparse) > 1 else 1)
 
     sp_layer = {"ulysses": gather(c, tokens * (2 * nq / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
                 "allgather": gather(c, B * S * 2 * kv_heads * d * e)}.get(kind, 0)
@@ -545,12 +555,13 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
              GRAD_REDUCE: CommPart(summed(layer_grads) + embedding_grads, replica_group, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
              PARAM_GATHER: CommPart(param_gather, replica_group, t, "all_gather")}
-    problem = _baseline_problem(m, t, c, kind, S)
+    problem = _baseline_problem(m, t, c, kind, S, experts_split)
 
     def recomputed(sparse):  # TiledMLP runs a dense MLP's forward again in backward
         return m.mlp_params if mlp_tiled and not sparse else 0
 
-    flops, attention_flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False, ffn_recompute=recomputed)
+    flops, attention_flops = _flops(m, setting, B, S, 1 / (t * c), tsp=False, ffn_recompute=recomputed,
+                                    ffn_replicas=lambda sparse: t // ffn_t(sparse))
     return StrategyPlan(name, layout, memory, _per_layer(m, forward_layer),
                         _per_layer(m, lambda sparse: forward_layer(sparse) + layer_grads(sparse)), per_step, flops,
                         tokens, setting, feasible=problem is None, notes=problem or "", detail=detail, terms=terms,
@@ -645,16 +656,6 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
                                       plan_tsp(setting, vocab_parallel=True)]
 
 
-# Why DeepSpeed's AutoTP cannot train a mixture-of-experts model (checked with DeepSpeed 0.19.8 and
-# transformers 5.24 on Mixtral, Qwen2-MoE and Qwen3-MoE): deepspeed.initialize raises it.
-AUTOTP_MOE_REFUSED = (
-    "DeepSpeed 0.19.8's AutoTP refuses it: the model's Hugging Face tp_plan uses the partition styles "
-    "'moe_tp_experts' and 'packed_colwise', which DeepSpeed's TPPlanConverter does not support, so "
-    "deepspeed.initialize raises before any layer is split (a hand-written tensor_parallel.partition_config is "
-    "the way round; DeepSpeed's own MoE presets name per-expert Linear layers, not transformers 5's fused 3-D "
-    "experts)")
-
-
 def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                 logits_kept=True, **options):
     """DeepSpeed AutoTP training over ``devices`` ranks (``tensor_parallel.autotp_size``):
@@ -662,18 +663,13 @@ def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0
     whole and the LM head's output gathered (``plan_baseline``'s
     ``vocab_parallel`` false). Arguments as ``plan``'s.
 
-    A mixture-of-experts model is refused by DeepSpeed (``AUTOTP_MOE_REFUSED``):
-    the plan is infeasible, says why, and has no figures (NaN)."""
+    AutoTP splits what the model's Hugging Face ``tp_plan`` names; the MoE
+    models' plans name their attention only, so a sparse block (router,
+    experts, shared expert) stays whole on every rank and computes every token."""
     setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
                            **options)
-    found = plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
-                          vocab_parallel=False, logits_kept=logits_kept)
-    if not setting.model.is_moe:
-        return found
-    nan = float("nan")
-    return StrategyPlan(found.name, found.layout, {part: nan for part in found.memory}, nan, nan, nan, nan,
-                        found.tokens_per_device, setting, feasible=False, notes=AUTOTP_MOE_REFUSED,
-                        devices_per_replica=devices)
+    return plan_baseline(setting, f"AutoTP({devices})", f"autotp={devices}", devices, 1, 1, "none",
+                         vocab_parallel=False, logits_kept=logits_kept, experts_split=False)
 
 
 def alst_name(devices):

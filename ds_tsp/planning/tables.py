@@ -13,7 +13,7 @@ from .communication import gradient_wire_bytes, moe_crossover_tokens, tsp_moe_by
 from .longest import fpdt_published
 from .memory import MEMORY_PARTS
 from .shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, tsp_name, tsp_shape_problem
-from .strategies import AUTOTP_MOE_REFUSED, alst_name, plan
+from .strategies import alst_name, plan
 from .timing import DEFAULT_CLUSTER, step_time
 
 
@@ -146,7 +146,7 @@ def moe_facts(setting):
     """A mixture-of-experts model's facts at ``setting`` (None for a dense model):
     total and active parameters, the routed experts' weight bytes on one
     device under TSP (``E/D`` experts a layer), TP (``1/t`` of each) and the
-    layouts that replicate them, and one sparse layer's bytes received per
+    layouts that replicate them (AutoTP among them), and one sparse layer's bytes received per
     rank and step (forward + backward) by the expert ring and by the token
     all-to-all, the micro-batch size in tokens where they cross, and the one
     ``tsp.moe_schedule: "auto"`` picks at this shape."""
@@ -159,8 +159,7 @@ def moe_facts(setting):
              "num_experts": m.num_experts, "experts_per_token": m.experts_per_token, "expert_size": m.expert_size,
              "shared_expert_size": m.shared_expert_size, "routed_expert_bytes": experts,
              "expert_bytes_per_device": {tsp_name(D): experts / D, f"TP({D})": experts / D,
-                                         f"SP-Ulysses({D})": experts},
-             "autotp": AUTOTP_MOE_REFUSED}
+                                         f"SP-Ulysses({D})": experts}}
     if D > 1 and tsp_shape_problem(m, D) is None:
         a = gradient_wire_bytes(e)
         facts["sparse_layer_bytes"] = {schedule: sum(tsp_moe_bytes_by_op(m, S, B, D, e, "both", schedule).values())
@@ -188,9 +187,10 @@ def format_moe_facts(plans):
         f"Routed-expert weights per device, GB: {tsp_name(D)} {format_gb(per_device[tsp_name(D)])} "
         f"({m.num_experts // D if m.num_experts % D == 0 else m.num_experts / D:g} of {m.num_experts} experts a "
         f"layer); TP({D}) {format_gb(per_device[f'TP({D})'])} (1/{D} of every expert's F_e, Megatron's expert "
-        f"tensor parallelism, modelled); SP-Ulysses({D}), CP and DP {format_gb(per_device[f'SP-Ulysses({D})'])} "
-        f"(every expert on every device; ZeRO-3 partitions them and gathers one layer's whole at a time).",
-        f"AutoTP({D}): {facts['autotp']}.",
+        f"tensor parallelism, modelled); SP-Ulysses({D}), CP, DP and AutoTP({D}) "
+        f"{format_gb(per_device[f'SP-Ulysses({D})'])} (every expert on every device: AutoTP splits what the "
+        f"model's Hugging Face tp_plan names, its attention; ZeRO-3 partitions them and gathers one layer's whole "
+        f"at a time).",
     ]
     if "sparse_layer_bytes" in facts:
         moved, cross = facts["sparse_layer_bytes"], facts["crossover_tokens"]
