@@ -4,14 +4,20 @@
 PYTHON ?= python3
 NUM_RANKS ?= 2
 CONFIG ?= ds_configs/tsp2_cpu.json
+# The exact versions the suite last passed with (torch aside: see above). `make test CONSTRAINTS=`
+# installs the newest releases instead; docs/development.md says how to move the pins.
+CONSTRAINTS ?= constraints.txt
 
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: install ops demo test
+.PHONY: install ops demo test pins
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test,bench]"
+	$(PYTHON) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test,bench]"
+	@$(PYTHON) -c "import torch, deepspeed, transformers, trl, peft, accelerate; print('installed: torch', \
+		torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, \
+		'| trl', trl.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__)" 2>/dev/null
 
 # DeepSpeed JIT-builds a shared-memory comm op the first time a CPU rank joins
 # (~30 s), and its CPU Adam the first time a config's "optimizer" section meets
@@ -30,3 +36,9 @@ demo: ops
 
 test: ops
 	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --durations=10
+
+# Record what is installed as the new pins, once `make test CONSTRAINTS=` has passed on it.
+pins:
+	{ echo "# The versions ds_tsp's suite last passed with, on Python 3.11 and torch 2.13.0 (CPU): make install"; \
+	  echo "# installs them (pip -c). Written by make pins; docs/development.md says when to move them."; \
+	  $(PYTHON) -m pip freeze --exclude-editable | grep -viE '^(torch|ds[-_]tsp)=='; } > constraints.txt

@@ -7,12 +7,15 @@ table variants (biases, windows, RoPE types) and one test per refusal kind.
 """
 
 import copy
+import os
+import re
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import transformers
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
@@ -88,13 +91,25 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
     for model_type, class_name, verdict, detail in rows:
         print(f"{model_type:26} {class_name:36} {verdict:8} {detail}")
     verdict_of = {model_type: verdict for model_type, _, verdict, _ in rows}
-    print(f"{len(rows)} classes: " + ", ".join(f"{sum(v == kind for v in verdict_of.values())} {kind}"
-                                               for kind in ("exact", "refused", "skipped"))
+    counts = {kind: sum(v == kind for v in verdict_of.values()) for kind in ("exact", "refused", "skipped")}
+    print(f"{len(rows)} classes of transformers {transformers.__version__}: "
+          + ", ".join(f"{n} {kind}" for kind, n in counts.items())
           + f" in {time.perf_counter() - start:.1f} s ({scanned - start:.1f} s building and checking them all "
             "on the meta device)")
+    assert documented_scan() == (transformers.__version__, counts), \
+        "docs/architectures.md states another scan than this transformers': update its version and counts"
     for model_type in TABLE_ARCHITECTURES:  # the loop could not pass by refusing everything
         assert verdict_of[model_type] == "exact", model_type
     assert all(kind == "refused" for model_type, kind in verdict_of.items() if model_type in ("diffllama", "ernie4_5"))
+
+
+def documented_scan():
+    """The transformers version and the verdict counts ``docs/architectures.md`` states for this scan."""
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "architectures.md")).read()
+    found = re.search(r"Every causal LM of transformers ([\w.]+), .*?\*\*(\d+) exact\*\*.*?\*\*(\d+) refused\*\*"
+                      r".*?and (\d+) that cannot be built", page, re.S)
+    return found and (found[1], {"exact": int(found[2]), "refused": int(found[3]), "skipped": int(found[4])})
 
 
 # Each variant of the table architectures' configs that changes the forward.

@@ -185,7 +185,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
 # Hugging Face's default experts (``experts_implementation`` "grouped_mm") per top-k slot: the routed
 # token's hidden state, the up/gate projection, act(gate), act(gate) * up, the down projection's output,
 # the slot's routing weight, and three int64 index tensors (the sort's permutation and the gathers it
-# drives), as the saved-tensor hooks see them in transformers 5.24.
+# drives), as the saved-tensor hooks see them in the pinned transformers (a test measures them).
 HF_SLOT_ORDERINGS = 3
 
 
