@@ -26,12 +26,13 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from ds_tsp.attention import TSPAttention
-from ds_tsp.attention_kernels import SDPAKernel, takes_grouped_query
-from ds_tsp.attention_selection import BACKENDS, cudnn_unavailable_reason, flash_unavailable_reason, select_kernel
-from ds_tsp.mlp import TSPGatedMLP
-from ds_tsp.model import TSPDecoderLayer
-from ds_tsp.policy import PRE_NORMS
+from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.attention.kernels import SDPAKernel, takes_grouped_query
+from ds_tsp.blocks.attention.selection import (BACKENDS, cudnn_unavailable_reason, flash_unavailable_reason,
+                                               select_kernel)
+from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.injection.model import TSPDecoderLayer
+from ds_tsp.injection.policy import PRE_NORMS
 
 PRESETS = {  # Llama-3-8B-shaped layer, and a small one for CPU runs
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),

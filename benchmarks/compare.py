@@ -7,7 +7,7 @@ bytes communicated and step time per rank, for two small models (``--models``):
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
   (default D = 2 and 4). TSP shards the experts ``E/D`` per rank and moves
-  them round the ring or the tokens to them by all-to-all (``ds_tsp.moe``);
+  them round the ring or the tokens to them by all-to-all (``ds_tsp.blocks.moe.module``);
   AutoEP holds them ``E/D`` per rank too and sends the tokens by all-to-all;
   Ulysses replicates them; ZeRO-3 partitions them and gathers a layer's at a
   time; DeepSpeed's AutoTP splits what the model's tp_plan names (its
@@ -76,7 +76,7 @@ What is measured (``benchmarks/measure.py``), the same way for every strategy:
 * bytes per rank per step: every ``torch.distributed`` collective and
   point-to-point function is wrapped, before DeepSpeed or ds_tsp are imported,
   in a shim that adds the bytes this rank sends and receives (the ring-algorithm
-  convention of ``ds_tsp.comm``: all-reduce ``2(n-1)/n``, all-gather and
+  convention of ``ds_tsp.parallel.comm``: all-reduce ``2(n-1)/n``, all-gather and
   reduce-scatter ``(n-1)`` per-rank slices, all-to-all ``(n-1)/n``, broadcast and
   reduce ``(n-1)`` at the root and one tensor elsewhere). Object collectives
   are counted through the tensor collectives they are built on. For TSP,
@@ -112,7 +112,7 @@ import torch.distributed as dist  # noqa: E402
 from measure import LiveTensorBytes, collective_bytes, install_comm_shim, peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 # DeepSpeed and ds_tsp keep references to some of these functions from import
-# time on (e.g. ds_tsp.comm's all-gather), so the shim goes in first.
+# time on (e.g. ds_tsp.parallel.comm's all-gather), so the shim goes in first.
 install_comm_shim()
 
 import deepspeed  # noqa: E402
@@ -125,9 +125,9 @@ from compare_model import model_config  # noqa: E402
 from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
-from ds_tsp import comm as tsp_comm  # noqa: E402
-from ds_tsp import layout  # noqa: E402
-from ds_tsp.vocab import shard_rows  # noqa: E402
+from ds_tsp.parallel import comm as tsp_comm
+from ds_tsp.parallel import layout
+from ds_tsp.blocks.vocab import shard_rows
 
 LR = 1e-3
 IGNORE_INDEX = -100

@@ -245,11 +245,12 @@ def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, host_checkpoints=False
     ``host_checkpoints``: every layer recomputed in backward from its input in
     host memory (``cpu_checkpointing``)."""
     import ds_tsp
-    from ds_tsp import layout, vocab
+    from ds_tsp.parallel import layout
+    from ds_tsp.blocks import vocab
     from ds_tsp.config import TSPConfig
-    from ds_tsp.engine import set_grad_wire_dtype
-    from ds_tsp.offload import host_checkpoint
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.runtime.engine import set_grad_wire_dtype
+    from ds_tsp.runtime.offload import host_checkpoint
+    from ds_tsp.parallel.topology import TSPTopology
 
     input_ids = batch_ids(args)
     model = build_model(args, torch.bfloat16)
@@ -308,7 +309,8 @@ def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, host_checkpoints=False
 
 def tsp_fp32_wire_errors(args, ref, tsp_size):
     """``tsp_errors`` with the dK/dV reduce-scatter sent in fp32."""
-    from ds_tsp import attention, comm
+    from ds_tsp.blocks.attention import module as attention
+    from ds_tsp.parallel import comm
 
     scatter_kv_grads = attention.scatter_kv_grads
 

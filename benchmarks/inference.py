@@ -13,7 +13,7 @@ weights and the same prompts (fp32, no padding):
   columns split, one all-reduce after each, the KV cache split by head);
 * ``tsp``: ``ds_tsp.inject`` with ``tsp.size = D``: the prefill on the TSP
   schedules, decoding with the weights at rest from the sequence-sharded
-  ``TSPCache`` (``ds_tsp.generate``).
+  ``TSPCache`` (``ds_tsp.inference.generate``).
 
 For every prompt length and batch (``--prompt-lens``, ``--batches``), on every
 rank (``benchmarks/ranks.py`` forks them):
@@ -54,9 +54,9 @@ from ranks import run_on_ranks  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
-from ds_tsp import comm as tsp_comm  # noqa: E402
+from ds_tsp.parallel import comm as tsp_comm
 from ds_tsp.config import TSPConfig  # noqa: E402
-from ds_tsp.topology import TSPTopology  # noqa: E402
+from ds_tsp.parallel.topology import TSPTopology
 
 MIB = 2 ** 20
 NAMES = {"single": "single process", "tp": "DeepSpeed TP inference", "tsp": "TSP"}

@@ -27,7 +27,7 @@ on (as long-context training runs):
   --max-seq-len`` plans it; ``--no-recompute-norms`` for Hugging Face's norms),
   DeepSpeed's ``activation_checkpointing`` section, ZeRO-0;
 * ``tsp_offload``: the same with ``cpu_checkpointing`` (each layer's
-  checkpointed input in host memory, ``ds_tsp.offload``) and ZeRO-2 with
+  checkpointed input in host memory, ``ds_tsp.runtime.offload``) and ZeRO-2 with
   ``offload_optimizer: cpu`` (fp32 master weights, Adam moments and fp32
   gradients in host memory; the client's torch AdamW);
 * ``autotp``, ``ulysses``, ``ulysses_zero3``: as ``compare.py`` runs them, with
@@ -35,7 +35,7 @@ on (as long-context training runs):
 
 Host and device memory (``measure.in_host_memory``). On CPU ranks both are
 the same RAM, so what a GPU run keeps in host memory is counted apart, as host
-bytes, and left out of the budget: the copies ``ds_tsp.offload.HostCopy``
+bytes, and left out of the budget: the copies ``ds_tsp.runtime.offload.HostCopy``
 makes, the tensors ZeRO's CPU offload holds (fp32 partitions and their
 gradients, the bit16 and gradient staging buffers, the optimizer state) and
 everything the torch optimizer allocates in its step, which runs on the host.
@@ -71,7 +71,7 @@ from ranks import _error_line, _exit
 from report import plan_model
 
 import ds_tsp
-from ds_tsp import offload
+from ds_tsp.runtime import offload
 from ds_tsp.planning import plan, plan_autotp, tsp_name
 
 MIB = 2**20

@@ -216,7 +216,7 @@ def _preamble(args, meta):
     model = meta["model"]
     moe = ["* MoE row: TSP shards the experts E/D per rank and moves them round the ring with the dense blocks' "
            "shards, or keeps them at rest and sends the tokens to them by all-to-all (`tsp.moe_schedule`: TSP runs "
-           "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.moe`); Ulysses keeps "
+           "\"auto\", the cheaper by the planner's bytes, beside each schedule alone; `ds_tsp.blocks.moe.module`); Ulysses keeps "
            "every expert on every rank; ZeRO-3 partitions them and gathers "
            "a whole layer's experts before its forward and backward; DeepSpeed's AutoTP splits what the model's "
            "Hugging Face tp_plan names (the attention: every expert stays whole on every rank and computes every "
@@ -375,7 +375,7 @@ def _tsp_bytes_table(tsp_bytes, args):
     lines = ["### TSP bytes: measured against the planner", "",
              "Received per rank per step, forward + backward, max over ranks. Planned: "
              "`ds_tsp.planning.tsp_step_bytes_by_op` for each rank, with the embedding rows that rank's all-to-all "
-             "exchanges for this batch; measured: ds_tsp's own counters (`ds_tsp.comm.counter`). Worst op: the "
+             "exchanges for this batch; measured: ds_tsp's own counters (`ds_tsp.parallel.comm.counter`). Worst op: the "
              "largest |measured / planned - 1| over ranks and ops. All traffic: everything the shim saw, "
              "DeepSpeed's own included.", "",
              "| D | seq len | strategy | planned (MiB) | measured (MiB) | ratio | worst op | all traffic (MiB) |",

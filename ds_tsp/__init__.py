@@ -1,21 +1,22 @@
 """ds_tsp: tensor-sequence parallelism (TSP) for DeepSpeed and Hugging Face decoder models.
 
-The names that need DeepSpeed load on first use, so that the blocks alone
-(``ds_tsp.attention``, ``ds_tsp.mlp``, ``ds_tsp.inject``) import on a machine
-without it, e.g. a GPU box running ``benchmarks/block_overhead.py``.
+The package is built in floors, each importing only the ones below it:
+``config`` and ``planning`` (the cost model, no torch), ``parallel``
+(collectives and layouts), ``blocks`` (the TSP attention, MLP, experts and
+vocabulary; no DeepSpeed), ``inference``, ``injection`` (Hugging Face model
+rewriting), ``checkpoint``, ``runtime`` (the DeepSpeed engine and the Trainer),
+``cli``. The public names below load on first use, so ``import ds_tsp`` costs
+nothing and ``ds_tsp.blocks`` imports without DeepSpeed.
 """
 
 import importlib
 
-# Bound eagerly: the function shares its name with its module, and a lazy
-# lookup would return the module once something imported ``ds_tsp.inject``.
-from .inject import inject
+_EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "parallel.topology",
+            "initialize": "runtime.engine", "num_items_in_batch": "runtime.engine", "inject": "injection.inject",
+            "from_pretrained": "checkpoint", "save_pretrained": "checkpoint", "TSPTrainer": "runtime.trainer",
+            "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer"}
 
-_EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "topology", "initialize": "engine",
-            "num_items_in_batch": "engine", "from_pretrained": "checkpoint", "save_pretrained": "checkpoint",
-            "TSPTrainer": "trainer", "TSPTrainerMixin": "trainer"}
-
-__all__ = sorted([*_EXPORTS, "inject"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):

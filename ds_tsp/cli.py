@@ -20,12 +20,12 @@ import argparse
 import ctypes
 import sys
 
-from .checkpoint import join_checkpoint, shard_checkpoint
-from .checkpoint.resharding import reshard
-from .checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
-from .config import POLICY_NAMES
-from .export import export_deepspeed_checkpoint
-from .planning import add_plan_arguments, run_plan
+from ds_tsp.checkpoint import join_checkpoint, shard_checkpoint
+from ds_tsp.checkpoint.resharding import reshard
+from ds_tsp.checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
+from ds_tsp.config import POLICY_NAMES
+from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
+from ds_tsp.planning import add_plan_arguments, run_plan
 
 
 def _positive_int(text):

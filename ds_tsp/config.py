@@ -13,7 +13,7 @@ import hjson
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-# The architecture tables of ds_tsp.policy.POLICIES (tests/test_policy.py keeps the two the same).
+# The architecture tables of ds_tsp.injection.policy.POLICIES (tests/test_policy.py keeps the two the same).
 POLICY_NAMES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
                 "gemma3_text", "olmo2", "olmo3")
 

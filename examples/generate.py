@@ -7,7 +7,7 @@ Hugging Face's ``model.generate``.
 
 Each rank of a TSP group loads only its shards of the decoder blocks
 (``ds_tsp.checkpoint.from_pretrained``), onto its own device; Hugging Face's
-generation loop then runs on every rank alike (``ds_tsp.generate``). Ranks
+generation loop then runs on every rank alike (``ds_tsp.inference.generate``). Ranks
 outside the first TSP group are data-parallel replicas: they generate the same
 text. One prompt without beams is streamed as it is generated (rank 0); at the
 end rank 0 prints the prefill time, the decode rate and every rank's peak
@@ -29,7 +29,7 @@ from transformers import AutoTokenizer, GenerationConfig, TextStreamer, set_seed
 
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.config import TSPConfig
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel.topology import TSPTopology
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
-from ds_tsp.input_norm import TiledInputNorm
-from ds_tsp.offload import host_checkpoint
-from ds_tsp.topology import TSPTopology
+from ds_tsp.blocks.input_norm import TiledInputNorm
+from ds_tsp.runtime.offload import host_checkpoint
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 
 # float64 throughout; sharding only reorders sums (rounding ~1e-15), while a
@@ -94,7 +94,7 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
                  ignore_documents=False, **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``,
     the bytes saved for backward and how many times an attention recomputed its
-    input norm in backward (``ds_tsp.input_norm``), both of which ``check`` ignores.
+    input norm in backward (``ds_tsp.blocks.input_norm``), both of which ``check`` ignores.
 
     ``wrong_shard``: None, or the module path (``model.layers.0.mlp``,
     ``lm_head``, ...) whose shard the last rank scales by 1.5, to show the check
@@ -136,7 +136,7 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    one_sequence_per_row = mock.patch("ds_tsp.model.document_starts", return_value=None)
+    one_sequence_per_row = mock.patch("ds_tsp.injection.model.document_starts", return_value=None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             (one_sequence_per_row if ignore_documents else contextlib.nullcontext()):
         out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask,

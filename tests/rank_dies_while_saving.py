@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ds_tsp
 from ds_tsp.checkpoint import writing
 from ds_tsp.config import TSPConfig
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 
 TIMEOUT_MINUTES = 0.1

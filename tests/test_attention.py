@@ -11,12 +11,12 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from ds_tsp import comm, layout
-from ds_tsp.attention import TSPAttention
-from ds_tsp.head_groups import slice_full_tensor
-from ds_tsp.attention_kernels import bottom_right_causal_mask
-from ds_tsp.attention_selection import select_kernel
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel import comm, layout
+from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.attention.head_groups import slice_full_tensor
+from ds_tsp.blocks.attention.kernels import bottom_right_causal_mask
+from ds_tsp.blocks.attention.selection import select_kernel
+from ds_tsp.parallel.topology import TSPTopology
 
 # float64 end to end: the sharded schedule only reorders sums, so differences
 # are rounding noise around 1e-15; 1e-10 leaves room without hiding a bug
@@ -225,7 +225,7 @@ def test_saved_for_backward_scales_as_one_over_d(run_ranks):
 
 
 def test_heads_that_tsp_cannot_serve_are_refused():
-    from ds_tsp.head_groups import HeadGroups
+    from ds_tsp.blocks.attention.head_groups import HeadGroups
     with pytest.raises(ValueError, match="num_attention_heads = 6 is not divisible by tsp.size = 4"):
         HeadGroups(6, 6, 4, 4)
     with pytest.raises(ValueError, match="num_key_value_heads = 6 is not divisible by tsp.size = 4"):
@@ -235,7 +235,7 @@ def test_heads_that_tsp_cannot_serve_are_refused():
 
 
 def test_auto_backend_falls_back_to_sdpa_on_cpu_and_says_so(caplog):
-    from ds_tsp import attention_selection
+    from ds_tsp.blocks.attention import selection as attention_selection
 
     attention_selection._select_kernel.cache_clear()
     attention_selection._announced.clear()
@@ -254,7 +254,7 @@ def _schedule(overlap):
     attention, on this rank (D = 2, a key/value head per rank)."""
     from unittest import mock
 
-    from ds_tsp import attention
+    from ds_tsp.blocks.attention import module as attention
 
     events = []
 

@@ -15,11 +15,11 @@ from typing import Optional
 import pytest
 import torch
 
-from ds_tsp import attention_kernels as ak
-from ds_tsp import attention_selection as sel
-from ds_tsp.attention_kernels import BlockwiseFlashKernel, FlashKernel, SDPAKernel, bottom_right_causal_mask
-from ds_tsp.attention_selection import (PARITY_SHAPES, PARITY_TOLERANCE, AttentionProblem, AutoKernel, parity_errors,
-                                        select_kernel)
+from ds_tsp.blocks.attention import kernels as ak
+from ds_tsp.blocks.attention import selection as sel
+from ds_tsp.blocks.attention.kernels import BlockwiseFlashKernel, FlashKernel, SDPAKernel, bottom_right_causal_mask
+from ds_tsp.blocks.attention.selection import (PARITY_SHAPES, PARITY_TOLERANCE, AttentionProblem, AutoKernel,
+                                               parity_errors, select_kernel)
 
 
 @pytest.fixture(autouse=True)

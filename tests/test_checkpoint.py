@@ -17,8 +17,8 @@ import ds_tsp
 from ds_tsp.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from ds_tsp.cli import main
 from ds_tsp.config import TSPConfig
-from ds_tsp.policy import PolicyError
-from ds_tsp.topology import TSPTopology
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel.topology import TSPTopology
 from models import COMMON, MOE_ARCHS, tiny_model
 from parity import sharded_pieces
 from scripts import start_script
@@ -27,7 +27,7 @@ from test_engine import ZERO3_PARTITIONED
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
 # phi3: fused qkv_proj and gate_up_proj, each rank's shards read from and written
-# back to their rows (ds_tsp.fused); gemma3: sandwich norms and per-head q/k norms.
+# back to their rows (ds_tsp.blocks.fused); gemma3: sandwich norms and per-head q/k norms.
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3")
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ds_tsp import comm
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.topology import TSPTopology
 
 SHAPE = (3, 5)
 
@@ -88,7 +88,7 @@ def test_collectives_values_and_bytes(run_ranks, world_size, tsp_size, dtype):
 
 def _seen_by_a_later_wrapper():
     """Which of torch.distributed's gather / reduce-scatter functions a wrapper
-    installed after ds_tsp.comm was imported (as a profiler or compare.py's
+    installed after ds_tsp.parallel.comm was imported (as a profiler or compare.py's
     byte count installs one) sees ds_tsp call."""
     import torch.distributed as dist
 

@@ -1,5 +1,5 @@
 """Every rank of a TSP group holds one model and sees one micro-batch
-(``ds_tsp.consistency``): what differs is refused or made equal."""
+(``ds_tsp.injection.consistency``): what differs is refused or made equal."""
 
 import copy
 
@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
-from ds_tsp.consistency import RankMismatchError
-from ds_tsp.topology import TSPTopology
+from ds_tsp.injection.consistency import RankMismatchError
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 from parity import check, model_parity, reference_loss, shard_grad_diffs
 
@@ -145,7 +145,7 @@ def test_the_checks_leave_the_numbers_alone(run_ranks):
 
 def pipeline_embedding_with_different_batches():
     """The first pipeline stage's embedding checks the micro-batch too."""
-    from ds_tsp.pipeline import TSPEmbeddingPipe
+    from ds_tsp.injection.pipeline import TSPEmbeddingPipe
 
     model = _inject(tiny_model("llama"), dist.get_world_size())
     pipe = TSPEmbeddingPipe(model.model.embed_tokens, model.tsp_topology, "zigzag", model.tsp_batch_check)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ds_tsp import layout
-from ds_tsp.documents import document_starts, query_blocks
+from ds_tsp.parallel import layout
+from ds_tsp.blocks.documents import document_starts, query_blocks
 from models import tiny_model
 from parity import TOLERANCE, check, model_parity, packed_position_ids
 
@@ -120,7 +120,7 @@ def peak_bytes_of_a_step(documents):
 
     import ds_tsp
     from ds_tsp.config import TSPConfig
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.parallel.topology import TSPTopology
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from measure import LiveTensorBytes

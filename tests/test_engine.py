@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import ds_tsp
-from ds_tsp import comm
-from ds_tsp.generate import cached_forward
-from ds_tsp.vocab import shard_rows
+from ds_tsp.parallel import comm
+from ds_tsp.inference.generate import cached_forward
+from ds_tsp.blocks.vocab import shard_rows
 from models import COMMON, tiny_model
 from parity import sharded_pieces
 from scripts import start_script
@@ -133,7 +133,7 @@ def _generates_as_reference(model, ref):
 
 
 def _shared_memory_decode_step_bytes(tsp_size, batch=1, e=4):
-    """``ds_tsp.generate``'s decode-step bytes where DeepSpeed's shared-memory
+    """``ds_tsp.inference.generate``'s decode-step bytes where DeepSpeed's shared-memory
     all-reduce carries them (float32: e = a = 4)."""
     hq, hkv = COMMON["num_attention_heads"] // tsp_size, max(COMMON["num_key_value_heads"] // tsp_size, 1)
     d, hidden = COMMON["head_dim"], COMMON["hidden_size"]

@@ -7,12 +7,12 @@ import torch.distributed as dist
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import ds_tsp
-from ds_tsp import comm
+from ds_tsp.parallel import comm
 from ds_tsp.config import TSPConfig
-from ds_tsp.generate import cached_forward
-from ds_tsp.kv_cache import TSPCache
-from ds_tsp.topology import TSPTopology
-from ds_tsp.vocab import shard_rows
+from ds_tsp.inference.generate import cached_forward
+from ds_tsp.inference.kv_cache import TSPCache
+from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.blocks.vocab import shard_rows
 from models import COMMON, tiny_model
 
 # float64 end to end: sharding and the log-sum-exp merge of partial attention

@@ -6,7 +6,7 @@ float32 on arrival; float32 by default; float64 models keep float64."""
 import torch
 import torch.distributed as dist
 
-from ds_tsp import comm
+from ds_tsp.parallel import comm
 
 SEQ, BATCH = 16, 2
 # A float32 model whose partials go in bf16: each partial (or running ring sum) is rounded once to bf16 before
@@ -22,10 +22,10 @@ def _sharded_grads_and_bytes(cases):
     """Per ``(arch, dtype)``: a tiny injected model's sharded gradients (packed
     shards, vocabulary shards) and the backward's bytes per op, with the default
     wire, a bf16 wire, and the default again (the same numbers twice)."""
-    from ds_tsp import inject
+    from ds_tsp.injection import inject
     from ds_tsp.config import TSPConfig
-    from ds_tsp.engine import set_grad_wire_dtype
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.runtime.engine import set_grad_wire_dtype
+    from ds_tsp.parallel.topology import TSPTopology
     from models import tiny_model
 
     D = dist.get_world_size()

@@ -3,7 +3,7 @@
 On an accelerator, reading a tensor's value on the host (``.item()``,
 ``int(t)``, ``bool(t)``, ``.tolist()``, ...) waits for every kernel queued
 before it. ds_tsp reads what the host must know about a micro-batch from one
-host copy of it before the step's first kernel (``ds_tsp.model.TSPBatch``,
+host copy of it before the step's first kernel (``ds_tsp.injection.model.TSPBatch``,
 ``host_copy``, the embedding's ``EmbeddingRoute``); the layers, the loss and
 backward read nothing. On CPU ranks a read costs nothing, so this test
 records the reads themselves: every call of those methods made from ds_tsp
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import ds_tsp
-from ds_tsp import model as tsp_model_module
-from ds_tsp import vocab
+from ds_tsp.injection import model as tsp_model_module
+from ds_tsp.blocks import vocab
 from ds_tsp.config import TSPConfig
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 from parity import packed_position_ids
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ds_tsp import layout
+from ds_tsp.parallel import layout
 
 SIZES = range(1, 9)
 

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 import ds_tsp
-from ds_tsp import layout
+from ds_tsp.parallel import layout
 from ds_tsp.config import TSPConfig
-from ds_tsp.lora import ROW_SPLIT
-from ds_tsp.policy import PolicyError
-from ds_tsp.topology import TSPTopology
+from ds_tsp.injection.lora import ROW_SPLIT
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 from parity import TOLERANCE, reference_loss
 
@@ -234,7 +234,7 @@ def lora_training(tsp_size, zero_stage, out_dir, arch="llama", targets=ALL_TARGE
     # Its DeepSpeed checkpoint resumes at this layout only: resharding it is refused by name.
     engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
     if dist.get_rank() == 0:
-        from ds_tsp.checkpoint.reading import CheckpointError
+        from ds_tsp.checkpoint.formats import CheckpointError
         from ds_tsp.checkpoint.resharding import reshard
         try:
             reshard(os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "universal"))

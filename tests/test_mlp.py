@@ -15,10 +15,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from ds_tsp import comm
-from ds_tsp.layout import shard, unshard
-from ds_tsp.mlp import SHARD_DIMS, TSPGatedMLP, shard_spec
-from ds_tsp.topology import TSPTopology
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.layout import shard, unshard
+from ds_tsp.blocks.mlp import SHARD_DIMS, TSPGatedMLP, shard_spec
+from ds_tsp.parallel.topology import TSPTopology
 
 HIDDEN, SEQ = 16, 24  # SEQ is a multiple of 2*D for D = 1..4
 BOUND = 1e-10

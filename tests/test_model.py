@@ -7,9 +7,9 @@ import torch
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
-from ds_tsp.fused import FusedRows
-from ds_tsp.policy import PolicyError
-from ds_tsp.topology import TSPTopology
+from ds_tsp.blocks.fused import FusedRows
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
@@ -101,7 +101,7 @@ def test_token_tiles_change_no_number(run_ranks, tsp_size):
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_recomputed_norms_change_no_number(run_ranks, tsp_size):
     """tsp.recompute_norms: the attention runs its layer's input norm inside and
-    norms a token tile at a time in backward (ds_tsp.input_norm); every other
+    norms a token tile at a time in backward (ds_tsp.blocks.input_norm); every other
     norm keeps only its input and runs again in backward. Alone and inside
     recomputed layers (DeepSpeed's reentrant checkpoints, host memory), with
     ragged token tiles, a sliding window, packed documents, Gemma-2's sandwich
@@ -142,7 +142,7 @@ def test_prefetched_host_checkpoints_come_back_one_layer_ahead(monkeypatch):
     """tsp.prefetch_checkpoints: each layer's backward first takes its own input
     back, then starts the layer below's (on CUDA, on a side stream: a no-op on
     CPU, so the order is recorded here); numbers as without."""
-    from ds_tsp.offload import HostCopy, host_checkpoint_function
+    from ds_tsp.runtime.offload import HostCopy, host_checkpoint_function
 
     events, made = [], []
     original_init, original_prefetch, original_to_device = HostCopy.__init__, HostCopy.prefetch, HostCopy.to_device
@@ -181,9 +181,9 @@ def test_auto_prefetch_where_the_planner_fits_one_more_input():
     planner's peak of the run at the micro-batch's shape, with one more layer
     input on the device, fits the device's memory; never without a device
     memory to fit (CPU) or a dtype the planner models."""
-    from ds_tsp.engine import planner_run
+    from ds_tsp.runtime.engine import planner_run
     from ds_tsp.planning.strategies import make_setting, plan_tsp
-    from ds_tsp.prefetch import PrefetchWhenAffordable
+    from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
 
     assert TSPConfig(enabled=True).prefetch_checkpoints == "auto"
     config = tiny_model("llama").config
@@ -206,7 +206,7 @@ def test_auto_prefetch_where_the_planner_fits_one_more_input():
 
 
 def test_prefetch_without_host_checkpoints_is_refused():
-    from ds_tsp.engine import _check_activation_checkpointing
+    from ds_tsp.runtime.engine import _check_activation_checkpointing
 
     with pytest.raises(ValueError, match="tsp.prefetch_checkpoints = true .* "
                                          "activation_checkpointing.cpu_checkpointing"):

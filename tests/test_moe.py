@@ -33,14 +33,15 @@ import torch.nn.functional as F
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import ds_tsp
-from ds_tsp import comm, moe
+from ds_tsp.parallel import comm
+from ds_tsp.blocks.moe import module as moe
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.checkpoint import save_pretrained
 from ds_tsp.checkpoint.writing import write_state_dict
 from ds_tsp.config import TSPConfig
-from ds_tsp.moe import TSPSparseMoE, shard_spec
-from ds_tsp.policy import PolicyError, resolve_policy
-from ds_tsp.topology import TSPTopology
+from ds_tsp.blocks.moe.module import TSPSparseMoE, shard_spec
+from ds_tsp.injection.policy import PolicyError, resolve_policy
+from ds_tsp.parallel.topology import TSPTopology
 from models import MOE_ARCHS, tiny_model
 from parity import TOLERANCE, shard_grad_diffs
 
@@ -357,7 +358,7 @@ def _auto_choices():
 
     from ds_tsp.planning import cheaper_moe_schedule
 
-    block, _, top_k = _block_and_tokens("qwen3_moe", "float64", "auto", False)
+    block, _, top_k = _block_and_tokens("qwen3_moe", "float64", cheaper_moe_schedule, False)
     moe._announced.clear()  # this worker's earlier tests may have announced these shapes already
     records = []
     handler = logging.Handler()

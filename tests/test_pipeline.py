@@ -179,8 +179,8 @@ def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch, capsys):
 
 def test_layers_that_do_not_split_are_refused():
     from ds_tsp.config import TSPConfig
-    from ds_tsp.pipeline import build_pipeline
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.injection.pipeline import build_pipeline
+    from ds_tsp.parallel.topology import TSPTopology
 
     model = ds_tsp.inject(tiny_model("llama", num_hidden_layers=3), TSPTopology(1), TSPConfig(enabled=True))
     with pytest.raises(ValueError, match="num_hidden_layers = 3 does not split evenly over tsp.pipeline_stages = 2"):
@@ -191,7 +191,7 @@ def test_checkpointed_mixture_of_experts_stages_use_the_non_reentrant_checkpoint
     """Their stages pass the load-balancing statistics beside the hidden state,
     which DeepSpeed's reentrant checkpoint cannot run backward for."""
     from ds_tsp.config import TSPConfig
-    from ds_tsp.pipeline import check_pipeline_stages
+    from ds_tsp.injection.pipeline import check_pipeline_stages
 
     config, tsp_config = tiny_model("mixtral").config, TSPConfig(enabled=True, pipeline_stages=2)
     ds_config = {"activation_checkpointing": {"partition_activations": False}}

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp import comm
+from ds_tsp.parallel import comm
 from ds_tsp import planning as planner
 from ds_tsp.planning import memory
-from ds_tsp.attention import TSPAttention
-from ds_tsp.head_groups import HeadGroups
-from ds_tsp.mlp import TSPGatedMLP
+from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.attention.head_groups import HeadGroups
+from ds_tsp.blocks.mlp import TSPGatedMLP
 
 # Rank bodies live in this module, so every spawned rank imports it: what needs
 # DeepSpeed (topology, config) or the Hugging Face model classes is imported
@@ -295,10 +295,11 @@ def _counted_model_steps(cases, grad_wire_dtype=None):
     backward with labels) of a tiny injected model, for each ``(arch, dtype,
     vocab_parallel, checkpointing)``, with the embedding rows one batch exchanges:
     (this rank's local ids owned elsewhere, the other ranks' ids owned here)."""
-    from ds_tsp import inject, layout
+    from ds_tsp.injection import inject
+    from ds_tsp.parallel import layout
     from ds_tsp.config import TSPConfig
-    from ds_tsp.engine import set_grad_wire_dtype
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.runtime.engine import set_grad_wire_dtype
+    from ds_tsp.parallel.topology import TSPTopology
     from models import tiny_model
 
     D, rank = dist.get_world_size(), dist.get_rank()
@@ -392,9 +393,9 @@ def test_bf16_wire_bytes_equal_what_the_code_counts(run_ranks):
 
 
 def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True, recompute_norms=False):
-    from ds_tsp import inject
+    from ds_tsp.injection import inject
     from ds_tsp.config import TSPConfig
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.parallel.topology import TSPTopology
     from models import tiny_model
 
     model = inject(tiny_model(arch, dtype=dtype), TSPTopology(tsp_size),
@@ -1063,12 +1064,12 @@ def _live_saved_bytes(params, run):
 
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 def test_moe_saved_activations_equal_the_models(dtype, name):
-    # One rank, the whole model: TSP's sparse layers (ds_tsp.moe) and Hugging Face's with its default
+    # One rank, the whole model: TSP's sparse layers (ds_tsp.blocks.moe.module) and Hugging Face's with its default
     # grouped experts (the baselines' count); Qwen2-MoE with a dense layer among the sparse ones; the
     # load-balancing loss on (the tiny configs) and off.
-    from ds_tsp import inject
+    from ds_tsp.injection import inject
     from ds_tsp.config import TSPConfig
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.parallel.topology import TSPTopology
     from models import tiny_config, tiny_model
 
     for arch, overrides in [("mixtral", {}), ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),

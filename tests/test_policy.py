@@ -19,9 +19,9 @@ import transformers
 
 import ds_tsp
 from ds_tsp.config import TSPConfig
-from ds_tsp.policy import PolicyError, resolve_policy
-from ds_tsp.topology import TSPTopology
-from ds_tsp.vocab import VocabError
+from ds_tsp.injection.policy import PolicyError, resolve_policy
+from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.blocks.vocab import VocabError
 from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
                     tiny_causal_lm, tiny_model)
 from parity import TOLERANCE, check, reference_loss, shard_grad_diffs
@@ -141,7 +141,7 @@ TABLE_VARIANTS = [
 
 def test_the_config_names_every_policy_table():
     from ds_tsp.config import POLICY_NAMES
-    from ds_tsp.policy import POLICIES
+    from ds_tsp.injection.policy import POLICIES
 
     assert POLICY_NAMES == tuple(POLICIES)
 
@@ -151,7 +151,7 @@ def table_variants_parity(variants):
 
 
 def test_every_table_variant_and_rope_type_matches_hugging_face(run_ranks):
-    from ds_tsp.policy import ROPE_TYPES
+    from ds_tsp.injection.policy import ROPE_TYPES
 
     tested = {v[1]["rope_parameters"]["rope_type"] for v in TABLE_VARIANTS if "rope_parameters" in v[1]}
     assert tested | {"default"} == set(ROPE_TYPES)  # the default is every other test's

@@ -1,6 +1,6 @@
 """Replicated gradients (norms; embedding and LM head when the vocabulary is not
 folded) summed over the TSP group where DeepSpeed's own reduction lets it
-happen least often (``ds_tsp.replicated_schedule``), in the dtype DeepSpeed
+happen least often (``ds_tsp.runtime.replicated_schedule``), in the dtype DeepSpeed
 reduces gradients in (``communication_data_type``)."""
 
 import copy
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 import ds_tsp
-from ds_tsp import comm
+from ds_tsp.parallel import comm
 from ds_tsp import planning as planner
-from ds_tsp.mappings import ReplicatedGrads
+from ds_tsp.parallel.mappings import ReplicatedGrads
 from models import tiny_config, tiny_model
 from test_engine import _gathered, _relative_to
 
@@ -106,7 +106,7 @@ def test_messages_are_the_buckets_not_the_parameters(run_ranks):
 
 def _plain_backward_counts():
     from ds_tsp.config import TSPConfig
-    from ds_tsp.topology import TSPTopology
+    from ds_tsp.parallel.topology import TSPTopology
 
     model = ds_tsp.inject(tiny_model("llama", dtype=torch.float32), TSPTopology(2),
                           TSPConfig(enabled=True, size=2, attention_backend="sdpa", vocab_parallel=False))
@@ -265,7 +265,7 @@ def test_superoffload_sums_every_backward():
     # only): nothing may wait for a boundary, so each gradient is summed before ZeRO reads it.
     from types import SimpleNamespace
 
-    from ds_tsp.replicated_schedule import schedule_replicated_grads
+    from ds_tsp.runtime.replicated_schedule import schedule_replicated_grads
     replicated_grads = ReplicatedGrads([torch.nn.Parameter(torch.ones(2))], group=None)
     replicated_grads.deferred()
     engine = SimpleNamespace(optimizer=object(), super_offload=lambda: True)
@@ -393,9 +393,9 @@ def test_pipeline_stages_sum_once_per_batch(run_ranks):
 def _grad_wire_runs():
     """Per config, TSP=2, ZeRO-1: the gradient wire dtype of each kind of TSP
     block after ``ds_tsp.initialize``, and the bytes one backward receives per op."""
-    from ds_tsp.attention import TSPAttention
-    from ds_tsp.mlp import TSPGatedMLP
-    from ds_tsp.vocab import VocabParallelLMHead
+    from ds_tsp.blocks.attention.module import TSPAttention
+    from ds_tsp.blocks.mlp import TSPGatedMLP
+    from ds_tsp.blocks.vocab import VocabParallelLMHead
 
     runs = {"fp32, unset": {}, "fp32, bf16 on the wire": dict(communication_data_type="bf16"),
             "bf16, unset": dict(bf16={"enabled": True})}

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 import ds_tsp
 from ds_tsp.checkpoint import CheckpointError
 from ds_tsp.cli import main
-from ds_tsp.packing import PackedShardMixin
-from ds_tsp.pipeline import hf_prefixes
-from ds_tsp.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.injection.pipeline import hf_prefixes
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from models import tiny_model
 
 SEQ_LEN = 16

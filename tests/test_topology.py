@@ -1,9 +1,9 @@
 import pytest
 import torch.distributed as dist
 
-from ds_tsp import comm
+from ds_tsp.parallel import comm
 from ds_tsp.config import TSPConfigError
-from ds_tsp.topology import MeshShape, TSPTopology
+from ds_tsp.parallel.topology import MeshShape, TSPTopology
 
 
 def test_mesh_puts_tsp_innermost():

@@ -52,7 +52,7 @@ def _arguments(output_dir, per_device_batch, deepspeed=None):
     """The same arguments for both runs; ``per_device_batch`` is the global batch
     for one process. Evaluation batches too: the Trainer's eval loss of a step is
     the mean over the tokens of all replicas' batches (``num_items_in_batch``)."""
-    # DeepSpeed on CPU ranks: accelerate's state is configured by ds_tsp.trainer.configure_cpu_ranks.
+    # DeepSpeed on CPU ranks: accelerate's state is configured by ds_tsp.runtime.trainer.configure_cpu_ranks.
     configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=per_device_batch,
@@ -80,7 +80,7 @@ def _tsp_run(tsp_size, output_dir):
     """On every rank: train, evaluate, save, resume from checkpoint-3."""
     from accelerate.state import AcceleratorState
 
-    from ds_tsp.trainer import configure_cpu_ranks
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
 
     try:
         configure_cpu_ranks()
@@ -307,7 +307,7 @@ def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None, lo
 def _tsp_sft_run(output_dir, lora):
     from accelerate.state import AcceleratorState
 
-    from ds_tsp.trainer import configure_cpu_ranks
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
 
     from trl import SFTTrainer
 
@@ -349,7 +349,7 @@ def _zero3_from_pretrained_run(model_dir, output_dir):
     checkpoint only."""
     from accelerate.state import AcceleratorState
 
-    from ds_tsp.trainer import configure_cpu_ranks
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
 
     try:
         configure_cpu_ranks()

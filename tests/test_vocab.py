@@ -1,10 +1,10 @@
-"""The folded vocabulary (ds_tsp.vocab) against unsharded torch / Hugging Face, float64.
+"""The folded vocabulary (ds_tsp.blocks.vocab) against unsharded torch / Hugging Face, float64.
 
 Block level: every rank builds the same seeded ``nn.Embedding`` and bias-free
 head, runs its zigzag tokens through ``embedding -> tanh -> head + loss`` and
 returns the loss, its shard gradients, the logits of the no-label path and the
 bytes each collective moved; the test compares them with the full modules and
-with the byte formulas of the ``ds_tsp.vocab`` docstring. Model level: the
+with the byte formulas of the ``ds_tsp.blocks.vocab`` docstring. Model level: the
 shared ``parity.model_parity`` body at D = 1..4. The bound 1e-10 is far above
 float64 round-off of these reordered sums (~1e-15) and far below a wrong row
 (~1e-1, see the guard tests).
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import ds_tsp
-from ds_tsp import comm, layout
+from ds_tsp.parallel import comm, layout
 from ds_tsp.config import TSPConfig
-from ds_tsp.mappings import sum_over_group
-from ds_tsp.topology import TSPTopology
-from ds_tsp.vocab import VocabError, VocabParallelEmbedding, VocabParallelLMHead, shard_rows
+from ds_tsp.parallel.mappings import sum_over_group
+from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.blocks.vocab import VocabError, VocabParallelEmbedding, VocabParallelLMHead, shard_rows
 from models import tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
@@ -117,7 +117,7 @@ def test_embedding_and_fused_loss_match_torch_and_move_the_formula_bytes(run_ran
         assert max(worst.values()) <= TOLERANCE, worst
         if not tied:  # the padding row had no gradient to match (a tied head still gives it one)
             assert ref["embed"][PADDING_IDX].abs().max() == 0
-        for res in per_rank:  # DESIGN section 6 / ds_tsp.vocab, float64 (e = a = 8 bytes)
+        for res in per_rank:  # DESIGN section 6 / ds_tsp.blocks.vocab, float64 (e = a = 8 bytes)
             r, counts = res["tsp_rank"], res["counts"]
             assert _received(res["forward_ops"], "all_to_all") == sum(
                 counts[r][j] for j in range(tsp_size) if j != r) * HIDDEN * F64

@@ -19,12 +19,9 @@ from safetensors.torch import save_file
 
 from safetensors import safe_open
 
-from .. import comm
-from ..lora import ROW_SPLIT, one_lora_config
-from .reading import CheckpointError
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+from ds_tsp.parallel import comm
+from ds_tsp.injection.lora import ROW_SPLIT, one_lora_config
+from ds_tsp.checkpoint.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError
 
 
 def gather_pieces(tensor, group):
@@ -131,7 +128,7 @@ class AdapterFiles:
         self.file = safe_open(weights, framework="pt")
 
     def adapters(self):
-        """``{module path: (read, scaling)}`` (``ds_tsp.lora.shard_adapters``)."""
+        """``{module path: (read, scaling)}`` (``ds_tsp.injection.lora.shard_adapters``)."""
         config = self.config
         scaling = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
         paths = sorted({key[len(self.PREFIX):].removesuffix(".lora_A.weight") for key in self.file.keys()

@@ -21,63 +21,22 @@ them into its piece of the fused tensor.
 
 import json
 import os
-import re
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..fused import row_pieces, split_rows
-from ..inject import inject
-from ..policy import resolve_policy
-from .expert_files import expert_files
-from .planning import meta_model, narrow_index, shard_plan
-
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
-TORCH_WEIGHTS = "pytorch_model.bin"
-TORCH_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
-TSP_SHARDS = "tsp_shards.json"
-TSP_SHARDS_FORMAT = "ds_tsp.tsp_shards"
-# Hugging Face's order of preference (transformers' ``_get_resolved_checkpoint_files``).
-HF_WEIGHTS_ORDER = (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TORCH_WEIGHTS, TORCH_WEIGHTS_INDEX)
-# Every file of a checkpoint, whatever its layout: Hugging Face weights (single,
-# sharded "-00001-of-00002", with a variant "model.fp16.safetensors"), their
-# indexes, and ds-tsp convert's per-rank files and description.
-_CHECKPOINT_FILE = re.compile(r"(model|pytorch_model)([.-][^/]*)?\.(safetensors|bin)"
-                              r"|(model\.safetensors|pytorch_model\.bin)\.index(\.[^/]+)?\.json"
-                              r"|rank\d+-of-\d+\.safetensors|" + re.escape(TSP_SHARDS))
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model or the request; the message names the file and the fix."""
-
-
-def rank_file(tsp_rank, tsp_size):
-    return f"rank{tsp_rank}-of-{tsp_size}.safetensors"
-
-
-def is_checkpoint_file(name):
-    """Whether ``name`` is a checkpoint file: weights, an index, a TSP shard file or description."""
-    return _CHECKPOINT_FILE.fullmatch(name) is not None
-
-
-def checkpoint_files(directory):
-    """The names of the checkpoint files (weights, indexes, TSP shards) in
-    ``directory``, sorted; empty when it does not exist."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(name for name in os.listdir(directory)
-                  if is_checkpoint_file(name) and os.path.isfile(os.path.join(directory, name)))
-
-
-def hf_weights_file(directory):
-    """The weights file Hugging Face's ``from_pretrained`` would read in
-    ``directory`` (see ``HF_WEIGHTS_ORDER``), or None."""
-    return next((name for name in HF_WEIGHTS_ORDER if os.path.isfile(os.path.join(directory, name))), None)
+from ds_tsp.blocks.fused import row_pieces, split_rows
+from ds_tsp.injection.inject import inject
+from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.checkpoint.adapters import AdapterFiles
+from ds_tsp.checkpoint.expert_files import expert_files
+from ds_tsp.checkpoint.formats import SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TORCH_WEIGHTS, TORCH_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError, hf_weights_file
+from ds_tsp.checkpoint.shard_plan import meta_model, narrow_index, shard_plan
 
 
 # ------------------------------------------------------------------- readers
+
 
 class SafetensorsCheckpoint:
     """The tensors of a Hugging Face checkpoint directory: ``model.safetensors``
@@ -214,7 +173,7 @@ class TSPShardCheckpoint:
          "ranks": [{"file": "rank0-of-D.safetensors", "pieces": {name: [dim, start, length] or null}}, ...]}
 
     where a null piece is the whole tensor, a list of pieces the row pieces a
-    rank holds of a fused tensor (``ds_tsp.fused``), concatenated in its file,
+    rank holds of a fused tensor (``ds_tsp.blocks.fused``), concatenated in its file,
     and a name missing from a rank's ``pieces`` is not in its file.
     """
 
@@ -367,7 +326,6 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
     path = os.fspath(path)
     adapter_files = None
     if adapter is not None:
-        from .adapters import AdapterFiles  # adapters imports this module
         adapter_files = AdapterFiles(os.fspath(adapter))
     model, dtype = meta_model(path, torch_dtype)
     policy = resolve_policy(model, tsp_config.policy)

@@ -30,13 +30,13 @@ from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, DS_VERSION, OP
                                             VOCAB_TENSOR)
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-from .. import comm
-from ..pipeline import hf_prefixes
-from .reading import CheckpointError
-from .staging import link_or_copy, staged
+from ds_tsp.parallel import comm
+from ds_tsp.injection.pipeline import hf_prefixes
+from ds_tsp.checkpoint.formats import CheckpointError
+from ds_tsp.checkpoint.staging import link_or_copy, staged
 
 LAYOUT_FILE = "ds_tsp_layout.json"
-LAYOUT_FORMAT = "ds_tsp.layout"
+LAYOUT_FORMAT = "ds_tsp.parallel.layout"
 # DeepSpeed's names of the newest tag: plain and universal checkpoints.
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
 

@@ -44,10 +44,10 @@ from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFIN
                                             UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
 
-from .. import comm
-from ..packing import PackedShardMixin
-from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
-from .planning import block_holdings, block_specs
+from ds_tsp.parallel import comm
+from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from ds_tsp.checkpoint.shard_plan import block_holdings, block_specs
 
 
 def _row_major(shape):

@@ -37,19 +37,20 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
-from .. import comm
-from ..fused import row_pieces
-from ..model import TSPCausalLMMixin, TSPDecoderLayer
-from ..packing import PackedShardMixin
-from ..policy import resolve_policy
-from ..vocab import VocabParallelEmbedding, VocabParallelLMHead
-from .adapters import save_adapters
-from .expert_files import expert_files, to_files
-from .planning import block_holdings, block_specs, hf_class, join_holdings, meta_model, shard_plan, tied_names
-from .reading import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError,
-                      TSPShardCheckpoint, check_tensors_present, checkpoint_files, hf_checkpoint, is_checkpoint_file,
-                      rank_file)
-from .staging import staged
+from ds_tsp.parallel import comm
+from ds_tsp.blocks.fused import row_pieces
+from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
+from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from ds_tsp.checkpoint.adapters import save_adapters
+from ds_tsp.checkpoint.expert_files import expert_files, to_files
+from ds_tsp.checkpoint.shard_plan import (block_holdings, block_specs, hf_class, join_holdings, meta_model,
+                                          shard_plan, tied_names)
+from ds_tsp.checkpoint.formats import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT,
+                                       CheckpointError, checkpoint_files, is_checkpoint_file, rank_file)
+from ds_tsp.checkpoint.reading import TSPShardCheckpoint, check_tensors_present, hf_checkpoint
+from ds_tsp.checkpoint.staging import staged
 
 # Hugging Face's default before transformers 5 (which writes up to 50GB per
 # file): the writer holds about one file in CPU memory.
@@ -79,7 +80,7 @@ def gather_block(block):
     """The full Hugging Face tensors of one TSP block (``{name: tensor}``), on
     every rank of its TSP group: the packed shards are gathered, unpacked and
     put back where each rank's piece came from (one copy of rows several ranks
-    hold), fused where Hugging Face fuses them (``ds_tsp.fused``); replicated
+    hold), fused where Hugging Face fuses them (``ds_tsp.blocks.fused``); replicated
     tensors are this rank's own."""
     holdings = block_holdings(block)
     shards = gather_shards(block)
@@ -181,7 +182,7 @@ class SavedStage:
 
 def saved_stage(model):
     """The ``SavedStage`` of an injected model, a DeepSpeed engine around one, a
-    ``PipelineEngine`` or the ``PipelineModule`` of ``ds_tsp.pipeline``."""
+    ``PipelineEngine`` or the ``PipelineModule`` of ``ds_tsp.injection.pipeline``."""
     module = model.module if not isinstance(model, TSPCausalLMMixin) and hasattr(model, "module") else model
     if isinstance(module, TSPCausalLMMixin):
         policy = module.tsp_policy
@@ -195,7 +196,7 @@ def saved_stage(model):
     elif hasattr(module, "tsp_model_class"):
         # Imported here: the pipeline needs DeepSpeed, which loading and
         # non-pipeline saving do not.
-        from ..pipeline import stage_modules
+        from ds_tsp.injection.pipeline import stage_modules
         stage = SavedStage(module.tsp_topology, module.tsp_policy, hf_class(module.tsp_model_class),
                            module.tsp_model_config, module.tsp_generation_config, stage_modules(module), {})
     else:
@@ -506,7 +507,7 @@ def _write_shards(source, plans, tsp_size, out_dir):
             pieces = {**{name: plan[name] for name in source.names if name in plan}, **replicated}
             held = {}
             for name, piece in pieces.items():
-                # A fused tensor's row pieces (ds_tsp.fused) are stored concatenated, in row order.
+                # A fused tensor's row pieces (ds_tsp.blocks.fused) are stored concatenated, in row order.
                 held[name] = torch.cat([source.read(name, part) for part in row_pieces(piece)]).contiguous()
                 tensors[name] = {"shape": list(source.shapes[name]),
                                  "dtype": str(held[name].dtype).removeprefix("torch.")}

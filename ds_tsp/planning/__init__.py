@@ -9,7 +9,7 @@ One module per concern, in the order they build on one another:
 | module | holds |
 |---|---|
 | ``shapes`` | model sizes (presets, HF configs, MoE layers), precisions, the run's ``Setting``, how TSP cuts a model |
-| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``ds_tsp.comm`` counts them; |
+| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``ds_tsp.parallel.comm`` counts them; |
 | | a MoE layer's expert ring against the token all-to-all |
 | ``memory`` | the memory terms: saved tensors, model states, transients, offloads to host memory |
 | ``strategies`` | one function per strategy, ``plan`` (all of them), ``plan_alst``, ``recommend`` |
@@ -21,22 +21,23 @@ One module per concern, in the order they build on one another:
 | ``cli`` | the ``ds-tsp plan`` options and command |
 """
 
-from .anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS,
-                      PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
-from .cli import add_plan_arguments, run_plan
-from .communication import (DIRECTIONS, MOE_SCHEDULES, cheaper_moe_schedule, moe_block_bytes_by_op,
-                            moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer, tsp_moe_bytes_by_op,
-                            tsp_moe_schedule, tsp_step_bytes_by_op, tsp_vocab_bytes_by_op)
-from .longest import LongestSequence, longest_fitting, max_seq_len
-from .memory import HEAD_BACKWARD, MEMORY_PARTS
-from .serving import ServingPlan, format_serving_table, serving_plans
-from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32, GB, INT64,
-                     MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, ModelShape, Precision, Setting,
-                     logits_tile_tokens, model_shape, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
-from .strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
-from .tables import (format_longest_table, format_moe_facts, format_table, format_time_anchors, moe_facts,
-                     plot_memory_vs_seq)
-from .timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
+import importlib
+
+from ds_tsp.planning.anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED,
+                                     PAPER_DEVICE_GB, PAPER_LABELS, PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
+from ds_tsp.planning.communication import (DIRECTIONS, MOE_SCHEDULES, cheaper_moe_schedule, moe_block_bytes_by_op,
+                                           moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer,
+                                           tsp_moe_bytes_by_op, tsp_moe_schedule, tsp_step_bytes_by_op,
+                                           tsp_vocab_bytes_by_op)
+from ds_tsp.planning.longest import LongestSequence, longest_fitting, max_seq_len
+from ds_tsp.planning.memory import HEAD_BACKWARD, MEMORY_PARTS
+from ds_tsp.planning.serving import ServingPlan, format_serving_table, serving_plans
+from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32,
+                                    GB, INT64, MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS,
+                                    ModelShape, Precision, Setting, logits_tile_tokens, model_shape, tsp_name,
+                                    tsp_shape_problem, vocab_rows_per_rank)
+from ds_tsp.planning.strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
+from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
     "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",
@@ -52,3 +53,14 @@ __all__ = [
     "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_moe_schedule", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
     "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
 ]
+
+# The command line and the tables load on first use: the blocks' and the engine's imports need neither.
+_LAZY = {"add_plan_arguments": "cli", "run_plan": "cli", "format_longest_table": "tables",
+         "format_moe_facts": "tables", "format_table": "tables", "format_time_anchors": "tables",
+         "moe_facts": "tables", "plot_memory_vs_seq": "tables"}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ds_tsp.planning' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

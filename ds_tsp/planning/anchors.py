@@ -21,7 +21,7 @@ per-GPU throughput, with the runs behind them (``TIME_ANCHORS``), are what
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .shapes import model_shape
+from ds_tsp.planning.shapes import model_shape
 
 # Peak GB per GPU reported by the paper: llama-7b shape, S = 128K, B = 1, 8 MI300X per replica.
 # Its two TP+SP layouts are not named in DESIGN.md; their model states 16P/t leave

@@ -1,4 +1,4 @@
-"""Bytes each TSP rank receives, per ``ds_tsp.comm`` op, as ``comm.counter``
+"""Bytes each TSP rank receives, per ``ds_tsp.parallel.comm`` op, as ``comm.counter``
 counts them (ring algorithms): all-reduce of ``n`` bytes ``2(p-1)/p n``,
 all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
@@ -8,7 +8,7 @@ vocabulary (``tsp_vocab_bytes_by_op``) and per training step
 
 A mixture-of-experts layer's experts travel round the ring as the dense MLP's
 shards do, or stay at rest while the tokens go to them by all-to-all
-(``ds_tsp.moe``, both built); ``tsp_moe_bytes_by_op`` gives that block's bytes
+(``ds_tsp.blocks.moe.module``, both built); ``tsp_moe_bytes_by_op`` gives that block's bytes
 under either schedule, ``moe_crossover_tokens`` the micro-batch at which the
 two move the same bytes, and ``cheaper_moe_schedule`` the choice
 ``tsp.moe_schedule: "auto"`` makes.
@@ -20,8 +20,8 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
-from .shapes import (FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_qk_rows, tsp_shape_problem,
-                     vocab_rows_per_rank)
+from ds_tsp.planning.shapes import (FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_qk_rows, tsp_shape_problem,
+                                    vocab_rows_per_rank)
 
 DIRECTIONS = ("forward", "backward", "both")
 MOE_SCHEDULES = ("ring", "all_to_all")
@@ -141,7 +141,7 @@ def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direc
 
 def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
                           elem_bytes, direction, schedule, *, grad_wire_bytes=None, rows_received=None):
-    """Bytes one rank receives in one sparse MoE block (``ds_tsp.moe``), per
+    """Bytes one rank receives in one sparse MoE block (``ds_tsp.blocks.moe.module``), per
     ``comm`` op name: ``E`` experts of ``3 H F_e`` weights, ``E/D`` per rank,
     top-``k`` routing, a shared expert of ``F_s`` (0: none), ``N`` local tokens.
     The same formula serves the planner and ``tsp.moe_schedule: "auto"``.

@@ -29,9 +29,10 @@ sequences without it):
 
 from dataclasses import dataclass, replace
 
-from .anchors import ALST_DEVICE_GB, ALST_MODEL, ALST_PUBLISHED, FPDT_PUBLISHED
-from .shapes import DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB, model_shape, tsp_name
-from .strategies import make_setting, plan_alst, plan_baseline, plan_tsp
+from ds_tsp.planning.anchors import ALST_DEVICE_GB, ALST_MODEL, ALST_PUBLISHED, FPDT_PUBLISHED
+from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB,
+                                    model_shape, tsp_name)
+from ds_tsp.planning.strategies import make_setting, plan_alst, plan_baseline, plan_tsp
 
 # A bound on the doubling, far past any memory: 2^40 tokens.
 _MAX_STEPS = 2 ** 40

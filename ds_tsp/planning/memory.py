@@ -16,7 +16,7 @@ estimate), and what offloading puts in host memory instead.
   gradient, master or optimizer state (``lora_model_states``); the adapters
   of ``lora_targets`` carry the full states, split as ds_tsp splits them
   (``shapes.lora_adapter_params``; TP alike). TSP keeps each layer's merged
-  shard ``W + sBA`` (``ds_tsp.lora``) from forward to backward: one more
+  shard ``W + sBA`` (``ds_tsp.injection.lora``) from forward to backward: one more
   copy of its shards, in the model dtype, among the saved tensors; its
   frozen folded head's backward ring keeps no gradient accumulators.
 * Activations are the tensors autograd saves for backward, counted tensor by
@@ -36,7 +36,7 @@ estimate), and what offloading puts in host memory instead.
   (AutoTP/Megatron without its sequence parallelism); Ulysses divides tokens
   by ``c`` and also saves the attention output before its return all-to-all;
   all-gather CP keeps the gathered full-sequence K/V. TSP is modelled by what
-  ``ds_tsp.attention`` and ``ds_tsp.mlp`` actually save: the attention's local
+  ``ds_tsp.blocks.attention.module`` and ``ds_tsp.blocks.mlp`` actually save: the attention's local
   ``x`` (its backward projects ``q``, ``k``, ``v`` again from it) and, with its
   fused backward, each head group's output and lse (sliding-window layers
   recompute them instead), the MLP's local ``x`` and each shard's gate and up
@@ -93,7 +93,7 @@ estimate), and what offloading puts in host memory instead.
   accumulators are freed before backward's buffers exist and stay below them.
 """
 
-from .shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
+from ds_tsp.planning.shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "logits", "transient")
 HEAD_BACKWARD = ("logits_tiles", "grad_hidden", "head_shards_in_flight", "head_grad_accumulators")
@@ -160,7 +160,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     values each over the D steps). Backward frees the MLP's before the
     attention's backward runs.
 
-    A sparse layer (``ds_tsp.moe``) saves its local x, no expert intermediate
+    A sparse layer (``ds_tsp.blocks.moe.module``) saves its local x, no expert intermediate
     (each expert's are recomputed in backward), the router's tensors
     (``router_saved_per_token``), the routing weights, the token order by
     expert and top-k slot (two int64 a slot), with a shared expert its gate's
@@ -168,7 +168,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     tokens its load-balancing statistics multiply by."""
     H, nq = m.hidden_size, m.num_heads
     norm = rms_norm_saved_per_token(m, e, recompute_norms)
-    # Recomputed, the attention's norm runs inside it (ds_tsp.input_norm), which keeps the layer's input alone.
+    # Recomputed, the attention's norm runs inside it (ds_tsp.blocks.input_norm), which keeps the layer's input alone.
     attention, mlp = (e * H if recompute_norms else norm + e * H), norm + e * H
     if sparse:
         k = m.experts_per_token

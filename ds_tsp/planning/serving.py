@@ -11,7 +11,7 @@ batch ``B``, context ``S`` tokens:
 * TSP: every block's weights ``1/D`` (``tsp_attention_shard``, the MLP or
   experts ``/D``), the vocabulary folded (``ceil(V/D)`` rows of the embedding
   and the head), norms whole; each device caches all key/value heads of
-  ``S/D`` tokens (``ds_tsp.kv_cache``), plus one generated token of imbalance.
+  ``S/D`` tokens (``ds_tsp.inference.kv_cache``), plus one generated token of imbalance.
 
 The prefill's transient activations (freed before decoding) are not in it:
 ``benchmarks/inference.py`` measures them.
@@ -19,7 +19,8 @@ The prefill's transient activations (freed before decoding) are not in it:
 
 from dataclasses import dataclass
 
-from .shapes import PRECISIONS, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem, vocab_rows_per_rank
+from ds_tsp.planning.shapes import (PRECISIONS, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
+                                    vocab_rows_per_rank)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ PRESETS = {
 
 # How TSP attention gets its backward: "fused" saves each head group's output
 # and log-sum-exp and runs the fused backward (every backend of
-# ds_tsp.attention_kernels for full causal attention: torch's flash ops on CPU
+# ds_tsp.blocks.attention.kernels for full causal attention: torch's flash ops on CPU
 # and CUDA fp16/bf16, cuDNN, flash-attn); "recompute" saves q, k, v only and
 # runs the attention forward again under autograd (fp32 on CUDA, sliding windows).
 TSP_ATTENTION_BACKWARDS = ("fused", "recompute")
@@ -52,7 +52,7 @@ DEFAULT_TOKEN_TILE = 8192
 DEFAULT_DEVICES_PER_NODE = 8
 
 
-# Model types whose q/k norms span the whole projection (ds_tsp.rotary.ProjectionNormPiece).
+# Model types whose q/k norms span the whole projection (ds_tsp.blocks.rotary.ProjectionNormPiece).
 PROJECTION_QK_NORMS = ("olmo2", "olmo3")
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ def _shape_fields(model):
     raise TypeError(f"model must be a preset name, a config path, a dict or a Hugging Face config, not {type(model)}")
 
 
-# Mixture-of-experts model types the planner knows (ds_tsp.policy runs the same three), and the keys by
+# Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs the same three), and the keys by
 # which other MoE configs are recognised and refused.
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -393,6 +393,13 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
     if tsp_rank % kv_replicas == 0:
         own += 2 * kv_heads * d * (H + bias)
     return own
+
+
+def padded_length(seq_len, tsp_size):
+    """``seq_len`` right-padded to ``2 * tsp_size`` zigzag chunks, as ``ds_tsp.parallel.layout``
+    pads a batch (the planner imports no torch code, so it keeps its own copy; a test holds them equal)."""
+    multiple = 2 * tsp_size
+    return -(-seq_len // multiple) * multiple
 
 
 def tsp_name(tsp_size, vocab_parallel=True):

@@ -11,7 +11,7 @@ device; ``TSP(N) replicated vocab`` keeps both whole on every device.
 
 Mixture-of-experts models (``ModelShape.layer_kinds``): each sparse layer is
 planned as each strategy runs a Hugging Face MoE layer. TSP holds ``E/D``
-experts per rank and moves them round the ring (``ds_tsp.moe``); DP, SP and
+experts per rank and moves them round the ring (``ds_tsp.blocks.moe.module``); DP, SP and
 CP replicate every expert (ZeRO-3 partitions them over the sequence axis and
 gathers one layer's whole at a time); TP splits each expert's ``F_e`` over
 ``t`` (Megatron's expert tensor parallelism: a model, no DeepSpeed anchor);
@@ -39,17 +39,17 @@ each token uses; TSP's experts recompute their projections in backward.
 
 from dataclasses import dataclass, field
 
-from ..layout import padded_length
-from .communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
-from .memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER, FULL_KV, GRAD_X,
-                     HEAD_BACKWARD, HEAD_GROUP_LOCAL, HEAD_PHASE, KEPT_OUTSIDE, KV_GROUP, LOSS_BACKWARD, MLP_TILE,
-                     MODEL_LEVEL, RECOMPUTED, SHARDS, STATES, ZERO3_GATHERED, hf_layer_saved_per_token,
-                     hf_moe_layer_saved, host_memory, load_balancing_saved, logits_memory, lora_model_states,
-                     model_level_saved, model_states, rope_saved, tiled_loss_memory, transient_terms,
-                     tsp_block_saved_per_token, tsp_vocab_memory)
-from .shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, LORA_TARGETS, PRECISIONS,
-                     TSP_ATTENTION_BACKWARDS, Setting, lora_adapter_params, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
-                     vocab_rows_per_rank)
+from ds_tsp.planning.communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
+from ds_tsp.planning.memory import (ALL_TO_ALL, CHECKPOINT_BACK, CHECKPOINTS, EMBEDDING_BACKWARD, EVERY_LAYER,
+                                    FULL_KV, GRAD_X, HEAD_BACKWARD, HEAD_GROUP_LOCAL, HEAD_PHASE, KEPT_OUTSIDE,
+                                    KV_GROUP, LOSS_BACKWARD, MLP_TILE, MODEL_LEVEL, RECOMPUTED, SHARDS, STATES,
+                                    ZERO3_GATHERED, hf_layer_saved_per_token, hf_moe_layer_saved, host_memory,
+                                    load_balancing_saved, logits_memory, lora_model_states, model_level_saved,
+                                    model_states, rope_saved, tiled_loss_memory, transient_terms,
+                                    tsp_block_saved_per_token, tsp_vocab_memory)
+from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, INT64, LORA_TARGETS,
+                                    PRECISIONS, TSP_ATTENTION_BACKWARDS, Setting, lora_adapter_params, model_shape, padded_length,
+                                    tsp_attention_shard, tsp_name, tsp_shape_problem, vocab_rows_per_rank)
 
 
 # What each strategy sends, by kind (``StrategyPlan.comm_parts``). The baselines:
@@ -226,7 +226,7 @@ def plan_tsp(setting, vocab_parallel):
     """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
     the embedding and LM head whole on every rank. A sparse layer's experts are
     sharded ``E/D`` per rank and travel round the ring as the MLP's shards do
-    (``ds_tsp.moe``)."""
+    (``ds_tsp.blocks.moe.module``)."""
     m, p, D = setting.model, setting.precision, setting.devices
     e, acc, B, H = p.element, p.accumulate, setting.micro_batch, m.hidden_size
     problem = tsp_shape_problem(m, D)

@@ -37,7 +37,7 @@ the frameworks run them):
 * TSP weight broadcasts and the MLP / LM-head ring: overlapped (DESIGN.md 4
   and 5: shard ``j+1`` arrives while shard ``j`` computes); the K/V all-gather
   and dK/dV reduce-scatter: overlapped, the next head group's under the current
-  group's compute, as ``ds_tsp/attention.py`` runs them; the weight-gradient reduces:
+  group's compute, as ``ds_tsp/blocks/attention/module.py`` runs them; the weight-gradient reduces:
   overlapped (posted, waited at the layer's end). The embedding all-to-all is
   blocking (the first layer needs the rows) and so are the all-reduces of the
   gradients every rank holds whole (ds_tsp waits for them before DeepSpeed's own
@@ -66,10 +66,10 @@ published one.
 import math
 from dataclasses import dataclass, field
 
-from .anchors import TIME_ANCHORS
-from .shapes import DEFAULT_DEVICES_PER_NODE
-from .strategies import (CP_KV, GRAD_REDUCE, PARAM_GATHER, SP_ALL_TO_ALL, TP_ACTIVATIONS, TSP_PARTS, ZERO3_GATHER,
-                         make_setting, plan_baseline)
+from ds_tsp.planning.anchors import TIME_ANCHORS
+from ds_tsp.planning.shapes import DEFAULT_DEVICES_PER_NODE
+from ds_tsp.planning.strategies import (CP_KV, GRAD_REDUCE, PARAM_GATHER, SP_ALL_TO_ALL, TP_ACTIVATIONS, TSP_PARTS,
+                                        ZERO3_GATHER, make_setting, plan_baseline)
 
 COMPUTE, INTRA_NODE, INTER_NODE = "compute", "intra-node", "inter-node"
 BOUNDS = (COMPUTE, INTRA_NODE, INTER_NODE)

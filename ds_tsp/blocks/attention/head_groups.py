@@ -1,0 +1,108 @@
+"""How attention's heads split over a TSP group (DESIGN.md section 4).
+
+Rank ``j`` owns query heads ``[j*nq/D, (j+1)*nq/D)``, the key/value heads
+they use (stored once, on the first rank of the heads that share them, when
+``nkv < D``) and the matching columns of ``o_proj``, packed in one flat
+buffer: which rows of which Hugging Face tensor that is, for the TSP
+attention, its checkpoints and the planner.
+"""
+
+from dataclasses import dataclass
+
+from ds_tsp.blocks.packing import PackSpec
+
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """How query and key/value heads split over a TSP group of ``tsp_size``."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tsp_size: int
+
+    def __post_init__(self):
+        D, nq, nkv = self.tsp_size, self.num_heads, self.num_kv_heads
+        if nq % D:
+            raise ValueError(f"num_attention_heads = {nq} is not divisible by tsp.size = {D}: "
+                             f"choose tsp.size from the divisors of {nq}")
+        if nq % nkv:
+            raise ValueError(f"num_attention_heads = {nq} is not a multiple of num_key_value_heads = {nkv}")
+        if nkv >= D and nkv % D:
+            raise ValueError(f"num_key_value_heads = {nkv} is not divisible by tsp.size = {D}: "
+                             f"choose tsp.size dividing {nkv}")
+        if nkv < D and D % nkv:
+            raise ValueError(f"num_key_value_heads = {nkv} < tsp.size = {D} needs tsp.size to be a multiple of "
+                             f"{nkv} so each key/value head can be replicated to whole head groups")
+
+    @property
+    def q_heads(self):
+        """Query heads per rank."""
+        return self.num_heads // self.tsp_size
+
+    @property
+    def kv_heads(self):
+        """Key/value heads per rank (1 when they are replicated)."""
+        return max(self.num_kv_heads // self.tsp_size, 1)
+
+    @property
+    def kv_replicas(self):
+        """How many consecutive head groups share the same key/value heads."""
+        return max(self.tsp_size // self.num_kv_heads, 1)
+
+    def kv_holder(self, tsp_rank):
+        """The rank that stores the key/value heads ``tsp_rank``'s queries use:
+        the first of its replica set, so each head is stored (and counted in
+        gradient norms) exactly once."""
+        return tsp_rank - tsp_rank % self.kv_replicas
+
+    def holds_kv(self, tsp_rank):
+        return self.kv_holder(tsp_rank) == tsp_rank
+
+    def q_rows(self, tsp_rank):
+        """Rows of q_proj (and columns of o_proj) owned by ``tsp_rank``."""
+        size = self.q_heads * self.head_dim
+        return slice(tsp_rank * size, (tsp_rank + 1) * size)
+
+    def kv_rows(self, tsp_rank):
+        """Rows of k_proj/v_proj held by ``tsp_rank``."""
+        first = tsp_rank * self.num_kv_heads // self.tsp_size
+        return slice(first * self.head_dim, (first + self.kv_heads) * self.head_dim)
+
+    def rows(self, name, tsp_rank):
+        return self.q_rows(tsp_rank) if name.startswith(("q_proj", "o_proj")) else self.kv_rows(tsp_rank)
+
+    def holds(self, name, tsp_rank):
+        return name.startswith(("q_proj", "o_proj")) or self.holds_kv(tsp_rank)
+
+
+# Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated).
+SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1,
+              "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
+
+
+def shard_spec(heads, hidden_size, qkv_bias, tsp_rank):
+    """Rank ``tsp_rank``'s packed shard: its query heads and ``o_proj`` columns,
+    then, on the rank that holds them, its key/value heads (a contiguous tail,
+    so the key/value gradient can be reduced on its own)."""
+    q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
+    shapes = {"q_proj.weight": (q, hidden_size), "q_proj.bias": (q,), "o_proj.weight": (hidden_size, q),
+              "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
+              "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
+    return PackSpec({name: shape for name, shape in shapes.items()
+                     if (qkv_bias or not name.endswith("bias")) and heads.holds(name, tsp_rank)})
+
+
+def shard_piece(heads, name, tsp_rank):
+    """``(dim, start, length)`` of the full tensor ``name`` (e.g. ``k_proj.weight``)
+    that ``tsp_rank``'s rows are, or None if it is not split."""
+    if name not in SHARD_DIMS:
+        return None
+    rows = heads.rows(name, tsp_rank)
+    return SHARD_DIMS[name], rows.start, rows.stop - rows.start
+
+
+def slice_full_tensor(name, full, heads, tsp_rank):
+    """This rank's part of a full Hugging Face tensor ``name`` (e.g. ``k_proj.weight``)."""
+    rows = heads.rows(name, tsp_rank)
+    return full.narrow(SHARD_DIMS[name], rows.start, rows.stop - rows.start)

@@ -1,0 +1,242 @@
+"""Which piece of which tensor every TSP rank holds, and how pieces join.
+
+Pure sizes and indices, no files and no collectives: the model may live on
+the meta device. Which piece of which tensor a rank holds is computed here for
+any rank (``shard_plan``), so that one process can pre-shard a checkpoint
+(``ds-tsp convert``) and a rank can reassemble every other rank's pieces. The
+blocks' own ``shard_piece`` stays the authority: the loader and the gatherer
+check it against the plan for their own rank.
+
+A rank's holdings in one block are ``{name: piece}``: every tensor of its
+packed shard (its spec) with the piece ``(dim, start, length)`` of the full
+tensor it is, plus the block's replicated tensors (piece None: whole). With
+nkv < D only the first rank of each key/value replica set stores those heads,
+so shards differ. The names are the TSP block's; where Hugging Face fuses
+projections (Phi-3's ``qkv_proj``) the block's ``FusedRows`` (``ds_tsp.blocks.fused``)
+translates them, and ``shard_plan``, in Hugging Face's names, gives such a
+tensor the tuple of row pieces a rank holds of it.
+"""
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ds_tsp.blocks.attention import module as attention
+from ds_tsp.parallel import comm
+from ds_tsp.blocks import mlp, vocab
+from ds_tsp.blocks.moe import module as moe
+from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.attention.head_groups import HeadGroups, shard_piece, shard_spec
+from ds_tsp.blocks.fused import FusedRows, split_rows
+from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.injection.model import TSPCausalLMMixin
+
+
+def _holdings(specs, piece, replicated):
+    """Per rank, ``{name: piece}`` of its packed tensors, then its replicated ones."""
+    return [{**{name: piece(name, r) for name in spec.shapes}, **dict.fromkeys(replicated)}
+            for r, spec in enumerate(specs)]
+
+
+class BlockShards(NamedTuple):
+    """One block of a layer, for every rank of a TSP group: its ``PackSpec``s,
+    its ``{name: piece}`` holdings (``_holdings``) and where those names lie in
+    Hugging Face's tensors (``ds_tsp.blocks.fused``)."""
+
+    specs: list
+    holdings: list
+    hf_rows: FusedRows
+
+
+def layer_shards(layer, config, policy, tsp_size):
+    """``{block name: BlockShards}`` of one Hugging Face decoder layer (meta
+    device is enough).
+
+    Built with the functions the TSP modules use, so it raises their head and
+    intermediate-size divisibility errors before any tensor is read.
+    """
+    attn = layer.get_submodule(policy.attention)
+    rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
+    heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
+    attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r)
+                  for r in range(tsp_size)]
+    return {
+        policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
+                                                            lambda name, r: shard_piece(heads, name, r),
+                                                            attention.replicated_names(attn)), rows),
+        policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
+    }
+
+
+def _mlp_shards(hf_mlp, policy, tsp_size):
+    """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
+    block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
+    if policy.is_sparse(hf_mlp):
+        hidden_size, num_experts, expert_size, shared_size = moe.hf_sizes(hf_mlp)
+        specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size)] * tsp_size
+        return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size,
+                                                                                   tsp_size, name, r),
+                                            moe.replicated_names(hf_mlp)), FusedRows())
+    rows = mlp.hf_rows(hf_mlp, policy.fused.get(policy.mlp))
+    hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
+    specs = [mlp.shard_spec(hidden_size, intermediate_size, tsp_size,
+                            rows.hf_module(hf_mlp, "gate_proj").bias is not None)] * tsp_size
+    return BlockShards(specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
+                                        [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else []), rows)
+
+
+def vocab_names(model, policy):
+    """Hugging Face names of the vocabulary matrices: the embedding's, and the
+    LM head's unless it is tied to the embedding."""
+    embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
+    names = [f"{policy.embed_tokens}.weight"]
+    if lm_head.weight is not embed.weight:
+        names.append(f"{policy.lm_head}.weight")
+    return names
+
+
+def shard_plan(model, policy, tsp_size, vocab_parallel=True):
+    """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
+    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds,
+    and, with ``vocab_parallel``, its rows of the embedding and LM head (after
+    checking that they can be folded). Names are Hugging Face's; a fused
+    tensor's value is the tuple of the row pieces the rank holds of it
+    (``ds_tsp.blocks.fused.row_pieces``)."""
+    plans = [{} for _ in range(tsp_size)]
+    if vocab_parallel:
+        vocab.check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
+                             type(model).__name__)
+        for tsp_rank, plan in enumerate(plans):
+            plan.update(dict.fromkeys(vocab_names(model, policy),
+                                      vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
+    for index, layer in enumerate(model.get_submodule(policy.layers)):
+        prefix = f"{policy.layers}.{index}"
+        for block_name, block in layer_shards(layer, model.config, policy, tsp_size).items():
+            for plan, held in zip(plans, block.holdings):
+                plan.update({f"{prefix}.{block_name}.{name}": piece
+                             for name, piece in block.hf_rows.hf_holdings(held).items()})
+    return plans
+
+
+def block_specs(block):
+    """The ``PackSpec`` of every rank's shard of an injected TSP block."""
+    if isinstance(block, TSPAttention):
+        return list(block.specs)
+    if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
+        return [block.spec] * comm.group_size(block.tsp_group)
+    raise TypeError(f"{type(block).__name__} is not a TSP block")
+
+
+def block_holdings(block):
+    """``holdings[r] = {name: piece}`` of an injected TSP block for every rank of
+    its group, checked against the block's own ``shard_names``/``shard_piece``."""
+    tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
+    if isinstance(block, TSPAttention):
+        holdings = _holdings(specs, lambda name, r: shard_piece(block.heads, name, r),
+                             list(block.replicated_params()))
+    elif isinstance(block, TSPSparseMoE):
+        holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
+                                                                   name, r), list(block.replicated_params()))
+    else:
+        holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
+                             [mlp.DOWN_BIAS] if block.down_bias is not None else [])
+    own = {name: block.shard_piece(name) for name in block.shard_names()}
+    if holdings[block.tsp_rank] != own:
+        raise RuntimeError(f"{type(block).__name__} on TSP rank {block.tsp_rank} holds {own}, but "
+                           f"ds_tsp.checkpoint expects {holdings[block.tsp_rank]}")
+    return holdings
+
+
+def narrow_index(piece):
+    """``piece = (dim, start, length)`` as an index for ``tensor[...]`` or a safetensors slice."""
+    dim, start, length = piece
+    return (slice(None),) * dim + (slice(start, start + length),)
+
+
+def join_pieces(pieces, tensors, name):
+    """The full tensor from ``pieces`` and the ``tensors`` holding them; a piece
+    held by several ranks is taken once."""
+    dim = pieces[0][0]
+    shape = list(tensors[0].shape)
+    shape[dim] = max(start + length for _, start, length in pieces)
+    full = tensors[0].new_empty(shape)
+    distinct = {}
+    for piece, tensor in zip(pieces, tensors):
+        if tuple(piece) not in distinct:
+            distinct[tuple(piece)] = tensor
+            full[narrow_index(piece)] = tensor
+    if sum(length for _, _, length in distinct) != shape[dim]:
+        raise RuntimeError(f"the pieces {pieces} of {name} do not tile its {shape[dim]} rows")
+    return full
+
+
+def join_holdings(name, held):
+    """The full tensor ``name`` from ``[(piece, tensor)]`` of the ranks holding
+    it; a rank's tuple of row pieces of a fused tensor comes as their concatenation."""
+    if held[0][0] is None:
+        return held[0][1]
+    held = [part for piece, tensor in held for part in split_rows(piece, tensor)]
+    return join_pieces([piece for piece, _ in held], [tensor for _, tensor in held], name)
+
+
+# ------------------------------------------------------- the model, by size
+
+def resolve_dtype(torch_dtype, config):
+    """``torch_dtype`` as a ``torch.dtype``; None or "auto" take the checkpoint's
+    dtype from its config, as Hugging Face's ``from_pretrained`` does."""
+    if torch_dtype in (None, "auto"):
+        torch_dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(torch_dtype, str):
+        torch_dtype = getattr(torch, torch_dtype.removeprefix("torch."))
+    return torch_dtype
+
+
+def meta_model(path_or_config, torch_dtype=None, model_class=None):
+    """The Hugging Face causal LM of a checkpoint (or config), on the meta device:
+    sizes, no memory. ``model_class`` (default: the Auto class's choice) builds it."""
+    config = path_or_config
+    if not hasattr(config, "model_type"):
+        config = AutoConfig.from_pretrained(path_or_config)
+    dtype = resolve_dtype(torch_dtype, config)
+    with torch.device("meta"), _without_hf_zero3_init():
+        if model_class is None:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
+        return model_class._from_config(config, dtype=dtype), dtype
+
+
+@contextlib.contextmanager
+def _without_hf_zero3_init():
+    """Once ``TrainingArguments(deepspeed=<a ZeRO-3 config>)`` exists, transformers
+    builds every model under ``deepspeed.zero.Init`` and initialises its weights
+    by gathering them, which a model of sizes alone on the meta device cannot do."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    active = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if active is not None:
+            hf_deepspeed.set_hf_deepspeed_config(active)
+
+
+def hf_class(model_or_class):
+    """The Hugging Face class an injected model (or its class) was made from."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    return next(c for c in cls.__mro__ if not issubclass(c, TSPCausalLMMixin))
+
+
+def tied_names(model):
+    """Names Hugging Face leaves out of its files: tied copies such as
+    ``lm_head.weight`` under ``tie_word_embeddings``."""
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
+def untied(model, state):
+    """``state`` without the tied copies Hugging Face leaves out of its files."""
+    tied = tied_names(model)
+    return {name: tensor for name, tensor in state.items() if name not in tied}

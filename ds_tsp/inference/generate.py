@@ -1,0 +1,380 @@
+"""TSP inference behind Hugging Face's ``model.generate``: a prefill with the
+training schedules, then one token at a time with the weights at rest and a
+sequence-sharded KV cache (``ds_tsp.inference.kv_cache.TSPCache``).
+
+A TSP model's forward with a cache (``use_cache=True``, or the ``cache`` that
+``generate`` passes) is ``cached_forward``: Hugging Face's loop does the
+decoding (greedy, sampling and its warpers, beam search, penalties, stopping
+criteria, streamers) on every rank alike, and each forward it calls runs here.
+
+Prefill runs the prompt through the TSP layers exactly as the training forward
+does (broadcast schedule for attention, ring for the MLP, no autograd): the
+prompt is thousands of tokens, so moving weights is the right trade. Each rank
+keeps, per layer, the rotated K and the V of its own prompt tokens
+(``TSPCache``).
+
+Decoding is the opposite regime: one token per sequence, so moving
+activations is orders of magnitude cheaper than moving weights (Llama-2-7B,
+D=8, bf16, one sequence: the broadcast schedule and the ring would bring each
+rank ~350 MB of weights per layer per token; this brings it ~150 KB). So
+weights never move; every rank holds the new token (replicated) and, per
+layer:
+
+* attention: rank ``j`` projects q/k/v of head group ``j`` with its own shard;
+  one all-gather hands every rank all heads' q and the new k/v, which the
+  rank chosen by ``TSPCache.place_next_token`` appends to its cache. Each rank
+  attends all heads over its LOCAL cache, giving partial ``(out, lse)``; an
+  all-to-all sends head group ``j``'s partials to rank ``j``, which merges
+  them by log-sum-exp and applies its ``o_proj`` columns. The ``D`` partial
+  outputs ``(B, H)`` are all-gathered and summed in rank order.
+* MLP: rank ``j`` runs the token through its own ``F``-shard (1/D of the
+  FLOPs, where the ring would have every rank compute the whole MLP for the
+  same token); a mixture of experts routes the token on every rank and rank
+  ``j`` runs its own experts (and shared-expert slice). The ``D`` partial
+  outputs are all-gathered and summed in rank order.
+
+Summing all-gathered parts in a fixed order (rather than an all-reduce) makes
+the hidden states, hence the logits and the chosen tokens, bit-identical on
+every rank; for one token per sequence the extra bytes ((D-1) B H against
+~2 B H) are noise next to the latency of a collective. Bytes received (=
+sent) per rank, per decode step and layer, with ``e`` the model's element
+size and ``a`` that of the accumulation dtype (float32, or float64 for
+float64 models)::
+
+    (D-1) * B * [ (hq + 2*hkv) * d * e      # all-gather of the new q, k, v
+                + hq * (d + 1) * a          # all-to-all of partial (out, lse)
+                + 2 * H * e ]               # all-gathers of attention and MLP outputs
+
+and nothing else (no weight moves), plus, with the folded vocabulary
+(``tsp.vocab_parallel``), the all-gather of each rank's embedding rows of
+the new tokens (``(D-1) * B * H * e``; zeros where another rank owns the id)
+and the all-gather of the logits slices (``(D-1) * B * ceil(V/D) * e``).
+These are latency-bound messages (``comm.all_gather_small``): where
+DeepSpeed's shared-memory all-reduce carries the group, as for its
+tensor-parallel inference (CPU ranks, the TSP group spanning the world), each
+all-gather of ``n`` bytes a rank is an all-reduce over zero-filled slots that
+moves ``2 (D-1) n`` instead, and the all-to-all one of ``2 (D-1) D n``. The
+prefill adds one all-gather of ``B * H`` (the last prompt token's hidden
+state, from its owner), the same logits all-gather, and the broadcast of TSP
+rank 0's random state (``agree_on_random_state``).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.parallel import comm, layout
+from ds_tsp.blocks.attention.module import attention_forward, project
+from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
+from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_of_kind, rotate
+from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
+
+
+@torch.no_grad()
+def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0):
+    """``(logits, cache)`` of a TSP model's forward with a KV cache, as Hugging
+    Face's ``generate`` calls it, on every rank of the TSP group with the same
+    arguments.
+
+    Without a cache, or with the empty one ``generate`` makes, ``input_ids``
+    ``(B, P)`` are prompts, LEFT padded where ``attention_mask`` is zero (as
+    for Hugging Face generation): the prefill, which returns a new
+    ``TSPCache``. With that cache, ``input_ids`` ``(B, n)`` are the next ``n``
+    tokens of every row and ``attention_mask`` covers all ``seen + n``
+    columns: decode steps. Positions count from each prompt's first real
+    token; ``position_ids``, where given, must be those. ``logits`` ``(B, 1, V)``
+    are the last token's, bit-identical on every rank, so every rank's loop
+    picks the same tokens.
+    """
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep != 1:
+        raise ValueError(f"a TSP forward with a KV cache returns the last token's logits only: it takes "
+                         f"logits_to_keep=1, as model.generate passes it (got {logits_to_keep!r}; assisted and "
+                         "speculative decoding, which ask for more, are not supported: a TSP cache cannot roll "
+                         "tokens back); for every token's logits run the forward without use_cache or cache")
+    decoder = TSPDecoder(model)
+    if isinstance(cache, TSPCache):
+        _check_continuation(cache, input_ids, attention_mask, position_ids)
+        for column in range(input_ids.shape[1]):
+            logits = decoder.step(cache, input_ids[:, column])
+        cache.seen_tokens += input_ids.shape[1]
+        return logits.unsqueeze(1), cache
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(f"cache is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; a TSP model "
+                         "continues only from the TSPCache its own prefill returned: pass the whole prompt and no "
+                         "cache")
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
+                         "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
+                         "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
+    prompt, lengths = left_aligned(input_ids, attention_mask)
+    _check_prompt_positions(position_ids, attention_mask, input_ids)
+    model.tsp_batch_check(input_ids=input_ids, attention_mask=attention_mask)
+    agree_on_random_state(decoder.group, input_ids.device)
+    cache, logits = decoder.prefill(prompt, lengths)
+    cache.seen_tokens = input_ids.shape[1]
+    return logits.unsqueeze(1), cache
+
+
+def _check_prompt_positions(position_ids, attention_mask, input_ids):
+    """Refuse prompt ``position_ids`` other than Hugging Face's from the mask
+    (each real token's count of real tokens before it)."""
+    if position_ids is None:
+        return
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    expected = real.long().cumsum(dim=1) - 1
+    if position_ids.shape[-1] != input_ids.shape[1] or not bool(((position_ids == expected) | ~real).all()):
+        raise ValueError("position_ids must count each prompt's real tokens from 0 (Hugging Face's "
+                         "attention_mask.cumsum(-1) - 1), as TSP generation places the cached keys; pass no "
+                         "position_ids, or those")
+
+
+def _check_continuation(cache, input_ids, attention_mask, position_ids):
+    """Refuse new tokens that do not continue every row of ``cache``."""
+    batch, n = input_ids.shape
+    if batch != cache.next_positions.shape[0]:
+        raise ValueError(f"input_ids has {batch} rows but the TSP cache {cache.next_positions.shape[0]}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, cache.seen_tokens + n):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; after {cache.seen_tokens} "
+                         f"cached columns and {n} new tokens it must be ({batch}, {cache.seen_tokens + n})")
+    continues = []
+    if attention_mask is not None:
+        continues.append(attention_mask[:, -n:].bool().all())
+    if position_ids is not None:
+        if position_ids.shape[-1] != n:
+            raise ValueError(f"position_ids has {position_ids.shape[-1]} columns for {n} new tokens: pass the new "
+                             "tokens' positions only, or none")
+        expected = cache.next_positions.unsqueeze(1) + torch.arange(n, device=cache.next_positions.device)
+        continues.append((position_ids.to(expected.device) == expected).all())
+    if continues and not bool(torch.stack(continues).all()):
+        raise ValueError("new tokens must be real (attention_mask ones) at the positions that continue each row "
+                         "(position_ids: the row's real tokens so far); TSP generation does not mask generated "
+                         "tokens")
+
+
+def agree_on_random_state(group, device):
+    """Give every rank of ``group`` TSP rank 0's random state for ``device``,
+    from which Hugging Face's sampling draws: with identical logits, every rank
+    then samples the same tokens. Ranks seeded alike see no change."""
+    if comm.group_size(group) == 1:
+        return
+    if device.type == "cpu":
+        state = torch.get_rng_state()
+        comm.broadcast(state, src=0, group=group)
+        torch.set_rng_state(state)
+        return
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    state = accelerator.get_rng_state(device.index).to(device)
+    comm.broadcast(state, src=0, group=group)
+    accelerator.set_rng_state(state.cpu(), device.index)
+
+
+def left_aligned(input_ids, attention_mask):
+    """``(prompts, lengths)``: each row's real tokens moved to the front (padding
+    after them, where causal masking and the cache's validity keep it unseen),
+    and the number of real tokens per row. Only left padding is accepted."""
+    batch, prompt_len = input_ids.shape
+    if attention_mask is None:
+        return input_ids, torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
+    mask = attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    if (mask[:, :-1] & ~mask[:, 1:]).any():
+        raise ValueError("attention_mask must be left padding (each row: zeros, then ones); right padding or "
+                         "holes inside a prompt are not supported by TSP generation: pad prompts on the left "
+                         "(tokenizer.padding_side = 'left')")
+    lengths = mask.sum(dim=1)
+    if (lengths == 0).any():
+        raise ValueError("every prompt needs at least one real token (a row of attention_mask is all zeros)")
+    shift = (prompt_len - lengths).unsqueeze(1)
+    index = (torch.arange(prompt_len, device=input_ids.device).unsqueeze(0) + shift) % prompt_len
+    return input_ids.gather(1, index), lengths
+
+
+def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None, softcap=None):
+    """Partial attention of one new token per row over this rank's cached keys.
+
+    ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, nkv, T, d)`` with global
+    ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
+    Every cached key is at or before the query, so only validity and the
+    sliding window mask; ``softcap`` caps the scores as the layer's attention
+    does. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
+    in the accumulation dtype; a row with no visible key here gets ``out = 0``
+    and ``lse = -inf``, which weigh nothing in ``merge_partials``.
+    """
+    # Softmax and sums in at least float32, as the merge needs; a fused
+    # decoding kernel (flash-decoding) would avoid upcasting a bf16 cache.
+    # The cache's (B, nkv, T, d) layout lets both products read it in place.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    q = q.to(acc).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = soft_cap(q @ keys.to(acc).transpose(-1, -2) * scale, softcap)  # (B, nkv, nq/nkv, T)
+    visible = key_valid
+    if window is not None:
+        visible = visible & (key_positions > query_positions.unsqueeze(1) - window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
+    out = probs @ values.to(acc)  # (B, nkv, nq/nkv, d)
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def merge_partials(out, lse):
+    """Merge partial attention over disjoint key sets by log-sum-exp: ``out``
+    ``(D, B, h, d)``, ``lse`` ``(D, B, h)`` -> ``(B, h, d)``, ``(B, h)``."""
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total)
+    return (weights.unsqueeze(-1) * out).sum(dim=0), total
+
+
+class TSPDecoder:
+    """Prefill and single-token steps of one injected model on this rank."""
+
+    def __init__(self, model):
+        policy, topology = model.tsp_policy, model.tsp_topology
+        self.group, self.tsp_rank, self.tsp_size = topology.tsp_group, topology.tsp_rank, topology.tsp_size
+        self.layout = model.tsp_config.layout
+        self.embed = model.get_submodule(policy.embed_tokens)
+        self.rotary = model.get_submodule(policy.rotary_emb)
+        self.layers = list(model.get_submodule(policy.layers))
+        self.final_norm = model.get_submodule(policy.final_norm)
+        self.lm_head = model.get_submodule(policy.lm_head)
+        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    @torch.no_grad()
+    def prefill(self, prompt, lengths):
+        """Run the left-aligned ``prompt`` ``(B, P)`` (``lengths`` real tokens per
+        row) through the TSP layers; returns this rank's new ``TSPCache`` and the
+        logits ``(B, V)`` of each row's last real token, on every rank."""
+        batch, prompt_len = prompt.shape
+        D, r, device = self.tsp_size, self.tsp_rank, prompt.device
+        padded, _ = layout.pad_to_multiple(prompt, D, value=0)
+        positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
+        rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
+        hidden = embed_local_tokens(self.embed, rank_ids, r)  # (B, S/D, H)
+        tables = layer_rotary_tables(self.rotary, self.layers, hidden, positions.expand(batch, -1),
+                                     (lengths.max() - 1).view(1, 1))
+
+        prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
+        keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
+        heads = self.layers[0].self_attn.heads
+        cache = TSPCache(len(self.layers), batch, heads.num_kv_heads, heads.head_dim, hidden.dtype, device, r,
+                         prompt_counts)
+        slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
+        cache.next_positions = lengths.clone()
+
+        for index, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rotary_kind]
+            hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
+                cache, index, slots, keep, layer.self_attn, normed, cos, sin))
+            hidden = layer.branch("mlp", hidden, layer.mlp)
+        return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
+
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, cos, sin):
+        """The broadcast schedule's attention output for the local tokens ``h``;
+        their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
+        What the schedule saves for a backward is freed on return, before the MLP."""
+        plan, packed = attn.plan(h), attn.shard_weights().detach()
+        inv_rms = attn.projection_inv_rms(h, packed, plan)
+        keys, values = [], []
+        out, _ = attention_forward(plan, h, packed, cos, sin, inv_rms,
+                                   kv_sink=lambda k, v: (keys.append(k), values.append(v)))
+        cache.write(index, slots, _all_kv_heads(torch.stack(keys))[:, keep],
+                    _all_kv_heads(torch.stack(values))[:, keep])
+        return out if attn.o_bias is None else out + attn.o_bias
+
+    @torch.no_grad()
+    def step(self, cache, tokens):
+        """One new token per row (``tokens`` ``(B,)``, the same on every rank) at
+        each row's next position, cached on the rank ``cache`` places it on;
+        returns its logits ``(B, V)``."""
+        positions = cache.next_positions
+        target = cache.place_next_token()
+        hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
+        tables = {kind: rotary_of_kind(self.rotary, hidden, positions.unsqueeze(1), kind)
+                  for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
+        slots = None
+        if target == self.tsp_rank:
+            slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
+        for index, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rotary_kind]
+            hidden = layer.branch("attention", hidden, lambda normed: self._attention(
+                cache, index, layer.self_attn, normed, cos, sin, slots, positions))
+            hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
+        cache.next_positions = positions + 1
+        return self._logits(hidden)
+
+    def _attention(self, cache, index, attn, h, cos, sin, slots, positions):
+        """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
+        heads, D = attn.heads, self.tsp_size
+        hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
+        w = attn.spec.unpack(attn.shard_weights().detach())
+        # Projected here, normed and rotated once gathered: every rank then holds
+        # every head of the new token (a norm over the projection needs them all).
+        q = project(h, w, "q_proj", hq, d)  # (B, 1, hq, d)
+        if heads.holds_kv(self.tsp_rank):
+            k, v = project(h, w, "k_proj", hkv, d), project(h, w, "v_proj", hkv, d)
+        else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
+            k = v = q.new_zeros(q.shape[0], 1, hkv, d)
+        gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
+        q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
+        q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
+        if slots is not None:
+            kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
+            k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
+            k_new = _normed_and_rotated(attn, attn.k_norm, k_new.unsqueeze(1), cos, sin)
+            cache.write(index, slots, k_new, v_new.unsqueeze(1))
+        keys, values = cache.layer(index)
+        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions,
+                                attn.scale, attn.sliding_window, attn.softcap)
+        partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
+        partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
+        received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
+        o, _ = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
+        y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
+        if attn.o_bias is not None:
+            y = y + attn.o_bias
+        return y.unsqueeze(1)
+
+    def _mlp(self, mlp, h):
+        """This rank's share of the MLP (its ``F``-shard; for a mixture of
+        experts, its experts) for the new token, summed over the group."""
+        return self._sum_over_group(mlp.decode_share(h[:, 0])).unsqueeze(1)  # (B, 1, H)
+
+    def _sum_over_group(self, part):
+        """Sum of every rank's ``part``, in rank order, so bit-identical on every rank."""
+        gathered = comm.all_gather_small(part, self.group)
+        total = gathered[0].to(torch.promote_types(part.dtype, torch.float32))
+        for other in gathered[1:]:
+            total = total + other
+        return total.to(part.dtype)
+
+    def _last_tokens(self, hidden, positions, lengths, padded_len):
+        """Hidden state ``(B, 1, H)`` of each row's last real prompt token, from
+        the rank that owns it, on every rank."""
+        last = lengths - 1
+        rows, cols = (positions.unsqueeze(0) == last.unsqueeze(1)).nonzero(as_tuple=True)
+        mine = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
+        mine[rows] = hidden[rows, cols]
+        gathered = comm.all_gather_small(mine, self.group)  # (D, B, H)
+        owned = torch.stack([layout.positions(j, self.tsp_size, self.layout, padded_len, device=hidden.device)
+                             for j in range(self.tsp_size)])  # (D, S/D)
+        owners = (owned.unsqueeze(0) == last[:, None, None]).any(dim=-1).int().argmax(dim=1)  # (B,)
+        return gathered[owners, torch.arange(hidden.shape[0], device=hidden.device)].unsqueeze(1)
+
+    def _logits(self, hidden):
+        return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_softcap)[:, 0]
+
+
+def _normed_and_rotated(attn, norm, t, cos, sin):
+    """Queries or keys ``(B, 1, heads, d)`` of every head of the new token as
+    attention sees them: normed (per head, or over all heads by Hugging Face's
+    own norm) and rotated."""
+    if norm is not None and attn.norms_span_projection:
+        return apply_rotary(norm(t.flatten(-2)).to(t.dtype).view_as(t), cos, sin)
+    return rotate(t, norm, cos, sin)
+
+
+def _all_kv_heads(groups):
+    """``(G, B, S/D, hkv, d)`` per key/value head group -> ``(B, S/D, nkv, d)``."""
+    return groups.permute(1, 2, 0, 3, 4).flatten(2, 3)

@@ -1,0 +1,178 @@
+"""The sequence-sharded KV cache of TSP inference, as a transformers ``Cache``.
+
+Every rank of a TSP group keeps, for every layer, the rotated keys and the
+values of the tokens IT owns, for all key/value heads, with their global
+positions: the group's cache is the full one cut ``D`` ways by token, never
+replicated. Prompt tokens stay where the prefill layout put them (right
+padding of the layout is dropped); each generated token's K/V goes to the
+least-filled rank (ties: lowest rank), so after the prompt's padding
+imbalance (< 2 tokens) is absorbed no rank holds more than one token more
+than another. Every rank computes the same placement from sizes alone, so
+none of it needs communication.
+
+Being a ``Cache`` is what lets Hugging Face's ``generate`` carry it from step
+to step, reorder it for beam search (``reorder_cache``) and expand it
+(``batch_repeat_interleave``); only the TSP decoder (``ds_tsp.inference.generate``)
+reads and writes its tensors. Rolling tokens back (``crop``, which assisted
+and speculative decoding need) is refused.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ds_tsp.parallel import layout
+
+# A full cache grows by at least this fraction of its capacity, so the
+# reallocations of a long generation stay few and the slack stays small.
+GROWTH = 1 / 8
+
+
+def prompt_tokens(tsp_rank, tsp_size, layout_name, prompt_len, device=None):
+    """``(local indices, positions)`` of this rank's real prompt tokens in the
+    prefill layout of a prompt of ``prompt_len`` tokens (the layout's right
+    padding is left out)."""
+    positions = layout.positions(tsp_rank, tsp_size, layout_name, layout.padded_length(prompt_len, tsp_size),
+                                 device=device)
+    keep = (positions < prompt_len).nonzero().squeeze(1)
+    return keep, positions[keep]
+
+
+def _not_for_hugging_face_attention(*_args, **_kwargs):
+    raise TypeError("a TSP KV cache holds this rank's tokens only and is read and written by the TSP decoder "
+                    "(ds_tsp.inference.generate); a Hugging Face attention layer cannot use it")
+
+
+class TSPCacheLayer(CacheLayerMixin):
+    """One decoder layer's rotated keys and values in this rank's slots,
+    ``(B, nkv, capacity, d)`` each, Hugging Face's layout (their positions are
+    the cache's): a decode step's attention multiplies them in place."""
+
+    def __init__(self, keys, values):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    lazy_initialization = update = get_mask_sizes = _not_for_hugging_face_attention
+
+    def get_seq_length(self):
+        raise TypeError("ask the TSPCache, not one of its layers, for its length")
+
+    def get_max_length(self):
+        return -1
+
+
+class TSPCache(Cache):
+    """This rank's slots of every layer's cache.
+
+    ``positions`` and ``valid`` ``(B, length)`` are shared by the layers (a
+    slot holds the same token in each); a slot is invalid for a row when it
+    holds padding of that row, and invalid slots are never attended.
+    ``rank_counts`` are the slots of every rank of the group (the same list on
+    each), from which every rank places the next token alike;
+    ``next_positions`` ``(B,)`` the position of each row's next token.
+    ``get_seq_length`` counts the input columns seen, padding included, as
+    Hugging Face's caches do.
+    """
+
+    def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts):
+        shape = (batch, num_kv_heads, rank_counts[tsp_rank], head_dim)
+        super().__init__(layers=[TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
+                                               torch.empty(shape, dtype=dtype, device=device))
+                                 for _ in range(num_layers)])
+        self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
+        self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)
+        self.length = 0
+        self.rank_counts = list(rank_counts)
+        self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.seen_tokens = 0
+
+    @property
+    def capacity(self):
+        return self._valid.shape[1]
+
+    def place_next_token(self):
+        """The rank that caches the next generated token (the least filled,
+        ties to the lowest rank); counts it there."""
+        target = self.rank_counts.index(min(self.rank_counts))
+        self.rank_counts[target] += 1
+        return target
+
+    def reserve(self, positions, valid):
+        """Claim the next ``n`` slots for tokens at ``positions`` ``(B, n)``, valid
+        per row where ``valid`` ``(B, n)``, growing the storage if it is full;
+        returns the slots as a slice."""
+        n = positions.shape[1]
+        if self.length + n > self.capacity:
+            self._grow(self.length + n)
+        slots = slice(self.length, self.length + n)
+        self._positions[:, slots] = positions
+        self._valid[:, slots] = valid
+        self.length += n
+        return slots
+
+    def _grow(self, needed):
+        capacity = max(needed, self.capacity + max(int(self.capacity * GROWTH), 16))
+
+        def grown(tensor, dim):
+            shape = list(tensor.shape)
+            shape[dim] = capacity
+            bigger = tensor.new_zeros(shape)
+            bigger.narrow(dim, 0, self.length).copy_(tensor.narrow(dim, 0, self.length))
+            return bigger
+
+        for layer in self.layers:
+            layer.keys, layer.values = grown(layer.keys, 2), grown(layer.values, 2)
+        self._positions, self._valid = grown(self._positions, 1), grown(self._valid, 1)
+
+    def write(self, layer, slots, keys, values):
+        """Store rotated ``keys`` and ``values`` ``(B, n, nkv, d)`` of ``layer`` in ``slots``."""
+        self.layers[layer].keys[:, :, slots] = keys.transpose(1, 2)
+        self.layers[layer].values[:, :, slots] = values.transpose(1, 2)
+
+    def layer(self, layer):
+        """``(keys, values)`` of ``layer``'s filled slots, ``(B, nkv, length, d)`` each."""
+        return self.layers[layer].keys[:, :, :self.length], self.layers[layer].values[:, :, :self.length]
+
+    @property
+    def positions(self):
+        return self._positions[:, :self.length]
+
+    @property
+    def valid(self):
+        return self._valid[:, :self.length]
+
+    def nbytes(self):
+        """Bytes of the cached keys and values (filled slots, all layers)."""
+        return sum(t[:, :, :self.length].numel() * t.element_size()
+                   for layer in self.layers for t in (layer.keys, layer.values))
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx=None):
+        return -1
+
+    def _select_rows(self, select):
+        """Apply ``select`` (a function of a tensor with the batch first) to every per-row tensor."""
+        for layer in self.layers:
+            layer.keys, layer.values = select(layer.keys), select(layer.values)
+        self._positions, self._valid = select(self._positions), select(self._valid)
+        self.next_positions = select(self.next_positions)
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row ``i`` becomes row ``beam_idx[i]``, on every rank alike."""
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        self._select_rows(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("a TSP KV cache cannot roll tokens back (crop), which assisted and speculative "
+                                  "decoding (assistant_model, prompt_lookup_num_tokens) need: generate without them")
+
+    def reset(self):
+        raise NotImplementedError("a TSP KV cache is not reset between generations: pass no cache to "
+                                  "model.generate and the prefill builds a new one")

@@ -1,0 +1,203 @@
+"""``ds_tsp.inject``: rewrite a Hugging Face causal LM into a TSP model, in place."""
+
+import torch
+
+from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
+from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
+from ds_tsp.parallel.mappings import sum_grads_over_group
+from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.injection.policy import AUTO, PolicyError, resolve_policy
+from ds_tsp.injection.probe import probe_layers
+from ds_tsp.planning.communication import cheaper_moe_schedule
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
+
+
+def inject(model, topology, tsp_config, read=None, device=None, adapter_files=None):
+    """Turn ``model`` (e.g. a ``LlamaForCausalLM``) into a TSP model and return it.
+    A ``PeftModel`` with a LoRA adapter (or the Hugging Face model inside one)
+    becomes the TSP model of its Hugging Face model, its adapters sharded with
+    their base weights (``ds_tsp.injection.lora``) and its PEFT config kept as
+    ``tsp_peft_config``, for ``ds_tsp.save_pretrained`` to write PEFT's files.
+    ``adapter_files`` (``checkpoint.adapters.AdapterFiles``, with ``read``)
+    gives the adapters of a PEFT directory instead, the base then frozen.
+
+    ``read(full_name, piece)`` supplies each tensor or this rank's piece of it
+    (``piece = (dim, start, length)``, None for whole); by default the model's
+    own parameters are sliced. The steps run in this order:
+
+    0. a model DeepSpeed's ``zero.Init`` partitioned is gathered, layer by
+       layer as it is sharded (``unpartition``);
+    1. resolve the policy and check the config and every layer (and, with
+       ``tsp.vocab_parallel``, the embedding and head) fit it, and that every
+       rank of the TSP group holds a model of the same tensors, before any
+       weight moves; a model accepted by shape only is also probed
+       numerically (``ds_tsp.injection.probe``);
+    2. replace every decoder layer by a TSP layer holding only this rank's
+       shards (the full HF layer is dropped, freeing its weights);
+    3. with ``tsp.vocab_parallel``, replace the embedding and the LM head by
+       this rank's vocabulary rows (one shard for both when tied);
+    4. copy replicated parameters and buffers from TSP rank 0 (a model
+       object may differ between ranks in value; files read do not), and
+       make their gradients sum over the TSP group once;
+    5. give the model the TSP forward (HF calling convention, full sequence in).
+    """
+    model, peft_config, adapters = take_adapters(model)
+    if adapter_files is not None:
+        peft_config, adapters = adapter_files.config, adapter_files.adapters()
+        model.requires_grad_(False)  # as PEFT freezes the base
+    policy = resolve_policy(model, tsp_config.policy)
+    layers = model.get_submodule(policy.layers)
+    check_adapter_paths(adapters, policy, layers)
+    if adapter_files is None:
+        adapters = {path: (model_reader(lora_A, lora_B, topology.tsp_group), scaling)
+                    for path, (lora_A, lora_B, scaling) in adapters.items()}
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
+        unpartition(model, skip=() if policy is AUTO else tuple(layers))
+    check_same_model(model, topology.tsp_group)
+    if tsp_config.vocab_parallel:
+        check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
+                       type(model).__name__)
+    if policy is AUTO:  # accepted by shape only: its forward must equal the TSP layers' on a probe
+        probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
+    for index, layer in enumerate(layers):
+        if partitioned:
+            unpartition(layer)
+        prefix = f"{policy.layers}.{index}"
+        layers[index] = tsp_layer(layer, model.config, policy, topology, tsp_config,
+                                  read=_prefixed(read, prefix), device=device,
+                                  adapters=block_adapters(adapters, prefix),
+                                  rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
+    if tsp_config.vocab_parallel:
+        fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
+
+    if read is None:
+        broadcast_replicated(model, topology.tsp_group)
+    replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
+    replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
+
+    model.__class__ = _tsp_class(type(model))
+    # A forward set on the instance (TRL's fused LM head) would hide the TSP
+    # forward that injection puts in front of the model's class.
+    vars(model).pop("forward", None)
+    model.tsp_replicated_grads = replicated_grads  # ds_tsp.initialize schedules their sum per ZeRO stage
+    model.tsp_topology, model.tsp_config, model.tsp_policy = topology, tsp_config, policy
+    model.tsp_batch_check = BatchCheck(tsp_config.check_batch, topology.tsp_group)
+    model.tsp_peft_config = peft_config
+    if adapters:
+        # Everything before the first adapter is frozen, so no block input would need
+        # a gradient, and ZeRO-3 releases a block's parameters after backward reaches
+        # an input that needs none, before its adapters' gradients: as PEFT asks
+        # of gradient checkpointing, the embedding's output needs one.
+        model.enable_input_require_grads()
+    return model
+
+
+def unpartition(module, skip=()):
+    """Turn the parameters DeepSpeed's ``zero.Init`` partitioned (a Hugging Face
+    ``from_pretrained`` after ``TrainingArguments(deepspeed=<ZeRO-3 config>)``)
+    into whole, plain parameters, in ``module`` but not in the ``skip``
+    submodules: gathered once (DeepSpeed's ``GatheredParameters``) and copied,
+    each tied parameter to one copy. ZeRO-3 then partitions the TSP shards over
+    the data-parallel group only, as it does a model built without ``zero.Init``."""
+    import deepspeed
+
+    skipped = {id(p) for sub in skip for p in sub.parameters()}
+    owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+              if p is not None and hasattr(p, "ds_id") and id(p) not in skipped]
+    if not owners:
+        return
+    copies = {}
+    with deepspeed.zero.GatheredParameters(list({id(p): p for _, _, p in owners}.values())):
+        for owner, name, param in owners:
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
+            owner._parameters[name] = copies[id(param)]
+
+
+def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None, rotary_kind=None):
+    """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
+    they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
+    sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: (read,
+    scaling)}`` (``ds_tsp.injection.lora.shard_adapters``), sharded with their blocks;
+    ``rotary_kind``: the rotary tables the layer takes (``DecoderPolicy.rotary_kind``)."""
+    attention = layer.get_submodule(policy.attention)
+    mlp = layer.get_submodule(policy.mlp)
+    tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
+                                         layout_name=tsp_config.layout, backend=tsp_config.attention_backend,
+                                         overlap=tsp_config.overlap,
+                                         token_tile=tsp_config.token_tile,
+                                         fp32_accumulators=tsp_config.fp32_accumulators,
+                                         read=_prefixed(read, policy.attention), device=device,
+                                         fused=policy.fused.get(policy.attention))
+    sparse = policy.is_sparse(mlp)
+    tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
+        mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
+        fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, policy.mlp), device=device,
+        **({"schedule": cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule}
+           if sparse else
+           {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
+    keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
+    keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
+    for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
+        shard_adapters(block, block_adapters(adapters or {}, where))
+    return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
+                           policy.norm_layout, tsp_config.recompute_norms, rotary_kind)
+
+
+def keep_frozen(hf_block, tsp_block, layer_class, where):
+    """Freeze what was frozen: each TSP parameter is trainable exactly when the
+    Hugging Face tensors it holds were. The packed shard holds several, which
+    must then agree."""
+    # A fused Hugging Face tensor (ds_tsp.blocks.fused) freezes every logical tensor in it.
+    frozen = {name for name in tsp_block.shard_names()
+              if not hf_block.get_parameter(tsp_block.hf_rows.hf_name(name)).requires_grad}
+    if not frozen:
+        return
+    holders = [(tsp_block.packed, list(tsp_block.spec.shapes))]
+    holders += [(param, [name]) for name, param in tsp_block.replicated_params().items()]
+    for param, names in holders:
+        mixed = {name in frozen for name in names}
+        if len(mixed) > 1:
+            raise PolicyError(f"{layer_class}.{where}: {sorted(frozen & set(names))} are frozen (requires_grad "
+                              f"False) but {sorted(set(names) - frozen)} are not; TSP packs them into one shard, "
+                              "which trains all or none: freeze all of them or none before ds_tsp injects the model")
+        param.requires_grad_(not mixed.pop())
+
+
+def fold_vocabulary(model, policy, topology, tsp_config, read=None, device=None):
+    """Replace the embedding and the LM head by this rank's vocabulary rows
+    (``ds_tsp.blocks.vocab``); a tied head shares the embedding's shard."""
+    embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
+    folded_embed = VocabParallelEmbedding.from_hf(embed, topology.tsp_group, read=_prefixed(read, policy.embed_tokens),
+                                                  device=device)
+    tied_to = folded_embed if lm_head.weight is embed.weight else None
+    folded_head = VocabParallelLMHead.from_hf(lm_head, topology.tsp_group, tsp_config.logits_tile_mib,
+                                              tsp_config.overlap, tied_to=tied_to,
+                                              read=_prefixed(read, policy.lm_head), device=device)
+    folded_embed.weight.requires_grad_(embed.weight.requires_grad)
+    folded_head.weight.requires_grad_(lm_head.weight.requires_grad)
+    model.set_submodule(policy.embed_tokens, folded_embed)
+    model.set_submodule(policy.lm_head, folded_head)
+
+
+def _prefixed(read, prefix):
+    if read is None:
+        return None
+    return lambda name, piece: read(f"{prefix}.{name}", piece)
+
+
+_TSP_CLASSES = {}
+
+
+def _tsp_class(cls):
+    """``TSP<cls>``: the HF class with the TSP forward in front, so the model
+    stays an instance of its own class (``isinstance``, ``config``, ...)."""
+    if issubclass(cls, TSPCausalLMMixin):
+        raise ValueError(f"{cls.__name__} is already a TSP model: inject it once")
+    if cls not in _TSP_CLASSES:
+        _TSP_CLASSES[cls] = type(f"TSP{cls.__name__}", (TSPCausalLMMixin, cls), {})
+    return _TSP_CLASSES[cls]

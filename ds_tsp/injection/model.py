@@ -1,0 +1,291 @@
+"""The forward of a TSP-injected causal LM: HF calling convention, local tokens inside.
+
+Every rank of a TSP group receives the same full micro-batch. The model pads
+it to a multiple of ``2*D``, takes its own tokens (zigzag or contiguous),
+runs embedding, TSP decoder layers, final norm and LM head on them, and
+returns the loss as the mean over ALL real tokens of the full sequence. With
+the folded vocabulary (``tsp.vocab_parallel``) the head and the loss are one
+ring (``ds_tsp.blocks.vocab``) and, with labels, no logits are returned.
+"""
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+from ds_tsp.parallel import layout
+from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
+from ds_tsp.inference.generate import cached_forward
+from ds_tsp.parallel.mappings import sum_over_group
+from ds_tsp.blocks.moe.module import (TSPSparseMoE, full_sequence_router_logits, load_balancing_loss,
+                                      recorded_router_logits)
+from ds_tsp.blocks.rotary import layer_rotary_tables
+from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
+
+
+class TSPDecoderLayer(GradientCheckpointingLayer):
+    """A decoder layer of two residual branches, TSP attention then the TSP MLP,
+    each with the Hugging Face norms the architecture puts around it (kept as
+    they are, under their Hugging Face names): ``layout`` maps ``"attention"``
+    and ``"mlp"`` to the names of the norms ``(before, after)`` the block, None
+    where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both),
+    OLMo-2/3's post-norms (after only). ``rotary_kind`` names the rotary
+    tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
+    model's one table). Subclassing HF's checkpointing layer
+    makes ``model.gradient_checkpointing_enable()`` recompute it."""
+
+    def __init__(self, self_attn, mlp, norms, layout, recompute_norms=False, rotary_kind=None):
+        super().__init__()
+        # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
+        # flat buffers, its checkpoints) in this order.
+        for name, block, (before, after) in (("self_attn", self_attn, layout["attention"]),
+                                             ("mlp", mlp, layout["mlp"])):
+            for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
+                if module_name is not None:
+                    self.add_module(module_name, module)
+        self.layout = layout
+        self.recompute_norms = recompute_norms  # tsp.recompute_norms
+        self.rotary_kind = rotary_kind
+
+    def norms(self):
+        """The layer's norms by Hugging Face name."""
+        return {name: getattr(self, name) for pair in self.layout.values() for name in pair if name is not None}
+
+    def branch(self, block, hidden, run, run_with_norm=None):
+        """``hidden`` plus the ``block`` (``"attention"`` or ``"mlp"``) ``run`` on
+        it, normed before and after as the layout says, in HF's order.
+        ``run_with_norm(hidden, norm)``: the block given the norm before it to
+        run inside, used where ``tsp.recompute_norms`` asks for it and the
+        block can (its ``takes_input_norm``) while autograd records."""
+        before, after = self.layout[block]
+        norm = None if before is None else getattr(self, before)
+        module = self.self_attn if block == "attention" else self.mlp
+        if (run_with_norm is not None and norm is not None and self.recompute_norms and torch.is_grad_enabled()
+                and module.takes_input_norm(norm)):
+            out = run_with_norm(hidden, norm)
+        else:
+            out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
+        return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
+
+    def forward(self, hidden_states, position_embeddings, documents=None):
+        hidden_states = self.branch(
+            "attention", hidden_states, lambda normed: self.self_attn(normed, position_embeddings, documents),
+            lambda hidden, norm: self.self_attn(hidden, position_embeddings, documents, input_norm=norm))
+        return self.branch("mlp", hidden_states, self.mlp)
+
+
+def normalize(norm, hidden, recompute):
+    """``norm(hidden)``. With ``recompute`` (``tsp.recompute_norms``) autograd
+    keeps only ``hidden`` and backward runs the norm again (torch's
+    non-reentrant checkpoint), instead of keeping the norm's float32 copy of
+    its input and its normalised values; the numbers are the same."""
+    if recompute and torch.is_grad_enabled() and hidden.requires_grad:
+        return torch.utils.checkpoint.checkpoint(norm, hidden, use_reentrant=False)
+    return norm(hidden)
+
+
+class TSPBatch:
+    """One micro-batch as this rank sees it: padded, shifted, sharded.
+    ``documents`` are the rows' packed documents (``ds_tsp.blocks.documents``), None
+    when each row is one sequence.
+
+    What the host must know about the batch (whether the mask is right
+    padding, where documents start, how many targets there are, and the
+    embedding's all-to-all sizes) is read from ONE host copy of the batch
+    (``host_copy``), before the step's first kernel, so the layers, the loss
+    and backward never wait for the device. ``rank_input_ids`` are that host
+    copy's shards; the tensors the layers compute with stay on the device."""
+
+    def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
+                 cu_seq_lens=None):
+        batch, seq_len = input_ids.shape
+        if position_ids is not None and position_ids.shape == (1, seq_len):
+            position_ids = position_ids.expand(batch, -1)  # HF accepts positions shared by every row
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
+                             f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
+        host_ids, host_labels, host_positions, host_mask = host_copy(input_ids, labels, position_ids, attention_mask)
+        host_real = _real_tokens(host_mask, batch, seq_len, host_ids.device)
+        self.documents = document_starts(host_positions, host_mask, cu_seq_lens, input_ids.shape)
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+        # What rotary types that scale with the sequence read (HF: max(position_ids)).
+        self.max_position = position_ids.amax().view(1, 1)
+        shifted = None
+        if labels is not None:
+            shifted = shifted_targets(labels, real)
+            self.num_real_labels = int((shifted_targets(host_labels, host_real) != IGNORE_INDEX).sum())
+        input_ids, self.num_padding = layout.pad_to_multiple(input_ids, tsp_size, value=0)
+        host_ids, _ = layout.pad_to_multiple(host_ids, tsp_size, value=0)
+        # Padding goes after the last real token, so causal masking keeps every
+        # real token from seeing it; its positions just continue the sequence.
+        tail = position_ids[:, -1:] + torch.arange(1, self.num_padding + 1, device=input_ids.device)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+
+        def own(t):
+            return layout.shard(t, tsp_rank, tsp_size, layout_name)
+
+        # Every rank's tokens, on the host: the vocabulary-parallel embedding routes them all.
+        self.rank_input_ids = [layout.shard(host_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
+        self.input_ids, self.position_ids = own(input_ids), own(position_ids)
+        self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
+        self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def host_copy(*tensors):
+    """CPU copies of ``tensors`` (None stays None), in one device-to-host
+    transfer for all of those on an accelerator; CPU tensors are returned as they are."""
+    on_device = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not on_device:
+        return tensors
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in on_device]).cpu()
+    copies = iter(piece.view(t.shape).to(t.dtype) for piece, t in
+                  zip(flat.split([t.numel() for t in on_device]), on_device))
+    return tuple(t if t is None or t.device.type == "cpu" else next(copies) for t in tensors)
+
+
+def shifted_targets(labels, real):
+    """Token t's target is label t+1 (``IGNORE_INDEX`` for the last token),
+    shifted on the full sequence before sharding; padding is never a target."""
+    labels = labels.masked_fill(~real, IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def num_targets(labels, attention_mask=None):
+    """How many tokens of a micro-batch the loss averages over: what the TSP
+    forward counts when no ``num_items_in_batch`` is given."""
+    real = _real_tokens(attention_mask, *labels.shape, labels.device)
+    return int((shifted_targets(labels, real) != IGNORE_INDEX).sum())
+
+
+def _real_tokens(attention_mask, batch, seq_len, device):
+    """``(B, S)`` bool of real tokens; only right padding can be honoured."""
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    real = attention_mask.bool()
+    if real.shape != (batch, seq_len) or (real[:, 1:] & ~real[:, :-1]).any():
+        raise ValueError("attention_mask must be (batch, seq_len) with right padding only (ones, then zeros); "
+                         "TSP training cannot take left padding or masks inside a sequence: pad on the right")
+    return real
+
+
+class TSPCausalLMMixin:
+    """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
+                use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, **kwargs):
+        """With ``use_cache`` or a ``cache`` this is the inference forward that
+        Hugging Face's ``model.generate`` calls (``ds_tsp.inference.generate.cached_forward``):
+        prefill or decode steps, the last token's logits and the ``TSPCache``.
+
+        ``num_items_in_batch`` (as the HF Trainer passes it under gradient
+        accumulation, or ``ds_tsp.num_items_in_batch`` gives it) replaces the
+        micro-batch's count of target tokens as the loss divisor.
+
+        Returns ``.loss`` and ``.logits``: the local tokens' full-vocabulary
+        logits, or None when the loss is fused with a folded LM head (labels
+        given and ``tsp.vocab_parallel``), as with fused-loss kernels.
+
+        Mixture-of-experts models take ``output_router_logits`` (default: the
+        config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
+        loss over the whole sequence, added to ``.loss`` times
+        ``config.router_aux_loss_coef`` when labels are given. ``.router_logits``
+        holds per MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face's
+        (differentiable) when ``output_router_logits`` is passed here, else
+        (turned on by the config alone, as for the load-balancing loss in
+        training) the LOCAL tokens' ``(B*S/D, E)`` (this rank's shard, in its
+        layout's order)."""
+        moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
+                      if isinstance(layer.mlp, TSPSparseMoE)]
+        output_router_logits = None
+        asked = bool(kwargs.get("output_router_logits"))  # passed here: the whole sequence's, as HF's
+        if moe_blocks:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = getattr(self.config, "output_router_logits", False)
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
+        cu_seq_lens = check_cu_seq_lens(kwargs)
+        unsupported = {key: value for key, value in kwargs.items()
+                       if value not in (None, False) and not (key == "return_dict" and value is True)}
+        if unsupported:
+            raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
+                             "local tokens' logits only")
+        if use_cache or cache is not None:
+            if labels is not None or asked or cu_seq_lens is not None:
+                raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
+                                 "output_router_logits or packed documents: train without use_cache")
+            logits, cache = cached_forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep)
+            output = MoeCausalLMOutputWithPast if moe_blocks else CausalLMOutputWithPast
+            return output(logits=logits, cache=cache)
+        if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
+            raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
+                             f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
+                             "keeps the last token's")
+        policy, topo = self.tsp_policy, self.tsp_topology
+        self.tsp_batch_check(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                             attention_mask=attention_mask)
+        batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
+                         self.tsp_config.layout, cu_seq_lens)
+        hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
+                                    batch.input_ids)
+        layers = self.get_submodule(policy.layers)
+        tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.position_ids,
+                                     batch.max_position)
+        with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
+            for decoder_layer in layers:
+                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
+        hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
+        loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
+                                        num_items_in_batch, getattr(self.config, "final_logit_softcapping", None))
+        if not moe_blocks:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss
+        if output_router_logits:
+            router_logits = full_sequence_router_logits(router_logits, input_ids.shape[0], batch.num_padding,
+                                                        topo.tsp_group, self.tsp_config.layout) if asked else \
+                tuple(router_logits)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         router_logits=router_logits if output_router_logits else None)
+
+
+def router_aux_loss(model, moe_blocks, router_logits, batch):
+    """The load-balancing loss of Hugging Face's MoE causal LMs over the whole
+    sequence (``ds_tsp.blocks.moe.module.load_balancing_loss``)."""
+    if len(router_logits) != len(moe_blocks):
+        raise RuntimeError(f"{len(moe_blocks)} MoE layers ran but {len(router_logits)} router outputs were recorded")
+    if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.gate.parameters()) and not all(
+            logits.requires_grad for logits in router_logits):
+        raise RuntimeError("the router logits carry no gradient (a reentrant activation checkpoint ran the layers "
+                           "without autograd), so the auxiliary loss would not train the routers: use HF's "
+                           "gradient_checkpointing_enable (non-reentrant) or set output_router_logits False")
+    top_k = moe_blocks[0].gate.top_k
+    return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
+
+
+def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None):
+    """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``,
+    the logits soft-capped by ``logit_softcap`` (``config.final_logit_softcapping``).
+
+    The loss (None without labels) is the mean cross-entropy over all real
+    tokens of the full sequence: each rank sums its own tokens' losses and the
+    sums add up over the TSP group. A folded head computes it on its ring and
+    returns no logits; a replicated head returns the local tokens' logits."""
+    if batch.labels is None:
+        return None, soft_cap(lm_head(hidden), logit_softcap)
+    if isinstance(lm_head, VocabParallelLMHead):
+        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels, logit_softcap)
+    else:
+        logits = soft_cap(lm_head(hidden), logit_softcap)
+        local_sum = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                                    batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
+    # A tensor count (the HF Trainer passes one, maybe on the device) is not read on the host.
+    divisor = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+    return sum_over_group(local_sum, tsp_group) / divisor, logits

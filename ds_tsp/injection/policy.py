@@ -1,0 +1,508 @@
+"""Which Hugging Face causal LMs ds_tsp can rewrite, and where their parts live.
+
+One declarative table per architecture names its classes, its submodules and
+the config attributes that change its forward, each with the values whose
+forward the TSP model reproduces and why; how each projection's weight is
+sharded is the table of the block that takes it (``head_groups.SHARD_DIMS``,
+``mlp.SHARD_DIMS``), and where Hugging Face fuses several projections into one
+tensor (Phi-3's ``qkv_proj``) the policy's ``fused`` table says which rows
+hold which (``ds_tsp.blocks.fused``). The tables were written from an audit of the installed
+transformers' forwards (CausalLM, Model, decoder layer, attention, MLP, norm,
+rotary embedding); ``tests/test_policy.py`` runs every class transformers
+ships through them.
+
+The ``auto`` policy accepts any other decoder layer of the same shape; its
+forward is then unknown, so its table refuses the known features Llama's
+forward lacks and ``ds_tsp.injection.probe`` compares it numerically with the TSP layer
+at injection. A model that does not fit is refused with the class, the
+submodule or the config attribute at fault, before any weight moves: nothing
+is ever converted approximately.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from ds_tsp.blocks.attention import module as attention
+
+
+class PolicyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """The values of one config attribute whose forward ds_tsp reproduces:
+    a tuple of values or a predicate; ``why`` says what the attribute does and
+    why those values (only) are reproduced; ``fix`` how to get there, if any."""
+
+    values: tuple | Callable
+    why: str
+    fix: str = ""
+
+    def allows(self, value):
+        return self.values(value) if callable(self.values) else value in self.values
+
+
+def any_value(value):
+    return True
+
+
+# RoPE types whose tables the TSP model gets from the model's own rotary module
+# (called with the whole sequence's largest position, see rotary.rotary_tables),
+# each checked equal to HF's in float64 (tests/test_policy.py).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+
+
+def rope_supported(params, partial_rotary=False):
+    """Whether the TSP attention reproduces rotary embeddings of ``params``;
+    ``partial_rotary``: whether the model's forward rotates only the first
+    ``cos.shape[-1]`` dims of a head when its tables are shorter, as the TSP
+    attention does (Phi-3's ``apply_rotary_pos_emb``), rather than failing."""
+    if params is None:
+        return True
+    # Per-layer-type tables ({"full_attention": {...}, ...}) have no top-level type.
+    if not isinstance(params, dict) or params.get("rope_type") not in ROPE_TYPES:
+        return False
+    # A partial rotary factor shortens the tables, except with "proportional",
+    # whose tables keep the head's size.
+    return (partial_rotary or params["rope_type"] == "proportional"
+            or params.get("partial_rotary_factor", 1.0) in (None, 1, 1.0))
+
+
+def rope_with_partial_rotary(params):
+    return rope_supported(params, partial_rotary=True)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def full_or_sliding(layer_types):
+    return layer_types is None or all(kind in LAYER_TYPES for kind in layer_types)
+
+
+def rope_per_layer_type(params):
+    """One supported table per layer type (Gemma-3: local and global RoPE), or one for all."""
+    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
+        return all(rope_supported(table) for table in params.values())
+    return rope_supported(params)
+
+
+NO_DROPOUT = (None, 0, 0.0)
+NEUTRAL_SCALE = (None, 1, 1.0)
+
+# Read by every supported forward, whatever the class.
+COMMON = {
+    "attention_dropout": Accepts(NO_DROPOUT, "the TSP attention applies no dropout",
+                                 "set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
+                                 "the unsharded model's), or leave tsp.enabled false"),
+    "rope_parameters": Accepts(rope_supported, "the TSP model calls the model's own rotary embedding with the whole "
+                               f"sequence's positions; rope_type {', '.join(ROPE_TYPES)} are checked equal to HF; "
+                               "partial rotary factors (but with proportional) and per-layer-type tables are not"),
+    "hidden_act": Accepts(any_value, "the TSP MLP calls the Hugging Face MLP's own act_fn"),
+    "head_dim": Accepts(any_value, "read from the attention module"),
+    "rms_norm_eps": Accepts(any_value, "the Hugging Face norm modules are kept as they are"),
+    "tie_word_embeddings": Accepts(any_value, "a tied head shares the embedding's (vocabulary) shard"),
+}
+ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
+SLIDING = {
+    "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
+                           "(each layer's window is checked against the one HF's mask uses)"),
+    "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
+    "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
+    "max_window_layers": Accepts(any_value, "read only to build layer_types"),
+}
+LLAMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
+         "mlp_bias": Accepts(any_value, "gate/up biases are sharded with their columns; down_proj's is replicated "
+                             "and added once"),
+         "pretraining_tp": Accepts(any_value, "no forward reads it in transformers 5")}
+QWEN2 = {**COMMON, **SLIDING}  # q/k/v biases always, o_proj none: fixed by the class
+QWEN3 = {**COMMON, **SLIDING, "attention_bias": ATTENTION_BIAS}
+MISTRAL = {**COMMON, "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)")}
+PHI3 = {**MISTRAL,
+        "rope_parameters": Accepts(rope_with_partial_rotary, "the TSP model calls the model's own rotary embedding "
+                                   f"with the whole sequence's positions; rope_type {', '.join(ROPE_TYPES)} are "
+                                   "checked equal to HF, and a partial rotary factor rotates the first dims of each "
+                                   "head and passes the rest, as Phi-3's forward does; per-layer-type tables are not"),
+        "partial_rotary_factor": Accepts(any_value, "read only into rope_parameters"),
+        "original_max_position_embeddings": Accepts(any_value, "read by longrope's tables (the whole sequence's "
+                                                    "length picks them) and by generate, which restarts the cache "
+                                                    "past it"),
+        "resid_pdrop": Accepts(NO_DROPOUT, "dropout of each block's output before the residual sum, which the TSP "
+                               "layer does not apply", "set model.config.resid_pdrop = 0.0 before ds_tsp (its numbers "
+                               "then match the unsharded model's in eval mode), or leave tsp.enabled false"),
+        "embd_pdrop": Accepts(NO_DROPOUT, "embedding dropout (which transformers 5's Phi-3 forward does not apply); "
+                              "refused so that a config asking for it is not trained without it",
+                              "set model.config.embd_pdrop = 0.0 before ds_tsp, or leave tsp.enabled false")}
+# Mixture-of-experts routing: the TSP block runs Hugging Face's own router module
+# (softmax dtype, top-k, norm_topk_prob, weights' dtype) on the local tokens.
+MOE_ROUTING = {
+    "num_experts_per_tok": Accepts(any_value, "top-k of Hugging Face's own router module, run on the local tokens"),
+    "norm_topk_prob": Accepts(any_value, "read by Hugging Face's own router module"),
+    "output_router_logits": Accepts(any_value, "the auxiliary load-balancing loss is computed over the whole "
+                                    "sequence (ds_tsp.blocks.moe.module.load_balancing_loss); router_logits are the local tokens'"),
+    "router_aux_loss_coef": Accepts(any_value, "scales the auxiliary loss added to the loss, as HF's ForCausalLM does"),
+}
+# Dense layers among the MoE layers (Qwen2/3-MoE) become TSP gated MLPs.
+SPARSE_LAYERS = {
+    "mlp_only_layers": Accepts(any_value, "layers listed keep a dense MLP, which becomes a TSP gated MLP"),
+    "decoder_sparse_step": Accepts(any_value, "layers off the step keep a dense MLP, which becomes a TSP gated MLP"),
+}
+# Gemma's forwards: (1 + w) RMSNorms and the embedding scaled by sqrt(H) are
+# modules the TSP model keeps (the norms) or folds (the embedding, vocab.py).
+GEMMA = {**COMMON, "attention_bias": ATTENTION_BIAS,
+         "hidden_activation": Accepts(any_value, "the TSP MLP calls the Hugging Face MLP's own act_fn"),
+         "use_bidirectional_attention": Accepts((None, False), "bidirectional attention; the TSP attention is "
+                                                "causal", "leave use_bidirectional_attention unset for a causal LM")}
+SOFT_CAPPING = {
+    "attn_logit_softcapping": Accepts(any_value, "attention scores soft-capped, cap * tanh(s / cap), by ds_tsp's "
+                                      "capped attention kernel (attention_kernels.SoftCappedKernel)"),
+    "final_logit_softcapping": Accepts(any_value, "the final logits soft-capped inside the fused LM head + loss ring, "
+                                       "and in the logits returned and generated from"),
+    "query_pre_attn_scalar": Accepts(any_value, "the attention's scale, read from the attention module (scaling)"),
+}
+GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
+GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
+                                               "embedding for each layer type with the whole sequence's positions; "
+                                               f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
+# OLMo-2/3: post-norms only; q/k RMSNorms over the whole projection width.
+OLMO2 = {**COMMON, "attention_bias": ATTENTION_BIAS}
+OLMO3 = {**OLMO2, **SLIDING, "rope_parameters": GEMMA3["rope_parameters"]}
+MIXTRAL = {**MISTRAL, **MOE_ROUTING,
+           "router_jitter_noise": Accepts(NO_DROPOUT, "multiplies the MoE input by random noise in training, which "
+                                          "the TSP block does not apply",
+                                          "build the model with router_jitter_noise = 0.0 before ds_tsp")}
+QWEN2_MOE = {**COMMON, **SLIDING, **MOE_ROUTING, **SPARSE_LAYERS,
+             "qkv_bias": Accepts(any_value, "q/k/v biases are sharded with their heads (o_proj has none)")}
+QWEN3_MOE = {**COMMON, **MOE_ROUTING, **SPARSE_LAYERS, "attention_bias": ATTENTION_BIAS,
+             "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)"),
+             "use_sliding_window": Accepts(any_value, "no forward reads it in transformers 5")}
+# A class accepted by shape: forward features Llama's lacks, named by the
+# config attributes transformers' models use for them, are accepted only at
+# the value that turns them off. What no attribute names, ds_tsp.injection.probe finds.
+AUTO_CONFIG = {
+    **COMMON,
+    **SLIDING,
+    "final_logit_softcapping": Accepts((None,), "logit soft-capping, which the TSP forward does not apply"),
+    "attn_logit_softcapping": Accepts((None,), "attention-logit soft-capping, which the TSP attention does not apply"),
+    "logit_scale": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
+    "logits_scaling": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
+    "embedding_multiplier": Accepts(NEUTRAL_SCALE, "embedding scaling, which the TSP forward does not apply"),
+    "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
+    "query_pre_attn_scalar": Accepts((None,), "a non-standard attention scale"),
+    "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
+    "partial_rotary_factor": Accepts(NEUTRAL_SCALE, "rotary embedding of part of each head, which the TSP "
+                                     "attention does not apply"),
+    "use_parallel_residual": Accepts((None, False), "attention and MLP in parallel; the TSP layer runs them in turn"),
+    "hidden_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "residual_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "resid_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
+    "embd_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP forward does not apply"),
+}
+
+
+def no_window(config, index):
+    return None
+
+
+def config_window(config, index):
+    return getattr(config, "sliding_window", None)
+
+
+def layer_types_window(config, index):
+    return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
+
+
+def layer_type(config, index):
+    return config.layer_types[index]
+
+
+# The norms (before, after) each block: None where there is none.
+PRE_NORMS = {"attention": ("input_layernorm", None), "mlp": ("post_attention_layernorm", None)}
+SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
+                  "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
+
+
+@dataclass(frozen=True)
+class DecoderPolicy:
+    name: str
+    layer_class: str | None  # None: any class of the right shape (auto)
+    model_class: str | None = None  # the causal LM whose forward ``config`` was audited for
+    # {attribute: Accepts} over the attributes that change the forward; the
+    # others are read by no part of it (or only for sizes, checked elsewhere).
+    config: dict = field(default_factory=lambda: AUTO_CONFIG, hash=False)
+    # The sliding window HF's mask gives layer ``index``; None: unknown (auto).
+    hf_window: Callable | None = None
+    layers: str = "model.layers"
+    embed_tokens: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    rotary_emb: str = "model.rotary_emb"
+    lm_head: str = "lm_head"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    # The names of the norms (before, after) the "attention" and the "mlp" block.
+    norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
+    # The rotary tables layer ``index`` takes, where the model keeps one per layer type (Gemma-3); None: one for all.
+    rotary_kind: Callable | None = None
+    # q/k norms "per head" (Qwen3, Gemma-3) or over the whole "projection" (OLMo-2), where there are any.
+    qk_norm_width: str = "head"
+    # The gated MLP's activation module, by its attribute name.
+    activation: str = "act_fn"
+    # Fused projections, per block (``attention``, ``mlp``): ``{fused projection:
+    # the logical projections whose rows it holds, in row order}`` (``ds_tsp.blocks.fused``).
+    fused: dict = field(default_factory=dict, hash=False)
+    # The sparse MoE block class at ``mlp`` (``ds_tsp.blocks.moe.module``); a layer may hold it
+    # or a dense gated MLP. None: dense MLPs only.
+    sparse_mlp: str | None = None
+
+    def norm_names(self):
+        """The names of a layer's norms, in the order the layer applies them."""
+        return [name for pair in self.norm_layout.values() for name in pair if name is not None]
+
+    def hf_projections(self, block, projections):
+        """``projections`` of ``block`` as its Hugging Face module holds them: those this policy fuses under
+        their fused tensor's name, once."""
+        holder = {part: fused for fused, parts in self.fused.get(block, {}).items() for part in parts}
+        return tuple(dict.fromkeys(holder.get(name, name) for name in projections))
+
+    def is_sparse(self, mlp_module):
+        """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block."""
+        return self.sparse_mlp is not None and type(mlp_module).__name__ == self.sparse_mlp
+
+
+POLICIES = {
+    "llama": DecoderPolicy("llama", "LlamaDecoderLayer", "LlamaForCausalLM", LLAMA, no_window),
+    "qwen2": DecoderPolicy("qwen2", "Qwen2DecoderLayer", "Qwen2ForCausalLM", QWEN2, layer_types_window),
+    "mistral": DecoderPolicy("mistral", "MistralDecoderLayer", "MistralForCausalLM", MISTRAL, config_window),
+    "qwen3": DecoderPolicy("qwen3", "Qwen3DecoderLayer", "Qwen3ForCausalLM", QWEN3, layer_types_window),
+    "phi3": DecoderPolicy("phi3", "Phi3DecoderLayer", "Phi3ForCausalLM", PHI3, config_window,
+                          activation="activation_fn",
+                          fused={"self_attn": {"qkv_proj": ("q_proj", "k_proj", "v_proj")},
+                                 "mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}),
+    "mixtral": DecoderPolicy("mixtral", "MixtralDecoderLayer", "MixtralForCausalLM", MIXTRAL, config_window,
+                             sparse_mlp="MixtralSparseMoeBlock"),
+    "qwen2_moe": DecoderPolicy("qwen2_moe", "Qwen2MoeDecoderLayer", "Qwen2MoeForCausalLM", QWEN2_MOE,
+                               layer_types_window, sparse_mlp="Qwen2MoeSparseMoeBlock"),
+    "qwen3_moe": DecoderPolicy("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM", QWEN3_MOE, config_window,
+                               sparse_mlp="Qwen3MoeSparseMoeBlock"),
+    "gemma": DecoderPolicy("gemma", "GemmaDecoderLayer", "GemmaForCausalLM", GEMMA, no_window),
+    "gemma2": DecoderPolicy("gemma2", "Gemma2DecoderLayer", "Gemma2ForCausalLM", GEMMA2, layer_types_window,
+                            norm_layout=SANDWICH_NORMS),
+    "gemma3_text": DecoderPolicy("gemma3_text", "Gemma3DecoderLayer", "Gemma3ForCausalLM", GEMMA3, layer_types_window,
+                                 norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
+    "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
+                           qk_norm_width="projection"),
+    "olmo3": DecoderPolicy("olmo3", "Olmo3DecoderLayer", "Olmo3ForCausalLM", OLMO3, layer_types_window,
+                           norm_layout=POST_NORMS, rotary_kind=layer_type, qk_norm_width="projection"),
+}
+AUTO = DecoderPolicy("auto", None)
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Per-head query/key norms (Qwen3): optional, but both or neither.
+ATTENTION_NORMS = ("q_norm", "k_norm")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A sparse MoE block: router, fused experts and, optionally, a shared expert with its gate.
+MOE_CHILDREN = ("gate", "experts")
+MOE_SHARED = ("shared_expert", "shared_expert_gate")
+
+
+def get_submodule(model, path):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _from_transformers(obj):
+    return type(obj).__module__.startswith("transformers.")
+
+
+def refuse_adapters(model):
+    """Only ``ds_tsp.inject`` (``ds_tsp.injection.lora.take_adapters``) shards PEFT
+    adapters: anywhere else a model holding them is refused by name rather
+    than half-converted."""
+    wrapped = next((module for module in model.modules() if type(module).__module__.startswith("peft.")), None)
+    if wrapped is not None:
+        raise PolicyError(f"{type(model).__name__} holds PEFT adapters ({type(wrapped).__name__}): hand the "
+                          "PeftModel to ds_tsp.inject or ds_tsp.initialize, which shard them (ds_tsp.injection.lora)")
+
+
+def resolve_policy(model, name="auto"):
+    """The policy for ``model`` (``tsp.policy``), after checking its config and
+    every layer fit it. A table applies only to the transformers classes it was
+    written for; any other class of the same shape gets ``auto``."""
+    if name != "auto" and name not in POLICIES:
+        raise PolicyError(f"tsp.policy = {name!r} is unknown: choose \"auto\" or one of {sorted(POLICIES)}")
+    refuse_adapters(model)
+    model_class = type(model).__name__
+    layers = get_submodule(model, AUTO.layers)
+    if layers is None or len(layers) == 0:
+        raise PolicyError(f"{model_class} has no decoder layers at '{AUTO.layers}': ds_tsp converts Hugging Face "
+                          "causal LMs shaped like LlamaForCausalLM")
+    layer_class = type(layers[0]).__name__
+    if name == "auto":
+        audited = _from_transformers(model) and _from_transformers(layers[0])
+        policy = next((p for p in POLICIES.values() if audited and p.layer_class == layer_class
+                       and p.model_class == model_class), AUTO)
+    else:
+        policy = POLICIES[name]
+    for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
+        if get_submodule(model, path) is None:
+            raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
+    for index, layer in enumerate(layers):
+        check_layer(policy, layer, f"{policy.layers}.{index}")
+    if policy.model_class not in (None, model_class):
+        raise PolicyError(f"tsp.policy = {name!r} converts {policy.model_class}, whose forward its table was "
+                          f"written for, but the model is a {model_class}: set tsp.policy to \"auto\"")
+    check_config(model_class, model.config, policy)
+    for index, layer in enumerate(layers):
+        check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
+    return policy
+
+
+def check_config(model_class, config, policy):
+    """Refuse any config attribute of ``policy``'s table whose value the TSP forward does not reproduce."""
+    for key, accepts in policy.config.items():
+        value = getattr(config, key, None)
+        if not accepts.allows(value):
+            fix = f": {accepts.fix}" if accepts.fix else ""
+            raise PolicyError(f"{model_class} has config.{key} = {value!r}, which ds_tsp does not reproduce "
+                              f"({accepts.why}){fix}; tsp.policy {policy.name!r}")
+
+
+def check_window(policy, layer, config, index, where):
+    """The sliding window the TSP attention will use must be the one HF's mask uses for this layer."""
+    if policy.hf_window is None:
+        return  # auto: ds_tsp.injection.probe compares the layer as a whole
+    tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), config)
+    hf_window = policy.hf_window(config, index)
+    if tsp_window != hf_window:
+        raise PolicyError(f"{type(layer).__name__} at {where}: the Hugging Face forward masks with sliding window "
+                          f"{hf_window}, but the TSP attention would take {tsp_window} (from the attention module's "
+                          "or the config's sliding_window): set config.sliding_window to match the model, or "
+                          "remove the attribute the architecture does not read")
+
+
+def _holds_tensors(module):
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def check_own_tensors(module, where, layer_class):
+    """Refuse parameters and buffers set directly on a module the TSP layer
+    rebuilds (an extra per-head scale, say): only its known submodules carry over."""
+    own = [name for name, tensor in (*module._parameters.items(), *module._buffers.items()) if tensor is not None]
+    if own:
+        raise PolicyError(f"{layer_class} at {where} holds {own} directly (parameters or buffers outside any "
+                          "known submodule), which the TSP layer would drop: this layer is not supported")
+
+
+def check_layer(policy, layer, where):
+    """Refuse a decoder layer that is not exactly attention + gated MLP + two norms."""
+    layer_class = type(layer).__name__
+    if policy.layer_class is not None and layer_class != policy.layer_class:
+        raise PolicyError(f"{where} is a {layer_class}, but tsp.policy = {policy.name!r} converts "
+                          f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
+    children = dict(layer.named_children())
+    sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
+    expected = {policy.attention: policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS),
+                policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
+                **{name: () for name in policy.norm_names()}}
+    check_own_tensors(layer, where, layer_class)
+    for child, projections in expected.items():
+        if sparse and child == policy.mlp:
+            continue  # check_sparse_block below
+        if child not in children:
+            raise PolicyError(f"{layer_class} at {where} has no '{child}' submodule: cannot convert it to a TSP layer")
+        module = children[child]
+        grandchildren = {n for n, m in module.named_children() if _holds_tensors(m)}
+        missing = [p for p in projections if p not in grandchildren]
+        allowed = set(projections) | (set(ATTENTION_NORMS) if child == policy.attention else set())
+        unexpected = sorted(grandchildren - allowed)
+        if child == policy.attention and len(grandchildren & set(ATTENTION_NORMS)) == 1:
+            missing += sorted(set(ATTENTION_NORMS) - grandchildren)
+        if missing:
+            raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}: cannot convert it to a TSP layer")
+        if unexpected:
+            raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
+                              "that the TSP block would ignore: this layer is not supported")
+        if projections:
+            check_own_tensors(module, f"{where}.{child}", layer_class)
+            _check_biases(module, projections, f"{where}.{child}", layer_class)
+    for name in children:
+        if name not in expected and _holds_tensors(children[name]):
+            raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
+                              "that the TSP layer would ignore: this layer is not supported")
+    if not isinstance(getattr(children[policy.attention], "head_dim", None), int):
+        raise PolicyError(f"{layer_class} at {where}.{policy.attention} has no integer head_dim, which the TSP "
+                          "attention reads to split heads: this layer is not supported")
+    check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
+    if sparse:
+        check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)
+    elif not hasattr(children[policy.mlp], policy.activation):
+        raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
+                          "ds_tsp knows")
+
+
+def check_qk_norms(policy, attn, where, layer_class):
+    """q/k norms normalise each head (``head_dim`` features), or the whole
+    projection where the policy's audited forward does (OLMo-2)."""
+    if getattr(attn, "q_norm", None) is None:
+        return
+    spans_projection = policy.qk_norm_width == "projection"
+    for name, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+        width = getattr(attn, name).weight.numel()
+        expected = attn.get_submodule(projection).out_features if spans_projection else attn.head_dim
+        if width != expected:
+            kind = f"over the whole {projection} ({expected} features)" if spans_projection else \
+                f"per head (head_dim = {expected} features)"
+            raise PolicyError(f"{layer_class} at {where}.{name} normalises {width} features, but under tsp.policy "
+                              f"{policy.name!r} the TSP attention norms queries and keys {kind}: this layer is not "
+                              "supported")
+
+
+def check_sparse_block(block, where, layer_class):
+    """Refuse a sparse MoE block that is not router + fused experts (+ a shared
+    expert, a gated MLP without biases, and its gate, a Linear H -> 1 without bias)."""
+    block_class = type(block).__name__
+    children = {n for n, m in block.named_children() if _holds_tensors(m)}
+    missing = [name for name in MOE_CHILDREN if name not in children]
+    shared = set(MOE_SHARED) & children
+    if shared and shared != set(MOE_SHARED):
+        missing += sorted(set(MOE_SHARED) - shared)
+    unexpected = sorted(children - set(MOE_CHILDREN) - set(MOE_SHARED))
+    if missing or unexpected:
+        raise PolicyError(f"{layer_class} at {where} ({block_class}) lacks {missing} or has unexpected submodules "
+                          f"{unexpected}: not a sparse MoE block ds_tsp knows")
+    check_own_tensors(block, where, layer_class)
+    if getattr(block, "jitter_noise", 0):
+        raise PolicyError(f"{layer_class} at {where} multiplies its input by router jitter noise "
+                          f"({block.jitter_noise}), which the TSP block does not apply: build the model with "
+                          "router_jitter_noise = 0.0")
+    experts = block.experts
+    tensors = {n for n, _ in experts.named_parameters()}
+    if tensors != {"gate_up_proj", "down_proj"} or not hasattr(experts, "act_fn"):
+        raise PolicyError(f"{layer_class} at {where}.experts holds {sorted(tensors)}: ds_tsp takes fused 3-D "
+                          "gate_up_proj (E, 2F, H) and down_proj (E, H, F) with an act_fn, as transformers 5 lays "
+                          "them out")
+    if {n for n, _ in block.gate.named_parameters()} != {"weight"}:
+        raise PolicyError(f"{layer_class} at {where}.gate is not a router with one weight (E, H)")
+    if shared:
+        expert = block.shared_expert
+        grandchildren = {n for n, m in expert.named_children() if _holds_tensors(m)}
+        if grandchildren != set(MLP_PROJECTIONS) or not hasattr(expert, "act_fn") or any(
+                getattr(expert.get_submodule(p), "bias", None) is not None for p in MLP_PROJECTIONS):
+            raise PolicyError(f"{layer_class} at {where}.shared_expert is not a gated MLP without biases")
+        gate = block.shared_expert_gate
+        if not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None:
+            raise PolicyError(f"{layer_class} at {where}.shared_expert_gate is not a Linear(H, 1) without bias")
+
+
+def _check_biases(module, projections, where, layer_class):
+    """The TSP blocks pack q/k/v (and gate/up/down) biases together: all or none."""
+    together = [p for p in projections if p != "o_proj"]
+    has_bias = {p: getattr(module.get_submodule(p), "bias", None) is not None for p in together}
+    if len(set(has_bias.values())) > 1:
+        raise PolicyError(f"{layer_class} at {where} has biases on {[p for p, b in has_bias.items() if b]} but not "
+                          f"on {[p for p, b in has_bias.items() if not b]}: the TSP block takes all or none")

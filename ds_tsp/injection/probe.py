@@ -1,0 +1,186 @@
+"""A numerical check, at injection, of models accepted by shape only (``tsp.policy`` auto).
+
+The policy tables say which forwards ds_tsp reproduces for the classes they
+were audited for. A class accepted by shape may do more in its forward than
+its modules show: a clamp, a position-dependent scale, an extra term, or
+embeddings and logits scaled outside the layers. Before any weight moves,
+``probe_layers`` runs the Hugging Face forward on a short float64 batch, with
+every decoder layer but one (and the final norm and the head) replaced by
+identities, and refuses the model on any difference beyond round-off in:
+
+* the forward outside the layers: what reaches the first layer must be the
+  embeddings fed in, and the logits what left the last layer;
+* the probed layer's output against the TSP layer's, built by ``inject``'s
+  own builder from a float64 copy of it and run on the same batch sharded over
+  the TSP group, with the rotary tables the TSP forward computes.
+
+One layer is probed per distinct kind (class and plain attributes: a sliding
+window, a ``use_rope`` flag, a layer type), as a float64 copy with
+seeded random weights: the check is of the forward, and it needs no weights
+loaded (``from_pretrained`` reads block weights only as shards). Every rank
+builds the same batch and the same copy; the differences are summed over
+the TSP group, so all ranks reach the same verdict. Two rows of positions, one
+from 0 and one far past ``max_position_embeddings``, expose position-dependent
+scales.
+"""
+
+import contextlib
+import copy
+
+import torch
+import torch.nn as nn
+
+from ds_tsp.parallel import comm, layout
+from ds_tsp.blocks.rotary import rotary_tables
+from ds_tsp.injection.model import TSPBatch
+from ds_tsp.injection.policy import PolicyError
+
+# Relative to the largest output: float64 round-off of a reordered layer is
+# ~1e-15; the smallest deviations a forward variant brings are orders larger.
+TOLERANCE = 1e-9
+SEED = 1234
+
+
+class _PassThrough(nn.Module):
+    """A decoder layer (or norm, or head) that returns its input."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _Recorder(nn.Module):
+    """Runs ``layer`` and keeps its input and output hidden states."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = self.layer(hidden_states, *args, **kwargs)
+        self.seen = hidden_states, out if torch.is_tensor(out) else out[0]
+        return out
+
+
+def probe_layers(model, policy, topology, tsp_config, build, device=None):
+    """Refuse ``model`` (accepted by ``policy`` auto) unless its forward equals the
+    TSP model's on a probe batch; ``build`` is ``inject.tsp_layer``. Collective
+    over ``topology.tsp_group``."""
+    layers = model.get_submodule(policy.layers)
+    device = torch.device(device or next((p.device for p in layers[0].parameters() if not p.is_meta), "cpu"))
+    probed = {}
+    for index, layer in enumerate(layers):
+        probed.setdefault(_signature(layer), index)
+    # Float64 throughout, so torch SDPA: this checks the layer's forward, not a kernel.
+    probe_config = tsp_config.model_copy(update={"attention_backend": "sdpa"})
+    for index in probed.values():
+        outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
+        where = f"{type(model).__name__} ({type(layers[index]).__name__} at {policy.layers}.{index})"
+        if outside > TOLERANCE:
+            raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
+                              "decoder layers does more than embed -> layers -> norm -> lm_head (relative "
+                              f"difference {outside:.1e} on a float64 probe), e.g. scales embeddings or logits: "
+                              "ds_tsp does not support it")
+        if inside > TOLERANCE:
+            raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its decoder layer's "
+                              f"forward differs from the TSP layer's (relative difference {inside:.1e} on a float64 "
+                              "probe): it does more than Llama's layer, so ds_tsp does not support it")
+
+
+def _signature(layer):
+    """What tells a layer's forward from another's of the same class: the class
+    and plain attributes (a sliding window, a ``use_rope`` flag, a layer type) of
+    each of its modules, but its index."""
+    return tuple((path, type(module).__name__,
+                  tuple(sorted((key, value) for key, value in vars(module).items()
+                               if isinstance(value, (bool, int, float, str, type(None)))
+                               and not key.startswith("_") and key != "layer_idx")))
+                 for path, module in layer.named_modules())
+
+
+def _probe(model, policy, topology, tsp_config, build, index, device):
+    """``(outside, inside)``: the relative differences of one probe, summed over the TSP group."""
+    tsp_rank, tsp_size = topology.tsp_rank, topology.tsp_size
+    generator = torch.Generator().manual_seed(SEED)
+    batch, seq_len = 2, 2 * tsp_size * max(1, -(-8 // (2 * tsp_size)))
+    hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=generator, dtype=torch.float64)
+    hidden = hidden.to(device)
+    far = 4 * max(getattr(model.config, "max_position_embeddings", 0) or 0,
+                  (getattr(model.config, "rope_parameters", None) or {}).get("original_max_position_embeddings", 0))
+    positions = torch.arange(seq_len, device=device) + torch.tensor([[0], [far]], device=device)
+
+    layers = model.get_submodule(policy.layers)
+    recorder = _Recorder(_float64_copy(layers[index], device, generator))
+    # The rotary module may keep state between calls (dynamic RoPE): probe a copy.
+    rotary = copy.deepcopy(model.get_submodule(policy.rotary_emb))
+    with torch.no_grad():
+        try:
+            with _swapped(model, policy, index, recorder, rotary):
+                logits = model(inputs_embeds=hidden, position_ids=positions, use_cache=False).logits
+        except Exception as error:
+            raise PolicyError(f"{type(model).__name__} was accepted by shape only (tsp.policy auto), but its forward "
+                              f"could not run on the float64 probe ({type(error).__name__}: {error}): ds_tsp does "
+                              "not support it") from error
+        layer_in, layer_out = recorder.seen
+        outside = max(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), layer_out))
+
+        tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device)
+        shard = TSPBatch(torch.zeros(batch, seq_len, dtype=torch.long, device=device), None, positions, None,
+                         tsp_rank, tsp_size, tsp_config.layout)
+        local = layout.shard(hidden, tsp_rank, tsp_size, tsp_config.layout)
+        tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
+        inside = _relative(tsp_layer(local, tables), layout.shard(layer_out, tsp_rank, tsp_size, tsp_config.layout))
+    verdict = torch.tensor([outside, inside], dtype=torch.float64, device=device)
+    comm.all_reduce(verdict, topology.tsp_group)
+    return verdict.tolist()
+
+
+def _relative(actual, expected):
+    scale = expected.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    return ((actual - expected).abs().max() / scale).item()
+
+
+@contextlib.contextmanager
+def _swapped(model, policy, index, recorder, rotary):
+    """Within the block, the model's decoder layers, final norm and head are
+    pass-throughs but layer ``index`` (``recorder``), and its rotary module is
+    ``rotary``; everything is put back on exit."""
+    layers = model.get_submodule(policy.layers)
+    saved_layers = list(layers)
+    stand_ins = {policy.final_norm: _PassThrough(), policy.lm_head: _PassThrough(), policy.rotary_emb: rotary}
+    saved = {path: model.get_submodule(path) for path in stand_ins}
+    try:
+        for i in range(len(layers)):
+            layers[i] = recorder if i == index else _PassThrough()
+        for path, module in stand_ins.items():
+            model.set_submodule(path, module)
+        yield
+    finally:
+        for i, layer in enumerate(saved_layers):
+            layers[i] = layer
+        for path, module in saved.items():
+            model.set_submodule(path, module)
+
+
+def _float64_copy(layer, device, generator):
+    """A float64 copy of ``layer`` on ``device`` with seeded random parameters:
+    the probe checks the forward as a function, and random weights at a scale
+    that keeps activations of order one make every term of it count (a model's
+    own weights may hide one: zero biases, unit norms). Buffers are copied."""
+    probe = copy.deepcopy(layer)
+    for module in probe.modules():
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            if tensor is None:
+                continue
+            if name in module._parameters or tensor.is_meta:
+                value = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+                if tensor.dim() >= 2:
+                    value /= tensor.shape[-1] ** 0.5
+                else:  # norm weights near one, biases and scales near zero
+                    value = 1 + 0.2 * value if name == "weight" else 0.2 * value
+            else:
+                value = tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype)
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(value.to(device), requires_grad=False)
+            else:
+                module._buffers[name] = value.to(device)
+    return probe

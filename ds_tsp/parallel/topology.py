@@ -1,0 +1,162 @@
+"""The ``pp x dp x tsp`` device mesh, its process groups and DeepSpeed's ``mpu``.
+
+TSP is the innermost axis: the ranks of one TSP group are consecutive, so a
+group stays inside one node and its weight and K/V traffic on the fast links.
+Global rank = ``(pp_rank * dp + dp_rank) * tsp + tsp_rank``.
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ds_tsp.config import TSPConfig
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Degrees of the mesh; validated to multiply to the world size."""
+
+    pp: int
+    dp: int
+    tsp: int
+
+    @classmethod
+    def for_world(cls, world_size, tsp_size, pipeline_stages=1):
+        """The mesh with data parallelism filling what TSP and pipelines leave;
+        sizes that cannot tile the world raise ``TSPConfigError``."""
+        dp = TSPConfig(size=tsp_size, pipeline_stages=pipeline_stages).check_world(world_size)
+        return cls(pp=pipeline_stages, dp=dp, tsp=tsp_size)
+
+    def rank(self, pp_rank, dp_rank, tsp_rank):
+        return (pp_rank * self.dp + dp_rank) * self.tsp + tsp_rank
+
+    def coords(self, rank):
+        """``(pp_rank, dp_rank, tsp_rank)`` of a global rank."""
+        return rank // (self.dp * self.tsp), rank // self.tsp % self.dp, rank % self.tsp
+
+    def tsp_groups(self):
+        return [[self.rank(p, d, t) for t in range(self.tsp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self):
+        return [[self.rank(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tsp)]
+
+    def pp_groups(self):
+        return [[self.rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tsp)]
+
+
+class TSPTopology:
+    """This rank's place in the mesh and the process groups it belongs to.
+
+    Must be built on every rank (group creation is collective). Works without
+    torch.distributed for a single process.
+    """
+
+    def __init__(self, tsp_size, pipeline_stages=1, timeout_minutes=10.0):
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.mesh = MeshShape.for_world(world_size, tsp_size, pipeline_stages)
+        self.rank = rank
+        self.pp_rank, self.dp_rank, self.tsp_rank = self.mesh.coords(rank)
+        timeout = timedelta(minutes=timeout_minutes)
+        self.tsp_ranks, self.tsp_group = self._own_group(self.mesh.tsp_groups(), timeout)
+        self.dp_ranks, self.dp_group = self._own_group(self.mesh.dp_groups(), timeout)
+        self.pp_ranks, self.pp_group = self._own_group(self.mesh.pp_groups(), timeout)
+
+    def _own_group(self, all_groups, timeout):
+        mine = None
+        for ranks in all_groups:
+            group = dist.new_group(ranks, timeout=timeout) if dist.is_initialized() else None
+            if self.rank in ranks:
+                mine = (ranks, group)
+        return mine
+
+    @property
+    def tsp_size(self):
+        return self.mesh.tsp
+
+    @property
+    def dp_size(self):
+        return self.mesh.dp
+
+    @property
+    def pp_size(self):
+        return self.mesh.pp
+
+    @property
+    def ring_next(self):
+        """Global rank of the next rank in this TSP group's ring."""
+        return self.tsp_ranks[(self.tsp_rank + 1) % self.tsp_size]
+
+    @property
+    def ring_prev(self):
+        """Global rank of the previous rank in this TSP group's ring."""
+        return self.tsp_ranks[(self.tsp_rank - 1) % self.tsp_size]
+
+    def mpu(self):
+        return TSPMpu(self)
+
+    def __repr__(self):
+        return (f"TSPTopology(rank={self.rank}, pp={self.pp_size}, dp={self.dp_size}, tsp={self.tsp_size}, "
+                f"tsp_ranks={self.tsp_ranks}, dp_ranks={self.dp_ranks})")
+
+
+class TSPMpu:
+    """The ``mpu`` duck type DeepSpeed takes in ``deepspeed.initialize``.
+
+    Model parallel = the TSP group (its parameters are sharded there, so
+    gradient norms count tagged shards on every TSP rank and replicated
+    parameters once); data parallel = the true DP replicas, so ZeRO partitions
+    and reduces over DP only. Sequence parallelism reports size 1: TSP shards
+    the sequence itself and must not make DeepSpeed reduce over the world.
+    ``get_sequence_data_parallel_group`` and ``initialize_sequence_parallel``
+    are deliberately absent: their presence makes DeepSpeed 0.19 reduce and
+    broadcast over the whole world, overwriting TSP shards.
+    """
+
+    def __init__(self, topology):
+        self.topology = topology
+
+    def get_model_parallel_group(self):
+        return self.topology.tsp_group
+
+    def get_model_parallel_rank(self):
+        return self.topology.tsp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.topology.tsp_size
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.topology.tsp_ranks[0]
+
+    def get_data_parallel_group(self):
+        return self.topology.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.topology.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.topology.dp_size
+
+    def get_pipe_parallel_group(self):
+        return self.topology.pp_group
+
+    def get_pipe_parallel_rank(self):
+        return self.topology.pp_rank
+
+    def get_pipe_parallel_world_size(self):
+        return self.topology.pp_size
+
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_sequence_parallel_world_size(self):
+        return 1
+
+    def get_sequence_parallel_rank(self):
+        return 0
