@@ -309,13 +309,13 @@ def tsp_errors(args, ref, tsp_size, grad_wire_dtype=None, host_checkpoints=False
 
 def tsp_fp32_wire_errors(args, ref, tsp_size):
     """``tsp_errors`` with the dK/dV reduce-scatter sent in fp32."""
-    from ds_tsp.blocks.attention import module as attention
-    from ds_tsp.parallel import comm
+    from ds_tsp.blocks.attention import schedule as attention
+    from ds_tsp.parallel import comm, precision
 
     scatter_kv_grads = attention.scatter_kv_grads
 
     def in_fp32(plan, dKV, dtype):
-        pending = scatter_kv_grads(plan, dKV, comm.accumulation_dtype(dtype))
+        pending = scatter_kv_grads(plan, dKV, precision.accumulation_dtype(dtype))
         return comm.Pending(None, lambda: tuple(t.to(dtype) for t in pending.wait()))
 
     attention.scatter_kv_grads = in_fp32

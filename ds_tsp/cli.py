@@ -21,10 +21,10 @@ import ctypes
 import sys
 
 from ds_tsp.checkpoint import join_checkpoint, shard_checkpoint
+from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
 from ds_tsp.checkpoint.resharding import reshard
 from ds_tsp.checkpoint.writing import DEFAULT_MAX_SHARD_SIZE, check_max_shard_size
 from ds_tsp.config import POLICY_NAMES
-from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
 from ds_tsp.planning import add_plan_arguments, run_plan
 
 

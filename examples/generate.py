@@ -27,9 +27,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import AutoTokenizer, GenerationConfig, TextStreamer, set_seed
 
-from ds_tsp.checkpoint import from_pretrained
-from ds_tsp.config import TSPConfig
-from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp import TSPConfig, TSPTopology, from_pretrained
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}

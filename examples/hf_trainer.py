@@ -15,7 +15,7 @@ on text that ships with Python, so it needs no download. ``--lora 8`` trains
 LoRA adapters of rank 8 (a PEFT model, as for any Trainer) and writes PEFT's
 adapter directory. On CPU ranks
 (``DS_ACCELERATOR=cpu``) accelerate needs its state configured for DeepSpeed
-over gloo first (``ds_tsp.runtime.trainer.configure_cpu_ranks``). Prints the Trainer's
+over gloo first (``ds_tsp.configure_cpu_ranks``). Prints the Trainer's
 logs as JSON lines, then the loss of the first and last 5 steps, the eval loss
 and where the Hugging Face model was written.
 """
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 import ds_tsp
-from ds_tsp.runtime.trainer import configure_cpu_ranks
 from train import byte_corpus, small_byte_llama
 
 
@@ -68,7 +67,7 @@ def main():
     args = parse_args()
     on_cpu = os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
     if on_cpu:
-        configure_cpu_ranks()
+        ds_tsp.configure_cpu_ranks()
     training_args = TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,

@@ -40,8 +40,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # DeepSpeed's first optimizer check imports its Muon optimizer, whose torch.compile decorators import inductor
 # (about 2 s of CPU a rank); the tests' Hugging Face model classes; the Trainer (about 3 s); the shared-memory
 # op's loader (torch.utils.cpp_extension, setuptools).
-PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.runtime.engine", "ds_tsp.inference.generate",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension",
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "ds_tsp.runtime.engine",
+           "ds_tsp.inference.generate", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension",
            "deepspeed.ops.op_builder.all_ops", "peft", "trl", "transformers.trainer", "pytest", "models"]
 
 

@@ -254,7 +254,7 @@ def _schedule(overlap):
     attention, on this rank (D = 2, a key/value head per rank)."""
     from unittest import mock
 
-    from ds_tsp.blocks.attention import module as attention
+    from ds_tsp.blocks.attention import schedule as attention
 
     events = []
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_tsp.parallel import comm
+from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.topology import TSPTopology
 
 SHAPE = (3, 5)
@@ -123,11 +123,11 @@ def test_a_wrapper_installed_after_import_sees_every_gather(run_ranks):
 
 def test_gradient_wire_dtype():
     # Unset: the accumulation dtype; set: that dtype, except for float64 models, which keep float64.
-    assert comm.gradient_wire_dtype(None, torch.bfloat16) == torch.float32
-    assert comm.gradient_wire_dtype(None, torch.float64) == torch.float64
-    assert comm.gradient_wire_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
-    assert comm.gradient_wire_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
-    assert comm.gradient_wire_dtype(torch.float16, torch.float64) == torch.float64
+    assert precision.gradient_wire_dtype(None, torch.bfloat16) == torch.float32
+    assert precision.gradient_wire_dtype(None, torch.float64) == torch.float64
+    assert precision.gradient_wire_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
+    assert precision.gradient_wire_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert precision.gradient_wire_dtype(torch.float16, torch.float64) == torch.float64
 
 
 def test_size_one_group_moves_nothing():

@@ -22,7 +22,7 @@ def _sharded_grads_and_bytes(cases):
     """Per ``(arch, dtype)``: a tiny injected model's sharded gradients (packed
     shards, vocabulary shards) and the backward's bytes per op, with the default
     wire, a bf16 wire, and the default again (the same numbers twice)."""
-    from ds_tsp.injection import inject
+    from ds_tsp import inject
     from ds_tsp.config import TSPConfig
     from ds_tsp.runtime.engine import set_grad_wire_dtype
     from ds_tsp.parallel.topology import TSPTopology

@@ -182,7 +182,8 @@ def test_auto_prefetch_where_the_planner_fits_one_more_input():
     input on the device, fits the device's memory; never without a device
     memory to fit (CPU) or a dtype the planner models."""
     from ds_tsp.runtime.engine import planner_run
-    from ds_tsp.planning.strategies import make_setting, plan_tsp
+    from ds_tsp.planning.strategies import make_setting
+    from ds_tsp.planning.tsp_plan import plan_tsp
     from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
 
     assert TSPConfig(enabled=True).prefetch_checkpoints == "auto"

@@ -34,12 +34,14 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 import ds_tsp
 from ds_tsp.parallel import comm
+from ds_tsp.blocks.moe import all_to_all as moe_all_to_all
 from ds_tsp.blocks.moe import module as moe
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.checkpoint import save_pretrained
 from ds_tsp.checkpoint.writing import write_state_dict
 from ds_tsp.config import TSPConfig
-from ds_tsp.blocks.moe.module import TSPSparseMoE, shard_spec
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.blocks.moe.plan import shard_spec
 from ds_tsp.injection.policy import PolicyError, resolve_policy
 from ds_tsp.parallel.topology import TSPTopology
 from models import MOE_ARCHS, tiny_model
@@ -142,7 +144,7 @@ def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_retur
 def _reversed_returns():
     """In the all-to-all schedule's forward, the experts' outputs come back to
     their tokens in reverse order (the second of its two row exchanges)."""
-    forward = moe.moe_all_to_all_forward
+    forward = moe_all_to_all.moe_all_to_all_forward
 
     def with_reversed_return(*args):
         exchange, calls = comm.all_to_all_rows, itertools.count()
@@ -154,7 +156,7 @@ def _reversed_returns():
         with mock.patch.object(comm, "all_to_all_rows", rows):
             return forward(*args)
 
-    with mock.patch.object(moe, "moe_all_to_all_forward", with_reversed_return):
+    with mock.patch.object(moe_all_to_all, "moe_all_to_all_forward", with_reversed_return):
         yield
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from ds_tsp import planning as planner
 from ds_tsp.planning import timing
-from ds_tsp.planning.strategies import CommPart
+from ds_tsp.planning.plan_types import CommPart
 
 H100 = planner.Cluster()  # 989.4 TFLOPs x 0.5, NVLink 450 GB/s, InfiniBand 50 GB/s per device each way
 

@@ -4,7 +4,7 @@ A decoder layer norms its input before the attention (Llama's
 ``input_layernorm``). Kept as a module of its own, the norm's output is a
 ``(B, S/D, H)`` tensor that the attention keeps for its backward; recomputed
 by torch's checkpoint it is still rebuilt whole there. Inside the attention
-(``ds_tsp.blocks.attention.module``) the norm runs on the layer's input instead: the
+(``ds_tsp.blocks.attention.schedule``) the norm runs on the layer's input instead: the
 forward norms it once, and backward norms a tile of local tokens at a time
 wherever it needs the normed values (each head group's projections and their
 weight gradients), so no ``(B, S/D, H)`` copy of them exists in backward; the
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_tsp.parallel import comm
+from ds_tsp.parallel import precision
 
 
 def recomputable(norm):
@@ -72,9 +72,9 @@ class TiledInputNorm:
 
     def weight_gradient(self, grad, tokens, out):
         """A projection's weight gradient ``grad.T @ normed tokens`` into ``out``
-        (float32 or wider, ``comm.partial_matmul``), normed a tile at a time."""
+        (float32 or wider, ``precision.partial_matmul``), normed a tile at a time."""
         for start, end in self.tiles(tokens.shape[0]):
-            comm.partial_matmul(grad[start:end].t(), self(tokens[start:end]), out=out, add=start > 0)
+            precision.partial_matmul(grad[start:end].t(), self(tokens[start:end]), out=out, add=start > 0)
 
     def backward(self, tokens, grad):
         """``(grad_tokens, grad_weight)`` from ``grad`` ``(N, H)`` of the normed

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_tsp.parallel import comm
-from ds_tsp.parallel.amp import autocast_backward, autocast_forward
-from ds_tsp.parallel.comm import accumulation_dtype
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
+from ds_tsp.parallel import comm, precision
+from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
 # Which dim of each full Hugging Face tensor is split across the TSP group; a
@@ -88,7 +88,7 @@ def shard_forward(x, w, act_fn, out=None, add=True):
     up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
     if out is None:
         return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
-    return comm.add_matmul(out, act_fn(gate) * up, w["down_proj.weight"].t(), add), gate, up
+    return precision.add_matmul(out, act_fn(gate) * up, w["down_proj.weight"].t(), add), gate, up
 
 
 def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
@@ -108,14 +108,14 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     into = {} if into is None else into
     # Weight-gradient partials stay float32 until their sum over ranks and tiles is rounded.
     # Each (N, F/D) temporary is dropped as soon as it has been read, so few are alive at once.
-    into["down_proj.weight"] = comm.partial_matmul(grad_y2.t(), act.detach() * up, out=into.get("down_proj.weight"),
+    into["down_proj.weight"] = precision.partial_matmul(grad_y2.t(), act.detach() * up, out=into.get("down_proj.weight"),
                                                    add=add)
     grad_h = grad_y2 @ w["down_proj.weight"]  # (N, F/D)
     grad_up = grad_h * act.detach()
     (grad_gate,) = torch.autograd.grad(act, gate, grad_h * up)
     del grad_h, act
     for name, grad in (("gate_proj.weight", grad_gate), ("up_proj.weight", grad_up)):
-        into[name] = comm.partial_matmul(grad.t(), x2, out=into.get(name), add=add)
+        into[name] = precision.partial_matmul(grad.t(), x2, out=into.get(name), add=add)
     if "gate_proj.bias" in w:
         acc = accumulation_dtype(grad_gate.dtype)
         for name, grad in (("gate_proj.bias", grad_gate), ("up_proj.bias", grad_up)):
@@ -152,7 +152,7 @@ class MLPPlan:
     overlap: bool = True
     token_tile: int = 0  # most local tokens one shard step computes at once (0: all)
     fp32_accumulators: bool = True  # sum the ring steps and the input gradients in float32 (or wider)
-    grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (comm.gradient_wire_dtype; None: float32)
+    grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (gradient_wire_dtype; None: float32)
 
     def tiles(self, num_tokens, at_most=None):
         """``[(start, end)]`` over the ``num_tokens`` local tokens, of at most
@@ -218,7 +218,7 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
             grad_x[start:end].add_(tile_grad_x) if t else grad_x[start:end].copy_(tile_grad_x)
         return grad_shard
 
-    wire = comm.gradient_wire_dtype(plan.grad_wire_dtype, packed.dtype)
+    wire = precision.gradient_wire_dtype(plan.grad_wire_dtype, packed.dtype)
     grad_packed = ring_gradients(packed, plan.group, step, plan.overlap, wire)
     return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
 

@@ -56,7 +56,7 @@ class ProjectionNormPiece:
     """A head group's part of an RMSNorm over a whole projection's width
     (OLMo-2's q/k norms, over ``nq*d`` and ``nkv*d`` features). Each token's
     inverse RMS over the full width comes first, as the width spans every
-    rank's head groups (``attention.projection_squares_forward``), so a group's
+    rank's head groups (``attention.norms.projection_squares_forward``), so a group's
     heads are then normed alone, as Hugging Face's norm computes: in float32 or
     wider, times the weight, back to the projection's dtype."""
 

@@ -39,7 +39,7 @@ Backward runs the ring again, recomputing each tile's ``z`` and
 ``dh[T] += dz @ W_buf`` and ``dW_buf += dz^T @ h[T]`` in an accumulator that
 travels with the shard and ends on its owner. Bytes received per rank: forward
 ``(D-1) * Vs*H * e``, backward ``(D-1) * Vs*H * (e + a)`` (``a``: the
-accumulator's element on the wire, ``comm.gradient_wire_dtype``: fp32 (float64
+accumulator's element on the wire, ``precision.gradient_wire_dtype``: fp32 (float64
 for float64 models) unless DeepSpeed's ``communication_data_type`` names a
 narrower one). Products run in the model dtype, sums in fp32 or wider.
 A tile is at most ``tsp.logits_tile_mib`` MiB of fp32 logits.
@@ -54,10 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_tsp.parallel import comm
+from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
-from ds_tsp.parallel.comm import accumulation_dtype
 from ds_tsp.parallel.mappings import gather_rows
+from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import ring_gradients, ring_steps
 
 IGNORE_INDEX = -100
@@ -355,7 +355,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
                                 grad_wire_dtype=None, weight_grad=True, softcap=None):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
     rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
-    accumulators travel in ``comm.gradient_wire_dtype(grad_wire_dtype, ...)``.
+    accumulators travel in ``precision.gradient_wire_dtype(grad_wire_dtype, ...)``.
     Without ``weight_grad`` (a frozen head: LoRA) the shards go round the ring
     once more for ``grad_hidden`` alone, with no accumulators, and ``grad_weight``
     is None."""
@@ -385,14 +385,14 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
             dz = dz.to(w.dtype)
             grad_hidden[span] += dz @ w
             if weight_grad:
-                comm.partial_matmul(dz.t(), hidden[span], out=grad_w[:count])
+                precision.partial_matmul(dz.t(), hidden[span], out=grad_w[:count])
             del dz  # the next tile's logits are made after this one's are gone
         return grad_w
 
     if not weight_grad:
         ring_steps(weight, tsp_group, step, overlap)
         return grad_hidden.to(hidden.dtype), None
-    wire = comm.gradient_wire_dtype(grad_wire_dtype, weight.dtype)
+    wire = precision.gradient_wire_dtype(grad_wire_dtype, weight.dtype)
     grad_weight = ring_gradients(weight, tsp_group, step, overlap, wire)
     return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
 

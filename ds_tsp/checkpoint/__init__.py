@@ -8,9 +8,9 @@ model holds) <- ``reading`` (Hugging Face and ``ds-tsp convert`` directories,
 ``ds-tsp convert``).
 """
 
-from ds_tsp.checkpoint.shard_plan import layer_shards, meta_model, shard_plan
 from ds_tsp.checkpoint.formats import CheckpointError
 from ds_tsp.checkpoint.reading import SafetensorsCheckpoint, TSPShardCheckpoint, from_pretrained, open_checkpoint
+from ds_tsp.checkpoint.shard_plan import layer_shards, meta_model, shard_plan
 from ds_tsp.checkpoint.writing import join_checkpoint, save_pretrained, shard_checkpoint
 
 __all__ = ["CheckpointError", "SafetensorsCheckpoint", "TSPShardCheckpoint", "from_pretrained", "join_checkpoint",

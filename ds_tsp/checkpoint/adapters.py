@@ -15,13 +15,12 @@ import os
 
 import deepspeed
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from safetensors import safe_open
-
-from ds_tsp.parallel import comm
+from ds_tsp.checkpoint.formats import ADAPTER_WEIGHTS, CheckpointError
 from ds_tsp.injection.lora import ROW_SPLIT, one_lora_config
-from ds_tsp.checkpoint.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError
+from ds_tsp.parallel import comm
 
 
 def gather_pieces(tensor, group):

@@ -43,14 +43,19 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
-from ds_tsp.checkpoint.shard_plan import join_holdings, layer_shards, meta_model, untied, vocab_names
-from ds_tsp.checkpoint.resharding import reshard
+from ds_tsp.blocks.moe.plan import ROUTER, SHARED_GATE
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
+from ds_tsp.checkpoint.resharding import reshard
+from ds_tsp.checkpoint.shard_plan import join_holdings, layer_shards, meta_model, untied, vocab_names
 from ds_tsp.checkpoint.staging import staged
-from ds_tsp.checkpoint.writing import (DEFAULT_MAX_SHARD_SIZE, check_out_dir, copy_other_files,
-                                       replaced_by_a_checkpoint, write_state_dict)
-from ds_tsp.blocks.moe.module import ROUTER, SHARED_GATE
+from ds_tsp.checkpoint.writing import (
+    DEFAULT_MAX_SHARD_SIZE,
+    check_out_dir,
+    copy_other_files,
+    replaced_by_a_checkpoint,
+    write_state_dict,
+)
 from ds_tsp.injection.pipeline import hf_prefixes
 from ds_tsp.injection.policy import resolve_policy
 

@@ -27,13 +27,21 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ds_tsp.blocks.fused import row_pieces, split_rows
-from ds_tsp.injection.inject import inject
-from ds_tsp.injection.policy import resolve_policy
 from ds_tsp.checkpoint.adapters import AdapterFiles
 from ds_tsp.checkpoint.expert_files import expert_files
-from ds_tsp.checkpoint.formats import SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TORCH_WEIGHTS, TORCH_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT, CheckpointError, hf_weights_file
+from ds_tsp.checkpoint.formats import (
+    SAFE_WEIGHTS,
+    SAFE_WEIGHTS_INDEX,
+    TORCH_WEIGHTS,
+    TORCH_WEIGHTS_INDEX,
+    TSP_SHARDS,
+    TSP_SHARDS_FORMAT,
+    CheckpointError,
+    hf_weights_file,
+)
 from ds_tsp.checkpoint.shard_plan import meta_model, narrow_index, shard_plan
-
+from ds_tsp.injection.inject import inject
+from ds_tsp.injection.policy import resolve_policy
 
 # ------------------------------------------------------------------- readers
 

@@ -26,14 +26,19 @@ import re
 
 import deepspeed
 import torch
-from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS,
-                                            VOCAB_TENSOR)
+from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
+    DS_VERSION,
+    OPTIMIZER_STATE_DICT,
+    PARAM_GROUPS,
+    VOCAB_TENSOR,
+)
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-from ds_tsp.parallel import comm
-from ds_tsp.injection.pipeline import hf_prefixes
 from ds_tsp.checkpoint.formats import CheckpointError
 from ds_tsp.checkpoint.staging import link_or_copy, staged
+from ds_tsp.injection.pipeline import hf_prefixes
+from ds_tsp.parallel import comm
 
 LAYOUT_FILE = "ds_tsp_layout.json"
 LAYOUT_FORMAT = "ds_tsp.parallel.layout"

@@ -23,16 +23,16 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ds_tsp.blocks.attention import module as attention
-from ds_tsp.parallel import comm
 from ds_tsp.blocks import mlp, vocab
-from ds_tsp.blocks.moe import module as moe
-from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.attention.head_groups import HeadGroups, shard_piece, shard_spec
+from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.fused import FusedRows, split_rows
 from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.blocks.moe import plan as moe
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.injection.model import TSPCausalLMMixin
+from ds_tsp.parallel import comm
 
 
 def _holdings(specs, piece, replicated):

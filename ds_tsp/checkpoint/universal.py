@@ -39,15 +39,24 @@ import re
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION, SCALE_POWER_BY_STATE, AffinePiece, ParamAffineMap
-from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION, DS_AUTOTP_UC_META,
-                                            ORIGINAL_VOCAB_SIZE, PARAM, TP_REPLICATED_PARAMETER_PATTERNS,
-                                            UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
+from deepspeed.checkpoint.constants import (
+    AFFINE_MAP,
+    AFFINE_MAP_PARAMS,
+    AFFINE_MAP_VERSION,
+    DS_AUTOTP_UC_META,
+    ORIGINAL_VOCAB_SIZE,
+    PARAM,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    VOCABULARY_PARAMETER_PATTERNS,
+)
 
-from ds_tsp.parallel import comm
 from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from ds_tsp.checkpoint.shard_plan import block_holdings, block_specs
+from ds_tsp.parallel import comm
 
 
 def _row_major(shape):

@@ -37,20 +37,35 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
-from ds_tsp.parallel import comm
 from ds_tsp.blocks.fused import row_pieces
-from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.blocks.packing import PackedShardMixin
-from ds_tsp.injection.policy import resolve_policy
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from ds_tsp.checkpoint.adapters import save_adapters
 from ds_tsp.checkpoint.expert_files import expert_files, to_files
-from ds_tsp.checkpoint.shard_plan import (block_holdings, block_specs, hf_class, join_holdings, meta_model,
-                                          shard_plan, tied_names)
-from ds_tsp.checkpoint.formats import (SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX, TSP_SHARDS, TSP_SHARDS_FORMAT,
-                                       CheckpointError, checkpoint_files, is_checkpoint_file, rank_file)
+from ds_tsp.checkpoint.formats import (
+    SAFE_WEIGHTS,
+    SAFE_WEIGHTS_INDEX,
+    TSP_SHARDS,
+    TSP_SHARDS_FORMAT,
+    CheckpointError,
+    checkpoint_files,
+    is_checkpoint_file,
+    rank_file,
+)
 from ds_tsp.checkpoint.reading import TSPShardCheckpoint, check_tensors_present, hf_checkpoint
+from ds_tsp.checkpoint.shard_plan import (
+    block_holdings,
+    block_specs,
+    hf_class,
+    join_holdings,
+    meta_model,
+    shard_plan,
+    tied_names,
+)
 from ds_tsp.checkpoint.staging import staged
+from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
+from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.parallel import comm
 
 # Hugging Face's default before transformers 5 (which writes up to 50GB per
 # file): the writer holds about one file in CPU memory.

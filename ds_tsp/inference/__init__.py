@@ -1,0 +1,1 @@
+"""Hugging Face's ``generate`` on a TSP model: the cached forward and the sequence-sharded ``Cache``."""

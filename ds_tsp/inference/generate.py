@@ -62,11 +62,11 @@ rank 0's random state (``agree_on_random_state``).
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.parallel import comm, layout
-from ds_tsp.blocks.attention.module import attention_forward, project
-from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
+from ds_tsp.blocks.attention.schedule import attention_forward, project
 from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_of_kind, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
+from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
+from ds_tsp.parallel import comm, layout
 
 
 @torch.no_grad()

@@ -3,16 +3,16 @@
 import torch
 
 from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
-from ds_tsp.parallel.mappings import sum_grads_over_group
-from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
-from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.injection.policy import AUTO, PolicyError, resolve_policy
 from ds_tsp.injection.probe import probe_layers
+from ds_tsp.parallel.mappings import sum_grads_over_group
 from ds_tsp.planning.communication import cheaper_moe_schedule
-from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 
 
 def inject(model, topology, tsp_config, read=None, device=None, adapter_files=None):

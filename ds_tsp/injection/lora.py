@@ -35,8 +35,8 @@ import re
 import torch
 from torch import nn
 
-from ds_tsp.parallel import comm
 from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel import comm
 
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -14,14 +14,14 @@ import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ds_tsp.parallel import layout
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
-from ds_tsp.inference.generate import cached_forward
-from ds_tsp.parallel.mappings import sum_over_group
-from ds_tsp.blocks.moe.module import (TSPSparseMoE, full_sequence_router_logits, load_balancing_loss,
-                                      recorded_router_logits)
+from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
+from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
+from ds_tsp.inference.generate import cached_forward
+from ds_tsp.parallel import layout
+from ds_tsp.parallel.mappings import sum_over_group
 
 
 class TSPDecoderLayer(GradientCheckpointingLayer):
@@ -257,7 +257,7 @@ class TSPCausalLMMixin:
 
 def router_aux_loss(model, moe_blocks, router_logits, batch):
     """The load-balancing loss of Hugging Face's MoE causal LMs over the whole
-    sequence (``ds_tsp.blocks.moe.module.load_balancing_loss``)."""
+    sequence (``ds_tsp.blocks.moe.load_balancing.load_balancing_loss``)."""
     if len(router_logits) != len(moe_blocks):
         raise RuntimeError(f"{len(moe_blocks)} MoE layers ran but {len(router_logits)} router outputs were recorded")
     if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.gate.parameters()) and not all(

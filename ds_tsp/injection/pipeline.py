@@ -10,7 +10,7 @@ full sequence (``positions`` are this rank's position ids and, last, the
 sequence's largest, which rotary types that scale with the sequence read).
 Mixture-of-experts models with ``output_router_logits`` add a third tensor,
 the load-balancing statistics of the layers so far (``(2E+1,)`` float64,
-``ds_tsp.blocks.moe.module.routing_statistics``, this rank's tokens): each MoE layer adds
+``ds_tsp.blocks.moe.load_balancing.routing_statistics``, this rank's tokens): each MoE layer adds
 its own, and the loss adds ``router_aux_loss_coef`` times the loss they give
 over the whole sequence, as the unstaged model does. Their gradient comes
 back with the hidden state's and enters each layer's router through
@@ -28,10 +28,11 @@ import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from ds_tsp.blocks.moe.load_balancing import balance_loss, recorded_router_logits, routing_statistics
+from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import rotary_tables
-from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
-from ds_tsp.blocks.moe.module import TSPSparseMoE, balance_loss, recorded_router_logits, routing_statistics
 from ds_tsp.blocks.vocab import embed_local_tokens
+from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
 
 
 class TSPEmbeddingPipe(nn.Module):

@@ -141,7 +141,7 @@ MOE_ROUTING = {
     "num_experts_per_tok": Accepts(any_value, "top-k of Hugging Face's own router module, run on the local tokens"),
     "norm_topk_prob": Accepts(any_value, "read by Hugging Face's own router module"),
     "output_router_logits": Accepts(any_value, "the auxiliary load-balancing loss is computed over the whole "
-                                    "sequence (ds_tsp.blocks.moe.module.load_balancing_loss); router_logits are the local tokens'"),
+                                    "sequence (ds_tsp.blocks.moe.load_balancing); router_logits are the local tokens'"),
     "router_aux_loss_coef": Accepts(any_value, "scales the auxiliary loss added to the loss, as HF's ForCausalLM does"),
 }
 # Dense layers among the MoE layers (Qwen2/3-MoE) become TSP gated MLPs.

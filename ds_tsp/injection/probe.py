@@ -30,10 +30,10 @@ import copy
 import torch
 import torch.nn as nn
 
-from ds_tsp.parallel import comm, layout
 from ds_tsp.blocks.rotary import rotary_tables
 from ds_tsp.injection.model import TSPBatch
 from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel import comm, layout
 
 # Relative to the largest output: float64 round-off of a reordered layer is
 # ~1e-15; the smallest deviations a forward variant brings are orders larger.

@@ -1,0 +1,1 @@
+"""Collectives (counted, with explicit groups), the token layouts, the process groups and the dtype policy of sums."""

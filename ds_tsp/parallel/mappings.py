@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 
-from ds_tsp.parallel import comm
+from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
 
@@ -144,7 +144,7 @@ class ReplicatedGrads:
         """The sum of one bucket in flight; its ``wait()`` gives the flat sum, or
         None where the one gradient was summed in place."""
         (first, *rest) = bucket
-        if not rest and first.dtype == wire == comm.accumulation_dtype(wire) and first.is_contiguous():
+        if not rest and first.dtype == wire == precision.accumulation_dtype(wire) and first.is_contiguous():
             return comm.Pending(comm.all_reduce(first, self.group, async_op=True), lambda: None)
         return comm.all_reduce_fp32(torch.cat([g.reshape(-1).to(wire) for g in bucket]), self.group, async_op=True)
 

@@ -14,7 +14,7 @@ adds the partial it kept. Per rank: ``D-1`` weight hops and ``D-1``
 accumulator hops, no all-reduce, no broadcast.
 
 The accumulators are sums in float32 (or wider) on every rank; they travel in
-the gradient wire dtype (``comm.gradient_wire_dtype``: float32 unless
+the gradient wire dtype (``precision.gradient_wire_dtype``: float32 unless
 DeepSpeed's ``communication_data_type`` says otherwise), rounded to it only to
 be sent, and are added to the receiver's unrounded partial on arrival.
 """

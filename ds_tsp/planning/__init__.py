@@ -9,10 +9,14 @@ One module per concern, in the order they build on one another:
 | module | holds |
 |---|---|
 | ``shapes`` | model sizes (presets, HF configs, MoE layers), precisions, the run's ``Setting``, how TSP cuts a model |
-| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``ds_tsp.parallel.comm`` counts them; |
+| ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``parallel.comm`` counts them; |
 | | a MoE layer's expert ring against the token all-to-all |
 | ``memory`` | the memory terms: saved tensors, model states, transients, offloads to host memory |
-| ``strategies`` | one function per strategy, ``plan`` (all of them), ``plan_alst``, ``recommend`` |
+| ``plan_types`` | ``StrategyPlan``, ``CommPart`` and the names of the kinds of communication |
+| ``flops`` | FLOPs per device per step, and the attention's part |
+| ``tsp_plan`` | ``plan_tsp``: one TSP rank's memory, communication and FLOPs, folded vocabulary or not |
+| ``baselines`` | ``plan_baseline``: DP, TP, SP (Ulysses), CP (all-gather), TP+SP as Hugging Face layers |
+| ``strategies`` | the entry points: ``plan`` (all of them), ``plan_autotp``, ``plan_alst``, ``recommend`` |
 | ``longest`` | ``max_seq_len``: the longest trainable sequence per strategy and its binding term |
 | ``serving`` | ``serving_plans``: the weights and KV cache each strategy keeps for inference, the longest context |
 | ``anchors`` | published numbers: the TSP paper's peaks, ALST's lengths, Ulysses' and Megatron CP's throughput |
@@ -23,20 +27,55 @@ One module per concern, in the order they build on one another:
 
 import importlib
 
-from ds_tsp.planning.anchors import (ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED,
-                                     PAPER_DEVICE_GB, PAPER_LABELS, PAPER_PEAK_GB, PAPER_SETTING, TIME_ANCHORS)
-from ds_tsp.planning.communication import (DIRECTIONS, MOE_SCHEDULES, cheaper_moe_schedule, moe_block_bytes_by_op,
-                                           moe_crossover_tokens, tsp_bytes_by_op, tsp_bytes_per_layer,
-                                           tsp_moe_bytes_by_op, tsp_moe_schedule, tsp_step_bytes_by_op,
-                                           tsp_vocab_bytes_by_op)
+from ds_tsp.planning.anchors import (
+    ALST_DEVICE_GB,
+    ALST_HOST_MEMORY_GB,
+    ALST_MODEL,
+    ALST_PUBLISHED,
+    PAPER_DEVICE_GB,
+    PAPER_LABELS,
+    PAPER_PEAK_GB,
+    PAPER_SETTING,
+    TIME_ANCHORS,
+)
+from ds_tsp.planning.communication import (
+    DIRECTIONS,
+    MOE_SCHEDULES,
+    cheaper_moe_schedule,
+    moe_block_bytes_by_op,
+    moe_crossover_tokens,
+    tsp_bytes_by_op,
+    tsp_bytes_per_layer,
+    tsp_moe_bytes_by_op,
+    tsp_moe_schedule,
+    tsp_step_bytes_by_op,
+    tsp_vocab_bytes_by_op,
+)
 from ds_tsp.planning.longest import LongestSequence, longest_fitting, max_seq_len
 from ds_tsp.planning.memory import HEAD_BACKWARD, MEMORY_PARTS
+from ds_tsp.planning.plan_types import CommPart, StrategyPlan
 from ds_tsp.planning.serving import ServingPlan, format_serving_table, serving_plans
-from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, FLOAT32,
-                                    GB, INT64, MOE_MODEL_TYPES, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS,
-                                    ModelShape, Precision, Setting, logits_tile_tokens, model_shape, tsp_name,
-                                    tsp_shape_problem, vocab_rows_per_rank)
-from ds_tsp.planning.strategies import CommPart, StrategyPlan, alst_name, plan, plan_alst, plan_autotp, recommend
+from ds_tsp.planning.shapes import (
+    DEFAULT_DEVICES_PER_NODE,
+    DEFAULT_LOGITS_TILE_MIB,
+    DEFAULT_TOKEN_TILE,
+    FLOAT32,
+    GB,
+    INT64,
+    MOE_MODEL_TYPES,
+    PRECISIONS,
+    PRESETS,
+    TSP_ATTENTION_BACKWARDS,
+    ModelShape,
+    Precision,
+    Setting,
+    logits_tile_tokens,
+    model_shape,
+    tsp_name,
+    tsp_shape_problem,
+    vocab_rows_per_rank,
+)
+from ds_tsp.planning.strategies import alst_name, plan, plan_alst, plan_autotp, recommend
 from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
@@ -49,9 +88,9 @@ __all__ = [
     "format_longest_table", "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors",
     "logits_tile_tokens", "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op",
     "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend",
-    "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op",
-    "tsp_bytes_per_layer", "tsp_moe_bytes_by_op", "tsp_moe_schedule", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op",
-    "tsp_vocab_bytes_by_op", "vocab_rows_per_rank",
+    "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_moe_bytes_by_op",
+    "tsp_moe_schedule", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op", "tsp_vocab_bytes_by_op",
+    "vocab_rows_per_rank",
 ]
 
 # The command line and the tables load on first use: the blocks' and the engine's imports need neither.

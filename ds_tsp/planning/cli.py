@@ -14,11 +14,27 @@ from pathlib import Path
 from ds_tsp.planning.anchors import ALST_DEVICE_GB, ALST_HOST_MEMORY_GB, ALST_MODEL, ALST_PUBLISHED, PAPER_PEAK_GB
 from ds_tsp.planning.longest import fpdt_published, max_seq_len
 from ds_tsp.planning.serving import format_serving_table, serving_plans
-from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB,
-                                    LORA_TARGETS, PRECISIONS, PRESETS, TSP_ATTENTION_BACKWARDS, model_shape)
+from ds_tsp.planning.shapes import (
+    DEFAULT_DEVICES_PER_NODE,
+    DEFAULT_LOGITS_TILE_MIB,
+    DEFAULT_TOKEN_TILE,
+    GB,
+    LORA_TARGETS,
+    PRECISIONS,
+    PRESETS,
+    TSP_ATTENTION_BACKWARDS,
+    model_shape,
+)
 from ds_tsp.planning.strategies import plan, recommend
-from ds_tsp.planning.tables import (format_gb, format_longest_table, format_moe_facts, format_table,
-                                    format_time_anchors, moe_facts, plot_memory_vs_seq)
+from ds_tsp.planning.tables import (
+    format_gb,
+    format_longest_table,
+    format_moe_facts,
+    format_table,
+    format_time_anchors,
+    moe_facts,
+    plot_memory_vs_seq,
+)
 from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, compare_anchors, step_time
 
 DEFAULT_MODEL = "llama-7b"

@@ -4,7 +4,7 @@ all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
 ``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``), for the folded
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
-(``tsp_step_bytes_by_op``). The baselines' bytes are in ``strategies``.
+(``tsp_step_bytes_by_op``). The baselines' bytes are in ``baselines``.
 
 A mixture-of-experts layer's experts travel round the ring as the dense MLP's
 shards do, or stay at rest while the tokens go to them by all-to-all
@@ -20,8 +20,15 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
-from ds_tsp.planning.shapes import (FLOAT32, INT64, model_shape, tsp_attention_shard, tsp_qk_rows, tsp_shape_problem,
-                                    vocab_rows_per_rank)
+from ds_tsp.planning.shapes import (
+    FLOAT32,
+    INT64,
+    model_shape,
+    tsp_attention_shard,
+    tsp_qk_rows,
+    tsp_shape_problem,
+    vocab_rows_per_rank,
+)
 
 DIRECTIONS = ("forward", "backward", "both")
 MOE_SCHEDULES = ("ring", "all_to_all")
@@ -29,7 +36,7 @@ MOE_SCHEDULES = ("ring", "all_to_all")
 
 def gradient_wire_bytes(elem_bytes, grad_wire_bytes=None):
     """``a``: bytes per element of TSP's parameter-gradient partial sums on the
-    wire, as ``comm.gradient_wire_dtype`` picks them: ``grad_wire_bytes`` (the
+    wire, as ``precision.gradient_wire_dtype`` picks them: ``grad_wire_bytes`` (the
     ``communication_data_type`` a DeepSpeed config names), else the float32
     (or wider) sums' ``max(elem, 4)``; a float64 model keeps 8."""
     acc = max(elem_bytes, FLOAT32)
@@ -106,7 +113,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
     backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
     if m.qk_norm_spans_projection:
-        # The sums of squares' round (attention.projection_squares_forward): the shards once more each way,
+        # The sums of squares' round (attention.norms.projection_squares_forward): the shards once more each way,
         # and the gradient of this rank's q and k rows reduced to it.
         qk_own = Fraction(m.num_heads + m.num_kv_heads, D) * m.head_dim * (m.hidden_size + int(m.attention_bias)) \
             if tsp_rank is None else tsp_qk_rows(m, D, tsp_rank)

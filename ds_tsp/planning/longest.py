@@ -1,5 +1,5 @@
 """The longest sequence each strategy trains on ``N`` devices of a given memory,
-with a given host memory per node, by the peak-memory model of ``strategies``
+with a given host memory per node, by the peak-memory model of the plans (``tsp_plan``, ``baselines``)
 (DESIGN.md 6d), and the term that stops it.
 
 Every term of a plan's peak grows with the sequence length, so "fits" is
@@ -30,9 +30,17 @@ sequences without it):
 from dataclasses import dataclass, replace
 
 from ds_tsp.planning.anchors import ALST_DEVICE_GB, ALST_MODEL, ALST_PUBLISHED, FPDT_PUBLISHED
-from ds_tsp.planning.shapes import (DEFAULT_DEVICES_PER_NODE, DEFAULT_LOGITS_TILE_MIB, DEFAULT_TOKEN_TILE, GB,
-                                    model_shape, tsp_name)
-from ds_tsp.planning.strategies import make_setting, plan_alst, plan_baseline, plan_tsp
+from ds_tsp.planning.baselines import plan_baseline
+from ds_tsp.planning.shapes import (
+    DEFAULT_DEVICES_PER_NODE,
+    DEFAULT_LOGITS_TILE_MIB,
+    DEFAULT_TOKEN_TILE,
+    GB,
+    model_shape,
+    tsp_name,
+)
+from ds_tsp.planning.strategies import make_setting, plan_alst
+from ds_tsp.planning.tsp_plan import plan_tsp
 
 # A bound on the doubling, far past any memory: 2^40 tokens.
 _MAX_STEPS = 2 ** 40
@@ -166,8 +174,8 @@ def max_seq_len(model, devices, memory_gb, host_memory_gb, *, micro_batch=1, dty
                tsp(offload, tsp_name(N) + " + offload",
                    f"tsp={N}, {tiles}, ZeRO-{offload.zero_stage}, CPU optimizer + checkpoint offload"),
                tsp(replace(offload, prefetch_checkpoints=True), tsp_name(N) + " + offload, prefetched",
-                   f"the same, each checkpoint back under the layer above's backward (tsp.prefetch_checkpoints "
-                   f"\"auto\" prefetches up to this length)"),
+                   "the same, each checkpoint back under the layer above's backward (tsp.prefetch_checkpoints "
+                   "\"auto\" prefetches up to this length)"),
                baseline(f"TP({N})", f"tp={N}, ZeRO-{zero_stage}", N, 1)]
     splits = [baseline(f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}, ZeRO-{zero_stage}", t, N // t)
               for t in range(2, N) if N % t == 0]

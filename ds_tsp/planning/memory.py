@@ -1,4 +1,4 @@
-"""Per-device memory, in bytes, as the strategies of ``strategies`` add it up:
+"""Per-device memory, in bytes, as the plans (``tsp_plan``, ``baselines``) add it up:
 ``weights + grads + optimizer + activations + logits + transient`` (a peak
 estimate), and what offloading puts in host memory instead.
 
@@ -36,7 +36,7 @@ estimate), and what offloading puts in host memory instead.
   (AutoTP/Megatron without its sequence parallelism); Ulysses divides tokens
   by ``c`` and also saves the attention output before its return all-to-all;
   all-gather CP keeps the gathered full-sequence K/V. TSP is modelled by what
-  ``ds_tsp.blocks.attention.module`` and ``ds_tsp.blocks.mlp`` actually save: the attention's local
+  ``ds_tsp.blocks.attention.schedule`` and ``ds_tsp.blocks.mlp`` actually save: the attention's local
   ``x`` (its backward projects ``q``, ``k``, ``v`` again from it) and, with its
   fused backward, each head group's output and lse (sliding-window layers
   recompute them instead), the MLP's local ``x`` and each shard's gate and up
@@ -44,7 +44,7 @@ estimate), and what offloading puts in host memory instead.
   ``8H + 8 + 4e*H + 2e*F [+ e*nq*d + 4*nq]`` per local token. Both counts, with the
   embedding ids, cos/sin, final norm, LM-head input and loss, equal to the
   byte what ``torch.autograd.graph.saved_tensors_hooks`` sees on CPU
-  (tests/test_plan.py; CPU SDPA saves the tensors flash attention does). The
+  (tests/test_plan_memory.py; CPU SDPA saves the tensors flash attention does). The
   folded embedding saves no ids; the route it keeps instead (two int64 a
   token) is counted but not seen by the hooks.
   With activation checkpointing every layer keeps its input (``e*H`` per
@@ -249,6 +249,31 @@ def logits_memory(m, p, tokens, vocab_shards):
     output the model returns."""
     vocab = m.vocab_size / vocab_shards
     return tokens * (INT64 + p.accumulate * vocab) + p.accumulate, tokens * p.element * vocab
+
+
+def loss_backward_per_logit(p):
+    """Bytes per logit of a dense loss's backward: the fp32 gradients of the
+    NLL and of the log-softmax and, where the model's dtype is narrower, the
+    logits' gradient cast back to it (an fp32 model has no such copy)."""
+    return 2 * p.accumulate + (p.element if p.element < p.accumulate else 0)
+
+
+def loss_backward_beyond(setting, loss_backward, states):
+    """What the loss backward adds to the peak: it runs first, when no gradient
+    exists yet, except under ZeRO-3, whose gradient partition is one buffer
+    allocated once for the whole run."""
+    return loss_backward if setting.zero_stage >= 3 else max(loss_backward - states["grads"], 0)
+
+
+def checkpoints_on_device(setting, tokens, prefetch=False):
+    """With activation checkpointing, the layers' checkpointed inputs on the
+    device: every layer's, or one when they are offloaded (the one back for
+    its recompute; two with ``prefetch``, the next one coming back under its
+    backward); nothing without checkpointing."""
+    if not setting.activation_checkpointing:
+        return 0
+    kept = (2 if prefetch else 1) if setting.offload_activations else setting.model.num_layers
+    return kept * tokens * setting.precision.element * setting.model.hidden_size
 
 
 def model_states(params, p, zero_stage, zero_group, offload_optimizer=False, layer_params=0):

@@ -19,8 +19,14 @@ The prefill's transient activations (freed before decoding) are not in it:
 
 from dataclasses import dataclass
 
-from ds_tsp.planning.shapes import (PRECISIONS, model_shape, tsp_attention_shard, tsp_name, tsp_shape_problem,
-                                    vocab_rows_per_rank)
+from ds_tsp.planning.shapes import (
+    PRECISIONS,
+    model_shape,
+    tsp_attention_shard,
+    tsp_name,
+    tsp_shape_problem,
+    vocab_rows_per_rank,
+)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,12 @@ throughput, and peak memory against sequence length."""
 from dataclasses import replace
 
 from ds_tsp.planning.anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
-from ds_tsp.planning.communication import (gradient_wire_bytes, moe_crossover_tokens, tsp_moe_bytes_by_op,
-                                           tsp_moe_schedule)
+from ds_tsp.planning.communication import (
+    gradient_wire_bytes,
+    moe_crossover_tokens,
+    tsp_moe_bytes_by_op,
+    tsp_moe_schedule,
+)
 from ds_tsp.planning.longest import fpdt_published
 from ds_tsp.planning.memory import MEMORY_PARTS
 from ds_tsp.planning.shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, padded_length, tsp_name, tsp_shape_problem

@@ -3,7 +3,7 @@ the device's peak, its communication over the intra-node link (NVLink) or the
 inter-node one (InfiniBand), and the overlap its schedule allows; and the
 bound, the busiest of compute, the intra-node link and the inter-node link.
 
-Per device, per optimizer step of one micro-batch (``strategies``)::
+Per device, per optimizer step of one micro-batch (``plan_types``)::
 
     compute = attention FLOPs / (peak * efficiency) + other FLOPs / (matmul peak * efficiency)
     part    = bytes received / bandwidth of the link its group runs over    (one per ``comm_parts`` kind)
@@ -37,7 +37,7 @@ the frameworks run them):
 * TSP weight broadcasts and the MLP / LM-head ring: overlapped (DESIGN.md 4
   and 5: shard ``j+1`` arrives while shard ``j`` computes); the K/V all-gather
   and dK/dV reduce-scatter: overlapped, the next head group's under the current
-  group's compute, as ``ds_tsp/blocks/attention/module.py`` runs them; the weight-gradient reduces:
+  group's compute, as ``ds_tsp/blocks/attention/schedule.py`` runs them; the weight-gradient reduces:
   overlapped (posted, waited at the layer's end). The embedding all-to-all is
   blocking (the first layer needs the rows) and so are the all-reduces of the
   gradients every rank holds whole (ds_tsp waits for them before DeepSpeed's own
@@ -67,9 +67,18 @@ import math
 from dataclasses import dataclass, field
 
 from ds_tsp.planning.anchors import TIME_ANCHORS
+from ds_tsp.planning.baselines import plan_baseline
+from ds_tsp.planning.plan_types import (
+    CP_KV,
+    GRAD_REDUCE,
+    PARAM_GATHER,
+    SP_ALL_TO_ALL,
+    TP_ACTIVATIONS,
+    TSP_PARTS,
+    ZERO3_GATHER,
+)
 from ds_tsp.planning.shapes import DEFAULT_DEVICES_PER_NODE
-from ds_tsp.planning.strategies import (CP_KV, GRAD_REDUCE, PARAM_GATHER, SP_ALL_TO_ALL, TP_ACTIVATIONS, TSP_PARTS,
-                                        ZERO3_GATHER, make_setting, plan_baseline)
+from ds_tsp.planning.strategies import make_setting
 
 COMPUTE, INTRA_NODE, INTER_NODE = "compute", "intra-node", "inter-node"
 BOUNDS = (COMPUTE, INTRA_NODE, INTER_NODE)
@@ -150,7 +159,7 @@ def crosses_nodes(group_size, stride, devices_per_node):
 
 
 def part_seconds(part, devices_per_node, cluster=DEFAULT_CLUSTER):
-    """(link, seconds) of one ``strategies.CommPart`` (module docstring)."""
+    """(link, seconds) of one ``plan_types.CommPart`` (module docstring)."""
     intra, inter = cluster.intra_node_gb_s * 1e9, cluster.inter_node_gb_s * 1e9
     g = part.group_size
     if not crosses_nodes(g, part.stride, devices_per_node):
@@ -172,7 +181,7 @@ def compute_seconds(plan, cluster=DEFAULT_CLUSTER):
 
 
 def step_time(plan, cluster=DEFAULT_CLUSTER):
-    """``StepTime`` of one ``strategies.StrategyPlan`` on ``cluster``, with the
+    """``StepTime`` of one ``plan_types.StrategyPlan`` on ``cluster``, with the
     plan's ``setting.devices_per_node``."""
     if not plan.feasible:
         return StepTime(math.nan, math.nan)
@@ -197,7 +206,7 @@ class AnchorComparison:
     """``compare_anchor``'s answer: the anchor, the plan of its run and its ``StepTime``."""
 
     anchor: object  # anchors.TimeAnchor
-    plan: object  # strategies.StrategyPlan
+    plan: object  # plan_types.StrategyPlan
     time: StepTime
     cluster: Cluster
 

@@ -11,74 +11,81 @@ from deepspeed.runtime.config import get_communication_data_type
 from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
 
-from ds_tsp.parallel import comm
 from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.blocks.vocab import VocabParallelLMHead
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.checkpoint.resharding import attach_layout_checks
 from ds_tsp.checkpoint.universal import describe_for_universal_checkpoints, load_zero3_universal_states
 from ds_tsp.config import split_ds_config
 from ds_tsp.injection.inject import inject
 from ds_tsp.injection.lora import holds_adapters
-from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.injection.model import num_targets
-from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.runtime.offload import host_checkpoint_function
 from ds_tsp.runtime.optimizer import ClientOptimizer
-from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
 from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
 from ds_tsp.runtime.replicated_schedule import schedule_replicated_grads
-from ds_tsp.parallel.topology import TSPTopology
-from ds_tsp.blocks.vocab import VocabParallelLMHead
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, *,
                tsp_topology=None, tsp_adapter=None, **kwargs):
-    """Same arguments and return tuple as ``deepspeed.initialize``:
-    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+    """``deepspeed.initialize`` with the config's ``tsp`` section honoured: same
+    arguments, same ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
-    ``model`` is a Hugging Face causal LM, or the path of a Hugging Face
-    checkpoint directory, which every rank then reads shard by shard.
-    The DeepSpeed config (dict, JSON/hjson path, or ``args.deepspeed_config``)
-    may carry a ``tsp`` section. With ``tsp.enabled`` this builds the
-    ``pp x dp x tsp`` topology, injects TSP into ``model`` and hands DeepSpeed
-    an ``mpu`` whose model-parallel group is the TSP group and whose
-    data-parallel group is the true replicas, so ZeRO partitions over DP only.
-    With ``tsp.pipeline_stages > 1`` the model becomes a ``PipelineModule`` of
-    TSP layers and the engine is DeepSpeed's ``PipelineEngine``
-    (``train_batch(data_iter)``, batches of ``(input_ids, labels)``).
-    Without it (or with ``enabled: false``) this is exactly ``deepspeed.initialize``.
+    ``model`` is a Hugging Face causal LM, or a checkpoint directory that every
+    rank reads shard by shard. With ``tsp.enabled`` this builds the
+    ``pp x dp x tsp`` topology, injects TSP into ``model`` and hands DeepSpeed an
+    ``mpu`` whose model-parallel group is the TSP group and whose data-parallel
+    group is the true replicas, so ZeRO partitions over DP only. With
+    ``tsp.pipeline_stages > 1`` the engine is DeepSpeed's ``PipelineEngine``
+    over TSP layers: ``train_batch(data_iter)``, batches of
+    ``(input_ids, labels)``. Without ``tsp.enabled`` this is
+    ``deepspeed.initialize``.
 
-    The optimizer may be a callable (``lambda params: torch.optim.AdamW(params)``),
-    a config section, or, as for ``deepspeed.initialize``, an optimizer built
-    on the unsharded model (no step taken yet): it is rebuilt with the same
-    class and defaults over the sharded parameters, each in the parameter
-    group of the Hugging Face tensors it holds (``model_parameters``, tensors
-    or groups of the unsharded model, are mapped the same way). A packed shard
-    holding tensors of groups that differ only in ``weight_decay`` (a bias next
-    to its weight, under AdamW) joins the group without decay and the others'
-    decay is applied to its elements alone (``ClientOptimizer``).
-    ``tsp_topology`` reuses a topology already built (the Trainer builds it
-    for its data loaders). ``tsp_adapter``, with ``model`` a checkpoint
-    directory: a PEFT adapter directory of LoRA adapters read onto it, each
-    rank reading only its slices (``ds_tsp.from_pretrained(..., adapter=)``).
+    ``optimizer`` may be a callable, a config section, or an optimizer built on
+    the unsharded model that has not stepped yet: that one, like
+    ``model_parameters``, is rebuilt over the shards with the same class,
+    defaults and parameter groups, matched by Hugging Face name
+    (``ClientOptimizer``). ``tsp_topology`` reuses a topology already built,
+    as the Trainer does for its data loaders. ``tsp_adapter``: a PEFT
+    directory of LoRA adapters read onto the checkpoint directory ``model``,
+    each rank reading only its slices.
     """
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None)
     forward = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
                    lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn, **kwargs)
-    plain = dict(model=model, mpu=mpu, config=config, config_params=config_params, **forward)
     ds_config, tsp_config = split_ds_config(source) if source is not None else (None, None)
     if tsp_config is None or not tsp_config.enabled:
         if tsp_adapter is not None:
             raise ValueError("tsp_adapter reads PEFT adapters onto a TSP model, but the config has no tsp section "
                              "with enabled: true: enable TSP, or load the adapters with PeftModel.from_pretrained")
-        return deepspeed.initialize(**plain)
+        return deepspeed.initialize(model=model, mpu=mpu, config=config, config_params=config_params, **forward)
+
+    # 1. Checks first: a run that cannot work fails on every rank alike before a
+    #    TSP group is built or a checkpoint is read. The client optimizer is
+    #    captured here, while it still names the unsharded parameters.
+    client = _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_config, tsp_adapter)
+    # 2. The TSP groups, then the model on them: each rank keeps only its shards.
+    topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
+    model, replicated_grads = _build_tsp_model(model, topology, ds_config, tsp_config, tsp_adapter)
+    # 3. DeepSpeed last: ZeRO partitions the parameters it is given, which must
+    #    already be the TSP shards, and TSP's hooks go onto the engine it returns.
+    return _build_engine(model, topology, ds_config, tsp_config, client, replicated_grads, forward)
+
+
+def _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_config, tsp_adapter):
+    """Check a TSP run from sizes and the config alone. Joins the default
+    process group for the world size; builds no TSP group and moves no
+    weight. Returns the client optimizer, captured by name."""
     if mpu is not None:
         raise ValueError("ds_tsp.initialize builds the mpu from the tsp section: do not pass mpu= with tsp.enabled")
-
-    # Every check that needs only sizes runs before any weight is touched.
     if tsp_adapter is not None and not isinstance(model, (str, os.PathLike)):
         raise TypeError("tsp_adapter reads a PEFT adapter directory onto the checkpoint directory given as model; "
                         "for a model object, pass PeftModel.from_pretrained(model, ADAPTER_DIR) as model instead")
@@ -96,7 +103,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with PEFT adapters is not "
                              "supported: train LoRA with pipeline_stages 1 (TSP x DP)")
         check_pipeline_stages(model_config(model), tsp_config, ds_config)
-    topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
+    return client
+
+
+def _build_tsp_model(model, topology, ds_config, tsp_config, tsp_adapter):
+    """The TSP model on ``topology``, read from a checkpoint directory or
+    injected into a model object, then cut into pipeline stages or given its
+    activation checkpointing. Returns it with its replicated gradients, read
+    before a pipeline wraps the model and hides them."""
     if isinstance(model, (str, os.PathLike)):
         # A Hugging Face directory: each rank reads only its own slices.
         model = from_pretrained(model, topology, tsp_config, adapter=tsp_adapter)
@@ -107,26 +121,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # Only a communication_data_type the config names: TSP's partial sums go in float32 otherwise.
     set_grad_wire_dtype(model, get_communication_data_type(ds_config))
     if tsp_config.pipeline_stages > 1:
-        # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
         model = build_pipeline(model, topology, tsp_config, bool(ds_config.get("activation_checkpointing")))
-        mpu_for_deepspeed = None
         _no_partitioned_pipe_messages(ds_config)
     else:
         _configure_activation_checkpointing(model, ds_config, topology, tsp_config)
-        mpu_for_deepspeed = topology.mpu()
-    # ZeRO-3 gathers a module's own parameters around its forward and backward;
-    # TSP attention also uses its per-head norms inside its backward, so all of
-    # its parameters are gathered together (DeepSpeed's leaf modules, as for MoE);
-    # so are a block's LoRA adapters and its shard, which it merges (ds_tsp.injection.lora).
+    return model, replicated_grads
+
+
+def _build_engine(model, topology, ds_config, tsp_config, client, replicated_grads, forward):
+    """``deepspeed.initialize`` over the TSP ``model`` with the TSP ``mpu`` and
+    the client optimizer rebuilt over the shards, then the engine's TSP hooks."""
+    # ZeRO-3 gathers a module's own parameters around its forward and backward.
+    # TSP attention's backward also reads its per-head norms, and a block merges
+    # its LoRA adapters into its shard: each block is a DeepSpeed leaf module,
+    # gathered whole, as DeepSpeed does for MoE.
     set_z3_leaf_modules(model, [TSPAttention, TSPGatedMLP])
     describe_for_universal_checkpoints(model, topology)
-    forward["optimizer"], forward["model_parameters"] = client.rebuild(model)
+    optimizer, model_parameters = client.rebuild(model)
+    forward = dict(forward, optimizer=optimizer, model_parameters=model_parameters)
     ds_config["tsp"] = tsp_config.model_dump()
-    if getattr(args, "deepspeed_config", None) is not None:
+    if getattr(forward["args"], "deepspeed_config", None) is not None:
         # DeepSpeed refuses a config both in args and as config=; ours is parsed.
-        forward["args"] = copy.copy(args)
+        forward["args"] = copy.copy(forward["args"])
         forward["args"].deepspeed_config = None
-    engine, *rest = deepspeed.initialize(model=model, mpu=mpu_for_deepspeed, config=ds_config, **forward)
+    # PipelineModule brings its own grid as the mpu, with the TSP group as its model axis.
+    mpu = None if tsp_config.pipeline_stages > 1 else topology.mpu()
+    engine, *rest = deepspeed.initialize(model=model, mpu=mpu, config=ds_config, **forward)
     engine.tsp_topology = topology
     _refuse_consolidated_state_dicts(engine)
     attach_layout_checks(engine)
@@ -158,7 +178,7 @@ def _refuse_consolidated_state_dicts(engine):
 def set_grad_wire_dtype(model, dtype):
     """The dtype every TSP block of ``model`` sends its parameter-gradient
     partial sums in (the attention's weight-gradient reduces, the MLP, MoE and
-    LM-head rings' accumulators; ``comm.gradient_wire_dtype``), added in
+    LM-head rings' accumulators; ``precision.gradient_wire_dtype``), added in
     float32 on arrival; None keeps float32 (float64 models keep float64).
 
     ``initialize`` passes DeepSpeed's ``communication_data_type`` only when the

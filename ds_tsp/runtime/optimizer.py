@@ -14,8 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ds_tsp.injection.lora import LoRAAdapter, adapter_parameter_name, holds_adapters, peft_parameter_name
 from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.injection.lora import LoRAAdapter, adapter_parameter_name, holds_adapters, peft_parameter_name
 
 
 def hf_tensors(model):

@@ -7,16 +7,18 @@ backward instead of before the next one, at the cost of one more layer input
 ``(B, S/D, H)`` on the device. "auto" prefetches when the planner
 (``ds_tsp.planning``) puts this run's peak, at the micro-batch's shape and
 with that one more input, within the device's memory; at the longest
-sequences, where the planner's peak has no room for it, the copy back stays
-where it was. Decided once per micro-batch shape; on devices without a side
-stream to copy on (CPU) there is nothing to overlap and it never prefetches.
+sequences, where the planner's peak has no room for it, the copy back waits
+for the layer's own backward. Decided once per micro-batch shape; on devices
+without a side stream to copy on (CPU) there is nothing to overlap and it
+never prefetches.
 """
 
 import torch
 from deepspeed.utils import logger
 
 from ds_tsp.planning import model_shape
-from ds_tsp.planning.strategies import make_setting, plan_tsp
+from ds_tsp.planning.strategies import make_setting
+from ds_tsp.planning.tsp_plan import plan_tsp
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

@@ -37,15 +37,15 @@ import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import Trainer
-from transformers.utils import logging
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.utils import logging
 
 from ds_tsp.checkpoint import save_pretrained
 from ds_tsp.config import split_ds_config
-from ds_tsp.runtime.engine import initialize
 from ds_tsp.injection.lora import is_peft_model
 from ds_tsp.injection.model import TSPCausalLMMixin
 from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.runtime.engine import initialize
 
 logger = logging.get_logger(__name__)
 

@@ -16,8 +16,14 @@ import time
 
 import torch
 
-from ds_tsp.blocks.attention.kernels import (BlockwiseFlashKernel, CUDNNOps, FlashKernel, SDPAKernel,
-                                             bottom_right_causal_mask, flash_ops)
+from ds_tsp.blocks.attention.kernels import (
+    BlockwiseFlashKernel,
+    CUDNNOps,
+    FlashKernel,
+    SDPAKernel,
+    bottom_right_causal_mask,
+    flash_ops,
+)
 
 logger = logging.getLogger("ds_tsp")
 

@@ -1,0 +1,179 @@
+"""The sparse MoE block's token all-to-all schedule: experts stay at rest and
+each routed row ``(token, expert)`` goes to the expert's owner.
+
+Forward (``moe_all_to_all_forward``)::
+
+    weights, index = router(x)
+    rows = x[token of each (token, slot)], sorted by expert, so by owner   # (N k, H)
+    exchange the split sizes: rows for each of the owner's E/D experts     # all_to_all of (D, E/D) int64
+    received = all_to_all(rows)        # every rank's rows for this rank's experts, by source then expert
+    outputs[rows of e] = down_e(act(gate_e received) * up_e received)  for each own expert e
+    returned = all_to_all back(outputs)                # the outputs of this rank's rows, in their order
+    for e in 0..E-1: y[T_e] += weights[T_e, s] * returned[rows of e]  # HF's order: expert by expert
+    y += sigmoid(shared_gate(x)) * shared expert(x)    # Qwen2-MoE: its slices on the MLP's ring
+
+Backward is its transpose: the output rows' gradients, times the routing
+weights, go to the experts' owners by the same routes, the input rows'
+gradients come back by the reverse ones, the routing weights' gradients are
+local (the returned outputs are kept), and each expert's weight gradient is
+summed on its owner from every rank's rows, with no accumulator ring.
+Dropless, as the ring: every token meets exactly its top-k experts.
+
+Bytes per rank and layer: the ``E/D`` split sizes of each other rank, then
+the rows routed to this rank's experts and the outputs of its own rows
+computed elsewhere, ``2 k N (D-1)/D`` rows of ``H`` with routing spread
+evenly; backward the same rows again (their gradients), and Qwen2-MoE's
+shared expert on the ring. It grows with the sequence and the ring's does
+not, so the all-to-all moves fewer below ``B*S = 1.5 E F D / k`` tokens
+(forward; forward and backward in bf16 with float32 accumulators:
+``0.75 E F D (2w + a) / (k w)``) and the ring past it; Qwen3-30B-A3B at D=8
+crosses at 147,456 and 294,912 tokens per micro-batch. Memory: the received
+rows and the returned outputs are kept for backward, about ``2 k N H``
+elements, where the ring keeps nothing of the experts beyond the local tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.mlp import mlp_ring_backward, mlp_ring_forward
+from ds_tsp.blocks.mlp import shard_backward as gated_shard_backward
+from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
+from ds_tsp.blocks.moe.plan import Routing, expert_weights
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.precision import accumulation_dtype
+
+
+@dataclass(frozen=True)
+class TokenExchange:
+    """Where the routed rows ``(token, expert)`` go under the all-to-all
+    schedule. In routing order (by expert, so by owner) this rank sends
+    ``send_counts[j]`` rows to rank ``j`` and receives ``recv_counts[j]`` from
+    it, each source's rows ordered by expert; ``by_local_expert`` groups the
+    received rows by this rank's local expert (a ``Routing`` over them, slots
+    unused)."""
+
+    send_counts: tuple
+    recv_counts: tuple
+    by_local_expert: Routing
+
+    @classmethod
+    def of(cls, routing, plan):
+        """Exchanges the split sizes: every rank's row count for each of this
+        rank's experts (one all-to-all of ``E/D`` int64 per rank pair, on the
+        tokens' device)."""
+        tsp_size, per_rank, device = comm.group_size(plan.group), plan.experts_per_rank, routing.tokens.device
+        offsets = torch.tensor(routing.offsets, device=device)
+        counts = (offsets[1:] - offsets[:-1]).view(tsp_size, per_rank)  # (D, E/D): rows for rank j's experts
+        incoming, _ = comm.all_to_all(counts, plan.group)  # (D, E/D): rows rank j sends to each local expert
+        local_expert = torch.arange(per_rank, device=device).repeat(tsp_size).repeat_interleave(incoming.reshape(-1))
+        return cls(tuple(counts.sum(1).tolist()), tuple(incoming.sum(1).tolist()),
+                   Routing.of(local_expert.unsqueeze(-1), per_rank))
+
+
+def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
+    """``(y, received, returned)``: ``y`` ``(N, H)`` every local token's weighted
+    outputs of its top-k experts, in the accumulator dtype, the rows sent to
+    the experts' owners and the outputs sent back (``routed_shard``: this
+    rank's routed experts, at rest); ``received`` ``(R, H)`` the rows this
+    rank's experts computed on, ``returned`` ``(N k, H)`` the outputs of this
+    rank's rows in routing order, both kept for backward."""
+    received = comm.all_to_all_rows(x[routing.tokens], exchange.send_counts, exchange.recv_counts, plan.group)
+    outputs = torch.empty_like(received)
+    w = plan.routed_spec.unpack(routed_shard)
+    for local in range(plan.experts_per_rank):
+        weights_e = expert_weights(w, local, plan.expert_size)
+        for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
+            outputs[rows], _, _ = gated_shard_forward(received[rows], weights_e, plan.act_fn)
+    returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
+    # Each output times its routing weight, added to its token: the rows are in expert order, so each token's
+    # sum runs expert by expert, as HF's loop adds them; one index_add_ for all experts.
+    y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
+    y.index_add_(0, routing.tokens, (returned * weights[routing.tokens, routing.slots, None]).to(y.dtype))
+    return y, received, returned
+
+
+def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, returned, routed_shard, plan):
+    """``(grad_x, grad_weights, grad_routed_shard)``: the transpose of the
+    forward, ``grad_x`` in the accumulator dtype. The output gradients go to
+    the experts' owners by the forward's routes, the input gradients come back
+    by the reverse ones; ``grad_routed_shard`` is this rank's experts'
+    gradient from every rank's rows, summed here (no ring)."""
+    acc_dtype = accumulation_dtype(routed_shard.dtype)
+    grad_rows = grad_y[routing.tokens]  # (N k, H) in routing order
+    grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=grad_y.device)
+    grad_weights[routing.tokens, routing.slots] = (grad_rows.to(acc_dtype) * returned.to(acc_dtype)).sum(-1).to(
+        grad_weights.dtype)
+    grad_outputs = (grad_rows * weights[routing.tokens, routing.slots, None]).to(received.dtype)
+    grad_outputs = comm.all_to_all_rows(grad_outputs, exchange.send_counts, exchange.recv_counts, plan.group)
+    grad_shard = torch.zeros(routed_shard.shape, dtype=acc_dtype, device=routed_shard.device)
+    w, grad_w = plan.routed_spec.unpack(routed_shard), plan.routed_spec.unpack(grad_shard)
+    grad_received = torch.empty_like(received)
+    for local in range(plan.experts_per_rank):
+        weights_e, grads_e = expert_weights(w, local, plan.expert_size), expert_weights(grad_w, local, plan.expert_size)
+        for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
+            gate = F.linear(received[rows], weights_e["gate_proj.weight"])
+            up = F.linear(received[rows], weights_e["up_proj.weight"])
+            grad_received[rows], piece_grads = gated_shard_backward(received[rows], grad_outputs[rows], weights_e,
+                                                                    plan.act_fn, gate, up)
+            for name, grad in piece_grads.items():
+                grads_e[name] += grad
+    grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
+    grad_x = torch.zeros(grad_y.shape, dtype=plan.accumulator_dtype(grad_y.dtype), device=grad_y.device)
+    grad_x.index_add_(0, routing.tokens, grad_sent.to(grad_x.dtype))
+    return grad_x, grad_weights.to(weights.dtype), grad_shard.to(routed_shard.dtype)
+
+
+class _MoEAllToAll(torch.autograd.Function):
+    """The routed experts by token all-to-all and, for Qwen2-MoE, the shared
+    expert's slices on the MLP's ring, over the whole packed shard: it is
+    saved as the parameter itself (no view of it), so ZeRO-3 may release it
+    between forward and backward as it does for the expert ring."""
+
+    # Under autocast as _MoERing: tokens, the shard and the routing weights in the autocast dtype.
+    @staticmethod
+    @autocast_forward(cast_inputs=True)
+    def forward(ctx, x, weights, index, shared_scale, packed, plan):
+        routing = Routing.of(index, plan.num_experts)
+        exchange = TokenExchange.of(routing, plan)
+        routed = plan.routed_spec.numel
+        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, packed[:routed], plan)
+        shared_out, steps = None, []
+        if plan.shared:  # HF: the shared expert's output times its sigmoid gate, added
+            shared_out, gates, ups = mlp_ring_forward(x, packed[routed:], plan.shared_plan)
+            y += (shared_scale * shared_out).to(y.dtype)
+            steps = gates + ups
+        # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent.
+        # The shared expert's backward needs the local tokens too, and its output for its gate's gradient.
+        ctx.save_for_backward(weights, packed, routing.tokens, routing.slots, received, returned,
+                              x if plan.shared else None, shared_scale, shared_out, *steps)
+        ctx.plan, ctx.offsets, ctx.exchange = plan, routing.offsets, exchange
+        return y.to(x.dtype)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_y):
+        weights, packed, tokens, slots, received, returned, x, shared_scale, shared_out, *steps = ctx.saved_tensors
+        plan, routed = ctx.plan, ctx.plan.routed_spec.numel
+        grad_x, grad_weights, grad_routed = moe_all_to_all_backward(
+            grad_y, weights, Routing(tokens, slots, ctx.offsets), ctx.exchange, received, returned, packed[:routed],
+            plan)
+        grad_packed, grad_scale = torch.empty_like(packed), None
+        grad_packed[:routed] = grad_routed
+        if plan.shared:
+            acc_dtype = accumulation_dtype(shared_scale.dtype)
+            grad_scale = (grad_y.to(acc_dtype) * shared_out.to(acc_dtype)).sum(-1, keepdim=True).to(shared_scale.dtype)
+            gates, ups = steps[:len(steps) // 2], steps[len(steps) // 2:]
+            grad_shared_x, grad_packed[routed:] = mlp_ring_backward((grad_y * shared_scale).to(grad_y.dtype), x,
+                                                                    packed[routed:], gates, ups, plan.shared_plan)
+            grad_x += grad_shared_x
+        return grad_x.to(grad_y.dtype), grad_weights, None, grad_scale, grad_packed, None
+
+
+def moe_all_to_all(x, weights, index, shared_scale, packed, plan):
+    """The block's experts on the local tokens ``x`` ``(N, H)``. Forward: rows to
+    the experts' owners and outputs back by all-to-all; backward: their gradients
+    by the same routes."""
+    return _MoEAllToAll.apply(x, weights, index, shared_scale, packed, plan)

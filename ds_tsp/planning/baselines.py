@@ -1,0 +1,375 @@
+"""The baselines' plans: DP, TP, SP (Ulysses), CP (all-gather) and TP+SP, run
+as Hugging Face layers with heads and ``F`` split over ``t``, tokens over
+``c`` and ``dp`` replicas; with ALST's pieces (TiledMLP, a tiled loss) and
+DeepSpeed AutoTP's vocabulary layout as options.
+
+Sparse MoE layers are Hugging Face's: DP, SP and CP replicate every expert
+(ZeRO-3 partitions them over the sequence axis and gathers one layer's whole
+at a time); TP splits each expert's ``F_e`` over ``t`` (Megatron's expert
+tensor parallelism); AutoTP keeps every expert whole on every rank.
+
+Communication is bytes received per device: an all-reduce over ``p`` ranks
+receives ``2(p-1)/p`` of the tensor, an all-gather, reduce-scatter or
+all-to-all ``(p-1)/p``. Per layer: TP's activation all-reduces, Ulysses'
+all-to-alls or CP's K/V gather, ZeRO-3's parameter gathers, each in forward,
+backward and the recomputed forward, and the gradients' reduce over the
+weight replicas; per step also the vocabulary's all-reduces and ZeRO's
+embedding and parameter gathers.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ds_tsp.planning.flops import step_flops
+from ds_tsp.planning.memory import (
+    ALL_TO_ALL,
+    CHECKPOINT_BACK,
+    CHECKPOINTS,
+    EVERY_LAYER,
+    FULL_KV,
+    GRAD_X,
+    LOSS_BACKWARD,
+    MLP_TILE,
+    MODEL_LEVEL,
+    RECOMPUTED,
+    STATES,
+    ZERO3_GATHERED,
+    checkpoints_on_device,
+    hf_layer_saved_per_token,
+    hf_moe_layer_saved,
+    host_memory,
+    load_balancing_saved,
+    logits_memory,
+    lora_model_states,
+    loss_backward_beyond,
+    loss_backward_per_logit,
+    model_level_saved,
+    model_states,
+    tiled_loss_memory,
+    transient_terms,
+)
+from ds_tsp.planning.plan_types import (
+    CP_KV,
+    GRAD_REDUCE,
+    PARAM_GATHER,
+    SP_ALL_TO_ALL,
+    TP_ACTIVATIONS,
+    ZERO3_GATHER,
+    CommPart,
+    StrategyPlan,
+    per_layer_mean,
+)
+from ds_tsp.planning.shapes import lora_adapter_params
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    """``plan_baseline``'s layout and pieces (see there)."""
+
+    t: int
+    c: int
+    dp: int
+    kind: str  # "none", "ulysses" or "allgather": how the tokens split over c
+    mlp_tile: int = 0
+    tiled_loss: bool = False
+    vocab_parallel: bool = True
+    logits_kept: bool = True
+    experts_split: bool = True
+
+    @property
+    def replica_group(self):  # ranks holding the same weights: gradient sync and ZeRO
+        return self.c * self.dp
+
+    @property
+    def ulysses(self):
+        return self.kind == "ulysses" and self.c > 1
+
+    @property
+    def gathers_kv(self):  # all-gather CP: the full-sequence K/V on every rank
+        return self.kind == "allgather" and self.c > 1
+
+    def ffn_t(self, sparse):  # the ranks splitting a layer's feed-forward block
+        return self.t if self.experts_split or not sparse else 1
+
+    def tokens(self, setting):  # the local tokens
+        return setting.micro_batch * setting.seq_len / self.c
+
+    def mlp_tiled(self, setting):
+        return bool(self.mlp_tile) and self.tokens(setting) > self.mlp_tile
+
+    def zero3(self, setting):
+        return setting.zero_stage >= 3 and self.replica_group > 1
+
+
+class _Params(NamedTuple):
+    """The parameters one device holds."""
+
+    layer: dict  # {sparse: one layer's}
+    layers: float  # every layer's
+    embedding: float  # the embedding's and the LM head's
+
+
+def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
+                  logits_kept=True, experts_split=True):
+    """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
+    heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
+    pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
+    ``tiled_loss``, a loss computed in logits tiles (``memory.tiled_loss_memory``).
+    ``vocab_parallel``: the embedding and LM head split by vocabulary over ``t``
+    and the logits left split (Megatron); false is DeepSpeed AutoTP's training
+    layout (``plan_autotp``): the embedding whole on every rank, the LM head
+    split by columns with its output gathered, so every rank holds the logits
+    of the whole vocabulary. ``logits_kept``: the training loop keeps the
+    model's logits output through backward (false: only the loss, so the
+    logits are freed once the loss has its log-probabilities).
+
+    Sparse MoE layers are Hugging Face's (router and grouped experts, all
+    replicated over the sequence and data axes: Ulysses and CP replicate the
+    experts, ZeRO-3 partitions them and gathers a whole layer's at a time;
+    ``t`` splits every expert's ``F_e``; ``experts_split`` false keeps a sparse
+    block whole on every rank of ``t``, computing every token, with no
+    all-reduce after it, as AutoTP does). TiledMLP tiles dense MLPs only."""
+    b = _Baseline(t, c, dp, kind, mlp_tile, tiled_loss, vocab_parallel, logits_kept, experts_split)
+    params = _baseline_params(setting.model, b)
+    memory, detail, terms, host = _baseline_memory(setting, b, params)
+    forward, backward, per_step, parts = _baseline_communication(setting, b, params)
+    flops, attention_flops = _baseline_flops(setting, b)
+    problem = _baseline_problem(setting.model, t, c, kind, setting.seq_len, experts_split)
+    return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, b.tokens(setting), setting,
+                        feasible=problem is None, notes=problem or "", detail=detail, terms=terms, host=host,
+                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=t * c)
+
+
+def baseline_plans(setting):
+    """DP, TP, SP (Ulysses), CP (all-gather) and every TP+SP split of ``setting.devices``."""
+    N = setting.devices
+    plans = [plan_baseline(setting, f"DP({N})", f"dp={N}", 1, 1, N, "none"),
+             plan_baseline(setting, f"TP({N})", f"tp={N}", N, 1, 1, "none"),
+             plan_baseline(setting, f"SP-Ulysses({N})", f"sp={N}", 1, N, 1, "ulysses"),
+             plan_baseline(setting, f"CP-allgather({N})", f"cp={N}", 1, N, 1, "allgather")]
+    for t in range(2, N):
+        if N % t == 0:
+            plans.append(plan_baseline(setting, f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}", t, N // t, 1,
+                                        "ulysses"))
+    return plans
+
+
+def _baseline_problem(m, t, c, kind, seq_len, experts_split):
+    """Why the layout cannot split this model, or None."""
+    nq, nkv = m.num_heads, m.num_kv_heads
+    dense = m.num_layers > m.moe_layers
+    if nq % t or (nkv % t and t % nkv) or (dense and m.intermediate_size % t):
+        return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
+    if m.is_moe and experts_split and (m.expert_size % t or m.shared_expert_size % t):
+        return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
+    if kind == "ulysses" and (nq // t) % c:
+        return f"{nq // t} query heads per TP rank do not split over sp={c}"
+    if kind == "allgather" and seq_len % (2 * c):
+        return f"seq_len {seq_len} is not a multiple of 2*cp = {2 * c}"
+    return None
+
+
+def _kv_heads(m, t):
+    """Key/value heads per TP rank: replicated when fewer than ``t``."""
+    return max(m.num_kv_heads / t, 1)
+
+
+def _baseline_ffn_params(m, t, sparse):
+    """One device's feed-forward parameters under ``t``-way tensor parallelism:
+    the dense MLP's ``F`` split; a sparse layer's experts split by ``F_e``
+    (Megatron's expert tensor parallelism), its shared expert by ``F_s``."""
+    if not sparse:
+        return m.mlp_params / t
+    return (m.num_experts * m.expert_params + m.shared_expert_params) / t
+
+
+def _baseline_params(m, b):
+    """``_Params``: attention heads and feed-forward blocks split over ``t``,
+    norms and routers whole; the embedding and LM head split by vocabulary, or
+    AutoTP's whole embedding and column-split head."""
+    H, d, t = m.hidden_size, m.head_dim, b.t
+    attention = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * _kv_heads(m, t) * d * H
+    layer = {sparse: attention + _baseline_ffn_params(m, b.ffn_t(sparse), sparse) + m.layer_replicated_params(sparse)
+             for sparse, _ in m.layer_kinds}
+    layers = sum(count * layer[sparse] for sparse, count in m.layer_kinds)
+    embedding = m.embedding_params / t if b.vocab_parallel else \
+        m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
+    return _Params(layer, layers, embedding)
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def _baseline_memory(setting, b, params):
+    """One device's memory: ``(memory parts, detail, terms, host)``."""
+    m, e, S = setting.model, setting.precision.element, setting.seq_len
+    tokens = b.tokens(setting)
+    states, optimizer_host = _baseline_states(setting, b, params)
+    layer_saved = _baseline_layers_saved(setting, b)
+    # HF rotary: one row per position
+    model_saved = model_level_saved(m, e, tokens, rope_rows=S / b.c) + load_balancing_saved(m, tsp=False)
+    layers, layer_terms = _layer_activations(setting, tokens, layer_saved)
+    logits_saved, logits_held, loss_backward = _baseline_loss(setting, b)
+    detail = {
+        "saved_for_backward": (model_saved + sum(count * layer_saved[sparse] for sparse, count in m.layer_kinds)
+                               + logits_saved if not setting.activation_checkpointing else None),
+        "logits_output": logits_held,
+        **_baseline_layer_buffers(setting, b, params),
+        "loss_backward": loss_backward,
+    }
+    layer_pieces = {MLP_TILE: detail["mlp_grads"], GRAD_X: detail["grad_x"],
+                    ALL_TO_ALL: detail["all_to_all_buffers"], FULL_KV: detail["full_kv_grads"],
+                    ZERO3_GATHERED: detail["zero3_gathered_layers"]}
+    layer_backward = sum(layer_pieces.values())
+    # As for TSP: the loss backward runs before any gradient exists (but
+    # ZeRO-3's partition) and, with checkpointing, before any layer is recomputed.
+    not_live = max(layer_saved.values()) if setting.activation_checkpointing else 0
+    loss_backward_beyond_grads = max(loss_backward_beyond(setting, loss_backward, states) - not_live, 0)
+    memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
+              "transient": max(layer_backward, loss_backward_beyond_grads)}
+    terms = {STATES: sum(states.values()), **layer_terms, MODEL_LEVEL: model_saved + logits_saved + logits_held,
+             **transient_terms(layer_pieces, {LOSS_BACKWARD: loss_backward_beyond_grads})}
+    return memory, detail, terms, host_memory(setting, tokens, optimizer_host)
+
+
+def _baseline_states(setting, b, params):
+    """One device's model states, ZeRO over the weight replicas, and its offloaded optimizer's host bytes."""
+    m, p = setting.model, setting.precision
+    if setting.lora_rank:
+        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, b.t, sparse)
+                    for sparse, _ in m.layer_kinds}
+        return lora_model_states(
+            params.layers + params.embedding, sum(count * adapters[sparse] for sparse, count in m.layer_kinds), p,
+            setting.zero_stage, b.replica_group, setting.offload_optimizer,
+            layer_adapter_params=max(adapters.values()))
+    return model_states(params.layers + params.embedding, p, setting.zero_stage, b.replica_group,
+                        setting.offload_optimizer,
+                        layer_params=max(*params.layer.values(), m.vocab_size * m.hidden_size / b.t))
+
+
+def _baseline_layers_saved(setting, b):
+    """``{sparse: bytes}`` one Hugging Face layer of each kind saves for backward."""
+    m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
+    tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
+    layer_saved = {}
+    for sparse, _ in m.layer_kinds:
+        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, b.t, b.ulysses, mlp_tiled and not sparse,
+                                                                sparse, b.experts_split)
+        layer_saved[sparse] += hf_moe_layer_saved(m) if sparse else 0
+        if b.gathers_kv:  # the gathered full-sequence K/V replaces the local one
+            layer_saved[sparse] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e
+    return layer_saved
+
+
+def _layer_activations(setting, tokens, layer_saved):
+    """Activations of the layers, and their named terms: with checkpointing every
+    layer's input (one, when they are offloaded) and one layer's saved tensors
+    (the larger kind's, where dense and sparse layers differ).
+    ``layer_saved``: ``{sparse: bytes one layer of that kind saves}``."""
+    m = setting.model
+    if not setting.activation_checkpointing:
+        every = sum(layers * layer_saved[sparse] for sparse, layers in m.layer_kinds)
+        return every, {EVERY_LAYER: every}
+    checkpoints = checkpoints_on_device(setting, tokens)
+    one = max(layer_saved.values())
+    return checkpoints + one, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                               RECOMPUTED: one}
+
+
+def _baseline_loss(setting, b):
+    """``(logits saved, logits output held, loss backward)``: the dense loss's
+    log-probabilities and logit gradients, or a tiled loss's labels and tiles."""
+    m, p = setting.model, setting.precision
+    tokens, zero3 = b.tokens(setting), b.zero3(setting)
+    vocab_shards = b.t if b.vocab_parallel else 1
+    if b.tiled_loss:
+        logits_saved, loss_backward = tiled_loss_memory(m, p, tokens, vocab_shards, setting.logits_tile_mib, zero3)
+        return logits_saved, 0, loss_backward
+    logits_saved, logits_held = logits_memory(m, p, tokens, vocab_shards)
+    loss_backward = tokens * m.vocab_size / vocab_shards * loss_backward_per_logit(p)
+    if zero3:  # the LM head gathered whole, and its whole gradient before the reduce-scatter
+        loss_backward += 2 * m.vocab_size / vocab_shards * m.hidden_size * p.element
+    return logits_saved, logits_held if b.logits_kept else 0, loss_backward
+
+
+def _baseline_layer_buffers(setting, b, params):
+    """One layer's backward buffers (``plan_baseline``'s detail), by name."""
+    m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
+    d, t = m.head_dim, b.t
+    tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
+    kv_heads = _kv_heads(m, t)
+
+    def ffn_grads(sparse):
+        """Gradients of the feed-forward intermediates in backward; tiled, of one
+        tile, with the tile's four recomputed; a sparse layer's of every slot."""
+        if not sparse:
+            return (7 * b.mlp_tile if mlp_tiled else 3 * tokens) * m.intermediate_size / t * e
+        return 3 * tokens * (m.experts_per_token * m.expert_size + m.shared_expert_size) / b.ffn_t(sparse) * e
+
+    return {
+        "mlp_grads": max(ffn_grads(sparse) for sparse, _ in m.layer_kinds),
+        "grad_x": 2 * tokens * m.hidden_size * e,
+        "all_to_all_buffers": tokens * (m.num_heads / t + 2 * kv_heads) * d * e if b.ulysses else 0,
+        "full_kv_grads": 2 * B * S * 2 * kv_heads * d * e if b.gathers_kv else 0,
+        "zero3_gathered_layers": 2 * max(params.layer.values()) * e if b.zero3(setting) else 0,
+    }
+
+
+# --- communication and FLOPs ---------------------------------------------------------------------
+
+def _all_reduce(group, nbytes):
+    return 2 * (group - 1) / group * nbytes
+
+
+def _gather(group, nbytes):  # all-gather / reduce-scatter / all-to-all: (p-1)/p of the full tensor
+    return (group - 1) / group * nbytes
+
+
+def _baseline_communication(setting, b, params):
+    """Bytes one device receives: per layer forward and backward (the mean over
+    the layers), per step, and per step by kind (``CommPart``)."""
+    m, p, B, S = setting.model, setting.precision, setting.micro_batch, setting.seq_len
+    e, H, d, kinds = p.element, m.hidden_size, m.head_dim, m.layer_kinds
+    t, c, replicas, tokens, kv_heads = b.t, b.c, b.replica_group, b.tokens(setting), _kv_heads(m, b.t)
+    zero3 = b.zero3(setting)
+    grad_reduce = _gather if setting.zero_stage >= 1 else _all_reduce  # reduce-scatter under ZeRO
+    # TP: after attention and after a split feed-forward block
+    tp = {sparse: _all_reduce(t, tokens * H * e) * (2 if b.ffn_t(sparse) > 1 else 1) for sparse, _ in kinds}
+    sp = {"ulysses": _gather(c, tokens * (2 * m.num_heads / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
+          "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
+    zero3_layer = {sparse: _gather(replicas, params.layer[sparse] * e) if zero3 else 0 for sparse, _ in kinds}
+    forward = {sparse: tp[sparse] + sp + zero3_layer[sparse] for sparse, _ in kinds}
+    grads = {sparse: grad_reduce(replicas, params.layer[sparse] * p.grad) for sparse, _ in kinds}
+    passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
+    # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather, then the gradients
+    per_step = sum(layers * (passes * forward[sparse] + grads[sparse]) for sparse, layers in kinds)
+    vocab_tp = 2 * _all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
+    embedding_grads = grad_reduce(replicas, params.embedding * p.grad)
+    param_gather = _gather(replicas, (params.layers + params.embedding) * e) if setting.zero_stage in (1, 2) else 0
+    zero3_embedding = 2 * _gather(replicas, params.embedding * e) if zero3 else 0
+    for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
+        per_step += once_per_step
+
+    def summed(value):
+        return sum(layers * value[sparse] for sparse, layers in kinds)
+
+    parts = {TP_ACTIVATIONS: CommPart(passes * summed(tp) + vocab_tp, t, 1, "all_reduce"),
+             SP_ALL_TO_ALL if b.kind == "ulysses" else CP_KV: CommPart(
+                 m.num_layers * passes * sp, c, t, "all_to_all" if b.kind == "ulysses" else "all_gather"),
+             ZERO3_GATHER: CommPart(passes * summed(zero3_layer) + zero3_embedding, replicas, t, "all_gather"),
+             GRAD_REDUCE: CommPart(summed(grads) + embedding_grads, replicas, t,
+                                   "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
+             PARAM_GATHER: CommPart(param_gather, replicas, t, "all_gather")}
+    return (per_layer_mean(m, lambda sparse: forward[sparse]),
+            per_layer_mean(m, lambda sparse: forward[sparse] + grads[sparse]), per_step,
+            {k: v for k, v in parts.items() if v.nbytes})
+
+
+def _baseline_flops(setting, b):
+    """``(FLOPs, attention FLOPs)`` per device per step: the replica's over ``t * c``."""
+    m, mlp_tiled = setting.model, b.mlp_tiled(setting)
+
+    def recomputed(sparse):  # TiledMLP runs a dense MLP's forward again in backward
+        return m.mlp_params if mlp_tiled and not sparse else 0
+
+    return step_flops(m, setting, setting.micro_batch, setting.seq_len, 1 / (b.t * b.c), tsp=False,
+                      ffn_recompute=recomputed, ffn_replicas=lambda sparse: b.t // b.ffn_t(sparse))

@@ -1,0 +1,45 @@
+"""FLOPs per device per optimizer step, and the attention's part of them.
+
+Matmuls count 2 FLOPs per multiply-add; causal attention ``2*B*S^2*nq*d``
+forward (half of ``QK^T`` and ``PV``). Backward is 2x the matmuls and 2.5x the
+attention (flash). TSP adds the attention forward again when its backward is
+not fused, and the LM head's forward again when the vocabulary is folded (the
+fused loss recomputes its logits tile by tile); a tiled MLP recomputes its
+tiles' projections in backward (TSP: gate and up; ALST's TiledMLP: the whole
+MLP). A sparse layer counts its router and the ``k`` experts (and shared
+expert) each token uses; TSP's experts recompute their projections in
+backward. Activation checkpointing runs every layer's forward once more.
+"""
+
+
+def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None, ffn_replicas=None):
+    """FLOPs per device per step, and the attention's part of them: the replica's
+    total for ``B`` sequences of ``S`` times ``share``; ``fused_head``: the LM head
+    + loss recomputes the logits in backward; ``ffn_recompute(sparse)``: the
+    parameters of a layer's feed-forward block whose forward matmuls run again
+    in backward (a tiled MLP's, a TSP expert's); ``ffn_replicas(sparse)``: how
+    many ranks of a share compute the same feed-forward work (AutoTP's whole
+    experts: ``t``). A sparse layer's matmuls are its active ones
+    (``ModelShape.active_ffn_params``: k experts and the shared expert) and the
+    router's."""
+    T = B * S
+    attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
+    mm_attn = 2 * T * m.attention_params
+    head = 2 * T * m.vocab_size * m.hidden_size
+    forward, backward = head, (3 if fused_head else 2) * head
+    attention = recompute = 0
+    for sparse, layers in m.layer_kinds:
+        mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
+        mm_ffn *= ffn_replicas(sparse) if ffn_replicas else 1
+        forward += layers * (mm_attn + mm_ffn + attn)
+        backward += layers * (2 * (mm_attn + mm_ffn) + 2.5 * attn)
+        attention += layers * attn * 3.5
+        if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
+            backward += layers * attn
+            attention += layers * attn
+        if ffn_recompute:
+            backward += layers * 2 * T * ffn_recompute(sparse)
+        if setting.activation_checkpointing:
+            recompute += layers * (mm_attn + mm_ffn + attn)
+            attention += layers * attn
+    return (forward + backward + recompute) * share, attention * share

@@ -1,0 +1,326 @@
+"""TSP's plan: one rank's memory, communication and FLOPs when ds_tsp's blocks
+fold a model over ``D`` devices (DESIGN.md 8).
+
+TSP is planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
+(the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
+device; ``TSP(N) replicated vocab`` keeps both whole on every device. A sparse
+layer holds ``E/D`` experts per rank, which travel round the ring as the MLP's
+shards do (``ds_tsp.blocks.moe.module``).
+
+The peak is the largest of three phases of backward: one layer's (its MLP's,
+then its attention's, once the MLP's saved tensors are freed), the head's
+(final norm, LM head and loss, run before any gradient exists) and the folded
+embedding's (run last). Communication is what ``communication`` counts, op by
+op; FLOPs are ``flops.step_flops``' over ``D``.
+"""
+
+from typing import NamedTuple
+
+from ds_tsp.planning.communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
+from ds_tsp.planning.flops import step_flops
+from ds_tsp.planning.memory import (
+    CHECKPOINT_BACK,
+    CHECKPOINTS,
+    EMBEDDING_BACKWARD,
+    EVERY_LAYER,
+    GRAD_X,
+    HEAD_BACKWARD,
+    HEAD_GROUP_LOCAL,
+    HEAD_PHASE,
+    KEPT_OUTSIDE,
+    KV_GROUP,
+    MLP_TILE,
+    RECOMPUTED,
+    SHARDS,
+    STATES,
+    checkpoints_on_device,
+    host_memory,
+    load_balancing_saved,
+    logits_memory,
+    lora_model_states,
+    loss_backward_beyond,
+    loss_backward_per_logit,
+    model_level_saved,
+    model_states,
+    rope_saved,
+    transient_terms,
+    tsp_block_saved_per_token,
+    tsp_vocab_memory,
+)
+from ds_tsp.planning.plan_types import TSP_PARTS, CommPart, StrategyPlan, per_layer_mean
+from ds_tsp.planning.shapes import (
+    INT64,
+    lora_adapter_params,
+    padded_length,
+    tsp_attention_shard,
+    tsp_name,
+    tsp_shape_problem,
+    vocab_rows_per_rank,
+)
+
+
+def plan_tsp(setting, vocab_parallel):
+    """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
+    the embedding and LM head whole on every rank. A sparse layer's experts are
+    sharded ``E/D`` per rank and travel round the ring as the MLP's shards do
+    (``ds_tsp.blocks.moe.module``)."""
+    m, D = setting.model, setting.devices
+    problem = tsp_shape_problem(m, D)
+    S = padded_length(setting.seq_len, D)  # two zigzag chunks per rank
+    tokens = setting.micro_batch * S // D
+    memory, detail, terms, host = _tsp_memory(setting, vocab_parallel, tokens)
+    forward, backward, per_step, parts = _tsp_communication(setting, vocab_parallel, S, problem)
+    flops, attention_flops = _tsp_flops(setting, vocab_parallel, S, tokens)
+    notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
+    return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
+                        memory, forward, backward, per_step, flops, tokens, setting, feasible=problem is None,
+                        notes=notes, detail=detail, terms=terms, host=host, comm_parts=parts,
+                        attention_flops_per_step=attention_flops, devices_per_replica=D)
+
+
+def _token_tile(setting, tokens):
+    """tsp.token_tile: the MLP runs the local tokens in tiles once they exceed one."""
+    return min(tokens, setting.token_tile) if setting.token_tile else tokens
+
+
+def _vocab_rows(setting, vocab_parallel):
+    """Rows of the embedding (and of an untied LM head) one rank holds."""
+    m = setting.model
+    return vocab_rows_per_rank(m.vocab_size, setting.devices) if vocab_parallel else m.vocab_size
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+class _OutsideLayers(NamedTuple):
+    """What one rank keeps outside the layers, bytes."""
+
+    saved: float  # saved for backward by the embedding, rotary, final norm and LM head's input
+    logits_saved: float  # saved by the loss: labels and log-probabilities, or the folded loss's lse
+    logits_held: float  # the logits output the model returns, kept through backward
+    route: float  # the folded embedding's route, kept on ctx instead of its ids
+    kept_outside: float  # what stays live through the layers' backward
+    head_phase_bytes: float  # the head's phase: its saved tensors and the loss backward's buffers
+    transient: dict  # the named pieces of the loss's (and folded embedding's) backward
+
+
+def _tsp_memory(setting, vocab_parallel, tokens):
+    """One rank's memory: ``(memory parts, detail, terms, host)``."""
+    m, D = setting.model, setting.devices
+    tile = _token_tile(setting, tokens)
+    attn_shard = max(tsp_attention_shard(m, D, r) for r in range(D))
+    ffn_shard = {sparse: m.ffn_params(sparse) / D for sparse, _ in m.layer_kinds}
+    states, optimizer_host = _tsp_model_states(setting, vocab_parallel, attn_shard, ffn_shard)
+    blocks_saved = _tsp_blocks_saved(setting, tokens, tile < tokens, attn_shard, ffn_shard)
+    every_layer = sum(layers * sum(blocks_saved[sparse].values()) for sparse, layers in m.layer_kinds)
+    outside = _tsp_outside_layers(setting, vocab_parallel, tokens)
+    transients = {sparse: _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard[sparse], sparse)
+                  for sparse, _ in m.layer_kinds}
+    # One layer's backward at its peak (of the larger kind where dense and sparse layers differ), the MLP's or
+    # the attention's: (kind, saved tensors still live, the backward's buffers by term).
+    sparse, live, layer_pieces = max(((sparse, live, pieces) for sparse, _ in m.layer_kinds
+                                      for live, pieces in _tsp_backward_phases(setting, blocks_saved[sparse],
+                                                                               transients[sparse], every_layer)),
+                                     key=lambda found: found[1] + sum(found[2].values()))
+    detail = {
+        "saved_for_backward": (outside.saved + every_layer + outside.logits_saved
+                               if not setting.activation_checkpointing else None),
+        "embedding_route": outside.route,
+        "logits_output": outside.logits_held,
+        **transients[sparse],
+        **outside.transient,
+    }
+    checkpoints = checkpoints_on_device(setting, tokens, setting.prefetch_checkpoints)
+    memory, terms = _tsp_peak(setting, vocab_parallel, states, outside, checkpoints, every_layer, live, layer_pieces)
+    return memory, detail, terms, host_memory(setting, tokens, optimizer_host)
+
+
+def _tsp_model_states(setting, vocab_parallel, attn_shard, ffn_shard):
+    """One rank's model states and its offloaded optimizer's host bytes: its
+    shards of every layer, the norms and routers whole, the embedding and LM
+    head whole or folded; under LoRA the frozen base and the adapters' shards."""
+    m, p, D, H = setting.model, setting.precision, setting.devices, setting.model.hidden_size
+    layer_params = {sparse: attn_shard + ffn_shard[sparse] + m.layer_replicated_params(sparse)
+                    for sparse, _ in m.layer_kinds}
+    vocab_rows = _vocab_rows(setting, vocab_parallel)
+    vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
+    all_params = sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
+    if setting.lora_rank:
+        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
+                    for sparse, _ in m.layer_kinds}
+        return lora_model_states(
+            all_params, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds), p, setting.zero_stage, 1,
+            setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
+    return model_states(all_params, p, setting.zero_stage, 1, setting.offload_optimizer,
+                        layer_params=max(*layer_params.values(), vocab_rows * H))
+
+
+def _tsp_blocks_saved(setting, tokens, mlp_tiled, attn_shard, ffn_shard):
+    """``{sparse: {"attention": bytes, "mlp": bytes}}``: what one layer of each
+    kind saves for backward, per block."""
+    m, e, H = setting.model, setting.precision.element, setting.model.hidden_size
+    blocks_saved = {sparse: {block: tokens * saved for block, saved in tsp_block_saved_per_token(
+        m, e, setting.tsp_attention_backward, mlp_tiled, sparse, setting.recompute_norms).items()}
+        for sparse, _ in m.layer_kinds}
+    for sparse, blocks in blocks_saved.items():
+        if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
+            blocks["attention"] += e * attn_shard
+            blocks["mlp"] += e * ffn_shard[sparse]
+        if setting.activation_checkpointing:
+            # DeepSpeed's checkpoint keeps the recomputed layer's output through the layer's backward (ds_tsp's
+            # host checkpoint frees it); with tsp.recompute_norms the first norm keeps the layer's checkpointed
+            # input, already counted as such.
+            blocks["attention"] += tokens * e * H * ((0 if setting.offload_activations else 1)
+                                                     - (1 if setting.recompute_norms else 0))
+    return blocks_saved
+
+
+def _tsp_outside_layers(setting, vocab_parallel, tokens):
+    """``_OutsideLayers``: the embedding, rotary tables, final norm, LM head and loss."""
+    m, p, B = setting.model, setting.precision, setting.micro_batch
+    e = p.element
+    # cos/sin of the local tokens plus, per sequence, the row of the largest position (rotary.rotary_tables)
+    model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
+    model_saved += load_balancing_saved(m, tsp=True)
+    if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
+        logits_saved, vocab_transient = tsp_vocab_memory(m, p, setting.devices, tokens, setting.logits_tile_mib)
+        logits_held = 0
+        # A frozen head (LoRA) keeps no gradient accumulators on its ring.
+        loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD
+                            if not (setting.lora_rank and k == "head_grad_accumulators"))
+        # The embedding's backward keeps its route on ctx, not as saved tensors: the ids of its own rows that
+        # every rank's tokens use (N expected) and the local tokens' order, instead of the ids nn.Embedding saves.
+        model_saved -= tokens * INT64
+        route = 2 * tokens * INT64
+    else:
+        logits_saved, logits_held = logits_memory(m, p, tokens, 1)
+        vocab_transient = {"loss_backward": tokens * m.vocab_size * loss_backward_per_logit(p)}
+        loss_backward = vocab_transient["loss_backward"]
+        route = 0
+    # Outside the layers only cos/sin and the embedding's ids (its route, folded) stay through the layers'
+    # backward: the final norm's, the head's and the loss's saved tensors go with their own backward, which
+    # runs first, so they count in the head's phase alone.
+    kept_outside = rope_saved(m, e, tokens + B) + (route if vocab_parallel else tokens * INT64)
+    head_saved = model_saved + route - kept_outside + logits_saved
+    return _OutsideLayers(model_saved, logits_saved, logits_held, route, kept_outside, head_saved + loss_backward,
+                          vocab_transient)
+
+
+def _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard, sparse):
+    """One TSP layer's backward buffers (``plan_tsp``'s detail), by name."""
+    m, D = setting.model, setting.devices
+    e, acc, B = setting.precision.element, setting.precision.accumulate, setting.micro_batch
+    S = tokens * D // B
+    kv_heads = max(m.num_kv_heads // D, 1)
+    q_heads = max(m.num_heads // D, 1)
+    if sparse:
+        # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
+        # shared expert.
+        expert_tokens = min(tile, -(-m.experts_per_token * tokens // m.num_experts))
+        intermediates = 6 * max(expert_tokens * m.expert_size, tile * m.shared_expert_size / D) * e
+    else:
+        intermediates = (8 if tile < tokens else 6) * tile * (m.intermediate_size / D) * e
+    # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
+    # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
+    grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
+    return {
+        # backward of one head group: K, V, the gather buffer, the two dK/dV
+        # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
+        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
+        # of the local tokens, meanwhile: the group's queries before and after rotary, their output's gradient
+        # and their own; the set's keys before rotary (for its backward) and, with another group to come, its
+        # keys and its K/V on their way to the gather
+        "head_group_local": tokens * m.head_dim * e * (4 * q_heads + (4 if D > 1 else 1) * kv_heads),
+        "attention_shards_in_flight": 2 * attn_shard * e,
+        # every head group's gradient reduce stays posted until the attention's backward ends
+        "attention_grad_reduces": m.attention_params * acc,
+        "mlp_shards_in_flight": 2 * ffn_shard * e,
+        "mlp_accumulators": 3 * ffn_shard * acc,  # travelling, arriving, own partial
+        # one shard's gradients of a tile (a sparse layer: of one expert's tokens);
+        # tiled, also the tile's gate and up computed again
+        "mlp_shard_intermediates": intermediates,
+        "grad_x": tokens * m.hidden_size * grad_x_bytes,
+    }
+
+
+def _tsp_backward_phases(setting, blocks_saved, pieces, every_layer):
+    """The two peaks of one TSP layer's backward, each as ``(layer saved
+    tensors still live, {term: buffer bytes})``: the MLP's backward, with
+    every tensor the layer saved; then the attention's, once autograd has
+    freed the MLP's (and its norm's) saved tensors. The layer is the
+    recomputed one under checkpointing, else the last, with every layer's
+    saved tensors (``every_layer``) live."""
+    layer = sum(blocks_saved.values()) if setting.activation_checkpointing else every_layer
+    mlp = {GRAD_X: pieces["grad_x"], MLP_TILE: pieces["mlp_shard_intermediates"],
+           SHARDS: pieces["mlp_shards_in_flight"] + pieces["mlp_accumulators"]}
+    attention = {KV_GROUP: pieces["kv_head_group"], HEAD_GROUP_LOCAL: pieces["head_group_local"],
+                 GRAD_X: pieces["grad_x"],
+                 SHARDS: pieces["attention_shards_in_flight"] + pieces["attention_grad_reduces"]}
+    return (layer, mlp), (layer - blocks_saved["mlp"], attention)
+
+
+def _tsp_peak(setting, vocab_parallel, states, outside, checkpoints, every_layer, live, layer_pieces):
+    """``(memory parts, terms)``: the peak is the largest phase of backward, one
+    layer's (``live`` saved tensors, ``layer_pieces`` buffers), the head's or
+    the folded embedding's."""
+    m, p = setting.model, setting.precision
+    # The embedding's gradient, counted among the model states, is made last, by its own backward: no layer's
+    # backward holds it. Not so a tied head's, ZeRO-3's partition (one buffer made once) or an offloaded
+    # optimizer's (one layer's gradients at a time); a LoRA run's frozen embedding has none.
+    unmade = 0 if (m.tie_word_embeddings or setting.zero_stage >= 3 or setting.offload_optimizer
+                   or setting.lora_rank) else _vocab_rows(setting, vocab_parallel) * m.hidden_size * p.grad
+    layer_backward = sum(layer_pieces.values()) - unmade
+    # The head's phase is the first thing backward runs, before any parameter holds a gradient: it overlaps the
+    # gradients' memory rather than adding to it. The embedding's runs last, with all of them.
+    head_beyond_grads = loss_backward_beyond(setting, outside.head_phase_bytes, states)
+    # With checkpointing no layer is recomputed yet while the loss runs its backward, and none is left when the
+    # embedding runs its: the recomputed layer's saved tensors (counted in the activations) are not live then.
+    # Without, every layer's are live while the loss runs its backward, those the layer's attention phase has
+    # freed included.
+    not_live = live if setting.activation_checkpointing else 0
+    head_phase = max(head_beyond_grads - (not_live or live - every_layer), 0)
+    embedding_backward = max(outside.transient.get("embedding_backward", 0) - not_live, 0)
+    layer_terms = ({CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                    RECOMPUTED: live} if setting.activation_checkpointing else {EVERY_LAYER: live})
+    memory = {**states, "activations": outside.kept_outside + checkpoints + live, "logits": outside.logits_held,
+              "transient": max(layer_backward, head_phase, embedding_backward)}
+    # Where a layer's backward sets the peak, the model states in it lack the embedding's gradient.
+    layer_binds = layer_backward >= max(head_phase, embedding_backward)
+    terms = {STATES: sum(states.values()) - (unmade if layer_binds else 0), **layer_terms,
+             KEPT_OUTSIDE: outside.kept_outside + outside.logits_held,
+             **({k: v for k, v in layer_pieces.items() if v} if layer_binds else
+                transient_terms({}, {HEAD_PHASE: head_phase, EMBEDDING_BACKWARD: embedding_backward}))}
+    return memory, terms
+
+
+# --- communication and FLOPs ---------------------------------------------------------------------
+
+def _tsp_communication(setting, vocab_parallel, S, problem):
+    """Bytes one rank receives: per layer forward and backward (the mean over
+    the layers), per step, and per step by kind (``CommPart``); NaN where the
+    shape does not fold."""
+    if problem:
+        return float("nan"), float("nan"), float("nan"), {}
+    m, B, D, e = setting.model, setting.micro_batch, setting.devices, setting.precision.element
+
+    def per_layer(direction):
+        return per_layer_mean(m, lambda sparse: tsp_bytes_per_layer(m, S, B, D, e, direction, sparse=sparse))
+
+    by_op = tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
+                                 activation_checkpointing=setting.activation_checkpointing)
+    parts = {TSP_PARTS[op]: CommPart(nbytes, D, 1, op) for op, nbytes in by_op.items() if nbytes}
+    return per_layer("forward"), per_layer("backward"), sum(by_op.values()), parts
+
+
+def _tsp_flops(setting, vocab_parallel, S, tokens):
+    """``(FLOPs, attention FLOPs)`` per rank per step: the replica's over ``D``."""
+    m = setting.model
+    mlp_tiled = _token_tile(setting, tokens) < tokens
+
+    def recomputed(sparse):
+        # A TSP expert recomputes its gate, up and down projections in backward; a tiled MLP its gate and up.
+        if sparse:
+            return m.experts_per_token * m.expert_params + m.shared_expert_params
+        return 2 / 3 * m.mlp_params if mlp_tiled else 0
+
+    return step_flops(m, setting, setting.micro_batch, S, 1 / setting.devices, tsp=True, fused_head=vocab_parallel,
+                      ffn_recompute=recomputed)

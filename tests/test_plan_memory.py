@@ -1,0 +1,289 @@
+"""The planner's per-device memory (ds_tsp.planning.memory, the plans' peaks)
+against hand-computed values and against what the models save for backward
+(saved-tensor hooks), dense and MoE, TSP and the Hugging Face baselines."""
+
+import pytest
+import torch
+
+from ds_tsp import planning as planner
+from ds_tsp.planning import memory
+from plan_helpers import BATCH, SEQ, saved_bytes, tiny_shape
+
+
+def test_folded_vocabulary_fits_llama3_8b_at_128k():
+    # ds-tsp plan --model llama3-8b --seq-len 128K --devices 8 --activation-checkpointing
+    # --zero-stage 1. With the embedding and LM head whole TSP would need 71.6 GB counted naively, most of it
+    # the vocabulary's: 12.6 GB of logits, 21.0 GB of loss backward, 16 B x 1.05B embedding + head parameters.
+    # The loss backward runs before any gradient exists and before any layer is recomputed, so it overlaps the
+    # 3.9 GB of gradients and the recomputed layer's 2.4 GB of saved tensors: 65.4 GB (benchmarks/longest.py
+    # measured that overlap).
+    plans = {p.name: p for p in planner.plan("llama3-8b", 128 * 1024, 1, 8, "bf16", zero_stage=1,
+                                             activation_checkpointing=True)}
+    replicated, folded = plans["TSP(8) replicated vocab"], plans["TSP(8)"]
+    assert f"{replicated.total / planner.GB:.1f}" == "65.4"
+    # The logits the model returns stay through backward; the loss's labels and log-probabilities (and the final
+    # norm's and the head's saved tensors) only through the head's phase, counted in its transient.
+    assert replicated.memory["logits"] == 16384 * 2 * 128256
+    assert replicated.terms[memory.HEAD_PHASE] == replicated.memory["transient"]
+    assert folded.total <= 30 * planner.GB
+    H, L, Vs, N = 4096, 32, 16032, 16384
+    blocks = L * (4096 * 48 * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336) // 8
+    assert folded.memory["weights"] + folded.memory["grads"] + folded.memory["optimizer"] == \
+        16 * (blocks + L * 2 * H + H + 2 * Vs * H)
+    assert folded.memory["logits"] == 0 and folded.detail["logits_output"] == 0
+    assert folded.detail["logits_tiles"] == 523 * Vs * (4 + 2)  # fp32 logits turned into dz in place, dz in bf16
+    assert folded.detail["grad_hidden"] == N * H * 4
+    assert folded.detail["head_shards_in_flight"] == 2 * Vs * H * 2
+    assert folded.detail["head_grad_accumulators"] == 4 * Vs * H * 4
+    assert folded.detail["embedding_backward"] == 2 * N * H * 2 + Vs * H * (4 + 2)
+    assert folded.memory["activations"] == replicated.memory["activations"] + N * 8
+    # What is left: model states ~16.1 GB (the fp32 master weights and Adam moments, 12 GB, with nothing for
+    # ZeRO to partition), 7.2 GB of checkpointed layer inputs and one layer's saved tensors, and a transient
+    # that one layer's backward sets rather than the loss: its MLP's (1.24 GB with every tensor the layer
+    # saved live, less the embedding's 0.13 GB gradient, which its own backward makes after every layer's),
+    # while the head's 1.63 GB runs before any layer is recomputed.
+    loss = sum(folded.detail[k] for k in planner.HEAD_BACKWARD)
+    mlp_phase = folded.detail["grad_x"] + folded.detail["mlp_shard_intermediates"] + \
+        folded.detail["mlp_shards_in_flight"] + folded.detail["mlp_accumulators"]
+    assert folded.memory["transient"] == mlp_phase - Vs * H * 2
+    assert folded.terms["model states"] == 16 * (blocks + L * 2 * H + H + 2 * Vs * H) - Vs * H * 2
+    assert loss > mlp_phase and loss > folded.detail["embedding_backward"]
+    # Per step, the head ring (7 hops of the shard forward, 7 of it and of its fp32 accumulator backward)
+    # receives what the all-reduce of the whole embedding and head gradients did, 2 x 2 (D-1)/D V H bf16,
+    # as V = 8 Vs and 2 + 2 + 4 = 4 x 2 bytes; the embedding all-to-all, 2 x 7/8 N H bf16, is the extra.
+    steps = {vocab: planner.tsp_step_bytes_by_op("llama3-8b", 128 * 1024, 1, 8, 2, vocab_parallel=vocab,
+                                                 activation_checkpointing=True) for vocab in (True, False)}
+    assert steps[True]["all_to_all"] == 2 * 7 * N // 8 * H * 2
+    assert steps[True]["ring"] - steps[False]["ring"] == 7 * Vs * H * (2 + 2 + 4) == \
+        steps[False]["all_reduce"] - steps[True]["all_reduce"] == 2 * 2 * 7 * 128256 * H * 2 // 8
+    assert folded.comm_per_step == sum(steps[True].values())
+    assert replicated.comm_per_step == sum(steps[False].values())
+
+
+def _tsp_model_saved(tsp_size, dtype, arch="llama", vocab_parallel=True, recompute_norms=False):
+    from ds_tsp import inject
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+    from models import tiny_model
+
+    model = inject(tiny_model(arch, dtype=dtype), TSPTopology(tsp_size),
+                   TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa", vocab_parallel=vocab_parallel,
+                             recompute_norms=recompute_norms))
+    input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+    return saved_bytes(model.parameters(), lambda: model(input_ids=input_ids, labels=input_ids))[1]
+
+
+def _planned(name, devices, dtype, arch="llama", **options):
+    from models import tiny_config
+
+    return {p.name: p for p in planner.plan(tiny_config(arch).to_dict(), SEQ, BATCH, devices, dtype,
+                                            **options)}[name]
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_saved_activations_equal_the_models(dtype, name):
+    from models import tiny_model
+
+    # The whole TSP model (embedding, layers, final norm, LM head, loss), one rank. Mistral's sliding
+    # window takes the attention backward that recomputes instead of saving the output and lse. The
+    # folded vocabulary saves no embedding ids and no log-probs, only the loss's labels and fp32 lse.
+    # tsp.recompute_norms: each RMSNorm keeps only its input (torch's checkpoint saves it).
+    for arch, vocab_parallel, recompute_norms in (("llama", True, False), ("llama", False, False),
+                                                  ("mistral", True, False), ("llama", True, True)):
+        measured = _tsp_model_saved(1, dtype, arch, vocab_parallel, recompute_norms)
+        plan_name = planner.tsp_name(1, vocab_parallel)
+        planned = _planned(plan_name, 1, name, arch, recompute_norms=recompute_norms).detail["saved_for_backward"]
+        print(f"{plan_name} {arch} {name} recompute_norms={recompute_norms}: saved {measured} B, "
+              f"planned {planned:.0f} B")
+        assert measured == planned
+    # The baselines' count is the Hugging Face layer's: the unsharded model.
+    hf = tiny_model("llama", dtype=dtype)
+    input_ids = torch.randint(0, hf.config.vocab_size, (BATCH, SEQ))
+    measured = saved_bytes(hf.parameters(), lambda: hf(input_ids=input_ids, labels=input_ids))[1]
+    planned = _planned("DP(1)", 1, name).detail["saved_for_backward"]
+    print(f"HF {name}: saved {measured} B, planned {planned:.0f} B")
+    assert measured == planned
+
+
+def test_memory_breakdown_and_model_states():
+    plans = planner.plan("llama-7b", 4096, 2, 8, "bf16")
+    m = planner.model_shape("llama-7b")
+    assert m.params == 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    for p in plans:
+        assert set(p.memory) == set(planner.MEMORY_PARTS)
+        assert all(v >= 0 for v in p.memory.values())
+        assert p.total == pytest.approx(sum(p.memory.values()))
+    by_name = {p.name: p for p in plans}
+    assert by_name["DP(8)"].memory["weights"] + by_name["DP(8)"].memory["grads"] + \
+        by_name["DP(8)"].memory["optimizer"] == 16 * m.params
+    # TSP: 1/8 of every block, norms whole; embedding and LM head whole, or 32000/8 rows of each when folded.
+    blocks = 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) / 8
+    norms = 32 * 2 * 4096 + 4096
+    tsp = by_name["TSP(8) replicated vocab"]
+    assert tsp.memory["weights"] == 2 * (blocks + norms + 2 * 32000 * 4096)
+    assert tsp.memory["optimizer"] == 6 * tsp.memory["weights"]
+    folded = by_name["TSP(8)"]
+    assert folded.memory["weights"] == 2 * (blocks + norms + 2 * 4000 * 4096)
+    assert folded.memory["optimizer"] == 6 * folded.memory["weights"]
+    # Same blocks; the folded embedding keeps its route (two int64 a token) instead of the ids, and the
+    # folded loss saves labels and fp32 lse, no logits.
+    assert folded.memory["activations"] == tsp.memory["activations"] + 2 * 4096 / 8 * 8
+    # The returned logits stay through backward; the folded loss returns none, and its labels and fp32 lse
+    # live only through the head's phase.
+    assert folded.memory["logits"] == 0 and tsp.memory["logits"] == 2 * 4096 / 8 * 2 * 32000
+    # Checkpointing: every layer keeps only its input, (B, S/D, H) bf16, plus one layer recomputed, whose
+    # output DeepSpeed's checkpoint keeps through the layer's backward.
+    ckpt = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", activation_checkpointing=True)}
+    tokens = 2 * 4096 / 8
+    replicated_ckpt = ckpt["TSP(8) replicated vocab"]
+    assert replicated_ckpt.terms["checkpointed layer inputs"] == 32 * tokens * 2 * 4096
+    # The attention's backward binds: the MLP's saved tensors are freed by then; live are the first norm's, the
+    # attention's x, output and lse, and the layer's recomputed output.
+    assert replicated_ckpt.terms["saved tensors of the recomputed layer"] == \
+        tokens * ((4 * 4096 + 4 + 2 * 4096) + 2 * 4096 + 2 * 4096 + 4 * 32 + 2 * 4096)
+    assert "K/V of one head group" in replicated_ckpt.terms
+    # ZeRO partitions over DP (and the sequence axis of SP), never inside TSP or TP.
+    zero = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", zero_stage=3)}
+    assert zero["DP(8)"].memory["optimizer"] == by_name["DP(8)"].memory["optimizer"] / 8
+    assert zero["SP-Ulysses(8)"].memory["weights"] == by_name["SP-Ulysses(8)"].memory["weights"] / 8
+    assert zero["TSP(8)"].memory["optimizer"] == folded.memory["optimizer"]
+    assert zero["TSP(8) replicated vocab"].memory["optimizer"] == tsp.memory["optimizer"]
+
+
+def test_token_tile_and_offloads_reduce_the_right_terms():
+    m, S, N, L, H = planner.model_shape("llama3.1-8b"), 128 * 1024, 8, 32, 4096
+    tokens, f = S // N, 14336 // N  # 16384 local tokens, 1792 intermediate columns per shard
+
+    def plans(dtype="bf16", zero_stage=1, **options):
+        return {p.name: p for p in planner.plan(m, S, 1, N, dtype, zero_stage, True, **options)}
+
+    base, tiled = plans(), plans(token_tile=8192)
+    tsp, tsp_tiled = base["TSP(8)"], tiled["TSP(8)"]
+    # Two tiles of 8192: the recomputed layer no longer saves every shard's gate and up (2 x F values a token);
+    # the MLP's backward holds one tile's gate and up again with its gradients. Nothing else moves.
+    assert tsp.memory["activations"] - tsp_tiled.memory["activations"] == tokens * 2 * 2 * 14336
+    assert tsp.detail["mlp_shard_intermediates"] == 6 * tokens * f * 2
+    assert tsp_tiled.detail["mlp_shard_intermediates"] == 8 * 8192 * f * 2
+    for key in ("kv_head_group", "grad_x", "attention_shards_in_flight", "mlp_shards_in_flight", "logits_tiles"):
+        assert tsp_tiled.detail[key] == tsp.detail[key]
+    assert tsp_tiled.flops_per_step - tsp.flops_per_step == pytest.approx(L * 2 / 3 * 2 * S * m.mlp_params / N)
+    # A tile that holds every local token is no tiling; the baselines have no token tile.
+    for tile in (tokens, 10 * tokens):
+        assert plans(token_tile=tile)["TSP(8)"].memory == tsp.memory
+    assert tiled["TP(8)"].memory == base["TP(8)"].memory
+
+    # fp32_accumulators false: the input gradient sums in bf16, one fp32 (S/D, H) copy less, and so do the head
+    # group's full-sequence dK, dV (one KV head a group here); fp32 models have none.
+    narrow = plans(fp32_accumulators=False)["TSP(8)"]
+    assert tsp.detail["grad_x"] - narrow.detail["grad_x"] == tokens * H * 4
+    assert tsp.detail["kv_head_group"] - narrow.detail["kv_head_group"] == 2 * S * 128 * (4 - 2)
+    assert {k: v for k, v in narrow.detail.items() if k not in ("grad_x", "kv_head_group")} == \
+        {k: v for k, v in tsp.detail.items() if k not in ("grad_x", "kv_head_group")}
+    assert plans("fp32", fp32_accumulators=False)["TSP(8)"].memory == plans("fp32")["TSP(8)"].memory
+
+    # recompute_norms: the attention runs its norm inside, keeping only the layer's input (the checkpointed
+    # input, counted as such), the MLP's norm keeps its input, instead of a float32 copy, 1/rms and the
+    # normalised value each; the final norm too. The attention's backward binds, with the MLP's tensors freed.
+    norms = plans(recompute_norms=True)["TSP(8)"]
+    blocks = {recompute: memory.tsp_block_saved_per_token(m, 2, "fused", recompute_norms=recompute)
+              for recompute in (True, False)}
+    assert blocks[False]["attention"] - blocks[True]["attention"] == 4 * H + 4 + 2 * H
+    assert blocks[False]["mlp"] - blocks[True]["mlp"] == 4 * H + 4
+    # Untiled, the MLP's backward binds, every saved tensor of the layer live; the first norm's input is the
+    # checkpointed input.
+    assert tsp.terms["saved tensors of the recomputed layer"] - norms.terms["saved tensors of the recomputed layer"] \
+        == tokens * (4 * H + 4 + 2 * H + 4 * H + 4 + 2 * H)
+    # The final norm's saved tensors live only through the head's phase: what stays outside the layers is the same.
+    assert tsp.terms[memory.KEPT_OUTSIDE] == norms.terms[memory.KEPT_OUTSIDE]
+    assert plans(recompute_norms=True)["TP(8)"].memory == base["TP(8)"].memory
+
+    # Checkpoints in host memory: the device keeps one layer's input instead of L; the node holds every rank's.
+    # The baselines' (Hugging Face's non-reentrant) checkpoint keeps no recomputed output.
+    offloaded = plans(offload_activations=True)
+    for name in ("TSP(8)", "TP(8)", "SP-Ulysses(8)"):
+        kept = base[name].tokens_per_device * 2 * H
+        # ds_tsp's host checkpoint also frees the recomputed layer's output, which DeepSpeed's keeps.
+        freed = L if name.startswith("TSP") else L - 1
+        assert base[name].memory["activations"] - offloaded[name].memory["activations"] == freed * kept
+        assert offloaded[name].host == {"host memory for offloaded checkpoints": 8 * L * kept}
+        assert offloaded[name].terms["checkpointed input back from host"] == kept
+        assert base[name].host == {} and "checkpointed layer inputs" in base[name].terms
+    # With 16 devices a node of 8 holds 8 ranks' checkpoints.
+    sixteen = {p.name: p for p in planner.plan(m, S, 1, 16, "bf16", 1, True, offload_activations=True)}
+    assert sixteen["TSP(16)"].host_total == 8 * L * S // 16 * 2 * H
+
+    # CPU optimizer offload: fp32 master, Adam moments and fp32 gradients go to the host; the device keeps the
+    # weights and one layer's (here: the folded LM head's, the largest) gradients.
+    states = plans(offload_optimizer=True)["TSP(8)"]
+    params = tsp.memory["weights"] / 2
+    assert states.memory["optimizer"] == 0 and states.memory["weights"] == tsp.memory["weights"]
+    assert states.memory["grads"] == 16032 * H * 2
+    assert states.host == {"host memory for the offloaded optimizer": 8 * params * (12 + 4)}
+    assert states.memory["activations"] == tsp.memory["activations"]
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        planner.plan(m, S, 1, N, offload_activations=True)
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        planner.plan(m, S, 1, N, offload_optimizer=True)
+    with pytest.raises(ValueError, match="token_tile"):
+        planner.plan(m, S, 1, N, token_tile=-1)
+
+
+def test_terms_add_up_to_the_peak():
+    cases = [planner.plan("llama3.1-8b", 1 << 20, 1, 8, "bf16", 1, True, token_tile=8192, offload_optimizer=True,
+                          offload_activations=True),
+             planner.plan(tiny_shape(layers=2), SEQ, BATCH, 2, "fp32"), planner.plan("llama-7b", 4096, 2, 8),
+             [planner.plan_alst("llama3.1-8b", 1 << 20, n) for n in (1, 8)]]
+    for plans in cases:
+        for p in plans:
+            assert sum(p.terms.values()) == pytest.approx(p.total, rel=1e-12), p.name
+            assert all(v > 0 for v in p.terms.values()), p.name
+
+
+def _live_saved_bytes(params, run):
+    """``saved_bytes``, counting only what autograd still holds when ``run()``
+    returns: a saved tensor whose node is freed at once (the dropped values of
+    the load-balancing loss's top-k) may share its address with a later one."""
+    import weakref
+
+    params = {p.untyped_storage().data_ptr() for p in params}
+    saved = []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()  # holds the graph, and so what it saved, while the live storages are summed
+    live = sum({ptr: nbytes for ref, ptr, nbytes in saved if ref() is not None}.values())
+    del out
+    return live
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_moe_saved_activations_equal_the_models(dtype, name):
+    # One rank, the whole model: TSP's sparse layers (ds_tsp.blocks.moe.module) and Hugging Face's with its default
+    # grouped experts (the baselines' count); Qwen2-MoE with a dense layer among the sparse ones; the
+    # load-balancing loss on (the tiny configs) and off.
+    from ds_tsp import inject
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+    from models import tiny_config, tiny_model
+
+    for arch, overrides in [("mixtral", {}), ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+                            ("qwen3_moe", {}), ("qwen3_moe", dict(output_router_logits=False)), ("qwen3", {})]:
+        plans = {p.name: p for p in planner.plan(tiny_config(arch, **overrides).to_dict(), SEQ, BATCH, 1, name)}
+        tsp = inject(tiny_model(arch, dtype=dtype, **overrides), TSPTopology(1),
+                     TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+        torch.manual_seed(1)
+        input_ids = torch.randint(0, 61, (BATCH, SEQ))
+        measured = _live_saved_bytes(tsp.parameters(), lambda: tsp(input_ids=input_ids, labels=input_ids))
+        planned = plans["TSP(1)"].detail["saved_for_backward"]
+        hf = tiny_model(arch, dtype=dtype, **overrides, **({} if arch == "qwen3" else
+                                                          {"experts_implementation": "grouped_mm"}))
+        hf_measured = _live_saved_bytes(hf.parameters(), lambda: hf(input_ids=input_ids, labels=input_ids))
+        hf_planned = plans["DP(1)"].detail["saved_for_backward"]
+        print(f"{arch} {overrides} {name}: TSP saved {measured} B, planned {planned:.0f} B; HF saved "
+              f"{hf_measured} B, planned {hf_planned:.0f} B")
+        assert measured == planned and hf_measured == hf_planned
