@@ -2,6 +2,11 @@
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/trainer_tsp2_cpu.json
     deepspeed --num_gpus 8 examples/hf_trainer.py --deepspeed MY_CONFIG.json --model HF_DIR
+    DS_ACCELERATOR=cpu accelerate launch --config_file ds_configs/accelerate_tsp2_cpu.yaml examples/hf_trainer.py
+
+Under ``accelerate launch`` the DeepSpeed config is the plugin's
+``deepspeed_config_file`` (the accelerate config names it) and ``--deepspeed``
+is left out, as in the Hugging Face docs.
 
 The DeepSpeed config is plain JSON (the Trainer reads it) with a ``tsp``
 section and ``"auto"`` batch sizes, which the Trainer fills from its
@@ -32,9 +37,10 @@ import ds_tsp
 from train import byte_corpus, small_byte_llama
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config with a tsp section")
+    parser.add_argument("--deepspeed", help="DeepSpeed JSON config with a tsp section (under accelerate launch: "
+                        "the DeepSpeed plugin's deepspeed_config_file instead)")
     parser.add_argument("--model", help="Hugging Face model directory (default: a small byte-level Llama)")
     parser.add_argument("--output-dir", default="hf_trainer_out")
     parser.add_argument("--steps", type=int, default=40)
@@ -46,8 +52,9 @@ def parse_args():
                         help="write a Trainer checkpoint (Hugging Face model + DeepSpeed checkpoint) every N steps")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="fine-tune LoRA adapters of this rank on every projection (PEFT), the base frozen")
+    parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def windows(corpus, count, seq_len, seed):
@@ -63,18 +70,30 @@ class JsonLogs(TrainerCallback):
             print(json.dumps({"step": state.global_step, **logs}), flush=True)
 
 
+def training_arguments(args, configured_state):
+    """The Trainer's arguments; ``configured_state``: use the accelerate state
+    ``ds_tsp.configure_cpu_ranks`` set up (DeepSpeed on CPU ranks)."""
+    return TrainingArguments(
+        output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
+        max_steps=args.steps, learning_rate=args.lr, weight_decay=0.01, warmup_steps=5,
+        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, report_to=[], include_num_input_tokens_seen="all", disable_tqdm=True,
+        accelerator_config={"use_configured_state": configured_state})
+
+
+def datasets(seq_len):
+    """``(train, eval)`` windows of the corpus that ships with Python."""
+    corpus = byte_corpus()
+    return windows(corpus, 4096, seq_len, seed=0), windows(corpus, 16, seq_len, seed=1)
+
+
 def main():
     args = parse_args()
     on_cpu = os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
     if on_cpu:
         ds_tsp.configure_cpu_ranks()
-    training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
-        max_steps=args.steps, learning_rate=args.lr, weight_decay=0.01, warmup_steps=5, logging_steps=5,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
-        include_num_input_tokens_seen="all", disable_tqdm=True,
-        accelerator_config={"use_configured_state": on_cpu})
+    training_args = training_arguments(args, configured_state=on_cpu)
     torch.manual_seed(training_args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else small_byte_llama()
     if args.lora:  # PEFT's own model: TSP shards each adapter with its base weight
@@ -82,10 +101,9 @@ def main():
 
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    corpus = byte_corpus()
-    trainer = ds_tsp.TSPTrainer(model=model, args=training_args,
-                                train_dataset=windows(corpus, 4096, args.seq_len, seed=0),
-                                eval_dataset=windows(corpus, 16, args.seq_len, seed=1), callbacks=[JsonLogs()])
+    train, evaluation = datasets(args.seq_len)
+    trainer = ds_tsp.TSPTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
+                                callbacks=[JsonLogs()])
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
     final_dir = os.path.join(args.output_dir, "final")

@@ -10,6 +10,8 @@ stock Trainer runs once per mesh in the test process on the same global batches.
 
 import json
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -261,6 +263,42 @@ def test_example_fine_tunes_lora_adapters_on_launched_ranks(tmp_path, own_proces
 
     loaded = PeftModel.from_pretrained(small_byte_llama(), out / "final")
     assert sum(".lora_A." in name for name, _ in loaded.named_parameters()) == 7 * loaded.config.num_hidden_layers
+
+
+def test_accelerate_launch_with_a_deepspeed_plugin_matches_one_process(tmp_path):
+    """The Hugging Face docs' way: ``accelerate launch --config_file`` with a
+    DeepSpeed plugin whose ``deepspeed_config_file`` carries the ``tsp`` section
+    (``ds_configs/accelerate_tsp2_cpu.yaml``), no ``TrainingArguments(deepspeed=...)``:
+    examples/hf_trainer.py trains at TSP 2 on CPU ranks, and every step's loss is
+    one process's stock Trainer's on the same batches."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    example = ["--steps", "4", "--seq-len", "32", "--logging-steps", "1", "--output-dir", str(tmp_path / "out")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(["accelerate", "launch", "--config_file", "ds_configs/accelerate_tsp2_cpu.yaml",
+                           "--main_process_port", str(port), "examples/hf_trainer.py", *example],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines()
+              if line.startswith("{\"step\"") and "\"loss\"" in line]
+    assert "tsp=2" in proc.stdout
+
+    sys.path.insert(0, os.path.join(root, "examples"))
+    import hf_trainer
+    from train import small_byte_llama
+
+    args = hf_trainer.parse_args([*example[:-1], str(tmp_path / "stock")])
+    stock_args = hf_trainer.training_arguments(args, configured_state=False)
+    torch.manual_seed(stock_args.seed)
+    train, _ = hf_trainer.datasets(args.seq_len)
+    stock = Trainer(model=small_byte_llama(), args=stock_args, train_dataset=train)
+    stock.train()
+    print(f"accelerate launch, TSP 2: losses {losses}\n  one process:          {_losses(stock)}; max rel |dloss| "
+          f"{_relative(losses, _losses(stock)):.1e}")
+    assert len(losses) == 4 and _relative(losses, _losses(stock)) <= BOUND
 
 
 # ------------------------------------------------------------------------ TRL

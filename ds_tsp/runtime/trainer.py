@@ -1,7 +1,9 @@
 """The Hugging Face Trainer with TSP: ``TSPTrainer``, a drop-in ``transformers.Trainer``.
 
-The DeepSpeed config of ``TrainingArguments(deepspeed=...)`` carries the
-``tsp`` section; nothing else changes for the user. The Trainer keeps its own
+The DeepSpeed config of ``TrainingArguments(deepspeed=...)``, or the
+``deepspeed_config_file`` of the DeepSpeed plugin that ``accelerate launch
+--config_file`` names, carries the ``tsp`` section; nothing else changes for
+the user. The Trainer keeps its own
 loop, optimizer, scheduler, logging, evaluation and checkpoints. TSP enters
 through the contracts transformers and accelerate already have, in this order:
 
@@ -69,6 +71,12 @@ class TSPTrainerMixin:
             raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} is not supported by the Trainer, "
                              "which runs a forward and backward per micro-batch while a pipeline engine runs whole "
                              "batches (train_batch): use ds_tsp.initialize in your own loop, or pipeline_stages 1")
+        launched = int(os.environ.get("WORLD_SIZE", 1))
+        if self.accelerator.state.num_processes != launched:
+            raise RuntimeError(f"accelerate's state counts {self.accelerator.state.num_processes} process(es) but "
+                               f"the launcher started {launched}: accelerate sets DeepSpeed up over the ranks only on "
+                               "an accelerator it knows; on CPU ranks call ds_tsp.configure_cpu_ranks() before "
+                               "TrainingArguments(..., accelerator_config={'use_configured_state': True})")
         tsp_config.check_world(dist.get_world_size())
         self.tsp_topology = TSPTopology(tsp_config.size, 1, tsp_config.timeout_minutes)
         accelerator = self.accelerator
@@ -164,11 +172,17 @@ def configure_cpu_ranks():
     from accelerate.state import AcceleratorState, PartialState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    # `accelerate launch` with a DeepSpeed plugin sets this for the whole run (TrainingArguments reads it to
+    # build the plugin from the accelerate config): it is restored as found.
+    launched_with = os.environ.get("ACCELERATE_USE_DEEPSPEED")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     try:
         PartialState(backend="gloo")
     finally:
-        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        if launched_with is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = launched_with
 
 
 def shared_batch_mesh(topology, device_type):
