@@ -15,10 +15,9 @@ import os
 
 import deepspeed
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds_tsp.checkpoint.formats import ADAPTER_WEIGHTS, CheckpointError
+from ds_tsp.checkpoint.formats import ADAPTER_WEIGHTS, CheckpointError, open_safetensors
 from ds_tsp.injection.lora import ROW_SPLIT, one_lora_config
 from ds_tsp.parallel import comm
 
@@ -124,7 +123,7 @@ class AdapterFiles:
         if self.config.rank_pattern or self.config.alpha_pattern:
             raise CheckpointError(f"{path}: LoraConfig(rank_pattern=..., alpha_pattern=...) is not read onto a TSP "
                                   "model: load it with PeftModel.from_pretrained and hand ds_tsp that model")
-        self.file = safe_open(weights, framework="pt")
+        self.file = open_safetensors(weights)
 
     def adapters(self):
         """``{module path: (read, scaling)}`` (``ds_tsp.injection.lora.shard_adapters``)."""

@@ -1,9 +1,12 @@
 """What a checkpoint directory holds: the file names of Hugging Face's
 weights and indexes, of PEFT's adapters and of ``ds-tsp convert``'s per-rank
-shards, which of them a reader takes first, and ``CheckpointError``."""
+shards, which of them a reader takes first, ``CheckpointError`` and
+``open_safetensors``, which names the file a failed opening was of."""
 
 import os
 import re
+
+from safetensors import SafetensorError, safe_open
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -49,3 +52,16 @@ def hf_weights_file(directory):
     """The weights file Hugging Face's ``from_pretrained`` would read in
     ``directory`` (see ``HF_WEIGHTS_ORDER``), or None."""
     return next((name for name in HF_WEIGHTS_ORDER if os.path.isfile(os.path.join(directory, name))), None)
+
+
+def open_safetensors(file):
+    """``safe_open(file)``; a missing, truncated or corrupt file is a
+    ``CheckpointError`` that names it (safetensors' own message does not)."""
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} does not exist (named by the checkpoint's index?): the checkpoint is "
+                              "incomplete; download or save it again") from None
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file} cannot be read as safetensors ({error}): it is truncated or corrupt; "
+                              "download or save it again") from None

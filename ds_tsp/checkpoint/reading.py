@@ -23,7 +23,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ds_tsp.blocks.fused import row_pieces, split_rows
@@ -38,6 +37,7 @@ from ds_tsp.checkpoint.formats import (
     TSP_SHARDS_FORMAT,
     CheckpointError,
     hf_weights_file,
+    open_safetensors,
 )
 from ds_tsp.checkpoint.shard_plan import meta_model, narrow_index, shard_plan
 from ds_tsp.injection.inject import inject
@@ -61,7 +61,7 @@ class SafetensorsCheckpoint:
         chosen = hf_weights_file(self.path) if os.path.isdir(self.path) else None
         if chosen == SAFE_WEIGHTS:
             single = os.path.join(self.path, SAFE_WEIGHTS)
-            with safe_open(single, framework="pt") as f:
+            with open_safetensors(single) as f:
                 self.files = dict.fromkeys(f.keys(), single)
         elif chosen == SAFE_WEIGHTS_INDEX:
             with open(os.path.join(self.path, SAFE_WEIGHTS_INDEX)) as f:
@@ -74,7 +74,7 @@ class SafetensorsCheckpoint:
                                   "save_pretrained(safe_serialization=True)")
         self.shapes = {}
         for file in sorted(set(self.files.values())):
-            with safe_open(file, framework="pt") as f:
+            with open_safetensors(file) as f:
                 self.shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
 
     @property
@@ -84,7 +84,7 @@ class SafetensorsCheckpoint:
     def read(self, name, piece=None):
         """The tensor ``name`` narrowed to ``piece`` (whole when None), possibly a
         view of the (copy-on-write) memory-mapped file."""
-        with safe_open(self.files[name], framework="pt") as f:
+        with open_safetensors(self.files[name]) as f:
             if piece is None:
                 return f.get_tensor(name)
             return f.get_slice(name)[narrow_index(piece)]
@@ -96,7 +96,7 @@ class SafetensorsCheckpoint:
             by_file.setdefault(self.files[name], []).append(name)
         tensors = {}
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt") as f:
+            with open_safetensors(file) as f:
                 tensors.update({name: f.get_tensor(name) for name in file_names})
         return tensors
 
@@ -202,7 +202,7 @@ class TSPShardCheckpoint:
 
     def read_rank(self, name, tsp_rank):
         """What rank ``tsp_rank``'s file holds under ``name`` (its piece, or the whole tensor)."""
-        with safe_open(self.files[tsp_rank], framework="pt") as f:
+        with open_safetensors(self.files[tsp_rank]) as f:
             return f.get_tensor(name)
 
     def read(self, name, piece=None):

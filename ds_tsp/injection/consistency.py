@@ -11,9 +11,11 @@ wrong:
   before any weight moves, naming the first tensor that differs;
 * replicated weights and buffers are broadcast from TSP rank 0, so ranks whose
   weights differ only in value (unseeded initialisation) start identical;
-* the first micro-batch (``tsp.check_batch: "first"``, or every one with
-  ``"always"``) is compared across the group by a fingerprint, and a
-  difference is refused with its likely cause.
+* every micro-batch (``tsp.check_batch: "always"``, the default; ``"first"``
+  checks only the first, ``"never"`` none) is compared across the group by a
+  fingerprint of the host copy the forward makes anyway, in one all-gather of
+  a few int64 per micro-batch, and a difference is refused, naming the ranks
+  and the inputs, with its likely cause.
 """
 
 import hashlib
@@ -87,20 +89,25 @@ def batch_fingerprint(tensors):
     return torch.cat(parts)
 
 
-def check_same_batch(named_tensors, group):
+def check_same_batch(named_tensors, group, device=None):
     """Refuse a micro-batch that differs between the ranks of ``group``;
-    ``named_tensors``: ``{name: tensor or None}`` as the forward received them."""
+    ``named_tensors``: ``{name: tensor or None}`` as the forward received them
+    (host copies, or on the device); the fingerprint travels on ``device``
+    (default: the first tensor's), which the group's backend must take."""
     if comm.group_size(group) == 1:
         return
-    mine = batch_fingerprint(list(named_tensors.values()))
+    present = [t for t in named_tensors.values() if t is not None]
+    mine = batch_fingerprint(list(named_tensors.values())).to(device or present[0].device)
     gathered, _ = comm.all_gather(mine, group)
+    gathered = gathered.cpu()
     different = [r for r in range(len(gathered)) if not torch.equal(gathered[r], gathered[0])]
     if not different:
         return
     names = [name for i, name in enumerate(named_tensors)
              if not torch.equal(gathered[different[0]][4 * i:4 * i + 4], gathered[0][4 * i:4 * i + 4])]
     raise RankMismatchError(
-        f"TSP ranks {different} received a different micro-batch than TSP rank 0 (in {names}): every rank of a "
+        f"TSP ranks {different} (global ranks {[comm.global_rank(group, r) for r in different]}) received a "
+        f"different micro-batch than TSP rank 0 (global rank {comm.global_rank(group, 0)}) in {names}: every rank of a "
         "TSP group must get the same full micro-batch. The likely cause is a sampler or data loader that shards "
         "over the world (DistributedSampler(num_replicas=world_size)) instead of over the data-parallel ranks: use "
         "num_replicas=engine.tsp_topology.dp_size, rank=engine.tsp_topology.dp_rank, or pass training_data= to "
@@ -108,13 +115,13 @@ def check_same_batch(named_tensors, group):
 
 
 class BatchCheck:
-    """``tsp.check_batch``: compare the micro-batch across ``group`` on the
-    ``"first"`` call, on ``"always"`` every call, or ``"never"``."""
+    """``tsp.check_batch``: compare the micro-batch across ``group`` on every
+    call (``"always"``), on the ``"first"`` call, or ``"never"``."""
 
     def __init__(self, when, group):
         self.when, self.group, self.checked = when, group, False
 
-    def __call__(self, **named_tensors):
+    def __call__(self, device=None, **named_tensors):
         if self.when == "always" or (self.when == "first" and not self.checked):
-            check_same_batch(named_tensors, self.group)
+            check_same_batch(named_tensors, self.group, device)
             self.checked = True

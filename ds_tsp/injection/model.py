@@ -20,6 +20,7 @@ from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 from ds_tsp.inference.generate import cached_forward
+from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.mappings import sum_over_group
 
@@ -98,14 +99,26 @@ class TSPBatch:
     copy's shards; the tensors the layers compute with stay on the device."""
 
     def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
-                 cu_seq_lens=None):
-        batch, seq_len = input_ids.shape
-        if position_ids is not None and position_ids.shape == (1, seq_len):
-            position_ids = position_ids.expand(batch, -1)  # HF accepts positions shared by every row
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; TSP needs the full sequence's "
-                             f"{tuple(input_ids.shape)}, the same on every rank of the TSP group")
+                 cu_seq_lens=None, vocab_size=None, batch_check=None):
+        """``vocab_size``: ``(embedding rows, head classes)`` to check the ids
+        and labels against (``ds_tsp.injection.inputs``); ``batch_check``
+        (``tsp.check_batch``): compare the host copy across the TSP group. An
+        input is refused before anything else reaches a collective, after the
+        batch check, which every rank joins whatever it found: ranks that got
+        the same batch reach the same verdict, ranks that did not are all
+        refused, and none is left waiting for the others."""
+        refusal = _refusal(check_shapes, input_ids, labels, attention_mask, position_ids)
+        if refusal is None and position_ids is not None and position_ids.shape == (1, input_ids.shape[1]):
+            position_ids = position_ids.expand(input_ids.shape[0], -1)  # HF accepts positions shared by every row
         host_ids, host_labels, host_positions, host_mask = host_copy(input_ids, labels, position_ids, attention_mask)
+        if refusal is None and vocab_size is not None:
+            refusal = _refusal(check_token_ids, host_ids, host_labels, *vocab_size)
+        if batch_check is not None:
+            batch_check(input_ids.device, input_ids=host_ids, labels=host_labels, position_ids=host_positions,
+                        attention_mask=host_mask)
+        if refusal is not None:
+            raise refusal
+        batch, seq_len = input_ids.shape
         host_real = _real_tokens(host_mask, batch, seq_len, host_ids.device)
         self.documents = document_starts(host_positions, host_mask, cu_seq_lens, input_ids.shape)
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -132,6 +145,15 @@ class TSPBatch:
         self.input_ids, self.position_ids = own(input_ids), own(position_ids)
         self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def _refusal(check, *args):
+    """The error ``check(*args)`` raises for a bad input (None when it passes)."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, IndexError) as error:
+        return error
+    return None
 
 
 def host_copy(*tensors):
@@ -225,10 +247,9 @@ class TSPCausalLMMixin:
                              f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
                              "keeps the last token's")
         policy, topo = self.tsp_policy, self.tsp_topology
-        self.tsp_batch_check(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                             attention_mask=attention_mask)
+        vocab_size = tuple(vocabulary_rows(self.get_submodule(name)) for name in (policy.embed_tokens, policy.lm_head))
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
-                         self.tsp_config.layout, cu_seq_lens)
+                         self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
                                     batch.input_ids)
         layers = self.get_submodule(policy.layers)

@@ -32,6 +32,7 @@ from ds_tsp.blocks.moe.load_balancing import balance_loss, recorded_router_logit
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import rotary_tables
 from ds_tsp.blocks.vocab import embed_local_tokens
+from ds_tsp.injection.inputs import check_token_ids, vocabulary_rows
 from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
 
 
@@ -44,8 +45,8 @@ class TSPEmbeddingPipe(nn.Module):
         self.num_experts = num_experts  # > 0: the message carries load-balancing statistics
 
     def forward(self, input_ids):
-        self.batch_check(input_ids=input_ids)
-        batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name)
+        batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name,
+                         vocab_size=(vocabulary_rows(self.embed_tokens),), batch_check=self.batch_check)
         positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
         hidden = embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids)
         if not self.num_experts:
@@ -139,6 +140,7 @@ class TSPPipeLoss:
     def __call__(self, outputs, labels):
         topo = self.topology
         hidden, *statistics = outputs if isinstance(outputs, tuple) else (outputs,)
+        check_token_ids(None, labels, vocabulary_rows(self.head_pipe.lm_head))
         batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
         loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group,
                                    logit_softcap=self.logit_softcap)
