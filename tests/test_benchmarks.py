@@ -251,3 +251,18 @@ def test_inference_runs_every_strategy_at_the_smallest_settings(tmp_path, own_pr
     markdown = open(tmp_path / "inference.md").read()
     assert "| TSP | 2 | 32 | 2 |" in markdown and "TSP (2) / TP (2) peak" in markdown
     assert (tmp_path / "inference.png").stat().st_size > 0
+
+
+def test_batch_check_times_the_check_against_a_step(tmp_path, own_processes):
+    """benchmarks/batch_check.py at 64 tokens: the check and both steps are
+    timed on every rank and the table is written (the committed run at 2048
+    tokens is benchmarks/results/batch_check_cpu.md)."""
+    cmd = [os.path.join(ROOT, "benchmarks", "batch_check.py"), "--seq-lens", "64", "--repeats", "1",
+           "--strategy-timeout", "120", "--out", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.load(open(tmp_path / "batch_check_cpu.json"))["rows"]["64"]
+    print(row)
+    assert 0 < row["check_s"] < row["step_off_s"] and row["step_on_s"] > 0
+    assert "| 64 |" in open(tmp_path / "batch_check_cpu.md").read()
