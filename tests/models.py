@@ -161,17 +161,19 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
                   experts_implementation="eager")  # MoE models: grouped_mm takes no float64
 
 
-def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):
-    """The causal LM of ``model_type`` on a tiny config, initialised as ``tiny_model``."""
+def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, requested=None, **overrides):
+    """The causal LM of ``model_type`` on a tiny config, initialised as
+    ``tiny_model``, with the ``requested`` attention implementation (default: the first
+    of SDPA, eager_wide_softmax and eager that the class takes)."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     # float64 SDPA is exact; HF's eager softmaxes in float32, eager_wide_softmax in float64 (for
     # the classes without SDPA; a few build their own attention and take eager only).
-    for attention in ("sdpa", "eager_wide_softmax", "eager"):
+    for attention in (requested,) if requested else ("sdpa", "eager_wide_softmax", "eager"):
         # Some constructors print their config when they fail.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention})
+            config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention, **overrides})
             torch.manual_seed(seed)
             try:
                 with torch.device(device or "cpu"):
@@ -180,7 +182,7 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None):
             except (ValueError, KeyError) as error:
                 unsupported = isinstance(error, KeyError) or "does not support an attention implementation" in str(
                     error)
-                if attention == "eager" or not unsupported:
+                if attention in ("eager", requested) or not unsupported:
                     raise
     if device == "meta":
         return model

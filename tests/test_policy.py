@@ -32,10 +32,15 @@ TABLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 def parity(ref, tsp_size, seed=7):
     """Max |diff| of the loss and of every gradient of ``ref`` injected at
-    ``tsp_size`` against ``ref`` itself (B=2, S=13: padded at D=2)."""
+    ``tsp_size`` against ``ref`` itself (B=2, S=13: padded at D=2). A model
+    that runs HF's eager attention is injected (and probed) as it is and
+    compared with eager_wide_softmax, the same attention with the softmax in
+    float64: HF's own takes it in float32, a float32-exact reference."""
     input_ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
     model = copy.deepcopy(ref)
     ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    if ref.config._attn_implementation == "eager":
+        ref.set_attn_implementation("eager_wide_softmax")
     loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     ref_loss = reference_loss(ref, input_ids)
@@ -43,13 +48,16 @@ def parity(ref, tsp_size, seed=7):
     return {"loss": abs(loss.item() - ref_loss.item()), **shard_grad_diffs(model, ref)}
 
 
-def exact_or_refused(model_types):
+def exact_or_refused(model_types, attention=None, overrides=None):
     """On every rank, per model type: ``("exact", max |diff| of loss and every
-    gradient against HF)`` or ``("refused", message)``."""
+    gradient against HF)`` or ``("refused", message)``, under the ``attention``
+    implementation (default: the first the class takes of SDPA,
+    eager_wide_softmax, eager) and with ``overrides[model_type]`` in its config."""
     verdicts = {}
     for model_type in model_types:
         try:
-            diffs = parity(tiny_causal_lm(model_type), dist.get_world_size())
+            model = tiny_causal_lm(model_type, requested=attention, **(overrides or {}).get(model_type, {}))
+            diffs = parity(model, dist.get_world_size())
         except (PolicyError, VocabError) as error:
             verdicts[model_type] = ("refused", str(error))
             continue
@@ -100,7 +108,47 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
         "docs/architectures.md states another scan than this transformers': update its version and counts"
     for model_type in TABLE_ARCHITECTURES:  # the loop could not pass by refusing everything
         assert verdict_of[model_type] == "exact", model_type
+
+    # No false refusal under HF's eager attention (float32 softmax): every class exact above is exact under it.
+    exact = [model_type for model_type, verdict in verdict_of.items() if verdict == "exact"]
+    under_eager = run_ranks(2, exact_or_refused, model_types=exact, attention="eager")
+    print(f"\nunder attn_implementation='eager' (the TSP model probed under it; the reference's softmax in float64):")
+    for model_type in exact:
+        verdicts = [rank[model_type] for rank in under_eager]
+        kind, detail = verdicts[0]
+        shown = f"within {max(v[1] for v in verdicts):.1e} of HF" if kind == "exact" else detail
+        print(f"{model_type:26} {kind:8} {shown}")
+        assert all(v[0] == "exact" and v[1] <= TOLERANCE for v in verdicts), (model_type, verdicts)
     assert all(kind == "refused" for model_type, kind in verdict_of.items() if model_type in ("diffllama", "ernie4_5"))
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_classes_probed_under_eager_and_sdpa_are_exact(run_ranks, tsp_size):
+    """SmolLM3, Granite and Seed-OSS (accepted by the auto policy's probe) under
+    HF's eager attention and SDPA: the probe accepts each, and loss and every
+    gradient match HF (eager: HF's attention with a float64 softmax). Seed-OSS's
+    config defaults to attention and residual dropout, refused by name; here they are off."""
+    classes = ["smollm3", "granite", "seed_oss"]
+    for attention in ("eager", "sdpa"):
+        per_rank = run_ranks(tsp_size, exact_or_refused, model_types=classes, attention=attention,
+                             overrides={"seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0}})
+        for model_type in classes:
+            verdicts = [rank[model_type] for rank in per_rank]
+            print(f"D={tsp_size} {model_type} under {attention}: {verdicts[0][0]} "
+                  f"{max(v[1] for v in verdicts) if verdicts[0][0] == 'exact' else verdicts[0][1]}")
+            assert all(v[0] == "exact" and v[1] <= TOLERANCE for v in verdicts), (model_type, attention, verdicts)
+
+
+def test_a_refusal_under_eager_names_the_reference_precision():
+    """The probe's tolerance follows the reference (under eager, float32's), and
+    a layer that does more than Llama's is still refused under it, the message
+    naming the attention implementation and the tolerance."""
+    model = look_alike(ClampedDecoderLayer, attn_implementation="eager")
+    with pytest.raises(PolicyError, match=r"ClampedDecoderLayer at model.layers.0\) was accepted by shape only.*"
+                                          r"under Hugging Face's eager attention, against a tolerance of 1e-05 \(its "
+                                          r"softmax runs in float32\)") as refusal:
+        _inject(model)
+    print(refusal.value)
 
 
 def documented_scan():
