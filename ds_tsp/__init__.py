@@ -14,7 +14,8 @@ import importlib
 _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "parallel.topology",
             "initialize": "runtime.engine", "num_items_in_batch": "runtime.engine", "inject": "injection.inject",
             "from_pretrained": "checkpoint", "save_pretrained": "checkpoint", "TSPTrainer": "runtime.trainer",
-            "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer"}
+            "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer",
+            "argmax_token_ids": "runtime.trainer"}
 
 __all__ = sorted(_EXPORTS)
 

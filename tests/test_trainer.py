@@ -64,10 +64,11 @@ def _arguments(output_dir, per_device_batch, deepspeed=None):
         include_num_input_tokens_seen="non_padding", deepspeed=deepspeed, **configured)
 
 
-def _deepspeed_config(tsp_size):
+def _deepspeed_config(tsp_size, zero_stage=1):
     return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 1}, "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+            "zero_optimization": {"stage": zero_stage},
+            "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
 
 
 def _losses(trainer):
@@ -185,6 +186,76 @@ def test_trainer_matches_one_process(run_ranks, tmp_path, world, tsp_size):
     if dp_size > 1:
         print(f"  resumed at TSP={tsp_size * dp_size} DP=1: steps 4-6 {tsp['moved_losses']}")
         assert tsp["moved_losses"] == pytest.approx(tsp["losses"][3:], rel=1e-6)
+
+
+def _accuracy(prediction):
+    """The next-token accuracy over real targets (prediction t against label t+1), as users compute it."""
+    predicted, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    predicted = predicted.argmax(-1) if predicted.is_floating_point() else predicted  # full logits: argmax here
+    real = labels[:, 1:] != -100
+    return {"accuracy": (predicted[:, :-1] == labels[:, 1:])[real].double().mean().item()}
+
+
+def _prediction_args(output_dir, deepspeed=None):
+    configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
+    return TrainingArguments(output_dir=output_dir, per_device_eval_batch_size=MICRO_BATCH, report_to=[],
+                             disable_tqdm=True, deepspeed=deepspeed, **configured)
+
+
+def _tsp_predictions(output_dir):
+    """On every rank: predict() and evaluate() with the argmax ids and with full logits."""
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
+
+    out = {}
+    try:
+        for name, preprocess in (("argmax", ds_tsp.argmax_token_ids), ("logits", None)):
+            configure_cpu_ranks()
+            trainer = ds_tsp.TSPTrainer(model=tiny_model("qwen2", dtype=torch.float32),
+                                        # Evaluation before any training: ZeRO-3, as Hugging Face asks.
+                                        args=_prediction_args(output_dir, _deepspeed_config(dist.get_world_size(), 3)),
+                                        eval_dataset=_rows(EVAL_ROWS, 2), compute_metrics=_accuracy,
+                                        preprocess_logits_for_metrics=preprocess)
+            prediction = trainer.predict(_rows(EVAL_ROWS, 2))
+            out[name] = dict(predictions=torch.as_tensor(prediction.predictions),
+                             labels=torch.as_tensor(prediction.label_ids), metrics=prediction.metrics,
+                             evaluated=trainer.evaluate())
+        return out
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_predict_gives_one_process_predictions_and_metrics(run_ranks, tmp_path):
+    """predict() and evaluate() at TSP 2 with compute_metrics: with
+    preprocess_logits_for_metrics=ds_tsp.argmax_token_ids the predicted ids
+    (found on the folded head's ring) equal the plain Trainer's argmax path on
+    one process, and so does the accuracy; without it, the full logits."""
+    per_rank = run_ranks(2, _tsp_predictions, output_dir=str(tmp_path / "tsp"))
+    plain = {}
+    for name, preprocess in (("argmax", lambda logits, labels: logits.argmax(-1)), ("logits", None)):
+        trainer = Trainer(model=tiny_model("qwen2", dtype=torch.float32), args=_prediction_args(str(tmp_path / name)),
+                          eval_dataset=_rows(EVAL_ROWS, 2), compute_metrics=_accuracy,
+                          preprocess_logits_for_metrics=preprocess)
+        plain[name] = trainer.predict(_rows(EVAL_ROWS, 2))
+    ids, logits = torch.as_tensor(plain["argmax"].predictions), torch.as_tensor(plain["logits"].predictions)
+    # Real tokens: what right padding computes is no prediction (HF's padded queries see other keys than TSP's).
+    real = torch.stack([row["attention_mask"] for row in _rows(EVAL_ROWS, 2)]).bool()
+    for rank, out in enumerate(per_rank):
+        tsp, full = out["argmax"], out["logits"]["predictions"]
+        print(f"rank {rank}: predicted ids {tuple(tsp['predictions'].shape)} on {int(real.sum())} real tokens equal "
+              f"to one process's: {torch.equal(tsp['predictions'][real], ids[real])}; accuracy "
+              f"{tsp['metrics']['test_accuracy']:.4f} vs {plain['argmax'].metrics['test_accuracy']:.4f}, loss "
+              f"{tsp['metrics']['test_loss']:.6f} vs {plain['argmax'].metrics['test_loss']:.6f}; full logits "
+              f"{tuple(full.shape)}, max |diff| {(full - logits)[real].abs().max():.1e}")
+        assert tsp["predictions"].dtype == torch.long and tsp["predictions"].shape == ids.shape
+        assert torch.equal(tsp["predictions"][real], ids[real])
+        assert torch.equal(tsp["labels"], torch.as_tensor(plain["argmax"].label_ids))
+        assert tsp["metrics"]["test_accuracy"] == plain["argmax"].metrics["test_accuracy"]
+        assert tsp["evaluated"]["eval_accuracy"] == plain["argmax"].metrics["test_accuracy"]
+        assert abs(tsp["metrics"]["test_loss"] - plain["argmax"].metrics["test_loss"]) <= BOUND
+        assert full.shape == logits.shape and (full - logits)[real].abs().max() <= LOGITS_BOUND
+        assert out["logits"]["metrics"]["test_accuracy"] == plain["logits"].metrics["test_accuracy"]
 
 
 def _launched(argv, env, cwd):

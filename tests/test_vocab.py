@@ -73,12 +73,15 @@ def _tsp_blocks(vocab_size, tied, batch, logits_tile_mib, wrong_shard=False):
     backward_ops = comm.counter.snapshot()
     with torch.no_grad():
         logits = head(torch.tanh(embed(rank_ids)))
+    # Evaluation: the loss and the predicted ids found on the same ring, without full logits.
+    eval_sum, predicted = head.loss_sum_and_argmax(torch.tanh(embed(rank_ids)), local_labels)
     _, start, length = embed.shard_piece("weight")
     owners = torch.stack(rank_ids).flatten(1) // embed.rows  # (D, N)
     counts = [[int((owners[k] == j).sum()) for j in range(D)] for k in range(D)]
     return {"loss": loss.item(), "piece": (start, length), "embed": embed.weight.grad, "head": head.weight.grad,
             "logits": logits, "forward_ops": forward_ops, "backward_ops": backward_ops, "counts": counts,
-            "tile": head.tile, "tsp_rank": r}
+            "tile": head.tile, "tsp_rank": r, "predicted": predicted, "eval_loss_sum": eval_sum.item(),
+            "loss_sum": local_sum.item()}
 
 
 def _received(ops, op):
@@ -112,9 +115,12 @@ def test_embedding_and_fused_loss_match_torch_and_move_the_formula_bytes(run_ran
             worst["padding rows"] = max(worst["padding rows"], res["embed"][length:].abs().max().item()
                                         if length < rows else 0.0)
             worst["logits"] = max(worst["logits"], (res["logits"] - ref_logits[res["tsp_rank"]]).abs().max().item())
+            worst["eval loss"] = max(worst.get("eval loss", 0.0), abs(res["eval_loss_sum"] - res["loss_sum"]))
+        wrong_ids = sum(int((res["predicted"] != ref_logits[res["tsp_rank"]].argmax(-1)).sum()) for res in per_rank)
         print(f"D={tsp_size} {name}: tile {per_rank[0]['tile']} tokens; max|diff| "
-              + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+              + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + f"; {wrong_ids} predicted ids differ")
         assert max(worst.values()) <= TOLERANCE, worst
+        assert wrong_ids == 0
         if not tied:  # the padding row had no gradient to match (a tied head still gives it one)
             assert ref["embed"][PADDING_IDX].abs().max() == 0
         for res in per_rank:  # DESIGN section 6 / ds_tsp.blocks.vocab, float64 (e = a = 8 bytes)
@@ -134,8 +140,10 @@ def test_a_wrong_head_shard_is_caught(run_ranks):
     moved = max(abs(per_rank[0]["loss"] - ref["loss"]),
                 max((res["embed"][:res["piece"][1]] - ref["embed"][res["piece"][0]:sum(res["piece"])]).abs().max()
                     .item() for res in per_rank))
-    print(f"wrong head shard: loss / embedding gradient moved by {moved:.2e}")
-    assert moved > 1e3 * TOLERANCE
+    ref_logits = layout.stack_shards(ref["logits"], 2, "zigzag")
+    wrong_ids = sum(int((res["predicted"] != ref_logits[res["tsp_rank"]].argmax(-1)).sum()) for res in per_rank)
+    print(f"wrong head shard: loss / embedding gradient moved by {moved:.2e}, {wrong_ids} predicted ids differ")
+    assert moved > 1e3 * TOLERANCE and wrong_ids > 0
 
 
 def _d3_model():

@@ -323,16 +323,22 @@ def _capped_logits(hidden, w, acc, softcap):
     return capped, 1 - (capped / softcap) ** 2
 
 
-def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None):
+def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None,
+                               argmax=False):
     """Per-token cross-entropy ``(N,)`` (0 where the label is ignored) and the
     log-sum-exp ``(N,)`` of every token's full-vocabulary logits, both in fp32
     or wider. ``hidden`` ``(N, H)``, ``weight`` this rank's ``(Vs, H)`` head rows;
-    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``)."""
+    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``).
+    With ``argmax`` also each token's predicted id ``(N,)``: the first of the
+    largest logits, as ``logits.argmax(-1)`` picks, found shard by shard on
+    the same ring."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
     lse = torch.full((num_tokens,), float("-inf"), dtype=acc, device=hidden.device)
     target_logit = torch.zeros(num_tokens, dtype=acc, device=hidden.device)
+    best = torch.full((num_tokens,), float("-inf"), dtype=acc, device=hidden.device) if argmax else None
+    best_id = torch.zeros(num_tokens, dtype=torch.long, device=hidden.device) if argmax else None
 
     def step(t, buf):
         first, count = _shard_columns(tsp_rank, t, tsp_size, rows, vocab_size)
@@ -345,10 +351,16 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
             lse[span] = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
             column, hit = _targets_in(labels[span], first, count)
             target_logit[span] += torch.where(hit, z.gather(1, column.unsqueeze(1)).squeeze(1), 0)
+            if argmax:  # shards arrive out of vocabulary order: a tie goes to the lower id
+                value, index = z.max(dim=-1)
+                index = index + first
+                better = (value > best[span]) | ((value == best[span]) & (index < best_id[span]))
+                best[span] = torch.where(better, value, best[span])
+                best_id[span] = torch.where(better, index, best_id[span])
 
     ring_steps(weight, tsp_group, step, overlap)
     losses = torch.where(labels != IGNORE_INDEX, lse - target_logit, 0)
-    return losses, lse
+    return (losses, lse, best_id) if argmax else (losses, lse)
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
@@ -461,6 +473,18 @@ class VocabParallelLMHead(_VocabShard):
                                          self.vocab_size, self.tile, self.tsp_group, self.overlap,
                                          self.grad_wire_dtype, softcap)
         return losses.sum()
+
+    @torch.no_grad()
+    def loss_sum_and_argmax(self, hidden, labels, softcap=None):
+        """Evaluation: ``loss_sum`` (no gradient) and the predicted ids ``(...)``
+        of this rank's tokens, the argmax of their full-vocabulary logits found
+        on the same ring, without them. ``labels`` None: no loss (None)."""
+        flat_labels = (torch.full(hidden.shape[:-1], IGNORE_INDEX, device=hidden.device) if labels is None
+                       else labels).reshape(-1)
+        losses, _, predicted = cross_entropy_ring_forward(hidden.reshape(-1, hidden.shape[-1]), self.weight,
+                                                          flat_labels, self.vocab_size, self.tile, self.tsp_group,
+                                                          self.overlap, softcap, argmax=True)
+        return (None if labels is None else losses.sum()), predicted.view(hidden.shape[:-1])
 
     @torch.no_grad()
     def replicated_logits(self, hidden):

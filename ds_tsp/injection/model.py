@@ -22,7 +22,7 @@ from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_t
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
 from ds_tsp.parallel import layout
-from ds_tsp.parallel.mappings import sum_over_group
+from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
 
 class TSPDecoderLayer(GradientCheckpointingLayer):
@@ -197,7 +197,8 @@ class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
-                use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, **kwargs):
+                use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, tsp_predictions=None,
+                **kwargs):
         """With ``use_cache`` or a ``cache`` this is the inference forward that
         Hugging Face's ``model.generate`` calls (``ds_tsp.inference.generate.cached_forward``):
         prefill or decode steps, the last token's logits and the ``TSPCache``.
@@ -209,6 +210,10 @@ class TSPCausalLMMixin:
         Returns ``.loss`` and ``.logits``: the local tokens' full-vocabulary
         logits, or None when the loss is fused with a folded LM head (labels
         given and ``tsp.vocab_parallel``), as with fused-loss kernels.
+        ``tsp_predictions`` (evaluation, ``TSPTrainer.prediction_step``) makes
+        ``.logits`` the whole sequence's, on every rank: ``"argmax"`` the
+        predicted ids ``(B, S)`` (a folded head finds them on its ring, with
+        no full logits), ``"logits"`` the full logits ``(B, S, V)``.
 
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
@@ -236,12 +241,14 @@ class TSPCausalLMMixin:
             raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
                              "local tokens' logits only")
         if use_cache or cache is not None:
-            if labels is not None or asked or cu_seq_lens is not None:
+            if labels is not None or asked or cu_seq_lens is not None or tsp_predictions is not None:
                 raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
-                                 "output_router_logits or packed documents: train without use_cache")
+                                 "output_router_logits, tsp_predictions or packed documents: train without use_cache")
             logits, cache = cached_forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep)
             output = MoeCausalLMOutputWithPast if moe_blocks else CausalLMOutputWithPast
             return output(logits=logits, cache=cache)
+        if tsp_predictions not in (None, "argmax", "logits"):
+            raise ValueError(f"tsp_predictions = {tsp_predictions!r}: use \"argmax\" (predicted ids) or \"logits\"")
         if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
             raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
                              f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
@@ -260,7 +267,10 @@ class TSPCausalLMMixin:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
-                                        num_items_in_batch, getattr(self.config, "final_logit_softcapping", None))
+                                        num_items_in_batch, getattr(self.config, "final_logit_softcapping", None),
+                                        tsp_predictions)
+        if tsp_predictions is not None:
+            logits = gather_sequence(logits, batch.num_padding, topo.tsp_group, self.tsp_config.layout)
         if not moe_blocks:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         aux_loss = None
@@ -290,22 +300,33 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
     return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
 
 
-def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None):
+def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None,
+                     predictions=None):
     """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``,
     the logits soft-capped by ``logit_softcap`` (``config.final_logit_softcapping``).
 
     The loss (None without labels) is the mean cross-entropy over all real
     tokens of the full sequence: each rank sums its own tokens' losses and the
     sums add up over the TSP group. A folded head computes it on its ring and
-    returns no logits; a replicated head returns the local tokens' logits."""
-    if batch.labels is None:
-        return None, soft_cap(lm_head(hidden), logit_softcap)
-    if isinstance(lm_head, VocabParallelLMHead):
+    returns no logits; a replicated head returns the local tokens' logits.
+    ``predictions`` (evaluation): ``"argmax"`` returns in place of the logits
+    the local tokens' predicted ids ``(B, S/D)`` (a folded head finds them on
+    its ring, with no full logits); ``"logits"`` the local tokens' full
+    logits, from which the loss is then taken."""
+    folded = isinstance(lm_head, VocabParallelLMHead)
+    if predictions == "argmax" and folded:
+        local_sum, logits = lm_head.loss_sum_and_argmax(hidden, batch.labels, logit_softcap)
+    elif folded and predictions is None and batch.labels is not None:
         logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels, logit_softcap)
     else:
         logits = soft_cap(lm_head(hidden), logit_softcap)
-        local_sum = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                                    batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        local_sum = None if batch.labels is None else F.cross_entropy(
+            logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), batch.labels.flatten(),
+            ignore_index=IGNORE_INDEX, reduction="sum")
+        if predictions == "argmax":
+            logits = logits.argmax(dim=-1)
+    if local_sum is None:
+        return None, logits
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
     # A tensor count (the HF Trainer passes one, maybe on the device) is not read on the host.
     divisor = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)

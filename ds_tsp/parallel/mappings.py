@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 
-from ds_tsp.parallel import comm, precision
+from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
 
@@ -194,3 +194,12 @@ def gather_rows(shard, group):
     if comm.group_size(group) == 1:
         return shard
     return _GatherRows.apply(shard, group)
+
+
+@torch.no_grad()
+def gather_sequence(local, num_padding, group, layout_name):
+    """Evaluation (no gradient): every rank's local tokens ``(B, S/D, ...)``
+    all-gathered into the whole sequence ``(B, S, ...)`` in natural order, the
+    padding TSP appended dropped."""
+    gathered, _ = comm.all_gather(local.contiguous(), group)
+    return layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name), num_padding)

@@ -150,7 +150,8 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     engine.tsp_topology = topology
     _refuse_consolidated_state_dicts(engine)
     attach_layout_checks(engine)
-    if engine.zero_optimization_partition_weights():
+    # ZeRO-3 without an optimizer (the Trainer's evaluation before training) loads no optimizer states.
+    if engine.zero_optimization_partition_weights() and hasattr(engine.optimizer, "load_hp_checkpoint_state"):
         load_zero3_universal_states(engine.optimizer)
     client.attach(engine)
     if replicated_grads is not None:

@@ -6,6 +6,7 @@ import functools
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
@@ -57,7 +58,9 @@ def schedule_replicated_grads(engine, replicated_grads):
     """
     optimizer = engine.optimizer
     wire_dtype = functools.partial(_wire_dtype, engine)
-    if optimizer is None or getattr(engine, "zenflow", False) or _steps_in_backward(engine):
+    # No optimizer: ZeRO-3 holds a DeepSpeedZeRoOffload then (the Trainer's evaluation before training).
+    if (optimizer is None or isinstance(optimizer, DeepSpeedZeRoOffload) or getattr(engine, "zenflow", False)
+            or _steps_in_backward(engine)):
         replicated_grads.every_backward(wire_dtype)
     elif engine.zero_optimization_partition_weights() and not optimizer.swap_optimizer:
         replicated_grads.deferred(wire_dtype)

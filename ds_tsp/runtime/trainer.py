@@ -103,6 +103,25 @@ class TSPTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """``(loss, predictions, labels)`` of one evaluation micro-batch, as the
+        Trainer's: the TSP forward gives every rank the whole sequence's
+        predictions. With ``preprocess_logits_for_metrics=ds_tsp.argmax_token_ids``
+        they are the predicted ids ``(B, S)``, found on the folded head's ring
+        without full logits; otherwise the full logits ``(B, S, V)``, gathered,
+        which the Trainer hands to the user's ``preprocess_logits_for_metrics``."""
+        if self.tsp_topology is None or prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        labels = None
+        if self.label_names and all(inputs.get(name) is not None for name in self.label_names):
+            labels = tuple(inputs[name].detach() for name in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        kind = "argmax" if self.preprocess_logits_for_metrics is argmax_token_ids else "logits"
+        with torch.no_grad():
+            outputs = model(**inputs, tsp_predictions=kind)
+        return (None if outputs.loss is None else outputs.loss.detach()), outputs.logits, labels
+
     def _track_num_input_tokens(self, inputs):
         # The Trainer sums every rank's tokens; the ranks of a TSP group hold the same ones.
         seen = self.state.num_input_tokens_seen
@@ -150,6 +169,14 @@ class TSPTrainerMixin:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, f"{output_dir}/{TRAINING_ARGS_NAME}")
+
+
+def argmax_token_ids(logits, labels=None):
+    """The predicted token ids ``logits.argmax(-1)``: pass it as the Trainer's
+    ``preprocess_logits_for_metrics`` (to ``transformers.Trainer`` too, where
+    it is just that). ``TSPTrainer`` finds the ids on the folded LM head's ring
+    and hands them here, where integer ids pass through unchanged."""
+    return logits if not logits.is_floating_point() else logits.argmax(dim=-1)
 
 
 def _tsp_model(model):
