@@ -121,7 +121,7 @@ class TSPConfig(DeepSpeedConfigModel):
     check_batch: Literal["first", "always", "never"] = "always"
     """ When to check that every rank of a TSP group got the same micro-batch (a fingerprint of the batch's
     host copy, one all-gather of 16 int64 and one host synchronisation per forward: 0.9 ms, 0.2% of a step at
-    2048 tokens on CPU ranks, benchmarks/batch_check.py):
+    2048 tokens on CPU ranks, benchmarks/batch_check.py; counted and planned as the comm op "batch_check"):
     on every forward, on the first only, or never. """
 
     def __init__(self, **data):

@@ -478,8 +478,8 @@ def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, 
 
 # ------------------------------------ Hub checkpoints: one tensor per expert
 
-def _recording_safe_open(read):
-    """``safetensors.safe_open`` that appends to ``read`` the name of every
+def _recording_open_safetensors(read):
+    """``open_safetensors`` (``safe_open`` for PyTorch) that appends to ``read`` the name of every
     tensor whose data is read (``get_tensor``, a slice's ``[...]``), not headers."""
     import contextlib
 
@@ -511,8 +511,8 @@ def _recording_safe_open(read):
             return Slice(self.f.get_slice(name), name)
 
     @contextlib.contextmanager
-    def recording(file, framework):
-        with safe_open(file, framework=framework) as f:
+    def recording(file):
+        with safe_open(file, framework="pt") as f:
             yield File(f)
 
     return recording
@@ -531,7 +531,7 @@ def _per_expert_parity(per_expert, fused):
     tsp_size = dist.get_world_size()
     topology, tsp_config = TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa")
     read = []
-    with mock.patch.object(reading, "safe_open", _recording_safe_open(read)):
+    with mock.patch.object(reading, "open_safetensors", _recording_open_safetensors(read)):
         model = from_pretrained(per_expert, topology, tsp_config)
     loaded, expected = model.state_dict(), from_pretrained(fused, topology, tsp_config).state_dict()
     differ = sorted(set(loaded) ^ set(expected)) + [n for n in expected if n in loaded

@@ -115,13 +115,17 @@ def test_step_bytes_by_op():
     m, layers = tiny_shape(layers=3), 3
     layer = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
     vocab = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, 2, 2, "both")
-    # all_reduce at D=2 receives each tensor's bytes once: the fp32 loss and 2L + 1 norms of H, bf16.
+    # all_reduce at D=2 receives each tensor's bytes once: the fp32 loss and 2L + 1 norms of H, bf16; the
+    # batch check (tsp.check_batch "always") the other rank's fingerprint, 4 tensors x 4 int64.
     folded = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2)
     assert folded == {**{op: layers * v for op, v in layer.items()}, "ring": layers * layer["ring"] + vocab["ring"],
-                      "all_to_all": vocab["all_to_all"], "all_reduce": 4 + 7 * HIDDEN * 2}
+                      "all_to_all": vocab["all_to_all"], "all_reduce": 4 + 7 * HIDDEN * 2, "batch_check": 128}
     replicated = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2, vocab_parallel=False)
     assert replicated == {**{op: layers * v for op, v in layer.items()},
-                          "all_reduce": 4 + (7 * HIDDEN + 2 * 61 * HIDDEN) * 2}
+                          "all_reduce": 4 + (7 * HIDDEN + 2 * 61 * HIDDEN) * 2, "batch_check": 128}
+    assert planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 4, 2, check_batch="first").keys() == \
+        planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 4, 2).keys() - {"batch_check"}
+    assert planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 4, 2)["batch_check"] == 3 * 128
     # Checkpointing runs each layer's forward again; the vocabulary is outside the layers.
     ckpt = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2, activation_checkpointing=True)
     forward = planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 2, "forward")
@@ -204,11 +208,11 @@ def _counted_model_steps(cases, grad_wire_dtype=None):
     D, rank = dist.get_world_size(), dist.get_rank()
     results = []
     for arch, dtype, vocab_parallel, checkpointing in cases:
-        # check_batch "never": the first forward's batch check is not a step's traffic. The expert ring, whose
+        # The default check_batch "always": every step's batch check is planned too. The expert ring, whose
         # bytes do not depend on the routing (the all-to-all's are checked in test_moe.py).
         model = inject(tiny_model(arch, dtype=dtype), TSPTopology(D),
                        TSPConfig(enabled=True, size=D, attention_backend="sdpa", vocab_parallel=vocab_parallel,
-                                 check_batch="never", moe_schedule="ring"))
+                                 moe_schedule="ring"))
         set_grad_wire_dtype(model, grad_wire_dtype)
         if checkpointing:
             model.train()
@@ -350,7 +354,8 @@ def test_moe_step_bytes_by_op():
     step = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2)
     whole = 7 * HIDDEN + 2 * (4 + 1) * HIDDEN
     assert step == {**{op: dense[op] + 2 * sparse[op] for op in dense}, "ring": dense["ring"] + 2 * sparse["ring"]
-                    + vocab["ring"], "all_to_all": vocab["all_to_all"], "all_reduce": 4 + whole * 2}
+                    + vocab["ring"], "all_to_all": vocab["all_to_all"], "all_reduce": 4 + whole * 2,
+                    "batch_check": 128}
     aux = planner.tsp_step_bytes_by_op({**m, "output_router_logits": True}, SEQ, BATCH, 2, 2)
     assert aux == {**step, "all_reduce": step["all_reduce"] + 9 * 8}
     # The plan's per-layer figures are the mean over the layers.

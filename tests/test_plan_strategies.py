@@ -27,16 +27,17 @@ def test_flops_and_step_communication():
                                                  tsp_attention_backward="recompute")}
     assert recompute["TSP(2) replicated vocab"].flops_per_step == pytest.approx((dense + 2 * attn) / 2)
     # Per step: 2 layers' forward + backward, then the loss (one fp32 scalar) and the gradients of what every
-    # rank holds whole all-reduced, 2(D-1)/D of them (bf16): norms, and unfolded the embedding and the head.
+    # rank holds whole all-reduced, 2(D-1)/D of them (bf16): norms, and unfolded the embedding and the head;
+    # the batch check, the other rank's 128-byte fingerprint.
     norms = 2 * 2 * HIDDEN + HIDDEN
     tsp = plans["TSP(2) replicated vocab"]
     layers = 2 * (tsp.comm_forward_per_layer + tsp.comm_backward_per_layer)
-    assert tsp.comm_per_step == layers + 4 + (norms + 2 * 61 * HIDDEN) * 2
+    assert tsp.comm_per_step == layers + 4 + (norms + 2 * 61 * HIDDEN) * 2 + 128
     # Folded (Vs = 31 rows): embedding all-to-all 1/2 of the 16 local tokens' rows, forward and backward;
     # head ring 1 hop of the shard forward, 1 hop of it and of its fp32 accumulator backward.
     folded = plans["TSP(2)"]
     assert folded.comm_forward_per_layer == tsp.comm_forward_per_layer
-    assert folded.comm_per_step == layers + 4 + norms * 2 + 2 * 8 * HIDDEN * 2 + 31 * HIDDEN * (2 + 2 + 4)
+    assert folded.comm_per_step == layers + 4 + norms * 2 + 2 * 8 * HIDDEN * 2 + 31 * HIDDEN * (2 + 2 + 4) + 128
     assert m.num_layers == 2
 
 

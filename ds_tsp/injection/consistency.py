@@ -44,7 +44,7 @@ def check_same_model(model, group):
     structure = _structure(model)
     digest = hashlib.sha256(repr(structure).encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    gathered, _ = comm.all_gather(mine, group)
+    gathered, _ = comm.all_gather(mine, group, counted_as="model_check")
     if bool((gathered == mine).all()):
         return
     every = comm.all_gather_objects(structure, group)
@@ -98,7 +98,7 @@ def check_same_batch(named_tensors, group, device=None):
         return
     present = [t for t in named_tensors.values() if t is not None]
     mine = batch_fingerprint(list(named_tensors.values())).to(device or present[0].device)
-    gathered, _ = comm.all_gather(mine, group)
+    gathered, _ = comm.all_gather(mine, group, counted_as="batch_check")
     gathered = gathered.cpu()
     different = [r for r in range(len(gathered)) if not torch.equal(gathered[r], gathered[0])]
     if not different:

@@ -122,18 +122,20 @@ def broadcast(tensor, src, group, async_op=False):
     return dist.broadcast(tensor, global_rank(group, src), group=group, async_op=async_op)
 
 
-def all_gather(tensor, group, async_op=False):
+def all_gather(tensor, group, async_op=False, counted_as="all_gather"):
     """All-gather ``tensor`` from every rank of ``group`` into a new leading dim.
 
     Returns ``(gathered, work)`` with ``gathered`` of shape ``(D, *tensor.shape)``
-    in group-rank order; ``work`` is None unless ``async_op``.
+    in group-rank order; ``work`` is None unless ``async_op``. ``counted_as``:
+    the op name ``counter`` records it under (a check's all-gather is not the
+    schedule's).
     """
     size = group_size(group)
     if size == 1:
         return tensor.unsqueeze(0), None
     tensor = tensor.contiguous()
     gathered = tensor.new_empty((size, *tensor.shape))
-    counter.add("all_gather", sent=(size - 1) * _nbytes(tensor), received=(size - 1) * _nbytes(tensor))
+    counter.add(counted_as, sent=(size - 1) * _nbytes(tensor), received=(size - 1) * _nbytes(tensor))
     # Flat views: gloo wants the output concatenated along dim 0, not stacked.
     work = _all_gather_single(gathered.view(-1), tensor.view(-1), group=group, async_op=async_op)
     return gathered, work

@@ -4,7 +4,8 @@ all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
 ``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``), for the folded
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
-(``tsp_step_bytes_by_op``). The baselines' bytes are in ``baselines``.
+(``tsp_step_bytes_by_op``, with ``tsp.check_batch``'s fingerprint all-gather
+as the op ``batch_check``). The baselines' bytes are in ``baselines``.
 
 A mixture-of-experts layer's experts travel round the ring as the dense MLP's
 shards do, or stay at rest while the tokens go to them by all-to-all
@@ -32,6 +33,9 @@ from ds_tsp.planning.shapes import (
 
 DIRECTIONS = ("forward", "backward", "both")
 MOE_SCHEDULES = ("ring", "all_to_all")
+# tsp.check_batch's fingerprint of one training micro-batch: input_ids, labels,
+# position_ids and attention_mask, 4 int64 each (ds_tsp.injection.consistency).
+BATCH_FINGERPRINT_BYTES = 4 * 4 * INT64
 
 
 def gradient_wire_bytes(elem_bytes, grad_wire_bytes=None):
@@ -290,7 +294,7 @@ def _all_reduced(nbytes, group_size):
 
 def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, vocab_parallel=True,
                          activation_checkpointing=False, tsp_rank=None, rows_exchanged=None, grad_wire_bytes=None,
-                         moe_schedule="ring"):
+                         moe_schedule="ring", check_batch="always"):
     """Bytes one rank receives in one training step (forward and backward of one
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
@@ -306,7 +310,8 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     gates), and without ``vocab_parallel`` the embedding and the LM head too.
     ``tsp_rank``, ``grad_wire_bytes`` and ``moe_schedule`` are as in
     ``tsp_bytes_by_op`` (the all-to-all's rows as routing spread evenly would
-    send them).
+    send them). ``check_batch``: with ``tsp.check_batch`` "always", every
+    micro-batch's fingerprint (``BATCH_FINGERPRINT_BYTES`` per rank, all-gathered).
     """
     m = model_shape(model)
     D, e, H = tsp_size, elem_bytes, m.hidden_size
@@ -334,4 +339,6 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     if m.is_moe and m.output_router_logits:
         reduced += _all_reduced((2 * m.num_experts + 1) * 8, D)  # moe.load_balancing_loss, float64
     counts["all_reduce"] = reduced
+    if check_batch == "always":
+        counts["batch_check"] = (D - 1) * BATCH_FINGERPRINT_BYTES
     return counts

@@ -26,7 +26,8 @@ PARAM_GATHER = "param_gather"  # ZeRO-1/2: the updated weights gathered after th
 # TSP, one per ``comm`` op (``communication.tsp_step_bytes_by_op``):
 TSP_PARTS = {"broadcast": "tsp_weight_broadcast", "ring": "tsp_ring", "all_gather": "tsp_kv_gather",
              "reduce_scatter": "tsp_kv_grad_scatter", "reduce": "tsp_weight_grad_reduce",
-             "all_to_all": "tsp_embedding_all_to_all", "all_reduce": "tsp_replicated_grads"}
+             "all_to_all": "tsp_embedding_all_to_all", "all_reduce": "tsp_replicated_grads",
+             "batch_check": "tsp_batch_check"}
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ OVERLAPPED = {
     TSP_PARTS["reduce"]: True,
     TSP_PARTS["all_to_all"]: False,
     TSP_PARTS["all_reduce"]: False,
+    TSP_PARTS["batch_check"]: False,  # the forward waits for the fingerprints
 }
 
 
