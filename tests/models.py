@@ -15,7 +15,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -43,7 +45,7 @@ AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive fl
 
 
 def rms_norm_in_the_wider_dtype(self, hidden_states):
-    """OLMo-2/3's RMSNorm as Hugging Face writes it, but in float32 or the
+    """OLMo-2/3's (OLMoE's, FlexOlmo's) RMSNorm as Hugging Face writes it, but in float32 or the
     input's dtype if wider: HF's computes in float32 even in a float64 model
     (and so its q/k norms make every number after them float32-exact only)."""
     input_dtype = hidden_states.dtype
@@ -53,7 +55,8 @@ def rms_norm_in_the_wider_dtype(self, hidden_states):
     return (self.weight * hidden_states).to(input_dtype)
 
 
-Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = rms_norm_in_the_wider_dtype
+Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = OlmoeRMSNorm.forward = FlexOlmoRMSNorm.forward = \
+    rms_norm_in_the_wider_dtype
 
 
 def gemma_rms_norm_in_the_wider_dtype(self, x):
@@ -161,6 +164,11 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
                   experts_implementation="eager")  # MoE models: grouped_mm takes no float64
 
 
+# A mixture of experts at tiny sizes too: each attribute its config has (under its name or an alias) is set.
+TINY_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8, shared_expert_intermediate_size=8, n_shared_experts=1)
+
+
 def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, requested=None, **overrides):
     """The causal LM of ``model_type`` on a tiny config, initialised as
     ``tiny_model``, with the ``requested`` attention implementation (default: the first
@@ -174,6 +182,9 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
         # Some constructors print their config when they fail.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention, **overrides})
+            for key, value in TINY_MOE.items():
+                if hasattr(config, key) and key not in overrides:
+                    setattr(config, key, value)
             torch.manual_seed(seed)
             try:
                 with torch.device(device or "cpu"):
@@ -191,6 +202,27 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
     return model
+
+
+def routes_in_float32(model):
+    """Whether a float64 ``model``'s mixture-of-experts routers compute their
+    logits in float32: DeepSeek-V3-style routers (GLM-4.5, EXAONE-MoE) do
+    whatever the model's dtype, and a float32 matmul rounds a row
+    differently with its place in the batch (measured: one token of
+    EXAONE-MoE's block moves by 7e-8 when a padding row is inserted before it),
+    so Hugging Face's own output for a token is float32-exact only, and so is
+    any sharded run against it."""
+    for block in model.modules():
+        router = next((getattr(block, name) for name in ("gate", "router") if hasattr(block, name)), None)
+        if router is None or not hasattr(getattr(block, "experts", None), "gate_up_proj"):
+            continue
+        hidden = block.experts.gate_up_proj.shape[-1]
+        with torch.no_grad():
+            routed = router(torch.zeros(1, hidden, dtype=block.experts.gate_up_proj.dtype,
+                                        device=block.experts.gate_up_proj.device))
+        if routed[0].dtype == torch.float32 and block.experts.gate_up_proj.dtype == torch.float64:
+            return True
+    return False
 
 
 # ------------------------------------------------ look-alikes of Llama's layer

@@ -23,9 +23,12 @@ from ds_tsp.injection.policy import PolicyError, resolve_policy
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.blocks.vocab import VocabError
 from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
-                    tiny_causal_lm, tiny_model)
+                    routes_in_float32, tiny_causal_lm, tiny_model)
 from parity import TOLERANCE, check, reference_loss, shard_grad_diffs
 
+# A float64 model whose routers compute in float32 (models.routes_in_float32) is float32-exact against HF at best:
+# a few float32 ulps of its routing weights.
+FLOAT32_ROUTING_TOLERANCE = 1e-6
 TABLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "mistral": "MistralForCausalLM"}
 
@@ -50,7 +53,7 @@ def parity(ref, tsp_size, seed=7):
 
 def exact_or_refused(model_types, attention=None, overrides=None):
     """On every rank, per model type: ``("exact", max |diff| of loss and every
-    gradient against HF)`` or ``("refused", message)``, under the ``attention``
+    gradient against HF, its bound)`` or ``("refused", message)``, under the ``attention``
     implementation (default: the first the class takes of SDPA,
     eager_wide_softmax, eager) and with ``overrides[model_type]`` in its config."""
     verdicts = {}
@@ -61,7 +64,8 @@ def exact_or_refused(model_types, attention=None, overrides=None):
         except (PolicyError, VocabError) as error:
             verdicts[model_type] = ("refused", str(error))
             continue
-        verdicts[model_type] = ("exact", max(diffs.values()))
+        verdicts[model_type] = ("exact", max(diffs.values()),
+                                FLOAT32_ROUTING_TOLERANCE if routes_in_float32(model) else TOLERANCE)
     return verdicts
 
 
@@ -87,9 +91,10 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
         assert len(verdicts) == 1, (model_type, [rank[model_type] for rank in per_rank])
         verdict, detail = per_rank[0][model_type][:2]
         if verdict == "exact":
-            worst = max(rank[model_type][1] for rank in per_rank)
-            assert worst <= TOLERANCE, (model_type, worst)
-            detail = f"loss and every gradient within {worst:.1e} of HF"
+            worst, bound = max(rank[model_type][1] for rank in per_rank), per_rank[0][model_type][2]
+            assert worst <= bound, (model_type, worst)
+            detail = f"loss and every gradient within {worst:.1e} of HF" + (
+                "" if bound == TOLERANCE else " (its routers compute in float32: bound 1e-6)")
         else:
             assert class_name in detail or layer_class in detail, detail
         rows.append((model_type, class_name, verdict, detail))
@@ -115,10 +120,10 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
     print(f"\nunder attn_implementation='eager' (the TSP model probed under it; the reference's softmax in float64):")
     for model_type in exact:
         verdicts = [rank[model_type] for rank in under_eager]
-        kind, detail = verdicts[0]
+        kind, detail = verdicts[0][:2]
         shown = f"within {max(v[1] for v in verdicts):.1e} of HF" if kind == "exact" else detail
         print(f"{model_type:26} {kind:8} {shown}")
-        assert all(v[0] == "exact" and v[1] <= TOLERANCE for v in verdicts), (model_type, verdicts)
+        assert all(v[0] == "exact" and v[1] <= v[2] for v in verdicts), (model_type, verdicts)
     assert all(kind == "refused" for model_type, kind in verdict_of.items() if model_type in ("diffllama", "ernie4_5"))
 
 

@@ -43,7 +43,8 @@ class PackSpec:
 class PackedShardMixin:
     """Checkpoint access of a TSP block holding one packed shard (``packed``,
     laid out by ``spec``) and parameters every rank holds whole
-    (``replicated_params()``, by Hugging Face name), as the attention, MLP and
+    (``replicated_params()``, by Hugging Face name; ``replicated_tensors()``
+    adds the persistent buffers every rank holds whole), as the attention, MLP and
     MoE blocks do: ``shard_names``, ``load_shard`` and ``shard_tensors``, and
     ``lora``, its ``ds_tsp.injection.lora.LoRAShards`` or None; ``hf_rows``, where its
     tensors lie in Hugging Face's fused ones (``ds_tsp.blocks.fused``; ``from_hf``
@@ -53,7 +54,11 @@ class PackedShardMixin:
 
     def shard_names(self):
         """Hugging Face names of the tensors this module holds a part of."""
-        return list(self.spec.shapes) + list(self.replicated_params())
+        return list(self.spec.shapes) + list(self.replicated_tensors())
+
+    def replicated_tensors(self):
+        """The parameters and persistent buffers every rank holds whole, by Hugging Face name."""
+        return self.replicated_params()
 
     @torch.no_grad()
     def load_shard(self, tensors):
@@ -61,8 +66,8 @@ class PackedShardMixin:
         if set(tensors) != set(self.shard_names()):
             raise ValueError(f"{type(self).__name__} shard needs exactly {self.shard_names()}, got {sorted(tensors)}")
         self.packed.copy_(self.spec.pack({name: tensors[name] for name in self.spec.shapes}))
-        for name, param in self.replicated_params().items():
-            param.copy_(tensors[name])
+        for name, tensor in self.replicated_tensors().items():
+            tensor.copy_(tensors[name])
 
     def shard_weights(self):
         """The packed shard the schedules compute with: ``packed``, merged with
@@ -72,15 +77,15 @@ class PackedShardMixin:
     def shard_tensors(self):
         """This rank's pieces under Hugging Face names (views of the parameters)."""
         tensors = self.spec.unpack(self.packed.detach())
-        tensors.update({name: param.detach() for name, param in self.replicated_params().items()})
+        tensors.update({name: tensor.detach() for name, tensor in self.replicated_tensors().items()})
         return tensors
 
 
 def module_reader(module):
-    """``read(name, piece)`` over a module's own parameters: the tensor ``name``
+    """``read(name, piece)`` over a module's own parameters and persistent buffers: the tensor ``name``
     narrowed to ``piece = (dim, start, length)``, or whole when ``piece`` is None.
     Checkpoint readers offer the same signature over files."""
-    params = dict(module.named_parameters())
+    params = module.state_dict(keep_vars=True)
 
     def read(name, piece):
         tensor = params[name].detach()

@@ -43,7 +43,6 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
-from ds_tsp.blocks.moe.plan import ROUTER, SHARED_GATE
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
 from ds_tsp.checkpoint.resharding import reshard
@@ -59,9 +58,16 @@ from ds_tsp.checkpoint.writing import (
 from ds_tsp.injection.pipeline import hf_prefixes
 from ds_tsp.injection.policy import resolve_policy
 
-# Replicated tensors of a TSP block: Hugging Face name -> parameter name (a MoE block's routers keep HF's).
-_BLOCK_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "q_norm.weight": "q_norm.weight",
-                     "k_norm.weight": "k_norm.weight", ROUTER: ROUTER, SHARED_GATE: SHARED_GATE}
+# Replicated tensors of a TSP block whose parameter is not under its Hugging Face name (a MoE block's
+# router and shared-expert gate, the q/k norms keep theirs).
+_RENAMED_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias"}
+
+
+def _replicated(holdings):
+    """``{Hugging Face name: the TSP block's parameter name}`` of the tensors a
+    block's ``holdings`` hold whole."""
+    return {name: _RENAMED_REPLICATED.get(name, name) for held in holdings for name, piece in held.items()
+            if piece is None}
 # ZeRO 0-2 write mp_rank_XX_model_states.pt per TSP rank; ZeRO-3 one per data-parallel rank as well.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 _LAYER_STATES = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
@@ -264,7 +270,7 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
                     offset += math.prod(shape)
                 state.update({f"{prefix}.{block}.{name}": t for name, t in shards.hf_rows.fuse(tensors).items()})
                 state.update({f"{prefix}.{block}.{hf}": master(f"{prefix}.{block}.{param}")
-                              for hf, param in _BLOCK_REPLICATED.items()
+                              for hf, param in _replicated(shards.holdings).items()
                               if os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{param}"))})
         expected = untied(model, dict(model.state_dict()))
         state.update({name: master(name) for name in expected if name not in state})
@@ -297,7 +303,7 @@ def joined_state(model, policy, states):
             named = []
             for spec, state in zip(specs, states):
                 tensors = spec.unpack(state[f"{prefix}.{block}.packed"])
-                tensors.update({hf: state[f"{prefix}.{block}.{param}"] for hf, param in _BLOCK_REPLICATED.items()
+                tensors.update({hf: state[f"{prefix}.{block}.{param}"] for hf, param in _replicated(holdings).items()
                                 if f"{prefix}.{block}.{param}" in state})
                 named.append(tensors)
             joined = {name: join_holdings(name, [(held[name], tensors[name])

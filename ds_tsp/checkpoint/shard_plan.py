@@ -75,8 +75,9 @@ def _mlp_shards(hf_mlp, policy, tsp_size):
     """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
     block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
     if policy.is_sparse(hf_mlp):
-        hidden_size, num_experts, expert_size, shared_size = moe.hf_sizes(hf_mlp)
-        specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size)] * tsp_size
+        hidden_size, num_experts, expert_size, shared_size, shared_name = moe.hf_sizes(hf_mlp)
+        specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size,
+                                shared_name or "shared_expert")] * tsp_size
         return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size,
                                                                                    tsp_size, name, r),
                                             moe.replicated_names(hf_mlp)), FusedRows())
@@ -136,10 +137,10 @@ def block_holdings(block):
     tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
     if isinstance(block, TSPAttention):
         holdings = _holdings(specs, lambda name, r: shard_piece(block.heads, name, r),
-                             list(block.replicated_params()))
+                             list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
-                                                                   name, r), list(block.replicated_params()))
+                                                                   name, r), list(block.replicated_tensors()))
     else:
         holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
                              [mlp.DOWN_BIAS] if block.down_bias is not None else [])

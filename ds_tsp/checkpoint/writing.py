@@ -143,7 +143,7 @@ def gather_unit(prefix, module):
     params = tuple(module.parameters())
     if isinstance(module, PackedShardMixin):
         names = dict.fromkeys(module.hf_rows.hf_name(name) for held in block_holdings(module) for name in held)
-        replicated = module.replicated_params()
+        replicated = module.replicated_tensors()
         return GatherUnit({f"{prefix}.{n}": (replicated[n] if n in replicated else module.packed).dtype for n in names},
                           lambda: {f"{prefix}.{n}": t for n, t in gather_block(module).items()}, params)
     if isinstance(module, (VocabParallelEmbedding, VocabParallelLMHead)):

@@ -9,7 +9,7 @@ from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, che
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
-from ds_tsp.injection.policy import AUTO, PolicyError, resolve_policy
+from ds_tsp.injection.policy import PolicyError, load_balancing_loss, resolve_policy
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel.mappings import sum_grads_over_group
 from ds_tsp.planning.communication import cheaper_moe_schedule
@@ -56,12 +56,12 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
                     for path, (lora_A, lora_B, scaling) in adapters.items()}
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
-        unpartition(model, skip=() if policy is AUTO else tuple(layers))
+        unpartition(model, skip=() if policy.layer_class is None else tuple(layers))
     check_same_model(model, topology.tsp_group)
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
-    if policy is AUTO:  # accepted by shape only: its forward must equal the TSP layers' on a probe
+    if policy.layer_class is None:  # accepted by shape only: its forward must equal the TSP layers' on a probe
         probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
     for index, layer in enumerate(layers):
         if partitioned:
@@ -79,6 +79,7 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 
+    model.tsp_load_balancing = load_balancing_loss(type(model))
     model.__class__ = _tsp_class(type(model))
     # A forward set on the instance (TRL's fused LM head) would hide the TSP
     # forward that injection puts in front of the model's class.
@@ -140,6 +141,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         **({"schedule": cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule}
            if sparse else
            {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
+    if sparse:
+        check_deterministic_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
@@ -148,13 +151,38 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind)
 
 
+def check_deterministic_router(block, where):
+    """Refuse a router that samples at random in training (PhiMoE's sparsemixer
+    draws Gumbel noise): no sharded run reproduces another run's draws. Its
+    training-mode outputs on one batch under two seeds are compared."""
+    router = block.router_module()
+    weight = next(router.parameters(), None)
+    if weight is None or weight.is_meta:
+        return
+    tokens = torch.randn(8, block.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = tokens.to(device=weight.device, dtype=weight.dtype)
+    training, outputs = router.training, []
+    router.train()
+    with torch.no_grad(), torch.random.fork_rng(devices=[] if weight.device.type == "cpu" else [weight.device],
+                                                device_type=weight.device.type):
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            outputs.append(router(tokens))
+    router.train(training)
+    if any(not torch.equal(a, b) for a, b in zip(*outputs)):
+        raise PolicyError(f"{where}.{block.router_name} ({type(router).__name__}) routes at random in training (two "
+                          "seeds route one batch differently), which no sharded run can reproduce: ds_tsp does not "
+                          "support this router")
+
+
 def keep_frozen(hf_block, tsp_block, layer_class, where):
     """Freeze what was frozen: each TSP parameter is trainable exactly when the
     Hugging Face tensors it holds were. The packed shard holds several, which
     must then agree."""
     # A fused Hugging Face tensor (ds_tsp.blocks.fused) freezes every logical tensor in it.
-    frozen = {name for name in tsp_block.shard_names()
-              if not hf_block.get_parameter(tsp_block.hf_rows.hf_name(name)).requires_grad}
+    buffers = set(tsp_block.replicated_tensors()) - set(tsp_block.replicated_params())
+    frozen = {name for name in tsp_block.shard_names() if name not in buffers
+              and not hf_block.get_parameter(tsp_block.hf_rows.hf_name(name)).requires_grad}
     if not frozen:
         return
     holders = [(tsp_block.packed, list(tsp_block.spec.shapes))]

@@ -217,7 +217,8 @@ class TSPCausalLMMixin:
 
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
-        loss over the whole sequence, added to ``.loss`` times
+        loss over the whole sequence, where Hugging Face's forward computes one
+        (``policy.load_balancing_loss``; None for GLM-4.5), added to ``.loss`` times
         ``config.router_aux_loss_coef`` when labels are given. ``.router_logits``
         holds per MoE layer the whole sequence's ``(B*S, E)`` as Hugging Face's
         (differentiable) when ``output_router_logits`` is passed here, else
@@ -274,7 +275,7 @@ class TSPCausalLMMixin:
         if not moe_blocks:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         aux_loss = None
-        if output_router_logits:
+        if output_router_logits and self.tsp_load_balancing == "switch":  # as Hugging Face's forward adds it
             aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss
@@ -291,12 +292,12 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
     sequence (``ds_tsp.blocks.moe.load_balancing.load_balancing_loss``)."""
     if len(router_logits) != len(moe_blocks):
         raise RuntimeError(f"{len(moe_blocks)} MoE layers ran but {len(router_logits)} router outputs were recorded")
-    if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.gate.parameters()) and not all(
+    if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.router_module().parameters()) and not all(
             logits.requires_grad for logits in router_logits):
         raise RuntimeError("the router logits carry no gradient (a reentrant activation checkpoint ran the layers "
                            "without autograd), so the auxiliary loss would not train the routers: use HF's "
                            "gradient_checkpointing_enable (non-reentrant) or set output_router_logits False")
-    top_k = moe_blocks[0].gate.top_k
+    top_k = moe_blocks[0].top_k
     return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
 
 

@@ -79,7 +79,7 @@ class TSPDecoderLayerPipe(nn.Module):
         if blocks:
             # Without a mask, the padding TSP appends is what lies past the sequence's largest position.
             real = positions[:, :-1] <= positions[:, -1:]
-            mine = sum(routing_statistics(logits, real, block.gate.top_k)
+            mine = sum(routing_statistics(logits, real, block.top_k)
                        for logits, block in zip(router_logits, blocks))
             hidden, link = _StatisticsLink.apply(hidden, mine)
             statistics = statistics + mine.detach() + link

@@ -19,12 +19,16 @@ submodule or the config attribute at fault, before any weight moves: nothing
 is ever converted approximately.
 """
 
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
+from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
+from ds_tsp.blocks.moe import plan as moe_plan
 
 
 class PolicyError(ValueError):
@@ -178,6 +182,11 @@ QWEN2_MOE = {**COMMON, **SLIDING, **MOE_ROUTING, **SPARSE_LAYERS,
 QWEN3_MOE = {**COMMON, **MOE_ROUTING, **SPARSE_LAYERS, "attention_bias": ATTENTION_BIAS,
              "sliding_window": Accepts(any_value, "one window for every layer (None: full causal)"),
              "use_sliding_window": Accepts(any_value, "no forward reads it in transformers 5")}
+# OLMoE: OLMo-2's q/k norms over the whole projection, pre-norms, a Qwen-style router; FlexOlmo: the same
+# block under OLMo-2's post-norms.
+OLMOE = {**OLMO2, **MOE_ROUTING,
+         "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply",
+                             "build the model with clip_qkv = None, or leave tsp.enabled false")}
 # A class accepted by shape: forward features Llama's lacks, named by the
 # config attributes transformers' models use for them, are accepted only at
 # the value that turns them off. What no attribute names, ds_tsp.injection.probe finds.
@@ -192,8 +201,10 @@ AUTO_CONFIG = {
     "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
     "query_pre_attn_scalar": Accepts((None,), "a non-standard attention scale"),
     "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
-    "partial_rotary_factor": Accepts(NEUTRAL_SCALE, "rotary embedding of part of each head, which the TSP "
-                                     "attention does not apply"),
+    # A partial rotary factor: the TSP attention rotates each head's first dims as Phi-3's and GLM-4.5's
+    # forwards do; the probe finds a forward that rotates otherwise (interleaved pairs).
+    "rope_parameters": PHI3["rope_parameters"],
+    "partial_rotary_factor": Accepts(any_value, "read only into rope_parameters"),
     "use_parallel_residual": Accepts((None, False), "attention and MLP in parallel; the TSP layer runs them in turn"),
     "hidden_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
     "residual_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
@@ -268,7 +279,12 @@ class DecoderPolicy:
         return tuple(dict.fromkeys(holder.get(name, name) for name in projections))
 
     def is_sparse(self, mlp_module):
-        """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block."""
+        """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block; under
+        ``auto``, any block holding ``experts`` with a fused 3-D ``gate_up_proj`` (``check_sparse_block``
+        says whether ds_tsp takes it)."""
+        if self.layer_class is None:
+            experts = getattr(mlp_module, "experts", None)
+            return getattr(getattr(experts, "gate_up_proj", None), "dim", lambda: 0)() == 3
         return self.sparse_mlp is not None and type(mlp_module).__name__ == self.sparse_mlp
 
 
@@ -294,18 +310,21 @@ POLICIES = {
                                  norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
     "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
                            qk_norm_width="projection"),
+    "olmoe": DecoderPolicy("olmoe", "OlmoeDecoderLayer", "OlmoeForCausalLM", OLMOE, no_window,
+                           qk_norm_width="projection", sparse_mlp="OlmoeSparseMoeBlock"),
+    "flex_olmo": DecoderPolicy("flex_olmo", "FlexOlmoDecoderLayer", "FlexOlmoForCausalLM", OLMOE, no_window,
+                               norm_layout=POST_NORMS, qk_norm_width="projection", sparse_mlp="FlexOlmoSparseMoeBlock"),
     "olmo3": DecoderPolicy("olmo3", "Olmo3DecoderLayer", "Olmo3ForCausalLM", OLMO3, layer_types_window,
                            norm_layout=POST_NORMS, rotary_kind=layer_type, qk_norm_width="projection"),
 }
 AUTO = DecoderPolicy("auto", None)
+# Auto with the norms after each block only (OLMo-2's layout, FlexOlmo's), chosen by the layer's norms.
+AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3): optional, but both or neither.
 ATTENTION_NORMS = ("q_norm", "k_norm")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# A sparse MoE block: router, fused experts and, optionally, a shared expert with its gate.
-MOE_CHILDREN = ("gate", "experts")
-MOE_SHARED = ("shared_expert", "shared_expert_gate")
 
 
 def get_submodule(model, path):
@@ -348,6 +367,9 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
+    if policy is AUTO and not hasattr(layers[0], "input_layernorm") and all(
+            hasattr(layers[0], norm) for norm in AUTO_POST_NORMS.norm_names()):
+        policy = AUTO_POST_NORMS
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
         if get_submodule(model, path) is None:
             raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
@@ -357,9 +379,34 @@ def resolve_policy(model, name="auto"):
         raise PolicyError(f"tsp.policy = {name!r} converts {policy.model_class}, whose forward its table was "
                           f"written for, but the model is a {model_class}: set tsp.policy to \"auto\"")
     check_config(model_class, model.config, policy)
+    if any(policy.is_sparse(layer.get_submodule(policy.mlp)) for layer in layers if hasattr(layer, policy.mlp)):
+        check_load_balancing(type(model), model.config)
     for index, layer in enumerate(layers):
         check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
     return policy
+
+
+def load_balancing_loss(model_class):
+    """How the causal LM ``model_class``'s forward adds a load-balancing loss:
+    "switch" (Mixtral's ``load_balancing_loss_func``, which
+    ``ds_tsp.blocks.moe.load_balancing`` computes over the whole sequence),
+    None (it adds none: GLM-4.5, DeepSeek-V3), or "other"."""
+    forward = next((klass.forward for klass in model_class.__mro__ if "forward" in vars(klass)
+                    and not klass.__module__.startswith("ds_tsp.")), None)
+    if forward is None or "load_balancing_loss_func" not in inspect.getsource(forward):
+        return None
+    ours = getattr(sys.modules[model_class.__module__], "load_balancing_loss_func", None)
+    if ours is not None and inspect.getsource(ours) == inspect.getsource(modeling_mixtral.load_balancing_loss_func):
+        return "switch"
+    return "other"
+
+
+def check_load_balancing(model_class, config):
+    """Refuse a mixture-of-experts model whose forward would add a load-balancing loss ds_tsp does not compute."""
+    if getattr(config, "output_router_logits", False) and load_balancing_loss(model_class) == "other":
+        raise PolicyError(f"{model_class.__name__} adds a load-balancing loss other than Mixtral's "
+                          "load_balancing_loss_func when config.output_router_logits is set, which ds_tsp does not "
+                          "compute: set model.config.output_router_logits = False")
 
 
 def check_config(model_class, config, policy):
@@ -439,7 +486,7 @@ def check_layer(policy, layer, where):
                           "attention reads to split heads: this layer is not supported")
     check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
     if sparse:
-        check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class)
+        check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class, policy.layer_class is None)
     elif not hasattr(children[policy.mlp], policy.activation):
         raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
                           "ds_tsp knows")
@@ -447,12 +494,14 @@ def check_layer(policy, layer, where):
 
 def check_qk_norms(policy, attn, where, layer_class):
     """q/k norms normalise each head (``head_dim`` features), or the whole
-    projection where the policy's audited forward does (OLMo-2)."""
+    projection where the policy's audited forward does (OLMo-2); under
+    ``auto`` either, as the norms' widths say (the probe compares the forward)."""
     if getattr(attn, "q_norm", None) is None:
         return
-    spans_projection = policy.qk_norm_width == "projection"
     for name, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
         width = getattr(attn, name).weight.numel()
+        spans_projection = policy.qk_norm_width == "projection" or (
+            policy.layer_class is None and width == attn.get_submodule(projection).out_features)
         expected = attn.get_submodule(projection).out_features if spans_projection else attn.head_dim
         if width != expected:
             kind = f"over the whole {projection} ({expected} features)" if spans_projection else \
@@ -462,41 +511,68 @@ def check_qk_norms(policy, attn, where, layer_class):
                               "supported")
 
 
-def check_sparse_block(block, where, layer_class):
-    """Refuse a sparse MoE block that is not router + fused experts (+ a shared
-    expert, a gated MLP without biases, and its gate, a Linear H -> 1 without bias)."""
+def check_sparse_block(block, where, layer_class, auto=False):
+    """Refuse a sparse MoE block that is not a router (``gate`` or ``router``) +
+    fused experts (+ a shared expert, a gated MLP without biases, at
+    ``shared_expert`` with or without its gate, a Linear H -> 1 without bias, or
+    at ``shared_experts``). Under ``auto`` the router's and the block's
+    forwards are unknown: ``ds_tsp.injection.probe`` compares them with HF's."""
     block_class = type(block).__name__
     children = {n for n, m in block.named_children() if _holds_tensors(m)}
-    missing = [name for name in MOE_CHILDREN if name not in children]
-    shared = set(MOE_SHARED) & children
-    if shared and shared != set(MOE_SHARED):
-        missing += sorted(set(MOE_SHARED) - shared)
-    unexpected = sorted(children - set(MOE_CHILDREN) - set(MOE_SHARED))
+    routers = sorted(children & set(moe_plan.ROUTER_NAMES))
+    shared = sorted(children & set(moe_plan.SHARED_NAMES))
+    missing = [] if routers else [" or ".join(moe_plan.ROUTER_NAMES)]
+    missing += [] if "experts" in children else ["experts"]
+    if moe_plan.SHARED_GATE in children and shared != ["shared_expert"]:
+        missing.append("shared_expert")
+    unexpected = sorted(children - set(moe_plan.ROUTER_NAMES) - set(moe_plan.SHARED_NAMES)
+                        - {"experts", moe_plan.SHARED_GATE}) + routers[1:] + shared[1:]
     if missing or unexpected:
         raise PolicyError(f"{layer_class} at {where} ({block_class}) lacks {missing} or has unexpected submodules "
                           f"{unexpected}: not a sparse MoE block ds_tsp knows")
     check_own_tensors(block, where, layer_class)
-    if getattr(block, "jitter_noise", 0):
-        raise PolicyError(f"{layer_class} at {where} multiplies its input by router jitter noise "
-                          f"({block.jitter_noise}), which the TSP block does not apply: build the model with "
-                          "router_jitter_noise = 0.0")
-    experts = block.experts
-    tensors = {n for n, _ in experts.named_parameters()}
-    if tensors != {"gate_up_proj", "down_proj"} or not hasattr(experts, "act_fn"):
-        raise PolicyError(f"{layer_class} at {where}.experts holds {sorted(tensors)}: ds_tsp takes fused 3-D "
-                          "gate_up_proj (E, 2F, H) and down_proj (E, H, F) with an act_fn, as transformers 5 lays "
-                          "them out")
-    if {n for n, _ in block.gate.named_parameters()} != {"weight"}:
-        raise PolicyError(f"{layer_class} at {where}.gate is not a router with one weight (E, H)")
+    for noise in ("jitter_noise", "input_jitter_noise", "router_jitter_noise"):
+        if getattr(block, noise, 0):
+            raise PolicyError(f"{layer_class} at {where} multiplies its input by random {noise} "
+                              f"({getattr(block, noise)}) in training, which no sharded run can reproduce: build the "
+                              f"model with router_jitter_noise = 0.0 (and input_jitter_noise = 0.0)")
+    _check_experts(block.experts, f"{where}.experts", layer_class)
+    router = block.get_submodule(routers[0])
+    if not auto and {n for n, _ in router.named_parameters()} != {"weight"}:
+        raise PolicyError(f"{layer_class} at {where}.{routers[0]} is not a router with one weight (E, H)")
     if shared:
-        expert = block.shared_expert
+        expert = block.get_submodule(shared[0])
         grandchildren = {n for n, m in expert.named_children() if _holds_tensors(m)}
         if grandchildren != set(MLP_PROJECTIONS) or not hasattr(expert, "act_fn") or any(
                 getattr(expert.get_submodule(p), "bias", None) is not None for p in MLP_PROJECTIONS):
-            raise PolicyError(f"{layer_class} at {where}.shared_expert is not a gated MLP without biases")
-        gate = block.shared_expert_gate
-        if not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None:
-            raise PolicyError(f"{layer_class} at {where}.shared_expert_gate is not a Linear(H, 1) without bias")
+            raise PolicyError(f"{layer_class} at {where}.{shared[0]} is not a gated MLP without biases")
+        check_own_tensors(expert, f"{where}.{shared[0]}", layer_class)
+    gate = getattr(block, moe_plan.SHARED_GATE, None)
+    if gate is not None and (not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None):
+        raise PolicyError(f"{layer_class} at {where}.{moe_plan.SHARED_GATE} is not a Linear(H, 1) without bias")
+
+
+def _check_experts(experts, where, layer_class):
+    """The experts as transformers 5 lays them out: fused ``gate_up_proj``
+    ``(E, 2F, H)`` and ``down_proj`` ``(E, H, F)``, ``act(gate) * up`` (its
+    ``act_fn``), no biases, no other layout."""
+    tensors = {n: t for n, t in experts.named_parameters()}
+    shapes_fit = set(tensors) == {"gate_up_proj", "down_proj"} and tensors["gate_up_proj"].dim() == 3 and \
+        tensors["down_proj"].shape == (tensors["gate_up_proj"].shape[0], tensors["gate_up_proj"].shape[2],
+                                       tensors["gate_up_proj"].shape[1] // 2)
+    if not shapes_fit or not hasattr(experts, "act_fn"):
+        raise PolicyError(f"{layer_class} at {where} holds {sorted((n, tuple(t.shape)) for n, t in tensors.items())}: "
+                          "ds_tsp takes fused 3-D gate_up_proj (E, 2F, H) and down_proj (E, H, F) with an act_fn, as "
+                          "transformers 5 lays them out")
+    layout = {flag: getattr(experts, flag) for flag, plain in (("is_transposed", False), ("has_bias", False),
+                                                                ("has_gate", True), ("is_concatenated", True),
+                                                                ("has_post_expert_norm", False))
+              if getattr(experts, flag, plain) != plain}
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if layout or (apply_gate is not None and apply_gate.__name__ != "_default_apply_gate"):
+        raise PolicyError(f"{layer_class} at {where} ({type(experts).__name__}) computes its experts otherwise than "
+                          f"act_fn(gate) * up over chunked gate_up_proj ({layout or 'its own _apply_gate'}): "
+                          "this expert layout is not supported yet")
 
 
 def _check_biases(module, projections, where, layer_class):

@@ -25,7 +25,7 @@ def recorded_router_logits(blocks):
     forward inside, in layer order, as Hugging Face's ``OutputRecorder`` does
     (a forward hook on the router). Yields the list."""
     logits = []
-    handles = [block.gate.register_forward_hook(lambda module, args, output: logits.append(output[0]))
+    handles = [block.router_module().register_forward_hook(lambda module, args, output: logits.append(output[0]))
                for block in blocks]
     try:
         yield logits

@@ -1,10 +1,15 @@
-"""The TSP sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The TSP sparse mixture-of-experts block (Mixtral, Qwen2/3-MoE, GLM-4.5 and
+every block of that form).
 
-Each rank holds ``E/D`` whole experts and, for Qwen2-MoE, a slice of the
-shared expert (``plan.py``). The router and the shared expert's gate are
+Each rank holds ``E/D`` whole experts and a slice of the shared expert, where
+there is one (``plan.py``). The router and the shared expert's gate are
 Hugging Face's own modules, replicated, run on the local tokens: routing
-(softmax dtype, top-k, ``norm_topk_prob``, the weights' dtype) is HF's by
-construction. Two schedules meet tokens and experts, ``tsp.moe_schedule``:
+(softmax or sigmoid scores, a score-correction bias, group-limited top-k,
+``norm_topk_prob``, a routed scaling factor, the weights' dtype) is HF's by
+construction, whatever the router computes, as long as it returns HF's
+``(logits, weights, indices)``. The block's output is the routed experts'
+weighted sum plus the shared expert's output, times ``sigmoid`` of its gate
+where it has one (Qwen2-MoE) or as it is (DeepSeek-V3's ``shared_experts``). Two schedules meet tokens and experts, ``tsp.moe_schedule``:
 expert shards travel round a ring while tokens stay put (``ring.py``), or
 experts stay at rest while tokens go to them by all-to-all
 (``all_to_all.py``). The ring's bytes are fixed and the all-to-all's grow
@@ -30,12 +35,14 @@ from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
 from ds_tsp.blocks.moe.all_to_all import moe_all_to_all
 from ds_tsp.blocks.moe.plan import (
     MOE_SCHEDULES,
-    ROUTER,
+    ROUTER_NAMES,
     SHARED_GATE,
     MoEPlan,
     Routing,
+    child_named,
     expert_weights,
     hf_sizes,
+    replicated_tensors,
     shard_piece,
     shard_spec,
     shared_weights,
@@ -53,45 +60,58 @@ _announced = set()
 
 
 class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
-    """A Hugging Face sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) over the
-    local tokens, experts sharded ``E/D`` per rank, moved by a ring or met by a
-    token all-to-all (``tsp.moe_schedule``, see the module docstring).
+    """A Hugging Face sparse MoE block over the local tokens, experts sharded
+    ``E/D`` per rank, moved by a ring or met by a token all-to-all
+    (``tsp.moe_schedule``, see the module docstring).
 
     Parameters: ``packed``, this rank's experts (and shared-expert slice) laid
     out by ``self.spec``, tagged ``tensor_model_parallel``; the replicated
-    Hugging Face router ``gate`` and, for Qwen2-MoE, ``shared_expert_gate``.
+    Hugging Face router, under its Hugging Face name (``router_name``: ``gate``
+    or ``router``), and, for Qwen2-MoE, ``shared_expert_gate``.
     """
 
     def __init__(self, hidden_size, num_experts, expert_size, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
-                 device=None):
+                 device=None, router_name="gate", shared_name="shared_expert"):
         super().__init__()
-        if bool(shared_size) != (shared_gate is not None):
-            raise ValueError("a shared expert needs its shared_expert_gate, and the gate its expert")
+        if shared_gate is not None and not shared_size:
+            raise ValueError("a shared_expert_gate needs its shared expert")
         self.hidden_size, self.num_experts, self.expert_size = hidden_size, num_experts, expert_size
         self.shared_size = shared_size
         self.tsp_group = tsp_group
         self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
-        self.spec = shard_spec(hidden_size, num_experts, expert_size, self.tsp_size, shared_size)
+        self.spec = shard_spec(hidden_size, num_experts, expert_size, self.tsp_size, shared_size, shared_name)
         self.act_fn = act_fn
         self.overlap = overlap
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
             raise ValueError(f"schedule must be one of {MOE_SCHEDULES} or a chooser, not {schedule!r}")
         self.plan = MoEPlan(self.spec, act_fn, tsp_group, num_experts, expert_size, bool(shared_size), overlap,
                             token_tile, fp32_accumulators, schedule=schedule)
-        self.gate = router
+        self.router_name = router_name
+        self.add_module(router_name, router)
         self.shared_expert_gate = shared_gate
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
         self.lora = None  # no LoRA on the experts (ds_tsp.injection.lora)
 
+    def router_module(self):
+        """The replicated Hugging Face router module."""
+        return getattr(self, self.router_name)
+
+    @property
+    def top_k(self):
+        """Experts per token, as the router's ``top_k``."""
+        return self.router_module().top_k
+
+    def replicated_tensors(self):
+        """The tensors every rank holds whole, under Hugging Face names: the
+        router's parameters and persistent buffers, the shared expert's gate."""
+        return replicated_tensors(self.router_module(), self.router_name, self.shared_expert_gate)
+
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
-        params = {ROUTER: self.gate.weight}
-        if self.shared_expert_gate is not None:
-            params[SHARED_GATE] = self.shared_expert_gate.weight
-        return params
+        return {name: t for name, t in self.replicated_tensors().items() if isinstance(t, nn.Parameter)}
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
@@ -100,22 +120,25 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     @classmethod
     def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", read=None,
                 device=None):
-        """Build from a Hugging Face sparse MoE block (``gate``: its TopKRouter,
-        ``experts`` with fused 3-D ``gate_up_proj`` / ``down_proj``, and
-        optionally ``shared_expert`` + ``shared_expert_gate``), keeping this
-        rank's experts. The router and shared-expert gate modules are Hugging
-        Face's own, copied. ``read(name, piece)`` as in ``TSPGatedMLP.from_hf``."""
-        hidden_size, num_experts, expert_size, shared_size = hf_sizes(moe)
+        """Build from a Hugging Face sparse MoE block (``gate`` or ``router``:
+        its router, ``experts`` with fused 3-D ``gate_up_proj`` / ``down_proj``,
+        and optionally ``shared_expert`` with or without ``shared_expert_gate``,
+        or ``shared_experts``), keeping this rank's experts. The router and
+        shared-expert gate modules are Hugging Face's own, copied. ``read(name,
+        piece)`` as in ``TSPGatedMLP.from_hf``."""
+        hidden_size, num_experts, expert_size, shared_size, shared_name = hf_sizes(moe)
+        router_name = child_named(moe, ROUTER_NAMES)
         dtype = moe.experts.gate_up_proj.dtype
         device = device or moe.experts.gate_up_proj.device
 
         def replica(module):
             return None if module is None else copy.deepcopy(module).to_empty(device=device)
 
-        module = cls(hidden_size, num_experts, expert_size, moe.experts.act_fn, replica(moe.gate), tsp_group,
-                     shared_size=shared_size, shared_gate=replica(getattr(moe, "shared_expert_gate", None)),
-                     overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators, schedule=schedule,
-                     dtype=dtype, device=device)
+        module = cls(hidden_size, num_experts, expert_size, moe.experts.act_fn,
+                     replica(moe.get_submodule(router_name)), tsp_group, shared_size=shared_size,
+                     shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
+                     fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
+                     router_name=router_name, shared_name=shared_name or "shared_expert")
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -126,8 +149,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         rank's share of the output: its own experts' weighted outputs for the
         tokens routed to them and its slice of the shared expert, no weight
         moving; the shares sum over the group to the block's output."""
-        _, weights, index = self.gate(x)
-        shared_scale = None if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
+        weights, index = self.route(x)
+        shared_scale = self.shared_scale(x)
         y = torch.zeros(x.shape, dtype=self.plan.accumulator_dtype(x.dtype), device=x.device)
         routing = Routing.of(index, self.num_experts)
         w = self.spec.unpack(self.packed.detach())
@@ -143,12 +166,31 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""
         x2 = x.reshape(-1, self.hidden_size)  # (N, H)
-        _, weights, index = self.gate(x2)  # HF's router: softmax, top-k, normalisation and dtypes as HF
-        shared_scale = None
-        if self.shared_expert_gate is not None:
-            shared_scale = torch.sigmoid(self.shared_expert_gate(x2))  # (N, 1)
+        weights, index = self.route(x2)
+        shared_scale = self.shared_scale(x2)
         schedule = moe_ring if self.schedule_for(x2, index.shape[-1]) == "ring" else moe_all_to_all
         return schedule(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
+
+    def route(self, x2):
+        """``(weights, indices)``, each ``(N, k)``, of Hugging Face's router on the
+        tokens ``x2`` ``(N, H)``: scores, top-k, normalisation, scaling and dtypes as HF's."""
+        routed = self.router_module()(x2)
+        if not (isinstance(routed, tuple) and len(routed) == 3 and routed[1].shape == routed[2].shape
+                and routed[2].shape[:1] == x2.shape[:1] and not routed[2].is_floating_point()):
+            raise TypeError(f"{type(self.router_module()).__name__} does not return Hugging Face's (logits, weights, "
+                            "indices) with weights and indices (tokens, top_k): the TSP MoE block cannot route "
+                            "with it")
+        return routed[1], routed[2]
+
+    def shared_scale(self, x2):
+        """``(N, 1)``: what the shared expert's output is multiplied by, ``sigmoid``
+        of its gate (Qwen2-MoE) or ones (an ungated shared expert: exact); None
+        without a shared expert."""
+        if not self.shared_size:
+            return None
+        if self.shared_expert_gate is None:
+            return torch.ones(x2.shape[0], 1, dtype=x2.dtype, device=x2.device)
+        return torch.sigmoid(self.shared_expert_gate(x2))
 
     def schedule_for(self, x2, top_k):
         """The schedule of this forward: the block's, or its chooser's answer for

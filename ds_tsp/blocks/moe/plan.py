@@ -2,10 +2,12 @@
 
 Rank ``j`` of the TSP group owns experts ``[j E/D, (j+1) E/D)``: their slices
 of Hugging Face's fused ``experts.gate_up_proj`` ``(E, 2F, H)`` and
-``experts.down_proj`` ``(E, H, F)`` (dim 0), and, for Qwen2-MoE, rows
-``[j Fs/D, (j+1) Fs/D)`` of the dense shared expert (``mlp.SHARD_DIMS``),
-packed into one flat buffer, the same under both schedules: a checkpoint does
-not know which trained it. The router (``gate``) and Qwen2-MoE's
+``experts.down_proj`` ``(E, H, F)`` (dim 0), and, where the block has one, rows
+``[j Fs/D, (j+1) Fs/D)`` of the dense shared expert (``mlp.SHARD_DIMS``:
+Qwen2-MoE's ``shared_expert``, DeepSeek-V3-style ``shared_experts``), packed
+into one flat buffer, the same under both schedules: a checkpoint does not
+know which trained it. The router (``gate`` or ``router``: its parameters and
+persistent buffers, such as a score-correction bias) and Qwen2-MoE's
 ``shared_expert_gate`` are replicated.
 """
 
@@ -23,15 +25,26 @@ from ds_tsp.parallel.precision import accumulation_dtype
 MOE_SCHEDULES = ("ring", "all_to_all")
 
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
-# The shared expert's tensors, with the dim each is split on (mlp.SHARD_DIMS, no biases).
-SHARED = {"shared_expert.gate_proj.weight": 0, "shared_expert.up_proj.weight": 0, "shared_expert.down_proj.weight": 1}
-# Which dim of each full Hugging Face tensor is split across the TSP group; the
-# router and the shared expert's gate are replicated.
-SHARD_DIMS = {GATE_UP: 0, DOWN: 0, **SHARED}
-ROUTER, SHARED_GATE = "gate.weight", "shared_expert_gate.weight"
+# Where Hugging Face's blocks keep their router, and their dense shared expert (gated by SHARED_GATE or not).
+ROUTER_NAMES = ("gate", "router")
+SHARED_NAMES = ("shared_expert", "shared_experts")
+SHARED_GATE = "shared_expert_gate"
+# A shared expert's projections, with the dim each is split on (mlp.SHARD_DIMS, no biases).
+SHARED_DIMS = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
 
-def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0):
+def child_named(block, names):
+    """The first of ``names`` that is a child module of ``block`` holding tensors, or None."""
+    children = dict(block.named_children())
+    return next((name for name in names if name in children and children[name].state_dict()), None)
+
+
+def shared_tensors(shared_name):
+    """``{Hugging Face name: split dim}`` of a shared expert at ``shared_name``."""
+    return {f"{shared_name}.{name}": dim for name, dim in SHARED_DIMS.items()}
+
+
+def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0, shared_name="shared_expert"):
     """``PackSpec`` of one rank's shard; raises if ``E`` (or the shared expert's
     intermediate size) does not split evenly."""
     if num_experts % tsp_size:
@@ -39,37 +52,53 @@ def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0):
         raise ValueError(f"num_experts {num_experts} is not divisible by tsp.size {tsp_size}: every TSP rank holds "
                          f"E/D whole experts; choose tsp.size from {divisors} (that also divides the world size)")
     if shared_size % tsp_size:
-        raise ValueError(f"shared_expert_intermediate_size {shared_size} is not divisible by tsp.size {tsp_size}: "
-                         f"choose tsp.size from the common divisors of {num_experts} and {shared_size}")
+        raise ValueError(f"the shared expert's intermediate size {shared_size} is not divisible by tsp.size "
+                         f"{tsp_size}: choose tsp.size from the common divisors of {num_experts} and {shared_size}")
     e, f = num_experts // tsp_size, shared_size // tsp_size
     shapes = {GATE_UP: (e, 2 * expert_size, hidden_size), DOWN: (e, hidden_size, expert_size)}
     if shared_size:
-        shapes.update({"shared_expert.gate_proj.weight": (f, hidden_size),
-                       "shared_expert.up_proj.weight": (f, hidden_size),
-                       "shared_expert.down_proj.weight": (hidden_size, f)})
+        gate, up, down = shared_tensors(shared_name)
+        shapes.update({gate: (f, hidden_size), up: (f, hidden_size), down: (hidden_size, f)})
     return PackSpec(shapes)
 
 
 def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank):
     """``(dim, start, length)`` of the full tensor ``name`` that ``tsp_rank``
     holds, or None if it is not split."""
-    if name not in SHARD_DIMS:
+    if name in (GATE_UP, DOWN):
+        length = num_experts // tsp_size
+        return 0, tsp_rank * length, length
+    shared, _, projection = name.partition(".")
+    if shared not in SHARED_NAMES or projection not in SHARED_DIMS:
         return None
-    length = (num_experts if name in (GATE_UP, DOWN) else shared_size) // tsp_size
-    return SHARD_DIMS[name], tsp_rank * length, length
+    length = shared_size // tsp_size
+    return SHARED_DIMS[projection], tsp_rank * length, length
+
+
+def replicated_tensors(router, router_name, shared_gate=None):
+    """``{Hugging Face name: tensor}`` of what every rank keeps whole: the
+    router's parameters and persistent buffers, and the shared expert's gate."""
+    tensors = {f"{router_name}.{name}": tensor for name, tensor in router.state_dict(keep_vars=True).items()}
+    if shared_gate is not None:
+        tensors.update({f"{SHARED_GATE}.{name}": tensor
+                        for name, tensor in shared_gate.state_dict(keep_vars=True).items()})
+    return tensors
 
 
 def replicated_names(hf_moe):
     """Hugging Face names of the tensors of a sparse MoE block every rank keeps whole."""
-    return [ROUTER] + ([SHARED_GATE] if getattr(hf_moe, "shared_expert_gate", None) is not None else [])
+    router_name = child_named(hf_moe, ROUTER_NAMES)
+    return list(replicated_tensors(hf_moe.get_submodule(router_name), router_name,
+                                   getattr(hf_moe, SHARED_GATE, None)))
 
 
 def hf_sizes(hf_moe):
-    """``(hidden_size, num_experts, expert_size, shared_size)`` of a Hugging Face sparse MoE block."""
-    experts = hf_moe.experts
-    num_experts, two_f, hidden_size = experts.gate_up_proj.shape
-    shared = getattr(hf_moe, "shared_expert", None)
-    return hidden_size, num_experts, two_f // 2, 0 if shared is None else shared.gate_proj.out_features
+    """``(hidden_size, num_experts, expert_size, shared_size, shared_name)`` of a
+    Hugging Face sparse MoE block (``shared_name`` None without a shared expert)."""
+    num_experts, two_f, hidden_size = hf_moe.experts.gate_up_proj.shape
+    shared_name = child_named(hf_moe, SHARED_NAMES)
+    shared_size = 0 if shared_name is None else hf_moe.get_submodule(shared_name).gate_proj.out_features
+    return hidden_size, num_experts, two_f // 2, shared_size, shared_name
 
 
 def expert_weights(w, local, expert_size):
@@ -81,7 +110,7 @@ def expert_weights(w, local, expert_size):
 
 def shared_weights(w):
     """The shared expert's slice from an unpacked shard, under the gated MLP's names."""
-    return {name.removeprefix("shared_expert."): w[name] for name in SHARED}
+    return {name.partition(".")[2]: tensor for name, tensor in w.items() if name not in (GATE_UP, DOWN)}
 
 
 @dataclass(frozen=True)
@@ -136,8 +165,8 @@ class MoEPlan:
         """The shared expert's slice (the tail of ``spec``) as a dense MLP shard
         on the MLP's ring, for the all-to-all schedule."""
         tsp_size = comm.group_size(self.group)
-        spec = mlp_shard_spec(self.spec.shapes[DOWN][1], self.spec.shapes["shared_expert.down_proj.weight"][1] *
-                              tsp_size, tsp_size, bias=False)
+        shared_down = next(shape for name, shape in self.spec.shapes.items() if name.endswith(".down_proj.weight"))
+        spec = mlp_shard_spec(self.spec.shapes[DOWN][1], shared_down[1] * tsp_size, tsp_size, bias=False)
         return MLPPlan(spec, self.act_fn, self.group, self.overlap, self.token_tile, self.fp32_accumulators,
                        self.grad_wire_dtype)
 
