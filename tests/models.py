@@ -5,12 +5,15 @@ import io
 
 import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
-                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoeConfig, OlmoeForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+import torch.nn.functional as F
 from transformers.masking_utils import eager_mask
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -69,6 +72,30 @@ def gemma_rms_norm_in_the_wider_dtype(self, x):
 
 
 GemmaRMSNorm.forward = Gemma2RMSNorm.forward = Gemma3RMSNorm.forward = gemma_rms_norm_in_the_wider_dtype
+def glm_router_in_the_wider_dtype(self, hidden_states):
+    """GLM-4.5's router (DeepSeek-V3's) as Hugging Face writes it, but in
+    float32 or the model's dtype if wider: HF's casts the tokens and its weight
+    to float32 even in a float64 model, and a float32 matmul rounds a row
+    differently with its place in the batch (``routes_in_float32``), so every
+    number after it would be float32-exact only."""
+    wide = torch.promote_types(hidden_states.dtype, torch.float32)
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(wide), self.weight.type(wide))
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0]
+    group_idx = torch.topk(group_scores.sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores[..., 0]).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.reshape(-1, self.num_experts).bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights /= topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+Glm4MoeTopkRouter.forward = glm_router_in_the_wider_dtype
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.
@@ -125,6 +152,14 @@ def tiny_config(arch, **overrides):
                                  **moe})
     if arch == "qwen3_moe":  # 8 experts of 8, renormalised top-2 (norm_topk_prob)
         return Qwen3MoeConfig(**{"num_experts": 8, "moe_intermediate_size": 8, "norm_topk_prob": True, **moe})
+    if arch == "glm4_moe":  # a dense first layer; 4 sigmoid-routed experts of 8 in 2 groups, one chosen (group-limited
+        # top-2), a score-correction bias, routed scaling; an ungated shared expert of 8; q/k norms; half of each
+        # head rotary. No load-balancing loss (HF's forward adds none).
+        return Glm4MoeConfig(**{"n_routed_experts": 4, "moe_intermediate_size": 8, "n_shared_experts": 1,
+                                "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+                                "routed_scaling_factor": 2.5, "use_qk_norm": True, **moe})
+    if arch == "olmoe":  # 4 experts of intermediate_size, softmax top-2; q/k norms over the whole projection
+        return OlmoeConfig(**{"num_experts": 4, **moe})
     raise ValueError(arch)
 
 
@@ -132,8 +167,9 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
-                 "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM}
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+                 "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
+                 "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
 def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
@@ -144,7 +180,16 @@ def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
         # and norm weights away from 1 so a dropped norm would show.
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a router's, so that it moves the routing
+                buffer.normal_(0, 0.3)
     return model
+
+
+def num_experts(config):
+    """``E`` under whichever name the config keeps it."""
+    return next(getattr(config, key) for key in ("num_local_experts", "num_experts", "n_routed_experts")
+                if getattr(config, key, None))
 
 
 # ---------------------------------------------- every causal LM transformers ships

@@ -541,9 +541,11 @@ def test_moe_experts_are_written_one_tensor_per_expert_as_transformers_writes_th
     from ds_tsp.checkpoint.writing import write_state_dict
 
     for arch in MOE_ARCHS:
-        ref = tiny_model(arch)
         hf, hf_sharded = str(tmp_path / arch / "hf"), str(tmp_path / arch / "hf_sharded")
-        ref.save_pretrained(hf)
+        source = tiny_model(arch)
+        source.save_pretrained(hf)
+        # The model as Hugging Face loads it (GLM-4.5's router in float32, as ds_tsp loads it too).
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64, experts_implementation="eager")
         ref.save_pretrained(hf_sharded, max_shard_size="8KB")
         saved, exported = str(tmp_path / arch / "saved"), str(tmp_path / arch / "exported")
         run_ranks(2, _load_and_save_sharded, src=hf, dst=saved, max_shard_size="8KB")
@@ -563,7 +565,7 @@ def test_moe_experts_are_written_one_tensor_per_expert_as_transformers_writes_th
         assert main(["convert", "--in", hf, "--out", shards, "--tsp-size", "2"]) == 0
         with open(os.path.join(shards, "tsp_shards.json")) as f:
             ranks = json.load(f)["ranks"]
-        full = ref.state_dict()
+        full = source.state_dict()  # what the files hold: convert reads and writes them as they are
         for rank in ranks:
             for name, tensor in load_file(os.path.join(shards, rank["file"])).items():
                 piece = rank["pieces"][name]
@@ -602,7 +604,7 @@ def test_incomplete_or_doubled_per_expert_files_are_refused_by_name(tmp_path):
 def test_up_read_as_gate_would_be_caught(tmp_path, monkeypatch):
     """The guard: with Mixtral's w3 (up) read as the gate, the experts loaded
     differ from the fused layout's, which the bit-for-bit comparisons check."""
-    from ds_tsp.checkpoint import expert_files
+    from ds_tsp.checkpoint import expert_files, reading
 
     ref = tiny_model("mixtral")
     ref.save_pretrained(str(tmp_path / "hf"))
@@ -610,7 +612,7 @@ def test_up_read_as_gate_would_be_caught(tmp_path, monkeypatch):
     right = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
     assert torch.equal(right, ds_tsp.inject(copy.deepcopy(ref), topology, tsp_config).model.layers[0].mlp.packed)
     swapped = expert_files.ExpertFiles(".block_sparse_moe.", {"gate_up_proj": ("w3", "w1"), "down_proj": ("w2",)})
-    monkeypatch.setitem(expert_files.EXPERT_FILES, "mixtral", swapped)
+    monkeypatch.setattr(reading, "expert_files", lambda config: swapped)
     wrong = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
     assert not torch.equal(wrong, right)
 

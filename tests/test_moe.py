@@ -1,9 +1,12 @@
 """Sparse mixture-of-experts models under TSP against the unsharded Hugging Face model.
 
 Tiny Mixtral (4 experts), Qwen2-MoE (4 experts and a shared expert with its
-gate) and Qwen3-MoE (8 experts, norm_topk_prob, and a dense layer among the
-MoE layers) in float64, top-2, the auxiliary loss on (coefficient 0.1, so its
-gradient matters): the loss and every gradient this rank holds match HF's at
+gate), Qwen3-MoE (8 experts, norm_topk_prob, and a dense layer among the
+MoE layers), GLM-4.5 (sigmoid scores with a score-correction bias,
+group-limited top-2, routed scaling, an ungated shared expert, a dense first
+layer; its router widened to float64 as tests/models.py says) and OLMoE in
+float64, top-2, the auxiliary loss on where HF's forward adds one (coefficient
+0.1, so its gradient matters): the loss and every gradient this rank holds match HF's at
 D = 1, 2, 4, with random routing, with routing that sends every token of
 every rank to experts 0 and 1 (router weights zero: all probabilities tie at
 1/E and top-k takes the first, as HF's does, so every other expert receives no
@@ -42,9 +45,9 @@ from ds_tsp.checkpoint.writing import write_state_dict
 from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import shard_spec
-from ds_tsp.injection.policy import PolicyError, resolve_policy
+from ds_tsp.injection.policy import POLICIES, PolicyError, resolve_policy
 from ds_tsp.parallel.topology import TSPTopology
-from models import MOE_ARCHS, tiny_model
+from models import MOE_ARCHS, num_experts, tiny_model
 from parity import TOLERANCE, shard_grad_diffs
 
 # float32 statistics of sums of O(1) terms over 2 layers: a few ulps (2^-23) of an aux loss of about top_k.
@@ -58,6 +61,8 @@ CASES = [
     ("qwen2_moe", 2, 13, 3, "first_experts", {}),
     ("qwen3_moe", 2, 16, 0, "random", {"mlp_only_layers": [1], "intermediate_size": 32}),
     ("qwen3_moe", 1, 13, 4, "first_experts", {}),
+    ("glm4_moe", 2, 13, 3, "random", {}),
+    ("olmoe", 2, 16, 0, "random", {}),
 ]
 
 
@@ -71,6 +76,8 @@ def hf_loss(ref, input_ids, attention_mask):
     if attention_mask is not None:
         labels[attention_mask[:, 1:] == 0] = -100
     loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    if getattr(out, "aux_loss", None) is None:  # GLM-4.5: HF's forward adds no load-balancing loss
+        return loss, None, loss.item(), None
     coef = ref.config.router_aux_loss_coef
     exact = exact_aux(out.router_logits, attention_mask, ref.config.num_experts_per_tok)
     return loss + coef * out.aux_loss, out.aux_loss, (loss + coef * exact).item(), exact.item()
@@ -110,11 +117,13 @@ def build_case(arch, batch, seq_len, right_padding, routing, overrides):
     return ref, input_ids, attention_mask
 
 
-def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False, token_tile=8192):
+def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False, wrong_router_bias=False,
+               token_tile=8192):
     """On every rank, per schedule and case: |loss - HF's|, |aux - HF's| and the
     gradient diffs of ``shard_grad_diffs`` (experts, shared expert, routers
     included). ``wrong_return``: the all-to-all's outputs come back to their
-    tokens reversed."""
+    tokens reversed; ``wrong_router_bias``: the last rank's first MoE router's
+    score-correction bias reversed."""
     tsp_size = dist.get_world_size()
     results = []
     for schedule, case in itertools.product(schedules, cases):
@@ -124,18 +133,25 @@ def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_retur
         ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
                                              moe_schedule=schedule, token_tile=token_tile))
         kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
+        moe_blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, TSPSparseMoE)]
         if wrong_expert_shard and topo.tsp_rank == tsp_size - 1:
             with torch.no_grad():
-                model.model.layers[0].mlp.packed.mul_(1.5)
+                moe_blocks[0].packed.mul_(1.5)
+        if wrong_router_bias and topo.tsp_rank == tsp_size - 1:
+            with torch.no_grad():
+                bias = moe_blocks[0].router_module().e_score_correction_bias
+                bias.copy_(bias.flip(0))
         with _reversed_returns() if wrong_return else contextlib.nullcontext():
             out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask)
         out.loss.backward()
         ref_loss, ref_aux, exact_loss, exact = hf_loss(ref, input_ids, attention_mask)
         ref_loss.backward()
         diffs = shard_grad_diffs(model, ref)
-        results.append({"loss": abs(out.loss.item() - ref_loss.item()),
-                        "aux": abs(out.aux_loss.item() - ref_aux.item()),
-                        "exact loss": abs(out.loss.item() - exact_loss), "exact aux": abs(out.aux_loss.item() - exact),
+        assert (out.aux_loss is None) == (ref_aux is None)
+        aux_diffs = (0.0, 0.0) if ref_aux is None else (abs(out.aux_loss.item() - ref_aux.item()),
+                                                        abs(out.aux_loss.item() - exact))
+        results.append({"loss": abs(out.loss.item() - ref_loss.item()), "aux": aux_diffs[0],
+                        "exact loss": abs(out.loss.item() - exact_loss), "exact aux": aux_diffs[1],
                         "grads": diffs, "kinds": kinds, "router_logits": [tuple(t.shape) for t in out.router_logits]})
     return results
 
@@ -186,7 +202,9 @@ def test_loss_aux_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size
         assert "experts.gate_up_proj" in names and "mlp.gate.weight" in names
         if case[0] == "qwen2_moe":
             assert "shared_expert.down_proj.weight" in names and "shared_expert_gate.weight" in names
-        if case[5].get("mlp_only_layers"):
+        if case[0] == "glm4_moe":
+            assert "shared_experts.down_proj.weight" in names
+        if case[5].get("mlp_only_layers") or case[0] == "glm4_moe":
             assert results[0]["kinds"] == ["TSPGatedMLP", "TSPSparseMoE"]
         # The local tokens' logits: (B * padded S / D, E) per MoE layer.
         padded = -(-case[2] // (2 * tsp_size)) * 2 * tsp_size
@@ -255,11 +273,14 @@ def test_token_tiles_change_no_number(run_ranks):
         check_case([rank[i] for rank in per_rank], f"D=2 token_tile=3 {schedule} {case[0]}")
 
 
-@pytest.mark.parametrize("wrong", ["expert shard ring", "expert shard all_to_all", "return all_to_all"])
-def test_a_wrong_expert_shard_or_return_permutation_is_caught(run_ranks, wrong):
+@pytest.mark.parametrize("wrong", ["expert shard ring", "expert shard all_to_all", "return all_to_all",
+                                   "router bias ring"])
+def test_a_wrong_expert_shard_router_bias_or_return_permutation_is_caught(run_ranks, wrong):
     what, schedule = wrong.rsplit(" ", 1)
-    per_rank = run_ranks(2, moe_parity, cases=CASES[:1], schedules=(schedule,),
-                         wrong_expert_shard=what == "expert shard", wrong_return=what == "return")
+    cases = [case for case in CASES if case[0] == "glm4_moe"] if what == "router bias" else CASES[:1]
+    per_rank = run_ranks(2, moe_parity, cases=cases, schedules=(schedule,),
+                         wrong_expert_shard=what == "expert shard", wrong_return=what == "return",
+                         wrong_router_bias=what == "router bias")
     worst = max(max(r[0]["grads"].values()) for r in per_rank)
     loss = max(r[0]["loss"] for r in per_rank)
     print(f"wrong {what} ({schedule}): loss {loss:.2e}, gradients {worst:.2e}")
@@ -273,7 +294,7 @@ def test_experts_indivisible_by_tsp_size_are_refused_naming_the_choices():
 
 def test_moe_layers_resolve_to_their_tables_and_jitter_is_refused():
     for arch in MOE_ARCHS:
-        assert resolve_policy(tiny_model(arch)).name == arch
+        assert resolve_policy(tiny_model(arch)).name == (arch if arch in POLICIES else "auto")
     with pytest.raises(PolicyError, match="router_jitter_noise"):
         resolve_policy(tiny_model("mixtral", router_jitter_noise=0.1))
 
@@ -459,18 +480,21 @@ def _load_and_save(src, dst):
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, tmp_path, tsp_size):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     for arch in MOE_ARCHS:
-        src, dst = str(tmp_path / f"{arch}-hf"), str(tmp_path / f"{arch}-{tsp_size}")
+        src, dst, hf = (str(tmp_path / f"{arch}-{kind}") for kind in ("src", tsp_size, "hf"))
         ref = tiny_model(arch)
         # write_state_dict writes the experts one tensor per expert, as transformers' save_pretrained does;
-        # ds_tsp reads them back.
+        # ds_tsp reads them back. What Hugging Face writes after loading the same files is the reference: it
+        # keeps GLM-4.5's router (its weight and score-correction bias) in float32, and so does ds_tsp.
         write_state_dict(src, ref.state_dict(), ref.config)
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, experts_implementation="eager").save_pretrained(hf)
         held = run_ranks(tsp_size, _load_and_save, src=src, dst=dst)
-        num_experts = ref.config.num_experts if arch != "mixtral" else ref.config.num_local_experts
-        assert held[0]["layer 0"]["experts.gate_up_proj"][0] == num_experts // tsp_size
-        expected, actual = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(dst,
-                                                                                                  "model.safetensors"))
+        first = next(iter(held[0].values()))
+        assert first["experts.gate_up_proj"][0] == num_experts(ref.config) // tsp_size
+        expected, actual = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(dst,
+                                                                                                 "model.safetensors"))
         assert sorted(actual) == sorted(expected)
         for name in expected:
             assert torch.equal(actual[name], expected[name]), name
@@ -537,15 +561,24 @@ def _per_expert_parity(per_expert, fused):
     differ = sorted(set(loaded) ^ set(expected)) + [n for n in expected if n in loaded
                                                     and not torch.equal(loaded[n], expected[n])]
     ref = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float64, experts_implementation="eager")
+    # Both keep GLM-4.5's router in float32 as HF loads it, and its weight's gradient, a float32 sum over tokens,
+    # would be float32-exact only: widened to float64 in both (the files are under test here, not the router).
+    for routers in ([l.mlp.router_module() for l in model.model.layers if isinstance(l.mlp, TSPSparseMoE)],
+                    [l.mlp.gate for l in ref.model.layers if hasattr(l.mlp, "experts")]):
+        for router in routers:
+            router.double()
     torch.manual_seed(3)
     input_ids = torch.randint(0, ref.config.vocab_size, (2, 16))
     out = model(input_ids=input_ids, labels=input_ids)
     out.loss.backward()
     ref_loss, ref_aux, exact_loss, exact = hf_loss(ref, input_ids, None)
     ref_loss.backward()
+    assert (out.aux_loss is None) == (ref_aux is None)
+    aux_diffs = (0.0, 0.0) if ref_aux is None else (abs(out.aux_loss.item() - ref_aux.item()),
+                                                    abs(out.aux_loss.item() - exact))
     return {"read": [name for name in read if _expert_of(name) is not None], "differ": differ,
-            "loss": abs(out.loss.item() - ref_loss.item()), "aux": abs(out.aux_loss.item() - ref_aux.item()),
-            "exact loss": abs(out.loss.item() - exact_loss), "exact aux": abs(out.aux_loss.item() - exact),
+            "loss": abs(out.loss.item() - ref_loss.item()), "aux": aux_diffs[0],
+            "exact loss": abs(out.loss.item() - exact_loss), "exact aux": aux_diffs[1],
             "grads": shard_grad_diffs(model, ref), "kinds": sorted({type(l.mlp).__name__ for l in model.model.layers})}
 
 
@@ -580,8 +613,7 @@ def test_from_pretrained_reads_hub_per_expert_files_own_experts_only(run_ranks, 
               metadata={"format": "pt"})
 
     per_rank = run_ranks(tsp_size, _per_expert_parity, per_expert=per_expert, fused=fused)
-    num_experts = ref.config.num_local_experts if arch == "mixtral" else ref.config.num_experts
-    per_rank_experts = num_experts // tsp_size
+    per_rank_experts = num_experts(ref.config) // tsp_size
     for tsp_rank, result in enumerate(per_rank):
         own = [name for name in names if _expert_of(name) is not None
                and _expert_of(name) // per_rank_experts == tsp_rank]

@@ -7,18 +7,22 @@ hold one tensor per expert and projection, and transformers' own
 reverted on save)::
 
     Mixtral               block_sparse_moe.experts.{e}.w1 / w3 / w2 .weight     (gate, up, down)
-    Qwen2-MoE, Qwen3-MoE  mlp.experts.{e}.gate_proj / up_proj / down_proj .weight
+    Qwen2/3-MoE, GLM-4.5, mlp.experts.{e}.gate_proj / up_proj / down_proj .weight
+    OLMoE and the rest
 
 where ``gate_up_proj[e]`` is gate then up on dim 0 (``(F, H)`` each) and
 ``down_proj[e]`` is down; Mixtral's whole block is renamed in the files
-(``block_sparse_moe.`` for ``mlp.``, its router too). Names and views only, no
-files: ``reading`` groups file names into the model's tensors, ``writing``
-splits the model's tensors into file names.
+(``block_sparse_moe.`` for ``mlp.``, its router too). The layout of a model
+type is read from transformers' own conversion mapping
+(``get_checkpoint_conversion_mapping``). Names and views only, no files:
+``reading`` groups file names into the model's tensors, ``writing`` splits the
+model's tensors into file names.
 """
 
 import re
 from dataclasses import dataclass
 
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import dot_natural_key
 
 _FUSED = re.compile(r"(?P<block>.+\.)experts\.(?P<fused>gate_up_proj|down_proj)")
@@ -72,18 +76,23 @@ class ExpertFiles:
                 for expert in range(tensor.shape[0])]
 
 
-_QWEN_MOE = ExpertFiles(".mlp.", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
-# By config.model_type, as transformers chooses its conversions.
-EXPERT_FILES = {
-    "mixtral": ExpertFiles(".block_sparse_moe.", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
-    "qwen2_moe": _QWEN_MOE,
-    "qwen3_moe": _QWEN_MOE,
-}
+_SOURCE_PROJECTION = re.compile(r"experts\.\*\.(?P<projection>\w+)\.weight$")
+_TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
 
 
 def expert_files(config):
-    """The ``ExpertFiles`` of a model's config, or None: its files name tensors as the model does."""
-    return EXPERT_FILES.get(getattr(config, "model_type", None))
+    """The ``ExpertFiles`` of a model's config, from transformers' conversion
+    mapping for its ``model_type``, or None: its files name tensors as the model does."""
+    block, projections = ".mlp.", {}
+    for conversion in get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) or []:
+        sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
+        if sources == [".block_sparse_moe."] and targets == [".mlp."]:
+            block = ".block_sparse_moe."
+        fused = _TARGET_FUSED.search(targets[0]) if len(targets) == 1 else None
+        parts = [_SOURCE_PROJECTION.search(source) for source in sources]
+        if fused and all(parts):
+            projections[fused["fused"]] = tuple(part["projection"] for part in parts)
+    return ExpertFiles(block, projections) if set(projections) == {"gate_up_proj", "down_proj"} else None
 
 
 def to_files(layout, tensors):

@@ -86,7 +86,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
     reference = (f"under Hugging Face's {implementation} attention, against a tolerance of {tolerance:.0e}"
                  + (" (its softmax runs in float32)" if implementation == "eager" else ""))
     for index in probed.values():
-        with _attention_implementation(model, implementation):
+        with _float64_implementations(model, implementation):
             outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
         where = f"{type(model).__name__} ({type(layers[index]).__name__} at {policy.layers}.{index})"
         if outside > tolerance:
@@ -101,15 +101,21 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
 
 
 @contextlib.contextmanager
-def _attention_implementation(model, implementation):
+def _float64_implementations(model, implementation):
     """Within the block, the model (and the copies of its layers the probe
-    makes, which share its config until copied) runs ``implementation``."""
-    saved = model.config._attn_implementation
+    makes, which share its config until copied) runs the attention
+    ``implementation`` and a mixture of experts its eager loop (HF's default
+    grouped_mm takes no float64; the probe checks the forward, not a kernel)."""
+    saved = model.config._attn_implementation, getattr(model.config, "_experts_implementation", None)
     model.config._attn_implementation = implementation
+    if saved[1] is not None:
+        model.config._experts_implementation = "eager"
     try:
         yield
     finally:
-        model.config._attn_implementation = saved
+        model.config._attn_implementation = saved[0]
+        if saved[1] is not None:
+            model.config._experts_implementation = saved[1]
 
 
 def _signature(layer):
