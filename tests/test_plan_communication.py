@@ -369,13 +369,17 @@ def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
     # The whole model, layers, expert ring, vocabulary, router and shared-expert-gate gradients and the
     # load-balancing loss's all-reduce (the tiny configs have output_router_logits on), against
     # tsp_step_bytes_by_op with the batch's exact embedding rows, at D=2 and 4 (Mixtral and Qwen2-MoE have
-    # 4 experts, Qwen3-MoE 8); Qwen3's q/k norms are replicated too.
+    # 4 experts, Qwen3-MoE 8); Qwen3's q/k norms are replicated too. OLMoE: q/k norms over the whole projection;
+    # GLM-4.5: a dense first layer, an ungated shared expert (no gate's gradient), a router whose
+    # score-correction bias is a buffer (no gradient), no load-balancing loss whatever the config says.
     from models import tiny_config
 
     cases = {2: [("mixtral", torch.float64, True, False), ("qwen2_moe", torch.bfloat16, True, False),
                  ("qwen3_moe", torch.float32, False, False), ("qwen3_moe", torch.float32, True, True),
-                 ("qwen3", torch.float32, True, False)],
-             4: [("qwen2_moe", torch.float32, True, False), ("qwen3_moe", torch.bfloat16, True, False)]}
+                 ("qwen3", torch.float32, True, False), ("olmoe", torch.float32, True, False),
+                 ("glm4_moe", torch.float64, True, False)],
+             4: [("qwen2_moe", torch.float32, True, False), ("qwen3_moe", torch.bfloat16, True, False),
+                 ("glm4_moe", torch.bfloat16, True, False)]}
     for D, per_world in cases.items():
         _check_counted_steps(D, per_world, run_ranks(D, _counted_model_steps, cases=per_world))
         for arch, dtype, _, _ in per_world:

@@ -104,13 +104,19 @@ def test_moe_presets_match_their_published_sizes():
     mixtral = planner.model_shape("mixtral-8x7b")
     assert (f"{mixtral.params / 1e9:.1f}", f"{mixtral.active_params / 1e9:.1f}") == ("46.7", "12.9")
     assert mixtral.moe_layers == 32 and mixtral.renormalise_top_k and mixtral.router_weights_fp32
+    # GLM-4.5-Air: "106 billion total parameters"; 45 MoE layers after one dense, a shared expert without a
+    # gate, so each sparse layer replicates its router only.
+    glm = planner.model_shape("glm-4.5-air")
+    assert 106e9 <= glm.params < 107e9
+    assert glm.moe_layers == 45 and glm.shared_expert_size == 1408 and not glm.gated_shared_expert
+    assert glm.router_params == 128 * 4096
 
 
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
-                                         r"layers of mixtral, qwen2_moe, qwen3_moe only"):
+                                         r"layers of mixtral, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe only"):
         planner.model_shape({**tiny_shape(), "model_type": "deepseek_v2", "n_routed_experts": 64})
-    with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'olmoe'\)"):
-        planner.model_shape({**tiny_shape(), "model_type": "olmoe", "num_experts": 8})
+    with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'jamba'\)"):
+        planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         planner.model_shape({**tiny_shape(), "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2})

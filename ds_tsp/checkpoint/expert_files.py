@@ -82,7 +82,10 @@ _TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
 
 def expert_files(config):
     """The ``ExpertFiles`` of a model's config, from transformers' conversion
-    mapping for its ``model_type``, or None: its files name tensors as the model does."""
+    mapping for its ``model_type``, or None: its files name tensors as the model does
+    (a dense model's always: transformers' mapping, 1.6 MB built once, is not consulted)."""
+    if not any(getattr(config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return None
     block, projections = ".mlp.", {}
     for conversion in get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) or []:
         sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)

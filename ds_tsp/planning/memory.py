@@ -173,7 +173,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     if sparse:
         k = m.experts_per_token
         mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
-        mlp += e if m.shared_expert_size else 0
+        mlp += e if m.gated_shared_expert else 0
         mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
     elif not mlp_tiled:
         mlp += 2 * e * m.intermediate_size
@@ -213,7 +213,8 @@ def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, ex
     k, ffn_t = m.experts_per_token, t if experts_split else 1
     experts = k * 4 * e * m.expert_size / ffn_t
     slots = k * (2 * e * H + routing_weight_bytes(m, e) + HF_SLOT_ORDERINGS * INT64)
-    shared = (4 * e * m.shared_expert_size / ffn_t + e * H + e) if m.shared_expert_size else 0
+    shared = (4 * e * m.shared_expert_size / ffn_t + e * H + (e if m.gated_shared_expert else 0)) \
+        if m.shared_expert_size else 0
     return replicated + router_saved_per_token(m, e) + slots + attention / t + experts + shared
 
 

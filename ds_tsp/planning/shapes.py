@@ -32,6 +32,11 @@ PRESETS = {
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
                          tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
+    # 106B parameters, 12B active per token: a dense first layer, 128 sigmoid-routed experts and one shared.
+    "glm-4.5-air": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                        num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+                        tie_word_embeddings=False, attention_bias=True, n_routed_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=1408, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
@@ -53,17 +58,18 @@ DEFAULT_DEVICES_PER_NODE = 8
 
 
 # Model types whose q/k norms span the whole projection (ds_tsp.blocks.rotary.ProjectionNormPiece).
-PROJECTION_QK_NORMS = ("olmo2", "olmo3")
+PROJECTION_QK_NORMS = ("olmo2", "olmo3", "olmoe", "flex_olmo")
 
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder LM that the cost model needs (Hugging Face names).
 
-    A mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) has
+    A mixture-of-experts model (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5) has
     ``moe_layers`` sparse layers, each a router (``E x H``, replicated), ``E``
     routed experts of ``expert_size`` (gated MLPs, no biases) of which every
     token uses ``experts_per_token`` (``k``), and optionally a shared expert of
-    ``shared_expert_size`` with its sigmoid gate (``1 x H``, replicated); its
+    ``shared_expert_size``, with its sigmoid gate (``1 x H``, replicated:
+    Qwen2-MoE) or without (GLM-4.5, ``shared_expert_gate`` False); its
     other ``num_layers - moe_layers`` layers have a dense MLP of
     ``intermediate_size``. Per-layer sizes take ``sparse``: which kind of layer.
     """
@@ -85,7 +91,8 @@ class ModelShape:
     num_experts: int = 0  # E; 0: a dense model
     experts_per_token: int = 0  # k, the router's top-k
     expert_size: int = 0  # F of one routed expert
-    shared_expert_size: int = 0  # Qwen2-MoE's shared expert, 0 where there is none
+    shared_expert_size: int = 0  # Qwen2-MoE's, GLM-4.5's shared expert, 0 where there is none
+    shared_expert_gate: bool = True  # the shared expert's output times sigmoid of a 1 x H gate (Qwen2-MoE)
     moe_layers: int = 0
     renormalise_top_k: bool = False  # the top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
     router_weights_fp32: bool = False  # the routing weights stay float32 (Mixtral); else the model dtype
@@ -125,7 +132,11 @@ class ModelShape:
     @property
     def router_params(self):
         """A sparse layer's replicated routing: the router and the shared expert's gate."""
-        return self.num_experts * self.hidden_size + (self.hidden_size if self.shared_expert_size else 0)
+        return self.num_experts * self.hidden_size + (self.hidden_size if self.gated_shared_expert else 0)
+
+    @property
+    def gated_shared_expert(self):
+        return bool(self.shared_expert_size) and self.shared_expert_gate
 
     def ffn_params(self, sparse=False):
         """The feed-forward block's parameters that TSP (and TP) shard: ``Wm``, or
@@ -155,7 +166,7 @@ class ModelShape:
             qk_norms = [self.head_dim] * 2 if self.qk_norm else []
         tensors = [H, H] + qk_norms
         if sparse:
-            return tensors + [self.num_experts * H] + ([H] if self.shared_expert_size else [])
+            return tensors + [self.num_experts * H] + ([H] if self.gated_shared_expert else [])
         return tensors + ([H] if self.mlp_bias else [])
 
     @property
@@ -273,32 +284,43 @@ def _shape_fields(model):
     raise TypeError(f"model must be a preset name, a config path, a dict or a Hugging Face config, not {type(model)}")
 
 
-# Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs the same three), and the keys by
-# which other MoE configs are recognised and refused.
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
+# kind), and the keys by which other MoE configs are recognised and refused.
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# DeepSeek-V3's kind (GLM-4.5): sigmoid routers computing in float32, the first layers dense, an ungated shared
+# expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
+DEEPSEEK_V3_KIND = ("glm4_moe",)
 
 
 def _moe_fields(fields):
     """The ``ModelShape`` fields of a mixture-of-experts config: Mixtral
     (``num_local_experts``, every layer sparse, experts of ``intermediate_size``,
-    top-k always renormalised, routing weights kept float32) or Qwen2/3-MoE
-    (``num_experts``, experts of ``moe_intermediate_size``, layer ``i`` sparse
-    unless in ``mlp_only_layers`` or off ``decoder_sparse_step``,
-    ``norm_topk_prob``, Qwen2-MoE's ``shared_expert_intermediate_size``);
+    top-k always renormalised, routing weights kept float32), Qwen2/3-MoE and
+    OLMoE (``num_experts``, experts of ``moe_intermediate_size`` or
+    ``intermediate_size``, layer ``i`` sparse unless in ``mlp_only_layers`` or
+    off ``decoder_sparse_step``, ``norm_topk_prob``, Qwen2-MoE's gated
+    ``shared_expert_intermediate_size``) or GLM-4.5 (``n_routed_experts``,
+    layers from ``first_k_dense_replace`` on sparse, an ungated shared expert);
     ``{}`` for a dense config. Other MoE configs are refused."""
     experts = {key: fields[key] for key in MOE_KEYS if (fields.get(key) or 0) > 0}
     if not experts:
         return {}
     model_type = fields.get("model_type")
-    qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
-    mixtral = not qwen and ("num_local_experts" in experts if model_type is None else model_type == "mixtral")
-    if "n_routed_experts" in experts or not (qwen or mixtral):
+    if model_type not in (None, *MOE_MODEL_TYPES) or (model_type is None and "n_routed_experts" in experts):
         key, value = next(iter(experts.items()))
         raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
                          f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
-    num_experts = experts.get("num_experts") or experts.get("num_local_experts")
+    qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
+    mixtral = not qwen and ("num_local_experts" in experts if model_type is None else model_type == "mixtral")
+    num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
     layers = fields["num_hidden_layers"]
+    if model_type in DEEPSEEK_V3_KIND:
+        return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["moe_intermediate_size"],
+                    shared_expert_size=fields["moe_intermediate_size"] * (fields.get("n_shared_experts") or 0),
+                    shared_expert_gate=False, moe_layers=layers - (fields.get("first_k_dense_replace") or 0),
+                    renormalise_top_k=bool(fields.get("norm_topk_prob")), router_weights_fp32=True)
     if mixtral:
         return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["intermediate_size"], moe_layers=layers, renormalise_top_k=True,
@@ -306,7 +328,7 @@ def _moe_fields(fields):
     step, dense = fields.get("decoder_sparse_step") or 1, set(fields.get("mlp_only_layers") or ())
     sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
     return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
-                expert_size=fields["moe_intermediate_size"],
+                expert_size=fields["moe_intermediate_size" if qwen else "intermediate_size"],
                 shared_expert_size=fields.get("shared_expert_intermediate_size") or 0, moe_layers=len(sparse),
                 renormalise_top_k=bool(fields.get("norm_topk_prob")),
                 output_router_logits=bool(fields.get("output_router_logits")))
@@ -340,7 +362,8 @@ def model_shape(model):
             attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
             name=str(fields.get("name", "custom")),
-            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS),
+            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS)
+            or bool(fields.get("use_qk_norm")),  # GLM-4.5's switch
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             **_moe_fields(fields))
     except KeyError as err:
