@@ -21,6 +21,10 @@ def test_packed_documents_match_hugging_face(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama", batch=2, seq_len=19, documents=DOCUMENTS,
                          layout="contiguous")
     check(per_rank, f"D={tsp_size} llama packed {DOCUMENTS}, contiguous layout")
+    for schedule in ("ring", "all_to_all"):  # GLM-4.5's experts (no load-balancing loss): tokens route alone
+        per_rank = run_ranks(tsp_size, model_parity, arch="glm4_moe", batch=2, seq_len=19, documents=DOCUMENTS,
+                             moe_schedule=schedule)
+        check(per_rank, f"D={tsp_size} glm4_moe packed {DOCUMENTS}, {schedule}")
 
 
 def test_flash_attention_cu_seq_lens_match_hugging_face(run_ranks):

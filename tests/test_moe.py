@@ -489,7 +489,8 @@ def test_from_pretrained_reads_own_experts_and_round_trips_bit_exact(run_ranks, 
         # ds_tsp reads them back. What Hugging Face writes after loading the same files is the reference: it
         # keeps GLM-4.5's router (its weight and score-correction bias) in float32, and so does ds_tsp.
         write_state_dict(src, ref.state_dict(), ref.config)
-        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, experts_implementation="eager").save_pretrained(hf)
+        loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, experts_implementation="eager")
+        loaded.save_pretrained(hf)
         held = run_ranks(tsp_size, _load_and_save, src=src, dst=dst)
         first = next(iter(held[0].values()))
         assert first["experts.gate_up_proj"][0] == num_experts(ref.config) // tsp_size

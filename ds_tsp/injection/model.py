@@ -292,7 +292,8 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
     sequence (``ds_tsp.blocks.moe.load_balancing.load_balancing_loss``)."""
     if len(router_logits) != len(moe_blocks):
         raise RuntimeError(f"{len(moe_blocks)} MoE layers ran but {len(router_logits)} router outputs were recorded")
-    if torch.is_grad_enabled() and any(p.requires_grad for b in moe_blocks for p in b.router_module().parameters()) and not all(
+    routers = [p for block in moe_blocks for p in block.router_module().parameters()]
+    if torch.is_grad_enabled() and any(p.requires_grad for p in routers) and not all(
             logits.requires_grad for logits in router_logits):
         raise RuntimeError("the router logits carry no gradient (a reentrant activation checkpoint ran the layers "
                            "without autograd), so the auxiliary loss would not train the routers: use HF's "

@@ -283,8 +283,8 @@ class DecoderPolicy:
         ``auto``, any block holding ``experts`` with a fused 3-D ``gate_up_proj`` (``check_sparse_block``
         says whether ds_tsp takes it)."""
         if self.layer_class is None:
-            experts = getattr(mlp_module, "experts", None)
-            return getattr(getattr(experts, "gate_up_proj", None), "dim", lambda: 0)() == 3
+            gate_up = getattr(getattr(mlp_module, "experts", None), "gate_up_proj", None)
+            return isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3
         return self.sparse_mlp is not None and type(mlp_module).__name__ == self.sparse_mlp
 
 
