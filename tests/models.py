@@ -6,7 +6,7 @@ import io
 import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, Glm4MoeConfig,
-                          Glm4MoeForCausalLM, LlamaConfig,
+                          Glm4MoeForCausalLM, LlamaConfig, MiniMaxM2Config, MiniMaxM2ForCausalLM,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoeConfig, OlmoeForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -19,6 +19,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
+from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
@@ -48,7 +49,7 @@ AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive fl
 
 
 def rms_norm_in_the_wider_dtype(self, hidden_states):
-    """OLMo-2/3's (OLMoE's, FlexOlmo's) RMSNorm as Hugging Face writes it, but in float32 or the
+    """OLMo-2/3's (OLMoE's, FlexOlmo's, MiniMax-M2's) RMSNorm as Hugging Face writes it, but in float32 or the
     input's dtype if wider: HF's computes in float32 even in a float64 model
     (and so its q/k norms make every number after them float32-exact only)."""
     input_dtype = hidden_states.dtype
@@ -59,7 +60,7 @@ def rms_norm_in_the_wider_dtype(self, hidden_states):
 
 
 Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = OlmoeRMSNorm.forward = FlexOlmoRMSNorm.forward = \
-    rms_norm_in_the_wider_dtype
+    MiniMaxM2RMSNorm.forward = rms_norm_in_the_wider_dtype
 
 
 def gemma_rms_norm_in_the_wider_dtype(self, x):
@@ -160,6 +161,9 @@ def tiny_config(arch, **overrides):
                                 "routed_scaling_factor": 2.5, "use_qk_norm": True, **moe})
     if arch == "olmoe":  # 4 experts of intermediate_size, softmax top-2; q/k norms over the whole projection
         return OlmoeConfig(**{"num_experts": 4, **moe})
+    if arch == "minimax_m2":  # 4 sigmoid-routed experts, the block's score-correction bias handed to its router;
+        # q/k norms over the whole projection; half of each head rotary (its checkpoints' rotary_dim)
+        return MiniMaxM2Config(**{"num_local_experts": 4, "rotary_dim": 2, **moe})
     raise ValueError(arch)
 
 
@@ -168,7 +172,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-                 "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM}
+                 "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
@@ -261,10 +265,13 @@ def routes_in_float32(model):
         router = next((getattr(block, name) for name in ("gate", "router") if hasattr(block, name)), None)
         if router is None or not hasattr(getattr(block, "experts", None), "gate_up_proj"):
             continue
+        from ds_tsp.blocks.moe.plan import router_inputs
+
         hidden = block.experts.gate_up_proj.shape[-1]
         with torch.no_grad():
             routed = router(torch.zeros(1, hidden, dtype=block.experts.gate_up_proj.dtype,
-                                        device=block.experts.gate_up_proj.device))
+                                        device=block.experts.gate_up_proj.device),
+                            *(getattr(block, name) for name in router_inputs(block, router)))
         if routed[0].dtype == torch.float32 and block.experts.gate_up_proj.dtype == torch.float64:
             return True
     return False

@@ -63,6 +63,7 @@ CASES = [
     ("qwen3_moe", 1, 13, 4, "first_experts", {}),
     ("glm4_moe", 2, 13, 3, "random", {}),
     ("olmoe", 2, 16, 0, "random", {}),
+    ("minimax_m2", 2, 13, 3, "random", {}),
 ]
 
 

@@ -114,7 +114,7 @@ def test_moe_presets_match_their_published_sizes():
 
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
-                                         r"layers of mixtral, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe only"):
+                                         r"layers of mixtral, minimax_m2, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe only"):
         planner.model_shape({**tiny_shape(), "model_type": "deepseek_v2", "n_routed_experts": 64})
     with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'jamba'\)"):
         planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})

@@ -167,7 +167,7 @@ def check_deterministic_router(block, where):
                                                 device_type=weight.device.type):
         for seed in (0, 1):
             torch.manual_seed(seed)
-            outputs.append(router(tokens))
+            outputs.append(block.run_router(tokens))
     router.train(training)
     if any(not torch.equal(a, b) for a, b in zip(*outputs)):
         raise PolicyError(f"{where}.{block.router_name} ({type(router).__name__}) routes at random in training (two "

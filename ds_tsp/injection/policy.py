@@ -19,6 +19,7 @@ submodule or the config attribute at fault, before any weight moves: nothing
 is ever converted approximately.
 """
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass, field
@@ -86,11 +87,16 @@ def full_or_sliding(layer_types):
     return layer_types is None or all(kind in LAYER_TYPES for kind in layer_types)
 
 
-def rope_per_layer_type(params):
-    """One supported table per layer type (Gemma-3: local and global RoPE), or one for all."""
-    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
-        return all(rope_supported(table) for table in params.values())
-    return rope_supported(params)
+def per_layer_type(params):
+    """Whether RoPE ``params`` hold one table per layer type (Gemma-3: local and global RoPE)."""
+    return isinstance(params, dict) and bool(params) and set(params) <= set(LAYER_TYPES)
+
+
+def rope_per_layer_type(params, partial_rotary=False):
+    """One supported table per layer type, or one for all."""
+    if per_layer_type(params):
+        return all(rope_supported(table, partial_rotary) for table in params.values())
+    return rope_supported(params, partial_rotary)
 
 
 NO_DROPOUT = (None, 0, 0.0)
@@ -187,6 +193,13 @@ QWEN3_MOE = {**COMMON, **MOE_ROUTING, **SPARSE_LAYERS, "attention_bias": ATTENTI
 OLMOE = {**OLMO2, **MOE_ROUTING,
          "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply",
                              "build the model with clip_qkv = None, or leave tsp.enabled false")}
+# MiniMax-M2: OLMo-2's q/k norms over the whole projection, a partial rotary factor (its checkpoints' rotary_dim)
+# rotating each head's first dims as Phi-3's forward does, a sigmoid router handed the block's score-correction
+# bias, no sliding window.
+MINIMAX_M2 = {**COMMON, **MOE_ROUTING, "rope_parameters": PHI3["rope_parameters"],
+              "partial_rotary_factor": PHI3["partial_rotary_factor"],
+              "rotary_dim": Accepts(any_value, "read only into rope_parameters' partial_rotary_factor"),
+              "router_jitter_noise": MIXTRAL["router_jitter_noise"]}
 # A class accepted by shape: forward features Llama's lacks, named by the
 # config attributes transformers' models use for them, are accepted only at
 # the value that turns them off. What no attribute names, ds_tsp.injection.probe finds.
@@ -202,8 +215,13 @@ AUTO_CONFIG = {
     "query_pre_attn_scalar": Accepts((None,), "a non-standard attention scale"),
     "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
     # A partial rotary factor: the TSP attention rotates each head's first dims as Phi-3's and GLM-4.5's
-    # forwards do; the probe finds a forward that rotates otherwise (interleaved pairs).
-    "rope_parameters": PHI3["rope_parameters"],
+    # forwards do; the probe finds a forward that rotates otherwise (interleaved pairs). Per-layer-type tables
+    # (Mellum's) are taken per layer type, as Gemma-3's.
+    "rope_parameters": Accepts(lambda params: rope_per_layer_type(params, partial_rotary=True),
+                               "the TSP model calls the model's own rotary embedding with the whole sequence's "
+                               f"positions (per layer type where it keeps one table each); rope_type "
+                               f"{', '.join(ROPE_TYPES)} are checked equal to HF, and a partial rotary factor rotates "
+                               "the first dims of each head; the probe compares the layer"),
     "partial_rotary_factor": Accepts(any_value, "read only into rope_parameters"),
     "use_parallel_residual": Accepts((None, False), "attention and MLP in parallel; the TSP layer runs them in turn"),
     "hidden_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
@@ -314,6 +332,8 @@ POLICIES = {
                            qk_norm_width="projection", sparse_mlp="OlmoeSparseMoeBlock"),
     "flex_olmo": DecoderPolicy("flex_olmo", "FlexOlmoDecoderLayer", "FlexOlmoForCausalLM", OLMOE, no_window,
                                norm_layout=POST_NORMS, qk_norm_width="projection", sparse_mlp="FlexOlmoSparseMoeBlock"),
+    "minimax_m2": DecoderPolicy("minimax_m2", "MiniMaxM2DecoderLayer", "MiniMaxM2ForCausalLM", MINIMAX_M2, no_window,
+                                qk_norm_width="projection", sparse_mlp="MiniMaxM2SparseMoeBlock"),
     "olmo3": DecoderPolicy("olmo3", "Olmo3DecoderLayer", "Olmo3ForCausalLM", OLMO3, layer_types_window,
                            norm_layout=POST_NORMS, rotary_kind=layer_type, qk_norm_width="projection"),
 }
@@ -370,6 +390,9 @@ def resolve_policy(model, name="auto"):
     if policy is AUTO and not hasattr(layers[0], "input_layernorm") and all(
             hasattr(layers[0], norm) for norm in AUTO_POST_NORMS.norm_names()):
         policy = AUTO_POST_NORMS
+    if policy.layer_class is None and per_layer_type(getattr(model.config, "rope_parameters", None)) and \
+            getattr(model.config, "layer_types", None):
+        policy = dataclasses.replace(policy, rotary_kind=layer_type)
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
         if get_submodule(model, path) is None:
             raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
@@ -530,14 +553,20 @@ def check_sparse_block(block, where, layer_class, auto=False):
     if missing or unexpected:
         raise PolicyError(f"{layer_class} at {where} ({block_class}) lacks {missing} or has unexpected submodules "
                           f"{unexpected}: not a sparse MoE block ds_tsp knows")
-    check_own_tensors(block, where, layer_class)
+    router = block.get_submodule(routers[0])
+    handed = set(moe_plan.router_inputs(block, router))
+    own = [name for name, tensor in (*block._parameters.items(), *block._buffers.items())
+           if tensor is not None and name not in handed]
+    if own:
+        raise PolicyError(f"{layer_class} at {where} holds {own} directly (parameters or buffers outside any known "
+                          "submodule, not handed to its router), which the TSP block would drop: this block is not "
+                          "supported")
     for noise in ("jitter_noise", "input_jitter_noise", "router_jitter_noise"):
         if getattr(block, noise, 0):
             raise PolicyError(f"{layer_class} at {where} multiplies its input by random {noise} "
                               f"({getattr(block, noise)}) in training, which no sharded run can reproduce: build the "
                               f"model with router_jitter_noise = 0.0 (and input_jitter_noise = 0.0)")
     _check_experts(block.experts, f"{where}.experts", layer_class)
-    router = block.get_submodule(routers[0])
     if not auto and {n for n, _ in router.named_parameters()} != {"weight"}:
         raise PolicyError(f"{layer_class} at {where}.{routers[0]} is not a router with one weight (E, H)")
     if shared:

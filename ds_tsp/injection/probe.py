@@ -155,7 +155,8 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         layer_in, layer_out = recorder.seen
         outside = max(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), layer_out))
 
-        tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device)
+        tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device,
+                          rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
         shard = TSPBatch(torch.zeros(batch, seq_len, dtype=torch.long, device=device), None, positions, None,
                          tsp_rank, tsp_size, tsp_config.layout)
         local = layout.shard(hidden, tsp_rank, tsp_size, tsp_config.layout)

@@ -58,7 +58,7 @@ DEFAULT_DEVICES_PER_NODE = 8
 
 
 # Model types whose q/k norms span the whole projection (ds_tsp.blocks.rotary.ProjectionNormPiece).
-PROJECTION_QK_NORMS = ("olmo2", "olmo3", "olmoe", "flex_olmo")
+PROJECTION_QK_NORMS = ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2")
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -286,7 +286,7 @@ def _shape_fields(model):
 
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # DeepSeek-V3's kind (GLM-4.5): sigmoid routers computing in float32, the first layers dense, an ungated shared
 # expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
@@ -294,9 +294,10 @@ DEEPSEEK_V3_KIND = ("glm4_moe",)
 
 
 def _moe_fields(fields):
-    """The ``ModelShape`` fields of a mixture-of-experts config: Mixtral
-    (``num_local_experts``, every layer sparse, experts of ``intermediate_size``,
-    top-k always renormalised, routing weights kept float32), Qwen2/3-MoE and
+    """The ``ModelShape`` fields of a mixture-of-experts config: Mixtral and
+    MiniMax-M2 (``num_local_experts``, every layer sparse, experts of
+    ``intermediate_size``, top-k always renormalised, routing weights kept
+    float32; MiniMax-M2's score-correction bias is a buffer), Qwen2/3-MoE and
     OLMoE (``num_experts``, experts of ``moe_intermediate_size`` or
     ``intermediate_size``, layer ``i`` sparse unless in ``mlp_only_layers`` or
     off ``decoder_sparse_step``, ``norm_topk_prob``, Qwen2-MoE's gated
@@ -312,7 +313,8 @@ def _moe_fields(fields):
         raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
                          f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
     qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
-    mixtral = not qwen and ("num_local_experts" in experts if model_type is None else model_type == "mixtral")
+    mixtral = not qwen and ("num_local_experts" in experts if model_type is None
+                            else model_type in ("mixtral", "minimax_m2"))
     num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
     layers = fields["num_hidden_layers"]
     if model_type in DEEPSEEK_V3_KIND:

@@ -43,6 +43,7 @@ from ds_tsp.blocks.moe.plan import (
     expert_weights,
     hf_sizes,
     replicated_tensors,
+    router_inputs,
     shard_piece,
     shard_spec,
     shared_weights,
@@ -72,7 +73,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def __init__(self, hidden_size, num_experts, expert_size, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
-                 device=None, router_name="gate", shared_name="shared_expert"):
+                 device=None, router_name="gate", shared_name="shared_expert", router_buffers=None):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
@@ -89,6 +90,10 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                             token_tile, fp32_accumulators, schedule=schedule)
         self.router_name = router_name
         self.add_module(router_name, router)
+        # Buffers the Hugging Face block holds and hands its router by name, kept under the block's names.
+        self.router_inputs = list(router_buffers or {})
+        for name, buffer in (router_buffers or {}).items():
+            self.register_buffer(name, buffer)
         self.shared_expert_gate = shared_gate
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
@@ -107,7 +112,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def replicated_tensors(self):
         """The tensors every rank holds whole, under Hugging Face names: the
         router's parameters and persistent buffers, the shared expert's gate."""
-        return replicated_tensors(self.router_module(), self.router_name, self.shared_expert_gate)
+        return replicated_tensors(self.router_module(), self.router_name, self.shared_expert_gate,
+                                  {name: getattr(self, name) for name in self.router_inputs})
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
@@ -128,6 +134,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         piece)`` as in ``TSPGatedMLP.from_hf``."""
         hidden_size, num_experts, expert_size, shared_size, shared_name = hf_sizes(moe)
         router_name = child_named(moe, ROUTER_NAMES)
+        router_buffers = {name: torch.empty_like(moe._buffers[name], device=device)
+                          for name in router_inputs(moe, moe.get_submodule(router_name))}
         dtype = moe.experts.gate_up_proj.dtype
         device = device or moe.experts.gate_up_proj.device
 
@@ -138,7 +146,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                      replica(moe.get_submodule(router_name)), tsp_group, shared_size=shared_size,
                      shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
-                     router_name=router_name, shared_name=shared_name or "shared_expert")
+                     router_name=router_name, shared_name=shared_name or "shared_expert",
+                     router_buffers=router_buffers)
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -171,10 +180,15 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         schedule = moe_ring if self.schedule_for(x2, index.shape[-1]) == "ring" else moe_all_to_all
         return schedule(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
 
+    def run_router(self, x2):
+        """Hugging Face's router's output on the tokens ``x2`` ``(N, H)``, with
+        the buffers the block hands it (``plan.router_inputs``)."""
+        return self.router_module()(x2, *(getattr(self, name) for name in self.router_inputs))
+
     def route(self, x2):
         """``(weights, indices)``, each ``(N, k)``, of Hugging Face's router on the
         tokens ``x2`` ``(N, H)``: scores, top-k, normalisation, scaling and dtypes as HF's."""
-        routed = self.router_module()(x2)
+        routed = self.run_router(x2)
         if not (isinstance(routed, tuple) and len(routed) == 3 and routed[1].shape == routed[2].shape
                 and routed[2].shape[:1] == x2.shape[:1] and not routed[2].is_floating_point()):
             raise TypeError(f"{type(self.router_module()).__name__} does not return Hugging Face's (logits, weights, "

@@ -7,10 +7,12 @@ of Hugging Face's fused ``experts.gate_up_proj`` ``(E, 2F, H)`` and
 Qwen2-MoE's ``shared_expert``, DeepSeek-V3-style ``shared_experts``), packed
 into one flat buffer, the same under both schedules: a checkpoint does not
 know which trained it. The router (``gate`` or ``router``: its parameters and
-persistent buffers, such as a score-correction bias) and Qwen2-MoE's
-``shared_expert_gate`` are replicated.
+persistent buffers, such as a score-correction bias, and the buffers the block
+holds to hand it, MiniMax-M2's) and Qwen2-MoE's ``shared_expert_gate`` are
+replicated.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +77,20 @@ def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank):
     return SHARED_DIMS[projection], tsp_rank * length, length
 
 
-def replicated_tensors(router, router_name, shared_gate=None):
+def router_inputs(block, router):
+    """Names of the buffers ``block`` holds itself and hands its router by name
+    (MiniMax-M2's ``e_score_correction_bias``: ``gate(hidden, e_score_correction_bias)``)."""
+    taken = list(inspect.signature(router.forward).parameters)[1:]
+    return [name for name in taken if name in block._buffers and block._buffers[name] is not None]
+
+
+def replicated_tensors(router, router_name, shared_gate=None, block_inputs=None):
     """``{Hugging Face name: tensor}`` of what every rank keeps whole: the
-    router's parameters and persistent buffers, and the shared expert's gate."""
+    router's parameters and persistent buffers, the block's own buffers it
+    hands the router (``block_inputs``: ``{name: tensor}``), and the shared
+    expert's gate."""
     tensors = {f"{router_name}.{name}": tensor for name, tensor in router.state_dict(keep_vars=True).items()}
+    tensors.update(block_inputs or {})
     if shared_gate is not None:
         tensors.update({f"{SHARED_GATE}.{name}": tensor
                         for name, tensor in shared_gate.state_dict(keep_vars=True).items()})
@@ -88,8 +100,9 @@ def replicated_tensors(router, router_name, shared_gate=None):
 def replicated_names(hf_moe):
     """Hugging Face names of the tensors of a sparse MoE block every rank keeps whole."""
     router_name = child_named(hf_moe, ROUTER_NAMES)
-    return list(replicated_tensors(hf_moe.get_submodule(router_name), router_name,
-                                   getattr(hf_moe, SHARED_GATE, None)))
+    router = hf_moe.get_submodule(router_name)
+    return list(replicated_tensors(router, router_name, getattr(hf_moe, SHARED_GATE, None),
+                                   {name: hf_moe._buffers[name] for name in router_inputs(hf_moe, router)}))
 
 
 def hf_sizes(hf_moe):
