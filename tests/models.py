@@ -6,13 +6,15 @@ import io
 import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, Glm4MoeConfig,
-                          Glm4MoeForCausalLM, LlamaConfig, MiniMaxM2Config, MiniMaxM2ForCausalLM,
+                          Glm4MoeForCausalLM, LlamaConfig, MiniMaxM2Config, MiniMaxM2ForCausalLM, Dots1Config,
+                          Dots1ForCausalLM, MellumConfig, MellumForCausalLM,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoeConfig, OlmoeForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 import torch.nn.functional as F
 from transformers.masking_utils import eager_mask
+from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
@@ -96,7 +98,7 @@ def glm_router_in_the_wider_dtype(self, hidden_states):
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
-Glm4MoeTopkRouter.forward = glm_router_in_the_wider_dtype
+Glm4MoeTopkRouter.forward = Dots1TopkRouter.forward = glm_router_in_the_wider_dtype  # one router, two copies
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.
@@ -164,6 +166,14 @@ def tiny_config(arch, **overrides):
     if arch == "minimax_m2":  # 4 sigmoid-routed experts, the block's score-correction bias handed to its router;
         # q/k norms over the whole projection; half of each head rotary (its checkpoints' rotary_dim)
         return MiniMaxM2Config(**{"num_local_experts": 4, "rotary_dim": 2, **moe})
+    if arch == "dots1":  # GLM-4.5's block (sigmoid group-limited routing, an ungated shared expert, a dense first
+        # layer) under per-head q/k norms; taken by the auto policy and its probe
+        return Dots1Config(**{"n_routed_experts": 4, "moe_intermediate_size": 8, "n_shared_experts": 1,
+                              "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+                              "routed_scaling_factor": 2.0, **moe})
+    if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
+        return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
+                               "layer_types": ["sliding_attention", "full_attention"], **moe})
     raise ValueError(arch)
 
 
@@ -172,7 +182,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-                 "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM}
+                 "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
+                 "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 

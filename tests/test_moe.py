@@ -4,8 +4,11 @@ Tiny Mixtral (4 experts), Qwen2-MoE (4 experts and a shared expert with its
 gate), Qwen3-MoE (8 experts, norm_topk_prob, and a dense layer among the
 MoE layers), GLM-4.5 (sigmoid scores with a score-correction bias,
 group-limited top-2, routed scaling, an ungated shared expert, a dense first
-layer; its router widened to float64 as tests/models.py says) and OLMoE in
-float64, top-2, the auxiliary loss on where HF's forward adds one (coefficient
+layer; its router widened to float64 as tests/models.py says), OLMoE,
+MiniMax-M2 (its block's score-correction bias handed to its router), and,
+taken by the auto policy and its probe, dots.llm1 (GLM-4.5's block) and
+Mellum (Qwen3-MoE's block, sliding and full layers with their own RoPE
+tables) in float64, top-2, the auxiliary loss on where HF's forward adds one (coefficient
 0.1, so its gradient matters): the loss and every gradient this rank holds match HF's at
 D = 1, 2, 4, with random routing, with routing that sends every token of
 every rank to experts 0 and 1 (router weights zero: all probabilities tie at
@@ -64,6 +67,8 @@ CASES = [
     ("glm4_moe", 2, 13, 3, "random", {}),
     ("olmoe", 2, 16, 0, "random", {}),
     ("minimax_m2", 2, 13, 3, "random", {}),
+    ("dots1", 1, 16, 0, "random", {}),  # two classes of their kind the issues do not name, by the auto policy
+    ("mellum", 2, 13, 3, "random", {}),
 ]
 
 

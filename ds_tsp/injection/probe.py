@@ -86,7 +86,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
     reference = (f"under Hugging Face's {implementation} attention, against a tolerance of {tolerance:.0e}"
                  + (" (its softmax runs in float32)" if implementation == "eager" else ""))
     for index in probed.values():
-        with _float64_implementations(model, implementation):
+        with _probe_settings(model, implementation):
             outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
         where = f"{type(model).__name__} ({type(layers[index]).__name__} at {policy.layers}.{index})"
         if outside > tolerance:
@@ -101,21 +101,26 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
 
 
 @contextlib.contextmanager
-def _float64_implementations(model, implementation):
+def _probe_settings(model, implementation):
     """Within the block, the model (and the copies of its layers the probe
     makes, which share its config until copied) runs the attention
-    ``implementation`` and a mixture of experts its eager loop (HF's default
-    grouped_mm takes no float64; the probe checks the forward, not a kernel)."""
-    saved = model.config._attn_implementation, getattr(model.config, "_experts_implementation", None)
-    model.config._attn_implementation = implementation
-    if saved[1] is not None:
-        model.config._experts_implementation = "eager"
+    ``implementation``, a mixture of experts its eager loop (HF's default
+    grouped_mm takes no float64; the probe checks the forward, not a kernel)
+    and no load-balancing loss (its layers but one are pass-throughs, which
+    record no router logits)."""
+    config = model.config
+    overrides = {"_attn_implementation": implementation, "_experts_implementation": "eager",
+                 "output_router_logits": False}
+    saved = {key: getattr(config, key) for key in overrides if getattr(config, key, None) is not None}
+    for key in saved:
+        setattr(config, key, overrides[key])
+    if "_attn_implementation" not in saved:
+        config._attn_implementation = implementation
     try:
         yield
     finally:
-        model.config._attn_implementation = saved[0]
-        if saved[1] is not None:
-            model.config._experts_implementation = saved[1]
+        for key, value in saved.items():
+            setattr(config, key, value)
 
 
 def _signature(layer):
