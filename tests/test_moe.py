@@ -305,6 +305,26 @@ def test_moe_layers_resolve_to_their_tables_and_jitter_is_refused():
         resolve_policy(tiny_model("mixtral", router_jitter_noise=0.1))
 
 
+def test_the_load_balancing_loss_is_added_where_hugging_faces_forward_adds_it():
+    """Mixtral's (and a subclass's whose forward calls it), none for GLM-4.5,
+    and Doge's own function, which ds_tsp does not compute, refused by name
+    when the config asks for it."""
+    from transformers import DogeConfig, DogeForCausalLM, Glm4MoeForCausalLM, MixtralForCausalLM
+
+    from ds_tsp.injection.policy import check_load_balancing, load_balancing_loss
+
+    class Subclassed(MixtralForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    assert load_balancing_loss(MixtralForCausalLM) == load_balancing_loss(Subclassed) == "switch"
+    assert load_balancing_loss(Glm4MoeForCausalLM) is None and load_balancing_loss(DogeForCausalLM) == "other"
+    with pytest.raises(PolicyError, match=r"DogeForCausalLM adds a load-balancing loss other than Mixtral's.*"
+                                          r"output_router_logits = False"):
+        check_load_balancing(DogeForCausalLM, DogeConfig(output_router_logits=True))
+    check_load_balancing(DogeForCausalLM, DogeConfig(output_router_logits=False))
+
+
 # ------------------------------------------------------------------ bytes
 
 def _block_and_tokens(arch, dtype, schedule, balanced):

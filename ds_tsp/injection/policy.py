@@ -414,14 +414,22 @@ def load_balancing_loss(model_class):
     "switch" (Mixtral's ``load_balancing_loss_func``, which
     ``ds_tsp.blocks.moe.load_balancing`` computes over the whole sequence),
     None (it adds none: GLM-4.5, DeepSeek-V3), or "other"."""
-    forward = next((klass.forward for klass in model_class.__mro__ if "forward" in vars(klass)
-                    and not klass.__module__.startswith("ds_tsp.")), None)
-    if forward is None or "load_balancing_loss_func" not in inspect.getsource(forward):
+    owner = next((klass for klass in model_class.__mro__ if "forward" in vars(klass)
+                  and not klass.__module__.startswith("ds_tsp.")
+                  and "load_balancing_loss_func" in _source(klass.forward)), None)  # a subclass may call super()
+    if owner is None:
         return None
-    ours = getattr(sys.modules[model_class.__module__], "load_balancing_loss_func", None)
+    ours = getattr(sys.modules[owner.__module__], "load_balancing_loss_func", None)
     if ours is not None and inspect.getsource(ours) == inspect.getsource(modeling_mixtral.load_balancing_loss_func):
         return "switch"
     return "other"
+
+
+def _source(function):
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):  # defined where no source is kept
+        return ""
 
 
 def check_load_balancing(model_class, config):
