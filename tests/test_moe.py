@@ -305,6 +305,26 @@ def test_moe_layers_resolve_to_their_tables_and_jitter_is_refused():
         resolve_policy(tiny_model("mixtral", router_jitter_noise=0.1))
 
 
+def test_a_router_that_returns_another_layout_is_refused_at_injection():
+    """Llama 4's router returns (scores, logits): a router of any policy that
+    does not return HF's (logits, weights, indices) is refused, naming it,
+    before the first forward."""
+    model = tiny_model("qwen3_moe")
+    gate_class = type(model.model.layers[0].mlp.gate)
+
+    class ScoresFirst(gate_class):
+        def forward(self, hidden_states):
+            logits, weights, _ = super().forward(hidden_states)
+            return weights, logits
+
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.__class__ = ScoresFirst
+    with pytest.raises(PolicyError, match=r"Qwen3MoeDecoderLayer.mlp.gate: ScoresFirst does not return Hugging "
+                                          r"Face's \(logits, weights, indices\)"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+
+
 def test_the_load_balancing_loss_is_added_where_hugging_faces_forward_adds_it():
     """Mixtral's (and a subclass's whose forward calls it), none for GLM-4.5,
     and Doge's own function, which ds_tsp does not compute, refused by name

@@ -142,7 +142,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
            if sparse else
            {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
     if sparse:
-        check_deterministic_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
+        check_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
     keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
     for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
@@ -151,10 +151,12 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind)
 
 
-def check_deterministic_router(block, where):
-    """Refuse a router that samples at random in training (PhiMoE's sparsemixer
-    draws Gumbel noise): no sharded run reproduces another run's draws. Its
-    training-mode outputs on one batch under two seeds are compared."""
+def check_router(block, where):
+    """Refuse, at injection, a router that does not return Hugging Face's
+    ``(logits, weights, indices)``, or that samples at random in training
+    (PhiMoE's sparsemixer draws Gumbel noise): no sharded run reproduces
+    another run's draws. Its training-mode outputs on one batch under two seeds
+    are compared."""
     router = block.router_module()
     weight = next(router.parameters(), None)
     if weight is None or weight.is_meta:
@@ -165,6 +167,10 @@ def check_deterministic_router(block, where):
     router.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[] if weight.device.type == "cpu" else [weight.device],
                                                 device_type=weight.device.type):
+        try:
+            block.route(tokens)
+        except TypeError as error:
+            raise PolicyError(f"{where}.{block.router_name}: {error}") from error
         for seed in (0, 1):
             torch.manual_seed(seed)
             outputs.append(block.run_router(tokens))

@@ -166,7 +166,13 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                          tsp_rank, tsp_size, tsp_config.layout)
         local = layout.shard(hidden, tsp_rank, tsp_size, tsp_config.layout)
         tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
-        inside = _relative(tsp_layer(local, tables), layout.shard(layer_out, tsp_rank, tsp_size, tsp_config.layout))
+        try:
+            mine = tsp_layer(local, tables)
+        except (TypeError, ValueError, RuntimeError) as error:  # e.g. a router that returns something else
+            raise PolicyError(f"{type(model).__name__} was accepted by shape only (tsp.policy auto), but the TSP "
+                              f"layer built from its {type(recorder.layer).__name__} could not run on the probe "
+                              f"({type(error).__name__}: {error}): ds_tsp does not support it") from error
+        inside = _relative(mine, layout.shard(layer_out, tsp_rank, tsp_size, tsp_config.layout))
     verdict = torch.tensor([outside, inside], dtype=torch.float64, device=device)
     comm.all_reduce(verdict, topology.tsp_group)
     return verdict.tolist()
