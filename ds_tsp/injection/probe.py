@@ -111,16 +111,16 @@ def _probe_settings(model, implementation):
     config = model.config
     overrides = {"_attn_implementation": implementation, "_experts_implementation": "eager",
                  "output_router_logits": False}
-    saved = {key: getattr(config, key) for key in overrides if getattr(config, key, None) is not None}
-    for key in saved:
+    # The attention implementation always; the MoE settings where the config has them (a dense model's has none).
+    saved = {key: getattr(config, key, None) for key in overrides}
+    changed = [key for key in overrides if key == "_attn_implementation" or saved[key] is not None]
+    for key in changed:
         setattr(config, key, overrides[key])
-    if "_attn_implementation" not in saved:
-        config._attn_implementation = implementation
     try:
         yield
     finally:
-        for key, value in saved.items():
-            setattr(config, key, value)
+        for key in changed:
+            setattr(config, key, saved[key])
 
 
 def _signature(layer):

@@ -10,7 +10,7 @@ Forward (``moe_all_to_all_forward``)::
     outputs[rows of e] = down_e(act(gate_e received) * up_e received)  for each own expert e
     returned = all_to_all back(outputs)                # the outputs of this rank's rows, in their order
     for e in 0..E-1: y[T_e] += weights[T_e, s] * returned[rows of e]  # HF's order: expert by expert
-    y += sigmoid(shared_gate(x)) * shared expert(x)    # Qwen2-MoE: its slices on the MLP's ring
+    y += scale(x) * shared expert(x)    # its slices on the MLP's ring; scale: sigmoid of a gate, or 1
 
 Backward is its transpose: the output rows' gradients, times the routing
 weights, go to the experts' owners by the same routes, the input rows'
@@ -127,7 +127,7 @@ def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, return
 
 
 class _MoEAllToAll(torch.autograd.Function):
-    """The routed experts by token all-to-all and, for Qwen2-MoE, the shared
+    """The routed experts by token all-to-all and, where there is one, the shared
     expert's slices on the MLP's ring, over the whole packed shard: it is
     saved as the parameter itself (no view of it), so ZeRO-3 may release it
     between forward and backward as it does for the expert ring."""

@@ -12,7 +12,7 @@ Forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
         if t < D-1: post send(buf -> r+1), recv(next <- r-1)
         for each expert e in buf, T = local tokens routed to e (slot s):
             y[T] += weights[T, s] * down_e(act(gate_e x[T]) * up_e x[T])
-        y += sigmoid(shared_gate(x)) * shared slice(x)     # Qwen2-MoE
+        y += scale(x) * shared slice(x)     # sigmoid of Qwen2-MoE's gate; 1 for an ungated one
         wait; buf = next
 
 Dropless: every token meets exactly its top-k experts, with no capacity; an
