@@ -184,7 +184,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
                  "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
                  "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM}
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2")
 
 
 def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
