@@ -7,7 +7,7 @@ import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, Glm4MoeConfig,
                           Glm4MoeForCausalLM, LlamaConfig, MiniMaxM2Config, MiniMaxM2ForCausalLM, Dots1Config,
-                          Dots1ForCausalLM, MellumConfig, MellumForCausalLM,
+                          Dots1ForCausalLM, MellumConfig, MellumForCausalLM, GptOssConfig, GptOssForCausalLM,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoeConfig, OlmoeForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -174,6 +174,15 @@ def tiny_config(arch, **overrides):
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
                                "layer_types": ["sliding_attention", "full_attention"], **moe})
+    if arch == "gpt_oss":  # attention sinks, q/k/v/o biases, sliding and full layers, YaRN; 4 experts (E, H, 2F)
+        # with interleaved gate/up columns and biases, a SwiGLU clamped at 1 (the test's activations reach it), a
+        # router with a bias. HF's eager attention (its only one with sinks) softmaxes in the model's dtype.
+        return GptOssConfig(**{"num_local_experts": 4, "sliding_window": 5, "swiglu_limit": 1.0,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                   "original_max_position_embeddings": 32},
+                               **moe, "attn_implementation": "eager"})
     raise ValueError(arch)
 
 
@@ -183,7 +192,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
                  "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
-                 "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM}
+                 "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2")
 
 
@@ -274,16 +283,16 @@ def routes_in_float32(model):
     any sharded run against it."""
     for block in model.modules():
         router = next((getattr(block, name) for name in ("gate", "router") if hasattr(block, name)), None)
-        if router is None or not hasattr(getattr(block, "experts", None), "gate_up_proj"):
+        down = getattr(getattr(block, "experts", None), "down_proj", None)
+        if router is None or not isinstance(down, torch.nn.Parameter) or down.dim() != 3:
             continue
         from ds_tsp.blocks.moe.plan import router_inputs
 
-        hidden = block.experts.gate_up_proj.shape[-1]
+        hidden = down.shape[2 if getattr(block.experts, "is_transposed", False) else 1]
         with torch.no_grad():
-            routed = router(torch.zeros(1, hidden, dtype=block.experts.gate_up_proj.dtype,
-                                        device=block.experts.gate_up_proj.device),
+            routed = router(torch.zeros(1, hidden, dtype=down.dtype, device=down.device),
                             *(getattr(block, name) for name in router_inputs(block, router)))
-        if routed[0].dtype == torch.float32 and block.experts.gate_up_proj.dtype == torch.float64:
+        if routed[0].dtype == torch.float32 and down.dtype == torch.float64:
             return True
     return False
 

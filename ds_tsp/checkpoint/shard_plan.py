@@ -61,7 +61,8 @@ def layer_shards(layer, config, policy, tsp_size):
     attn = layer.get_submodule(policy.attention)
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
-    attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r)
+    attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r,
+                             attention.has_sinks(attn))
                   for r in range(tsp_size)]
     return {
         policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
@@ -75,8 +76,8 @@ def _mlp_shards(hf_mlp, policy, tsp_size):
     """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
     block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
     if policy.is_sparse(hf_mlp):
-        hidden_size, num_experts, expert_size, shared_size, shared_name = moe.hf_sizes(hf_mlp)
-        specs = [moe.shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size,
+        hidden_size, num_experts, experts, shared_size, shared_name = moe.hf_sizes(hf_mlp)
+        specs = [moe.shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size,
                                 shared_name or "shared_expert")] * tsp_size
         return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size,
                                                                                    tsp_size, name, r),

@@ -275,6 +275,7 @@ class TSPDecoder:
         their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
         What the schedule saves for a backward is freed on return, before the MLP."""
         plan, packed = attn.plan(h), attn.shard_weights().detach()
+        cos, sin = attn.full_tables(cos, sin)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
         out, _ = attention_forward(plan, h, packed, cos, sin, inv_rms,
@@ -307,6 +308,7 @@ class TSPDecoder:
     def _attention(self, cache, index, attn, h, cos, sin, slots, positions):
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
         heads, D = attn.heads, self.tsp_size
+        cos, sin = attn.full_tables(cos, sin)
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.shard_weights().detach())
         # Projected here, normed and rotated once gathered: every rank then holds
@@ -330,7 +332,9 @@ class TSPDecoder:
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
         partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
         received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
-        o, _ = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
+        o, lse = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
+        if "sinks" in w:  # each head's sink joins its softmax once, over the whole cache (DESIGN.md 6h)
+            o = o * torch.sigmoid(lse - w["sinks"].to(lse.dtype)).unsqueeze(-1).to(o.dtype)
         y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
         if attn.o_bias is not None:
             y = y + attn.o_bias

@@ -30,6 +30,7 @@ from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.moe import plan as moe_plan
+from ds_tsp.blocks.moe.experts import flags_of as expert_flags
 
 
 class PolicyError(ValueError):
@@ -298,11 +299,11 @@ class DecoderPolicy:
 
     def is_sparse(self, mlp_module):
         """Whether ``mlp_module`` (a layer's ``mlp``) is this policy's sparse MoE block; under
-        ``auto``, any block holding ``experts`` with a fused 3-D ``gate_up_proj`` (``check_sparse_block``
+        ``auto``, any block holding ``experts`` with a fused 3-D ``down_proj`` (``check_sparse_block``
         says whether ds_tsp takes it)."""
         if self.layer_class is None:
-            gate_up = getattr(getattr(mlp_module, "experts", None), "gate_up_proj", None)
-            return isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3
+            down = getattr(getattr(mlp_module, "experts", None), "down_proj", None)
+            return isinstance(down, nn.Parameter) and down.dim() == 3
         return self.sparse_mlp is not None and type(mlp_module).__name__ == self.sparse_mlp
 
 
@@ -344,6 +345,8 @@ AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3): optional, but both or neither.
 ATTENTION_NORMS = ("q_norm", "k_norm")
+# Tensors an attention module may hold itself, which the TSP attention shards with its heads: GPT-OSS's sinks.
+ATTENTION_TENSORS = ("sinks",)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -467,10 +470,12 @@ def _holds_tensors(module):
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def check_own_tensors(module, where, layer_class):
+def check_own_tensors(module, where, layer_class, known=()):
     """Refuse parameters and buffers set directly on a module the TSP layer
-    rebuilds (an extra per-head scale, say): only its known submodules carry over."""
-    own = [name for name, tensor in (*module._parameters.items(), *module._buffers.items()) if tensor is not None]
+    rebuilds (an extra per-head scale, say) other than ``known`` ones (an
+    attention's ``sinks``): only its known submodules carry over."""
+    own = [name for name, tensor in (*module._parameters.items(), *module._buffers.items())
+           if tensor is not None and name not in known]
     if own:
         raise PolicyError(f"{layer_class} at {where} holds {own} directly (parameters or buffers outside any "
                           "known submodule), which the TSP layer would drop: this layer is not supported")
@@ -506,7 +511,8 @@ def check_layer(policy, layer, where):
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
         if projections:
-            check_own_tensors(module, f"{where}.{child}", layer_class)
+            check_own_tensors(module, f"{where}.{child}", layer_class,
+                              ATTENTION_TENSORS if child == policy.attention else ())
             _check_biases(module, projections, f"{where}.{child}", layer_class)
     for name in children:
         if name not in expected and _holds_tensors(children[name]):
@@ -590,26 +596,24 @@ def check_sparse_block(block, where, layer_class, auto=False):
 
 
 def _check_experts(experts, where, layer_class):
-    """The experts as transformers 5 lays them out: fused ``gate_up_proj``
-    ``(E, 2F, H)`` and ``down_proj`` ``(E, H, F)``, ``act(gate) * up`` (its
-    ``act_fn``), no biases, no other layout."""
+    """The experts as transformers 5 describes them (``ds_tsp.blocks.moe.experts``):
+    3-D tensors of ``E`` experts named by its flags (``gate_up_proj`` or
+    ``up_proj``, ``down_proj``, their ``_bias`` with ``has_bias``), computed
+    by the module's own ``_apply_gate`` (or ``act_fn`` without a gate), no
+    norm after the experts."""
+    flags = expert_flags(experts)
+    if flags["has_post_expert_norm"]:
+        raise PolicyError(f"{layer_class} at {where} ({type(experts).__name__}) norms each expert's output "
+                          "(has_post_expert_norm): this expert layout is not supported yet")
+    up = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    expected = {up, "down_proj"} | ({f"{up}_bias", "down_proj_bias"} if flags["has_bias"] else set())
     tensors = {n: t for n, t in experts.named_parameters()}
-    shapes_fit = set(tensors) == {"gate_up_proj", "down_proj"} and tensors["gate_up_proj"].dim() == 3 and \
-        tensors["down_proj"].shape == (tensors["gate_up_proj"].shape[0], tensors["gate_up_proj"].shape[2],
-                                       tensors["gate_up_proj"].shape[1] // 2)
-    if not shapes_fit or not hasattr(experts, "act_fn"):
+    activation = "_apply_gate" if flags["has_gate"] else "act_fn"
+    if set(tensors) != expected or any(tensors[n].dim() != (2 if n.endswith("_bias") else 3) for n in expected) \
+            or len({t.shape[0] for t in tensors.values()}) != 1 or not hasattr(experts, activation):
         raise PolicyError(f"{layer_class} at {where} holds {sorted((n, tuple(t.shape)) for n, t in tensors.items())}: "
-                          "ds_tsp takes fused 3-D gate_up_proj (E, 2F, H) and down_proj (E, H, F) with an act_fn, as "
-                          "transformers 5 lays them out")
-    layout = {flag: getattr(experts, flag) for flag, plain in (("is_transposed", False), ("has_bias", False),
-                                                                ("has_gate", True), ("is_concatenated", True),
-                                                                ("has_post_expert_norm", False))
-              if getattr(experts, flag, plain) != plain}
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if layout or (apply_gate is not None and apply_gate.__name__ != "_default_apply_gate"):
-        raise PolicyError(f"{layer_class} at {where} ({type(experts).__name__}) computes its experts otherwise than "
-                          f"act_fn(gate) * up over chunked gate_up_proj ({layout or 'its own _apply_gate'}): "
-                          "this expert layout is not supported yet")
+                          f"ds_tsp takes the 3-D tensors {sorted(expected)} of E experts and an {activation}, as "
+                          f"transformers 5 lays them out under the flags {flags}")
 
 
 def _check_biases(module, projections, where, layer_class):

@@ -70,27 +70,32 @@ class HeadGroups:
         return slice(first * self.head_dim, (first + self.kv_heads) * self.head_dim)
 
     def rows(self, name, tsp_rank):
+        if name == "sinks":  # one per query head
+            return slice(tsp_rank * self.q_heads, (tsp_rank + 1) * self.q_heads)
         return self.q_rows(tsp_rank) if name.startswith(("q_proj", "o_proj")) else self.kv_rows(tsp_rank)
 
     def holds(self, name, tsp_rank):
-        return name.startswith(("q_proj", "o_proj")) or self.holds_kv(tsp_rank)
+        return name.startswith(("q_proj", "o_proj", "sinks")) or self.holds_kv(tsp_rank)
 
 
-# Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated).
-SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1,
+# Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated); GPT-OSS's
+# attention sinks, one logit per query head, go with their heads.
+SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1, "sinks": 0,
               "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
 
 
-def shard_spec(heads, hidden_size, qkv_bias, tsp_rank):
-    """Rank ``tsp_rank``'s packed shard: its query heads and ``o_proj`` columns,
-    then, on the rank that holds them, its key/value heads (a contiguous tail,
-    so the key/value gradient can be reduced on its own)."""
+def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False):
+    """Rank ``tsp_rank``'s packed shard: its query heads, ``o_proj`` columns and
+    (``sinks``) its heads' sink logits, then, on the rank that holds them, its
+    key/value heads (a contiguous tail, so the key/value gradient can be
+    reduced on its own)."""
     q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
     shapes = {"q_proj.weight": (q, hidden_size), "q_proj.bias": (q,), "o_proj.weight": (hidden_size, q),
-              "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
+              "sinks": (heads.q_heads,), "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
               "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
     return PackSpec({name: shape for name, shape in shapes.items()
-                     if (qkv_bias or not name.endswith("bias")) and heads.holds(name, tsp_rank)})
+                     if (qkv_bias or not name.endswith("bias")) and (sinks or name != "sinks")
+                     and heads.holds(name, tsp_rank)})
 
 
 def shard_piece(heads, name, tsp_rank):

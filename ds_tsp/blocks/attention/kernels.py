@@ -95,6 +95,33 @@ class SoftCappedKernel:
         return out.transpose(1, 2), lse
 
 
+class SinkKernel:
+    """Attention with a learned sink logit per query head (GPT-OSS's
+    ``sinks``): one more softmax column with no value, so each query row's
+    weights sum to ``Z / (Z + exp(s_h))``. ``attend`` takes this head group's
+    ``sinks`` ``(hq,)``; a block's scores are materialised (a query tile by
+    the keys it sees: ``tsp.token_tile`` bounds them), the softmax runs in
+    float32 or wider, and autograd runs the backward, the sinks' gradient
+    included. Equal to Hugging Face's eager attention (DESIGN.md 6h)."""
+
+    name = "sinks"
+
+    def attend(self, q, k, v, scale, window=None, with_lse=False, sinks=None):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        q_len, k_len = q.shape[1], k.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
+        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device), float("-inf"))
+        sink_column = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink_column], dim=-1)
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        out = torch.matmul(probs.to(v.dtype), v)
+        lse = combined.detach().logsumexp(dim=-1) if with_lse else None
+        return out.transpose(1, 2), lse
+
+
 # ---- torch's fused ops, as (B, h, L, d) blocks with top-left causal masks ----
 
 class _CPUFlashOps:

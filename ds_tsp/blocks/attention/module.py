@@ -5,12 +5,13 @@ layer's self-attention, built from a Hugging Face module or a checkpoint
 """
 
 import copy
+import sys
 
 import torch
 import torch.nn as nn
 
 from ds_tsp.blocks.attention.head_groups import HeadGroups, shard_piece, shard_spec
-from ds_tsp.blocks.attention.kernels import SoftCappedKernel
+from ds_tsp.blocks.attention.kernels import SinkKernel, SoftCappedKernel
 from ds_tsp.blocks.attention.norms import projection_inv_rms
 from ds_tsp.blocks.attention.schedule import AttentionPlan, TSPAttentionFunction
 from ds_tsp.blocks.attention.selection import select_kernel
@@ -34,12 +35,12 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
-                 k_norm=None, softcap=None):
+                 k_norm=None, softcap=None, sinks=False, rotary_halves=False):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
         self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group))
-        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j) for j in range(self.heads.tsp_size))
+        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks) for j in range(self.heads.tsp_size))
         self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts parameters tagged model-parallel on every TSP rank in
@@ -59,6 +60,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              f"(attn_logit_softcapping = {softcap}): set tsp.attention_backend to \"auto\" or "
                              "\"sdpa\", with which ds_tsp's capped attention serves these layers")
         self.softcap = softcap
+        # GPT-OSS's attention sinks, a logit per query head in the packed shard: ds_tsp's SinkKernel serves them.
+        if sinks and (softcap is not None or backend not in ("auto", "sdpa")):
+            raise ValueError(f"tsp.attention_backend = {backend!r} cannot attend with sinks"
+                             f"{' and a soft-cap' if softcap is not None else ''}: set tsp.attention_backend to "
+                             "\"auto\" or \"sdpa\", with which ds_tsp's sink attention serves these layers")
+        self.sinks = sinks
+        # GPT-OSS's rotary tables hold each frequency once, and both halves of a head rotate by them.
+        self.rotary_halves = rotary_halves
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
         # The weight-gradient reduces' wire dtype; None: float32 (or wider). ds_tsp.initialize
@@ -95,7 +104,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
-                     **norms)
+                     sinks=has_sinks(attn), rotary_halves=rotates_whole_head_by_half_tables(attn), **norms)
         module.hf_rows = rows
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -116,8 +125,12 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.blocks.documents``), None for one per row;
         ``input_norm``: the layer's norm to run inside (``forward``)."""
-        kernel = (SoftCappedKernel(self.softcap) if self.softcap is not None
-                  else select_kernel(self.backend, x.device, x.dtype))
+        if self.sinks:
+            kernel = SinkKernel()
+        elif self.softcap is not None:
+            kernel = SoftCappedKernel(self.softcap)
+        else:
+            kernel = select_kernel(self.backend, x.device, x.dtype)
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
                                                                                      self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
@@ -141,11 +154,19 @@ class TSPAttention(PackedShardMixin, nn.Module):
         (whose sums of squares need the normed input first)."""
         return recomputable(norm) and not self.norms_span_projection
 
+    def full_tables(self, cos, sin):
+        """The rotary tables in ds_tsp's (Hugging Face's rotate-half) convention:
+        tables that hold each frequency once (``rotary_halves``) repeated for
+        both halves of a head, others as they are."""
+        if not self.rotary_halves:
+            return cos, sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
     def forward(self, x, position_embeddings, documents=None, input_norm=None):
         """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
         applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
         then the layer's input."""
-        cos, sin = position_embeddings
+        cos, sin = self.full_tables(*position_embeddings)
         plan, packed = self.plan(x, documents, input_norm), self.shard_weights()
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
@@ -170,6 +191,31 @@ def replicated_names(attn):
     whole on every rank: the output bias and per-head q/k norms, where present."""
     names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
     return names + [f"{name}.weight" for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
+
+
+def has_sinks(attn):
+    """Whether ``attn`` has attention sinks: GPT-OSS's ``sinks``, a logit per query head."""
+    return isinstance(getattr(attn, "sinks", None), nn.Parameter)
+
+
+@torch.no_grad()
+def rotates_whole_head_by_half_tables(attn):
+    """Whether the model's own ``apply_rotary_pos_emb`` (of ``attn``'s modeling
+    module) rotates a whole head by tables of half its width, each frequency
+    once (GPT-OSS: the head's halves rotate as a pair), rather than the first
+    dims only or not at all (a partial rotary factor, Llama's convention)."""
+    apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    d = getattr(attn, "head_dim", 0)
+    if apply is None or d < 2 or d % 2:
+        return False
+    head = torch.arange(1.0, d + 1, dtype=torch.float64).view(1, 1, 1, d)
+    cos, sin = torch.full((1, 1, d // 2), 0.5, dtype=torch.float64), torch.full((1, 1, d // 2), 0.25,
+                                                                                dtype=torch.float64)
+    try:
+        rotated, _ = apply(head, head, cos, sin)
+    except (RuntimeError, TypeError, ValueError):  # Llama's convention: tables as wide as the head, or fail
+        return False
+    return rotated.shape == head.shape and not torch.equal(rotated[..., d // 2:], head[..., d // 2:])
 
 
 def sliding_window_of(attn, config):

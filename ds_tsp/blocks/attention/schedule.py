@@ -126,15 +126,17 @@ def _cat(pieces, dim):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def attend_local_chunks(plan, q, K, V):
+def attend_local_chunks(plan, q, K, V, sinks=None):
     """Causal attention of this rank's queries over the full keys, block by
     block of ``plan.query_blocks``: each of this rank's two chunks (of ``2D``)
     attends to the key prefix that ends with itself, bottom-right aligned, so
     rows past it are never computed; with packed documents, each piece of a
     chunk attends from its document's start only.
+    ``sinks``: the head group's sink logits ``(hq,)`` (``kernels.SinkKernel``), or None.
     Returns the output and, with ``plan.explicit_backward``, the log-sum-exp
     ``(B, hq, S/D)`` the fused backward needs (else None).
     """
+    with_sinks = {} if sinks is None else {"sinks": sinks}
     outputs, lses = [], []
     for rows, blocks in plan.query_blocks:
         row_outputs, row_lses = [], []
@@ -144,7 +146,7 @@ def attend_local_chunks(plan, q, K, V):
                 out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale)
                 row_lses.append(lse)
             else:
-                out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window)
+                out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window, **with_sinks)
             row_outputs.append(out)
         outputs.append(_cat(row_outputs, 1))
         lses.append(_cat(row_lses, -1) if row_lses else None)
@@ -223,7 +225,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             K, V = gathers.pop(j).wait()
         q = project(x, w, "q_proj", heads.q_heads, d)
         q_rotated = rotate(q, group_norm(plan, "q", j, inv_rms), cos, sin)
-        o, lse = attend_local_chunks(plan, q_rotated, K, V)
+        o, lse = attend_local_chunks(plan, q_rotated, K, V, w.get("sinks"))
         precision.add_matmul(out, o.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
@@ -386,20 +388,20 @@ class HeadGroupGrads:
         return grad_x.view(x.shape), grad_input_norm
 
 
-def attend_backward(plan, grad_o, q, K, V, dKV, saved, j):
-    """Group ``j``'s ``dq`` and attention output; its ``dK, dV`` are added to the
-    replica set's sums ``dKV``."""
+def attend_backward(plan, grad_o, q, K, V, dKV, saved, j, sinks=None):
+    """Group ``j``'s ``dq``, attention output and sinks' gradient (None
+    without ``sinks``); its ``dK, dV`` are added to the replica set's sums ``dKV``."""
     if plan.explicit_backward:
         o = saved["o"][j]
-        return attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dKV[0], dKV[1]), o
+        return attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dKV[0], dKV[1]), o, None
     # The kernel has no fused backward: autograd through a recomputed forward.
     with torch.enable_grad():
-        q, K, V = (t.detach().requires_grad_() for t in (q, K, V))
-        o, _ = attend_local_chunks(plan, q, K, V)
-        dq, dK, dV = torch.autograd.grad(o, (q, K, V), grad_o)
+        leaves = [t.detach().requires_grad_() for t in (q, K, V) + (() if sinks is None else (sinks,))]
+        o, _ = attend_local_chunks(plan, *leaves[:3], None if sinks is None else leaves[3])
+        dq, dK, dV, *d_sinks = torch.autograd.grad(o, leaves, grad_o)
     dKV[0].add_(dK)
     dKV[1].add_(dV)
-    return dq, o
+    return dq, o, d_sinks[0] if d_sinks else None
 
 
 def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None, input_norm=None):
@@ -432,7 +434,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
         raw_q = inputs.project(w, "q_proj", heads.q_heads)
         q = rotate(raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
-        dq, o = attend_backward(plan, grad_o, q, K, V, dKV, saved, j)
+        dq, o, grad_sinks = attend_backward(plan, grad_o, q, K, V, dKV, saved, j, w.get("sinks"))
+        if grad_sinks is not None:
+            grads.shard(j)["sinks"].copy_(grad_sinks)
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
             grads.add_kv_set(*unfinished)
             unfinished = None

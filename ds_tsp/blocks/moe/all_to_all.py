@@ -7,7 +7,7 @@ Forward (``moe_all_to_all_forward``)::
     rows = x[token of each (token, slot)], sorted by expert, so by owner   # (N k, H)
     exchange the split sizes: rows for each of the owner's E/D experts     # all_to_all of (D, E/D) int64
     received = all_to_all(rows)        # every rank's rows for this rank's experts, by source then expert
-    outputs[rows of e] = down_e(act(gate_e received) * up_e received)  for each own expert e
+    outputs[rows of e] = expert_e(received[rows of e])  for each own expert e (experts.ExpertLayout)
     returned = all_to_all back(outputs)                # the outputs of this rank's rows, in their order
     for e in 0..E-1: y[T_e] += weights[T_e, s] * returned[rows of e]  # HF's order: expert by expert
     y += scale(x) * shared expert(x)    # its slices on the MLP's ring; scale: sigmoid of a gate, or 1
@@ -35,12 +35,9 @@ elements, where the ring keeps nothing of the experts beyond the local tokens.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ds_tsp.blocks.mlp import mlp_ring_backward, mlp_ring_forward
-from ds_tsp.blocks.mlp import shard_backward as gated_shard_backward
-from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
-from ds_tsp.blocks.moe.plan import Routing, expert_weights
+from ds_tsp.blocks.moe.plan import Routing
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -84,9 +81,9 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     outputs = torch.empty_like(received)
     w = plan.routed_spec.unpack(routed_shard)
     for local in range(plan.experts_per_rank):
-        weights_e = expert_weights(w, local, plan.expert_size)
+        weights_e = plan.experts.weights(w, local)
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
-            outputs[rows], _, _ = gated_shard_forward(received[rows], weights_e, plan.act_fn)
+            outputs[rows] = plan.experts.forward(received[rows], weights_e)
     returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
     # Each output times its routing weight, added to its token: the rows are in expert order, so each token's
     # sum runs expert by expert, as HF's loop adds them; one index_add_ for all experts.
@@ -112,14 +109,9 @@ def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, return
     w, grad_w = plan.routed_spec.unpack(routed_shard), plan.routed_spec.unpack(grad_shard)
     grad_received = torch.empty_like(received)
     for local in range(plan.experts_per_rank):
-        weights_e, grads_e = expert_weights(w, local, plan.expert_size), expert_weights(grad_w, local, plan.expert_size)
+        weights_e, grads_e = plan.experts.weights(w, local), plan.experts.weights(grad_w, local)
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
-            gate = F.linear(received[rows], weights_e["gate_proj.weight"])
-            up = F.linear(received[rows], weights_e["up_proj.weight"])
-            grad_received[rows], piece_grads = gated_shard_backward(received[rows], grad_outputs[rows], weights_e,
-                                                                    plan.act_fn, gate, up)
-            for name, grad in piece_grads.items():
-                grads_e[name] += grad
+            grad_received[rows], _ = plan.experts.backward(received[rows], grad_outputs[rows], weights_e, grads_e)
     grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
     grad_x = torch.zeros(grad_y.shape, dtype=plan.accumulator_dtype(grad_y.dtype), device=grad_y.device)
     grad_x.index_add_(0, routing.tokens, grad_sent.to(grad_x.dtype))

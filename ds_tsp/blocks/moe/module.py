@@ -40,7 +40,6 @@ from ds_tsp.blocks.moe.plan import (
     MoEPlan,
     Routing,
     child_named,
-    expert_weights,
     hf_sizes,
     replicated_tensors,
     router_inputs,
@@ -71,22 +70,23 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     or ``router``), and, for Qwen2-MoE, ``shared_expert_gate``.
     """
 
-    def __init__(self, hidden_size, num_experts, expert_size, act_fn, router, tsp_group, shared_size=0,
+    def __init__(self, hidden_size, num_experts, experts, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
                  device=None, router_name="gate", shared_name="shared_expert", router_buffers=None):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
-        self.hidden_size, self.num_experts, self.expert_size = hidden_size, num_experts, expert_size
+        self.hidden_size, self.num_experts, self.experts = hidden_size, num_experts, experts
+        self.expert_size = experts.expert_size
         self.shared_size = shared_size
         self.tsp_group = tsp_group
         self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
-        self.spec = shard_spec(hidden_size, num_experts, expert_size, self.tsp_size, shared_size, shared_name)
+        self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, shared_size, shared_name)
         self.act_fn = act_fn
         self.overlap = overlap
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
             raise ValueError(f"schedule must be one of {MOE_SCHEDULES} or a chooser, not {schedule!r}")
-        self.plan = MoEPlan(self.spec, act_fn, tsp_group, num_experts, expert_size, bool(shared_size), overlap,
+        self.plan = MoEPlan(self.spec, experts, act_fn, tsp_group, num_experts, bool(shared_size), overlap,
                             token_tile, fp32_accumulators, schedule=schedule)
         self.router_name = router_name
         self.add_module(router_name, router)
@@ -127,22 +127,23 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", read=None,
                 device=None):
         """Build from a Hugging Face sparse MoE block (``gate`` or ``router``:
-        its router, ``experts`` with fused 3-D ``gate_up_proj`` / ``down_proj``,
-        and optionally ``shared_expert`` with or without ``shared_expert_gate``,
+        its router, ``experts`` in any layout ``experts.ExpertLayout`` reads
+        (fused 3-D tensors, transposed or not, with biases or not), and optionally ``shared_expert`` with or without ``shared_expert_gate``,
         or ``shared_experts``), keeping this rank's experts. The router and
         shared-expert gate modules are Hugging Face's own, copied. ``read(name,
         piece)`` as in ``TSPGatedMLP.from_hf``."""
-        hidden_size, num_experts, expert_size, shared_size, shared_name = hf_sizes(moe)
+        hidden_size, num_experts, experts, shared_size, shared_name = hf_sizes(moe)
         router_name = child_named(moe, ROUTER_NAMES)
         router_buffers = {name: torch.empty_like(moe._buffers[name], device=device)
                           for name in router_inputs(moe, moe.get_submodule(router_name))}
-        dtype = moe.experts.gate_up_proj.dtype
-        device = device or moe.experts.gate_up_proj.device
+        dtype = moe.experts.down_proj.dtype
+        device = device or moe.experts.down_proj.device
 
         def replica(module):
             return None if module is None else copy.deepcopy(module).to_empty(device=device)
 
-        module = cls(hidden_size, num_experts, expert_size, moe.experts.act_fn,
+        shared_act = None if shared_name is None else moe.get_submodule(shared_name).act_fn
+        module = cls(hidden_size, num_experts, experts, shared_act,
                      replica(moe.get_submodule(router_name)), tsp_group, shared_size=shared_size,
                      shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
@@ -165,7 +166,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         w = self.spec.unpack(self.packed.detach())
         for local, expert in self.plan.held_experts(0):
             for tokens, slots in routing.of_expert(expert, 0):
-                out, _, _ = gated_shard_forward(x[tokens], expert_weights(w, local, self.expert_size), self.plan.act_fn)
+                out = self.experts.forward(x[tokens], self.experts.weights(w, local))
                 y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
         if shared_scale is not None:
             out, _, _ = gated_shard_forward(x, shared_weights(w), self.plan.act_fn)

@@ -1,8 +1,10 @@
 """How the sparse MoE block's weights are sharded, and how tokens are grouped by expert.
 
 Rank ``j`` of the TSP group owns experts ``[j E/D, (j+1) E/D)``: their slices
-of Hugging Face's fused ``experts.gate_up_proj`` ``(E, 2F, H)`` and
-``experts.down_proj`` ``(E, H, F)`` (dim 0), and, where the block has one, rows
+(dim 0) of every tensor of Hugging Face's experts module, in its own layout
+(``experts.ExpertLayout``: ``gate_up_proj`` ``(E, 2F, H)`` and ``down_proj``
+``(E, H, F)``, or GPT-OSS's ``(E, H, 2F)``, ``(E, F, H)`` with biases), and,
+where the block has one, rows
 ``[j Fs/D, (j+1) Fs/D)`` of the dense shared expert (``mlp.SHARD_DIMS``:
 Qwen2-MoE's ``shared_expert``, DeepSeek-V3-style ``shared_experts``), packed
 into one flat buffer, the same under both schedules: a checkpoint does not
@@ -19,6 +21,7 @@ import torch
 
 from ds_tsp.blocks.mlp import MLPPlan
 from ds_tsp.blocks.mlp import shard_spec as mlp_shard_spec
+from ds_tsp.blocks.moe.experts import ExpertLayout
 from ds_tsp.blocks.packing import PackSpec
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -26,7 +29,7 @@ from ds_tsp.parallel.precision import accumulation_dtype
 # The two ways to meet the experts: shards round the ring (ring.py) or tokens by all-to-all (all_to_all.py).
 MOE_SCHEDULES = ("ring", "all_to_all")
 
-GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
+EXPERTS = "experts"  # the experts module of a Hugging Face sparse MoE block
 # Where Hugging Face's blocks keep their router, and their dense shared expert (gated by SHARED_GATE or not).
 ROUTER_NAMES = ("gate", "router")
 SHARED_NAMES = ("shared_expert", "shared_experts")
@@ -46,9 +49,9 @@ def shared_tensors(shared_name):
     return {f"{shared_name}.{name}": dim for name, dim in SHARED_DIMS.items()}
 
 
-def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0, shared_name="shared_expert"):
-    """``PackSpec`` of one rank's shard; raises if ``E`` (or the shared expert's
-    intermediate size) does not split evenly."""
+def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, shared_name="shared_expert"):
+    """``PackSpec`` of one rank's shard, ``experts`` an ``ExpertLayout``;
+    raises if ``E`` (or the shared expert's intermediate size) does not split evenly."""
     if num_experts % tsp_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(f"num_experts {num_experts} is not divisible by tsp.size {tsp_size}: every TSP rank holds "
@@ -57,7 +60,7 @@ def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0, s
         raise ValueError(f"the shared expert's intermediate size {shared_size} is not divisible by tsp.size "
                          f"{tsp_size}: choose tsp.size from the common divisors of {num_experts} and {shared_size}")
     e, f = num_experts // tsp_size, shared_size // tsp_size
-    shapes = {GATE_UP: (e, 2 * expert_size, hidden_size), DOWN: (e, hidden_size, expert_size)}
+    shapes = {name: (e, *shape) for name, shape in experts.shapes.items()}
     if shared_size:
         gate, up, down = shared_tensors(shared_name)
         shapes.update({gate: (f, hidden_size), up: (f, hidden_size), down: (hidden_size, f)})
@@ -67,7 +70,7 @@ def shard_spec(hidden_size, num_experts, expert_size, tsp_size, shared_size=0, s
 def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank):
     """``(dim, start, length)`` of the full tensor ``name`` that ``tsp_rank``
     holds, or None if it is not split."""
-    if name in (GATE_UP, DOWN):
+    if is_routed(name):
         length = num_experts // tsp_size
         return 0, tsp_rank * length, length
     shared, _, projection = name.partition(".")
@@ -105,25 +108,26 @@ def replicated_names(hf_moe):
                                    {name: hf_moe._buffers[name] for name in router_inputs(hf_moe, router)}))
 
 
+def is_routed(name):
+    """Whether ``name`` (under the block) is a tensor of the routed experts."""
+    return name.startswith(f"{EXPERTS}.")
+
+
 def hf_sizes(hf_moe):
-    """``(hidden_size, num_experts, expert_size, shared_size, shared_name)`` of a
-    Hugging Face sparse MoE block (``shared_name`` None without a shared expert)."""
-    num_experts, two_f, hidden_size = hf_moe.experts.gate_up_proj.shape
+    """``(hidden_size, num_experts, experts, shared_size, shared_name)`` of a
+    Hugging Face sparse MoE block: ``experts`` its ``ExpertLayout``,
+    ``shared_name`` None without a shared expert."""
+    experts = ExpertLayout.of(hf_moe.experts, EXPERTS)
+    num_experts = hf_moe.experts.down_proj.shape[0]
+    hidden_size = hf_moe.experts.down_proj.shape[-1 if experts.transposed else 1]
     shared_name = child_named(hf_moe, SHARED_NAMES)
     shared_size = 0 if shared_name is None else hf_moe.get_submodule(shared_name).gate_proj.out_features
-    return hidden_size, num_experts, two_f // 2, shared_size, shared_name
-
-
-def expert_weights(w, local, expert_size):
-    """One expert's weights from an unpacked shard, under the gated MLP's names (views)."""
-    gate_up = w[GATE_UP][local]
-    return {"gate_proj.weight": gate_up[:expert_size], "up_proj.weight": gate_up[expert_size:],
-            "down_proj.weight": w[DOWN][local]}
+    return hidden_size, num_experts, experts, shared_size, shared_name
 
 
 def shared_weights(w):
     """The shared expert's slice from an unpacked shard, under the gated MLP's names."""
-    return {name.partition(".")[2]: tensor for name, tensor in w.items() if name not in (GATE_UP, DOWN)}
+    return {name.partition(".")[2]: tensor for name, tensor in w.items() if not is_routed(name)}
 
 
 @dataclass(frozen=True)
@@ -156,10 +160,10 @@ class MoEPlan:
     """Everything either schedule needs besides tensors."""
 
     spec: PackSpec
-    act_fn: object
+    experts: ExpertLayout
+    act_fn: object  # the shared expert's activation (None without one)
     group: object
     num_experts: int
-    expert_size: int
     shared: bool = False
     overlap: bool = True
     token_tile: int = 0  # most tokens one expert (or the shared slice) computes at once (0: all)
@@ -171,7 +175,7 @@ class MoEPlan:
     def routed_spec(self):
         """``PackSpec`` of the routed experts alone, the head of ``spec``: what
         the all-to-all schedule keeps at rest."""
-        return PackSpec({name: self.spec.shapes[name] for name in (GATE_UP, DOWN)})
+        return PackSpec({name: self.spec.shapes[name] for name in self.experts.names})
 
     @property
     def shared_plan(self):
@@ -179,7 +183,7 @@ class MoEPlan:
         on the MLP's ring, for the all-to-all schedule."""
         tsp_size = comm.group_size(self.group)
         shared_down = next(shape for name, shape in self.spec.shapes.items() if name.endswith(".down_proj.weight"))
-        spec = mlp_shard_spec(self.spec.shapes[DOWN][1], shared_down[1] * tsp_size, tsp_size, bias=False)
+        spec = mlp_shard_spec(shared_down[0], shared_down[1] * tsp_size, tsp_size, bias=False)
         return MLPPlan(spec, self.act_fn, self.group, self.overlap, self.token_tile, self.fp32_accumulators,
                        self.grad_wire_dtype)
 

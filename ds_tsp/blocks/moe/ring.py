@@ -11,7 +11,7 @@ Forward, on rank ``r`` with local tokens ``x`` ``(N = B*S/D, H)``::
     for t in 0..D-1:                   # buf holds experts and shared slice of rank (r - t) mod D
         if t < D-1: post send(buf -> r+1), recv(next <- r-1)
         for each expert e in buf, T = local tokens routed to e (slot s):
-            y[T] += weights[T, s] * down_e(act(gate_e x[T]) * up_e x[T])
+            y[T] += weights[T, s] * expert_e(x[T])     # as HF's experts module (experts.ExpertLayout)
         y += scale(x) * shared slice(x)     # sigmoid of Qwen2-MoE's gate; 1 for an ungated one
         wait; buf = next
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.mlp import shard_backward as gated_shard_backward
 from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
-from ds_tsp.blocks.moe.plan import Routing, expert_weights, shared_weights
+from ds_tsp.blocks.moe.plan import Routing, shared_weights
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -51,9 +51,9 @@ def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
     def step(t, buf):
         w = plan.spec.unpack(buf)
         for local, expert in plan.held_experts(t):
-            weights_e = expert_weights(w, local, plan.expert_size)
+            weights_e = plan.experts.weights(w, local)
             for tokens, slots in routing.of_expert(expert, plan.token_tile):
-                out, _, _ = gated_shard_forward(x[tokens], weights_e, plan.act_fn)
+                out = plan.experts.forward(x[tokens], weights_e)
                 # HF: expert output times its routing weight (type promotion), then summed per token.
                 y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
         if plan.shared:
@@ -75,8 +75,13 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
         shared_scale.shape, dtype=accumulation_dtype(shared_scale.dtype), device=x.device)
 
     def piece_backward(x_piece, grad_piece, scale, w, grads):
-        """One expert (or shared slice) on some tokens: adds to ``grads``, returns
+        """One routed expert on some tokens: adds to ``grads``, returns
         ``(grad_x, <grad_y, output>)`` for the tokens."""
+        piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads)
+        return piece_grad_x, (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
+
+    def shared_backward(x_piece, grad_piece, scale, w, grads):
+        """The shared expert's slice on some tokens, as ``piece_backward``."""
         gate = F.linear(x_piece, w["gate_proj.weight"])
         up = F.linear(x_piece, w["up_proj.weight"])
         out = F.linear(plan.act_fn(gate) * up, w["down_proj.weight"])
@@ -92,8 +97,7 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
         grad_shard = torch.zeros(packed.shape, dtype=acc_dtype, device=packed.device)
         grad_w = plan.spec.unpack(grad_shard)
         for local, expert in plan.held_experts(t):
-            weights_e = expert_weights(w, local, plan.expert_size)
-            grads_e = expert_weights(grad_w, local, plan.expert_size)
+            weights_e, grads_e = plan.experts.weights(w, local), plan.experts.weights(grad_w, local)
             for tokens, slots in routing.of_expert(expert, plan.token_tile):
                 piece_grad_x, grad_weight = piece_backward(x[tokens], grad_y[tokens], weights[tokens, slots, None],
                                                            weights_e, grads_e)
@@ -101,8 +105,8 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
                 grad_weights[tokens, slots] = grad_weight.to(grad_weights.dtype)
         if plan.shared:
             for start, end in plan.tiles(x.shape[0]):
-                piece_grad_x, grad_s = piece_backward(x[start:end], grad_y[start:end], shared_scale[start:end],
-                                                      shared_weights(w), shared_weights(grad_w))
+                piece_grad_x, grad_s = shared_backward(x[start:end], grad_y[start:end], shared_scale[start:end],
+                                                       shared_weights(w), shared_weights(grad_w))
                 grad_x[start:end] += piece_grad_x
                 grad_scale[start:end] += grad_s.unsqueeze(-1).to(grad_scale.dtype)
         return grad_shard
