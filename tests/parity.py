@@ -21,12 +21,31 @@ from models import tiny_model
 TOLERANCE = 1e-10
 # What model_parity reports besides differences.
 NOT_DIFFS = ("saved_bytes", "input_norm_recomputes")
+# Models whose forward builds its attention masks without the position ids, so Hugging Face would attend
+# across packed documents there (GPT-OSS in transformers 5.25): their reference gets the masks that HF's own
+# mask functions build from the position ids, as its other models' forwards do.
+MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
+
+
+def document_masks(model, input_ids, attention_mask, position_ids):
+    """``{layer type: mask}`` of HF's ``create_causal_mask`` and
+    ``create_sliding_window_causal_mask`` given the packed ``position_ids``."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=model.config, inputs_embeds=model.get_input_embeddings()(input_ids),
+                  attention_mask=attention_mask, cache=None, position_ids=position_ids)
+    return {"full_attention": create_causal_mask(**kwargs),
+            "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
+
+
 def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None, position_ids=None):
     """HF's causal-LM loss, but in float64 (HF upcasts logits to float32 only);
     with ``num_items_in_batch``, the sum over real tokens divided by it.
     Without a cache: only then does HF read packed documents from ``position_ids``."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+    masks = attention_mask
+    if position_ids is not None and model.config.model_type in MASKS_WITHOUT_POSITIONS:
+        masks = document_masks(model, input_ids, attention_mask, position_ids)
+    logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits
     labels = input_ids[:, 1:].clone()
     if attention_mask is not None:
         labels[attention_mask[:, 1:] == 0] = -100

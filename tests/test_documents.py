@@ -1,5 +1,7 @@
 """Packed documents (position ids that restart) against Hugging Face, float64."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -21,10 +23,12 @@ def test_packed_documents_match_hugging_face(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama", batch=2, seq_len=19, documents=DOCUMENTS,
                          layout="contiguous")
     check(per_rank, f"D={tsp_size} llama packed {DOCUMENTS}, contiguous layout")
-    for schedule in ("ring", "all_to_all"):  # GLM-4.5's experts (no load-balancing loss): tokens route alone
-        per_rank = run_ranks(tsp_size, model_parity, arch="glm4_moe", batch=2, seq_len=19, documents=DOCUMENTS,
-                             moe_schedule=schedule)
-        check(per_rank, f"D={tsp_size} glm4_moe packed {DOCUMENTS}, {schedule}")
+    # GLM-4.5's experts (no load-balancing loss): tokens route alone; GPT-OSS's sinks join each document's
+    # softmax, on sliding and full layers, its load-balancing loss off as for GLM-4.5.
+    for arch, schedule in itertools.product(("glm4_moe", "gpt_oss"), ("ring", "all_to_all")):
+        per_rank = run_ranks(tsp_size, model_parity, arch=arch, batch=2, seq_len=19, documents=DOCUMENTS,
+                             moe_schedule=schedule, model_overrides={"output_router_logits": False})
+        check(per_rank, f"D={tsp_size} {arch} packed {DOCUMENTS}, {schedule}")
 
 
 def test_flash_attention_cu_seq_lens_match_hugging_face(run_ranks):

@@ -199,12 +199,13 @@ def test_left_padded_batch_matches_each_prompt_alone(run_ranks, vocab_parallel):
     assert worst <= TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "phi3", "phi4_mini"])
 def test_experts_and_fused_projections_generate_as_hugging_face(run_ranks, arch):
     """At D=2: Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and GLM-4.5
     (sigmoid router with its score-correction bias, ungated shared expert, a
-    dense first layer, half of each head rotary), each rank decoding with its
-    own experts only; Phi-3 (fused qkv_proj, gate_up_proj)
+    dense first layer, half of each head rotary), GPT-OSS (attention sinks on
+    sliding and full layers, biased clamped experts), each rank decoding with
+    its own experts only; Phi-3 (fused qkv_proj, gate_up_proj)
     and the Phi-4-mini shape (3/4 of each head rotary under longrope): past
     original_max_position_embeddings (16) Phi-3's generate drops the cache and
     prefills again with longrope's long factors, on the TSP model as on

@@ -125,12 +125,13 @@ def build_case(arch, batch, seq_len, right_padding, routing, overrides):
 
 
 def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_return=False, wrong_router_bias=False,
-               token_tile=8192):
+               wrong_sinks=False, token_tile=8192):
     """On every rank, per schedule and case: |loss - HF's|, |aux - HF's| and the
     gradient diffs of ``shard_grad_diffs`` (experts, shared expert, routers
     included). ``wrong_return``: the all-to-all's outputs come back to their
     tokens reversed; ``wrong_router_bias``: the last rank's first MoE router's
-    score-correction bias reversed."""
+    score-correction bias reversed; ``wrong_sinks``: 1 added to the last rank's
+    sink logits in the first attention."""
     tsp_size = dist.get_world_size()
     results = []
     for schedule, case in itertools.product(schedules, cases):
@@ -148,6 +149,10 @@ def moe_parity(cases, schedules=SCHEDULES, wrong_expert_shard=False, wrong_retur
             with torch.no_grad():
                 bias = moe_blocks[0].router_module().e_score_correction_bias
                 bias.copy_(bias.flip(0))
+        if wrong_sinks and topo.tsp_rank == tsp_size - 1:
+            attn = model.model.layers[0].self_attn
+            with torch.no_grad():
+                attn.spec.unpack(attn.packed)["sinks"].add_(1.0)
         with _reversed_returns() if wrong_return else contextlib.nullcontext():
             out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask)
         out.loss.backward()
@@ -281,13 +286,14 @@ def test_token_tiles_change_no_number(run_ranks):
 
 
 @pytest.mark.parametrize("wrong", ["expert shard ring", "expert shard all_to_all", "return all_to_all",
-                                   "router bias ring"])
-def test_a_wrong_expert_shard_router_bias_or_return_permutation_is_caught(run_ranks, wrong):
+                                   "router bias ring", "sinks ring", "GPT-OSS expert shard ring"])
+def test_a_wrong_expert_shard_router_bias_sink_or_return_permutation_is_caught(run_ranks, wrong):
     what, schedule = wrong.rsplit(" ", 1)
-    cases = [case for case in CASES if case[0] == "glm4_moe"] if what == "router bias" else CASES[:1]
+    arch = {"router bias": "glm4_moe", "sinks": "gpt_oss", "GPT-OSS expert shard": "gpt_oss"}.get(what)
+    cases = [case for case in CASES if case[0] == arch] if arch else CASES[:1]
     per_rank = run_ranks(2, moe_parity, cases=cases, schedules=(schedule,),
-                         wrong_expert_shard=what == "expert shard", wrong_return=what == "return",
-                         wrong_router_bias=what == "router bias")
+                         wrong_expert_shard=what.endswith("expert shard"), wrong_return=what == "return",
+                         wrong_router_bias=what == "router bias", wrong_sinks=what == "sinks")
     worst = max(max(r[0]["grads"].values()) for r in per_rank)
     loss = max(r[0]["loss"] for r in per_rank)
     print(f"wrong {what} ({schedule}): loss {loss:.2e}, gradients {worst:.2e}")
