@@ -193,7 +193,9 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
                  "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
                  "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM}
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
+# Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
+PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")
 
 
 def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):

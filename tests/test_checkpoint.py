@@ -19,7 +19,7 @@ from ds_tsp.cli import main
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
-from models import COMMON, MOE_ARCHS, tiny_model
+from models import COMMON, PER_EXPERT_FILE_ARCHS, tiny_model
 from parity import sharded_pieces
 from scripts import start_script
 from test_engine import ZERO3_PARTITIONED
@@ -119,17 +119,20 @@ def test_from_pretrained_then_save_pretrained_is_bit_exact(run_ranks, checkpoint
         assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
 
 
-def _train_step_and_save(src, dst):
-    """``from_pretrained``, one SGD step, ``save_pretrained``; then every tensor
+def _train_step_and_save(src, dst, steps=1):
+    """``from_pretrained``, ``steps`` SGD steps, ``save_pretrained``; then every tensor
     this rank holds (its pieces of the sharded ones, at their rows of Phi-3's
     fused tensors) against Hugging Face's load of the saved files. Returns the
     names that differ in any bit and whether the step changed every tensor."""
     topology, tsp_config = _topology_and_config()
     model = from_pretrained(src, topology, tsp_config)
     model.train()
-    input_ids = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4))
-    model(input_ids=input_ids, labels=input_ids).loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        input_ids = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4 + step))
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     save_pretrained(model, dst)
     original, saved = ({n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
                        for path in (src, dst))
@@ -151,14 +154,18 @@ def _train_step_and_save(src, dst):
     return differ, unchanged
 
 
-def test_a_trained_step_saves_bit_exact(run_ranks, checkpoints, tmp_path):
+@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2)])
+def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
-    bit for bit, Phi-3's fused q/k/v and gate/up rows included."""
+    bit for bit: Phi-3's fused q/k/v and gate/up rows, Mixtral's experts
+    (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router."""
+    src = str(tmp_path / arch)
+    tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):
         dst = str(tmp_path / f"trained-{tsp_size}")
-        per_rank = run_ranks(tsp_size, _train_step_and_save, src=checkpoints["phi3"], dst=dst)
-        print(f"phi3 D={tsp_size}: tensors differing from the saved files per rank {[len(d) for d, _ in per_rank]}, "
-              f"left unchanged by the step {[u for _, u in per_rank]}")
+        per_rank = run_ranks(tsp_size, _train_step_and_save, src=src, dst=dst, steps=steps)
+        print(f"{arch} D={tsp_size}, {steps} steps: tensors differing from the saved files per rank "
+              f"{[len(d) for d, _ in per_rank]}, left unchanged by the steps {[u for _, u in per_rank]}")
         assert all(not differ for differ, _ in per_rank)
         assert all(not unchanged for _, unchanged in per_rank)
 
@@ -540,7 +547,7 @@ def test_moe_experts_are_written_one_tensor_per_expert_as_transformers_writes_th
     hold each rank's piece of the fused tensors."""
     from ds_tsp.checkpoint.writing import write_state_dict
 
-    for arch in MOE_ARCHS:
+    for arch in PER_EXPERT_FILE_ARCHS:
         hf, hf_sharded = str(tmp_path / arch / "hf"), str(tmp_path / arch / "hf_sharded")
         source = tiny_model(arch)
         source.save_pretrained(hf)

@@ -50,7 +50,7 @@ from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import shard_spec
 from ds_tsp.injection.policy import POLICIES, PolicyError, resolve_policy
 from ds_tsp.parallel.topology import TSPTopology
-from models import MOE_ARCHS, num_experts, tiny_model
+from models import MOE_ARCHS, PER_EXPERT_FILE_ARCHS, num_experts, tiny_model
 from parity import TOLERANCE, shard_grad_diffs
 
 # float32 statistics of sums of O(1) terms over 2 layers: a few ulps (2^-23) of an aux loss of about top_k.
@@ -645,7 +645,7 @@ def _expert_of(name):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", PER_EXPERT_FILE_ARCHS)
 def test_from_pretrained_reads_hub_per_expert_files_own_experts_only(run_ranks, tmp_path, arch, tsp_size):
     """transformers' save_pretrained writes experts one tensor per expert (Mixtral's
     block_sparse_moe.experts.{e}.w1/w2/w3, Qwen's mlp.experts.{e}.gate/up/down_proj),
