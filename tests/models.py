@@ -31,17 +31,23 @@ COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_la
 
 
 def eager_wide_softmax(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                       **kwargs):
+                       s_aux=None, **kwargs):
     """Hugging Face's eager attention (Gemma-2's: scores soft-capped before the
-    mask) with the softmax in float32 or the model's dtype if wider: HF's own
-    runs it in float32 even in a float64 model, which would make the reference
+    mask; GPT-OSS's: a sink logit per head, ``s_aux``, joins the softmax) with
+    the softmax in float32 or the model's dtype if wider: HF's own runs it in
+    float32 even in a float64 model, which would make the reference
     float32-exact only."""
     scores = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    wide = torch.promote_types(scores.dtype, torch.float32)
+    if s_aux is not None:
+        sinks = s_aux.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=wide)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
     out = torch.matmul(probs, repeat_kv(value, module.num_key_value_groups))
     return out.transpose(1, 2).contiguous(), probs
 

@@ -43,7 +43,8 @@ TOLERANCE = 1e-9
 # relative); a forward variant still moves the output by orders more.
 EAGER_TOLERANCE = 1e-5
 # Attention implementations that run float64 on any device; the probe runs any
-# other (flash kernels take half precision on GPUs only) under SDPA.
+# other (flash kernels take half precision on GPUs only) under SDPA, or eager
+# where the class does not take SDPA.
 FLOAT64_IMPLEMENTATIONS = ("sdpa", "eager")
 SEED = 1234
 
@@ -81,7 +82,8 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
     probe_config = tsp_config.model_copy(update={"attention_backend": "sdpa"})
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
     if implementation not in FLOAT64_IMPLEMENTATIONS:
-        implementation = "sdpa"
+        # SDPA where the class takes it; GPT-OSS does not (SDPA has no sinks): its eager attention then.
+        implementation = "sdpa" if getattr(type(model), "_supports_sdpa", True) else "eager"
     tolerance = EAGER_TOLERANCE if implementation == "eager" else TOLERANCE
     reference = (f"under Hugging Face's {implementation} attention, against a tolerance of {tolerance:.0e}"
                  + (" (its softmax runs in float32)" if implementation == "eager" else ""))
