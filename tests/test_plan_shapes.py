@@ -60,7 +60,7 @@ def test_llama3_1_8b_preset_is_its_config():
                                              ("qwen2_moe", dict(num_hidden_layers=4, mlp_only_layers=[0],
                                                                 decoder_sparse_step=2)),
                                              ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2)),
-                                             ("qwen3", {})])
+                                             ("qwen3", {}), ("gpt_oss", {})])
 def test_moe_parameters_by_hand_and_against_the_hf_model(arch, overrides):
     from models import MODEL_CLASSES, tiny_config
 
@@ -71,7 +71,8 @@ def test_moe_parameters_by_hand_and_against_the_hf_model(arch, overrides):
     # By hand, H=16, V=61 untied, nq=4, nkv=2, d=4 (Wa = 768 + q/k/v biases 32 for Qwen2-MoE), norms 2H a layer
     # and H at the end, the embedding and LM head 2*61*16 = 1952 (+ 16 final norm).
     H, outside = HIDDEN, 2 * 61 * HIDDEN + HIDDEN
-    wa = 768 + (32 if arch == "qwen2_moe" else 0)
+    # GPT-OSS: q/k/v biases 32, o_proj's bias 16 (replicated), 4 sinks.
+    wa = 768 + (32 if arch == "qwen2_moe" else 0) + (32 + H + 4 if arch == "gpt_oss" else 0)
     qk_norms = 2 * HEAD_DIM if arch.startswith("qwen3") else 0
     layer = wa + 2 * H + qk_norms
     expected = {  # (total, active, sparse layers)
@@ -82,6 +83,9 @@ def test_moe_parameters_by_hand_and_against_the_hf_model(arch, overrides):
         # router 8x16, 8 experts of 3*16*8.
         "qwen3_moe": (2 * (layer + 8 * H + 8 * 384), 2 * (layer + 8 * H + 2 * 384), 2),
         "qwen3": (2 * (layer + 3 * H * 32),) * 2 + (0,),
+        # router 4x16 with its bias 4; 4 experts of 3*16*32 with biases 2*32 + 16; top-2 active.
+        "gpt_oss": (2 * (layer + 4 * H + 4 + 4 * (3 * H * 32 + 80)), 2 * (layer + 4 * H + 4 + 2 * (3 * H * 32 + 80)),
+                    2),
     }[arch]
     if overrides.get("mlp_only_layers"):  # 4 layers: 0 dense (listed), 1 sparse, 2 dense (off the step), 3 sparse
         expected = (expected[0] + 2 * (layer + 3 * H * 32), expected[1] + 2 * (layer + 3 * H * 32), 2)
@@ -110,11 +114,18 @@ def test_moe_presets_match_their_published_sizes():
     assert 106e9 <= glm.params < 107e9
     assert glm.moe_layers == 45 and glm.shared_expert_size == 1408 and not glm.gated_shared_expert
     assert glm.router_params == 128 * 4096
+    # GPT-OSS-120B: "116.83B total, 5.13B active" (OpenAI's model card counts the LM head as active, not the
+    # 0.58B embedding); 36 sparse layers of 128 biased experts, 64 sinks a layer.
+    gpt_oss = planner.model_shape("gpt-oss-120b")
+    embedding = 201088 * 2880
+    assert (f"{gpt_oss.params / 1e9:.2f}", f"{(gpt_oss.active_params - embedding) / 1e9:.2f}") == ("116.83", "5.13")
+    assert gpt_oss.moe_layers == 36 and gpt_oss.expert_bias and gpt_oss.router_bias and gpt_oss.attention_sinks
 
 
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
-                                         r"layers of mixtral, minimax_m2, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe only"):
+                                         r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe "
+                                         r"only"):
         planner.model_shape({**tiny_shape(), "model_type": "deepseek_v2", "n_routed_experts": 64})
     with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'jamba'\)"):
         planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})

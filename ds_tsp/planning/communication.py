@@ -147,13 +147,15 @@ def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direc
     _check(m, seq_len, tsp_size, direction)
     return moe_block_bytes_by_op(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
                                  m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
-                                 direction, schedule, grad_wire_bytes=grad_wire_bytes)
+                                 direction, schedule, grad_wire_bytes=grad_wire_bytes, expert_bias=m.expert_bias)
 
 
 def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
-                          elem_bytes, direction, schedule, *, grad_wire_bytes=None, rows_received=None):
+                          elem_bytes, direction, schedule, *, grad_wire_bytes=None, rows_received=None,
+                          expert_bias=False):
     """Bytes one rank receives in one sparse MoE block (``ds_tsp.blocks.moe.module``), per
-    ``comm`` op name: ``E`` experts of ``3 H F_e`` weights, ``E/D`` per rank,
+    ``comm`` op name: ``E`` experts of ``3 H F_e`` weights (``+ 2 F_e + H``
+    with ``expert_bias``: GPT-OSS's gate/up and down biases), ``E/D`` per rank,
     top-``k`` routing, a shared expert of ``F_s`` (0: none), ``N`` local tokens.
     The same formula serves the planner and ``tsp.moe_schedule: "auto"``.
 
@@ -182,7 +184,8 @@ def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, to
     a = gradient_wire_bytes(e, grad_wire_bytes)
     shared = Fraction((D - 1) * 3 * H * shared_size, D)
     if schedule == "ring":
-        weights = Fraction((D - 1) * 3 * H * num_experts * expert_size, D) + shared
+        expert = 3 * H * expert_size + (2 * expert_size + H if expert_bias else 0)
+        weights = Fraction((D - 1) * num_experts * expert, D) + shared
         return _by_direction({"ring": e * weights}, {"ring": (e + a) * weights}, direction)
     if rows_received is None:
         rows_received = 2 * top_k * Fraction(local_tokens) * Fraction(D - 1, D)
@@ -194,13 +197,13 @@ def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, to
 
 
 def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
-                         elem_bytes, direction, *, grad_wire_bytes=None):
+                         elem_bytes, direction, *, grad_wire_bytes=None, expert_bias=False):
     """``tsp.moe_schedule: "auto"``: the schedule of ``MOE_SCHEDULES`` whose
     expected bytes (``moe_block_bytes_by_op``) are fewer for this block and
     micro-batch shape; the ring where they tie."""
     moved = {schedule: sum(Fraction(v) for v in moe_block_bytes_by_op(
         hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size, elem_bytes, direction,
-        schedule, grad_wire_bytes=grad_wire_bytes).values()) for schedule in MOE_SCHEDULES}
+        schedule, grad_wire_bytes=grad_wire_bytes, expert_bias=expert_bias).values()) for schedule in MOE_SCHEDULES}
     return min(MOE_SCHEDULES, key=lambda schedule: moved[schedule])
 
 
@@ -214,7 +217,7 @@ def tsp_moe_schedule(model, seq_len, micro_batch, tsp_size, elem_bytes, moe_sche
     m = model_shape(model)
     return cheaper_moe_schedule(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
                                 m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
-                                "both", grad_wire_bytes=grad_wire_bytes)
+                                "both", grad_wire_bytes=grad_wire_bytes, expert_bias=m.expert_bias)
 
 
 def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_wire_bytes=None):

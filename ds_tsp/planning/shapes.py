@@ -37,6 +37,12 @@ PRESETS = {
                         num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
                         tie_word_embeddings=False, attention_bias=True, n_routed_experts=128, num_experts_per_tok=8,
                         moe_intermediate_size=1408, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
+    # 116.8B parameters, 5.1B active per token as its model card counts (the LM head, not the embedding):
+    # 128 biased experts, attention sinks, sliding and full layers.
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                         tie_word_embeddings=False, attention_bias=True, num_local_experts=128, num_experts_per_tok=4,
+                         sliding_window=128),
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
@@ -97,6 +103,10 @@ class ModelShape:
     renormalise_top_k: bool = False  # the top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
     router_weights_fp32: bool = False  # the routing weights stay float32 (Mixtral); else the model dtype
     output_router_logits: bool = False  # the load-balancing loss is computed (the config's output_router_logits)
+    expert_bias: bool = False  # the experts' gate/up and down biases (GPT-OSS): 2 F_e + H more per expert
+    router_bias: bool = False  # the router's bias (GPT-OSS), replicated
+    attention_sinks: bool = False  # a sink logit per query head (GPT-OSS), sharded with the heads
+    o_proj_bias: bool = False  # o_proj's bias (Llama's and GPT-OSS's attention_bias), replicated
 
     @property
     def is_moe(self):
@@ -110,9 +120,10 @@ class ModelShape:
 
     @property
     def attention_params(self):
-        """``Wa``: q, k, v, o projections (and q/k/v biases)."""
+        """``Wa``: q, k, v, o projections (and q/k/v biases, and the sinks: one per query head)."""
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
-        return H * (nq + 2 * nkv) * d + nq * d * H + ((nq + 2 * nkv) * d if self.attention_bias else 0)
+        return H * (nq + 2 * nkv) * d + nq * d * H + ((nq + 2 * nkv) * d if self.attention_bias else 0) + \
+            (nq if self.attention_sinks else 0)
 
     @property
     def mlp_params(self):
@@ -122,8 +133,9 @@ class ModelShape:
 
     @property
     def expert_params(self):
-        """One routed expert: gate, up, down of ``expert_size``."""
-        return 3 * self.hidden_size * self.expert_size
+        """One routed expert: gate, up, down of ``expert_size`` (and their biases)."""
+        bias = 2 * self.expert_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.expert_size + bias
 
     @property
     def shared_expert_params(self):
@@ -131,8 +143,9 @@ class ModelShape:
 
     @property
     def router_params(self):
-        """A sparse layer's replicated routing: the router and the shared expert's gate."""
-        return self.num_experts * self.hidden_size + (self.hidden_size if self.gated_shared_expert else 0)
+        """A sparse layer's replicated routing: the router (and its bias) and the shared expert's gate."""
+        return self.num_experts * (self.hidden_size + int(self.router_bias)) + \
+            (self.hidden_size if self.gated_shared_expert else 0)
 
     @property
     def gated_shared_expert(self):
@@ -164,9 +177,10 @@ class ModelShape:
             qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         else:
             qk_norms = [self.head_dim] * 2 if self.qk_norm else []
-        tensors = [H, H] + qk_norms
+        tensors = [H, H] + qk_norms + ([H] if self.o_proj_bias else [])
         if sparse:
-            return tensors + [self.num_experts * H] + ([H] if self.gated_shared_expert else [])
+            return tensors + [self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
+                ([H] if self.gated_shared_expert else [])
         return tensors + ([H] if self.mlp_bias else [])
 
     @property
@@ -286,11 +300,13 @@ def _shape_fields(model):
 
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
-MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # DeepSeek-V3's kind (GLM-4.5): sigmoid routers computing in float32, the first layers dense, an ungated shared
 # expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
 DEEPSEEK_V3_KIND = ("glm4_moe",)
+# o_proj takes the attention_bias too (Llama's, GPT-OSS's), not only q/k/v.
+O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
 
 def _moe_fields(fields):
@@ -314,7 +330,7 @@ def _moe_fields(fields):
                          f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
     qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
     mixtral = not qwen and ("num_local_experts" in experts if model_type is None
-                            else model_type in ("mixtral", "minimax_m2"))
+                            else model_type in ("mixtral", "minimax_m2", "gpt_oss"))
     num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
     layers = fields["num_hidden_layers"]
     if model_type in DEEPSEEK_V3_KIND:
@@ -323,10 +339,12 @@ def _moe_fields(fields):
                     shared_expert_size=fields["moe_intermediate_size"] * (fields.get("n_shared_experts") or 0),
                     shared_expert_gate=False, moe_layers=layers - (fields.get("first_k_dense_replace") or 0),
                     renormalise_top_k=bool(fields.get("norm_topk_prob")), router_weights_fp32=True)
-    if mixtral:
+    if mixtral:  # GPT-OSS: biased experts and router, its softmax over the top-k in the model's dtype
+        gpt_oss = model_type == "gpt_oss"
         return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["intermediate_size"], moe_layers=layers, renormalise_top_k=True,
-                    router_weights_fp32=True, output_router_logits=bool(fields.get("output_router_logits")))
+                    router_weights_fp32=not gpt_oss, output_router_logits=bool(fields.get("output_router_logits")),
+                    expert_bias=gpt_oss, router_bias=gpt_oss)
     step, dense = fields.get("decoder_sparse_step") or 1, set(fields.get("mlp_only_layers") or ())
     sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
     return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
@@ -367,6 +385,8 @@ def model_shape(model):
             qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS)
             or bool(fields.get("use_qk_norm")),  # GLM-4.5's switch
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
+            attention_sinks=fields.get("model_type") == "gpt_oss",
+            o_proj_bias=_attention_bias(fields) and fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES,
             **_moe_fields(fields))
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
@@ -413,7 +433,7 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
     D, d, H = tsp_size, m.head_dim, m.hidden_size
     q_heads, kv_heads = m.num_heads // D, max(m.num_kv_heads // D, 1)
     bias = 1 if m.attention_bias else 0
-    own = q_heads * d * (2 * H + bias)
+    own = q_heads * d * (2 * H + bias) + (q_heads if m.attention_sinks else 0)
     kv_replicas = max(D // m.num_kv_heads, 1)
     if tsp_rank % kv_replicas == 0:
         own += 2 * kv_heads * d * (H + bias)

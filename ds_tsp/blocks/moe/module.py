@@ -211,7 +211,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         """The schedule of this forward: the block's, or its chooser's answer for
         ``x2``'s ``N`` local tokens, logged once per choice. The chooser takes
         ``(hidden_size, num_experts, expert_size, shared_size, top_k, N,
-        tsp_size, element bytes, direction, grad_wire_bytes=)``, direction
+        tsp_size, element bytes, direction, grad_wire_bytes=, expert_bias=)``, direction
         "both" in training mode and "forward" in eval mode, as
         ``ds_tsp.planning.cheaper_moe_schedule`` does (``tsp.moe_schedule: "auto"``)."""
         if not callable(self.plan.schedule):
@@ -220,7 +220,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         choice = self.plan.schedule(self.hidden_size, self.num_experts, self.expert_size, self.shared_size, top_k,
                                     x2.shape[0], self.tsp_size, _compute_dtype(x2).itemsize,
                                     "both" if self.training else "forward",
-                                    grad_wire_bytes=None if wire is None else wire.itemsize)
+                                    grad_wire_bytes=None if wire is None else wire.itemsize,
+                                    expert_bias=self.experts.biased)
         said = (choice, x2.shape[0], self.num_experts, top_k, self.tsp_size)
         if said not in _announced:
             _announced.add(said)
