@@ -51,6 +51,47 @@ def test_cpu_kernels_match_float64_attention(dtype, window):
         assert ("lse" in worst) == (isinstance(kernel, BlockwiseFlashKernel) and window is None)
 
 
+def _sink_attention_grads(kernel, q, k, v, sinks, grad, fused):
+    """Output and the gradients of q, k, v and the sinks of ``kernel`` (a
+    ``SinkKernel``): through its fused forward/backward and ``sink_gradient``,
+    or autograd through its materialised ``attend``."""
+    scale = q.shape[-1] ** -0.5
+    if fused:
+        out, lse = kernel.forward(q, k, v, scale, sinks=sinks)
+        dq, dk, dv = kernel.backward(grad, q, k, v, out, lse, scale)
+        return out, dq, dk, dv, kernel.sink_gradient(grad, out, lse, sinks)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    out, _ = kernel.attend(*leaves[:3], scale, sinks=leaves[3])
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_sinks_after_a_fused_kernel_equal_the_sink_softmax(dtype):
+    """DESIGN.md 6h: a sink applied after the fused kernel, from its
+    log-sum-exp, forward and backward (the sinks' gradient included), equals
+    the softmax with the sink column materialised, on a bottom-right causal
+    block (12 queries, the last of 20 keys, grouped-query heads), float64 to
+    round-off and bf16 to the kernels' bound; a sink shifted by 0.5 in the
+    fused path moves the output far more (4e-2)."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(2, length, heads, 8, generator=generator, dtype=torch.float64)
+                     for length, heads in ((12, 4), (20, 2), (20, 2), (12, 4)))
+    sinks = torch.randn(4, generator=generator, dtype=torch.float64)
+    kernel = ak.SinkKernel(BlockwiseFlashKernel(ak._CPUFlashOps()))
+    assert kernel.explicit_backward(8, None) and not kernel.explicit_backward(8, 5)
+    reference = _sink_attention_grads(kernel, q, k, v, sinks, grad, fused=False)
+    cast = [t.to(dtype) for t in (q, k, v, grad)]
+    fused = _sink_attention_grads(kernel, *cast[:3], sinks, cast[3], fused=True)
+    wrong = _sink_attention_grads(kernel, *cast[:3], sinks + 0.5, cast[3], fused=True)
+    errors = {name: ((a.double() - b).abs().max() / b.abs().max()).item()
+              for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), fused, reference)}
+    moved = ((wrong[0].double() - reference[0]).abs().max() / reference[0].abs().max()).item()
+    print(f"sinks after the fused kernel, {dtype}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+          + f"; a sink 0.5 off moves the output {moved:.1e}")
+    assert max(errors.values()) <= (1e-12 if dtype == torch.float64 else PARITY_TOLERANCE[dtype])
+    assert moved > 1e10 * max(errors.values()) if dtype == torch.float64 else moved > PARITY_TOLERANCE[dtype]
+
+
 class TopLeftCausal(SDPAKernel):
     """SDPA's own ``is_causal`` for every block: top-left aligned, wrong when Lq < Lk."""
 

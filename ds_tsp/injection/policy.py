@@ -229,6 +229,22 @@ AUTO_CONFIG = {
     "residual_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
     "resid_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
     "embd_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP forward does not apply"),
+    # Llama 4's attention, named so that a refusal says which feature it is (not yet built under TSP).
+    "attention_chunk_size": Accepts((None,), "chunked local attention (Llama 4: a block-diagonal causal mask over "
+                                    "fixed chunks), which the TSP attention does not apply"),
+    "no_rope_layers": Accepts(lambda layers: not layers or all(layers),
+                              "layers without rotary embedding (Llama 4's NoPE layers, 0 in no_rope_layers), which "
+                              "the TSP attention does not run"),
+    "attn_temperature_tuning": Accepts((None, False), "attention temperature tuning (Llama 4's NoPE layers scale "
+                                       "their queries with the position), which the TSP attention does not apply"),
+    # Gemma 3n's and Gemma 4's, named for the same reason.
+    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second "
+                                           "embedding feeding every layer), which the TSP model does not build"),
+    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers "
+                                    "attend to earlier layers' keys and values), which the TSP attention does not do"),
+    "attention_k_eq_v": Accepts((None, False), "keys used as values (Gemma 4), which the TSP attention does not do"),
+    "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
+                                "the TSP layer does not run"),
 }
 
 
@@ -399,12 +415,14 @@ def resolve_policy(model, name="auto"):
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
         if get_submodule(model, path) is None:
             raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
-    for index, layer in enumerate(layers):
-        check_layer(policy, layer, f"{policy.layers}.{index}")
     if policy.model_class not in (None, model_class):
         raise PolicyError(f"tsp.policy = {name!r} converts {policy.model_class}, whose forward its table was "
                           f"written for, but the model is a {model_class}: set tsp.policy to \"auto\"")
+    # The config first: a feature it names (Llama 4's chunked attention) is a clearer refusal than the layer
+    # shapes that feature comes with.
     check_config(model_class, model.config, policy)
+    for index, layer in enumerate(layers):
+        check_layer(policy, layer, f"{policy.layers}.{index}")
     if any(policy.is_sparse(layer.get_submodule(policy.mlp)) for layer in layers if hasattr(layer, policy.mlp)):
         check_load_balancing(type(model), model.config)
     for index, layer in enumerate(layers):

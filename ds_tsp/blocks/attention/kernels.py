@@ -98,13 +98,45 @@ class SoftCappedKernel:
 class SinkKernel:
     """Attention with a learned sink logit per query head (GPT-OSS's
     ``sinks``): one more softmax column with no value, so each query row's
-    weights sum to ``Z / (Z + exp(s_h))``. ``attend`` takes this head group's
-    ``sinks`` ``(hq,)``; a block's scores are materialised (a query tile by
-    the keys it sees: ``tsp.token_tile`` bounds them), the softmax runs in
-    float32 or wider, and autograd runs the backward, the sinks' gradient
-    included. Equal to Hugging Face's eager attention (DESIGN.md 6h)."""
+    weights sum to ``Z / (Z + exp(s_h))`` (DESIGN.md 6h).
+
+    Over a ``base`` kernel with an explicit backward (full causal layers), the
+    sink is applied after it: ``o = o' sigmoid(lse' - s)`` and the row's
+    log-sum-exp becomes ``logaddexp(lse', s)``; the base's backward given that
+    output and log-sum-exp is the exact backward of the sink attention (the
+    sink column has no value, so it only enters through the row's
+    normaliser), and the sinks' gradient is ``sink_gradient``. Elsewhere
+    (sliding windows, or a base without that backward) ``attend`` materialises
+    a block's scores (a query tile by the keys it sees: ``tsp.token_tile``
+    bounds them) with the sink column, softmaxes in float32 or wider, and
+    autograd runs the backward, the sinks' included."""
 
     name = "sinks"
+
+    def __init__(self, base=None):
+        self.base = base
+
+    def explicit_backward(self, head_dim, window):
+        return hasattr(self.base, "explicit_backward") and self.base.explicit_backward(head_dim, window)
+
+    def forward(self, q, k, v, scale, sinks=None):
+        out, lse = self.base.forward(q, k, v, scale)  # (B, L, h, d), (B, h, L)
+        s = sinks.to(lse.dtype).view(1, -1, 1)
+        kept = torch.sigmoid(lse - s).transpose(1, 2).unsqueeze(-1)  # (B, L, h, 1)
+        return (out * kept.to(out.dtype)).to(out.dtype), torch.logaddexp(lse, s.expand_as(lse))
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        return self.base.backward(grad_out, q, k, v, out, lse, scale)
+
+    @staticmethod
+    def sink_gradient(grad_out, out, lse, sinks):
+        """``(h,)``: the sinks' gradient from a block's output gradient and the
+        output and log-sum-exp ``forward`` returned: ``-sum over rows of
+        exp(s - lse) (dO . o)``, in float32 or wider."""
+        acc = torch.promote_types(lse.dtype, torch.float32)
+        row = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (B, h, L)
+        weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
+        return -(weight * row).sum(dim=(0, 2))
 
     def attend(self, q, k, v, scale, window=None, with_lse=False, sinks=None):
         acc = torch.promote_types(q.dtype, torch.float32)

@@ -61,10 +61,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              "\"sdpa\", with which ds_tsp's capped attention serves these layers")
         self.softcap = softcap
         # GPT-OSS's attention sinks, a logit per query head in the packed shard: ds_tsp's SinkKernel serves them.
-        if sinks and (softcap is not None or backend not in ("auto", "sdpa")):
-            raise ValueError(f"tsp.attention_backend = {backend!r} cannot attend with sinks"
-                             f"{' and a soft-cap' if softcap is not None else ''}: set tsp.attention_backend to "
-                             "\"auto\" or \"sdpa\", with which ds_tsp's sink attention serves these layers")
+        if sinks and softcap is not None:
+            raise ValueError("attention sinks with soft-capped scores: ds_tsp's sink attention does not cap them")
         self.sinks = sinks
         # GPT-OSS's rotary tables hold each frequency once, and both halves of a head rotate by them.
         self.rotary_halves = rotary_halves
@@ -125,12 +123,12 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.blocks.documents``), None for one per row;
         ``input_norm``: the layer's norm to run inside (``forward``)."""
-        if self.sinks:
-            kernel = SinkKernel()
-        elif self.softcap is not None:
+        if self.softcap is not None:
             kernel = SoftCappedKernel(self.softcap)
         else:
             kernel = select_kernel(self.backend, x.device, x.dtype)
+        if self.sinks:
+            kernel = SinkKernel(kernel)
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,
                                                                                      self.sliding_window)
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,

@@ -143,7 +143,7 @@ def attend_local_chunks(plan, q, K, V, sinks=None):
         for q_lo, q_hi, k_lo, k_hi in blocks:
             q_block, K_block, V_block = q[rows, q_lo:q_hi], K[rows, k_lo:k_hi], V[rows, k_lo:k_hi]
             if plan.explicit_backward:
-                out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale)
+                out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale, **with_sinks)
                 row_lses.append(lse)
             else:
                 out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window, **with_sinks)
@@ -153,12 +153,12 @@ def attend_local_chunks(plan, q, K, V, sinks=None):
     return _cat(outputs, 0), _cat(lses, 0) if plan.explicit_backward else None
 
 
-def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
-    """``dq`` of ``attend_local_chunks`` from its saved output and lse; the
-    blocks' parts of ``dK, dV`` are added to ``grad_K, grad_V`` (the head
-    groups' full-sequence sums, float32 or wider), so no second full-sequence
-    buffer exists."""
-    grad_q = []
+def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V, sinks=None):
+    """``dq`` of ``attend_local_chunks`` from its saved output and lse, and the
+    ``sinks``' gradient (None without them); the blocks' parts of ``dK, dV``
+    are added to ``grad_K, grad_V`` (the head groups' full-sequence sums,
+    float32 or wider), so no second full-sequence buffer exists."""
+    grad_q, grad_sinks = [], None
     for rows, blocks in plan.query_blocks:
         row_grads = []
         for q_lo, q_hi, k_lo, k_hi in blocks:
@@ -166,11 +166,15 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V):
                                               V[rows, k_lo:k_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],
                                               plan.scale)
             row_grads.append(dq)
+            if sinks is not None:
+                part = plan.kernel.sink_gradient(grad_o[rows, q_lo:q_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],
+                                                 sinks)
+                grad_sinks = part if grad_sinks is None else grad_sinks + part
             grad_K[rows, k_lo:k_hi].add_(dk)
             grad_V[rows, k_lo:k_hi].add_(dv)
             del dk, dv  # a block's dK/dV (a full key prefix each) go before the next block's are made
         grad_q.append(_cat(row_grads, 1))
-    return _cat(grad_q, 0)
+    return _cat(grad_q, 0), grad_sinks
 
 
 def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, input_norm=None):
@@ -393,7 +397,8 @@ def attend_backward(plan, grad_o, q, K, V, dKV, saved, j, sinks=None):
     without ``sinks``); its ``dK, dV`` are added to the replica set's sums ``dKV``."""
     if plan.explicit_backward:
         o = saved["o"][j]
-        return attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dKV[0], dKV[1]), o, None
+        dq, grad_sinks = attend_local_chunks_backward(plan, grad_o, q, K, V, o, saved["lse"][j], dKV[0], dKV[1], sinks)
+        return dq, o, grad_sinks
     # The kernel has no fused backward: autograd through a recomputed forward.
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, K, V) + (() if sinks is None else (sinks,))]
