@@ -265,17 +265,23 @@ def test_an_auto_feature_away_from_its_neutral_value_is_refused_by_name():
 @pytest.mark.parametrize("model_type, overrides, match", [
     ("llama4_text", {}, r"chunked_attention"),
     ("llama4_text", {"layer_types": ["full_attention"] * 2, "attention_chunk_size": None},
-     r"no_rope_layers = \[0, 0\].*NoPE layers"),
+     r"attn_temperature_tuning = True.*NoPE layers scale their queries"),
+    ("llama4_text", {"layer_types": ["full_attention"] * 2, "attention_chunk_size": None,
+                     "attn_temperature_tuning": False, "no_rope_layers": [1, 0]}, r"no_rope_layers = \[1, 0\]"),
     ("gemma4_text", {"hidden_size_per_layer_input": 8}, r"hidden_size_per_layer_input = 8.*per-layer input embeddings"),
-    ("gemma4_text", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 1},
-     r"num_kv_shared_layers = 1.*key/value sharing across layers"),
+    ("gemma4_text", {"hidden_size_per_layer_input": 0, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+     r"num_kv_shared_layers = 2.*key/value sharing across layers"),
     ("gemma4_text", {"hidden_size_per_layer_input": 0, "attention_k_eq_v": True}, r"attention_k_eq_v = True"),
     ("gemma4_text", {"hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                      "moe_intermediate_size": 8}, r"enable_moe_block = True.*beside the dense MLP"),
+    # With none of those: its full layers' wider heads (transformers' per-layer head_dim).
+    ("gemma4_text", {"hidden_size_per_layer_input": 0}, r"heterogeneous config \(per layer: \['head_dim'\]\)"),
 ])
 def test_llama4_and_gemma4_features_are_refused_by_name(model_type, overrides, match):
     """Llama 4's chunked attention and NoPE layers, Gemma 4's per-layer inputs, key/value sharing, keys as
-    values and its MoE block beside the MLP: not built under TSP yet, each refused naming its config key."""
+    values, its MoE block beside the MLP and its per-layer head sizes: not built under TSP yet, each refused
+    naming its config key."""
     model = tiny_causal_lm(model_type, device="meta", **overrides)
     with pytest.raises(PolicyError, match=match):
         resolve_policy(model)

@@ -463,12 +463,19 @@ def check_load_balancing(model_class, config):
 
 def check_config(model_class, config, policy):
     """Refuse any config attribute of ``policy``'s table whose value the TSP forward does not reproduce."""
+    # A heterogeneous config (transformers' per-layer attributes, Gemma 4's head sizes) refuses global reads of them.
+    per_layer = sorted(config.per_layer_attributes or ()) if getattr(config, "is_heterogeneous", False) else []
     for key, accepts in policy.config.items():
+        if key in per_layer:
+            continue
         value = getattr(config, key, None)
         if not accepts.allows(value):
             fix = f": {accepts.fix}" if accepts.fix else ""
             raise PolicyError(f"{model_class} has config.{key} = {value!r}, which ds_tsp does not reproduce "
                               f"({accepts.why}){fix}; tsp.policy {policy.name!r}")
+    if per_layer:
+        raise PolicyError(f"{model_class} has a heterogeneous config (per layer: {per_layer}), which ds_tsp does not "
+                          "convert: every TSP layer of a model has the same shape")
 
 
 def check_window(policy, layer, config, index, where):
