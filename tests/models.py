@@ -21,7 +21,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
-from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
+from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm, MiniMaxM2TopKRouter
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
@@ -105,6 +105,24 @@ def glm_router_in_the_wider_dtype(self, hidden_states):
 
 
 Glm4MoeTopkRouter.forward = Dots1TopkRouter.forward = glm_router_in_the_wider_dtype  # one router, two copies
+
+
+def minimax_router_in_the_wider_dtype(self, hidden_states, e_score_correction_bias):
+    """MiniMax-M2's router as Hugging Face writes it, but its sigmoid in float32
+    or the model's dtype if wider: HF's takes it in float32 even in a float64
+    model, and a vectorised float32 sigmoid rounds an element differently with
+    its place in the batch (a packed batch at D=2 moved a gradient by 4e-10)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    routing_weights = torch.sigmoid(router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)))
+    scores_for_choice = routing_weights + e_score_correction_bias
+    _, top_k_index = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False)
+    top_k_weights = routing_weights.gather(1, top_k_index)
+    top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+    return router_logits, top_k_weights, top_k_index
+
+
+MiniMaxM2TopKRouter.forward = minimax_router_in_the_wider_dtype
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.

@@ -13,6 +13,7 @@ from parity import TOLERANCE, check, model_parity, packed_position_ids
 # Row 0 packs four documents, one of length 1, across the chunk boundaries of
 # every D; row 1 is one document. 19 tokens also need padding at every D > 1.
 DOCUMENTS = [[6, 1, 8, 4], [19]]
+MOE_DOCUMENT_ARCHS = ("glm4_moe", "gpt_oss", "minimax_m2", "olmoe", "dots1", "mellum")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -23,9 +24,10 @@ def test_packed_documents_match_hugging_face(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama", batch=2, seq_len=19, documents=DOCUMENTS,
                          layout="contiguous")
     check(per_rank, f"D={tsp_size} llama packed {DOCUMENTS}, contiguous layout")
-    # GLM-4.5's experts (no load-balancing loss): tokens route alone; GPT-OSS's sinks join each document's
-    # softmax, on sliding and full layers, its load-balancing loss off as for GLM-4.5.
-    for arch, schedule in itertools.product(("glm4_moe", "gpt_oss"), ("ring", "all_to_all")):
+    # The MoE models (their load-balancing loss off: its float32 statistics are checked in test_moe.py): tokens
+    # route alone; GPT-OSS's sinks join each document's softmax, on sliding and full layers; MiniMax-M2's and
+    # OLMoE's q/k norms over the projection; dots.llm1 and Mellum by the auto policy.
+    for arch, schedule in itertools.product(MOE_DOCUMENT_ARCHS, ("ring", "all_to_all")):
         per_rank = run_ranks(tsp_size, model_parity, arch=arch, batch=2, seq_len=19, documents=DOCUMENTS,
                              moe_schedule=schedule, model_overrides={"output_router_logits": False})
         check(per_rank, f"D={tsp_size} {arch} packed {DOCUMENTS}, {schedule}")

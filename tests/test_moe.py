@@ -65,9 +65,9 @@ CASES = [
     ("qwen3_moe", 2, 16, 0, "random", {"mlp_only_layers": [1], "intermediate_size": 32}),
     ("qwen3_moe", 1, 13, 4, "first_experts", {}),
     ("glm4_moe", 2, 13, 3, "random", {}),
-    ("olmoe", 2, 16, 0, "random", {}),
+    ("olmoe", 2, 13, 3, "random", {}),
     ("minimax_m2", 2, 13, 3, "random", {}),
-    ("dots1", 1, 16, 0, "random", {}),  # two classes of their kind the issues do not name, by the auto policy
+    ("dots1", 2, 13, 3, "random", {}),  # two classes of their kind the issues do not name, by the auto policy
     ("mellum", 2, 13, 3, "random", {}),
     ("gpt_oss", 2, 13, 3, "random", {}),  # sinks, sliding and full layers, biased clamped experts
 ]
