@@ -120,12 +120,22 @@ def test_moe_presets_match_their_published_sizes():
     embedding = 201088 * 2880
     assert (f"{gpt_oss.params / 1e9:.2f}", f"{(gpt_oss.active_params - embedding) / 1e9:.2f}") == ("116.83", "5.13")
     assert gpt_oss.moe_layers == 36 and gpt_oss.expert_bias and gpt_oss.router_bias and gpt_oss.attention_sinks
+    # Llama-4-Scout, "17B active parameters, 16 experts"; its text model's total is Hugging Face's sum(numel).
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in Llama4ForCausalLM(Llama4TextConfig()).parameters())
+    scout = planner.model_shape("llama-4-scout")
+    assert scout.params == numel and f"{scout.active_params / 1e9:.0f}" == "17"
+    assert scout.moe_layers == 48 and scout.shared_expert_size == 8192 and not scout.gated_shared_expert
+    assert scout.intermediate_size == 16384 and not scout.qk_norm  # dense MLPs' size; a weightless q/k norm
 
 
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
-                                         r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe "
-                                         r"only"):
+                                         r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, flex_olmo, glm4_moe, "
+                                         r"llama4_text only"):
         planner.model_shape({**tiny_shape(), "model_type": "deepseek_v2", "n_routed_experts": 64})
     with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'jamba'\)"):
         planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})

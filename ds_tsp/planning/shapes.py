@@ -43,6 +43,12 @@ PRESETS = {
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                          tie_word_embeddings=False, attention_bias=True, num_local_experts=128, num_experts_per_tok=4,
                          sliding_window=128),
+    # 107.8B parameters (the text model), 17.2B active per token: 16 experts, top-1, and a shared expert in every
+    # layer. ds_tsp's policy refuses Llama 4 today (docs/limitations.md); the planner shows what TSP would hold.
+    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                          intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                          num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
+                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1),
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
@@ -300,7 +306,8 @@ def _shape_fields(model):
 
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
-MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
+                   "llama4_text")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # DeepSeek-V3's kind (GLM-4.5): sigmoid routers computing in float32, the first layers dense, an ungated shared
 # expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
@@ -333,6 +340,14 @@ def _moe_fields(fields):
                             else model_type in ("mixtral", "minimax_m2", "gpt_oss"))
     num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
     layers = fields["num_hidden_layers"]
+    if model_type == "llama4_text":  # sparse layers listed (or every interleave_moe_layer_step-th), experts and an
+        # ungated shared expert of intermediate_size (dense layers: intermediate_size_mlp), a sigmoid top-k router
+        step = fields.get("interleave_moe_layer_step") or 1
+        sparse = fields.get("moe_layers") or [i for i in range(layers) if (i + 1) % step == 0]
+        return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"], shared_expert_size=fields["intermediate_size"],
+                    shared_expert_gate=False, moe_layers=len(sparse),
+                    output_router_logits=bool(fields.get("output_router_logits")))
     if model_type in DEEPSEEK_V3_KIND:
         return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["moe_intermediate_size"],
@@ -373,8 +388,10 @@ def model_shape(model):
         fields = {**fields, **fields["text_config"]}
     try:
         heads = fields["num_attention_heads"]
+        llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
         return ModelShape(
-            hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+            hidden_size=fields["hidden_size"],
+            intermediate_size=fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
             num_layers=fields["num_hidden_layers"], num_heads=heads,
             num_kv_heads=fields.get("num_key_value_heads") or heads,
             head_dim=fields.get("head_dim") or fields["hidden_size"] // heads, vocab_size=fields["vocab_size"],
@@ -383,7 +400,7 @@ def model_shape(model):
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
             name=str(fields.get("name", "custom")),
             qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS)
-            or bool(fields.get("use_qk_norm")),  # GLM-4.5's switch
+            or (bool(fields.get("use_qk_norm")) and not llama4),  # GLM-4.5's switch; Llama 4's norm has no weight
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             attention_sinks=fields.get("model_type") == "gpt_oss",
             o_proj_bias=_attention_bias(fields) and fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES,
