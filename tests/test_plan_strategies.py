@@ -113,3 +113,19 @@ def test_moe_plans_shard_the_experts_as_each_strategy_does():
     mixtral = planner.model_shape({**tiny_moe_shape(), "model_type": "mixtral", "num_local_experts": 4,
                                    "intermediate_size": 6})
     assert planner.tsp_shape_problem(mixtral, 4) is None  # experts whole: F_e = 6 need not divide
+
+
+def test_autoep_spreads_the_experts_over_the_replicas_and_moves_routed_rows():
+    """DeepSpeed AutoEP for a mixture of experts (data parallel, ep_size = gcd(E, devices)): a device holds
+    every weight but the experts whole and E/ep experts, each of its B*S tokens sends its top-k rows to their
+    owners and gets the outputs back, forward and backward; no such row for a dense model."""
+    m = planner.model_shape("gpt-oss-120b")
+    plans = {p.name: p for p in planner.plan(m, 32768, 1, 8, "bf16")}
+    autoep, dp = plans["AutoEP(8)"], plans["DP(8)"]
+    assert autoep.memory["weights"] == pytest.approx(2 * (m.params - m.routed_expert_params * 7 / 8))
+    assert autoep.memory["activations"] == dp.memory["activations"]  # every device its own whole sequence
+    rows = m.experts_per_token * 32768 * m.hidden_size * 2  # bf16
+    assert autoep.comm_parts["ep_all_to_all"].nbytes == pytest.approx(2 * m.moe_layers * 2 * rows * 7 / 8)
+    assert autoep.total < dp.total and plans["TSP(8)"].total < autoep.total
+    assert planner.plan("glm-4.5-air", 4096, 1, 12)[-3].name == "AutoEP(4)"  # 128 experts over 12 devices: 4
+    assert not any(p.name.startswith("AutoEP") for p in planner.plan("llama3-8b", 4096, 1, 8))

@@ -17,6 +17,7 @@ weight replicas; per step also the vocabulary's all-reduces and ZeRO's
 embedding and parameter gathers.
 """
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,6 +54,7 @@ from ds_tsp.planning.plan_types import (
     GRAD_REDUCE,
     PARAM_GATHER,
     SP_ALL_TO_ALL,
+    EP_ALL_TO_ALL,
     TP_ACTIVATIONS,
     ZERO3_GATHER,
     CommPart,
@@ -75,6 +77,11 @@ class _Baseline:
     vocab_parallel: bool = True
     logits_kept: bool = True
     experts_split: bool = True
+    expert_parallel: int = 1  # AutoEP: E / expert_parallel experts a device, carved from the replicas
+
+    @property
+    def expert_replicas(self):  # ranks holding the same experts: their gradient sync and ZeRO
+        return max(self.replica_group // self.expert_parallel, 1)
 
     @property
     def replica_group(self):  # ranks holding the same weights: gradient sync and ZeRO
@@ -107,10 +114,18 @@ class _Params(NamedTuple):
     layer: dict  # {sparse: one layer's}
     layers: float  # every layer's
     embedding: float  # the embedding's and the LM head's
+    layer_experts: float = 0  # of ``layer[True]``, the routed experts a device holds under expert parallelism
+    experts: float = 0  # of ``layers``, every layer's
+
+    def shared_by(self, b, sparse):
+        """``((parameters, their replicas), ...)`` of one layer: the experts (under
+        expert parallelism) apart, replicated over fewer ranks."""
+        experts = self.layer_experts if sparse else 0
+        return ((self.layer[sparse] - experts, b.replica_group), (experts, b.expert_replicas))
 
 
 def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
-                  logits_kept=True, experts_split=True):
+                  logits_kept=True, experts_split=True, expert_parallel=1):
     """DP, TP, SP (Ulysses), CP (all-gather) and TP+SP: Hugging Face layers with
     heads and F split over ``t``, tokens over ``c``, ``dp`` replicas. ALST's
     pieces: ``mlp_tile``, TiledMLP's tokens per tile (0: the HF MLP);
@@ -128,8 +143,12 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     experts, ZeRO-3 partitions them and gathers a whole layer's at a time;
     ``t`` splits every expert's ``F_e``; ``experts_split`` false keeps a sparse
     block whole on every rank of ``t``, computing every token, with no
-    all-reduce after it, as AutoTP does). TiledMLP tiles dense MLPs only."""
-    b = _Baseline(t, c, dp, kind, mlp_tile, tiled_loss, vocab_parallel, logits_kept, experts_split)
+    all-reduce after it, as AutoTP does; ``expert_parallel``, DeepSpeed AutoEP's
+    ``ep_size``, spreads the routed experts over that many of the replicas, each
+    device routing its own tokens' rows to their owners by all-to-all and the
+    outputs back; the experts' gradients are synchronised over the
+    ``replicas / ep_size`` ranks holding the same experts). TiledMLP tiles dense MLPs only."""
+    b = _Baseline(t, c, dp, kind, mlp_tile, tiled_loss, vocab_parallel, logits_kept, experts_split, expert_parallel)
     params = _baseline_params(setting.model, b)
     memory, detail, terms, host = _baseline_memory(setting, b, params)
     forward, backward, per_step, parts = _baseline_communication(setting, b, params)
@@ -141,7 +160,9 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
 
 
 def baseline_plans(setting):
-    """DP, TP, SP (Ulysses), CP (all-gather) and every TP+SP split of ``setting.devices``."""
+    """DP, TP, SP (Ulysses), CP (all-gather), every TP+SP split of ``setting.devices``
+    and, for a mixture of experts, DeepSpeed AutoEP (data parallel, the experts
+    spread over ``gcd(E, devices)`` ranks)."""
     N = setting.devices
     plans = [plan_baseline(setting, f"DP({N})", f"dp={N}", 1, 1, N, "none"),
              plan_baseline(setting, f"TP({N})", f"tp={N}", N, 1, 1, "none"),
@@ -151,6 +172,9 @@ def baseline_plans(setting):
         if N % t == 0:
             plans.append(plan_baseline(setting, f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}", t, N // t, 1,
                                         "ulysses"))
+    if setting.model.is_moe:
+        ep = math.gcd(setting.model.num_experts, N)  # AutoEP's ep_size divides E and the world
+        plans.append(plan_baseline(setting, f"AutoEP({ep})", f"dp={N}, ep={ep}", 1, 1, N, "none", expert_parallel=ep))
     return plans
 
 
@@ -174,13 +198,14 @@ def _kv_heads(m, t):
     return max(m.num_kv_heads / t, 1)
 
 
-def _baseline_ffn_params(m, t, sparse):
+def _baseline_ffn_params(m, t, sparse, expert_parallel=1):
     """One device's feed-forward parameters under ``t``-way tensor parallelism:
     the dense MLP's ``F`` split; a sparse layer's experts split by ``F_e``
-    (Megatron's expert tensor parallelism), its shared expert by ``F_s``."""
+    (Megatron's expert tensor parallelism), its shared expert by ``F_s``;
+    under ``expert_parallel`` the device's ``E / expert_parallel`` experts."""
     if not sparse:
         return m.mlp_params / t
-    return (m.num_experts * m.expert_params + m.shared_expert_params) / t
+    return (m.num_experts * m.expert_params / expert_parallel + m.shared_expert_params) / t
 
 
 def _baseline_params(m, b):
@@ -189,12 +214,14 @@ def _baseline_params(m, b):
     AutoTP's whole embedding and column-split head."""
     H, d, t = m.hidden_size, m.head_dim, b.t
     attention = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * _kv_heads(m, t) * d * H
-    layer = {sparse: attention + _baseline_ffn_params(m, b.ffn_t(sparse), sparse) + m.layer_replicated_params(sparse)
-             for sparse, _ in m.layer_kinds}
+    layer = {sparse: attention + _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
+             + m.layer_replicated_params(sparse) for sparse, _ in m.layer_kinds}
     layers = sum(count * layer[sparse] for sparse, count in m.layer_kinds)
     embedding = m.embedding_params / t if b.vocab_parallel else \
         m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
-    return _Params(layer, layers, embedding)
+    layer_experts = m.num_experts * m.expert_params / b.expert_parallel / b.ffn_t(True) if b.expert_parallel > 1 \
+        else 0
+    return _Params(layer, layers, embedding, layer_experts, m.moe_layers * layer_experts)
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -241,9 +268,15 @@ def _baseline_states(setting, b, params):
             params.layers + params.embedding, sum(count * adapters[sparse] for sparse, count in m.layer_kinds), p,
             setting.zero_stage, b.replica_group, setting.offload_optimizer,
             layer_adapter_params=max(adapters.values()))
-    return model_states(params.layers + params.embedding, p, setting.zero_stage, b.replica_group,
-                        setting.offload_optimizer,
-                        layer_params=max(*params.layer.values(), m.vocab_size * m.hidden_size / b.t))
+    layer_params = max(*params.layer.values(), m.vocab_size * m.hidden_size / b.t)
+    states, host = model_states(params.layers + params.embedding - params.experts, p, setting.zero_stage,
+                                b.replica_group, setting.offload_optimizer, layer_params=layer_params)
+    if params.experts:  # AutoEP's experts: ZeRO over the ranks that hold the same ones
+        expert_states, expert_host = model_states(params.experts, p, setting.zero_stage, b.expert_replicas,
+                                                  setting.offload_optimizer, layer_params=0)
+        states = {name: states[name] + expert_states[name] for name in states}
+        host += expert_host
+    return states, host
 
 
 def _baseline_layers_saved(setting, b):
@@ -336,15 +369,21 @@ def _baseline_communication(setting, b, params):
     tp = {sparse: _all_reduce(t, tokens * H * e) * (2 if b.ffn_t(sparse) > 1 else 1) for sparse, _ in kinds}
     sp = {"ulysses": _gather(c, tokens * (2 * m.num_heads / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
           "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
-    zero3_layer = {sparse: _gather(replicas, params.layer[sparse] * e) if zero3 else 0 for sparse, _ in kinds}
-    forward = {sparse: tp[sparse] + sp + zero3_layer[sparse] for sparse, _ in kinds}
-    grads = {sparse: grad_reduce(replicas, params.layer[sparse] * p.grad) for sparse, _ in kinds}
+    zero3_layer = {sparse: sum(_gather(group, n * e) for n, group in params.shared_by(b, sparse)) if zero3 else 0
+                   for sparse, _ in kinds}
+    # AutoEP: each routed row (token, expert) to the expert's owner and its output back, top-k rows a token
+    ep = {sparse: 2 * _gather(b.expert_parallel, m.experts_per_token * tokens * H * e) if sparse else 0
+          for sparse, _ in kinds}
+    forward = {sparse: tp[sparse] + sp + zero3_layer[sparse] + ep[sparse] for sparse, _ in kinds}
+    grads = {sparse: sum(grad_reduce(group, n * p.grad) for n, group in params.shared_by(b, sparse))
+             for sparse, _ in kinds}
     passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
     # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather, then the gradients
     per_step = sum(layers * (passes * forward[sparse] + grads[sparse]) for sparse, layers in kinds)
     vocab_tp = 2 * _all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
     embedding_grads = grad_reduce(replicas, params.embedding * p.grad)
-    param_gather = _gather(replicas, (params.layers + params.embedding) * e) if setting.zero_stage in (1, 2) else 0
+    param_gather = _gather(replicas, (params.layers + params.embedding - params.experts) * e) + \
+        _gather(b.expert_replicas, params.experts * e) if setting.zero_stage in (1, 2) else 0
     zero3_embedding = 2 * _gather(replicas, params.embedding * e) if zero3 else 0
     for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
         per_step += once_per_step
@@ -358,7 +397,8 @@ def _baseline_communication(setting, b, params):
              ZERO3_GATHER: CommPart(passes * summed(zero3_layer) + zero3_embedding, replicas, t, "all_gather"),
              GRAD_REDUCE: CommPart(summed(grads) + embedding_grads, replicas, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
-             PARAM_GATHER: CommPart(param_gather, replicas, t, "all_gather")}
+             PARAM_GATHER: CommPart(param_gather, replicas, t, "all_gather"),
+             EP_ALL_TO_ALL: CommPart(passes * summed(ep), b.expert_parallel, t * c, "all_to_all")}
     return (per_layer_mean(m, lambda sparse: forward[sparse]),
             per_layer_mean(m, lambda sparse: forward[sparse] + grads[sparse]), per_step,
             {k: v for k, v in parts.items() if v.nbytes})

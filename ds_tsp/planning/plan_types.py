@@ -23,6 +23,7 @@ CP_KV = "cp_kv"  # context parallel: the full-sequence K/V gathered, dK/dV scatt
 ZERO3_GATHER = "zero3_gather"  # ZeRO-3: every layer's parameters gathered before its forward and backward
 GRAD_REDUCE = "grad_reduce"  # gradients reduced over the weight replicas (reduce-scatter under ZeRO)
 PARAM_GATHER = "param_gather"  # ZeRO-1/2: the updated weights gathered after the optimizer step
+EP_ALL_TO_ALL = "ep_all_to_all"  # expert parallelism (AutoEP): routed rows to the experts' owners and back
 # TSP, one per ``comm`` op (``communication.tsp_step_bytes_by_op``):
 TSP_PARTS = {"broadcast": "tsp_weight_broadcast", "ring": "tsp_ring", "all_gather": "tsp_kv_gather",
              "reduce_scatter": "tsp_kv_grad_scatter", "reduce": "tsp_weight_grad_reduce",

@@ -5,6 +5,7 @@ expert ring against the token all-to-all), the longest-sequence table (with
 ALST's published lengths beside it), the step-time model against published
 throughput, and peak memory against sequence length."""
 
+import math
 from dataclasses import replace
 
 from ds_tsp.planning.anchors import ALST_HOST_MEMORY_GB, ALST_PUBLISHED, PAPER_DEVICE_GB, PAPER_LABELS, PAPER_SETTING
@@ -163,6 +164,8 @@ def moe_facts(setting):
              "num_experts": m.num_experts, "experts_per_token": m.experts_per_token, "expert_size": m.expert_size,
              "shared_expert_size": m.shared_expert_size, "routed_expert_bytes": experts,
              "expert_bytes_per_device": {tsp_name(D): experts / D, f"TP({D})": experts / D,
+                                         f"AutoEP({math.gcd(m.num_experts, D)})":
+                                             experts / math.gcd(m.num_experts, D),
                                          f"SP-Ulysses({D})": experts}}
     if D > 1 and tsp_shape_problem(m, D) is None:
         a = gradient_wire_bytes(e)
@@ -182,7 +185,7 @@ def format_moe_facts(plans):
     if facts is None:
         return ""
     shared = f", a shared expert of F_s={m.shared_expert_size}" if m.shared_expert_size else ", no shared expert"
-    per_device = facts["expert_bytes_per_device"]
+    per_device, ep = facts["expert_bytes_per_device"], math.gcd(m.num_experts, D)
     lines = [
         f"{m.name}: {m.moe_layers} of {m.num_layers} layers sparse, {m.num_experts} experts of F_e={m.expert_size}, "
         f"top-{m.experts_per_token}{shared}: {m.params / 1e9:.2f}B total, {m.active_params / 1e9:.2f}B active "
@@ -191,7 +194,9 @@ def format_moe_facts(plans):
         f"Routed-expert weights per device, GB: {tsp_name(D)} {format_gb(per_device[tsp_name(D)])} "
         f"({m.num_experts // D if m.num_experts % D == 0 else m.num_experts / D:g} of {m.num_experts} experts a "
         f"layer); TP({D}) {format_gb(per_device[f'TP({D})'])} (1/{D} of every expert's F_e, Megatron's expert "
-        f"tensor parallelism, modelled); SP-Ulysses({D}), CP, DP and AutoTP({D}) "
+        f"tensor parallelism, modelled); AutoEP({ep}) {format_gb(per_device[f'AutoEP({ep})'])} ({m.num_experts // ep} "
+        f"experts a layer, tokens to them by all-to-all, everything else data parallel); SP-Ulysses({D}), CP, DP "
+        f"and AutoTP({D}) "
         f"{format_gb(per_device[f'SP-Ulysses({D})'])} (every expert on every device: AutoTP splits what the "
         f"model's Hugging Face tp_plan names, its attention; ZeRO-3 partitions them and gathers one layer's whole "
         f"at a time).",

@@ -70,6 +70,7 @@ from ds_tsp.planning.anchors import TIME_ANCHORS
 from ds_tsp.planning.baselines import plan_baseline
 from ds_tsp.planning.plan_types import (
     CP_KV,
+    EP_ALL_TO_ALL,
     GRAD_REDUCE,
     PARAM_GATHER,
     SP_ALL_TO_ALL,
@@ -87,6 +88,7 @@ BOUNDS = (COMPUTE, INTRA_NODE, INTER_NODE)
 OVERLAPPED = {
     TP_ACTIVATIONS: False,
     SP_ALL_TO_ALL: False,
+    EP_ALL_TO_ALL: False,  # the experts wait for their rows, the layer's output for theirs
     CP_KV: True,
     ZERO3_GATHER: True,
     GRAD_REDUCE: True,
