@@ -94,7 +94,10 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
             pieces = sharded_pieces(block, {n.removeprefix(f"{block_prefix}."): p for n, p in ref_params.items()})
             for piece, (value, expected) in pieces.items():
                 rel[f"{block_prefix}.{piece}"] = ((value - expected).abs().max() / expected.abs().max()).item()
-        else:
+        else:  # a TSP block's replicated tensors under their Hugging Face names (o_proj's bias: o_bias)
+            owner = engine.module.get_submodule(pipe_name.rsplit(".", 1)[0])
+            name = next((f"{name.rsplit('.', 1)[0]}.{hf}" for hf, p in getattr(owner, "replicated_params", dict)().items()
+                         if p is param), name)
             expected = ref_params[name]
             rel[name] = ((param.detach() - expected).abs().max() / expected.abs().max()).item()
     return dict(losses=losses, ref_losses=ref_losses, rel=rel, stage=engine.stage_id,
@@ -110,6 +113,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     # a pipeline refuses tied embeddings across stages); OLMo-3's RoPE table per layer type and q/k norms over
     # the projection, each stage computing its own layers' tables.
     (2, False, "gemma2", SEQ_LEN, {"tie_word_embeddings": False}), (2, True, "olmo3", SEQ_LEN, None),
+    # GPT-OSS: attention sinks in each stage's head-group shards, GPT-OSS's rotary tables, biased experts.
+    (2, False, "gpt_oss", SEQ_LEN, None), (2, False, "glm4_moe", SEQ_LEN, None),
 ])
 def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch, seq_len,
                                                model_overrides):
@@ -144,7 +149,7 @@ def test_pipeline_resume_reproduces_the_losses(run_ranks, tmp_path):
         assert a["losses"] == b["losses"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "glm4_moe"])
 def test_save_pretrained_writes_every_stage(run_ranks, tmp_path, arch, capsys):
     """PP=2 x TSP=2: the Hugging Face directory holds both stages' layers, the
     final norm and the head, as trained (against the single-process run)."""

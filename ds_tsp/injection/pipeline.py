@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ds_tsp.blocks.moe.load_balancing import balance_loss, recorded_router_logits, routing_statistics
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -34,6 +35,7 @@ from ds_tsp.blocks.rotary import rotary_tables
 from ds_tsp.blocks.vocab import embed_local_tokens
 from ds_tsp.injection.inputs import check_token_ids, vocabulary_rows
 from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
+from ds_tsp.injection.policy import load_balancing_loss
 
 
 class TSPEmbeddingPipe(nn.Module):
@@ -149,21 +151,28 @@ class TSPPipeLoss:
         return loss
 
 
-def carries_routing_statistics(config):
-    """Whether the stages pass load-balancing statistics (a mixture-of-experts
-    model with ``output_router_logits``)."""
-    experts = max((getattr(config, key, 0) or 0) for key in ("num_local_experts", "num_experts"))
-    return experts > 1 and bool(getattr(config, "output_router_logits", False))
+def carries_routing_statistics(config, model_class=None):
+    """Whether the stages pass load-balancing statistics: a mixture-of-experts
+    model with ``output_router_logits`` whose Hugging Face forward adds
+    Mixtral's load-balancing loss (``policy.load_balancing_loss`` of
+    ``model_class``, by default the causal LM transformers maps ``config`` to;
+    GLM-4.5's adds none)."""
+    experts = max((getattr(config, key, 0) or 0) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if experts <= 1 or not getattr(config, "output_router_logits", False):
+        return False
+    model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    return model_class is None or load_balancing_loss(model_class) == "switch"
 
 
-def check_pipeline_stages(config, tsp_config, ds_config=None):
+def check_pipeline_stages(config, tsp_config, ds_config=None, model_class=None):
     """Refuse, from the configs alone, a model the pipeline stages cannot split;
     set what DeepSpeed's pipeline engine must do for it in ``ds_config``."""
     layers, stages = config.num_hidden_layers, tsp_config.pipeline_stages
     if layers % stages:
         raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
                          f"{stages}: choose tsp.pipeline_stages from the divisors of {layers}")
-    if ds_config is not None and carries_routing_statistics(config) and ds_config.get("activation_checkpointing"):
+    if ds_config is not None and carries_routing_statistics(config, model_class) and \
+            ds_config.get("activation_checkpointing"):
         pipeline = ds_config.setdefault("pipeline", {})
         if pipeline.get("use_reentrant"):
             raise ValueError("pipeline.use_reentrant = true: the stages of this mixture-of-experts model pass their "
@@ -182,12 +191,13 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     Decoder layers are split evenly over ``tsp.pipeline_stages``; the embedding
     goes with the first stage and the head with the last.
     """
-    check_pipeline_stages(model.config, tsp_config)
+    check_pipeline_stages(model.config, tsp_config, model_class=type(model))
     policy, stages = model.tsp_policy, tsp_config.pipeline_stages
     decoder_layers = list(model.get_submodule(policy.layers))
     rotary_emb = model.get_submodule(policy.rotary_emb)
     moe_blocks = [module for module in model.modules() if isinstance(module, TSPSparseMoE)]
-    num_experts = moe_blocks[0].num_experts if moe_blocks and carries_routing_statistics(model.config) else 0
+    num_experts = moe_blocks[0].num_experts if moe_blocks and carries_routing_statistics(model.config, type(model)) \
+        else 0
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
                                model.tsp_batch_check, num_experts)]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]

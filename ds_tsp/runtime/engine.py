@@ -102,7 +102,8 @@ def _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_confi
         if tsp_adapter is not None or not isinstance(model, (str, os.PathLike)) and holds_adapters(model):
             raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with PEFT adapters is not "
                              "supported: train LoRA with pipeline_stages 1 (TSP x DP)")
-        check_pipeline_stages(model_config(model), tsp_config, ds_config)
+        check_pipeline_stages(model_config(model), tsp_config, ds_config,
+                              None if isinstance(model, (str, os.PathLike)) else type(model))
     return client
 
 
