@@ -160,7 +160,7 @@ def carries_routing_statistics(config, model_class=None):
     experts = max((getattr(config, key, 0) or 0) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
     if experts <= 1 or not getattr(config, "output_router_logits", False):
         return False
-    model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return model_class is None or load_balancing_loss(model_class) == "switch"
 
 
