@@ -96,8 +96,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
                 rel[f"{block_prefix}.{piece}"] = ((value - expected).abs().max() / expected.abs().max()).item()
         else:  # a TSP block's replicated tensors under their Hugging Face names (o_proj's bias: o_bias)
             owner = engine.module.get_submodule(pipe_name.rsplit(".", 1)[0])
-            name = next((f"{name.rsplit('.', 1)[0]}.{hf}" for hf, p in getattr(owner, "replicated_params", dict)().items()
-                         if p is param), name)
+            replicated = getattr(owner, "replicated_params", dict)()
+            name = next((f"{name.rsplit('.', 1)[0]}.{hf}" for hf, p in replicated.items() if p is param), name)
             expected = ref_params[name]
             rel[name] = ((param.detach() - expected).abs().max() / expected.abs().max()).item()
     return dict(losses=losses, ref_losses=ref_losses, rel=rel, stage=engine.stage_id,

@@ -128,8 +128,9 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                 device=None):
         """Build from a Hugging Face sparse MoE block (``gate`` or ``router``:
         its router, ``experts`` in any layout ``experts.ExpertLayout`` reads
-        (fused 3-D tensors, transposed or not, with biases or not), and optionally ``shared_expert`` with or without ``shared_expert_gate``,
-        or ``shared_experts``), keeping this rank's experts. The router and
+        (fused 3-D tensors, transposed or not, with biases or not), and
+        optionally ``shared_expert`` with or without ``shared_expert_gate``, or
+        ``shared_experts``), keeping this rank's experts. The router and
         shared-expert gate modules are Hugging Face's own, copied. ``read(name,
         piece)`` as in ``TSPGatedMLP.from_hf``."""
         hidden_size, num_experts, experts, shared_size, shared_name = hf_sizes(moe)
