@@ -15,7 +15,8 @@ _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "p
             "initialize": "runtime.engine", "num_items_in_batch": "runtime.engine", "inject": "injection.inject",
             "from_pretrained": "checkpoint", "save_pretrained": "checkpoint", "TSPTrainer": "runtime.trainer",
             "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer",
-            "argmax_token_ids": "runtime.trainer"}
+            "argmax_token_ids": "runtime.trainer", "sequence_sums": "injection.scores",
+            "natural_order": "injection.scores"}
 
 __all__ = sorted(_EXPORTS)
 

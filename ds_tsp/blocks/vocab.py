@@ -324,14 +324,17 @@ def _capped_logits(hidden, w, acc, softcap):
 
 
 def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None,
-                               argmax=False):
+                               argmax=False, temperature=1.0, entropy=False):
     """Per-token cross-entropy ``(N,)`` (0 where the label is ignored) and the
     log-sum-exp ``(N,)`` of every token's full-vocabulary logits, both in fp32
     or wider. ``hidden`` ``(N, H)``, ``weight`` this rank's ``(Vs, H)`` head rows;
-    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``).
+    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``);
+    ``temperature``: the logits divided by it after the cap (RL trainers').
     With ``argmax`` also each token's predicted id ``(N,)``: the first of the
     largest logits, as ``logits.argmax(-1)`` picks, found shard by shard on
-    the same ring."""
+    the same ring. With ``entropy`` also each token's expected logit
+    ``sum_v p_v z_v`` ``(N,)`` (the entropy is ``lse`` less it), a running sum
+    rescaled as the log-sum-exp grows, over the same tiles."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
@@ -339,6 +342,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
     target_logit = torch.zeros(num_tokens, dtype=acc, device=hidden.device)
     best = torch.full((num_tokens,), float("-inf"), dtype=acc, device=hidden.device) if argmax else None
     best_id = torch.zeros(num_tokens, dtype=torch.long, device=hidden.device) if argmax else None
+    expected = torch.zeros(num_tokens, dtype=acc, device=hidden.device) if entropy else None
 
     def step(t, buf):
         first, count = _shard_columns(tsp_rank, t, tsp_size, rows, vocab_size)
@@ -348,7 +352,13 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
             z, _ = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
-            lse[span] = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
+            if temperature != 1.0:
+                z = z / temperature
+            grown = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
+            if entropy:  # sum_v exp(z_v - lse) z_v, the earlier shards' part rescaled to the grown lse
+                expected[span] = expected[span] * torch.exp(lse[span] - grown) + \
+                    (torch.exp(z - grown.unsqueeze(1)) * z).sum(dim=-1)
+            lse[span] = grown
             column, hit = _targets_in(labels[span], first, count)
             target_logit[span] += torch.where(hit, z.gather(1, column.unsqueeze(1)).squeeze(1), 0)
             if argmax:  # shards arrive out of vocabulary order: a tie goes to the lower id
@@ -360,21 +370,27 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
 
     ring_steps(weight, tsp_group, step, overlap)
     losses = torch.where(labels != IGNORE_INDEX, lse - target_logit, 0)
-    return (losses, lse, best_id) if argmax else (losses, lse)
+    if argmax:
+        return losses, lse, best_id
+    return (losses, lse, expected) if entropy else (losses, lse)
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
-                                grad_wire_dtype=None, weight_grad=True, softcap=None):
+                                grad_wire_dtype=None, weight_grad=True, softcap=None, temperature=1.0,
+                                grad_entropy=None, expected=None):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
     rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
     accumulators travel in ``precision.gradient_wire_dtype(grad_wire_dtype, ...)``.
     Without ``weight_grad`` (a frozen head: LoRA) the shards go round the ring
     once more for ``grad_hidden`` alone, with no accumulators, and ``grad_weight``
-    is None."""
+    is None. ``grad_entropy`` (with the forward's ``expected`` logits): the
+    entropies' gradient too, ``dH/dz_v = -p_v (z_v - sum_u p_u z_u)``."""
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
-    scale = torch.where(labels != IGNORE_INDEX, grad_losses.to(acc), 0)
+    real = labels != IGNORE_INDEX
+    scale = torch.where(real, grad_losses.to(acc), 0)
+    entropy_scale = None if grad_entropy is None else torch.where(real, grad_entropy.to(acc), 0)
     grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
 
     def step(t, buf):
@@ -387,10 +403,21 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
             span = slice(start, start + tile)
             # In place on the tile's logits, which nothing else reads: one (tile, count) buffer in fp32.
             dz, cap_slope = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
-            dz.sub_(lse[span].unsqueeze(1)).exp_()  # softmax over the full vocabulary
+            if temperature != 1.0:
+                dz.div_(temperature)
             column, hit = _targets_in(labels[span], first, count)
-            dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
-            dz.mul_(scale[span].unsqueeze(1))
+            if entropy_scale is None:
+                dz.sub_(lse[span].unsqueeze(1)).exp_()  # softmax over the full vocabulary
+                dz.scatter_add_(1, column.unsqueeze(1), -hit.to(acc).unsqueeze(1))
+                dz.mul_(scale[span].unsqueeze(1))
+            else:  # p (dloss - dH (z - sum p z)) - onehot dloss: a second (tile, count) buffer for p
+                p = (dz - lse[span].unsqueeze(1)).exp_()
+                dz.sub_(expected[span].unsqueeze(1)).mul_(-entropy_scale[span].unsqueeze(1))
+                dz.add_(scale[span].unsqueeze(1)).mul_(p)
+                del p
+                dz.scatter_add_(1, column.unsqueeze(1), -(hit.to(acc) * scale[span]).unsqueeze(1))
+            if temperature != 1.0:
+                dz.div_(temperature)
             if cap_slope is not None:
                 dz.mul_(cap_slope)
                 del cap_slope
@@ -435,6 +462,36 @@ class _CrossEntropyRing(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
+class _TokenScoresRing(torch.autograd.Function):
+    """Per-token log-probabilities of the labels and entropies (DESIGN.md 6l)
+    from the same ring and tiles as the loss: ``logp = z_label - lse`` and
+    ``H = lse - sum_v p_v z_v`` of the logits divided by ``temperature``, in
+    float32 or wider, 0 where the label is ignored. Backward as the loss's,
+    with the entropy's term where it has a gradient."""
+
+    @staticmethod
+    @autocast_forward(cast_inputs=True)
+    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap,
+                temperature):
+        losses, lse, expected = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group,
+                                                           overlap, softcap, temperature=temperature, entropy=True)
+        real = labels != IGNORE_INDEX
+        ctx.save_for_backward(hidden, weight, labels, lse, expected)
+        ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
+        ctx.grad_wire_dtype, ctx.softcap, ctx.temperature = grad_wire_dtype, softcap, temperature
+        return -losses, torch.where(real, lse - expected, 0)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, labels, lse, expected = ctx.saved_tensors
+        grad_losses = torch.zeros_like(lse) if grad_logprobs is None else -grad_logprobs
+        grad_hidden, grad_weight = cross_entropy_ring_backward(
+            grad_losses, hidden, weight, labels, lse, ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
+            ctx.grad_wire_dtype, ctx.needs_input_grad[1], ctx.softcap, ctx.temperature, grad_entropy, expected)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
 class VocabParallelLMHead(_VocabShard):
     """A bias-free LM head with its rows sharded over ``tsp_group``; ``tied_to``
     a ``VocabParallelEmbedding`` shares that module's shard (tied embeddings)."""
@@ -473,6 +530,16 @@ class VocabParallelLMHead(_VocabShard):
                                          self.vocab_size, self.tile, self.tsp_group, self.overlap,
                                          self.grad_wire_dtype, softcap)
         return losses.sum()
+
+    def token_scores(self, hidden, labels, softcap=None, temperature=1.0):
+        """``(log-probabilities of the labels, entropies)``, each ``labels``'
+        shape, float32 or wider, of this rank's tokens' logits soft-capped by
+        ``softcap`` and divided by ``temperature``; 0 where the label is
+        ``IGNORE_INDEX``. Fused with the head on its ring: no full logits."""
+        logprobs, entropy = _TokenScoresRing.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight,
+                                                   labels.reshape(-1), self.vocab_size, self.tile, self.tsp_group,
+                                                   self.overlap, self.grad_wire_dtype, softcap, float(temperature))
+        return logprobs.view(labels.shape), entropy.view(labels.shape)
 
     @torch.no_grad()
     def loss_sum_and_argmax(self, hidden, labels, softcap=None):

@@ -8,6 +8,8 @@ the folded vocabulary (``tsp.vocab_parallel``) the head and the loss are one
 ring (``ds_tsp.blocks.vocab``) and, with labels, no logits are returned.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -21,6 +23,7 @@ from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
+from ds_tsp.injection.scores import check_temperature, head_token_scores
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
@@ -193,12 +196,29 @@ def _real_tokens(attention_mask, batch, seq_len, device):
     return real
 
 
+@dataclass
+class TSPCausalLMOutput(CausalLMOutputWithPast):
+    """Hugging Face's output, with the local tokens' per-token scores where asked
+    (``return_token_logprobs``, ``return_entropy``: ``(B, S/D)``)."""
+
+    token_logprobs: torch.FloatTensor | None = None
+    entropy: torch.FloatTensor | None = None
+
+
+@dataclass
+class TSPMoeCausalLMOutput(MoeCausalLMOutputWithPast):
+    """``TSPCausalLMOutput``'s scores on Hugging Face's mixture-of-experts output."""
+
+    token_logprobs: torch.FloatTensor | None = None
+    entropy: torch.FloatTensor | None = None
+
+
 class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
                 use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, tsp_predictions=None,
-                **kwargs):
+                return_token_logprobs=False, return_entropy=False, temperature=1.0, **kwargs):
         """With ``use_cache`` or a ``cache`` this is the inference forward that
         Hugging Face's ``model.generate`` calls (``ds_tsp.inference.generate.cached_forward``):
         prefill or decode steps, the last token's logits and the ``TSPCache``.
@@ -214,6 +234,15 @@ class TSPCausalLMMixin:
         ``.logits`` the whole sequence's, on every rank: ``"argmax"`` the
         predicted ids ``(B, S)`` (a folded head finds them on its ring, with
         no full logits), ``"logits"`` the full logits ``(B, S, V)``.
+
+        ``return_token_logprobs`` / ``return_entropy`` (preference and RL
+        training, with labels): ``.token_logprobs`` and ``.entropy`` of the
+        LOCAL tokens ``(B, S/D)`` in the layout's order, float32 or wider, of
+        the logits divided by ``temperature``, 0 where the label is -100, with
+        gradients, from the folded head's loss ring (no full logits;
+        ``ds_tsp.injection.scores``); ``.loss`` is then the mean of their
+        ``-logp``, ``.logits`` None. ``ds_tsp.sequence_sums`` sums them per
+        sequence over the TSP group, ``ds_tsp.natural_order`` gathers them.
 
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
@@ -250,6 +279,11 @@ class TSPCausalLMMixin:
             return output(logits=logits, cache=cache)
         if tsp_predictions not in (None, "argmax", "logits"):
             raise ValueError(f"tsp_predictions = {tsp_predictions!r}: use \"argmax\" (predicted ids) or \"logits\"")
+        token_scores = bool(return_token_logprobs or return_entropy)
+        if token_scores and (labels is None or tsp_predictions is not None):
+            raise ValueError("return_token_logprobs / return_entropy score the labels' tokens: pass labels (the input "
+                             "ids, -100 where no token is scored), and no tsp_predictions")
+        check_temperature(temperature)
         if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
             raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
                              f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
@@ -267,13 +301,20 @@ class TSPCausalLMMixin:
             for decoder_layer in layers:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
-        loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
-                                        num_items_in_batch, getattr(self.config, "final_logit_softcapping", None),
-                                        tsp_predictions)
+        softcap, scores = getattr(self.config, "final_logit_softcapping", None), {}
+        if token_scores:
+            logits = None
+            loss, logprobs, entropy = head_token_scores(self.get_submodule(policy.lm_head), hidden, batch,
+                                                        topo.tsp_group, num_items_in_batch, softcap, temperature)
+            scores = {"token_logprobs": logprobs if return_token_logprobs else None,
+                      "entropy": entropy if return_entropy else None}
+        else:
+            loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
+                                            num_items_in_batch, softcap, tsp_predictions)
         if tsp_predictions is not None:
             logits = gather_sequence(logits, batch.num_padding, topo.tsp_group, self.tsp_config.layout)
         if not moe_blocks:
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
+            return TSPCausalLMOutput(loss=loss, logits=logits, **scores)
         aux_loss = None
         if output_router_logits and self.tsp_load_balancing == "switch":  # as Hugging Face's forward adds it
             aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
@@ -283,8 +324,8 @@ class TSPCausalLMMixin:
             router_logits = full_sequence_router_logits(router_logits, input_ids.shape[0], batch.num_padding,
                                                         topo.tsp_group, self.tsp_config.layout) if asked else \
                 tuple(router_logits)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         router_logits=router_logits if output_router_logits else None)
+        return TSPMoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=logits,
+                                    router_logits=router_logits if output_router_logits else None, **scores)
 
 
 def router_aux_loss(model, moe_blocks, router_logits, batch):
