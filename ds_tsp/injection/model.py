@@ -23,7 +23,7 @@ from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
-from ds_tsp.injection.scores import check_temperature, head_token_scores
+from ds_tsp.injection.scores import head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
@@ -235,14 +235,10 @@ class TSPCausalLMMixin:
         predicted ids ``(B, S)`` (a folded head finds them on its ring, with
         no full logits), ``"logits"`` the full logits ``(B, S, V)``.
 
-        ``return_token_logprobs`` / ``return_entropy`` (preference and RL
-        training, with labels): ``.token_logprobs`` and ``.entropy`` of the
-        LOCAL tokens ``(B, S/D)`` in the layout's order, float32 or wider, of
-        the logits divided by ``temperature``, 0 where the label is -100, with
-        gradients, from the folded head's loss ring (no full logits;
-        ``ds_tsp.injection.scores``); ``.loss`` is then the mean of their
-        ``-logp``, ``.logits`` None. ``ds_tsp.sequence_sums`` sums them per
-        sequence over the TSP group, ``ds_tsp.natural_order`` gathers them.
+        ``return_token_logprobs`` / ``return_entropy`` (with labels, and a
+        ``temperature``): ``.token_logprobs`` / ``.entropy`` of the local
+        tokens ``(B, S/D)``, ``.loss`` the mean of ``-logp``, no ``.logits``
+        (``ds_tsp.injection.scores``).
 
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
@@ -279,11 +275,7 @@ class TSPCausalLMMixin:
             return output(logits=logits, cache=cache)
         if tsp_predictions not in (None, "argmax", "logits"):
             raise ValueError(f"tsp_predictions = {tsp_predictions!r}: use \"argmax\" (predicted ids) or \"logits\"")
-        token_scores = bool(return_token_logprobs or return_entropy)
-        if token_scores and (labels is None or tsp_predictions is not None):
-            raise ValueError("return_token_logprobs / return_entropy score the labels' tokens: pass labels (the input "
-                             "ids, -100 where no token is scored), and no tsp_predictions")
-        check_temperature(temperature)
+        wanted = scores_wanted(labels, tsp_predictions, temperature, return_token_logprobs, return_entropy)
         if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
             raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
                              f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
@@ -301,16 +293,13 @@ class TSPCausalLMMixin:
             for decoder_layer in layers:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
-        softcap, scores = getattr(self.config, "final_logit_softcapping", None), {}
-        if token_scores:
-            logits = None
-            loss, logprobs, entropy = head_token_scores(self.get_submodule(policy.lm_head), hidden, batch,
-                                                        topo.tsp_group, num_items_in_batch, softcap, temperature)
-            scores = {"token_logprobs": logprobs if return_token_logprobs else None,
-                      "entropy": entropy if return_entropy else None}
+        head, softcap = self.get_submodule(policy.lm_head), getattr(self.config, "final_logit_softcapping", None)
+        if wanted:
+            (loss, scores), logits = head_token_scores(head, hidden, batch, topo.tsp_group, num_items_in_batch,
+                                                       softcap, temperature, wanted), None
         else:
-            loss, logits = lm_head_and_loss(self.get_submodule(policy.lm_head), hidden, batch, topo.tsp_group,
-                                            num_items_in_batch, softcap, tsp_predictions)
+            (loss, logits), scores = lm_head_and_loss(head, hidden, batch, topo.tsp_group, num_items_in_batch,
+                                                      softcap, tsp_predictions), {}
         if tsp_predictions is not None:
             logits = gather_sequence(logits, batch.num_padding, topo.tsp_group, self.tsp_config.layout)
         if not moe_blocks:

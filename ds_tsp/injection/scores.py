@@ -18,20 +18,29 @@ from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, soft_cap
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
 
-def check_temperature(temperature):
-    """Refuse a temperature the logits cannot be divided by."""
+def scores_wanted(labels, tsp_predictions, temperature, return_token_logprobs, return_entropy):
+    """The forward's outputs asked for (``("token_logprobs", "entropy")`` or
+    fewer, empty for none), after refusing what cannot be scored: no labels,
+    evaluation's ``tsp_predictions``, a temperature that is not above 0."""
+    wanted = tuple(name for name, asked in (("token_logprobs", return_token_logprobs), ("entropy", return_entropy))
+                   if asked)
+    if wanted and (labels is None or tsp_predictions is not None):
+        raise ValueError("return_token_logprobs / return_entropy score the labels' tokens: pass labels (the input "
+                         "ids, -100 where no token is scored), and no tsp_predictions")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"temperature = {temperature!r}: the logits are divided by it, so it must be a number "
                          "above 0 (1.0: the model's own logits)")
+    return wanted
 
 
 def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None,
-                      temperature=1.0):
-    """``(loss, log-probabilities, entropies)`` of the normed local hidden
-    states ``(B, S/D, H)`` against the batch's labels, the logits soft-capped
-    by ``logit_softcap`` and divided by ``temperature``. The loss is the mean
-    of ``-logp`` over the real targets of the whole sequence (Hugging Face's
-    cross-entropy at temperature 1)."""
+                      temperature=1.0, wanted=("token_logprobs", "entropy")):
+    """``(loss, {name: values})``: the ``wanted`` log-probabilities
+    (``token_logprobs``) and entropies of the normed local hidden states
+    ``(B, S/D, H)`` against the batch's labels, the logits soft-capped by
+    ``logit_softcap`` and divided by ``temperature``, None where not wanted.
+    The loss is the mean of ``-logp`` over the real targets of the whole
+    sequence (Hugging Face's cross-entropy at temperature 1)."""
     labels = batch.labels
     if isinstance(lm_head, VocabParallelLMHead):
         logprobs, entropy = lm_head.token_scores(hidden, labels, logit_softcap, temperature)
@@ -44,7 +53,9 @@ def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None
         entropy = torch.where(real, -(log_softmax.exp() * log_softmax).sum(-1), 0)
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
     divisor = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
-    return sum_over_group(-logprobs.sum(), tsp_group) / divisor, logprobs, entropy
+    scores = {"token_logprobs": logprobs, "entropy": entropy}
+    return sum_over_group(-logprobs.sum(), tsp_group) / divisor, {name: scores[name] if name in wanted else None
+                                                                  for name in scores}
 
 
 def sequence_sums(token_values, model):
