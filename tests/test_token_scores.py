@@ -155,7 +155,84 @@ def test_a_wrong_head_row_is_caught(run_ranks):
 def test_scores_need_labels_and_a_positive_temperature():
     model = ds_tsp.inject(tiny_model("llama"), TSPTopology(1), TSPConfig(enabled=True))
     ids = torch.randint(0, 61, (1, 8))
-    with pytest.raises(ValueError, match="return_token_logprobs / return_entropy score the labels' tokens"):
+    with pytest.raises(ValueError, match="return_token_logprobs / return_entropy / fused_lm_head score the labels' tokens"):
         model(input_ids=ids, return_token_logprobs=True)
     with pytest.raises(ValueError, match=r"temperature = 0: .* a number above 0"):
         model(input_ids=ids, labels=ids, return_entropy=True, temperature=0)
+
+
+FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+# TRL's own fused head computes its tiles in float32 whatever the model's dtype: it meets the float64 reference
+# to float32 rounding, which is how close it is held here (the TSP head is held to TOLERANCE).
+TRL_FLOAT32_BOUND = 1e-5
+
+
+def _reference_fused_fields(ref, ids, mask, labels):
+    """TRL's ``FusedCausalLMOutput`` fields ``(B, S-1)`` from HF's float64 logits, by their definitions."""
+    logits = ref(input_ids=ids, attention_mask=mask).logits[:, :-1].double() / TEMPERATURE
+    log_softmax = F.log_softmax(logits, dim=-1)
+    targets = labels[:, 1:]
+    real = targets != -100
+    fields = {"log_probs": log_softmax.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1),
+              "entropy": -(log_softmax.exp() * log_softmax).sum(-1),
+              "log_sum_sq_probs": (2 * log_softmax).logsumexp(-1), "mean_logits": logits.mean(-1),
+              "is_top1": logits.argmax(-1) == targets}
+    return {**{name: torch.where(real, value, 0) for name, value in fields.items()}, "label_mask": real}
+
+
+def _fused_head(vocab_parallel):
+    """TRL's fused-LM-head contract (``add_fused_lm_head``, what its DPO, GRPO
+    and SFT trainers call) on a TSP model, and TRL's own patch of the unsharded
+    model, against the fields' definitions on HF's float64 logits: every field
+    ``(B, S-1)`` in the sequence's order, the loss, and the gradients of
+    ``sum(a * log_probs + b * entropy)``."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    D = dist.get_world_size()
+    ref = tiny_model("llama")
+    model = ds_tsp.inject(copy.deepcopy(ref), TSPTopology(D),
+                          TSPConfig(enabled=True, size=D, attention_backend="sdpa", vocab_parallel=vocab_parallel))
+    trl_model = copy.deepcopy(ref)
+    outputs = FUSED_FIELDS[1:5]
+    add_fused_lm_head(trl_model, temperature=TEMPERATURE, outputs=outputs)
+    ds_tsp.add_fused_lm_head(model, temperature=TEMPERATURE, outputs=outputs)
+    ids, mask, labels, weights = _batch(ref.config.vocab_size)
+    expected = _reference_fused_fields(ref, ids, mask, labels)
+    (weights[0, :, :-1] * expected["log_probs"] + weights[1, :, :-1] * expected["entropy"]).sum().backward()
+    found = {}
+    for name, net in (("tsp", model), ("trl", trl_model)):
+        out = net(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        (weights[0, :, :-1] * out.log_probs + weights[1, :, :-1] * out.entropy).sum().backward()
+        found[name] = {field: (getattr(out, field).double() - expected[field].double()).abs().max().item()
+                       for field in FUSED_FIELDS}
+        found[name]["loss"] = abs(out.loss.item() + expected["log_probs"].sum().item() / expected["label_mask"].sum())
+        found[name]["shape"] = all(getattr(out, field).shape == expected[field].shape for field in FUSED_FIELDS)
+    return {**found, "grads": shard_grad_diffs(model, ref),
+            "trl_grads": max((p.grad - q.grad).abs().max().item()
+                             for p, q in zip(trl_model.parameters(), ref.parameters()))}
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_fused_lm_head_gives_trl_fields(run_ranks, tsp_size):
+    for vocab_parallel in (True, False):
+        per_rank = run_ranks(tsp_size, _fused_head, vocab_parallel=vocab_parallel)
+        keys = (*FUSED_FIELDS, "loss")
+        ours, trl = ({key: max(r[side][key] for r in per_rank) for key in keys} for side in ("tsp", "trl"))
+        grads = max(max(r["grads"].values()) for r in per_rank)
+        print(f"D={tsp_size} vocab_parallel={vocab_parallel}: against the float64 definitions, TSP fused head "
+              + ", ".join(f"{key} {value:.1e}" for key, value in ours.items()) + f", gradients {grads:.1e}; "
+              f"TRL's own (float32 tiles) {max(trl.values()):.1e}, gradients {per_rank[0]['trl_grads']:.1e}")
+        assert all(r["tsp"]["shape"] and r["trl"]["shape"] for r in per_rank)
+        assert max(ours.values()) <= TOLERANCE and grads <= TOLERANCE
+        assert max(trl.values()) <= TRL_FLOAT32_BOUND and per_rank[0]["trl_grads"] <= TRL_FLOAT32_BOUND
+
+
+def test_fused_lm_head_refusals():
+    model = ds_tsp.inject(tiny_model("llama"), TSPTopology(1), TSPConfig(enabled=True))
+    with pytest.raises(ValueError, match=r"fused LM head outputs \['logits'\]"):
+        ds_tsp.add_fused_lm_head(model, outputs=("logits",))
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32 = True"):
+        ds_tsp.add_fused_lm_head(model, cast_lm_head_to_fp32=True)
+    ids = torch.randint(0, 61, (1, 8))
+    with pytest.raises(ValueError, match="shift_labels .* pass labels"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True, shift_labels=ids)

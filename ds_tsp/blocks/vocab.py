@@ -323,26 +323,38 @@ def _capped_logits(hidden, w, acc, softcap):
     return capped, 1 - (capped / softcap) ** 2
 
 
+# What the forward ring can also find per token, over the same tiles (``cross_entropy_ring_forward``).
+RING_STATISTICS = ("argmax", "expected_logit", "logit_sum", "square_lse")
+
+
 def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None,
-                               argmax=False, temperature=1.0, entropy=False):
-    """Per-token cross-entropy ``(N,)`` (0 where the label is ignored) and the
-    log-sum-exp ``(N,)`` of every token's full-vocabulary logits, both in fp32
-    or wider. ``hidden`` ``(N, H)``, ``weight`` this rank's ``(Vs, H)`` head rows;
-    ``softcap``: the final logits' soft-cap (``config.final_logit_softcapping``);
-    ``temperature``: the logits divided by it after the cap (RL trainers').
-    With ``argmax`` also each token's predicted id ``(N,)``: the first of the
-    largest logits, as ``logits.argmax(-1)`` picks, found shard by shard on
-    the same ring. With ``entropy`` also each token's expected logit
-    ``sum_v p_v z_v`` ``(N,)`` (the entropy is ``lse`` less it), a running sum
-    rescaled as the log-sum-exp grows, over the same tiles."""
+                               temperature=1.0, statistics=()):
+    """``(losses, lse, {statistic: (N,)})``: the per-token cross-entropy
+    ``(N,)`` (0 where the label is ignored) and the log-sum-exp ``(N,)`` of
+    every token's full-vocabulary logits, both in fp32 or wider, and the
+    ``statistics`` asked for. ``hidden`` ``(N, H)``, ``weight`` this rank's
+    ``(Vs, H)`` head rows; ``softcap``: the final logits' soft-cap
+    (``config.final_logit_softcapping``); ``temperature``: the logits divided
+    by it after the cap (RL trainers'). The statistics, found shard by shard
+    on the same ring (``RING_STATISTICS``): ``argmax``, each token's predicted
+    id, the first of the largest logits as ``logits.argmax(-1)`` picks;
+    ``expected_logit``, ``sum_v p_v z_v`` (the entropy is ``lse`` less it), a
+    running sum rescaled as the log-sum-exp grows; ``logit_sum``, ``sum_v
+    z_v``; ``square_lse``, the log-sum-exp of ``2 z`` (``log sum_v p_v^2`` is
+    it less ``2 lse``)."""
+    unknown = set(statistics) - set(RING_STATISTICS)
+    if unknown:
+        raise ValueError(f"ring statistics {sorted(unknown)}: known are {RING_STATISTICS}")
     acc = accumulation_dtype(weight.dtype)
     tsp_size, tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
     num_tokens, rows = hidden.shape[0], weight.shape[0]
-    lse = torch.full((num_tokens,), float("-inf"), dtype=acc, device=hidden.device)
-    target_logit = torch.zeros(num_tokens, dtype=acc, device=hidden.device)
-    best = torch.full((num_tokens,), float("-inf"), dtype=acc, device=hidden.device) if argmax else None
-    best_id = torch.zeros(num_tokens, dtype=torch.long, device=hidden.device) if argmax else None
-    expected = torch.zeros(num_tokens, dtype=acc, device=hidden.device) if entropy else None
+
+    def filled(value, dtype=acc):
+        return torch.full((num_tokens,), value, dtype=dtype, device=hidden.device)
+
+    lse, target_logit = filled(float("-inf")), filled(0.0)
+    found = {"argmax": filled(0, torch.long), "best": filled(float("-inf")), "expected_logit": filled(0.0),
+             "logit_sum": filled(0.0), "square_lse": filled(float("-inf"))}
 
     def step(t, buf):
         first, count = _shard_columns(tsp_rank, t, tsp_size, rows, vocab_size)
@@ -355,24 +367,27 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
             if temperature != 1.0:
                 z = z / temperature
             grown = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
-            if entropy:  # sum_v exp(z_v - lse) z_v, the earlier shards' part rescaled to the grown lse
-                expected[span] = expected[span] * torch.exp(lse[span] - grown) + \
+            if "expected_logit" in statistics:  # sum_v exp(z_v - lse) z_v, earlier shards rescaled to the grown lse
+                found["expected_logit"][span] = found["expected_logit"][span] * torch.exp(lse[span] - grown) + \
                     (torch.exp(z - grown.unsqueeze(1)) * z).sum(dim=-1)
             lse[span] = grown
             column, hit = _targets_in(labels[span], first, count)
             target_logit[span] += torch.where(hit, z.gather(1, column.unsqueeze(1)).squeeze(1), 0)
-            if argmax:  # shards arrive out of vocabulary order: a tie goes to the lower id
+            if "argmax" in statistics:  # shards arrive out of vocabulary order: a tie goes to the lower id
                 value, index = z.max(dim=-1)
                 index = index + first
-                better = (value > best[span]) | ((value == best[span]) & (index < best_id[span]))
-                best[span] = torch.where(better, value, best[span])
-                best_id[span] = torch.where(better, index, best_id[span])
+                best, best_id = found["best"][span], found["argmax"][span]
+                better = (value > best) | ((value == best) & (index < best_id))
+                found["best"][span] = torch.where(better, value, best)
+                found["argmax"][span] = torch.where(better, index, best_id)
+            if "logit_sum" in statistics:
+                found["logit_sum"][span] += z.sum(dim=-1)
+            if "square_lse" in statistics:
+                found["square_lse"][span] = torch.logaddexp(found["square_lse"][span], (2 * z).logsumexp(dim=-1))
 
     ring_steps(weight, tsp_group, step, overlap)
     losses = torch.where(labels != IGNORE_INDEX, lse - target_logit, 0)
-    if argmax:
-        return losses, lse, best_id
-    return (losses, lse, expected) if entropy else (losses, lse)
+    return losses, lse, {name: found[name] for name in statistics}
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
@@ -443,8 +458,8 @@ class _CrossEntropyRing(torch.autograd.Function):
     @staticmethod
     @autocast_forward(cast_inputs=True)
     def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap):
-        losses, lse = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap,
-                                                 softcap)
+        losses, lse, _ = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap,
+                                                    softcap)
         # Local tokens only (hidden, labels, lse) plus this rank's own shard.
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
@@ -472,24 +487,28 @@ class _TokenScoresRing(torch.autograd.Function):
     @staticmethod
     @autocast_forward(cast_inputs=True)
     def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap,
-                temperature):
-        losses, lse, expected = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group,
-                                                           overlap, softcap, temperature=temperature, entropy=True)
+                temperature, statistics):
+        losses, lse, found = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group,
+                                                        overlap, softcap, temperature,
+                                                        ("expected_logit", *statistics))
+        expected = found["expected_logit"]
         real = labels != IGNORE_INDEX
         ctx.save_for_backward(hidden, weight, labels, lse, expected)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
         ctx.grad_wire_dtype, ctx.softcap, ctx.temperature = grad_wire_dtype, softcap, temperature
-        return -losses, torch.where(real, lse - expected, 0)
+        extras = [found[name] if name != "square_lse" else found[name] - 2 * lse for name in statistics]
+        ctx.mark_non_differentiable(*extras)
+        return (-losses, torch.where(real, lse - expected, 0), *extras)
 
     @staticmethod
     @autocast_backward
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, labels, lse, expected = ctx.saved_tensors
         grad_losses = torch.zeros_like(lse) if grad_logprobs is None else -grad_logprobs
         grad_hidden, grad_weight = cross_entropy_ring_backward(
             grad_losses, hidden, weight, labels, lse, ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
             ctx.grad_wire_dtype, ctx.needs_input_grad[1], ctx.softcap, ctx.temperature, grad_entropy, expected)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLMHead(_VocabShard):
@@ -531,15 +550,18 @@ class VocabParallelLMHead(_VocabShard):
                                          self.grad_wire_dtype, softcap)
         return losses.sum()
 
-    def token_scores(self, hidden, labels, softcap=None, temperature=1.0):
-        """``(log-probabilities of the labels, entropies)``, each ``labels``'
-        shape, float32 or wider, of this rank's tokens' logits soft-capped by
-        ``softcap`` and divided by ``temperature``; 0 where the label is
-        ``IGNORE_INDEX``. Fused with the head on its ring: no full logits."""
-        logprobs, entropy = _TokenScoresRing.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight,
-                                                   labels.reshape(-1), self.vocab_size, self.tile, self.tsp_group,
-                                                   self.overlap, self.grad_wire_dtype, softcap, float(temperature))
-        return logprobs.view(labels.shape), entropy.view(labels.shape)
+    def token_scores(self, hidden, labels, softcap=None, temperature=1.0, statistics=()):
+        """``(log-probabilities of the labels, entropies, {statistic: values})``,
+        each ``labels``' shape, float32 or wider, of this rank's tokens' logits
+        soft-capped by ``softcap`` and divided by ``temperature``; 0 where the
+        label is ``IGNORE_INDEX``. ``statistics`` (no gradient): of
+        ``RING_STATISTICS``, ``square_lse`` given as ``log sum_v p_v^2``. Fused
+        with the head on its ring: no full logits."""
+        logprobs, entropy, *extras = _TokenScoresRing.apply(
+            hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.vocab_size, self.tile,
+            self.tsp_group, self.overlap, self.grad_wire_dtype, softcap, float(temperature), tuple(statistics))
+        return (logprobs.view(labels.shape), entropy.view(labels.shape),
+                {name: value.view(labels.shape) for name, value in zip(statistics, extras)})
 
     @torch.no_grad()
     def loss_sum_and_argmax(self, hidden, labels, softcap=None):
@@ -548,9 +570,10 @@ class VocabParallelLMHead(_VocabShard):
         on the same ring, without them. ``labels`` None: no loss (None)."""
         flat_labels = (torch.full(hidden.shape[:-1], IGNORE_INDEX, device=hidden.device) if labels is None
                        else labels).reshape(-1)
-        losses, _, predicted = cross_entropy_ring_forward(hidden.reshape(-1, hidden.shape[-1]), self.weight,
-                                                          flat_labels, self.vocab_size, self.tile, self.tsp_group,
-                                                          self.overlap, softcap, argmax=True)
+        losses, _, found = cross_entropy_ring_forward(hidden.reshape(-1, hidden.shape[-1]), self.weight,
+                                                      flat_labels, self.vocab_size, self.tile, self.tsp_group,
+                                                      self.overlap, softcap, statistics=("argmax",))
+        predicted = found["argmax"]
         return (None if labels is None else losses.sum()), predicted.view(hidden.shape[:-1])
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
-from ds_tsp.injection.scores import head_token_scores, scores_wanted
+from ds_tsp.injection.scores import SCORES, fused_head_output, head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
@@ -216,9 +216,31 @@ class TSPMoeCausalLMOutput(MoeCausalLMOutputWithPast):
 class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
+    def _forward_options(self, kwargs):
+        """``(moe_blocks, output_router_logits, asked, cu_seq_lens)`` from the
+        forward's other keyword arguments, refusing those it does not take;
+        ``asked``: ``output_router_logits`` passed to the forward (the whole
+        sequence's router logits, as Hugging Face's), not just the config's."""
+        moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
+                      if isinstance(layer.mlp, TSPSparseMoE)]
+        output_router_logits = None
+        asked = bool(kwargs.get("output_router_logits"))
+        if moe_blocks:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = getattr(self.config, "output_router_logits", False)
+        cu_seq_lens = check_cu_seq_lens(kwargs)
+        unsupported = {key: value for key, value in kwargs.items()
+                       if value not in (None, False) and not (key == "return_dict" and value is True)}
+        if unsupported:
+            raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
+                             "local tokens' logits only")
+        return moe_blocks, output_router_logits, asked, cu_seq_lens
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
                 use_cache=None, num_items_in_batch=None, cache=None, logits_to_keep=0, tsp_predictions=None,
-                return_token_logprobs=False, return_entropy=False, temperature=1.0, **kwargs):
+                return_token_logprobs=False, return_entropy=False, temperature=1.0, fused_lm_head=False,
+                shift_labels=None, **kwargs):
         """With ``use_cache`` or a ``cache`` this is the inference forward that
         Hugging Face's ``model.generate`` calls (``ds_tsp.inference.generate.cached_forward``):
         prefill or decode steps, the last token's logits and the ``TSPCache``.
@@ -238,7 +260,7 @@ class TSPCausalLMMixin:
         ``return_token_logprobs`` / ``return_entropy`` (with labels, and a
         ``temperature``): ``.token_logprobs`` / ``.entropy`` of the local
         tokens ``(B, S/D)``, ``.loss`` the mean of ``-logp``, no ``.logits``
-        (``ds_tsp.injection.scores``).
+        (``ds_tsp.injection.scores``); ``fused_lm_head`` TRL's fused-head output.
 
         Mixture-of-experts models take ``output_router_logits`` (default: the
         config's) as Hugging Face's do: ``.aux_loss`` is the load-balancing
@@ -250,22 +272,9 @@ class TSPCausalLMMixin:
         (turned on by the config alone, as for the load-balancing loss in
         training) the LOCAL tokens' ``(B*S/D, E)`` (this rank's shard, in its
         layout's order)."""
-        moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
-                      if isinstance(layer.mlp, TSPSparseMoE)]
-        output_router_logits = None
-        asked = bool(kwargs.get("output_router_logits"))  # passed here: the whole sequence's, as HF's
-        if moe_blocks:
-            output_router_logits = kwargs.pop("output_router_logits", None)
-            if output_router_logits is None:
-                output_router_logits = getattr(self.config, "output_router_logits", False)
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
-        cu_seq_lens = check_cu_seq_lens(kwargs)
-        unsupported = {key: value for key, value in kwargs.items()
-                       if value not in (None, False) and not (key == "return_dict" and value is True)}
-        if unsupported:
-            raise ValueError(f"the TSP forward does not support {sorted(unsupported)}: it returns the loss and the "
-                             "local tokens' logits only")
+        moe_blocks, output_router_logits, asked, cu_seq_lens = self._forward_options(kwargs)
         if use_cache or cache is not None:
             if labels is not None or asked or cu_seq_lens is not None or tsp_predictions is not None:
                 raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
@@ -275,7 +284,8 @@ class TSPCausalLMMixin:
             return output(logits=logits, cache=cache)
         if tsp_predictions not in (None, "argmax", "logits"):
             raise ValueError(f"tsp_predictions = {tsp_predictions!r}: use \"argmax\" (predicted ids) or \"logits\"")
-        wanted = scores_wanted(labels, tsp_predictions, temperature, return_token_logprobs, return_entropy)
+        request = scores_wanted(self, labels, tsp_predictions, temperature, return_token_logprobs, return_entropy,
+                                fused_lm_head, shift_labels)
         if torch.is_tensor(logits_to_keep) or logits_to_keep != 0:
             raise ValueError(f"the TSP training forward returns the local tokens' logits, so it takes no "
                              f"logits_to_keep (got {logits_to_keep!r}); model.generate's forward (use_cache=True) "
@@ -294,27 +304,31 @@ class TSPCausalLMMixin:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, softcap = self.get_submodule(policy.lm_head), getattr(self.config, "final_logit_softcapping", None)
-        if wanted:
+        if request.wanted:
             (loss, scores), logits = head_token_scores(head, hidden, batch, topo.tsp_group, num_items_in_batch,
-                                                       softcap, temperature, wanted), None
+                                                       softcap, request.temperature, request.wanted,
+                                                       request.statistics), None
         else:
             (loss, logits), scores = lm_head_and_loss(head, hidden, batch, topo.tsp_group, num_items_in_batch,
                                                       softcap, tsp_predictions), {}
         if tsp_predictions is not None:
             logits = gather_sequence(logits, batch.num_padding, topo.tsp_group, self.tsp_config.layout)
-        if not moe_blocks:
-            return TSPCausalLMOutput(loss=loss, logits=logits, **scores)
         aux_loss = None
         if output_router_logits and self.tsp_load_balancing == "switch":  # as Hugging Face's forward adds it
             aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss
+        if request.fused:
+            return fused_head_output(self, batch, loss, scores, input_ids.shape[1], vocab_size[1], aux_loss)
+        if not moe_blocks:
+            return TSPCausalLMOutput(loss=loss, logits=logits, **{name: scores.get(name) for name in SCORES})
         if output_router_logits:
             router_logits = full_sequence_router_logits(router_logits, input_ids.shape[0], batch.num_padding,
                                                         topo.tsp_group, self.tsp_config.layout) if asked else \
                 tuple(router_logits)
         return TSPMoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=logits,
-                                    router_logits=router_logits if output_router_logits else None, **scores)
+                                    router_logits=router_logits if output_router_logits else None,
+                                    **{name: scores.get(name) for name in SCORES})
 
 
 def router_aux_loss(model, moe_blocks, router_logits, batch):

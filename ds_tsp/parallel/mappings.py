@@ -196,6 +196,26 @@ def gather_rows(shard, group):
     return _GatherRows.apply(shard, group)
 
 
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, num_padding, group, layout_name):
+        ctx.num_padding, ctx.group, ctx.layout_name = num_padding, group, layout_name
+        return gather_sequence(local, num_padding, group, layout_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        padded, _ = layout.pad_to_multiple(grad, comm.group_size(ctx.group), 0)
+        return layout.shard(padded, comm.group_rank(ctx.group), comm.group_size(ctx.group), ctx.layout_name), \
+            None, None, None
+
+
+def gather_tokens(local, num_padding, group, layout_name):
+    """``gather_sequence`` with a gradient, for values every rank of the group
+    then uses alike (the same loss on every rank): backward hands each rank
+    its own tokens' part of the gradient, as ``sum_over_group`` does."""
+    return _GatherTokens.apply(local, num_padding, group, layout_name)
+
+
 @torch.no_grad()
 def gather_sequence(local, num_padding, group, layout_name):
     """Evaluation (no gradient): every rank's local tokens ``(B, S/D, ...)``
