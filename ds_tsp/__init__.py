@@ -16,7 +16,8 @@ _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "p
             "from_pretrained": "checkpoint", "save_pretrained": "checkpoint", "TSPTrainer": "runtime.trainer",
             "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer",
             "argmax_token_ids": "runtime.trainer", "sequence_sums": "injection.scores",
-            "natural_order": "injection.scores", "add_fused_lm_head": "injection.scores"}
+            "natural_order": "injection.scores", "add_fused_lm_head": "injection.scores",
+            "TSPSFTTrainer": "runtime.trl_trainers", "TSPDPOTrainer": "runtime.trl_trainers"}
 
 __all__ = sorted(_EXPORTS)
 

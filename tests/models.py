@@ -352,3 +352,20 @@ def look_alike(layer_class, model_class=LlamaForCausalLM, seed=0, **overrides):
     for layer in model.model.layers:
         layer.__class__ = layer_class
     return model
+
+
+def chat_tokenizer():
+    """A byte-level tokenizer with a ChatML-like template, built in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}")
+    return tokenizer

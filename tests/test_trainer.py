@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import ds_tsp
 from ds_tsp.cli import main
-from models import tiny_model
+from models import chat_tokenizer, tiny_model
 from scripts import run_as_launched
 
 SEQ_LEN = 16
@@ -374,29 +374,12 @@ def test_accelerate_launch_with_a_deepspeed_plugin_matches_one_process(tmp_path)
 
 # ------------------------------------------------------------------------ TRL
 
-def _chat_tokenizer():
-    """A byte-level tokenizer with a ChatML-like template, built in code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
-                                        additional_special_tokens=specials[1:])
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}")
-    return tokenizer
-
-
 def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None, lora=False):
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig
 
-    tokenizer = _chat_tokenizer()
+    tokenizer = chat_tokenizer()
     chats = Dataset.from_list([{"messages": [{"role": "user", "content": f"add {a} and {b}"},
                                              {"role": "assistant", "content": str(a + b)}]}
                                for a in range(4) for b in range(4)])
@@ -413,39 +396,45 @@ def _sft_trainer(trainer_class, output_dir, per_device_batch, deepspeed=None, lo
                          peft_config=peft_config)
 
 
+SFT_METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _sft_metrics(trainer):
+    return {key: [entry[key] for entry in trainer.state.log_history if key in entry] for key in SFT_METRICS}
+
+
 def _tsp_sft_run(output_dir, lora):
     from accelerate.state import AcceleratorState
 
     from ds_tsp.runtime.trainer import configure_cpu_ranks
 
-    from trl import SFTTrainer
-
-    class TSPSFTTrainer(ds_tsp.TSPTrainerMixin, SFTTrainer):
-        pass
-
     try:
         configure_cpu_ranks()
-        trainer = _sft_trainer(TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()),
+        trainer = _sft_trainer(ds_tsp.TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()),
                                lora)
         trainer.train()
-        return _losses(trainer)
+        return _sft_metrics(trainer)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path, lora):
-    """TRL's SFTTrainer with the mixin in front, on a chat dataset, against one
-    process's SFTTrainer (whose loss comes from TRL's fused LM head); with
-    ``peft_config``, TRL's own PEFT model of LoRA adapters."""
+    """TRL's SFTTrainer with the mixin in front (``ds_tsp.TSPSFTTrainer``), on a
+    chat dataset, against one process's SFTTrainer: its own loss and metrics
+    (entropy, token accuracy, token count) on both sides from a fused LM head,
+    TRL's and TSP's; with ``peft_config``, TRL's own PEFT model of LoRA adapters."""
     SFTTrainer = pytest.importorskip("trl").SFTTrainer
 
-    tsp_losses = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"), lora=lora)[0]
+    tsp = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"), lora=lora)[0]
     stock = _sft_trainer(SFTTrainer, str(tmp_path / "stock"), MICRO_BATCH, lora=lora)
     stock.train()
-    print(f"SFT TSP=2 (LoRA {lora}): losses {[round(v, 6) for v in tsp_losses]}, stock {[round(v, 6) for v in _losses(stock)]}")
-    assert len(tsp_losses) == 4
-    assert _relative(tsp_losses, _losses(stock)) <= BOUND
+    expected = _sft_metrics(stock)
+    errors = {key: _relative(tsp[key], expected[key]) for key in SFT_METRICS}
+    print(f"SFT TSP=2 (LoRA {lora}): losses {[round(v, 6) for v in tsp['loss']]}, stock "
+          f"{[round(v, 6) for v in expected['loss']]}; max rel " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert all(len(tsp[key]) == 4 for key in SFT_METRICS)
+    assert max(errors.values()) <= BOUND
 
 
 # ------------------------------------------------------------ ZeRO-3 in the Trainer

@@ -48,17 +48,33 @@ from ds_tsp.injection.lora import is_peft_model
 from ds_tsp.injection.model import TSPCausalLMMixin
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.runtime.engine import initialize
+from ds_tsp.runtime.trl_seams import trl_seams_replaced
 
 logger = logging.get_logger(__name__)
 
 
 class TSPTrainerMixin:
     """Put in front of ``transformers.Trainer`` or one of its subclasses:
-    ``class TSPSFTTrainer(TSPTrainerMixin, trl.SFTTrainer): pass``. Without a
-    ``tsp`` section (or with ``tsp.enabled: false``) the class is the Trainer
-    it mixes into."""
+    ``class TSPSFTTrainer(TSPTrainerMixin, trl.SFTTrainer): pass``
+    (``ds_tsp.runtime.trl_trainers`` has TRL's). Without a ``tsp`` section (or
+    with ``tsp.enabled: false``) the class is the Trainer it mixes into. The
+    trainer's own loss runs on the TSP forward: TRL's through its fused LM
+    head (``ds_tsp.runtime.trl_seams``); a loss that would need the logits of
+    every token (``label_smoothing_factor``, ``compute_loss_func``) is refused."""
 
     tsp_topology = None
+    tsp_config = None
+
+    def __init__(self, *args, **kwargs):
+        with trl_seams_replaced(self):
+            super().__init__(*args, **kwargs)
+        if self.tsp_topology is None:
+            return
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            option = "label_smoothing_factor" if self.label_smoother is not None else "compute_loss_func"
+            raise ValueError(f"{option}: the loss would be computed from the model's logits, which a TSP forward "
+                             "gives for this rank's tokens only; leave it unset under TSP (the TSP forward computes "
+                             "the loss over the whole sequence)")
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -78,7 +94,7 @@ class TSPTrainerMixin:
                                "an accelerator it knows; on CPU ranks call ds_tsp.configure_cpu_ranks() before "
                                "TrainingArguments(..., accelerator_config={'use_configured_state': True})")
         tsp_config.check_world(dist.get_world_size())
-        self.tsp_topology = TSPTopology(tsp_config.size, 1, tsp_config.timeout_minutes)
+        self.tsp_topology, self.tsp_config = TSPTopology(tsp_config.size, 1, tsp_config.timeout_minutes), tsp_config
         accelerator = self.accelerator
         accelerator.__class__ = _tsp_accelerator_class(type(accelerator))
         accelerator.tsp_topology = self.tsp_topology
@@ -93,15 +109,6 @@ class TSPTrainerMixin:
         if self.tsp_topology is None:
             return super().get_tp_size()
         return self.tsp_topology.tsp_size
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The TSP forward's own loss, as ``Trainer.compute_loss`` takes it. A
-        subclass's loss built from full-vocabulary outputs (TRL's fused LM head:
-        per-token log-probabilities, entropy, accuracy) is bypassed: TSP never
-        builds them (the folded vocabulary computes the loss on its ring)."""
-        if self.tsp_topology is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """``(loss, predictions, labels)`` of one evaluation micro-batch, as the

@@ -1,0 +1,156 @@
+"""TRL's DPOTrainer under TSP (``ds_tsp.TSPDPOTrainer``) against one process's DPOTrainer.
+
+Tiny Llama and Qwen3 (per-head q/k norms), float32, on a conversational
+preference dataset built in code (the right answer against an off-by-one),
+a TSP-sharded reference model, AdamW, gradient accumulation 2, 3 steps, at
+TSP 2 and TSP 2 x DP 2 under ZeRO-2, with the sigmoid loss and IPO (whose
+per-sequence log-probabilities are averaged over the completion's tokens).
+One process's DPOTrainer takes each step's global batch at once. Checked:
+the losses, the sequences' log-probabilities, the chosen and rejected rewards
+and their margins of every step (a reward against beta times the size of the
+log-probabilities it is a difference of), and every weight of the saved model.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import ds_tsp
+from models import chat_tokenizer, tiny_model
+
+MICRO_BATCH = 2  # pairs per data-parallel replica and micro-batch
+ACCUMULATION = 2
+STEPS = 3
+# fp32, 3 AdamW steps, different summation orders (the ring's, the DP all-reduce): ~1e-7 seen, the issue's 1e-6.
+BOUND = 1e-6
+BETA = 0.1
+# The weights after 3 AdamW steps: one process against itself, its 4 pairs a step taken as 2 x 2 or as 1 x 4
+# (the same loss and gradient), differs by 6e-6 relative (Adam divides small gradients' rounding by their
+# size), so weights are held to 1e-5, as the Trainer's tests hold them.
+WEIGHTS_BOUND = 1e-5
+LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def _pairs():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {a} and {b}"}],
+                               "chosen": [{"role": "assistant", "content": str(a + b)}],
+                               "rejected": [{"role": "assistant", "content": str(a + b + 1) * (1 + (a + b) % 3)}]}
+                              for a in range(4) for b in range(4)])
+
+
+def _dpo_trainer(trainer_class, arch, loss_type, output_dir, per_device_batch, deepspeed=None):
+    from trl import DPOConfig
+
+    tokenizer = chat_tokenizer()
+    configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
+    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=STEPS,
+                     gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-2, logging_steps=1,
+                     loss_type=[loss_type], beta=BETA, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+                     bf16=False, deepspeed=deepspeed, **configured)
+    model = tiny_model(arch, dtype=torch.float32, vocab_size=len(tokenizer))
+    return trainer_class(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=_pairs(),
+                         processing_class=tokenizer)
+
+
+def _logged(trainer):
+    return {key: [entry[key] for entry in trainer.state.log_history if key in entry] for key in LOGGED}
+
+
+def _tsp_dpo_run(arch, loss_type, zero_stage, output_dir):
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.injection.model import TSPCausalLMMixin
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": zero_stage},
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+    try:
+        configure_cpu_ranks()
+        trainer = _dpo_trainer(ds_tsp.TSPDPOTrainer, arch, loss_type, output_dir, MICRO_BATCH, config)
+        trainer.train()
+        trainer.save_model(os.path.join(output_dir, "final"))
+        reference = trainer.ref_model
+        return {"logged": _logged(trainer), "reference_sharded": isinstance(reference, TSPCausalLMMixin),
+                "reference_frozen": not any(p.requires_grad for p in reference.parameters())}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _relative(values, expected):
+    values, expected = torch.as_tensor(values, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return ((values - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch, world, loss_type", [("llama", 2, "sigmoid"), ("llama", 4, "ipo"),
+                                                    ("qwen3", 2, "ipo"), ("qwen3", 4, "sigmoid")])
+def test_dpo_trainer_matches_one_process(run_ranks, tmp_path, arch, world, loss_type):
+    from trl import DPOTrainer
+
+    dp_size = world // 2
+    zero_stage = 2 if dp_size > 1 else 1
+    tsp = run_ranks(world, _tsp_dpo_run, arch=arch, loss_type=loss_type, zero_stage=zero_stage,
+                    output_dir=str(tmp_path / "tsp"), timeout_s=400)[0]
+    stock = _dpo_trainer(DPOTrainer, arch, loss_type, str(tmp_path / "stock"), MICRO_BATCH * dp_size)
+    stock.train()
+    expected = _logged(stock)
+    # A reward is beta times a difference of log-probabilities that start equal (0 at the first step): its
+    # rounding is that of the log-probabilities, so it is measured against beta times their size.
+    logps_scale = BETA * max(abs(v) for key in ("logps/chosen", "logps/rejected") for v in expected[key])
+    errors = {key: _relative(tsp["logged"][key], expected[key]) if not key.startswith("rewards/") else
+              max(abs(a - b) for a, b in zip(tsp["logged"][key], expected[key])) / logps_scale for key in LOGGED}
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tsp" / "final")
+    reference = dict(stock.model.named_parameters())
+    weights = max(_relative(p.detach(), reference[n].detach()) for n, p in reloaded.named_parameters())
+    start = dict(tiny_model(arch, dtype=torch.float32, vocab_size=reloaded.config.vocab_size).named_parameters())
+    moved = max(_relative(p.detach(), start[n].detach()) for n, p in reloaded.named_parameters())
+    print(f"DPO {arch} {loss_type} TSP=2 DP={dp_size} ZeRO-{zero_stage}: losses {tsp['logged']['loss']} vs "
+          f"{expected['loss']}; max rel " + ", ".join(f"{key} {value:.1e}" for key, value in errors.items())
+          + f"; weights {weights:.1e} (moved {moved:.1e} from the start)")
+    assert all(len(tsp["logged"][key]) == STEPS for key in LOGGED)
+    assert max(errors.values()) <= BOUND and weights <= WEIGHTS_BOUND
+    assert moved > 1e3 * WEIGHTS_BOUND  # the check can fail: training moved the weights far more than the bound
+    assert tsp["reference_sharded"] and tsp["reference_frozen"]
+
+
+def _refusals(output_dir):
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from trl import DPOConfig, SFTConfig
+
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1},
+              "tsp": {"enabled": True, "size": 2}}
+    chats = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}])
+    cases = ((ds_tsp.TSPDPOTrainer, DPOConfig, {"precompute_ref_log_probs": True}, _pairs()),
+             (ds_tsp.TSPSFTTrainer, SFTConfig, {"label_smoothing_factor": 0.1}, chats))
+    found = []
+    for trainer_class, config_class, options, dataset in cases:
+        try:
+            configure_cpu_ranks()
+            args = config_class(output_dir=output_dir, report_to=[], deepspeed=config, bf16=False,
+                                accelerator_config={"use_configured_state": True}, **options)
+            model = tiny_model("llama", dtype=torch.float32, vocab_size=len(chat_tokenizer()))
+            extra = {"ref_model": copy.deepcopy(model)} if trainer_class is ds_tsp.TSPDPOTrainer else {}
+            trainer_class(model=model, args=args, train_dataset=dataset, processing_class=chat_tokenizer(), **extra)
+            found.append(None)
+        except ValueError as error:
+            found.append(str(error))
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+    return found
+
+
+def test_what_a_tsp_trainer_cannot_take_is_refused_by_name(run_ranks, tmp_path):
+    precompute, smoothing = run_ranks(2, _refusals, output_dir=str(tmp_path))[0]
+    assert precompute and precompute.startswith("precompute_ref_log_probs = True") and "leave it False" in precompute
+    assert smoothing and smoothing.startswith("label_smoothing_factor") and "leave it unset" in smoothing
