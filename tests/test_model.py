@@ -273,12 +273,21 @@ def test_unsupported_blocks_are_refused_with_the_class_name():
     assert type(model).__name__ == "GlmForCausalLM"
 
 
-def test_left_padding_is_refused():
-    model = ds_tsp.inject(tiny_model("llama"), TSPTopology(1), TSPConfig(enabled=True))
-    ids = torch.zeros(1, 8, dtype=torch.long)
+def test_left_padding_is_refused_where_the_moved_rows_would_show():
+    """Left padding runs moved to the right (the loss and TRL's fused head:
+    test_token_scores); the local tokens' logits would show the move, a mask
+    with a hole inside a row is refused, and so is a label that Hugging Face
+    would predict from a padding token."""
+    model = ds_tsp.inject(tiny_model("llama"), TSPTopology(1), TSPConfig(enabled=True, vocab_parallel=False))
+    ids = torch.ones(1, 8, dtype=torch.long)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="right padding only"):
+    with pytest.raises(ValueError, match="attention_mask pads rows on the left.*pad on the right for the local "
+                                         "tokens' logits"):
         model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="real tokens in one run"):
+        model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="first real token of a left-padded row"):
+        model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
     with pytest.raises(ValueError, match=r"does not support \['output_attentions'\]"):
         model(input_ids=ids, output_attentions=True)
 

@@ -180,7 +180,18 @@ def _reference_fused_fields(ref, ids, mask, labels):
     return {**{name: torch.where(real, value, 0) for name, value in fields.items()}, "label_mask": real}
 
 
-def _fused_head(vocab_parallel):
+def _left_padded(ids, mask, labels):
+    """The batch with its first row moved right by 3 (padding before and after
+    it: the prompt + completion rows TRL's GRPO scores), the prompt's labels -100."""
+    ids, mask, labels = ids.clone(), mask.clone(), labels.clone()
+    ids[0] = ids[0].roll(3)
+    mask[0] = torch.tensor([0, 0, 0] + [1] * 8 + [0, 0])
+    labels[0] = torch.where(mask[0].bool(), ids[0], -100)
+    labels[:, :5] = -100
+    return ids, mask, labels
+
+
+def _fused_head(vocab_parallel, left_padded=False):
     """TRL's fused-LM-head contract (``add_fused_lm_head``, what its DPO, GRPO
     and SFT trainers call) on a TSP model, and TRL's own patch of the unsharded
     model, against the fields' definitions on HF's float64 logits: every field
@@ -197,6 +208,8 @@ def _fused_head(vocab_parallel):
     add_fused_lm_head(trl_model, temperature=TEMPERATURE, outputs=outputs)
     ds_tsp.add_fused_lm_head(model, temperature=TEMPERATURE, outputs=outputs)
     ids, mask, labels, weights = _batch(ref.config.vocab_size)
+    if left_padded:
+        ids, mask, labels = _left_padded(ids, mask, labels)
     expected = _reference_fused_fields(ref, ids, mask, labels)
     (weights[0, :, :-1] * expected["log_probs"] + weights[1, :, :-1] * expected["entropy"]).sum().backward()
     found = {}
@@ -205,7 +218,7 @@ def _fused_head(vocab_parallel):
         (weights[0, :, :-1] * out.log_probs + weights[1, :, :-1] * out.entropy).sum().backward()
         found[name] = {field: (getattr(out, field).double() - expected[field].double()).abs().max().item()
                        for field in FUSED_FIELDS}
-        found[name]["loss"] = abs(out.loss.item() + expected["log_probs"].sum().item() / expected["label_mask"].sum())
+        found[name]["loss"] = abs(out.loss.item() + (expected["log_probs"].sum() / expected["label_mask"].sum()).item())
         found[name]["shape"] = all(getattr(out, field).shape == expected[field].shape for field in FUSED_FIELDS)
     return {**found, "grads": shard_grad_diffs(model, ref),
             "trl_grads": max((p.grad - q.grad).abs().max().item()
@@ -214,12 +227,13 @@ def _fused_head(vocab_parallel):
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_fused_lm_head_gives_trl_fields(run_ranks, tsp_size):
-    for vocab_parallel in (True, False):
-        per_rank = run_ranks(tsp_size, _fused_head, vocab_parallel=vocab_parallel)
+    for vocab_parallel, left_padded in ((True, False), (False, False), (True, True)):
+        per_rank = run_ranks(tsp_size, _fused_head, vocab_parallel=vocab_parallel, left_padded=left_padded)
         keys = (*FUSED_FIELDS, "loss")
         ours, trl = ({key: max(r[side][key] for r in per_rank) for key in keys} for side in ("tsp", "trl"))
         grads = max(max(r["grads"].values()) for r in per_rank)
-        print(f"D={tsp_size} vocab_parallel={vocab_parallel}: against the float64 definitions, TSP fused head "
+        print(f"D={tsp_size} vocab_parallel={vocab_parallel} left padding {left_padded}: against the float64 "
+              "definitions, TSP fused head "
               + ", ".join(f"{key} {value:.1e}" for key, value in ours.items()) + f", gradients {grads:.1e}; "
               f"TRL's own (float32 tiles) {max(trl.values()):.1e}, gradients {per_rank[0]['trl_grads']:.1e}")
         assert all(r["tsp"]["shape"] and r["trl"]["shape"] for r in per_rank)

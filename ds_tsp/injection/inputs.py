@@ -9,7 +9,10 @@ Hugging Face's forward raises for it and a message that names the input:
 
 * ``check_shapes``: dtypes and shapes, from the tensors' metadata (no read);
 * ``check_token_ids``: ids and labels in ``[0, V)`` (labels may be -100), on
-  the host copy of the batch the forward makes anyway.
+  the host copy of the batch the forward makes anyway;
+* ``left_padding``: rows padded on the left (as generation pads prompts,
+  and TRL's GRPO scores prompt + completion rows), which the forward moves to
+  the right (``rows_left_aligned``) keeping every token's position.
 """
 
 import torch
@@ -80,3 +83,45 @@ def vocabulary_rows(module):
         if isinstance(getattr(module, name, None), int):
             return getattr(module, name)
     raise TypeError(f"{type(module).__name__} has no vocabulary size (vocab_size, num_embeddings or out_features)")
+
+
+def left_padding(attention_mask, labels=None):
+    """The host ``attention_mask``'s count of leading zeros per row ``(B,)``, or
+    None when no row starts with padding. Refuses a label on a left-padded
+    row's first real token: Hugging Face scores it from the padding token
+    before it, which a TSP forward, moving the row, has no counterpart of."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    left = (attention_mask == 0).long().cumprod(dim=1).sum(dim=1)
+    if not bool(left.any()):
+        return None
+    if bool((left == attention_mask.shape[1]).any()):
+        raise ValueError("a row of attention_mask is all zeros: every row needs at least one real token")
+    if labels is not None:
+        first = labels.gather(1, left.clamp(max=labels.shape[1] - 1).unsqueeze(1)).squeeze(1)
+        if bool(((left > 0) & (first != IGNORE_INDEX)).any()):
+            raise ValueError("labels score the first real token of a left-padded row, which Hugging Face predicts "
+                             "from a padding token: set labels to -100 there (TRL's trainers mask the prompt)")
+    return left
+
+
+def rows_left_aligned(left, input_ids, labels, position_ids, attention_mask):
+    """The batch with each row's ``left`` leading padding tokens moved to its
+    end, the real tokens keeping their positions (``position_ids``, Hugging
+    Face's ``arange`` when None) and the moved padding continuing them."""
+    batch, seq_len = input_ids.shape
+    left = left.to(input_ids.device).unsqueeze(1)
+    columns = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+    index = (columns + left) % seq_len
+
+    def moved(t):
+        return None if t is None else t.expand(batch, -1).gather(1, index)
+
+    if position_ids is None:
+        position_ids = columns
+    real = moved(attention_mask).bool()
+    positions = moved(position_ids)
+    length = real.sum(dim=1, keepdim=True)
+    last = positions.gather(1, (length - 1).clamp(min=0))
+    positions = torch.where(real, positions, last + columns - length + 1)
+    return moved(input_ids), moved(labels), positions, moved(attention_mask)

@@ -22,7 +22,8 @@ from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
 from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
 from ds_tsp.inference.generate import cached_forward
-from ds_tsp.injection.inputs import check_shapes, check_token_ids, vocabulary_rows
+from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding, rows_left_aligned,
+                                     vocabulary_rows)
 from ds_tsp.injection.scores import SCORES, fused_head_output, head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
@@ -116,6 +117,14 @@ class TSPBatch:
         host_ids, host_labels, host_positions, host_mask = host_copy(input_ids, labels, position_ids, attention_mask)
         if refusal is None and vocab_size is not None:
             refusal = _refusal(check_token_ids, host_ids, host_labels, *vocab_size)
+        self.left_padding = None  # (B,) on the host: how far each row was moved left (``inputs.left_padding``)
+        if refusal is None:
+            self.left_padding, refusal = _left_padding(host_mask, host_labels)
+        if self.left_padding is not None:
+            input_ids, labels, position_ids, attention_mask = rows_left_aligned(
+                self.left_padding, input_ids, labels, position_ids, attention_mask)
+            host_ids, host_labels, host_positions, host_mask = rows_left_aligned(
+                self.left_padding, host_ids, host_labels, host_positions, host_mask)
         if batch_check is not None:
             batch_check(input_ids.device, input_ids=host_ids, labels=host_labels, position_ids=host_positions,
                         attention_mask=host_mask)
@@ -148,6 +157,14 @@ class TSPBatch:
         self.input_ids, self.position_ids = own(input_ids), own(position_ids)
         self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
+
+
+def _left_padding(host_mask, host_labels):
+    """``(left padding per row or None, refusal or None)``."""
+    try:
+        return left_padding(host_mask, host_labels), None
+    except ValueError as error:
+        return None, error
 
 
 def _refusal(check, *args):
@@ -191,8 +208,8 @@ def _real_tokens(attention_mask, batch, seq_len, device):
         return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
     real = attention_mask.bool()
     if real.shape != (batch, seq_len) or (real[:, 1:] & ~real[:, :-1]).any():
-        raise ValueError("attention_mask must be (batch, seq_len) with right padding only (ones, then zeros); "
-                         "TSP training cannot take left padding or masks inside a sequence: pad on the right")
+        raise ValueError("attention_mask must be (batch, seq_len) with each row's real tokens in one run (padding "
+                         "before and after it only); TSP training cannot take masks inside a sequence")
     return real
 
 
@@ -294,6 +311,7 @@ class TSPCausalLMMixin:
         vocab_size = tuple(vocabulary_rows(self.get_submodule(name)) for name in (policy.embed_tokens, policy.lm_head))
         batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                          self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check)
+        _check_left_padding_use(batch, request, self.get_submodule(policy.lm_head), tsp_predictions)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
                                     batch.input_ids)
         layers = self.get_submodule(policy.layers)
@@ -329,6 +347,21 @@ class TSPCausalLMMixin:
         return TSPMoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=logits,
                                     router_logits=router_logits if output_router_logits else None,
                                     **{name: scores.get(name) for name in SCORES})
+
+
+def _check_left_padding_use(batch, request, head, tsp_predictions):
+    """Left-padded rows (``TSPBatch.left_padding``) run moved to the right: the
+    loss of a folded head and TRL's fused-head fields (moved back) do not show
+    it; every per-token output in the local layout would, so those are refused."""
+    if batch.left_padding is None or request.fused:
+        return
+    if batch.labels is not None and not request.wanted and tsp_predictions is None \
+            and isinstance(head, VocabParallelLMHead):
+        return
+    raise ValueError("attention_mask pads rows on the left, which a TSP forward moves to the right before the "
+                     "layers: it takes them for the loss with the folded vocabulary (tsp.vocab_parallel) and for "
+                     "TRL's fused LM head (fused_lm_head=True, the fields in the rows' own order); pad on the right "
+                     "for the local tokens' logits, token scores or predictions")
 
 
 def router_aux_loss(model, moe_blocks, router_logits, batch):

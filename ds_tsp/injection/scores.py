@@ -111,7 +111,11 @@ def fused_head_output(model, batch, loss, scores, seq_len, vocab_size, aux_loss=
         if values is None:
             return None
         gather = gather_tokens if differentiable else gather_sequence
-        return gather(values, padding, group, layout_name)[:, :seq_len - 1]
+        values = gather(values, padding, group, layout_name)
+        if batch.left_padding is not None:  # the rows ran moved left by their padding: back to their own order
+            columns = torch.arange(seq_len, device=values.device).unsqueeze(0)
+            values = values.gather(1, (columns - batch.left_padding.to(values.device).unsqueeze(1)) % seq_len)
+        return values[:, :seq_len - 1]
 
     targets = natural(batch.labels)
     mask = targets != IGNORE_INDEX
