@@ -17,7 +17,8 @@ _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "p
             "TSPTrainerMixin": "runtime.trainer", "configure_cpu_ranks": "runtime.trainer",
             "argmax_token_ids": "runtime.trainer", "sequence_sums": "injection.scores",
             "natural_order": "injection.scores", "add_fused_lm_head": "injection.scores",
-            "TSPSFTTrainer": "runtime.trl_trainers", "TSPDPOTrainer": "runtime.trl_trainers"}
+            "TSPSFTTrainer": "runtime.trl_trainers", "TSPDPOTrainer": "runtime.trl_trainers",
+            "TSPGRPOTrainer": "runtime.trl_trainers"}
 
 __all__ = sorted(_EXPORTS)
 

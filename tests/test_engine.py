@@ -231,7 +231,8 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
               f"{' optimizer offloaded' if offload_optimizer else ''} {optimizer}: "
               f"max rel |dw| {out['rel'][worst]:.2e} ({worst}), grad-norm rel err {norm_err:.2e}, "
               f"(by step {[f'{err:.1e}' for err in norm_errs]}), first step's against float64 "
-              f"(TSP, one process) {[f'{err:.1e}' for err in first_errs]}, losses {[round(v, 5) for v in out['losses']]}")
+              f"(TSP, one process) {[f'{err:.1e}' for err in first_errs]}, "
+              f"losses {[round(v, 5) for v in out['losses']]}")
         assert out["rel"][worst] <= BOUND[optimizer]
         assert max(out["ref_norms"]) > 1.0, "the test must exercise clipping"
         # The first step's norm differs from the float64 one by float32 summation order only, the TSP run's as

@@ -43,7 +43,18 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
        object may differ between ranks in value; files read do not), and
        make their gradients sum over the TSP group once;
     5. give the model the TSP forward (HF calling convention, full sequence in).
+
+    The TSP blocks are built from a forked random state: the caller's (what
+    dropout, sampling and shuffles draw next) is as if nothing was built.
     """
+    first = next(model.parameters(), None)
+    built_on = torch.device(device if device is not None else first.device if first is not None else "cpu")
+    on_host = built_on.type in ("cpu", "meta")
+    with torch.random.fork_rng(devices=[] if on_host else [built_on], device_type="cuda" if on_host else built_on.type):
+        return _inject(model, topology, tsp_config, read, device, adapter_files)
+
+
+def _inject(model, topology, tsp_config, read, device, adapter_files):
     model, peft_config, adapters = take_adapters(model)
     if adapter_files is not None:
         peft_config, adapters = adapter_files.config, adapter_files.adapters()

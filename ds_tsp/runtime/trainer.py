@@ -234,6 +234,27 @@ class TSPAcceleratorMixin:
 
     tsp_topology = None
     _one_copy_per_tsp_group = False
+    _data_parallel_view = False
+
+    @property
+    def num_processes(self):
+        return self.tsp_topology.dp_size if self._data_parallel_view else super().num_processes
+
+    @property
+    def process_index(self):
+        return self.tsp_topology.dp_rank if self._data_parallel_view else super().process_index
+
+    @contextlib.contextmanager
+    def data_parallel_view(self):
+        """While the body runs, ``num_processes`` and ``process_index`` are the
+        data-parallel size and rank, and ``gather`` keeps one copy of each TSP
+        group's tensors: the accelerator as a trainer that slices and
+        normalizes its batch by processes (TRL's GRPO) must see it."""
+        self._data_parallel_view = self._one_copy_per_tsp_group = True
+        try:
+            yield
+        finally:
+            self._data_parallel_view = self._one_copy_per_tsp_group = False
 
     def _prepare_deepspeed(self, *args):
         with _deepspeed_initialize_replaced(functools.partial(_tsp_engine, self.tsp_topology)):

@@ -7,7 +7,11 @@ logits) and its reference model is TSP-sharded (``ds_tsp.runtime.trl_seams``).
 docs/preference.md has the guide.
 """
 
-from trl import DPOTrainer, SFTTrainer
+import contextlib
+
+from accelerate.utils import set_seed
+from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+from trl.trainer import grpo_trainer
 
 from ds_tsp.config import split_ds_config
 from ds_tsp.runtime.trainer import TSPTrainerMixin
@@ -28,6 +32,87 @@ class TSPDPOTrainer(TSPTrainerMixin, DPOTrainer):
                              "engine of the unsharded policy; under TSP leave it False (the reference model is "
                              "TSP-sharded, 1/D of its weights per rank)")
         super().__init__(model, ref_model, args, *rest, **kwargs)
+
+
+class TSPGRPOTrainer(TSPTrainerMixin, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with TSP: completions sampled by HF's ``generate``
+    on the TSP model (a sequence-sharded cache, every rank of a TSP group
+    drawing the same tokens), their log-probabilities through the folded head,
+    the reference model TSP-sharded. TRL's generation batch, advantages and
+    loss normalizers count data-parallel replicas, not ranks: a TSP group is
+    one replica (``generation_batch_size`` becomes ``per_device_train_batch_size
+    x data-parallel size x steps_per_generation``, each replica seeded
+    ``seed + its data-parallel rank``). vLLM and transformers' continuous
+    batching generate from an unsharded copy of the policy and are refused."""
+
+    def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
+        if args is not None and _tsp_enabled(args):
+            _refuse_unsharded_generation(args)
+            _generation_batch_per_replica(args)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        if self.tsp_topology is not None:  # TRL seeded each rank apart: each replica instead, its TSP ranks alike
+            set_seed(self.args.seed + self.tsp_topology.dp_rank)
+
+    def _generate_and_score_completions(self, inputs):
+        with self._data_parallel_view():
+            return super()._generate_and_score_completions(inputs)
+
+    def _compute_loss(self, model, inputs):
+        with self._data_parallel_view():
+            return super()._compute_loss(model, inputs)
+
+    @contextlib.contextmanager
+    def _data_parallel_view(self):
+        """While TRL slices, gathers and normalizes its generation batch: the
+        accelerator's processes are the data-parallel replicas (one copy of each
+        TSP group's rows), and so are those of the gathers TRL imports."""
+        if self.tsp_topology is None:
+            yield
+            return
+        accelerator = self.accelerator
+        replaced = {"gather": accelerator.gather, "gather_object": _objects_of_each_replica(self.tsp_topology)}
+        originals = {name: getattr(grpo_trainer, name) for name in replaced}
+        with accelerator.data_parallel_view():
+            for name, function in replaced.items():
+                setattr(grpo_trainer, name, function)
+            try:
+                yield
+            finally:
+                for name, function in originals.items():
+                    setattr(grpo_trainer, name, function)
+
+
+def _refuse_unsharded_generation(args):
+    for option in ("use_vllm", "use_transformers_continuous_batching"):
+        if getattr(args, option, False):
+            raise ValueError(f"{option} = True: it generates from an unsharded copy of the policy; leave it False "
+                             "under TSP, where Hugging Face's generate runs on the TSP model (a sequence-sharded "
+                             "KV cache, 1/D of the weights a rank)")
+
+
+def _generation_batch_per_replica(args):
+    """TRL derives ``generation_batch_size`` from the world size; under TSP the
+    ranks of a group share their rows: per device x data-parallel size x
+    steps_per_generation."""
+    tsp_size = split_ds_config(args.hf_deepspeed_config.config)[1].size
+    dp_size = max(args.world_size // tsp_size, 1)
+    args.generation_batch_size = args.per_device_train_batch_size * dp_size * args.steps_per_generation
+    if args.generation_batch_size % args.num_generations:
+        raise ValueError(f"generation_batch_size = {args.generation_batch_size} (per_device_train_batch_size "
+                         f"{args.per_device_train_batch_size} x data-parallel size {dp_size} x steps_per_generation "
+                         f"{args.steps_per_generation} under tsp.size {tsp_size}) must be divisible by "
+                         f"num_generations = {args.num_generations}: raise steps_per_generation or the batch size")
+
+
+def _objects_of_each_replica(topology):
+    """``accelerate.utils.gather_object`` keeping one copy of each TSP group's objects."""
+    from accelerate.utils import gather_object
+
+    def gather(objects):
+        per_rank = gather_object([objects])
+        return [item for rank, part in enumerate(per_rank) if rank % topology.tsp_size == 0 for item in part]
+
+    return gather
 
 
 def _tsp_enabled(args):
