@@ -49,8 +49,8 @@ def byte_corpus():
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def small_byte_llama():
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+def small_byte_llama(vocab_size=256):
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)

@@ -2,6 +2,8 @@
 
 import contextlib
 import io
+import os
+import sys
 
 import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
@@ -355,17 +357,10 @@ def look_alike(layer_class, model_class=LlamaForCausalLM, seed=0, **overrides):
 
 
 def chat_tokenizer():
-    """A byte-level tokenizer with a ChatML-like template, built in code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """examples/chat.py's byte-level tokenizer with a ChatML-like template, built in code."""
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:  # chat.py imports its neighbour train.py as the examples do
+        sys.path.append(examples)
+    from chat import byte_chat_tokenizer
 
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
-                                        additional_special_tokens=specials[1:])
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}")
-    return tokenizer
+    return byte_chat_tokenizer()

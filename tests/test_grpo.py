@@ -164,14 +164,14 @@ def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
     assert tsp[0]["reference_sharded"]
 
 
-def _refusal(options, model_dir, output_dir):
+def _refusal(options, model_dir, output_dir, zero_stage=1):
     from accelerate.state import AcceleratorState
     from trl import GRPOConfig
 
     from ds_tsp.runtime.trainer import configure_cpu_ranks
 
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1},
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": zero_stage},
               "tsp": {"enabled": True, "size": 2}}
     try:
         configure_cpu_ranks()
@@ -185,14 +185,16 @@ def _refusal(options, model_dir, output_dir):
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"use_vllm": True}, r"^use_vllm = True: .* leave it False under TSP"),
+@pytest.mark.parametrize("options, zero_stage, message", [
+    ({"use_vllm": True}, 1, r"^use_vllm = True: .* leave it False under TSP"),
+    ({}, 3, r"^zero_optimization.stage 3: .* use stage 0-2 with TSPGRPOTrainer"),
     # 3 completions a micro-batch x 1 replica x 1 step: no whole group of 2 (TRL counted 2 ranks: 6).
-    ({"per_device_train_batch_size": 3, "num_generations": 2, "steps_per_generation": 1},
+    ({"per_device_train_batch_size": 3, "num_generations": 2, "steps_per_generation": 1}, 1,
      r"generation_batch_size = 3 \(per_device_train_batch_size 3 x data-parallel size 1 x steps_per_generation 1 "
      r"under tsp.size 2\) must be divisible by num_generations = 2")])
-def test_what_grpo_cannot_take_under_tsp_is_refused_by_name(run_ranks, tmp_path, options, message):
+def test_what_grpo_cannot_take_under_tsp_is_refused_by_name(run_ranks, tmp_path, options, zero_stage, message):
     model_dir = str(tmp_path / "initial")
     _initial_model().save_pretrained(model_dir)
-    refusal = run_ranks(2, _refusal, options=options, model_dir=model_dir, output_dir=str(tmp_path / "out"))[0]
+    refusal = run_ranks(2, _refusal, options=options, model_dir=model_dir, output_dir=str(tmp_path / "out"),
+                        zero_stage=zero_stage)[0]
     assert refusal is not None and re.search(message, refusal), refusal

@@ -43,11 +43,12 @@ class TSPGRPOTrainer(TSPTrainerMixin, GRPOTrainer):
     one replica (``generation_batch_size`` becomes ``per_device_train_batch_size
     x data-parallel size x steps_per_generation``, each replica seeded
     ``seed + its data-parallel rank``). vLLM and transformers' continuous
-    batching generate from an unsharded copy of the policy and are refused."""
+    batching generate from an unsharded copy of the policy and are refused, as
+    is ZeRO-3, whose partitioned shards TSP generation cannot read."""
 
     def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
         if args is not None and _tsp_enabled(args):
-            _refuse_unsharded_generation(args)
+            _refuse_what_tsp_generation_cannot_serve(args)
             _generation_batch_per_replica(args)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         if self.tsp_topology is not None:  # TRL seeded each rank apart: each replica instead, its TSP ranks alike
@@ -82,12 +83,17 @@ class TSPGRPOTrainer(TSPTrainerMixin, GRPOTrainer):
                     setattr(grpo_trainer, name, function)
 
 
-def _refuse_unsharded_generation(args):
+def _refuse_what_tsp_generation_cannot_serve(args):
     for option in ("use_vllm", "use_transformers_continuous_batching"):
         if getattr(args, option, False):
             raise ValueError(f"{option} = True: it generates from an unsharded copy of the policy; leave it False "
                              "under TSP, where Hugging Face's generate runs on the TSP model (a sequence-sharded "
                              "KV cache, 1/D of the weights a rank)")
+    if args.hf_deepspeed_config.is_zero3():
+        raise ValueError("zero_optimization.stage 3: GRPO samples completions from the policy every generation "
+                         "batch, and TSP generation reads the shards at rest, which ZeRO-3 keeps partitioned over "
+                         "the data-parallel ranks: use stage 0-2 with TSPGRPOTrainer (TSP already holds 1/D of the "
+                         "weights a rank; ZeRO-1/2 partition the optimizer states and gradients)")
 
 
 def _generation_batch_per_replica(args):
