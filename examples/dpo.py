@@ -60,8 +60,8 @@ def main():
     config = DPOConfig(output_dir=args.output_dir, deepspeed=args.deepspeed,
                        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
                        max_steps=args.steps, learning_rate=args.lr, beta=args.beta, loss_type=[args.loss_type],
-                       logging_steps=args.logging_steps, save_strategy="no", report_to=[], disable_tqdm=True, bf16=False,
-                       accelerator_config={"use_configured_state": on_cpu})
+                       logging_steps=args.logging_steps, save_strategy="no", report_to=[], disable_tqdm=True,
+                       bf16=False, accelerator_config={"use_configured_state": on_cpu})
     if args.model:  # TRL loads the policy and, from the same directory, the reference model
         model, ref_model, tokenizer = args.model, None, None
     else:
