@@ -7,9 +7,10 @@ reference model (beta 0.04), SGD (whose update is the gradient: held to
 float32 rounding, where Adam divides tiny gradients' rounding by their size),
 gradient accumulation 2 (a generation batch serving two micro-batches), 2
 steps, with the GRPO, Dr. GRPO, DAPO and BNPO losses (each normalizes by a
-different count of tokens or sequences). TSP 2 runs against one process; TSP 2
-x DP 2 under ZeRO-2 against DeepSpeed's data parallelism over 2 ranks
-(ZeRO-2), which seeds each replica as TSP does. Checked: every sampled
+different count of tokens or sequences). TSP 2 runs each against one process;
+TSP 2 x DP 2 under ZeRO-2 (DAPO, whose normalizer divides by the processes,
+and GRPO) against DeepSpeed's data parallelism over 2 ranks (ZeRO-2), which
+seeds each replica as TSP does. Checked: every sampled
 completion, the rewards, and the losses, KL and entropies logged at every
 step, and every weight of the saved model.
 """
@@ -126,7 +127,8 @@ def _relative(values, expected):
     return ((values - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-@pytest.mark.parametrize("world, loss_type", [(2, "grpo"), (2, "dr_grpo"), (4, "dapo"), (4, "bnpo")])
+@pytest.mark.parametrize("world, loss_type", [(2, "grpo"), (2, "dr_grpo"), (2, "dapo"), (2, "bnpo"), (4, "dapo"),
+                                              (4, "grpo")])
 def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
     from trl import GRPOTrainer
 
