@@ -2,7 +2,7 @@
 
 Tiny Llama and Qwen3 (per-head q/k norms), float32, on a conversational
 preference dataset built in code (the right answer against an off-by-one),
-a TSP-sharded reference model, AdamW, gradient accumulation 2, 3 steps, at
+a TSP-sharded reference model, AdamW or SGD, gradient accumulation 2, 3 steps, at
 TSP 2 and TSP 2 x DP 2 under ZeRO-2, with the sigmoid loss and IPO (whose
 per-sequence log-probabilities are averaged over the completion's tokens).
 One process's DPOTrainer takes each step's global batch at once. Checked:
@@ -25,13 +25,14 @@ from models import chat_tokenizer, tiny_model
 MICRO_BATCH = 2  # pairs per data-parallel replica and micro-batch
 ACCUMULATION = 2
 STEPS = 3
-# fp32, 3 AdamW steps, different summation orders (the ring's, the DP all-reduce): ~1e-7 seen, the issue's 1e-6.
+# fp32, 3 steps, different summation orders (the ring's, the DP all-reduce): ~1e-7 seen, the issue's 1e-6.
 BOUND = 1e-6
 BETA = 0.1
-# The weights after 3 AdamW steps: one process against itself, its 4 pairs a step taken as 2 x 2 or as 1 x 4
-# (the same loss and gradient), differs by 6e-6 relative (Adam divides small gradients' rounding by their
-# size), so weights are held to 1e-5, as the Trainer's tests hold them.
-WEIGHTS_BOUND = 1e-5
+LR = {"adamw_torch": 1e-2, "sgd": 1.0}
+# The weights after 3 steps. SGD's update is the gradient: 1e-6 as the rest. AdamW's: one process against
+# itself, its 4 pairs a step taken as 2 x 2 or as 1 x 4 (the same loss and gradient), differs by 6e-6 relative
+# (Adam divides small gradients' rounding by their size), so AdamW's are held to 1e-5, as the Trainer's tests do.
+WEIGHTS_BOUND = {"sgd": 1e-6, "adamw_torch": 1e-5}
 LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
@@ -44,13 +45,13 @@ def _pairs():
                               for a in range(4) for b in range(4)])
 
 
-def _dpo_trainer(trainer_class, arch, loss_type, output_dir, per_device_batch, deepspeed=None):
+def _dpo_trainer(trainer_class, arch, loss_type, optim, output_dir, per_device_batch, deepspeed=None):
     from trl import DPOConfig
 
     tokenizer = chat_tokenizer()
     configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
     args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=STEPS,
-                     gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-2, logging_steps=1,
+                     gradient_accumulation_steps=ACCUMULATION, optim=optim, learning_rate=LR[optim], logging_steps=1,
                      loss_type=[loss_type], beta=BETA, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
                      bf16=False, deepspeed=deepspeed, **configured)
     model = tiny_model(arch, dtype=torch.float32, vocab_size=len(tokenizer))
@@ -62,7 +63,7 @@ def _logged(trainer):
     return {key: [entry[key] for entry in trainer.state.log_history if key in entry] for key in LOGGED}
 
 
-def _tsp_dpo_run(arch, loss_type, zero_stage, output_dir):
+def _tsp_dpo_run(arch, loss_type, optim, zero_stage, output_dir):
     from accelerate.state import AcceleratorState
 
     from ds_tsp.injection.model import TSPCausalLMMixin
@@ -74,7 +75,7 @@ def _tsp_dpo_run(arch, loss_type, zero_stage, output_dir):
               "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
     try:
         configure_cpu_ranks()
-        trainer = _dpo_trainer(ds_tsp.TSPDPOTrainer, arch, loss_type, output_dir, MICRO_BATCH, config)
+        trainer = _dpo_trainer(ds_tsp.TSPDPOTrainer, arch, loss_type, optim, output_dir, MICRO_BATCH, config)
         trainer.train()
         trainer.save_model(os.path.join(output_dir, "final"))
         reference = trainer.ref_model
@@ -89,16 +90,17 @@ def _relative(values, expected):
     return ((values - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("arch, world, loss_type", [("llama", 2, "sigmoid"), ("llama", 4, "ipo"),
-                                                    ("qwen3", 2, "ipo"), ("qwen3", 4, "sigmoid")])
-def test_dpo_trainer_matches_one_process(run_ranks, tmp_path, arch, world, loss_type):
+@pytest.mark.parametrize("arch, world, loss_type, optim", [
+    ("llama", 2, "sigmoid", "adamw_torch"), ("llama", 4, "ipo", "sgd"), ("qwen3", 2, "ipo", "sgd"),
+    ("qwen3", 4, "sigmoid", "adamw_torch")])
+def test_dpo_trainer_matches_one_process(run_ranks, tmp_path, arch, world, loss_type, optim):
     from trl import DPOTrainer
 
     dp_size = world // 2
     zero_stage = 2 if dp_size > 1 else 1
-    tsp = run_ranks(world, _tsp_dpo_run, arch=arch, loss_type=loss_type, zero_stage=zero_stage,
+    tsp = run_ranks(world, _tsp_dpo_run, arch=arch, loss_type=loss_type, optim=optim, zero_stage=zero_stage,
                     output_dir=str(tmp_path / "tsp"), timeout_s=400)[0]
-    stock = _dpo_trainer(DPOTrainer, arch, loss_type, str(tmp_path / "stock"), MICRO_BATCH * dp_size)
+    stock = _dpo_trainer(DPOTrainer, arch, loss_type, optim, str(tmp_path / "stock"), MICRO_BATCH * dp_size)
     stock.train()
     expected = _logged(stock)
     # A reward is beta times a difference of log-probabilities that start equal (0 at the first step): its
@@ -111,12 +113,12 @@ def test_dpo_trainer_matches_one_process(run_ranks, tmp_path, arch, world, loss_
     weights = max(_relative(p.detach(), reference[n].detach()) for n, p in reloaded.named_parameters())
     start = dict(tiny_model(arch, dtype=torch.float32, vocab_size=reloaded.config.vocab_size).named_parameters())
     moved = max(_relative(p.detach(), start[n].detach()) for n, p in reloaded.named_parameters())
-    print(f"DPO {arch} {loss_type} TSP=2 DP={dp_size} ZeRO-{zero_stage}: losses {tsp['logged']['loss']} vs "
+    print(f"DPO {arch} {loss_type} {optim} TSP=2 DP={dp_size} ZeRO-{zero_stage}: losses {tsp['logged']['loss']} vs "
           f"{expected['loss']}; max rel " + ", ".join(f"{key} {value:.1e}" for key, value in errors.items())
           + f"; weights {weights:.1e} (moved {moved:.1e} from the start)")
     assert all(len(tsp["logged"][key]) == STEPS for key in LOGGED)
-    assert max(errors.values()) <= BOUND and weights <= WEIGHTS_BOUND
-    assert moved > 1e3 * WEIGHTS_BOUND  # the check can fail: training moved the weights far more than the bound
+    assert max(errors.values()) <= BOUND and weights <= WEIGHTS_BOUND[optim]
+    assert moved > 1e3 * WEIGHTS_BOUND[optim]  # the check can fail: training moved the weights far more than the bound
     assert tsp["reference_sharded"] and tsp["reference_frozen"]
 
 
@@ -130,7 +132,8 @@ def _refusals(output_dir):
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1},
               "tsp": {"enabled": True, "size": 2}}
-    chats = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}])
+    chats = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "ok"}]}])
     cases = ((ds_tsp.TSPDPOTrainer, DPOConfig, {"precompute_ref_log_probs": True}, _pairs()),
              (ds_tsp.TSPSFTTrainer, SFTConfig, {"label_smoothing_factor": 0.1}, chats))
     found = []
