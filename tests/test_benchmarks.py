@@ -266,3 +266,30 @@ def test_batch_check_times_the_check_against_a_step(tmp_path, own_processes):
     print(row)
     assert 0 < row["check_s"] < row["step_off_s"] and row["step_on_s"] > 0
     assert "| 64 |" in open(tmp_path / "batch_check_cpu.md").read()
+
+
+def test_dpo_memory_measures_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
+    """benchmarks/dpo_memory.py on a tiny Llama at 256 and 512 tokens a pair: every strategy runs, its DPO loss
+    starts at log 2 (policy = reference), ZeRO-3's two heads give the same losses, and TSP's per-rank peak is the
+    lowest at each length and grows with it."""
+    cmd = [os.path.join(ROOT, "benchmarks", "dpo_memory.py"), "--pair-tokens", "256", "512", "--hidden", "64",
+           "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "1000",
+           "--out", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = run_script(cmd, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.load(open(tmp_path / "dpo_memory.json"))["results"]
+    assert set(results) == {"tsp", "zero3", "zero3_tiled"}
+    peaks = {name: {tokens: max(rank["peak_live_bytes"] for rank in per_rank) for tokens, per_rank in cells.items()}
+             for name, cells in results.items()}
+    print({name: {tokens: peak >> 10 for tokens, peak in cells.items()} for name, cells in peaks.items()}, "KiB")
+    for cells in results.values():  # the first step's policy is the reference: the loss is log 2
+        assert all(abs(rank["losses"][0] - 0.6931471805599453) < 1e-6 for rank in cells["256"])
+    # ZeRO-3 with TRL's head and with TSP's at D = 1 train the same pairs alike: the two heads agree.
+    for tokens in ("256", "512"):
+        for trl_rank, tiled_rank in zip(results["zero3"][tokens], results["zero3_tiled"][tokens]):
+            assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(trl_rank["losses"], tiled_rank["losses"]))
+    for tokens in ("256", "512"):
+        assert peaks["tsp"][tokens] < min(peaks["zero3"][tokens], peaks["zero3_tiled"][tokens])
+    assert peaks["tsp"]["512"] > peaks["tsp"]["256"]
+    assert "| TSP / zero3 | TSP / zero3_tiled |" in open(tmp_path / "dpo_memory.md").read()
