@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer under TSP (``ds_tsp.TSPGRPOTrainer``) against TRL's own run.
 
 Tiny Llama, float32, prompts built in code and a reward of the completion's
-characters (no model): 4 completions a prompt sampled by Hugging Face's
+characters (no model): 2 completions a prompt sampled by Hugging Face's
 ``generate`` (temperature 0.9, up to 6 new tokens) on the TSP model, a TSP-sharded
 reference model (beta 0.04), SGD (whose update is the gradient: held to
 float32 rounding, where Adam divides tiny gradients' rounding by their size),
@@ -17,17 +17,19 @@ step, and every weight of the saved model.
 
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import ds_tsp
+from ds_tsp.injection.inputs import left_padding
 from models import chat_tokenizer, tiny_model
 
 MICRO_BATCH = 2  # completions per data-parallel replica and micro-batch
 ACCUMULATION = 2
-NUM_GENERATIONS = 4
+NUM_GENERATIONS = 2  # a replica's generation batch of 4 rows: two prompts, which can differ in length
 STEPS = 2
 LR = 0.02
 BETA = 0.04
@@ -46,7 +48,8 @@ LOGGED = ("loss", "reward", "reward_std", "kl", "entropy")
 def _prompts():
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": f"add {a} and {b}:"} for a in range(4) for b in range(4)])
+    # Prompts of 12 to 14 characters: a batch's shorter ones are padded on the left (ds_tsp moves those rows).
+    return Dataset.from_list([{"prompt": f"add {a} and {b}:"} for a in range(4) for b in (1, 23, 456, 7)])
 
 
 def _reward(completions, **kwargs):
@@ -111,11 +114,19 @@ def _run(trainer_class, loss_type, model_dir, output_dir, tsp_size=None):
             return out
 
         trainer._generate = recorded
-        trainer.train()
+        left_padded = []
+
+        def moved_rows(attention_mask, labels=None):  # whether a training forward moved left-padded rows
+            left = left_padding(attention_mask, labels)
+            left_padded.append(left is not None)
+            return left
+
+        with mock.patch("ds_tsp.injection.model.left_padding", moved_rows):
+            trainer.train()
         trainer.save_model(os.path.join(output_dir, "final"))
         logged = {key: [entry[key] for entry in trainer.state.log_history if key in entry] for key in LOGGED}
         advantages = max(abs(a) for a in trainer._logs["advantages"])  # the last generation batch's
-        return {"logged": logged, "completions": completions, "advantages": advantages,
+        return {"logged": logged, "completions": completions, "advantages": advantages, "left_padded": any(left_padded),
                 "reference_sharded": isinstance(trainer.ref_model, TSPCausalLMMixin)}
     finally:
         if config is not None:
@@ -163,10 +174,10 @@ def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
     assert errors.pop("kl") <= KL_BOUND
     assert max(errors.values()) <= BOUND and weights <= BOUND
     assert moved > 1e3 * BOUND  # the check can fail: training moved the weights far more than the bound
-    assert tsp[0]["reference_sharded"]
+    assert tsp[0]["reference_sharded"] and tsp[0]["left_padded"]  # prompts of unequal lengths were scored
 
 
-def _refusal(options, model_dir, output_dir, zero_stage=1):
+def _refusal(options, model_dir, output_dir, zero_stage):
     from accelerate.state import AcceleratorState
     from trl import GRPOConfig
 

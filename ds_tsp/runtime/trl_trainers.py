@@ -9,7 +9,7 @@ docs/preference.md has the guide.
 
 import contextlib
 
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 from trl.trainer import grpo_trainer
 
@@ -112,7 +112,6 @@ def _generation_batch_per_replica(args):
 
 def _objects_of_each_replica(topology):
     """``accelerate.utils.gather_object`` keeping one copy of each TSP group's objects."""
-    from accelerate.utils import gather_object
 
     def gather(objects):
         per_rank = gather_object([objects])
