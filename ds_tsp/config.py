@@ -40,6 +40,7 @@ _EXPECTED = {
     "fp32_accumulators": "true or false",
     "recompute_norms": "true or false",
     "moe_schedule": "one of \"auto\", \"ring\", \"all_to_all\"",
+    "latent_attention": "one of \"auto\", \"expanded\", \"absorbed\"",
     "prefetch_checkpoints": "true, false or \"auto\"",
 }
 
@@ -111,6 +112,14 @@ class TSPConfig(DeepSpeedConfigModel):
     exchanged for backward, about 2 k H elements per local token and layer, where the ring keeps none: without
     activation checkpointing at long sequences, "ring" may fit where "auto" does not. Decoding uses neither:
     weights stay at rest and the ranks' shares are summed. """
+
+    latent_attention: Literal["auto", "expanded", "absorbed"] = "auto"
+    """ How a multi-head latent attention layer (DeepSeek-V2/V3, Kimi-K2, Mistral 4) attends to the gathered
+    latent: "expanded" expands it into each head group's keys and values (query/key heads of qk_nope_head_dim +
+    qk_rope_head_dim, values of v_head_dim), "absorbed" folds the key up-projection into the queries and attends
+    in latent space (one shared key head of kv_lora_rank + qk_rope_head_dim), the value up-projection applied to
+    the output. "auto" picks per layer and input shape the one the cost model counts fewer FLOPs for (expanded
+    for training at any length, absorbed for decoding); the choice is logged. Both give the same numbers. """
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of

@@ -27,6 +27,12 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm,
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv
+from transformers.models.deepseek_v2 import modeling_deepseek_v2
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm, DeepseekV3TopkRouter
+from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteRMSNorm, Glm4MoeLiteTopkRouter
+from transformers.models.youtu.modeling_youtu import YoutuRMSNorm
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, YoutuConfig, YoutuForCausalLM)
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
@@ -71,6 +77,23 @@ def rms_norm_in_the_wider_dtype(self, hidden_states):
 
 Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = OlmoeRMSNorm.forward = FlexOlmoRMSNorm.forward = \
     MiniMaxM2RMSNorm.forward = rms_norm_in_the_wider_dtype
+# The MLA models' norms, whose latent norms (kv_a_layernorm, q_a_layernorm) are HF's float32 RMSNorm too.
+DeepseekV3RMSNorm.forward = modeling_deepseek_v2.DeepseekV2RMSNorm.forward = Glm4MoeLiteRMSNorm.forward = \
+    YoutuRMSNorm.forward = rms_norm_in_the_wider_dtype
+
+
+def deepseek_v2_rotary_in_the_wider_dtype(xq, xk, freqs_cis):
+    """DeepSeek-V2's complex rotary embedding as Hugging Face writes it, but in
+    complex128 for a float64 model: HF's rotates in complex64 whatever the dtype."""
+    wide = torch.promote_types(xq.dtype, torch.float32)
+    xq_ = torch.view_as_complex(xq.to(wide).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.to(wide).reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.dtype)
+    return (torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk))
+
+
+modeling_deepseek_v2.apply_rotary_emb = deepseek_v2_rotary_in_the_wider_dtype
 
 
 def gemma_rms_norm_in_the_wider_dtype(self, x):
@@ -106,7 +129,9 @@ def glm_router_in_the_wider_dtype(self, hidden_states):
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
-Glm4MoeTopkRouter.forward = Dots1TopkRouter.forward = glm_router_in_the_wider_dtype  # one router, two copies
+# One router, four copies.
+Glm4MoeTopkRouter.forward = Dots1TopkRouter.forward = DeepseekV3TopkRouter.forward = Glm4MoeLiteTopkRouter.forward = \
+    glm_router_in_the_wider_dtype
 
 
 def minimax_router_in_the_wider_dtype(self, hidden_states, e_score_correction_bias):
@@ -209,7 +234,35 @@ def tiny_config(arch, **overrides):
                                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                    "original_max_position_embeddings": 32},
                                **moe, "attn_implementation": "eager"})
+    if arch in MLA_ARCHS:
+        return mla_config(arch, kwargs)
     raise ValueError(arch)
+
+
+# Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
+# of 6 whose rows split unevenly over 4 ranks, every head its own key/value head. DeepSeek-V3: YaRN with its mscale
+# on the softmax scale, a dense first layer, then its MoE (GLM-4.5's sigmoid group-limited router); DeepSeek-V2-Lite:
+# no query latent, DeepSeek-V2's complex rotary; GLM-4.7-Flash (glm4_moe_lite): interleaved rotary and MoE; Youtu: a
+# dense MLA model, taken by the auto policy and its probe as all of these are.
+MLA_TINY = dict(num_key_value_heads=4, head_dim=2, q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                v_head_dim=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MLA_MOE = dict(n_routed_experts=4, moe_intermediate_size=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+               topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, experts_implementation="eager")
+MLA_ARCHS = {
+    "deepseek_v3": (DeepseekV3Config, {**MLA_MOE, "first_k_dense_replace": 1, "rope_interleave": True,
+                                       "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                           "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "deepseek_v3_dense": (DeepseekV3Config, {"first_k_dense_replace": 2}),
+    "deepseek_v2_lite": (DeepseekV2Config, {"q_lora_rank": None, "first_k_dense_replace": 2}),
+    "glm4_moe_lite": (Glm4MoeLiteConfig, {**MLA_MOE, "first_k_dense_replace": 1}),
+    "youtu": (YoutuConfig, {}),
+}
+
+
+def mla_config(arch, kwargs):
+    config_class, extra = MLA_ARCHS[arch]
+    return config_class(**{**kwargs, **MLA_TINY, **extra})
 
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
@@ -218,7 +271,10 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
                  "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
-                 "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM}
+                 "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM,
+                 "deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_dense": DeepseekV3ForCausalLM,
+                 "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
+                 "youtu": YoutuForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

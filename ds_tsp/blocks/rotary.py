@@ -96,7 +96,7 @@ def rotate(t, norm, cos, sin):
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
-    """``(cos, sin)`` of this rank's ``positions`` ``(B, n)`` as the model's
+    """``(cos, sin)`` (or the one complex table a model keeps instead) of this rank's ``positions`` ``(B, n)`` as the model's
     rotary embedding computes them for the whole sequence (for layers of type
     ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the
@@ -104,7 +104,10 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    cos, sin = rotary_of_kind(rotary_emb, hidden, probe, kind)
+    tables = rotary_of_kind(rotary_emb, hidden, probe, kind)
+    if isinstance(tables, torch.Tensor):  # one complex table (DeepSeek-V2's freqs_cis)
+        return tables[:, :-1]
+    cos, sin = tables
     return cos[:, :-1], sin[:, :-1]
 
 

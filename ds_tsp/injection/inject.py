@@ -3,6 +3,7 @@
 import torch
 
 from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
@@ -13,6 +14,7 @@ from ds_tsp.injection.policy import PolicyError, load_balancing_loss, resolve_po
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel.mappings import sum_grads_over_group
 from ds_tsp.planning.communication import cheaper_moe_schedule
+from ds_tsp.planning.flops import cheaper_latent_form
 
 
 def inject(model, topology, tsp_config, read=None, device=None, adapter_files=None):
@@ -138,13 +140,15 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     ``rotary_kind``: the rotary tables the layer takes (``DecoderPolicy.rotary_kind``)."""
     attention = layer.get_submodule(policy.attention)
     mlp = layer.get_submodule(policy.mlp)
-    tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
-                                         layout_name=tsp_config.layout, backend=tsp_config.attention_backend,
-                                         overlap=tsp_config.overlap,
-                                         token_tile=tsp_config.token_tile,
-                                         fp32_accumulators=tsp_config.fp32_accumulators,
-                                         read=_prefixed(read, policy.attention), device=device,
-                                         fused=policy.fused.get(policy.attention))
+    options = dict(layout_name=tsp_config.layout, backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
+                   token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
+                   read=_prefixed(read, policy.attention), device=device)
+    if is_latent_attention(attention):
+        form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention
+        tsp_attention = TSPLatentAttention.from_hf(attention, config, topology.tsp_group, form=form, **options)
+    else:
+        tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
+                                             fused=policy.fused.get(policy.attention), **options)
     sparse = policy.is_sparse(mlp)
     tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
         mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,

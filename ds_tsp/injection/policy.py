@@ -29,6 +29,7 @@ from torch import nn
 from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
+from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
 
@@ -366,6 +367,13 @@ ATTENTION_TENSORS = ("sinks",)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def latent_projections(attn):
+    """The submodules of a multi-head latent attention (``ds_tsp.blocks.latent``):
+    a query latent and its norm, or a plain query projection where it has none."""
+    queries = ("q_a_proj", "q_a_layernorm", "q_b_proj") if getattr(attn, "q_a_proj", None) is not None else ("q_proj",)
+    return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
 def get_submodule(model, path):
     try:
         return model.get_submodule(path)
@@ -514,7 +522,9 @@ def check_layer(policy, layer, where):
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
     children = dict(layer.named_children())
     sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
-    expected = {policy.attention: policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS),
+    latent = policy.attention in children and is_latent_attention(children[policy.attention])
+    expected = {policy.attention: latent_projections(children[policy.attention]) if latent else
+                policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS),
                 policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
                 **{name: () for name in policy.norm_names()}}
     check_own_tensors(layer, where, layer_class)
@@ -538,15 +548,18 @@ def check_layer(policy, layer, where):
         if projections:
             check_own_tensors(module, f"{where}.{child}", layer_class,
                               ATTENTION_TENSORS if child == policy.attention else ())
-            _check_biases(module, projections, f"{where}.{child}", layer_class)
+            _check_biases(module, [p for p in projections if not p.endswith("layernorm")], f"{where}.{child}",
+                          layer_class)
     for name in children:
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
-    if not isinstance(getattr(children[policy.attention], "head_dim", None), int):
+    # The latent attention reads its head sizes from the config (shards.LatentShapes).
+    if not latent and not isinstance(getattr(children[policy.attention], "head_dim", None), int):
         raise PolicyError(f"{layer_class} at {where}.{policy.attention} has no integer head_dim, which the TSP "
                           "attention reads to split heads: this layer is not supported")
-    check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
+    if not latent:
+        check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
     if sparse:
         check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class, policy.layer_class is None)
     elif not hasattr(children[policy.mlp], policy.activation):

@@ -11,6 +11,11 @@ expert) each token uses; TSP's experts recompute their projections in
 backward. Activation checkpointing runs every layer's forward once more.
 """
 
+import logging
+from fractions import Fraction
+
+logger = logging.getLogger("ds_tsp")
+
 
 def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None, ffn_replicas=None):
     """FLOPs per device per step, and the attention's part of them: the replica's
@@ -43,3 +48,33 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
             recompute += layers * (mm_attn + mm_ffn + attn)
             attention += layers * attn
     return (forward + backward + recompute) * share, attention * share
+
+
+def latent_attention_flops(shapes, local_tokens, seq_len, form):
+    """FLOPs of one head group of a multi-head latent attention layer
+    (``blocks.latent.shards.LatentShapes``) on a rank's ``local_tokens`` queries
+    against ``seq_len`` keys per row, forward: ``"expanded"`` makes the group's
+    keys and values from every gathered token's latent, ``"absorbed"`` attends
+    in latent space. Each query sees half the keys on average (causal, zigzag)."""
+    hq, nope, rope, v, c = (shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim,
+                            shapes.kv_lora_rank)
+    pairs = Fraction(local_tokens * seq_len, 2)  # (query, key) pairs scored
+    if form == "expanded":
+        keys = local_tokens * shapes.tsp_size  # every row's whole sequence
+        return 2 * keys * c * hq * (nope + v) + 2 * pairs * hq * (nope + rope + v)
+    return 2 * local_tokens * hq * c * (nope + v) + 2 * pairs * hq * (c + rope + c)
+
+
+_last_form = {}  # layer shapes -> the form last chosen and logged for them
+
+
+def cheaper_latent_form(shapes, local_tokens, seq_len):
+    """``tsp.latent_attention: "auto"``: the form with fewer FLOPs at this shape
+    (expanded where they tie), logged whenever the choice for a layer shape changes."""
+    costs = {form: latent_attention_flops(shapes, local_tokens, seq_len, form) for form in ("expanded", "absorbed")}
+    form = min(costs, key=costs.get)
+    if _last_form.get(shapes) != form:
+        _last_form[shapes] = form
+        logger.info("tsp.latent_attention auto: %s for %d local tokens of %d (%.3g against %.3g FLOPs a head group)",
+                    form, local_tokens, seq_len, costs[form], costs["absorbed" if form == "expanded" else "expanded"])
+    return form

@@ -1,0 +1,164 @@
+"""The TSP multi-head latent attention block (DeepSeek-V2/V3, Kimi-K2, Mistral 4
+and every Hugging Face class of their shape): this rank's down-projection rows
+and head group of one layer's MLA, built from a Hugging Face module or a
+checkpoint (``from_hf``, ``load_shard``), run by ``ds_tsp.blocks.latent.schedule``.
+"""
+
+import copy
+import inspect
+import sys
+
+import torch
+import torch.nn as nn
+
+from ds_tsp.blocks.attention.selection import select_kernel
+from ds_tsp.blocks.documents import query_blocks
+from ds_tsp.blocks.latent.schedule import FORMS, LatentPlan, TSPLatentAttentionFunction
+from ds_tsp.blocks.latent.shards import LatentShapes, REPLICATED, shard_piece, shard_spec
+from ds_tsp.blocks.packing import PackedShardMixin, module_reader
+from ds_tsp.parallel import comm
+
+
+class ModelRope:
+    """The model's own rotary function on ``(B, L, h, d_rope)`` tensors: Hugging
+    Face's ``apply_rotary_pos_emb`` (or its interleaved variant) over ``(cos,
+    sin)`` tables, or DeepSeek-V2's ``apply_rotary_emb`` over complex ones,
+    each called as the Hugging Face attention calls it, so the rotated values
+    are the unsharded model's to the bit."""
+
+    def __init__(self, apply):
+        self.apply = apply
+
+    def __call__(self, t, tables):
+        heads_first = t.transpose(1, 2)
+        tables = tables if isinstance(tables, tuple) else (tables,)
+        return self.apply(heads_first, heads_first, *tables)[0].transpose(1, 2)
+
+
+def model_rope(attn, config):
+    """The rotary function ``attn``'s forward applies, read from its modeling
+    module: the interleaved one where the forward calls it for
+    ``config.rope_interleave`` and the config asks for it; DeepSeek-V2's
+    complex one where the forward calls that."""
+    modeling = sys.modules[type(attn).__module__]
+    source = inspect.getsource(type(attn).forward)
+    if "apply_rotary_emb(" in source:
+        return ModelRope(modeling.apply_rotary_emb)
+    if "apply_rotary_pos_emb_interleave" in source and getattr(config, "rope_interleave", False):
+        return ModelRope(modeling.apply_rotary_pos_emb_interleave)
+    return ModelRope(modeling.apply_rotary_pos_emb)
+
+
+class TSPLatentAttention(PackedShardMixin, nn.Module):
+    """Multi-head latent attention of one decoder layer over a TSP group.
+
+    ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
+    and the model's rotary tables of their GLOBAL positions. ``form``:
+    ``"expanded"``, ``"absorbed"`` or a callable ``form(shapes, local_tokens,
+    seq_len)`` choosing one per input shape (ds_tsp's planner hands its cost
+    model in at injection). The constructor allocates the shard without
+    initialising it: ``from_hf`` or ``load_shard`` fills it.
+    """
+
+    def __init__(self, shapes, tsp_group, q_norm, kv_norm, rope, *, o_bias=False, scale=None, form="expanded",
+                 layout_name="zigzag", backend="auto", overlap=True, token_tile=0, fp32_accumulators=True,
+                 dtype=None, device=None):
+        super().__init__()
+        if backend not in ("auto", "sdpa"):
+            raise ValueError(f"tsp.attention_backend = {backend!r}: multi-head latent attention runs on torch "
+                             "SDPA, whose kernels take its different query/key and value head sizes; set "
+                             "tsp.attention_backend to \"auto\" or \"sdpa\"")
+        if not callable(form) and form not in FORMS:
+            raise ValueError(f"tsp.latent_attention = {form!r}: choose one of {('auto', *FORMS)}")
+        self.tsp_group = tsp_group
+        self.tsp_rank = comm.group_rank(tsp_group)
+        self.shapes = shapes
+        self.specs = tuple(shapes.specs(j) for j in range(shapes.tsp_size))
+        self.spec = shard_spec(shapes, self.tsp_rank)
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
+        self.packed.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
+        self.lora = None
+        self.o_bias = nn.Parameter(torch.zeros(shapes.hidden_size, dtype=dtype, device=device)) if o_bias else None
+        # Hugging Face's names: the latents' norms, kept whole on every rank.
+        self.q_a_layernorm, self.kv_a_layernorm = q_norm, kv_norm
+        self.rope = rope
+        self.scale = shapes.qk_head_dim ** -0.5 if scale is None else scale
+        self.form = form
+        self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
+        self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
+        self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
+
+    @classmethod
+    def from_hf(cls, attn, config, tsp_group, form="expanded", layout_name="zigzag", backend="auto", overlap=True,
+                token_tile=0, fp32_accumulators=True, read=None, device=None):
+        """Build from a Hugging Face MLA module, keeping this rank's shard;
+        ``read(name, piece)`` as ``TSPAttention.from_hf``'s."""
+        weight = attn.kv_a_proj_with_mqa.weight
+        device = device or weight.device
+        shapes = latent_shapes(attn, config, comm.group_size(tsp_group))
+        norms = [None if norm is None else copy.deepcopy(norm).to_empty(device=device)
+                 for norm in (getattr(attn, "q_a_layernorm", None), attn.kv_a_layernorm)]
+        module = cls(shapes, tsp_group, *norms, model_rope(attn, config), o_bias=attn.o_proj.bias is not None,
+                     scale=attn.scaling, form=form, layout_name=layout_name, backend=backend, overlap=overlap,
+                     token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=weight.dtype, device=device)
+        read = read or module_reader(attn)
+        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
+        return module
+
+    def replicated_params(self):
+        """The parameters every rank holds whole, under Hugging Face names."""
+        params = {"q_a_layernorm.weight": None if self.q_a_layernorm is None else self.q_a_layernorm.weight,
+                  "kv_a_layernorm.weight": self.kv_a_layernorm.weight, "o_proj.bias": self.o_bias}
+        return {name: param for name, param in params.items() if param is not None}
+
+    def shard_piece(self, name):
+        return shard_piece(self.shapes, name, self.tsp_rank)
+
+    def takes_input_norm(self, norm):
+        return False
+
+    def form_for(self, x, seq_len):
+        return self.form(self.shapes, x.shape[0] * x.shape[1], seq_len) if callable(self.form) else self.form
+
+    def plan(self, x, documents=None):
+        D = self.shapes.tsp_size
+        return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
+                          kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
+                          form=self.form_for(x, x.shape[1] * D), rope=self.rope, q_norm=self.q_a_layernorm,
+                          kv_norm=self.kv_a_layernorm, overlap=self.overlap,
+                          query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
+                                                    x.shape[0], self.token_tile),
+                          fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype)
+
+    def forward(self, x, position_embeddings, documents=None, input_norm=None):
+        if input_norm is not None:
+            raise ValueError("the latent attention does not run its input norm inside (takes_input_norm)")
+        q_norm_weight = None if self.q_a_layernorm is None else self.q_a_layernorm.weight
+        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents), position_embeddings,
+                                               q_norm_weight, self.kv_a_layernorm.weight)
+        return out if self.o_bias is None else out + self.o_bias
+
+
+def latent_shapes(attn, config, tsp_size):
+    """The ``LatentShapes`` of a Hugging Face MLA module."""
+    return LatentShapes(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+                        q_lora_rank=config.q_lora_rank if getattr(attn, "q_a_proj", None) is not None else None,
+                        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, tsp_size=tsp_size,
+                        down_bias=attn.kv_a_proj_with_mqa.bias is not None)
+
+
+def is_latent_attention(attn):
+    """Whether ``attn`` is a multi-head latent attention (its keys and values from a latent)."""
+    return isinstance(getattr(attn, "kv_a_proj_with_mqa", None), nn.Linear)
+
+
+def replicated_names(attn):
+    """Hugging Face names of the MLA tensors TSP keeps whole on every rank."""
+    return [name for name in REPLICATED if _has(attn, name)]
+
+
+def _has(module, name):
+    owner, _, attr = name.rpartition(".")
+    sub = getattr(module, owner, None)
+    return sub is not None and getattr(sub, attr, None) is not None

@@ -1,0 +1,309 @@
+"""Multi-head latent attention's schedule under TSP (DESIGN.md 6i), as plain
+forward and backward functions and the autograd Function that runs them.
+
+Per layer, on every rank, with ``x`` its local tokens ``(B, S/D, H)``:
+
+1. the down pieces are broadcast in turn (the next one in flight under the
+   current one's product): each rank projects its own tokens through every
+   piece, so it holds its tokens' whole query latent, key/value latent and
+   rotary key, and norms them whole;
+2. ONE all-gather along the sequence of the latent and the rotated key:
+   ``kv_lora_rank + qk_rope_head_dim`` elements per token, for all heads;
+3. the head groups are broadcast in turn; each rank runs its queries of the
+   group against the gathered latent, expanded into the group's keys and
+   values (``"expanded"``) or attended in latent space, the group's key
+   up-projection absorbed into its queries and its value up-projection
+   applied to the output (``"absorbed"``), and sums the groups' outputs
+   through their ``o_proj`` columns locally.
+
+Backward broadcasts the head groups and the down pieces again, re-gathers the
+latent and runs each group's local backward under autograd; the latent's
+gradient, summed over the groups in float32 or wider, is reduce-scattered to
+its tokens' owners once per layer; each piece's weight gradient is reduced to
+its owner. Saved: the local input and its down projections' outputs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.attention.schedule import attend_local_chunks, reduce_to_owner
+from ds_tsp.parallel import comm, layout, precision
+
+FORMS = ("expanded", "absorbed")
+
+
+@dataclass(frozen=True)
+class LatentPlan:
+    """Everything the schedule needs besides tensors."""
+
+    group: object
+    shapes: object  # shards.LatentShapes
+    specs: tuple  # every rank's (down piece, head group) PackSpecs
+    layout: str
+    kernel: object
+    scale: float
+    form: str  # "expanded" or "absorbed"
+    rope: object  # rope(t (B, L, h, d_rope), tables) -> t rotated, the model's own rotary function
+    q_norm: object  # the Hugging Face norm modules of the latents (q_a_layernorm None without a query latent)
+    kv_norm: object
+    overlap: bool
+    query_blocks: list  # documents.query_blocks
+    fp32_accumulators: bool = True
+    grad_wire_dtype: object = None
+    window: None = None  # read by attend_local_chunks: MLA layers attend causally over the whole sequence
+    explicit_backward: bool = False  # read by attend_local_chunks: backward runs under autograd
+
+    @property
+    def tsp_size(self):
+        return self.shapes.tsp_size
+
+
+def piece_stream(plan, packed, part):
+    """Yield ``(j, weights of piece j)`` for every owner ``j``, ``part`` 0 for
+    the down pieces, 1 for the head groups; with ``plan.overlap`` the broadcast
+    of piece ``j+1`` is in flight while piece ``j`` computes."""
+    tsp_rank, D = comm.group_rank(plan.group), plan.tsp_size
+
+    def start(j):
+        specs = plan.specs[j]
+        offset = 0 if part == 0 else specs[0].numel
+        if j == tsp_rank:
+            buf = packed.detach().narrow(0, offset, specs[part].numel)
+        else:
+            buf = packed.new_empty(specs[part].numel)
+        return buf, comm.broadcast(buf, src=j, group=plan.group, async_op=True)
+
+    pending = start(0)
+    for j in range(D):
+        buf, work = pending
+        if work is not None:
+            work.wait()
+        if plan.overlap and j + 1 < D:
+            pending = start(j + 1)
+        yield j, plan.specs[j][part].unpack(buf)
+        if not plan.overlap and j + 1 < D:
+            pending = start(j + 1)
+
+
+def down_project(plan, x, packed):
+    """The local tokens' down projections, before their norms: ``{name: (B, S/D, rows)}``
+    for ``q_a_proj`` (with a query latent) and ``kv_a_proj_with_mqa``, from every rank's piece."""
+    parts = {name: [] for name in plan.shapes.down_projections()}
+    for _, w in piece_stream(plan, packed, 0):
+        for name, outputs in parts.items():
+            outputs.append(F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias")))
+    return {name: torch.cat(outputs, dim=-1) for name, outputs in parts.items()}
+
+
+def local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight):
+    """From the down projections ``raw``: the query latent ``c_q`` (None
+    without one) and ``(B, S/D, kv_lora_rank + qk_rope_head_dim)``: the normed
+    key/value latent and the rotary key at the tokens' global positions.
+    The norms run as the model's modules with the given weights (stand-ins in
+    backward, so the parameters' own gradient hooks do not run here)."""
+    shapes = plan.shapes
+    c_q = None
+    if "q_a_proj" in raw:
+        c_q = torch.func.functional_call(plan.q_norm, {"weight": q_norm_weight}, (raw["q_a_proj"],))
+    kv_nope, k_rot = raw["kv_a_proj_with_mqa"].split([shapes.kv_lora_rank, shapes.qk_rope_head_dim], dim=-1)
+    c_kv = torch.func.functional_call(plan.kv_norm, {"weight": kv_norm_weight}, (kv_nope,))
+    k_rot = plan.rope(k_rot.unsqueeze(2), tables).squeeze(2)
+    return c_q, torch.cat([c_kv.to(k_rot.dtype), k_rot], dim=-1)
+
+
+def gather_latent(plan, latent):
+    """The full sequence's latent ``(B, S, width)`` in natural order, from every rank's ``(B, S/D, width)``."""
+    if plan.tsp_size == 1:
+        return latent
+    gathered, work = comm.all_gather(latent, plan.group, async_op=True)
+    work.wait()
+    return layout.unshard(gathered, plan.tsp_size, plan.layout, dim=1)
+
+
+def scatter_latent_grad(plan, grad, dtype):
+    """The local tokens' part of the full sequence's latent gradient ``grad``
+    (float32 or wider), summed over ranks: sent in ``dtype``, added in float32 or wider."""
+    if plan.tsp_size == 1:
+        return grad
+    stacked = layout.stack_shards(grad, plan.tsp_size, plan.layout, dim=1, dtype=dtype)
+    return comm.reduce_scatter_fp32(stacked, plan.group)
+
+
+def head_group(plan, q_input, latent, w, tables):
+    """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
+    queries of the local tokens (``q_input``: the query latent, or the hidden
+    states without one) against the whole sequence's ``latent``."""
+    shapes = plan.shapes
+    B, L = q_input.shape[:2]
+    hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
+    q = F.linear(q_input, w[f"{shapes.query_projection}.weight"]).view(B, L, hq, shapes.qk_head_dim)
+    q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
+    q_rot = plan.rope(q_rot, tables)
+    c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
+    if plan.form == "absorbed":
+        up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
+        q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope])
+        # One key head of the latent and rotary key, shared by every query head.
+        o_latent, _ = attend_local_chunks(plan, torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2),
+                                          c_kv.unsqueeze(2))
+        o = torch.einsum("blhc,hvc->blhv", o_latent, up[:, nope:])
+    else:
+        S = latent.shape[1]
+        k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(-1, -1, hq, -1)], dim=-1)
+        o, _ = attend_local_chunks(plan, torch.cat([q_nope, q_rot], dim=-1), k, v)
+    return o.flatten(2)
+
+
+def _accumulator_dtype(plan, dtype):
+    return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
+
+
+def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight):
+    """Forward of one layer on the local tokens ``x``; returns the output
+    ``(B, S/D, H)`` and the down projections' outputs, which backward keeps."""
+    raw = down_project(plan, x, packed)
+    c_q, latent = local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight)
+    latent = gather_latent(plan, latent)
+    q_input = x if c_q is None else c_q
+    out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
+                      device=x.device)
+    for j, w in piece_stream(plan, packed, 1):
+        o = head_group(plan, q_input, latent, w, tables)
+        precision.add_matmul(out, o.flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
+    return out.view(x.shape).to(x.dtype), raw
+
+
+class ShardGrads:
+    """The weight gradients of every rank's pieces this rank computes, each
+    reduced to its owner as soon as it is whole; this rank's own sums are
+    collected into one buffer laid out like its packed shard."""
+
+    def __init__(self, plan, packed):
+        self.plan, self.tsp_rank = plan, comm.group_rank(plan.group)
+        self.acc_dtype = torch.promote_types(packed.dtype, torch.float32)
+        self.own = torch.empty(packed.numel(), dtype=self.acc_dtype, device=packed.device)
+        self.works, self.own_parts = [], []
+
+    def buffer(self, j, part):
+        """A flat float32-or-wider gradient buffer of piece ``part`` of rank ``j``, and its views by name."""
+        specs = self.plan.specs[j]
+        if j == self.tsp_rank:
+            flat = self.own.narrow(0, 0 if part == 0 else specs[0].numel, specs[part].numel)
+        else:
+            flat = torch.empty(specs[part].numel, dtype=self.acc_dtype, device=self.own.device)
+        return flat, specs[part].unpack(flat)
+
+    def send(self, j, flat):
+        pending = reduce_to_owner(self.plan, flat, j, self.works)
+        if j == self.tsp_rank:
+            self.own_parts.append((flat, pending))
+
+    def own_shard(self):
+        for pending in self.works:
+            pending.wait()
+        for piece, pending in self.own_parts:
+            summed = pending.wait()
+            if summed is not piece:
+                piece.copy_(summed)
+        return self.own
+
+
+def _leaf(t):
+    return None if t is None else t.detach().requires_grad_()
+
+
+def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads):
+    """Every head group's backward: the gradients of ``q_input`` and of the
+    whole sequence's ``latent`` (float32 or wider), each group's weight
+    gradient sent to its owner."""
+    shapes = plan.shapes
+    acc = _accumulator_dtype(plan, latent.dtype)
+    grad_q_input = torch.zeros(q_input.shape, dtype=acc, device=q_input.device)
+    grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
+    grad_tokens = grad_out.flatten(0, 1)  # (N, H)
+    names = (f"{shapes.query_projection}.weight", "kv_b_proj.weight")
+    for j, w in piece_stream(plan, packed, 1):
+        leaves = {"q": _leaf(q_input), "latent": _leaf(latent), **{name: _leaf(w[name]) for name in names}}
+        with torch.enable_grad():
+            o = head_group(plan, leaves["q"], leaves["latent"], {**w, **{name: leaves[name] for name in names}},
+                           tables)
+            grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
+            d_q, d_latent, *d_weights = torch.autograd.grad(o, list(leaves.values()), grad_o)
+        grad_q_input += d_q
+        grad_latent += d_latent
+        flat, into = grads.buffer(j, 1)
+        for name, grad in zip(names, d_weights):
+            into[name].copy_(grad)
+        precision.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1), out=into["o_proj.weight"], add=False)
+        grads.send(j, flat)
+    return grad_q_input, grad_latent
+
+
+def down_backward(plan, x, packed, grad_raw, grads, grad_x):
+    """The down projections' backward: each piece's rows of ``grad_raw`` into
+    ``grad_x`` (float32 or wider) and, against the local tokens, into the
+    piece's weight gradient, which goes to its owner."""
+    tokens = x.flatten(0, 1)
+    for j, w in piece_stream(plan, packed, 0):
+        flat, into = grads.buffer(j, 0)
+        for name, grad in grad_raw.items():
+            rows = plan.shapes.rows(name, j)
+            part = grad[..., rows].flatten(0, 1)  # (N, rows of piece j)
+            precision.add_matmul(grad_x, part, w[f"{name}.weight"])
+            precision.partial_matmul(part.t(), tokens, out=into[f"{name}.weight"], add=False)
+            if f"{name}.bias" in into:
+                torch.sum(part, 0, dtype=into[f"{name}.bias"].dtype, out=into[f"{name}.bias"])
+        grads.send(j, flat)
+
+
+def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_weight, kv_norm_weight):
+    """Gradients of the local tokens ``x``, this rank's packed shard and the two latent norms' weights."""
+    grads = ShardGrads(plan, packed)
+    leaves = {"raw": {name: _leaf(t) for name, t in raw.items()}, "q_norm": _leaf(q_norm_weight),
+              "kv_norm": _leaf(kv_norm_weight)}
+    with torch.enable_grad():
+        c_q, local = local_latent(plan, leaves["raw"], tables, leaves["q_norm"], leaves["kv_norm"])
+    q_input = x if c_q is None else c_q.detach()
+    latent = gather_latent(plan, local.detach())
+    grad_q_input, grad_latent = head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads)
+    latent = None
+    grad_local = scatter_latent_grad(plan, grad_latent, x.dtype)
+    outputs, grad_outputs = [local], [grad_local.to(local.dtype)]
+    if c_q is not None:
+        outputs.append(c_q), grad_outputs.append(grad_q_input.to(c_q.dtype))
+    inputs = [*leaves["raw"].values(), *(leaves[name] for name in ("q_norm", "kv_norm") if leaves[name] is not None)]
+    with torch.enable_grad():
+        found = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+    grad_raw = dict(zip(leaves["raw"], found))
+    grad_norms = dict(zip([name for name in ("q_norm", "kv_norm") if leaves[name] is not None],
+                          found[len(grad_raw):]))
+    # Without a query latent the queries come from x itself.
+    grad_x = (grad_q_input if c_q is None else grad_q_input.new_zeros(x.shape)).flatten(0, 1)
+    down_backward(plan, x, packed, grad_raw, grads, grad_x)
+    own = grads.own_shard()
+    return (grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), grad_norms.get("q_norm"),
+            grad_norms.get("kv_norm"))
+
+
+class TSPLatentAttentionFunction(torch.autograd.Function):
+    """forward: ``latent_attention_forward``, saving its input and down projections;
+    backward: ``latent_attention_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, packed, plan, tables, q_norm_weight, kv_norm_weight):
+        # The norm weights are inputs only so that autograd routes their gradients.
+        out, raw = latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight)
+        ctx.plan, ctx.tables, ctx.raw_names = plan, tables, tuple(raw)
+        ctx.save_for_backward(x, packed, q_norm_weight, kv_norm_weight, *raw.values())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, packed, q_norm_weight, kv_norm_weight, *raw = ctx.saved_tensors
+        grads = latent_attention_backward(ctx.plan, grad_out.contiguous(), x, packed, ctx.tables,
+                                          dict(zip(ctx.raw_names, raw)), q_norm_weight, kv_norm_weight)
+        grad_x, grad_packed, grad_q_norm, grad_kv_norm = grads
+        return grad_x, grad_packed, None, None, grad_q_norm, grad_kv_norm
