@@ -136,6 +136,39 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     return _by_direction(forward, backward, direction)
 
 
+def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+                                 qk_rope_head_dim, v_head_dim, tokens, tsp_size, tsp_rank, elem_bytes, direction, *,
+                                 down_bias=False, grad_wire_bytes=None):
+    """Bytes rank ``tsp_rank`` receives in one multi-head latent attention layer
+    (DESIGN.md 6i, ``ds_tsp.blocks.latent``), by op, for ``tokens = B*S``:
+    every other rank's down piece and head group broadcast (twice: backward
+    again), the latent and rotary key all-gathered, ``(kv_lora_rank +
+    qk_rope_head_dim) (D-1)/D B*S`` elements (twice), their gradient
+    reduce-scattered once, and this rank's shard gradient reduced from the
+    other ``D-1`` ranks in the gradient wire dtype. ``q_lora_rank`` None: no
+    query latent, per-head queries from the hidden states."""
+    D, width = tsp_size, kv_lora_rank + qk_rope_head_dim
+    q_heads = num_heads // D
+    q_input = hidden_size if q_lora_rank is None else q_lora_rank
+    heads = q_heads * ((qk_nope_head_dim + qk_rope_head_dim) * q_input
+                       + (qk_nope_head_dim + v_head_dim) * kv_lora_rank + v_head_dim * hidden_size)
+
+    def down(rank):
+        rows = sum((rank + 1) * total // D - rank * total // D
+                   for total in (q_lora_rank, width) if total is not None)
+        return rows * (hidden_size + down_bias)
+
+    shards = [down(rank) + heads for rank in range(D)]
+    others = sum(shards) - shards[tsp_rank]
+    gathered = Fraction((D - 1) * tokens * width, D)
+    forward = {"broadcast": others * elem_bytes, "all_gather": gathered * elem_bytes}
+    backward = {**forward, "reduce_scatter": gathered * elem_bytes,
+                "reduce": (D - 1) * shards[tsp_rank] * gradient_wire_bytes(elem_bytes, grad_wire_bytes)}
+    if D == 1:
+        forward, backward = {}, {}
+    return _by_direction(forward, backward, direction)
+
+
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
                         grad_wire_bytes=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts

@@ -50,31 +50,32 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     return (forward + backward + recompute) * share, attention * share
 
 
-def latent_attention_flops(shapes, local_tokens, seq_len, form):
-    """FLOPs of one head group of a multi-head latent attention layer
-    (``blocks.latent.shards.LatentShapes``) on a rank's ``local_tokens`` queries
-    against ``seq_len`` keys per row, forward: ``"expanded"`` makes the group's
-    keys and values from every gathered token's latent, ``"absorbed"`` attends
-    in latent space. Each query sees half the keys on average (causal, zigzag)."""
+def latent_attention_flops(shapes, rows, queries, keys, form):
+    """Forward FLOPs of one head group of a multi-head latent attention layer
+    (``blocks.latent.shards.LatentShapes``): ``rows`` sequences of ``queries``
+    query tokens each, the last of ``keys`` keys (bottom-right causal).
+    ``"expanded"`` makes the group's keys and values from every key's latent,
+    ``"absorbed"`` attends in latent space: its queries and outputs go through
+    the group's up-projections instead, and every score and output spans the latent."""
     hq, nope, rope, v, c = (shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim,
                             shapes.kv_lora_rank)
-    pairs = Fraction(local_tokens * seq_len, 2)  # (query, key) pairs scored
+    pairs = rows * (queries * keys - Fraction(queries * (queries - 1), 2))  # (query, key) pairs scored
     if form == "expanded":
-        keys = local_tokens * shapes.tsp_size  # every row's whole sequence
-        return 2 * keys * c * hq * (nope + v) + 2 * pairs * hq * (nope + rope + v)
-    return 2 * local_tokens * hq * c * (nope + v) + 2 * pairs * hq * (c + rope + c)
+        return 2 * rows * keys * c * hq * (nope + v) + 2 * pairs * hq * (nope + rope + v)
+    return 2 * rows * queries * hq * c * (nope + v) + 2 * pairs * hq * (c + rope + c)
 
 
 _last_form = {}  # layer shapes -> the form last chosen and logged for them
 
 
-def cheaper_latent_form(shapes, local_tokens, seq_len):
+def cheaper_latent_form(shapes, rows, queries, keys):
     """``tsp.latent_attention: "auto"``: the form with fewer FLOPs at this shape
     (expanded where they tie), logged whenever the choice for a layer shape changes."""
-    costs = {form: latent_attention_flops(shapes, local_tokens, seq_len, form) for form in ("expanded", "absorbed")}
+    costs = {form: latent_attention_flops(shapes, rows, queries, keys, form) for form in ("expanded", "absorbed")}
     form = min(costs, key=costs.get)
     if _last_form.get(shapes) != form:
         _last_form[shapes] = form
-        logger.info("tsp.latent_attention auto: %s for %d local tokens of %d (%.3g against %.3g FLOPs a head group)",
-                    form, local_tokens, seq_len, costs[form], costs["absorbed" if form == "expanded" else "expanded"])
+        logger.info("tsp.latent_attention auto: %s for %d x %d queries over %d keys (%.3g against %.3g FLOPs a head "
+                    "group)", form, rows, queries, keys, costs[form],
+                    costs["absorbed" if form == "expanded" else "expanded"])
     return form

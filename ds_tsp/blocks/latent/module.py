@@ -54,8 +54,8 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
 
     ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
     and the model's rotary tables of their GLOBAL positions. ``form``:
-    ``"expanded"``, ``"absorbed"`` or a callable ``form(shapes, local_tokens,
-    seq_len)`` choosing one per input shape (ds_tsp's planner hands its cost
+    ``"expanded"``, ``"absorbed"`` or a callable ``form(shapes, rows, queries,
+    keys)`` choosing one per input shape (ds_tsp's planner hands its cost
     model in at injection). The constructor allocates the shard without
     initialising it: ``from_hf`` or ``load_shard`` fills it.
     """
@@ -117,14 +117,14 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     def takes_input_norm(self, norm):
         return False
 
-    def form_for(self, x, seq_len):
-        return self.form(self.shapes, x.shape[0] * x.shape[1], seq_len) if callable(self.form) else self.form
+    def form_for(self, rows, queries, keys):
+        return self.form(self.shapes, rows, queries, keys) if callable(self.form) else self.form
 
     def plan(self, x, documents=None):
         D = self.shapes.tsp_size
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
-                          form=self.form_for(x, x.shape[1] * D), rope=self.rope, q_norm=self.q_a_layernorm,
+                          form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope, q_norm=self.q_a_layernorm,
                           kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
