@@ -114,7 +114,7 @@ class TSPConfig(DeepSpeedConfigModel):
     weights stay at rest and the ranks' shares are summed. """
 
     latent_attention: Literal["auto", "expanded", "absorbed"] = "auto"
-    """ How a multi-head latent attention layer (DeepSeek-V2/V3, Kimi-K2, Mistral 4) attends to the gathered
+    """ How a multi-head latent attention layer (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) attends to the gathered
     latent: "expanded" expands it into each head group's keys and values (query/key heads of qk_nope_head_dim +
     qk_rope_head_dim, values of v_head_dim), "absorbed" folds the key up-projection into the queries and attends
     in latent space (one shared key head of kv_lora_rank + qk_rope_head_dim), the value up-projection applied to
