@@ -112,3 +112,37 @@ def test_the_cost_model_expands_for_training_and_absorbs_for_decoding():
     shapes = LatentShapes(7168, 128, 1536, 512, 128, 64, 128, 8)
     assert cheaper_latent_form(shapes, 1, 4096, 32768) == "expanded"
     assert cheaper_latent_form(shapes, 1, 1, 32768) == "absorbed"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite"])
+def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_ranks, arch):
+    """At D = 2: greedy tokens and every step's logits against Hugging Face's,
+    greedy, beam search and penalties on left-padded prompts; each rank's cache
+    holds its tokens' latent and rotary key only, half of the sequence."""
+    from test_generate import STRATEGIES, _hf_reference, _left_padded, _prompts, _run_generate, _run_strategies
+
+    prompts = _prompts(2, seed=9)
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+    config = tiny_model(arch).config
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    total = prompts.shape[1] + 8 - 1  # the last token is generated, not cached
+    per_head_kv = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim
+                                                + config.v_head_dim) * 8  # bytes a token and layer
+    diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
+    for r in per_rank:
+        print(f"D=2 {arch}: max|logit diff| {diff:.2e}; cache {r['cache_tokens']} of {total} tokens, "
+              f"{r['cache_bytes']} B (a per-head K/V cache of them: "
+              f"{r['cache_tokens'] * config.num_hidden_layers * 2 * per_head_kv} B)")
+        assert torch.equal(r["sequences"], ref_tokens)
+        assert abs(r["cache_tokens"] - total / 2) <= 1
+        assert r["cache_bytes"] == config.num_hidden_layers * 2 * r["cache_tokens"] * width * 8
+    assert sum(r["cache_tokens"] for r in per_rank) == total
+    assert diff <= TOLERANCE
+    padded, mask = _left_padded([13, 6, 9])
+    ref = tiny_model(arch)
+    expected = {name: ref.generate(padded, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
+                for name, kwargs in STRATEGIES.items()}
+    for r in run_ranks(2, _run_strategies, arch=arch, input_ids=padded, attention_mask=mask, max_new_tokens=10):
+        for name in STRATEGIES:
+            assert torch.equal(r[name], expected[name]), name

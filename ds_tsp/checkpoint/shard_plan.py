@@ -28,6 +28,9 @@ from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.attention.head_groups import HeadGroups, shard_piece, shard_spec
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.fused import FusedRows, split_rows
+from ds_tsp.blocks.latent import module as latent
+from ds_tsp.blocks.latent import shards as latent_shards
+from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -59,6 +62,9 @@ def layer_shards(layer, config, policy, tsp_size):
     intermediate-size divisibility errors before any tensor is read.
     """
     attn = layer.get_submodule(policy.attention)
+    if latent.is_latent_attention(attn):
+        return {policy.attention: _latent_shards(attn, config, tsp_size),
+                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size)}
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size)
     attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r,
@@ -70,6 +76,14 @@ def layer_shards(layer, config, policy, tsp_size):
                                                             attention.replicated_names(attn)), rows),
         policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
     }
+
+
+def _latent_shards(attn, config, tsp_size):
+    """``BlockShards`` of a multi-head latent attention (``ds_tsp.blocks.latent``)."""
+    shapes = latent.latent_shapes(attn, config, tsp_size)
+    specs = [latent_shards.shard_spec(shapes, r) for r in range(tsp_size)]
+    return BlockShards(specs, _holdings(specs, lambda name, r: latent_shards.shard_piece(shapes, name, r),
+                                        latent.replicated_names(attn)), FusedRows())
 
 
 def _mlp_shards(hf_mlp, policy, tsp_size):
@@ -127,6 +141,8 @@ def block_specs(block):
     """The ``PackSpec`` of every rank's shard of an injected TSP block."""
     if isinstance(block, TSPAttention):
         return list(block.specs)
+    if isinstance(block, TSPLatentAttention):
+        return [latent_shards.shard_spec(block.shapes, r) for r in range(block.shapes.tsp_size)]
     if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
         return [block.spec] * comm.group_size(block.tsp_group)
     raise TypeError(f"{type(block).__name__} is not a TSP block")
@@ -138,6 +154,9 @@ def block_holdings(block):
     tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
     if isinstance(block, TSPAttention):
         holdings = _holdings(specs, lambda name, r: shard_piece(block.heads, name, r),
+                             list(block.replicated_tensors()))
+    elif isinstance(block, TSPLatentAttention):
+        holdings = _holdings(specs, lambda name, r: latent_shards.shard_piece(block.shapes, name, r),
                              list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,

@@ -65,7 +65,9 @@ import torch.nn.functional as F
 from ds_tsp.blocks.attention.schedule import attention_forward, project
 from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_of_kind, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
+from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
+from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
 from ds_tsp.parallel import comm, layout
 
 
@@ -193,11 +195,11 @@ def left_aligned(input_ids, attention_mask):
 def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None, softcap=None):
     """Partial attention of one new token per row over this rank's cached keys.
 
-    ``q`` ``(B, nq, d)``; ``keys``, ``values`` ``(B, nkv, T, d)`` with global
+    ``q`` ``(B, nq, d)``; ``keys`` ``(B, nkv, T, d)``, ``values`` ``(B, nkv, T, dv)`` with global
     ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
     Every cached key is at or before the query, so only validity and the
     sliding window mask; ``softcap`` caps the scores as the layer's attention
-    does. Returns ``out`` ``(B, nq, d)`` and ``lse`` ``(B, nq)``
+    does. Returns ``out`` ``(B, nq, dv)`` and ``lse`` ``(B, nq)``
     in the accumulation dtype; a row with no visible key here gets ``out = 0``
     and ``lse = -inf``, which weigh nothing in ``merge_partials``.
     """
@@ -216,7 +218,7 @@ def attend_cache(q, keys, values, key_positions, key_valid, query_positions, sca
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
     out = probs @ values.to(acc)  # (B, nkv, nq/nkv, d)
-    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+    return out.reshape(batch, num_heads, values.shape[-1]), lse.reshape(batch, num_heads)
 
 
 def merge_partials(out, lse):
@@ -257,25 +259,29 @@ class TSPDecoder:
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
-        heads = self.layers[0].self_attn.heads
-        cache = TSPCache(len(self.layers), batch, heads.num_kv_heads, heads.head_dim, hidden.dtype, device, r,
-                         prompt_counts)
+        key_heads, key_dim, value_dim = _cache_shape(self.layers[0].self_attn)
+        cache = TSPCache(len(self.layers), batch, key_heads, key_dim, hidden.dtype, device, r, prompt_counts,
+                         value_dim)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
 
         for index, layer in enumerate(self.layers):
-            cos, sin = tables[layer.rotary_kind]
             hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
-                cache, index, slots, keep, layer.self_attn, normed, cos, sin))
+                cache, index, slots, keep, layer.self_attn, normed, tables[layer.rotary_kind]))
             hidden = layer.branch("mlp", hidden, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
-    def _prefill_attention(self, cache, index, slots, keep, attn, h, cos, sin):
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables):
         """The broadcast schedule's attention output for the local tokens ``h``;
-        their rotated K and V (``keep``: the real prompt tokens) go to ``cache``.
-        What the schedule saves for a backward is freed on return, before the MLP."""
+        their rotated K and V (``keep``: the real prompt tokens; a latent
+        attention's latent) go to ``cache``. What the schedule saves for a
+        backward is freed on return, before the MLP."""
+        if isinstance(attn, TSPLatentAttention):
+            return prefill_latent_attention(attn, h, tables,
+                                            lambda latent: cache.write(index, slots, latent[:, keep],
+                                                                       latent[:, keep, :, :0]))
         plan, packed = attn.plan(h), attn.shard_weights().detach()
-        cos, sin = attn.full_tables(cos, sin)
+        cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
         out, _ = attention_forward(plan, h, packed, cos, sin, inv_rms,
@@ -298,17 +304,27 @@ class TSPDecoder:
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            cos, sin = tables[layer.rotary_kind]
             hidden = layer.branch("attention", hidden, lambda normed: self._attention(
-                cache, index, layer.self_attn, normed, cos, sin, slots, positions))
+                cache, index, layer.self_attn, normed, tables[layer.rotary_kind], slots, positions))
             hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
         cache.next_positions = positions + 1
         return self._logits(hidden)
 
-    def _attention(self, cache, index, attn, h, cos, sin, slots, positions):
+    def _attention(self, cache, index, attn, h, tables, slots, positions):
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
+        if isinstance(attn, TSPLatentAttention):
+            def write(latent):
+                if slots is not None:
+                    cache.write(index, slots, latent, latent[..., :0])
+
+            def attend(q_all):
+                keys, _ = cache.layer(index)
+                return self._heads_of_this_rank(keys, keys[..., :attn.shapes.kv_lora_rank], q_all, cache,
+                                                positions, attn.scale)[0]
+
+            return decode_latent_attention(attn, h, tables, self.group, write, attend, self._sum_over_group)
         heads, D = attn.heads, self.tsp_size
-        cos, sin = attn.full_tables(cos, sin)
+        cos, sin = attn.full_tables(*tables)
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.shard_weights().detach())
         # Projected here, normed and rotated once gathered: every rank then holds
@@ -327,18 +343,25 @@ class TSPDecoder:
             k_new = _normed_and_rotated(attn, attn.k_norm, k_new.unsqueeze(1), cos, sin)
             cache.write(index, slots, k_new, v_new.unsqueeze(1))
         keys, values = cache.layer(index)
-        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions,
-                                attn.scale, attn.sliding_window, attn.softcap)
-        partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, d+1)
-        partial = partial.view(partial.shape[0], D, hq, d + 1).transpose(0, 1)  # (D, B, hq, d+1) by head group
-        received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
-        o, lse = merge_partials(received[..., :d], received[..., d])  # (B, hq, d)
+        o, lse = self._heads_of_this_rank(keys, values, q_all, cache, positions, attn.scale, attn.sliding_window,
+                                          attn.softcap)  # (B, hq, d)
         if "sinks" in w:  # each head's sink joins its softmax once, over the whole cache (DESIGN.md 6h)
             o = o * torch.sigmoid(lse - w["sinks"].to(lse.dtype)).unsqueeze(-1).to(o.dtype)
         y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
         if attn.o_bias is not None:
             y = y + attn.o_bias
         return y.unsqueeze(1)
+
+    def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None):
+        """Every head's partial attention over this rank's cached ``keys`` and
+        ``values``; an all-to-all hands each rank its head group's partials,
+        merged: ``(B, hq, dv)`` and the log-sum-exp ``(B, hq)``."""
+        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions, scale, window, softcap)
+        dv = out.shape[-1]
+        partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, dv+1)
+        partial = partial.view(partial.shape[0], self.tsp_size, -1, dv + 1).transpose(0, 1)  # (D, B, hq, dv+1)
+        received = comm.all_to_all_small(partial, self.group)  # every rank's partial for this rank's heads
+        return merge_partials(received[..., :dv], received[..., dv])
 
     def _mlp(self, mlp, h):
         """This rank's share of the MLP (its ``F``-shard; for a mixture of
@@ -368,6 +391,13 @@ class TSPDecoder:
 
     def _logits(self, hidden):
         return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_softcap)[:, 0]
+
+
+def _cache_shape(attn):
+    """``(key heads, key width, value width)`` a layer's cache holds per token."""
+    if isinstance(attn, TSPLatentAttention):
+        return latent_cache_shape(attn)
+    return attn.heads.num_kv_heads, attn.heads.head_dim, None
 
 
 def _normed_and_rotated(attn, norm, t, cos, sin):

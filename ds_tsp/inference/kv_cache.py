@@ -71,13 +71,17 @@ class TSPCache(Cache):
     each), from which every rank places the next token alike;
     ``next_positions`` ``(B,)`` the position of each row's next token.
     ``get_seq_length`` counts the input columns seen, padding included, as
-    Hugging Face's caches do.
+    Hugging Face's caches do. ``value_dim`` 0: no values (a multi-head latent
+    attention caches its latent and rotary key as one key head, its values
+    being the latent itself).
     """
 
-    def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts):
+    def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts,
+                 value_dim=None):
         shape = (batch, num_kv_heads, rank_counts[tsp_rank], head_dim)
+        value_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)
         super().__init__(layers=[TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
-                                               torch.empty(shape, dtype=dtype, device=device))
+                                               torch.empty(value_shape, dtype=dtype, device=device))
                                  for _ in range(num_layers)])
         self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
         self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)

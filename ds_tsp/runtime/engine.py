@@ -12,6 +12,7 @@ from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
 
 from ds_tsp.blocks.attention.module import TSPAttention
+from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.vocab import VocabParallelLMHead
@@ -136,7 +137,7 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     # TSP attention's backward also reads its per-head norms, and a block merges
     # its LoRA adapters into its shard: each block is a DeepSpeed leaf module,
     # gathered whole, as DeepSpeed does for MoE.
-    set_z3_leaf_modules(model, [TSPAttention, TSPGatedMLP])
+    set_z3_leaf_modules(model, [TSPAttention, TSPLatentAttention, TSPGatedMLP])
     describe_for_universal_checkpoints(model, topology)
     optimizer, model_parameters = client.rebuild(model)
     forward = dict(forward, optimizer=optimizer, model_parameters=model_parameters)
@@ -189,7 +190,7 @@ def set_grad_wire_dtype(model, dtype):
     each to bf16 adds up to ``D`` roundings per weight gradient where the
     unsharded model's one matmul rounds once."""
     for module in model.modules():
-        if isinstance(module, (TSPAttention, TSPGatedMLP, TSPSparseMoE, VocabParallelLMHead)):
+        if isinstance(module, (TSPAttention, TSPLatentAttention, TSPGatedMLP, TSPSparseMoE, VocabParallelLMHead)):
             module.grad_wire_dtype = dtype
 
 

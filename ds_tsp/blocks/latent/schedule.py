@@ -161,11 +161,15 @@ def _accumulator_dtype(plan, dtype):
     return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
 
 
-def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight):
+def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight, latent_sink=None):
     """Forward of one layer on the local tokens ``x``; returns the output
-    ``(B, S/D, H)`` and the down projections' outputs, which backward keeps."""
+    ``(B, S/D, H)`` and the down projections' outputs, which backward keeps.
+    ``latent_sink(latent)``, if given, receives the local tokens' latent and
+    rotated key ``(B, S/D, width)`` (a generation's prefill caches them)."""
     raw = down_project(plan, x, packed)
     c_q, latent = local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight)
+    if latent_sink is not None:
+        latent_sink(latent)
     latent = gather_latent(plan, latent)
     q_input = x if c_q is None else c_q
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),

@@ -1,0 +1,96 @@
+"""Multi-head latent attention in generation (DESIGN.md 6i): the cache holds
+each rank's tokens' latent and rotary key, ``kv_lora_rank + qk_rope_head_dim``
+elements a token for all heads, as one key head (``TSPCache`` with no values:
+a token's value is its latent).
+
+Prefill runs the training schedule (``latent_attention_forward``) and caches
+the local prompt tokens' latent. A decode step keeps the weights at rest and
+attends in latent space (the absorbed form, the one the cost model picks for
+one query token): every rank projects the new token through its down piece;
+one all-gather hands every rank the whole down projection, so each normalises
+and rotates the new latent and the rank ``TSPCache.place_next_token`` chose
+caches it; rank ``j`` makes head group ``j``'s queries, absorbs the group's key
+up-projection into them, and one all-gather hands every rank every head's
+latent queries. Each rank attends all heads over its LOCAL cache; an
+all-to-all sends head group ``j``'s partial ``(out, lse)`` to rank ``j``, which
+merges them, applies the group's value up-projection and ``o_proj`` columns;
+the ``D`` partial outputs are summed in rank order as the other layers' are.
+Bytes received per rank, per decode step and layer, ``w = kv_lora_rank +
+qk_rope_head_dim``, ``c = kv_lora_rank``::
+
+    (D-1) * B * [ rows * e               # all-gather of the down pieces' rows (the widest piece's)
+                + hq * w * e             # all-gather of the latent queries
+                + hq * (c + 1) * a       # all-to-all of partial (out, lse)
+                + H * e ]                # all-gather of the attention output parts
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.latent.schedule import latent_attention_forward, local_latent
+from ds_tsp.parallel import comm
+
+
+def latent_cache_shape(attn):
+    """``(key heads, key width, value width)`` of a latent attention's cache."""
+    return 1, attn.shapes.latent_width, 0
+
+
+def prefill_latent_attention(attn, h, tables, write):
+    """The training schedule's output for the local prompt tokens ``h``;
+    ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
+    packed = attn.shard_weights().detach()
+    q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
+    out, _ = latent_attention_forward(attn.plan(h), h, packed, tables, q_norm_weight, attn.kv_a_layernorm.weight,
+                                      latent_sink=lambda latent: write(latent.unsqueeze(2)))
+    return out if attn.o_bias is None else out + attn.o_bias
+
+
+def decode_latent_attention(attn, h, tables, group, write, attend, sum_over_group):
+    """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring.
+    ``write(latent)`` caches the new latent ``(B, 1, 1, width)`` where this rank
+    is the one chosen; ``attend(q)`` attends every head's latent queries ``(B,
+    nq, width)`` over every rank's cache and returns this rank's head group's
+    merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every
+    rank's part in rank order."""
+    shapes = attn.shapes
+    plan = attn.plan(h)
+    down, heads = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
+    raw = _whole_down_projections(attn, h, down, group)
+    q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
+    c_q, latent = local_latent(plan, raw, tables, q_norm_weight, attn.kv_a_layernorm.weight)  # (B, 1, width)
+    write(latent.unsqueeze(2))
+    hq, nope, c = shapes.q_heads, shapes.qk_nope_head_dim, shapes.kv_lora_rank
+    q = F.linear(h if c_q is None else c_q, heads[f"{shapes.query_projection}.weight"])
+    q_nope, q_rot = q.view(h.shape[0], 1, hq, shapes.qk_head_dim).split([nope, shapes.qk_rope_head_dim], dim=-1)
+    up = heads["kv_b_proj.weight"].view(hq, nope + shapes.v_head_dim, c)
+    q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), plan.rope(q_rot, tables)], dim=-1)
+    q_all = comm.all_gather_small(q_latent[:, 0], group).transpose(0, 1).flatten(1, 2)  # (B, nq, width)
+    o = torch.einsum("bhc,hvc->bhv", attend(q_all).to(h.dtype), up[:, nope:])
+    y = sum_over_group(F.linear(o.flatten(1), heads["o_proj.weight"]))
+    return (y if attn.o_bias is None else y + attn.o_bias).unsqueeze(1)
+
+
+def _pieces(attn):
+    """This rank's packed shard as its (down piece, head group) flat views."""
+    packed = attn.shard_weights().detach()
+    down = attn.specs[attn.tsp_rank][0].numel
+    return packed[:down], packed[down:]
+
+
+def _whole_down_projections(attn, h, down, group):
+    """Every rank's rows of the down projections of the new token, joined:
+    ``{name: (B, 1, rows)}`` as ``schedule.down_project`` gives them."""
+    shapes, D = attn.shapes, attn.shapes.tsp_size
+    names = shapes.down_projections()
+    mine = torch.cat([F.linear(h[:, 0], down[f"{name}.weight"], down.get(f"{name}.bias")) for name in names], dim=-1)
+    widest = max(attn.specs[j][0].numel for j in range(D)) // (shapes.hidden_size + shapes.down_bias)
+    gathered = comm.all_gather_small(F.pad(mine, (0, widest - mine.shape[-1])), group)  # (D, B, widest)
+    parts = {name: [] for name in names}
+    for j in range(D):
+        start = 0
+        for name in names:
+            rows = shapes.rows(name, j)
+            parts[name].append(gathered[j, :, start:start + rows.stop - rows.start])
+            start += rows.stop - rows.start
+    return {name: torch.cat(pieces, dim=-1).unsqueeze(1) for name, pieces in parts.items()}
