@@ -27,8 +27,10 @@ from test_engine import ZERO3_PARTITIONED
 # Tiny float64 models; COMMON has num_key_value_heads = 2, so at tsp.size 4
 # two head groups share each key/value head (the nkv < D case).
 # phi3: fused qkv_proj and gate_up_proj, each rank's shards read from and written
-# back to their rows (ds_tsp.blocks.fused); gemma3: sandwich norms and per-head q/k norms.
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3")
+# back to their rows (ds_tsp.blocks.fused); gemma3: sandwich norms and per-head q/k norms; deepseek_v3_dense and
+# deepseek_v2_lite: multi-head latent attention, down projections split by rows unevenly at 4.
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "deepseek_v3_dense",
+         "deepseek_v2_lite")
 
 
 def hf_tensors(path):
