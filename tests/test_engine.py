@@ -210,6 +210,8 @@ def _gathered(engine, zero_stage):
     # GLM-4.5: a dense first layer, sigmoid routing with a score-correction bias (a buffer, broadcast, not
     # trained), an ungated shared expert on the ring; TSP 2 x DP 2 under ZeRO-2 and TSP 2 under ZeRO-3.
     (4, 2, 2, "adam", False, False, "glm4_moe", False), (2, 2, 3, "adam", False, False, "glm4_moe", False),
+    # DeepSeek-V3: multi-head latent attention (YaRN's mscale on its scale) around GLM-4.5's kind of MoE.
+    (4, 2, 2, "adam", False, False, "deepseek_v3", False), (2, 2, 3, "adam", False, False, "deepseek_v3", False),
     # GPT-OSS: attention sinks in the head groups' shards, biased experts (E, H, 2F), a router with a bias.
     (4, 2, 2, "adam", False, False, "gpt_oss", False), (2, 2, 3, "adam", False, False, "gpt_oss", False),
     # Four replicated norms a layer (sandwich, Gemma's scaled embedding folded) under ZeRO-3; OLMo-2's q/k norms
