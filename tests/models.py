@@ -30,9 +30,11 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_k
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm, DeepseekV3TopkRouter
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteRMSNorm, Glm4MoeLiteTopkRouter
+from transformers.models.mistral4.modeling_mistral4 import Mistral4RMSNorm
 from transformers.models.youtu.modeling_youtu import YoutuRMSNorm
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
-                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, YoutuConfig, YoutuForCausalLM)
+                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
+                          YoutuForCausalLM)
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
@@ -79,7 +81,7 @@ Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = OlmoeRMSNorm.forward = FlexOlmoRMS
     MiniMaxM2RMSNorm.forward = rms_norm_in_the_wider_dtype
 # The MLA models' norms, whose latent norms (kv_a_layernorm, q_a_layernorm) are HF's float32 RMSNorm too.
 DeepseekV3RMSNorm.forward = modeling_deepseek_v2.DeepseekV2RMSNorm.forward = Glm4MoeLiteRMSNorm.forward = \
-    YoutuRMSNorm.forward = rms_norm_in_the_wider_dtype
+    YoutuRMSNorm.forward = Mistral4RMSNorm.forward = rms_norm_in_the_wider_dtype
 
 
 def deepseek_v2_rotary_in_the_wider_dtype(xq, xk, freqs_cis):
@@ -242,8 +244,9 @@ def tiny_config(arch, **overrides):
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
 # of 6 whose rows split unevenly over 4 ranks, every head its own key/value head. DeepSeek-V3: YaRN with its mscale
 # on the softmax scale, a dense first layer, then its MoE (GLM-4.5's sigmoid group-limited router); DeepSeek-V2-Lite:
-# no query latent, DeepSeek-V2's complex rotary; GLM-4.7-Flash (glm4_moe_lite): interleaved rotary and MoE; Youtu: a
-# dense MLA model, taken by the auto policy and its probe as all of these are.
+# no query latent, DeepSeek-V2's complex rotary; GLM-4.7-Flash (glm4_moe_lite): interleaved rotary and MoE; Mistral 4:
+# its queries scaled by position (Llama 4's, past original_max_position_embeddings = 8, so from the test sequences'
+# ninth token), a softmax router; Youtu: a dense MLA model. The auto policy and its probe take all of them.
 MLA_TINY = dict(num_key_value_heads=4, head_dim=2, q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
                 v_head_dim=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MLA_MOE = dict(n_routed_experts=4, moe_intermediate_size=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
@@ -256,6 +259,11 @@ MLA_ARCHS = {
     "deepseek_v3_dense": (DeepseekV3Config, {"first_k_dense_replace": 2}),
     "deepseek_v2_lite": (DeepseekV2Config, {"q_lora_rank": None, "first_k_dense_replace": 2}),
     "glm4_moe_lite": (Glm4MoeLiteConfig, {**MLA_MOE, "first_k_dense_replace": 1}),
+    "mistral4": (Mistral4Config, {**MLA_MOE, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                      "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 1.0}}),
     "youtu": (YoutuConfig, {}),
 }
 
@@ -274,7 +282,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM,
                  "deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_dense": DeepseekV3ForCausalLM,
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
-                 "youtu": YoutuForCausalLM}
+                 "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

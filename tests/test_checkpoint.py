@@ -156,11 +156,12 @@ def _train_step_and_save(src, dst, steps=1):
     return differ, unchanged
 
 
-@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2)])
+@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows, Mixtral's experts
-    (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router."""
+    (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
+    DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts."""
     src = str(tmp_path / arch)
     tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Youtu) under TSP
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu) under TSP
 against the unsharded Hugging Face model, float64; its bytes against the planner."""
 
 from unittest import mock
@@ -114,7 +114,7 @@ def test_the_cost_model_expands_for_training_and_absorbs_for_decoding():
     assert cheaper_latent_form(shapes, 1, 1, 32768) == "absorbed"
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite", "mistral4"])
 def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's,
     greedy, beam search and penalties on left-padded prompts; each rank's cache

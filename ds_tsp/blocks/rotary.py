@@ -95,8 +95,25 @@ def rotate(t, norm, cos, sin):
     return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
+class RotaryTables(tuple):
+    """The model's rotary tables of some tokens, ``(cos, sin)`` (or the one
+    complex table DeepSeek-V2 keeps), and the tokens' ``positions`` ``(B, n)``,
+    which a few attentions read too (Mistral 4's query scale)."""
+
+    def __new__(cls, tables, positions):
+        made = super().__new__(cls, tables)
+        made.positions = positions
+        return made
+
+
+def rotary_at(rotary_emb, hidden, positions, kind=None):
+    """``RotaryTables`` of the model's rotary module at ``positions`` (a decode step's)."""
+    tables = rotary_of_kind(rotary_emb, hidden, positions, kind)
+    return RotaryTables(tables if isinstance(tables, tuple) else (tables,), positions)
+
+
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
-    """``(cos, sin)`` (or the one complex table a model keeps instead) of this rank's ``positions`` ``(B, n)`` as the model's
+    """``RotaryTables`` of this rank's ``positions`` ``(B, n)`` as the model's
     rotary embedding computes them for the whole sequence (for layers of type
     ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the
@@ -104,11 +121,7 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    tables = rotary_of_kind(rotary_emb, hidden, probe, kind)
-    if isinstance(tables, torch.Tensor):  # one complex table (DeepSeek-V2's freqs_cis)
-        return tables[:, :-1]
-    cos, sin = tables
-    return cos[:, :-1], sin[:, :-1]
+    return RotaryTables((table[:, :-1] for table in rotary_at(rotary_emb, hidden, probe, kind)), positions)
 
 
 def rotary_of_kind(rotary_emb, hidden, positions, kind=None):

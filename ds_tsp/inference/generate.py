@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project
-from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_of_kind, rotate
+from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_at, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
@@ -298,7 +298,7 @@ class TSPDecoder:
         positions = cache.next_positions
         target = cache.place_next_token()
         hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
-        tables = {kind: rotary_of_kind(self.rotary, hidden, positions.unsqueeze(1), kind)
+        tables = {kind: rotary_at(self.rotary, hidden, positions.unsqueeze(1), kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
         slots = None
         if target == self.tsp_rank:

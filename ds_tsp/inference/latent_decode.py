@@ -41,7 +41,7 @@ def prefill_latent_attention(attn, h, tables, write):
     ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
     packed = attn.shard_weights().detach()
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
-    out, _ = latent_attention_forward(attn.plan(h), h, packed, tables, q_norm_weight, attn.kv_a_layernorm.weight,
+    out, _ = latent_attention_forward(attn.plan(h, tables=tables), h, packed, tables, q_norm_weight, attn.kv_a_layernorm.weight,
                                       latent_sink=lambda latent: write(latent.unsqueeze(2)))
     return out if attn.o_bias is None else out + attn.o_bias
 
@@ -54,7 +54,7 @@ def decode_latent_attention(attn, h, tables, group, write, attend, sum_over_grou
     merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every
     rank's part in rank order."""
     shapes = attn.shapes
-    plan = attn.plan(h)
+    plan = attn.plan(h, tables=tables)
     down, heads = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
     raw = _whole_down_projections(attn, h, down, group)
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
@@ -63,8 +63,12 @@ def decode_latent_attention(attn, h, tables, group, write, attend, sum_over_grou
     hq, nope, c = shapes.q_heads, shapes.qk_nope_head_dim, shapes.kv_lora_rank
     q = F.linear(h if c_q is None else c_q, heads[f"{shapes.query_projection}.weight"])
     q_nope, q_rot = q.view(h.shape[0], 1, hq, shapes.qk_head_dim).split([nope, shapes.qk_rope_head_dim], dim=-1)
+    q_rot = plan.rope(q_rot, tables)
+    if plan.query_scale is not None:
+        factor = plan.query_scale[:, :, None, None]
+        q_nope, q_rot = q_nope * factor, q_rot * factor
     up = heads["kv_b_proj.weight"].view(hq, nope + shapes.v_head_dim, c)
-    q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), plan.rope(q_rot, tables)], dim=-1)
+    q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), q_rot], dim=-1)
     q_all = comm.all_gather_small(q_latent[:, 0], group).transpose(0, 1).flatten(1, 2)  # (B, nq, width)
     o = torch.einsum("bhc,hvc->bhv", attend(q_all).to(h.dtype), up[:, nope:])
     y = sum_over_group(F.linear(o.flatten(1), heads["o_proj.weight"]))

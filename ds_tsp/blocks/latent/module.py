@@ -49,6 +49,28 @@ def model_rope(attn, config):
     return ModelRope(modeling.apply_rotary_pos_emb)
 
 
+class Llama4QueryScale:
+    """Mistral 4's queries scaled by position (Llama 4's attention temperature
+    tuning): the model's own ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
+
+    def __init__(self, scale, beta, max_position_embeddings):
+        self.scale, self.beta, self.max_position_embeddings = scale, beta, max_position_embeddings
+
+    def __call__(self, positions):
+        return self.scale(positions, self.beta, self.max_position_embeddings)[:, 0, :, 0]
+
+
+def query_scale_of(attn, config):
+    """The position-dependent query scale ``attn``'s forward applies, or None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    modeling = sys.modules[type(attn).__module__]
+    if params.get("llama_4_scaling_beta") is None or "get_llama_4_attn_scale" not in inspect.getsource(
+            type(attn).forward):
+        return None
+    return Llama4QueryScale(modeling.get_llama_4_attn_scale, params["llama_4_scaling_beta"],
+                            params.get("original_max_position_embeddings"))
+
+
 class TSPLatentAttention(PackedShardMixin, nn.Module):
     """Multi-head latent attention of one decoder layer over a TSP group.
 
@@ -61,8 +83,8 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     """
 
     def __init__(self, shapes, tsp_group, q_norm, kv_norm, rope, *, o_bias=False, scale=None, form="expanded",
-                 layout_name="zigzag", backend="auto", overlap=True, token_tile=0, fp32_accumulators=True,
-                 dtype=None, device=None):
+                 query_scale=None, layout_name="zigzag", backend="auto", overlap=True, token_tile=0,
+                 fp32_accumulators=True, dtype=None, device=None):
         super().__init__()
         if backend not in ("auto", "sdpa"):
             raise ValueError(f"tsp.attention_backend = {backend!r}: multi-head latent attention runs on torch "
@@ -82,6 +104,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         # Hugging Face's names: the latents' norms, kept whole on every rank.
         self.q_a_layernorm, self.kv_a_layernorm = q_norm, kv_norm
         self.rope = rope
+        self.query_scale = query_scale  # positions -> (B, L) factors of the queries, or None (Llama4QueryScale)
         self.scale = shapes.qk_head_dim ** -0.5 if scale is None else scale
         self.form = form
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
@@ -99,8 +122,9 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         norms = [None if norm is None else copy.deepcopy(norm).to_empty(device=device)
                  for norm in (getattr(attn, "q_a_layernorm", None), attn.kv_a_layernorm)]
         module = cls(shapes, tsp_group, *norms, model_rope(attn, config), o_bias=attn.o_proj.bias is not None,
-                     scale=attn.scaling, form=form, layout_name=layout_name, backend=backend, overlap=overlap,
-                     token_tile=token_tile, fp32_accumulators=fp32_accumulators, dtype=weight.dtype, device=device)
+                     scale=attn.scaling, form=form, query_scale=query_scale_of(attn, config), layout_name=layout_name,
+                     backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
+                     dtype=weight.dtype, device=device)
         read = read or module_reader(attn)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -120,21 +144,26 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     def form_for(self, rows, queries, keys):
         return self.form(self.shapes, rows, queries, keys) if callable(self.form) else self.form
 
-    def plan(self, x, documents=None):
+    def plan(self, x, documents=None, tables=None):
+        """How to run this layer on the local tokens ``x``; ``tables``: their
+        ``RotaryTables``, whose positions a query scale reads."""
         D = self.shapes.tsp_size
+        query_scale = None if self.query_scale is None else self.query_scale(tables.positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
                           form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope, q_norm=self.q_a_layernorm,
                           kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
-                          fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype)
+                          fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
+                          query_scale=query_scale)
 
     def forward(self, x, position_embeddings, documents=None, input_norm=None):
         if input_norm is not None:
             raise ValueError("the latent attention does not run its input norm inside (takes_input_norm)")
         q_norm_weight = None if self.q_a_layernorm is None else self.q_a_layernorm.weight
-        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents), position_embeddings,
+        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, position_embeddings),
+                                               position_embeddings,
                                                q_norm_weight, self.kv_a_layernorm.weight)
         return out if self.o_bias is None else out + self.o_bias
 

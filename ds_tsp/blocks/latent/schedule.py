@@ -52,6 +52,7 @@ class LatentPlan:
     query_blocks: list  # documents.query_blocks
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None
+    query_scale: object = None  # (B, S/D) factors of the local queries (Mistral 4's, by position), or None
     window: None = None  # read by attend_local_chunks: MLA layers attend causally over the whole sequence
     explicit_backward: bool = False  # read by attend_local_chunks: backward runs under autograd
 
@@ -141,6 +142,9 @@ def head_group(plan, q_input, latent, w, tables):
     q = F.linear(q_input, w[f"{shapes.query_projection}.weight"]).view(B, L, hq, shapes.qk_head_dim)
     q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
     q_rot = plan.rope(q_rot, tables)
+    if plan.query_scale is not None:
+        factor = plan.query_scale[:, :, None, None]
+        q_nope, q_rot = q_nope * factor, q_rot * factor
     c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
     if plan.form == "absorbed":
         up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
