@@ -247,8 +247,8 @@ def tiny_config(arch, **overrides):
 # no query latent, DeepSeek-V2's complex rotary; GLM-4.7-Flash (glm4_moe_lite): interleaved rotary and MoE; Mistral 4:
 # its queries scaled by position (Llama 4's, past original_max_position_embeddings = 8, so from the test sequences'
 # ninth token), a softmax router; Youtu: a dense MLA model. The auto policy and its probe take all of them.
-MLA_TINY = dict(num_key_value_heads=4, head_dim=2, q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
-                v_head_dim=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MLA_TINY = dict(num_key_value_heads=4, head_dim=2, q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4,
+                qk_rope_head_dim=2, v_head_dim=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MLA_MOE = dict(n_routed_experts=4, moe_intermediate_size=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
                topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, experts_implementation="eager")
 MLA_ARCHS = {

@@ -151,7 +151,8 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         query_scale = None if self.query_scale is None else self.query_scale(tables.positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
-                          form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope, q_norm=self.q_a_layernorm,
+                          form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope,
+                          q_norm=self.q_a_layernorm,
                           kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
