@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 from ds_tsp.blocks.latent import schedule
 from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import latent_attention_bytes_by_op
 from ds_tsp.planning.flops import cheaper_latent_form
-from models import MLA_ARCHS, tiny_model
+from models import MLA_ARCHS, MLA_TINY, tiny_causal_lm, tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
 # Padded (13 tokens, the last 3 of a row masked) and packed (documents restarting the positions) inputs.
@@ -146,3 +147,36 @@ def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_rank
     for r in run_ranks(2, _run_strategies, arch=arch, input_ids=padded, attention_mask=mask, max_new_tokens=10):
         for name in STRATEGIES:
             assert torch.equal(r[name], expected[name]), name
+
+
+def _inject(model, **options):
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+
+    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, **options))
+
+
+@pytest.mark.parametrize("build, options, match", [
+    (lambda: tiny_causal_lm("deepseek_v32", **MLA_TINY), {}, "indexed_attention.*DeepSeek-V3.2's sparse indexer"),
+    (lambda: tiny_model("deepseek_v3_dense"), {"attention_backend": "flash"}, "tsp.attention_backend = 'flash'.*SDPA"),
+    (lambda: _lora(tiny_model("deepseek_v3_dense")), {}, "LoRA adapter on model.layers.0.self_attn.kv_b_proj"),
+])
+def test_what_the_latent_attention_does_not_build_is_refused_by_name(build, options, match):
+    with pytest.raises((PolicyError, ValueError), match=match):
+        _inject(build(), **options)
+
+
+def test_multi_token_prediction_layers_are_named_as_not_built(caplog):
+    """DeepSeek-V3's checkpoints describe one; Hugging Face's model builds none (its loader drops their weights),
+    and neither does ds_tsp: the model is taken, and the log says so."""
+    model = tiny_model("deepseek_v3_dense")
+    assert model.config.num_nextn_predict_layers == 1
+    with caplog.at_level("WARNING", logger="ds_tsp"):
+        _inject(model, attention_backend="sdpa")
+    assert "num_nextn_predict_layers = 1 multi-token-prediction layer(s) are not built" in caplog.text
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(target_modules=["kv_b_proj"], r=2))

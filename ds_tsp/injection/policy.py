@@ -21,6 +21,7 @@ is ever converted approximately.
 
 import dataclasses
 import inspect
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,9 @@ from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
+
+
+logger = logging.getLogger("ds_tsp")
 
 
 class PolicyError(ValueError):
@@ -120,7 +124,9 @@ COMMON = {
 ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
 SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
-                           "(each layer's window is checked against the one HF's mask uses)"),
+                           "(each layer's window is checked against the one HF's mask uses); indexed_attention "
+                           "(DeepSeek-V3.2's sparse indexer attention) and linear_attention (Gated DeltaNet and other "
+                           "linear layers) are not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -469,8 +475,21 @@ def check_load_balancing(model_class, config):
                           "compute: set model.config.output_router_logits = False")
 
 
+def warn_unbuilt(model_class, config):
+    """Say what a checkpoint describes that neither Hugging Face's model nor
+    ds_tsp builds: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
+    (``num_nextn_predict_layers``), whose weights Hugging Face's loader drops,
+    so training learns the next-token loss alone, as Hugging Face's does."""
+    layers = getattr(config, "num_nextn_predict_layers", None)
+    if layers:
+        logger.warning("%s: config.num_nextn_predict_layers = %s multi-token-prediction layer(s) are not built, by "
+                       "Hugging Face's model nor by ds_tsp: their weights are neither loaded nor trained, and the loss "
+                       "is the next-token loss alone", model_class, layers)
+
+
 def check_config(model_class, config, policy):
     """Refuse any config attribute of ``policy``'s table whose value the TSP forward does not reproduce."""
+    warn_unbuilt(model_class, config)
     # A heterogeneous config (transformers' per-layer attributes, Gemma 4's head sizes) refuses global reads of them.
     per_layer = sorted(config.per_layer_attributes or ()) if getattr(config, "is_heterogeneous", False) else []
     for key, accepts in policy.config.items():
