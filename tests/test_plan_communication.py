@@ -258,6 +258,13 @@ def test_step_bytes_equal_what_the_model_counts(run_ranks):
     assert per_rank[0][0][0]["all_to_all"] != expected["all_to_all"]
 
 
+def test_latent_attention_step_bytes_equal_what_the_model_counts(run_ranks):
+    """DeepSeek-V3's shape (latent attention, its down projections' rows uneven over 4 ranks) at D=4: every
+    op of a training step, per rank, against tsp_step_bytes_by_op."""
+    cases = [("deepseek_v3_dense", torch.float64, True, False)]
+    _check_counted_steps(4, cases, run_ranks(4, _counted_model_steps, cases=cases))
+
+
 def test_bf16_wire_bytes_equal_what_the_code_counts(run_ranks):
     # communication_data_type "bf16": the weight-gradient reduce and the ring accumulators in a = 2 bytes an
     # element, op by op as the code counts, per layer (the attention's reduce, the MLP ring) and per step (the

@@ -2,7 +2,8 @@
 counts them (ring algorithms): all-reduce of ``n`` bytes ``2(p-1)/p n``,
 all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
-``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``), for the folded
+``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``; a multi-head latent
+attention's latent and rotary key take K/V's place: ``latent_attention_bytes_by_op``), for the folded
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
 (``tsp_step_bytes_by_op``, with ``tsp.check_batch``'s fingerprint all-gather
 as the op ``batch_check``). The baselines' bytes are in ``baselines``.
@@ -24,6 +25,7 @@ from fractions import Fraction
 from ds_tsp.planning.shapes import (
     FLOAT32,
     INT64,
+    ModelShape,
     model_shape,
     tsp_attention_shard,
     tsp_qk_rows,
@@ -113,7 +115,8 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     if D == 1:
         return {}
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
-    kv = (D - 1) * 2 * micro_batch * (seq_len // D) * m.num_kv_heads * m.head_dim
+    # The full sequence's K/V, or a latent attention's latent and rotary key, gathered.
+    kv = (D - 1) * micro_batch * (seq_len // D) * (m.latent_width if m.is_latent else 2 * m.num_kv_heads * m.head_dim)
     forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
     backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
     if m.qk_norm_spans_projection:
@@ -145,27 +148,19 @@ def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_ra
     again), the latent and rotary key all-gathered, ``(kv_lora_rank +
     qk_rope_head_dim) (D-1)/D B*S`` elements (twice), their gradient
     reduce-scattered once, and this rank's shard gradient reduced from the
-    other ``D-1`` ranks in the gradient wire dtype. ``q_lora_rank`` None: no
-    query latent, per-head queries from the hidden states."""
-    D, width = tsp_size, kv_lora_rank + qk_rope_head_dim
-    q_heads = num_heads // D
-    q_input = hidden_size if q_lora_rank is None else q_lora_rank
-    heads = q_heads * ((qk_nope_head_dim + qk_rope_head_dim) * q_input
-                       + (qk_nope_head_dim + v_head_dim) * kv_lora_rank + v_head_dim * hidden_size)
-
-    def down(rank):
-        rows = sum((rank + 1) * total // D - rank * total // D
-                   for total in (q_lora_rank, width) if total is not None)
-        return rows * (hidden_size + down_bias)
-
-    shards = [down(rank) + heads for rank in range(D)]
-    others = sum(shards) - shards[tsp_rank]
-    gathered = Fraction((D - 1) * tokens * width, D)
-    forward = {"broadcast": others * elem_bytes, "all_gather": gathered * elem_bytes}
-    backward = {**forward, "reduce_scatter": gathered * elem_bytes,
-                "reduce": (D - 1) * shards[tsp_rank] * gradient_wire_bytes(elem_bytes, grad_wire_bytes)}
+    other ``D-1`` ranks in the gradient wire dtype: ``tsp_bytes_by_op``'s
+    attention part. ``q_lora_rank`` None: no query latent."""
+    m = ModelShape(hidden_size, 0, 1, num_heads, num_heads, qk_nope_head_dim + qk_rope_head_dim, 1,
+                   attention_bias=down_bias, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank or 0,
+                   qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
+    D, e = tsp_size, elem_bytes
     if D == 1:
-        forward, backward = {}, {}
+        return {}
+    own = tsp_attention_shard(m, D, tsp_rank)
+    gathered = Fraction((D - 1) * tokens * m.latent_width, D)
+    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * gathered}
+    backward = {**forward, "reduce_scatter": e * gathered,
+                "reduce": (D - 1) * own * gradient_wire_bytes(e, grad_wire_bytes)}
     return _by_direction(forward, backward, direction)
 
 

@@ -113,6 +113,34 @@ class ModelShape:
     router_bias: bool = False  # the router's bias (GPT-OSS), replicated
     attention_sinks: bool = False  # a sink logit per query head (GPT-OSS), sharded with the heads
     o_proj_bias: bool = False  # o_proj's bias (Llama's and GPT-OSS's attention_bias), replicated
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Mistral 4; kv_lora_rank 0: none). Its heads are
+    # num_kv_heads = num_heads of head_dim = qk_nope_head_dim + qk_rope_head_dim once expanded (the baselines'
+    # per-head K/V; values are v_head_dim). q_lora_rank 0: queries straight from the hidden states.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_latent(self):
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_width(self):
+        """Elements of one token's latent and rotary key: what TSP gathers along the sequence."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def latent_down_rows(self):
+        """The down projections' output rows, each cut over the TSP group: ``q_a_proj``'s (if any), then
+        ``kv_a_proj_with_mqa``'s."""
+        return tuple(rows for rows in (self.q_lora_rank, self.latent_width) if rows)
+
+    def latent_head_params(self, heads):
+        """Elements of ``heads`` query heads' rows of the up projections and ``o_proj`` columns."""
+        q_input = self.q_lora_rank or self.hidden_size
+        return heads * (self.head_dim * q_input + (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank
+                        + self.v_head_dim * self.hidden_size)
 
     @property
     def is_moe(self):
@@ -126,7 +154,11 @@ class ModelShape:
 
     @property
     def attention_params(self):
-        """``Wa``: q, k, v, o projections (and q/k/v biases, and the sinks: one per query head)."""
+        """``Wa``: q, k, v, o projections (and q/k/v biases, and the sinks: one per query head); a latent
+        attention's down projections (and their biases), up projections and ``o_proj``."""
+        if self.is_latent:
+            down = sum(self.latent_down_rows()) * (self.hidden_size + int(self.attention_bias))
+            return down + self.latent_head_params(self.num_heads)
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
         return H * (nq + 2 * nkv) * d + nq * d * H + ((nq + 2 * nkv) * d if self.attention_bias else 0) + \
             (nq if self.attention_sinks else 0)
@@ -179,7 +211,9 @@ class ModelShape:
         """Sizes of the tensors of one layer that every TSP rank holds whole, in
         elements, one entry a tensor (ds_tsp sums each one's gradient over the group)."""
         H = self.hidden_size
-        if self.qk_norm_spans_projection:
+        if self.is_latent:  # the latents' norms
+            qk_norms = [rows for rows in (self.q_lora_rank, self.kv_lora_rank) if rows]
+        elif self.qk_norm_spans_projection:
             qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         else:
             qk_norms = [self.head_dim] * 2 if self.qk_norm else []
@@ -307,11 +341,12 @@ def _shape_fields(model):
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
 MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
-                   "llama4_text")
+                   "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-# DeepSeek-V3's kind (GLM-4.5): sigmoid routers computing in float32, the first layers dense, an ungated shared
-# expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
-DEEPSEEK_V3_KIND = ("glm4_moe",)
+# DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's):
+# group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
+# ungated shared expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
+DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 # o_proj takes the attention_bias too (Llama's, GPT-OSS's), not only q/k/v.
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
@@ -353,7 +388,7 @@ def _moe_fields(fields):
                     expert_size=fields["moe_intermediate_size"],
                     shared_expert_size=fields["moe_intermediate_size"] * (fields.get("n_shared_experts") or 0),
                     shared_expert_gate=False, moe_layers=layers - (fields.get("first_k_dense_replace") or 0),
-                    renormalise_top_k=bool(fields.get("norm_topk_prob")), router_weights_fp32=True)
+                    renormalise_top_k=bool(fields.get("norm_topk_prob")), router_weights_fp32=model_type != "mistral4")
     if mixtral:  # GPT-OSS: biased experts and router, its softmax over the top-k in the model's dtype
         gpt_oss = model_type == "gpt_oss"
         return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
@@ -367,6 +402,16 @@ def _moe_fields(fields):
                 shared_expert_size=fields.get("shared_expert_intermediate_size") or 0, moe_layers=len(sparse),
                 renormalise_top_k=bool(fields.get("norm_topk_prob")),
                 output_router_logits=bool(fields.get("output_router_logits")))
+
+
+def _latent_fields(fields):
+    """A multi-head latent attention's sizes (``ModelShape``'s), its heads as they are expanded; none without one."""
+    if not fields.get("kv_lora_rank"):
+        return {}
+    nope, rope = fields["qk_nope_head_dim"], fields["qk_rope_head_dim"]
+    return dict(kv_lora_rank=fields["kv_lora_rank"], q_lora_rank=fields.get("q_lora_rank") or 0,
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=fields["v_head_dim"],
+                num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope)
 
 
 def _attention_bias(fields):
@@ -389,12 +434,14 @@ def model_shape(model):
     try:
         heads = fields["num_attention_heads"]
         llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
+        latent = _latent_fields(fields)
         return ModelShape(
             hidden_size=fields["hidden_size"],
             intermediate_size=fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
             num_layers=fields["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=fields.get("num_key_value_heads") or heads,
-            head_dim=fields.get("head_dim") or fields["hidden_size"] // heads, vocab_size=fields["vocab_size"],
+            num_kv_heads=latent.get("num_kv_heads") or fields.get("num_key_value_heads") or heads,
+            head_dim=latent.get("head_dim") or fields.get("head_dim") or fields["hidden_size"] // heads,
+            vocab_size=fields["vocab_size"],
             tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
@@ -404,7 +451,7 @@ def model_shape(model):
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             attention_sinks=fields.get("model_type") == "gpt_oss",
             o_proj_bias=_attention_bias(fields) and fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES,
-            **_moe_fields(fields))
+            **_moe_fields(fields), **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
                          f"num_hidden_layers, num_attention_heads and vocab_size (and, for mixture-of-experts "
@@ -419,6 +466,8 @@ def tsp_shape_problem(m, tsp_size):
     D, nq, nkv = tsp_size, m.num_heads, m.num_kv_heads
     if nq % D:
         return f"num_attention_heads {nq} is not divisible by {D}"
+    if m.is_latent and min(m.latent_down_rows()) < D:
+        return f"a latent down projection of {min(m.latent_down_rows())} rows cannot give each of {D} ranks a row"
     if nq % nkv:
         return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}"
     if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
@@ -446,8 +495,12 @@ def tsp_qk_rows(m, tsp_size, tsp_rank):
 
 def tsp_attention_shard(m, tsp_size, tsp_rank):
     """Elements of rank ``tsp_rank``'s packed attention shard: its query heads and
-    ``o_proj`` columns, and the key/value heads where it is their holder."""
+    ``o_proj`` columns, and the key/value heads where it is their holder; a latent
+    attention's: its rows of the down projections and its head group."""
     D, d, H = tsp_size, m.head_dim, m.hidden_size
+    if m.is_latent:
+        rows = sum((tsp_rank + 1) * total // D - tsp_rank * total // D for total in m.latent_down_rows())
+        return rows * (H + int(m.attention_bias)) + m.latent_head_params(m.num_heads // D)
     q_heads, kv_heads = m.num_heads // D, max(m.num_kv_heads // D, 1)
     bias = 1 if m.attention_bias else 0
     own = q_heads * d * (2 * H + bias) + (q_heads if m.attention_sinks else 0)
