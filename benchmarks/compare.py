@@ -3,6 +3,10 @@ bytes communicated and step time per rank, for two small models (``--models``):
 
 * ``dense``: Llama-shaped, with a vocabulary realistic for its width (hidden
   512, vocabulary 128,256), at ``--sizes`` (default D = 2);
+* ``mla``, the latent-attention row: DeepSeek-V3's multi-head latent attention
+  at the same width (``compare_model.mla_config``) over dense MLPs, vocabulary
+  32,000, at D = 2: TSP gathers each token's latent and rotary key, the
+  baselines attend its expanded heads (or DeepSpeed's refusal is reported);
 * ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
@@ -15,6 +19,7 @@ bytes communicated and step time per rank, for two small models (``--models``):
 
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
+    python benchmarks/compare.py --models mla --seq-lens 512 1024 2048   # the latent-attention row (compare_mla.md)
     python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
     python benchmarks/compare.py --models dense --lora-rank 16   # LoRA on every projection (compare_lora.md)
     python benchmarks/compare.py --sizes 2 --seq-lens 64 128 --layers 1 --vocab 1024 --out /tmp/cmp  # a smoke run
@@ -122,7 +127,7 @@ import transformers  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
-from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
 from ds_tsp.parallel import comm as tsp_comm
@@ -141,7 +146,7 @@ def build_model(args):
     (``compare_model.model_config``)."""
     torch.manual_seed(0)
     config = model_config(args)
-    model_class = Qwen3MoeForCausalLM if args.model == "moe" else LlamaForCausalLM
+    model_class = {"moe": Qwen3MoeForCausalLM, "mla": DeepseekV3ForCausalLM}.get(args.model, LlamaForCausalLM)
     model = model_class(config).float()
     # --lora-rank: PEFT's LoRA model, the base frozen, non-zero B so the adapters change the forward
     # (longest.py's arguments have no LoRA)
@@ -380,6 +385,8 @@ def strategies_for(world, model="dense", lora=False):
         return ["tsp", "ulysses", "ulysses_zero3"]
     if model == "moe":
         return ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
+    if model == "mla":
+        return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
     if world == 4:
         names.append("autotp_x_ulysses")
@@ -454,7 +461,8 @@ def embedding_rows_exchanged(args, world, seq_len):
 
 # The models' own defaults, where --vocab and the sizes are not given.
 MODEL_DEFAULTS = {"dense": {"vocab": 128256, "sizes": [2], "suffix": ""},
-                  "moe": {"vocab": 32000, "sizes": [2, 4], "suffix": "_moe"}}
+                  "moe": {"vocab": 32000, "sizes": [2, 4], "suffix": "_moe"},
+                  "mla": {"vocab": 32000, "sizes": [2], "suffix": "_mla"}}
 
 
 def parse_args(argv=None):
@@ -555,6 +563,10 @@ def _model_card(args):
             "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LR})"}
     if getattr(args, "lora_rank", 0):
         card.update(lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    if args.model == "mla":
+        config = model_config(args)
+        card.update(arch="DeepseekV3ForCausalLM", kv_heads=args.heads, **{key: getattr(config, key) for key in (
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
     if args.model == "moe":
         card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,
                     top_k=args.top_k, expert_intermediate=args.expert_intermediate)

@@ -1,17 +1,33 @@
-"""The model ``compare.py`` trains, as a Hugging Face config: Llama (dense) or
+"""The model ``compare.py`` trains, as a Hugging Face config: Llama (dense),
 Qwen3-MoE (``moe``, Hugging Face's default grouped experts, no load-balancing
-loss: ``output_router_logits`` false as in its config). ``compare.py`` builds
+loss: ``output_router_logits`` false as in its config) or DeepSeek-V3's
+multi-head latent attention over dense MLPs (``mla``). ``compare.py`` builds
 it and ``report.py`` plans it, from the same fields."""
 
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 
 def model_config(args):
     common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                   max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False, attn_implementation="sdpa")
+    if getattr(args, "model", "dense") == "mla":
+        return mla_config(common, args.hidden // args.heads)
     if getattr(args, "model", "dense") == "moe":
         return Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
                               num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return LlamaConfig(**common)
+
+
+def mla_config(common, head_dim):
+    """DeepSeek-V3's attention at the benchmark's width, in its proportions: per head a no-position part of half
+    ``head_dim``, a rotary part of half that and values as wide as the first (128 / 64 / 128 in DeepSeek-V3), a
+    key/value latent four no-position parts wide (512) and a query latent of a quarter of the hidden size (1536
+    of 7168); every head its own key/value head once expanded; every layer's MLP dense."""
+    nope = head_dim // 2
+    return DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]},
+                            q_lora_rank=common["hidden_size"] // 4, kv_lora_rank=2 * head_dim,
+                            qk_nope_head_dim=nope, qk_rope_head_dim=nope // 2, v_head_dim=nope, head_dim=nope // 2,
+                            first_k_dense_replace=common["num_hidden_layers"], num_nextn_predict_layers=0,
+                            rope_interleave=True)

@@ -28,7 +28,7 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     (``ModelShape.active_ffn_params``: k experts and the shared expert) and the
     router's."""
     T = B * S
-    attn = 2 * B * S * S * m.num_heads * m.head_dim  # causal: half of QK^T and PV
+    attn = B * S * S * m.num_heads * (m.head_dim + m.value_dim)  # causal: half of QK^T and PV
     mm_attn = 2 * T * m.attention_params
     head = 2 * T * m.vocab_size * m.hidden_size
     forward, backward = head, (3 if fused_head else 2) * head
@@ -42,6 +42,13 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
         if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
             backward += layers * attn
             attention += layers * attn
+        if tsp and m.is_latent:
+            # Expanded latent attention: each rank makes every head group's K/V from the whole sequence's latent,
+            # in forward and again in backward (with its gradients), where one device would make them once.
+            expansion = 2 * T * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * (round(1 / share)
+                                                                                                      - 1)
+            forward += layers * expansion
+            backward += layers * 3 * expansion
         if ffn_recompute:
             backward += layers * 2 * T * ffn_recompute(sparse)
         if setting.activation_checkpointing:

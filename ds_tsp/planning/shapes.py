@@ -43,6 +43,19 @@ PRESETS = {
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                          tie_word_embeddings=False, attention_bias=True, num_local_experts=128, num_experts_per_tok=4,
                          sliding_window=128),
+    # 671B parameters, 37B active per token: multi-head latent attention (kv_lora_rank 512 and a 64-wide rotary key,
+    # 128 heads of 192 / 128 once expanded), 3 dense layers, then 256 routed experts (top-8) and one shared.
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+                        tie_word_embeddings=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True),
+    # About 1T parameters, 32B active per token: DeepSeek-V3's architecture with 64 heads, 384 experts, one dense layer.
+    "kimi-k2": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                    num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, tie_word_embeddings=False,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                    first_k_dense_replace=1, norm_topk_prob=True),
     # 107.8B parameters (the text model), 17.2B active per token: 16 experts, top-1, and a shared expert in every
     # layer. ds_tsp's policy refuses Llama 4 today (docs/limitations.md); the planner shows what TSP would hold.
     "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
@@ -125,6 +138,11 @@ class ModelShape:
     @property
     def is_latent(self):
         return self.kv_lora_rank > 0
+
+    @property
+    def value_dim(self):
+        """A value head's size: ``head_dim``, or a latent attention's ``v_head_dim``."""
+        return self.v_head_dim or self.head_dim
 
     @property
     def latent_width(self):

@@ -102,7 +102,9 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         rows.append("| " + " | ".join(cells) + " |")
     footer = [
         f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "
-        f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}, "
+        f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}"
+        + (f" (latent attention: q_lora_rank {m.q_lora_rank}, kv_lora_rank {m.kv_lora_rank}, rotary "
+           f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "") + ", "
         f"V={m.vocab_size}; S={setting.seq_len}, B={setting.micro_batch}, {setting.devices} devices, "
         f"{setting.dtype}, ZeRO-{setting.zero_stage}, activation checkpointing "
         f"{'on' if setting.activation_checkpointing else 'off'}, TSP attention backward "
@@ -125,7 +127,11 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         "same in fp32 bwd (gradient accumulators); replicated vocabulary: the embedding and head gradients "
         "all-reduced instead." + (" A sparse layer has its experts and shared expert, Wx = 3H (E F_e + F_s), on "
                                   "the ring in Wm's place; per-layer figures are the mean over the layers."
-                                  if m.is_moe else ""),
+                                  if m.is_moe else "")
+        + (f" Latent attention: the latent and rotary key, {m.latent_width} elements a token for all heads, take "
+           f"2 nkv d's place (a per-head K/V would be {m.num_heads * (m.head_dim + m.value_dim)}); each rank expands "
+           f"it into every head group's K/V (FLOPs counted), the baselines attend the expanded heads."
+           if m.is_latent else ""),
         f"Time (timing): {cluster.describe()}, {setting.devices_per_node} devices per node. s/step = blocking "
         "communication + max(compute, overlapped communication per link); TP all-reduces, Ulysses all-to-alls, "
         "ZeRO-1/2's weight gather and TSP's embedding all-to-all and replicated-gradient all-reduces block; ZeRO-3 "

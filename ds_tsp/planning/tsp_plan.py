@@ -222,10 +222,18 @@ def _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard, sparse):
     # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
     # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
     grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
-    return {
+    sums = acc if setting.fp32_accumulators else e
+    if m.is_latent:
+        # The gathered latent, its gather buffer, its gradient's sum and the reduce-scatter's stacked copy; one
+        # head group's expansion under autograd: its keys/values and keys, and their gradients, every token.
+        width, group = m.latent_width, q_heads * (m.qk_nope_head_dim + m.v_head_dim + m.head_dim)
+        kv_head_group = B * S * (width * (3 * e + sums) + 2 * group * e)
+    else:
         # backward of one head group: K, V, the gather buffer, the two dK/dV
         # copies in the model dtype and their sums (fp32 with tsp.fp32_accumulators), over the full sequence
-        "kv_head_group": 2 * B * S * kv_heads * m.head_dim * (4 * e + (acc if setting.fp32_accumulators else e)),
+        kv_head_group = 2 * B * S * kv_heads * m.head_dim * (4 * e + sums)
+    return {
+        "kv_head_group": kv_head_group,
         # of the local tokens, meanwhile: the group's queries before and after rotary, their output's gradient
         # and their own; the set's keys before rotary (for its backward) and, with another group to come, its
         # keys and its K/V on their way to the gather
