@@ -346,6 +346,12 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
             for key, value in TINY_MOE.items():
                 if hasattr(config, key) and key not in overrides:
                     setattr(config, key, value)
+            if getattr(config, "kv_lora_rank", None):  # latent attention: every head its own key/value head,
+                # the rotary tables as wide as the rotary key
+                for key, value in (("num_key_value_heads", config.num_attention_heads),
+                                   ("head_dim", config.qk_rope_head_dim)):
+                    if key not in overrides:
+                        setattr(config, key, value)
             torch.manual_seed(seed)
             try:
                 with torch.device(device or "cpu"):
