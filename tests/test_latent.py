@@ -124,7 +124,7 @@ def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_rank
 
     prompts = _prompts(2, seed=9)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
-    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8, measure_step=True)
     config = tiny_model(arch).config
     width = config.kv_lora_rank + config.qk_rope_head_dim
     total = prompts.shape[1] + 8 - 1  # the last token is generated, not cached
@@ -140,6 +140,9 @@ def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_rank
         assert r["cache_bytes"] == config.num_hidden_layers * 2 * r["cache_tokens"] * width * 8
     assert sum(r["cache_tokens"] for r in per_rank) == total
     assert diff <= TOLERANCE
+    for r in per_rank:  # a decode step moves no weight: latent_decode's formula, float64 (e = a = 8 bytes)
+        assert set(r["step_ops"]) <= {"all_gather", "all_to_all"}
+        assert sum(op["received"] for op in r["step_ops"].values()) == _decode_step_bytes(config, prompts.shape[0])
     padded, mask = _left_padded([13, 6, 9])
     ref = tiny_model(arch)
     expected = {name: ref.generate(padded, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
@@ -180,3 +183,17 @@ def _lora(model):
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(target_modules=["kv_b_proj"], r=2))
+
+
+def _decode_step_bytes(config, batch, tsp_size=2):
+    """``ds_tsp.inference.latent_decode``'s bytes a rank receives in one decode step, float64, plus the MLP's
+    output all-gather, the new tokens' embedding rows and the logits slices (``inference.generate``)."""
+    from ds_tsp.blocks.vocab import shard_rows
+
+    D, H, e = tsp_size, config.hidden_size, 8
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    widest = max(sum((j + 1) * n // D - j * n // D for n in (config.q_lora_rank, width) if n) for j in range(D))
+    hq = config.num_attention_heads // D
+    attention = widest + hq * width + hq * (config.kv_lora_rank + 1) + H
+    per_layer = (D - 1) * batch * (attention + H) * e
+    return config.num_hidden_layers * per_layer + (D - 1) * batch * (shard_rows(config.vocab_size, D) + H) * e
