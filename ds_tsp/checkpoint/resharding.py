@@ -308,7 +308,10 @@ def attach_layout_checks(engine):
             raise CheckpointError(LORA_RESHARD_REFUSED.format(source=load_dir))
         refusal = load_refusal(load_dir, tag, layout, universal)
         if refusal is None:
-            return load(load_dir, tag, *args, **kwargs)
+            loaded = load(load_dir, tag, *args, **kwargs)
+            if universal:
+                restore_buffers(engine.module, load_dir, tag)
+            return loaded
         if not getattr(engine, "tsp_reshard_on_load", False) or universal or not layout["zero_stage"]:
             raise CheckpointError(refusal)
         return _load_resharded(engine, load, load_dir, tag, *args, **kwargs)
@@ -334,7 +337,30 @@ def _load_resharded(engine, load, load_dir, tag, *args, **kwargs):
     config = engine._config
     config.load_universal_checkpoint = True
     try:
-        return load(resharded, tag, *args, **kwargs)
+        loaded = load(resharded, tag, *args, **kwargs)
     finally:
         config.load_universal_checkpoint = False
+    restore_buffers(engine.module, resharded, tag)
+    return loaded
+
+
+@torch.no_grad()
+def restore_buffers(module, load_dir, tag=None):
+    """Put back ``module``'s persistent buffers (a router's score-correction
+    bias) from a universal checkpoint's model-states file, where they keep the
+    names they had: DeepSpeed's universal loader restores parameters only.
+    TSP keeps such buffers whole on every rank, so one rank's file serves every
+    layout; a buffer whose name or shape the checkpoint does not hold is left."""
+    tag = resolve_tag(load_dir, tag, universal=True)
+    folder = os.path.join(load_dir, tag or "")
+    files = sorted(name for name in os.listdir(folder) if _MODEL_STATES.fullmatch(name)) if tag else []
+    if not files:
+        return
+    saved = torch.load(os.path.join(folder, files[0]), map_location="cpu", weights_only=False, mmap=True)
+    states = saved.get("module") or {}
+    persistent = module.state_dict()
+    for name, buffer in module.named_buffers():
+        value = states.get(name)
+        if name in persistent and value is not None and value.shape == buffer.shape:
+            buffer.copy_(value)
 
