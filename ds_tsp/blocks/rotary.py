@@ -95,25 +95,15 @@ def rotate(t, norm, cos, sin):
     return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
 
 
-class RotaryTables(tuple):
-    """The model's rotary tables of some tokens, ``(cos, sin)`` (or the one
-    complex table DeepSeek-V2 keeps), and the tokens' ``positions`` ``(B, n)``,
-    which a few attentions read too (Mistral 4's query scale)."""
-
-    def __new__(cls, tables, positions):
-        made = super().__new__(cls, tables)
-        made.positions = positions
-        return made
-
-
 def rotary_at(rotary_emb, hidden, positions, kind=None):
-    """``RotaryTables`` of the model's rotary module at ``positions`` (a decode step's)."""
+    """The model's rotary tables at ``positions`` as a tuple: ``(cos, sin)``, or
+    the one complex table DeepSeek-V2 keeps."""
     tables = rotary_of_kind(rotary_emb, hidden, positions, kind)
-    return RotaryTables(tables if isinstance(tables, tuple) else (tables,), positions)
+    return tables if isinstance(tables, tuple) else (tables,)
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
-    """``RotaryTables`` of this rank's ``positions`` ``(B, n)`` as the model's
+    """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` as the model's
     rotary embedding computes them for the whole sequence (for layers of type
     ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the
@@ -121,7 +111,7 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
-    return RotaryTables((table[:, :-1] for table in rotary_at(rotary_emb, hidden, probe, kind)), positions)
+    return tuple(table[:, :-1] for table in rotary_at(rotary_emb, hidden, probe, kind))
 
 
 def rotary_of_kind(rotary_emb, hidden, positions, kind=None):

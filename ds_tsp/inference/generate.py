@@ -267,17 +267,18 @@ class TSPDecoder:
 
         for index, layer in enumerate(self.layers):
             hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
-                cache, index, slots, keep, layer.self_attn, normed, tables[layer.rotary_kind]))
+                cache, index, slots, keep, layer.self_attn, normed, tables[layer.rotary_kind],
+                positions.expand(batch, -1)))
             hidden = layer.branch("mlp", hidden, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
-    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables):
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions):
         """The broadcast schedule's attention output for the local tokens ``h``;
         their rotated K and V (``keep``: the real prompt tokens; a latent
         attention's latent) go to ``cache``. What the schedule saves for a
         backward is freed on return, before the MLP."""
         if isinstance(attn, TSPLatentAttention):
-            return prefill_latent_attention(attn, h, tables,
+            return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
                                                                        latent[:, keep, :, :0]))
         plan, packed = attn.plan(h), attn.shard_weights().detach()
@@ -322,7 +323,8 @@ class TSPDecoder:
                 return self._heads_of_this_rank(keys, keys[..., :attn.shapes.kv_lora_rank], q_all, cache,
                                                 positions, attn.scale)[0]
 
-            return decode_latent_attention(attn, h, tables, self.group, write, attend, self._sum_over_group)
+            return decode_latent_attention(attn, h, tables, positions.unsqueeze(1), self.group, write, attend,
+                                           self._sum_over_group)
         heads, D = attn.heads, self.tsp_size
         cos, sin = attn.full_tables(*tables)
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim

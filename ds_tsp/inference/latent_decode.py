@@ -36,26 +36,26 @@ def latent_cache_shape(attn):
     return 1, attn.shapes.latent_width, 0
 
 
-def prefill_latent_attention(attn, h, tables, write):
-    """The training schedule's output for the local prompt tokens ``h``;
-    ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
+def prefill_latent_attention(attn, h, tables, positions, write):
+    """The training schedule's output for the local prompt tokens ``h`` at
+    ``positions`` ``(B, S/D)``; ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
     packed = attn.shard_weights().detach()
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
-    out, _ = latent_attention_forward(attn.plan(h, tables=tables), h, packed, tables, q_norm_weight,
+    out, _ = latent_attention_forward(attn.plan(h, positions=positions), h, packed, tables, q_norm_weight,
                                       attn.kv_a_layernorm.weight,
                                       latent_sink=lambda latent: write(latent.unsqueeze(2)))
     return out if attn.o_bias is None else out + attn.o_bias
 
 
-def decode_latent_attention(attn, h, tables, group, write, attend, sum_over_group):
-    """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring.
+def decode_latent_attention(attn, h, tables, positions, group, write, attend, sum_over_group):
+    """Attention of the new token ``h`` ``(B, 1, H)`` at ``positions`` ``(B, 1)``, see the module docstring.
     ``write(latent)`` caches the new latent ``(B, 1, 1, width)`` where this rank
     is the one chosen; ``attend(q)`` attends every head's latent queries ``(B,
     nq, width)`` over every rank's cache and returns this rank's head group's
     merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every
     rank's part in rank order."""
     shapes = attn.shapes
-    plan = attn.plan(h, tables=tables)
+    plan = attn.plan(h, positions=positions)
     down, heads = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
     raw = _whole_down_projections(attn, h, down, group)
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight

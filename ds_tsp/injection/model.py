@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
+from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
@@ -73,9 +74,13 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
         return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
 
-    def forward(self, hidden_states, position_embeddings, documents=None):
+    def forward(self, hidden_states, position_embeddings, documents=None, positions=None):
+        """``positions``: the local tokens' position ids ``(B, S/D)``, which a latent attention that scales its
+        queries by position reads (Mistral 4's)."""
+        by_position = {"positions": positions} if isinstance(self.self_attn, TSPLatentAttention) else {}
         hidden_states = self.branch(
-            "attention", hidden_states, lambda normed: self.self_attn(normed, position_embeddings, documents),
+            "attention", hidden_states,
+            lambda normed: self.self_attn(normed, position_embeddings, documents, **by_position),
             lambda hidden, norm: self.self_attn(hidden, position_embeddings, documents, input_norm=norm))
         return self.branch("mlp", hidden_states, self.mlp)
 
@@ -319,7 +324,7 @@ class TSPCausalLMMixin:
                                      batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
             for decoder_layer in layers:
-                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents)
+                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, softcap = self.get_submodule(policy.lm_head), getattr(self.config, "final_logit_softcapping", None)
         if request.wanted:

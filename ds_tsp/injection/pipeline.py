@@ -74,7 +74,7 @@ class TSPDecoderLayerPipe(nn.Module):
         tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:], self.layer.rotary_kind)
         blocks = self.moe_blocks if statistics else []
         with recorded_router_logits(blocks) as router_logits:
-            hidden = self.layer(hidden, tables)
+            hidden = self.layer(hidden, tables, positions=positions[:, :-1])
         if not statistics:
             return hidden, positions
         statistics = statistics[0]

@@ -144,11 +144,14 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     def form_for(self, rows, queries, keys):
         return self.form(self.shapes, rows, queries, keys) if callable(self.form) else self.form
 
-    def plan(self, x, documents=None, tables=None):
-        """How to run this layer on the local tokens ``x``; ``tables``: their
-        ``RotaryTables``, whose positions a query scale reads."""
+    def plan(self, x, documents=None, positions=None):
+        """How to run this layer on the local tokens ``x``; ``positions``: their
+        position ids ``(B, S/D)``, which a query scale reads."""
         D = self.shapes.tsp_size
-        query_scale = None if self.query_scale is None else self.query_scale(tables.positions).to(x.dtype)
+        if self.query_scale is not None and positions is None:
+            raise ValueError("this latent attention scales its queries by position (Mistral 4's "
+                             "llama_4_scaling_beta): its forward needs the tokens' positions")
+        query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
                           form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope,
@@ -159,11 +162,12 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                           query_scale=query_scale)
 
-    def forward(self, x, position_embeddings, documents=None, input_norm=None):
+    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None):
+        """``positions``: the local tokens' position ids ``(B, S/D)``, read by a query scale (``query_scale``)."""
         if input_norm is not None:
             raise ValueError("the latent attention does not run its input norm inside (takes_input_norm)")
         q_norm_weight = None if self.q_a_layernorm is None else self.q_a_layernorm.weight
-        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, position_embeddings),
+        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, positions),
                                                position_embeddings,
                                                q_norm_weight, self.kv_a_layernorm.weight)
         return out if self.o_bias is None else out + self.o_bias
