@@ -118,8 +118,10 @@ class TSPConfig(DeepSpeedConfigModel):
     latent: "expanded" expands it into each head group's keys and values (query/key heads of qk_nope_head_dim +
     qk_rope_head_dim, values of v_head_dim), "absorbed" folds the key up-projection into the queries and attends
     in latent space (one shared key head of kv_lora_rank + qk_rope_head_dim), the value up-projection applied to
-    the output. "auto" picks per layer and input shape the one the cost model counts fewer FLOPs for (expanded
-    for training at any length, absorbed for decoding); the choice is logged. Both give the same numbers. """
+    the output. "auto" picks per layer and input shape the one the cost model counts fewer FLOPs for (for
+    DeepSeek-V3: expanded wherever a rank holds 512 tokens or more of a 4K sequence or longer, absorbed for decoding
+    and for short sequences over many ranks, where expanding every key for a few queries costs more); the choice is
+    logged. Both give the same numbers. """
 
     recompute_norms: bool = False
     """ Keep only each RMSNorm's input for backward and run the norm again there, instead of its float32 copy of

@@ -106,13 +106,17 @@ def test_bytes_equal_the_planner_op_by_op(run_ranks, arch):
             assert out["both"] == planned["both"]
 
 
-def test_the_cost_model_expands_for_training_and_absorbs_for_decoding():
-    """DeepSeek-V3's shapes at D = 8: expanded for a training sequence, absorbed for one decoded token."""
+def test_the_cost_model_expands_long_sequences_and_absorbs_few_queries():
+    """DeepSeek-V3's shapes: expanded for 32K tokens over 8 ranks, absorbed for one decoded token and for 4K
+    tokens over 64 ranks (64 queries a rank against 4,096 keys to expand); the zigzag layout's pairs counted
+    as a rank's query blocks score them."""
+    from ds_tsp.blocks.latent.module import zigzag_work
     from ds_tsp.blocks.latent.shards import LatentShapes
 
-    shapes = LatentShapes(7168, 128, 1536, 512, 128, 64, 128, 8)
-    assert cheaper_latent_form(shapes, 1, 4096, 32768) == "expanded"
-    assert cheaper_latent_form(shapes, 1, 1, 32768) == "absorbed"
+    for D, S, form in ((8, 32768, "expanded"), (64, 4096, "absorbed")):
+        shapes = LatentShapes(7168, 128, 1536, 512, 128, 64, 128, D)
+        assert cheaper_latent_form(shapes, *zigzag_work(1, S // D, D)) == form, (D, S)
+    assert cheaper_latent_form(LatentShapes(7168, 128, 1536, 512, 128, 64, 128, 8), 1, 1, 32768) == "absorbed"
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite", "mistral4"])

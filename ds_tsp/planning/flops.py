@@ -43,7 +43,8 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
             backward += layers * attn
             attention += layers * attn
         if tsp and m.is_latent:
-            # Expanded latent attention: each rank makes every head group's K/V from the whole sequence's latent,
+            # Expanded latent attention (tsp.latent_attention "auto"'s choice for long sequences, the plans' regime;
+            # cheaper_latent_form): each rank makes every head group's K/V from the whole sequence's latent,
             # in forward and again in backward (with its gradients), where one device would make them once.
             expansion = 2 * T * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * (round(1 / share)
                                                                                                       - 1)
@@ -57,16 +58,19 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     return (forward + backward + recompute) * share, attention * share
 
 
-def latent_attention_flops(shapes, rows, queries, keys, form):
+def latent_attention_flops(shapes, rows, queries, keys, form, pairs=None):
     """Forward FLOPs of one head group of a multi-head latent attention layer
     (``blocks.latent.shards.LatentShapes``): ``rows`` sequences of ``queries``
-    query tokens each, the last of ``keys`` keys (bottom-right causal).
+    query tokens each over ``keys`` keys, scoring ``pairs`` (query, key) pairs
+    a row: by default the queries are the last of the keys (bottom-right causal).
     ``"expanded"`` makes the group's keys and values from every key's latent,
     ``"absorbed"`` attends in latent space: its queries and outputs go through
     the group's up-projections instead, and every score and output spans the latent."""
     hq, nope, rope, v, c = (shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim,
                             shapes.kv_lora_rank)
-    pairs = rows * (queries * keys - Fraction(queries * (queries - 1), 2))  # (query, key) pairs scored
+    if pairs is None:
+        pairs = queries * keys - Fraction(queries * (queries - 1), 2)
+    pairs *= rows
     if form == "expanded":
         return 2 * rows * keys * c * hq * (nope + v) + 2 * pairs * hq * (nope + rope + v)
     return 2 * rows * queries * hq * c * (nope + v) + 2 * pairs * hq * (c + rope + c)
@@ -75,10 +79,11 @@ def latent_attention_flops(shapes, rows, queries, keys, form):
 _last_form = {}  # layer shapes -> the form last chosen and logged for them
 
 
-def cheaper_latent_form(shapes, rows, queries, keys):
+def cheaper_latent_form(shapes, rows, queries, keys, pairs=None):
     """``tsp.latent_attention: "auto"``: the form with fewer FLOPs at this shape
-    (expanded where they tie), logged whenever the choice for a layer shape changes."""
-    costs = {form: latent_attention_flops(shapes, rows, queries, keys, form) for form in ("expanded", "absorbed")}
+    (``latent_attention_flops``'s; expanded where they tie), logged whenever the choice for a layer shape changes."""
+    costs = {form: latent_attention_flops(shapes, rows, queries, keys, form, pairs)
+             for form in ("expanded", "absorbed")}
     form = min(costs, key=costs.get)
     if _last_form.get(shapes) != form:
         _last_form[shapes] = form

@@ -77,7 +77,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     ``forward(x, position_embeddings)`` takes the local tokens ``(B, S/D, H)``
     and the model's rotary tables of their GLOBAL positions. ``form``:
     ``"expanded"``, ``"absorbed"`` or a callable ``form(shapes, rows, queries,
-    keys)`` choosing one per input shape (ds_tsp's planner hands its cost
+    keys, pairs)`` choosing one per input shape (ds_tsp's planner hands its cost
     model in at injection). The constructor allocates the shard without
     initialising it: ``from_hf`` or ``load_shard`` fills it.
     """
@@ -141,8 +141,9 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     def takes_input_norm(self, norm):
         return False
 
-    def form_for(self, rows, queries, keys):
-        return self.form(self.shapes, rows, queries, keys) if callable(self.form) else self.form
+    def form_for(self, rows, queries, keys, pairs):
+        """The form for ``rows`` of ``queries`` tokens over ``keys``, scoring ``pairs`` (query, key) pairs a row."""
+        return self.form(self.shapes, rows, queries, keys, pairs) if callable(self.form) else self.form
 
     def plan(self, x, documents=None, positions=None):
         """How to run this layer on the local tokens ``x``; ``positions``: their
@@ -154,7 +155,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
-                          form=self.form_for(x.shape[0], x.shape[1], x.shape[1] * D), rope=self.rope,
+                          form=self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm,
                           kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
@@ -171,6 +172,17 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
                                                position_embeddings,
                                                q_norm_weight, self.kv_a_layernorm.weight)
         return out if self.o_bias is None else out + self.o_bias
+
+
+def zigzag_work(rows, local_tokens, tsp_size):
+    """``(rows, queries, keys, pairs)`` of a rank's causal attention on the zigzag
+    layout: its two chunks of ``c = S/2D`` tokens attend to ``r + 1`` and
+    ``2D - r`` chunks of keys, causally within their own: ``2D c^2 + c`` pairs
+    a row on every rank, about ``S/D * S/2``."""
+    seq_len = local_tokens * tsp_size
+    chunk = local_tokens // 2
+    pairs = (2 * tsp_size + 1) * chunk * chunk - chunk * (chunk - 1)
+    return rows, local_tokens, seq_len, pairs
 
 
 def latent_shapes(attn, config, tsp_size):
