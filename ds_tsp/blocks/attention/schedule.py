@@ -61,25 +61,34 @@ class AttentionPlan:
         return self.heads.tsp_size
 
 
-def shard_stream(plan, packed):
-    """Yield ``(j, shard j)`` for every owner ``j``; with ``plan.overlap`` the
-    broadcast of shard ``j+1`` is in flight while shard ``j`` computes."""
-    tsp_rank, D = comm.group_rank(plan.group), plan.tsp_size
+def broadcast_stream(group, buffer, overlap):
+    """Yield ``(j, buffer(j))`` for every rank ``j`` of ``group`` once ``j`` has
+    broadcast it (``buffer(j)``: ``j``'s data on ``j``, an empty buffer of its
+    size elsewhere); with ``overlap`` the broadcast of ``j+1`` is in flight
+    while ``j``'s computes."""
+    D = comm.group_size(group)
 
     def start(j):
-        buf = packed.detach() if j == tsp_rank else packed.new_empty(plan.specs[j].numel)
-        return buf, comm.broadcast(buf, src=j, group=plan.group, async_op=True)
+        buf = buffer(j)
+        return buf, comm.broadcast(buf, src=j, group=group, async_op=True)
 
     pending = start(0)
     for j in range(D):
         buf, work = pending
         if work is not None:
             work.wait()
-        if plan.overlap and j + 1 < D:
+        if overlap and j + 1 < D:
             pending = start(j + 1)
         yield j, buf
-        if not plan.overlap and j + 1 < D:
+        if not overlap and j + 1 < D:
             pending = start(j + 1)
+
+
+def shard_stream(plan, packed):
+    """Yield ``(j, shard j)`` for every owner ``j``, as ``broadcast_stream``."""
+    tsp_rank = comm.group_rank(plan.group)
+    return broadcast_stream(plan.group, lambda j: packed.detach() if j == tsp_rank else
+                            packed.new_empty(plan.specs[j].numel), plan.overlap)
 
 
 def project(x, weights, name, heads_per_rank, head_dim):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import attend_local_chunks, reduce_to_owner
+from ds_tsp.blocks.attention.schedule import attend_local_chunks, broadcast_stream, reduce_to_owner
 from ds_tsp.parallel import comm, layout, precision
 
 FORMS = ("expanded", "absorbed")
@@ -65,27 +65,16 @@ def piece_stream(plan, packed, part):
     """Yield ``(j, weights of piece j)`` for every owner ``j``, ``part`` 0 for
     the down pieces, 1 for the head groups; with ``plan.overlap`` the broadcast
     of piece ``j+1`` is in flight while piece ``j`` computes."""
-    tsp_rank, D = comm.group_rank(plan.group), plan.tsp_size
+    tsp_rank = comm.group_rank(plan.group)
 
-    def start(j):
+    def buffer(j):
         specs = plan.specs[j]
-        offset = 0 if part == 0 else specs[0].numel
         if j == tsp_rank:
-            buf = packed.detach().narrow(0, offset, specs[part].numel)
-        else:
-            buf = packed.new_empty(specs[part].numel)
-        return buf, comm.broadcast(buf, src=j, group=plan.group, async_op=True)
+            return packed.detach().narrow(0, 0 if part == 0 else specs[0].numel, specs[part].numel)
+        return packed.new_empty(specs[part].numel)
 
-    pending = start(0)
-    for j in range(D):
-        buf, work = pending
-        if work is not None:
-            work.wait()
-        if plan.overlap and j + 1 < D:
-            pending = start(j + 1)
+    for j, buf in broadcast_stream(plan.group, buffer, plan.overlap):
         yield j, plan.specs[j][part].unpack(buf)
-        if not plan.overlap and j + 1 < D:
-            pending = start(j + 1)
 
 
 def down_project(plan, x, packed):
