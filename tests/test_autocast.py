@@ -153,6 +153,7 @@ def out_of_bound(errors):
     (2, "qwen2_moe", True, {}),  # float32 routing weights, the token all-to-all ("auto" here) and the shared expert
     (2, "olmo2", True, {}),  # q/k norms over the projection: float32 inverse RMS from the extra round of shards
     (2, "gemma2", True, {}),  # the soft-capped kernel (scores and softmax in float32), soft-capped logits in the ring
+    (2, "deepseek_v3_dense", True, {}),  # latent attention: float32 latent norms, bf16 latent gathered
 ])
 def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel, options):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,

@@ -64,9 +64,9 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     hq, nope, c = shapes.q_heads, shapes.qk_nope_head_dim, shapes.kv_lora_rank
     q = F.linear(h if c_q is None else c_q, heads[f"{shapes.query_projection}.weight"])
     q_nope, q_rot = q.view(h.shape[0], 1, hq, shapes.qk_head_dim).split([nope, shapes.qk_rope_head_dim], dim=-1)
-    q_rot = plan.rope(q_rot, tables)
+    q_rot = plan.rope(q_rot, tables).to(q.dtype)
     if plan.query_scale is not None:
-        factor = plan.query_scale[:, :, None, None]
+        factor = plan.query_scale[:, :, None, None].to(q.dtype)  # as Hugging Face casts it
         q_nope, q_rot = q_nope * factor, q_rot * factor
     up = heads["kv_b_proj.weight"].view(hq, nope + shapes.v_head_dim, c)
     q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), q_rot], dim=-1)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attend_local_chunks, broadcast_stream, reduce_to_owner
 from ds_tsp.parallel import comm, layout, precision
+from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
 FORMS = ("expanded", "absorbed")
 
@@ -97,9 +98,11 @@ def local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight):
     c_q = None
     if "q_a_proj" in raw:
         c_q = torch.func.functional_call(plan.q_norm, {"weight": q_norm_weight}, (raw["q_a_proj"],))
+        c_q = c_q.to(raw["q_a_proj"].dtype)  # as the next projection's autocast casts it
     kv_nope, k_rot = raw["kv_a_proj_with_mqa"].split([shapes.kv_lora_rank, shapes.qk_rope_head_dim], dim=-1)
     c_kv = torch.func.functional_call(plan.kv_norm, {"weight": kv_norm_weight}, (kv_nope,))
-    k_rot = plan.rope(k_rot.unsqueeze(2), tables).squeeze(2)
+    # Rotated by float32 tables, cast back as the attention's autocast casts them.
+    k_rot = plan.rope(k_rot.unsqueeze(2), tables).squeeze(2).to(kv_nope.dtype)
     return c_q, torch.cat([c_kv.to(k_rot.dtype), k_rot], dim=-1)
 
 
@@ -107,8 +110,7 @@ def gather_latent(plan, latent):
     """The full sequence's latent ``(B, S, width)`` in natural order, from every rank's ``(B, S/D, width)``."""
     if plan.tsp_size == 1:
         return latent
-    gathered, work = comm.all_gather(latent, plan.group, async_op=True)
-    work.wait()
+    gathered, _ = comm.all_gather(latent, plan.group)
     return layout.unshard(gathered, plan.tsp_size, plan.layout, dim=1)
 
 
@@ -130,9 +132,9 @@ def head_group(plan, q_input, latent, w, tables):
     hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
     q = F.linear(q_input, w[f"{shapes.query_projection}.weight"]).view(B, L, hq, shapes.qk_head_dim)
     q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
-    q_rot = plan.rope(q_rot, tables)
+    q_rot = plan.rope(q_rot, tables).to(q.dtype)
     if plan.query_scale is not None:
-        factor = plan.query_scale[:, :, None, None]
+        factor = plan.query_scale[:, :, None, None].to(q.dtype)  # as Hugging Face casts it
         q_nope, q_rot = q_nope * factor, q_rot * factor
     c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
     if plan.form == "absorbed":
@@ -289,7 +291,10 @@ class TSPLatentAttentionFunction(torch.autograd.Function):
     """forward: ``latent_attention_forward``, saving its input and down projections;
     backward: ``latent_attention_backward``."""
 
+    # Under autocast the input and the shard are cast to the autocast dtype and the layer runs as a model of that
+    # dtype would; the latents' norm weights keep theirs, as Hugging Face's norms do.
     @staticmethod
+    @autocast_forward(cast_inputs=True, keep=(4, 5))
     def forward(ctx, x, packed, plan, tables, q_norm_weight, kv_norm_weight):
         # The norm weights are inputs only so that autograd routes their gradients.
         out, raw = latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight)
@@ -298,6 +303,7 @@ class TSPLatentAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad_out):
         x, packed, q_norm_weight, kv_norm_weight, *raw = ctx.saved_tensors
         grads = latent_attention_backward(ctx.plan, grad_out.contiguous(), x, packed, ctx.tables,
