@@ -115,6 +115,9 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     (2, False, "gemma2", SEQ_LEN, {"tie_word_embeddings": False}), (2, True, "olmo3", SEQ_LEN, None),
     # GPT-OSS: attention sinks in each stage's head-group shards, GPT-OSS's rotary tables, biased experts.
     (2, False, "gpt_oss", SEQ_LEN, None), (2, False, "glm4_moe", SEQ_LEN, None),
+    # Mistral 4's latent attention: each stage recomputes its tables and hands its layers the positions that scale
+    # their queries.
+    (2, False, "mistral4", SEQ_LEN, None),
 ])
 def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch, seq_len,
                                                model_overrides):
