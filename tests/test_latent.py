@@ -166,7 +166,6 @@ def _inject(model, **options):
 @pytest.mark.parametrize("build, options, match", [
     (lambda: tiny_causal_lm("deepseek_v32", **MLA_TINY), {}, "indexed_attention.*DeepSeek-V3.2's sparse indexer"),
     (lambda: tiny_model("deepseek_v3_dense"), {"attention_backend": "flash"}, "tsp.attention_backend = 'flash'.*SDPA"),
-    (lambda: _lora(tiny_model("deepseek_v3_dense")), {}, "LoRA adapter on model.layers.0.self_attn.kv_b_proj"),
 ])
 def test_what_the_latent_attention_does_not_build_is_refused_by_name(build, options, match):
     with pytest.raises((PolicyError, ValueError), match=match):
@@ -181,12 +180,6 @@ def test_multi_token_prediction_layers_are_named_as_not_built(caplog):
     with caplog.at_level("WARNING", logger="ds_tsp"):
         _inject(model, attention_backend="sdpa")
     assert "num_nextn_predict_layers = 1 multi-token-prediction layer(s) are not built" in caplog.text
-
-
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(target_modules=["kv_b_proj"], r=2))
 
 
 def _decode_step_bytes(config, batch, tsp_size=2):

@@ -19,6 +19,8 @@ from parity import TOLERANCE, reference_loss
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
 FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's modules
+# A latent attention's (PEFT maps DeepSeek-V3's MLP names to its experts' raw parameters, which TSP refuses).
+LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def peft_model(arch, targets, seed=0, model_overrides=None, dtype=torch.float64, **lora_options):
@@ -121,7 +123,9 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              # fused projections: one adapter on qkv_proj (on gate_up_proj) serves q, k and v (gate and up)
              ("phi3", FUSED_TARGETS, {}),
              # the auxiliary loss off: its float32 statistics are test_moe's (here: the cross-entropy's gradients)
-             ("qwen2_moe", ATTENTION_ONLY, {"model_overrides": {"output_router_logits": False}})]
+             ("qwen2_moe", ATTENTION_ONLY, {"model_overrides": {"output_router_logits": False}}),
+             # a latent attention: its down projections' rows (uneven at D = 4) and up projections' rows of B
+             ("deepseek_v3_dense", LATENT_TARGETS, {}), ("deepseek_v2_lite", ("q_proj", "kv_b_proj", "o_proj"), {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
@@ -261,6 +265,8 @@ def lora_training(tsp_size, zero_stage, out_dir, arch="llama", targets=ALL_TARGE
     # Per layer: q, k and v's rows of B with the one A of qkv_proj, o_proj's A and B, gate and up's rows of B with
     # gate_up_proj's A, down_proj's A and B; saved as PEFT's qkv_proj and gate_up_proj adapters.
     (4, 2, 2, "phi3", FUSED_TARGETS, 2 * 11), (2, 2, 3, "phi3", FUSED_TARGETS, 2 * 11),
+    # DeepSeek-V3's latent attention: its down and up projections' adapters, rows of B split
+    (4, 2, 2, "deepseek_v3_dense", LATENT_TARGETS, 2 * 2 * len(LATENT_TARGETS)),
 ])
 def test_lora_trains_like_one_process_and_saves_what_peft_loads(run_ranks, tmp_path, world, tsp_size, zero_stage,
                                                                 arch, targets, tsp_adapter_params):

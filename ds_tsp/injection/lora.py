@@ -7,8 +7,9 @@ with ``W' = W + s B A``, and a TSP rank's rows (or columns) of ``W'`` need only
 its rows of ``B`` (or columns of ``A``):
 
 * a projection split by output rows (``q/k/v_proj`` by head group,
-  ``gate/up_proj`` by ``F`` rows): ``W'_j = W_j + s B_j A``: ``B`` split by the
-  same rows, ``A`` whole on every rank;
+  ``gate/up_proj`` by ``F`` rows, a latent attention's down and up
+  projections): ``W'_j = W_j + s B_j A``: ``B`` split by the same rows, ``A``
+  whole on every rank;
 * one split by input columns (``o_proj``, ``down_proj``): ``W'_j = W_j + s B A_j``:
   ``A`` split by the same columns, ``B`` whole.
 
@@ -35,11 +36,14 @@ import re
 import torch
 from torch import nn
 
+from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm
 
-ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+             "kv_b_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 class LoRAAdapter(nn.Module):
@@ -229,6 +233,8 @@ def _lora_weights(path, layer):
 
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# A multi-head latent attention's (ds_tsp.blocks.latent): a query latent or a plain query projection.
+LATENT_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -241,14 +247,15 @@ def check_adapter_paths(adapters, policy, layers):
     allowed = set()
     for index, layer in enumerate(layers):
         prefix = f"{policy.layers}.{index}"
-        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in attention}
+        latent = is_latent_attention(layer.get_submodule(policy.attention))
+        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in (LATENT_TARGETS if latent else attention)}
         if not policy.is_sparse(layer.get_submodule(policy.mlp)):
             allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in mlp}
     for path in adapters:
         if path not in allowed:
             raise PolicyError(f"a LoRA adapter on {path}: ds_tsp shards adapters on the decoder layers' "
-                              f"{', '.join(attention)} and a dense MLP's {', '.join(mlp)}: drop it "
-                              "from LoraConfig(target_modules=...)")
+                              f"{', '.join(attention)} (a latent attention's {', '.join(LATENT_TARGETS)}) and a "
+                              f"dense MLP's {', '.join(mlp)}: drop it from LoraConfig(target_modules=...)")
 
 
 def block_adapters(adapters, prefix):
