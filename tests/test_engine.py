@@ -477,7 +477,7 @@ def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
 
 
 # MoE: per-expert files, as transformers writes them; Phi-3: fused qkv_proj and gate_up_proj, joined from their rows.
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "phi3", "deepseek_v3"])
 def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch):
     from safetensors.torch import load_file
 
