@@ -313,9 +313,11 @@ class Setting:
         return min(self.devices, self.devices_per_node)
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+                "kv_a_proj_with_mqa", "kv_b_proj")
 # Which projections split by output rows under TSP and TP (their lora_B splits, lora_A is whole).
-LORA_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+LORA_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                  "kv_b_proj")
 
 
 def lora_adapter_params(m, rank, targets, shards, sparse=False):
@@ -324,10 +326,16 @@ def lora_adapter_params(m, rank, targets, shards, sparse=False):
     the other whole); a sparse layer's MLP takes none (ds_tsp refuses them)."""
     H, d, F = m.hidden_size, m.head_dim, m.intermediate_size
     sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
-             "o_proj": (m.num_heads * d, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
+             "o_proj": (m.num_heads * m.value_dim, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
+    if m.is_latent:  # a latent attention's projections (a query latent or q_proj)
+        sizes.update({"q_a_proj": (H, m.q_lora_rank), "q_b_proj": (m.q_lora_rank, m.num_heads * d),
+                      "kv_a_proj_with_mqa": (H, m.latent_width),
+                      "kv_b_proj": (m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim))})
     total = 0
     for name in targets:
         if sparse and name in ("gate_proj", "up_proj", "down_proj"):
+            continue
+        if name not in sizes or not all(sizes[name]):  # not in this model (k_proj of a latent attention, ...)
             continue
         fan_in, fan_out = sizes[name]
         total += rank * (fan_in + fan_out / shards) if name in LORA_ROW_SPLIT else rank * (fan_in / shards + fan_out)
