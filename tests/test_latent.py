@@ -32,6 +32,14 @@ def test_latent_attention_matches_hugging_face(run_ranks, tsp_size):
                 check(per_rank, f"D={tsp_size} {arch} {form} {case}")
 
 
+@pytest.mark.parametrize("checkpointing", [True, "host"])
+def test_activation_checkpointing_recomputes_the_latent_attention_exactly(run_ranks, checkpointing):
+    """Mistral 4 at D=2 under Hugging Face's layer checkpointing and with the checkpoints in host memory: the
+    recomputed layers get their positions (the query scale) and rotary tables again."""
+    check(run_ranks(2, model_parity, arch="mistral4", batch=2, seq_len=13, checkpointing=checkpointing),
+          f"D=2 mistral4 checkpointing={checkpointing}")
+
+
 def _gathered_wrong(how, **kwargs):
     """``model_parity`` with the gathered latent corrupted: ``"shards"`` puts the
     ranks' chunks in reverse order, ``"rotary_key"`` moves the rotary keys one token later."""
