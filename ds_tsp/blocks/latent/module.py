@@ -156,8 +156,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
                           form=self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
-                          q_norm=self.q_a_layernorm,
-                          kv_norm=self.kv_a_layernorm, overlap=self.overlap,
+                          q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
@@ -169,8 +168,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
             raise ValueError("the latent attention does not run its input norm inside (takes_input_norm)")
         q_norm_weight = None if self.q_a_layernorm is None else self.q_a_layernorm.weight
         out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, positions),
-                                               position_embeddings,
-                                               q_norm_weight, self.kv_a_layernorm.weight)
+                                               position_embeddings, q_norm_weight, self.kv_a_layernorm.weight)
         return out if self.o_bias is None else out + self.o_bias
 
 
@@ -178,7 +176,8 @@ def zigzag_work(rows, local_tokens, tsp_size):
     """``(rows, queries, keys, pairs)`` of a rank's causal attention on the zigzag
     layout: its two chunks of ``c = S/2D`` tokens attend to ``r + 1`` and
     ``2D - r`` chunks of keys, causally within their own: ``2D c^2 + c`` pairs
-    a row on every rank, about ``S/D * S/2``."""
+    a row on every rank, about ``S/D * S/2`` (the contiguous layout's mean
+    rank, whose form the others take too)."""
     seq_len = local_tokens * tsp_size
     chunk = local_tokens // 2
     pairs = (2 * tsp_size + 1) * chunk * chunk - chunk * (chunk - 1)
