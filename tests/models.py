@@ -257,6 +257,9 @@ MLA_ARCHS = {
                                                            "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}),
     "deepseek_v3_dense": (DeepseekV3Config, {"first_k_dense_replace": 2}),
+    # attention_bias: biased down projections and o_proj; Llama's rotate-half rotary instead of interleaved pairs
+    "deepseek_v3_biased": (DeepseekV3Config, {"first_k_dense_replace": 2, "attention_bias": True,
+                                              "rope_interleave": False}),
     "deepseek_v2_lite": (DeepseekV2Config, {"q_lora_rank": None, "first_k_dense_replace": 2}),
     "glm4_moe_lite": (Glm4MoeLiteConfig, {**MLA_MOE, "first_k_dense_replace": 1}),
     "mistral4": (Mistral4Config, {**MLA_MOE, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
@@ -281,6 +284,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "glm4_moe": Glm4MoeForCausalLM, "olmoe": OlmoeForCausalLM, "minimax_m2": MiniMaxM2ForCausalLM,
                  "dots1": Dots1ForCausalLM, "mellum": MellumForCausalLM, "gpt_oss": GptOssForCausalLM,
                  "deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_dense": DeepseekV3ForCausalLM,
+                 "deepseek_v3_biased": DeepseekV3ForCausalLM,
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
                  "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")

@@ -261,7 +261,7 @@ def test_step_bytes_equal_what_the_model_counts(run_ranks):
 def test_latent_attention_step_bytes_equal_what_the_model_counts(run_ranks):
     """DeepSeek-V3's shape (latent attention, its down projections' rows uneven over 4 ranks) at D=4: every
     op of a training step, per rank, against tsp_step_bytes_by_op."""
-    cases = [("deepseek_v3_dense", torch.float64, True, False)]
+    cases = [("deepseek_v3_dense", torch.float64, True, False), ("deepseek_v3_biased", torch.float64, True, False)]
     _check_counted_steps(4, cases, run_ranks(4, _counted_model_steps, cases=cases))
 
 

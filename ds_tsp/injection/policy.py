@@ -567,8 +567,10 @@ def check_layer(policy, layer, where):
         if projections:
             check_own_tensors(module, f"{where}.{child}", layer_class,
                               ATTENTION_TENSORS if child == policy.attention else ())
-            _check_biases(module, [p for p in projections if not p.endswith("layernorm")], f"{where}.{child}",
-                          layer_class)
+            if latent and child == policy.attention:
+                _check_latent_biases(module, f"{where}.{child}", layer_class)
+            else:
+                _check_biases(module, projections, f"{where}.{child}", layer_class)
     for name in children:
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
@@ -671,6 +673,19 @@ def _check_experts(experts, where, layer_class):
         raise PolicyError(f"{layer_class} at {where} holds {sorted((n, tuple(t.shape)) for n, t in tensors.items())}: "
                           f"ds_tsp takes the 3-D tensors {sorted(expected)} of E experts and an {activation}, as "
                           f"transformers 5 lays them out under the flags {flags}")
+
+
+def _check_latent_biases(module, where, layer_class):
+    """A latent attention packs its down projections' biases together (``attention_bias``: both or none) and
+    takes none on its per-head projections (no Hugging Face class has them)."""
+    down = {p: module.get_submodule(p).bias is not None for p in ("q_a_proj", "kv_a_proj_with_mqa")
+            if getattr(module, p, None) is not None}
+    heads = [p for p in ("q_proj", "q_b_proj", "kv_b_proj")
+             if getattr(getattr(module, p, None), "bias", None) is not None]
+    if len(set(down.values())) > 1 or heads:
+        raise PolicyError(f"{layer_class} at {where} has biases on {[p for p, b in down.items() if b] + heads}: the "
+                          "TSP latent attention takes biases on q_a_proj and kv_a_proj_with_mqa together, and none on "
+                          "q_proj, q_b_proj or kv_b_proj")
 
 
 def _check_biases(module, projections, where, layer_class):

@@ -476,7 +476,9 @@ def model_shape(model):
             or (bool(fields.get("use_qk_norm")) and not llama4),  # GLM-4.5's switch; Llama 4's norm has no weight
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             attention_sinks=fields.get("model_type") == "gpt_oss",
-            o_proj_bias=_attention_bias(fields) and fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES,
+            # A latent attention's o_proj takes attention_bias as its down projections do (every MLA class).
+            o_proj_bias=_attention_bias(fields) and (fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES
+                                                     or bool(latent)),
             **_moe_fields(fields), **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
