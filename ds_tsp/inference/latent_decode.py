@@ -55,7 +55,7 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every
     rank's part in rank order."""
     shapes = attn.shapes
-    plan = attn.plan(h, positions=positions)
+    plan = attn.plan(h, positions=positions, form="absorbed")  # what this step runs, not a choice to make
     down, heads = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
     raw = _whole_down_projections(attn, h, down, group)
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight

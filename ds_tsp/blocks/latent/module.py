@@ -145,9 +145,10 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         """The form for ``rows`` of ``queries`` tokens over ``keys``, scoring ``pairs`` (query, key) pairs a row."""
         return self.form(self.shapes, rows, queries, keys, pairs) if callable(self.form) else self.form
 
-    def plan(self, x, documents=None, positions=None):
+    def plan(self, x, documents=None, positions=None, form=None):
         """How to run this layer on the local tokens ``x``; ``positions``: their
-        position ids ``(B, S/D)``, which a query scale reads."""
+        position ids ``(B, S/D)``, which a query scale reads; ``form``: the form
+        to run, or None for this module's choice (``form_for``)."""
         D = self.shapes.tsp_size
         if self.query_scale is not None and positions is None:
             raise ValueError("this latent attention scales its queries by position (Mistral 4's "
@@ -155,7 +156,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
-                          form=self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
+                          form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
