@@ -115,10 +115,7 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     if D == 1:
         return {}
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
-    # The full sequence's K/V, or a latent attention's latent and rotary key, gathered.
-    kv = (D - 1) * micro_batch * (seq_len // D) * (m.latent_width if m.is_latent else 2 * m.num_kv_heads * m.head_dim)
-    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
-    backward = {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    forward, backward = _attention_ops(m, micro_batch * seq_len, D, e, a, own)
     if m.qk_norm_spans_projection:
         # The sums of squares' round (attention.norms.projection_squares_forward): the shards once more each way,
         # and the gradient of this rank's q and k rows reduced to it.
@@ -156,12 +153,19 @@ def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_ra
     D, e = tsp_size, elem_bytes
     if D == 1:
         return {}
-    own = tsp_attention_shard(m, D, tsp_rank)
-    gathered = Fraction((D - 1) * tokens * m.latent_width, D)
-    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * gathered}
-    backward = {**forward, "reduce_scatter": e * gathered,
-                "reduce": (D - 1) * own * gradient_wire_bytes(e, grad_wire_bytes)}
+    forward, backward = _attention_ops(m, tokens, D, e, gradient_wire_bytes(e, grad_wire_bytes),
+                                       tsp_attention_shard(m, D, tsp_rank))
     return _by_direction(forward, backward, direction)
+
+
+def _attention_ops(m, tokens, D, e, a, own):
+    """An attention layer's bytes by op, forward and backward, for ``tokens = B*S`` and this rank's shard of
+    ``own`` elements: the other shards broadcast, the full sequence's K/V (or a latent attention's latent and
+    rotary key) gathered, and backward the same again, the gathered tensors' gradient reduce-scattered and the
+    own shard's gradient reduced from the other ``D-1`` ranks in ``a`` bytes."""
+    kv = Fraction((D - 1) * tokens, D) * (m.latent_width if m.is_latent else 2 * m.num_kv_heads * m.head_dim)
+    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
+    return forward, {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
 
 
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
