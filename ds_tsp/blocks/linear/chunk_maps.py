@@ -1,0 +1,89 @@
+"""Gated DeltaNet's recurrence as affine maps of its state (DESIGN.md 6j): the
+exact pieces a TSP rank needs to run its own tokens from the true initial state
+without waiting for the ranks before it.
+
+Within a span of tokens the state ``S`` (``dk x dv`` per value head) moves as
+``S_out = T S_in + U`` and the span's outputs are affine in ``S_in`` too. Each
+rank computes its spans' ``(T, U)`` from a zero state, the maps are exchanged,
+and each rank composes the maps of the spans before its own to get their
+initial states, then runs its spans from them. Everything here is Hugging
+Face's ``torch_chunk_gated_delta_rule`` (64-token chunks, the UT transform)
+restated per chunk, in the inputs' dtype (float32 or wider).
+
+Shapes: ``q, k`` ``(B, h, L, dk)`` (already repeated to the value heads,
+l2-normed and scaled as HF does), ``v`` ``(B, h, L, dv)``, ``g, beta``
+``(B, h, L)``; states ``(B, h, dk, dv)``.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def chunk_terms(q, k, v, g, beta, chunk_size=64):
+    """Each chunk's terms of HF's chunked rule, a dict of ``(B, h, n, C, ...)``
+    tensors: ``w`` (``k_cumdecay``), ``u`` (``new_values``), ``q`` decayed from
+    the chunk's start, ``k`` decayed to its end, the masked intra-chunk
+    attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n)``. The
+    span is zero-padded to whole chunks (padding decays nothing and writes
+    nothing: ``g = beta = 0``); ``length`` keeps its real token count."""
+    length = q.shape[2]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    B, h, L = g.shape
+    n = L // chunk_size
+    q, k, v = (t.reshape(B, h, n, chunk_size, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(B, h, n, chunk_size) for t in (g, beta))
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    cum = g.cumsum(-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    a = (q @ k.transpose(-1, -2)) * pairwise
+    return {"w": w, "u": u, "a": a, "q": q * cum.exp().unsqueeze(-1),
+            "k": k * (cum[..., -1:] - cum).exp().unsqueeze(-1), "decay": cum[..., -1].exp(), "length": length}
+
+
+def run_chunks(terms, state):
+    """The span's outputs ``(B, h, length, dv)`` and final state from the initial ``state``: HF's scan."""
+    outputs = []
+    for i in range(terms["u"].shape[2]):
+        v_new = terms["u"][:, :, i] - terms["w"][:, :, i] @ state
+        outputs.append(terms["q"][:, :, i] @ state + terms["a"][:, :, i] @ v_new)
+        state = state * terms["decay"][:, :, i, None, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
+    out = torch.cat(outputs, dim=2)[:, :, :terms["length"]]
+    return out, state
+
+
+def span_map(terms):
+    """``(T, U)`` of the whole span: ``S_out = T S_in + U``, ``T`` ``(B, h, dk, dk)``.
+    Per chunk ``T_c = decay_c I - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
+    dk = terms["k"].shape[-1]
+    eye = torch.eye(dk, dtype=terms["k"].dtype, device=terms["k"].device)
+    T = U = None
+    for i in range(terms["u"].shape[2]):
+        k_t = terms["k"][:, :, i].transpose(-1, -2)
+        T_c = terms["decay"][:, :, i, None, None] * eye - k_t @ terms["w"][:, :, i]
+        U_c = k_t @ terms["u"][:, :, i]
+        T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c))
+    return T, U
+
+
+def compose(first, then):
+    """The map of ``first`` followed by ``then``: ``(T2 T1, T2 U1 + U2)``."""
+    (T1, U1), (T2, U2) = first, then
+    return T2 @ T1, T2 @ U1 + U2
+
+
+def initial_states(maps, state=None):
+    """Every span's initial state, from the maps of the spans in sequence order
+    and the first span's ``state`` (zero by default): the prefix compositions."""
+    T, U = maps[0]
+    current = torch.zeros_like(U) if state is None else state
+    states = []
+    for T, U in maps:
+        states.append(current)
+        current = T @ current + U
+    return states, current

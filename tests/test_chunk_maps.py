@@ -1,0 +1,73 @@
+"""Gated DeltaNet's chunk maps (ds_tsp.blocks.linear.chunk_maps) against the token-by-token recurrence, float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.linear.chunk_maps import chunk_terms, initial_states, run_chunks, span_map
+
+
+def recurrence(q, k, v, g, beta, state):
+    """Hugging Face's torch_recurrent_gated_delta_rule, in the inputs' dtype: one token at a time."""
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        memory = (state * k[:, :, t].unsqueeze(-1)).sum(-2)
+        delta = (v[:, :, t] - memory) * beta[:, :, t].unsqueeze(-1)
+        state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(outputs, dim=2), state
+
+
+def inputs(B=2, h=3, L=150, dk=8, dv=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, h, L, dk, generator=gen, dtype=torch.float64), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(B, h, L, dk, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, h, L, dv, generator=gen, dtype=torch.float64)
+    g = -F.softplus(torch.randn(B, h, L, generator=gen, dtype=torch.float64))
+    beta = torch.sigmoid(torch.randn(B, h, L, generator=gen, dtype=torch.float64))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("cuts", [[150], [70, 80], [13, 40, 37, 60], [5, 5, 100, 40]])
+def test_spans_run_from_composed_maps_equal_the_recurrence(cuts):
+    """The sequence cut into spans (lengths not multiples of the chunk): each span's map from a zero state,
+    the composed prefixes as their initial states, each span run from its own: outputs and the final state
+    equal the recurrence's over the whole sequence."""
+    q, k, v, g, beta = inputs()
+    start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected, final = recurrence(q, k, v, g, beta, start)
+    bounds = torch.tensor([0] + cuts).cumsum(0).tolist()
+    terms = [chunk_terms(*(t[:, :, a:b] for t in (q, k, v, g, beta)), chunk_size=16)
+             for a, b in zip(bounds, bounds[1:])]
+    states, last = initial_states([span_map(t) for t in terms], start)
+    outputs = [run_chunks(t, s)[0] for t, s in zip(terms, states)]
+    diff = (torch.cat(outputs, dim=2) - expected).abs().max().item()
+    print(f"spans {cuts}: max|out diff| {diff:.2e}, final state {(last - final).abs().max().item():.2e}")
+    assert diff < 1e-12 and (last - final).abs().max() < 1e-12
+
+
+def test_a_wrong_map_is_caught():
+    q, k, v, g, beta = inputs()
+    expected, _ = recurrence(q, k, v, g, beta, torch.zeros(2, 3, 8, 6, dtype=torch.float64))
+    terms = [chunk_terms(*(t[:, :, a:b] for t in (q, k, v, g, beta)), chunk_size=16) for a, b in ((0, 70), (70, 150))]
+    maps = [span_map(t) for t in terms]
+    maps[0] = (maps[0][0], maps[0][1] * 1.01)
+    states, _ = initial_states(maps)
+    out = torch.cat([run_chunks(t, s)[0] for t, s in zip(terms, states)], dim=2)
+    assert (out - expected).abs().max() > 1e-4
+
+
+def test_one_span_is_hugging_faces_chunked_rule():
+    """Against transformers' own torch_chunk_gated_delta_rule (which computes in float32): float32 inputs,
+    its q/k scaling left to it."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta = (t.float() for t in inputs())
+    q = q * q.shape[-1] ** 0.5  # HF scales the queries itself
+    expected, final = torch_chunk_gated_delta_rule(*(t.transpose(1, 2) for t in (q, k, v)), g.transpose(1, 2),
+                                                   beta.transpose(1, 2), output_final_state=True)
+    out, state = run_chunks(chunk_terms(q * q.shape[-1] ** -0.5, k, v, g, beta), torch.zeros(2, 3, 8, 6))
+    diff = (out.transpose(1, 2) - expected).abs().max().item()
+    print(f"against HF's chunked rule (float32): max|out diff| {diff:.2e}")
+    assert diff < 1e-5 and (state - final).abs().max() < 1e-5
