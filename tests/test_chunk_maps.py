@@ -71,3 +71,39 @@ def test_one_span_is_hugging_faces_chunked_rule():
     diff = (out.transpose(1, 2) - expected).abs().max().item()
     print(f"against HF's chunked rule (float32): max|out diff| {diff:.2e}")
     assert diff < 1e-5 and (state - final).abs().max() < 1e-5
+
+
+def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence():
+    """Backward as TSP would run it: each span's initial-state gradient from its own outputs, the transposed
+    composition for each span's final-state gradient, then each span's backward from its initial state with
+    those two gradients: every input's gradient (and the first state's) equals autograd of the recurrence."""
+    from ds_tsp.blocks.linear.chunk_maps import state_gradients
+
+    leaves = [t.requires_grad_() for t in inputs(L=100)]
+    start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    gen = torch.Generator().manual_seed(2)
+    grad_out, grad_final = torch.randn(2, 3, 100, 6, generator=gen, dtype=torch.float64), torch.randn(
+        2, 3, 8, 6, generator=gen, dtype=torch.float64)
+    out, final = recurrence(*leaves, start)
+    expected = torch.autograd.grad((out * grad_out).sum() + (final * grad_final).sum(), leaves + [start])
+
+    bounds = [0, 30, 47, 100]
+    spans = [[t.detach()[:, :, a:b].requires_grad_() for t in leaves] for a, b in zip(bounds, bounds[1:])]
+    terms = [chunk_terms(*span, chunk_size=16) for span in spans]
+    with torch.no_grad():
+        states, _ = initial_states([span_map(t) for t in terms], start.detach())
+    maps = [tuple(m.detach() for m in span_map(t)) for t in terms]
+    grads_out = [grad_out[:, :, a:b] for a, b in zip(bounds, bounds[1:])]
+    local = []
+    for t, s, g_out in zip(terms, states, grads_out):
+        s = s.clone().requires_grad_()
+        local.append(torch.autograd.grad((run_chunks(t, s)[0] * g_out).sum(), s, retain_graph=True)[0])
+    finals, grad_start = state_gradients(local, maps, grad_final)
+    got = [torch.zeros_like(t) for t in leaves]
+    for span, t, s, g_out, g_final, (a, b) in zip(spans, terms, states, grads_out, finals, zip(bounds, bounds[1:])):
+        o, f = run_chunks(t, s)
+        for total, part in zip(got, torch.autograd.grad((o * g_out).sum() + (f * g_final).sum(), span)):
+            total[:, :, a:b] += part
+    diff = max((a - b).abs().max().item() for a, b in zip(got + [grad_start], expected))
+    print(f"spans {bounds}: max|grad diff| {diff:.2e}")
+    assert diff < 1e-11

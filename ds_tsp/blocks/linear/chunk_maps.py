@@ -87,3 +87,18 @@ def initial_states(maps, state=None):
         states.append(current)
         current = T @ current + U
     return states, current
+
+
+def state_gradients(local, maps, final=None):
+    """The gradient of every span's final state, the transpose of ``initial_states``:
+    ``local[j]`` is what span ``j``'s own outputs give its initial state's
+    gradient (``(d out_j / d S_j)^T grad out_j``), ``maps`` the spans' ``(T, U)``
+    and ``final`` the last state's gradient (zero by default). The gradient of
+    span ``j``'s initial state is ``local[j] + T_j^T G_j``, where ``G_j`` is that
+    of its final state, the next span's initial one."""
+    current = torch.zeros_like(local[-1]) if final is None else final
+    finals = [None] * len(maps)
+    for j in reversed(range(len(maps))):
+        finals[j] = current
+        current = local[j] + maps[j][0].transpose(-1, -2) @ current
+    return finals, current
