@@ -1,9 +1,11 @@
 """Tiny Hugging Face causal LMs built in code (no downloads), float64 by default."""
 
 import contextlib
+import inspect
 import io
 import os
 import sys
+import textwrap
 
 import torch
 from transformers import (AttentionInterface, AttentionMaskInterface, Gemma2Config, Gemma2ForCausalLM,
@@ -32,6 +34,11 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNo
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteRMSNorm, Glm4MoeLiteTopkRouter
 from transformers.models.mistral4.modeling_mistral4 import Mistral4RMSNorm
 from transformers.models.youtu.modeling_youtu import YoutuRMSNorm
+from transformers import (Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+from transformers.models.qwen3_next import modeling_qwen3_next
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
@@ -152,6 +159,49 @@ def minimax_router_in_the_wider_dtype(self, hidden_states, e_score_correction_bi
 
 
 MiniMaxM2TopKRouter.forward = minimax_router_in_the_wider_dtype
+
+
+def widened(function, replacements, module=None):
+    """Hugging Face's ``function`` itself, recompiled in its module with each of
+    ``replacements`` (``{text: new text}``) made in its source: how these tests
+    widen the float32 casts of Gated DeltaNet's torch reference to the model's
+    dtype without rewriting its arithmetic. The decorators are dropped. A
+    function transformers wraps in a kernel hub module is named by ``module``
+    and its name (``function`` a string) and read from the module's source."""
+    if module is None:
+        module, source = sys.modules[function.__module__], textwrap.dedent(inspect.getsource(function))
+        name = function.__name__
+    else:
+        name, text = function, inspect.getsource(module)
+        start = text.index(f"\ndef {name}(") + 1
+        end = text.find("\n@", start)
+        source = text[start:end if end > 0 else None]
+    source = source[source.index("def "):]
+    for old, new in replacements.items():
+        if old not in source:
+            raise AssertionError(f"{name} no longer holds {old!r}: re-audit the widening")
+        source = source.replace(old, new)
+    scope = dict(module.__dict__)
+    exec(compile(source, f"<widened {name}>", "exec"), scope)
+    return scope[name]
+
+
+# Gated DeltaNet's reference in float32 or the model's dtype if wider: Hugging Face's chunked rule, its layer's
+# decay and its gated norm cast to float32 even in a float64 model (a split of the sequence at any token then
+# differs by about 2e-7), and its (1 + w) RMSNorms are Gemma's.
+WIDE = "torch.promote_types(initial_dtype, torch.float32)"
+for modeling, prefix in ((modeling_qwen3_next, "Qwen3Next"), (modeling_qwen3_5, "Qwen3_5"),
+                         (modeling_qwen3_5_moe, "Qwen3_5Moe")):
+    modeling.torch_chunk_gated_delta_rule = widened("torch_chunk_gated_delta_rule", {"torch.float32": WIDE}, modeling)
+    delta_net = getattr(modeling, f"{prefix}GatedDeltaNet")
+    delta_net.forward = widened(delta_net.forward, {
+        "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
+        "a.float()": "a.to(torch.promote_types(a.dtype, torch.float32))"})
+    gated_norm = getattr(modeling, f"{prefix}RMSNormGated")
+    gated_norm.forward = widened(gated_norm.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
+    getattr(modeling, f"{prefix}RMSNorm").forward = gemma_rms_norm_in_the_wider_dtype
+
+
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
 # sequences on alternating layers, an attention scale of 1/sqrt(head_dim), caps
 # the scores and logits reach.

@@ -19,13 +19,22 @@ import torch
 import torch.nn.functional as F
 
 
-def chunk_terms(q, k, v, g, beta, chunk_size=64):
+def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
     """Each chunk's terms of HF's chunked rule, a dict of ``(B, h, n, C, ...)``
     tensors: ``w`` (``k_cumdecay``), ``u`` (``new_values``), ``q`` decayed from
     the chunk's start, ``k`` decayed to its end, the masked intra-chunk
     attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n)``. The
     span is zero-padded to whole chunks (padding decays nothing and writes
-    nothing: ``g = beta = 0``); ``length`` keeps its real token count."""
+    nothing: ``g = beta = 0``); ``length`` keeps its real token count.
+
+    ``starts`` ``(B, L)`` (bool, or None): the tokens that start a packed
+    document, where the state restarts from zero, as Hugging Face's layer run
+    on each document alone. Tokens then interact only within their document:
+    the intra-chunk terms are masked to pairs of one document, a token reads
+    the chunk's incoming state only if no document starts between them
+    (``q``, ``w``), writes the outgoing one only if none starts after it
+    (``k``), and a chunk with a start passes none of its incoming state on
+    (``decay`` 0), so its map's ``T`` is exactly 0."""
     length = q.shape[2]
     pad = (chunk_size - length % chunk_size) % chunk_size
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -37,13 +46,24 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64):
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     cum = g.cumsum(-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    reads = writes = keeps = None
+    if starts is not None:
+        starts = F.pad(starts, (0, pad)).reshape(B, 1, n, chunk_size)
+        document = starts.long().cumsum(-1)  # (B, 1, n, C): starts seen since the chunk began
+        upper = upper | (document.unsqueeze(-1) != document.unsqueeze(-2))
+        reads, writes = (document == 0).to(q.dtype), (document == document[..., -1:]).to(q.dtype)
+        keeps = (document[..., -1] == 0).to(q.dtype)
     pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    from_start, to_end = cum.exp(), (cum[..., -1:] - cum).exp()
+    decay = cum[..., -1].exp()
+    if starts is not None:
+        from_start, to_end, decay = from_start * reads, to_end * writes, decay * keeps
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * from_start.unsqueeze(-1), upper=False, unitriangular=True)
     a = (q @ k.transpose(-1, -2)) * pairwise
-    return {"w": w, "u": u, "a": a, "q": q * cum.exp().unsqueeze(-1),
-            "k": k * (cum[..., -1:] - cum).exp().unsqueeze(-1), "decay": cum[..., -1].exp(), "length": length}
+    return {"w": w, "u": u, "a": a, "q": q * from_start.unsqueeze(-1), "k": k * to_end.unsqueeze(-1),
+            "decay": decay, "length": length}
 
 
 def run_chunks(terms, state):

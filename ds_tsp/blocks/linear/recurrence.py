@@ -40,9 +40,10 @@ class GatedDeltaRecurrence(torch.autograd.Function):
     backward: the transposed exchange and each chunk's own backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, group, layout_name, chunk_size):
+    def forward(ctx, q, k, v, g, beta, starts, group, layout_name, chunk_size):
         D, r = comm.group_size(group), comm.group_rank(group)
-        terms = [chunk_terms(*span, chunk_size=chunk_size) for span in _spans((q, k, v, g, beta))]
+        terms = [chunk_terms(*span, chunk_size=chunk_size, starts=s)
+                 for span, s in zip(_spans((q, k, v, g, beta)), _starts(starts))]
         maps = [span_map(t) for t in terms]
         T = torch.stack([m[0] for m in maps])  # (2, B, h, dk, dk)
         U = torch.stack([m[1] for m in maps])  # (2, B, h, dk, dv)
@@ -53,7 +54,7 @@ class GatedDeltaRecurrence(torch.autograd.Function):
         mine = _own(states, r, D, layout_name)
         out = torch.cat([run_chunks(t, s)[0] for t, s in zip(terms, mine)], dim=2)
         ctx.save_for_backward(q, k, v, g, beta, *mine, *(T for T, _ in all_maps))
-        ctx.group, ctx.layout_name, ctx.chunk_size = group, layout_name, chunk_size
+        ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = group, layout_name, chunk_size, starts
         return out
 
     @staticmethod
@@ -65,9 +66,9 @@ class GatedDeltaRecurrence(torch.autograd.Function):
         grads_out = grad_out.chunk(2, dim=2)
         local, runs = [], []
         with torch.enable_grad():
-            for span, state, g_out in zip(spans, (s0, s1), grads_out):
+            for span, starts, state, g_out in zip(spans, _starts(ctx.starts), (s0, s1), grads_out):
                 state = state.detach().requires_grad_()
-                out, final = run_chunks(chunk_terms(*span, chunk_size=ctx.chunk_size), state)
+                out, final = run_chunks(chunk_terms(*span, chunk_size=ctx.chunk_size, starts=starts), state)
                 local.append(torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0])
                 runs.append((span, out, final, g_out))
         gathered, _ = comm.all_gather(torch.stack(local), group)  # (D, 2, B, h, dk, dv)
@@ -76,11 +77,18 @@ class GatedDeltaRecurrence(torch.autograd.Function):
         with torch.enable_grad():
             for (span, out, final, g_out), g_final in zip(runs, _own(finals, r, D, layout_name)):
                 grads.append(torch.autograd.grad((out * g_out).sum() + (final * g_final).sum(), span))
-        return (*(torch.cat(parts, dim=2) for parts in zip(*grads)), None, None, None)
+        return (*(torch.cat(parts, dim=2) for parts in zip(*grads)), None, None, None, None)
 
 
-def gated_delta_recurrence(q, k, v, g, beta, group, layout_name="zigzag", chunk_size=64):
+def _starts(starts):
+    """This rank's two chunks of the document starts ``(B, S/D)``, or Nones."""
+    return (None, None) if starts is None else starts.chunk(2, dim=1)
+
+
+def gated_delta_recurrence(q, k, v, g, beta, group, layout_name="zigzag", chunk_size=64, starts=None):
     """The gated delta rule's outputs for this rank's tokens (``(B, h, S/D, ...)``
     inputs in the TSP layout), exact for the whole sequence; forward: an
-    all-gather of the chunks' state maps, backward: one of their state gradients."""
-    return GatedDeltaRecurrence.apply(q, k, v, g, beta, group, layout_name, chunk_size)
+    all-gather of the chunks' state maps, backward: one of their state gradients.
+    ``starts`` ``(B, S/D)``: the local tokens that start a packed document
+    (the state restarts there, ``chunk_maps.chunk_terms``), or None."""
+    return GatedDeltaRecurrence.apply(q, k, v, g, beta, starts, group, layout_name, chunk_size)

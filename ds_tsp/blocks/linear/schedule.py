@@ -1,0 +1,166 @@
+"""Gated DeltaNet's schedule under TSP (DESIGN.md 6j), as plain forward and
+backward functions and the autograd Function that runs them.
+
+Per layer, on every rank, with ``x`` its local tokens ``(B, S/D, H)``, for
+every owner ``j`` in turn (the next head group's broadcast in flight under
+this one's compute):
+
+1. head group ``j``'s shard is broadcast; each rank projects its own tokens;
+2. the short convolution takes the ``kernel - 1`` tokens before each of its
+   chunks from their owners (``conv``: one small all-gather of chunk tails);
+3. the recurrence runs each chunk from its exact initial state, composed from
+   every chunk's state map (``recurrence``: one all-gather of the maps, bytes
+   independent of the sequence length);
+4. the gated norm and the group's ``out_proj`` columns: the groups' outputs
+   sum locally, so no all-reduce is needed.
+
+Backward broadcasts the groups again and runs each group's local backward
+under autograd (its convolution and recurrence Functions do their transposed
+exchanges); each group's weight gradient goes to its owner, summed in
+float32 or wider. Saved: the local input only.
+
+Numerics are Hugging Face's (``torch_chunk_gated_delta_rule``): the decay
+``g`` and the rule in float32, or in the model's dtype where it is wider;
+the output back in the model's dtype before the gated norm.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
+from ds_tsp.blocks.linear.conv import causal_conv
+from ds_tsp.blocks.linear.recurrence import gated_delta_recurrence
+from ds_tsp.blocks.linear.shards import CONV_PARTS
+from ds_tsp.parallel import precision
+from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+
+
+@dataclass(frozen=True)
+class DeltaNetPlan:
+    """Everything the schedule needs besides tensors."""
+
+    group: object
+    shapes: object  # shards.DeltaNetShapes
+    specs: tuple  # every rank's (shard,) PackSpec, as ShardGrads reads them
+    layout: str
+    norm: object  # the Hugging Face gated norm module, run with the given weight
+    activation: object  # the convolution's activation (the layer's own)
+    overlap: bool
+    documents: list | None  # the rows' packed document starts (ds_tsp.blocks.documents)
+    starts: object  # (B, S/D) bool: the local tokens that start a document, or None
+    chunk_size: int = 64
+    fp32_accumulators: bool = True
+    grad_wire_dtype: object = None
+
+    @property
+    def tsp_size(self):
+        return self.shapes.tsp_size
+
+
+def project(shapes, x, w):
+    """The local tokens' ``q, k`` ``(B, L, hk*dk)``, ``v, z`` ``(B, L, hv*dv)``
+    and ``b, a`` ``(B, L, hv)`` of one head group, from its weights ``w``."""
+    B, L = x.shape[:2]
+    if shapes.interleaved:  # Hugging Face's fix_query_key_value_ordering, on the group's key heads
+        dk, r_dv, r = shapes.head_k_dim, shapes.ratio * shapes.head_v_dim, shapes.ratio
+        qkvz = F.linear(x, w["in_proj_qkvz.weight"]).view(B, L, shapes.k_heads, 2 * dk + 2 * r_dv)
+        q, k, v, z = qkvz.split([dk, dk, r_dv, r_dv], dim=-1)
+        b, a = F.linear(x, w["in_proj_ba.weight"]).view(B, L, shapes.k_heads, 2 * r).split([r, r], dim=-1)
+        return (*(t.reshape(B, L, -1) for t in (q, k, v, z, b, a)),)
+    return tuple(F.linear(x, w[f"in_proj_{name}.weight"]) for name in "qkvzba")
+
+
+def head_group(plan, x, w, norm_weight):
+    """Head group ``w``'s output before ``out_proj``, ``(B, L, hv*dv)``, of the local tokens ``x``."""
+    shapes = plan.shapes
+    B, L = x.shape[:2]
+    q, k, v, z, b, a = project(shapes, x, w)
+    conv_weight = torch.cat([w[f"{part}.weight"] for part in CONV_PARTS]).squeeze(1)  # (C, kernel)
+    conv_bias = torch.cat([w[f"{part}.bias"] for part in CONV_PARTS]) if shapes.conv_bias else None
+    mixed = causal_conv(torch.cat([q, k, v], dim=-1), conv_weight, conv_bias, plan.group, plan.layout,
+                        plan.activation, plan.documents)
+    q, k, v = mixed.split([shapes.key_rows, shapes.key_rows, shapes.value_rows], dim=-1)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    beta = b.sigmoid()
+    g = -w["A_log"].to(wide).exp() * F.softplus(a.to(wide) + w["dt_bias"])
+
+    def heads(t, dim):  # (B, L, h*dim) -> (B, hv, L, dim) in the rule's dtype, keys/queries repeated
+        t = t.reshape(B, L, -1, dim)
+        if t.shape[2] != shapes.v_heads:
+            t = t.repeat_interleave(shapes.ratio, dim=2)
+        return t.transpose(1, 2).to(wide)
+
+    q, k = (_l2norm(heads(t, shapes.head_k_dim)) for t in (q, k))
+    q = q * shapes.head_k_dim ** -0.5
+    out = gated_delta_recurrence(q, k, heads(v, shapes.head_v_dim), g.transpose(1, 2),
+                                 beta.transpose(1, 2).to(wide), plan.group, plan.layout, plan.chunk_size, plan.starts)
+    out = out.transpose(1, 2).to(x.dtype)  # (B, L, hv, dv)
+    normed = torch.func.functional_call(plan.norm, {"weight": norm_weight},
+                                        (out.reshape(-1, shapes.head_v_dim), z.reshape(-1, shapes.head_v_dim)))
+    return normed.reshape(B, L, -1)
+
+
+def _l2norm(t, eps=1e-6):
+    """Hugging Face's (and flash-linear-attention's) ``l2norm``."""
+    return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
+
+
+def _accumulator_dtype(plan, dtype):
+    return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
+
+
+def delta_net_forward(plan, x, packed, norm_weight):
+    """Forward of one layer on the local tokens ``x``: the output ``(B, S/D, H)``."""
+    out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
+                      device=x.device)
+    for j, w in piece_stream(plan, packed, 0):
+        o = head_group(plan, x, w, norm_weight)
+        precision.add_matmul(out, o.flatten(0, 1), w["out_proj.weight"].t(), add=j > 0)
+    return out.view(x.shape).to(x.dtype)
+
+
+def delta_net_backward(plan, grad_out, x, packed, norm_weight):
+    """Gradients of the local tokens ``x``, this rank's packed shard and the gated norm's weight."""
+    grads = ShardGrads(plan, packed)
+    acc = _accumulator_dtype(plan, x.dtype)
+    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device)
+    grad_norm = torch.zeros(norm_weight.shape, dtype=acc, device=x.device)
+    grad_tokens = grad_out.flatten(0, 1)  # (N, H)
+    for j, w in piece_stream(plan, packed, 0):
+        names = [name for name in w if name != "out_proj.weight"]
+        leaves = [t.detach().requires_grad_() for t in (x, norm_weight, *(w[name] for name in names))]
+        with torch.enable_grad():
+            o = head_group(plan, leaves[0], dict(zip(names, leaves[2:])), leaves[1])
+            grad_o = (grad_tokens @ w["out_proj.weight"]).view_as(o)
+            found = torch.autograd.grad(o, leaves, grad_o)
+        grad_x += found[0]
+        grad_norm += found[1]
+        flat, into = grads.buffer(j, 0)
+        for name, grad in zip(names, found[2:]):
+            into[name].copy_(grad)
+        precision.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1), out=into["out_proj.weight"], add=False)
+        grads.send(j, flat)
+    own = grads.own_shard()
+    return grad_x.to(x.dtype), own.to(packed.dtype), grad_norm.to(norm_weight.dtype)
+
+
+class TSPDeltaNetFunction(torch.autograd.Function):
+    """forward: ``delta_net_forward``, saving its input; backward: ``delta_net_backward``."""
+
+    # Under autocast the input and the shard are cast to the autocast dtype and the layer runs as a model of that
+    # dtype would; the gated norm's weight keeps its dtype, as Hugging Face's norm does.
+    @staticmethod
+    @autocast_forward(cast_inputs=True, keep=(3,))
+    def forward(ctx, x, packed, plan, norm_weight):
+        ctx.plan = plan
+        ctx.save_for_backward(x, packed, norm_weight)
+        return delta_net_forward(plan, x, packed, norm_weight)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_out):
+        x, packed, norm_weight = ctx.saved_tensors
+        grad_x, grad_packed, grad_norm = delta_net_backward(ctx.plan, grad_out.contiguous(), x, packed, norm_weight)
+        return grad_x, grad_packed, None, grad_norm
