@@ -20,6 +20,8 @@ class HeadGroups:
     num_kv_heads: int
     head_dim: int
     tsp_size: int
+    # Qwen3-Next's and Qwen3.5's output gate: q_proj yields each head's query and gate, 2 * head_dim rows a head.
+    output_gate: bool = False
 
     def __post_init__(self):
         D, nq, nkv = self.tsp_size, self.num_heads, self.num_kv_heads
@@ -59,9 +61,19 @@ class HeadGroups:
     def holds_kv(self, tsp_rank):
         return self.kv_holder(tsp_rank) == tsp_rank
 
+    @property
+    def q_width(self):
+        """Rows of q_proj a head holds: its query, and its gate where there is an output gate."""
+        return 2 * self.head_dim if self.output_gate else self.head_dim
+
     def q_rows(self, tsp_rank):
-        """Rows of q_proj (and columns of o_proj) owned by ``tsp_rank``."""
+        """Columns of o_proj owned by ``tsp_rank`` (and rows of q_proj without an output gate)."""
         size = self.q_heads * self.head_dim
+        return slice(tsp_rank * size, (tsp_rank + 1) * size)
+
+    def q_proj_rows(self, tsp_rank):
+        """Rows of q_proj owned by ``tsp_rank``."""
+        size = self.q_heads * self.q_width
         return slice(tsp_rank * size, (tsp_rank + 1) * size)
 
     def kv_rows(self, tsp_rank):
@@ -72,7 +84,9 @@ class HeadGroups:
     def rows(self, name, tsp_rank):
         if name == "sinks":  # one per query head
             return slice(tsp_rank * self.q_heads, (tsp_rank + 1) * self.q_heads)
-        return self.q_rows(tsp_rank) if name.startswith(("q_proj", "o_proj")) else self.kv_rows(tsp_rank)
+        if name.startswith("q_proj"):
+            return self.q_proj_rows(tsp_rank)
+        return self.q_rows(tsp_rank) if name.startswith("o_proj") else self.kv_rows(tsp_rank)
 
     def holds(self, name, tsp_rank):
         return name.startswith(("q_proj", "o_proj", "sinks")) or self.holds_kv(tsp_rank)
@@ -90,7 +104,8 @@ def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False):
     key/value heads (a contiguous tail, so the key/value gradient can be
     reduced on its own)."""
     q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
-    shapes = {"q_proj.weight": (q, hidden_size), "q_proj.bias": (q,), "o_proj.weight": (hidden_size, q),
+    q_proj = heads.q_heads * heads.q_width
+    shapes = {"q_proj.weight": (q_proj, hidden_size), "q_proj.bias": (q_proj,), "o_proj.weight": (hidden_size, q),
               "sinks": (heads.q_heads,), "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
               "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
     return PackSpec({name: shape for name, shape in shapes.items()

@@ -35,11 +35,11 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
-                 k_norm=None, softcap=None, sinks=False, rotary_halves=False):
+                 k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
-        self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group))
+        self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group), output_gate)
         self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks) for j in range(self.heads.tsp_size))
         self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
@@ -102,7 +102,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
-                     sinks=has_sinks(attn), rotary_halves=rotates_whole_head_by_half_tables(attn), **norms)
+                     sinks=has_sinks(attn), rotary_halves=rotates_whole_head_by_half_tables(attn),
+                     output_gate=has_output_gate(attn, config, fused), **norms)
         module.hf_rows = rows
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -178,8 +179,8 @@ def hf_rows(attn, config, fused=None):
     ``fused`` table for it (``ds_tsp.blocks.fused``: q rows, then k, then v)."""
     head_dim = attn.head_dim
     kv_rows = config.num_key_value_heads * head_dim
-    rows = FusedRows.of(fused or {}, {"q_proj": config.num_attention_heads * head_dim, "k_proj": kv_rows,
-                                      "v_proj": kv_rows})
+    q_rows = config.num_attention_heads * head_dim * (2 if has_output_gate(attn, config, fused) else 1)
+    rows = FusedRows.of(fused or {}, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
     rows.check_rows(attn, type(attn).__name__)
     return rows
 
@@ -189,6 +190,15 @@ def replicated_names(attn):
     whole on every rank: the output bias and per-head q/k norms, where present."""
     names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
     return names + [f"{name}.weight" for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
+
+
+def has_output_gate(attn, config, fused=None):
+    """Whether ``attn``'s ``q_proj`` yields each head's query and its output
+    gate (Qwen3-Next's and Qwen3.5's full attention: ``2 * head_dim`` rows a
+    head, the output multiplied by the gate's sigmoid before ``o_proj``)."""
+    q_proj = getattr(attn, "q_proj", None)
+    return (not fused and isinstance(q_proj, nn.Linear)
+            and q_proj.out_features == 2 * config.num_attention_heads * attn.head_dim)
 
 
 def has_sinks(attn):

@@ -97,6 +97,15 @@ def project(x, weights, name, heads_per_rank, head_dim):
     return out.view(*x.shape[:2], heads_per_rank, head_dim)
 
 
+def split_gate(q, head_dim):
+    """``(queries, output gate)`` of a q projection ``(B, L, h, width)``: with
+    an output gate each head's ``2 * head_dim`` rows are its query then its
+    gate (Qwen3-Next's, Qwen3.5's); without one, ``(q, None)``."""
+    if q.shape[-1] == head_dim:
+        return q, None
+    return q[..., :head_dim], q[..., head_dim:]
+
+
 def gather_kv(plan, k, v):
     """Start the all-gather of the local ``k, v`` ``(B, S/D, h, d)``; the
     returned pending op's ``wait()`` gives the full-sequence ``K, V``
@@ -236,10 +245,11 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         if heads.holds_kv(j):
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
-        q = project(x, w, "q_proj", heads.q_heads, d)
+        q, gate = split_gate(project(x, w, "q_proj", heads.q_heads, heads.q_width), d)
         q_rotated = rotate(q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V, w.get("sinks"))
-        precision.add_matmul(out, o.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
+        gated = o if gate is None else o * torch.sigmoid(gate)
+        precision.add_matmul(out, gated.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
         if plan.explicit_backward:
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
@@ -275,9 +285,10 @@ class Recomputation:
         self.gathers = {}  # key/value holder -> its K/V all-gather in flight
         self.keys = {}  # key/value holder -> its keys before the norm and rotary embedding
 
-    def project(self, w, name, num_heads):
-        """Projection ``name`` of the local tokens, as the forward computed it."""
-        head_dim = self.plan.heads.head_dim
+    def project(self, w, name, num_heads, head_dim=None):
+        """Projection ``name`` of the local tokens, as the forward computed it
+        (``head_dim``: rows a head, the heads' size by default)."""
+        head_dim = head_dim or self.plan.heads.head_dim
         if self.input_norm is None:
             return project(self.x, w, name, num_heads, head_dim)
         out = self.input_norm.project(self.tokens, w[f"{name}.weight"], w.get(f"{name}.bias"))
@@ -445,10 +456,16 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
-        raw_q = inputs.project(w, "q_proj", heads.q_heads)
+        raw_q, gate = split_gate(inputs.project(w, "q_proj", heads.q_heads, heads.q_width), heads.head_dim)
         q = rotate(raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
+        if gate is not None:
+            grad_gated, sigmoid = grad_o, torch.sigmoid(gate)
+            grad_o = grad_gated * sigmoid
         dq, o, grad_sinks = attend_backward(plan, grad_o, q, K, V, dKV, saved, j, w.get("sinks"))
+        if gate is not None:
+            grad_gate = grad_gated * o * sigmoid * (1 - sigmoid)
+            o = o * sigmoid
         if grad_sinks is not None:
             grads.shard(j)["sinks"].copy_(grad_sinks)
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
@@ -456,6 +473,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             unfinished = None
         dq, *grad_q_norm = rotate_backward(raw_q, dq, q_norm, cos, sin)
         raw_q = None
+        if gate is not None:
+            dq = torch.cat([dq, grad_gate.to(dq.dtype)], dim=-1)  # each head's query rows, then its gate's
         grads.add_norm("q", j, *grad_q_norm)
         grads.add_query_output(j, w, dq.flatten(0, 1).flatten(1), o, grad_tokens)
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
