@@ -181,9 +181,9 @@ def widened(function, replacements, module=None):
         if old not in source:
             raise AssertionError(f"{name} no longer holds {old!r}: re-audit the widening")
         source = source.replace(old, new)
-    scope = dict(module.__dict__)
-    exec(compile(source, f"<widened {name}>", "exec"), scope)
-    return scope[name]
+    defined = {}
+    exec(compile(source, f"<widened {name}>", "exec"), module.__dict__, defined)  # the module's own globals
+    return defined[name]
 
 
 # Gated DeltaNet's reference in float32 or the model's dtype if wider: Hugging Face's chunked rule, its layer's
@@ -288,7 +288,23 @@ def tiny_config(arch, **overrides):
                                **moe, "attn_implementation": "eager"})
     if arch in MLA_ARCHS:
         return mla_config(arch, kwargs)
+    if arch in HYBRID_ARCHS:
+        config_class, extra = HYBRID_ARCHS[arch]
+        return config_class(**{**kwargs, **HYBRID_TINY, **extra, **overrides})
     raise ValueError(arch)
+
+
+# Gated DeltaNet hybrids at tiny sizes, their real layer pattern (three linear layers, then a gated full-attention
+# layer with per-head q/k norms and a quarter of each head rotary): 4 key heads of 4 (whole heads on each of 4 ranks),
+# 8 value heads of 4 (two a key head), a 4-tap convolution. Qwen3-Next and Qwen3.5-MoE: 4 experts of 8, top-2, a
+# gated shared expert of 16.
+HYBRID_TINY = dict(num_hidden_layers=4, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
+                   linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4)
+HYBRID_MOE = dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts_per_tok=2,
+                  experts_implementation="eager")
+HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
+                "qwen3_5": (Qwen3_5TextConfig, {}),
+                "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE)}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
@@ -336,7 +352,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_dense": DeepseekV3ForCausalLM,
                  "deepseek_v3_biased": DeepseekV3ForCausalLM,
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
-                 "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM}
+                 "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+                 "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

@@ -45,7 +45,10 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
     masks = attention_mask
     if position_ids is not None and model.config.model_type in MASKS_WITHOUT_POSITIONS:
         masks = document_masks(model, input_ids, attention_mask, position_ids)
-    logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits
+    if position_ids is not None and "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        logits = per_document_logits(model, input_ids, position_ids)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits
     labels = input_ids[:, 1:].clone()
     if attention_mask is not None:
         labels[attention_mask[:, 1:] == 0] = -100
@@ -54,37 +57,58 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-def shard_grad_diffs(tsp_model, ref_model):
+def per_document_logits(model, input_ids, position_ids):
+    """The logits of packed rows with every document run alone: Hugging Face's
+    linear-attention layers carry their state across packed documents (their
+    torch path ignores the boundaries), so the reference for a state that
+    restarts at each document is Hugging Face's model on each document."""
+    rows = []
+    for row, positions in zip(input_ids, position_ids):
+        starts = [0] + [t for t in range(1, len(positions)) if positions[t] != positions[t - 1] + 1] + [len(row)]
+        rows.append(torch.cat([model(input_ids=row[None, a:b], use_cache=False).logits[0]
+                               for a, b in zip(starts, starts[1:])]))
+    return torch.stack(rows)
+
+
+def shard_grad_diffs(tsp_model, ref_model, relative=False):
     """Max |diff| of every gradient this rank holds against the matching piece of
-    the reference's (a folded vocabulary's padding rows must get none)."""
+    the reference's (a folded vocabulary's padding rows must get none); with
+    ``relative``, each divided by the largest entry of the reference's whole
+    gradient where that is above 1 (float64 round-off is relative to it)."""
     ref = {n: p.grad for n, p in ref_model.named_parameters()}
+
+    def scale(name):
+        return max(1.0, ref[name].abs().max().item()) if relative else 1.0
+
     # Replicated tensors of the TSP blocks (o_proj / down_proj biases, q/k
     # norms) under their Hugging Face names.
     hf_names = {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-                for index, layer in enumerate(tsp_model.model.layers) for block_name in ("self_attn", "mlp")
+                for index, layer in enumerate(tsp_model.model.layers) for block_name in (layer.mixer_name, "mlp")
                 for hf_name, param in getattr(layer, block_name).replicated_params().items()}
     diffs = {}
     for name, param in tsp_model.named_parameters():
         if not getattr(param, "tensor_model_parallel", False):
             name = hf_names.get(id(param), name)
-            diffs[name] = (param.grad - ref[name]).abs().max().item()
+            diffs[name] = (param.grad - ref[name]).abs().max().item() / scale(name)
     for name in ("model.embed_tokens", "lm_head"):
         module = tsp_model.get_submodule(name)
         if getattr(module.weight, "tensor_model_parallel", False):
             piece = module.shard_piece("weight")
             grad = module.weight.grad
-            full = ref.get(f"{name}.weight", ref["model.embed_tokens.weight"])  # tied: one gradient
-            diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item()
+            full_name = f"{name}.weight" if f"{name}.weight" in ref else "model.embed_tokens.weight"  # tied: one
+            full = ref[full_name]
+            diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
     for index, layer in enumerate(tsp_model.model.layers):
-        for block_name in ("self_attn", "mlp"):
+        for block_name in (layer.mixer_name, "mlp"):
             block = getattr(layer, block_name)
             grads = block.spec.unpack(block.packed.grad)
             for name, grad in grads.items():
                 # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.
                 hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
-                full = ref[f"model.layers.{index}.{block_name}.{hf_name}"]
-                diffs[f"model.layers.{index}.{block_name}.{name}"] = (grad - full.narrow(*piece)).abs().max().item()
+                full_name = f"model.layers.{index}.{block_name}.{hf_name}"
+                diffs[f"model.layers.{index}.{block_name}.{name}"] = \
+                    (grad - ref[full_name].narrow(*piece)).abs().max().item() / scale(full_name)
     return diffs
 
 
@@ -110,7 +134,7 @@ def packed_position_ids(documents):
 
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
                  num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False,
-                 ignore_documents=False, **tsp_options):
+                 ignore_documents=False, relative=False, **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``,
     the bytes saved for backward and how many times an attention recomputed its
     input norm in backward (``ds_tsp.blocks.input_norm``), both of which ``check`` ignores.
@@ -121,7 +145,9 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     models as restarting position ids (and, with ``cu_seq_lens``, to TSP also
     as flash-attention's ``cu_seq_lens_q/k``, as ``DataCollatorWithFlattening`` does). ``tsp_options`` go to
     ``TSPConfig`` (``vocab_parallel``, ...). ``ignore_documents``: TSP attends
-    each row as one sequence (the guard for ``documents``)."""
+    each row as one sequence (the guard for ``documents``). ``relative``:
+    gradient differences relative to the reference gradient's largest entry
+    where it is above 1 (``shard_grad_diffs``)."""
     tsp_size = dist.get_world_size()
     torch.manual_seed(7)
     ref = tiny_model(arch, **(model_overrides or {}))
@@ -168,7 +194,7 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     ref_loss.backward()
     diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": sum(saved.values()),
              "input_norm_recomputes": len(recomputes)}
-    diffs.update(shard_grad_diffs(model, ref))
+    diffs.update(shard_grad_diffs(model, ref, relative))
     return diffs
 
 

@@ -48,7 +48,7 @@ def adapter_blocks(model):
     policy = model.tsp_policy
     blocks = []
     for index, layer in enumerate(model.get_submodule(policy.layers)):
-        for name, block in ((policy.attention, layer.self_attn), (policy.mlp, layer.mlp)):
+        for name, block in ((layer.mixer_name, layer.mixer), (policy.mlp, layer.mlp)):
             if block.lora is not None:
                 blocks.append((f"{policy.layers}.{index}.{name}", block))
     return blocks

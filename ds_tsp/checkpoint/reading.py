@@ -341,8 +341,8 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
     checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank, model.config)
     check_tensors_present(model, checkpoint)
 
-    blocks = tuple(f"{policy.layers}.{i}.{part}." for i in range(len(model.get_submodule(policy.layers)))
-                   for part in (policy.attention, policy.mlp))
+    blocks = tuple(f"{policy.layers}.{i}.{part}." for i, layer in enumerate(model.get_submodule(policy.layers))
+                   for part in (policy.mixer(layer), policy.mlp))
     if tsp_config.vocab_parallel:
         blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}

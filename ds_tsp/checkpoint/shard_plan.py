@@ -31,6 +31,8 @@ from ds_tsp.blocks.fused import FusedRows, split_rows
 from ds_tsp.blocks.latent import module as latent
 from ds_tsp.blocks.latent import shards as latent_shards
 from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.blocks.linear import module as linear
+from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -61,6 +63,10 @@ def layer_shards(layer, config, policy, tsp_size):
     Built with the functions the TSP modules use, so it raises their head and
     intermediate-size divisibility errors before any tensor is read.
     """
+    mixer = policy.mixer(layer)
+    if mixer != policy.attention:
+        return {mixer: _delta_net_shards(layer.get_submodule(mixer), tsp_size),
+                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size)}
     attn = layer.get_submodule(policy.attention)
     if latent.is_latent_attention(attn):
         return {policy.attention: _latent_shards(attn, config, tsp_size),
@@ -85,6 +91,13 @@ def _latent_shards(attn, config, tsp_size):
     specs = [latent_shards.shard_spec(shapes, r) for r in range(tsp_size)]
     return BlockShards(specs, _holdings(specs, lambda name, r: latent_shards.shard_piece(shapes, name, r),
                                         latent.replicated_names(attn)), FusedRows())
+
+
+def _delta_net_shards(hf_layer, tsp_size):
+    """``BlockShards`` of a Gated DeltaNet (``ds_tsp.blocks.linear``)."""
+    shapes = linear.delta_net_shapes(hf_layer, tsp_size)
+    specs = [shapes.spec(r) for r in range(tsp_size)]
+    return BlockShards(specs, _holdings(specs, shapes.piece, linear.replicated_names(hf_layer)), shapes.hf_rows())
 
 
 def _mlp_shards(hf_mlp, policy, tsp_size):
@@ -144,6 +157,8 @@ def block_specs(block):
         return list(block.specs)
     if isinstance(block, TSPLatentAttention):
         return [latent_shards.shard_spec(block.shapes, r) for r in range(block.shapes.tsp_size)]
+    if isinstance(block, TSPGatedDeltaNet):
+        return [block.shapes.spec(r) for r in range(block.shapes.tsp_size)]
     if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
         return [block.spec] * comm.group_size(block.tsp_group)
     raise TypeError(f"{type(block).__name__} is not a TSP block")
@@ -159,6 +174,8 @@ def block_holdings(block):
     elif isinstance(block, TSPLatentAttention):
         holdings = _holdings(specs, lambda name, r: latent_shards.shard_piece(block.shapes, name, r),
                              list(block.replicated_tensors()))
+    elif isinstance(block, TSPGatedDeltaNet):
+        holdings = _holdings(specs, block.shapes.piece, list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
                                                                    name, r), list(block.replicated_tensors()))

@@ -177,7 +177,7 @@ class SavedStage:
         units = []
         for prefix, module in self.modules.items():
             if isinstance(module, TSPDecoderLayer):
-                parts = {**module.norms(), self.policy.attention: module.self_attn, self.policy.mlp: module.mlp}
+                parts = {**module.norms(), module.mixer_name: module.mixer, self.policy.mlp: module.mlp}
                 units += [gather_unit(f"{prefix}.{name}", part) for name, part in parts.items()]
             else:
                 units.append(gather_unit(prefix, module))

@@ -259,7 +259,7 @@ class TSPDecoder:
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
-        key_heads, key_dim, value_dim = _cache_shape(self.layers[0].self_attn)
+        key_heads, key_dim, value_dim = _cache_shape(self.layers[0].mixer)
         cache = TSPCache(len(self.layers), batch, key_heads, key_dim, hidden.dtype, device, r, prompt_counts,
                          value_dim)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
@@ -267,7 +267,7 @@ class TSPDecoder:
 
         for index, layer in enumerate(self.layers):
             hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
-                cache, index, slots, keep, layer.self_attn, normed, tables[layer.rotary_kind],
+                cache, index, slots, keep, layer.mixer, normed, tables[layer.rotary_kind],
                 positions.expand(batch, -1)))
             hidden = layer.branch("mlp", hidden, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
@@ -306,7 +306,7 @@ class TSPDecoder:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
             hidden = layer.branch("attention", hidden, lambda normed: self._attention(
-                cache, index, layer.self_attn, normed, tables[layer.rotary_kind], slots, positions))
+                cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots, positions))
             hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
         cache.next_positions = positions + 1
         return self._logits(hidden)

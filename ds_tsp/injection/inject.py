@@ -4,6 +4,7 @@ import torch
 
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
+from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
@@ -138,12 +139,15 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: (read,
     scaling)}`` (``ds_tsp.injection.lora.shard_adapters``), sharded with their blocks;
     ``rotary_kind``: the rotary tables the layer takes (``DecoderPolicy.rotary_kind``)."""
-    attention = layer.get_submodule(policy.attention)
+    mixer = policy.mixer(layer)
+    attention = layer.get_submodule(mixer)
     mlp = layer.get_submodule(policy.mlp)
     options = dict(layout_name=tsp_config.layout, backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
                    token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
-                   read=_prefixed(read, policy.attention), device=device)
-    if is_latent_attention(attention):
+                   read=_prefixed(read, mixer), device=device)
+    if mixer == policy.linear_attention:
+        tsp_attention = TSPGatedDeltaNet.from_hf(attention, config, topology.tsp_group, **options)
+    elif is_latent_attention(attention):
         form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention
         tsp_attention = TSPLatentAttention.from_hf(attention, config, topology.tsp_group, form=form, **options)
     else:
@@ -158,12 +162,12 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
            {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
     if sparse:
         check_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
-    keep_frozen(attention, tsp_attention, type(layer).__name__, policy.attention)
+    keep_frozen(attention, tsp_attention, type(layer).__name__, mixer)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
-    for where, block in ((policy.attention, tsp_attention), (policy.mlp, tsp_mlp)):
+    for where, block in ((mixer, tsp_attention), (policy.mlp, tsp_mlp)):
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
-                           policy.norm_layout, tsp_config.recompute_norms, rotary_kind)
+                           policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer)
 
 
 def check_router(block, where):

@@ -247,15 +247,17 @@ def check_adapter_paths(adapters, policy, layers):
     allowed = set()
     for index, layer in enumerate(layers):
         prefix = f"{policy.layers}.{index}"
-        latent = is_latent_attention(layer.get_submodule(policy.attention))
-        allowed |= {f"{prefix}.{policy.attention}.{name}" for name in (LATENT_TARGETS if latent else attention)}
+        if policy.mixer(layer) == policy.attention:  # no adapters on a hybrid's Gated DeltaNet
+            latent = is_latent_attention(layer.get_submodule(policy.attention))
+            allowed |= {f"{prefix}.{policy.attention}.{name}" for name in (LATENT_TARGETS if latent else attention)}
         if not policy.is_sparse(layer.get_submodule(policy.mlp)):
             allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in mlp}
     for path in adapters:
         if path not in allowed:
             raise PolicyError(f"a LoRA adapter on {path}: ds_tsp shards adapters on the decoder layers' "
-                              f"{', '.join(attention)} (a latent attention's {', '.join(LATENT_TARGETS)}) and a "
-                              f"dense MLP's {', '.join(mlp)}: drop it from LoraConfig(target_modules=...)")
+                              f"{', '.join(attention)} (a latent attention's {', '.join(LATENT_TARGETS)}; none on "
+                              f"a Gated DeltaNet's) and a dense MLP's {', '.join(mlp)}: drop it from "
+                              "LoraConfig(target_modules=...)")
 
 
 def block_adapters(adapters, prefix):

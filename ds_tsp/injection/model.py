@@ -38,14 +38,17 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both),
     OLMo-2/3's post-norms (after only). ``rotary_kind`` names the rotary
     tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
-    model's one table). Subclassing HF's checkpointing layer
+    model's one table). The token mixer (``mixer``) is the TSP attention, or a
+    hybrid's Gated DeltaNet, under its Hugging Face name ``mixer_name``
+    (``self_attn``, ``linear_attn``). Subclassing HF's checkpointing layer
     makes ``model.gradient_checkpointing_enable()`` recompute it."""
 
-    def __init__(self, self_attn, mlp, norms, layout, recompute_norms=False, rotary_kind=None):
+    def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn"):
         super().__init__()
+        self.mixer_name = mixer_name
         # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
         # flat buffers, its checkpoints) in this order.
-        for name, block, (before, after) in (("self_attn", self_attn, layout["attention"]),
+        for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
                                              ("mlp", mlp, layout["mlp"])):
             for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
                 if module_name is not None:
@@ -53,6 +56,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.layout = layout
         self.recompute_norms = recompute_norms  # tsp.recompute_norms
         self.rotary_kind = rotary_kind
+
+    @property
+    def mixer(self):
+        """The token mixer: the TSP attention, or a hybrid's Gated DeltaNet."""
+        return getattr(self, self.mixer_name)
 
     def norms(self):
         """The layer's norms by Hugging Face name."""
@@ -66,7 +74,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         block can (its ``takes_input_norm``) while autograd records."""
         before, after = self.layout[block]
         norm = None if before is None else getattr(self, before)
-        module = self.self_attn if block == "attention" else self.mlp
+        module = self.mixer if block == "attention" else self.mlp
         if (run_with_norm is not None and norm is not None and self.recompute_norms and torch.is_grad_enabled()
                 and module.takes_input_norm(norm)):
             out = run_with_norm(hidden, norm)
@@ -77,11 +85,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which a latent attention that scales its
         queries by position reads (Mistral 4's)."""
-        by_position = {"positions": positions} if isinstance(self.self_attn, TSPLatentAttention) else {}
+        by_position = {"positions": positions} if isinstance(self.mixer, TSPLatentAttention) else {}
         hidden_states = self.branch(
             "attention", hidden_states,
-            lambda normed: self.self_attn(normed, position_embeddings, documents, **by_position),
-            lambda hidden, norm: self.self_attn(hidden, position_embeddings, documents, input_norm=norm))
+            lambda normed: self.mixer(normed, position_embeddings, documents, **by_position),
+            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm))
         return self.branch("mlp", hidden_states, self.mlp)
 
 

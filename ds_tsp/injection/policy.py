@@ -31,6 +31,7 @@ from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
+from ds_tsp.blocks.linear.module import is_gated_delta_net
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
 
@@ -87,10 +88,12 @@ def rope_with_partial_rotary(params):
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Gated DeltaNet layers (ds_tsp.blocks.linear) among them: the hybrids' (Qwen3.5, Qwen3-Next).
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention")
 
 
 def full_or_sliding(layer_types):
-    return layer_types is None or all(kind in LAYER_TYPES for kind in layer_types)
+    return layer_types is None or all(kind in MIXER_TYPES for kind in layer_types)
 
 
 def per_layer_type(params):
@@ -124,9 +127,10 @@ COMMON = {
 ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
 SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
-                           "(each layer's window is checked against the one HF's mask uses); indexed_attention "
-                           "(DeepSeek-V3.2's sparse indexer attention) and linear_attention (Gated DeltaNet and other "
-                           "linear layers) are not built under TSP"),
+                           "(each layer's window is checked against the one HF's mask uses), and linear_attention "
+                           "layers holding a Gated DeltaNet are run by ds_tsp's; indexed_attention (DeepSeek-V3.2's "
+                           "sparse indexer attention) and other linear layers (Kimi Linear's KDA, Mamba) are not built "
+                           "under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -294,6 +298,8 @@ class DecoderPolicy:
     rotary_emb: str = "model.rotary_emb"
     lm_head: str = "lm_head"
     attention: str = "self_attn"
+    # Where a hybrid's linear layers hold their Gated DeltaNet instead of an attention (ds_tsp.blocks.linear).
+    linear_attention: str = "linear_attn"
     mlp: str = "mlp"
     # The names of the norms (before, after) the "attention" and the "mlp" block.
     norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
@@ -309,6 +315,10 @@ class DecoderPolicy:
     # The sparse MoE block class at ``mlp`` (``ds_tsp.blocks.moe.module``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
+
+    def mixer(self, layer):
+        """The name of ``layer``'s token mixer: its Gated DeltaNet where it holds one, else its attention."""
+        return self.linear_attention if hasattr(layer, self.linear_attention) else self.attention
 
     def norm_names(self):
         """The names of a layer's norms, in the order the layer applies them."""
@@ -507,8 +517,8 @@ def check_config(model_class, config, policy):
 
 def check_window(policy, layer, config, index, where):
     """The sliding window the TSP attention will use must be the one HF's mask uses for this layer."""
-    if policy.hf_window is None:
-        return  # auto: ds_tsp.injection.probe compares the layer as a whole
+    if policy.hf_window is None or policy.mixer(layer) != policy.attention:
+        return  # auto: ds_tsp.injection.probe compares the layer as a whole; a Gated DeltaNet has no window
     tsp_window = attention.sliding_window_of(layer.get_submodule(policy.attention), config)
     hf_window = policy.hf_window(config, index)
     if tsp_window != hf_window:
@@ -534,17 +544,26 @@ def check_own_tensors(module, where, layer_class, known=()):
 
 
 def check_layer(policy, layer, where):
-    """Refuse a decoder layer that is not exactly attention + gated MLP + two norms."""
+    """Refuse a decoder layer that is not exactly a token mixer (attention, or a
+    hybrid's Gated DeltaNet) + gated MLP + the policy's norms."""
     layer_class = type(layer).__name__
     if policy.layer_class is not None and layer_class != policy.layer_class:
         raise PolicyError(f"{where} is a {layer_class}, but tsp.policy = {policy.name!r} converts "
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
     children = dict(layer.named_children())
+    mixer = policy.mixer(layer)
+    linear = mixer == policy.linear_attention
+    if linear:
+        check_delta_net(children[mixer], f"{where}.{mixer}", layer_class)
     sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
-    latent = policy.attention in children and is_latent_attention(children[policy.attention])
-    expected = {policy.attention: latent_projections(children[policy.attention]) if latent else
-                policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS),
-                policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
+    latent = not linear and policy.attention in children and is_latent_attention(children[policy.attention])
+    if linear:
+        mixer_parts = delta_net_projections(children[mixer])
+    elif latent:
+        mixer_parts = latent_projections(children[policy.attention])
+    else:
+        mixer_parts = policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS)
+    expected = {mixer: mixer_parts, policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
                 **{name: () for name in policy.norm_names()}}
     check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
@@ -564,7 +583,9 @@ def check_layer(policy, layer, where):
         if unexpected:
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
-        if projections:
+        if projections and child == mixer and linear:
+            check_own_tensors(module, f"{where}.{child}", layer_class, DELTA_NET_TENSORS)
+        elif projections:
             check_own_tensors(module, f"{where}.{child}", layer_class,
                               ATTENTION_TENSORS if child == policy.attention else ())
             if latent and child == policy.attention:
@@ -576,16 +597,57 @@ def check_layer(policy, layer, where):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
     # The latent attention reads its head sizes from the config (shards.LatentShapes).
-    if not latent and not isinstance(getattr(children[policy.attention], "head_dim", None), int):
+    if not latent and not linear and not isinstance(getattr(children[policy.attention], "head_dim", None), int):
         raise PolicyError(f"{layer_class} at {where}.{policy.attention} has no integer head_dim, which the TSP "
                           "attention reads to split heads: this layer is not supported")
-    if not latent:
+    if not latent and not linear:
         check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
     if sparse:
         check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class, policy.layer_class is None)
     elif not hasattr(children[policy.mlp], policy.activation):
         raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
                           "ds_tsp knows")
+
+
+# A Gated DeltaNet's submodules, in either of Hugging Face's layouts (ds_tsp.blocks.linear.shards), and the
+# tensors it holds itself.
+DELTA_NET_INPUTS = {"interleaved": ("in_proj_qkvz", "in_proj_ba"),
+                    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+DELTA_NET_TENSORS = ("A_log", "dt_bias")
+
+
+def delta_net_projections(module):
+    """The submodules of a Gated DeltaNet (``ds_tsp.blocks.linear``) in its layout."""
+    inputs = DELTA_NET_INPUTS["interleaved" if hasattr(module, "in_proj_qkvz") else "split"]
+    return (*inputs, "conv1d", "norm", "out_proj")
+
+
+def check_delta_net(module, where, layer_class):
+    """A Gated DeltaNet ds_tsp builds: unbiased projections, a depthwise causal
+    convolution over the queries', keys' and values' channels, a gated norm of
+    one value head's width, and Hugging Face's head sizes; any other linear
+    layer (Kimi Linear's KDA, OLMo-Hybrid's, Mamba's) is refused by name."""
+    kind = type(module).__name__
+    if not is_gated_delta_net(module):
+        raise PolicyError(f"{layer_class} at {where} is a {kind}, a linear-attention layer ds_tsp does not build "
+                          "under TSP (it builds Gated DeltaNet layers fed by in_proj_qkvz/in_proj_ba or "
+                          "in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: Qwen3-Next's, Qwen3.5's): train this model "
+                          "with tsp.enabled false")
+    sizes = ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+    if not all(isinstance(getattr(module, name, None), int) for name in sizes) or not isinstance(
+            getattr(module, "activation", None), str) or getattr(module, "allow_neg_eigval", False):
+        raise PolicyError(f"{layer_class} at {where} ({kind}) lacks Gated DeltaNet's integer {sizes} or its "
+                          "activation name, or changes its rule (allow_neg_eigval): ds_tsp does not build it")
+    biased = [name for name in delta_net_projections(module) if name not in ("conv1d", "norm")
+              and getattr(module.get_submodule(name), "bias", None) is not None]
+    conv, channels = module.conv1d, 2 * module.num_k_heads * module.head_k_dim + module.num_v_heads * module.head_v_dim
+    if biased or conv.groups != channels or conv.in_channels != channels or conv.padding[0] != conv.kernel_size[0] - 1:
+        raise PolicyError(f"{layer_class} at {where} ({kind}) has biases on {biased} or a convolution "
+                          f"{conv} that is not depthwise and causal over its {channels} query/key/value channels: "
+                          "ds_tsp does not build it")
+    if module.norm.weight.numel() != module.head_v_dim:
+        raise PolicyError(f"{layer_class} at {where}.norm normalises {module.norm.weight.numel()} features, not one "
+                          f"value head's {module.head_v_dim}: ds_tsp does not build it")
 
 
 def check_qk_norms(policy, attn, where, layer_class):

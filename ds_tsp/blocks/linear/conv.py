@@ -8,6 +8,8 @@ shorter than that). Every chunk's last ``kernel - 1`` tokens are all-gathered
 With packed documents a token's window stops at its document's start, as
 Hugging Face's layer run on each document alone pads it with zeros."""
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -30,22 +32,25 @@ def halos(x, group, layout_name, width):
     return [torch.cat([start, *by_chunk[:chunk]], dim=1)[:, -width:] for chunk in layout.chunk_ids(r, D, layout_name)]
 
 
-def document_ids(documents, first, length, device):
-    """``(B, length)``: which document of its row each global position
-    ``first .. first + length - 1`` lies in (``documents``: each row's sorted
-    document starts, ``ds_tsp.blocks.documents``)."""
-    positions = torch.arange(first, first + length, device=device)
-    return torch.stack([torch.searchsorted(torch.tensor(starts, device=device), positions, right=True)
-                        for starts in documents])
-
-
-def _within_documents(padded, weight, ids):
-    """The depthwise causal convolution of ``padded`` ``(B, width + n, C)`` with
-    each output's window cut to its own document (``ids`` ``(B, width + n)``)."""
-    kernel = weight.shape[-1]
-    windows = padded.unfold(1, kernel, 1)  # (B, n, C, kernel)
-    same = ids.unfold(1, kernel, 1) == ids[:, kernel - 1:].unsqueeze(-1)  # (B, n, kernel)
-    return (windows * same.unsqueeze(2).to(windows.dtype) * weight).sum(-1).transpose(1, 2)  # (B, C, n)
+def _within_documents(padded, weight, bias, documents, first):
+    """The depthwise causal convolution of ``padded`` ``(B, width + n, C)``
+    (global positions from ``first``) with each output's window cut at its
+    document's start: every run of one document's tokens convolved on its own,
+    zero-padded where the document starts, as Hugging Face's layer convolves a
+    document run alone."""
+    width = weight.shape[-1] - 1
+    rows = []
+    for row, starts in zip(padded, documents):
+        cuts = [first + width] + [s for s in starts if first + width < s < first + row.shape[0]]
+        pieces = []
+        for begin, end in zip(cuts, cuts[1:] + [first + row.shape[0]]):
+            document = starts[bisect.bisect_right(starts, begin) - 1]
+            context_start = max(document, begin - width)
+            context = row[context_start - first:end - first].t().unsqueeze(0)  # (1, C, end - context_start)
+            out = F.conv1d(context, weight.unsqueeze(1), bias, padding=width, groups=weight.shape[0])
+            pieces.append(out[0, :, begin - context_start:end - context_start])
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.stack(rows)  # (B, C, n)
 
 
 def causal_conv(x, weight, bias, group, layout_name="zigzag", activation=None, documents=None):
@@ -62,9 +67,7 @@ def causal_conv(x, weight, bias, group, layout_name="zigzag", activation=None, d
         if documents is None:
             out = F.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
         else:
-            ids = document_ids(documents, index * chunk_len - width, chunk_len + width, x.device)
-            out = _within_documents(padded, weight, ids)
-            out = out if bias is None else out + bias.unsqueeze(-1)
+            out = _within_documents(padded, weight, bias, documents, index * chunk_len - width)
         outputs.append(out)
     out = torch.cat(outputs, dim=2)
     return (out if activation is None else activation(out)).transpose(1, 2).to(x.dtype)

@@ -44,9 +44,11 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
 
     @classmethod
     def from_hf(cls, layer, config, tsp_group, layout_name="zigzag", overlap=True, fp32_accumulators=True,
-                read=None, device=None, **unused):
+                read=None, device=None, backend=None, token_tile=0):
         """Build from a Hugging Face Gated DeltaNet module, keeping this rank's
-        shard; ``read(name, piece)`` as ``TSPAttention.from_hf``'s (Hugging Face's names)."""
+        shard; ``read(name, piece)`` as ``TSPAttention.from_hf``'s (Hugging
+        Face's names). ``backend`` and ``token_tile`` are the attention's
+        options, which a layer without attention does not read."""
         weight = layer.out_proj.weight
         device = device or weight.device
         shapes = delta_net_shapes(layer, comm.group_size(tsp_group))

@@ -1,0 +1,98 @@
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under TSP against the unsharded Hugging Face
+model, float64, with Hugging Face's float32 casts of the linear layers widened to float64 (tests/models.py)."""
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_tsp.blocks.linear import recurrence
+from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.topology import TSPTopology
+from models import HYBRID_ARCHS, tiny_causal_lm, tiny_model
+from parity import NOT_DIFFS, TOLERANCE, check, model_parity
+
+# Padded (13 tokens, the last 3 of a row masked), packed (documents restarting the positions: the state restarts
+# at each) and longer than a 64-token chunk of the rule without being a multiple of it.
+CASES = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]),
+         dict(batch=1, seq_len=72))
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_hybrids_match_hugging_face(run_ranks, tsp_size):
+    """Loss and every gradient of every hybrid class. Gradients are compared relative to the largest entry of
+    the reference's (where it is above 1): the first tokens of a document reach the l2 norm of the rule with
+    small queries, so these tiny models' gradients reach ~150, and Hugging Face's own gradients move by
+    2.9e-10 between its chunk sizes 64 and 2."""
+    for arch in HYBRID_ARCHS:
+        for case in CASES:
+            check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
+
+
+def _wrong_map(**kwargs):
+    """``model_parity`` with every chunk's state map off by 1% (its ``U``)."""
+    span_map = recurrence.span_map
+
+    def wrong(terms):
+        T, U = span_map(terms)
+        return T, U * 1.01
+
+    with mock.patch.object(recurrence, "span_map", wrong), mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+def _no_halo(**kwargs):
+    """``model_parity`` with the convolution's halos dropped (zeros before every chunk)."""
+    def no_halos(x, group, layout_name, width):
+        return [x.new_zeros(x.shape[0], width, x.shape[2])] * 2
+
+    with mock.patch("ds_tsp.blocks.linear.conv.halos", no_halos), mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
+    for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
+                                ("head group scaled", model_parity, {"wrong_shard": "model.layers.0.linear_attn"})):
+        per_rank = run_ranks(2, body, arch="qwen3_5", batch=2, seq_len=13, relative=True, **kwargs)
+        loss = max(d["loss"] for d in per_rank)
+        worst = max(v for d in per_rank for k, v in d.items() if k not in NOT_DIFFS)
+        print(f"{label}: |loss diff| {loss:.2e}, max|diff| {worst:.2e}")
+        assert loss > 1e3 * TOLERANCE
+
+
+def _layer_bytes(seq_len):
+    """One Gated DeltaNet layer's forward on this rank's tokens: the bytes it received, by op."""
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    model = tiny_model("qwen3_5")
+    tsp = TSPGatedDeltaNet.from_hf(model.model.layers[0].linear_attn, model.config, topo.tsp_group)
+    torch.manual_seed(1)
+    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
+    comm.counter.reset()
+    tsp(x.requires_grad_())
+    return {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+
+
+def test_the_map_all_gather_does_not_grow_with_the_sequence(run_ranks):
+    """At D = 4 every op of a layer's forward moves the same bytes at S = 256 and S = 4096: the maps
+    (2 chunks x 8 value heads x dk (dk + dv) per head group), the convolution's halos (2 x 3 tokens) and the
+    weights' broadcasts."""
+    short, long = (run_ranks(4, _layer_bytes, seq_len=seq_len) for seq_len in (256, 4096))
+    print(f"S=256: {short[0]}; S=4096: {long[0]}")
+    assert short == long
+
+
+def test_other_linear_layers_are_refused_by_name():
+    """OLMo-Hybrid's Gated DeltaNet changes the rule (negative eigenvalues, its own projections): refused, naming it."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+
+    config = OlmoHybridConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                              linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4, pad_token_id=0)
+    with pytest.raises(PolicyError, match="linear-attention layer ds_tsp does not build|does not build it"):
+        ds_tsp.inject(OlmoHybridForCausalLM(config), TSPTopology(1), TSPConfig(enabled=True, size=1))
