@@ -66,6 +66,7 @@ from ds_tsp.blocks.attention.schedule import attention_forward, project
 from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_at, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
 from ds_tsp.parallel import comm, layout
@@ -92,6 +93,14 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          f"logits_to_keep=1, as model.generate passes it (got {logits_to_keep!r}; assisted and "
                          "speculative decoding, which ask for more, are not supported: a TSP cache cannot roll "
                          "tokens back); for every token's logits run the forward without use_cache or cache")
+    unbuilt = [index for index, layer in enumerate(model.get_submodule(model.tsp_policy.layers))
+               if isinstance(layer.mixer, TSPGatedDeltaNet) or getattr(getattr(layer.mixer, "heads", None),
+                                                                       "output_gate", False)]
+    if unbuilt:
+        raise ValueError(f"{type(model).__name__}'s layers {unbuilt} are Gated DeltaNet layers or gated attention "
+                         "(Qwen3-Next's, Qwen3.5's), which TSP generation does not run yet: generate from the "
+                         "unsharded model (ds_tsp.save_pretrained, then Hugging Face's from_pretrained and "
+                         "generate), or with tsp.enabled false")
     decoder = TSPDecoder(model)
     if isinstance(cache, TSPCache):
         _check_continuation(cache, input_ids, attention_mask, position_ids)
