@@ -186,20 +186,34 @@ def widened(function, replacements, module=None):
     return defined[name]
 
 
-# Gated DeltaNet's reference in float32 or the model's dtype if wider: Hugging Face's chunked rule, its layer's
-# decay and its gated norm cast to float32 even in a float64 model (a split of the sequence at any token then
-# differs by about 2e-7), and its (1 + w) RMSNorms are Gemma's.
-WIDE = "torch.promote_types(initial_dtype, torch.float32)"
-for modeling, prefix in ((modeling_qwen3_next, "Qwen3Next"), (modeling_qwen3_5, "Qwen3_5"),
-                         (modeling_qwen3_5_moe, "Qwen3_5Moe")):
-    modeling.torch_chunk_gated_delta_rule = widened("torch_chunk_gated_delta_rule", {"torch.float32": WIDE}, modeling)
-    delta_net = getattr(modeling, f"{prefix}GatedDeltaNet")
-    delta_net.forward = widened(delta_net.forward, {
-        "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
-        "a.float()": "a.to(torch.promote_types(a.dtype, torch.float32))"})
-    gated_norm = getattr(modeling, f"{prefix}RMSNormGated")
-    gated_norm.forward = widened(gated_norm.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
-    getattr(modeling, f"{prefix}RMSNorm").forward = gemma_rms_norm_in_the_wider_dtype
+def widen_gated_delta_nets(modeling):
+    """Gated DeltaNet's reference in float32 or the model's dtype if wider, in
+    the modeling module ``modeling`` (once): Hugging Face's chunked rule, its
+    layers' decay and gated norms cast to float32 even in a float64 model (a
+    split of the sequence at any token then differs by about 2e-7), and its
+    (1 + w) RMSNorms are Gemma's."""
+    if getattr(modeling, "_ds_tsp_widened", False) or not hasattr(modeling, "torch_chunk_gated_delta_rule"):
+        return
+    modeling.torch_chunk_gated_delta_rule = widened(
+        "torch_chunk_gated_delta_rule", {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
+        modeling)
+    for name, cls in list(vars(modeling).items()):
+        if not isinstance(cls, type) or cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
+            continue
+        source = inspect.getsource(cls.forward)
+        if name.endswith("GatedDeltaNet") and "self.A_log.float()" in source:
+            cls.forward = widened(cls.forward, {
+                "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
+                "a.float()": "a.to(torch.promote_types(a.dtype, torch.float32))"})
+        elif name.endswith("RMSNormGated") and "torch.float32" in source:
+            cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
+        elif name.endswith("RMSNorm") and "(1.0 + self.weight.float())" in source:
+            cls.forward = gemma_rms_norm_in_the_wider_dtype
+    modeling._ds_tsp_widened = True
+
+
+for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe):
+    widen_gated_delta_nets(modeling)
 
 
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
@@ -435,6 +449,7 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
                     raise
     if device == "meta":
         return model
+    widen_gated_delta_nets(sys.modules[type(model).__module__])
     model = model.to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():

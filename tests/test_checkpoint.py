@@ -28,9 +28,10 @@ from test_engine import ZERO3_PARTITIONED
 # two head groups share each key/value head (the nkv < D case).
 # phi3: fused qkv_proj and gate_up_proj, each rank's shards read from and written
 # back to their rows (ds_tsp.blocks.fused); gemma3: sandwich norms and per-head q/k norms; deepseek_v3_dense and
-# deepseek_v2_lite: multi-head latent attention, down projections split by rows unevenly at 4.
+# deepseek_v2_lite: multi-head latent attention, down projections split by rows unevenly at 4; qwen3_next: Gated
+# DeltaNet layers, each rank's key heads a block of in_proj_qkvz / in_proj_ba and three pieces of conv1d's channels.
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "deepseek_v3_dense",
-         "deepseek_v2_lite")
+         "deepseek_v2_lite", "qwen3_next")
 
 
 def hf_tensors(path):
@@ -156,12 +157,14 @@ def _train_step_and_save(src, dst, steps=1):
     return differ, unchanged
 
 
-@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2)])
+@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2),
+                                         ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows, Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
-    DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts."""
+    DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
+    Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention."""
     src = str(tmp_path / arch)
     tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):

@@ -214,6 +214,9 @@ def _gathered(engine, zero_stage):
     (4, 2, 2, "adam", False, False, "deepseek_v3", False), (2, 2, 3, "adam", False, False, "deepseek_v3", False),
     # GPT-OSS: attention sinks in the head groups' shards, biased experts (E, H, 2F), a router with a bias.
     (4, 2, 2, "adam", False, False, "gpt_oss", False), (2, 2, 3, "adam", False, False, "gpt_oss", False),
+    # Qwen3.5: Gated DeltaNet layers (their chunk maps and convolution halos exchanged per head group) and a
+    # gated attention layer.
+    (4, 2, 2, "adam", False, False, "qwen3_5", False), (2, 2, 3, "adam", False, False, "qwen3_5", False),
     # Four replicated norms a layer (sandwich, Gemma's scaled embedding folded) under ZeRO-3; OLMo-2's q/k norms
     # over the projection (an extra round of shards and its weight-gradient reduces) under ZeRO-3 too.
     (4, 2, 3, "adam", False, False, "gemma2", False), (4, 2, 3, "adam", False, False, "olmo2", False),

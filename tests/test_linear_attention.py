@@ -12,6 +12,7 @@ from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.planning.communication import delta_net_bytes_by_op
 from models import HYBRID_ARCHS, tiny_causal_lm, tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
@@ -64,25 +65,35 @@ def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
 
 
 def _layer_bytes(seq_len):
-    """One Gated DeltaNet layer's forward on this rank's tokens: the bytes it received, by op."""
+    """One Gated DeltaNet layer's forward and backward on this rank's tokens: the bytes it received, by op."""
     topo = TSPTopology(dist.get_world_size())
     D, r = topo.tsp_size, topo.tsp_rank
     model = tiny_model("qwen3_5")
     tsp = TSPGatedDeltaNet.from_hf(model.model.layers[0].linear_attn, model.config, topo.tsp_group)
     torch.manual_seed(1)
     x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
+    x.requires_grad_()
     comm.counter.reset()
-    tsp(x.requires_grad_())
-    return {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    y = tsp(x)
+    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    y.backward(torch.ones_like(y))
+    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
 
 
-def test_the_map_all_gather_does_not_grow_with_the_sequence(run_ranks):
-    """At D = 4 every op of a layer's forward moves the same bytes at S = 256 and S = 4096: the maps
-    (2 chunks x 8 value heads x dk (dk + dv) per head group), the convolution's halos (2 x 3 tokens) and the
-    weights' broadcasts."""
-    short, long = (run_ranks(4, _layer_bytes, seq_len=seq_len) for seq_len in (256, 4096))
-    print(f"S=256: {short[0]}; S=4096: {long[0]}")
-    assert short == long
+def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
+    """At D = 4 every op of a layer moves what ``delta_net_bytes_by_op`` says, the same at S = 256 and
+    S = 4096: the head groups' broadcasts, the convolution's halos (2 chunks x 3 tokens) and the chunks'
+    state maps (2 x 2 value heads x dk (dk + dv) per rank and head group) and, backward, their gradients."""
+    config = tiny_model("qwen3_5").config
+    sizes = (config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim)
+    for seq_len in (256, 4096):
+        for forward, both in run_ranks(4, _layer_bytes, seq_len=seq_len):
+            planned = {direction: delta_net_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction)
+                       for direction in ("forward", "both")}
+            print(f"S={seq_len}: forward {forward}, planned {planned['forward']}; fwd+bwd {both}, "
+                  f"planned {planned['both']}")
+            assert forward == planned["forward"] and both == planned["both"]
 
 
 def test_other_linear_layers_are_refused_by_name():

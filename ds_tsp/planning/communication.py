@@ -168,6 +168,36 @@ def _attention_ops(m, tokens, D, e, a, own):
     return forward, {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
 
 
+def delta_net_bytes_by_op(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, batch,
+                          local_tokens, tsp_size, elem_bytes, direction, *, grad_wire_bytes=None):
+    """Bytes rank ``tsp_rank`` receives in one Gated DeltaNet layer (DESIGN.md
+    6j, ``ds_tsp.blocks.linear``), by op, for ``batch`` rows of ``local_tokens``
+    a rank: every other rank's head group broadcast (twice: backward again);
+    per head group, each rank's two chunks' last ``kernel - 1`` convolution
+    inputs and their two state maps ``(T, U)`` all-gathered (twice), and in
+    backward the maps' initial-state gradients all-gathered and the halos'
+    gradients reduce-scattered; this rank's shard gradient reduced from the
+    other ``D-1`` ranks in the gradient wire dtype. The state travels in
+    float32, or the model's dtype where wider. Nothing grows with the sequence
+    once a chunk holds ``kernel - 1`` tokens."""
+    D, e = tsp_size, elem_bytes
+    if D == 1:
+        return {}
+    state, a = max(e, 4), gradient_wire_bytes(e, grad_wire_bytes)
+    k_heads, v_heads = num_k_heads // D, num_v_heads // D
+    keys, values = k_heads * head_k_dim, v_heads * head_v_dim
+    shard = hidden_size * (2 * keys + 2 * values + 2 * v_heads) + (2 * keys + values) * conv_kernel + 2 * v_heads \
+        + hidden_size * values
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * (2 * keys + values)
+    maps = 2 * batch * v_heads * head_k_dim * (head_k_dim + head_v_dim)
+    state_grads = 2 * batch * v_heads * head_k_dim * head_v_dim
+    groups = (D - 1) * D  # D head groups, each exchange over the D ranks
+    forward = {"broadcast": e * (D - 1) * shard, "all_gather": groups * (e * halo + state * maps)}
+    backward = {"broadcast": e * (D - 1) * shard, "all_gather": groups * (e * halo + state * (maps + state_grads)),
+                "reduce_scatter": groups * e * halo, "reduce": a * (D - 1) * shard}
+    return _by_direction(forward, backward, direction)
+
+
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
                         grad_wire_bytes=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts
