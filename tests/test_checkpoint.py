@@ -28,10 +28,10 @@ from test_engine import ZERO3_PARTITIONED
 # two head groups share each key/value head (the nkv < D case).
 # phi3: fused qkv_proj and gate_up_proj, each rank's shards read from and written
 # back to their rows (ds_tsp.blocks.fused); gemma3: sandwich norms and per-head q/k norms; deepseek_v3_dense and
-# deepseek_v2_lite: multi-head latent attention, down projections split by rows unevenly at 4; qwen3_next: Gated
+# deepseek_v2_lite: multi-head latent attention, down projections split by rows unevenly at 4; qwen3_next_dense: Gated
 # DeltaNet layers, each rank's key heads a block of in_proj_qkvz / in_proj_ba and three pieces of conv1d's channels.
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "deepseek_v3_dense",
-         "deepseek_v2_lite", "qwen3_next")
+         "deepseek_v2_lite", "qwen3_next_dense")
 
 
 def hf_tensors(path):
