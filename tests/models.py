@@ -194,9 +194,9 @@ def widen_gated_delta_nets(modeling):
     (1 + w) RMSNorms are Gemma's."""
     if getattr(modeling, "_ds_tsp_widened", False) or not hasattr(modeling, "torch_chunk_gated_delta_rule"):
         return
-    modeling.torch_chunk_gated_delta_rule = widened(
-        "torch_chunk_gated_delta_rule", {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
-        modeling)
+    for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
+                                        modeling))
     for name, cls in list(vars(modeling).items()):
         if not isinstance(cls, type) or cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
             continue

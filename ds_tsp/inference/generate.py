@@ -62,13 +62,14 @@ rank 0's random state (``agree_on_random_state``).
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import attention_forward, project
+from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
 from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_at, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
+from ds_tsp.inference.linear_decode import decode_delta_net, prefill_delta_net, state_shapes
 from ds_tsp.parallel import comm, layout
 
 
@@ -93,14 +94,6 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          f"logits_to_keep=1, as model.generate passes it (got {logits_to_keep!r}; assisted and "
                          "speculative decoding, which ask for more, are not supported: a TSP cache cannot roll "
                          "tokens back); for every token's logits run the forward without use_cache or cache")
-    unbuilt = [index for index, layer in enumerate(model.get_submodule(model.tsp_policy.layers))
-               if isinstance(layer.mixer, TSPGatedDeltaNet) or getattr(getattr(layer.mixer, "heads", None),
-                                                                       "output_gate", False)]
-    if unbuilt:
-        raise ValueError(f"{type(model).__name__}'s layers {unbuilt} are Gated DeltaNet layers or gated attention "
-                         "(Qwen3-Next's, Qwen3.5's), which TSP generation does not run yet: generate from the "
-                         "unsharded model (ds_tsp.save_pretrained, then Hugging Face's from_pretrained and "
-                         "generate), or with tsp.enabled false")
     decoder = TSPDecoder(model)
     if isinstance(cache, TSPCache):
         _check_continuation(cache, input_ids, attention_mask, position_ids)
@@ -268,16 +261,27 @@ class TSPDecoder:
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
-        key_heads, key_dim, value_dim = _cache_shape(self.layers[0].mixer)
+        attention = [layer.mixer for layer in self.layers if not isinstance(layer.mixer, TSPGatedDeltaNet)]
+        key_heads, key_dim, value_dim = _cache_shape(attention[0]) if attention else (0, 0, None)
+        states = {index: state_shapes(layer.mixer, hidden.dtype) for index, layer in enumerate(self.layers)
+                  if isinstance(layer.mixer, TSPGatedDeltaNet)}
         cache = TSPCache(len(self.layers), batch, key_heads, key_dim, hidden.dtype, device, r, prompt_counts,
-                         value_dim)
+                         value_dim, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
 
         for index, layer in enumerate(self.layers):
-            hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
-                cache, index, slots, keep, layer.mixer, normed, tables[layer.rotary_kind],
-                positions.expand(batch, -1)))
+            if isinstance(layer.mixer, TSPGatedDeltaNet):
+                def store(conv, recurrent, index=index):
+                    for state, value in zip(cache.states(index), (conv, recurrent)):
+                        state.copy_(value)
+
+                hidden = layer.branch("attention", hidden, lambda normed: prefill_delta_net(
+                    layer.mixer, normed, positions, lengths, self.group, store))
+            else:
+                hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
+                    cache, index, slots, keep, layer.mixer, normed, tables[layer.rotary_kind],
+                    positions.expand(batch, -1)))
             hidden = layer.branch("mlp", hidden, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
@@ -314,8 +318,12 @@ class TSPDecoder:
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            hidden = layer.branch("attention", hidden, lambda normed: self._attention(
-                cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots, positions))
+            if isinstance(layer.mixer, TSPGatedDeltaNet):
+                hidden = layer.branch("attention", hidden, lambda normed: decode_delta_net(
+                    layer.mixer, normed, *cache.states(index), self._sum_over_group))
+            else:
+                hidden = layer.branch("attention", hidden, lambda normed: self._attention(
+                    cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots, positions))
             hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
         cache.next_positions = positions + 1
         return self._logits(hidden)
@@ -340,7 +348,7 @@ class TSPDecoder:
         w = attn.spec.unpack(attn.shard_weights().detach())
         # Projected here, normed and rotated once gathered: every rank then holds
         # every head of the new token (a norm over the projection needs them all).
-        q = project(h, w, "q_proj", hq, d)  # (B, 1, hq, d)
+        q, gate = split_gate(project(h, w, "q_proj", hq, heads.q_width), d)  # (B, 1, hq, d); an output gate
         if heads.holds_kv(self.tsp_rank):
             k, v = project(h, w, "k_proj", hkv, d), project(h, w, "v_proj", hkv, d)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
@@ -358,6 +366,8 @@ class TSPDecoder:
                                           attn.softcap)  # (B, hq, d)
         if "sinks" in w:  # each head's sink joins its softmax once, over the whole cache (DESIGN.md 6h)
             o = o * torch.sigmoid(lse - w["sinks"].to(lse.dtype)).unsqueeze(-1).to(o.dtype)
+        if gate is not None:  # this rank's heads' gates, kept from its own projection
+            o = o.to(h.dtype) * torch.sigmoid(gate[:, 0])
         y = self._sum_over_group(F.linear(o.flatten(1).to(h.dtype), w["o_proj.weight"]))  # (B, H)
         if attn.o_bias is not None:
             y = y + attn.o_bias

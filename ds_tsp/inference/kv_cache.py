@@ -61,6 +61,26 @@ class TSPCacheLayer(CacheLayerMixin):
         return -1
 
 
+class TSPStateLayer(CacheLayerMixin):
+    """One Gated DeltaNet layer's states for this rank's head group (not cut
+    by token): its convolution's last ``kernel - 1`` inputs ``(B, C, kernel - 1)``
+    and its recurrent state ``(B, hv, dk, dv)``, both updated in place by a
+    decode step (``ds_tsp.inference.linear_decode``)."""
+
+    def __init__(self, conv, recurrent):
+        super().__init__()
+        self.conv, self.recurrent = conv, recurrent
+        self.is_initialized = True
+
+    lazy_initialization = update = get_mask_sizes = _not_for_hugging_face_attention
+
+    def get_seq_length(self):
+        raise TypeError("ask the TSPCache, not one of its layers, for its length")
+
+    def get_max_length(self):
+        return -1
+
+
 class TSPCache(Cache):
     """This rank's slots of every layer's cache.
 
@@ -73,16 +93,27 @@ class TSPCache(Cache):
     ``get_seq_length`` counts the input columns seen, padding included, as
     Hugging Face's caches do. ``value_dim`` 0: no values (a multi-head latent
     attention caches its latent and rotary key as one key head, its values
-    being the latent itself).
+    being the latent itself). ``states``: ``{layer: (conv shape, recurrent
+    shape, recurrent dtype)}`` of a hybrid's Gated DeltaNet layers, without the
+    batch: those layers keep this rank's head group's states
+    (``TSPStateLayer``) instead of slots.
     """
 
     def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts,
-                 value_dim=None):
+                 value_dim=None, states=None):
         shape = (batch, num_kv_heads, rank_counts[tsp_rank], head_dim)
         value_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)
-        super().__init__(layers=[TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
-                                               torch.empty(value_shape, dtype=dtype, device=device))
-                                 for _ in range(num_layers)])
+        states = states or {}
+
+        def layer(index):
+            if index in states:
+                conv, recurrent, state_dtype = states[index]
+                return TSPStateLayer(torch.zeros((batch, *conv), dtype=dtype, device=device),
+                                     torch.zeros((batch, *recurrent), dtype=state_dtype, device=device))
+            return TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
+                                 torch.empty(value_shape, dtype=dtype, device=device))
+
+        super().__init__(layers=[layer(index) for index in range(num_layers)])
         self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
         self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)
         self.length = 0
@@ -124,9 +155,16 @@ class TSPCache(Cache):
             bigger.narrow(dim, 0, self.length).copy_(tensor.narrow(dim, 0, self.length))
             return bigger
 
-        for layer in self.layers:
+        for layer in self._slot_layers():
             layer.keys, layer.values = grown(layer.keys, 2), grown(layer.values, 2)
         self._positions, self._valid = grown(self._positions, 1), grown(self._valid, 1)
+
+    def _slot_layers(self):
+        return [layer for layer in self.layers if isinstance(layer, TSPCacheLayer)]
+
+    def states(self, layer):
+        """``(conv, recurrent)`` states of a Gated DeltaNet ``layer``, updated in place."""
+        return self.layers[layer].conv, self.layers[layer].recurrent
 
     def write(self, layer, slots, keys, values):
         """Store rotated ``keys`` and ``values`` ``(B, n, nkv, d)`` of ``layer`` in ``slots``."""
@@ -146,9 +184,11 @@ class TSPCache(Cache):
         return self._valid[:, :self.length]
 
     def nbytes(self):
-        """Bytes of the cached keys and values (filled slots, all layers)."""
-        return sum(t[:, :, :self.length].numel() * t.element_size()
-                   for layer in self.layers for t in (layer.keys, layer.values))
+        """Bytes of the cached keys and values (filled slots, all layers) and of the Gated DeltaNet states."""
+        slots = sum(t[:, :, :self.length].numel() * t.element_size()
+                    for layer in self._slot_layers() for t in (layer.keys, layer.values))
+        return slots + sum(t.numel() * t.element_size() for layer in self.layers if isinstance(layer, TSPStateLayer)
+                           for t in (layer.conv, layer.recurrent))
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
@@ -159,7 +199,10 @@ class TSPCache(Cache):
     def _select_rows(self, select):
         """Apply ``select`` (a function of a tensor with the batch first) to every per-row tensor."""
         for layer in self.layers:
-            layer.keys, layer.values = select(layer.keys), select(layer.values)
+            if isinstance(layer, TSPStateLayer):
+                layer.conv, layer.recurrent = select(layer.conv), select(layer.recurrent)
+            else:
+                layer.keys, layer.values = select(layer.keys), select(layer.values)
         self._positions, self._valid = select(self._positions), select(self._valid)
         self.next_positions = select(self.next_positions)
 

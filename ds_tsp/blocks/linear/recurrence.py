@@ -35,25 +35,33 @@ def _spans(tensors):
     return list(zip(*(t.chunk(2, dim=2) for t in tensors)))
 
 
+def recurrence_forward(q, k, v, g, beta, starts, group, layout_name, chunk_size):
+    """The local tokens' outputs ``(B, h, S/D, dv)``; and, for backward, this
+    rank's two chunks' initial states and every chunk's ``T`` (sequence order);
+    and the state after the whole sequence, the same on every rank."""
+    D, r = comm.group_size(group), comm.group_rank(group)
+    terms = [chunk_terms(*span, chunk_size=chunk_size, starts=s)
+             for span, s in zip(_spans((q, k, v, g, beta)), _starts(starts))]
+    maps = [span_map(t) for t in terms]
+    T = torch.stack([m[0] for m in maps])  # (2, B, h, dk, dk)
+    U = torch.stack([m[1] for m in maps])  # (2, B, h, dk, dv)
+    gathered, _ = comm.all_gather(torch.cat([T, U], dim=-1), group)  # (D, 2, B, h, dk, dk + dv)
+    dk = T.shape[-1]
+    all_maps = [(m[..., :dk], m[..., dk:]) for m in _natural(gathered, D, layout_name)]
+    states, final = initial_states(all_maps)
+    mine = _own(states, r, D, layout_name)
+    out = torch.cat([run_chunks(t, s)[0] for t, s in zip(terms, mine)], dim=2)
+    return out, mine, [T for T, _ in all_maps], final
+
+
 class GatedDeltaRecurrence(torch.autograd.Function):
     """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps;
     backward: the transposed exchange and each chunk's own backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, starts, group, layout_name, chunk_size):
-        D, r = comm.group_size(group), comm.group_rank(group)
-        terms = [chunk_terms(*span, chunk_size=chunk_size, starts=s)
-                 for span, s in zip(_spans((q, k, v, g, beta)), _starts(starts))]
-        maps = [span_map(t) for t in terms]
-        T = torch.stack([m[0] for m in maps])  # (2, B, h, dk, dk)
-        U = torch.stack([m[1] for m in maps])  # (2, B, h, dk, dv)
-        gathered, _ = comm.all_gather(torch.cat([T, U], dim=-1), group)  # (D, 2, B, h, dk, dk + dv)
-        dk = T.shape[-1]
-        all_maps = [(m[..., :dk], m[..., dk:]) for m in _natural(gathered, D, layout_name)]
-        states, _ = initial_states(all_maps)
-        mine = _own(states, r, D, layout_name)
-        out = torch.cat([run_chunks(t, s)[0] for t, s in zip(terms, mine)], dim=2)
-        ctx.save_for_backward(q, k, v, g, beta, *mine, *(T for T, _ in all_maps))
+        out, mine, all_T, _ = recurrence_forward(q, k, v, g, beta, starts, group, layout_name, chunk_size)
+        ctx.save_for_backward(q, k, v, g, beta, *mine, *all_T)
         ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = group, layout_name, chunk_size, starts
         return out
 

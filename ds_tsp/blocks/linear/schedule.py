@@ -24,6 +24,7 @@ Numerics are Hugging Face's (``torch_chunk_gated_delta_rule``): the decay
 the output back in the model's dtype before the gated norm.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
 from ds_tsp.blocks.linear.conv import causal_conv
-from ds_tsp.blocks.linear.recurrence import gated_delta_recurrence
+from ds_tsp.blocks.linear.recurrence import gated_delta_recurrence, recurrence_forward
 from ds_tsp.blocks.linear.shards import CONV_PARTS
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
@@ -51,6 +52,11 @@ class DeltaNetPlan:
     documents: list | None  # the rows' packed document starts (ds_tsp.blocks.documents)
     starts: object  # (B, S/D) bool: the local tokens that start a document, or None
     chunk_size: int = 64
+    # Generation's prefill: (B, S/D) bool, the real tokens (padding then neither decays nor writes the state, so
+    # the final state is each row's after its last real token), and state_sink(j, conv inputs (B, S/D, C), final
+    # state (B, hv, dk, dv)), called for every head group j.
+    valid: object = None
+    state_sink: object = None
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None
 
@@ -72,19 +78,24 @@ def project(shapes, x, w):
     return tuple(F.linear(x, w[f"in_proj_{name}.weight"]) for name in "qkvzba")
 
 
-def head_group(plan, x, w, norm_weight):
-    """Head group ``w``'s output before ``out_proj``, ``(B, L, hv*dv)``, of the local tokens ``x``."""
+def head_group(plan, x, w, norm_weight, sink=None):
+    """Head group ``w``'s output before ``out_proj``, ``(B, L, hv*dv)``, of the
+    local tokens ``x``; ``sink(conv inputs, final state)``: see ``DeltaNetPlan.state_sink``
+    (forward only: no autograd)."""
     shapes = plan.shapes
     B, L = x.shape[:2]
     q, k, v, z, b, a = project(shapes, x, w)
     conv_weight = torch.cat([w[f"{part}.weight"] for part in CONV_PARTS]).squeeze(1)  # (C, kernel)
     conv_bias = torch.cat([w[f"{part}.bias"] for part in CONV_PARTS]) if shapes.conv_bias else None
-    mixed = causal_conv(torch.cat([q, k, v], dim=-1), conv_weight, conv_bias, plan.group, plan.layout,
-                        plan.activation, plan.documents)
+    conv_inputs = torch.cat([q, k, v], dim=-1)
+    mixed = causal_conv(conv_inputs, conv_weight, conv_bias, plan.group, plan.layout, plan.activation,
+                        plan.documents)
     q, k, v = mixed.split([shapes.key_rows, shapes.key_rows, shapes.value_rows], dim=-1)
     wide = torch.promote_types(x.dtype, torch.float32)
     beta = b.sigmoid()
     g = -w["A_log"].to(wide).exp() * F.softplus(a.to(wide) + w["dt_bias"])
+    if plan.valid is not None:
+        beta, g = beta * plan.valid[..., None], g * plan.valid[..., None]
 
     def heads(t, dim):  # (B, L, h*dim) -> (B, hv, L, dim) in the rule's dtype, keys/queries repeated
         t = t.reshape(B, L, -1, dim)
@@ -92,17 +103,22 @@ def head_group(plan, x, w, norm_weight):
             t = t.repeat_interleave(shapes.ratio, dim=2)
         return t.transpose(1, 2).to(wide)
 
-    q, k = (_l2norm(heads(t, shapes.head_k_dim)) for t in (q, k))
+    q, k = (l2norm(heads(t, shapes.head_k_dim)) for t in (q, k))
     q = q * shapes.head_k_dim ** -0.5
-    out = gated_delta_recurrence(q, k, heads(v, shapes.head_v_dim), g.transpose(1, 2),
-                                 beta.transpose(1, 2).to(wide), plan.group, plan.layout, plan.chunk_size, plan.starts)
+    rule = (q, k, heads(v, shapes.head_v_dim), g.transpose(1, 2), beta.transpose(1, 2).to(wide), plan.starts,
+            plan.group, plan.layout, plan.chunk_size)
+    if sink is None:
+        out = gated_delta_recurrence(*rule[:5], plan.group, plan.layout, plan.chunk_size, plan.starts)
+    else:
+        out, _, _, final = recurrence_forward(*rule)
+        sink(conv_inputs, final)
     out = out.transpose(1, 2).to(x.dtype)  # (B, L, hv, dv)
     normed = torch.func.functional_call(plan.norm, {"weight": norm_weight},
                                         (out.reshape(-1, shapes.head_v_dim), z.reshape(-1, shapes.head_v_dim)))
     return normed.reshape(B, L, -1)
 
 
-def _l2norm(t, eps=1e-6):
+def l2norm(t, eps=1e-6):
     """Hugging Face's (and flash-linear-attention's) ``l2norm``."""
     return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
 
@@ -116,7 +132,8 @@ def delta_net_forward(plan, x, packed, norm_weight):
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
                       device=x.device)
     for j, w in piece_stream(plan, packed, 0):
-        o = head_group(plan, x, w, norm_weight)
+        sink = None if plan.state_sink is None else functools.partial(plan.state_sink, j)
+        o = head_group(plan, x, w, norm_weight, sink)
         precision.add_matmul(out, o.flatten(0, 1), w["out_proj.weight"].t(), add=j > 0)
     return out.view(x.shape).to(x.dtype)
 
