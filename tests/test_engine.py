@@ -135,7 +135,7 @@ def _generates_as_reference(model, ref):
     try:
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, pad_token_id=0)
     except ValueError as refusal:
-        assert "ZeRO-3" in str(refusal) or "Gated DeltaNet" in str(refusal), refusal
+        assert "ZeRO-3" in str(refusal), refusal
         return "refused", None
     logits, cache = cached_forward(model, prompt, logits_to_keep=1)
     comm.counter.reset()
@@ -253,8 +253,7 @@ def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_
         assert out["partitioned"] == (zero_stage == 3)
         assert out["offloaded"] == offload_optimizer
         generated, step_ops = out["generated"]
-        # Generation refuses ZeRO-3's partitioned shards, and (not built yet) Gated DeltaNet hybrids.
-        assert generated == ("refused" if zero_stage == 3 or arch.startswith("qwen3_5") else True)
+        assert generated == ("refused" if zero_stage == 3 else True)
         if world == tsp_size and zero_stage < 3:  # the TSP group is the world: DeepSpeed's shared-memory all-reduce
             assert set(step_ops) == {"all_reduce"}
             assert step_ops["all_reduce"]["received"] == _shared_memory_decode_step_bytes(tsp_size)
