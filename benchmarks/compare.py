@@ -7,6 +7,12 @@ bytes communicated and step time per rank, for two small models (``--models``):
   at the same width (``compare_model.mla_config``) over dense MLPs, vocabulary
   32,000, at D = 2: TSP gathers each token's latent and rotary key, the
   baselines attend its expanded heads (or DeepSpeed's refusal is reported);
+* ``hybrid``, the Gated DeltaNet row: Qwen3.5's text model at the same width
+  (``compare_model.hybrid_config``: three linear layers to one gated attention
+  layer), vocabulary 32,000, at D = 2. TSP exchanges the linear layers' chunk
+  state maps (bytes independent of the length); DeepSpeed's Ulysses swaps only
+  the attention function, so there its linear layers run on each rank's own
+  tokens alone and compute something else (the losses column shows it);
 * ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
@@ -20,6 +26,7 @@ bytes communicated and step time per rank, for two small models (``--models``):
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
     python benchmarks/compare.py --models mla --seq-lens 512 1024 2048   # the latent-attention row (compare_mla.md)
+    python benchmarks/compare.py --models hybrid --seq-lens 512 1024 2048   # the Gated DeltaNet row (compare_hybrid.md)
     python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
     python benchmarks/compare.py --models dense --lora-rank 16   # LoRA on every projection (compare_lora.md)
     python benchmarks/compare.py --sizes 2 --seq-lens 64 128 --layers 1 --vocab 1024 --out /tmp/cmp  # a smoke run
@@ -127,7 +134,7 @@ import transformers  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
-from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 import ds_tsp  # noqa: E402
 from ds_tsp.parallel import comm as tsp_comm
@@ -146,7 +153,8 @@ def build_model(args):
     (``compare_model.model_config``)."""
     torch.manual_seed(0)
     config = model_config(args)
-    model_class = {"moe": Qwen3MoeForCausalLM, "mla": DeepseekV3ForCausalLM}.get(args.model, LlamaForCausalLM)
+    model_class = {"moe": Qwen3MoeForCausalLM, "mla": DeepseekV3ForCausalLM,
+                   "hybrid": Qwen3_5ForCausalLM}.get(args.model, LlamaForCausalLM)
     model = model_class(config).float()
     # --lora-rank: PEFT's LoRA model, the base frozen, non-zero B so the adapters change the forward
     # (longest.py's arguments have no LoRA)
@@ -385,7 +393,7 @@ def strategies_for(world, model="dense", lora=False):
         return ["tsp", "ulysses", "ulysses_zero3"]
     if model == "moe":
         return ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
-    if model == "mla":
+    if model in ("mla", "hybrid"):
         return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
     if world == 4:
@@ -462,13 +470,15 @@ def embedding_rows_exchanged(args, world, seq_len):
 # The models' own defaults, where --vocab and the sizes are not given.
 MODEL_DEFAULTS = {"dense": {"vocab": 128256, "sizes": [2], "suffix": ""},
                   "moe": {"vocab": 32000, "sizes": [2, 4], "suffix": "_moe"},
-                  "mla": {"vocab": 32000, "sizes": [2], "suffix": "_mla"}}
+                  "mla": {"vocab": 32000, "sizes": [2], "suffix": "_mla"},
+                  "hybrid": {"vocab": 32000, "sizes": [2], "suffix": "_hybrid"}}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODEL_DEFAULTS), choices=list(MODEL_DEFAULTS),
-                        help="the dense (Llama) row, the mixture-of-experts (Qwen3-MoE) row, or both (default)")
+                        help="the rows to run: dense (Llama), moe (Qwen3-MoE), mla (DeepSeek-V3's attention), hybrid "
+                             "(Qwen3.5's Gated DeltaNet layers); default all")
     parser.add_argument("--sizes", type=int, nargs="+", help="ranks D per parallel strategy (default: dense 2, "
                                                               "and the MoE row's --moe-sizes)")
     parser.add_argument("--moe-sizes", type=int, nargs="+", help="D for the MoE row (default 2 4; --sizes if given)")
@@ -567,6 +577,11 @@ def _model_card(args):
         config = model_config(args)
         card.update(arch="DeepseekV3ForCausalLM", kv_heads=args.heads, **{key: getattr(config, key) for key in (
             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+    if args.model == "hybrid":
+        config = model_config(args)
+        card.update(arch="Qwen3_5ForCausalLM", head_dim=config.head_dim, **{key: getattr(config, key) for key in (
+            "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim")})
     if args.model == "moe":
         card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,
                     top_k=args.top_k, expert_intermediate=args.expert_intermediate)

@@ -1,10 +1,11 @@
 """The model ``compare.py`` trains, as a Hugging Face config: Llama (dense),
 Qwen3-MoE (``moe``, Hugging Face's default grouped experts, no load-balancing
-loss: ``output_router_logits`` false as in its config) or DeepSeek-V3's
-multi-head latent attention over dense MLPs (``mla``). ``compare.py`` builds
-it and ``report.py`` plans it, from the same fields."""
+loss: ``output_router_logits`` false as in its config), DeepSeek-V3's
+multi-head latent attention over dense MLPs (``mla``) or a Qwen3.5-shaped
+Gated DeltaNet hybrid (``hybrid``). ``compare.py`` builds it and
+``report.py`` plans it, from the same fields."""
 
-from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
+from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig, Qwen3_5TextConfig
 
 
 def model_config(args):
@@ -13,6 +14,8 @@ def model_config(args):
                   max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False, attn_implementation="sdpa")
     if getattr(args, "model", "dense") == "mla":
         return mla_config(common, args.hidden // args.heads)
+    if getattr(args, "model", "dense") == "hybrid":
+        return hybrid_config(common, args.hidden // args.heads)
     if getattr(args, "model", "dense") == "moe":
         return Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
                               num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
@@ -31,3 +34,14 @@ def mla_config(common, head_dim):
                             qk_nope_head_dim=nope, qk_rope_head_dim=nope // 2, v_head_dim=nope, head_dim=nope // 2,
                             first_k_dense_replace=common["num_hidden_layers"], num_nextn_predict_layers=0,
                             rope_interleave=True)
+
+
+def hybrid_config(common, head_dim):
+    """Qwen3.5's text model at the benchmark's width, in its proportions: three Gated DeltaNet layers to one
+    gated full-attention layer (a quarter of each head rotary); the linear layers' key heads half as many as
+    the attention heads and their value heads twice the key heads (16 / 32 of 128 in Qwen3.5's default), both
+    ``head_dim`` wide, a 4-tap convolution; dense MLPs."""
+    heads = common["num_attention_heads"]
+    return Qwen3_5TextConfig(**common, head_dim=head_dim, linear_num_key_heads=heads // 2,
+                             linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                             linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, full_attention_interval=4)
