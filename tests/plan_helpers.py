@@ -41,3 +41,11 @@ def saved_bytes(params, run):
 
 def paper_plans(checkpointing=True):
     return {p.name: p for p in planner.plan("llama-7b", 131072, 1, 8, "bf16", activation_checkpointing=checkpointing)}
+
+
+def tiny_hybrid_shape(**overrides):
+    """Qwen3.5's tiny shape (tests/models.py's HYBRID_TINY) without building its config: 3 Gated DeltaNet layers
+    of 4 key and 8 value heads of 4 and a 4-tap convolution, then a gated attention layer of heads of 8."""
+    return {**tiny_shape(layers=4), "model_type": "qwen3_5_text", "head_dim": 8, "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+            "linear_conv_kernel_dim": 4, **overrides}

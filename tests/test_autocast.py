@@ -33,7 +33,7 @@ RATIO_BOUND = 3.0
 def hf_names(tsp_model):
     """Hugging Face names of the replicated tensors inside the TSP blocks."""
     return {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-            for index, layer in enumerate(tsp_model.model.layers) for block_name in ("self_attn", "mlp")
+            for index, layer in enumerate(tsp_model.model.layers) for block_name in (layer.mixer_name, "mlp")
             for hf_name, param in getattr(layer, block_name).replicated_params().items()}
 
 
@@ -53,10 +53,12 @@ def gradient_pieces(tsp_model):
             piece = module.shard_piece("weight")
             yield f"{name}.weight", module.weight.grad[:piece[2]], piece
     for index, layer in enumerate(tsp_model.model.layers):
-        for block_name in ("self_attn", "mlp"):
+        for block_name in (layer.mixer_name, "mlp"):
             block = getattr(layer, block_name)
             for name, grad in block.spec.unpack(block.packed.grad).items():
-                yield f"model.layers.{index}.{block_name}.{name}", grad, block.shard_piece(name)
+                # A fused Hugging Face tensor (a Gated DeltaNet's in_proj_qkv, conv1d) holds it at shifted rows.
+                hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
+                yield f"model.layers.{index}.{block_name}.{hf_name}", grad, piece
 
 
 def hf_loss(model, input_ids):
@@ -154,6 +156,7 @@ def out_of_bound(errors):
     (2, "olmo2", True, {}),  # q/k norms over the projection: float32 inverse RMS from the extra round of shards
     (2, "gemma2", True, {}),  # the soft-capped kernel (scores and softmax in float32), soft-capped logits in the ring
     (2, "deepseek_v3_dense", True, {}),  # latent attention: float32 latent norms, bf16 latent gathered
+    (2, "qwen3_5_hf_init", True, {}),  # Gated DeltaNet: the rule and its maps in float32, bf16 projections
 ])
 def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel, options):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,

@@ -12,7 +12,8 @@ from ds_tsp import planning as planner
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.attention.head_groups import HeadGroups
 from ds_tsp.blocks.mlp import TSPGatedMLP
-from plan_helpers import BATCH, HEAD_DIM, HIDDEN, INTER, SEQ, saved_bytes, tiny_moe_shape, tiny_shape
+from plan_helpers import (BATCH, HEAD_DIM, HIDDEN, INTER, SEQ, saved_bytes, tiny_hybrid_shape, tiny_moe_shape,
+                          tiny_shape)
 
 # Rank bodies live in this module, so every spawned rank imports it: what needs
 # DeepSpeed (topology, config) or the Hugging Face model classes is imported
@@ -399,3 +400,46 @@ def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
                 dense = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", 0, sparse=False)
                 assert dense["ring"] != planner.tsp_bytes_by_op(m, SEQ, BATCH, D, dtype.itemsize, "both", 0,
                                                                 sparse=True)["ring"]
+
+
+def test_hybrid_step_bytes_are_the_layers_formulas():
+    # Qwen3.5's tiny shape: 3 Gated DeltaNet layers (4 key and 8 value heads of 4, a 4-tap convolution) and one
+    # gated attention layer (q_proj of 2 * 4 heads of 8 rows), dense MLPs, at D=2 in bf16. Each layer's bytes are
+    # its mixer's formula (the attention's, or delta_net_bytes_by_op) and the MLP ring's.
+    m, D, e = planner.model_shape(tiny_hybrid_shape()), 2, 2
+    attention = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "both", linear=False)
+    linear = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "both", linear=True)
+    ring = (D - 1) * 3 * HIDDEN * INTER // D * (e + e + 4)  # the weights both ways, the accumulators in fp32
+    assert linear == {**planner.delta_net_bytes_by_op(HIDDEN, 4, 8, 4, 4, 4, BATCH, SEQ // D, D, e, "both"),
+                      "ring": ring}
+    # Wa = 16 * (4 * 16 + 2 * 2 * 8) + 4 * 8 * 16 = 2048 with the gate's rows: half of it broadcast each way.
+    assert attention["broadcast"] == 2 * 2048 // 2 * e and attention["ring"] == ring
+    vocab = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, D, e, "both")
+    step = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, D, e)
+    layers = {op: attention.get(op, 0) + 3 * linear.get(op, 0) for op in {**attention, **linear}}
+    # All-reduced at D=2, each tensor's bytes once: the fp32 loss; the final norm, every layer's two norms, the
+    # attention's per-head q/k norms (8 each) and each linear layer's gated norm (4).
+    assert step == {**layers, "ring": layers["ring"] + vocab["ring"], "all_to_all": vocab["all_to_all"],
+                    "all_reduce": 4 + (HIDDEN + 4 * 2 * HIDDEN + 2 * 8 + 3 * 4) * e, "batch_check": 128}
+    assert planner.tsp_layers_bytes_by_op(m, SEQ, BATCH, D, e, "both") == layers
+    # Checkpointing runs every layer's forward again, the state maps' gather and the broadcasts included.
+    forward = {kind: planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "forward", linear=kind) for kind in (False, True)}
+    checkpointed = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, D, e, activation_checkpointing=True)
+    assert checkpointed["all_gather"] == step["all_gather"] + forward[False]["all_gather"] + \
+        3 * forward[True]["all_gather"]
+    # The plan's per-layer figures are the mean over the layers.
+    plans = {p.name: p for p in planner.plan(m, SEQ, BATCH, D, "bf16")}
+    assert plans["TSP(2)"].comm_forward_per_layer == pytest.approx(
+        (sum(forward[False].values()) + 3 * sum(forward[True].values())) / 4)
+    assert plans["TSP(2)"].comm_per_step == sum(step.values())
+    with pytest.raises(ValueError, match="say which with linear="):
+        planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "both")
+    with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
+        planner.tsp_bytes_by_op(tiny_shape(), SEQ, BATCH, D, e, "both", linear=True)
+
+
+def test_hybrid_step_bytes_equal_what_the_model_counts(run_ranks):
+    # The whole hybrid at D=2: the Gated DeltaNet layers' head groups and state maps, the gated attention, the
+    # experts' ring, the gated norms' gradients, against tsp_step_bytes_by_op with the batch's exact rows.
+    cases = [("qwen3_5", torch.float64, True, False), ("qwen3_next", torch.float32, True, True)]
+    _check_counted_steps(2, cases, run_ranks(2, _counted_model_steps, cases=cases))

@@ -1,7 +1,8 @@
 """The analytic planner behind ``ds-tsp plan``: per-device memory,
 communication and FLOPs of DP, TP, SP (Ulysses), CP (all-gather), TP+SP and
 TSP for a decoder LM (DESIGN.md 8), dense or mixture-of-experts (Mixtral,
-Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c), the longest sequence each trains, and
+Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c), with latent attention (6i) or Gated
+DeltaNet layers (Qwen3-Next, Qwen3.5: 6j), the longest sequence each trains, and
 each one's step time on a cluster. Imports no torch.
 
 One module per concern, in the order they build on one another:
@@ -42,10 +43,12 @@ from ds_tsp.planning.communication import (
     DIRECTIONS,
     MOE_SCHEDULES,
     cheaper_moe_schedule,
+    delta_net_bytes_by_op,
     moe_block_bytes_by_op,
     moe_crossover_tokens,
     tsp_bytes_by_op,
     tsp_bytes_per_layer,
+    tsp_layers_bytes_by_op,
     tsp_moe_bytes_by_op,
     tsp_moe_schedule,
     tsp_step_bytes_by_op,
@@ -85,10 +88,12 @@ __all__ = [
     "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",
     "CommPart", "LongestSequence", "ModelShape", "Precision", "ServingPlan", "Setting", "StepTime", "StrategyPlan",
     "add_plan_arguments", "alst_name", "cheaper_moe_schedule", "compare_anchor", "compare_anchors",
+    "delta_net_bytes_by_op",
     "format_longest_table", "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors",
     "logits_tile_tokens", "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op",
     "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend",
-    "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_moe_bytes_by_op",
+    "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_layers_bytes_by_op",
+    "tsp_moe_bytes_by_op",
     "tsp_moe_schedule", "tsp_name", "tsp_shape_problem", "tsp_step_bytes_by_op", "tsp_vocab_bytes_by_op",
     "vocab_rows_per_rank",
 ]

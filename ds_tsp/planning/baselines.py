@@ -3,6 +3,10 @@ as Hugging Face layers with heads and ``F`` split over ``t``, tokens over
 ``c`` and ``dp`` replicas; with ALST's pieces (TiledMLP, a tiled loss) and
 DeepSpeed AutoTP's vocabulary layout as options.
 
+A Gated DeltaNet hybrid's linear layers split their heads over ``t`` as
+attention does; under SP and CP each rank runs them on its own tokens with the
+whole weights, which is not the model's function (``inexact_reason``).
+
 Sparse MoE layers are Hugging Face's: DP, SP and CP replicate every expert
 (ZeRO-3 partitions them over the sequence axis and gathers one layer's whole
 at a time); TP splits each expert's ``F_e`` over ``t`` (Megatron's expert
@@ -36,7 +40,8 @@ from ds_tsp.planning.memory import (
     STATES,
     ZERO3_GATHERED,
     checkpoints_on_device,
-    hf_layer_saved_per_token,
+    hf_ffn_saved_per_token,
+    hf_mixer_saved_per_token,
     hf_moe_layer_saved,
     host_memory,
     load_balancing_saved,
@@ -59,7 +64,6 @@ from ds_tsp.planning.plan_types import (
     ZERO3_GATHER,
     CommPart,
     StrategyPlan,
-    per_layer_mean,
 )
 from ds_tsp.planning.shapes import lora_adapter_params
 
@@ -111,17 +115,22 @@ class _Baseline:
 class _Params(NamedTuple):
     """The parameters one device holds."""
 
-    layer: dict  # {sparse: one layer's}
+    mixer: dict  # {linear: one layer's token mixer's, with its whole tensors}
+    ffn: dict  # {sparse: the rest of one layer's: its feed-forward block, norms and routing}
     layers: float  # every layer's
     embedding: float  # the embedding's and the LM head's
-    layer_experts: float = 0  # of ``layer[True]``, the routed experts a device holds under expert parallelism
+    layer_experts: float = 0  # of ``ffn[True]``, the routed experts a device holds under expert parallelism
     experts: float = 0  # of ``layers``, every layer's
 
+    @property
+    def largest_layer(self):
+        return max(self.mixer.values()) + max(self.ffn.values())
+
     def shared_by(self, b, sparse):
-        """``((parameters, their replicas), ...)`` of one layer: the experts (under
+        """``((parameters, their replicas), ...)`` of one layer's feed-forward block: the experts (under
         expert parallelism) apart, replicated over fewer ranks."""
         experts = self.layer_experts if sparse else 0
-        return ((self.layer[sparse] - experts, b.replica_group), (experts, b.expert_replicas))
+        return ((self.ffn[sparse] - experts, b.replica_group), (experts, b.expert_replicas))
 
 
 def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=False, vocab_parallel=True,
@@ -155,8 +164,20 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     flops, attention_flops = _baseline_flops(setting, b)
     problem = _baseline_problem(setting.model, t, c, kind, setting.seq_len, experts_split)
     return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, b.tokens(setting), setting,
-                        feasible=problem is None, notes=problem or "", detail=detail, terms=terms, host=host,
-                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=t * c)
+                        feasible=problem is None, notes=problem or "", inexact=inexact_reason(setting.model, c),
+                        detail=detail, terms=terms, host=host, comm_parts=parts,
+                        attention_flops_per_step=attention_flops, devices_per_replica=t * c)
+
+
+def inexact_reason(m, c):
+    """Why splitting the tokens over ``c`` ranks computes another model than ``m``, or "": DeepSpeed-Ulysses
+    (and all-gather context parallelism) swap the attention alone, so a Gated DeltaNet layer runs on each rank's
+    ``S/c`` tokens from a zero state, as if the sequence restarted at every rank's first token. The plan models
+    that: each rank runs the layer on its own tokens, weights whole (or gathered by ZeRO-3)."""
+    if c == 1 or not m.is_hybrid:
+        return ""
+    return (f"its {m.linear_layers} Gated DeltaNet layers run on each rank's 1/{c} of the sequence alone, their "
+            f"state restarting at every rank's first token")
 
 
 def baseline_plans(setting):
@@ -186,6 +207,8 @@ def _baseline_problem(m, t, c, kind, seq_len, experts_split):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
     if m.is_moe and experts_split and (m.expert_size % t or m.shared_expert_size % t):
         return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
+    if m.is_hybrid and m.linear_num_key_heads % t:
+        return f"linear_num_key_heads {m.linear_num_key_heads} do not split over tp={t}"
     if kind == "ulysses" and (nq // t) % c:
         return f"{nq // t} query heads per TP rank do not split over sp={c}"
     if kind == "allgather" and seq_len % (2 * c):
@@ -209,19 +232,22 @@ def _baseline_ffn_params(m, t, sparse, expert_parallel=1):
 
 
 def _baseline_params(m, b):
-    """``_Params``: attention heads and feed-forward blocks split over ``t``,
-    norms and routers whole; the embedding and LM head split by vocabulary, or
-    AutoTP's whole embedding and column-split head."""
+    """``_Params``: attention heads (and a Gated DeltaNet's) and feed-forward blocks split over ``t``, norms and
+    routers whole; the embedding and LM head split by vocabulary, or AutoTP's whole embedding and column-split
+    head."""
     H, d, t = m.hidden_size, m.head_dim, b.t
     attention = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * _kv_heads(m, t) * d * H
-    layer = {sparse: attention + _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
-             + m.layer_replicated_params(sparse) for sparse, _ in m.layer_kinds}
-    layers = sum(count * layer[sparse] for sparse, count in m.layer_kinds)
+    mixer = {linear: (m.linear_params / t if linear else attention) + sum(m.mixer_replicated_tensors(linear))
+             for linear, _ in m.mixer_kinds}
+    ffn = {sparse: _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
+           + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}
+    layers = sum(count * mixer[linear] for linear, count in m.mixer_kinds) + \
+        sum(count * ffn[sparse] for sparse, count in m.layer_kinds)
     embedding = m.embedding_params / t if b.vocab_parallel else \
         m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
     layer_experts = m.num_experts * m.expert_params / b.expert_parallel / b.ffn_t(True) if b.expert_parallel > 1 \
         else 0
-    return _Params(layer, layers, embedding, layer_experts, m.moe_layers * layer_experts)
+    return _Params(mixer, ffn, layers, embedding, layer_experts, m.moe_layers * layer_experts)
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -231,14 +257,17 @@ def _baseline_memory(setting, b, params):
     m, e, S = setting.model, setting.precision.element, setting.seq_len
     tokens = b.tokens(setting)
     states, optimizer_host = _baseline_states(setting, b, params)
-    layer_saved = _baseline_layers_saved(setting, b)
+    mixer_saved, ffn_saved = _baseline_layers_saved(setting, b)
+    every_layer = sum(count * mixer_saved[linear] for linear, count in m.mixer_kinds) + \
+        sum(count * ffn_saved[sparse] for sparse, count in m.layer_kinds)
+    one_layer = max(mixer_saved.values()) + max(ffn_saved.values())  # of the larger kinds where layers differ
     # HF rotary: one row per position
     model_saved = model_level_saved(m, e, tokens, rope_rows=S / b.c) + load_balancing_saved(m, tsp=False)
-    layers, layer_terms = _layer_activations(setting, tokens, layer_saved)
+    layers, layer_terms = _layer_activations(setting, tokens, every_layer, one_layer)
     logits_saved, logits_held, loss_backward = _baseline_loss(setting, b)
     detail = {
-        "saved_for_backward": (model_saved + sum(count * layer_saved[sparse] for sparse, count in m.layer_kinds)
-                               + logits_saved if not setting.activation_checkpointing else None),
+        "saved_for_backward": (model_saved + every_layer + logits_saved
+                               if not setting.activation_checkpointing else None),
         "logits_output": logits_held,
         **_baseline_layer_buffers(setting, b, params),
         "loss_backward": loss_backward,
@@ -249,7 +278,7 @@ def _baseline_memory(setting, b, params):
     layer_backward = sum(layer_pieces.values())
     # As for TSP: the loss backward runs before any gradient exists (but
     # ZeRO-3's partition) and, with checkpointing, before any layer is recomputed.
-    not_live = max(layer_saved.values()) if setting.activation_checkpointing else 0
+    not_live = one_layer if setting.activation_checkpointing else 0
     loss_backward_beyond_grads = max(loss_backward_beyond(setting, loss_backward, states) - not_live, 0)
     memory = {**states, "activations": model_saved + layers, "logits": logits_saved + logits_held,
               "transient": max(layer_backward, loss_backward_beyond_grads)}
@@ -268,7 +297,7 @@ def _baseline_states(setting, b, params):
             params.layers + params.embedding, sum(count * adapters[sparse] for sparse, count in m.layer_kinds), p,
             setting.zero_stage, b.replica_group, setting.offload_optimizer,
             layer_adapter_params=max(adapters.values()))
-    layer_params = max(*params.layer.values(), m.vocab_size * m.hidden_size / b.t)
+    layer_params = max(params.largest_layer, m.vocab_size * m.hidden_size / b.t)
     states, host = model_states(params.layers + params.embedding - params.experts, p, setting.zero_stage,
                                 b.replica_group, setting.offload_optimizer, layer_params=layer_params)
     if params.experts:  # AutoEP's experts: ZeRO over the ranks that hold the same ones
@@ -280,32 +309,29 @@ def _baseline_states(setting, b, params):
 
 
 def _baseline_layers_saved(setting, b):
-    """``{sparse: bytes}`` one Hugging Face layer of each kind saves for backward."""
+    """``({linear: bytes}, {sparse: bytes})``: what one Hugging Face layer's
+    token mixer of each kind, and the rest of a layer of each kind, save for
+    backward. Under sequence parallelism a Gated DeltaNet layer runs on the
+    local tokens alone (``inexact_reason``)."""
     m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
     tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
-    layer_saved = {}
-    for sparse, _ in m.layer_kinds:
-        layer_saved[sparse] = tokens * hf_layer_saved_per_token(m, e, b.t, b.ulysses, mlp_tiled and not sparse,
-                                                                sparse, b.experts_split)
-        layer_saved[sparse] += hf_moe_layer_saved(m) if sparse else 0
-        if b.gathers_kv:  # the gathered full-sequence K/V replaces the local one
-            layer_saved[sparse] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e
-    return layer_saved
+    mixer = {linear: tokens * hf_mixer_saved_per_token(m, e, b.t, b.ulysses, linear) for linear, _ in m.mixer_kinds}
+    if b.gathers_kv and False in mixer:  # the gathered full-sequence K/V replaces the local one
+        mixer[False] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e
+    ffn = {sparse: tokens * hf_ffn_saved_per_token(m, e, b.t, mlp_tiled and not sparse, sparse, b.experts_split)
+           + (hf_moe_layer_saved(m) if sparse else 0) for sparse, _ in m.layer_kinds}
+    return mixer, ffn
 
 
-def _layer_activations(setting, tokens, layer_saved):
-    """Activations of the layers, and their named terms: with checkpointing every
-    layer's input (one, when they are offloaded) and one layer's saved tensors
-    (the larger kind's, where dense and sparse layers differ).
-    ``layer_saved``: ``{sparse: bytes one layer of that kind saves}``."""
-    m = setting.model
+def _layer_activations(setting, tokens, every_layer, one_layer):
+    """Activations of the layers, and their named terms: without checkpointing
+    ``every_layer``'s saved tensors; with it every layer's input (one, when
+    they are offloaded) and ``one_layer``'s saved tensors."""
     if not setting.activation_checkpointing:
-        every = sum(layers * layer_saved[sparse] for sparse, layers in m.layer_kinds)
-        return every, {EVERY_LAYER: every}
+        return every_layer, {EVERY_LAYER: every_layer}
     checkpoints = checkpoints_on_device(setting, tokens)
-    one = max(layer_saved.values())
-    return checkpoints + one, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
-                               RECOMPUTED: one}
+    return checkpoints + one_layer, {CHECKPOINT_BACK if setting.offload_activations else CHECKPOINTS: checkpoints,
+                                     RECOMPUTED: one_layer}
 
 
 def _baseline_loss(setting, b):
@@ -343,7 +369,7 @@ def _baseline_layer_buffers(setting, b, params):
         "grad_x": 2 * tokens * m.hidden_size * e,
         "all_to_all_buffers": tokens * (m.num_heads / t + 2 * kv_heads) * d * e if b.ulysses else 0,
         "full_kv_grads": 2 * B * S * 2 * kv_heads * d * e if b.gathers_kv else 0,
-        "zero3_gathered_layers": 2 * max(params.layer.values()) * e if b.zero3(setting) else 0,
+        "zero3_gathered_layers": 2 * params.largest_layer * e if b.zero3(setting) else 0,
     }
 
 
@@ -359,27 +385,38 @@ def _gather(group, nbytes):  # all-gather / reduce-scatter / all-to-all: (p-1)/p
 
 def _baseline_communication(setting, b, params):
     """Bytes one device receives: per layer forward and backward (the mean over
-    the layers), per step, and per step by kind (``CommPart``)."""
+    the layers), per step, and per step by kind (``CommPart``). Each layer's
+    token mixer and feed-forward block count apart, each kind by its count of
+    layers."""
     m, p, B, S = setting.model, setting.precision, setting.micro_batch, setting.seq_len
-    e, H, d, kinds = p.element, m.hidden_size, m.head_dim, m.layer_kinds
+    e, H, d = p.element, m.hidden_size, m.head_dim
     t, c, replicas, tokens, kv_heads = b.t, b.c, b.replica_group, b.tokens(setting), _kv_heads(m, b.t)
     zero3 = b.zero3(setting)
     grad_reduce = _gather if setting.zero_stage >= 1 else _all_reduce  # reduce-scatter under ZeRO
-    # TP: after attention and after a split feed-forward block
-    tp = {sparse: _all_reduce(t, tokens * H * e) * (2 if b.ffn_t(sparse) > 1 else 1) for sparse, _ in kinds}
+    kinds = [(("mixer", linear), count) for linear, count in m.mixer_kinds] + \
+        [(("ffn", sparse), count) for sparse, count in m.layer_kinds]
+    # The parameters of each kind of block, and the replicas each part is synchronised over.
+    shared = {**{("mixer", linear): ((n, replicas),) for linear, n in params.mixer.items()},
+              **{("ffn", sparse): params.shared_by(b, sparse) for sparse in params.ffn}}
+    # TP: after the token mixer and after a split feed-forward block
+    tp = {kind: _all_reduce(t, tokens * H * e) if kind[0] == "mixer" or b.ffn_t(kind[1]) > 1 else 0
+          for kind, _ in kinds}
     sp = {"ulysses": _gather(c, tokens * (2 * m.num_heads / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
           "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
-    zero3_layer = {sparse: sum(_gather(group, n * e) for n, group in params.shared_by(b, sparse)) if zero3 else 0
-                   for sparse, _ in kinds}
+    sp = {kind: sp if kind == ("mixer", False) else 0 for kind, _ in kinds}  # attention layers only
+    zero3_layer = {kind: sum(_gather(group, n * e) for n, group in shared[kind]) if zero3 else 0 for kind, _ in kinds}
     # AutoEP: each routed row (token, expert) to the expert's owner and its output back, top-k rows a token
-    ep = {sparse: 2 * _gather(b.expert_parallel, m.experts_per_token * tokens * H * e) if sparse else 0
-          for sparse, _ in kinds}
-    forward = {sparse: tp[sparse] + sp + zero3_layer[sparse] + ep[sparse] for sparse, _ in kinds}
-    grads = {sparse: sum(grad_reduce(group, n * p.grad) for n, group in params.shared_by(b, sparse))
-             for sparse, _ in kinds}
+    ep = {kind: 2 * _gather(b.expert_parallel, m.experts_per_token * tokens * H * e) if kind == ("ffn", True)
+          else 0 for kind, _ in kinds}
+    forward = {kind: tp[kind] + sp[kind] + zero3_layer[kind] + ep[kind] for kind, _ in kinds}
+    grads = {kind: sum(grad_reduce(group, n * p.grad) for n, group in shared[kind]) for kind, _ in kinds}
     passes = 3 if setting.activation_checkpointing else 2  # forward, backward (and the forward recomputed)
+
+    def summed(value):
+        return sum(count * value[kind] for kind, count in kinds)
+
     # input-gradient all-reduces, reversed all-to-alls, dK/dV reduce-scatter, re-gather, then the gradients
-    per_step = sum(layers * (passes * forward[sparse] + grads[sparse]) for sparse, layers in kinds)
+    per_step = passes * summed(forward) + summed(grads)
     vocab_tp = 2 * _all_reduce(t, tokens * H * e)  # vocab-parallel embedding output, LM-head input grad
     embedding_grads = grad_reduce(replicas, params.embedding * p.grad)
     param_gather = _gather(replicas, (params.layers + params.embedding - params.experts) * e) + \
@@ -387,20 +424,15 @@ def _baseline_communication(setting, b, params):
     zero3_embedding = 2 * _gather(replicas, params.embedding * e) if zero3 else 0
     for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
         per_step += once_per_step
-
-    def summed(value):
-        return sum(layers * value[sparse] for sparse, layers in kinds)
-
     parts = {TP_ACTIVATIONS: CommPart(passes * summed(tp) + vocab_tp, t, 1, "all_reduce"),
              SP_ALL_TO_ALL if b.kind == "ulysses" else CP_KV: CommPart(
-                 m.num_layers * passes * sp, c, t, "all_to_all" if b.kind == "ulysses" else "all_gather"),
+                 passes * summed(sp), c, t, "all_to_all" if b.kind == "ulysses" else "all_gather"),
              ZERO3_GATHER: CommPart(passes * summed(zero3_layer) + zero3_embedding, replicas, t, "all_gather"),
              GRAD_REDUCE: CommPart(summed(grads) + embedding_grads, replicas, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
              PARAM_GATHER: CommPart(param_gather, replicas, t, "all_gather"),
              EP_ALL_TO_ALL: CommPart(passes * summed(ep), b.expert_parallel, t * c, "all_to_all")}
-    return (per_layer_mean(m, lambda sparse: forward[sparse]),
-            per_layer_mean(m, lambda sparse: forward[sparse] + grads[sparse]), per_step,
+    return (summed(forward) / m.num_layers, (summed(forward) + summed(grads)) / m.num_layers, per_step,
             {k: v for k, v in parts.items() if v.nbytes})
 
 

@@ -256,7 +256,7 @@ def _run_table(args, out):
                   + ", ".join(f"{p.name} ({format_gb(p.total)} GB)" for p in fits), file=out)
             print(f"Recommended: {fits[0].name} ({fits[0].layout})", file=out)
         else:
-            best = min((p for p in plans if p.feasible), key=lambda p: p.total)
+            best = min((p for p in plans if p.feasible and not p.inexact), key=lambda p: p.total)
             print(f"Nothing fits in {args.memory_gb:g} GB; the smallest is {best.name} at {format_gb(best.total)} GB "
                   f"(try activation checkpointing, more devices or a shorter sequence)", file=out)
     if args.plot:
@@ -269,6 +269,7 @@ def _run_table(args, out):
         facts = moe_facts(plans[0].setting)
         _write_json(args.json, {**({"moe": facts} if facts else {}),
                                 "plans": [{"strategy": p.name, "layout": p.layout, "feasible": p.feasible,
+                                           "inexact": p.inexact,
                                            "memory_gb": {k: v / GB for k, v in p.memory.items()},
                                            "peak_gb": p.total / GB, "host_gb_per_node": p.host_total / GB,
                                            "terms_gb": {k: v / GB for k, v in p.terms.items()},

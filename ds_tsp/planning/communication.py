@@ -3,7 +3,9 @@ counts them (ring algorithms): all-reduce of ``n`` bytes ``2(p-1)/p n``,
 all-gather and reduce-scatter ``(p-1)/p`` of the full tensor, all-to-all
 ``(p-1)/p`` of the local tensor, broadcast ``n`` per non-owner, reduce
 ``(p-1) n`` at the owner. Per layer (``tsp_bytes_by_op``; a multi-head latent
-attention's latent and rotary key take K/V's place: ``latent_attention_bytes_by_op``), for the folded
+attention's latent and rotary key take K/V's place: ``latent_attention_bytes_by_op``; a
+hybrid's Gated DeltaNet layer moves its head groups and their state maps:
+``delta_net_bytes_by_op``), for every layer (``tsp_layers_bytes_by_op``), for the folded
 vocabulary (``tsp_vocab_bytes_by_op``) and per training step
 (``tsp_step_bytes_by_op``, with ``tsp.check_batch``'s fingerprint all-gather
 as the op ``batch_check``). The baselines' bytes are in ``baselines``.
@@ -68,6 +70,18 @@ def _layer_kind(m, sparse):
     return m.is_moe
 
 
+def _mixer_kind(m, linear):
+    """``linear`` as given, else the model's one kind of token mixer."""
+    if linear and not m.is_hybrid:
+        raise ValueError(f"{m.name} has no Gated DeltaNet layer: linear=True asks for one")
+    if linear is not None:
+        return bool(linear)
+    if m.is_hybrid and m.linear_layers < m.num_layers:
+        raise ValueError(f"{m.name} has {m.num_layers - m.linear_layers} attention and {m.linear_layers} Gated "
+                         "DeltaNet layers: say which with linear=")
+    return m.is_hybrid
+
+
 def _check(m, seq_len, tsp_size, direction):
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
@@ -79,7 +93,7 @@ def _check(m, seq_len, tsp_size, direction):
 
 
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                    grad_wire_bytes=None, sparse=None, moe_schedule="ring"):
+                    grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring"):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -105,15 +119,34 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     ``moe_schedule`` (``tsp_moe_bytes_by_op``; "auto": the one
     ``cheaper_moe_schedule`` picks for a training step) take the MLP's place:
     on the ring ``Wx = 3H (E F_e + F_s)`` for ``Wm``; by default the model's
-    kind of layer (a model with both kinds must say).
+    kind of layer (a model with both kinds must say). ``linear``: a Gated
+    DeltaNet layer of a hybrid, whose bytes (``delta_net_bytes_by_op``: head
+    groups broadcast, their state maps gathered) take the attention's place;
+    likewise by default the model's kind of token mixer.
     """
     m = model_shape(model)
-    D, e = tsp_size, elem_bytes
-    a = gradient_wire_bytes(e, grad_wire_bytes)
-    sparse = _layer_kind(m, sparse)
+    D = tsp_size
+    sparse, linear = _layer_kind(m, sparse), _mixer_kind(m, linear)
     _check(m, seq_len, D, direction)
     if D == 1:
         return {}
+    forward, backward = _mixer_ops(m, seq_len, micro_batch, D, elem_bytes, tsp_rank, linear, grad_wire_bytes)
+    for ops, more in zip((forward, backward), _ffn_ops(m, seq_len, micro_batch, D, elem_bytes, sparse,
+                                                        moe_schedule, grad_wire_bytes)):
+        for op, v in more.items():
+            ops[op] = ops.get(op, 0) + v
+    return _by_direction(forward, backward, direction)
+
+
+def _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes):
+    """``(forward, backward)`` bytes by op of one layer's token mixer: an attention (with a projection norm's
+    round of the shards) or, ``linear``, a Gated DeltaNet."""
+    if linear:
+        return tuple({op: Fraction(v) for op, v in delta_net_bytes_by_op(
+            m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim,
+            m.linear_value_head_dim, m.linear_conv_kernel, micro_batch, seq_len // D, D, e, direction,
+            grad_wire_bytes=grad_wire_bytes).items()} for direction in ("forward", "backward"))
+    a = gradient_wire_bytes(e, grad_wire_bytes)
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
     forward, backward = _attention_ops(m, micro_batch * seq_len, D, e, a, own)
     if m.qk_norm_spans_projection:
@@ -124,16 +157,19 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
         for ops in (forward, backward):
             ops["broadcast"] = 2 * e * (m.attention_params - own)
         backward["reduce"] += a * (D - 1) * qk_own
+    return forward, backward
+
+
+def _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes):
+    """``(forward, backward)`` bytes by op of one layer's feed-forward block: the dense MLP's ring, or a sparse
+    block's under its schedule."""
     if sparse:
         schedule = tsp_moe_schedule(m, seq_len, micro_batch, D, e, moe_schedule, grad_wire_bytes=grad_wire_bytes)
-        for ops, part in ((forward, "forward"), (backward, "backward")):
-            for op, v in tsp_moe_bytes_by_op(m, seq_len, micro_batch, D, e, part, schedule,
-                                             grad_wire_bytes=grad_wire_bytes).items():
-                ops[op] = ops.get(op, 0) + Fraction(v)
-    else:
-        ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
-        forward["ring"], backward["ring"] = e * ffn, (e + a) * ffn
-    return _by_direction(forward, backward, direction)
+        return tuple({op: Fraction(v) for op, v in tsp_moe_bytes_by_op(
+            m, seq_len, micro_batch, D, e, direction, schedule, grad_wire_bytes=grad_wire_bytes).items()}
+            for direction in ("forward", "backward"))
+    ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
+    return {"ring": e * ffn}, {"ring": (e + gradient_wire_bytes(e, grad_wire_bytes)) * ffn}
 
 
 def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
@@ -304,12 +340,12 @@ def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_
 
 
 def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                        grad_wire_bytes=None, sparse=None):
+                        grad_wire_bytes=None, sparse=None, linear=None):
     """Total of ``tsp_bytes_by_op``: bytes one rank receives in one TSP layer
     (forward ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d) * elem`` on average)."""
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
-                                                      tsp_rank, grad_wire_bytes=grad_wire_bytes,
-                                                      sparse=sparse).values())
+                                                      tsp_rank, grad_wire_bytes=grad_wire_bytes, sparse=sparse,
+                                                      linear=linear).values())
     return int(total) if total.denominator == 1 else float(total)
 
 
@@ -364,7 +400,8 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
     The layers: each layer's ``tsp_bytes_by_op(..., "both")`` (dense and sparse
-    layers each their own), plus its forward again with activation
+    layers, attention and Gated DeltaNet layers each their own:
+    ``tsp_layers_bytes_by_op``), plus its forward again with activation
     checkpointing. With ``vocab_parallel`` (the default),
     ``tsp_vocab_bytes_by_op(..., "both", rows_exchanged)``. ``all_reduce``: the
     loss (one scalar in ``max(elem, 4)`` bytes), with ``output_router_logits``
@@ -382,19 +419,17 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     D, e, H = tsp_size, elem_bytes, m.hidden_size
     if D == 1:
         return {}
+    _check(m, seq_len, D, "both")
     wire = {"grad_wire_bytes": grad_wire_bytes}
-    layer_options = {**wire, "moe_schedule": moe_schedule}
-    counts = {}
+    forward, backward = _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes)
+    if activation_checkpointing:  # every layer's forward runs again in backward
+        backward = {op: v + forward.get(op, 0) for op, v in backward.items()}
+    counts = _by_direction(forward, backward, "both")
     whole = [H]  # the final norm
+    for linear, layers in m.mixer_kinds:
+        whole += m.mixer_replicated_tensors(linear) * layers
     for sparse, layers in m.layer_kinds:
-        per_layer = [tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "both", tsp_rank, sparse=sparse, **layer_options)]
-        if activation_checkpointing:  # every layer's forward runs again in backward
-            per_layer.append(tsp_bytes_by_op(m, seq_len, micro_batch, D, e, "forward", tsp_rank, sparse=sparse,
-                                             **layer_options))
-        for ops in per_layer:
-            for op, v in ops.items():
-                counts[op] = counts.get(op, 0) + layers * v
-        whole += m.replicated_tensors(sparse) * layers
+        whole += m.ffn_replicated_tensors(sparse) * layers
     if vocab_parallel:
         for op, v in tsp_vocab_bytes_by_op(m, seq_len, micro_batch, D, e, "both", rows_exchanged, **wire).items():
             counts[op] = counts.get(op, 0) + v
@@ -407,3 +442,32 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     if check_batch == "always":
         counts["batch_check"] = (D - 1) * BATCH_FINGERPRINT_BYTES
     return counts
+
+
+def tsp_layers_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
+                           grad_wire_bytes=None, moe_schedule="ring"):
+    """Bytes one rank receives in every decoder layer of ``model`` together, per ``comm`` op name: each layer's
+    token mixer and feed-forward block as ``tsp_bytes_by_op`` counts them, each kind by its count of layers (a
+    hybrid's attention and Gated DeltaNet layers, dense and sparse layers)."""
+    m = model_shape(model)
+    _check(m, seq_len, tsp_size, direction)
+    if tsp_size == 1:
+        return {}
+    forward, backward = _layers_ops(m, seq_len, micro_batch, tsp_size, elem_bytes, tsp_rank, moe_schedule,
+                                    grad_wire_bytes)
+    return _by_direction(forward, backward, direction)
+
+
+def _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes):
+    """``(forward, backward)`` bytes by op of every layer: each kind of mixer and of feed-forward block times its
+    count of layers."""
+    forward, backward = {}, {}
+    parts = [(layers, _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes))
+             for linear, layers in m.mixer_kinds]
+    parts += [(layers, _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes))
+              for sparse, layers in m.layer_kinds]
+    for layers, pair in parts:
+        for ops, more in zip((forward, backward), pair):
+            for op, v in more.items():
+                ops[op] = ops.get(op, 0) + layers * v
+    return forward, backward

@@ -8,11 +8,16 @@ fused loss recomputes its logits tile by tile); a tiled MLP recomputes its
 tiles' projections in backward (TSP: gate and up; ALST's TiledMLP: the whole
 MLP). A sparse layer counts its router and the ``k`` experts (and shared
 expert) each token uses; TSP's experts recompute their projections in
-backward. Activation checkpointing runs every layer's forward once more.
+backward. A Gated DeltaNet layer counts its projections and its chunked rule
+(``delta_rule_flops_per_token``), no ``S^2`` term; TSP's runs its forward again
+in backward, with its chunks' state maps. Activation checkpointing runs every
+layer's forward once more.
 """
 
 import logging
 from fractions import Fraction
+
+from ds_tsp.planning.shapes import DELTA_CHUNK
 
 logger = logging.getLogger("ds_tsp")
 
@@ -28,16 +33,23 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     (``ModelShape.active_ffn_params``: k experts and the shared expert) and the
     router's."""
     T = B * S
-    attn = B * S * S * m.num_heads * (m.head_dim + m.value_dim)  # causal: half of QK^T and PV
-    mm_attn = 2 * T * m.attention_params
     head = 2 * T * m.vocab_size * m.hidden_size
     forward, backward = head, (3 if fused_head else 2) * head
     attention = recompute = 0
-    for sparse, layers in m.layer_kinds:
-        mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
-        mm_ffn *= ffn_replicas(sparse) if ffn_replicas else 1
-        forward += layers * (mm_attn + mm_ffn + attn)
-        backward += layers * (2 * (mm_attn + mm_ffn) + 2.5 * attn)
+    for linear, layers in m.mixer_kinds:
+        if linear:
+            mm, rule = 2 * T * m.linear_params, T * delta_rule_flops_per_token(m)
+            forward += layers * (mm + rule)
+            backward += layers * 2 * (mm + rule)
+            if tsp:  # every head group's forward again under autograd, its chunks' maps included
+                backward += layers * (mm + T * delta_rule_flops_per_token(m, maps=True))
+            if setting.activation_checkpointing:
+                recompute += layers * (mm + rule)
+            continue
+        attn = B * S * S * m.num_heads * (m.head_dim + m.value_dim)  # causal: half of QK^T and PV
+        mm_attn = 2 * T * m.attention_params
+        forward += layers * (mm_attn + attn)
+        backward += layers * (2 * mm_attn + 2.5 * attn)
         attention += layers * attn * 3.5
         if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
             backward += layers * attn
@@ -50,12 +62,31 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
                                                                                                       - 1)
             forward += layers * expansion
             backward += layers * 3 * expansion
+        if setting.activation_checkpointing:
+            recompute += layers * (mm_attn + attn)
+            attention += layers * attn
+    for sparse, layers in m.layer_kinds:
+        mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
+        mm_ffn *= ffn_replicas(sparse) if ffn_replicas else 1
+        forward += layers * mm_ffn
+        backward += layers * 2 * mm_ffn
         if ffn_recompute:
             backward += layers * 2 * T * ffn_recompute(sparse)
         if setting.activation_checkpointing:
-            recompute += layers * (mm_attn + mm_ffn + attn)
-            attention += layers * attn
+            recompute += layers * mm_ffn
     return (forward + backward + recompute) * share, attention * share
+
+
+def delta_rule_flops_per_token(m, maps=False):
+    """Forward FLOPs a token costs the gated delta rule of one Gated DeltaNet layer, per value head as Hugging
+    Face's ``torch_chunk_gated_delta_rule`` chunks it (``C`` tokens): the UT system and the intra-chunk scores
+    (``2 C dk`` each), the two triangular solves (``C (dk + dv)``), the intra-chunk attention (``2 C dv``), the
+    state read twice and written (``6 dk dv``). ``maps``: also each chunk's state map ``(T, U)`` and its
+    composition into its span's (``ds_tsp.blocks.linear.chunk_maps.span_map``), ``2 dk (dk + dv) (1 + dk/C)``."""
+    C, dk, dv = DELTA_CHUNK, m.linear_key_head_dim, m.linear_value_head_dim
+    rule = C * (5 * dk + 3 * dv) + 6 * dk * dv
+    span = 2 * dk * (dk + dv) * (1 + dk / C) if maps else 0
+    return m.linear_num_value_heads * (rule + span)
 
 
 def latent_attention_flops(shapes, rows, queries, keys, form, pairs=None):

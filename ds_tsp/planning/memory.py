@@ -61,6 +61,16 @@ estimate), and what offloading puts in host memory instead.
   softmax and, in ds_tsp, each layer's real-token mask. Both counts are exact
   against the saved-tensor hooks too (what autograd still holds when the
   forward returns).
+* Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): a TSP linear-attention
+  layer saves its local input alone (and its norm's tensors), and its
+  backward holds one head group's recomputed projections, convolution inputs
+  and chunk terms (each with its gradient) and the group's gathered state
+  maps, ``2D x B x nv/D x dk (dk + dv)`` in float32, and their initial-state
+  gradients: no K/V. Hugging Face's layer saves ``hf_linear_saved_per_token``,
+  an estimate of flash-linear-attention's kernels. The two kinds of mixer and
+  of feed-forward block are counted each by its own count of layers; where a
+  model mixes both (a linear layer among dense and sparse ones), one layer's
+  backward peak takes the larger of each.
 * Token tiles (``tsp.token_tile``; ALST's TiledMLP for its baseline): when the
   local tokens exceed one tile, the MLP saves only its input and recomputes
   its intermediates tile by tile in backward, so they are bounded by the tile
@@ -93,7 +103,7 @@ estimate), and what offloading puts in host memory instead.
   accumulators are freed before backward's buffers exist and stay below them.
 """
 
-from ds_tsp.planning.shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
+from ds_tsp.planning.shapes import DELTA_CHUNK, FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "logits", "transient")
 HEAD_BACKWARD = ("logits_tiles", "grad_hidden", "head_shards_in_flight", "head_grad_accumulators")
@@ -111,6 +121,7 @@ MODEL_LEVEL = "embedding, final norm, LM-head input and loss tensors"
 KEPT_OUTSIDE = "rotary tables, token ids and returned logits"
 HEAD_PHASE = "final norm, LM head and loss backward"
 KV_GROUP = "K/V of one head group"
+STATE_MAPS = "gathered state maps of one head group"
 HEAD_GROUP_LOCAL = "local queries and keys of one head group"
 GRAD_X = "input-gradient buffers"
 MLP_TILE = "MLP intermediates"
@@ -150,7 +161,8 @@ def rms_norm_saved_per_token(m, e, recompute=False, width=None):
     return e * width if recompute else FLOAT32 * width + FLOAT32 + e * width
 
 
-def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False):
+def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False,
+                              linear=False):
     """Bytes ds_tsp's decoder layer saves per local token, by block
     (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it
     (with ``recompute_norms`` the attention's runs inside it and saves nothing more):
@@ -158,7 +170,10 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
     values each over the D steps). Backward frees the MLP's before the
-    attention's backward runs.
+    attention's backward runs. A Gated DeltaNet layer (``linear``,
+    ``ds_tsp.blocks.linear.schedule``) saves its local x alone in the
+    attention's place; its norm runs outside it, so a recomputed one keeps
+    the layer's input.
 
     A sparse layer (``ds_tsp.blocks.moe.module``) saves its local x, no expert intermediate
     (each expert's are recomputed in backward), the router's tensors
@@ -169,7 +184,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     H, nq = m.hidden_size, m.num_heads
     norm = rms_norm_saved_per_token(m, e, recompute_norms)
     # Recomputed, the attention's norm runs inside it (ds_tsp.blocks.input_norm), which keeps the layer's input alone.
-    attention, mlp = (e * H if recompute_norms else norm + e * H), norm + e * H
+    attention, mlp = (e * H if recompute_norms and not linear else norm + e * H), norm + e * H
     if sparse:
         k = m.experts_per_token
         mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
@@ -177,7 +192,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
         mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
     elif not mlp_tiled:
         mlp += 2 * e * m.intermediate_size
-    if attention_backward == "fused":
+    if attention_backward == "fused" and not linear:
         attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
     return {"attention": attention, "mlp": mlp}
 
@@ -189,12 +204,53 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
 HF_SLOT_ORDERINGS = 3
 
 
-def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True):
+def hf_linear_saved_per_token(m, e):
+    """Bytes a Hugging Face Gated DeltaNet layer saves per token, before its
+    norm, as it runs with flash-linear-attention's kernels (the ones a training
+    run takes; counted from their code, not measured here: this machine runs
+    the torch fallback): the convolution's input and output (queries, keys,
+    values), the rule's l2-normed queries and keys repeated to the value heads
+    with their float32 1/norm, ``z``, ``beta``, the decay ``g`` in float32 with
+    the softplus input, the UT transform's ``C`` values a token and value head
+    (``A``), the rule's output, the gated norm's float32 1/rms and
+    ``out_proj``'s input."""
+    nv, dk = m.linear_num_value_heads, m.linear_key_head_dim
+    keys, values = m.linear_num_key_heads * dk, nv * m.linear_value_head_dim
+    return e * (4 * keys + 5 * values + 2 * nv * dk + (DELTA_CHUNK + 1) * nv) + 4 * FLOAT32 * nv
+
+
+def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True, linear=False):
     """Bytes a Hugging Face Llama layer saves per token (flash attention, no
-    dropout), heads and F split over ``t`` tensor-parallel ranks; a tiled MLP
-    (ALST's TiledMLP) saves only its input, which the norm's output already is.
-    Qwen3's per-head q/k RMSNorms save each head's float32 input, 1/rms and
-    normalised value.
+    dropout), heads and F split over ``t`` tensor-parallel ranks: its token
+    mixer's (``hf_mixer_saved_per_token``) and the rest
+    (``hf_ffn_saved_per_token``)."""
+    return hf_ffn_saved_per_token(m, e, t, mlp_tiled, sparse, experts_split) + \
+        hf_mixer_saved_per_token(m, e, t, ulysses, linear)
+
+
+def hf_mixer_saved_per_token(m, e, t, ulysses, linear=False):
+    """The attention's part of ``hf_layer_saved_per_token``, heads split over
+    ``t``: q, k, v (rotated), the output and the log-sum-exp (Ulysses also the
+    output before its return all-to-all). Qwen3's per-head q/k RMSNorms save
+    each head's float32 input, 1/rms and normalised value; an output gate
+    (Qwen3-Next, Qwen3.5) its sigmoid and the gated output. A Gated DeltaNet
+    layer (``linear``) saves ``hf_linear_saved_per_token`` instead."""
+    if linear:
+        return hf_linear_saved_per_token(m, e) / t
+    d, nq = m.head_dim, m.num_heads
+    attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
+    if m.qk_norm:
+        attention += (nq + m.num_kv_heads) * rms_norm_saved_per_token(m, e, width=d)
+    if m.attention_output_gate:
+        attention += 2 * e * nq * d
+    return attention / t
+
+
+def hf_ffn_saved_per_token(m, e, t, mlp_tiled=False, sparse=False, experts_split=True):
+    """The rest of ``hf_layer_saved_per_token``: the two RMSNorms and the
+    inputs of the blocks after them, and the feed-forward block, ``F`` split
+    over ``t``; a tiled MLP (ALST's TiledMLP) saves only its input, which the
+    norm's output already is.
 
     A sparse layer (Hugging Face's default grouped experts) saves per token the
     router's tensors (``router_saved_per_token``) and per top-k slot
@@ -203,19 +259,16 @@ def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, ex
     over ``t``) also its output and its gate's sigmoid. Plus, per layer,
     ``hf_moe_layer_saved``. ``experts_split`` false: the experts whole on every
     rank of ``t`` (AutoTP)."""
-    H, d, nq = m.hidden_size, m.head_dim, m.num_heads
+    H = m.hidden_size
     replicated = 2 * rms_norm_saved_per_token(m, e) + 2 * e * H
-    attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
-    if m.qk_norm:
-        attention += (nq + m.num_kv_heads) * rms_norm_saved_per_token(m, e, width=d)
     if not sparse:
-        return replicated + (attention + (0 if mlp_tiled else 4 * e * m.intermediate_size)) / t
+        return replicated + (0 if mlp_tiled else 4 * e * m.intermediate_size) / t
     k, ffn_t = m.experts_per_token, t if experts_split else 1
     experts = k * 4 * e * m.expert_size / ffn_t
     slots = k * (2 * e * H + routing_weight_bytes(m, e) + HF_SLOT_ORDERINGS * INT64)
     shared = (4 * e * m.shared_expert_size / ffn_t + e * H + (e if m.gated_shared_expert else 0)) \
         if m.shared_expert_size else 0
-    return replicated + router_saved_per_token(m, e) + slots + attention / t + experts + shared
+    return replicated + router_saved_per_token(m, e) + slots + experts + shared
 
 
 def load_balancing_saved(m, tsp):
@@ -234,8 +287,8 @@ def hf_moe_layer_saved(m):
 
 
 def rope_saved(m, e, rope_rows):
-    """cos/sin: ``rope_rows`` rows of ``d`` each."""
-    return rope_rows * 2 * m.head_dim * e
+    """cos/sin: ``rope_rows`` rows of the rotated dims (``d``, or its share under a partial rotary) each."""
+    return rope_rows * 2 * m.rotary_dim * e
 
 
 def model_level_saved(m, e, tokens, rope_rows, recompute_norm=False):

@@ -8,8 +8,9 @@ sequences of length ``S``, for a model replica spread over ``N`` devices (DP:
 ``N`` replicas of one device each). Communication is bytes RECEIVED per
 device; per step it is ``L * (forward + backward [+ forward again when
 checkpointing])`` plus the once-per-step syncs (embedding, LM head,
-replicated gradients, ZeRO). A model with dense and sparse layers reports the
-mean over its layers as its per-layer figures (``per_layer_mean``).
+replicated gradients, ZeRO). A model whose layers differ (dense and sparse,
+attention and Gated DeltaNet) reports the mean over its layers as its
+per-layer figures.
 """
 
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class StrategyPlan:
     setting: Setting
     feasible: bool = True
     notes: str = ""
+    # why the strategy computes another function than the model's, "" where it is exact (DeepSpeed-Ulysses on a
+    # Gated DeltaNet hybrid: its linear layers see the local tokens alone)
+    inexact: str = ""
     detail: dict = field(default_factory=dict)  # named pieces of the memory terms, bytes
     terms: dict = field(default_factory=dict)  # the peak as named terms (memory.STATES, ...), summing to total
     host: dict = field(default_factory=dict)  # per node: what offloading puts in host memory, bytes
@@ -74,7 +78,3 @@ class StrategyPlan:
     def host_total(self):
         return sum(self.host.values())
 
-
-def per_layer_mean(m, value):
-    """The mean over the layers of ``value(sparse)``: the value itself where every layer is of one kind."""
-    return sum(layers * value(sparse) for sparse, layers in m.layer_kinds) / m.num_layers

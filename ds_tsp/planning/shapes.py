@@ -56,6 +56,36 @@ PRESETS = {
                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                     n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
                     first_k_dense_replace=1, norm_topk_prob=True),
+    # Gated DeltaNet hybrids (DESIGN.md 6j): three linear-attention layers, then one gated full-attention layer.
+    # Qwen3-Next-80B-A3B: 79.67B parameters, 3.88B active per token; 512 experts of 512 (top-10) and a gated shared
+    # expert in every layer, linear layers of 16 key and 32 value heads of 128.
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
+                               num_hidden_layers=48, full_attention_interval=4, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, vocab_size=151936,
+                               tie_word_embeddings=False, linear_num_key_heads=16, linear_num_value_heads=32,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[]),
+    # Qwen3.5-27B's text model: 26.90B parameters, dense; linear layers of 16 key and 48 value heads of 128. Its
+    # config.json's text_config, as public code quotes it (e.g. QwenImageBench's Qwen3_5Config): the vision tower and
+    # the multi-token-prediction layer are not counted.
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        full_attention_interval=4, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # Qwen3.5-397B-A17B's text model: 396.35B parameters, 17.14B active per token; 512 experts of 1024 (top-10) and
+    # a gated shared expert of 1024 in every layer, linear layers of 16 key and 64 value heads of 128. Its
+    # text_config as public code quotes it (e.g. slime's scripts/models/qwen3.5-397B-A17B.sh, mlx-community's
+    # model card); the vision tower and the multi-token-prediction layer are not counted.
+    "qwen3.5-397b-a17b": dict(model_type="qwen3_5_moe_text", hidden_size=4096, num_hidden_layers=60,
+                              full_attention_interval=4, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+                              partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
+                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                              num_experts_per_tok=10, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024),
     # 107.8B parameters (the text model), 17.2B active per token: 16 experts, top-1, and a shared expert in every
     # layer. ds_tsp's policy refuses Llama 4 today (docs/limitations.md); the planner shows what TSP would hold.
     "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
@@ -78,6 +108,10 @@ DEFAULT_LOGITS_TILE_MIB = 32.0
 # ring step or one attention query tile processes at once (0: no tiling).
 DEFAULT_TOKEN_TILE = 8192
 
+# ds_tsp.blocks.linear.schedule.DeltaNetPlan.chunk_size: the gated delta rule's chunk, in tokens, as Hugging
+# Face's torch_chunk_gated_delta_rule and flash-linear-attention's kernels take it.
+DELTA_CHUNK = 64
+
 # Ranks that share one host's memory (pinned checkpoints, offloaded optimizer).
 DEFAULT_DEVICES_PER_NODE = 8
 
@@ -97,6 +131,9 @@ class ModelShape:
     Qwen2-MoE) or without (GLM-4.5, ``shared_expert_gate`` False); its
     other ``num_layers - moe_layers`` layers have a dense MLP of
     ``intermediate_size``. Per-layer sizes take ``sparse``: which kind of layer.
+    A Gated DeltaNet hybrid's layers differ in their token mixer too, attention
+    or linear attention (``mixer_kinds``), independently: what depends on the
+    mixer takes ``linear``.
     """
 
     hidden_size: int
@@ -134,6 +171,52 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; DESIGN.md 6j): linear_layers of the num_layers mix tokens by a
+    # Gated DeltaNet of linear_num_key_heads key heads (and query heads) of linear_key_head_dim, linear_num_value_heads
+    # value heads of linear_value_head_dim and a causal convolution of linear_conv_kernel taps; the others attend.
+    linear_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False  # q_proj yields each head's query and output gate: 2 * head_dim rows a head
+    partial_rotary_factor: float = 1.0  # the share of a head that rotates: cos/sin are that wide
+
+    @property
+    def is_hybrid(self):
+        return self.linear_layers > 0
+
+    @property
+    def mixer_kinds(self):
+        """``((linear, count), ...)``: how many layers mix tokens by attention (False) and by a Gated DeltaNet
+        (True), attention first, none empty. Per-layer sizes take ``linear``: which token mixer."""
+        kinds = ((False, self.num_layers - self.linear_layers), (True, self.linear_layers))
+        return tuple((linear, count) for linear, count in kinds if count)
+
+    @property
+    def linear_params(self):
+        """A Gated DeltaNet layer's weights that TSP (and TP) split by head: the input projections (queries, keys,
+        values, the output gate ``z`` and ``b``, ``a``), the convolution's channels, ``A_log``, ``dt_bias`` and
+        ``out_proj``; its gated norm is in ``mixer_replicated_tensors``."""
+        H, nv = self.hidden_size, self.linear_num_value_heads
+        keys, values = self.linear_num_key_heads * self.linear_key_head_dim, nv * self.linear_value_head_dim
+        return H * (2 * keys + 2 * values + 2 * nv) + (2 * keys + values) * self.linear_conv_kernel + 2 * nv \
+            + values * H
+
+    def mixer_params(self, linear=False):
+        """The token mixer's split weights: ``attention_params`` or ``linear_params``."""
+        return self.linear_params if linear else self.attention_params
+
+    @property
+    def rotary_dim(self):
+        """The rotated dims of a head: the width of the cos/sin tables."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_width(self):
+        """Rows of ``q_proj`` a query head has: its query, and its output gate where there is one."""
+        return 2 * self.head_dim if self.attention_output_gate else self.head_dim
 
     @property
     def is_latent(self):
@@ -178,8 +261,8 @@ class ModelShape:
             down = sum(self.latent_down_rows()) * (self.hidden_size + int(self.attention_bias))
             return down + self.latent_head_params(self.num_heads)
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
-        return H * (nq + 2 * nkv) * d + nq * d * H + ((nq + 2 * nkv) * d if self.attention_bias else 0) + \
-            (nq if self.attention_sinks else 0)
+        rows = nq * self.q_width + 2 * nkv * d
+        return H * rows + nq * d * H + (rows if self.attention_bias else 0) + (nq if self.attention_sinks else 0)
 
     @property
     def mlp_params(self):
@@ -220,26 +303,37 @@ class ModelShape:
             return self.mlp_params
         return self.experts_per_token * self.expert_params + self.shared_expert_params
 
-    def layer_replicated_params(self, sparse=False):
+    def layer_replicated_params(self, sparse=False, linear=False):
         """Per layer, what no strategy shards: two RMSNorm weights, Qwen3's q/k
-        norms, and the dense MLP's down bias or the sparse layer's routing."""
-        return sum(self.replicated_tensors(sparse))
+        norms (a Gated DeltaNet's gated norm), and the dense MLP's down bias or the sparse layer's routing."""
+        return sum(self.replicated_tensors(sparse, linear))
 
-    def replicated_tensors(self, sparse=False):
+    def replicated_tensors(self, sparse=False, linear=False):
         """Sizes of the tensors of one layer that every TSP rank holds whole, in
         elements, one entry a tensor (ds_tsp sums each one's gradient over the group)."""
-        H = self.hidden_size
-        if self.is_latent:  # the latents' norms
+        return self.ffn_replicated_tensors(sparse) + self.mixer_replicated_tensors(linear)
+
+    def mixer_replicated_tensors(self, linear=False):
+        """The token mixer's whole tensors: an attention's q/k norms (a latent attention's latents' norms) and
+        ``o_proj``'s bias, or a Gated DeltaNet's gated norm (one value head's width)."""
+        if linear:
+            return [self.linear_value_head_dim]
+        if self.is_latent:
             qk_norms = [rows for rows in (self.q_lora_rank, self.kv_lora_rank) if rows]
         elif self.qk_norm_spans_projection:
             qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         else:
             qk_norms = [self.head_dim] * 2 if self.qk_norm else []
-        tensors = [H, H] + qk_norms + ([H] if self.o_proj_bias else [])
+        return qk_norms + ([self.hidden_size] if self.o_proj_bias else [])
+
+    def ffn_replicated_tensors(self, sparse=False):
+        """The rest of a layer's whole tensors: its two RMSNorms, and the dense MLP's down bias or the sparse
+        layer's router (and its bias) and shared-expert gate."""
+        H = self.hidden_size
         if sparse:
-            return tensors + [self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
+            return [H, H, self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
                 ([H] if self.gated_shared_expert else [])
-        return tensors + ([H] if self.mlp_bias else [])
+        return [H, H] + ([H] if self.mlp_bias else [])
 
     @property
     def embedding_params(self):
@@ -247,8 +341,10 @@ class ModelShape:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     def _layers_sum(self, ffn):
-        return sum(count * (self.attention_params + ffn(sparse) + self.layer_replicated_params(sparse))
-                   for sparse, count in self.layer_kinds)
+        mixers = sum(count * (self.mixer_params(linear) + sum(self.mixer_replicated_tensors(linear)))
+                     for linear, count in self.mixer_kinds)
+        return mixers + sum(count * (ffn(sparse) + sum(self.ffn_replicated_tensors(sparse)))
+                            for sparse, count in self.layer_kinds)
 
     @property
     def params(self):
@@ -325,7 +421,7 @@ def lora_adapter_params(m, rank, targets, shards, sparse=False):
     holds (TSP's and TP's split: the factor on the split side by ``shards``,
     the other whole); a sparse layer's MLP takes none (ds_tsp refuses them)."""
     H, d, F = m.hidden_size, m.head_dim, m.intermediate_size
-    sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
+    sizes = {"q_proj": (H, m.num_heads * m.q_width), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
              "o_proj": (m.num_heads * m.value_dim, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
     if m.is_latent:  # a latent attention's projections (a query latent or q_proj)
         sizes.update({"q_a_proj": (H, m.q_lora_rank), "q_b_proj": (m.q_lora_rank, m.num_heads * d),
@@ -367,7 +463,15 @@ def _shape_fields(model):
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
 MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
-                   "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+                   "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "qwen3_next",
+                   "qwen3_5_moe_text")
+# Qwen's kind: experts of moe_intermediate_size, sparse layers by decoder_sparse_step and mlp_only_layers, a shared
+# expert with its sigmoid gate.
+QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+# Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, whose multimodal configs nest these as text_config):
+# layer_types, or every full_attention_interval-th layer attention and the others linear; their attention gated by
+# q_proj's second half, with per-head q/k norms.
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's):
 # group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
@@ -396,7 +500,7 @@ def _moe_fields(fields):
         key, value = next(iter(experts.items()))
         raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
                          f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
-    qwen = "moe_intermediate_size" in fields if model_type is None else model_type in ("qwen2_moe", "qwen3_moe")
+    qwen = "moe_intermediate_size" in fields if model_type is None else model_type in QWEN_MOE_MODEL_TYPES
     mixtral = not qwen and ("num_local_experts" in experts if model_type is None
                             else model_type in ("mixtral", "minimax_m2", "gpt_oss"))
     num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
@@ -426,7 +530,8 @@ def _moe_fields(fields):
     return dict(num_experts=num_experts, experts_per_token=fields["num_experts_per_tok"],
                 expert_size=fields["moe_intermediate_size" if qwen else "intermediate_size"],
                 shared_expert_size=fields.get("shared_expert_intermediate_size") or 0, moe_layers=len(sparse),
-                renormalise_top_k=bool(fields.get("norm_topk_prob")),
+                # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob)
+                renormalise_top_k=bool(fields.get("norm_topk_prob", model_type == "qwen3_5_moe_text")),
                 output_router_logits=bool(fields.get("output_router_logits")))
 
 
@@ -438,6 +543,33 @@ def _latent_fields(fields):
     return dict(kv_lora_rank=fields["kv_lora_rank"], q_lora_rank=fields.get("q_lora_rank") or 0,
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=fields["v_head_dim"],
                 num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope)
+
+
+def _linear_fields(fields):
+    """A Gated DeltaNet hybrid's sizes (``ModelShape``'s), from ``layer_types`` or, failing it,
+    ``full_attention_interval``; none for a model without linear-attention layers. Other models with
+    linear-attention layers are refused."""
+    model_type, layers = fields.get("model_type"), fields["num_hidden_layers"]
+    types = fields.get("layer_types")
+    if types is None and model_type in HYBRID_MODEL_TYPES:  # as their configs fill it in
+        interval = fields.get("full_attention_interval") or 4
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    linear = sum(kind == "linear_attention" for kind in types or ())
+    if not linear:
+        return {}
+    if model_type not in HYBRID_MODEL_TYPES:
+        raise ValueError(f"model config has {linear} linear_attention layers (model_type {model_type!r}): the "
+                         f"planner models the Gated DeltaNet layers of {', '.join(HYBRID_MODEL_TYPES)} only")
+    return dict(linear_layers=linear, linear_num_key_heads=fields["linear_num_key_heads"],
+                linear_num_value_heads=fields["linear_num_value_heads"],
+                linear_key_head_dim=fields["linear_key_head_dim"], linear_value_head_dim=fields["linear_value_head_dim"],
+                linear_conv_kernel=fields.get("linear_conv_kernel_dim") or 4, attention_output_gate=True)
+
+
+def _partial_rotary_factor(fields):
+    """The rotated share of a head, where the config names one (top level or in ``rope_parameters``)."""
+    rope = fields.get("rope_parameters") if isinstance(fields.get("rope_parameters"), dict) else {}
+    return fields.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
 
 
 def _attention_bias(fields):
@@ -460,10 +592,13 @@ def model_shape(model):
     try:
         heads = fields["num_attention_heads"]
         llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
-        latent = _latent_fields(fields)
+        latent, moe = _latent_fields(fields), _moe_fields(fields)
+        # Qwen3.5-MoE's config has no intermediate_size: every layer is sparse
+        every_layer_sparse = moe.get("moe_layers") == fields["num_hidden_layers"]
         return ModelShape(
             hidden_size=fields["hidden_size"],
-            intermediate_size=fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
+            intermediate_size=(fields.get("intermediate_size") or 0) if every_layer_sparse and not llama4
+            else fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
             num_layers=fields["num_hidden_layers"], num_heads=heads,
             num_kv_heads=latent.get("num_kv_heads") or fields.get("num_key_value_heads") or heads,
             head_dim=latent.get("head_dim") or fields.get("head_dim") or fields["hidden_size"] // heads,
@@ -472,25 +607,28 @@ def model_shape(model):
             attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
             name=str(fields.get("name", "custom")),
-            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *PROJECTION_QK_NORMS)
+            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES, *PROJECTION_QK_NORMS)
             or (bool(fields.get("use_qk_norm")) and not llama4),  # GLM-4.5's switch; Llama 4's norm has no weight
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             attention_sinks=fields.get("model_type") == "gpt_oss",
             # A latent attention's o_proj takes attention_bias as its down projections do (every MLA class).
             o_proj_bias=_attention_bias(fields) and (fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES
                                                      or bool(latent)),
-            **_moe_fields(fields), **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
+            partial_rotary_factor=_partial_rotary_factor(fields), **moe, **_linear_fields(fields),
+            **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
-                         f"num_hidden_layers, num_attention_heads and vocab_size (and, for mixture-of-experts "
-                         f"models, num_experts_per_tok and moe_intermediate_size)") from None
+                         f"num_hidden_layers, num_attention_heads and vocab_size (for mixture-of-experts "
+                         f"models, num_experts_per_tok and moe_intermediate_size; for Gated DeltaNet hybrids, "
+                         f"linear_num_key_heads, linear_num_value_heads, linear_key_head_dim and "
+                         f"linear_value_head_dim)") from None
 
 
 # --- how TSP cuts a model ------------------------------------------------------------------------
 
 def tsp_shape_problem(m, tsp_size):
     """Why TSP cannot run ``m`` at ``tsp_size`` (the rules of ``head_groups.HeadGroups``,
-    ``mlp.shard_spec`` and ``moe.shard_spec``), or None."""
+    ``linear.shards.DeltaNetShapes``, ``mlp.shard_spec`` and ``moe.shard_spec``), or None."""
     D, nq, nkv = tsp_size, m.num_heads, m.num_kv_heads
     if nq % D:
         return f"num_attention_heads {nq} is not divisible by {D}"
@@ -500,6 +638,12 @@ def tsp_shape_problem(m, tsp_size):
         return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}"
     if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
         return f"num_key_value_heads {nkv} and {D} do not divide one another"
+    if m.is_hybrid and m.linear_num_key_heads % D:
+        return (f"linear_num_key_heads {m.linear_num_key_heads} is not divisible by {D}: a rank owns whole key heads "
+                f"of the Gated DeltaNet layers")
+    if m.is_hybrid and m.linear_num_value_heads % m.linear_num_key_heads:
+        return (f"linear_num_value_heads {m.linear_num_value_heads} is not a multiple of linear_num_key_heads "
+                f"{m.linear_num_key_heads}")
     if m.num_layers > m.moe_layers and m.intermediate_size % D:
         return f"intermediate_size {m.intermediate_size} is not divisible by {D}"
     if m.is_moe and m.num_experts % D:
@@ -531,11 +675,19 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
         return rows * (H + int(m.attention_bias)) + m.latent_head_params(m.num_heads // D)
     q_heads, kv_heads = m.num_heads // D, max(m.num_kv_heads // D, 1)
     bias = 1 if m.attention_bias else 0
-    own = q_heads * d * (2 * H + bias) + (q_heads if m.attention_sinks else 0)
+    own = q_heads * (m.q_width * (H + bias) + d * H) + (q_heads if m.attention_sinks else 0)
     kv_replicas = max(D // m.num_kv_heads, 1)
     if tsp_rank % kv_replicas == 0:
         own += 2 * kv_heads * d * (H + bias)
     return own
+
+
+def tsp_mixer_shard(m, tsp_size, linear=False):
+    """Elements of the largest packed shard of a layer's token mixer: an attention's (``tsp_attention_shard``)
+    or a Gated DeltaNet's, its head group's ``1/D`` of ``linear_params`` (every rank's the same)."""
+    if linear:
+        return m.linear_params // tsp_size
+    return max(tsp_attention_shard(m, tsp_size, r) for r in range(tsp_size))
 
 
 def padded_length(seq_len, tsp_size):

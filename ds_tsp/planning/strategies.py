@@ -50,6 +50,9 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer is ZeRO's offload_optimizer: it needs zero_stage >= 1")
     m = model_shape(model)
+    if lora_rank and m.is_hybrid:
+        raise ValueError(f"lora_rank: the planner does not model LoRA on a Gated DeltaNet hybrid ({m.name}), whose "
+                         f"linear layers take no adapters; plan full fine-tuning (lora_rank 0)")
     if tsp_attention_backward is None:
         tsp_attention_backward = "fused" if m.sliding_window is None and m.head_dim <= 256 else "recompute"
     if tsp_attention_backward not in TSP_ATTENTION_BACKWARDS:
@@ -126,9 +129,9 @@ def plan_alst(model, seq_len, devices, micro_batch=1, dtype="bf16", logits_tile_
 
 
 def recommend(plans, memory_per_device_bytes):
-    """The feasible plans whose peak fits ``memory_per_device_bytes``, best first:
+    """The feasible and exact plans whose peak fits ``memory_per_device_bytes``, best first:
     fewest bytes received per FLOP computed (the step's communication against
     its compute; one fast interconnect is assumed for all ``N`` devices, so a
     layout that would spill across nodes is not penalised), then least memory."""
-    fits = [p for p in plans if p.feasible and p.total <= memory_per_device_bytes]
+    fits = [p for p in plans if p.feasible and not p.inexact and p.total <= memory_per_device_bytes]
     return sorted(fits, key=lambda p: (p.comm_per_step / p.flops_per_step, p.total))

@@ -88,7 +88,8 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
     head += ["fwd MB/layer", "bwd MB/layer", "GB/step", "TFLOP/step", "s/step", "tok/s/GPU", "bound"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for plan_ in plans:
-        cells = [plan_.name + ("" if plan_.feasible else " (infeasible)"), plan_.layout]
+        cells = [plan_.name + ("" if plan_.feasible else " (infeasible)") + (" (not exact)" if plan_.inexact else ""),
+                 plan_.layout]
         cells += [format_gb(plan_.memory[k]) for k in MEMORY_PARTS] + [f"**{format_gb(plan_.total)}**"]
         if paper:
             value = paper.get(plan_.name)
@@ -104,7 +105,11 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "
         f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}"
         + (f" (latent attention: q_lora_rank {m.q_lora_rank}, kv_lora_rank {m.kv_lora_rank}, rotary "
-           f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "") + ", "
+           f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "")
+        + (f" (gated attention); {m.linear_layers} of the {m.num_layers} layers Gated DeltaNet "
+           f"(linear attention: {m.linear_num_key_heads} key heads of {m.linear_key_head_dim}, "
+           f"{m.linear_num_value_heads} value heads of {m.linear_value_head_dim}, a {m.linear_conv_kernel}-tap "
+           f"convolution)" if m.is_hybrid else "") + ", "
         f"V={m.vocab_size}; S={setting.seq_len}, B={setting.micro_batch}, {setting.devices} devices, "
         f"{setting.dtype}, ZeRO-{setting.zero_stage}, activation checkpointing "
         f"{'on' if setting.activation_checkpointing else 'off'}, TSP attention backward "
@@ -131,7 +136,11 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         + (f" Latent attention: the latent and rotary key, {m.latent_width} elements a token for all heads, take "
            f"2 nkv d's place (a per-head K/V would be {m.num_heads * (m.head_dim + m.value_dim)}); each rank expands "
            f"it into every head group's K/V (FLOPs counted), the baselines attend the expanded heads."
-           if m.is_latent else ""),
+           if m.is_latent else "")
+        + (" A Gated DeltaNet layer has no K/V: its head groups are broadcast as the attention's are, and per "
+           "head group the ranks all-gather their chunks' state maps, (D-1) x 2B nv/D dk (dk + dv) float32 "
+           "elements each (and their initial-state gradients backward), whatever the sequence length; "
+           "per-layer figures are the mean over the layers." if m.is_hybrid else ""),
         f"Time (timing): {cluster.describe()}, {setting.devices_per_node} devices per node. s/step = blocking "
         "communication + max(compute, overlapped communication per link); TP all-reduces, Ulysses all-to-alls, "
         "ZeRO-1/2's weight gather and TSP's embedding all-to-all and replicated-gradient all-reduces block; ZeRO-3 "
@@ -148,6 +157,13 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         hosts = ", ".join(f"{p.name} {format_gb(p.host_total)}" for p in plans if p.host_total)
         footer.append("Options: " + ", ".join(o for o in options if o) + "." +
                       (f" Host memory per node of {setting.ranks_per_node} ranks, GB: {hosts}." if hosts else ""))
+    inexact = [plan_ for plan_ in plans if plan_.inexact]
+    if inexact:
+        footer.append(f"Not exact: {', '.join(plan_.name for plan_ in inexact)} train another model than "
+                      f"{m.name}: DeepSpeed's sequence parallelism swaps the attention alone, so {inexact[0].inexact}. "
+                      f"Their rows are what that costs (each rank running the linear layers on its tokens with the "
+                      f"whole weights, ZeRO-3 gathering them where it partitions them), not a way to train "
+                      f"{m.name}; TP, DP and TSP are exact.")
     if paper:
         footer += _paper_footer(plans, paper)
     return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
@@ -285,7 +301,7 @@ def format_longest_table(results, memory_gb, host_memory_gb):
             length = _tokens_text(result.seq_len) if result.seq_len else f"none (not even {result.step})"
         binding = result.binding + (" (host)" if result.limit == "host" else "")
         rows.append("| " + " | ".join([
-            result.name, result.layout, length, binding, format_gb(result.device_bytes), format_gb(result.host_bytes),
+            result.name + (" (not exact)" if result.plan.inexact else ""), result.layout, length, binding, format_gb(result.device_bytes), format_gb(result.host_bytes),
             "" if result.published is None else _tokens_text(result.published)]) + " |")
     footer = [
         f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "

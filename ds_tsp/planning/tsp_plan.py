@@ -16,7 +16,7 @@ op; FLOPs are ``flops.step_flops``' over ``D``.
 
 from typing import NamedTuple
 
-from ds_tsp.planning.communication import tsp_bytes_per_layer, tsp_step_bytes_by_op
+from ds_tsp.planning.communication import tsp_layers_bytes_by_op, tsp_step_bytes_by_op
 from ds_tsp.planning.flops import step_flops
 from ds_tsp.planning.memory import (
     CHECKPOINT_BACK,
@@ -32,6 +32,7 @@ from ds_tsp.planning.memory import (
     MLP_TILE,
     RECOMPUTED,
     SHARDS,
+    STATE_MAPS,
     STATES,
     checkpoints_on_device,
     host_memory,
@@ -47,12 +48,14 @@ from ds_tsp.planning.memory import (
     tsp_block_saved_per_token,
     tsp_vocab_memory,
 )
-from ds_tsp.planning.plan_types import TSP_PARTS, CommPart, StrategyPlan, per_layer_mean
+from ds_tsp.planning.plan_types import TSP_PARTS, CommPart, StrategyPlan
 from ds_tsp.planning.shapes import (
+    DELTA_CHUNK,
+    FLOAT32,
     INT64,
     lora_adapter_params,
     padded_length,
-    tsp_attention_shard,
+    tsp_mixer_shard,
     tsp_name,
     tsp_shape_problem,
     vocab_rows_per_rank,
@@ -107,26 +110,31 @@ def _tsp_memory(setting, vocab_parallel, tokens):
     """One rank's memory: ``(memory parts, detail, terms, host)``."""
     m, D = setting.model, setting.devices
     tile = _token_tile(setting, tokens)
-    attn_shard = max(tsp_attention_shard(m, D, r) for r in range(D))
+    mixer_shard = {linear: tsp_mixer_shard(m, D, linear) for linear, _ in m.mixer_kinds}
     ffn_shard = {sparse: m.ffn_params(sparse) / D for sparse, _ in m.layer_kinds}
-    states, optimizer_host = _tsp_model_states(setting, vocab_parallel, attn_shard, ffn_shard)
-    blocks_saved = _tsp_blocks_saved(setting, tokens, tile < tokens, attn_shard, ffn_shard)
-    every_layer = sum(layers * sum(blocks_saved[sparse].values()) for sparse, layers in m.layer_kinds)
+    states, optimizer_host = _tsp_model_states(setting, vocab_parallel, mixer_shard, ffn_shard)
+    saved = _tsp_blocks_saved(setting, tokens, tile < tokens, mixer_shard, ffn_shard)
+    every_layer = sum(layers * saved["attention"][linear] for linear, layers in m.mixer_kinds) + \
+        sum(layers * saved["mlp"][sparse] for sparse, layers in m.layer_kinds)
     outside = _tsp_outside_layers(setting, vocab_parallel, tokens)
-    transients = {sparse: _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard[sparse], sparse)
+    mixer_pieces = {linear: _tsp_mixer_transient(setting, tokens, mixer_shard[linear], linear)
+                    for linear, _ in m.mixer_kinds}
+    mlp_pieces = {sparse: _tsp_mlp_transient(setting, tokens, tile, ffn_shard[sparse], sparse)
                   for sparse, _ in m.layer_kinds}
-    # One layer's backward at its peak (of the larger kind where dense and sparse layers differ), the MLP's or
-    # the attention's: (kind, saved tensors still live, the backward's buffers by term).
-    sparse, live, layer_pieces = max(((sparse, live, pieces) for sparse, _ in m.layer_kinds
-                                      for live, pieces in _tsp_backward_phases(setting, blocks_saved[sparse],
-                                                                               transients[sparse], every_layer)),
-                                     key=lambda found: found[1] + sum(found[2].values()))
+    # One layer's backward at its peak (of the larger kinds where layers differ), the MLP's or the mixer's:
+    # (its kinds, saved tensors still live, the backward's buffers by term).
+    kinds, live, layer_pieces = max(
+        (((linear, sparse), live, pieces) for linear, _ in m.mixer_kinds for sparse, _ in m.layer_kinds
+         for live, pieces in _tsp_backward_phases(setting, saved["attention"][linear], saved["mlp"][sparse],
+                                                  mixer_pieces[linear], mlp_pieces[sparse], every_layer)),
+        key=lambda found: found[1] + sum(found[2].values()))
     detail = {
         "saved_for_backward": (outside.saved + every_layer + outside.logits_saved
                                if not setting.activation_checkpointing else None),
         "embedding_route": outside.route,
         "logits_output": outside.logits_held,
-        **transients[sparse],
+        **mixer_pieces[kinds[0]],
+        **mlp_pieces[kinds[1]],
         **outside.transient,
     }
     checkpoints = checkpoints_on_device(setting, tokens, setting.prefetch_checkpoints)
@@ -134,44 +142,50 @@ def _tsp_memory(setting, vocab_parallel, tokens):
     return memory, detail, terms, host_memory(setting, tokens, optimizer_host)
 
 
-def _tsp_model_states(setting, vocab_parallel, attn_shard, ffn_shard):
+def _tsp_model_states(setting, vocab_parallel, mixer_shard, ffn_shard):
     """One rank's model states and its offloaded optimizer's host bytes: its
     shards of every layer, the norms and routers whole, the embedding and LM
     head whole or folded; under LoRA the frozen base and the adapters' shards."""
     m, p, D, H = setting.model, setting.precision, setting.devices, setting.model.hidden_size
-    layer_params = {sparse: attn_shard + ffn_shard[sparse] + m.layer_replicated_params(sparse)
-                    for sparse, _ in m.layer_kinds}
+    mixer_params = {linear: mixer_shard[linear] + sum(m.mixer_replicated_tensors(linear))
+                    for linear, _ in m.mixer_kinds}
+    ffn_params = {sparse: ffn_shard[sparse] + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}
     vocab_rows = _vocab_rows(setting, vocab_parallel)
     vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
-    all_params = sum(layers * layer_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
+    all_params = sum(layers * mixer_params[linear] for linear, layers in m.mixer_kinds) + \
+        sum(layers * ffn_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
     if setting.lora_rank:
         adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
                     for sparse, _ in m.layer_kinds}
         return lora_model_states(
             all_params, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds), p, setting.zero_stage, 1,
             setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
+    largest_layer = max(mixer_params.values()) + max(ffn_params.values())
     return model_states(all_params, p, setting.zero_stage, 1, setting.offload_optimizer,
-                        layer_params=max(*layer_params.values(), vocab_rows * H))
+                        layer_params=max(largest_layer, vocab_rows * H))
 
 
-def _tsp_blocks_saved(setting, tokens, mlp_tiled, attn_shard, ffn_shard):
-    """``{sparse: {"attention": bytes, "mlp": bytes}}``: what one layer of each
-    kind saves for backward, per block."""
+def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard):
+    """``{"attention": {linear: bytes}, "mlp": {sparse: bytes}}``: what one
+    layer's token mixer and feed-forward block of each kind save for backward."""
     m, e, H = setting.model, setting.precision.element, setting.model.hidden_size
-    blocks_saved = {sparse: {block: tokens * saved for block, saved in tsp_block_saved_per_token(
-        m, e, setting.tsp_attention_backward, mlp_tiled, sparse, setting.recompute_norms).items()}
-        for sparse, _ in m.layer_kinds}
-    for sparse, blocks in blocks_saved.items():
-        if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
-            blocks["attention"] += e * attn_shard
-            blocks["mlp"] += e * ffn_shard[sparse]
-        if setting.activation_checkpointing:
-            # DeepSpeed's checkpoint keeps the recomputed layer's output through the layer's backward (ds_tsp's
-            # host checkpoint frees it); with tsp.recompute_norms the first norm keeps the layer's checkpointed
-            # input, already counted as such.
-            blocks["attention"] += tokens * e * H * ((0 if setting.offload_activations else 1)
-                                                     - (1 if setting.recompute_norms else 0))
-    return blocks_saved
+
+    def per_token(linear=False, sparse=False):
+        return tsp_block_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
+                                         setting.recompute_norms, linear)
+
+    saved = {"attention": {linear: tokens * per_token(linear=linear)["attention"] for linear, _ in m.mixer_kinds},
+             "mlp": {sparse: tokens * per_token(sparse=sparse)["mlp"] for sparse, _ in m.layer_kinds}}
+    if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
+        for kind, shards in (("attention", mixer_shard), ("mlp", ffn_shard)):
+            saved[kind] = {key: v + e * shards[key] for key, v in saved[kind].items()}
+    if setting.activation_checkpointing:
+        # DeepSpeed's checkpoint keeps the recomputed layer's output through the layer's backward (ds_tsp's
+        # host checkpoint frees it); with tsp.recompute_norms the first norm keeps the layer's checkpointed
+        # input, already counted as such.
+        again = tokens * e * H * ((0 if setting.offload_activations else 1) - (1 if setting.recompute_norms else 0))
+        saved["attention"] = {linear: v + again for linear, v in saved["attention"].items()}
+    return saved
 
 
 def _tsp_outside_layers(setting, vocab_parallel, tokens):
@@ -205,23 +219,24 @@ def _tsp_outside_layers(setting, vocab_parallel, tokens):
                           vocab_transient)
 
 
-def _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard, sparse):
-    """One TSP layer's backward buffers (``plan_tsp``'s detail), by name."""
+def _grad_x_bytes(setting):
+    """Bytes a local token's input gradient takes while a block's backward sums it: head groups and ring steps
+    add into fp32 (tsp.fp32_accumulators), cast once at the end; without, the model dtype, which is then the result
+    itself. fp32 models have nothing narrower."""
+    e, acc = setting.precision.element, setting.precision.accumulate
+    return acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
+
+
+def _tsp_mixer_transient(setting, tokens, shard, linear):
+    """One TSP token mixer's backward buffers (``plan_tsp``'s detail), by name: an attention's or, ``linear``, a
+    Gated DeltaNet's."""
+    if linear:
+        return _tsp_linear_transient(setting, tokens, shard)
     m, D = setting.model, setting.devices
     e, acc, B = setting.precision.element, setting.precision.accumulate, setting.micro_batch
     S = tokens * D // B
     kv_heads = max(m.num_kv_heads // D, 1)
     q_heads = max(m.num_heads // D, 1)
-    if sparse:
-        # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
-        # shared expert.
-        expert_tokens = min(tile, -(-m.experts_per_token * tokens // m.num_experts))
-        intermediates = 6 * max(expert_tokens * m.expert_size, tile * m.shared_expert_size / D) * e
-    else:
-        intermediates = (8 if tile < tokens else 6) * tile * (m.intermediate_size / D) * e
-    # The input gradient sums head groups and ring steps in fp32 (tsp.fp32_accumulators), cast once at the end;
-    # without, in the model dtype, which is then the result itself. fp32 models have nothing narrower.
-    grad_x_bytes = acc + 2 * e if setting.fp32_accumulators or e >= acc else 2 * e
     sums = acc if setting.fp32_accumulators else e
     if m.is_latent:
         # The gathered latent, its gather buffer, its gradient's sum and the reduce-scatter's stacked copy; one
@@ -235,35 +250,83 @@ def _tsp_layer_transient(setting, tokens, tile, attn_shard, ffn_shard, sparse):
     return {
         "kv_head_group": kv_head_group,
         # of the local tokens, meanwhile: the group's queries before and after rotary, their output's gradient
-        # and their own; the set's keys before rotary (for its backward) and, with another group to come, its
-        # keys and its K/V on their way to the gather
-        "head_group_local": tokens * m.head_dim * e * (4 * q_heads + (4 if D > 1 else 1) * kv_heads),
-        "attention_shards_in_flight": 2 * attn_shard * e,
+        # and their own (with an output gate also the gate, its sigmoid, its gradient and the gated output); the
+        # set's keys before rotary (for its backward) and, with another group to come, its keys and its K/V on
+        # their way to the gather
+        "head_group_local": tokens * m.head_dim * e * ((8 if m.attention_output_gate else 4) * q_heads
+                                                       + (4 if D > 1 else 1) * kv_heads),
+        "attention_shards_in_flight": 2 * shard * e,
         # every head group's gradient reduce stays posted until the attention's backward ends
         "attention_grad_reduces": m.attention_params * acc,
+        "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting),
+    }
+
+
+def _tsp_linear_transient(setting, tokens, shard):
+    """A Gated DeltaNet layer's backward buffers (``ds_tsp.blocks.linear.schedule``): one head group's forward
+    recomputed under autograd and its gradients, the group's gathered state maps, the weight shards."""
+    m, D, B = setting.model, setting.devices, setting.micro_batch
+    e, acc = setting.precision.element, setting.precision.accumulate
+    k_heads, v_heads = m.linear_num_key_heads // D, m.linear_num_value_heads // D
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    keys, values = k_heads * dk, v_heads * dv
+    state = max(e, FLOAT32)  # the rule runs in float32, or the model's dtype where wider
+    # Per local token, each with its gradient: the group's projections (q, k, v, z, b, a) and the convolution's
+    # inputs; the chunk terms of the rule, per value head: w, u, the decayed q and k, k and v times beta, the
+    # chunk-wide UT system, decays and intra-chunk scores, and the state a chunk starts from.
+    projections = e * (2 * keys + 2 * values + 2 * v_heads + 2 * keys + values)
+    chunk_terms = state * v_heads * (4 * dk + 2 * dv + 3 * DELTA_CHUNK + dk * dv / DELTA_CHUNK)
+    return {
+        # the 2D chunks' maps (T, U) and their initial-state gradients, every row, the group's value heads
+        "state_maps": state * 2 * D * B * v_heads * dk * (dk + 2 * dv),
+        "head_group_local": 2 * tokens * (projections + chunk_terms),
+        "linear_shards_in_flight": 2 * shard * e,
+        # every head group's gradient reduce stays posted until the layer's backward ends
+        "linear_grad_reduces": m.linear_params * acc,
+        "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting),
+    }
+
+
+def _tsp_mlp_transient(setting, tokens, tile, ffn_shard, sparse):
+    """One TSP feed-forward block's backward buffers (``plan_tsp``'s detail), by name."""
+    m, D = setting.model, setting.devices
+    e, acc = setting.precision.element, setting.precision.accumulate
+    if sparse:
+        # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
+        # shared expert.
+        expert_tokens = min(tile, -(-m.experts_per_token * tokens // m.num_experts))
+        intermediates = 6 * max(expert_tokens * m.expert_size, tile * m.shared_expert_size / D) * e
+    else:
+        intermediates = (8 if tile < tokens else 6) * tile * (m.intermediate_size / D) * e
+    return {
         "mlp_shards_in_flight": 2 * ffn_shard * e,
         "mlp_accumulators": 3 * ffn_shard * acc,  # travelling, arriving, own partial
         # one shard's gradients of a tile (a sparse layer: of one expert's tokens);
         # tiled, also the tile's gate and up computed again
         "mlp_shard_intermediates": intermediates,
-        "grad_x": tokens * m.hidden_size * grad_x_bytes,
+        "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting),
     }
 
 
-def _tsp_backward_phases(setting, blocks_saved, pieces, every_layer):
+def _tsp_backward_phases(setting, mixer_saved, mlp_saved, mixer_pieces, mlp_pieces, every_layer):
     """The two peaks of one TSP layer's backward, each as ``(layer saved
     tensors still live, {term: buffer bytes})``: the MLP's backward, with
-    every tensor the layer saved; then the attention's, once autograd has
+    every tensor the layer saved; then the token mixer's, once autograd has
     freed the MLP's (and its norm's) saved tensors. The layer is the
     recomputed one under checkpointing, else the last, with every layer's
     saved tensors (``every_layer``) live."""
-    layer = sum(blocks_saved.values()) if setting.activation_checkpointing else every_layer
-    mlp = {GRAD_X: pieces["grad_x"], MLP_TILE: pieces["mlp_shard_intermediates"],
-           SHARDS: pieces["mlp_shards_in_flight"] + pieces["mlp_accumulators"]}
-    attention = {KV_GROUP: pieces["kv_head_group"], HEAD_GROUP_LOCAL: pieces["head_group_local"],
-                 GRAD_X: pieces["grad_x"],
-                 SHARDS: pieces["attention_shards_in_flight"] + pieces["attention_grad_reduces"]}
-    return (layer, mlp), (layer - blocks_saved["mlp"], attention)
+    layer = mixer_saved + mlp_saved if setting.activation_checkpointing else every_layer
+    mlp = {GRAD_X: mlp_pieces["grad_x"], MLP_TILE: mlp_pieces["mlp_shard_intermediates"],
+           SHARDS: mlp_pieces["mlp_shards_in_flight"] + mlp_pieces["mlp_accumulators"]}
+    if "state_maps" in mixer_pieces:
+        mixer = {STATE_MAPS: mixer_pieces["state_maps"], HEAD_GROUP_LOCAL: mixer_pieces["head_group_local"],
+                 GRAD_X: mixer_pieces["grad_x"],
+                 SHARDS: mixer_pieces["linear_shards_in_flight"] + mixer_pieces["linear_grad_reduces"]}
+    else:
+        mixer = {KV_GROUP: mixer_pieces["kv_head_group"], HEAD_GROUP_LOCAL: mixer_pieces["head_group_local"],
+                 GRAD_X: mixer_pieces["grad_x"],
+                 SHARDS: mixer_pieces["attention_shards_in_flight"] + mixer_pieces["attention_grad_reduces"]}
+    return (layer, mlp), (layer - mlp_saved, mixer)
 
 
 def _tsp_peak(setting, vocab_parallel, states, outside, checkpoints, every_layer, live, layer_pieces):
@@ -311,7 +374,7 @@ def _tsp_communication(setting, vocab_parallel, S, problem):
     m, B, D, e = setting.model, setting.micro_batch, setting.devices, setting.precision.element
 
     def per_layer(direction):
-        return per_layer_mean(m, lambda sparse: tsp_bytes_per_layer(m, S, B, D, e, direction, sparse=sparse))
+        return sum(tsp_layers_bytes_by_op(m, S, B, D, e, direction).values()) / m.num_layers
 
     by_op = tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
                                  activation_checkpointing=setting.activation_checkpointing)

@@ -84,6 +84,7 @@ def head_group(plan, x, w, norm_weight, sink=None):
     (forward only: no autograd)."""
     shapes = plan.shapes
     B, L = x.shape[:2]
+    w = compute_weights(w, x.dtype)
     q, k, v, z, b, a = project(shapes, x, w)
     conv_weight = torch.cat([w[f"{part}.weight"] for part in CONV_PARTS]).squeeze(1)  # (C, kernel)
     conv_bias = torch.cat([w[f"{part}.bias"] for part in CONV_PARTS]) if shapes.conv_bias else None
@@ -118,6 +119,14 @@ def head_group(plan, x, w, norm_weight, sink=None):
     return normed.reshape(B, L, -1)
 
 
+def compute_weights(w, dtype):
+    """A head group's weights as its products take them: in the tokens' dtype
+    (an autocast dtype, where the shard stayed float32), but ``A_log`` and
+    ``dt_bias``, which the decay takes in their own dtype and widens to
+    float32, as Hugging Face's layer does."""
+    return {name: t if name in ("A_log", "dt_bias") else t.to(dtype) for name, t in w.items()}
+
+
 def l2norm(t, eps=1e-6):
     """Hugging Face's (and flash-linear-attention's) ``l2norm``."""
     return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
@@ -134,7 +143,7 @@ def delta_net_forward(plan, x, packed, norm_weight):
     for j, w in piece_stream(plan, packed, 0):
         sink = None if plan.state_sink is None else functools.partial(plan.state_sink, j)
         o = head_group(plan, x, w, norm_weight, sink)
-        precision.add_matmul(out, o.flatten(0, 1), w["out_proj.weight"].t(), add=j > 0)
+        precision.add_matmul(out, o.flatten(0, 1), w["out_proj.weight"].to(x.dtype).t(), add=j > 0)
     return out.view(x.shape).to(x.dtype)
 
 
@@ -150,7 +159,7 @@ def delta_net_backward(plan, grad_out, x, packed, norm_weight):
         leaves = [t.detach().requires_grad_() for t in (x, norm_weight, *(w[name] for name in names))]
         with torch.enable_grad():
             o = head_group(plan, leaves[0], dict(zip(names, leaves[2:])), leaves[1])
-            grad_o = (grad_tokens @ w["out_proj.weight"]).view_as(o)
+            grad_o = (grad_tokens @ w["out_proj.weight"].to(grad_tokens.dtype)).view_as(o)
             found = torch.autograd.grad(o, leaves, grad_o)
         grad_x += found[0]
         grad_norm += found[1]
@@ -166,10 +175,12 @@ def delta_net_backward(plan, grad_out, x, packed, norm_weight):
 class TSPDeltaNetFunction(torch.autograd.Function):
     """forward: ``delta_net_forward``, saving its input; backward: ``delta_net_backward``."""
 
-    # Under autocast the input and the shard are cast to the autocast dtype and the layer runs as a model of that
-    # dtype would; the gated norm's weight keeps its dtype, as Hugging Face's norm does.
+    # Under autocast the input is cast to the autocast dtype and the layer runs as a model of that dtype would; the
+    # shard keeps its dtype (each group's matrices are cast once received, A_log and dt_bias never, as Hugging
+    # Face's layer widens them to float32: rounded to bf16 they would move every decay), and so does the gated
+    # norm's weight, as Hugging Face's norm does. The shards then travel in their own dtype.
     @staticmethod
-    @autocast_forward(cast_inputs=True, keep=(3,))
+    @autocast_forward(cast_inputs=True, keep=(1, 3))
     def forward(ctx, x, packed, plan, norm_weight):
         ctx.plan = plan
         ctx.save_for_backward(x, packed, norm_weight)
