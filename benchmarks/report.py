@@ -202,6 +202,19 @@ def write_markdown(results, tables, args, meta):
 
 
 def _model_text(model):
+    if "layer_types" in model:
+        linear = model["layer_types"].count("linear_attention")
+        return (f"Qwen3.5-shaped (Gated DeltaNet hybrid), hidden {model['hidden']}, {model['layers']} layers: "
+                f"{linear} Gated DeltaNet ({model['linear_num_key_heads']} key heads, "
+                f"{model['linear_num_value_heads']} value heads of {model['linear_key_head_dim']}, a "
+                f"{model['linear_conv_kernel_dim']}-tap convolution) and {model['layers'] - linear} gated full "
+                f"attention ({model['heads']} heads, {model['kv_heads']} KV heads of {model['head_dim']}, a quarter "
+                f"rotary), dense MLPs of intermediate {model['intermediate']}")
+    if "kv_lora_rank" in model:
+        return (f"DeepSeek-V3's multi-head latent attention, hidden {model['hidden']}, {model['layers']} layers, "
+                f"{model['heads']} heads (q_lora_rank {model['q_lora_rank']}, kv_lora_rank {model['kv_lora_rank']}, "
+                f"rotary {model['qk_rope_head_dim']}, values {model['v_head_dim']}), dense MLPs of intermediate "
+                f"{model['intermediate']}")
     if "experts" in model:
         return (f"Qwen3-MoE-shaped, hidden {model['hidden']}, {model['layers']} layers, every one sparse: "
                 f"{model['experts']} experts of intermediate {model['expert_intermediate']}, top-{model['top_k']} "
@@ -241,7 +254,11 @@ def _preamble(args, meta):
             "* comm: bytes received per rank per step, counted by one shim over `torch.distributed` for every "
             "strategy;",
             "* loss diff: max |loss - single-process loss| over all steps (same weights, same data): every "
-            "strategy trains the same model.", "",
+            "strategy trains the same model" + (", but for Ulysses here: DeepSpeed's Ulysses swaps only the "
+                                                "attention function, so its Gated DeltaNet layers (and their "
+                                                "convolutions) run on each rank's own tokens alone, from a zero "
+                                                "state at each rank's first token, and compute another model's "
+                                                "output" if "layer_types" in model else "") + ".", "",
             "Reading the bytes: TSP's are a weight term that does not grow with S (block weight shards and, folded, "
             "the LM head's shards round the ring; replicated, the all-reduce of the embedding and head gradients) "
             "plus a K/V term linear in S; AutoTP's are activation all-reduces, linear in S; Ulysses' are the "

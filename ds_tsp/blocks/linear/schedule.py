@@ -106,12 +106,12 @@ def head_group(plan, x, w, norm_weight, sink=None):
 
     q, k = (l2norm(heads(t, shapes.head_k_dim)) for t in (q, k))
     q = q * shapes.head_k_dim ** -0.5
-    rule = (q, k, heads(v, shapes.head_v_dim), g.transpose(1, 2), beta.transpose(1, 2).to(wide), plan.starts,
-            plan.group, plan.layout, plan.chunk_size)
+    v, g, beta = heads(v, shapes.head_v_dim), g.transpose(1, 2), beta.transpose(1, 2).to(wide)
     if sink is None:
-        out = gated_delta_recurrence(*rule[:5], plan.group, plan.layout, plan.chunk_size, plan.starts)
+        out = gated_delta_recurrence(q, k, v, g, beta, plan.group, plan.layout, plan.chunk_size, plan.starts)
     else:
-        out, _, _, final = recurrence_forward(*rule)
+        out, _, _, final = recurrence_forward(q, k, v, g, beta, plan.starts, plan.group, plan.layout,
+                                              plan.chunk_size)
         sink(conv_inputs, final)
     out = out.transpose(1, 2).to(x.dtype)  # (B, L, hv, dv)
     normed = torch.func.functional_call(plan.norm, {"weight": norm_weight},
