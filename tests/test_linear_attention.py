@@ -13,7 +13,7 @@ from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import delta_net_bytes_by_op
-from models import tiny_model
+from models import tiny_causal_lm, tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
 # Padded (13 tokens, the last 3 of a row masked), packed (documents restarting the positions: the state restarts
@@ -96,17 +96,16 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
             assert forward == planned["forward"] and both == planned["both"]
 
 
-def test_other_linear_layers_are_refused_by_name():
-    """OLMo-Hybrid's Gated DeltaNet changes the rule (negative eigenvalues, its own projections): refused, naming it."""
-    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+@pytest.mark.parametrize("model_type, mixer", [("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+                                               ("kimi_linear", "KimiLinearDeltaAttention")])
+def test_other_linear_layers_are_refused_by_name(model_type, mixer):
+    """OLMo-Hybrid's DeltaNet (negative eigenvalues, its own projections) and Kimi Linear's KDA (a decay per key
+    channel): refused before any weight moves, naming the layer's class."""
     import ds_tsp
     from ds_tsp.config import TSPConfig
 
-    config = OlmoHybridConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
-                              linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4, pad_token_id=0)
-    with pytest.raises(PolicyError, match="linear-attention layer ds_tsp does not build|does not build it"):
-        ds_tsp.inject(OlmoHybridForCausalLM(config), TSPTopology(1), TSPConfig(enabled=True, size=1))
+    with pytest.raises(PolicyError, match=f"linear_attention layer holding {mixer}, not a Gated DeltaNet"):
+        ds_tsp.inject(tiny_causal_lm(model_type, device="meta"), TSPTopology(1), TSPConfig(enabled=True, size=1))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])

@@ -430,6 +430,7 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
+    check_linear_layers(model_class, model.config, layers)
     if policy is AUTO and not hasattr(layers[0], "input_layernorm") and all(
             hasattr(layers[0], norm) for norm in AUTO_POST_NORMS.norm_names()):
         policy = AUTO_POST_NORMS
@@ -620,6 +621,24 @@ def delta_net_projections(module):
     """The submodules of a Gated DeltaNet (``ds_tsp.blocks.linear``) in its layout."""
     inputs = DELTA_NET_INPUTS["interleaved" if hasattr(module, "in_proj_qkvz") else "split"]
     return (*inputs, "conv1d", "norm", "out_proj")
+
+
+def check_linear_layers(model_class, config, layers):
+    """Refuse first, by name, a model whose ``linear_attention`` layers (its
+    config's ``layer_types``) hold anything but a Gated DeltaNet ds_tsp builds:
+    the clearest reason, before the parts such a model lacks."""
+    for index, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind != "linear_attention" or index >= len(layers):
+            continue
+        layer = layers[index]
+        mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
+        if not is_gated_delta_net(mixer):
+            raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
+                              f"{type(mixer or layer).__name__}, not a Gated DeltaNet of the kind ds_tsp builds "
+                              "(in_proj_qkvz/in_proj_ba or in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: Qwen3-Next's, "
+                              "Qwen3.5's); Kimi Linear's KDA (a decay per key channel), OLMo-Hybrid's DeltaNet "
+                              "(negative eigenvalues) and Mamba layers are not built under TSP: train this model "
+                              "with tsp.enabled false")
 
 
 def check_delta_net(module, where, layer_class):
