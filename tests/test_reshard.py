@@ -28,6 +28,7 @@ LR = dict(warmup_min_lr=1e-3, warmup_max_lr=1e-2, warmup_num_steps=6)
 # 6.3e-7 relative, losses by 1.9e-7; the moments carry the gradients' float32 error (twice over in exp_avg_sq ~ g^2),
 # most in the experts, whose gradients sum few tokens (5.9e-6 in Qwen2-MoE's exp_avg).
 WEIGHTS_BOUND, LOSS_BOUND, MOMENTS_BOUND = 2e-6, 1e-6, 1.5e-5
+HYBRID_SCALE = 2  # see MOVES' hybrid entry
 
 
 def _batches(vocab_size):
@@ -105,8 +106,11 @@ def _held(module):
     rename = _model_name(module)
     for prefix, block in ((rename(prefix), block) for prefix, block in module.named_modules()):
         if isinstance(block, PackedShardMixin):
-            out.append((block.packed, [(f"{prefix}.{n}", block.shard_piece(n), lambda t, n=n, b=block: b.spec.unpack(
-                t.reshape(-1))[n]) for n in block.spec.shapes]))
+            # A fused Hugging Face tensor (a Gated DeltaNet's in_proj_qkv, conv1d) holds a piece at shifted rows.
+            hf_pieces = {n: block.hf_rows.hf_piece(n, block.shard_piece(n)) for n in block.spec.shapes}
+            out.append((block.packed, [(f"{prefix}.{hf_pieces[n][0]}", hf_pieces[n][1],
+                                        lambda t, n=n, b=block: b.spec.unpack(t.reshape(-1))[n])
+                                       for n in block.spec.shapes]))
             out += [(p, [(f"{prefix}.{n}", None, lambda t: t)]) for n, p in block.replicated_params().items()]
         elif isinstance(block, (VocabParallelEmbedding, VocabParallelLMHead)) and not getattr(block, "tied", False):
             piece = block.shard_piece("weight")
@@ -175,6 +179,11 @@ MOVES = {
     # routers' score-correction biases are buffers, which DeepSpeed's universal loader does not restore (the
     # resumed engine is built from another seed: ds_tsp puts them back).
     "mla-tsp2xdp2-to-tsp4": ("deepseek_v3", dict(tsp=2, zero=1), dict(tsp=4, zero=2), None),
+    # Gated DeltaNet layers (each rank's key heads' rows of in_proj_qkv and conv1d in three pieces) and gated
+    # attention, as Hugging Face initialises them (tests/models.py HF_INIT). Its float32 gradients are within
+    # 1.7e-6 of float64's tensor by tensor (a Llama's: ~1e-7), so two float32 runs' Adam weights and moments can
+    # differ by twice the usual bounds (HYBRID_SCALE) with their losses within 6e-8.
+    "hybrid-tsp2xdp2-to-tsp4": ("qwen3_5_hf_init", dict(tsp=2, zero=1), dict(tsp=4, zero=2), None),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),
@@ -191,6 +200,7 @@ MOVES = {
 @pytest.mark.parametrize("move", list(MOVES))
 def test_a_checkpoint_resumes_on_another_layout(run_ranks, tmp_path, move):
     arch, source, target, overrides = MOVES[move]
+    scale = HYBRID_SCALE if move.startswith("hybrid") else 1
     out = _worst(run_ranks(4, _move, arch=arch, source=source, target=target, root=str(tmp_path),
                            overrides=overrides))
     rel_losses = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], out["reference_losses"]))
@@ -198,8 +208,8 @@ def test_a_checkpoint_resumes_on_another_layout(run_ranks, tmp_path, move):
           f" (max rel {rel_losses:.1e}); max rel weights {out['fp32']:.1e}, exp_avg {out['exp_avg']:.1e}, "
           f"exp_avg_sq {out['exp_avg_sq']:.1e}; steps {out['steps']}, lr {out['lr']}")
     assert rel_losses <= LOSS_BOUND
-    assert out["fp32"] <= WEIGHTS_BOUND
-    assert out["exp_avg"] <= MOMENTS_BOUND and out["exp_avg_sq"] <= MOMENTS_BOUND
+    assert out["fp32"] <= scale * WEIGHTS_BOUND
+    assert out["exp_avg"] <= scale * MOMENTS_BOUND and out["exp_avg_sq"] <= scale * MOMENTS_BOUND
     assert out["steps"] == (2, 4)
     assert out["lr"][0] == pytest.approx(out["lr"][1], rel=1e-12)
     if source.get("pp", 1) > 1:
