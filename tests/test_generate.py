@@ -162,22 +162,29 @@ def _run_strategies(arch, input_ids, attention_mask, max_new_tokens):
                                  pad_token_id=0, **kwargs) for name, kwargs in STRATEGIES.items()}
 
 
+def check_strategies_on_left_padded_prompts(run_ranks, arch, tsp_size=2):
+    """Greedy, beam search and penalties on prompts of ``LEFT_PADDED_LENGTHS``:
+    Hugging Face's tokens on every rank; returns Hugging Face's."""
+    prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
+    ref = tiny_model(arch, **_NO_ROUTER_LOSS.get(arch, {}))
+    expected = {name: ref.generate(prompts, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
+                for name, kwargs in STRATEGIES.items()}
+    per_rank = run_ranks(tsp_size, _run_strategies, arch=arch, input_ids=prompts, attention_mask=mask,
+                         max_new_tokens=10)
+    for name in STRATEGIES:
+        print(f"D={tsp_size} {arch} {name}: {tuple(expected[name].shape)} tokens equal HF's")
+        assert all(torch.equal(r[name], expected[name]) for r in per_rank), (arch, name)
+    return expected
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_decoding_strategies_give_hugging_face_tokens(run_ranks, tsp_size):
     """Greedy, beam search (2 and 4 beams: the sharded cache is reordered on
     every rank) and repetition / no-repeat-ngram penalties, on left-padded
     prompts of different lengths; sliding-window Mistral and Mixtral (MoE)
     included."""
-    prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     for arch in ("llama", "qwen3", "mistral", "mixtral"):
-        ref = tiny_model(arch, **_NO_ROUTER_LOSS.get(arch, {}))
-        expected = {name: ref.generate(prompts, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
-                    for name, kwargs in STRATEGIES.items()}
-        per_rank = run_ranks(tsp_size, _run_strategies, arch=arch, input_ids=prompts, attention_mask=mask,
-                             max_new_tokens=10)
-        for name in STRATEGIES:
-            print(f"D={tsp_size} {arch} {name}: {tuple(expected[name].shape)} tokens equal HF's")
-            assert all(torch.equal(r[name], expected[name]) for r in per_rank), (arch, name)
+        expected = check_strategies_on_left_padded_prompts(run_ranks, arch, tsp_size)
         assert not torch.equal(expected["greedy"], expected["repetition_penalty"])  # the penalty changed tokens
 
 

@@ -132,7 +132,7 @@ def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_rank
     """At D = 2: greedy tokens and every step's logits against Hugging Face's,
     greedy, beam search and penalties on left-padded prompts; each rank's cache
     holds its tokens' latent and rotary key only, half of the sequence."""
-    from test_generate import STRATEGIES, _hf_reference, _left_padded, _prompts, _run_generate, _run_strategies
+    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
 
     prompts = _prompts(2, seed=9)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
@@ -155,13 +155,7 @@ def test_generate_gives_hugging_face_tokens_from_a_sharded_latent_cache(run_rank
     for r in per_rank:  # a decode step moves no weight: latent_decode's formula, float64 (e = a = 8 bytes)
         assert set(r["step_ops"]) <= {"all_gather", "all_to_all"}
         assert sum(op["received"] for op in r["step_ops"].values()) == _decode_step_bytes(config, prompts.shape[0])
-    padded, mask = _left_padded([13, 6, 9])
-    ref = tiny_model(arch)
-    expected = {name: ref.generate(padded, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
-                for name, kwargs in STRATEGIES.items()}
-    for r in run_ranks(2, _run_strategies, arch=arch, input_ids=padded, attention_mask=mask, max_new_tokens=10):
-        for name in STRATEGIES:
-            assert torch.equal(r[name], expected[name]), name
+    check_strategies_on_left_padded_prompts(run_ranks, arch)
 
 
 def _inject(model, **options):

@@ -113,7 +113,7 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each
     rank keeps its head group's Gated DeltaNet states and half of the attention layer's tokens."""
-    from test_generate import STRATEGIES, _hf_reference, _left_padded, _prompts, _run_generate, _run_strategies
+    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
 
     prompts = _prompts(2, seed=9)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
@@ -122,10 +122,4 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     print(f"D=2 {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
     assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
     assert diff <= TOLERANCE
-    padded, mask = _left_padded([13, 6, 9])
-    ref = tiny_model(arch)
-    expected = {name: ref.generate(padded, attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
-                for name, kwargs in STRATEGIES.items()}
-    for r in run_ranks(2, _run_strategies, arch=arch, input_ids=padded, attention_mask=mask, max_new_tokens=10):
-        for name in STRATEGIES:
-            assert torch.equal(r[name], expected[name]), name
+    check_strategies_on_left_padded_prompts(run_ranks, arch)

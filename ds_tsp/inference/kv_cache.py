@@ -42,14 +42,11 @@ def _not_for_hugging_face_attention(*_args, **_kwargs):
                     "(ds_tsp.inference.generate); a Hugging Face attention layer cannot use it")
 
 
-class TSPCacheLayer(CacheLayerMixin):
-    """One decoder layer's rotated keys and values in this rank's slots,
-    ``(B, nkv, capacity, d)`` each, Hugging Face's layout (their positions are
-    the cache's): a decode step's attention multiplies them in place."""
+class _TSPLayer(CacheLayerMixin):
+    """A layer of a ``TSPCache``: its tensors are read and written by the TSP decoder only."""
 
-    def __init__(self, keys, values):
+    def __init__(self):
         super().__init__()
-        self.keys, self.values = keys, values
         self.is_initialized = True
 
     lazy_initialization = update = get_mask_sizes = _not_for_hugging_face_attention
@@ -61,7 +58,17 @@ class TSPCacheLayer(CacheLayerMixin):
         return -1
 
 
-class TSPStateLayer(CacheLayerMixin):
+class TSPCacheLayer(_TSPLayer):
+    """One decoder layer's rotated keys and values in this rank's slots,
+    ``(B, nkv, capacity, d)`` each, Hugging Face's layout (their positions are
+    the cache's): a decode step's attention multiplies them in place."""
+
+    def __init__(self, keys, values):
+        super().__init__()
+        self.keys, self.values = keys, values
+
+
+class TSPStateLayer(_TSPLayer):
     """One Gated DeltaNet layer's states for this rank's head group (not cut
     by token): its convolution's last ``kernel - 1`` inputs ``(B, C, kernel - 1)``
     and its recurrent state ``(B, hv, dk, dv)``, both updated in place by a
@@ -70,15 +77,6 @@ class TSPStateLayer(CacheLayerMixin):
     def __init__(self, conv, recurrent):
         super().__init__()
         self.conv, self.recurrent = conv, recurrent
-        self.is_initialized = True
-
-    lazy_initialization = update = get_mask_sizes = _not_for_hugging_face_attention
-
-    def get_seq_length(self):
-        raise TypeError("ask the TSPCache, not one of its layers, for its length")
-
-    def get_max_length(self):
-        return -1
 
 
 class TSPCache(Cache):
