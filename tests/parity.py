@@ -205,3 +205,11 @@ def check(per_rank, label):
     print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}")
     for key, value in worst.items():
         assert value <= TOLERANCE, (key, value)
+
+
+def check_caught(per_rank, label):
+    """The guard's verdict: a deliberately wrong piece moved the loss by far more than ``TOLERANCE``."""
+    loss = max(d["loss"] for d in per_rank)
+    worst = max(v for d in per_rank for k, v in d.items() if k not in NOT_DIFFS)
+    print(f"{label}: |loss diff| {loss:.2e}, max|diff| {worst:.2e}")
+    assert loss > 1e3 * TOLERANCE
