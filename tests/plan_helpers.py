@@ -48,4 +48,4 @@ def tiny_hybrid_shape(**overrides):
     of 4 key and 8 value heads of 4 and a 4-tap convolution, then a gated attention layer of heads of 8."""
     return {**tiny_shape(layers=4), "model_type": "qwen3_5_text", "head_dim": 8, "linear_num_key_heads": 4,
             "linear_num_value_heads": 8, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
-            "linear_conv_kernel_dim": 4, **overrides}
+            "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25, **overrides}

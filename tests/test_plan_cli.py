@@ -132,3 +132,20 @@ def test_moe_cli_prints_the_expert_facts():
     out = io.StringIO()
     assert planner.run_plan(parser.parse_args(["--seq-len", "4K"]), out=out) == 0
     assert "Mixture of experts" not in out.getvalue()
+
+
+def test_hybrid_cli_marks_the_inexact_strategies(tmp_path):
+    parser = planner.add_plan_arguments(argparse.ArgumentParser())
+    out = io.StringIO()
+    args = ["--model", "qwen3-next-80b-a3b", "--seq-len", "128K", "--devices", "16", "--zero-stage", "3",
+            "--memory-gb", "141", "--json", str(tmp_path / "plan.json")]
+    assert planner.run_plan(parser.parse_args(args), out=out) == 0
+    text = out.getvalue()
+    assert "36 of the 48 layers Gated DeltaNet" in text and "| TSP(16) |" in text and "| TP(16) |" in text
+    assert "| SP-Ulysses(16) (not exact) |" in text and "Not exact: SP-Ulysses(16), CP-allgather(16)" in text
+    assert "Recommended: TSP(16)" in text and "Mixture of experts" in text
+    inexact = {p["strategy"]: p["inexact"] for p in json.loads((tmp_path / "plan.json").read_text())["plans"]}
+    assert inexact["SP-Ulysses(16)"] and not inexact["TSP(16)"]
+    # Not modelled for hybrids: LoRA (no adapters on the linear layers) and serving (a recurrent state).
+    for refused in (["--lora-rank", "8"], ["--serve", "--memory-gb", "141"]):
+        assert planner.run_plan(parser.parse_args(["--model", "qwen3.5-27b", *refused]), out=io.StringIO()) == 1

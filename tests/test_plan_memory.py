@@ -2,6 +2,8 @@
 against hand-computed values and against what the models save for backward
 (saved-tensor hooks), dense and MoE, TSP and the Hugging Face baselines."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -287,3 +289,55 @@ def test_moe_saved_activations_equal_the_models(dtype, name):
         print(f"{arch} {overrides} {name}: TSP saved {measured} B, planned {planned:.0f} B; HF saved "
               f"{hf_measured} B, planned {hf_planned:.0f} B")
         assert measured == planned and hf_measured == hf_planned
+
+
+def test_hybrid_saved_activations_equal_the_models():
+    # The whole TSP model at one rank, against the saved-tensor hooks: Qwen3.5's tiny hybrid (3 Gated DeltaNet
+    # layers, each saving its input and its norm's tensors, then a gated attention with per-head q/k norms and a
+    # quarter of each head rotary) and Qwen3-Next's (the same with sparse layers) with tsp.recompute_norms. Their
+    # RMSNorms scale by 1 + w in float32: each keeps its normalised value in float32, and the factor once a call.
+    for arch, dtype, name, recompute_norms in (("qwen3_5", torch.bfloat16, "bf16", False),
+                                               ("qwen3_next", torch.float32, "fp32", True)):
+        measured = _tsp_model_saved(1, dtype, arch, recompute_norms=recompute_norms)
+        planned = _planned("TSP(1)", 1, name, arch, recompute_norms=recompute_norms).detail["saved_for_backward"]
+        print(f"TSP(1) {arch} {name} recompute_norms={recompute_norms}: saved {measured} B, planned {planned:.0f} B")
+        assert measured == planned
+    # Guard: counted as Llama's norms (normalised values in the model's dtype, no factor), the bf16 count is off.
+    from models import tiny_config
+
+    llama_norms = replace(planner.model_shape(tiny_config("qwen3_5").to_dict()), norm_in_float32=False)
+    plan = {p.name: p for p in planner.plan(llama_norms, SEQ, BATCH, 1, "bf16")}["TSP(1)"]
+    assert plan.detail["saved_for_backward"] != _planned("TSP(1)", 1, "bf16", "qwen3_5").detail["saved_for_backward"]
+
+
+def test_hybrid_memory_by_hand():
+    # Qwen3.5-27B at 128K tokens on 8 devices, bf16, ZeRO-3: N = 16384 local tokens for TSP and for Ulysses.
+    m = planner.model_shape("qwen3.5-27b")
+    H, N, d = 5120, 16384, 256
+    plans = {p.name: p for p in planner.plan(m, 131072, 1, 8, "bf16", 3)}
+    tsp, ulysses = plans["TSP(8)"], plans["SP-Ulysses(8)"]
+    # TSP's model states: 1/8 of every linear layer (16 key and 48 value heads of 128: in_proj, the 4-tap conv,
+    # A_log and dt_bias, out_proj) and its gated norm whole; the largest attention shard (3 query heads with their
+    # gates and o_proj columns, and a key/value head on its holder) and the q/k norms; 1/8 of the MLP; two norms a
+    # layer; the folded vocabulary, ceil(248320 / 8) rows of the embedding and of the head, and the final norm.
+    linear = (H * (2 * 2048 + 2 * 6144 + 2 * 48) + (2 * 2048 + 6144) * 4 + 2 * 48 + 6144 * H) // 8 + 128
+    attention = 3 * (2 * d * H + d * H) + 2 * d * H + 2 * d
+    per_rank = 48 * linear + 16 * attention + 64 * (3 * H * 17408 // 8 + 2 * H) + 2 * 31040 * H + H
+    assert tsp.memory["weights"] == 2 * per_rank and tsp.memory["optimizer"] == 12 * per_rank
+    # A linear layer saves its local input and its norm's (float32 input, 1/rms, float32 normalised value).
+    assert memory.tsp_block_saved_per_token(m, 2, "fused", linear=True)["attention"] == 4 * H + 4 + 4 * H + 2 * H
+    # Its backward: one head group's (6 value heads') state maps T, U and their initial-state gradients, float32,
+    # for the 2D = 16 chunks; no K/V. Planned alone (every layer linear), its phase shows.
+    all_linear = {p.name: p for p in planner.plan(replace(m, linear_layers=64), 131072, 1, 8, "bf16", 3)}["TSP(8)"]
+    assert all_linear.detail["state_maps"] == 4 * 16 * 6 * 128 * (128 + 2 * 128)
+    assert "kv_head_group" not in all_linear.detail
+    # Ulysses + ZeRO-3 runs each linear layer on its own 16384 tokens with the whole weights, ZeRO-3 partitioning
+    # them over the 8 ranks: the plan says it is not the model.
+    assert ulysses.memory["weights"] == pytest.approx(2 * m.params / 8)
+    every = N * (48 * memory.hf_layer_saved_per_token(m, 2, 1, True, linear=True)
+                 + 16 * memory.hf_layer_saved_per_token(m, 2, 1, True)) + 64 * 2 * 4 * H + 16 * 2 * 4 * d
+    assert ulysses.terms["saved tensors of every layer"] == pytest.approx(every)
+    assert "Gated DeltaNet" in ulysses.inexact and not tsp.inexact and not plans["TP(8)"].inexact
+    assert {p.name for p in planner.recommend(plans.values(), 2000e9)} == {"TSP(8)", "TSP(8) replicated vocab",
+                                                                           "TP(8)"}
+    assert "SP-Ulysses(8) (not exact)" in planner.format_table(list(plans.values()))

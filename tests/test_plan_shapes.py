@@ -9,7 +9,7 @@ import pytest
 
 from ds_tsp import planning as planner
 from ds_tsp.blocks.attention.head_groups import HeadGroups
-from plan_helpers import HEAD_DIM, HIDDEN, tiny_shape
+from plan_helpers import HEAD_DIM, HIDDEN, tiny_hybrid_shape, tiny_shape
 
 
 def test_logits_tile_tokens():
@@ -142,3 +142,97 @@ def test_other_mixture_of_experts_configs_are_refused():
         planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         planner.model_shape({**tiny_shape(), "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe"])
+def test_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
+    from models import MODEL_CLASSES, tiny_config
+
+    config = tiny_config(arch)
+    m = planner.model_shape(config.to_dict())
+    numel = sum(p.numel() for p in MODEL_CLASSES[arch](config).parameters())
+    # tests/models.py's HYBRID_TINY, H=16: layers 0-2 Gated DeltaNet (4 key and 8 value heads of 4: in_proj
+    # 16 * (2*16 + 2*32 + 2*8), conv (2*16 + 32) * 4 taps, A_log and dt_bias 2*8, out_proj 32*16, gated norm 4),
+    # layer 3 gated attention (q_proj 16 * 2*4*8 with the gate, k/v 2 * 16*2*8, o_proj 32*16, q/k norms 2*8).
+    H = HIDDEN
+    linear = H * (2 * 16 + 2 * 32 + 2 * 8) + (2 * 16 + 32) * 4 + 2 * 8 + 32 * H + 4
+    attention = H * 2 * 4 * 8 + 2 * H * 2 * 8 + 32 * H + 2 * 8
+    # Dense: the MLP 3*16*32; sparse (Qwen3-Next, Qwen3.5-MoE): router 4x16, 4 experts of 3*16*8 (top-2), a shared
+    # expert of 3*16*16 and its gate 1x16. Every layer's two norms 2H.
+    moe = "dense" not in arch and arch != "qwen3_5"
+    ffn, active = (4 * H + 4 * 384 + 768 + H, 4 * H + 2 * 384 + 768 + H) if moe else (3 * H * 32,) * 2
+    outside = 2 * 61 * H + H
+    print(f"{arch}: planner {m.params} / {m.active_params}, Hugging Face {numel}")
+    assert m.params == 3 * linear + attention + 4 * (ffn + 2 * H) + outside == numel
+    assert m.active_params == 3 * linear + attention + 4 * (active + 2 * H) + outside
+    assert (m.linear_layers, m.moe_layers, m.attention_output_gate, m.qk_norm) == (3, 4 if moe else 0, True, True)
+    assert m.rotary_dim == 2  # a quarter of each head of 8 rotates
+
+
+def test_hybrid_presets_by_hand():
+    def attention(H, nq, nkv, d=256):  # gated: q_proj's 2 d rows a head, then k, v, o_proj; per-head q/k norms
+        return H * nq * 2 * d + 2 * H * nkv * d + nq * d * H + 2 * d
+
+    def linear(H, nk, nv, d=128):  # in_proj (q, k, v, z, b, a), a 4-tap conv, A_log and dt_bias, out_proj, its norm
+        return H * (2 * nk * d + 2 * nv * d + 2 * nv) + (2 * nk * d + nv * d) * 4 + 2 * nv + nv * d * H + d
+
+    def sparse(H, E, F, k):  # (total, active): router, E experts (k active) and a gated shared expert of F
+        return E * H + E * 3 * H * F + 3 * H * F + H, E * H + k * 3 * H * F + 3 * H * F + H
+
+    # (H, layers, attention heads, key/value heads, linear key and value heads, V, feed-forward (total, active))
+    cases = {"qwen3-next-80b-a3b": (2048, 48, 16, 2, 16, 32, 151936, sparse(2048, 512, 512, 10)),
+             "qwen3.5-27b": (5120, 64, 24, 4, 16, 48, 248320, (3 * 5120 * 17408,) * 2),
+             "qwen3.5-397b-a17b": (4096, 60, 32, 2, 16, 64, 248320, sparse(4096, 512, 1024, 10))}
+    published = {"qwen3-next-80b-a3b": ("79.67", "3.87"), "qwen3.5-27b": ("26.90", "26.90"),
+                 "qwen3.5-397b-a17b": ("396.35", "17.35")}
+    for name, (H, L, nq, nkv, nk, nv, V, ffn) in cases.items():
+        m = planner.model_shape(name)
+        mixers = L // 4 * attention(H, nq, nkv) + 3 * L // 4 * linear(H, nk, nv)  # every 4th layer attends
+        outside = 2 * V * H + H
+        assert m.params == mixers + L * (ffn[0] + 2 * H) + outside
+        assert m.active_params == mixers + L * (ffn[1] + 2 * H) + outside
+        # As the presets' comments give them (the text models: no vision tower, no multi-token prediction layer).
+        assert (f"{m.params / 1e9:.2f}", f"{m.active_params / 1e9:.2f}") == published[name]
+        assert m.linear_layers == 3 * L // 4 and m.attention_output_gate and m.rotary_dim == 64
+
+
+def test_hybrid_configs_are_read_from_layer_types_or_the_interval():
+    text = {**tiny_hybrid_shape(), "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16}
+    del text["intermediate_size"]  # Qwen3.5-MoE's config has none: every layer is sparse
+    by_interval = planner.model_shape(text)
+    nested = planner.model_shape({"model_type": "qwen3_5_moe", "text_config": text})  # the multimodal config
+    listed = planner.model_shape({**text, "layer_types": ["linear_attention", "full_attention"] * 2})
+    assert by_interval == nested and by_interval.mixer_kinds == ((False, 1), (True, 3))
+    assert listed.mixer_kinds == ((False, 2), (True, 2)) and by_interval.renormalise_top_k
+    assert by_interval.moe_layers == 4 and by_interval.intermediate_size == 0
+    with pytest.raises(ValueError, match=r"3 linear_attention layers \(model_type 'kimi_linear'\): the planner "
+                                         r"models the Gated DeltaNet layers of qwen3_next, qwen3_5_text, "
+                                         r"qwen3_5_moe_text only"):
+        planner.model_shape({**tiny_hybrid_shape(), "model_type": "kimi_linear",
+                             "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+
+
+def test_tsp_refuses_a_size_that_splits_a_linear_key_head():
+    from ds_tsp.blocks.linear.shards import DeltaNetShapes
+
+    # The planner's rule is the block's (linear.shards.DeltaNetShapes): whole key heads on every rank.
+    for num_k_heads in (2, 4, 6):
+        for D in (1, 2, 3, 4, 8):
+            try:
+                DeltaNetShapes(HIDDEN, num_k_heads, 2 * num_k_heads, 4, 4, 4, D, interleaved=False)
+                refused = False
+            except ValueError:
+                refused = True
+            m = planner.model_shape(tiny_hybrid_shape(num_attention_heads=24, num_key_value_heads=24,
+                                                      intermediate_size=24 * 8, linear_num_key_heads=num_k_heads,
+                                                      linear_num_value_heads=2 * num_k_heads))
+            assert (planner.tsp_shape_problem(m, D) is not None) == refused, (num_k_heads, D)
+    # Qwen3.5-27B: 24 attention heads and 4 key/value heads fold over 8 ranks, its 16 linear key heads too; over 12
+    # the attention would (each key/value head on 3 ranks), its linear layers not.
+    m = planner.model_shape("qwen3.5-27b")
+    assert planner.tsp_shape_problem(m, 8) is None
+    assert planner.tsp_shape_problem(m, 12) == \
+        "linear_num_key_heads 16 is not divisible by 12: a rank owns whole key heads of the Gated DeltaNet layers"
+    tsp = {p.name: p for p in planner.plan(m, 131072, 1, 12)}["TSP(12)"]
+    assert not tsp.feasible and "linear_num_key_heads 16" in tsp.notes

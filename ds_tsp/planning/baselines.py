@@ -51,6 +51,7 @@ from ds_tsp.planning.memory import (
     loss_backward_per_logit,
     model_level_saved,
     model_states,
+    rms_norm_saved_per_call,
     tiled_loss_memory,
     transient_terms,
 )
@@ -316,10 +317,11 @@ def _baseline_layers_saved(setting, b):
     m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
     tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
     mixer = {linear: tokens * hf_mixer_saved_per_token(m, e, b.t, b.ulysses, linear) for linear, _ in m.mixer_kinds}
-    if b.gathers_kv and False in mixer:  # the gathered full-sequence K/V replaces the local one
-        mixer[False] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e
+    if False in mixer:  # the q/k norms' once-a-call tensors; all-gather CP's full-sequence K/V for the local one
+        mixer[False] += 2 * rms_norm_saved_per_call(m, width=m.head_dim) if m.qk_norm else 0
+        mixer[False] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e if b.gathers_kv else 0
     ffn = {sparse: tokens * hf_ffn_saved_per_token(m, e, b.t, mlp_tiled and not sparse, sparse, b.experts_split)
-           + (hf_moe_layer_saved(m) if sparse else 0) for sparse, _ in m.layer_kinds}
+           + 2 * rms_norm_saved_per_call(m) + (hf_moe_layer_saved(m) if sparse else 0) for sparse, _ in m.layer_kinds}
     return mixer, ffn
 
 

@@ -155,10 +155,19 @@ def routing_weight_bytes(m, e):
 def rms_norm_saved_per_token(m, e, recompute=False, width=None):
     """Bytes an RMSNorm over ``width`` values (default: the hidden size) saves
     per token: Hugging Face's keeps its float32 copy of the input, ``1/rms``
-    and the normalised value in the model's dtype; recomputed in backward
-    (``tsp.recompute_norms``) it keeps only its input."""
+    and the normalised value in the model's dtype (in float32 where it scales
+    by ``1 + w`` in float32: ``ModelShape.norm_in_float32``); recomputed in
+    backward (``tsp.recompute_norms``) it keeps only its input."""
     width = width or m.hidden_size
-    return e * width if recompute else FLOAT32 * width + FLOAT32 + e * width
+    if recompute:
+        return e * width
+    return FLOAT32 * width + FLOAT32 + (FLOAT32 if m.norm_in_float32 else e) * width
+
+
+def rms_norm_saved_per_call(m, recompute=False, width=None):
+    """Bytes an RMSNorm saves once a call, whatever the tokens: a norm that scales by ``1 + w`` in float32
+    keeps that factor, ``width`` float32 values; others, or a recomputed one, nothing."""
+    return FLOAT32 * (width or m.hidden_size) if m.norm_in_float32 and not recompute else 0
 
 
 def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False,
@@ -207,16 +216,16 @@ HF_SLOT_ORDERINGS = 3
 def hf_linear_saved_per_token(m, e):
     """Bytes a Hugging Face Gated DeltaNet layer saves per token, before its
     norm, as it runs with flash-linear-attention's kernels (the ones a training
-    run takes; counted from their code, not measured here: this machine runs
+    run takes; an estimate from their code, not measured here: the CPU runs
     the torch fallback): the convolution's input and output (queries, keys,
     values), the rule's l2-normed queries and keys repeated to the value heads
-    with their float32 1/norm, ``z``, ``beta``, the decay ``g`` in float32 with
-    the softplus input, the UT transform's ``C`` values a token and value head
-    (``A``), the rule's output, the gated norm's float32 1/rms and
-    ``out_proj``'s input."""
+    and their float32 1/norm, ``z``, ``beta``, the decay ``g`` and the
+    softplus's input and output in float32, the UT transform's ``C`` values a
+    token and value head (``A``), the rule's output, the gated norm's float32
+    1/rms and ``out_proj``'s input."""
     nv, dk = m.linear_num_value_heads, m.linear_key_head_dim
     keys, values = m.linear_num_key_heads * dk, nv * m.linear_value_head_dim
-    return e * (4 * keys + 5 * values + 2 * nv * dk + (DELTA_CHUNK + 1) * nv) + 4 * FLOAT32 * nv
+    return e * (4 * keys + 5 * values + 2 * nv * dk + (DELTA_CHUNK + 1) * nv) + 6 * FLOAT32 * nv
 
 
 def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True, linear=False):
@@ -293,9 +302,10 @@ def rope_saved(m, e, rope_rows):
 
 def model_level_saved(m, e, tokens, rope_rows, recompute_norm=False):
     """Outside the layers: input ids, cos/sin (``rope_saved``), the final norm
-    (``rms_norm_saved_per_token``) and the LM head's input."""
+    (``rms_norm_saved_per_token``, ``rms_norm_saved_per_call``) and the LM head's input."""
     H = m.hidden_size
-    return tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H) + rope_saved(m, e, rope_rows)
+    return tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H) + rope_saved(m, e, rope_rows) \
+        + rms_norm_saved_per_call(m, recompute_norm)
 
 
 def logits_memory(m, p, tokens, vocab_shards):

@@ -77,4 +77,3 @@ class StrategyPlan:
     @property
     def host_total(self):
         return sum(self.host.values())
-

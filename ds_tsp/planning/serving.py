@@ -67,8 +67,8 @@ def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
     """``[ServingPlan]``: one device, then TP and TSP over ``devices``."""
     m = model_shape(model)
     if m.is_hybrid:  # its linear layers keep a state per sequence, not a K/V cache per token
-        raise ValueError(f"--serve does not model a Gated DeltaNet hybrid ({m.name}) yet: its linear layers keep "
-                         f"a recurrent state, not a KV cache")
+        raise ValueError(f"the serving plans (--serve) do not model a Gated DeltaNet hybrid ({m.name}) yet: its "
+                         f"linear layers keep a recurrent state, not a KV cache")
     e, D, H = PRECISIONS[dtype].element, devices, m.hidden_size
     kv_head_token = 2 * m.num_layers * micro_batch * m.head_dim * e  # K and V of one head, every layer
     layers_replicated = sum(count * m.layer_replicated_params(sparse) for sparse, count in m.layer_kinds)

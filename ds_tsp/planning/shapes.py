@@ -56,9 +56,15 @@ PRESETS = {
                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                     n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
                     first_k_dense_replace=1, norm_topk_prob=True),
+    # 107.8B parameters (the text model), 17.2B active per token: 16 experts, top-1, and a shared expert in every
+    # layer. ds_tsp's policy refuses Llama 4 today (docs/limitations.md); the planner shows what TSP would hold.
+    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                          intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                          num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
+                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1),
     # Gated DeltaNet hybrids (DESIGN.md 6j): three linear-attention layers, then one gated full-attention layer.
-    # Qwen3-Next-80B-A3B: 79.67B parameters, 3.88B active per token; 512 experts of 512 (top-10) and a gated shared
-    # expert in every layer, linear layers of 16 key and 32 value heads of 128.
+    # Qwen3-Next-80B-A3B: 79.67B parameters, 3.87B active per token; 512 experts of 512 (top-10) and a gated shared
+    # expert in every layer (no layer uses its intermediate_size), linear layers of 16 key and 32 value heads of 128.
     "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
                                num_hidden_layers=48, full_attention_interval=4, num_attention_heads=16,
                                num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, vocab_size=151936,
@@ -68,17 +74,17 @@ PRESETS = {
                                shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
                                mlp_only_layers=[]),
     # Qwen3.5-27B's text model: 26.90B parameters, dense; linear layers of 16 key and 48 value heads of 128. Its
-    # config.json's text_config, as public code quotes it (e.g. QwenImageBench's Qwen3_5Config): the vision tower and
-    # the multi-token-prediction layer are not counted.
+    # config.json's text_config as several public copies quote it (not read from the model's repository): the vision
+    # tower and the multi-token-prediction layer are not counted.
     "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                         full_attention_interval=4, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                         partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
                         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_conv_kernel_dim=4),
-    # Qwen3.5-397B-A17B's text model: 396.35B parameters, 17.14B active per token; 512 experts of 1024 (top-10) and
+    # Qwen3.5-397B-A17B's text model: 396.35B parameters, 17.35B active per token; 512 experts of 1024 (top-10) and
     # a gated shared expert of 1024 in every layer, linear layers of 16 key and 64 value heads of 128. Its
-    # text_config as public code quotes it (e.g. slime's scripts/models/qwen3.5-397B-A17B.sh, mlx-community's
-    # model card); the vision tower and the multi-token-prediction layer are not counted.
+    # config.json's text_config as public code quotes it (THUDM/slime's scripts/models/qwen3.5-397B-A17B.sh,
+    # mlx-community's model card): the vision tower and the multi-token-prediction layer are not counted.
     "qwen3.5-397b-a17b": dict(model_type="qwen3_5_moe_text", hidden_size=4096, num_hidden_layers=60,
                               full_attention_interval=4, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
                               partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
@@ -86,12 +92,6 @@ PRESETS = {
                               linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
                               num_experts_per_tok=10, moe_intermediate_size=1024,
                               shared_expert_intermediate_size=1024),
-    # 107.8B parameters (the text model), 17.2B active per token: 16 experts, top-1, and a shared expert in every
-    # layer. ds_tsp's policy refuses Llama 4 today (docs/limitations.md); the planner shows what TSP would hold.
-    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
-                          intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
-                          num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
-                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1),
 }
 
 # How TSP attention gets its backward: "fused" saves each head group's output
@@ -182,6 +182,7 @@ class ModelShape:
     linear_conv_kernel: int = 0
     attention_output_gate: bool = False  # q_proj yields each head's query and output gate: 2 * head_dim rows a head
     partial_rotary_factor: float = 1.0  # the share of a head that rotates: cos/sin are that wide
+    norm_in_float32: bool = False  # RMSNorms scale by 1 + w in float32 (Qwen3-Next's, Qwen3.5's), in float32 out
 
     @property
     def is_hybrid(self):
@@ -421,7 +422,7 @@ def lora_adapter_params(m, rank, targets, shards, sparse=False):
     holds (TSP's and TP's split: the factor on the split side by ``shards``,
     the other whole); a sparse layer's MLP takes none (ds_tsp refuses them)."""
     H, d, F = m.hidden_size, m.head_dim, m.intermediate_size
-    sizes = {"q_proj": (H, m.num_heads * m.q_width), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
+    sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
              "o_proj": (m.num_heads * m.value_dim, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
     if m.is_latent:  # a latent attention's projections (a query latent or q_proj)
         sizes.update({"q_a_proj": (H, m.q_lora_rank), "q_b_proj": (m.q_lora_rank, m.num_heads * d),
@@ -470,7 +471,7 @@ MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe",
 QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
 # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, whose multimodal configs nest these as text_config):
 # layer_types, or every full_attention_interval-th layer attention and the others linear; their attention gated by
-# q_proj's second half, with per-head q/k norms.
+# q_proj's second half, with per-head q/k norms; their RMSNorms Gemma's, 1 + w in float32.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's):
@@ -562,8 +563,10 @@ def _linear_fields(fields):
                          f"planner models the Gated DeltaNet layers of {', '.join(HYBRID_MODEL_TYPES)} only")
     return dict(linear_layers=linear, linear_num_key_heads=fields["linear_num_key_heads"],
                 linear_num_value_heads=fields["linear_num_value_heads"],
-                linear_key_head_dim=fields["linear_key_head_dim"], linear_value_head_dim=fields["linear_value_head_dim"],
-                linear_conv_kernel=fields.get("linear_conv_kernel_dim") or 4, attention_output_gate=True)
+                linear_key_head_dim=fields["linear_key_head_dim"],
+                linear_value_head_dim=fields["linear_value_head_dim"],
+                linear_conv_kernel=fields.get("linear_conv_kernel_dim") or 4, attention_output_gate=True,
+                norm_in_float32=True)
 
 
 def _partial_rotary_factor(fields):

@@ -131,16 +131,16 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         "per step: embedding all-to-all (D-1)/D BSH/D fwd and bwd, LM-head ring (D-1) ceil(V/D) H fwd and bwd + the "
         "same in fp32 bwd (gradient accumulators); replicated vocabulary: the embedding and head gradients "
         "all-reduced instead." + (" A sparse layer has its experts and shared expert, Wx = 3H (E F_e + F_s), on "
-                                  "the ring in Wm's place; per-layer figures are the mean over the layers."
-                                  if m.is_moe else "")
+                                  "the ring in Wm's place." if m.is_moe else "")
         + (f" Latent attention: the latent and rotary key, {m.latent_width} elements a token for all heads, take "
            f"2 nkv d's place (a per-head K/V would be {m.num_heads * (m.head_dim + m.value_dim)}); each rank expands "
            f"it into every head group's K/V (FLOPs counted), the baselines attend the expanded heads."
            if m.is_latent else "")
         + (" A Gated DeltaNet layer has no K/V: its head groups are broadcast as the attention's are, and per "
            "head group the ranks all-gather their chunks' state maps, (D-1) x 2B nv/D dk (dk + dv) float32 "
-           "elements each (and their initial-state gradients backward), whatever the sequence length; "
-           "per-layer figures are the mean over the layers." if m.is_hybrid else ""),
+           "elements each (and their initial-state gradients backward), whatever the sequence length."
+           if m.is_hybrid else "")
+        + (" Per-layer figures are the mean over the layers." if m.is_moe or m.is_hybrid else ""),
         f"Time (timing): {cluster.describe()}, {setting.devices_per_node} devices per node. s/step = blocking "
         "communication + max(compute, overlapped communication per link); TP all-reduces, Ulysses all-to-alls, "
         "ZeRO-1/2's weight gather and TSP's embedding all-to-all and replicated-gradient all-reduces block; ZeRO-3 "
@@ -301,7 +301,8 @@ def format_longest_table(results, memory_gb, host_memory_gb):
             length = _tokens_text(result.seq_len) if result.seq_len else f"none (not even {result.step})"
         binding = result.binding + (" (host)" if result.limit == "host" else "")
         rows.append("| " + " | ".join([
-            result.name + (" (not exact)" if result.plan.inexact else ""), result.layout, length, binding, format_gb(result.device_bytes), format_gb(result.host_bytes),
+            result.name + (" (not exact)" if result.plan.inexact else ""), result.layout, length, binding,
+            format_gb(result.device_bytes), format_gb(result.host_bytes),
             "" if result.published is None else _tokens_text(result.published)]) + " |")
     footer = [
         f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "

@@ -5,10 +5,12 @@ TSP is planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
 (the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
 device; ``TSP(N) replicated vocab`` keeps both whole on every device. A sparse
 layer holds ``E/D`` experts per rank, which travel round the ring as the MLP's
-shards do (``ds_tsp.blocks.moe.module``).
+shards do (``ds_tsp.blocks.moe.module``); a hybrid's Gated DeltaNet layer holds
+its head group, ``1/D`` of the layer, and gathers state maps where an attention
+gathers K/V (``ds_tsp.blocks.linear.schedule``).
 
 The peak is the largest of three phases of backward: one layer's (its MLP's,
-then its attention's, once the MLP's saved tensors are freed), the head's
+then its token mixer's, once the MLP's saved tensors are freed), the head's
 (final norm, LM head and loss, run before any gradient exists) and the folded
 embedding's (run last). Communication is what ``communication`` counts, op by
 op; FLOPs are ``flops.step_flops``' over ``D``.
@@ -43,6 +45,7 @@ from ds_tsp.planning.memory import (
     loss_backward_per_logit,
     model_level_saved,
     model_states,
+    rms_norm_saved_per_call,
     rope_saved,
     transient_terms,
     tsp_block_saved_per_token,
@@ -174,8 +177,10 @@ def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard):
         return tsp_block_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
                                          setting.recompute_norms, linear)
 
-    saved = {"attention": {linear: tokens * per_token(linear=linear)["attention"] for linear, _ in m.mixer_kinds},
-             "mlp": {sparse: tokens * per_token(sparse=sparse)["mlp"] for sparse, _ in m.layer_kinds}}
+    norm = rms_norm_saved_per_call(m, setting.recompute_norms)  # each block's norm's, once a layer
+    saved = {"attention": {linear: tokens * per_token(linear=linear)["attention"] + norm
+                           for linear, _ in m.mixer_kinds},
+             "mlp": {sparse: tokens * per_token(sparse=sparse)["mlp"] + norm for sparse, _ in m.layer_kinds}}
     if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
         for kind, shards in (("attention", mixer_shard), ("mlp", ffn_shard)):
             saved[kind] = {key: v + e * shards[key] for key, v in saved[kind].items()}
