@@ -58,28 +58,27 @@ def _by_direction(forward, backward, direction):
     return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
 
 
+def _one_kind(m, asked, flag, count, kinds):
+    """``asked`` as given, else the model's one kind of layer for ``flag``:
+    ``count`` of its layers are of ``kinds[1]``, the others of ``kinds[0]``."""
+    if asked and not count:
+        raise ValueError(f"{m.name} has no {kinds[1]} layer: {flag}=True asks for one")
+    if asked is not None:
+        return bool(asked)
+    if 0 < count < m.num_layers:
+        raise ValueError(f"{m.name} has {m.num_layers - count} {kinds[0]} and {count} {kinds[1]} layers: "
+                         f"say which with {flag}=")
+    return bool(count)
+
+
 def _layer_kind(m, sparse):
     """``sparse`` as given, else the model's one kind of layer."""
-    if sparse and not m.is_moe:
-        raise ValueError(f"{m.name} has no mixture-of-experts layer: sparse=True asks for one")
-    if sparse is not None:
-        return bool(sparse)
-    if m.is_moe and m.moe_layers < m.num_layers:
-        raise ValueError(f"{m.name} has {m.num_layers - m.moe_layers} dense and {m.moe_layers} sparse layers: "
-                         "say which with sparse=")
-    return m.is_moe
+    return _one_kind(m, sparse, "sparse", m.moe_layers if m.is_moe else 0, ("dense", "mixture-of-experts"))
 
 
 def _mixer_kind(m, linear):
     """``linear`` as given, else the model's one kind of token mixer."""
-    if linear and not m.is_hybrid:
-        raise ValueError(f"{m.name} has no Gated DeltaNet layer: linear=True asks for one")
-    if linear is not None:
-        return bool(linear)
-    if m.is_hybrid and m.linear_layers < m.num_layers:
-        raise ValueError(f"{m.name} has {m.num_layers - m.linear_layers} attention and {m.linear_layers} Gated "
-                         "DeltaNet layers: say which with linear=")
-    return m.is_hybrid
+    return _one_kind(m, linear, "linear", m.linear_layers, ("attention", "Gated DeltaNet"))
 
 
 def _check(m, seq_len, tsp_size, direction):
