@@ -39,7 +39,7 @@ def adapter_pieces(tsp_model, reference):
     ``reference(name)`` gives the reference's full tensor."""
     pieces = {}
     for index, layer in enumerate(tsp_model.model.layers):
-        for block_name in ("self_attn", "mlp"):
+        for block_name in (layer.mixer_name, "mlp"):
             block = getattr(layer, block_name)
             for projection, adapter in (block.lora.adapters.items() if block.lora is not None else ()):
                 piece = block.shard_piece(f"{projection}.weight")
@@ -125,7 +125,9 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              # the auxiliary loss off: its float32 statistics are test_moe's (here: the cross-entropy's gradients)
              ("qwen2_moe", ATTENTION_ONLY, {"model_overrides": {"output_router_logits": False}}),
              # a latent attention: its down projections' rows (uneven at D = 4) and up projections' rows of B
-             ("deepseek_v3_dense", LATENT_TARGETS, {}), ("deepseek_v2_lite", ("q_proj", "kv_b_proj", "o_proj"), {})]
+             ("deepseek_v3_dense", LATENT_TARGETS, {}), ("deepseek_v2_lite", ("q_proj", "kv_b_proj", "o_proj"), {}),
+             # a Gated DeltaNet hybrid: the gated attention's q_proj (2 head_dim rows a head), every layer's MLP
+             ("qwen3_5", ALL_TARGETS, {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
