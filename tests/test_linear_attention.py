@@ -119,3 +119,15 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
     assert diff <= TOLERANCE
     check_strategies_on_left_padded_prompts(run_ranks, arch)
+
+
+def test_multi_token_prediction_layers_are_named_as_not_built(caplog):
+    """Qwen3.5's and Qwen3-Next's checkpoints describe one (mtp_num_hidden_layers); Hugging Face's model builds
+    none (its loader drops the mtp.* weights), and neither does ds_tsp: the model is taken, and the log says so."""
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+
+    model = tiny_model("qwen3_5", mtp_num_hidden_layers=1)
+    with caplog.at_level("WARNING", logger="ds_tsp"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    assert "mtp_num_hidden_layers = 1 multi-token-prediction layer(s) are not built" in caplog.text

@@ -430,7 +430,7 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
-    check_linear_layers(model_class, model.config, layers)
+    check_linear_layers(model_class, model.config, layers, policy)
     if policy is AUTO and not hasattr(layers[0], "input_layernorm") and all(
             hasattr(layers[0], norm) for norm in AUTO_POST_NORMS.norm_names()):
         policy = AUTO_POST_NORMS
@@ -486,16 +486,22 @@ def check_load_balancing(model_class, config):
                           "compute: set model.config.output_router_logits = False")
 
 
+# Where checkpoints count their multi-token-prediction layers: DeepSeek-V3's and GLM-4.5's, Qwen3.5's and
+# Qwen3-Next's.
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
 def warn_unbuilt(model_class, config):
     """Say what a checkpoint describes that neither Hugging Face's model nor
-    ds_tsp builds: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
-    (``num_nextn_predict_layers``), whose weights Hugging Face's loader drops,
-    so training learns the next-token loss alone, as Hugging Face's does."""
-    layers = getattr(config, "num_nextn_predict_layers", None)
-    if layers:
-        logger.warning("%s: config.num_nextn_predict_layers = %s multi-token-prediction layer(s) are not built, by "
-                       "Hugging Face's model nor by ds_tsp: their weights are neither loaded nor trained, and the loss "
-                       "is the next-token loss alone", model_class, layers)
+    ds_tsp builds: multi-token-prediction layers (``MTP_KEYS``), whose weights
+    Hugging Face's loader drops, so training learns the next-token loss alone,
+    as Hugging Face's does."""
+    for key in MTP_KEYS:
+        layers = getattr(config, key, None)
+        if layers:
+            logger.warning("%s: config.%s = %s multi-token-prediction layer(s) are not built, by Hugging Face's "
+                           "model nor by ds_tsp: their weights are neither loaded nor trained, and the loss is the "
+                           "next-token loss alone", model_class, key, layers)
 
 
 def check_config(model_class, config, policy):
@@ -623,7 +629,7 @@ def delta_net_projections(module):
     return (*inputs, "conv1d", "norm", "out_proj")
 
 
-def check_linear_layers(model_class, config, layers):
+def check_linear_layers(model_class, config, layers, policy):
     """Refuse first, by name, a model whose ``linear_attention`` layers (its
     config's ``layer_types``) hold anything but a Gated DeltaNet ds_tsp builds:
     the clearest reason, before the parts such a model lacks."""
@@ -631,7 +637,7 @@ def check_linear_layers(model_class, config, layers):
         if kind != "linear_attention" or index >= len(layers):
             continue
         layer = layers[index]
-        mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
+        mixer = getattr(layer, policy.linear_attention, None) or getattr(layer, policy.attention, None)
         if not is_gated_delta_net(mixer):
             raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
                               f"{type(mixer or layer).__name__}, not a Gated DeltaNet of the kind ds_tsp builds "
