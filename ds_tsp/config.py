@@ -27,6 +27,7 @@ class TSPConfigError(ValueError):
 _EXPECTED = {
     "enabled": "true or false",
     "size": "an integer >= 1 (the TSP group size D)",
+    "expert_parallel_size": "an integer >= 1 (a multiple of tsp.size), or null for tsp.size",
     "pipeline_stages": "an integer >= 1",
     "layout": "one of \"zigzag\", \"contiguous\"",
     "attention_backend": "one of \"auto\", \"sdpa\", \"cudnn\", \"flash\"",
@@ -64,6 +65,12 @@ class TSPConfig(DeepSpeedConfigModel):
 
     pipeline_stages: int = Field(1, ge=1)
     """ Number of DeepSpeed pipeline stages, each made of TSP blocks. """
+
+    expert_parallel_size: int | None = Field(None, ge=1)
+    """ Ranks that split a mixture-of-experts layer's experts between them (E / expert_parallel_size each):
+    consecutive ranks folding the TSP group and expert_parallel_size / tsp.size data-parallel replicas
+    (DESIGN.md 6k). A multiple of tsp.size dividing tsp.size x the data-parallel size; null: tsp.size, the
+    experts split over the TSP group alone. """
 
     layout: Literal["zigzag", "contiguous"] = "zigzag"
     """ How the sequence is split over the group; zigzag balances causal attention. """
@@ -173,6 +180,32 @@ class TSPConfig(DeepSpeedConfigModel):
                    f"divisors of {per_stage}: {_divisors(per_stage)}")
         raise TSPConfigError(f"tsp.size ({self.size}) x tsp.pipeline_stages ({self.pipeline_stages}) = "
                              f"{model_ranks} does not divide the world size {world_size}; {fix}")
+
+
+    def expert_parallel(self, world_size: int) -> int:
+        """Check ``expert_parallel_size`` against the mesh; return the expert-parallel size."""
+        dp = self.check_world(world_size)
+        ep = self.size if self.expert_parallel_size is None else self.expert_parallel_size
+        if ep % self.size or (self.size * dp) % ep:
+            choices = ", ".join(str(self.size * k) for k in range(1, dp + 1) if dp % k == 0)
+            raise TSPConfigError(f"tsp.expert_parallel_size = {ep} must be a multiple of tsp.size ({self.size}) "
+                                 f"dividing tsp.size x the data-parallel size ({self.size} x {dp}): choose one of "
+                                 f"{choices}")
+        return ep
+
+    def check_experts(self, num_experts: int | None):
+        """Check ``expert_parallel_size`` against a model's experts per layer
+        (``num_experts``; None: a dense model, which takes none)."""
+        if self.expert_parallel_size is None or self.expert_parallel_size == self.size:
+            return
+        ep = self.expert_parallel_size
+        if num_experts is None:
+            raise TSPConfigError(f"tsp.expert_parallel_size = {ep} but the model has no mixture-of-experts layer: "
+                                 "remove tsp.expert_parallel_size")
+        if num_experts % ep:
+            raise TSPConfigError(f"tsp.expert_parallel_size = {ep} does not divide the model's {num_experts} "
+                                 f"experts per layer: choose a multiple of tsp.size ({self.size}) dividing "
+                                 f"{num_experts}")
 
 
 def _divisors(n):

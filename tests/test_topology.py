@@ -2,7 +2,7 @@ import pytest
 import torch.distributed as dist
 
 from ds_tsp.parallel import comm
-from ds_tsp.config import TSPConfigError
+from ds_tsp.config import TSPConfig, TSPConfigError
 from ds_tsp.parallel.topology import MeshShape, TSPTopology
 
 
@@ -80,3 +80,52 @@ def _ring_on_four(tsp_size):
 def test_ring_of_four_uses_global_neighbours(run_ranks):
     results = run_ranks(4, _ring_on_four, tsp_size=4)
     assert results == [(1, 3, 3.0), (2, 0, 0.0), (3, 1, 1.0), (0, 2, 2.0)]
+
+
+def test_experts_fold_over_consecutive_ranks_of_a_stage():
+    """tsp.expert_parallel_size folds the TSP group and its neighbouring replicas (DESIGN.md 6k): at TSP 2 x DP 4,
+    size 4 gives expert groups of two TSP groups each and expert-data-parallel groups across them; per stage."""
+    mesh = MeshShape.for_world(8, tsp_size=2, expert_parallel_size=4)
+    assert mesh.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    staged = MeshShape.for_world(8, tsp_size=2, pipeline_stages=2, expert_parallel_size=4)
+    assert staged.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]] and staged.edp_groups() == [[0], [1], [2], [3], [4],
+                                                                                           [5], [6], [7]]
+    default = MeshShape.for_world(8, tsp_size=2)  # the TSP group alone: its replicas are the data-parallel groups
+    assert default.ep_groups() == default.tsp_groups() and default.edp_groups() == default.dp_groups()
+
+
+@pytest.mark.parametrize("ep", [3, 6, 16])
+def test_expert_parallel_sizes_that_do_not_fold_are_refused(ep):
+    with pytest.raises(TSPConfigError, match=rf"tsp.expert_parallel_size = {ep} must be a multiple of tsp.size "
+                                             r"\(2\) dividing .* choose one of 2, 4, 8"):
+        MeshShape.for_world(8, tsp_size=2, expert_parallel_size=ep)
+
+
+def test_expert_parallel_sizes_the_model_cannot_take_are_refused():
+    config = TSPConfig(size=2, expert_parallel_size=4)
+    with pytest.raises(TSPConfigError, match="does not divide the model's 6 experts"):
+        config.check_experts(6)
+    with pytest.raises(TSPConfigError, match="no mixture-of-experts layer: remove tsp.expert_parallel_size"):
+        config.check_experts(None)
+    config.check_experts(8)
+    TSPConfig(size=2).check_experts(None)
+
+
+def _expert_groups(expert_parallel_size):
+    topo = TSPTopology(2, expert_parallel_size=expert_parallel_size)
+    sums = {}
+    for name, group in (("ep", topo.ep_group), ("edp", topo.edp_group)):
+        t = comm.torch.tensor([float(topo.rank)])
+        comm.all_reduce(t, group)
+        sums[name] = t.item()
+    return dict(rank=topo.rank, ep=topo.ep_ranks, edp=topo.edp_ranks, ep_rank=topo.ep_rank, sums=sums)
+
+
+def test_expert_groups_connect_their_ranks(run_ranks):
+    for out in run_ranks(4, _expert_groups, expert_parallel_size=4):
+        assert out["ep"] == [0, 1, 2, 3] and out["edp"] == [out["rank"]] and out["ep_rank"] == out["rank"]
+        assert out["sums"] == {"ep": 6, "edp": out["rank"]}
+    for out in run_ranks(4, _expert_groups, expert_parallel_size=None):
+        r = out["rank"]
+        assert out["ep"] == [r - r % 2, r - r % 2 + 1] and out["edp"] == [r % 2, r % 2 + 2]

@@ -3,6 +3,11 @@
 TSP is the innermost axis: the ranks of one TSP group are consecutive, so a
 group stays inside one node and its weight and K/V traffic on the fast links.
 Global rank = ``(pp_rank * dp + dp_rank) * tsp + tsp_rank``.
+
+Experts fold over ``ep`` consecutive ranks of a stage (DESIGN.md 6k): the TSP
+group and ``ep / tsp`` data-parallel replicas beside it. An expert's
+gradients are summed over its expert-data-parallel group: the ranks holding
+the same experts, one in each expert-parallel group of the stage.
 """
 
 from dataclasses import dataclass
@@ -20,13 +25,19 @@ class MeshShape:
     pp: int
     dp: int
     tsp: int
+    ep: int = 0  # expert-parallel size (0: tsp), a multiple of tsp dividing dp x tsp
 
     @classmethod
-    def for_world(cls, world_size, tsp_size, pipeline_stages=1):
+    def for_world(cls, world_size, tsp_size, pipeline_stages=1, expert_parallel_size=None):
         """The mesh with data parallelism filling what TSP and pipelines leave;
         sizes that cannot tile the world raise ``TSPConfigError``."""
-        dp = TSPConfig(size=tsp_size, pipeline_stages=pipeline_stages).check_world(world_size)
-        return cls(pp=pipeline_stages, dp=dp, tsp=tsp_size)
+        config = TSPConfig(size=tsp_size, pipeline_stages=pipeline_stages, expert_parallel_size=expert_parallel_size)
+        return cls(pp=pipeline_stages, dp=config.check_world(world_size), tsp=tsp_size,
+                   ep=config.expert_parallel(world_size))
+
+    @property
+    def experts_size(self):
+        return self.ep or self.tsp
 
     def rank(self, pp_rank, dp_rank, tsp_rank):
         return (pp_rank * self.dp + dp_rank) * self.tsp + tsp_rank
@@ -44,6 +55,16 @@ class MeshShape:
     def pp_groups(self):
         return [[self.rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tsp)]
 
+    def ep_groups(self):
+        """Consecutive ranks of a stage that split the experts: the TSP group and the replicas beside it."""
+        stage, ep = self.dp * self.tsp, self.experts_size
+        return [[p * stage + g * ep + i for i in range(ep)] for p in range(self.pp) for g in range(stage // ep)]
+
+    def edp_groups(self):
+        """The ranks of a stage that hold the same experts: one in each expert-parallel group."""
+        stage, ep = self.dp * self.tsp, self.experts_size
+        return [[p * stage + g * ep + i for g in range(stage // ep)] for p in range(self.pp) for i in range(ep)]
+
 
 class TSPTopology:
     """This rank's place in the mesh and the process groups it belongs to.
@@ -52,16 +73,22 @@ class TSPTopology:
     torch.distributed for a single process.
     """
 
-    def __init__(self, tsp_size, pipeline_stages=1, timeout_minutes=10.0):
+    def __init__(self, tsp_size, pipeline_stages=1, timeout_minutes=10.0, expert_parallel_size=None):
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.mesh = MeshShape.for_world(world_size, tsp_size, pipeline_stages)
+        self.mesh = MeshShape.for_world(world_size, tsp_size, pipeline_stages, expert_parallel_size)
         self.rank = rank
         self.pp_rank, self.dp_rank, self.tsp_rank = self.mesh.coords(rank)
         timeout = timedelta(minutes=timeout_minutes)
         self.tsp_ranks, self.tsp_group = self._own_group(self.mesh.tsp_groups(), timeout)
         self.dp_ranks, self.dp_group = self._own_group(self.mesh.dp_groups(), timeout)
         self.pp_ranks, self.pp_group = self._own_group(self.mesh.pp_groups(), timeout)
+        if self.mesh.experts_size == tsp_size:  # the experts split over the TSP group; their replicas are DP's
+            self.ep_ranks, self.ep_group, self.edp_ranks, self.edp_group = (self.tsp_ranks, self.tsp_group,
+                                                                            self.dp_ranks, self.dp_group)
+        else:
+            self.ep_ranks, self.ep_group = self._own_group(self.mesh.ep_groups(), timeout)
+            self.edp_ranks, self.edp_group = self._own_group(self.mesh.edp_groups(), timeout)
 
     def _own_group(self, all_groups, timeout):
         mine = None
@@ -82,6 +109,15 @@ class TSPTopology:
     @property
     def pp_size(self):
         return self.mesh.pp
+
+    @property
+    def ep_size(self):
+        """Ranks that split the experts (``tsp.expert_parallel_size``)."""
+        return self.mesh.experts_size
+
+    @property
+    def ep_rank(self):
+        return self.ep_ranks.index(self.rank)
 
     @property
     def ring_next(self):
