@@ -181,11 +181,20 @@ class TSPConfig(DeepSpeedConfigModel):
         raise TSPConfigError(f"tsp.size ({self.size}) x tsp.pipeline_stages ({self.pipeline_stages}) = "
                              f"{model_ranks} does not divide the world size {world_size}; {fix}")
 
+    @property
+    def folds_experts(self) -> bool:
+        """Whether experts split over more ranks than the TSP group (``expert_parallel_size`` > ``size``)."""
+        return self.expert_parallel_size not in (None, self.size)
 
     def expert_parallel(self, world_size: int) -> int:
         """Check ``expert_parallel_size`` against the mesh; return the expert-parallel size."""
         dp = self.check_world(world_size)
         ep = self.size if self.expert_parallel_size is None else self.expert_parallel_size
+        if self.folds_experts and self.moe_schedule == "ring":
+            raise TSPConfigError(f"tsp.moe_schedule = \"ring\" moves expert shards round the TSP group, but "
+                                 f"tsp.expert_parallel_size = {ep} folds the experts over {ep // self.size} "
+                                 "data-parallel replicas too, which only the token all-to-all reaches: set "
+                                 "tsp.moe_schedule to \"all_to_all\" or \"auto\", or remove tsp.expert_parallel_size")
         if ep % self.size or (self.size * dp) % ep:
             choices = ", ".join(str(self.size * k) for k in range(1, dp + 1) if dp % k == 0)
             raise TSPConfigError(f"tsp.expert_parallel_size = {ep} must be a multiple of tsp.size ({self.size}) "
@@ -196,7 +205,7 @@ class TSPConfig(DeepSpeedConfigModel):
     def check_experts(self, num_experts: int | None):
         """Check ``expert_parallel_size`` against a model's experts per layer
         (``num_experts``; None: a dense model, which takes none)."""
-        if self.expert_parallel_size is None or self.expert_parallel_size == self.size:
+        if not self.folds_experts:
             return
         ep = self.expert_parallel_size
         if num_experts is None:

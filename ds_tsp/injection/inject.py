@@ -7,6 +7,7 @@ from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.blocks.moe.plan import hf_sizes
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
@@ -72,6 +73,7 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
         unpartition(model, skip=() if policy.layer_class is None else tuple(layers))
     check_same_model(model, topology.tsp_group)
+    check_expert_parallel(layers, policy, topology, tsp_config)
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
@@ -157,8 +159,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
         mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
         fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, policy.mlp), device=device,
-        **({"schedule": cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule}
-           if sparse else
+        **({"schedule": cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
+            "ep_group": topology.ep_group} if sparse else
            {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
     if sparse:
         check_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
@@ -168,6 +170,31 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer)
+
+
+def check_expert_parallel(layers, policy, topology, tsp_config):
+    """Refuse, before any weight moves, experts folded past the TSP group
+    (``tsp.expert_parallel_size``) that the model's sparse layers cannot take:
+    a dense model, experts the size does not divide, a shared expert; and a
+    topology built for another expert-parallel size than the config's."""
+    expected = tsp_config.expert_parallel_size or tsp_config.size
+    if topology.ep_size != expected:
+        raise ValueError(f"the topology splits experts over {topology.ep_size} ranks but tsp.expert_parallel_size "
+                         f"asks for {expected}: build it with TSPTopology.of(tsp_config)")
+    if not tsp_config.folds_experts:
+        return
+    sparse = {index: layer.get_submodule(policy.mlp) for index, layer in enumerate(layers)
+              if policy.is_sparse(layer.get_submodule(policy.mlp))}
+    if not sparse:
+        tsp_config.check_experts(None)
+    for index, mlp in sparse.items():
+        _, num_experts, _, shared_size, _ = hf_sizes(mlp)
+        tsp_config.check_experts(num_experts)
+        if shared_size:
+            raise ValueError(f"tsp.expert_parallel_size = {expected} with a shared expert ({type(mlp).__name__} "
+                             f"of layer {index}) is not supported yet: its TSP slices reduce over the data-parallel "
+                             "group and the routed experts over the expert-data-parallel one; remove "
+                             "tsp.expert_parallel_size")
 
 
 def check_router(block, where):

@@ -7,13 +7,17 @@ Global rank = ``(pp_rank * dp + dp_rank) * tsp + tsp_rank``.
 Experts fold over ``ep`` consecutive ranks of a stage (DESIGN.md 6k): the TSP
 group and ``ep / tsp`` data-parallel replicas beside it. An expert's
 gradients are summed over its expert-data-parallel group: the ranks holding
-the same experts, one in each expert-parallel group of the stage.
+the same experts, one in each expert-parallel group of the stage. Folded
+past the TSP group, both are DeepSpeed's expert groups (``deepspeed.utils.groups``,
+named ``ep_size_<ep>``, the layout DeepSpeed's own "sp" ordering builds), so its
+engine and ZeRO reduce and partition the experts over them.
 """
 
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from deepspeed.utils import groups as ds_groups
 
 from ds_tsp.config import TSPConfig
 
@@ -89,6 +93,36 @@ class TSPTopology:
         else:
             self.ep_ranks, self.ep_group = self._own_group(self.mesh.ep_groups(), timeout)
             self.edp_ranks, self.edp_group = self._own_group(self.mesh.edp_groups(), timeout)
+            self._register_expert_groups()
+
+    @classmethod
+    def of(cls, tsp_config):
+        """The topology a ``TSPConfig`` asks for."""
+        return cls(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes,
+                   tsp_config.expert_parallel_size)
+
+    @property
+    def folds_experts(self):
+        """Whether the experts split over more ranks than the TSP group."""
+        return self.ep_size != self.tsp_size
+
+    @property
+    def expert_group_name(self):
+        """DeepSpeed's name of the expert-parallel group (``deepspeed.utils.groups``)."""
+        return f"ep_size_{self.ep_size}"
+
+    def _register_expert_groups(self):
+        """Hand DeepSpeed this rank's expert-parallel and expert-data-parallel
+        groups under its own name, as its ``_create_expert_and_data_parallel``
+        would build them (with this topology's timeout), for its engine and
+        ZeRO to find by the experts' ``group_name``."""
+        if not dist.is_initialized():
+            return
+        name = self.expert_group_name
+        ds_groups._EXPERT_PARALLEL_GROUP[name], ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = (self.ep_group,
+                                                                                                self.ep_ranks)
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP[name], ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = (
+            self.edp_group, self.edp_ranks)
 
     def _own_group(self, all_groups, timeout):
         mine = None

@@ -19,6 +19,14 @@ that takes the cheaper for each layer's local token count; at 32K tokens the
 all-to-all moves about 9x fewer bytes for Qwen3-30B-A3B at D=8.
 ``ds_tsp.planning.moe_block_bytes_by_op`` holds both formulas.
 
+With ``tsp.expert_parallel_size`` > ``tsp.size`` (DESIGN.md 6k) the experts
+split ``E/ep`` per rank over the expert-parallel group, the TSP group and
+``ep/D`` data-parallel replicas beside it, and the token all-to-all runs over
+that group: every rank sends its own tokens' rows to their experts' owners,
+whichever replica holds them. Their shard is tagged as DeepSpeed tags its
+experts (``allreduce = False``, ``group_name``), so its gradient is reduced
+over the expert-data-parallel group (``ds_tsp.runtime.expert_parallel``).
+
 Decoding (``decode_share``) uses neither schedule: every rank holds the
 step's tokens, runs its own experts on those routed to them and the shares
 are summed. The router logits and the load-balancing loss: ``load_balancing.py``.
@@ -65,14 +73,15 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     (``tsp.moe_schedule``, see the module docstring).
 
     Parameters: ``packed``, this rank's experts (and shared-expert slice) laid
-    out by ``self.spec``, tagged ``tensor_model_parallel``; the replicated
+    out by ``self.spec``, tagged ``tensor_model_parallel`` (and, folded over
+    ``ep_group``, as DeepSpeed's experts); the replicated
     Hugging Face router, under its Hugging Face name (``router_name``: ``gate``
     or ``router``), and, for Qwen2-MoE, ``shared_expert_gate``.
     """
 
     def __init__(self, hidden_size, num_experts, experts, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
-                 device=None, router_name="gate", shared_name="shared_expert", router_buffers=None):
+                 device=None, router_name="gate", shared_name="shared_expert", router_buffers=None, ep_group=None):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
@@ -81,12 +90,22 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.shared_size = shared_size
         self.tsp_group = tsp_group
         self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
-        self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, shared_size, shared_name)
+        self.ep_group = tsp_group if ep_group is None else ep_group
+        self.ep_size, self.ep_rank = comm.group_size(self.ep_group), comm.group_rank(self.ep_group)
+        if self.folded:
+            if shared_size:
+                raise ValueError(f"tsp.expert_parallel_size = {self.ep_size} with a shared expert (intermediate "
+                                 f"size {shared_size}) is not supported yet: its slices reduce over the "
+                                 "data-parallel group and the routed experts over the expert-data-parallel one, "
+                                 "which one packed shard cannot; remove tsp.expert_parallel_size")
+            schedule = "all_to_all"  # the only schedule that reaches experts on other replicas
+        self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, shared_size, shared_name,
+                               self.ep_size)
         self.act_fn = act_fn
         self.overlap = overlap
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
             raise ValueError(f"schedule must be one of {MOE_SCHEDULES} or a chooser, not {schedule!r}")
-        self.plan = MoEPlan(self.spec, experts, act_fn, tsp_group, num_experts, bool(shared_size), overlap,
+        self.plan = MoEPlan(self.spec, experts, act_fn, self.ep_group, num_experts, bool(shared_size), overlap,
                             token_tile, fp32_accumulators, schedule=schedule)
         self.router_name = router_name
         self.add_module(router_name, router)
@@ -98,7 +117,14 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
+        if self.folded:  # DeepSpeed's tags of its experts: reduced over their expert-data-parallel group
+            self.packed.allreduce, self.packed.group_name = False, f"ep_size_{self.ep_size}"
         self.lora = None  # no LoRA on the experts (ds_tsp.injection.lora)
+
+    @property
+    def folded(self):
+        """Whether the experts split over more ranks than the TSP group (``tsp.expert_parallel_size``)."""
+        return self.ep_size != self.tsp_size
 
     def router_module(self):
         """The replicated Hugging Face router module."""
@@ -121,16 +147,18 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def shard_piece(self, name):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
-        return shard_piece(self.num_experts, self.shared_size, self.tsp_size, name, self.tsp_rank)
+        return shard_piece(self.num_experts, self.shared_size, self.tsp_size, name, self.tsp_rank, self.ep_size,
+                           self.ep_rank)
 
     @classmethod
     def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", read=None,
-                device=None):
+                device=None, ep_group=None):
         """Build from a Hugging Face sparse MoE block (``gate`` or ``router``:
         its router, ``experts`` in any layout ``experts.ExpertLayout`` reads
         (fused 3-D tensors, transposed or not, with biases or not), and
         optionally ``shared_expert`` with or without ``shared_expert_gate``, or
-        ``shared_experts``), keeping this rank's experts. The router and
+        ``shared_experts``), keeping this rank's experts (split over
+        ``ep_group``, by default the TSP group). The router and
         shared-expert gate modules are Hugging Face's own, copied. ``read(name,
         piece)`` as in ``TSPGatedMLP.from_hf``."""
         hidden_size, num_experts, experts, shared_size, shared_name = hf_sizes(moe)
@@ -149,7 +177,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                      shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
                      router_name=router_name, shared_name=shared_name or "shared_expert",
-                     router_buffers=router_buffers)
+                     router_buffers=router_buffers, ep_group=ep_group)
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -160,6 +188,10 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         rank's share of the output: its own experts' weighted outputs for the
         tokens routed to them and its slice of the shared expert, no weight
         moving; the shares sum over the group to the block's output."""
+        if self.folded:
+            raise NotImplementedError(f"decoding with tsp.expert_parallel_size = {self.ep_size} > tsp.size "
+                                      f"{self.tsp_size} is not supported: generate from the model saved with "
+                                      "ds_tsp.save_pretrained and loaded without tsp.expert_parallel_size")
         weights, index = self.route(x)
         shared_scale = self.shared_scale(x)
         y = torch.zeros(x.shape, dtype=self.plan.accumulator_dtype(x.dtype), device=x.device)
@@ -232,5 +264,5 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, expert_size={self.expert_size}, "
-                f"shared_size={self.shared_size}, tsp_size={self.tsp_size}, overlap={self.overlap}, "
-                f"schedule={getattr(self.plan.schedule, '__name__', self.plan.schedule)}")
+                f"shared_size={self.shared_size}, tsp_size={self.tsp_size}, ep_size={self.ep_size}, "
+                f"overlap={self.overlap}, schedule={getattr(self.plan.schedule, '__name__', self.plan.schedule)}")

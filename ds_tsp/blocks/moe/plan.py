@@ -1,6 +1,8 @@
 """How the sparse MoE block's weights are sharded, and how tokens are grouped by expert.
 
-Rank ``j`` of the TSP group owns experts ``[j E/D, (j+1) E/D)``: their slices
+Rank ``j`` of the expert-parallel group (the TSP group, unless
+``tsp.expert_parallel_size`` folds ``ep/D`` data-parallel replicas into it:
+``ep`` in place of ``D`` below, DESIGN.md 6k) owns experts ``[j E/D, (j+1) E/D)``: their slices
 (dim 0) of every tensor of Hugging Face's experts module, in its own layout
 (``experts.ExpertLayout``: ``gate_up_proj`` ``(E, 2F, H)`` and ``down_proj``
 ``(E, H, F)``, or GPT-OSS's ``(E, H, 2F)``, ``(E, F, H)`` with biases), and,
@@ -49,9 +51,15 @@ def shared_tensors(shared_name):
     return {f"{shared_name}.{name}": dim for name, dim in SHARED_DIMS.items()}
 
 
-def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, shared_name="shared_expert"):
-    """``PackSpec`` of one rank's shard, ``experts`` an ``ExpertLayout``;
-    raises if ``E`` (or the shared expert's intermediate size) does not split evenly."""
+def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, shared_name="shared_expert",
+               expert_parallel_size=None):
+    """``PackSpec`` of one rank's shard, ``experts`` an ``ExpertLayout``, the
+    routed experts split over ``expert_parallel_size`` ranks (None: the TSP
+    group); raises if ``E`` (or the shared expert's intermediate size) does not split evenly."""
+    ep = expert_parallel_size or tsp_size
+    if ep != tsp_size and num_experts % ep:
+        raise ValueError(f"num_experts {num_experts} is not divisible by tsp.expert_parallel_size {ep}: choose "
+                         f"a multiple of tsp.size ({tsp_size}) dividing {num_experts}")
     if num_experts % tsp_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(f"num_experts {num_experts} is not divisible by tsp.size {tsp_size}: every TSP rank holds "
@@ -59,7 +67,7 @@ def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, share
     if shared_size % tsp_size:
         raise ValueError(f"the shared expert's intermediate size {shared_size} is not divisible by tsp.size "
                          f"{tsp_size}: choose tsp.size from the common divisors of {num_experts} and {shared_size}")
-    e, f = num_experts // tsp_size, shared_size // tsp_size
+    e, f = num_experts // ep, shared_size // tsp_size
     shapes = {name: (e, *shape) for name, shape in experts.shapes.items()}
     if shared_size:
         gate, up, down = shared_tensors(shared_name)
@@ -67,12 +75,13 @@ def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, share
     return PackSpec(shapes)
 
 
-def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank):
+def shard_piece(num_experts, shared_size, tsp_size, name, tsp_rank, ep_size=None, ep_rank=None):
     """``(dim, start, length)`` of the full tensor ``name`` that ``tsp_rank``
-    holds, or None if it is not split."""
+    (``ep_rank`` of ``ep_size`` for the routed experts, where they are folded
+    past the TSP group) holds, or None if it is not split."""
     if is_routed(name):
-        length = num_experts // tsp_size
-        return 0, tsp_rank * length, length
+        length = num_experts // (ep_size or tsp_size)
+        return 0, (tsp_rank if ep_rank is None else ep_rank) * length, length
     shared, _, projection = name.partition(".")
     if shared not in SHARED_NAMES or projection not in SHARED_DIMS:
         return None

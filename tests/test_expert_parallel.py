@@ -1,0 +1,136 @@
+"""Experts folded over data-parallel replicas (``tsp.expert_parallel_size``,
+DESIGN.md 6k) against one process over the same global batch, float64.
+
+TSP 2 x DP 2 with ``expert_parallel_size`` 4: each rank holds ``E/4`` experts
+and the token all-to-all runs over all 4 ranks, so a replica's tokens reach
+experts the other replica holds. The reference is Hugging Face's model run on
+each replica's rows, its losses (the load-balancing loss per replica, as data
+parallelism computes it) averaged; the TSP gradients are reduced as DeepSpeed
+reduces them (dense ones averaged over the replicas, the experts' summed over
+their expert-data-parallel group and divided by the replicas), then compared
+with the reference's piece by piece within ``parity.TOLERANCE``.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+
+import ds_tsp
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.config import TSPConfig, TSPConfigError
+from ds_tsp.parallel.topology import TSPTopology
+from models import tiny_model
+from parity import TOLERANCE, shard_grad_diffs
+from test_moe import build_case, hf_loss
+
+TSP, EP = 2, 4
+# (arch, global batch, seq_len, right_padding, routing, model overrides): "first_experts" sends every token of
+# both replicas to experts 0 and 1, rank 0's, so the other three ranks' experts get no row.
+CASES = [
+    ("qwen3_moe", 4, 12, 0, "random", {}),
+    ("qwen3_moe", 4, 13, 3, "first_experts", {}),
+    ("mixtral", 4, 12, 0, "random", {"num_local_experts": 8}),
+    ("mixtral", 4, 12, 0, "first_experts", {"num_local_experts": 8}),
+]
+
+
+def reduce_like_deepspeed(model, topology):
+    """Every gradient as the engine leaves it: experts (DeepSpeed's MoE tags)
+    summed over their expert-data-parallel group, the rest over the replicas,
+    both divided by the replicas."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=topology.edp_group if is_moe_param(param) else topology.dp_group)
+            param.grad /= topology.dp_size
+
+
+def folded_parity(cases, wrong_owner=False):
+    """On every rank, per case: |loss - reference| and the gradient diffs.
+    ``wrong_owner``: the last rank holds the experts of expert-parallel rank 0."""
+    topology = TSPTopology(TSP, expert_parallel_size=EP)
+    results = []
+    for case in cases:
+        ref, input_ids, attention_mask = build_case(*case)
+        rows = input_ids.shape[0] // topology.dp_size
+        mine = slice(topology.dp_rank * rows, (topology.dp_rank + 1) * rows)
+        model = ds_tsp.inject(copy.deepcopy(ref), topology, TSPConfig(
+            enabled=True, size=TSP, expert_parallel_size=EP, attention_backend="sdpa"))
+        blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, TSPSparseMoE)]
+        if wrong_owner and topology.ep_rank == EP - 1:
+            hf_block = ref.model.layers[0].mlp
+            with torch.no_grad():
+                blocks[0].packed.copy_(blocks[0].spec.pack({
+                    name: hf_block.get_parameter(name).narrow(0, 0, blocks[0].num_experts // EP)
+                    for name in blocks[0].spec.shapes}))
+        masks = (None,) * topology.dp_size if attention_mask is None else attention_mask.split(rows)
+        out = model(input_ids=input_ids[mine], labels=input_ids[mine], attention_mask=masks[topology.dp_rank])
+        out.loss.backward()
+        reduce_like_deepspeed(model, topology)
+        replicas = [hf_loss(ref, ids, mask) for ids, mask in zip(input_ids.split(rows), masks)]
+        (sum(loss for loss, *_ in replicas) / len(replicas)).backward()
+        # The loss with the replica's aux loss summed exactly (test_moe.hf_loss), this replica's.
+        results.append({"loss": abs(out.loss.item() - replicas[topology.dp_rank][2]),
+                        "grads": shard_grad_diffs(model, ref),
+                        "experts": [block.spec.shapes[block.experts.down][0] for block in blocks],
+                        "folded": all(is_moe_param(block.packed) for block in blocks)})
+    return results
+
+
+def test_folded_experts_match_one_process_over_the_global_batch(run_ranks):
+    """Qwen3-MoE and Mixtral (8 experts, 2 a rank) with random routing and with
+    every token of both replicas routed to rank 0's experts."""
+    per_rank = run_ranks(TSP * 2, folded_parity, cases=CASES)
+    for i, case in enumerate(CASES):
+        results = [rank[i] for rank in per_rank]
+        loss = max(r["loss"] for r in results)
+        grads = {name: max(r["grads"][name] for r in results) for name in results[0]["grads"]}
+        worst = max(grads, key=grads.get)
+        print(f"TSP 2 x DP 2, experts over 4: {case[0]} {case[4]} pad={case[3]}: loss {loss:.2e}, "
+              f"gradients {grads[worst]:.2e} ({worst})")
+        assert all(r["folded"] and set(r["experts"]) == {2} for r in results)
+        assert "model.layers.1.mlp.experts.gate_up_proj" in grads and "model.layers.1.mlp.gate.weight" in grads
+        assert loss <= TOLERANCE and grads[worst] <= TOLERANCE, (loss, worst, grads[worst])
+
+
+def test_a_wrong_expert_owner_is_caught(run_ranks):
+    per_rank = run_ranks(TSP * 2, folded_parity, cases=CASES[:1], wrong_owner=True)
+    loss = max(rank[0]["loss"] for rank in per_rank)
+    grads = max(max(rank[0]["grads"].values()) for rank in per_rank)
+    print(f"last rank holding rank 0's experts: loss moves {loss:.2e}, gradients {grads:.2e}")
+    assert loss > 1e6 * TOLERANCE and grads > 1e6 * TOLERANCE
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"expert_parallel_size": 3}, "choose one of 2, 4"),
+    ({"expert_parallel_size": 4, "moe_schedule": "ring"}, "set tsp.moe_schedule to"),
+])
+def test_sizes_the_mesh_cannot_take_are_refused_naming_the_key(options, message):
+    with pytest.raises(TSPConfigError, match="tsp.expert_parallel_size") as error:
+        TSPConfig(enabled=True, size=2, **options).expert_parallel(4)
+    assert message in str(error.value)
+
+
+def _refused(arch, overrides, expert_parallel_size):
+    topology = TSPTopology(TSP, expert_parallel_size=expert_parallel_size)
+    model = tiny_model(arch, **overrides)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    try:
+        ds_tsp.inject(model, topology, TSPConfig(enabled=True, size=TSP, expert_parallel_size=expert_parallel_size))
+    except (TSPConfigError, ValueError) as error:
+        untouched = all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+        return str(error), untouched and not any(type(m).__name__.startswith("TSP") for m in model.modules())
+    return None, False
+
+
+@pytest.mark.parametrize("arch, overrides, message", [
+    ("llama", {}, "has no mixture-of-experts layer"),
+    ("qwen3_moe", {"num_experts": 6}, "does not divide the model's 6 experts"),
+    ("qwen2_moe", {}, "with a shared expert"),
+])
+def test_models_folded_experts_cannot_take_are_refused_before_any_weight_moves(run_ranks, arch, overrides, message):
+    for error, untouched in run_ranks(4, _refused, arch=arch, overrides=overrides, expert_parallel_size=4):
+        assert error is not None and "tsp.expert_parallel_size = 4" in error and message in error, error
+        assert untouched
