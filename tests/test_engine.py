@@ -32,10 +32,10 @@ ZERO3_PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_b
                      "reduce_bucket_size": 256, "stage3_max_live_parameters": 1024}
 
 
-def _optimizer(name):
+def _optimizer(name, lr=None):
     if name == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=LR["sgd"])
-    return lambda params: torch.optim.Adam(params, lr=LR["adam"])
+        return lambda params: torch.optim.SGD(params, lr=lr or LR["sgd"])
+    return lambda params: torch.optim.Adam(params, lr=lr or LR["adam"])
 
 
 def _global_batches(vocab_size, dp_size):
@@ -55,7 +55,7 @@ def _step(engine, batch):
 
 def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing=False, config_optimizer=False,
                        wrong_shard=False, arch="llama", offload_optimizer=False, moe_schedule="ring",
-                       dtype=torch.float32):
+                       dtype=torch.float32, tsp_options=None, lr=None):
     world = dist.get_world_size()
     dp_size = world // tsp_size
     # num_key_value_heads=2: at TSP=4 each key/value head serves two head groups
@@ -65,7 +65,8 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage, **(ZERO3_PARTITIONED if zero_stage == 3 else {})},
               "zero_allow_untested_optimizer": True,
-              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa", "moe_schedule": moe_schedule}}
+              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa", "moe_schedule": moe_schedule,
+                      **(tsp_options or {})}}
     if activation_checkpointing:
         # "cpu": each layer's checkpointed input waits for backward in host memory.
         config["activation_checkpointing"] = {"partition_activations": False,
@@ -73,7 +74,7 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     if offload_optimizer:  # ZeRO keeps optimizer states and fp32 master weights in host memory
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_force_ds_cpu_optimizer"] = False  # the client's torch optimizer, not DeepSpeedCPUAdam
-    client_optimizer = _optimizer(optimizer)
+    client_optimizer = _optimizer(optimizer, lr)
     if config_optimizer:  # named in the config: DeepSpeed builds torch.optim.SGD itself
         assert optimizer == "sgd"
         config["optimizer"] = {"type": "SGD", "params": {"lr": LR["sgd"]}}
@@ -85,7 +86,7 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     batches = _global_batches(ref.config.vocab_size, dp_size)
     exact_norm = _float64_grad_norm(ref, batches[0], dp_size)
 
-    ref_opt = _optimizer(optimizer)(list(ref.parameters()))
+    ref_opt = _optimizer(optimizer, lr)(list(ref.parameters()))
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for batch in batches:
         losses.append(_step(engine, batch))
@@ -111,7 +112,21 @@ def _train_and_compare(tsp_size, zero_stage, optimizer, activation_checkpointing
     offloaded = bool(getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer",
                                                                                   False))
     return dict(rel=rel, losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms, exact_norm=exact_norm,
-                recomputed=recomputed, partitioned=partitioned, offloaded=offloaded, generated=generated)
+                recomputed=recomputed, partitioned=partitioned, offloaded=offloaded, generated=generated,
+                optimizer_states=_optimizer_states(engine))
+
+
+def _optimizer_states(engine):
+    """``{"experts" or "dense": elements}`` of the float32 partitions this
+    rank's ZeRO 1-2 optimizer steps, its padding left out (None otherwise)."""
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "single_partition_of_fp32_groups"):
+        return None
+    held = {"experts": 0, "dense": 0}
+    for index, partition in enumerate(optimizer.single_partition_of_fp32_groups):
+        moe = bool(getattr(optimizer, "is_moe_param_group", None) and optimizer.is_moe_param_group[index])
+        held["experts" if moe else "dense"] += partition.numel() - optimizer.groups_padding[index]
+    return held
 
 
 def _replicas_loss(model, batch, dp_size):
@@ -135,7 +150,7 @@ def _generates_as_reference(model, ref):
     try:
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, pad_token_id=0)
     except ValueError as refusal:
-        assert "ZeRO-3" in str(refusal), refusal
+        assert "ZeRO-3" in str(refusal) or "tsp.expert_parallel_size" in str(refusal), refusal
         return "refused", None
     logits, cache = cached_forward(model, prompt, logits_to_keep=1)
     comm.counter.reset()

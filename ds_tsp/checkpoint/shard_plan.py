@@ -177,8 +177,10 @@ def block_holdings(block):
     elif isinstance(block, TSPGatedDeltaNet):
         holdings = _holdings(specs, block.shapes.piece, list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
-        holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
-                                                                   name, r), list(block.replicated_tensors()))
+        # Folded experts: TSP rank r of this group is expert-parallel rank ep_rank - tsp_rank + r.
+        holdings = _holdings(specs, lambda name, r: moe.shard_piece(
+            block.num_experts, block.shared_size, tsp_size, name, r, block.ep_size, block.ep_rank - block.tsp_rank + r),
+            list(block.replicated_tensors()))
     else:
         holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
                              [mlp.DOWN_BIAS] if block.down_bias is not None else [])

@@ -67,6 +67,7 @@ from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_at, r
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
+from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
 from ds_tsp.inference.linear_decode import decode_delta_net, prefill_delta_net, state_shapes
@@ -109,6 +110,12 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
                          "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
+    folded = [block.ep_size for block in model.modules() if isinstance(block, TSPSparseMoE) and block.folded]
+    if folded:
+        raise ValueError(f"generation with experts folded over data-parallel replicas (tsp.expert_parallel_size = "
+                         f"{folded[0]}) is not supported: each replica decodes its own prompts, while its experts "
+                         "live on the others too; save with ds_tsp.save_pretrained and generate from "
+                         "ds_tsp.checkpoint.from_pretrained without tsp.expert_parallel_size")
     prompt, lengths = left_aligned(input_ids, attention_mask)
     _check_prompt_positions(position_ids, attention_mask, input_ids)
     model.tsp_batch_check(input_ids=input_ids, attention_mask=attention_mask)

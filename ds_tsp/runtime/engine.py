@@ -27,6 +27,7 @@ from ds_tsp.injection.model import num_targets
 from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.runtime.expert_parallel import check_expert_parallel_run, declare_expert_layers, expert_param_groups
 from ds_tsp.runtime.offload import host_checkpoint_function
 from ds_tsp.runtime.optimizer import ClientOptimizer
 from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
@@ -75,7 +76,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     #    captured here, while it still names the unsharded parameters.
     client = _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_config, tsp_adapter)
     # 2. The TSP groups, then the model on them: each rank keeps only its shards.
-    topology = tsp_topology or TSPTopology(tsp_config.size, tsp_config.pipeline_stages, tsp_config.timeout_minutes)
+    topology = tsp_topology or TSPTopology.of(tsp_config)
     model, replicated_grads = _build_tsp_model(model, topology, ds_config, tsp_config, tsp_adapter)
     # 3. DeepSpeed last: ZeRO partitions the parameters it is given, which must
     #    already be the TSP shards, and TSP's hooks go onto the engine it returns.
@@ -97,9 +98,10 @@ def _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_confi
                         "pipeline stages rename the parameters an optimizer instance or model_parameters hold")
     _check_no_other_model_parallelism(ds_config)
     _check_activation_checkpointing(ds_config, tsp_config)
+    check_expert_parallel_run(ds_config, tsp_config)
     # Joins an existing torch.distributed group if there is one.
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
-    tsp_config.check_world(dist.get_world_size())
+    tsp_config.expert_parallel(dist.get_world_size())
     if tsp_config.pipeline_stages > 1:
         if tsp_adapter is not None or not isinstance(model, (str, os.PathLike)) and holds_adapters(model):
             raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with PEFT adapters is not "
@@ -140,7 +142,8 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     # gathered whole, as DeepSpeed does for MoE.
     set_z3_leaf_modules(model, [TSPAttention, TSPLatentAttention, TSPGatedDeltaNet, TSPGatedMLP])
     describe_for_universal_checkpoints(model, topology)
-    optimizer, model_parameters = client.rebuild(model)
+    declare_expert_layers(model)
+    optimizer, model_parameters = client.rebuild(model, expert_param_groups)
     forward = dict(forward, optimizer=optimizer, model_parameters=model_parameters)
     ds_config["tsp"] = tsp_config.model_dump()
     if getattr(forward["args"], "deepspeed_config", None) is not None:

@@ -87,11 +87,12 @@ class ClientOptimizer:
             groups.append(({k: v for k, v in group.items() if k != "params"}, [names[id(p)] for p in params]))
         return cls(optimizer, groups, grouped or instance)
 
-    def rebuild(self, model):
+    def rebuild(self, model, regroup=lambda groups: groups):
         """``(optimizer, model_parameters)`` for ``deepspeed.initialize`` over
-        the injected ``model``'s parameters."""
+        the injected ``model``'s parameters; ``regroup`` rearranges the
+        parameter groups (``expert_parallel.expert_param_groups``)."""
         if self.groups is None:
-            return self.optimizer, [p for p in model.parameters() if p.requires_grad]
+            return self.optimizer, regroup([p for p in model.parameters() if p.requires_grad])
         group_of = {name: index for index, (_, names) in enumerate(self.groups) for name in names}
         # The tag finds a group again after load_state_dict, which replaces the group dicts.
         new_groups = [{**hyper, "params": [], DecayMask.TAG: index} for index, (hyper, _) in enumerate(self.groups)]
@@ -112,8 +113,9 @@ class ClientOptimizer:
             # Defaults the constructor takes; the others (AdamW's decoupled_weight_decay) ride in every group.
             accepted = inspect.signature(type(self.optimizer)).parameters
             defaults = {k: v for k, v in self.optimizer.defaults.items() if k in accepted and k != "params"}
+            new_groups = regroup(new_groups)
             return type(self.optimizer)(new_groups, **defaults), new_groups
-        return self.optimizer, new_groups if self.grouped else new_groups[0]["params"]
+        return self.optimizer, regroup(new_groups if self.grouped else new_groups[0]["params"])
 
     def _decay_host(self, present, names):
         """The group a shard of tensors from several groups joins: the one

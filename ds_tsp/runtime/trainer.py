@@ -94,7 +94,7 @@ class TSPTrainerMixin:
                                "an accelerator it knows; on CPU ranks call ds_tsp.configure_cpu_ranks() before "
                                "TrainingArguments(..., accelerator_config={'use_configured_state': True})")
         tsp_config.check_world(dist.get_world_size())
-        self.tsp_topology, self.tsp_config = TSPTopology(tsp_config.size, 1, tsp_config.timeout_minutes), tsp_config
+        self.tsp_topology, self.tsp_config = TSPTopology.of(tsp_config), tsp_config
         accelerator = self.accelerator
         accelerator.__class__ = _tsp_accelerator_class(type(accelerator))
         accelerator.tsp_topology = self.tsp_topology

@@ -188,10 +188,6 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         rank's share of the output: its own experts' weighted outputs for the
         tokens routed to them and its slice of the shared expert, no weight
         moving; the shares sum over the group to the block's output."""
-        if self.folded:
-            raise NotImplementedError(f"decoding with tsp.expert_parallel_size = {self.ep_size} > tsp.size "
-                                      f"{self.tsp_size} is not supported: generate from the model saved with "
-                                      "ds_tsp.save_pretrained and loaded without tsp.expert_parallel_size")
         weights, index = self.route(x)
         shared_scale = self.shared_scale(x)
         y = torch.zeros(x.shape, dtype=self.plan.accumulator_dtype(x.dtype), device=x.device)
