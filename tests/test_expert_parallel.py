@@ -167,3 +167,17 @@ def test_engine_trains_like_one_process_with_experts_over_four_ranks(run_ranks, 
         assert out["generated"] == ("refused", None)
     assert [state["experts"] for state in states] == [experts // EP] * 4  # a quarter each, so none twice
     assert len({state["dense"] for state in states}) <= 2
+
+
+@pytest.mark.parametrize("section, tsp, message", [
+    ({"zero_optimization": {"stage": 3}}, {}, "zero_optimization.stage = 3"),
+    ({}, {}, "zero_optimization.stage = 0"),
+    ({"zero_optimization": {"stage": 2}}, {"pipeline_stages": 2}, "tsp.pipeline_stages = 2"),
+])
+def test_what_deepspeed_cannot_run_with_folded_experts_is_refused(section, tsp, message):
+    from ds_tsp.runtime.expert_parallel import check_expert_parallel_run
+
+    with pytest.raises(TSPConfigError, match="tsp.expert_parallel_size = 4") as error:
+        check_expert_parallel_run(section, TSPConfig(enabled=True, size=2, expert_parallel_size=4, **tsp))
+    assert message in str(error.value)
+    check_expert_parallel_run(section, TSPConfig(enabled=True, size=2, **tsp))  # experts on the TSP group: taken

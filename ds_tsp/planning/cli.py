@@ -25,7 +25,7 @@ from ds_tsp.planning.shapes import (
     TSP_ATTENTION_BACKWARDS,
     model_shape,
 )
-from ds_tsp.planning.strategies import plan, recommend
+from ds_tsp.planning.strategies import TSP_MOE_SCHEDULES, plan, recommend
 from ds_tsp.planning.tables import (
     format_gb,
     format_longest_table,
@@ -77,6 +77,11 @@ def _int_at_least(minimum):
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
+def _expert_parallel_size(text):
+    """``--expert-parallel-size``: an integer >= 1, or "auto"."""
+    return text if text == "auto" else _positive_int(text)
+
+
 def add_plan_arguments(parser):
     """Options of ``ds-tsp plan``."""
     parser.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), or a Hugging Face config directory or JSON "
@@ -118,6 +123,17 @@ def add_plan_arguments(parser):
                              "(default 0: full fine-tuning)")
     parser.add_argument("--lora-targets", nargs="+", default=list(LORA_TARGETS), choices=LORA_TARGETS,
                         help="the projections with adapters (default: all seven)")
+    parser.add_argument("--tsp-size", type=_positive_int,
+                        help="the TSP rows' group size D, dividing --devices: the other devices / D are data-parallel "
+                             "replicas, ZeRO-1/2 partitioning over them (default: --devices)")
+    parser.add_argument("--expert-parallel-size", type=_expert_parallel_size, metavar="EP",
+                        help="tsp.expert_parallel_size: add a TSP row whose sparse layers' experts fold across the "
+                             "replicas, E/EP a rank over EP consecutive ranks (a multiple of --tsp-size dividing "
+                             "--devices and the experts), met by the token all-to-all; auto: the EP of least "
+                             "memory, then fewest bytes")
+    parser.add_argument("--moe-schedule", choices=TSP_MOE_SCHEDULES, default="ring",
+                        help="tsp.moe_schedule of the TSP rows' sparse layers (default: ring; the runtime's default "
+                             "is auto)")
     parser.add_argument("--memory-gb", type=float, help="device memory in GB: list the strategies that fit, best "
                                                         "first; with --max-seq-len, the device budget")
     parser.add_argument("--host-memory-gb", type=float,
@@ -163,10 +179,17 @@ def _write_json(path, document, out):
     print(f"Wrote {path}", file=out)
 
 
+def _tsp_layout_given(args):
+    return args.tsp_size is not None or args.expert_parallel_size is not None or args.moe_schedule != "ring"
+
+
 def _run_max_seq_len(args, out):
     """``--max-seq-len`` (and ``--alst``): one table per device count."""
     if args.paper or args.plot:
         raise ValueError("--paper and --plot go with the per-length table, not with --max-seq-len")
+    if _tsp_layout_given(args):
+        raise ValueError("--tsp-size, --expert-parallel-size and --moe-schedule go with the per-length table, not "
+                         "with --max-seq-len")
     if args.offload_activations or args.offload_optimizer:
         raise ValueError("--max-seq-len plans TSP with and without offloads itself: drop --offload-*")
     model = args.model or (ALST_MODEL if args.alst else DEFAULT_MODEL)
@@ -205,6 +228,9 @@ def _run_serve(args, out):
         raise ValueError("--serve is its own table: drop --max-seq-len, --alst, --paper and --plot")
     if args.memory_gb is None:
         raise ValueError("--serve needs --memory-gb (the device memory the weights and KV cache must fit)")
+    if _tsp_layout_given(args):
+        raise ValueError("--tsp-size, --expert-parallel-size and --moe-schedule go with the per-length table, not "
+                         "with --serve")
     model = args.model or DEFAULT_MODEL
     plans = serving_plans(model, args.devices, args.micro_batch, args.dtype)
     name = model_shape(model).name
@@ -243,7 +269,8 @@ def _run_table(args, out):
                    recompute_norms=bool(args.recompute_norms), offload_activations=args.offload_activations,
                    offload_optimizer=args.offload_optimizer,
                    devices_per_node=args.devices_per_node, lora_rank=args.lora_rank,
-                   lora_targets=tuple(args.lora_targets))
+                   lora_targets=tuple(args.lora_targets), tsp_size=args.tsp_size,
+                   expert_parallel_size=args.expert_parallel_size, moe_schedule=args.moe_schedule)
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)
     print(format_table(plans, PAPER_PEAK_GB if args.paper else None, cluster), file=out)

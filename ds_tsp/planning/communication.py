@@ -15,7 +15,10 @@ shards do, or stay at rest while the tokens go to them by all-to-all
 (``ds_tsp.blocks.moe.module``, both built); ``tsp_moe_bytes_by_op`` gives that block's bytes
 under either schedule, ``moe_crossover_tokens`` the micro-batch at which the
 two move the same bytes, and ``cheaper_moe_schedule`` the choice
-``tsp.moe_schedule: "auto"`` makes.
+``tsp.moe_schedule: "auto"`` makes. With ``expert_parallel_size`` (``ep``, a
+multiple of ``D``: DESIGN.md 6k) the experts split over ``ep`` consecutive
+ranks, the TSP group and ``ep/D`` data-parallel replicas; above ``D`` the token
+all-to-all over those ranks is the schedule, the ring being refused.
 
 TSP's parameter-gradient partial sums (the attention's weight-gradient
 ``reduce``, the rings' gradient accumulators) travel in ``a`` bytes an element
@@ -81,7 +84,8 @@ def _mixer_kind(m, linear):
     return _one_kind(m, linear, "linear", m.linear_layers, ("attention", "Gated DeltaNet"))
 
 
-def _check(m, seq_len, tsp_size, direction):
+def _check(m, seq_len, tsp_size, direction, expert_parallel_size=None):
+    """Refuse what ``m`` cannot run at this size; return the expert-parallel size."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
     problem = tsp_shape_problem(m, tsp_size)
@@ -89,10 +93,24 @@ def _check(m, seq_len, tsp_size, direction):
         raise ValueError(f"TSP cannot shard this model over {tsp_size} ranks: {problem}")
     if tsp_size > 1 and seq_len % tsp_size:
         raise ValueError(f"seq_len {seq_len} is not a multiple of tsp_size {tsp_size}")
+    ep = _expert_parallel(tsp_size, expert_parallel_size)
+    if ep > tsp_size and not m.is_moe:
+        raise ValueError(f"expert_parallel_size {ep}: {m.name} has no mixture-of-experts layer")
+    if ep > tsp_size and m.num_experts % ep:
+        raise ValueError(f"expert_parallel_size {ep} does not divide {m.name}'s {m.num_experts} experts a layer")
+    return ep
+
+
+def _expert_parallel(tsp_size, expert_parallel_size):
+    """``ep``: ``expert_parallel_size``, a multiple of ``tsp_size``, or ``tsp_size`` for None."""
+    ep = tsp_size if expert_parallel_size is None else expert_parallel_size
+    if not isinstance(ep, int) or ep < 1 or ep % tsp_size:
+        raise ValueError(f"expert_parallel_size must be a multiple of tsp_size {tsp_size}, not {ep!r}")
+    return ep
 
 
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                    grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring"):
+                    grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring", expert_parallel_size=None):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -122,24 +140,34 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     DeltaNet layer of a hybrid, whose bytes (``delta_net_bytes_by_op``: head
     groups broadcast, their state maps gathered) take the attention's place;
     likewise by default the model's kind of token mixer.
+    ``expert_parallel_size``: the sparse block's experts over that many ranks
+    (``moe_block_bytes_by_op``), above ``D`` by the token all-to-all whatever
+    ``moe_schedule`` says.
     """
     m = model_shape(model)
     D = tsp_size
     sparse, linear = _layer_kind(m, sparse), _mixer_kind(m, linear)
-    _check(m, seq_len, D, direction)
-    if D == 1:
+    ep = _check(m, seq_len, D, direction, expert_parallel_size)
+    if ep == 1:
         return {}
     forward, backward = _mixer_ops(m, seq_len, micro_batch, D, elem_bytes, tsp_rank, linear, grad_wire_bytes)
     for ops, more in zip((forward, backward), _ffn_ops(m, seq_len, micro_batch, D, elem_bytes, sparse,
-                                                        moe_schedule, grad_wire_bytes)):
+                                                        moe_schedule, grad_wire_bytes, ep)):
         for op, v in more.items():
             ops[op] = ops.get(op, 0) + v
-    return _by_direction(forward, backward, direction)
+    return _nonzero(_by_direction(forward, backward, direction), D)
+
+
+def _nonzero(counts, tsp_size):
+    """``counts``, without the ops a TSP group of one runs with nothing to move (its experts' all-to-all aside)."""
+    return counts if tsp_size > 1 else {op: v for op, v in counts.items() if v}
 
 
 def _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes):
     """``(forward, backward)`` bytes by op of one layer's token mixer: an attention (with a projection norm's
     round of the shards) or, ``linear``, a Gated DeltaNet."""
+    if D == 1:  # the experts' all-to-all alone moves bytes (expert_parallel_size > 1)
+        return {}, {}
     if linear:
         return tuple({op: Fraction(v) for op, v in delta_net_bytes_by_op(
             m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim,
@@ -159,13 +187,14 @@ def _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes)
     return forward, backward
 
 
-def _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes):
+def _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes, ep):
     """``(forward, backward)`` bytes by op of one layer's feed-forward block: the dense MLP's ring, or a sparse
-    block's under its schedule."""
+    block's under its schedule, its experts over ``ep`` ranks."""
     if sparse:
-        schedule = tsp_moe_schedule(m, seq_len, micro_batch, D, e, moe_schedule, grad_wire_bytes=grad_wire_bytes)
+        wire = {"grad_wire_bytes": grad_wire_bytes, "expert_parallel_size": ep}
+        schedule = tsp_moe_schedule(m, seq_len, micro_batch, D, e, moe_schedule, **wire)
         return tuple({op: Fraction(v) for op, v in tsp_moe_bytes_by_op(
-            m, seq_len, micro_batch, D, e, direction, schedule, grad_wire_bytes=grad_wire_bytes).items()}
+            m, seq_len, micro_batch, D, e, direction, schedule, **wire).items()}
             for direction in ("forward", "backward"))
     ffn = Fraction((D - 1) * m.ffn_params(sparse), D)
     return {"ring": e * ffn}, {"ring": (e + gradient_wire_bytes(e, grad_wire_bytes)) * ffn}
@@ -234,22 +263,24 @@ def delta_net_bytes_by_op(hidden_size, num_k_heads, num_v_heads, head_k_dim, hea
 
 
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
-                        grad_wire_bytes=None):
+                        grad_wire_bytes=None, expert_parallel_size=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts
-    ``E/D`` per rank, tokens ``N = B*S/D`` per rank), per ``comm`` op name, for
-    either schedule: ``moe_block_bytes_by_op`` over the model's sizes."""
+    ``E/ep`` per rank, ``ep = D`` by default, tokens ``N = B*S/D`` per rank), per
+    ``comm`` op name, for either schedule: ``moe_block_bytes_by_op`` over the
+    model's sizes."""
     m = model_shape(model)
     if not m.is_moe:
         raise ValueError(f"{m.name} has no mixture-of-experts layer")
-    _check(m, seq_len, tsp_size, direction)
+    ep = _check(m, seq_len, tsp_size, direction, expert_parallel_size)
     return moe_block_bytes_by_op(m.hidden_size, m.num_experts, m.expert_size, m.shared_expert_size,
                                  m.experts_per_token, Fraction(micro_batch * seq_len, tsp_size), tsp_size, elem_bytes,
-                                 direction, schedule, grad_wire_bytes=grad_wire_bytes, expert_bias=m.expert_bias)
+                                 direction, schedule, grad_wire_bytes=grad_wire_bytes, expert_bias=m.expert_bias,
+                                 expert_parallel_size=ep)
 
 
 def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
                           elem_bytes, direction, schedule, *, grad_wire_bytes=None, rows_received=None,
-                          expert_bias=False):
+                          expert_bias=False, expert_parallel_size=None):
     """Bytes one rank receives in one sparse MoE block (``ds_tsp.blocks.moe.module``), per
     ``comm`` op name: ``E`` experts of ``3 H F_e`` weights (``+ 2 F_e + H``
     with ``expert_bias``: GPT-OSS's gate/up and down biases), ``E/D`` per rank,
@@ -270,13 +301,24 @@ def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, to
     backward the gradients of both, the same rows again. The experts' weight
     gradients stay on their owner. The shared expert, dense, stays on the
     ring: ``(D-1)/D * 3H F_s`` each way, plus its accumulators backward.
+
+    ``expert_parallel_size`` (``ep``, None: ``D``; a multiple of ``D``): the
+    experts split ``E/ep`` per rank over ``ep`` consecutive ranks, the TSP
+    group and ``ep/D`` data-parallel replicas (DESIGN.md 6k), and the
+    all-to-all runs over them: ``(ep-1) E/ep`` split sizes, by default
+    ``2 k N (ep-1)/ep`` rows; the shared expert's ring stays on the ``D`` ranks.
+    Above ``D`` the ring is refused: the experts no longer fit its group.
     """
     D, e, H = tsp_size, elem_bytes, hidden_size
+    ep = _expert_parallel(D, expert_parallel_size)
     if schedule not in MOE_SCHEDULES:
         raise ValueError(f"schedule must be one of {MOE_SCHEDULES}, not {schedule!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
-    if D == 1:
+    if schedule == "ring" and ep > D:
+        raise ValueError(f"expert_parallel_size {ep} > tsp_size {D}: the experts are met by the token all-to-all, "
+                         f"not the ring (schedule \"all_to_all\")")
+    if ep == 1:
         return {}
     a = gradient_wire_bytes(e, grad_wire_bytes)
     shared = Fraction((D - 1) * 3 * H * shared_size, D)
@@ -285,19 +327,22 @@ def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, to
         weights = Fraction((D - 1) * num_experts * expert, D) + shared
         return _by_direction({"ring": e * weights}, {"ring": (e + a) * weights}, direction)
     if rows_received is None:
-        rows_received = 2 * top_k * Fraction(local_tokens) * Fraction(D - 1, D)
+        rows_received = 2 * top_k * Fraction(local_tokens) * Fraction(ep - 1, ep)
     moved = e * H * Fraction(rows_received)
-    forward = {"all_to_all": moved + INT64 * (D - 1) * Fraction(num_experts, D), "ring": e * shared}
+    forward = {"all_to_all": moved + INT64 * (ep - 1) * Fraction(num_experts, ep), "ring": e * shared}
     backward = {"all_to_all": moved, "ring": (e + a) * shared}
     return _by_direction({k: v for k, v in forward.items() if v}, {k: v for k, v in backward.items() if v},
                          direction)
 
 
 def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
-                         elem_bytes, direction, *, grad_wire_bytes=None, expert_bias=False):
+                         elem_bytes, direction, *, grad_wire_bytes=None, expert_bias=False, expert_parallel_size=None):
     """``tsp.moe_schedule: "auto"``: the schedule of ``MOE_SCHEDULES`` whose
     expected bytes (``moe_block_bytes_by_op``) are fewer for this block and
-    micro-batch shape; the ring where they tie."""
+    micro-batch shape; the ring where they tie. Experts over more ranks than
+    the TSP group (``expert_parallel_size``) leave the all-to-all alone."""
+    if _expert_parallel(tsp_size, expert_parallel_size) > tsp_size:
+        return "all_to_all"
     moved = {schedule: sum(Fraction(v) for v in moe_block_bytes_by_op(
         hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size, elem_bytes, direction,
         schedule, grad_wire_bytes=grad_wire_bytes, expert_bias=expert_bias).values()) for schedule in MOE_SCHEDULES}
@@ -305,10 +350,13 @@ def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top
 
 
 def tsp_moe_schedule(model, seq_len, micro_batch, tsp_size, elem_bytes, moe_schedule="auto", *,
-                     grad_wire_bytes=None):
+                     grad_wire_bytes=None, expert_parallel_size=None):
     """The schedule ``model``'s sparse layers run under ``moe_schedule`` in a
     training step: itself, or for "auto" ``cheaper_moe_schedule``'s choice
-    (forward and backward) at ``N = B*S/D`` local tokens."""
+    (forward and backward) at ``N = B*S/D`` local tokens; the all-to-all
+    whatever it says where ``expert_parallel_size`` exceeds ``tsp_size``."""
+    if _expert_parallel(tsp_size, expert_parallel_size) > tsp_size:
+        return "all_to_all"
     if moe_schedule != "auto":
         return moe_schedule
     m = model_shape(model)
@@ -339,12 +387,14 @@ def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_
 
 
 def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                        grad_wire_bytes=None, sparse=None, linear=None):
+                        grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring",
+                        expert_parallel_size=None):
     """Total of ``tsp_bytes_by_op``: bytes one rank receives in one TSP layer
     (forward ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d) * elem`` on average)."""
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
                                                       tsp_rank, grad_wire_bytes=grad_wire_bytes, sparse=sparse,
-                                                      linear=linear).values())
+                                                      linear=linear, moe_schedule=moe_schedule,
+                                                      expert_parallel_size=expert_parallel_size).values())
     return int(total) if total.denominator == 1 else float(total)
 
 
@@ -394,7 +444,7 @@ def _all_reduced(nbytes, group_size):
 
 def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, vocab_parallel=True,
                          activation_checkpointing=False, tsp_rank=None, rows_exchanged=None, grad_wire_bytes=None,
-                         moe_schedule="ring", check_batch="always"):
+                         moe_schedule="ring", check_batch="always", expert_parallel_size=None):
     """Bytes one rank receives in one training step (forward and backward of one
     micro-batch), per ``comm`` op name, as ``comm.counter`` counts them.
 
@@ -413,14 +463,16 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     ``tsp_bytes_by_op`` (the all-to-all's rows as routing spread evenly would
     send them). ``check_batch``: with ``tsp.check_batch`` "always", every
     micro-batch's fingerprint (``BATCH_FINGERPRINT_BYTES`` per rank, all-gathered).
+    ``expert_parallel_size`` as in ``tsp_bytes_by_op``; the experts' gradients
+    reduced over their expert-data-parallel group are DeepSpeed's, not counted here.
     """
     m = model_shape(model)
     D, e, H = tsp_size, elem_bytes, m.hidden_size
-    if D == 1:
+    ep = _check(m, seq_len, D, "both", expert_parallel_size)
+    if ep == 1:
         return {}
-    _check(m, seq_len, D, "both")
     wire = {"grad_wire_bytes": grad_wire_bytes}
-    forward, backward = _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes)
+    forward, backward = _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes, ep)
     if activation_checkpointing:  # every layer's forward runs again in backward
         backward = {op: v + forward.get(op, 0) for op, v in backward.items()}
     counts = _by_direction(forward, backward, "both")
@@ -440,30 +492,30 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     counts["all_reduce"] = reduced
     if check_batch == "always":
         counts["batch_check"] = (D - 1) * BATCH_FINGERPRINT_BYTES
-    return counts
+    return _nonzero(counts, D)
 
 
 def tsp_layers_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                           grad_wire_bytes=None, moe_schedule="ring"):
+                           grad_wire_bytes=None, moe_schedule="ring", expert_parallel_size=None):
     """Bytes one rank receives in every decoder layer of ``model`` together, per ``comm`` op name: each layer's
     token mixer and feed-forward block as ``tsp_bytes_by_op`` counts them, each kind by its count of layers (a
     hybrid's attention and Gated DeltaNet layers, dense and sparse layers)."""
     m = model_shape(model)
-    _check(m, seq_len, tsp_size, direction)
-    if tsp_size == 1:
+    ep = _check(m, seq_len, tsp_size, direction, expert_parallel_size)
+    if ep == 1:
         return {}
     forward, backward = _layers_ops(m, seq_len, micro_batch, tsp_size, elem_bytes, tsp_rank, moe_schedule,
-                                    grad_wire_bytes)
-    return _by_direction(forward, backward, direction)
+                                    grad_wire_bytes, ep)
+    return _nonzero(_by_direction(forward, backward, direction), tsp_size)
 
 
-def _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes):
+def _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire_bytes, ep):
     """``(forward, backward)`` bytes by op of every layer: each kind of mixer and of feed-forward block times its
-    count of layers."""
+    count of layers, the experts over ``ep`` ranks."""
     forward, backward = {}, {}
     parts = [(layers, _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes))
              for linear, layers in m.mixer_kinds]
-    parts += [(layers, _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes))
+    parts += [(layers, _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes, ep))
               for sparse, layers in m.layer_kinds]
     for layers, pair in parts:
         for ops, more in zip((forward, backward), pair):

@@ -60,7 +60,13 @@ estimate), and what offloading puts in host memory instead.
   indices. The load-balancing loss (``output_router_logits``) adds its own
   softmax and, in ds_tsp, each layer's real-token mask. Both counts are exact
   against the saved-tensor hooks too (what autograd still holds when the
-  forward returns).
+  forward returns). Under the token all-to-all (``tsp.moe_schedule``
+  "all_to_all", and always where the experts fold across data-parallel
+  replicas, ``expert_parallel_size > D``) the block also keeps the rows its
+  experts received and the outputs returned to it, ``2 k H`` elements a local
+  token (routing spread evenly), with a shared expert its output and ring
+  steps; its backward holds the rows' gradients and its experts' gradient,
+  summed at rest, instead of the ring's shards and accumulators.
 * Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): a TSP linear-attention
   layer saves its local input alone (and its norm's tensors), and its
   backward holds one head group's recomputed projections, convolution inputs
@@ -125,6 +131,7 @@ STATE_MAPS = "gathered state maps of one head group"
 HEAD_GROUP_LOCAL = "local queries and keys of one head group"
 GRAD_X = "input-gradient buffers"
 MLP_TILE = "MLP intermediates"
+EXPERT_ROWS = "routed rows' gradients"
 SHARDS = "weight shards and gradient buffers in flight"
 LOSS_BACKWARD = "loss backward (logits)"
 EMBEDDING_BACKWARD = "embedding backward"
@@ -171,7 +178,7 @@ def rms_norm_saved_per_call(m, recompute=False, width=None):
 
 
 def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False,
-                              linear=False):
+                              linear=False, all_to_all=False):
     """Bytes ds_tsp's decoder layer saves per local token, by block
     (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it
     (with ``recompute_norms`` the attention's runs inside it and saves nothing more):
@@ -189,7 +196,12 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     (``router_saved_per_token``), the routing weights, the token order by
     expert and top-k slot (two int64 a slot), with a shared expert its gate's
     sigmoid and, with ``output_router_logits``, the float32 mask of real
-    tokens its load-balancing statistics multiply by."""
+    tokens its load-balancing statistics multiply by. Under the token
+    all-to-all (``all_to_all``, ``ds_tsp.blocks.moe.all_to_all``) also the
+    rows its experts received and the outputs returned, ``k`` of each a local
+    token as routing spread evenly gives them (exactly so at ``D = 1``), and
+    with a shared expert its output and, its tokens in one tile, its ring
+    steps' gate and up projections (``2 F_s`` a token)."""
     H, nq = m.hidden_size, m.num_heads
     norm = rms_norm_saved_per_token(m, e, recompute_norms)
     # Recomputed, the attention's norm runs inside it (ds_tsp.blocks.input_norm), which keeps the layer's input alone.
@@ -199,6 +211,9 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
         mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
         mlp += e if m.gated_shared_expert else 0
         mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
+        if all_to_all:
+            mlp += 2 * k * e * H
+            mlp += e * (H + (0 if mlp_tiled else 2 * m.shared_expert_size)) if m.shared_expert_size else 0
     elif not mlp_tiled:
         mlp += 2 * e * m.intermediate_size
     if attention_backward == "fused" and not linear:

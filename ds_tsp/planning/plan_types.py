@@ -25,11 +25,17 @@ ZERO3_GATHER = "zero3_gather"  # ZeRO-3: every layer's parameters gathered befor
 GRAD_REDUCE = "grad_reduce"  # gradients reduced over the weight replicas (reduce-scatter under ZeRO)
 PARAM_GATHER = "param_gather"  # ZeRO-1/2: the updated weights gathered after the optimizer step
 EP_ALL_TO_ALL = "ep_all_to_all"  # expert parallelism (AutoEP): routed rows to the experts' owners and back
+# Where experts fold across data-parallel replicas (AutoEP, TSP's expert_parallel_size): their gradients reduced
+# over the ranks holding the same experts, and under ZeRO-1/2 their updated weights gathered, apart from the rest.
+EXPERT_GRAD_REDUCE = "expert_grad_reduce"
+EXPERT_PARAM_GATHER = "expert_param_gather"
 # TSP, one per ``comm`` op (``communication.tsp_step_bytes_by_op``):
 TSP_PARTS = {"broadcast": "tsp_weight_broadcast", "ring": "tsp_ring", "all_gather": "tsp_kv_gather",
              "reduce_scatter": "tsp_kv_grad_scatter", "reduce": "tsp_weight_grad_reduce",
              "all_to_all": "tsp_embedding_all_to_all", "all_reduce": "tsp_replicated_grads",
              "batch_check": "tsp_batch_check"}
+# TSP's sparse layers under the token all-to-all, over their expert-parallel group (the TSP group, or more ranks)
+TSP_EXPERT_ALL_TO_ALL = "tsp_expert_all_to_all"
 
 
 @dataclass(frozen=True)

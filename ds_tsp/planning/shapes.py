@@ -43,6 +43,12 @@ PRESETS = {
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                          tie_word_embeddings=False, attention_bias=True, num_local_experts=128, num_experts_per_tok=4,
                          sliding_window=128),
+    # 235.1B parameters, 22.2B active per token: 128 experts of 1536 (top-8), no shared expert, in all 94 layers
+    # (no layer uses its intermediate_size), 64 query and 4 key/value heads of 128 with Qwen3's q/k norms.
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                            num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                            tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     # 671B parameters, 37B active per token: multi-head latent attention (kv_lora_rank 512 and a 64-wide rotary key,
     # 128 heads of 192 / 128 once expanded), 3 dense layers, then 256 routed experts (top-8) and one shared.
     "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
@@ -400,10 +406,36 @@ class Setting:
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE
     lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the base frozen (0: full fine-tuning)
     lora_targets: tuple = ()
+    # The TSP rows' layout: a TSP group of tsp_size (None: every device) and devices / tsp_size data-parallel
+    # replicas; each sparse layer's experts over expert_parallel_size consecutive ranks (None: the TSP group).
+    tsp_size: int | None = None
+    expert_parallel_size: int | None = None
+    moe_schedule: str = "ring"  # tsp.moe_schedule of the TSP rows: "ring", "all_to_all" or "auto"
 
     @property
     def precision(self):
         return PRECISIONS[self.dtype]
+
+    @property
+    def tsp_group_size(self):
+        """``D``: the TSP rows' group, every device unless ``tsp_size`` says fewer."""
+        return self.tsp_size or self.devices
+
+    @property
+    def tsp_replicas(self):
+        """``dp``: the data-parallel replicas of the TSP rows, ``devices / D``."""
+        return self.devices // self.tsp_group_size
+
+    @property
+    def expert_group_size(self):
+        """``ep``: the ranks splitting a sparse layer's experts, ``D`` unless ``expert_parallel_size`` folds
+        replicas in."""
+        return self.expert_parallel_size or self.tsp_group_size
+
+    @property
+    def expert_replicas(self):
+        """The expert-data-parallel group's size, ``dp * D / ep``: ranks holding the same experts."""
+        return self.devices // self.expert_group_size
 
     @property
     def ranks_per_node(self):
@@ -656,6 +688,13 @@ def tsp_shape_problem(m, tsp_size):
     return None
 
 
+def expert_parallel_sizes(m, tsp_size, devices):
+    """The sizes ``tsp.expert_parallel_size`` may take for ``m`` on ``devices`` ranks in TSP groups of
+    ``tsp_size``: multiples of ``D`` dividing ``devices`` (``D x dp``) and, folded, the experts of a layer."""
+    return [ep for ep in range(tsp_size, devices + 1, tsp_size)
+            if devices % ep == 0 and (ep == tsp_size or m.is_moe and m.num_experts % ep == 0)]
+
+
 def tsp_qk_rows(m, tsp_size, tsp_rank):
     """Elements of the q and k rows (weights and biases) of rank ``tsp_rank``'s
     attention shard: what the round of a projection norm's sums of squares
@@ -700,10 +739,14 @@ def padded_length(seq_len, tsp_size):
     return -(-seq_len // multiple) * multiple
 
 
-def tsp_name(tsp_size, vocab_parallel=True):
+def tsp_name(tsp_size, vocab_parallel=True, data_parallel=1, expert_parallel_size=None):
     """The plan's name: ``TSP(D)`` with the folded vocabulary (``tsp.vocab_parallel``,
-    the default), ``TSP(D) replicated vocab`` without it."""
-    return f"TSP({tsp_size})" + ("" if vocab_parallel else " replicated vocab")
+    the default), ``TSP(D) replicated vocab`` without it; ``TSP(D) x DP(dp)``
+    beside data-parallel replicas, ``, EP(ep)`` where the experts fold across them."""
+    name = f"TSP({tsp_size})" + (f" x DP({data_parallel})" if data_parallel > 1 else "")
+    if expert_parallel_size and expert_parallel_size > tsp_size:
+        name += f", EP({expert_parallel_size})"
+    return name + ("" if vocab_parallel else " replicated vocab")
 
 
 def vocab_rows_per_rank(vocab_size, tsp_size):

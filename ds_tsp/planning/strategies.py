@@ -6,7 +6,10 @@ sizes, checks them into a ``Setting`` (``make_setting``) and hands it to the
 plans that cost it: ``tsp_plan.plan_tsp`` and ``baselines.plan_baseline``.
 """
 
+from dataclasses import replace
+
 from ds_tsp.planning.baselines import baseline_plans, plan_baseline
+from ds_tsp.planning.communication import MOE_SCHEDULES
 from ds_tsp.planning.shapes import (
     DEFAULT_DEVICES_PER_NODE,
     DEFAULT_LOGITS_TILE_MIB,
@@ -14,17 +17,21 @@ from ds_tsp.planning.shapes import (
     PRECISIONS,
     TSP_ATTENTION_BACKWARDS,
     Setting,
+    expert_parallel_sizes,
     model_shape,
 )
 from ds_tsp.planning.tsp_plan import plan_tsp
+
+# tsp.moe_schedule: a schedule, or "auto", the cheaper for the micro-batch's shape
+TSP_MOE_SCHEDULES = (*MOE_SCHEDULES, "auto")
 
 
 def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
                  tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
                  fp32_accumulators=True, recompute_norms=False, offload_activations=False, offload_optimizer=False,
                  prefetch_checkpoints=False, devices_per_node=DEFAULT_DEVICES_PER_NODE, lora_rank=0,
-                 lora_targets=LORA_TARGETS):
-    """A checked ``Setting`` (arguments as ``plan``'s)."""
+                 lora_targets=LORA_TARGETS, tsp_size=None, expert_parallel_size=None, moe_schedule="ring"):
+    """A checked ``Setting`` (arguments as ``plan``'s; ``expert_parallel_size`` a number or None)."""
     if not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: full fine-tuning), not {lora_rank!r}")
     unknown = sorted(set(lora_targets) - set(LORA_TARGETS))
@@ -60,10 +67,35 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
                          f"not {tsp_attention_backward!r}")
     if not logits_tile_mib > 0:
         raise ValueError(f"logits_tile_mib must be > 0, not {logits_tile_mib!r}")
+    if moe_schedule not in TSP_MOE_SCHEDULES:
+        raise ValueError(f"moe_schedule must be one of {', '.join(TSP_MOE_SCHEDULES)}, not {moe_schedule!r}")
+    _check_tsp_layout(m, devices, tsp_size, expert_parallel_size)
     return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
                    tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
                    bool(recompute_norms), bool(offload_activations), bool(prefetch_checkpoints),
-                   bool(offload_optimizer), devices_per_node, lora_rank, tuple(lora_targets))
+                   bool(offload_optimizer), devices_per_node, lora_rank, tuple(lora_targets), tsp_size,
+                   expert_parallel_size, moe_schedule)
+
+
+def _check_tsp_layout(m, devices, tsp_size, expert_parallel_size):
+    """Refuse a TSP group that does not divide the devices, and an expert-parallel size that
+    ``tsp.expert_parallel_size`` would refuse: a multiple of the TSP size dividing TSP x DP and the experts."""
+    if tsp_size is not None and (not isinstance(tsp_size, int) or tsp_size < 1 or devices % tsp_size):
+        raise ValueError(f"tsp_size must be an integer dividing devices ({devices}), the others data-parallel "
+                         f"replicas of the TSP group, not {tsp_size!r}")
+    if expert_parallel_size is None:
+        return
+    D = tsp_size or devices
+    if expert_parallel_size != D and not m.is_moe:
+        raise ValueError(f"expert_parallel_size = {expert_parallel_size!r}: {m.name} has no mixture-of-experts "
+                         f"layer; leave it unset")
+    choices = expert_parallel_sizes(m, D, devices)
+    if not isinstance(expert_parallel_size, int) or expert_parallel_size not in choices:
+        fold = "" if len(choices) > 1 else \
+            f" (a TSP group of all {devices} devices leaves no replica to fold the experts over: set tsp_size)"
+        raise ValueError(f"expert_parallel_size = {expert_parallel_size!r} must be a multiple of tsp_size ({D}) "
+                         f"dividing tsp_size x the data-parallel size ({D} x {devices // D}) and {m.name}'s "
+                         f"{m.num_experts} experts a layer: choose one of {', '.join(map(str, choices))}{fold}")
 
 
 def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,
@@ -87,11 +119,46 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     ``offload_optimizer`` (ZeRO's ``offload_optimizer: cpu``) and
     ``devices_per_node`` (ranks whose offloads share one host); the offloads
     apply to every strategy. ``lora_rank`` (> 0) and ``lora_targets`` plan
-    LoRA fine-tuning: the base frozen, adapters on those projections."""
+    LoRA fine-tuning: the base frozen, adapters on those projections.
+
+    The TSP rows: ``tsp_size`` (``D``, dividing ``devices``; default all of
+    them) ranks a TSP group, ``devices / D`` data-parallel replicas beside it
+    (ZeRO-1/2 partition over them), a sparse layer's experts ``E/D`` per rank
+    under ``moe_schedule`` (``tsp.moe_schedule``: "ring", the default here,
+    "all_to_all" or "auto"). ``expert_parallel_size`` (``tsp.expert_parallel_size``,
+    above ``D``: DESIGN.md 6k) adds the row ``TSP(D) x DP(dp), EP(ep)``, its
+    experts folded across the replicas, ``E/ep`` per rank and met by the
+    token all-to-all; "auto": the ``ep`` of least memory, then fewest bytes
+    (``best_expert_parallel_size``)."""
+    ep = options.pop("expert_parallel_size", None)
     setting = make_setting(model, seq_len, micro_batch, devices, dtype, zero_stage, activation_checkpointing,
-                           tsp_attention_backward, logits_tile_mib, **options)
-    return baseline_plans(setting) + [plan_tsp(setting, vocab_parallel=False),
-                                      plan_tsp(setting, vocab_parallel=True)]
+                           tsp_attention_backward, logits_tile_mib, **options,
+                           expert_parallel_size=None if ep == "auto" else ep)
+    if ep == "auto":
+        ep = best_expert_parallel_size(setting)
+    plans = baseline_plans(setting) + [plan_tsp(replace(setting, expert_parallel_size=None), vocab_parallel)
+                                       for vocab_parallel in (False, True)]
+    if ep is not None and ep > setting.tsp_group_size:
+        plans.append(plan_tsp(replace(setting, expert_parallel_size=ep), vocab_parallel=True))
+    return plans
+
+
+def best_expert_parallel_size(setting):
+    """``expert_parallel_size: "auto"``: of the sizes above ``setting``'s TSP group that fold the experts
+    across its replicas (``shapes.expert_parallel_sizes``), the one whose TSP plan (folded vocabulary) is
+    feasible with the least peak memory, then the fewest bytes per step. The largest holds the fewest experts;
+    its all-to-all receives ``(ep-1)/ep`` of the rows, a little more, and its expert gradients are reduced over
+    fewer replicas."""
+    m, D = setting.model, setting.tsp_group_size
+    if not m.is_moe:
+        raise ValueError(f"expert_parallel_size auto: {m.name} has no mixture-of-experts layer")
+    choices = [ep for ep in expert_parallel_sizes(m, D, setting.devices) if ep > D]
+    if not choices:
+        raise ValueError(f"expert_parallel_size auto: no size above tsp_size {D} divides {setting.devices} devices "
+                         f"and {m.name}'s {m.num_experts} experts" + (" (set tsp_size below the devices)"
+                                                                        if D == setting.devices else ""))
+    plans = {ep: plan_tsp(replace(setting, expert_parallel_size=ep), vocab_parallel=True) for ep in choices}
+    return min(choices, key=lambda ep: (not plans[ep].feasible, plans[ep].total, plans[ep].comm_per_step))
 
 
 def plan_autotp(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activation_checkpointing=False,

@@ -32,7 +32,8 @@ the frameworks run them):
   (a ring of p2p transfers under the attention of the chunk in hand).
 * ZeRO-3 parameter gathers: overlapped (prefetch of the next layers).
 * Gradient reduction over the weight replicas: overlapped with backward
-  (DeepSpeed's ``overlap_comm`` buckets, DDP).
+  (DeepSpeed's ``overlap_comm`` buckets, DDP); folded experts' over their
+  expert-data-parallel group likewise.
 * ZeRO-1/2 gather of the updated weights: blocking, after the optimizer step.
 * TSP weight broadcasts and the MLP / LM-head ring: overlapped (DESIGN.md 4
   and 5: shard ``j+1`` arrives while shard ``j`` computes); the K/V all-gather
@@ -42,7 +43,8 @@ the frameworks run them):
   blocking (the first layer needs the rows) and so are the all-reduces of the
   gradients every rank holds whole (ds_tsp waits for them before DeepSpeed's own
   reduction reads those gradients: bucketed once per optimizer step under
-  ZeRO-0/1, per micro-step under ZeRO-2/3).
+  ZeRO-0/1, per micro-step under ZeRO-2/3). The sparse layers' token
+  all-to-all is blocking, as AutoEP's: the experts wait for their rows.
 
 Overlapped traffic hides under the step's whole compute, not only the phase
 that issues it, and costs no compute; bandwidths are what a large message
@@ -71,10 +73,13 @@ from ds_tsp.planning.baselines import plan_baseline
 from ds_tsp.planning.plan_types import (
     CP_KV,
     EP_ALL_TO_ALL,
+    EXPERT_GRAD_REDUCE,
+    EXPERT_PARAM_GATHER,
     GRAD_REDUCE,
     PARAM_GATHER,
     SP_ALL_TO_ALL,
     TP_ACTIVATIONS,
+    TSP_EXPERT_ALL_TO_ALL,
     TSP_PARTS,
     ZERO3_GATHER,
 )
@@ -93,6 +98,8 @@ OVERLAPPED = {
     ZERO3_GATHER: True,
     GRAD_REDUCE: True,
     PARAM_GATHER: False,
+    EXPERT_GRAD_REDUCE: True,
+    EXPERT_PARAM_GATHER: False,
     TSP_PARTS["broadcast"]: True,
     TSP_PARTS["ring"]: True,
     TSP_PARTS["all_gather"]: True,
@@ -101,6 +108,7 @@ OVERLAPPED = {
     TSP_PARTS["all_to_all"]: False,
     TSP_PARTS["all_reduce"]: False,
     TSP_PARTS["batch_check"]: False,  # the forward waits for the fingerprints
+    TSP_EXPERT_ALL_TO_ALL: False,
 }
 
 

@@ -5,9 +5,18 @@ TSP is planned twice: ``TSP(N)`` folds the vocabulary as ``tsp.vocab_parallel``
 (the default) does, ``ceil(V/N)`` rows of the embedding and the LM head per
 device; ``TSP(N) replicated vocab`` keeps both whole on every device. A sparse
 layer holds ``E/D`` experts per rank, which travel round the ring as the MLP's
-shards do (``ds_tsp.blocks.moe.module``); a hybrid's Gated DeltaNet layer holds
-its head group, ``1/D`` of the layer, and gathers state maps where an attention
-gathers K/V (``ds_tsp.blocks.linear.schedule``).
+shards do or stay at rest while the tokens go to them by all-to-all
+(``tsp.moe_schedule``, ``ds_tsp.blocks.moe.module``); a hybrid's Gated DeltaNet
+layer holds its head group, ``1/D`` of the layer, and gathers state maps where
+an attention gathers K/V (``ds_tsp.blocks.linear.schedule``).
+
+The TSP group may be ``D < N`` devices (``Setting.tsp_size``), ``N/D``
+data-parallel replicas beside it, whose model states ZeRO-1/2 partition and
+whose gradients DeepSpeed reduces. Their experts may fold across the replicas
+(``Setting.expert_parallel_size``, DESIGN.md 6k): ``E/ep`` experts a rank over
+``ep`` consecutive ranks, met by the token all-to-all over those ranks; their
+gradients and ZeRO's partition of their states then span the
+expert-data-parallel group, ``N/ep`` ranks, and the rest's the ``N/D`` replicas.
 
 The peak is the largest of three phases of backward: one layer's (its MLP's,
 then its token mixer's, once the MLP's saved tensors are freed), the head's
@@ -18,13 +27,19 @@ op; FLOPs are ``flops.step_flops``' over ``D``.
 
 from typing import NamedTuple
 
-from ds_tsp.planning.communication import tsp_layers_bytes_by_op, tsp_step_bytes_by_op
+from ds_tsp.planning.communication import (
+    tsp_layers_bytes_by_op,
+    tsp_moe_schedule,
+    tsp_step_bytes_by_op,
+    tsp_vocab_bytes_by_op,
+)
 from ds_tsp.planning.flops import step_flops
 from ds_tsp.planning.memory import (
     CHECKPOINT_BACK,
     CHECKPOINTS,
     EMBEDDING_BACKWARD,
     EVERY_LAYER,
+    EXPERT_ROWS,
     GRAD_X,
     HEAD_BACKWARD,
     HEAD_GROUP_LOCAL,
@@ -51,7 +66,16 @@ from ds_tsp.planning.memory import (
     tsp_block_saved_per_token,
     tsp_vocab_memory,
 )
-from ds_tsp.planning.plan_types import TSP_PARTS, CommPart, StrategyPlan
+from ds_tsp.planning.plan_types import (
+    EXPERT_GRAD_REDUCE,
+    EXPERT_PARAM_GATHER,
+    GRAD_REDUCE,
+    PARAM_GATHER,
+    TSP_EXPERT_ALL_TO_ALL,
+    TSP_PARTS,
+    CommPart,
+    StrategyPlan,
+)
 from ds_tsp.planning.shapes import (
     DELTA_CHUNK,
     FLOAT32,
@@ -67,21 +91,48 @@ from ds_tsp.planning.shapes import (
 
 def plan_tsp(setting, vocab_parallel):
     """TSP: ds_tsp's blocks, with the vocabulary folded (``tsp.vocab_parallel``) or
-    the embedding and LM head whole on every rank. A sparse layer's experts are
-    sharded ``E/D`` per rank and travel round the ring as the MLP's shards do
-    (``ds_tsp.blocks.moe.module``)."""
-    m, D = setting.model, setting.devices
+    the embedding and LM head whole on every rank, over ``setting.tsp_group_size``
+    ranks and its replicas. A sparse layer's experts are sharded ``E/ep`` per rank
+    (``ep = D`` unless they fold across the replicas) and met by the schedule
+    ``tsp_moe_schedule`` gives (``ds_tsp.blocks.moe.module``)."""
+    m, D, dp, ep = setting.model, setting.tsp_group_size, setting.tsp_replicas, setting.expert_group_size
     problem = tsp_shape_problem(m, D)
     S = padded_length(setting.seq_len, D)  # two zigzag chunks per rank
     tokens = setting.micro_batch * S // D
-    memory, detail, terms, host = _tsp_memory(setting, vocab_parallel, tokens)
+    schedule = _moe_schedule(setting, S)
+    memory, detail, terms, host = _tsp_memory(setting, vocab_parallel, tokens, schedule)
     forward, backward, per_step, parts = _tsp_communication(setting, vocab_parallel, S, problem)
     flops, attention_flops = _tsp_flops(setting, vocab_parallel, S, tokens)
-    notes = problem or ("" if S == setting.seq_len else f"sequence padded to {S}")
-    return StrategyPlan(tsp_name(D, vocab_parallel), f"tsp={D}, vocab_parallel={str(vocab_parallel).lower()}",
-                        memory, forward, backward, per_step, flops, tokens, setting, feasible=problem is None,
-                        notes=notes, detail=detail, terms=terms, host=host, comm_parts=parts,
-                        attention_flops_per_step=attention_flops, devices_per_replica=D)
+    refused = problem or _layout_problem(setting)
+    notes = refused or ("" if S == setting.seq_len else f"sequence padded to {S}")
+    layout = f"tsp={D}" + (f" x dp={dp}" if dp > 1 else "") + (f", ep={ep}" if ep > D else "") + \
+        (f", moe_schedule={schedule}" if schedule and schedule != "ring" else "") + \
+        f", vocab_parallel={str(vocab_parallel).lower()}"
+    return StrategyPlan(tsp_name(D, vocab_parallel, dp, ep), layout, memory, forward, backward, per_step, flops,
+                        tokens, setting, feasible=not refused, notes=notes, detail=detail, terms=terms, host=host,
+                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=D)
+
+
+def _moe_schedule(setting, S):
+    """The schedule the sparse layers run (None for a dense model): ``setting.moe_schedule``'s, the token
+    all-to-all wherever the experts fold across replicas."""
+    m, D = setting.model, setting.tsp_group_size
+    if not m.is_moe:
+        return None
+    return tsp_moe_schedule(m, S, setting.micro_batch, D, setting.precision.element, setting.moe_schedule,
+                            expert_parallel_size=setting.expert_group_size)
+
+
+def _layout_problem(setting):
+    """Why the TSP rows' layout is not planned under ZeRO-3, or None."""
+    if setting.zero_stage < 3:
+        return None
+    if setting.expert_group_size > setting.tsp_group_size:
+        return ("ZeRO-3 with expert_parallel_size > tsp.size is refused (DeepSpeed refuses ZeRO-3 with MoE "
+                "layers): use ZeRO-1 or 2")
+    if setting.tsp_replicas > 1:
+        return "ZeRO-3 over TSP's data-parallel replicas is not modelled: plan ZeRO-1 or 2"
+    return None
 
 
 def _token_tile(setting, tokens):
@@ -92,7 +143,24 @@ def _token_tile(setting, tokens):
 def _vocab_rows(setting, vocab_parallel):
     """Rows of the embedding (and of an untied LM head) one rank holds."""
     m = setting.model
-    return vocab_rows_per_rank(m.vocab_size, setting.devices) if vocab_parallel else m.vocab_size
+    return vocab_rows_per_rank(m.vocab_size, setting.tsp_group_size) if vocab_parallel else m.vocab_size
+
+
+def _ffn_shard(setting, sparse):
+    """Elements of one layer's feed-forward block a rank holds: ``1/D`` of the MLP, or its ``E/ep`` routed
+    experts and ``1/D`` of the shared expert."""
+    m, D, ep = setting.model, setting.tsp_group_size, setting.expert_group_size
+    if not sparse or ep == D:
+        return m.ffn_params(sparse) / D
+    return m.num_experts * m.expert_params / ep + m.shared_expert_params / D
+
+
+def _held_experts(setting):
+    """Elements of the routed experts one rank holds where they fold across replicas, every sparse layer's: the
+    parameters reduced and partitioned over the expert-data-parallel group; 0 where they split over the TSP
+    group alone, with everything else."""
+    m, ep = setting.model, setting.expert_group_size
+    return m.moe_layers * m.num_experts * m.expert_params / ep if ep > setting.tsp_group_size else 0
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -109,20 +177,20 @@ class _OutsideLayers(NamedTuple):
     transient: dict  # the named pieces of the loss's (and folded embedding's) backward
 
 
-def _tsp_memory(setting, vocab_parallel, tokens):
-    """One rank's memory: ``(memory parts, detail, terms, host)``."""
-    m, D = setting.model, setting.devices
+def _tsp_memory(setting, vocab_parallel, tokens, schedule):
+    """One rank's memory: ``(memory parts, detail, terms, host)``; ``schedule`` the sparse layers'."""
+    m, D = setting.model, setting.tsp_group_size
     tile = _token_tile(setting, tokens)
     mixer_shard = {linear: tsp_mixer_shard(m, D, linear) for linear, _ in m.mixer_kinds}
-    ffn_shard = {sparse: m.ffn_params(sparse) / D for sparse, _ in m.layer_kinds}
-    states, optimizer_host = _tsp_model_states(setting, vocab_parallel, mixer_shard, ffn_shard)
-    saved = _tsp_blocks_saved(setting, tokens, tile < tokens, mixer_shard, ffn_shard)
+    ffn_shard = {sparse: _ffn_shard(setting, sparse) for sparse, _ in m.layer_kinds}
+    states, optimizer_host = _tsp_model_states(setting, vocab_parallel)
+    saved = _tsp_blocks_saved(setting, tokens, tile < tokens, mixer_shard, ffn_shard, schedule == "all_to_all")
     every_layer = sum(layers * saved["attention"][linear] for linear, layers in m.mixer_kinds) + \
         sum(layers * saved["mlp"][sparse] for sparse, layers in m.layer_kinds)
     outside = _tsp_outside_layers(setting, vocab_parallel, tokens)
     mixer_pieces = {linear: _tsp_mixer_transient(setting, tokens, mixer_shard[linear], linear)
                     for linear, _ in m.mixer_kinds}
-    mlp_pieces = {sparse: _tsp_mlp_transient(setting, tokens, tile, ffn_shard[sparse], sparse)
+    mlp_pieces = {sparse: _tsp_mlp_transient(setting, tokens, tile, ffn_shard[sparse], sparse, schedule)
                   for sparse, _ in m.layer_kinds}
     # One layer's backward at its peak (of the larger kinds where layers differ), the MLP's or the mixer's:
     # (its kinds, saved tensors still live, the backward's buffers by term).
@@ -145,37 +213,64 @@ def _tsp_memory(setting, vocab_parallel, tokens):
     return memory, detail, terms, host_memory(setting, tokens, optimizer_host)
 
 
-def _tsp_model_states(setting, vocab_parallel, mixer_shard, ffn_shard):
-    """One rank's model states and its offloaded optimizer's host bytes: its
-    shards of every layer, the norms and routers whole, the embedding and LM
-    head whole or folded; under LoRA the frozen base and the adapters' shards."""
-    m, p, D, H = setting.model, setting.precision, setting.devices, setting.model.hidden_size
-    mixer_params = {linear: mixer_shard[linear] + sum(m.mixer_replicated_tensors(linear))
+class _Held(NamedTuple):
+    """The parameters one rank holds, elements (``_held_params``)."""
+
+    params: float  # every one: its shards of every layer, the norms and routers whole, its embedding and LM head
+    largest_layer: float  # one layer's, or the embedding's rows, the most: what an offloaded optimizer's device holds
+    adapters: float = 0  # under LoRA, every layer's adapters: the parameters trained
+    layer_adapters: float = 0  # and one layer's, the most
+
+
+def _held_params(setting, vocab_parallel):
+    """``_Held``: one rank's shards of every layer, the norms and routers whole, the embedding and LM head whole
+    or folded; under LoRA also the adapters' shards."""
+    m, D, H = setting.model, setting.tsp_group_size, setting.model.hidden_size
+    mixer_params = {linear: tsp_mixer_shard(m, D, linear) + sum(m.mixer_replicated_tensors(linear))
                     for linear, _ in m.mixer_kinds}
-    ffn_params = {sparse: ffn_shard[sparse] + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}
+    ffn_params = {sparse: _ffn_shard(setting, sparse) + sum(m.ffn_replicated_tensors(sparse))
+                  for sparse, _ in m.layer_kinds}
     vocab_rows = _vocab_rows(setting, vocab_parallel)
     vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
-    all_params = sum(layers * mixer_params[linear] for linear, layers in m.mixer_kinds) + \
+    params = sum(layers * mixer_params[linear] for linear, layers in m.mixer_kinds) + \
         sum(layers * ffn_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
+    largest_layer = max(max(mixer_params.values()) + max(ffn_params.values()), vocab_rows * H)
+    if not setting.lora_rank:
+        return _Held(params, largest_layer)
+    adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
+                for sparse, _ in m.layer_kinds}
+    return _Held(params, largest_layer, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds),
+                 max(adapters.values()))
+
+
+def _tsp_model_states(setting, vocab_parallel):
+    """One rank's model states and its offloaded optimizer's host bytes (``_held_params``); under LoRA the
+    frozen base and the adapters'. ZeRO partitions them over the data-parallel replicas, folded experts' over
+    their expert-data-parallel group (DeepSpeed's MoE parameter groups)."""
+    p, dp, held = setting.precision, setting.tsp_replicas, _held_params(setting, vocab_parallel)
     if setting.lora_rank:
-        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
-                    for sparse, _ in m.layer_kinds}
-        return lora_model_states(
-            all_params, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds), p, setting.zero_stage, 1,
-            setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
-    largest_layer = max(mixer_params.values()) + max(ffn_params.values())
-    return model_states(all_params, p, setting.zero_stage, 1, setting.offload_optimizer,
-                        layer_params=max(largest_layer, vocab_rows * H))
+        return lora_model_states(held.params, held.adapters, p, setting.zero_stage, dp, setting.offload_optimizer,
+                                 layer_adapter_params=held.layer_adapters)
+    experts = _held_experts(setting)
+    states, host = model_states(held.params - experts, p, setting.zero_stage, dp, setting.offload_optimizer,
+                                layer_params=held.largest_layer)
+    if experts:
+        expert_states, expert_host = model_states(experts, p, setting.zero_stage, setting.expert_replicas,
+                                                  setting.offload_optimizer)
+        states = {name: states[name] + expert_states[name] for name in states}
+        host += expert_host
+    return states, host
 
 
-def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard):
+def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to_all=False):
     """``{"attention": {linear: bytes}, "mlp": {sparse: bytes}}``: what one
-    layer's token mixer and feed-forward block of each kind save for backward."""
+    layer's token mixer and feed-forward block of each kind save for backward
+    (``all_to_all``: the sparse layers under the token all-to-all)."""
     m, e, H = setting.model, setting.precision.element, setting.model.hidden_size
 
     def per_token(linear=False, sparse=False):
         return tsp_block_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
-                                         setting.recompute_norms, linear)
+                                         setting.recompute_norms, linear, all_to_all)
 
     norm = rms_norm_saved_per_call(m, setting.recompute_norms)  # each block's norm's, once a layer
     saved = {"attention": {linear: tokens * per_token(linear=linear)["attention"] + norm
@@ -201,7 +296,8 @@ def _tsp_outside_layers(setting, vocab_parallel, tokens):
     model_saved = model_level_saved(m, e, tokens, rope_rows=tokens + B, recompute_norm=setting.recompute_norms)
     model_saved += load_balancing_saved(m, tsp=True)
     if vocab_parallel:  # no logits tensor: the loss saves labels and the log-sum-exp
-        logits_saved, vocab_transient = tsp_vocab_memory(m, p, setting.devices, tokens, setting.logits_tile_mib)
+        logits_saved, vocab_transient = tsp_vocab_memory(m, p, setting.tsp_group_size, tokens,
+                                                         setting.logits_tile_mib)
         logits_held = 0
         # A frozen head (LoRA) keeps no gradient accumulators on its ring.
         loss_backward = sum(vocab_transient[k] for k in HEAD_BACKWARD
@@ -237,7 +333,7 @@ def _tsp_mixer_transient(setting, tokens, shard, linear):
     Gated DeltaNet's."""
     if linear:
         return _tsp_linear_transient(setting, tokens, shard)
-    m, D = setting.model, setting.devices
+    m, D = setting.model, setting.tsp_group_size
     e, acc, B = setting.precision.element, setting.precision.accumulate, setting.micro_batch
     S = tokens * D // B
     kv_heads = max(m.num_kv_heads // D, 1)
@@ -270,7 +366,7 @@ def _tsp_mixer_transient(setting, tokens, shard, linear):
 def _tsp_linear_transient(setting, tokens, shard):
     """A Gated DeltaNet layer's backward buffers (``ds_tsp.blocks.linear.schedule``): one head group's forward
     recomputed under autograd and its gradients, the group's gathered state maps, the weight shards."""
-    m, D, B = setting.model, setting.devices, setting.micro_batch
+    m, D, B = setting.model, setting.tsp_group_size, setting.micro_batch
     e, acc = setting.precision.element, setting.precision.accumulate
     k_heads, v_heads = m.linear_num_key_heads // D, m.linear_num_value_heads // D
     dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
@@ -292,10 +388,13 @@ def _tsp_linear_transient(setting, tokens, shard):
     }
 
 
-def _tsp_mlp_transient(setting, tokens, tile, ffn_shard, sparse):
-    """One TSP feed-forward block's backward buffers (``plan_tsp``'s detail), by name."""
-    m, D = setting.model, setting.devices
+def _tsp_mlp_transient(setting, tokens, tile, ffn_shard, sparse, schedule):
+    """One TSP feed-forward block's backward buffers (``plan_tsp``'s detail), by name; a sparse block's under
+    its ``schedule``."""
+    m, D = setting.model, setting.tsp_group_size
     e, acc = setting.precision.element, setting.precision.accumulate
+    if sparse and schedule == "all_to_all":
+        return _tsp_experts_transient(setting, tokens, tile)
     if sparse:
         # One expert's tokens at a time (their expected count, k N / E, at most a tile), or a tile of the
         # shared expert.
@@ -313,6 +412,26 @@ def _tsp_mlp_transient(setting, tokens, tile, ffn_shard, sparse):
     }
 
 
+def _tsp_experts_transient(setting, tokens, tile):
+    """A sparse block's backward buffers under the token all-to-all (``ds_tsp.blocks.moe.all_to_all``), by
+    name: the routed rows' gradients, its experts' gradient summed at rest, one expert's rows at a time, and the
+    shared expert's ring. An estimate from the code, not measured."""
+    m, D, ep = setting.model, setting.tsp_group_size, setting.expert_group_size
+    e, acc, k = setting.precision.element, setting.precision.accumulate, setting.model.experts_per_token
+    shared, routed = m.shared_expert_params / D, m.num_experts * m.expert_params / ep
+    # Every rank's rows for one of this rank's experts, k N ep / E expected, at most a tile.
+    expert_rows = min(tile, -(-k * tokens * ep // m.num_experts))
+    return {
+        "mlp_shards_in_flight": 2 * shared * e,
+        # the shared expert's ring accumulators; the routed experts' gradient summed in fp32, and its cast
+        "mlp_accumulators": 3 * shared * acc + routed * (acc + e),
+        "mlp_shard_intermediates": 6 * max(expert_rows * m.expert_size, tile * m.shared_expert_size / D) * e,
+        # the rows' output gradients out to the experts' owners and in, their input gradients back and in
+        "expert_rows_grads": 4 * k * tokens * m.hidden_size * e,
+        "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting),
+    }
+
+
 def _tsp_backward_phases(setting, mixer_saved, mlp_saved, mixer_pieces, mlp_pieces, every_layer):
     """The two peaks of one TSP layer's backward, each as ``(layer saved
     tensors still live, {term: buffer bytes})``: the MLP's backward, with
@@ -322,7 +441,8 @@ def _tsp_backward_phases(setting, mixer_saved, mlp_saved, mixer_pieces, mlp_piec
     saved tensors (``every_layer``) live."""
     layer = mixer_saved + mlp_saved if setting.activation_checkpointing else every_layer
     mlp = {GRAD_X: mlp_pieces["grad_x"], MLP_TILE: mlp_pieces["mlp_shard_intermediates"],
-           SHARDS: mlp_pieces["mlp_shards_in_flight"] + mlp_pieces["mlp_accumulators"]}
+           SHARDS: mlp_pieces["mlp_shards_in_flight"] + mlp_pieces["mlp_accumulators"],
+           EXPERT_ROWS: mlp_pieces.get("expert_rows_grads", 0)}
     if "state_maps" in mixer_pieces:
         mixer = {STATE_MAPS: mixer_pieces["state_maps"], HEAD_GROUP_LOCAL: mixer_pieces["head_group_local"],
                  GRAD_X: mixer_pieces["grad_x"],
@@ -373,18 +493,57 @@ def _tsp_peak(setting, vocab_parallel, states, outside, checkpoints, every_layer
 def _tsp_communication(setting, vocab_parallel, S, problem):
     """Bytes one rank receives: per layer forward and backward (the mean over
     the layers), per step, and per step by kind (``CommPart``); NaN where the
-    shape does not fold."""
+    shape does not fold. The sparse layers' all-to-all runs over the experts'
+    group, the rest of ds_tsp's over the TSP group; DeepSpeed's over the replicas
+    (``_replica_parts``)."""
     if problem:
         return float("nan"), float("nan"), float("nan"), {}
-    m, B, D, e = setting.model, setting.micro_batch, setting.devices, setting.precision.element
+    m, B, D, e = setting.model, setting.micro_batch, setting.tsp_group_size, setting.precision.element
+    options = {"moe_schedule": setting.moe_schedule, "expert_parallel_size": setting.expert_group_size}
 
-    def per_layer(direction):
-        return sum(tsp_layers_bytes_by_op(m, S, B, D, e, direction).values()) / m.num_layers
+    def layers(direction):
+        return tsp_layers_bytes_by_op(m, S, B, D, e, direction, **options)
 
     by_op = tsp_step_bytes_by_op(m, S, B, D, e, vocab_parallel=vocab_parallel,
-                                 activation_checkpointing=setting.activation_checkpointing)
-    parts = {TSP_PARTS[op]: CommPart(nbytes, D, 1, op) for op, nbytes in by_op.items() if nbytes}
-    return per_layer("forward"), per_layer("backward"), sum(by_op.values()), parts
+                                 activation_checkpointing=setting.activation_checkpointing, **options)
+    experts = layers("both").get("all_to_all", 0) + \
+        (layers("forward").get("all_to_all", 0) if setting.activation_checkpointing else 0)
+    embedding = tsp_vocab_bytes_by_op(m, S, B, D, e, "both").get("all_to_all", 0) if vocab_parallel else 0
+    parts = {TSP_PARTS[op]: CommPart(nbytes, D, 1, op)
+             for op, nbytes in {**by_op, "all_to_all": embedding}.items() if nbytes}
+    if experts:
+        parts[TSP_EXPERT_ALL_TO_ALL] = CommPart(experts, setting.expert_group_size, 1, "all_to_all")
+    replicas = _replica_parts(setting, vocab_parallel)
+    per_step = sum(by_op.values()) + sum(part.nbytes for part in replicas.values())
+    return (sum(layers("forward").values()) / m.num_layers, sum(layers("backward").values()) / m.num_layers,
+            per_step, {**parts, **replicas})
+
+
+def _replica_parts(setting, vocab_parallel):
+    """DeepSpeed's bytes per step across TSP's data-parallel replicas, by kind: each rank's gradients reduced
+    (reduce-scattered under ZeRO) over the ``dp`` ranks ``D`` apart that hold the same shards, folded experts'
+    over their expert-data-parallel group ``ep`` apart; under ZeRO-1/2 the updated weights gathered back. LoRA
+    runs reduce their adapters alone."""
+    m, p, D, dp = setting.model, setting.precision, setting.tsp_group_size, setting.tsp_replicas
+    ep, edp = setting.expert_group_size, setting.expert_replicas
+    if dp == 1:
+        return {}
+    held = _held_params(setting, vocab_parallel)
+    trained = held.adapters if setting.lora_rank else held.params
+    experts = 0 if setting.lora_rank else _held_experts(setting)
+    reduce_op = "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"
+
+    def received(group, nbytes, op):  # a ring all-reduce receives 2 (g-1)/g of the tensor, the others (g-1)/g
+        return (2 if op == "all_reduce" else 1) * (group - 1) / group * nbytes
+
+    parts = {GRAD_REDUCE: CommPart(received(dp, (trained - experts) * p.grad, reduce_op), dp, D, reduce_op),
+             EXPERT_GRAD_REDUCE: CommPart(received(edp, experts * p.grad, reduce_op), edp, ep, reduce_op)}
+    if setting.zero_stage in (1, 2):
+        parts[PARAM_GATHER] = CommPart(received(dp, (trained - experts) * p.element, "all_gather"), dp, D,
+                                       "all_gather")
+        parts[EXPERT_PARAM_GATHER] = CommPart(received(edp, experts * p.element, "all_gather"), edp, ep,
+                                              "all_gather")
+    return {name: part for name, part in parts.items() if part.nbytes}
 
 
 def _tsp_flops(setting, vocab_parallel, S, tokens):
@@ -398,5 +557,5 @@ def _tsp_flops(setting, vocab_parallel, S, tokens):
             return m.experts_per_token * m.expert_params + m.shared_expert_params
         return 2 / 3 * m.mlp_params if mlp_tiled else 0
 
-    return step_flops(m, setting, setting.micro_batch, S, 1 / setting.devices, tsp=True, fused_head=vocab_parallel,
-                      ffn_recompute=recomputed)
+    return step_flops(m, setting, setting.micro_batch, S, 1 / setting.tsp_group_size, tsp=True,
+                      fused_head=vocab_parallel, ffn_recompute=recomputed)

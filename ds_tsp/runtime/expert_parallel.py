@@ -12,9 +12,13 @@ model has MoE layers. The engine learns that from the classes of the model's
 modules (its ``MoE`` and AutoEP's layer), so every folded block carries a
 weightless ``DeepSpeedExpertLayer`` (``declare_expert_layers``).
 
-DeepSpeed refuses ZeRO-3 with its own MoE layers, and pipelines would need
-the expert groups per stage in its pipeline grid: both are refused with
-folded experts, before any weight is loaded (``check_expert_parallel_run``).
+DeepSpeed refuses ZeRO-3 with its own MoE layers; without ZeRO its fp32
+gradient clipping averages the replicas' norms, each of which counts only
+the experts its replica holds; and pipelines would need the expert groups
+per stage in its pipeline grid: all three are refused with folded experts,
+before any weight is loaded (``check_expert_parallel_run``). ZeRO 1-2 count
+each expert once: every rank sums its own partitions' squares, summed over
+the data-parallel and the TSP group.
 """
 
 from deepspeed.moe.layer import MoE
@@ -80,6 +84,10 @@ def check_expert_parallel_run(ds_config, tsp_config):
                              "does not partition MoE experts over their expert-data-parallel group; use stage 1 or "
                              "2, or remove tsp.expert_parallel_size (ZeRO-3 then partitions the experts over the "
                              "replicas)")
+    if stage == 0:
+        raise TSPConfigError(f"tsp.expert_parallel_size = {ep} with zero_optimization.stage = 0: without ZeRO, "
+                             "DeepSpeed clips gradients by the mean of the replicas' norms, each counting only the "
+                             "experts its replica holds; use stage 1 or 2")
     if tsp_config.pipeline_stages > 1:
         raise TSPConfigError(f"tsp.expert_parallel_size = {ep} with tsp.pipeline_stages = "
                              f"{tsp_config.pipeline_stages} is not supported: set tsp.pipeline_stages to 1, or "
