@@ -81,7 +81,7 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
     assumptions; ``paper`` (``{plan name: GB}``, e.g. ``PAPER_PEAK_GB``) adds a
     column; the last columns are ``timing.step_time`` on ``cluster``."""
     setting = plans[0].setting
-    m, p = setting.model, setting.precision
+    m, p, D, dp = setting.model, setting.precision, setting.tsp_group_size, setting.tsp_replicas
     head = ["strategy", "layout", "weights", "grads", "optim", "activ", "logits", "transient", "**peak GB**"]
     if paper:
         head.append("paper GB")
@@ -119,10 +119,10 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         f"activations = tensors saved for backward (HF Llama layer, flash attention, for the baselines; "
         f"ds_tsp's own saved tensors for TSP); logits = output + fp32 log-probs; transient = max(loss backward, "
         f"one layer's backward buffers).",
-        f"TSP vocabulary: {tsp_name(setting.devices)} folds it (tsp.vocab_parallel, the default): each rank holds "
+        f"TSP vocabulary: {tsp_name(D, True, dp)} folds it (tsp.vocab_parallel, the default): each rank holds "
         f"ceil(V/D) rows of the embedding and the LM head, and the fused head + loss keeps no logits, only the labels "
         f"and fp32 log-sum-exp, with {setting.logits_tile_mib:g} MiB fp32 logits tiles (tsp.logits_tile_mib); "
-        f"{tsp_name(setting.devices, False)} keeps both whole on every rank (vocab_parallel false).",
+        f"{tsp_name(D, False, dp)} keeps both whole on every rank (vocab_parallel false).",
         "Communication: bytes received per device (ring all-reduce 2(p-1)/p, all-gather / reduce-scatter / "
         "all-to-all (p-1)/p, broadcast 1 per non-owner, reduce (p-1) at the owner); per step = L x (fwd + bwd"
         + (" + recomputed fwd" if setting.activation_checkpointing else "") + ") + embedding/head/replicated syncs.",
@@ -157,6 +157,19 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         hosts = ", ".join(f"{p.name} {format_gb(p.host_total)}" for p in plans if p.host_total)
         footer.append("Options: " + ", ".join(o for o in options if o) + "." +
                       (f" Host memory per node of {setting.ranks_per_node} ranks, GB: {hosts}." if hosts else ""))
+    if dp > 1:
+        footer.append(f"TSP x DP: the TSP rows' group is {D} of the {setting.devices} devices, {dp} data-parallel "
+                      f"replicas beside it; ZeRO-{setting.zero_stage} partitions over them, and DeepSpeed reduces "
+                      f"the gradients over them (overlapped)"
+                      + (" and gathers the updated weights (blocking)" if setting.zero_stage in (1, 2) else "") + ".")
+    for plan_, ep in _folded(plans):
+        footer.append(f"Experts folded (tsp.expert_parallel_size {ep}): {plan_.name} holds {m.num_experts // ep} "
+                      f"of the {m.num_experts} experts a layer and meets them by the token all-to-all over {ep} "
+                      f"consecutive ranks (blocking), the shared expert on the TSP ring; their gradients are reduced "
+                      f"and ZeRO partitions their states over the ranks holding the same experts, "
+                      f"{setting.devices // ep} (the expert-data-parallel group), the rest's over the {dp} replicas. "
+                      f"The all-to-all keeps the rows it exchanged for backward, 2 k H elements a local token and "
+                      f"sparse layer.")
     inexact = [plan_ for plan_ in plans if plan_.inexact]
     if inexact:
         footer.append(f"Not exact: {', '.join(plan_.name for plan_ in inexact)} train another model than "
@@ -177,7 +190,8 @@ def moe_facts(setting):
     rank and step (forward + backward) by the expert ring and by the token
     all-to-all, the micro-batch size in tokens where they cross, and the one
     ``tsp.moe_schedule: "auto"`` picks at this shape."""
-    m, D, p = setting.model, setting.devices, setting.precision
+    m, N, p = setting.model, setting.devices, setting.precision
+    D, dp = setting.tsp_group_size, setting.tsp_replicas
     if not m.is_moe:
         return None
     e, B, S = p.element, setting.micro_batch, padded_length(setting.seq_len, D)
@@ -185,10 +199,10 @@ def moe_facts(setting):
     facts = {"params": m.params, "active_params": m.active_params, "moe_layers": m.moe_layers,
              "num_experts": m.num_experts, "experts_per_token": m.experts_per_token, "expert_size": m.expert_size,
              "shared_expert_size": m.shared_expert_size, "routed_expert_bytes": experts,
-             "expert_bytes_per_device": {tsp_name(D): experts / D, f"TP({D})": experts / D,
-                                         f"AutoEP({math.gcd(m.num_experts, D)})":
-                                             experts / math.gcd(m.num_experts, D),
-                                         f"SP-Ulysses({D})": experts}}
+             "expert_bytes_per_device": {tsp_name(D, True, dp): experts / D, f"TP({N})": experts / N,
+                                         f"AutoEP({math.gcd(m.num_experts, N)})":
+                                             experts / math.gcd(m.num_experts, N),
+                                         f"SP-Ulysses({N})": experts}}
     if D > 1 and tsp_shape_problem(m, D) is None:
         a = gradient_wire_bytes(e)
         facts["sparse_layer_bytes"] = {schedule: sum(tsp_moe_bytes_by_op(m, S, B, D, e, "both", schedule).values())
@@ -203,23 +217,26 @@ def moe_facts(setting):
 def format_moe_facts(plans):
     """Lines for a mixture-of-experts model (``moe_facts``), "" for a dense one."""
     setting = plans[0].setting
-    facts, m, D = moe_facts(setting), setting.model, setting.devices
+    facts, m, N = moe_facts(setting), setting.model, setting.devices
     if facts is None:
         return ""
+    D, tsp = setting.tsp_group_size, tsp_name(setting.tsp_group_size, True, setting.tsp_replicas)
     shared = f", a shared expert of F_s={m.shared_expert_size}" if m.shared_expert_size else ", no shared expert"
-    per_device, ep = facts["expert_bytes_per_device"], math.gcd(m.num_experts, D)
+    per_device, ep = facts["expert_bytes_per_device"], math.gcd(m.num_experts, N)
     lines = [
         f"{m.name}: {m.moe_layers} of {m.num_layers} layers sparse, {m.num_experts} experts of F_e={m.expert_size}, "
         f"top-{m.experts_per_token}{shared}: {m.params / 1e9:.2f}B total, {m.active_params / 1e9:.2f}B active "
         f"parameters per token; the routed experts are {m.routed_expert_params / 1e9:.2f}B "
         f"({format_gb(facts['routed_expert_bytes'])} GB of {setting.dtype} weights).",
-        f"Routed-expert weights per device, GB: {tsp_name(D)} {format_gb(per_device[tsp_name(D)])} "
+        f"Routed-expert weights per device, GB: {tsp} {format_gb(per_device[tsp])} "
         f"({m.num_experts // D if m.num_experts % D == 0 else m.num_experts / D:g} of {m.num_experts} experts a "
-        f"layer); TP({D}) {format_gb(per_device[f'TP({D})'])} (1/{D} of every expert's F_e, Megatron's expert "
+        f"layer)" + "".join(f"; {plan_.name} {format_gb(facts['routed_expert_bytes'] / ep_)} ({m.num_experts // ep_} "
+                           f"a layer, folded across the replicas)" for plan_, ep_ in _folded(plans))
+        + f"; TP({N}) {format_gb(per_device[f'TP({N})'])} (1/{N} of every expert's F_e, Megatron's expert "
         f"tensor parallelism, modelled); AutoEP({ep}) {format_gb(per_device[f'AutoEP({ep})'])} ({m.num_experts // ep} "
-        f"experts a layer, tokens to them by all-to-all, everything else data parallel); SP-Ulysses({D}), CP, DP "
-        f"and AutoTP({D}) "
-        f"{format_gb(per_device[f'SP-Ulysses({D})'])} (every expert on every device: AutoTP splits what the "
+        f"experts a layer, tokens to them by all-to-all, everything else data parallel); SP-Ulysses({N}), CP, DP "
+        f"and AutoTP({N}) "
+        f"{format_gb(per_device[f'SP-Ulysses({N})'])} (every expert on every device: AutoTP splits what the "
         f"model's Hugging Face tp_plan names, its attention; ZeRO-3 partitions them and gathers one layer's whole "
         f"at a time).",
     ]
@@ -234,9 +251,21 @@ def format_moe_facts(plans):
             f"{tokens:,} tokens. The {cheaper} is cheaper here, and tsp.moe_schedule \"auto\" (the default) "
             f"picks it (\"{facts['auto_schedule']}\"); the ring moves fewer bytes past {cross['both']:,.0f} tokens "
             f"per micro-batch, the all-to-all below ({cross['forward']:,.0f} counting the forward alone).")
+        for plan_, ep_ in _folded(plans):
+            folded = tsp_moe_bytes_by_op(m, padded_length(setting.seq_len, D), setting.micro_batch, D,
+                                         setting.precision.element, "both", "all_to_all", expert_parallel_size=ep_)
+            lines.append(f"{plan_.name}: the token all-to-all over {ep_} ranks, {sum(folded.values()) / 1e6:.1f} MB "
+                         f"received per rank, sparse layer and step (forward + backward; no ring for its experts, "
+                         f"spread over more ranks than the TSP group).")
     else:
         lines.append(f"TSP({D}) cannot shard this model: {tsp_shape_problem(m, D) or 'one device moves nothing'}.")
     return "Mixture of experts:\n\n" + "\n".join(f"* {line}" for line in lines) + "\n"
+
+
+def _folded(plans):
+    """``(plan, ep)`` of the plans whose experts fold across data-parallel replicas."""
+    return [(plan_, plan_.setting.expert_group_size) for plan_ in plans
+            if plan_.setting.expert_group_size > plan_.setting.tsp_group_size]
 
 
 def plot_memory_vs_seq(model, seq_lens, devices, path, micro_batch=1, dtype="bf16", zero_stage=0,

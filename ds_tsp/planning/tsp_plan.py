@@ -124,13 +124,18 @@ def _moe_schedule(setting, S):
 
 
 def _layout_problem(setting):
-    """Why the TSP rows' layout is not planned under ZeRO-3, or None."""
-    if setting.zero_stage < 3:
-        return None
+    """Why ds_tsp refuses the TSP rows' layout (``runtime.expert_parallel``, ``blocks.moe.module``), or the
+    planner does not model it, or None."""
+    m, stage = setting.model, setting.zero_stage
     if setting.expert_group_size > setting.tsp_group_size:
-        return ("ZeRO-3 with expert_parallel_size > tsp.size is refused (DeepSpeed refuses ZeRO-3 with MoE "
-                "layers): use ZeRO-1 or 2")
-    if setting.tsp_replicas > 1:
+        if m.shared_expert_size:
+            return ("ds_tsp refuses expert_parallel_size > tsp.size with a shared expert (not built yet: its slices "
+                    "reduce over the replicas, the routed experts over their expert-data-parallel group)")
+        if stage in (0, 3):
+            why = "DeepSpeed refuses ZeRO-3 with MoE layers" if stage else \
+                "without ZeRO, DeepSpeed clips by the mean of the replicas' norms"
+            return f"ds_tsp refuses expert_parallel_size > tsp.size with ZeRO-{stage} ({why}): use ZeRO-1 or 2"
+    if stage >= 3 and setting.tsp_replicas > 1:
         return "ZeRO-3 over TSP's data-parallel replicas is not modelled: plan ZeRO-1 or 2"
     return None
 
