@@ -181,3 +181,27 @@ def test_what_deepspeed_cannot_run_with_folded_experts_is_refused(section, tsp, 
         check_expert_parallel_run(section, TSPConfig(enabled=True, size=2, expert_parallel_size=4, **tsp))
     assert message in str(error.value)
     check_expert_parallel_run(section, TSPConfig(enabled=True, size=2, **tsp))  # experts on the TSP group: taken
+
+
+def _save_and_load(out_dir):
+    """save_pretrained of a folded model, then from_pretrained at the same
+    layout: ``(whether every rank's shard came back bit for bit, the saved
+    directory)``."""
+    topology = TSPTopology(TSP, expert_parallel_size=EP)
+    config = TSPConfig(enabled=True, size=TSP, expert_parallel_size=EP)
+    model = ds_tsp.inject(tiny_model("qwen3_moe"), topology, config)
+    ds_tsp.save_pretrained(model, out_dir)
+    loaded = ds_tsp.from_pretrained(out_dir, topology, config)
+    return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_save_pretrained_writes_hugging_faces_model_and_from_pretrained_reads_each_ranks_experts(run_ranks, tmp_path):
+    """Every replica's experts gathered over the expert-parallel group into
+    Hugging Face's files, bit for bit; read back at the folded layout, each
+    rank takes its own quarter."""
+    from transformers import AutoModelForCausalLM
+
+    assert all(run_ranks(4, _save_and_load, out_dir=str(tmp_path / "hf")))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).state_dict()
+    ref = tiny_model("qwen3_moe").state_dict()
+    assert saved.keys() == ref.keys() and all(torch.equal(saved[name], ref[name]) for name in ref)

@@ -39,7 +39,7 @@ from ds_tsp.checkpoint.formats import (
     hf_weights_file,
     open_safetensors,
 )
-from ds_tsp.checkpoint.shard_plan import meta_model, narrow_index, shard_plan
+from ds_tsp.checkpoint.shard_plan import ExpertPlacement, meta_model, narrow_index, shard_plan
 from ds_tsp.injection.inject import inject
 from ds_tsp.injection.policy import resolve_policy
 
@@ -337,8 +337,13 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
         adapter_files = AdapterFiles(os.fspath(adapter))
     model, dtype = meta_model(path, torch_dtype)
     policy = resolve_policy(model, tsp_config.policy)
-    plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel)[topology.tsp_rank]
+    experts = ExpertPlacement(topology.ep_size, topology.ep_rank - topology.tsp_rank) if topology.folds_experts else None
+    plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel, experts)[topology.tsp_rank]
     checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank, model.config)
+    if experts is not None and isinstance(checkpoint, TSPShardCheckpoint):
+        raise CheckpointError(f"{path} holds ds-tsp convert's shards, whose experts are cut over the TSP group, but "
+                              f"tsp.expert_parallel_size = {topology.ep_size} folds them over replicas too: load "
+                              "the Hugging Face checkpoint (ds-tsp convert --join turns the shards back into one)")
     check_tensors_present(model, checkpoint)
 
     blocks = tuple(f"{policy.layers}.{i}.{part}." for i, layer in enumerate(model.get_submodule(policy.layers))

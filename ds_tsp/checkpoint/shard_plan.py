@@ -56,9 +56,19 @@ class BlockShards(NamedTuple):
     hf_rows: FusedRows
 
 
-def layer_shards(layer, config, policy, tsp_size):
+class ExpertPlacement(NamedTuple):
+    """Experts folded past the TSP group (``tsp.expert_parallel_size``): over
+    ``size`` ranks, TSP rank ``r`` of this group holding expert-parallel rank
+    ``first + r``'s."""
+
+    size: int
+    first: int
+
+
+def layer_shards(layer, config, policy, tsp_size, experts=None):
     """``{block name: BlockShards}`` of one Hugging Face decoder layer (meta
-    device is enough).
+    device is enough); ``experts``: an ``ExpertPlacement``, or None for
+    experts split over the TSP group.
 
     Built with the functions the TSP modules use, so it raises their head and
     intermediate-size divisibility errors before any tensor is read.
@@ -66,11 +76,11 @@ def layer_shards(layer, config, policy, tsp_size):
     mixer = policy.mixer(layer)
     if mixer != policy.attention:
         return {mixer: _delta_net_shards(layer.get_submodule(mixer), tsp_size),
-                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size)}
+                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
     attn = layer.get_submodule(policy.attention)
     if latent.is_latent_attention(attn):
         return {policy.attention: _latent_shards(attn, config, tsp_size),
-                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size)}
+                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size,
                        attention.has_output_gate(attn, config, policy.fused.get(policy.attention)))
@@ -81,7 +91,7 @@ def layer_shards(layer, config, policy, tsp_size):
         policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
                                                             lambda name, r: shard_piece(heads, name, r),
                                                             attention.replicated_names(attn)), rows),
-        policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size),
+        policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts),
     }
 
 
@@ -100,16 +110,18 @@ def _delta_net_shards(hf_layer, tsp_size):
     return BlockShards(specs, _holdings(specs, shapes.piece, linear.replicated_names(hf_layer)), shapes.hf_rows())
 
 
-def _mlp_shards(hf_mlp, policy, tsp_size):
+def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
     """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
-    block (experts cut on dim 0 of the fused 3-D tensors: a piece like any other)."""
+    block (experts cut on dim 0 of the fused 3-D tensors: a piece like any
+    other, placed by ``placement``, an ``ExpertPlacement`` or None)."""
     if policy.is_sparse(hf_mlp):
         hidden_size, num_experts, experts, shared_size, shared_name = moe.hf_sizes(hf_mlp)
+        placement = placement or ExpertPlacement(tsp_size, 0)
         specs = [moe.shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size,
-                                shared_name or "shared_expert")] * tsp_size
-        return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(num_experts, shared_size,
-                                                                                   tsp_size, name, r),
-                                            moe.replicated_names(hf_mlp)), FusedRows())
+                                shared_name or "shared_expert", placement.size)] * tsp_size
+        return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(
+            num_experts, shared_size, tsp_size, name, r, placement.size, placement.first + r),
+            moe.replicated_names(hf_mlp)), FusedRows())
     rows = mlp.hf_rows(hf_mlp, policy.fused.get(policy.mlp))
     hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
     specs = [mlp.shard_spec(hidden_size, intermediate_size, tsp_size,
@@ -128,9 +140,10 @@ def vocab_names(model, policy):
     return names
 
 
-def shard_plan(model, policy, tsp_size, vocab_parallel=True):
+def shard_plan(model, policy, tsp_size, vocab_parallel=True, experts=None):
     """``plans[r][full_name] = piece`` for every tensor of every TSP block of the
-    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds,
+    Hugging Face ``model`` (meta device is enough) that TSP rank ``r`` holds
+    (its experts placed by ``experts``, an ``ExpertPlacement``, or over the TSP group),
     and, with ``vocab_parallel``, its rows of the embedding and LM head (after
     checking that they can be folded). Names are Hugging Face's; a fused
     tensor's value is the tuple of the row pieces the rank holds of it
@@ -144,15 +157,25 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True):
                                       vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
-        for block_name, block in layer_shards(layer, model.config, policy, tsp_size).items():
+        for block_name, block in layer_shards(layer, model.config, policy, tsp_size, experts).items():
             for plan, held in zip(plans, block.holdings):
                 plan.update({f"{prefix}.{block_name}.{name}": piece
                              for name, piece in block.hf_rows.hf_holdings(held).items()})
     return plans
 
 
+def shard_group(block):
+    """``(group, rank)``: the ranks an injected TSP block's shards are spread
+    over and this rank's place among them: the expert-parallel group for
+    experts folded past the TSP group (``tsp.expert_parallel_size``), else
+    the TSP group."""
+    if isinstance(block, TSPSparseMoE) and block.folded:
+        return block.ep_group, block.ep_rank
+    return block.tsp_group, block.tsp_rank
+
+
 def block_specs(block):
-    """The ``PackSpec`` of every rank's shard of an injected TSP block."""
+    """The ``PackSpec`` of every rank's shard of an injected TSP block, over its ``shard_group``."""
     if isinstance(block, TSPAttention):
         return list(block.specs)
     if isinstance(block, TSPLatentAttention):
@@ -160,13 +183,13 @@ def block_specs(block):
     if isinstance(block, TSPGatedDeltaNet):
         return [block.shapes.spec(r) for r in range(block.shapes.tsp_size)]
     if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
-        return [block.spec] * comm.group_size(block.tsp_group)
+        return [block.spec] * comm.group_size(shard_group(block)[0])
     raise TypeError(f"{type(block).__name__} is not a TSP block")
 
 
 def block_holdings(block):
     """``holdings[r] = {name: piece}`` of an injected TSP block for every rank of
-    its group, checked against the block's own ``shard_names``/``shard_piece``."""
+    its ``shard_group``, checked against the block's own ``shard_names``/``shard_piece``."""
     tsp_size, specs = comm.group_size(block.tsp_group), block_specs(block)
     if isinstance(block, TSPAttention):
         holdings = _holdings(specs, lambda name, r: shard_piece(block.heads, name, r),
@@ -177,17 +200,16 @@ def block_holdings(block):
     elif isinstance(block, TSPGatedDeltaNet):
         holdings = _holdings(specs, block.shapes.piece, list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
-        # Folded experts: TSP rank r of this group is expert-parallel rank ep_rank - tsp_rank + r.
-        holdings = _holdings(specs, lambda name, r: moe.shard_piece(
-            block.num_experts, block.shared_size, tsp_size, name, r, block.ep_size, block.ep_rank - block.tsp_rank + r),
-            list(block.replicated_tensors()))
+        holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,
+                                                                   name, r, block.ep_size, r),
+                             list(block.replicated_tensors()))
     else:
         holdings = _holdings(specs, lambda name, r: mlp.shard_piece(block.intermediate_size, tsp_size, name, r),
                              [mlp.DOWN_BIAS] if block.down_bias is not None else [])
-    own = {name: block.shard_piece(name) for name in block.shard_names()}
-    if holdings[block.tsp_rank] != own:
-        raise RuntimeError(f"{type(block).__name__} on TSP rank {block.tsp_rank} holds {own}, but "
-                           f"ds_tsp.checkpoint expects {holdings[block.tsp_rank]}")
+    own, rank = {name: block.shard_piece(name) for name in block.shard_names()}, shard_group(block)[1]
+    if holdings[rank] != own:
+        raise RuntimeError(f"{type(block).__name__} on shard rank {rank} holds {own}, but "
+                           f"ds_tsp.checkpoint expects {holdings[rank]}")
     return holdings
 
 

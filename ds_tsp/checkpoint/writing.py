@@ -38,6 +38,7 @@ from transformers import AutoConfig
 from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 from ds_tsp.blocks.fused import row_pieces
+from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from ds_tsp.checkpoint.adapters import save_adapters
@@ -59,6 +60,7 @@ from ds_tsp.checkpoint.shard_plan import (
     hf_class,
     join_holdings,
     meta_model,
+    shard_group,
     shard_plan,
     tied_names,
 )
@@ -76,17 +78,18 @@ _FILENAME_PATTERN = SAFE_WEIGHTS.replace(".safetensors", "{suffix}.safetensors")
 # ------------------------------------------------------------------ gathering
 
 def gather_shards(block):
-    """Every rank's packed shard of ``block``, unpacked: one all-gather when the
-    shards are the same size, else one broadcast from each owner."""
-    specs = block_specs(block)
+    """Every rank's packed shard of ``block`` (over its ``shard_group``),
+    unpacked: one all-gather when the shards are the same size, else one
+    broadcast from each owner."""
+    specs, (group, rank) = block_specs(block), shard_group(block)
     packed = block.packed.detach()
     if len({spec.numel for spec in specs}) == 1:
-        gathered, _ = comm.all_gather(packed, block.tsp_group)  # (D, shard numel)
+        gathered, _ = comm.all_gather(packed, group)  # (D, shard numel)
         return [spec.unpack(flat) for spec, flat in zip(specs, gathered)]
     shards = []
     for owner in range(len(specs)):
-        buf = packed if owner == block.tsp_rank else packed.new_empty(specs[owner].numel)
-        comm.broadcast(buf, src=owner, group=block.tsp_group)
+        buf = packed if owner == rank else packed.new_empty(specs[owner].numel)
+        comm.broadcast(buf, src=owner, group=group)
         shards.append(specs[owner].unpack(buf))
     return shards
 
@@ -184,6 +187,12 @@ class SavedStage:
         if self.extra:
             units.append(GatherUnit({n: t.dtype for n, t in self.extra.items()}, lambda: self.extra))
         return [unit for unit in units if unit.dtypes]
+
+    @property
+    def folds_experts(self):
+        """Whether this rank's experts are folded over data-parallel replicas, which then gather them together."""
+        return any(isinstance(block, TSPSparseMoE) and block.folded for m in self.modules.values()
+                   for block in m.modules())
 
     @property
     def partitioned(self):
@@ -397,7 +406,9 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
 
     Collective: every rank calls it. The ranks of data-parallel replica 0
     gather, unit by unit (under ZeRO-3 every replica joins each unit's
-    data-parallel gather first), and global rank 0 writes, beside ``out_dir``,
+    data-parallel gather first; experts folded over replicas,
+    ``tsp.expert_parallel_size``, are gathered over their expert-parallel
+    group, every replica joining), and global rank 0 writes, beside ``out_dir``,
     which the files become once all are written (``staging``; see the module
     docstring); no rank returns before they are in place.
 
@@ -413,8 +424,9 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
         return save_adapters(module, out_dir, overwrite)
     stage = saved_stage(model)
     topology = stage.topology
-    # Replica 0 gathers over TSP; under ZeRO-3 every replica joins the data-parallel gathers first.
-    gathering = topology.dp_rank == 0 or stage.partitioned
+    # Replica 0 gathers over TSP; under ZeRO-3 every replica joins the data-parallel gathers first, and
+    # experts folded over replicas are gathered over their expert-parallel group.
+    gathering = topology.dp_rank == 0 or stage.partitioned or stage.folds_experts
     units = stage.units() if gathering else []
     plan, shapes, dtypes, meta = _write_plan(stage, units, out_dir, overwrite)
 
