@@ -53,13 +53,13 @@ LORA_RESHARD_REFUSED = ("{source} is a LoRA run's checkpoint, whose adapter shar
 
 
 def engine_layout(engine):
-    """``{"tsp", "dp", "pp", "zero_stage", "pipeline_names"}`` of a ds_tsp
-    engine; ``pipeline_names`` pairs the module names of pipeline stages with
+    """``{"tsp", "dp", "pp", "ep", "zero_stage", "pipeline_names"}`` of a ds_tsp
+    engine (``ep``: the expert-parallel size); ``pipeline_names`` pairs the module names of pipeline stages with
     the model's own, which a reshard gives every parameter under both."""
     topology, module = engine.tsp_topology, engine.module
     config = getattr(module, "tsp_model_config", None) or module.config
     policy = module.tsp_policy
-    return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size,
+    return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size, "ep": topology.ep_size,
             "zero_stage": int(engine.zero_optimization_stage()),
             "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
             "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"],
@@ -68,7 +68,8 @@ def engine_layout(engine):
 
 def describe(layout):
     stage = f"ZeRO-{layout['zero_stage']}"
-    return f"tsp {layout['tsp']} x dp {layout['dp']} x pp {layout['pp']}, {stage}"
+    experts = f", experts over {layout['ep']}" if layout.get("ep", layout["tsp"]) != layout["tsp"] else ""
+    return f"tsp {layout['tsp']} x dp {layout['dp']} x pp {layout['pp']}{experts}, {stage}"
 
 
 def read_layout(folder):
@@ -115,7 +116,7 @@ def load_refusal(load_dir, tag, current, universal):
         return None
     keys = ("tsp", "dp", "pp", "zero_stage") if current["zero_stage"] or saved["zero_stage"] else ("tsp", "pp",
                                                                                                     "zero_stage")
-    if all(saved[key] == current[key] for key in keys):
+    if all(saved[key] == current[key] for key in keys) and saved.get("ep", saved["tsp"]) == current["ep"]:
         return None
     return (f"{load_dir}/{resolved} was saved at {describe(saved)}, this engine is {describe(current)}: a plain "
             f"load would read other ranks' shards. Reshard it first, `ds-tsp reshard --checkpoint {load_dir} "

@@ -27,7 +27,12 @@ from ds_tsp.injection.model import num_targets
 from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.topology import TSPTopology
-from ds_tsp.runtime.expert_parallel import check_expert_parallel_run, declare_expert_layers, expert_param_groups
+from ds_tsp.runtime.expert_parallel import (
+    check_expert_parallel_run,
+    declare_expert_layers,
+    expert_param_groups,
+    load_experts_from_their_masters,
+)
 from ds_tsp.runtime.offload import host_checkpoint_function
 from ds_tsp.runtime.optimizer import ClientOptimizer
 from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
@@ -156,6 +161,7 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     engine.tsp_topology = topology
     _refuse_consolidated_state_dicts(engine)
     attach_layout_checks(engine)
+    load_experts_from_their_masters(engine)
     # ZeRO-3 without an optimizer (the Trainer's evaluation before training) loads no optimizer states.
     if engine.zero_optimization_partition_weights() and hasattr(engine.optimizer, "load_hp_checkpoint_state"):
         load_zero3_universal_states(engine.optimizer)

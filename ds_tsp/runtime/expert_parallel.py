@@ -12,6 +12,12 @@ model has MoE layers. The engine learns that from the classes of the model's
 modules (its ``MoE`` and AutoEP's layer), so every folded block carries a
 weightless ``DeepSpeedExpertLayer`` (``declare_expert_layers``).
 
+Checkpoints: DeepSpeed writes the model states from replica 0 alone and its
+own experts into files of their own, which it names by its MoE layers'
+modules; the folded shards are in each rank's ZeRO optimizer file, as float32
+masters, and a plain load puts them back into the weights from there
+(``load_experts_from_their_masters``).
+
 DeepSpeed refuses ZeRO-3 with its own MoE layers; without ZeRO its fp32
 gradient clipping averages the replicas' norms, each of which counts only
 the experts its replica holds; and pipelines would need the expert groups
@@ -21,8 +27,10 @@ each expert once: every rank sums its own partitions' squares, summed over
 the data-parallel and the TSP group.
 """
 
+import torch
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -92,3 +100,29 @@ def check_expert_parallel_run(ds_config, tsp_config):
         raise TSPConfigError(f"tsp.expert_parallel_size = {ep} with tsp.pipeline_stages = "
                              f"{tsp_config.pipeline_stages} is not supported: set tsp.pipeline_stages to 1, or "
                              "remove tsp.expert_parallel_size")
+
+
+def load_experts_from_their_masters(engine):
+    """Make ``engine.load_checkpoint`` of a model with folded experts take
+    them from this rank's float32 masters (its own ZeRO optimizer file), not
+    from the model states, which hold replica 0's; refuse the loads that read
+    the model states alone."""
+    experts = [p for p in engine.module.parameters() if is_moe_param(p)]
+    if not experts:
+        return
+    load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, **kwargs):
+        if load_module_only or not load_optimizer_states:
+            raise ValueError("with tsp.expert_parallel_size folding experts over replicas, each rank's experts are "
+                             "in its ZeRO optimizer file, the model states hold replica 0's: load with "
+                             "load_optimizer_states=True and load_module_only=False")
+        loaded = load(load_dir, tag, load_module_strict=load_module_strict, load_optimizer_states=True,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=False, **kwargs)
+        with torch.no_grad():
+            for param in experts:
+                param.copy_(safe_get_full_fp32_param(param))
+        return loaded
+
+    engine.load_checkpoint = load_checkpoint
