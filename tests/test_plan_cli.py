@@ -2,6 +2,7 @@
 what the command prints and writes."""
 
 import argparse
+import contextlib
 import io
 import json
 
@@ -149,3 +150,34 @@ def test_hybrid_cli_marks_the_inexact_strategies(tmp_path):
     # Not modelled for hybrids: LoRA (no adapters on the linear layers) and serving (a recurrent state).
     for refused in (["--lora-rank", "8"], ["--serve", "--memory-gb", "141"]):
         assert planner.run_plan(parser.parse_args(["--model", "qwen3.5-27b", *refused]), out=io.StringIO()) == 1
+
+
+def test_cli_plans_experts_folded_across_the_replicas(tmp_path):
+    # Qwen3-30B-A3B on 16 devices in TSP groups of 4: experts over the 4 (32 of 128 a layer) and, "auto",
+    # folded over all 16 (8 a layer) with ZeRO-1; the options' refusals name them.
+    parser = planner.add_plan_arguments(argparse.ArgumentParser())
+    out = io.StringIO()
+    args = ["--model", "qwen3-30b-a3b", "--seq-len", "32K", "--devices", "16", "--tsp-size", "4", "--zero-stage", "1",
+            "--expert-parallel-size", "auto", "--json", str(tmp_path / "plan.json")]
+    assert planner.run_plan(parser.parse_args(args), out=out) == 0
+    text = out.getvalue()
+    assert "| TSP(4) x DP(4) |" in text and "| TSP(4) x DP(4), EP(16) |" in text
+    assert "tsp.expert_parallel_size 16" in text and "TSP(4) x DP(4), EP(16) 3.6 (8 a layer" in text
+    assert "the token all-to-all over 16 ranks" in text
+    # A quarter of the experts' weights, but the all-to-all keeps its rows (2 k H a token and layer) where the
+    # ring keeps none: under the same schedule, the folded row's peak is the lower.
+    rows = {p["strategy"]: p for p in json.loads((tmp_path / "plan.json").read_text())["plans"]}
+    assert rows["TSP(4) x DP(4), EP(16)"]["memory_gb"]["weights"] < rows["TSP(4) x DP(4)"]["memory_gb"]["weights"] / 3
+    assert planner.run_plan(parser.parse_args(args + ["--moe-schedule", "all_to_all"]), out=io.StringIO()) == 0
+    rows = {p["strategy"]: p for p in json.loads((tmp_path / "plan.json").read_text())["plans"]}
+    assert rows["TSP(4) x DP(4), EP(16)"]["peak_gb"] < rows["TSP(4) x DP(4)"]["peak_gb"]
+    for refused, message in ((["--expert-parallel-size", "12"], "expert_parallel_size = 12 must be a multiple"),
+                             (["--tsp-size", "3"], "tsp_size must be an integer dividing devices"),
+                             (["--max-seq-len", "--memory-gb", "80"], "--tsp-size, --expert-parallel-size")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = planner.run_plan(parser.parse_args(args[:8] + ["--expert-parallel-size", "16"] + refused),
+                                    out=io.StringIO())
+        assert code == 1 and message in err.getvalue()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--expert-parallel-size", "many"])

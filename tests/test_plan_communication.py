@@ -373,6 +373,59 @@ def test_moe_step_bytes_by_op():
     assert plans["TSP(2)"].comm_per_step == sum(step.values())
 
 
+def test_moe_bytes_with_experts_folded_by_hand():
+    # tsp.expert_parallel_size = ep: the experts E/ep a rank over ep consecutive ranks (DESIGN.md 6k).
+    m, D, ep = tiny_moe_shape(), 2, 4
+    sizes = (HIDDEN, 4, 8, 16, 2, 16)  # H, E, F_e, F_s, k, N = B*S/D local tokens
+    # ep = D is today's block, op by op, schedule by schedule, and so is every layer and step.
+    for schedule in ("ring", "all_to_all"):
+        for direction in ("forward", "backward", "both"):
+            assert planner.moe_block_bytes_by_op(*sizes, D, 2, direction, schedule, expert_parallel_size=D) == \
+                planner.moe_block_bytes_by_op(*sizes, D, 2, direction, schedule)
+        assert planner.tsp_step_bytes_by_op(m, SEQ, BATCH, D, 2, moe_schedule=schedule, expert_parallel_size=D) == \
+            planner.tsp_step_bytes_by_op(m, SEQ, BATCH, D, 2, moe_schedule=schedule)
+    # ep = 4 over D = 2: N = 16 local tokens, k = 2 rows each; (ep-1)/ep of the rows routed to the other three
+    # ranks' experts and of the outputs computed there: 2*2*16*3/4 = 48 rows of H = 16 in bf16, 1536 B each way;
+    # the split sizes, one int64 for the E/ep = 1 expert of each of the 3 others, 24 B. The shared expert stays
+    # on the TSP ring of D = 2: (D-1)/D * 3 H F_s = 384 elements, backward with its fp32 accumulators.
+    forward = planner.moe_block_bytes_by_op(*sizes, D, 2, "forward", "all_to_all", expert_parallel_size=ep)
+    assert forward == {"all_to_all": 1536 + 24, "ring": 384 * 2}
+    assert planner.moe_block_bytes_by_op(*sizes, D, 2, "backward", "all_to_all", expert_parallel_size=ep) == \
+        {"all_to_all": 1536, "ring": 384 * (2 + 4)}
+    # A rank's exact rows (what the block counts) in place of the expected ones.
+    assert planner.moe_block_bytes_by_op(*sizes, D, 2, "forward", "all_to_all", expert_parallel_size=ep,
+                                         rows_received=10) == {"all_to_all": 10 * 16 * 2 + 24, "ring": 384 * 2}
+    assert planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, D, 2, "forward", "all_to_all", expert_parallel_size=ep) == forward
+    # TSP of one rank, experts over two: N = 32 tokens, 2*2*32/2 = 64 rows; no ring, no attention bytes.
+    assert planner.tsp_bytes_by_op(m, SEQ, BATCH, 1, 2, "forward", sparse=True, expert_parallel_size=2) == \
+        {"all_to_all": 64 * 16 * 2 + 8 * 1 * 2}
+    # The layer: the sparse layer of today's all-to-all with the folded block in its block's place, whatever
+    # moe_schedule says.
+    both = planner.moe_block_bytes_by_op(*sizes, D, 2, "both", "all_to_all", expert_parallel_size=ep)
+    today = planner.moe_block_bytes_by_op(*sizes, D, 2, "both", "all_to_all")
+    layer = planner.tsp_bytes_by_op(m, SEQ, BATCH, D, 2, "both", sparse=True, moe_schedule="all_to_all")
+    for schedule in ("ring", "auto", "all_to_all"):
+        assert planner.tsp_moe_schedule(m, SEQ, BATCH, D, 2, schedule, expert_parallel_size=ep) == "all_to_all"
+        assert planner.tsp_bytes_by_op(m, SEQ, BATCH, D, 2, "both", sparse=True, moe_schedule=schedule,
+                                       expert_parallel_size=ep) == \
+            {op: v - today.get(op, 0) + both.get(op, 0) for op, v in layer.items()}
+    assert planner.cheaper_moe_schedule(*sizes, D, 2, "both", expert_parallel_size=ep) == "all_to_all"
+    # The step: every sparse layer's all-to-all beside the embedding's.
+    step = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, D, 2, expert_parallel_size=ep)
+    vocab = planner.tsp_vocab_bytes_by_op(m, SEQ, BATCH, D, 2, "both")
+    assert step["all_to_all"] == m["num_hidden_layers"] * both["all_to_all"] + vocab["all_to_all"]
+    # Refused: the ring over experts its group does not hold, a size that is no multiple of D, one that does not
+    # divide the experts, a dense model.
+    with pytest.raises(ValueError, match="expert_parallel_size 4 > tsp_size 2"):
+        planner.moe_block_bytes_by_op(*sizes, D, 2, "both", "ring", expert_parallel_size=ep)
+    with pytest.raises(ValueError, match="expert_parallel_size must be a multiple of tsp_size 2"):
+        planner.moe_block_bytes_by_op(*sizes, D, 2, "both", "all_to_all", expert_parallel_size=3)
+    with pytest.raises(ValueError, match="expert_parallel_size 8 does not divide"):
+        planner.tsp_moe_bytes_by_op(m, SEQ, BATCH, D, 2, "both", "all_to_all", expert_parallel_size=8)
+    with pytest.raises(ValueError, match="expert_parallel_size 4: custom has no mixture-of-experts"):
+        planner.tsp_step_bytes_by_op(tiny_shape(), SEQ, BATCH, D, 2, expert_parallel_size=ep)
+
+
 def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
     # The whole model, layers, expert ring, vocabulary, router and shared-expert-gate gradients and the
     # load-balancing loss's all-reduce (the tiny configs have output_router_logits on), against

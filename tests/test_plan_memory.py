@@ -9,7 +9,7 @@ import torch
 
 from ds_tsp import planning as planner
 from ds_tsp.planning import memory
-from plan_helpers import BATCH, SEQ, saved_bytes, tiny_shape
+from plan_helpers import BATCH, SEQ, saved_bytes, tiny_moe_shape, tiny_shape
 
 
 def test_folded_vocabulary_fits_llama3_8b_at_128k():
@@ -341,3 +341,54 @@ def test_hybrid_memory_by_hand():
     assert {p.name for p in planner.recommend(plans.values(), 2000e9)} == {"TSP(8)", "TSP(8) replicated vocab",
                                                                            "TP(8)"}
     assert "SP-Ulysses(8) (not exact)" in planner.format_table(list(plans.values()))
+
+
+def test_folded_experts_shrink_the_experts_states():
+    # tsp.expert_parallel_size (DESIGN.md 6k) on 8 devices, TSP groups of D = 2 and 4 replicas: Qwen3-MoE-like,
+    # no shared expert (ds_tsp folds none), 2 sparse layers of E = 8 experts of 3 H F_e = 384 elements, X = 6144
+    # in all. Experts over D alone: X/2 a rank; folded over ep: X/ep, their gradients reduced and ZeRO's
+    # partition over the expert-data-parallel group of 8/ep ranks, the dense weights' over the 4 replicas.
+    m = tiny_moe_shape(model_type="qwen3_moe", num_experts=8, shared_expert_intermediate_size=0)
+    X, dp = 2 * 8 * 3 * 16 * 8, 4
+    for zero in (1, 2):
+        for ep in (4, 8):
+            plans = {p.name: p for p in planner.plan(m, SEQ, BATCH, 8, "bf16", zero, tsp_size=2,
+                                                    expert_parallel_size=ep)}
+            over_d, folded = plans["TSP(2) x DP(4)"], plans[f"TSP(2) x DP(4), EP({ep})"]
+            edp = 8 // ep
+            assert folded.feasible and folded.setting.expert_replicas == edp
+            assert folded.memory["weights"] - over_d.memory["weights"] == pytest.approx(2 * (X / ep - X / 2))
+            grads = (X / ep / edp - X / 2 / dp) if zero == 2 else (X / ep - X / 2)
+            assert folded.memory["grads"] - over_d.memory["grads"] == pytest.approx(2 * grads)
+            # Adam's 12 B over the ep-data-parallel group: X / (ep * 8/ep), as many as over D's replicas
+            assert folded.memory["optimizer"] - over_d.memory["optimizer"] == pytest.approx(12 * (X / ep / edp
+                                                                                                  - X / 2 / dp))
+            # The all-to-all keeps its exchanged rows: 2 sparse layers x 16 local tokens (B*S/D) x 2 k H bf16.
+            saved = folded.detail["saved_for_backward"] - over_d.detail["saved_for_backward"]
+            assert saved == 2 * 16 * (2 * 2 * 16 * 2)
+    # Refused as ds_tsp refuses them: without ZeRO, with ZeRO-3, with a shared expert.
+    for model, zero, why in ((m, 0, "ZeRO-0"), (m, 3, "ZeRO-3"), (tiny_moe_shape(), 1, "shared expert")):
+        folded = planner.plan(model, SEQ, BATCH, 8, "bf16", zero, tsp_size=2, expert_parallel_size=4)[-1]
+        assert folded.name == "TSP(2) x DP(4), EP(4)" and not folded.feasible and why in folded.notes
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {}), ("qwen2_moe", dict(num_hidden_layers=3,
+                                                                                     mlp_only_layers=[1]))])
+def test_moe_all_to_all_saved_activations_equal_the_models(arch, overrides):
+    # tsp.moe_schedule "all_to_all" at one rank: the rows its experts received and the outputs returned (k a
+    # token, exactly so here), Qwen2-MoE's shared expert's output and ring steps, against the saved-tensor hooks.
+    from ds_tsp import inject
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+    from models import tiny_config, tiny_model
+
+    planned = {schedule: {p.name: p for p in planner.plan(tiny_config(arch, **overrides).to_dict(), SEQ, BATCH, 1,
+                                                          "bf16", moe_schedule=schedule)}["TSP(1)"]
+               for schedule in ("ring", "all_to_all")}
+    tsp = inject(tiny_model(arch, dtype=torch.bfloat16, **overrides), TSPTopology(1),
+                 TSPConfig(enabled=True, size=1, attention_backend="sdpa", moe_schedule="all_to_all"))
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 61, (BATCH, SEQ))
+    measured = _live_saved_bytes(tsp.parameters(), lambda: tsp(input_ids=input_ids, labels=input_ids))
+    assert measured == planned["all_to_all"].detail["saved_for_backward"]
+    assert measured > planned["ring"].detail["saved_for_backward"]  # the guard: the ring's count would not do

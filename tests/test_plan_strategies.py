@@ -129,3 +129,58 @@ def test_autoep_spreads_the_experts_over_the_replicas_and_moves_routed_rows():
     assert autoep.total < dp.total and plans["TSP(8)"].total < autoep.total
     assert planner.plan("glm-4.5-air", 4096, 1, 12)[-3].name == "AutoEP(4)"  # 128 experts over 12 devices: 4
     assert not any(p.name.startswith("AutoEP") for p in planner.plan("llama3-8b", 4096, 1, 8))
+
+
+def test_tsp_rows_fold_the_experts_across_the_replicas():
+    """``tsp_size`` and ``expert_parallel_size`` (DESIGN.md 6k): TSP groups of D = 2 on 8 devices, 4 replicas,
+    a Qwen3-MoE-like model of 8 experts; the folded row's bytes by kind and group, the choice "auto" makes, and
+    the refusals, named as ``tsp.expert_parallel_size``'s are."""
+    m = tiny_moe_shape(model_type="qwen3_moe", num_experts=8, shared_expert_intermediate_size=0)
+    plans = {p.name: p for p in planner.plan(m, SEQ, BATCH, 8, "bf16", 1, tsp_size=2, expert_parallel_size=8)}
+    assert [name for name in plans if name.startswith("TSP")] == \
+        ["TSP(2) x DP(4) replicated vocab", "TSP(2) x DP(4)", "TSP(2) x DP(4), EP(8)"]
+    folded = plans["TSP(2) x DP(4), EP(8)"]
+    assert folded.layout == "tsp=2 x dp=4, ep=8, moe_schedule=all_to_all, vocab_parallel=true"
+    assert folded.devices_per_replica == 2 and folded.tokens_per_device == BATCH * SEQ // 2
+    # The sparse layers' all-to-all over the 8 ranks holding the experts, the rest of ds_tsp's over the TSP group.
+    parts = folded.comm_parts
+    a2a = planner.tsp_layers_bytes_by_op(m, SEQ, BATCH, 2, 2, "both", expert_parallel_size=8)["all_to_all"]
+    assert (parts["tsp_expert_all_to_all"].nbytes, parts["tsp_expert_all_to_all"].group_size) == (a2a, 8)
+    assert parts["tsp_kv_gather"].group_size == 2
+    # ZeRO-1 over the replicas: the dense weights' gradients reduce-scattered over the 4 replicas, 2 apart, and
+    # gathered back; the experts' (X/8 a rank, 2 layers x 1 expert x 384) over their group of 8/8 = 1: nothing.
+    experts = 2 * 1 * 3 * 16 * 8
+    dense = folded.memory["weights"] / 2 - experts
+    assert (parts["grad_reduce"].nbytes, parts["grad_reduce"].group_size, parts["grad_reduce"].stride) == \
+        (pytest.approx(3 / 4 * dense * 2), 4, 2)
+    assert parts["param_gather"].nbytes == pytest.approx(3 / 4 * dense * 2)
+    assert "expert_grad_reduce" not in parts
+    step = planner.tsp_step_bytes_by_op(m, SEQ, BATCH, 2, 2, expert_parallel_size=8)
+    assert folded.comm_per_step == pytest.approx(sum(step.values()) + 2 * 3 / 4 * dense * 2)
+    # Over 4 ranks, the experts' own group of 2 replicas, 4 apart.
+    half = {p.name: p for p in planner.plan(m, SEQ, BATCH, 8, "bf16", 1, tsp_size=2, expert_parallel_size=4)}
+    reduce = half["TSP(2) x DP(4), EP(4)"].comm_parts["expert_grad_reduce"]
+    assert (reduce.nbytes, reduce.group_size, reduce.stride) == (pytest.approx(1 / 2 * 2 * experts * 2), 2, 4)
+    # Experts over D alone, ep = D: the same as no expert_parallel_size, and no folded row.
+    same = planner.plan(m, SEQ, BATCH, 8, "bf16", 1, tsp_size=2, expert_parallel_size=2)
+    assert [p.name for p in same][-2:] == ["TSP(2) x DP(4) replicated vocab", "TSP(2) x DP(4)"]
+    assert same[-1].total == plans["TSP(2) x DP(4)"].total
+    # "auto": the least memory, the experts over every rank here.
+    assert planner.plan(m, SEQ, BATCH, 8, "bf16", 1, tsp_size=2, expert_parallel_size="auto")[-1].name == \
+        "TSP(2) x DP(4), EP(8)"
+    refusals = [(dict(tsp_size=2, expert_parallel_size=6), "expert_parallel_size = 6 must be a multiple of "
+                 "tsp_size \\(2\\) dividing tsp_size x the data-parallel size \\(2 x 4\\) and custom's 8 experts a "
+                 "layer: choose one of 2, 4, 8"),
+                (dict(tsp_size=2, expert_parallel_size=3), "multiple of tsp_size"),
+                (dict(tsp_size=1, expert_parallel_size=16), "choose one of 1, 2, 4, 8"),
+                (dict(tsp_size=3), "tsp_size must be an integer dividing devices \\(8\\)"),
+                (dict(expert_parallel_size=4), "no replica to fold the experts over: set tsp_size"),
+                (dict(expert_parallel_size="auto"), "no size above tsp_size 8"),
+                (dict(moe_schedule="broadcast"), "moe_schedule must be one of ring, all_to_all, auto")]
+    for options, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            planner.plan(m, SEQ, BATCH, 8, "bf16", 1, **options)
+    with pytest.raises(ValueError, match="expert_parallel_size = 4: custom has no mixture-of-experts layer"):
+        planner.plan(tiny_shape(), SEQ, BATCH, 8, "bf16", 1, tsp_size=2, expert_parallel_size=4)
+    with pytest.raises(ValueError, match="does not divide"):  # at the formula too
+        planner.tsp_moe_bytes_by_op(tiny_moe_shape(), SEQ, BATCH, 2, 2, "both", "all_to_all", expert_parallel_size=8)

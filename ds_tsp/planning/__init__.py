@@ -1,7 +1,8 @@
 """The analytic planner behind ``ds-tsp plan``: per-device memory,
 communication and FLOPs of DP, TP, SP (Ulysses), CP (all-gather), TP+SP and
 TSP for a decoder LM (DESIGN.md 8), dense or mixture-of-experts (Mixtral,
-Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c), with latent attention (6i) or Gated
+Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c; experts folded across data-parallel
+replicas: 6k), with latent attention (6i) or Gated
 DeltaNet layers (Qwen3-Next, Qwen3.5: 6j), the longest sequence each trains, and
 each one's step time on a cluster. Imports no torch.
 
@@ -72,23 +73,33 @@ from ds_tsp.planning.shapes import (
     ModelShape,
     Precision,
     Setting,
+    expert_parallel_sizes,
     logits_tile_tokens,
     model_shape,
     tsp_name,
     tsp_shape_problem,
     vocab_rows_per_rank,
 )
-from ds_tsp.planning.strategies import alst_name, plan, plan_alst, plan_autotp, recommend
+from ds_tsp.planning.strategies import (
+    TSP_MOE_SCHEDULES,
+    alst_name,
+    best_expert_parallel_size,
+    plan,
+    plan_alst,
+    plan_autotp,
+    recommend,
+)
 from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
 
 __all__ = [
     "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",
     "DEFAULT_DEVICES_PER_NODE", "DEFAULT_LOGITS_TILE_MIB", "DEFAULT_TOKEN_TILE", "DIRECTIONS", "FLOAT32", "GB",
     "HEAD_BACKWARD", "INT64", "MEMORY_PARTS", "MOE_MODEL_TYPES", "MOE_SCHEDULES", "PAPER_DEVICE_GB", "PAPER_LABELS",
-    "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS", "Cluster",
+    "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS",
+    "TSP_MOE_SCHEDULES", "Cluster",
     "CommPart", "LongestSequence", "ModelShape", "Precision", "ServingPlan", "Setting", "StepTime", "StrategyPlan",
-    "add_plan_arguments", "alst_name", "cheaper_moe_schedule", "compare_anchor", "compare_anchors",
-    "delta_net_bytes_by_op",
+    "add_plan_arguments", "alst_name", "best_expert_parallel_size", "cheaper_moe_schedule", "compare_anchor",
+    "compare_anchors", "delta_net_bytes_by_op", "expert_parallel_sizes",
     "format_longest_table", "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors",
     "logits_tile_tokens", "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op",
     "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend",
