@@ -466,9 +466,11 @@ def _tsp_peak(setting, vocab_parallel, states, outside, checkpoints, every_layer
     m, p = setting.model, setting.precision
     # The embedding's gradient, counted among the model states, is made last, by its own backward: no layer's
     # backward holds it. Not so a tied head's, ZeRO-3's partition (one buffer made once) or an offloaded
-    # optimizer's (one layer's gradients at a time); a LoRA run's frozen embedding has none.
+    # optimizer's (one layer's gradients at a time); a LoRA run's frozen embedding has none. ZeRO-2 holds its
+    # partition over the data-parallel replicas.
     unmade = 0 if (m.tie_word_embeddings or setting.zero_stage >= 3 or setting.offload_optimizer
                    or setting.lora_rank) else _vocab_rows(setting, vocab_parallel) * m.hidden_size * p.grad
+    unmade /= setting.tsp_replicas if setting.zero_stage == 2 else 1
     layer_backward = sum(layer_pieces.values()) - unmade
     # The head's phase is the first thing backward runs, before any parameter holds a gradient: it overlaps the
     # gradients' memory rather than adding to it. The embedding's runs last, with all of them.
