@@ -43,7 +43,8 @@ def _engine(arch, layout, seed, universal=False, **overrides):
               "zero_optimization": {"stage": zero}, "scheduler": {"type": "WarmupLR", "params": LR},
               "steps_per_print": 1000,
               "tsp": {"enabled": True, "size": tsp, "pipeline_stages": pp, "attention_backend": "sdpa",
-                      "vocab_parallel": layout.get("vocab_parallel", True)}}
+                      "vocab_parallel": layout.get("vocab_parallel", True),
+                      "expert_parallel_size": layout.get("ep")}}
     if layout.get("offload"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
@@ -173,6 +174,12 @@ MOVES = {
     "zero1-to-zero2-offloaded": ("llama", dict(tsp=2, zero=1), dict(tsp=4, zero=2, offload=True), None),
     # Without the load-balancing loss, which DP ranks take over their own batches (as DDP does), not the global one.
     "moe-tsp2-to-tsp4": ("qwen3_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=1), dict(output_router_logits=False)),
+    # Experts folded over both replicas (a quarter a rank, their ZeRO groups DeepSpeed's MoE ones) to experts
+    # over the TSP group, and back: ds_tsp joins the folded experts, DeepSpeed's converter the rest.
+    "moe-folded-ep4-to-tsp2xdp2": ("qwen3_moe", dict(tsp=2, zero=1, ep=4), dict(tsp=2, zero=2),
+                                   dict(output_router_logits=False)),
+    "moe-tsp4-to-folded-ep4": ("qwen3_moe", dict(tsp=4, zero=2), dict(tsp=2, zero=1, ep=4),
+                               dict(output_router_logits=False)),
     "shared-expert-zero2-to-zero1": ("qwen2_moe", dict(tsp=2, zero=2), dict(tsp=4, zero=1),
                                      dict(output_router_logits=False)),
     # Multi-head latent attention (its down projections' rows uneven at TSP 4) around DeepSeek-V3's MoE, whose

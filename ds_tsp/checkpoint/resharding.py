@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 
 import deepspeed
 import torch
@@ -35,6 +36,12 @@ from deepspeed.checkpoint.constants import (
 )
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+from ds_tsp.checkpoint.folded_experts import (
+    folded_maps,
+    hyperparameters_for_expert_groups,
+    without_folded_experts,
+    write_folded_experts,
+)
 from ds_tsp.checkpoint.formats import CheckpointError
 from ds_tsp.checkpoint.staging import link_or_copy, staged
 from ds_tsp.injection.pipeline import hf_prefixes
@@ -152,11 +159,17 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
             raise CheckpointError(f"--out {out_dir} exists: pass --force to replace it, or choose another --out")
         if os.path.exists(os.path.join(out_dir, LATEST)) or os.path.samefile(out_dir, checkpoint_dir):
             raise CheckpointError(f"--out {out_dir} holds the checkpoint to reshard: choose another --out")
+    experts = folded_maps(source)
     with staged(out_dir) as staging, _mapped_loads():
         folder = os.path.join(staging, tag)
-        ds_to_universal(argparse.Namespace(input_folder=source, output_folder=folder, num_extract_workers=1,
+        # Experts folded over replicas are joined by folded_experts, the rest by DeepSpeed's converter.
+        converted = without_folded_experts(source, os.path.join(staging, "folded-source")) if experts else source
+        ds_to_universal(argparse.Namespace(input_folder=converted, output_folder=folder, num_extract_workers=1,
                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
                                            inject_missing_state=False))
+        if experts:
+            shutil.rmtree(converted)
+            write_folded_experts(source, saved, os.path.join(folder, "zero"), experts)
         _name_params_for_pipelines_and_not(os.path.join(folder, "zero"), saved["pipeline_names"])
         _name_model_states_for_every_stage(folder)
         _optimizer_state_for_every_stage(folder)
@@ -259,7 +272,8 @@ def _optimizer_state_for_every_stage(folder):
     the source's ZeRO stage, and the loaders of ZeRO 1-2 and ZeRO-3 read
     different ones (top-level ``param_groups`` and ``ds_version``; the torch
     optimizer's ``optimizer_state_dict`` with its step): complete it for both,
-    without ZeRO-3's copy of one partition of the master weights."""
+    without ZeRO-3's copy of one partition of the master weights, and with the
+    groups of experts folded over replicas (``hyperparameters_for_expert_groups``)."""
     zero = os.path.join(folder, "zero")
     path = os.path.join(zero, "optimizer_state.pt")
     state = torch.load(path, weights_only=False)
@@ -274,7 +288,7 @@ def _optimizer_state_for_every_stage(folder):
         step = next(torch.load(os.path.join(p, "step.pt"), weights_only=False) for p in params
                     if os.path.isfile(os.path.join(p, "step.pt")))
         state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: state[PARAM_GROUPS]}
-    _rewrite(path, state)
+    _rewrite(path, hyperparameters_for_expert_groups(state))
 
 
 def _rewrite(path, state):

@@ -20,7 +20,12 @@ ZeRO sizes. The model states carry the description the converter reads
   padded again for the loading TSP size, which is TSP's own ``ceil(V / D)``
   rows per rank;
 * everything else (norms, routers, biases every rank holds) is replicated,
-  which the converter checks is equal on every TSP rank.
+  which the converter checks is equal on every TSP rank;
+* experts folded over data-parallel replicas (``tsp.expert_parallel_size``)
+  differ between replicas, which DeepSpeed's converter joins as partitions of
+  one tensor: their map over the expert-parallel group is kept under
+  ``FOLDED_EXPERTS`` for ``checkpoint.folded_experts``, which joins them
+  itself, and each rank's loader gets its own pieces under its TSP rank.
 
 DeepSpeed's affine maps express every TSP shard, so its converter joins them
 unchanged. What its loaders do not do is ds_tsp's: ZeRO-3's loader cuts the
@@ -53,10 +58,14 @@ from deepspeed.checkpoint.constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 
+from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
-from ds_tsp.checkpoint.shard_plan import block_holdings, block_specs
+from ds_tsp.checkpoint.shard_plan import block_holdings, block_specs, shard_group
 from ds_tsp.parallel import comm
+
+# universal_checkpoint_info's key for the maps of folded experts over their expert-parallel groups.
+FOLDED_EXPERTS = "ds_tsp_folded_experts"
 
 
 def _row_major(shape):
@@ -123,15 +132,22 @@ def universal_info(module):
     parameter gets its ``UniversalShard`` (``tsp_universal_shard``) for
     ``load_zero3_universal_states``, and a packed one its map where DeepSpeed's
     ZeRO 1-2 loader reads it."""
-    maps, vocabulary, replicated = {}, [], []
+    maps, folded, vocabulary, replicated = {}, {}, [], []
     vocab_size = None
     sharded = set()
     for prefix, block in module.named_modules():
         if isinstance(block, PackedShardMixin):
             affine = packed_map(block_specs(block), block_holdings(block))
+            if isinstance(block, TSPSparseMoE) and block.folded:
+                folded[f"{prefix}.packed"] = affine.to_dict()
+                # DeepSpeed's loader cuts by TSP rank: this rank's pieces of the expert-parallel map under it.
+                rank = shard_group(block)[1]
+                affine = ParamAffineMap(affine.logical_shape, {block.tsp_rank: affine.shard_shapes[rank]},
+                                        {block.tsp_rank: affine.pieces_by_rank[rank]})
+            else:
+                maps[_exact(f"{prefix}.packed")] = affine.to_dict()
             setattr(block.packed, DS_AUTOTP_UC_META, {"conversion": {"affine_map": affine.to_dict()}})
             block.packed.tsp_universal_shard = UniversalShard(block.tsp_rank, affine=affine)
-            maps[_exact(f"{prefix}.packed")] = affine.to_dict()
             sharded.add(id(block.packed))
         elif isinstance(block, (VocabParallelEmbedding, VocabParallelLMHead)) and id(block.weight) not in sharded:
             vocabulary.append(_exact(f"{prefix}.weight"))
@@ -146,6 +162,8 @@ def universal_info(module):
             TP_REPLICATED_PARAMETER_PATTERNS: replicated}
     if vocabulary:
         info.update({VOCABULARY_PARAMETER_PATTERNS: vocabulary, ORIGINAL_VOCAB_SIZE: vocab_size})
+    if folded:
+        info[FOLDED_EXPERTS] = folded
     return info
 
 
