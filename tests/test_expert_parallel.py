@@ -205,3 +205,51 @@ def test_save_pretrained_writes_hugging_faces_model_and_from_pretrained_reads_ea
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).state_dict()
     ref = tiny_model("qwen3_moe").state_dict()
     assert saved.keys() == ref.keys() and all(torch.equal(saved[name], ref[name]) for name in ref)
+
+
+def _folded_block_bytes(balanced):
+    """Layer 0's folded MoE block (Qwen3-MoE, float32) on this rank's tokens:
+    the bytes counted forward and forward + backward, and the rows this rank
+    receives per pass, counted from every rank's routing over the expert-parallel group."""
+    from ds_tsp.parallel import comm
+    from test_moe import _balanced_routing, _count
+
+    topology = TSPTopology(TSP, expert_parallel_size=EP)
+    ref = tiny_model("qwen3_moe", dtype=torch.float32)
+    block = TSPSparseMoE.from_hf(ref.model.layers[0].mlp, topology.tsp_group, ep_group=topology.ep_group)
+    torch.manual_seed(11 + topology.rank)
+    x = torch.randn(2, 8, ref.config.hidden_size)
+    top_k = ref.config.num_experts_per_tok
+    if balanced:
+        x = _balanced_routing(block, x, top_k)
+    _, _, index = block.gate(x.reshape(-1, x.shape[-1]))
+    sends = torch.bincount(index.reshape(-1) // (block.num_experts // EP), minlength=EP)  # rows to each owner
+    every = comm.all_gather_small(sends, topology.ep_group)  # (EP, EP): every rank's sends
+    rank = topology.ep_rank
+    rows = int(every[:, rank].sum() - every[rank, rank] + sends.sum() - sends[rank])
+    forward, total = _count(block, x)
+    return {"forward": forward, "total": total, "rows": rows, "tokens": x.shape[0] * x.shape[1],
+            "sizes": (block.hidden_size, block.num_experts, block.expert_size, block.shared_size, top_k)}
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_bytes_equal_the_planners_all_to_all_over_the_folded_group(run_ranks, balanced):
+    """Per rank, op by op: the ``E/4`` split sizes from each of the 3 other
+    ranks of the expert-parallel group, the rows received (routed to this
+    rank's experts by all 4 ranks, and this rank's rows' outputs computed on
+    the others) times ``H``, the same again backward; with balanced routing
+    that is the planner's expected ``2 k N 3/4`` rows."""
+    from ds_tsp.planning import moe_block_bytes_by_op
+
+    for rank, r in enumerate(run_ranks(TSP * 2, _folded_block_bytes, balanced=balanced)):
+        for direction, counted in (("forward", r["forward"]), ("both", r["total"])):
+            planned = moe_block_bytes_by_op(*r["sizes"], r["tokens"], TSP, 4, direction, "all_to_all",
+                                            expert_parallel_size=EP, rows_received=r["rows"])
+            assert {op: c["received"] for op, c in counted.items()} == planned, (direction, counted, planned)
+        if balanced:
+            assert r["rows"] == 2 * r["sizes"][4] * r["tokens"] * (EP - 1) // EP
+            assert planned == moe_block_bytes_by_op(*r["sizes"], r["tokens"], TSP, 4, "both", "all_to_all",
+                                                    expert_parallel_size=EP)
+        print(f"rank {rank} {'balanced' if balanced else 'random'} routing: {r['rows']} rows received per pass, "
+              f"forward {r['forward']['all_to_all']['received']} B, with backward "
+              f"{r['total']['all_to_all']['received']} B, as planned")
