@@ -22,9 +22,15 @@ bytes communicated and step time per rank, for two small models (``--models``):
   Ulysses replicates them; ZeRO-3 partitions them and gathers a layer's at a
   time; DeepSpeed's AutoTP splits what the model's tp_plan names (its
   attention, every expert whole on every rank), or its refusal is reported.
+  At D = 4 the row also runs TSP 2 x DP 2 under ZeRO-1, its experts over the
+  TSP group (``E/2`` a rank) or folded over both replicas
+  (``tsp.expert_parallel_size`` 4, ``E/4`` a rank, tokens to them by an
+  all-to-all over all 4 ranks): see ``tsp_2x2`` below for what each rank trains.
 
     python benchmarks/compare.py --models dense      # the committed dense run (benchmarks/results/compare.md)
     python benchmarks/compare.py --models moe        # the MoE row alone (compare_moe.md, compare_moe_<D>.json)
+    python benchmarks/compare.py --models moe --moe-sizes 4 --seq-lens 256 1024 4096 --expert-intermediate 128 \
+        --top-k 4 --strategies tsp ulysses_zero3 autoep tsp_2x2 tsp_2x2_ep4 --tag ep   # compare_moe_ep.md
     python benchmarks/compare.py --models mla --seq-lens 512 1024 2048   # the latent-attention row (compare_mla.md)
     python benchmarks/compare.py --models hybrid --seq-lens 512 1024 2048   # the Gated DeltaNet row (compare_hybrid.md)
     python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
@@ -57,7 +63,20 @@ weights and the same sequence (fp32, micro-batch ``--batch``):
 * ``autotp_x_ulysses``: AutoTP 2 x Ulysses 2, only where D = 4;
 * ``autoep`` (MoE row only): DeepSpeed AutoEP, ``"expert_parallel":
   {"autoep_size": D}`` (``autoep_section``), ZeRO-0, the whole sequence on every rank;
-* ``autoep_zero3`` (MoE row only): the same with ZeRO-3 over the same D ranks.
+* ``autoep_zero3`` (MoE row only): the same with ZeRO-3 over the same D ranks;
+* ``tsp_2x2``, ``tsp_2x2_ep4`` (MoE row, D = 4 only): ``ds_tsp.initialize`` with
+  ``tsp.size`` 2 (DP = 2 replicas), ZeRO-1, ``tsp.moe_schedule`` "auto", the
+  experts over the TSP group (``E/2`` a rank) or with
+  ``tsp.expert_parallel_size`` 4 (``E/4`` a rank; "auto" is then the token
+  all-to-all). Each replica trains its own sequence of the same length S, as
+  data parallelism is used: replica 0 the sequence every other strategy
+  trains, replica 1 another (``DataParallelRun``). A step trains 2 sequences,
+  and each rank holds S/2 tokens (TSP 4 and Ulysses S/4, AutoEP and AutoTP S).
+  Their losses are replica 0's; after the first update they follow the
+  gradients of both sequences, so only the first step's loss at the first
+  length (one engine trains the lengths in turn) is set against the single
+  process, and ``tsp_2x2_ep4``'s losses against ``tsp_2x2``'s over every step
+  (the same data: folding must not change the training).
 
 Each strategy runs in its own process group (``ranks.run_on_ranks``): the
 parent imports torch, transformers, DeepSpeed and ds_tsp once and forks D
@@ -67,10 +86,11 @@ ascending order. A rank that
 fails is reported as ``unsupported: <error>`` for that strategy and sequence
 length (and the longer ones, which are not tried), and the run goes on.
 
-Two settings keep the comparison like for like: ZeRO-3's buckets are sized
-for this model (``zero3_buckets``), and Ulysses under ZeRO-0 scales its
-backward by 1/D (``UlyssesRun``); the loss-diff column shows every strategy
-applying the same updates as the single process.
+Two settings keep the comparison like for like: ZeRO-3's buckets, and
+ZeRO-1's for TSP 2 x DP 2, are sized for this model (``zero3_buckets``), and
+Ulysses under ZeRO-0 scales its backward by 1/D (``UlyssesRun``); the
+loss-diff column shows every strategy applying the same updates as the single
+process.
 
 What is measured (``benchmarks/measure.py``), the same way for every strategy:
 
@@ -104,7 +124,8 @@ exchanges for this batch, ``embedding_rows_exchanged``).
 
 Writes ``<name>.md``, ``<name>_<D>.json`` and ``<name>_{memory,time}.png``
 under ``--out`` (``--name`` defaults to ``compare``), the MoE row's under
-``<name>_moe``. ``--vocab`` and the sizes, where given, apply to both models.
+``<name>_moe``, each stem ending in ``_<tag>`` with ``--tag``. ``--vocab`` and
+the sizes, where given, apply to both models.
 """
 
 import argparse
@@ -200,6 +221,22 @@ class FullSequenceRun:
         return loss.item()
 
 
+class DataParallelRun(FullSequenceRun):
+    """TSP x DP: each data-parallel replica trains its own sequence of the
+    length it is given, replica 0 the one it is given (every other strategy's),
+    replica ``r`` the ``r``-th other one (``batch_ids``). The ranks of a replica's
+    TSP group feed it whole; the engine keeps each rank's share."""
+
+    def __init__(self, engine, args):
+        super().__init__(engine)
+        self.args, self.replica = args, engine.tsp_topology.dp_rank
+
+    def step(self, input_ids):
+        if self.replica:
+            input_ids = batch_ids(self.args, input_ids.shape[-1], self.replica)
+        return super().step(input_ids)
+
+
 class UlyssesRun:
     """Ulysses as ``UlyssesSPDataLoaderAdapter`` feeds it: rank ``r`` of the SP
     group gets the ``r``-th contiguous chunk of ``input_ids``, ``position_ids``
@@ -277,6 +314,31 @@ def run_tsp_ring(world, args):
 
 def run_tsp_all_to_all(world, args):
     return _run_tsp(world, args, moe_schedule="all_to_all")
+
+
+TSP_X_DP_SIZE = 2  # tsp.size of the TSP x DP strategies: D / 2 replicas
+
+
+def _run_tsp_x_dp(world, args, expert_parallel_size):
+    if world != 2 * TSP_X_DP_SIZE:
+        raise ValueError(f"tsp_2x2 and tsp_2x2_ep4 run as TSP 2 x DP 2 on 4 ranks, not {world}")
+    tsp = {"enabled": True, "size": TSP_X_DP_SIZE, "layout": TSP_LAYOUT, "attention_backend": "sdpa",
+           "expert_parallel_size": expert_parallel_size}
+    config = ds_config(args, zero_stage=1, tsp=tsp)
+    # Buckets sized for this model as ZeRO-3's (zero3_buckets): DeepSpeed's 5e8-element reduce buffer would be the
+    # peak of every ZeRO-1 rank here.
+    buckets = zero3_buckets(args)["reduce_bucket_size"]
+    config["zero_optimization"].update(reduce_bucket_size=buckets, allgather_bucket_size=buckets)
+    engine, *_ = ds_tsp.initialize(model=build_model(args), optimizer=adamw, config=config)
+    return DataParallelRun(engine, args)
+
+
+def run_tsp_2x2(world, args):
+    return _run_tsp_x_dp(world, args, expert_parallel_size=TSP_X_DP_SIZE)
+
+
+def run_tsp_2x2_ep4(world, args):
+    return _run_tsp_x_dp(world, args, expert_parallel_size=world)
 
 
 def run_autotp(world, args, build=build_model):
@@ -380,19 +442,22 @@ def run_autotp_x_ulysses(world, args):
 STRATEGIES = {"single": run_single, "tsp": run_tsp, "tsp_replicated_vocab": run_tsp_replicated_vocab,
               "tsp_ring": run_tsp_ring, "tsp_all_to_all": run_tsp_all_to_all, "autotp": run_autotp,
               "ulysses": run_ulysses, "ulysses_zero3": run_ulysses_zero3, "autotp_x_ulysses": run_autotp_x_ulysses,
-              "autoep": run_autoep, "autoep_zero3": run_autoep_zero3}
+              "autoep": run_autoep, "autoep_zero3": run_autoep_zero3, "tsp_2x2": run_tsp_2x2,
+              "tsp_2x2_ep4": run_tsp_2x2_ep4}
 
 
 def strategies_for(world, model="dense", lora=False):
     """What runs at ``world`` ranks; the MoE row runs TSP with its default folded
     vocabulary under each ``tsp.moe_schedule`` ("auto", the default, then
     "ring" and "all_to_all"), AutoTP (measured where DeepSpeed runs it, its
-    error reported where it refuses), and AutoEP with ZeRO-0 and ZeRO-3 (MoE only); with LoRA, TSP,
-    Ulysses and Ulysses + ZeRO-3 (AutoTP does not take PEFT layers)."""
+    error reported where it refuses), AutoEP with ZeRO-0 and ZeRO-3 and, at 4 ranks, TSP 2 x DP 2 with
+    its experts over 2 and 4 ranks (MoE only); with LoRA, TSP, Ulysses and Ulysses + ZeRO-3 (AutoTP does
+    not take PEFT layers)."""
     if lora:
         return ["tsp", "ulysses", "ulysses_zero3"]
     if model == "moe":
-        return ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
+        names = ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
+        return names + (["tsp_2x2", "tsp_2x2_ep4"] if world == 2 * TSP_X_DP_SIZE else [])
     if model in ("mla", "hybrid"):
         return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
@@ -403,10 +468,12 @@ def strategies_for(world, model="dense", lora=False):
 
 # --- one sequence length, on one rank ------------------------------------------------------------------------------
 
-def batch_ids(args, seq_len):
-    """The one micro-batch every strategy trains on at ``seq_len``."""
+def batch_ids(args, seq_len, replica=0):
+    """The one micro-batch every strategy trains on at ``seq_len``; another
+    for each data-parallel ``replica`` > 0 of the TSP x DP strategies."""
     generator = torch.Generator().manual_seed(seq_len)
-    return torch.randint(0, args.vocab, (args.batch, seq_len), generator=generator)
+    # Replica r's batch continues replica 0's stream (a seed past 2**32 would not: torch keeps its low 32 bits).
+    return torch.randint(0, args.vocab, (replica + 1, args.batch, seq_len), generator=generator)[replica]
 
 
 def measure(run, seq_len, args):
@@ -505,6 +572,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="compare", help="stem of the files written under --out (the MoE row's "
                                                           "with _moe)")
+    parser.add_argument("--tag", help="appended to every row's file stem: --models moe --tag ep writes compare_moe_ep")
     args = parser.parse_args(argv)
     args.seq_lens = sorted(args.seq_lens)
     if args.warmup < 1:
@@ -533,7 +601,8 @@ def model_args(args, model):
     row = copy.copy(args)
     row.model, row.sizes = model, sizes_of(args, model)
     row.vocab = args.vocab or defaults["vocab"]
-    row.name = args.name + defaults["suffix"] + ("_lora" if args.lora_rank else "")
+    row.name = args.name + defaults["suffix"] + ("_lora" if args.lora_rank else "") + (
+        f"_{args.tag}" if args.tag else "")
     return row
 
 

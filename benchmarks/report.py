@@ -15,13 +15,18 @@ from ds_tsp.planning import model_shape, plan, tsp_moe_schedule, tsp_name, tsp_s
 LABELS = {"single": "single process", "tsp": "TSP", "tsp_replicated_vocab": "TSP, replicated vocab",
           "tsp_ring": "TSP, expert ring", "tsp_all_to_all": "TSP, token all-to-all", "autotp": "AutoTP",
           "ulysses": "Ulysses", "ulysses_zero3": "Ulysses + ZeRO-3",
-          "autotp_x_ulysses": "AutoTP x Ulysses", "autoep": "AutoEP", "autoep_zero3": "AutoEP + ZeRO-3"}
+          "autotp_x_ulysses": "AutoTP x Ulysses", "autoep": "AutoEP", "autoep_zero3": "AutoEP + ZeRO-3",
+          "tsp_2x2": "TSP 2 x DP 2, experts over 2", "tsp_2x2_ep4": "TSP 2 x DP 2, experts over 4"}
 
 # tsp.vocab_parallel and tsp.moe_schedule of each TSP strategy: its bytes are planned with them.
 TSP_STRATEGIES = {"tsp": (True, "auto"), "tsp_replicated_vocab": (False, "auto"), "tsp_ring": (True, "ring"),
                   "tsp_all_to_all": (True, "all_to_all")}
 # TSP under one MoE schedule each, beside "tsp" ("auto"): compared with it in their own table, not as other strategies.
 TSP_SCHEDULE_VARIANTS = ("tsp_ring", "tsp_all_to_all")
+# TSP 2 x DP 2 (MoE row, D = 4): tsp.expert_parallel_size of each. Each replica trains its own sequence, so
+# their losses follow the single process's for the first step only; they are compared with TSP in their own table.
+TSP_X_DP = {"tsp_2x2": 2, "tsp_2x2_ep4": 4}
+TSP_X_DP_SIZE = 2
 
 ELEMENT_BYTES = 4  # every strategy trains in fp32
 
@@ -65,6 +70,8 @@ def summarize(per_rank, reference_losses):
         "sent_mib_per_step": max(_mib(r["sent_per_step"]) for r in per_rank),
         "all_to_all_mib_per_step": max(_mib(sum(count["received"] for op, count in r["by_op_per_step"].items()
                                                 if op in ("all_to_all", "all_to_all_single"))) for r in per_rank),
+        "outside_ds_tsp_mib_per_step": max(_mib(r["received_per_step"] - r["ds_tsp_received_per_step"])
+                                           for r in per_rank),
         "step_s": max(r["step_s"] for r in per_rank),
         "losses": per_rank[0]["losses"],
     }
@@ -149,7 +156,12 @@ def tabulate(results, args, rows_exchanged):
                 value, ref = raw[seq_len], single[seq_len]
                 ref_losses = None if name == "single" or isinstance(ref, str) else ref[0]["losses"]
                 key = (name, world, seq_len)
-                summaries[key] = value if isinstance(value, str) else summarize(value, ref_losses)
+                summaries[key] = value if isinstance(value, str) else summarize(
+                    value, None if name in TSP_X_DP else ref_losses)
+                # One engine trains through the lengths in order: only the first length starts from the weights
+                # the single process starts from.
+                if name in TSP_X_DP and ref_losses and seq_len == args.seq_lens[0] and not isinstance(value, str):
+                    summaries[key]["first_loss_diff_vs_single"] = abs(summaries[key]["losses"][0] - ref_losses[0])
                 if getattr(args, "lora_rank", 0):
                     continue  # the planner models full fine-tuning
                 if planner_counterpart(name, world, is_moe(args)):
@@ -157,7 +169,17 @@ def tabulate(results, args, rows_exchanged):
                 if name in TSP_STRATEGIES:
                     tsp_bytes[key] = tsp_bytes_row(args, world, seq_len, value, *TSP_STRATEGIES[name],
                                                    rows_exchanged[(world, seq_len)])
+    _folded_against_unfolded(summaries)
     return summaries, planned_peaks, tsp_bytes
+
+
+def _folded_against_unfolded(summaries):
+    """TSP 2 x DP 2 with experts folded over 4 ranks trains the same data as
+    with them over the TSP group: its losses against those, over every step."""
+    for (name, world, seq_len), row in summaries.items():
+        other = summaries.get(("tsp_2x2", world, seq_len))
+        if name == "tsp_2x2_ep4" and not isinstance(row, str) and other is not None and not isinstance(other, str):
+            row["max_loss_diff_vs_tsp_2x2"] = max(abs(a - b) for a, b in zip(row["losses"], other["losses"]))
 
 
 # --- JSON ----------------------------------------------------------------------------------------------------------
@@ -183,12 +205,13 @@ def write_json(results, tables, args, meta):
 
 def write_markdown(results, tables, args, meta):
     summaries, planned_peaks, tsp_bytes = tables
-    lines = _preamble(args, meta)
+    lines = _preamble(args, meta, results)
     for world in args.sizes:
         lines += _strategy_table(results, summaries, args, world)
     lines += _lora_table(results, summaries, args) if getattr(args, "lora_rank", 0) else _folded_table(
         results, summaries, args)
     lines += _moe_schedule_table(summaries, tsp_bytes, args) if is_moe(args) else []
+    lines += _expert_fold_tables(results, summaries, tsp_bytes, args)
     lines += _planned_peak_table(planned_peaks, args)
     lines += _tsp_bytes_table(tsp_bytes, args)
     lines += ["", bytes_verdict(tsp_bytes)]
@@ -225,7 +248,7 @@ def _model_text(model):
             f"{model['kv_heads']} KV heads, intermediate {model['intermediate']}")
 
 
-def _preamble(args, meta):
+def _preamble(args, meta, results):
     model = meta["model"]
     moe = ["* MoE row: TSP shards the experts E/D per rank and moves them round the ring with the dense blocks' "
            "shards, or keeps them at rest and sends the tokens to them by all-to-all (`tsp.moe_schedule`: TSP runs "
@@ -235,6 +258,13 @@ def _preamble(args, meta):
            "Hugging Face tp_plan names (the attention: every expert stays whole on every rank and computes every "
            "token), or its refusal is listed under Unsupported; DeepSpeed's AutoEP holds E/D experts per rank and "
            "sends every rank's tokens to them by all-to-all (each rank feeds the whole sequence, as for AutoTP);"] if is_moe(args) else []
+    if any(key[0] in TSP_X_DP for key in results if key != "single"):
+        moe.append("* TSP 2 x DP 2 (D = 4): `tsp.size` 2, ZeRO-1, `tsp.moe_schedule` \"auto\", experts over the "
+                   "TSP group (E/2 a rank) or folded over both replicas (`tsp.expert_parallel_size` 4: E/4 a rank, "
+                   "tokens to them by an all-to-all over the 4 ranks). Each replica trains its own sequence of the "
+                   "same length S (replica 0 the one every other strategy trains): 2 sequences a step, S/2 tokens a "
+                   "rank. Their loss diff is the first step's at the first length alone (the later ones follow both "
+                   "replicas' gradients);")
     return [f"Command: `{meta['command']}`", "",
             f"Whole run: {meta['elapsed_s']:.0f} s on {meta['cpu_count']} shared CPU cores (gloo, one thread per "
             f"rank), torch {meta['torch']}, DeepSpeed {meta['deepspeed']}, transformers "
@@ -280,16 +310,20 @@ def _strategy_table(results, summaries, args, world):
                 lines.append(f"| {label} | {seq_len} | {row} | | | | | |")
                 continue
             diff = row.get("max_loss_diff_vs_single")
+            diff_text = "-" if diff is None else f"{diff:.1e}"
+            if name in TSP_X_DP:
+                diff = row.get("first_loss_diff_vs_single")
+                diff_text = "- (other data)" if diff is None else f"{diff:.1e} (first step)"
             lines.append(f"| {label} | {seq_len} | {row['peak_live_mib']:.1f} | {row['state_mib']:.1f} | "
                          f"{row['peak_rss_mib']:.0f} | {row['received_mib_per_step']:.2f} | {row['step_s']:.3f} | "
-                         f"{'-' if diff is None else f'{diff:.1e}'} |")
+                         f"{diff_text} |")
     return lines + [""]
 
 
 def _lowest_other(results, summaries, world, seq_len):
     """``(name, summary)`` of the lowest-peak strategy other than TSP, or None."""
     rows = [(name, summaries[(name, world, seq_len)]) for name in names_at(results, world)[1:]
-            if name not in ("tsp", *TSP_SCHEDULE_VARIANTS)]
+            if name not in ("tsp", *TSP_SCHEDULE_VARIANTS, *TSP_X_DP)]
     rows = [(name, row) for name, row in rows if not isinstance(row, str)]
     return min(rows, key=lambda item: item[1]["peak_live_mib"]) if rows else None
 
@@ -369,6 +403,83 @@ def _moe_schedule_table(summaries, tsp_bytes, args):
                 f"{moved[n]:.3f} ({ok[n]['all_to_all_mib_per_step']:.3f})" if n in moved else "-" for n in names)
                          + f" | {auto} | {cheaper} | {versus} | "
                          + " | ".join(f"{ok[n]['peak_live_mib']:.1f}" if n in ok else "-" for n in names) + " |")
+    return lines + [""]
+
+
+def work_per_rank(name, world, seq_len, experts):
+    """``(sequences a step trains, tokens a rank's layers hold, experts a rank
+    keeps between steps)`` of a strategy at ``world`` ranks."""
+    if name in TSP_X_DP:
+        return world // TSP_X_DP_SIZE, seq_len // TSP_X_DP_SIZE, experts // TSP_X_DP[name]
+    if name == "single":
+        return 1, seq_len, experts
+    split_tokens = name.startswith("tsp") or name.startswith("ulysses")
+    split_experts = name.startswith("tsp") or name.startswith("autoep") or name == "ulysses_zero3"
+    return 1, seq_len // world if split_tokens else seq_len, experts // world if split_experts else experts
+
+
+def _loss_check(row):
+    checks = []
+    if "max_loss_diff_vs_single" in row:
+        checks.append(f"{row['max_loss_diff_vs_single']:.1e} vs single")
+    if "first_loss_diff_vs_single" in row:
+        checks.append(f"first step {row['first_loss_diff_vs_single']:.1e} vs single")
+    if "max_loss_diff_vs_tsp_2x2" in row:
+        checks.append(f"{row['max_loss_diff_vs_tsp_2x2']:.1e} vs experts over 2")
+    return "; ".join(checks) or "-"
+
+
+def _moe_schedule_of(name, world, seq_len, tsp_bytes, args):
+    if name in TSP_X_DP:
+        return tsp_moe_schedule(plan_model(args), seq_len, args.batch, TSP_X_DP_SIZE, ELEMENT_BYTES, "auto",
+                                expert_parallel_size=TSP_X_DP[name])
+    return tsp_bytes.get((name, world, seq_len), {}).get("moe_schedule") or "-"
+
+
+def _expert_fold_tables(results, summaries, tsp_bytes, args):
+    """TSP 2 x DP 2 with experts folded over 4 ranks and over its TSP group
+    beside every other strategy at D = 4, then what folding changes."""
+    worlds = sorted({key[1] for key in results if key != "single" and key[0] in TSP_X_DP})
+    if not worlds:
+        return []
+    lines = ["### Experts folded over data-parallel replicas", "",
+             "Per rank: sequences a step trains, tokens its layers hold, experts of each layer it keeps between "
+             "steps (ZeRO-3's partition of them for Ulysses + ZeRO-3, which gathers a layer's E at a time), the "
+             "MoE schedule TSP ran, peak and state memory (MiB), bytes received per step (MiB, max over ranks), of "
+             "them the all-to-all's (TSP's folded embedding rows and tokens to experts, AutoEP's tokens, Ulysses' "
+             "heads) and what DeepSpeed moved outside ds_tsp (gradient reductions, ZeRO's gathers), and the "
+             "loss check: TSP 2 x DP 2 against the single process on its first step at the first length (the "
+             "later steps, and the later lengths, which the same engine trains after it, follow both replicas' "
+             "gradients), and folded against unfolded over every step (the same data).", "",
+             "| D | seq len | strategy | sequences / step | tokens / rank | experts / rank | MoE schedule | peak | "
+             "state | recv MiB/step | all-to-all | outside ds_tsp | loss check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    deltas = []
+    for world in worlds:
+        for seq_len in args.seq_lens:
+            for name in names_at(results, world):
+                row = summaries[(name, world, seq_len)]
+                if isinstance(row, str):
+                    continue
+                sequences, tokens, experts = work_per_rank(name, world, seq_len, args.experts)
+                lines.append(
+                    f"| {world} | {seq_len} | {LABELS[name]} | {sequences} | {tokens} | {experts} | "
+                    f"{_moe_schedule_of(name, world, seq_len, tsp_bytes, args)} | {row['peak_live_mib']:.1f} | "
+                    f"{row['state_mib']:.1f} | {row['received_mib_per_step']:.2f} | "
+                    f"{row['all_to_all_mib_per_step']:.2f} | {row['outside_ds_tsp_mib_per_step']:.2f} | "
+                    f"{_loss_check(row)} |")
+            folded, unfolded = (summaries.get((name, world, seq_len)) for name in ("tsp_2x2_ep4", "tsp_2x2"))
+            if folded is not None and unfolded is not None and not isinstance(folded, str) and \
+                    not isinstance(unfolded, str):
+                deltas.append(f"| {world} | {seq_len} | " + " | ".join(
+                    f"{folded[key] - unfolded[key]:+.2f}" for key in (
+                        "peak_live_mib", "state_mib", "received_mib_per_step", "all_to_all_mib_per_step",
+                        "outside_ds_tsp_mib_per_step")) + " |")
+    if deltas:
+        lines += ["", "What folding changes: TSP 2 x DP 2 with experts over 4 minus with experts over 2, MiB "
+                  "(negative: folding saves).", "",
+                  "| D | seq len | peak | state | recv / step | all-to-all / step | outside ds_tsp / step |",
+                  "|---|---|---|---|---|---|---|", *deltas]
     return lines + [""]
 
 
@@ -464,7 +575,7 @@ def tsp_not_lowest(results, summaries, args):
                 continue
             for name in names_at(results, world)[1:]:
                 other = summaries[(name, world, seq_len)]
-                if name in ("tsp", *TSP_SCHEDULE_VARIANTS) or isinstance(other, str) or \
+                if name in ("tsp", *TSP_SCHEDULE_VARIANTS, *TSP_X_DP) or isinstance(other, str) or \
                         other["peak_live_mib"] >= tsp["peak_live_mib"]:
                     continue
                 beaten_by.add(name)

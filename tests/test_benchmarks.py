@@ -80,8 +80,8 @@ def test_compare_moe_row_at_the_smallest_settings(compare_run):
     tmp_path = compare_run
     doc = json.load(open(tmp_path / "compare_moe_4.json"))
     assert doc["model"]["arch"] == "Qwen3MoeForCausalLM" and doc["model"]["experts"] == 4
-    assert sorted(doc["strategies"]) == ["autoep", "autoep_zero3", "autotp", "single", "tsp", "tsp_all_to_all",
-                                         "tsp_ring", "ulysses", "ulysses_zero3"]
+    assert sorted(doc["strategies"]) == ["autoep", "autoep_zero3", "autotp", "single", "tsp", "tsp_2x2",
+                                         "tsp_2x2_ep4", "tsp_all_to_all", "tsp_ring", "ulysses", "ulysses_zero3"]
     summaries = {}
     for name in ("single", "tsp", "tsp_ring", "tsp_all_to_all", "ulysses", "ulysses_zero3", "autoep", "autotp"):
         result = doc["strategies"][name]["results"]["32"]
