@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import ds_tsp
 from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.input_norm import TiledInputNorm
+from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.runtime.offload import host_checkpoint
 from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
@@ -99,16 +100,16 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             full = ref[full_name]
             diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
-    for index, layer in enumerate(tsp_model.model.layers):
-        for block_name in (layer.mixer_name, "mlp"):
-            block = getattr(layer, block_name)
-            grads = block.spec.unpack(block.packed.grad)
-            for name, grad in grads.items():
-                # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.
-                hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
-                full_name = f"model.layers.{index}.{block_name}.{hf_name}"
-                diffs[f"model.layers.{index}.{block_name}.{name}"] = \
-                    (grad - ref[full_name].narrow(*piece)).abs().max().item() / scale(full_name)
+    # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
+    blocks = [(f"model.layers.{index}.{name}.{inner}".rstrip("."), block)
+              for index, layer in enumerate(tsp_model.model.layers) for name in (layer.mixer_name, "mlp")
+              for inner, block in getattr(layer, name).named_modules() if isinstance(block, PackedShardMixin)]
+    for prefix, block in blocks:
+        for name, grad in block.spec.unpack(block.packed.grad).items():
+            # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.
+            hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
+            full_name = f"{prefix}.{hf_name}"
+            diffs[f"{prefix}.{name}"] = (grad - ref[full_name].narrow(*piece)).abs().max().item() / scale(full_name)
     return diffs
 
 

@@ -487,9 +487,9 @@ def test_a_dead_rank_fails_its_peer_instead_of_hanging(tmp_path):
     assert elapsed < 60
 
 
-def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
+def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir, tsp_options):
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": {"stage": 1},
-              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+              "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa", **tsp_options}}
     engine, *_ = ds_tsp.initialize(model=model_dir, optimizer=_optimizer("adam"), config=config)
     _losses(engine, [torch.randint(0, 61, (2 * MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(2))])
     engine.save_checkpoint(checkpoint_dir)
@@ -497,17 +497,24 @@ def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir):
 
 
 # MoE: per-expert files, as transformers writes them; Phi-3: fused qkv_proj and gate_up_proj, joined from their rows.
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "phi3", "deepseek_v3"])
-def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch):
+# Experts folded over both replicas (with Qwen2-MoE's shared expert a TSP MLP of its own) export from the float32
+# masters: the model states hold replica 0's experts, and a plain export is refused.
+@pytest.mark.parametrize("arch, tsp_options", [("llama", {}), ("qwen2_moe", {}), ("phi3", {}), ("deepseek_v3", {}),
+                                               ("qwen2_moe", {"expert_parallel_size": 4})])
+def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch, tsp_options):
     from safetensors.torch import load_file
 
     from ds_tsp.cli import main as cli
 
     tiny_model(arch, dtype=torch.float32).save_pretrained(tmp_path / "hf")
     run_ranks(4, _train_save_and_gather, model_dir=str(tmp_path / "hf"), checkpoint_dir=str(tmp_path / "ds"),
-              gathered_dir=str(tmp_path / "gathered"))
+              gathered_dir=str(tmp_path / "gathered"), tsp_options=tsp_options)
+    flags = ["--fp32-master"] if tsp_options else []
+    if tsp_options:
+        assert cli(["export", "--checkpoint", str(tmp_path / "ds"), "--model", str(tmp_path / "hf"),
+                    "--out", str(tmp_path / "exported")]) == 1  # the model states hold replica 0's experts
     assert cli(["export", "--checkpoint", str(tmp_path / "ds"), "--model", str(tmp_path / "hf"),
-                "--out", str(tmp_path / "exported")]) == 0
+                "--out", str(tmp_path / "exported"), *flags]) == 0
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     gathered = load_file(tmp_path / "gathered" / "model.safetensors")
     original = load_file(tmp_path / "hf" / "model.safetensors")

@@ -180,6 +180,9 @@ MOVES = {
                                    dict(output_router_logits=False)),
     "moe-tsp4-to-folded-ep4": ("qwen3_moe", dict(tsp=4, zero=2), dict(tsp=2, zero=1, ep=4),
                                dict(output_router_logits=False)),
+    # A folded block's shared expert is a TSP MLP of its own: folded to folded, over 4 ranks to 2.
+    "shared-expert-folded-ep4-to-ep2": ("qwen2_moe", dict(tsp=2, zero=1, ep=4), dict(tsp=1, zero=2, ep=2),
+                                        dict(output_router_logits=False)),
     "shared-expert-zero2-to-zero1": ("qwen2_moe", dict(tsp=2, zero=2), dict(tsp=4, zero=1),
                                      dict(output_router_logits=False)),
     # Multi-head latent attention (its down projections' rows uneven at TSP 4) around DeepSeek-V3's MoE, whose
@@ -271,3 +274,22 @@ def test_a_plain_load_at_another_layout_is_refused_before_anything_is_read(run_r
     assert "load_universal" in wrong_layout and "load_universal" in universal
     assert untouched
 
+
+
+@pytest.mark.parametrize("saved_folded", [True, False])
+def test_shared_experts_do_not_cross_between_folded_and_unfolded_layouts(tmp_path, saved_folded):
+    """A folded block keeps its shared expert's universal tensors apart from
+    the routed ones, an unfolded one packs them together: a universal load
+    across the two is refused by name, not left to DeepSpeed's size checks."""
+    from ds_tsp.checkpoint.resharding import load_refusal, write_layout
+
+    folder = tmp_path / "global_step2"
+    folder.mkdir()
+    layout = dict(tsp=2, dp=2, pp=1, zero_stage=1, lora=False)
+    write_layout(str(folder), {**layout, "ep": 4 if saved_folded else 2, "folded_shared": saved_folded},
+                 universal=True)
+    refusal = load_refusal(str(tmp_path), "global_step2", {**layout, "ep": 2 if saved_folded else 4,
+                                                            "folded_shared": not saved_folded}, universal=True)
+    assert refusal is not None and "shared experts" in refusal and "tsp.expert_parallel_size" in refusal
+    assert load_refusal(str(tmp_path), "global_step2", {**layout, "ep": 4, "folded_shared": saved_folded},
+                        universal=True) is None

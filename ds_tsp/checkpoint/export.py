@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
-from ds_tsp.checkpoint.resharding import reshard
+from ds_tsp.checkpoint.resharding import read_layout, reshard
 from ds_tsp.checkpoint.shard_plan import join_holdings, layer_shards, meta_model, untied, vocab_names
 from ds_tsp.checkpoint.staging import staged
 from ds_tsp.checkpoint.writing import (
@@ -230,9 +230,15 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     model, _ = meta_model(model_dir)
     policy = resolve_policy(model, "auto")
     folder = checkpoint_folder(os.fspath(checkpoint_dir), tag)
+    layout = read_layout(folder) or {}
+    folded = layout.get("ep", layout.get("tsp")) != layout.get("tsp")
+    if folded and not fp32_master:
+        raise CheckpointError(f"{folder} was saved with experts folded over replicas (tsp.expert_parallel_size = "
+                              f"{layout['ep']}): its model states hold replica 0's experts, each rank's own are in "
+                              "its ZeRO file: export with --fp32-master (fp32_master=True)")
     if not fp32_master and is_zero3(folder) and hf_weights_file(os.fspath(checkpoint_dir)) is not None:
         state = saved_16bit_weights(os.fspath(checkpoint_dir), model)
-    elif fp32_master and is_pipeline(folder):
+    elif fp32_master and (is_pipeline(folder) or folded):
         state = resharded_master_weights(os.fspath(checkpoint_dir), os.path.basename(folder), model, policy)
     else:
         state = joined_state(model, policy, rank_weights(folder, fp32_master,
@@ -250,9 +256,10 @@ def is_pipeline(folder):
 
 def resharded_master_weights(checkpoint_dir, tag, model, policy):
     """The float32 master weights of a checkpoint whose ZeRO files follow pipeline
-    stages: resharded by DeepSpeed's universal converter (``ds-tsp reshard``)
+    stages or experts folded over replicas: resharded (``ds-tsp reshard``)
     into a temporary directory, where every parameter is one full tensor under
-    the model's names (a packed block: its tensors whole, in name order)."""
+    the model's names (a packed block: its tensors whole, in name order; a
+    folded block's shared expert, a TSP MLP inside it: its own)."""
     with tempfile.TemporaryDirectory(prefix="ds_tsp_export_") as scratch:
         reshard(checkpoint_dir, os.path.join(scratch, "universal"), tag)
         zero = os.path.join(scratch, "universal", tag, "zero")
@@ -264,10 +271,18 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
         for index, layer in enumerate(model.get_submodule(policy.layers)):
             prefix = f"{policy.layers}.{index}"
             for block, shards in layer_shards(layer, model.config, policy, 1).items():
-                flat, offset, tensors = master(f"{prefix}.{block}.packed").reshape(-1), 0, {}
-                for name, shape in sorted(shards.specs[0].shapes.items()):
-                    tensors[name] = flat[offset:offset + math.prod(shape)].view(shape)
-                    offset += math.prod(shape)
+                # Each packed parameter's tensors in name order: the block's, and a TSP block's inside it.
+                tensors, by_param = {}, defaultdict(list)
+                for name in sorted(shards.specs[0].shapes):
+                    inner = name.partition(".")[0]
+                    nested = os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{inner}.packed"))
+                    by_param[f"{prefix}.{block}.{inner}.packed" if nested else f"{prefix}.{block}.packed"].append(name)
+                for param, names in by_param.items():
+                    flat, offset = master(param).reshape(-1), 0
+                    for name in names:
+                        shape = shards.specs[0].shapes[name]
+                        tensors[name] = flat[offset:offset + math.prod(shape)].view(shape)
+                        offset += math.prod(shape)
                 state.update({f"{prefix}.{block}.{name}": t for name, t in shards.hf_rows.fuse(tensors).items()})
                 state.update({f"{prefix}.{block}.{hf}": master(f"{prefix}.{block}.{param}")
                               for hf, param in _replicated(shards.holdings).items()

@@ -60,9 +60,13 @@ LORA_RESHARD_REFUSED = ("{source} is a LoRA run's checkpoint, whose adapter shar
 
 
 def engine_layout(engine):
-    """``{"tsp", "dp", "pp", "ep", "zero_stage", "pipeline_names"}`` of a ds_tsp
-    engine (``ep``: the expert-parallel size); ``pipeline_names`` pairs the module names of pipeline stages with
-    the model's own, which a reshard gives every parameter under both."""
+    """``{"tsp", "dp", "pp", "ep", "zero_stage", "pipeline_names", "folded_shared"}``
+    of a ds_tsp engine (``ep``: the expert-parallel size; ``folded_shared``:
+    whether a folded MoE block keeps its shared expert as a TSP MLP of its
+    own, whose universal tensors an unfolded block, which packs the shared
+    expert with the routed ones, does not read); ``pipeline_names`` pairs the
+    module names of pipeline stages with the model's own, which a reshard
+    gives every parameter under both."""
     topology, module = engine.tsp_topology, engine.module
     config = getattr(module, "tsp_model_config", None) or module.config
     policy = module.tsp_policy
@@ -70,7 +74,8 @@ def engine_layout(engine):
             "zero_stage": int(engine.zero_optimization_stage()),
             "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
             "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"],
-            "lora": getattr(module, "tsp_peft_config", None) is not None}
+            "lora": getattr(module, "tsp_peft_config", None) is not None,
+            "folded_shared": any(getattr(block, "shared_mlp_name", None) is not None for block in module.modules())}
 
 
 def describe(layout):
@@ -120,7 +125,14 @@ def load_refusal(load_dir, tag, current, universal):
         return (f"{load_dir}/{resolved} is a universal checkpoint (ds-tsp reshard): load it with "
                 "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
     if universal:
-        return None
+        if saved.get("folded_shared", False) == current["folded_shared"]:
+            return None
+        where = {True: "folded over replicas", False: "split over the TSP group"}
+        return (f"{load_dir}/{resolved} holds a model with shared experts, its routed experts "
+                f"{where[saved.get('folded_shared', False)]}, this engine's {where[current['folded_shared']]}: a "
+                "folded block keeps its shared expert's universal tensors apart from the routed ones, an unfolded "
+                "one packs them together. Resume with tsp.expert_parallel_size folding as the saved run's did (or "
+                "not), or move the weights alone (ds_tsp.save_pretrained, then ds_tsp.initialize from that directory)")
     keys = ("tsp", "dp", "pp", "zero_stage") if current["zero_stage"] or saved["zero_stage"] else ("tsp", "pp",
                                                                                                     "zero_stage")
     if all(saved[key] == current[key] for key in keys) and saved.get("ep", saved["tsp"]) == current["ep"]:

@@ -176,12 +176,15 @@ class SavedStage:
     extra: dict
 
     def units(self):
-        """This rank's ``GatherUnit``s; a decoder layer gives one per norm and block."""
+        """This rank's ``GatherUnit``s; a decoder layer gives one per norm and
+        block, and one per TSP block inside a block (a folded MoE block's shared expert)."""
         units = []
         for prefix, module in self.modules.items():
             if isinstance(module, TSPDecoderLayer):
                 parts = {**module.norms(), module.mixer_name: module.mixer, self.policy.mlp: module.mlp}
-                units += [gather_unit(f"{prefix}.{name}", part) for name, part in parts.items()]
+                units += [gather_unit(f"{prefix}.{name}.{inner}".rstrip("."), block)
+                          for name, part in parts.items() for inner, block in part.named_modules()
+                          if not inner or isinstance(block, PackedShardMixin)]
             else:
                 units.append(gather_unit(prefix, module))
         if self.extra:

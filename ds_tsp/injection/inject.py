@@ -166,6 +166,10 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         check_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
     keep_frozen(attention, tsp_attention, type(layer).__name__, mixer)
     keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
+    if sparse and tsp_mlp.shared_mlp_name:  # a folded block's shared expert, a TSP MLP of its own
+        shared = tsp_mlp.shared_mlp_name
+        keep_frozen(mlp.get_submodule(shared), tsp_mlp.get_submodule(shared), type(layer).__name__,
+                    f"{policy.mlp}.{shared}")
     for where, block in ((mixer, tsp_attention), (policy.mlp, tsp_mlp)):
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
@@ -175,26 +179,19 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
 def check_expert_parallel(layers, policy, topology, tsp_config):
     """Refuse, before any weight moves, experts folded past the TSP group
     (``tsp.expert_parallel_size``) that the model's sparse layers cannot take:
-    a dense model, experts the size does not divide, a shared expert; and a
-    topology built for another expert-parallel size than the config's."""
+    a dense model, experts the size does not divide; and a topology built for
+    another expert-parallel size than the config's."""
     expected = tsp_config.expert_parallel_size or tsp_config.size
     if topology.ep_size != expected:
         raise ValueError(f"the topology splits experts over {topology.ep_size} ranks but tsp.expert_parallel_size "
                          f"asks for {expected}: build it with TSPTopology.of(tsp_config)")
     if not tsp_config.folds_experts:
         return
-    sparse = {index: layer.get_submodule(policy.mlp) for index, layer in enumerate(layers)
-              if policy.is_sparse(layer.get_submodule(policy.mlp))}
+    sparse = [layer.get_submodule(policy.mlp) for layer in layers if policy.is_sparse(layer.get_submodule(policy.mlp))]
     if not sparse:
         tsp_config.check_experts(None)
-    for index, mlp in sparse.items():
-        _, num_experts, _, shared_size, _ = hf_sizes(mlp)
-        tsp_config.check_experts(num_experts)
-        if shared_size:
-            raise ValueError(f"tsp.expert_parallel_size = {expected} with a shared expert ({type(mlp).__name__} "
-                             f"of layer {index}) is not supported yet: its TSP slices reduce over the data-parallel "
-                             "group and the routed experts over the expert-data-parallel one; remove "
-                             "tsp.expert_parallel_size")
+    for mlp in sparse:
+        tsp_config.check_experts(hf_sizes(mlp)[1])
 
 
 def check_router(block, where):

@@ -157,6 +157,23 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         hosts = ", ".join(f"{p.name} {format_gb(p.host_total)}" for p in plans if p.host_total)
         footer.append("Options: " + ", ".join(o for o in options if o) + "." +
                       (f" Host memory per node of {setting.ranks_per_node} ranks, GB: {hosts}." if hosts else ""))
+    footer += _replicas_footer(plans)
+    inexact = [plan_ for plan_ in plans if plan_.inexact]
+    if inexact:
+        footer.append(f"Not exact: {', '.join(plan_.name for plan_ in inexact)} train another model than "
+                      f"{m.name}: DeepSpeed's sequence parallelism swaps the attention alone, so {inexact[0].inexact}. "
+                      f"Their rows are what that costs (each rank running the linear layers on its tokens with the "
+                      f"whole weights, ZeRO-3 gathering them where it partitions them), not a way to train "
+                      f"{m.name}; TP, DP and TSP are exact.")
+    if paper:
+        footer += _paper_footer(plans, paper)
+    return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
+
+def _replicas_footer(plans):
+    """The footer lines of TSP rows with data-parallel replicas beside their group, and of folded experts."""
+    setting = plans[0].setting
+    m, D, dp = setting.model, setting.tsp_group_size, setting.tsp_replicas
+    footer = []
     if dp > 1:
         footer.append(f"TSP x DP: the TSP rows' group is {D} of the {setting.devices} devices, {dp} data-parallel "
                       f"replicas beside it; ZeRO-{setting.zero_stage} partitions over them, and DeepSpeed reduces "
@@ -170,16 +187,7 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
                       f"{setting.devices // ep} (the expert-data-parallel group), the rest's over the {dp} replicas. "
                       f"The all-to-all keeps the rows it exchanged for backward, 2 k H elements a local token and "
                       f"sparse layer.")
-    inexact = [plan_ for plan_ in plans if plan_.inexact]
-    if inexact:
-        footer.append(f"Not exact: {', '.join(plan_.name for plan_ in inexact)} train another model than "
-                      f"{m.name}: DeepSpeed's sequence parallelism swaps the attention alone, so {inexact[0].inexact}. "
-                      f"Their rows are what that costs (each rank running the linear layers on its tokens with the "
-                      f"whole weights, ZeRO-3 gathering them where it partitions them), not a way to train "
-                      f"{m.name}; TP, DP and TSP are exact.")
-    if paper:
-        footer += _paper_footer(plans, paper)
-    return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
+    return footer
 
 
 def moe_facts(setting):

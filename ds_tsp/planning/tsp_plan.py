@@ -128,9 +128,6 @@ def _layout_problem(setting):
     planner does not model it, or None."""
     m, stage = setting.model, setting.zero_stage
     if setting.expert_group_size > setting.tsp_group_size:
-        if m.shared_expert_size:
-            return ("ds_tsp refuses expert_parallel_size > tsp.size with a shared expert (not built yet: its slices "
-                    "reduce over the replicas, the routed experts over their expert-data-parallel group)")
         if stage in (0, 3):
             why = "DeepSpeed refuses ZeRO-3 with MoE layers" if stage else \
                 "without ZeRO, DeepSpeed clips by the mean of the replicas' norms"

@@ -26,6 +26,10 @@ that group: every rank sends its own tokens' rows to their experts' owners,
 whichever replica holds them. Their shard is tagged as DeepSpeed tags its
 experts (``allreduce = False``, ``group_name``), so its gradient is reduced
 over the expert-data-parallel group (``ds_tsp.runtime.expert_parallel``).
+A shared expert's slices are reduced over the data-parallel group, so they
+cannot share that shard: folded, the shared expert is a ``TSPGatedMLP`` of
+its own under its Hugging Face name, on the MLP's ring, its output times
+its gate's scale added to the routed experts'.
 
 Decoding (``decode_share``) uses neither schedule: every rank holds the
 step's tokens, runs its own experts on those routed to them and the shares
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
 from ds_tsp.blocks.moe.all_to_all import moe_all_to_all
 from ds_tsp.blocks.moe.plan import (
@@ -74,7 +79,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     Parameters: ``packed``, this rank's experts (and shared-expert slice) laid
     out by ``self.spec``, tagged ``tensor_model_parallel`` (and, folded over
-    ``ep_group``, as DeepSpeed's experts); the replicated
+    ``ep_group``, as DeepSpeed's experts; a folded block's shared expert is
+    then its own ``TSPGatedMLP`` at ``shared_name``); the replicated
     Hugging Face router, under its Hugging Face name (``router_name``: ``gate``
     or ``router``), and, for Qwen2-MoE, ``shared_expert_gate``.
     """
@@ -93,20 +99,22 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         self.ep_group = tsp_group if ep_group is None else ep_group
         self.ep_size, self.ep_rank = comm.group_size(self.ep_group), comm.group_rank(self.ep_group)
         if self.folded:
-            if shared_size:
-                raise ValueError(f"tsp.expert_parallel_size = {self.ep_size} with a shared expert (intermediate "
-                                 f"size {shared_size}) is not supported yet: its slices reduce over the "
-                                 "data-parallel group and the routed experts over the expert-data-parallel one, "
-                                 "which one packed shard cannot; remove tsp.expert_parallel_size")
             schedule = "all_to_all"  # the only schedule that reaches experts on other replicas
-        self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, shared_size, shared_name,
+        # Folded, a shared expert is a TSP MLP of its own; else its slice ends the packed shard.
+        self.shared_mlp_name = shared_name if self.folded and shared_size else None
+        packed_shared = 0 if self.shared_mlp_name else shared_size
+        self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, packed_shared, shared_name,
                                self.ep_size)
         self.act_fn = act_fn
         self.overlap = overlap
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
             raise ValueError(f"schedule must be one of {MOE_SCHEDULES} or a chooser, not {schedule!r}")
-        self.plan = MoEPlan(self.spec, experts, act_fn, self.ep_group, num_experts, bool(shared_size), overlap,
+        self.plan = MoEPlan(self.spec, experts, act_fn, self.ep_group, num_experts, bool(packed_shared), overlap,
                             token_tile, fp32_accumulators, schedule=schedule)
+        if self.shared_mlp_name:
+            self.add_module(shared_name, TSPGatedMLP(hidden_size, shared_size, act_fn, tsp_group, overlap=overlap,
+                                                     token_tile=token_tile, fp32_accumulators=fp32_accumulators,
+                                                     dtype=dtype, device=device))
         self.router_name = router_name
         self.add_module(router_name, router)
         # Buffers the Hugging Face block holds and hands its router by name, kept under the block's names.
@@ -180,6 +188,10 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                      router_buffers=router_buffers, ep_group=ep_group)
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
+        if module.shared_mlp_name:
+            shared = module.get_submodule(shared_name)
+            shared.load_shard({name: read(f"{shared_name}.{name}", shared.shard_piece(name))
+                               for name in shared.shard_names()})
         return module
 
     @torch.no_grad()
@@ -208,7 +220,10 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         weights, index = self.route(x2)
         shared_scale = self.shared_scale(x2)
         schedule = moe_ring if self.schedule_for(x2, index.shape[-1]) == "ring" else moe_all_to_all
-        return schedule(x2, weights, index, shared_scale, self.packed, self.plan).view(x.shape)
+        y = schedule(x2, weights, index, shared_scale if self.plan.shared else None, self.packed, self.plan)
+        if self.shared_mlp_name:  # HF: the routed experts' sum, plus the shared expert's output times its scale
+            y = y + shared_scale * self.get_submodule(self.shared_mlp_name)(x).reshape(x2.shape)
+        return y.view(x.shape)
 
     def run_router(self, x2):
         """Hugging Face's router's output on the tokens ``x2`` ``(N, H)``, with
