@@ -261,3 +261,44 @@ def test_bytes_equal_the_planners_all_to_all_over_the_folded_group(run_ranks, ba
         print(f"rank {rank} {'balanced' if balanced else 'random'} routing: {r['rows']} rows received per pass, "
               f"forward {r['forward']['all_to_all']['received']} B, with backward "
               f"{r['total']['all_to_all']['received']} B, as planned")
+
+
+def _resume_folded(checkpoint_dir):
+    """Four Adam steps uninterrupted, and two, save, a fresh engine, load, two:
+    each rank's losses (its replica's micro-batch) both ways."""
+    from test_engine import _optimizer, _step
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0,
+              "tsp": {"enabled": True, "size": TSP, "expert_parallel_size": EP, "attention_backend": "sdpa"}}
+
+    def fresh_engine():
+        engine, *_ = ds_tsp.initialize(model=tiny_model("qwen3_moe", dtype=torch.float32), config=config,
+                                       optimizer=_optimizer("adam"))
+        return engine
+
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 61, (4, 16), generator=generator) for _ in range(4)]
+    engine = fresh_engine()
+    uninterrupted = [_step(engine, batch) for batch in batches]
+    first = fresh_engine()
+    before = [_step(first, batch) for batch in batches[:2]]
+    first.save_checkpoint(checkpoint_dir, tag="step2")
+    resumed = fresh_engine()
+    resumed.load_checkpoint(checkpoint_dir, tag="step2")
+    try:
+        resumed.load_checkpoint(checkpoint_dir, tag="step2", load_module_only=True)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return dict(uninterrupted=uninterrupted, resumed=before + [_step(resumed, batch) for batch in batches[2:]],
+                refused=refused)
+
+
+def test_a_deepspeed_checkpoint_resumes_each_ranks_experts(run_ranks, tmp_path):
+    """DeepSpeed's model states hold replica 0's experts; each rank's own come
+    back from its ZeRO file's float32 masters, so the resumed run's losses are
+    the uninterrupted run's bit for bit; a load of the model states alone is refused."""
+    for rank, out in enumerate(run_ranks(4, _resume_folded, checkpoint_dir=str(tmp_path / "ckpt"))):
+        print(f"rank {rank}: uninterrupted {out['uninterrupted']}, resumed {out['resumed']}")
+        assert out["resumed"] == out["uninterrupted"]
+        assert "load_optimizer_states=True and load_module_only=False" in out["refused"]
