@@ -97,3 +97,13 @@ def test_a_runnable_snippet_runs(page, kind, body, tmp_path):
             status = cli.main(argv[1:])
         print(out.getvalue()[-400:])
         assert status == 0 and out.getvalue(), line
+
+
+def test_the_api_page_names_every_public_name_and_every_deprecated_path():
+    import ds_tsp
+    import ds_tsp.checkpoint
+    from test_package import OLD_PATHS
+    text = _read("docs/api.md")
+    unnamed = [name for name in ds_tsp.__all__ + ds_tsp.checkpoint.__all__ if f"`{name}`" not in text]
+    unlisted = [old for old, new in OLD_PATHS.items() if f"| `{old}` | `{new}` |" not in text]
+    assert not unnamed and not unlisted, (unnamed, unlisted)

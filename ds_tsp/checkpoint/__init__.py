@@ -1,6 +1,6 @@
 """Checkpoints: Hugging Face safetensors in, TSP shards out of them, and back.
 
-Three floors, imported one way only: ``planning`` (which piece of which tensor
+Three floors, imported one way only: ``shard_plan`` (which piece of which tensor
 every TSP rank holds, from sizes alone) and ``expert_files`` (transformers'
 per-expert file names of sparse-MoE experts against the fused tensors the
 model holds) <- ``reading`` (Hugging Face and ``ds-tsp convert`` directories,
