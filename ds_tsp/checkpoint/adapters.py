@@ -17,7 +17,8 @@ import deepspeed
 import torch
 from safetensors.torch import save_file
 
-from ds_tsp.checkpoint.formats import ADAPTER_WEIGHTS, CheckpointError, open_safetensors
+from ds_tsp.checkpoint.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, open_safetensors
+from ds_tsp.checkpoint.staging import SharedSave, staged_together
 from ds_tsp.injection.lora import ROW_SPLIT, one_lora_config
 from ds_tsp.parallel import comm
 
@@ -86,22 +87,26 @@ def _out_dir_refusal(out_dir, overwrite):
 def save_adapters(model, out_dir, overwrite=False):
     """Write PEFT's adapter directory of the TSP ``model`` (see the module
     docstring): its files are replaced with ``overwrite``, the directory's
-    other files kept. Collective: every rank calls it; global rank 0 writes."""
+    other files kept. Collective: every rank calls it; global rank 0 writes
+    beside ``out_dir`` and swaps the files in once every rank agrees
+    (``staging.staged_together``: a failed write raises on every rank)."""
     topology = model.tsp_topology
     refusal = comm.all_gather_objects(_out_dir_refusal(out_dir, overwrite) if topology.rank == 0 else None, None)[0]
     if refusal is not None:
         raise CheckpointError(refusal)
     partitioned = any(hasattr(p, "ds_id") for _, block in adapter_blocks(model) for p in block.lora.parameters())
     state = adapter_state_dict(model) if topology.dp_rank == 0 or partitioned else {}
-    if topology.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(state, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = copy.deepcopy(model.tsp_peft_config)
-        config.inference_mode = True  # as PeftModel.save_pretrained writes it
-        if config.base_model_name_or_path is None:
-            config.base_model_name_or_path = getattr(model.config, "_name_or_path", None) or None
-        config.save_pretrained(out_dir)
-    comm.barrier(None)
+    save = SharedSave(f"ds_tsp.save_pretrained (adapters) to {os.path.abspath(out_dir)}")
+    with staged_together(out_dir, save, topology.rank == 0,
+                         replaced=lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)) as staging:
+        if staging is not None:
+            weights = os.path.join(staging, ADAPTER_WEIGHTS)
+            save.write(weights, save_file, state, weights, metadata={"format": "pt"})
+            config = copy.deepcopy(model.tsp_peft_config)
+            config.inference_mode = True  # as PeftModel.save_pretrained writes it
+            if config.base_model_name_or_path is None:
+                config.base_model_name_or_path = getattr(model.config, "_name_or_path", None) or None
+            save.write(os.path.join(staging, ADAPTER_CONFIG), config.save_pretrained, staging)
 
 
 class AdapterFiles:

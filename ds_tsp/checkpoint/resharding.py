@@ -44,6 +44,7 @@ from ds_tsp.checkpoint.folded_experts import (
 )
 from ds_tsp.checkpoint.formats import CheckpointError
 from ds_tsp.checkpoint.staging import link_or_copy, staged
+from ds_tsp.checkpoint.tags import save_tag
 from ds_tsp.injection.pipeline import hf_prefixes
 from ds_tsp.parallel import comm
 
@@ -311,19 +312,15 @@ def _rewrite(path, state):
 
 
 def attach_layout_checks(engine):
-    """Make ``engine.save_checkpoint`` record the engine's layout and
+    """Make ``engine.save_checkpoint`` write its tag whole (``tags.save_tag``)
+    with the engine's layout recorded in it, and
     ``engine.load_checkpoint`` refuse a plain load at another; with
     ``engine.tsp_reshard_on_load`` (the Trainer's resume) it reshards instead."""
     save, load, layout = engine.save_checkpoint, engine.load_checkpoint, engine_layout(engine)
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
-        # DeepSpeed's own default tag.
-        folder = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{engine.global_steps}")
-        saved = save(save_dir, tag, *args, **kwargs)
-        if comm.group_rank(None) == 0:
-            write_layout(folder, layout)
-        comm.barrier(None)
-        return saved
+        # Written whole, on every rank or none (``tags``).
+        return save_tag(engine, save, save_dir, tag, args, kwargs, also=lambda folder: write_layout(folder, layout))
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         universal = engine.load_universal_checkpoint()

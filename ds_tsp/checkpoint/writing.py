@@ -21,7 +21,6 @@ export``, ``ds-tsp convert --join``) writes the names transformers' own
 them; transformers 5 fuses them again on load.
 """
 
-import contextlib
 import copy
 import json
 import os
@@ -64,7 +63,7 @@ from ds_tsp.checkpoint.shard_plan import (
     shard_plan,
     tied_names,
 )
-from ds_tsp.checkpoint.staging import staged
+from ds_tsp.checkpoint.staging import SharedSave, staged, staged_together
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.policy import resolve_policy
 from ds_tsp.parallel import comm
@@ -278,23 +277,40 @@ class ShardWriter:
     """Writes the files of a ``split`` (``split_into_files`` with the same
     ``layout``) as the model's tensors arrive in any order: each file as soon
     as its last tensor is in, then ``model.safetensors.index.json`` when there
-    is more than one, as Hugging Face's ``save_pretrained`` writes them."""
+    is more than one, as Hugging Face's ``save_pretrained`` writes them.
+    With a ``SharedSave`` its write errors are held for the save's agreement
+    and the tensors that arrive after one are dropped."""
 
-    def __init__(self, out_dir, split, total_parameters, layout=None):
+    def __init__(self, out_dir, split, total_parameters, layout=None, save=None):
         self.out_dir, self.split, self.total_parameters, self.layout = out_dir, split, total_parameters, layout
+        self.save = save
         self.missing = {file: set(names) for file, names in split.filename_to_tensors.items()}
         self.pending = {}
 
     def add(self, name, tensor):
         """The model's tensor ``name``, under its file names."""
+        if self.failed:
+            return
         for file_name, part in to_files(self.layout, {name: tensor}).items():
             file = self.split.tensor_to_filename[file_name]
             self.pending.setdefault(file, {})[file_name] = part.detach().to("cpu").contiguous()
             self.missing[file].discard(file_name)
             if not self.missing[file]:
-                save_file(self.pending.pop(file), os.path.join(self.out_dir, file), metadata={"format": "pt"})
+                path = os.path.join(self.out_dir, file)
+                self._write(path, save_file, self.pending.pop(file), path, metadata={"format": "pt"})
+
+    @property
+    def failed(self):
+        return self.save is not None and self.save.failed
+
+    def _write(self, path, fn, *args, **kwargs):
+        return fn(*args, **kwargs) if self.save is None else self.save.write(path, fn, *args, **kwargs)
 
     def close(self):
+        if not self.failed:
+            self._write(self.out_dir, self._close)
+
+    def _close(self):
         unwritten = sorted(name for names in self.missing.values() for name in names)
         if unwritten:
             raise RuntimeError(f"ds_tsp.save_pretrained never received {unwritten[:5]}")
@@ -413,7 +429,10 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     ``tsp.expert_parallel_size``, are gathered over their expert-parallel
     group, every replica joining), and global rank 0 writes, beside ``out_dir``,
     which the files become once all are written (``staging``; see the module
-    docstring); no rank returns before they are in place.
+    docstring); no rank returns before they are in place. A write that fails
+    (a full disk, a permission) raises ``staging.SaveError`` on every rank once
+    the gathers are done, naming the file and the cause, and ``out_dir`` stays
+    as it was.
 
     A model with LoRA adapters (``ds_tsp.inject`` of a ``PeftModel``) writes
     PEFT's adapter directory instead, as ``PeftModel.save_pretrained`` does
@@ -433,20 +452,20 @@ def save_pretrained(model, out_dir, max_shard_size=DEFAULT_MAX_SHARD_SIZE, overw
     units = stage.units() if gathering else []
     plan, shapes, dtypes, meta = _write_plan(stage, units, out_dir, overwrite)
 
-    with contextlib.ExitStack() as stack:
+    # Written beside out_dir, which it becomes once every file is complete and every rank agrees.
+    save = SharedSave(f"ds_tsp.save_pretrained to {os.path.abspath(out_dir)}")
+    with staged_together(out_dir, save, topology.rank == 0, replaced=replaced_by_a_checkpoint) as staging:
         writer = None
-        if topology.rank == 0:
-            # Written beside out_dir, which it becomes once every file is complete.
-            staging = stack.enter_context(staged(out_dir, replaced=replaced_by_a_checkpoint))
+        if staging is not None:
             # Hugging Face's model.dtype: the first floating tensor's.
             first_float = next((dtypes[n] for n in shapes if dtypes[n].is_floating_point), torch.float32)
-            write_config(staging, stage.config, stage.model_class, first_float, stage.generation_config)
+            save.write(staging, write_config, staging, stage.config, stage.model_class, first_float,
+                       stage.generation_config)
             layout = expert_files(stage.config)
             writer = ShardWriter(staging, split_into_files(shapes, dtypes, max_shard_size, layout),
-                                 meta.num_parameters(), layout)
+                                 meta.num_parameters(), layout, save)
         if gathering:
             _gather_and_write(stage, units, plan, shapes, dtypes, writer)
-    comm.barrier(None)
 
 
 def _gather_and_write(stage, units, plan, shapes, dtypes, writer):

@@ -421,6 +421,35 @@ def all_gather_objects(obj, group):
     return gathered
 
 
+def group_device(group):
+    """Where a collective over ``group`` (None: the world) takes its tensors:
+    the CPU where the group's backend carries CPU tensors (gloo, or a
+    ``"cpu:gloo,cuda:nccl"`` pair), else the accelerator's current device
+    (NCCL and the like, which take no CPU tensor)."""
+    cpu = torch.device("cpu")
+    if not dist.is_initialized():
+        return cpu
+    backend = str(dist.get_backend(group))
+    if backend in ("gloo", "mpi") or "cpu:" in backend:
+        return cpu
+    if not hasattr(torch, "accelerator"):  # torch < 2.6
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu
+    accelerator = torch.accelerator.current_accelerator()
+    return cpu if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def count_true(flag, group):
+    """How many ranks of ``group`` (None: the world) pass a true ``flag``: one
+    all-reduce of one int32 on ``group_device`` (counted as such), the same
+    answer on every rank. A small collective every rank can join to agree on
+    an outcome, a save's success or failure, before any acts on it."""
+    if group_size(group) == 1:
+        return int(bool(flag))
+    count = torch.tensor([int(bool(flag))], dtype=torch.int32, device=group_device(group))
+    all_reduce(count, group)
+    return int(count.item())
+
+
 def barrier(group):
     """Wait until every rank of ``group`` (None: the whole world) gets here; no data moves."""
     if group_size(group) == 1:

@@ -32,6 +32,7 @@ forward and backward per micro-batch, a pipeline engine a whole batch.
 import contextlib
 import functools
 import os
+import shutil
 
 import deepspeed
 import torch
@@ -40,9 +41,11 @@ from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ds_tsp.checkpoint import save_pretrained
+from ds_tsp.checkpoint.staging import SaveError, SharedSave
 from ds_tsp.config import split_ds_config
 from ds_tsp.injection.lora import is_peft_model
 from ds_tsp.injection.model import TSPCausalLMMixin
@@ -169,13 +172,39 @@ class TSPTrainerMixin:
         self._save_trainer_files(output_dir)
 
     def _save_trainer_files(self, output_dir):
-        """What the Trainer writes beside the weights (processing class, arguments), from the saving rank."""
-        if not self.args.should_save:
-            return
+        """What the Trainer writes beside the weights (processing class,
+        arguments), from the saving rank. Collective: a failed write raises on
+        every rank (``staging.SharedSave``)."""
+        save = SharedSave(f"the Trainer's files in {output_dir}")
+        if self.args.should_save:
+            save.write(output_dir, self._write_trainer_files, output_dir)
+        save.agree()
+
+    def _write_trainer_files(self, output_dir):
         os.makedirs(output_dir, exist_ok=True)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, f"{output_dir}/{TRAINING_ARGS_NAME}")
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's checkpoint, on every rank or none: an error writing
+        any of it (the weights, DeepSpeed's tag, the RNG states, the trainer
+        state) raises the same ``SaveError`` on every rank, and a
+        ``checkpoint-N`` folder this save made is removed, so that a resume
+        finds the one before. The weights and the tag agree on their own; the
+        Trainer's other files are written by one rank or each, after them."""
+        if self.tsp_topology is None:
+            return super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        made_here = not os.path.exists(folder)
+        save = SharedSave(f"the Trainer's checkpoint {folder}")
+        save.write(folder, super()._save_checkpoint, model, trial)
+        try:
+            save.agree(f"{folder} was removed" if made_here else "")
+        except SaveError:
+            if made_here and self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
 
 
 def argmax_token_ids(logits, labels=None):
