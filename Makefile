@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints.txt
 
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: install ops demo test pins
+.PHONY: install comm-op ops demo test test-all pins
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
@@ -24,17 +24,30 @@ install:
 # optimizer offload (~50 s). Build them here, in one process, so that ranks never race inside the
 # build and a rank killed by a test timeout never holds its lock; a lock left
 # by a build killed long ago (builds take a minute) would hang every rank.
-ops: install
+# The quick tier needs only the comm op.
+BUILD_OP = DS_ACCELERATOR=cpu timeout 900 $(PYTHON) -c "from deepspeed.accelerator import get_accelerator; \
+	get_accelerator().create_op_builder('$(1)').load()"
+
+comm-op: install
 	@find "$(TORCH_EXTENSIONS_DIR)" -name lock -mmin +30 -delete 2>/dev/null || true
-	DS_ACCELERATOR=cpu timeout 900 $(PYTHON) -c "from deepspeed.accelerator import get_accelerator; \
-		get_accelerator().create_op_builder('ShareMemCommBuilder').load(); \
-		get_accelerator().create_op_builder('CPUAdamBuilder').load()"
+	$(call BUILD_OP,ShareMemCommBuilder)
+
+ops: comm-op
+	$(call BUILD_OP,CPUAdamBuilder)
 
 demo: ops
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=1 \
 		deepspeed --num_gpus $(NUM_RANKS) examples/train.py --deepspeed_config $(CONFIG)
 
-test: ops
+# The quick tier (tests/quick_tier.py): every public entry point and block kind at TSP 2, with the
+# wall time of the whole command (install included) printed at the end.
+test: START := $(shell date +%s)
+test: comm-op
+	@DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --tier quick --durations=10; status=$$?; \
+		echo "make test: $$(( $$(date +%s) - $(START) )) s, set-up included"; exit $$status
+
+# The whole suite, as CI runs it (.ci/run).
+test-all: ops
 	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --durations=10
 
 # Record what is installed as the new pins, once `make test CONSTRAINTS=` has passed on it.

@@ -1,5 +1,6 @@
 import gc
 import os
+from pathlib import Path
 
 import pytest
 
@@ -8,10 +9,38 @@ from distributed import RankPools, forkserver_context
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("quick", "all"), default="all",
+                     help="quick: the tests tests/quick_tier.py names (make test); all: the whole suite (make test-all)")
+
+
 def pytest_configure(config):
     """Start the rank workers' fork server now: its imports (about 8 s) run
     beside the collection of the tests instead of before the first rank test."""
     forkserver_context()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--tier quick``, keep only the tests ``QUICK_TIER`` names; an entry
+    that names no collected test is an error, not a silent gap."""
+    if config.getoption("tier") != "quick":
+        return
+    from quick_tier import QUICK_TIER
+
+    def named_by(item, entry):
+        path, _, test = entry.partition("::")
+        if item.path.name != path:
+            return False
+        return not test or item.name == test or item.originalname == test
+
+    collected = {item.path.name for item in items}
+    unmatched = [entry for entry in QUICK_TIER if not (Path(__file__).parent / entry.partition("::")[0]).exists()
+                 or entry.partition("::")[0] in collected and not any(named_by(item, entry) for item in items)]
+    if unmatched and not config.getoption("keyword") and not config.getoption("markexpr"):
+        raise pytest.UsageError(f"tests/quick_tier.py names tests that do not exist: {unmatched}")
+    kept = [item for item in items if any(named_by(item, entry) for entry in QUICK_TIER)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
 
 
 def pytest_collection_finish(session):

@@ -43,7 +43,10 @@ def test_the_readme_is_a_landing_page():
     assert lines[:5] == ["# ds_tsp", "", "```bash",
                          "make demo   # install, then train a small Llama-shaped model with TSP on 2 ranks under "
                          "the deepspeed launcher",
-                         "make test   # install, then run the whole test suite (CPU, gloo ranks)"]
+                         "make test   # install, then run the quick tier: every entry point and block kind at TSP 2 "
+                         "(CPU, gloo ranks)"]
+    assert "make test-all  # the whole suite, as CI runs it (.ci/run)" in lines[5:8]
+    assert "make test-all" in _read(".ci/run")
 
 
 @pytest.mark.parametrize("page", PAGES)
