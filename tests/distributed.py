@@ -51,13 +51,16 @@ class RankFailure(AssertionError):
 
 def _worker(rank, world_size, init_file, tasks, results):
     # What a launcher would set; DeepSpeed reads these.
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    # One thread a rank, as ranks outnumber the cores; TSP_TEST_RANK_THREADS=2 sums in another order, which the
+    # float32 bounds must survive (tests/float32_control.py).
+    threads = os.environ.get("TSP_TEST_RANK_THREADS", "1")
+    os.environ.update(OMP_NUM_THREADS=threads, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads))
     # What the fork server imported lives as long as the worker: out of the garbage collector's sight, a full
     # collection (ZeRO-3 runs one in every engine it builds) walks only what the tests made.
     gc.freeze()
