@@ -4,8 +4,8 @@ Every public entry point and every block kind, at TSP 2 against the unsharded
 Hugging Face model or one process, each beside the guard that shows its check
 fails on a wrong shard, plus the refusals and the planner, which cost little.
 CI runs the whole suite (``make test-all``): sizes 1 and 4, every family,
-every ZeRO stage and layout, the benchmarks' smoke runs and the launched
-examples. An entry is a test file, a test function (all its cases) or one
+every ZeRO stage and layout, the benchmarks' smoke runs and the examples under
+the deepspeed launcher and accelerate (``make demo`` runs the launcher too). An entry is a test file, a test function (all its cases) or one
 case; an entry that matches no collected test stops the run, so a renamed
 test cannot drop out of the tier unseen.
 """
@@ -69,6 +69,4 @@ QUICK_TIER = [
     "test_grpo.py::test_grpo_trainer_matches_trl[2-grpo]",
     "test_lora.py::test_loss_and_every_adapter_gradient_match_the_peft_model[2]",
     "test_lora.py::test_the_inner_model_and_a_wrong_adapter_shard",
-    # The deepspeed launcher, as `make demo` runs it.
-    "test_engine.py::test_example_trains_under_the_deepspeed_launcher",
 ]
