@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ds_tsp  # noqa: E402
 from ds_tsp.config import TSPConfig  # noqa: E402
-from ds_tsp.injection.model import host_copy  # noqa: E402
+from ds_tsp.parallel.host_reads import host_copy  # noqa: E402
 from ds_tsp.parallel.topology import TSPTopology  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from train import small_byte_llama  # noqa: E402
@@ -73,8 +73,8 @@ def measure(model, seq_len, args):
 
     def the_check():
         check.when = "always"
-        ids, labels, mask = host_copy(batch["input_ids"], batch["labels"], batch["attention_mask"])
-        check(ids.device, input_ids=ids, labels=labels, position_ids=None, attention_mask=mask)
+        ids, labels, mask = host_copy(batch["input_ids"], batch["labels"], batch["attention_mask"], reason="batch")
+        check(input_ids=ids, labels=labels, position_ids=None, attention_mask=mask)
 
     def step(when):
         check.when = when

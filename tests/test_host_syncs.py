@@ -4,7 +4,7 @@ On an accelerator, reading a tensor's value on the host (``.item()``,
 ``int(t)``, ``bool(t)``, ``.tolist()``, ...) waits for every kernel queued
 before it. ds_tsp reads what the host must know about a micro-batch from one
 host copy of it before the step's first kernel (``ds_tsp.injection.model.TSPBatch``,
-``host_copy``, the embedding's ``EmbeddingRoute``); the layers, the loss and
+``ds_tsp.parallel.host_reads.host_copy``, the embedding's ``EmbeddingRoute``); the layers, the loss and
 backward read nothing. On CPU ranks a read costs nothing, so this test
 records the reads themselves: every call of those methods made from ds_tsp
 code, split into the batch preparation's and the rest's, which must be none.
@@ -21,6 +21,7 @@ import torch
 import ds_tsp
 from ds_tsp.injection import model as tsp_model_module
 from ds_tsp.blocks import vocab
+from ds_tsp.parallel import host_reads
 from ds_tsp.config import TSPConfig
 from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
@@ -28,7 +29,7 @@ from parity import packed_position_ids
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 PACKAGE = os.path.dirname(ds_tsp.__file__)
-BATCH_PREPARATION = {tsp_model_module.TSPBatch.__init__.__code__, tsp_model_module.host_copy.__code__,
+BATCH_PREPARATION = {tsp_model_module.TSPBatch.__init__.__code__, host_reads.host_copy.__code__,
                      vocab.EmbeddingRoute.__init__.__code__}
 
 
@@ -123,7 +124,7 @@ def test_the_batch_is_read_from_the_host_in_one_transfer():
     meta device stands in for one here: its copies are counted, not run)."""
     ids = torch.arange(6).view(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    assert tsp_model_module.host_copy(ids, None, mask) == (ids, None, mask)  # host tensors: no copy at all
+    assert host_reads.host_copy(ids, None, mask, reason="batch") == (ids, None, mask)  # host tensors: no copy at all
     copied = []
 
     def cpu(tensor):
@@ -131,7 +132,7 @@ def test_the_batch_is_read_from_the_host_in_one_transfer():
         return torch.zeros(tensor.shape, dtype=tensor.dtype)
 
     with mock.patch.object(torch.Tensor, "cpu", cpu):
-        copies = tsp_model_module.host_copy(ids.to("meta"), None, mask.to("meta"))
+        copies = host_reads.host_copy(ids.to("meta"), None, mask.to("meta"), reason="batch")
     assert copied == [torch.Size([12])]  # one transfer, of both tensors' 6 elements
     assert [None if t is None else (t.device.type, t.dtype, tuple(t.shape)) for t in copies] == \
         [("cpu", torch.int64, (2, 3)), None, ("cpu", torch.bool, (2, 3))]

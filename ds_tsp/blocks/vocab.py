@@ -56,6 +56,7 @@ from torch import nn
 
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.mappings import gather_rows
 from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import ring_gradients, ring_steps
@@ -142,7 +143,7 @@ class EmbeddingRoute:
     """
 
     def __init__(self, rank_ids, vocab_size, rows, tsp_rank, device):
-        ids = torch.stack([t.reshape(-1) for t in rank_ids]).cpu()  # (D, N); a no-op on host ids
+        ids = host_read(torch.stack([t.reshape(-1) for t in rank_ids]), "embedding route")  # (D, N); host ids: as is
         tsp_size = ids.shape[0]
         bad = int(((ids < 0) | (ids >= vocab_size)).sum())
         if bad:
@@ -278,7 +279,7 @@ class VocabParallelEmbedding(_VocabShard):
         (generation): each rank looks up the ids it owns, zeros for the others,
         and the parts are all-gathered and added. One part per id is not zero,
         so the sum is exact, the same on every rank."""
-        bad = int(((ids < 0) | (ids >= self.vocab_size)).sum())
+        bad = int(host_read(((ids < 0) | (ids >= self.vocab_size)).sum(), "token ids"))
         if bad:
             raise ValueError(f"input_ids hold {bad} id(s) outside [0, vocab_size = {self.vocab_size})")
         local = ids - self.tsp_rank * self.rows

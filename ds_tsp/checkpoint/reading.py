@@ -42,6 +42,7 @@ from ds_tsp.checkpoint.formats import (
 from ds_tsp.checkpoint.shard_plan import ExpertPlacement, meta_model, narrow_index, shard_plan
 from ds_tsp.injection.inject import inject
 from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.parallel import comm
 
 # ------------------------------------------------------------------- readers
 
@@ -307,7 +308,7 @@ def _check_materialised(model):
         raise RuntimeError(f"ds_tsp.from_pretrained left tensors on the meta device: {on_meta}")
 
 
-def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", adapter=None):
+def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, adapter=None):
     """A TSP model straight from a Hugging Face checkpoint directory, reading only
     this rank's shards of the decoder blocks.
 
@@ -330,8 +331,13 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
     (``PeftModel.save_pretrained``, ``ds_tsp.save_pretrained`` of a LoRA
     model), read onto the TSP blocks, each rank reading only its slices;
     the base is then frozen, as a ``PeftModel``'s.
+
+    ``device`` None: the TSP group's communication device (``comm.group_device``:
+    the accelerator's current device under NCCL, the CPU under gloo). On
+    ``"meta"`` nothing is read into the model, which stays a skeleton.
     """
     path = os.fspath(path)
+    device = torch.device(device) if device is not None else comm.group_device(topology.tsp_group)
     adapter_files = None
     if adapter is not None:
         adapter_files = AdapterFiles(os.fspath(adapter))
@@ -364,5 +370,6 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device="cpu", 
 
     inject(model, topology, tsp_config, read=read, device=device, adapter_files=adapter_files)
     progress.close()
-    _check_materialised(model)
+    if device.type != "meta":
+        _check_materialised(model)
     return model.eval()

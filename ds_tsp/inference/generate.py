@@ -72,6 +72,7 @@ from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
 from ds_tsp.inference.linear_decode import decode_delta_net, prefill_delta_net, state_shapes
 from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.host_reads import host_read
 
 
 @torch.no_grad()
@@ -155,7 +156,7 @@ def _check_continuation(cache, input_ids, attention_mask, position_ids):
                              "tokens' positions only, or none")
         expected = cache.next_positions.unsqueeze(1) + torch.arange(n, device=cache.next_positions.device)
         continues.append((position_ids.to(expected.device) == expected).all())
-    if continues and not bool(torch.stack(continues).all()):
+    if continues and not bool(host_read(torch.stack(continues).all(), "decode step check")):
         raise ValueError("new tokens must be real (attention_mask ones) at the positions that continue each row "
                          "(position_ids: the row's real tokens so far); TSP generation does not mask generated "
                          "tokens")
@@ -167,16 +168,16 @@ def agree_on_random_state(group, device):
     then samples the same tokens. Ranks seeded alike see no change."""
     if comm.group_size(group) == 1:
         return
-    if device.type == "cpu":
-        state = torch.get_rng_state()
-        comm.broadcast(state, src=0, group=group)
-        torch.set_rng_state(state)
-        return
     from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    state = accelerator.get_rng_state(device.index).to(device)
-    comm.broadcast(state, src=0, group=group)
-    accelerator.set_rng_state(state.cpu(), device.index)
+    accelerator = None if device.type == "cpu" else get_accelerator()
+    state = torch.get_rng_state() if accelerator is None else accelerator.get_rng_state(device.index)
+    travelling = state.to(comm.group_device(group))  # NCCL's rule: a host tensor cannot travel
+    comm.broadcast(travelling, src=0, group=group)
+    state = host_read(travelling, "random state")
+    if accelerator is None:
+        torch.set_rng_state(state)
+    else:
+        accelerator.set_rng_state(state, device.index)
 
 
 def left_aligned(input_ids, attention_mask):
@@ -189,12 +190,13 @@ def left_aligned(input_ids, attention_mask):
     mask = attention_mask.bool()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
-    if (mask[:, :-1] & ~mask[:, 1:]).any():
+    host_mask = host_read(attention_mask, "prompt").bool()  # checked on the host, in one read
+    if (host_mask[:, :-1] & ~host_mask[:, 1:]).any():
         raise ValueError("attention_mask must be left padding (each row: zeros, then ones); right padding or "
                          "holes inside a prompt are not supported by TSP generation: pad prompts on the left "
                          "(tokenizer.padding_side = 'left')")
     lengths = mask.sum(dim=1)
-    if (lengths == 0).any():
+    if (host_mask.sum(dim=1) == 0).any():
         raise ValueError("every prompt needs at least one real token (a row of attention_mask is all zeros)")
     shift = (prompt_len - lengths).unsqueeze(1)
     index = (torch.arange(prompt_len, device=input_ids.device).unsqueeze(0) + shift) % prompt_len
@@ -267,7 +269,8 @@ class TSPDecoder:
                                      (lengths.max() - 1).view(1, 1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
-        keep, kept_positions = prompt_tokens(r, D, self.layout, prompt_len, device=device)
+        # Worked out on the host (a nonzero on the device would wait for it), then moved.
+        keep, kept_positions = (t.to(device) for t in prompt_tokens(r, D, self.layout, prompt_len))
         attention = [layer.mixer for layer in self.layers if not isinstance(layer.mixer, TSPGatedDeltaNet)]
         key_heads, key_dim, value_dim = _cache_shape(attention[0]) if attention else (0, 0, None)
         states = {index: state_shapes(layer.mixer, hidden.dtype) for index, layer in enumerate(self.layers)
@@ -408,9 +411,9 @@ class TSPDecoder:
         """Hidden state ``(B, 1, H)`` of each row's last real prompt token, from
         the rank that owns it, on every rank."""
         last = lengths - 1
-        rows, cols = (positions.unsqueeze(0) == last.unsqueeze(1)).nonzero(as_tuple=True)
-        mine = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
-        mine[rows] = hidden[rows, cols]
+        here = positions.unsqueeze(0) == last.unsqueeze(1)  # (B, S/D): at most one per row
+        # A sum of zeros and at most one value (exact), where a nonzero would wait for the device.
+        mine = torch.where(here.unsqueeze(-1), hidden, 0).sum(dim=1)
         gathered = comm.all_gather_small(mine, self.group)  # (D, B, H)
         owned = torch.stack([layout.positions(j, self.tsp_size, self.layout, padded_len, device=hidden.device)
                              for j in range(self.tsp_size)])  # (D, S/D)

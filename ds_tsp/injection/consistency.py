@@ -13,9 +13,10 @@ wrong:
   weights differ only in value (unseeded initialisation) start identical;
 * every micro-batch (``tsp.check_batch: "always"``, the default; ``"first"``
   checks only the first, ``"never"`` none) is compared across the group by a
-  fingerprint of the host copy the forward makes anyway, in one all-gather of
-  a few int64 per micro-batch, and a difference is refused, naming the ranks
-  and the inputs, with its likely cause.
+  fingerprint taken on the device, in one all-gather of a few int64 per
+  micro-batch read on the host with the batch's own host copy, and a
+  difference is refused, naming the ranks and the inputs, with its likely
+  cause.
 """
 
 import hashlib
@@ -23,6 +24,7 @@ import hashlib
 import torch
 
 from ds_tsp.parallel import comm
+from ds_tsp.parallel.host_reads import host_read
 
 
 class RankMismatchError(RuntimeError):
@@ -43,9 +45,10 @@ def check_same_model(model, group):
         return
     structure = _structure(model)
     digest = hashlib.sha256(repr(structure).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=comm.group_device(group))
     gathered, _ = comm.all_gather(mine, group, counted_as="model_check")
-    if bool((gathered == mine).all()):
+    if bool(host_read((gathered == mine).all(), "model check")):
         return
     every = comm.all_gather_objects(structure, group)
     rank = comm.group_rank(group)
@@ -72,38 +75,39 @@ def broadcast_replicated(model, group):
             comm.broadcast(tensor.data, src=0, group=group)
 
 
-def batch_fingerprint(tensors):
-    """``(4 * len(tensors),)`` int64: per tensor (or None) its number of dims,
-    its number of elements, the sum of its values and a position-weighted sum,
-    so that a shifted or reordered batch differs too."""
+def batch_fingerprint(tensors, device):
+    """``(4 * len(tensors),)`` int64 on ``device``: per tensor (or None) its
+    number of dims, its number of elements, the sum of its values and a
+    position-weighted sum, so that a shifted or reordered batch differs too.
+    Computed where the tensors are, with no host read."""
     parts = []
     for tensor in tensors:
         if tensor is None:
-            parts.append(torch.full((4,), -1, dtype=torch.int64))
+            parts.append(torch.full((4,), -1, dtype=torch.int64, device=device))
             continue
         flat = tensor.detach().reshape(-1).to(torch.int64)
         weights = torch.arange(1, flat.numel() + 1, device=flat.device) % 1_000_003
-        parts.append(torch.stack([torch.tensor(tensor.dim(), device=flat.device),
-                                  torch.tensor(flat.numel(), device=flat.device),
-                                  flat.sum(), (flat * weights).sum()]).cpu())
+        parts.append(torch.stack([flat.new_full((), tensor.dim()), flat.new_full((), flat.numel()),
+                                  flat.sum(), (flat * weights).sum()]).to(device))
     return torch.cat(parts)
 
 
-def check_same_batch(named_tensors, group, device=None):
-    """Refuse a micro-batch that differs between the ranks of ``group``;
-    ``named_tensors``: ``{name: tensor or None}`` as the forward received them
-    (host copies, or on the device); the fingerprint travels on ``device``
-    (default: the first tensor's), which the group's backend must take."""
-    if comm.group_size(group) == 1:
-        return
-    present = [t for t in named_tensors.values() if t is not None]
-    mine = batch_fingerprint(list(named_tensors.values())).to(device or present[0].device)
+def gather_batch_fingerprints(named_tensors, group):
+    """``(D, 4 * len(named_tensors))``: every rank's fingerprint of its
+    micro-batch (``{name: tensor or None}``), all-gathered on the group's device;
+    no host read, so the caller reads it with the batch (``verify_batch``)."""
+    mine = batch_fingerprint(list(named_tensors.values()), comm.group_device(group))
     gathered, _ = comm.all_gather(mine, group, counted_as="batch_check")
-    gathered = gathered.cpu()
+    return gathered
+
+
+def verify_batch(gathered, names, group):
+    """Refuse a micro-batch that differs between the ranks of ``group``, from
+    the host copy of ``gather_batch_fingerprints``'s result."""
     different = [r for r in range(len(gathered)) if not torch.equal(gathered[r], gathered[0])]
     if not different:
         return
-    names = [name for i, name in enumerate(named_tensors)
+    names = [name for i, name in enumerate(names)
              if not torch.equal(gathered[different[0]][4 * i:4 * i + 4], gathered[0][4 * i:4 * i + 4])]
     raise RankMismatchError(
         f"TSP ranks {different} (global ranks {[comm.global_rank(group, r) for r in different]}) received a "
@@ -114,14 +118,41 @@ def check_same_batch(named_tensors, group, device=None):
         "ds_tsp.initialize, whose loader shards over data-parallel ranks only")
 
 
+def check_same_batch(named_tensors, group):
+    """Refuse a micro-batch that differs between the ranks of ``group``;
+    ``named_tensors``: ``{name: tensor or None}`` as the forward received them
+    (host copies, or on the device). One all-gather and one host read."""
+    if comm.group_size(group) == 1:
+        return
+    gathered = host_read(gather_batch_fingerprints(named_tensors, group), "batch check")
+    verify_batch(gathered, list(named_tensors), group)
+
+
 class BatchCheck:
     """``tsp.check_batch``: compare the micro-batch across ``group`` on every
-    call (``"always"``), on the ``"first"`` call, or ``"never"``."""
+    call (``"always"``), on the ``"first"`` call, or ``"never"``. Calling it
+    checks at once; ``gather`` and ``verify`` split the check around the
+    host copy the forward makes of its batch, which then carries the
+    fingerprints too (one host read per micro-batch for both)."""
 
     def __init__(self, when, group):
         self.when, self.group, self.checked = when, group, False
 
-    def __call__(self, device=None, **named_tensors):
-        if self.when == "always" or (self.when == "first" and not self.checked):
-            check_same_batch(named_tensors, self.group, device)
+    def _due(self):
+        return comm.group_size(self.group) > 1 and (
+            self.when == "always" or (self.when == "first" and not self.checked))
+
+    def __call__(self, **named_tensors):
+        if self._due():
+            check_same_batch(named_tensors, self.group)
+            self.checked = True
+
+    def gather(self, **named_tensors):
+        """Every rank's fingerprint on the device (None when no check is due):
+        pass its host copy to ``verify``."""
+        return gather_batch_fingerprints(named_tensors, self.group) if self._due() else None
+
+    def verify(self, gathered, names):
+        if gathered is not None:
+            verify_batch(gathered, list(names), self.group)
             self.checked = True

@@ -14,6 +14,7 @@ from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_rea
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.policy import PolicyError, load_balancing_loss, resolve_policy
 from ds_tsp.injection.probe import probe_layers
+from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
 from ds_tsp.planning.communication import cheaper_moe_schedule
 from ds_tsp.planning.flops import cheaper_latent_form
@@ -50,8 +51,16 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
 
     The TSP blocks are built from a forked random state: the caller's (what
     dropout, sampling and shuffles draw next) is as if nothing was built.
+
+    ``device`` None builds where the model is, unless the model is on the host
+    and the TSP group's backend takes no host tensor (NCCL): then on the
+    accelerator's current device (``comm.group_device``), shard by shard, and
+    the rest of the model follows, before any weight moves between ranks.
     """
     first = next(model.parameters(), None)
+    if device is None and (first is None or first.device.type == "cpu"):
+        wanted = comm.group_device(topology.tsp_group)
+        device = None if wanted.type == "cpu" else wanted
     built_on = torch.device(device if device is not None else first.device if first is not None else "cpu")
     on_host = built_on.type in ("cpu", "meta")
     with torch.random.fork_rng(devices=[] if on_host else [built_on], device_type="cuda" if on_host else built_on.type):
@@ -67,7 +76,9 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     layers = model.get_submodule(policy.layers)
     check_adapter_paths(adapters, policy, layers)
     if adapter_files is None:
-        adapters = {path: (model_reader(lora_A, lora_B, topology.tsp_group), scaling)
+        # The factors travel (TSP rank 0's broadcast) from where the blocks are built.
+        adapters = {path: (model_reader(lora_A.to(device or lora_A.device), lora_B.to(device or lora_B.device),
+                                        topology.tsp_group), scaling)
                     for path, (lora_A, lora_B, scaling) in adapters.items()}
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     if partitioned:  # built under zero.Init: all but the layers now, each layer when it is sharded
@@ -90,6 +101,8 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     if tsp_config.vocab_parallel:
         fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
 
+    if device is not None:
+        model.to(device)  # what is not a TSP block: norms, rotary tables, a replicated embedding and head
     if read is None:
         broadcast_replicated(model, topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]

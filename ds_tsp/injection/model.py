@@ -27,6 +27,7 @@ from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding
                                      vocabulary_rows)
 from ds_tsp.injection.scores import SCORES, fused_head_output, head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
+from ds_tsp.parallel.host_reads import host_copy
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
 
@@ -119,7 +120,8 @@ class TSPBatch:
                  cu_seq_lens=None, vocab_size=None, batch_check=None):
         """``vocab_size``: ``(embedding rows, head classes)`` to check the ids
         and labels against (``ds_tsp.injection.inputs``); ``batch_check``
-        (``tsp.check_batch``): compare the host copy across the TSP group. An
+        (``tsp.check_batch``): compare the batch across the TSP group (its
+        fingerprints travel in the batch's host copy). An
         input is refused before anything else reaches a collective, after the
         batch check, which every rank joins whatever it found: ranks that got
         the same batch reach the same verdict, ranks that did not are all
@@ -127,7 +129,10 @@ class TSPBatch:
         refusal = _refusal(check_shapes, input_ids, labels, attention_mask, position_ids)
         if refusal is None and position_ids is not None and position_ids.shape == (1, input_ids.shape[1]):
             position_ids = position_ids.expand(input_ids.shape[0], -1)  # HF accepts positions shared by every row
-        host_ids, host_labels, host_positions, host_mask = host_copy(input_ids, labels, position_ids, attention_mask)
+        fingerprints = None if batch_check is None else batch_check.gather(
+            input_ids=input_ids, labels=labels, position_ids=position_ids, attention_mask=attention_mask)
+        host_ids, host_labels, host_positions, host_mask, fingerprints = host_copy(
+            input_ids, labels, position_ids, attention_mask, fingerprints, reason="batch")
         if refusal is None and vocab_size is not None:
             refusal = _refusal(check_token_ids, host_ids, host_labels, *vocab_size)
         self.left_padding = None  # (B,) on the host: how far each row was moved left (``inputs.left_padding``)
@@ -139,8 +144,7 @@ class TSPBatch:
             host_ids, host_labels, host_positions, host_mask = rows_left_aligned(
                 self.left_padding, host_ids, host_labels, host_positions, host_mask)
         if batch_check is not None:
-            batch_check(input_ids.device, input_ids=host_ids, labels=host_labels, position_ids=host_positions,
-                        attention_mask=host_mask)
+            batch_check.verify(fingerprints, ("input_ids", "labels", "position_ids", "attention_mask"))
         if refusal is not None:
             raise refusal
         batch, seq_len = input_ids.shape
@@ -189,18 +193,6 @@ def _refusal(check, *args):
     return None
 
 
-def host_copy(*tensors):
-    """CPU copies of ``tensors`` (None stays None), in one device-to-host
-    transfer for all of those on an accelerator; CPU tensors are returned as they are."""
-    on_device = [t for t in tensors if t is not None and t.device.type != "cpu"]
-    if not on_device:
-        return tensors
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in on_device]).cpu()
-    copies = iter(piece.view(t.shape).to(t.dtype) for piece, t in
-                  zip(flat.split([t.numel() for t in on_device]), on_device))
-    return tuple(t if t is None or t.device.type == "cpu" else next(copies) for t in tensors)
-
-
 def shifted_targets(labels, real):
     """Token t's target is label t+1 (``IGNORE_INDEX`` for the last token),
     shifted on the full sequence before sharding; padding is never a target."""
@@ -210,9 +202,10 @@ def shifted_targets(labels, real):
 
 def num_targets(labels, attention_mask=None):
     """How many tokens of a micro-batch the loss averages over: what the TSP
-    forward counts when no ``num_items_in_batch`` is given."""
+    forward counts when no ``num_items_in_batch`` is given; a 0-dim int64
+    where ``labels`` are, not read on the host."""
     real = _real_tokens(attention_mask, *labels.shape, labels.device)
-    return int((shifted_targets(labels, real) != IGNORE_INDEX).sum())
+    return (shifted_targets(labels, real) != IGNORE_INDEX).sum()
 
 
 def _real_tokens(attention_mask, batch, seq_len, device):

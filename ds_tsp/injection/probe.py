@@ -34,6 +34,7 @@ from ds_tsp.blocks.rotary import rotary_tables
 from ds_tsp.injection.model import TSPBatch
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.host_reads import host_read
 
 # Relative to the largest output: float64 round-off of a reordered layer is
 # ~1e-15; the smallest deviations a forward variant brings are orders larger.
@@ -78,7 +79,9 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
     TSP model's on a probe batch; ``build`` is ``inject.tsp_layer``. Collective
     over ``topology.tsp_group``."""
     layers = model.get_submodule(policy.layers)
-    device = torch.device(device or next((p.device for p in layers[0].parameters() if not p.is_meta), "cpu"))
+    # A model on the meta device is probed where the group's collectives run (the accelerator under NCCL).
+    device = torch.device(device or next((p.device for p in layers[0].parameters() if not p.is_meta),
+                                         comm.group_device(topology.tsp_group)))
     probed = {}
     for index, layer in enumerate(layers):
         probed.setdefault(_signature(layer), index)
@@ -168,7 +171,7 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                               f"could not run on the float64 probe ({type(error).__name__}: {error}): ds_tsp does "
                               "not support it") from error
         layer_in, layer_out = recorder.seen
-        outside = max(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), layer_out))
+        outside = torch.maximum(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), layer_out))
 
         tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device,
                           rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
@@ -183,14 +186,15 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                               f"layer built from its {type(recorder.layer).__name__} could not run on the probe "
                               f"({type(error).__name__}: {error}): ds_tsp does not support it") from error
         inside = _relative(mine, layout.shard(layer_out, tsp_rank, tsp_size, tsp_config.layout))
-    verdict = torch.tensor([outside, inside], dtype=torch.float64, device=device)
+    verdict = torch.stack([outside, inside]).to(torch.float64).to(comm.group_device(topology.tsp_group))
     comm.all_reduce(verdict, topology.tsp_group)
-    return verdict.tolist()
+    return host_read(verdict, "probe").tolist()
 
 
 def _relative(actual, expected):
+    """The largest difference relative to the largest ``expected`` entry, a 0-dim tensor where they are."""
     scale = expected.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
-    return ((actual - expected).abs().max() / scale).item()
+    return (actual - expected).abs().max() / scale
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from datetime import timedelta
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import get_communication_data_type
 from deepspeed.utils import set_z3_leaf_modules
 from transformers import AutoConfig
@@ -26,6 +27,7 @@ from ds_tsp.injection.lora import holds_adapters
 from ds_tsp.injection.model import num_targets
 from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
 from ds_tsp.parallel import comm
+from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.runtime.expert_parallel import (
     check_expert_parallel_run,
@@ -104,6 +106,10 @@ def _check_tsp_run(model, mpu, optimizer, model_parameters, ds_config, tsp_confi
     _check_no_other_model_parallelism(ds_config)
     _check_activation_checkpointing(ds_config, tsp_config)
     check_expert_parallel_run(ds_config, tsp_config)
+    # This rank's accelerator is the current device before the first collective: NCCL's object collectives and
+    # comm.group_device use it, and DeepSpeed sets it only when it builds its engine, after injection.
+    if "LOCAL_RANK" in os.environ:
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     # Joins an existing torch.distributed group if there is one.
     deepspeed.init_distributed(timeout=timedelta(minutes=tsp_config.timeout_minutes))
     tsp_config.expert_parallel(dist.get_world_size())
@@ -220,10 +226,11 @@ def num_items_in_batch(engine, micro_batches):
     average, over the window and the replicas, to the global mean.
     """
     topology = engine.tsp_topology
-    local = sum(num_targets(labels, attention_mask) for labels, attention_mask in micro_batches)
-    total = torch.tensor([float(local)], dtype=torch.float64)
+    device = comm.group_device(topology.dp_group)  # NCCL's rule: the sum travels on the accelerator
+    counts = [num_targets(labels, attention_mask).to(device) for labels, attention_mask in micro_batches]
+    total = torch.stack(counts).sum().to(torch.float64).view(1)
     comm.all_reduce(total, topology.dp_group)
-    return total.item() / (topology.dp_size * engine.gradient_accumulation_steps())
+    return host_read(total, "num_items_in_batch").item() / (topology.dp_size * engine.gradient_accumulation_steps())
 
 
 def model_config(model):

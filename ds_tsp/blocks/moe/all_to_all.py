@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from ds_tsp.blocks.mlp import mlp_ring_backward, mlp_ring_forward
-from ds_tsp.blocks.moe.plan import Routing
+from ds_tsp.blocks.moe.plan import Routing, expert_counts
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.host_reads import host_copy
 from ds_tsp.parallel.precision import accumulation_dtype
 
 
@@ -57,17 +58,22 @@ class TokenExchange:
     by_local_expert: Routing
 
     @classmethod
-    def of(cls, routing, plan):
-        """Exchanges the split sizes: every rank's row count for each of this
-        rank's experts (one all-to-all of ``E/D`` int64 per rank pair, on the
-        tokens' device)."""
-        tsp_size, per_rank, device = comm.group_size(plan.group), plan.experts_per_rank, routing.tokens.device
-        offsets = torch.tensor(routing.offsets, device=device)
-        counts = (offsets[1:] - offsets[:-1]).view(tsp_size, per_rank)  # (D, E/D): rows for rank j's experts
-        incoming, _ = comm.all_to_all(counts, plan.group)  # (D, E/D): rows rank j sends to each local expert
-        local_expert = torch.arange(per_rank, device=device).repeat(tsp_size).repeat_interleave(incoming.reshape(-1))
-        return cls(tuple(counts.sum(1).tolist()), tuple(incoming.sum(1).tolist()),
-                   Routing.of(local_expert.unsqueeze(-1), per_rank))
+    def route(cls, index, plan):
+        """``(routing, exchange)`` of the router's ``(N, k)`` expert indices:
+        the split sizes exchanged (one all-to-all of ``E/D`` int64 per rank
+        pair, on the tokens' device), then read on the host with this rank's
+        own counts, in one host read for the layer."""
+        tsp_size, per_rank, device = comm.group_size(plan.group), plan.experts_per_rank, index.device
+        counts = expert_counts(index, plan.num_experts)
+        incoming, _ = comm.all_to_all(counts.view(tsp_size, per_rank), plan.group)  # (D, E/D): rows rank j sends
+        host_counts, host_incoming = host_copy(counts, incoming, reason="moe split sizes")
+        routing = Routing.of(index, plan.num_experts, host_counts)
+        local_expert = torch.arange(per_rank, device=device).repeat(tsp_size).repeat_interleave(
+            incoming.reshape(-1), output_size=int(host_incoming.sum()))
+        exchange = cls(tuple(host_counts.view(tsp_size, per_rank).sum(1).tolist()),
+                       tuple(host_incoming.sum(1).tolist()),
+                       Routing.of(local_expert.unsqueeze(-1), per_rank, host_incoming.sum(0)))
+        return routing, exchange
 
 
 def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
@@ -128,8 +134,7 @@ class _MoEAllToAll(torch.autograd.Function):
     @staticmethod
     @autocast_forward(cast_inputs=True)
     def forward(ctx, x, weights, index, shared_scale, packed, plan):
-        routing = Routing.of(index, plan.num_experts)
-        exchange = TokenExchange.of(routing, plan)
+        routing, exchange = TokenExchange.route(index, plan)
         routed = plan.routed_spec.numel
         y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, packed[:routed], plan)
         shared_out, steps = None, []

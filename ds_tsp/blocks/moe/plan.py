@@ -26,6 +26,7 @@ from ds_tsp.blocks.mlp import shard_spec as mlp_shard_spec
 from ds_tsp.blocks.moe.experts import ExpertLayout
 from ds_tsp.blocks.packing import PackSpec
 from ds_tsp.parallel import comm
+from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.precision import accumulation_dtype
 
 # The two ways to meet the experts: shards round the ring (ring.py) or tokens by all-to-all (all_to_all.py).
@@ -139,6 +140,13 @@ def shared_weights(w):
     return {name.partition(".")[2]: tensor for name, tensor in w.items() if not is_routed(name)}
 
 
+def expert_counts(index, num_experts):
+    """``(E,)`` int64 where ``index`` is: how many ``(token, slot)`` chose each
+    expert. A scatter-add, not ``bincount``, which sizes its output on the host."""
+    flat = index.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass(frozen=True)
 class Routing:
     """The local tokens grouped by expert: ``tokens[offsets[e]:offsets[e+1]]``
@@ -149,11 +157,13 @@ class Routing:
     offsets: tuple
 
     @classmethod
-    def of(cls, index, num_experts):
-        """From the router's ``(N, k)`` expert indices."""
+    def of(cls, index, num_experts, counts=None):
+        """From the router's ``(N, k)`` expert indices; ``counts``: their
+        ``expert_counts`` already on the host, else read here (one host read)."""
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        if counts is None:
+            counts = host_read(expert_counts(index, num_experts), "moe routing")
         top_k = index.shape[-1]
         return cls(order // top_k, order % top_k, (0, *counts.cumsum(0).tolist()))
 

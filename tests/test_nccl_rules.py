@@ -1,0 +1,151 @@
+"""NCCL's rules, enforced on CPU by a dry run (``nccl_rules.DryRun``, issue 60).
+
+The model lives on the meta device, the accelerator's stand-in, under torch's
+fake process group: injection, a training forward and backward and a
+generation step (prefill and one decode step) must put every collective's
+tensors on the model's device (a CPU tensor there fails on NCCL), and the
+training step's host reads must stay within one per micro-batch plus one per
+mixture-of-experts layer. Each case prints the collectives by device and the
+host reads by reason.
+"""
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.checkpoint import from_pretrained
+from ds_tsp.config import TSPConfig
+from ds_tsp.injection import inject as inject_module
+from ds_tsp.injection import model as model_module
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.topology import TSPTopology
+from models import MODEL_CLASSES, tiny_config, tiny_model
+from nccl_rules import DryRun, fake_world
+
+BATCH, SEQ, PROMPT = 2, 16, 8
+
+# name: (arch, world size, TSP size, config options, generation covered)
+CASES = {
+    "attention, TSP 2": ("llama", 2, 2, {}, True),
+    "attention, TSP 4": ("llama", 4, 4, {}, True),
+    "attention, TSP 2 x DP 2, replicated head": ("qwen3", 4, 2, {"vocab_parallel": False}, True),
+    "latent attention and experts, TSP 2": ("deepseek_v3", 2, 2, {}, True),
+    "Gated DeltaNet, TSP 2": ("qwen3_5", 2, 2, {}, False),
+    "experts by all-to-all, TSP 2": ("qwen3_moe", 2, 2, {"moe_schedule": "all_to_all"}, True),
+    "experts on the ring, TSP 2": ("qwen3_moe", 2, 2, {"moe_schedule": "ring"}, True),
+    "folded experts, TSP 2 x DP 2, ep 4": ("qwen3_moe", 4, 2, {"expert_parallel_size": 4}, False),
+}
+
+
+@pytest.fixture
+def fake_group():
+    """A fake world of the size asked for, torn down after the test."""
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+
+    def start(world_size):
+        fake_world(world_size)
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def meta_model(arch):
+    with torch.device("meta"):
+        return MODEL_CLASSES[arch](tiny_config(arch))
+
+
+def config(tsp_size, options):
+    return TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa", **{"vocab_parallel": True, **options})
+
+
+def routed_rows(model, tokens_per_rank):
+    return tokens_per_rank * (getattr(model.config, "num_experts_per_tok", 0) or 0)
+
+
+def no_probe():
+    """The probe of models taken by shape (latent attention, Gated DeltaNet) runs
+    Hugging Face's own forward, which reads the host (``.item()``) and so
+    cannot run on the meta device: it is left out here."""
+    return mock.patch.object(inject_module, "probe_layers", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_collective_is_on_the_model_device(fake_group, case):
+    arch, world_size, tsp_size, options, generates = CASES[case]
+    fake_group(world_size)
+    model, tsp_config = meta_model(arch), config(tsp_size, options)
+    with DryRun() as dry, no_probe():
+        ds_tsp.inject(model, TSPTopology.of(tsp_config), tsp_config)
+    print(dry.report(f"{case}, inject"))
+    assert dry.misplaced == [] and dry.by_device  # collectives seen, none off the device
+
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding
+    moe_layers = sum(isinstance(m, TSPSparseMoE) for m in model.modules())
+    model.train()
+    with DryRun(routed_rows=routed_rows(model, BATCH * SEQ // tsp_size)) as dry:
+        ids_on, mask_on = dry.on_device(ids), dry.on_device(mask)
+        model(input_ids=ids_on, labels=ids_on, attention_mask=mask_on).loss.backward()
+    print(dry.report(f"{case}, training step ({moe_layers} MoE layers)"))
+    assert dry.misplaced == [] and dry.by_device
+    assert dry.host_reads["batch"] == 1  # the batch and its check's fingerprints, in one read
+    assert sum(dry.host_reads.values()) <= 1 + moe_layers
+
+    if not generates:
+        return
+    model.eval()
+    with DryRun(routed_rows=routed_rows(model, BATCH * PROMPT // tsp_size)) as dry, torch.no_grad():
+        prompt = dry.on_device(ids[:, :PROMPT])
+        out = model(prompt, attention_mask=dry.on_device(torch.ones(BATCH, PROMPT, dtype=torch.long)),
+                    use_cache=True, logits_to_keep=1)
+        dry.routed_rows = routed_rows(model, BATCH)
+        model(out.logits[:, -1].argmax(-1, keepdim=True), cache=out.cache, use_cache=True, logits_to_keep=1,
+              attention_mask=dry.on_device(torch.ones(BATCH, PROMPT + 1, dtype=torch.long)))
+    print(dry.report(f"{case}, prefill and one decode step"))
+    assert dry.misplaced == [] and dry.by_device
+
+
+def test_from_pretrained_builds_on_the_group_device(fake_group, tmp_path):
+    """``from_pretrained`` with no device reads onto ``comm.group_device`` (meta
+    here, the accelerator under NCCL) and checks the ranks there."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    fake_group(2)
+    tsp_config = config(2, {})
+    with DryRun() as dry:
+        model = from_pretrained(tmp_path, TSPTopology.of(tsp_config), tsp_config)
+    print(dry.report("from_pretrained"))
+    assert dry.misplaced == [] and dry.by_device
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_a_collective_off_the_device_is_caught(fake_group):
+    """The guard: the model check's digest on the CPU, as ``check_same_model``
+    built it before issue 60, is two misplaced tensors of one all-gather."""
+    fake_group(2)
+    model, tsp_config = meta_model("llama"), config(2, {})
+    with DryRun() as dry, mock.patch.object(comm, "group_device", lambda group: torch.device("cpu")):
+        ds_tsp.inject(model, TSPTopology.of(tsp_config), tsp_config)
+    print(dry.report("digest on the CPU"))
+    assert [device for _, device, _ in dry.misplaced] == ["cpu", "cpu"]  # the digest and its gathered copy
+    assert all(where.startswith("injection" + os.sep + "consistency.py") for _, _, where in dry.misplaced)
+
+
+def test_a_host_read_outside_the_helper_is_caught(fake_group):
+    """A host read in the step that bypasses ``host_reads`` (a ``float()`` of
+    the loss sum) stops the dry run, as it would wait for a GPU."""
+    fake_group(2)
+    model, tsp_config = meta_model("llama"), config(2, {})
+    with DryRun():
+        ds_tsp.inject(model, TSPTopology.of(tsp_config), tsp_config)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with DryRun() as dry, mock.patch.object(model_module, "sum_over_group", side_effect=lambda t, group: t * float(t)):
+        ids_on = dry.on_device(ids)
+        with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+            model(input_ids=ids_on, labels=ids_on)
