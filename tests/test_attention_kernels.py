@@ -260,6 +260,82 @@ def test_auto_races_where_several_backends_serve(monkeypatch):
     assert isinstance(auto.candidates["sdpa"].ops, ak._CUDAFlashOps)
 
 
+class RecordingFlash(BlockwiseFlashKernel):
+    """A stand-in for flash-attn on the CPU (torch's CPU flash ops), recording the dtypes it computes in."""
+
+    def __init__(self):
+        super().__init__(ak._CPUFlashOps(), name="flash")
+        self.dtypes = []
+
+    def forward(self, q, k, v, scale):
+        self.dtypes.append(q.dtype)
+        return super().forward(q, k, v, scale)
+
+
+def test_under_autocast_the_kernel_is_chosen_by_the_compute_dtype(monkeypatch):
+    """float32 weights under bf16 autocast compute attention in bf16: the
+    ``"flash"`` backend (which takes fp16/bf16 only; its CUDA check stubbed) serves
+    them, and sees bf16. Without autocast the same layer is refused, as the old
+    choice by the input's dtype (float32 under autocast too) refused it always."""
+    from ds_tsp.blocks.attention.module import TSPAttention
+
+    flash = RecordingFlash()
+    only_half = lambda device, dtype: (None if dtype in (torch.float16, torch.bfloat16)
+                                       else f"flash-attn needs float16 or bfloat16, the model is {dtype}")
+    monkeypatch.setitem(sel._FUSED_BACKENDS, "flash", (only_half, lambda: flash))
+    torch.manual_seed(0)
+    attn = TSPAttention(32, 4, 2, 8, None, backend="flash", dtype=torch.float32)
+    attn.packed.data.normal_(0, 0.2)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    angles = torch.arange(6.0).view(1, 6, 1) * torch.linspace(0.1, 1.0, 8)
+    rotary = (angles.cos().expand(2, -1, -1), angles.sin().expand(2, -1, -1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(x, rotary)
+    out.float().sum().backward()
+    assert flash.dtypes == [torch.bfloat16] and out.dtype == torch.bfloat16
+    assert attn.packed.grad.dtype == torch.float32 and torch.isfinite(attn.packed.grad).all()
+    with pytest.raises(RuntimeError, match=r"\"flash\" cannot be used: flash-attn needs float16 or bfloat16, the "
+                                           r"model is torch.float32"):
+        attn(x, rotary)
+
+
+def auto_choice_on_ranks():
+    """Each rank's timer favours another kernel; what each rank's own check
+    would choose, and what the group runs. Then rank 0's check refuses every
+    kernel: every rank stops, each with the reason it knows."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    seconds = {"plain": 1.0, "blockwise": 2.0} if rank == 0 else {"plain": 2.0, "blockwise": 1.0}
+    auto = AutoKernel("cpu", torch.float32, _cpu_candidates("plain", "blockwise"), timer=FakeTimer(seconds),
+                      group=dist.group.WORLD)
+    own = auto._choose(16, False)
+    auto.timer.timed.clear()
+    auto.explicit_backward(16, None)
+    names = ("top_left", "broken") if rank == 0 else ("plain",)
+    refusing = AutoKernel("cpu", torch.float32, _cpu_candidates(*names), timer=FakeTimer({"plain": 1.0}),
+                          group=dist.group.WORLD)
+    try:
+        refusing.explicit_backward(16, None)
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    return own, auto.choices[(16, False)], auto.timer.timed, refusal
+
+
+def test_auto_choice_is_rank_zeros_on_every_rank(run_ranks):
+    results = run_ranks(2, auto_choice_on_ranks)
+    # The guard: alone, the ranks would choose differently.
+    assert [own for own, *_ in results] == ["plain", "blockwise"]
+    assert [chosen for _, chosen, _, _ in results] == ["plain", "plain"]
+    assert [timed for *_, timed, _ in results] == [["plain", "blockwise"], []]  # rank 0 alone times
+    refusals = [refusal for *_, refusal in results]
+    assert refusals[0].startswith("tsp.attention_backend = \"auto\": no attention kernel passed its parity check on "
+                                  "cpu float32")
+    assert refusals[1].startswith("tsp.attention_backend = \"auto\": no attention kernel passed its parity check on "
+                                  "group rank 0 (head_dim 16, full causal; its log says why)")
+
+
 # ---- flash-attn's private API, by release (fakes computing exact attention) ----
 
 def _attention(q, k, v, scale, window_left):

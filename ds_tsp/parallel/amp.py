@@ -16,7 +16,7 @@ def _autocast_on(device_type):
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
-def _compute_dtype(tensor):
+def compute_dtype(tensor):
     """The dtype a matmul of ``tensor`` runs in: the autocast dtype where
     autocast is on for its device and would cast it (floating, not float64),
     else its own."""
@@ -50,7 +50,7 @@ def autocast_forward(cast_inputs, keep=()):
             if not _autocast_on(device_type):
                 return forward(ctx, *args)
             if cast_inputs:
-                args = [arg.to(_compute_dtype(arg)) if isinstance(arg, torch.Tensor) and index not in keep else arg
+                args = [arg.to(compute_dtype(arg)) if isinstance(arg, torch.Tensor) and index not in keep else arg
                         for index, arg in enumerate(args)]
             with torch.autocast(device_type, enabled=False):
                 return forward(ctx, *args)

@@ -20,6 +20,7 @@ from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.input_norm import recomputable
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm
+from ds_tsp.parallel.amp import compute_dtype
 
 
 class TSPAttention(PackedShardMixin, nn.Module):
@@ -127,7 +128,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
         if self.softcap is not None:
             kernel = SoftCappedKernel(self.softcap)
         else:
-            kernel = select_kernel(self.backend, x.device, x.dtype)
+            # The dtype the Function computes in (autocast casts its inputs), not the residual stream's.
+            kernel = select_kernel(self.backend, x.device, compute_dtype(self.packed), self.tsp_group)
         if self.sinks:
             kernel = SinkKernel(kernel)
         explicit = hasattr(kernel, "explicit_backward") and kernel.explicit_backward(self.heads.head_dim,

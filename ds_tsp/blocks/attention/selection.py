@@ -5,7 +5,8 @@ Explicit backends (``"sdpa"``, ``"cudnn"``, ``"flash"``; the kernels are in
 ``"auto"`` is ``"sdpa"`` where nothing else serves the device and dtype (CPU,
 CUDA float32); otherwise ``AutoKernel`` picks, per head size and windowed or
 not, the fastest candidate that passes a parity check against float64
-attention, on first use.
+attention, on first use: group rank 0 checks and times them and broadcasts
+its choice, so the ranks of a layer's group run the same kernel.
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ from ds_tsp.blocks.attention.kernels import (
     bottom_right_causal_mask,
     flash_ops,
 )
+from ds_tsp.parallel import comm, host_reads
 
 logger = logging.getLogger("ds_tsp")
 
@@ -223,13 +225,17 @@ class AutoKernel:
     fails; the passing ones are timed on a training step (``timer(name, run)``,
     tests pass a fake one) and the fastest serves from then on, said once in the
     log. The parity problems have grouped-query heads 4:1 whatever the layer's
-    ratio: it is not known before the first block runs.
+    ratio: it is not known before the first block runs. Over a ``group`` of
+    several ranks, rank 0 alone checks and times and broadcasts its choice:
+    timings differ from rank to rank, and ranks running different kernels
+    would differ in their numerics (and one whose check refused every kernel
+    would stop while the others wait for it).
     """
 
     name = "auto"
 
-    def __init__(self, device, dtype, candidates, timer=None):
-        self.device, self.dtype = torch.device(device), dtype
+    def __init__(self, device, dtype, candidates, timer=None, group=None):
+        self.device, self.dtype, self.group = torch.device(device), dtype, group
         self.candidates = candidates  # {name: kernel}, in order of preference
         self.timer = timer or device_timer(self.device)
         self.choices = {}  # (head_dim, windowed) -> name
@@ -240,7 +246,7 @@ class AutoKernel:
             # The first use may come under no_grad, inference mode or autocast:
             # the check runs in the model's dtype with autograd, as training does.
             with torch.inference_mode(False), torch.enable_grad(), torch.autocast(self.device.type, enabled=False):
-                self.choices[key] = self._choose(*key)
+                self.choices[key] = self._agreed_choice(*key)
         return self.candidates[self.choices[key]]
 
     def explicit_backward(self, head_dim, window):
@@ -254,6 +260,28 @@ class AutoKernel:
 
     def backward(self, grad_out, q, k, v, out, lse, scale):
         return self.kernel_for(q.shape[-1], None).backward(grad_out, q, k, v, out, lse, scale)
+
+    def _agreed_choice(self, head_dim, windowed):
+        """Group rank 0's ``_choose``, broadcast (an int64 on ``comm.group_device``, one host read)."""
+        if comm.group_size(self.group) == 1:
+            return self._choose(head_dim, windowed)
+        names, refusal = list(self.candidates), None
+        index = torch.tensor([-1], dtype=torch.int64, device=comm.group_device(self.group))
+        if comm.group_rank(self.group) == 0:
+            try:
+                index.fill_(names.index(self._choose(head_dim, windowed)))
+            except RuntimeError as error:  # no kernel passed: every rank hears of it and stops
+                refusal = error
+        comm.broadcast(index, 0, self.group)
+        if refusal is not None:
+            raise refusal
+        chosen = int(host_reads.host_read(index, reason="attention kernel choice"))
+        if chosen < 0:
+            raise RuntimeError(f"tsp.attention_backend = \"auto\": no attention kernel passed its parity check on "
+                               f"group rank 0 (head_dim {head_dim}, {'sliding window' if windowed else 'full causal'}; "
+                               f"its log says why); set tsp.attention_backend to one of {BACKENDS[1:]} to use it "
+                               "without the check")
+        return names[chosen]
 
     def _choose(self, head_dim, windowed):
         tolerance = PARITY_TOLERANCE[self.dtype]
@@ -295,16 +323,19 @@ class AutoKernel:
 _announced = set()
 
 
-def select_kernel(backend, device, dtype):
-    """The kernel for ``tsp.attention_backend``. Explicit backends are used as
-    asked, or refused with the reason; ``auto`` says once in the log when only
-    torch SDPA serves, and what ``AutoKernel`` chose otherwise. Cached: every
+def select_kernel(backend, device, dtype, group=None):
+    """The kernel for ``tsp.attention_backend`` on ``device`` computing in
+    ``dtype``: the layer's compute dtype (``amp.compute_dtype`` of its weights,
+    autocast's where autocast is on), not its input's. Explicit backends are
+    used as asked, or refused with the reason; ``auto`` says once in the log
+    when only torch SDPA serves, and what ``AutoKernel`` chose otherwise, the
+    same on every rank of ``group`` (the layer's TSP group). Cached: every
     layer asks on every forward."""
-    return _select_kernel(backend, torch.device(device).type, dtype)
+    return _select_kernel(backend, torch.device(device).type, dtype, group)
 
 
 @functools.lru_cache(maxsize=None)
-def _select_kernel(backend, device, dtype):
+def _select_kernel(backend, device, dtype, group):
     if backend not in BACKENDS:
         raise ValueError(f"tsp.attention_backend = {backend!r}: choose one of {BACKENDS}")
     if backend == "sdpa":
@@ -318,7 +349,7 @@ def _select_kernel(backend, device, dtype):
         return make()
     candidates, reasons = auto_candidates(device, dtype)
     if len(candidates) > 1:
-        return AutoKernel(device, dtype, candidates)
+        return AutoKernel(device, dtype, candidates, group=group)
     reason = "; ".join(reasons)
     if reason not in _announced:
         _announced.add(reason)

@@ -17,6 +17,7 @@ from ds_tsp.blocks.latent.schedule import FORMS, LatentPlan, TSPLatentAttentionF
 from ds_tsp.blocks.latent.shards import LatentShapes, REPLICATED, shard_piece, shard_spec
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm
+from ds_tsp.parallel.amp import compute_dtype
 
 
 class ModelRope:
@@ -155,7 +156,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
                              "llama_4_scaling_beta): its forward needs the tokens' positions")
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
-                          kernel=select_kernel("sdpa", x.device, x.dtype), scale=self.scale,
+                          kernel=select_kernel("sdpa", x.device, compute_dtype(self.packed)), scale=self.scale,
                           form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,

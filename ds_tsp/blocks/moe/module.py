@@ -63,7 +63,7 @@ from ds_tsp.blocks.moe.plan import (
 from ds_tsp.blocks.moe.ring import moe_ring
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm
-from ds_tsp.parallel.amp import _compute_dtype
+from ds_tsp.parallel.amp import compute_dtype
 from ds_tsp.parallel.ring import RingWireDtypeMixin
 
 logger = logging.getLogger("ds_tsp")
@@ -262,7 +262,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
             return self.plan.schedule
         wire = self.plan.grad_wire_dtype
         choice = self.plan.schedule(self.hidden_size, self.num_experts, self.expert_size, self.shared_size, top_k,
-                                    x2.shape[0], self.tsp_size, _compute_dtype(x2).itemsize,
+                                    x2.shape[0], self.tsp_size, compute_dtype(x2).itemsize,
                                     "both" if self.training else "forward",
                                     grad_wire_bytes=None if wire is None else wire.itemsize,
                                     expert_bias=self.experts.biased)
