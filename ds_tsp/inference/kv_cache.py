@@ -108,8 +108,10 @@ class TSPCache(Cache):
                 conv, recurrent, state_dtype = states[index]
                 return TSPStateLayer(torch.zeros((batch, *conv), dtype=dtype, device=device),
                                      torch.zeros((batch, *recurrent), dtype=state_dtype, device=device))
-            return TSPCacheLayer(torch.empty(shape, dtype=dtype, device=device),
-                                 torch.empty(value_shape, dtype=dtype, device=device))
+            # Zeros, not empty: a slot no token of a row is written to is masked out of that row's attention,
+            # but its value still meets a zero weight in probs @ values, and 0 x NaN of stale memory is NaN.
+            return TSPCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                 torch.zeros(value_shape, dtype=dtype, device=device))
 
         super().__init__(layers=[layer(index) for index in range(num_layers)])
         self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
