@@ -84,5 +84,32 @@ class _Package(types.ModuleType):
             super().__setattr__(name, value)
 
 
+class _GRPOConfigCountingReplicas:
+    """Meta-path finder: TRL's GRPO config module, when it loads, gets its batch arithmetic counted in
+    data-parallel replicas under TSP (``runtime.trl_config``), which must be in place before a config is built."""
+
+    MODULE = "trl.trainer.grpo_config"
+
+    def find_spec(self, name, path=None, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target) if name == self.MODULE else None
+        if spec is not None and spec.loader is not None:
+            loader_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                loader_exec(module)
+                _count_replicas(module)
+
+            spec.loader.exec_module = exec_module  # this module's loader, made for this spec
+        return spec
+
+
+def _count_replicas(grpo_config_module):
+    importlib.import_module(".runtime.trl_config", __name__).count_replicas(grpo_config_module.GRPOConfig)
+
+
 sys.modules[__name__].__class__ = _Package
 sys.meta_path.append(_MovedModules())
+if _GRPOConfigCountingReplicas.MODULE in sys.modules:
+    _count_replicas(sys.modules[_GRPOConfigCountingReplicas.MODULE])
+else:
+    sys.meta_path.insert(0, _GRPOConfigCountingReplicas())

@@ -12,9 +12,14 @@ TSP 2 x DP 2 under ZeRO-2 (DAPO, whose normalizer divides by the processes,
 and GRPO) against DeepSpeed's data parallelism over 2 ranks (ZeRO-2), which
 seeds each replica as TSP does. Checked: every sampled
 completion, the rewards, and the losses, KL and entropies logged at every
-step, and every weight of the saved model.
+step, and every weight of the saved model. The same with a ``peft_config``
+(LoRA; the reference is the policy with its adapters off, the adapters saved
+in PEFT's format), and with ``generation_batch_size`` or
+``steps_per_generation`` set explicitly (each meaning what it means under data
+parallelism over as many replicas).
 """
 
+import contextlib
 import os
 import re
 from unittest import mock
@@ -42,6 +47,13 @@ BOUND = 1e-6
 # theirs over d): 3.1e-5 relative seen at mean KLs of 0.002 to 0.006 after one step. A wrong reference model
 # or policy would put it off by its own size.
 KL_BOUND = 1e-4
+# The LoRA and explicit-schedule runs are held to the issue's criterion, 1e-4 a step: the loss (of its terms'
+# size), rewards, entropy, the saved adapters (relative), and the log-probabilities behind the KL, as the error
+# in nats that the KL's error implies (KL ~ mean d^2 / 2, so dKL ~ rms(d) x rms(dlogp): dKL / sqrt(2 KL)), which
+# float32 rounding keeps near 5e-7 (u = 6e-8 of log-probabilities near -5) however small d is. Float32 in another
+# summation order moves these by up to 1e-6 (BOUND's figures), a wrong schedule changes the completions (compared
+# exactly) and a wrong reference the KL by its own size: the bound sits 100x from either, on any machine.
+CRITERION = 1e-4
 LOGGED = ("loss", "reward", "reward_std", "kl", "entropy")
 
 
@@ -67,7 +79,8 @@ def _initial_model():
     return model
 
 
-def _grpo_trainer(trainer_class, loss_type, model_dir, output_dir, deepspeed=None):
+def _grpo_trainer(trainer_class, loss_type, model_dir, output_dir, deepspeed=None, lora=False, schedule=None):
+    from peft import LoraConfig
     from trl import GRPOConfig
 
     tokenizer = chat_tokenizer()
@@ -77,13 +90,20 @@ def _grpo_trainer(trainer_class, loss_type, model_dir, output_dir, deepspeed=Non
                       max_completion_length=6, temperature=0.9, beta=BETA, loss_type=loss_type, optim="sgd",
                       learning_rate=LR,
                       logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, bf16=False,
-                      log_completions=False, deepspeed=deepspeed, **configured)
+                      log_completions=False, deepspeed=deepspeed, **configured, **(schedule or {}))
+    # TRL wraps the model in PEFT itself and takes it with its adapters disabled as the reference model.
+    # Non-zero lora_B: policy and reference differ from the first step.
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                             init_lora_weights=False) if lora else None
+    # PEFT draws the adapters from the global generator when TRL wraps the model, before the Trainer seeds it:
+    # the same draws in every run, whatever the process ran before.
+    torch.manual_seed(0)
     # Loaded by TRL from the directory, as is its reference model.
     return trainer_class(model=model_dir, reward_funcs=_reward, args=args, train_dataset=_prompts(),
-                         processing_class=tokenizer)
+                         processing_class=tokenizer, peft_config=peft_config)
 
 
-def _run(trainer_class, loss_type, model_dir, output_dir, tsp_size=None):
+def _run(trainer_class, loss_type, model_dir, output_dir, tsp_size=None, lora=False, schedule=None):
     """Train under DeepSpeed ZeRO-2 (with a ``tsp`` section when ``tsp_size``), or in one process when
     launched alone; ``(logged values, completions, whether the reference model is TSP-sharded)``."""
     import deepspeed
@@ -104,7 +124,8 @@ def _run(trainer_class, loss_type, model_dir, output_dir, tsp_size=None):
             deepspeed.utils.groups.mpu = None
         configure_cpu_ranks()
     try:
-        trainer = _grpo_trainer(trainer_class, loss_type, model_dir, output_dir, config)
+        trainer = _grpo_trainer(trainer_class, loss_type, model_dir, output_dir, config, lora, schedule)
+        start = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_" in name}
         completions = []
         generate = trainer._generate
 
@@ -127,7 +148,8 @@ def _run(trainer_class, loss_type, model_dir, output_dir, tsp_size=None):
         logged = {key: [entry[key] for entry in trainer.state.log_history if key in entry] for key in LOGGED}
         advantages = max(abs(a) for a in trainer._logs["advantages"])  # the last generation batch's
         return {"logged": logged, "completions": completions, "advantages": advantages, "left_padded": any(left_padded),
-                "reference_sharded": isinstance(trainer.ref_model, TSPCausalLMMixin)}
+                "reference_sharded": isinstance(trainer.ref_model, TSPCausalLMMixin), "start_adapters": start,
+                "schedule": (trainer.args.generation_batch_size, trainer.args.steps_per_generation)}
     finally:
         if config is not None:
             AcceleratorState._reset_state(reset_partial_state=True)
@@ -138,46 +160,121 @@ def _relative(values, expected):
     return ((values - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-@pytest.mark.parametrize("world, loss_type", [(2, "grpo"), (2, "dr_grpo"), (2, "dapo"), (2, "bnpo"), (4, "dapo"),
-                                              (4, "grpo")])
-def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
+def _errors(tsp, stock):
+    """Each logged value's largest error over the steps, relative to its largest value; the loss's to the size
+    of its terms (the advantages, and beta times the KL)."""
+    expected = stock["logged"]
+    errors = {key: _relative(tsp["logged"][key], expected[key]) for key in LOGGED if key != "loss"}
+    terms = stock["advantages"] + BETA * max(expected["kl"])
+    errors["loss"] = max(abs(a - b) for a, b in zip(tsp["logged"]["loss"], expected["loss"])) / terms
+    return errors
+
+
+def _criterion_errors(tsp, stock):
+    """``_errors`` with the KL's turned into the log-probability error it implies (see CRITERION)."""
+    errors = _errors(tsp, stock)
+    errors["kl"] = max((abs(a - b) / (2 * b) ** 0.5 for a, b in zip(tsp["logged"]["kl"], stock["logged"]["kl"])
+                        if b > 0), default=0.0)
+    return errors
+
+
+def _summary(label, tsp, stock, errors):
+    return (f"{label}: losses {tsp['logged']['loss']} vs {stock['logged']['loss']}, rewards "
+            f"{tsp['logged']['reward']}, kl {stock['logged']['kl']}; max rel "
+            + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + " (loss: of its terms' size)")
+
+
+def _weights(directory):
+    return {name: p.detach() for name, p in AutoModelForCausalLM.from_pretrained(directory).named_parameters()}
+
+
+def _tsp_and_stock(run_ranks, tmp_path, world, loss_type, **options):
+    """The TSP 2 run on ``world`` ranks, and TRL's on ``world // 2`` (one process, or DeepSpeed's data
+    parallelism over 2 ranks), from the same initial model directory."""
     from trl import GRPOTrainer
 
-    dp_size = world // 2
     model_dir = str(tmp_path / "initial")
     _initial_model().save_pretrained(model_dir)
     tsp = run_ranks(world, _run, trainer_class=ds_tsp.TSPGRPOTrainer, loss_type=loss_type, model_dir=model_dir,
-                    output_dir=str(tmp_path / "tsp"), tsp_size=2, timeout_s=400)
-    if dp_size == 1:
-        stock = [_run(GRPOTrainer, loss_type, model_dir, str(tmp_path / "stock"))]
+                    output_dir=str(tmp_path / "tsp"), tsp_size=2, timeout_s=400, **options)
+    if world == 2:
+        stock = [_run(GRPOTrainer, loss_type, model_dir, str(tmp_path / "stock"), **options)]
     else:
-        stock = run_ranks(dp_size, _run, trainer_class=GRPOTrainer, loss_type=loss_type, model_dir=model_dir,
-                          output_dir=str(tmp_path / "stock"), timeout_s=400)
-    expected = stock[0]["logged"]
-    errors = {key: _relative(tsp[0]["logged"][key], expected[key]) for key in LOGGED if key != "loss"}
-    terms = stock[0]["advantages"] + BETA * max(expected["kl"])
-    errors["loss"] = max(abs(a - b) for a, b in zip(tsp[0]["logged"]["loss"], expected["loss"])) / terms
-    reloaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tsp" / "final").named_parameters())
-    reference = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "stock" / "final").named_parameters())
-    start = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
-    weights = max(_relative(p.detach(), reference[n].detach()) for n, p in reloaded.items())
-    moved = max(_relative(p.detach(), start[n].detach()) for n, p in reference.items())
-    print(f"GRPO {loss_type} TSP=2 DP={dp_size} ZeRO-2: losses {tsp[0]['logged']['loss']} vs {expected['loss']}, "
-          f"rewards {tsp[0]['logged']['reward']}, kl {expected['kl']}; max rel "
-          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
-          + f" (loss: of its terms' size); weights {weights:.1e} (moved {moved:.1e} from the start)")
+        stock = run_ranks(world // 2, _run, trainer_class=GRPOTrainer, loss_type=loss_type, model_dir=model_dir,
+                          output_dir=str(tmp_path / "stock"), timeout_s=400, **options)
+    return model_dir, tsp, stock
+
+
+def _assert_the_same_samples(tsp, stock):
     # Each TSP group samples its replica's completions, every rank of it the same tokens.
     for rank, out in enumerate(tsp):
         assert out["completions"] == stock[rank // 2]["completions"]
-    assert all(len(tsp[0]["logged"][key]) == STEPS for key in LOGGED)
+    # Rewards are logged for each generation batch (every step unless one serves several).
+    assert len(tsp[0]["logged"]["loss"]) == STEPS
+    assert all(len(tsp[0]["logged"][key]) == len(stock[0]["logged"][key]) > 0 for key in LOGGED)
+
+
+@pytest.mark.parametrize("world, loss_type", [(2, "grpo"), (2, "dr_grpo"), (2, "dapo"), (2, "bnpo"), (4, "dapo"),
+                                              (4, "grpo")])
+def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
+    model_dir, tsp, stock = _tsp_and_stock(run_ranks, tmp_path, world, loss_type)
+    errors = _errors(tsp[0], stock[0])
+    reloaded, reference = _weights(tmp_path / "tsp" / "final"), _weights(tmp_path / "stock" / "final")
+    start = _weights(model_dir)
+    weights = max(_relative(p, reference[n]) for n, p in reloaded.items())
+    moved = max(_relative(p, start[n]) for n, p in reference.items())
+    print(_summary(f"GRPO {loss_type} TSP=2 DP={world // 2} ZeRO-2", tsp[0], stock[0], errors)
+          + f"; weights {weights:.1e} (moved {moved:.1e} from the start)")
     assert len({len(row) for batch in tsp[0]["completions"] for row in batch}) > 2  # lengths differ
+    _assert_the_same_samples(tsp, stock)
     assert errors.pop("kl") <= KL_BOUND
     assert max(errors.values()) <= BOUND and weights <= BOUND
     assert moved > 1e3 * BOUND  # the check can fail: training moved the weights far more than the bound
     assert tsp[0]["reference_sharded"] and tsp[0]["left_padded"]  # prompts of unequal lengths were scored
 
 
-def _refusal(options, model_dir, output_dir, zero_stage):
+def test_grpo_with_lora_matches_trl(run_ranks, tmp_path):
+    """GRPO with a peft_config at TSP 2 against one process: the reference (beta > 0) is the policy with its
+    adapters disabled; the adapters saved in PEFT's format, read by PeftModel.from_pretrained."""
+    from peft import PeftModel
+
+    model_dir, tsp, stock = _tsp_and_stock(run_ranks, tmp_path, 2, "grpo", lora=True)
+    errors = _criterion_errors(tsp[0], stock[0])
+    adapters = {}
+    for run in ("tsp", "stock"):
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / run / "final")
+        adapters[run] = {name: p.detach() for name, p in loaded.named_parameters() if "lora_" in name}
+    start = stock[0]["start_adapters"]
+    weights = max(_relative(p, adapters["stock"][n]) for n, p in adapters["tsp"].items())
+    moved = max(_relative(p, start[n]) for n, p in adapters["stock"].items())
+    print(_summary("GRPO + LoRA TSP=2", tsp[0], stock[0], errors)
+          + f"; adapters {weights:.1e} (moved {moved:.1e} from the start)")
+    assert sorted(adapters["tsp"]) == sorted(start) and len(start) == 3 * 2 * 2  # q, v, gate; A, B; 2 layers
+    _assert_the_same_samples(tsp, stock)
+    assert max(errors.values()) <= CRITERION and weights <= CRITERION
+    # The check can fail: training moved the adapters 100x the bound (PEFT's fresh adapters, where none were
+    # read, would be as far off); the reference with its adapters on would give a KL of 0.
+    assert moved > 100 * CRITERION and min(stock[0]["logged"]["kl"]) > 100 * CRITERION
+
+
+# Each set explicitly to a value other than its default (steps_per_generation = gradient accumulation 2, the
+# generation batch MICRO_BATCH x replicas x 2), which TRL's config counting ranks took for another schedule (at
+# 4 ranks it refused generation_batch_size 4, not a multiple of 2 x 4 ranks). DAPO normalizes by the replicas and
+# by steps_per_generation.
+@pytest.mark.parametrize("world, schedule", [(2, {"generation_batch_size": 8}), (2, {"steps_per_generation": 1}),
+                                             (4, {"generation_batch_size": 4}), (4, {"steps_per_generation": 4})])
+def test_an_explicit_generation_schedule_means_what_it_means_under_data_parallelism(run_ranks, tmp_path, world,
+                                                                                     schedule):
+    model_dir, tsp, stock = _tsp_and_stock(run_ranks, tmp_path, world, "dapo", schedule=schedule)
+    errors = _criterion_errors(tsp[0], stock[0])
+    print(_summary(f"GRPO dapo TSP=2 DP={world // 2} {schedule}", tsp[0], stock[0], errors)
+          + f"; (generation_batch_size, steps_per_generation) {tsp[0]['schedule']} vs {stock[0]['schedule']}")
+    assert tsp[0]["schedule"] == stock[0]["schedule"]
+    _assert_the_same_samples(tsp, stock)
+    assert max(errors.values()) <= CRITERION
+
+
+def _refusal(options, model_dir, output_dir, zero_stage, built_before_ds_tsp=False):
     from accelerate.state import AcceleratorState
     from trl import GRPOConfig
 
@@ -186,10 +283,13 @@ def _refusal(options, model_dir, output_dir, zero_stage):
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": zero_stage},
               "tsp": {"enabled": True, "size": 2}}
+    # TRL's own __post_init__, as it runs where ds_tsp was not imported yet: its arithmetic counts the ranks.
+    trl_own = mock.patch.object(GRPOConfig, "__post_init__", GRPOConfig.__post_init__.__wrapped__)
     try:
         configure_cpu_ranks()
-        args = GRPOConfig(output_dir=output_dir, report_to=[], deepspeed=config, bf16=False, max_completion_length=4,
-                          accelerator_config={"use_configured_state": True}, **options)
+        with trl_own if built_before_ds_tsp else contextlib.nullcontext():
+            args = GRPOConfig(output_dir=output_dir, report_to=[], deepspeed=config, bf16=False,
+                              max_completion_length=4, accelerator_config={"use_configured_state": True}, **options)
         ds_tsp.TSPGRPOTrainer(model=model_dir, reward_funcs=_reward, args=args, train_dataset=_prompts(),
                               processing_class=chat_tokenizer())
     except ValueError as error:
@@ -201,13 +301,21 @@ def _refusal(options, model_dir, output_dir, zero_stage):
 @pytest.mark.parametrize("options, zero_stage, message", [
     ({"use_vllm": True}, 1, r"^use_vllm = True: .* leave it False under TSP"),
     ({}, 3, r"^zero_optimization.stage 3: .* use stage 0-2 with TSPGRPOTrainer"),
-    # 3 completions a micro-batch x 1 replica x 1 step: no whole group of 2 (TRL counted 2 ranks: 6).
+    # TRL's own refusals, counting the one replica of the 2 ranks as data parallelism over 1 would (counting the
+    # ranks, TRL took these: 3 x 2 ranks holds whole groups of 2, and so does an evaluation batch of 1 x 2).
     ({"per_device_train_batch_size": 3, "num_generations": 2, "steps_per_generation": 1}, 1,
-     r"generation_batch_size = 3 \(per_device_train_batch_size 3 x data-parallel size 1 x steps_per_generation 1 "
-     r"under tsp.size 2\) must be divisible by num_generations = 2")])
+     r"^generation_batch_size \(3\) must be divisible by num_generations \(2\)"),
+    ({"per_device_eval_batch_size": 1, "num_generations": 2, "eval_strategy": "steps"}, 1,
+     r"^The global eval batch size \(1 \* 1\) must be divisible by the number of generations used for evaluation"),
+    # A config built where ds_tsp was not imported yet counted the ranks: refused, naming the fix.
+    ({"built_before_ds_tsp": True}, 1,
+     r"^generation_batch_size = 16 is not per_device_train_batch_size 8 x data-parallel size 1 x "
+     r"steps_per_generation 1: the GRPOConfig counted the 2 ranks.* Import ds_tsp before building the GRPOConfig")])
 def test_what_grpo_cannot_take_under_tsp_is_refused_by_name(run_ranks, tmp_path, options, zero_stage, message):
     model_dir = str(tmp_path / "initial")
     _initial_model().save_pretrained(model_dir)
+    options = dict(options)
+    built_before_ds_tsp = options.pop("built_before_ds_tsp", False)
     refusal = run_ranks(2, _refusal, options=options, model_dir=model_dir, output_dir=str(tmp_path / "out"),
-                        zero_stage=zero_stage)[0]
+                        zero_stage=zero_stage, built_before_ds_tsp=built_before_ds_tsp)[0]
     assert refusal is not None and re.search(message, refusal), refusal

@@ -437,6 +437,7 @@ def _tsp_sft_run(output_dir, lora):
         trainer = _sft_trainer(ds_tsp.TSPSFTTrainer, output_dir, MICRO_BATCH, _deepspeed_config(dist.get_world_size()),
                                lora)
         trainer.train()
+        trainer.save_model(os.path.join(output_dir, "final"))
         return _sft_metrics(trainer)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -447,18 +448,37 @@ def test_trl_sft_trainer_matches_one_process(run_ranks, tmp_path, lora):
     """TRL's SFTTrainer with the mixin in front (``ds_tsp.TSPSFTTrainer``), on a
     chat dataset, against one process's SFTTrainer: its own loss and metrics
     (entropy, token accuracy, token count) on both sides from a fused LM head,
-    TRL's and TSP's; with ``peft_config``, TRL's own PEFT model of LoRA adapters."""
+    TRL's and TSP's; with ``peft_config``, TRL's own PEFT model of LoRA adapters,
+    saved in PEFT's format (read by ``PeftModel.from_pretrained`` on one process)."""
     SFTTrainer = pytest.importorskip("trl").SFTTrainer
 
     tsp = run_ranks(2, _tsp_sft_run, output_dir=str(tmp_path / "tsp"), lora=lora)[0]
     stock = _sft_trainer(SFTTrainer, str(tmp_path / "stock"), MICRO_BATCH, lora=lora)
+    start = {name: p.detach().clone() for name, p in stock.model.named_parameters() if "lora_" in name}
     stock.train()
     expected = _sft_metrics(stock)
     errors = {key: _relative(tsp[key], expected[key]) for key in SFT_METRICS}
+    adapters = moved = 0.0
+    if lora:
+        from peft import PeftModel
+
+        base = tiny_model("qwen2", dtype=torch.float32, vocab_size=len(chat_tokenizer()))
+        saved = {name: p.detach() for name, p in PeftModel.from_pretrained(base, tmp_path / "tsp" / "final")
+                 .named_parameters() if "lora_" in name}
+        trained = {name: p.detach() for name, p in stock.model.named_parameters() if "lora_" in name}
+        assert sorted(saved) == sorted(trained) == sorted(start) and saved
+        adapters = max(_relative(p, trained[name]) for name, p in saved.items())
+        moved = max(_relative(p, start[name]) for name, p in trained.items())
     print(f"SFT TSP=2 (LoRA {lora}): losses {[round(v, 6) for v in tsp['loss']]}, stock "
-          f"{[round(v, 6) for v in expected['loss']]}; max rel " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+          f"{[round(v, 6) for v in expected['loss']]}; max rel " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+          + (f"; saved adapters {adapters:.1e} (moved {moved:.1e} from the start)" if lora else ""))
     assert all(len(tsp[key]) == 4 for key in SFT_METRICS)
     assert max(errors.values()) <= BOUND
+    # The adapters after 4 AdamW steps: Adam divides their small gradients' rounding by their size (one process
+    # against itself, the batch split otherwise, differs by ~6e-6, tests/test_preference.py), so they are held
+    # to the issue's criterion for LoRA, 1e-4; an adapter saved wrong or not read (PEFT's fresh one) is off by as
+    # much as training moved it.
+    assert adapters <= 1e-4 and (not lora or moved > 100 * 1e-4)
 
 
 # ------------------------------------------------------------ ZeRO-3 in the Trainer

@@ -29,8 +29,13 @@ forward to the backward (the schedules keep their shard), one more copy of
 this rank's ``1/D`` of the block's weights. ``lora_dropout`` would apply a
 mask to ``x`` inside the adapter only, which a merged weight cannot, and is
 refused; so are DoRA and every other PEFT layer than a plain LoRA ``Linear``.
+
+``adapters_disabled`` switches every block's adapters off (the base shard
+alone): what PEFT's ``disable_adapter`` gives, and what TRL's DPO and GRPO
+take as the reference model when they train adapters without a ``ref_model``.
 """
 
+import contextlib
 import re
 
 import torch
@@ -80,8 +85,11 @@ class LoRAShards(nn.Module):
         super().__init__()
         self.spec = spec
         self.adapters = nn.ModuleDict(adapters)
+        self.enabled = True
 
     def merge(self, packed):
+        if not self.enabled:
+            return packed
         views, pieces = self.spec.unpack(packed), []
         for name, view in views.items():
             projection, kind = name.rsplit(".", 1)
@@ -149,9 +157,47 @@ def model_reader(lora_A, lora_B, tsp_group):
     return read
 
 
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """While the body runs, every TSP block of ``model`` computes with its
+    frozen base shard alone, as PEFT's ``disable_adapter`` makes its LoRA
+    layers compute with their base layers."""
+    shards = [module for module in model.modules() if isinstance(module, LoRAShards)]
+    enabled = [shard.enabled for shard in shards]
+    for shard in shards:
+        shard.enabled = False
+    try:
+        yield
+    finally:
+        for shard, was in zip(shards, enabled):
+            shard.enabled = was
+
+
+class TSPPeftModelMixin:
+    """Put in front of the class of a ``PeftModel`` whose Hugging Face model
+    was injected (``take_adapters``): its LoRA layers are TSP blocks' adapters
+    now, which PEFT's walk over its own layers no longer finds, so
+    ``disable_adapter`` (TRL's reference model under PEFT) switches those off."""
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        with adapters_disabled(self.get_base_model()):
+            yield
+
+
+_TSP_PEFT_CLASSES = {}
+
+
+def _tsp_peft_class(cls):
+    if cls not in _TSP_PEFT_CLASSES:
+        _TSP_PEFT_CLASSES[cls] = type(f"TSP{cls.__name__}", (TSPPeftModelMixin, cls), {})
+    return _TSP_PEFT_CLASSES[cls]
+
+
 def is_peft_model(model):
-    """Whether ``model`` is one of PEFT's own modules (a ``PeftModel``, a LoRA layer, ...)."""
-    return type(model).__module__.startswith("peft.")
+    """Whether ``model`` is one of PEFT's own modules (a ``PeftModel``, a LoRA layer, ...), or one of
+    ``TSPPeftModelMixin``'s."""
+    return any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
 
 
 def holds_adapters(model):
@@ -186,6 +232,8 @@ def take_adapters(model):
         adapters[path] = _lora_weights(path, layer)
     for path, layer in layers.items():
         hf_model.set_submodule(path, layer.get_base_layer())
+    if is_peft_model(model) and hasattr(model, "disable_adapter"):  # the PeftModel around it, which its owner keeps
+        model.__class__ = _tsp_peft_class(type(model))
     return hf_model, peft_config, adapters
 
 
