@@ -33,6 +33,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 logger = logging.getLogger("ds_tsp")
 
@@ -56,10 +57,16 @@ class SDPAKernel:
         q_len, k_len = q.shape[1], k.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
         if q_len == k_len and window is None:
-            mask, is_causal = None, True
+            mask = None
         else:
-            mask, is_causal = bottom_right_causal_mask(q_len, k_len, window, q.device), False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+            # No boolean mask where a causal flag serves, and whole heads where a mask or flag goes in: on CUDA
+            # the memory-efficient kernel, which serves them beyond flash's reach (float32, windows), takes no
+            # grouped heads, and SDPA would fall back to the math kernel (full score matrices) without a word.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mask = (causal_lower_right(q_len, k_len) if window is None
+                    else bottom_right_causal_mask(q_len, k_len, window, q.device))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         lse = None
         if with_lse:
