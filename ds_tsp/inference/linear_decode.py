@@ -50,12 +50,13 @@ def prefill_delta_net(net, h, positions, lengths, group, store):
     width = net.shapes.conv_kernel - 1
     valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, S/D)
     slot = positions.unsqueeze(0) - (lengths.unsqueeze(1) - width)  # a token's place among its row's last ones
-    rows, cols = ((slot >= 0) & valid).nonzero(as_tuple=True)
+    # Tokens outside the tail go to a spare slot past it, dropped: a scatter, with no host read of which are in.
+    target = torch.where((slot >= 0) & valid, slot, width).unsqueeze(-1)  # (B, S/D, 1)
 
     def sink(j, conv_inputs, final):
-        tail = conv_inputs.new_zeros(conv_inputs.shape[0], width, conv_inputs.shape[-1])
-        tail[rows, slot[rows, cols]] = conv_inputs[rows, cols]
-        tails = comm.all_gather_small(tail, group)  # (D, B, kernel - 1, C)
+        tail = conv_inputs.new_zeros(conv_inputs.shape[0], width + 1, conv_inputs.shape[-1])
+        tail.scatter_(1, target.expand(-1, -1, conv_inputs.shape[-1]), conv_inputs)
+        tails = comm.all_gather_small(tail[:, :width].contiguous(), group)  # (D, B, kernel - 1, C)
         if j == net.tsp_rank:
             store(tails.sum(dim=0).transpose(1, 2), final)
 
