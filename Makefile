@@ -71,3 +71,10 @@ pins:
 	{ echo "# The versions ds_tsp's suite last passed with, on Python 3.11 and torch 2.13.0 (CPU): make install"; \
 	  echo "# installs them (pip -c). Written by make pins; docs/development.md says when to move them."; \
 	  $(PYTHON) -m pip freeze --exclude-editable | grep -viE '^(torch|ds[-_]tsp)=='; } > constraints.txt
+
+# The checks only a GPU can make (benchmarks/gpu_check.py, docs/development.md): CUDA kernel parity, the
+# D = 1 layer overhead, and with two GPUs a 2-rank NCCL engine parity run; results under
+# benchmarks/results/gpu_check/. Without CUDA it says so and exits 0.
+.PHONY: gpu-check
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out benchmarks/results/gpu_check
