@@ -19,9 +19,13 @@ runs two float32 computations of the same numbers against the float64 truth:
 
 ``CONTROL_FACTOR`` bounds that ratio. Two float32 evaluations of a sum of
 ``n`` terms in different orders each err by about ``u sqrt(n)`` in the mean
-(``u`` the unit roundoff), with spreads that overlap: a ratio above 4 of the
-largest errors over all of a model's tensors and steps would mean a
-systematic difference, which is what the check is for. ``ROUNDING_FLOOR``
+(``u`` the unit roundoff), with spreads that overlap. The checks compare the
+largest error over a model's tensors and steps, and where Adam divides by the
+square root of a small second moment those largest errors come from a few
+elements each, so they scatter more than the mean: 5.1x seen between two runs
+equally right (Qwen2-MoE's experts under Adam, TSP 2 x DP 2, two threads a
+rank). A factor of 8 covers that scatter; a wrong shard, position or scale
+is off by 1e3 times the bound and more (each test's guard). ``ROUNDING_FLOOR``
 covers a control that lands on the truth by chance (one sum, a few
 values): 64 ulps, far below what any wrong shard, position or scale moves
 (1e-2 and up, shown by each test's guard).
@@ -30,7 +34,7 @@ values): 64 ulps, far below what any wrong shard, position or scale moves
 import torch
 
 UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2  # 2**-24
-CONTROL_FACTOR = 4.0
+CONTROL_FACTOR = 8.0
 ROUNDING_FLOOR = 64 * UNIT_ROUNDOFF
 
 
