@@ -4,7 +4,7 @@
 PYTHON ?= python3
 NUM_RANKS ?= 2
 CONFIG ?= ds_configs/tsp2_cpu.json
-# The exact versions the suite last passed with (torch aside: see above). `make test CONSTRAINTS=`
+# The exact versions the suite last passed with (torch aside: see above). `make test-all CONSTRAINTS=`
 # installs the newest releases instead; docs/development.md says how to move the pins.
 CONSTRAINTS ?= constraints.txt
 
@@ -66,7 +66,8 @@ test-all: ops
 	$(PYTHON) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test,bench,real]"
 	DS_ACCELERATOR=cpu $(PYTHON) -m pytest -q tests --durations=10
 
-# Record what is installed as the new pins, once `make test CONSTRAINTS=` has passed on it.
+# Record what is installed as the new pins, once `make test-all CONSTRAINTS=` has passed on it (that
+# installs the real extra too, so its packages keep their pins).
 pins:
 	{ echo "# The versions ds_tsp's suite last passed with, on Python 3.11 and torch 2.13.0 (CPU): make install"; \
 	  echo "# installs them (pip -c). Written by make pins; docs/development.md says when to move them."; \
