@@ -1,12 +1,15 @@
 """Packed documents (position ids that restart) against Hugging Face, float64."""
 
 import itertools
+import math
+from unittest import mock
 
 import pytest
 import torch
 
 from ds_tsp.parallel import layout
 from ds_tsp.blocks.documents import document_starts, query_blocks
+from float32_control import UNIT_ROUNDOFF
 from models import tiny_model
 from parity import TOLERANCE, check, model_parity, packed_position_ids
 
@@ -52,17 +55,49 @@ def test_unpacked_attention_would_be_caught(run_ranks):
 def test_the_reference_masks_documents_as_eager_attention_does():
     """HF's sdpa (the float64 reference) and eager attention (softmax in
     float32) read the same documents from the position ids (without a cache:
-    with one, HF attends across the documents)."""
+    with one, HF attends across the documents).
+
+    Bound, derived (any machine): eager's float32 softmax over at most S keys
+    errs by at most (S + 3) u of each probability p (u = 2^-24: the rounded
+    scores' exp, a sum of S terms, the division, and the cast back to float64
+    exact), so the loss moves by at most (S + 3) u sum |dL/dp| p, to first
+    order; that sum is measured by autograd on the float64 eager model (its
+    softmax kept in float64), and a factor 2 covers the second order. HF's
+    loss is itself float32 (it upcasts the logits z to float32 only), on both
+    sides: each is off its exact value by at most 2 u max|z| (the logits'
+    rounding) + (V + 4) u (the log-sum-exp over V) + 3 u times a token's loss,
+    at most 2 max|z| + log V (its subtractions), + N u of the loss (the mean of
+    N positive terms: (N - 1) u of it, and the division)."""
     input_ids = torch.randint(0, 61, (2, 19), generator=torch.Generator().manual_seed(0))
     position_ids = packed_position_ids(DOCUMENTS)
     losses = {}
     for impl in ("sdpa", "eager"):
         model = tiny_model("llama", attn_implementation=impl)
-        losses[impl] = model(input_ids=input_ids, position_ids=position_ids, labels=input_ids,
-                             use_cache=False).loss.item()
+        out = model(input_ids=input_ids, position_ids=position_ids, labels=input_ids, use_cache=False)
+        losses[impl] = out.loss.item()
+        if impl == "sdpa":
+            logits = out.logits.detach()
     unpacked = tiny_model("llama")(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
-    print(f"HF sdpa {losses['sdpa']:.8f}, eager {losses['eager']:.8f}, one sequence per row {unpacked:.8f}")
-    assert abs(losses["sdpa"] - losses["eager"]) < 1e-6
+    probabilities, softmax = [], torch.nn.functional.softmax
+
+    def kept_float64(scores, dim=-1, dtype=None):
+        out = softmax(scores, dim=dim)
+        out.retain_grad()
+        probabilities.append(out)
+        return out
+
+    with mock.patch.object(torch.nn.functional, "softmax", kept_float64):
+        tiny_model("llama", attn_implementation="eager")(input_ids=input_ids, position_ids=position_ids,
+                                                          labels=input_ids, use_cache=False).loss.backward()
+    sensitivity = sum((p.grad * p).abs().sum().item() for p in probabilities)
+    z, (vocab_size, tokens) = logits.abs().max().item(), (logits.shape[-1], input_ids.numel())
+    float32_loss = UNIT_ROUNDOFF * (2 * z + vocab_size + 4 + 3 * (2 * z + math.log(vocab_size))
+                                    + tokens * losses["sdpa"])
+    bound = 2 * (input_ids.shape[1] + 3) * UNIT_ROUNDOFF * sensitivity + 2 * float32_loss
+    diff = abs(losses["sdpa"] - losses["eager"])
+    print(f"HF sdpa {losses['sdpa']:.8f}, eager {losses['eager']:.8f}, one sequence per row {unpacked:.8f}; "
+          f"|sdpa - eager| {diff:.2e} (bound {bound:.2e}, {len(probabilities)} softmaxes)")
+    assert probabilities and diff <= bound < abs(losses["sdpa"] - unpacked)
     assert abs(losses["sdpa"] - unpacked) > 1e-3
 
 
