@@ -22,22 +22,22 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import ds_tsp
+from float32_control import float32_bound
 from models import chat_tokenizer, tiny_model
 
 MICRO_BATCH = 2  # pairs per data-parallel replica and micro-batch
 ACCUMULATION = 2
 STEPS = 3
-# fp32, 3 steps, different summation orders (the ring's, the DP all-reduce): ~1e-7 seen, the issue's 1e-6.
-BOUND = 1e-6
 BETA = 0.1
 LR = {"adamw_torch": 1e-2, "sgd": 1.0}
-# The weights after 3 steps. SGD's update is the gradient: 1e-6 as the rest. AdamW's: one process against
-# itself, its 4 pairs a step taken as 2 x 2 or as 1 x 4 (the same loss and gradient), differs by 6e-6 relative
-# (Adam divides small gradients' rounding by their size), so AdamW's are held to 1e-5, as the Trainer's tests do.
-WEIGHTS_BOUND = {"sgd": 1e-6, "adamw_torch": 1e-5}
+# fp32, 3 steps: TSP sums in other orders (the ring's, the DP all-reduce) than one process does. The control is
+# one process against itself, each step's pairs taken as micro-batches x ACCUMULATION or as one batch (the same
+# loss and gradient, other sums): TSP's logged values and weights are held to float32_bound of the control's
+# distances (tests/float32_control.py). Adam divides small gradients' rounding by their size, which the control
+# sees too (AdamW's weights: 6e-6 between the two one-process runs).
 # With LoRA (TSP 2 against one process): the issue's criterion, 1e-4 a step for the loss, rewards and
 # log-probabilities, and for the saved adapters. Float32 rounding (u = 6e-8) in another summation order moves them
-# by 1e-7 to 1e-6 (BOUND's figures), a wrong reference or wrong adapters by 1e-2 or more (the test's guards): the
+# by 1e-7 to 1e-6 (the control's figures), a wrong reference or wrong adapters by 1e-2 or more (the guards): the
 # bound sits 100x from either, on any machine's rounding.
 CRITERION = 1e-4
 LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -52,14 +52,15 @@ def _pairs():
                               for a in range(4) for b in range(4)])
 
 
-def _dpo_trainer(trainer_class, arch, loss_type, optim, output_dir, per_device_batch, deepspeed=None, lora=False):
+def _dpo_trainer(trainer_class, arch, loss_type, optim, output_dir, per_device_batch, deepspeed=None, lora=False,
+                 accumulation=ACCUMULATION):
     from peft import LoraConfig
     from trl import DPOConfig
 
     tokenizer = chat_tokenizer()
     configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
     args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=STEPS,
-                     gradient_accumulation_steps=ACCUMULATION, optim=optim, learning_rate=LR[optim], logging_steps=1,
+                     gradient_accumulation_steps=accumulation, optim=optim, learning_rate=LR[optim], logging_steps=1,
                      loss_type=[loss_type], beta=BETA, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
                      bf16=False, deepspeed=deepspeed, **configured)
     model = tiny_model(arch, dtype=torch.float32, vocab_size=len(tokenizer))
@@ -131,19 +132,25 @@ def test_dpo_trainer_matches_one_process(run_ranks, tmp_path, arch, world, loss_
                     output_dir=str(tmp_path / "tsp"), timeout_s=400)[0]
     stock = _dpo_trainer(DPOTrainer, arch, loss_type, optim, str(tmp_path / "stock"), MICRO_BATCH * dp_size)
     stock.train()
+    control = _dpo_trainer(DPOTrainer, arch, loss_type, optim, str(tmp_path / "control"),
+                           MICRO_BATCH * dp_size * ACCUMULATION, accumulation=1)
+    control.train()
     expected = _logged(stock)
-    errors = _errors(tsp["logged"], expected)
+    errors, control_errors = _errors(tsp["logged"], expected), _errors(_logged(control), expected)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tsp" / "final")
     reference = dict(stock.model.named_parameters())
     weights = max(_relative(p.detach(), reference[n].detach()) for n, p in reloaded.named_parameters())
+    control_weights = max(_relative(p.detach(), reference[n].detach()) for n, p in control.model.named_parameters())
     start = dict(tiny_model(arch, dtype=torch.float32, vocab_size=reloaded.config.vocab_size).named_parameters())
     moved = max(_relative(p.detach(), start[n].detach()) for n, p in reloaded.named_parameters())
+    bound, weights_bound = float32_bound(control_errors.values()), float32_bound([control_weights])
     print(f"DPO {arch} {loss_type} {optim} TSP=2 DP={dp_size} ZeRO-{zero_stage}: losses {tsp['logged']['loss']} vs "
           f"{expected['loss']}; max rel " + ", ".join(f"{key} {value:.1e}" for key, value in errors.items())
-          + f"; weights {weights:.1e} (moved {moved:.1e} from the start)")
+          + f" (the control's largest {max(control_errors.values()):.1e}, bound {bound:.1e}); weights {weights:.1e} "
+          f"(the control's {control_weights:.1e}, bound {weights_bound:.1e}; moved {moved:.1e} from the start)")
     assert all(len(tsp["logged"][key]) == STEPS for key in LOGGED)
-    assert max(errors.values()) <= BOUND and weights <= WEIGHTS_BOUND[optim]
-    assert moved > 1e3 * WEIGHTS_BOUND[optim]  # the check can fail: training moved the weights far more than the bound
+    assert max(errors.values()) <= bound and weights <= weights_bound
+    assert moved > 100 * weights_bound  # the check can fail: training moved the weights far more than the bound
     assert tsp["reference_sharded"] and tsp["reference_frozen"]
 
 
