@@ -15,6 +15,10 @@ torch's fake process group, and ``DryRun``:
   (meta tensors hold no values): it counts every host read by reason and
   answers with the batch's own values (``on_device`` keeps them) or with what
   a run that passes every check would read.
+
+``meta_accelerator`` makes DeepSpeed's accelerator name the meta device, so
+that ``ds_tsp.initialize``'s engine moves the model there as it moves it to
+``cuda:LOCAL_RANK`` on a GPU.
 """
 
 import contextlib
@@ -37,6 +41,19 @@ def fake_world(world_size, rank=0):
     moving nothing), the default group until ``dist.destroy_process_group()``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+@contextlib.contextmanager
+def meta_accelerator():
+    """DeepSpeed's accelerator answering the meta device for its device names
+    (the engine's device, ZeRO's buffers), as the CUDA accelerator answers
+    ``cuda``."""
+    from deepspeed.accelerator import get_accelerator
+
+    kind = type(get_accelerator())
+    with mock.patch.object(kind, "device_name", lambda self, index=None: "meta"), \
+            mock.patch.object(kind, "current_device_name", lambda self: "meta"):
+        yield
 
 
 def _tensors(args, kwargs):
