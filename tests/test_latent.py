@@ -46,11 +46,13 @@ def _gathered_wrong(how, **kwargs):
     gather = schedule.gather_latent
 
     def wrong(plan, latent):
-        full = gather(plan, latent)
+        full = gather(plan, latent).wait()
         if how == "shards":
-            return torch.cat(full.chunk(2 * plan.tsp_size, dim=1)[::-1], dim=1)
-        rope = plan.shapes.qk_rope_head_dim
-        return torch.cat([full[..., :-rope], full[..., -rope:].roll(1, dims=1)], dim=-1)
+            full = torch.cat(full.chunk(2 * plan.tsp_size, dim=1)[::-1], dim=1)
+        else:
+            rope = plan.shapes.qk_rope_head_dim
+            full = torch.cat([full[..., :-rope], full[..., -rope:].roll(1, dims=1)], dim=-1)
+        return comm.Pending(None, lambda: full)
 
     # Injection's probe would refuse the corrupted layer already (it compares it with Hugging Face's): skipped, so
     # that the check under test is the one that catches it.

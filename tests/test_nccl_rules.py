@@ -14,6 +14,7 @@ the collectives by device and the host reads by reason.
 
 import copy
 import os
+import weakref
 from unittest import mock
 
 import deepspeed.utils.groups
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ds_tsp
+from ds_tsp.blocks.attention.schedule import HeadGroupGrads
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.checkpoint import from_pretrained
 from ds_tsp.config import TSPConfig
@@ -126,6 +128,36 @@ def test_every_collective_is_on_the_model_device(fake_group, case):
     assert dry.misplaced == [] and dry.by_device
     # The step's check and its token ids; one per MoE layer.
     assert sum(dry.host_reads.values()) <= 2 + moe_layers
+
+
+def test_at_most_two_other_head_groups_gradients_are_held(fake_group):
+    """At TSP 4 a rank's attention backward computes a weight gradient for every
+    owner's shard: at the layer's end it still holds its own and at most two
+    others' (``ReducesInFlight``), not one per head group."""
+    fake_group(4)
+    model, tsp_config = meta_model("llama"), config(4, {})
+    with DryRun():
+        ds_tsp.inject(model, TSPTopology.of(tsp_config), tsp_config)
+    buffers, held_at_end = {}, []  # id -> a weak reference, of every buffer allocated
+    shard, own_shard = HeadGroupGrads.shard, HeadGroupGrads.own_shard
+
+    def recorded_shard(self, j):
+        views = shard(self, j)
+        buffers.setdefault(id(self.shards[j]), weakref.ref(self.shards[j]))
+        return views
+
+    def recorded_own_shard(self):
+        held_at_end.append(sum(buffer() is not None for buffer in buffers.values()))
+        buffers.clear()
+        return own_shard(self)
+
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with DryRun() as dry, mock.patch.object(HeadGroupGrads, "shard", recorded_shard), \
+            mock.patch.object(HeadGroupGrads, "own_shard", recorded_own_shard):
+        ids_on = dry.on_device(ids)
+        model(input_ids=ids_on, labels=ids_on).loss.backward()
+    print(f"weight-gradient buffers held at each attention backward's end: {held_at_end}")
+    assert len(held_at_end) == model.config.num_hidden_layers and max(held_at_end) <= 3
 
 
 def test_from_pretrained_builds_on_the_group_device(fake_group, tmp_path):

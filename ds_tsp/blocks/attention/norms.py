@@ -13,7 +13,7 @@ none of this.
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import reduce_to_owner, shard_stream
+from ds_tsp.blocks.attention.schedule import ReducesInFlight, shard_stream
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -41,7 +41,7 @@ def projection_squares_backward(plan, grad_sums, x, packed):
     acc = torch.promote_types(x.dtype, torch.float32)
     tokens = x.flatten(0, 1)  # (N, H)
     grad_x = torch.zeros(tokens.shape, dtype=acc, device=x.device)
-    tsp_rank, works, own = comm.group_rank(plan.group), [], []
+    tsp_rank, reduces = comm.group_rank(plan.group), ReducesInFlight(plan)
     for j, shard in shard_stream(plan, packed):
         spec = plan.specs[j]
         w, grad_shard = spec.unpack(shard), torch.zeros(spec.numel, dtype=acc, device=x.device)
@@ -59,16 +59,8 @@ def projection_squares_backward(plan, grad_sums, x, packed):
             # Only the projection's own rows travel: the rest of the shard gets no gradient here.
             start = spec.offsets[weight]
             stop = start + into[weight].numel() + (into[bias].numel() if bias in into else 0)
-            piece = grad_shard[start:stop]
-            reduced = reduce_to_owner(plan, piece, j, works)
-            if j == tsp_rank:
-                own.append((piece, reduced))
-    for pending in works:
-        pending.wait()
-    for piece, pending in own:
-        summed = pending.wait()
-        if summed is not piece:
-            piece.copy_(summed)
+            reduces.start(grad_shard[start:stop], j)
+    reduces.finish()
     return grad_x.view(x.shape).to(x.dtype), own_grad
 
 

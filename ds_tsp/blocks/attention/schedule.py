@@ -20,7 +20,9 @@ With ``tsp.overlap`` every collective of a head group is in flight under
 another group's compute: the broadcast of shard ``j+1`` and the K/V
 all-gather of group ``j+1`` under group ``j``'s attention, and in backward
 the dK/dV reduce-scatter of group ``j`` and its weight-gradient reduce under
-group ``j+1``'s attention backward.
+group ``j+1``'s attention backward. A rank holds at most two other owners'
+weight-gradient buffers in flight (``ReducesInFlight``) besides its own and
+the one it computes.
 """
 
 from dataclasses import dataclass
@@ -261,16 +263,42 @@ def _accumulator_dtype(plan, dtype):
     return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
 
 
-def reduce_to_owner(plan, grad, owner, works):
-    """Start the sum of ``grad`` (float32 or wider) at ``owner``, sent in the
-    plan's gradient wire dtype and added in ``grad``'s; returns the pending op,
-    also put in ``works`` (without ``plan.overlap`` it is finished already)."""
-    wire = precision.gradient_wire_dtype(plan.grad_wire_dtype, grad.dtype)
-    pending = comm.reduce_fp32(grad, owner, plan.group, wire, async_op=True)
-    if not plan.overlap:
-        pending.wait()
-    works.append(pending)
-    return pending
+class ReducesInFlight:
+    """The weight-gradient reduces a rank starts to the shards' owners, each
+    summed in float32 or wider and sent in the plan's gradient wire dtype.
+
+    Another owner's buffer is this rank's only until its reduce is done: with
+    ``plan.overlap`` at most ``limit`` of those are in flight, the oldest
+    waited on when one more starts (it ran under the groups since), so a rank
+    holds its own shard's gradient, ``limit`` sent ones and the one it
+    computes, not one per head group. This rank's own sums are waited on in
+    ``finish``. Without ``plan.overlap`` every reduce is finished at once."""
+
+    def __init__(self, plan, limit=2):
+        self.plan, self.limit, self.rank = plan, limit, comm.group_rank(plan.group)
+        self.others, self.own = [], []  # pending reduces; this rank's: (part of its gradient, its reduce)
+
+    def start(self, grad, owner):
+        """Start the sum of ``grad`` at group rank ``owner``."""
+        wire = precision.gradient_wire_dtype(self.plan.grad_wire_dtype, grad.dtype)
+        pending = comm.reduce_fp32(grad, owner, self.plan.group, wire, async_op=True)
+        if not self.plan.overlap:
+            pending.wait()
+        if owner == self.rank:
+            self.own.append((grad, pending))
+            return
+        self.others.append(pending)
+        while len(self.others) > self.limit:
+            self.others.pop(0).wait()
+
+    def finish(self):
+        """Wait for every reduce; this rank's parts then hold their sums over the group."""
+        while self.others:
+            self.others.pop(0).wait()
+        for piece, pending in self.own:
+            summed = pending.wait()
+            if summed is not piece:  # a reduce in place leaves the sum where it was
+                piece.copy_(summed)
 
 
 class Recomputation:
@@ -324,7 +352,7 @@ class HeadGroupGrads:
         self.x = torch.zeros(inputs.tokens.shape, dtype=_accumulator_dtype(plan, dtype), device=inputs.x.device)
         self.shards = {}  # group j -> this rank's partial gradient of shard j
         self.norm_weights, self.norm_inv_rms = {"q": None, "k": None}, {"q": None, "k": None}
-        self.works, self.own_parts = [], []  # the reduces in flight; this rank's: (part of its gradient, its reduce)
+        self.reduces = ReducesInFlight(plan)
 
     def shard(self, j):
         """Views, by name, of shard ``j``'s gradient buffer (float32 or wider)."""
@@ -373,9 +401,9 @@ class HeadGroupGrads:
         spec, flat = self.plan.specs[j], self.shards[j]
         kv_start = spec.offsets.get("k_proj.weight", spec.numel)  # the key/value heads are the tail
         piece = {"query/output": flat[:kv_start], "key/value": flat[kv_start:], "all": flat}[part]
-        reduced = reduce_to_owner(self.plan, piece, j, self.works)
-        if j == self.tsp_rank:
-            self.own_parts.append((piece, reduced))
+        self.reduces.start(piece, j)
+        if j != self.tsp_rank:  # its reduce holds it until done; a later key/value part gets a buffer of its own
+            del self.shards[j]
 
     def add_kv_set(self, j, holder, kv_weights, scatter):
         """The replica set ending at group ``j``: its reduce-scattered dK/dV into
@@ -393,12 +421,7 @@ class HeadGroupGrads:
 
     def own_shard(self):
         """This rank's shard gradient summed over ranks, once every reduce is done."""
-        for pending in self.works:
-            pending.wait()
-        for piece, pending in self.own_parts:
-            summed = pending.wait()
-            if summed is not piece:  # a reduce in place leaves the sum where it was
-                piece.copy_(summed)
+        self.reduces.finish()
         return self.shards[self.tsp_rank]
 
     def input_grads(self):

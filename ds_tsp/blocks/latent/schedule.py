@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import attend_local_chunks, broadcast_stream, reduce_to_owner
+from ds_tsp.blocks.attention.schedule import ReducesInFlight, attend_local_chunks, broadcast_stream
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -107,11 +107,13 @@ def local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight):
 
 
 def gather_latent(plan, latent):
-    """The full sequence's latent ``(B, S, width)`` in natural order, from every rank's ``(B, S/D, width)``."""
+    """Start the all-gather of the full sequence's latent: the returned
+    pending op's ``wait()`` gives it ``(B, S, width)`` in natural order, from
+    every rank's ``(B, S/D, width)``."""
     if plan.tsp_size == 1:
-        return latent
-    gathered, _ = comm.all_gather(latent, plan.group)
-    return layout.unshard(gathered, plan.tsp_size, plan.layout, dim=1)
+        return comm.Pending(None, lambda: latent)
+    gathered, work = comm.all_gather(latent, plan.group, async_op=True)
+    return comm.Pending(work, lambda: layout.unshard(gathered, plan.tsp_size, plan.layout, dim=1))
 
 
 def scatter_latent_grad(plan, grad, dtype):
@@ -123,19 +125,29 @@ def scatter_latent_grad(plan, grad, dtype):
     return comm.reduce_scatter_fp32(stacked, plan.group)
 
 
-def head_group(plan, q_input, latent, w, tables):
-    """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
-    queries of the local tokens (``q_input``: the query latent, or the hidden
-    states without one) against the whole sequence's ``latent``."""
+def head_group_queries(plan, q_input, w, tables):
+    """Head group ``w``'s queries of the local tokens (``q_input``: the query
+    latent, or the hidden states without one): ``(q_nope, q_rot)``, rotated
+    and scaled."""
     shapes = plan.shapes
     B, L = q_input.shape[:2]
-    hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
-    q = F.linear(q_input, w[f"{shapes.query_projection}.weight"]).view(B, L, hq, shapes.qk_head_dim)
-    q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
+    q = F.linear(q_input, w[f"{shapes.query_projection}.weight"]).view(B, L, shapes.q_heads, shapes.qk_head_dim)
+    q_nope, q_rot = q.split([shapes.qk_nope_head_dim, shapes.qk_rope_head_dim], dim=-1)
     q_rot = plan.rope(q_rot, tables).to(q.dtype)
     if plan.query_scale is not None:
         factor = plan.query_scale[:, :, None, None].to(q.dtype)  # as Hugging Face casts it
         q_nope, q_rot = q_nope * factor, q_rot * factor
+    return q_nope, q_rot
+
+
+def head_group(plan, q_input, latent, w, tables, queries=None):
+    """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
+    queries of the local tokens (``queries``, or ``head_group_queries`` of
+    ``q_input``) against the whole sequence's ``latent``."""
+    shapes = plan.shapes
+    B = q_input.shape[0]
+    hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
+    q_nope, q_rot = queries or head_group_queries(plan, q_input, w, tables)
     c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
     if plan.form == "absorbed":
         up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
@@ -165,12 +177,15 @@ def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_wei
     c_q, latent = local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight)
     if latent_sink is not None:
         latent_sink(latent)
-    latent = gather_latent(plan, latent)
+    gathering, latent = gather_latent(plan, latent), None
     q_input = x if c_q is None else c_q
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
                       device=x.device)
     for j, w in piece_stream(plan, packed, 1):
-        o = head_group(plan, q_input, latent, w, tables)
+        queries = head_group_queries(plan, q_input, w, tables)
+        if latent is None:  # the gather ran under the first head group's queries
+            latent = gathering.wait()
+        o = head_group(plan, q_input, latent, w, tables, queries)
         precision.add_matmul(out, o.flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
     return out.view(x.shape).to(x.dtype), raw
 
@@ -184,7 +199,7 @@ class ShardGrads:
         self.plan, self.tsp_rank = plan, comm.group_rank(plan.group)
         self.acc_dtype = torch.promote_types(packed.dtype, torch.float32)
         self.own = torch.empty(packed.numel(), dtype=self.acc_dtype, device=packed.device)
-        self.works, self.own_parts = [], []
+        self.reduces = ReducesInFlight(plan)
 
     def buffer(self, j, part):
         """A flat float32-or-wider gradient buffer of piece ``part`` of rank ``j``, and its views by name."""
@@ -196,17 +211,10 @@ class ShardGrads:
         return flat, specs[part].unpack(flat)
 
     def send(self, j, flat):
-        pending = reduce_to_owner(self.plan, flat, j, self.works)
-        if j == self.tsp_rank:
-            self.own_parts.append((flat, pending))
+        self.reduces.start(flat, j)
 
     def own_shard(self):
-        for pending in self.works:
-            pending.wait()
-        for piece, pending in self.own_parts:
-            summed = pending.wait()
-            if summed is not piece:
-                piece.copy_(summed)
+        self.reduces.finish()
         return self.own
 
 
@@ -266,7 +274,7 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
     with torch.enable_grad():
         c_q, local = local_latent(plan, leaves["raw"], tables, leaves["q_norm"], leaves["kv_norm"])
     q_input = x if c_q is None else c_q.detach()
-    latent = gather_latent(plan, local.detach())
+    latent = gather_latent(plan, local.detach()).wait()
     grad_q_input, grad_latent = head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads)
     latent = None
     grad_local = scatter_latent_grad(plan, grad_latent, x.dtype)
