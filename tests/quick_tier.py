@@ -15,6 +15,8 @@ QUICK_TIER = [
     "test_config.py", "test_topology.py", "test_comm.py", "test_inputs.py", "test_consistency.py",
     "test_layout.py", "test_plan_cli.py", "test_plan_shapes.py", "test_plan_strategies.py", "test_plan_time.py",
     "test_plan_longest.py", "test_docs.py", "test_package.py", "test_host_syncs.py",
+    # NCCL's rules, enforced on CPU by the meta-device dry run (seconds: nothing is computed).
+    "test_nccl_rules.py", "test_gpu_check.py",
     # Blocks at TSP 2 against Hugging Face's modules in float64, each with its wrong-shard guard.
     "test_attention.py::test_matches_hugging_face_attention[zigzag-True-2]",
     "test_attention.py::test_a_wrong_shard_is_caught",

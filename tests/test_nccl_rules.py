@@ -130,6 +130,53 @@ def test_every_collective_is_on_the_model_device(fake_group, case):
     assert sum(dry.host_reads.values()) <= 2 + moe_layers
 
 
+# name: (arch, world size, TSP size, ZeRO stage, tsp options, from a checkpoint directory). ZeRO-0 runs the
+# optimizer step too; ZeRO-1 and 2 stop after backward, where DeepSpeed's step reads the gradient norm on the host
+# (its own sync, legal under NCCL). ZeRO-3 is not built on the meta device: DeepSpeed copies its partitions.
+ENGINE_CASES = {
+    "attention, TSP 2, ZeRO-0": ("llama", 2, 2, 0, {}, False),
+    "attention, TSP 2 x DP 2, ZeRO-1, replicated head": ("qwen3", 4, 2, 1, {"vocab_parallel": False}, False),
+    "latent attention and experts from a directory, TSP 2, ZeRO-0": ("deepseek_v3", 2, 2, 0, {}, True),
+    "Gated DeltaNet, TSP 2 x DP 2, ZeRO-2": ("qwen3_5", 4, 2, 2, {}, False),
+    "folded experts, TSP 2 x DP 2, ep 4, ZeRO-2": ("qwen3_moe", 4, 2, 2, {"expert_parallel_size": 4}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_initialize_and_a_training_step_keep_every_collective_on_the_device(fake_group, monkeypatch, tmp_path,
+                                                                            case):
+    """``ds_tsp.initialize`` end to end: its checks, injection or ``from_pretrained``, DeepSpeed's engine (its
+    model broadcast, ZeRO's partitions and gradient reduction) and TSP's hooks on it, with DeepSpeed's
+    accelerator answering the meta device as CUDA's answers ``cuda``."""
+    arch, world_size, tsp_size, stage, options, from_directory = ENGINE_CASES[case]
+    fake_group(world_size)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = meta_model(arch)
+    if from_directory:
+        tiny_model(arch, dtype=torch.float32).save_pretrained(tmp_path)
+        model = str(tmp_path)
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+                 "zero_optimization": {"stage": stage},
+                 "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa", **options}}
+    with DryRun() as dry, meta_accelerator(), no_probe():
+        engine, *_ = ds_tsp.initialize(model=model, config=ds_config)
+    print(dry.report(f"{case}, initialize"))
+    assert dry.misplaced == [] and dry.by_device
+    assert {p.device.type for p in engine.module.parameters()} == {"meta"}
+
+    ids = torch.randint(0, engine.module.config.vocab_size, (BATCH, SEQ))
+    moe_layers = sum(isinstance(m, TSPSparseMoE) for m in engine.module.modules())
+    with DryRun(routed_rows=routed_rows(engine.module, BATCH * SEQ // tsp_size)) as dry, meta_accelerator():
+        ids_on = dry.on_device(ids)
+        engine.backward(engine(input_ids=ids_on, labels=ids_on).loss)
+        if stage == 0:
+            engine.step()
+    print(dry.report(f"{case}, training step ({moe_layers} MoE layers)"))
+    assert dry.misplaced == [] and dry.by_device
+    assert dry.host_reads["batch"] == 1 and sum(dry.host_reads.values()) <= 1 + moe_layers
+
+
 def test_at_most_two_other_head_groups_gradients_are_held(fake_group):
     """At TSP 4 a rank's attention backward computes a weight gradient for every
     owner's shard: at the layer's end it still holds its own and at most two
