@@ -23,6 +23,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
+from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
 from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm, MiniMaxM2TopKRouter
@@ -114,7 +116,8 @@ def gemma_rms_norm_in_the_wider_dtype(self, x):
     return (self._norm(x.to(wide)) * (1.0 + self.weight.to(wide))).type_as(x)
 
 
-GemmaRMSNorm.forward = Gemma2RMSNorm.forward = Gemma3RMSNorm.forward = gemma_rms_norm_in_the_wider_dtype
+GemmaRMSNorm.forward = Gemma2RMSNorm.forward = Gemma3RMSNorm.forward = VaultGemmaRMSNorm.forward = \
+    gemma_rms_norm_in_the_wider_dtype
 def glm_router_in_the_wider_dtype(self, hidden_states):
     """GLM-4.5's router (DeepSeek-V3's) as Hugging Face writes it, but in
     float32 or the model's dtype if wider: HF's casts the tokens and its weight
@@ -253,6 +256,8 @@ def tiny_config(arch, **overrides):
                                                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                           "rope_theta": 1000.0}},
                                    **overrides})
+    if arch == "vaultgemma":  # Gemma-2's scale, soft-capped scores and logits and sliding layers, pre-norms only
+        return VaultGemmaConfig(**{**kwargs, **GEMMA2_TINY, **overrides})  # (the auto policy's; issue 62)
     if arch == "olmo2":  # post-norms only; q/k norms over the whole projection
         return Olmo2Config(**kwargs)
     if arch == "olmo3":  # OLMo-2's, with sliding layers and a RoPE table per layer type
@@ -359,6 +364,7 @@ def mla_config(arch, kwargs):
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
+                 "vaultgemma": VaultGemmaForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

@@ -38,12 +38,13 @@ def test_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
 def test_gemma_and_olmo_families_match_hugging_face(run_ranks, tsp_size):
     """Gemma, Gemma-2 (sandwich norms, soft-capped scores and logits, sliding
     layers, a query_pre_attn_scalar scale), Gemma-3 (per-head q/k norms, a
-    RoPE table per layer type), OLMo-2 (post-norms, q/k norms over the whole
-    projection: their RMS spans every rank's heads) and OLMo-3 (OLMo-2's with
-    sliding layers): padded, packed, vocabulary folded or not."""
+    RoPE table per layer type), VaultGemma (Gemma-2's features under pre-norms,
+    taken by the auto policy and its probe), OLMo-2 (post-norms, q/k norms over
+    the whole projection: their RMS spans every rank's heads) and OLMo-3
+    (OLMo-2's with sliding layers): padded, packed, vocabulary folded or not."""
     cases = (dict(batch=2, seq_len=13), dict(batch=1, seq_len=16, vocab_parallel=False),
              dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
-    for arch in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3"):
+    for arch in ("gemma", "gemma2", "gemma3", "vaultgemma", "olmo2", "olmo3"):
         for case in cases:
             per_rank = run_ranks(tsp_size, model_parity, arch=arch, **case)
             check(per_rank, f"D={tsp_size} {arch} {case}")
@@ -51,7 +52,7 @@ def test_gemma_and_olmo_families_match_hugging_face(run_ranks, tsp_size):
 
 def test_a_wrong_shard_of_gemma2_or_olmo2_is_caught(run_ranks):
     for arch, wrong_shard in (("gemma2", "model.layers.1.self_attn"), ("gemma2", "lm_head"),
-                              ("olmo2", "model.layers.0.self_attn")):
+                              ("vaultgemma", "model.layers.0.mlp"), ("olmo2", "model.layers.0.self_attn")):
         per_rank = run_ranks(2, model_parity, arch=arch, batch=2, seq_len=13, wrong_shard=wrong_shard)
         worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
         print(f"{arch}, {wrong_shard} scaled on the last rank: max diff {worst:.2e}")

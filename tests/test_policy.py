@@ -262,8 +262,18 @@ def test_a_window_the_architecture_does_not_read_is_refused():
 
 def test_an_auto_feature_away_from_its_neutral_value_is_refused_by_name():
     model = look_alike(LookAlikeDecoderLayer)
+    model.config.clip_qkv = 8.0
+    with pytest.raises(PolicyError, match=r"config.clip_qkv = 8.0.*clipping of q/k/v.*'auto'"):
+        _inject(model)
+
+
+def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
+    """The auto policy takes config.final_logit_softcapping (the TSP head caps the logits, as Gemma's forwards
+    do); the probe checks the class's forward does: Llama's, with the attribute set, does not."""
+    model = look_alike(LookAlikeDecoderLayer)
     model.config.final_logit_softcapping = 30.0
-    with pytest.raises(PolicyError, match=r"config.final_logit_softcapping = 30.0.*logit soft-capping.*'auto'"):
+    with pytest.raises(PolicyError, match=r"outside the decoder layers differs from embed -> layers -> norm -> "
+                                          r"lm_head -> soft-cap at 30.0 \(config.final_logit_softcapping\)"):
         _inject(model)
 
 
@@ -322,7 +332,7 @@ def test_the_probe_refuses_a_look_alike_layer_whose_forward_clamps():
 
 def test_the_probe_refuses_a_model_that_scales_its_logits():
     model = look_alike(LookAlikeDecoderLayer, model_class=ScaledLogitsForCausalLM)
-    with pytest.raises(PolicyError, match=r"ScaledLogitsForCausalLM .*forward outside the decoder layers does more"):
+    with pytest.raises(PolicyError, match=r"ScaledLogitsForCausalLM .*forward outside the decoder layers differs"):
         _inject(model)
     assert type(model.model.layers[0]) is LookAlikeDecoderLayer
 

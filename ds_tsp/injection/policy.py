@@ -218,13 +218,15 @@ MINIMAX_M2 = {**COMMON, **MOE_ROUTING, "rope_parameters": PHI3["rope_parameters"
 AUTO_CONFIG = {
     **COMMON,
     **SLIDING,
-    "final_logit_softcapping": Accepts((None,), "logit soft-capping, which the TSP forward does not apply"),
-    "attn_logit_softcapping": Accepts((None,), "attention-logit soft-capping, which the TSP attention does not apply"),
+    # Soft-capping as Gemma 2's: the final logits inside the fused LM head + loss ring; the attention scores by
+    # the capped kernel, from the attention module's attn_logit_softcapping (the probe compares the layer).
+    "final_logit_softcapping": SOFT_CAPPING["final_logit_softcapping"],
+    "attn_logit_softcapping": SOFT_CAPPING["attn_logit_softcapping"],
     "logit_scale": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
     "logits_scaling": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
     "embedding_multiplier": Accepts(NEUTRAL_SCALE, "embedding scaling, which the TSP forward does not apply"),
     "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
-    "query_pre_attn_scalar": Accepts((None,), "a non-standard attention scale"),
+    "query_pre_attn_scalar": SOFT_CAPPING["query_pre_attn_scalar"],
     "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
     # A partial rotary factor: the TSP attention rotates each head's first dims as Phi-3's and GLM-4.5's
     # forwards do; the probe finds a forward that rotates otherwise (interleaved pairs). Per-layer-type tables
@@ -280,6 +282,8 @@ PRE_NORMS = {"attention": ("input_layernorm", None), "mlp": ("post_attention_lay
 SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
                   "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
 POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
+# Pre-norms with the MLP's under Gemma 2's name (VaultGemma).
+PRE_FEEDFORWARD_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_feedforward_layernorm", None)}
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,7 @@ POLICIES = {
 AUTO = DecoderPolicy("auto", None)
 # Auto with the norms after each block only (OLMo-2's layout, FlexOlmo's), chosen by the layer's norms.
 AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
+AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFORWARD_NORMS)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3): optional, but both or neither.
@@ -431,9 +436,10 @@ def resolve_policy(model, name="auto"):
     else:
         policy = POLICIES[name]
     check_linear_layers(model_class, model.config, layers, policy)
-    if policy is AUTO and not hasattr(layers[0], "input_layernorm") and all(
-            hasattr(layers[0], norm) for norm in AUTO_POST_NORMS.norm_names()):
-        policy = AUTO_POST_NORMS
+    if policy is AUTO and not all(hasattr(layers[0], norm) for norm in AUTO.norm_names()):
+        # Another layout, found by its norms' names.
+        policy = next((layout for layout in (AUTO_POST_NORMS, AUTO_PRE_FEEDFORWARD_NORMS)
+                       if all(hasattr(layers[0], norm) for norm in layout.norm_names())), AUTO)
     if policy.layer_class is None and per_layer_type(getattr(model.config, "rope_parameters", None)) and \
             getattr(model.config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)
