@@ -24,7 +24,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
-from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
+from transformers import (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config,
+                          HunYuanMoEV1ForCausalLM, VaultGemmaConfig, VaultGemmaForCausalLM)
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
 from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm, MiniMaxM2TopKRouter
@@ -258,6 +259,8 @@ def tiny_config(arch, **overrides):
                                    **overrides})
     if arch == "vaultgemma":  # Gemma-2's scale, soft-capped scores and logits and sliding layers, pre-norms only
         return VaultGemmaConfig(**{**kwargs, **GEMMA2_TINY, **overrides})  # (the auto policy's; issue 62)
+    if arch == "hunyuan_v1_dense":  # per-head q/k norms after the rotary embedding; auto policy (issue 62)
+        return HunYuanDenseV1Config(**kwargs)
     if arch == "olmo2":  # post-norms only; q/k norms over the whole projection
         return Olmo2Config(**kwargs)
     if arch == "olmo3":  # OLMo-2's, with sliding layers and a RoPE table per layer type
@@ -293,6 +296,9 @@ def tiny_config(arch, **overrides):
         return Dots1Config(**{"n_routed_experts": 4, "moe_intermediate_size": 8, "n_shared_experts": 1,
                               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
                               "routed_scaling_factor": 2.0, **moe})
+    if arch == "hunyuan_v1_moe":  # Hunyuan's attention; 4 experts, softmax top-2 renormalised, a shared MLP
+        # (shared_mlp) added to them; auto policy
+        return HunYuanMoEV1Config(**{"num_experts": 4, "moe_topk": 2, **moe})
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
                                "layer_types": ["sliding_attention", "full_attention"], **moe})
@@ -364,7 +370,8 @@ def mla_config(arch, kwargs):
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
-                 "vaultgemma": VaultGemmaForCausalLM,
+                 "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
+                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

@@ -59,6 +59,33 @@ def test_a_wrong_shard_of_gemma2_or_olmo2_is_caught(run_ranks):
         assert worst > 1e-3
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_hunyuan_dense_and_moe_match_hugging_face(run_ranks, tsp_size):
+    """Hunyuan's per-head q/k norms run on the rotated queries and keys (its
+    query_layernorm / key_layernorm), taken by the auto policy; its MoE's shared
+    expert is shared_mlp: padded, packed, vocabulary folded or not."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=1, seq_len=16, vocab_parallel=False),
+             dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for arch in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+        for case in cases:
+            check(run_ranks(tsp_size, model_parity, arch=arch, **case), f"D={tsp_size} {arch} {case}")
+
+
+def _norms_before_the_rotary(**kwargs):
+    """``model_parity`` with Hunyuan's q/k norms applied before the rotary
+    embedding, as Qwen3's are; injection's probe, which refuses that, skipped."""
+    with mock.patch("ds_tsp.blocks.rotary.norms_after_rotary", lambda norm: False), \
+            mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+def test_hunyuan_norms_before_the_rotary_are_caught(run_ranks):
+    per_rank = run_ranks(2, _norms_before_the_rotary, arch="hunyuan_v1_dense", batch=2, seq_len=13)
+    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
+    print(f"Hunyuan's q/k norms before the rotary embedding: max diff {worst:.2e}")
+    assert worst > 1e-3
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_tied_embeddings_contiguous_layout_and_right_padding(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama_tied", batch=2, seq_len=19, layout="contiguous",

@@ -89,10 +89,21 @@ def group_norm(plan, name, j, inv_rms):
 
 def rotate(t, norm, cos, sin):
     """Queries or keys as attention sees them: the q/k norm if the model
-    has one, then the rotary embedding at the tokens' global positions."""
+    has one, then the rotary embedding at the tokens' global positions; or
+    the other way round for a norm marked ``norms_after_rotary`` (Hunyuan's)."""
+    if norm is None:
+        return apply_rotary(t, cos, sin)
     # Back to t's dtype: under autocast t is in the autocast dtype while the
     # norm keeps its float32 weight (a no-op otherwise).
-    return apply_rotary(t if norm is None else norm(t).to(t.dtype), cos, sin)
+    if norms_after_rotary(norm):
+        return norm(apply_rotary(t, cos, sin)).to(t.dtype)
+    return apply_rotary(norm(t).to(t.dtype), cos, sin)
+
+
+def norms_after_rotary(norm):
+    """Whether the q/k ``norm`` (a per-head Hugging Face norm module) runs on
+    the rotated queries or keys (``TSPAttention.from_hf`` marks it)."""
+    return getattr(norm, "tsp_after_rotary", False)
 
 
 def rotary_at(rotary_emb, hidden, positions, kind=None):
@@ -138,9 +149,12 @@ def rotate_backward(t, grad, norm, cos, sin):
         t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
         if isinstance(norm, ProjectionNormPiece):
             leaves = (weight, norm.inv_rms.detach().requires_grad_())
-            normed = ProjectionNormPiece(*leaves)(t)
+            out = apply_rotary(ProjectionNormPiece(*leaves)(t), cos, sin)
         else:
             leaves = (weight,)
-            normed = torch.func.functional_call(norm, {"weight": weight}, (t,)).to(t.dtype)  # as rotate
-        grads = torch.autograd.grad(apply_rotary(normed, cos, sin), (t, *leaves), grad)
+
+            def normed(x):  # as rotate
+                return torch.func.functional_call(norm, {"weight": weight}, (x,)).to(t.dtype)
+            out = normed(apply_rotary(t, cos, sin)) if norms_after_rotary(norm) else apply_rotary(normed(t), cos, sin)
+        grads = torch.autograd.grad(out, (t, *leaves), grad)
     return grads if len(grads) == 3 else (*grads, None)

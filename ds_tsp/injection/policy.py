@@ -381,8 +381,8 @@ AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFORWARD_NORMS)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Per-head query/key norms (Qwen3): optional, but both or neither.
-ATTENTION_NORMS = ("q_norm", "k_norm")
+# Per-head query/key norms (Qwen3's, Hunyuan's after the rotary embedding): optional, but both of a pair or neither.
+ATTENTION_NORMS = tuple(attention.QK_NORMS)
 # Tensors an attention module may hold itself, which the TSP attention shards with its heads: GPT-OSS's sinks.
 ATTENTION_TENSORS = ("sinks",)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -587,10 +587,11 @@ def check_layer(policy, layer, where):
         module = children[child]
         grandchildren = {n for n, m in module.named_children() if _holds_tensors(m)}
         missing = [p for p in projections if p not in grandchildren]
-        allowed = set(projections) | (set(ATTENTION_NORMS) if child == policy.attention else set())
-        unexpected = sorted(grandchildren - allowed)
-        if child == policy.attention and len(grandchildren & set(ATTENTION_NORMS)) == 1:
-            missing += sorted(set(ATTENTION_NORMS) - grandchildren)
+        norms = {name for pair in ATTENTION_NORMS for name in pair} if child == policy.attention else set()
+        unexpected = sorted(grandchildren - set(projections) - norms)
+        if child == policy.attention:
+            missing += [name for pair in ATTENTION_NORMS if len(grandchildren & set(pair)) == 1
+                        for name in sorted(set(pair) - grandchildren)]
         if missing:
             raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}: cannot convert it to a TSP layer")
         if unexpected:
@@ -684,14 +685,23 @@ def check_delta_net(module, where, layer_class):
 def check_qk_norms(policy, attn, where, layer_class):
     """q/k norms normalise each head (``head_dim`` features), or the whole
     projection where the policy's audited forward does (OLMo-2); under
-    ``auto`` either, as the norms' widths say (the probe compares the forward)."""
-    if getattr(attn, "q_norm", None) is None:
+    ``auto`` either, as the norms' widths say, and per head after the rotary
+    embedding under Hunyuan's names (the probe compares the forward)."""
+    names, after_rotary = attention.qk_norm_names(attn)
+    if names is None:
         return
-    for name, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+    if after_rotary and policy.layer_class is not None:
+        raise PolicyError(f"{layer_class} at {where} norms queries and keys after the rotary embedding ({names}), "
+                          f"which tsp.policy {policy.name!r} was not written for: use tsp.policy \"auto\"")
+    for name, projection in zip(names, ("q_proj", "k_proj")):
         width = getattr(attn, name).weight.numel()
         spans_projection = policy.qk_norm_width == "projection" or (
             policy.layer_class is None and width == attn.get_submodule(projection).out_features)
         expected = attn.get_submodule(projection).out_features if spans_projection else attn.head_dim
+        if after_rotary and spans_projection:
+            raise PolicyError(f"{layer_class} at {where}.{name} normalises the whole {projection} after the rotary "
+                              "embedding; the TSP attention norms the rotated queries and keys per head only: this "
+                              "layer is not supported")
         if width != expected:
             kind = f"over the whole {projection} ({expected} features)" if spans_projection else \
                 f"per head (head_dim = {expected} features)"

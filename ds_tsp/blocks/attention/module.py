@@ -49,9 +49,11 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.packed.tensor_model_parallel = True
         self.lora = None  # LoRA adapters of this rank's shard (ds_tsp.injection.lora)
         self.o_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if o_bias else None
-        # Norms of queries and keys, small, kept whole on every rank: per head (Qwen3, Gemma-3) or over
-        # the whole projection (OLMo-2), whose RMS spans every rank's head groups (ds_tsp.blocks.attention.norms).
+        # Norms of queries and keys, small, kept whole on every rank: per head (Qwen3, Gemma-3; Hunyuan's after
+        # the rotary embedding) or over the whole projection (OLMo-2), whose RMS spans every rank's head groups
+        # (ds_tsp.blocks.attention.norms). Their Hugging Face names: from_hf reads them off the module.
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.qk_norm_names = None if q_norm is None else ("q_norm", "k_norm")
         self.norms_span_projection = q_norm is not None and q_norm.weight.numel() != head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
@@ -91,12 +93,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
         weight = q_proj.weight
         device = device or weight.device
         norms = {}
-        for name in ("q_norm", "k_norm"):
-            norm = getattr(attn, name, None)
+        hf_names, after_rotary = qk_norm_names(attn)
+        for name, hf_name in zip(("q_norm", "k_norm"), hf_names or (None, None)):
+            norm = None if hf_name is None else getattr(attn, hf_name)
             if norm is not None:
                 # A copy, so the HF module's parameters are never shared; its
                 # weight is loaded from ``read`` below.
                 norm = copy.deepcopy(norm).to_empty(device=device)
+                norm.tsp_after_rotary = after_rotary  # read by rotary.rotate
             norms[name] = norm
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
@@ -105,7 +109,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
                      sinks=has_sinks(attn), rotary_halves=rotates_whole_head_by_half_tables(attn),
                      output_gate=has_output_gate(attn, config, fused), **norms)
-        module.hf_rows = rows
+        module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -113,8 +117,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
         params = {"o_proj.bias": self.o_bias}
-        params.update({f"{name}.weight": getattr(self, name).weight
-                       for name in ("q_norm", "k_norm") if getattr(self, name) is not None})
+        params.update({f"{hf_name}.weight": getattr(self, name).weight
+                       for name, hf_name in zip(("q_norm", "k_norm"), self.qk_norm_names or ())})
         return {name: param for name, param in params.items() if param is not None}
 
     def shard_piece(self, name):
@@ -191,7 +195,19 @@ def replicated_names(attn):
     """Hugging Face names of the tensors of an attention module that TSP keeps
     whole on every rank: the output bias and per-head q/k norms, where present."""
     names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
-    return names + [f"{name}.weight" for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
+    return names + [f"{name}.weight" for name in qk_norm_names(attn)[0] or ()]
+
+
+# Per-head query and key norms by their Hugging Face names: applied before the
+# rotary embedding (Qwen3's, Gemma-3's) or after it (Hunyuan's).
+QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+
+
+def qk_norm_names(attn):
+    """``((query norm, key norm), after_rotary)`` of the Hugging Face attention
+    ``attn``'s q/k norms by name, or ``(None, False)`` without."""
+    return next(((names, after) for names, after in QK_NORMS.items() if getattr(attn, names[0], None) is not None),
+                (None, False))
 
 
 def has_output_gate(attn, config, fused=None):

@@ -35,7 +35,7 @@ MOE_SCHEDULES = ("ring", "all_to_all")
 EXPERTS = "experts"  # the experts module of a Hugging Face sparse MoE block
 # Where Hugging Face's blocks keep their router, and their dense shared expert (gated by SHARED_GATE or not).
 ROUTER_NAMES = ("gate", "router")
-SHARED_NAMES = ("shared_expert", "shared_experts")
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")  # the last: Hunyuan-MoE's
 SHARED_GATE = "shared_expert_gate"
 # A shared expert's projections, with the dim each is split on (mlp.SHARD_DIMS, no biases).
 SHARED_DIMS = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
