@@ -262,10 +262,15 @@ def test_grpo_trainer_matches_trl(run_ranks, tmp_path, world, loss_type):
     assert tsp[0]["reference_sharded"] and tsp[0]["left_padded"]  # prompts of unequal lengths were scored
 
 
-def test_grpo_with_lora_matches_trl(run_ranks, tmp_path):
+def test_grpo_with_lora_matches_trl(rank_pools, run_ranks, tmp_path):
     """GRPO with a peft_config at TSP 2 against one process: the reference (beta > 0) is the policy with its
     adapters disabled; the adapters saved in PEFT's format, read by PeftModel.from_pretrained."""
     from peft import PeftModel
+
+    # Fresh rank workers: after test_engine's and the float64 runs above in the same 2-rank workers, the TSP run
+    # sampled one other token in its first batch (128 for 156, deterministically), which one process of a real
+    # job never meets. Not understood yet, so this test does not inherit that state.
+    rank_pools.close()
 
     model_dir, tsp, stock = _tsp_and_stock(run_ranks, tmp_path, 2, "grpo", lora=True)
     errors = _criterion_errors(tsp[0], stock[0])
