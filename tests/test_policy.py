@@ -353,3 +353,17 @@ def test_the_probe_accepts_a_genuine_look_alike_and_all_ranks_agree(run_ranks):
     per_rank = run_ranks(2, probe_verdicts)
     assert all(refused and "ClampedDecoderLayer" in refused for refused, _ in per_rank)
     check([diffs for _, diffs in per_rank], "D=2 class-renamed Llama layer (auto policy, probed)")
+
+
+def test_one_pair_of_qk_norms_or_none():
+    """Qwen3's q/k norms with a second pair under Hunyuan's names beside them, or a query norm without its key
+    norm: the TSP attention takes one whole pair, so the rest is named, not dropped."""
+    model = tiny_model("qwen3")
+    attn = model.model.layers[0].self_attn
+    attn.query_layernorm, attn.key_layernorm = copy.deepcopy(attn.q_norm), copy.deepcopy(attn.k_norm)
+    with pytest.raises(PolicyError, match=r"unexpected submodule\(s\) \['key_layernorm', 'query_layernorm'\]"):
+        _inject(model)
+    model = tiny_model("qwen3")
+    del model.model.layers[0].self_attn.k_norm
+    with pytest.raises(PolicyError, match=r"self_attn lacks \['k_norm'\]"):
+        _inject(model)

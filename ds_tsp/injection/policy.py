@@ -587,11 +587,11 @@ def check_layer(policy, layer, where):
         module = children[child]
         grandchildren = {n for n, m in module.named_children() if _holds_tensors(m)}
         missing = [p for p in projections if p not in grandchildren]
-        norms = {name for pair in ATTENTION_NORMS for name in pair} if child == policy.attention else set()
-        unexpected = sorted(grandchildren - set(projections) - norms)
-        if child == policy.attention:
-            missing += [name for pair in ATTENTION_NORMS if len(grandchildren & set(pair)) == 1
-                        for name in sorted(set(pair) - grandchildren)]
+        # One pair of q/k norms at most: the first present is the pair the TSP attention takes, another is unexpected.
+        pair = next((set(pair) for pair in ATTENTION_NORMS if grandchildren & set(pair)), set()) \
+            if child == policy.attention else set()
+        unexpected = sorted(grandchildren - set(projections) - pair)
+        missing += sorted(pair - grandchildren)
         if missing:
             raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}: cannot convert it to a TSP layer")
         if unexpected:
