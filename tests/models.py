@@ -24,8 +24,11 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
-from transformers import (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config,
-                          HunYuanMoEV1ForCausalLM, VaultGemmaConfig, VaultGemmaForCausalLM)
+from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
+                          FlintConfig, FlintForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
+                          HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
+                          HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, Ministral3Config,
+                          Ministral3ForCausalLM, VaultGemmaConfig, VaultGemmaForCausalLM)
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
 from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm, MiniMaxM2TopKRouter
@@ -190,17 +193,26 @@ def widened(function, replacements, module=None):
     return defined[name]
 
 
-def widen_gated_delta_nets(modeling):
-    """Gated DeltaNet's reference in float32 or the model's dtype if wider, in
-    the modeling module ``modeling`` (once): Hugging Face's chunked rule, its
-    layers' decay and gated norms cast to float32 even in a float64 model (a
-    split of the sequence at any token then differs by about 2e-7), and its
-    (1 + w) RMSNorms are Gemma's."""
-    if getattr(modeling, "_ds_tsp_widened", False) or not hasattr(modeling, "torch_chunk_gated_delta_rule"):
+def widen_float32_casts(modeling):
+    """The reference's float32 casts in the modeling module ``modeling`` (once)
+    in float32 or the model's dtype if wider, where HF casts to float32 even in
+    a float64 model, so that a float64 reference is float64-exact:
+    Gated DeltaNet's chunked rule and its layers' decay and gated norms (a
+    split of the sequence at any token then differs by about 2e-7), their
+    (1 + w) RMSNorms (Gemma's), RMSNorms multiplying by their weight in float32
+    (Helium's: their weight's gradient, a float32 sum over tokens, depends on
+    its order) and a rotary function rotating in float32 (ERNIE 4.5's)."""
+    if getattr(modeling, "_ds_tsp_widened", False):
         return
-    for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
-                                        modeling))
+    if hasattr(modeling, "torch_chunk_gated_delta_rule"):
+        for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
+                                            modeling))
+    text = inspect.getsource(modeling)  # the rotary function's source, also where a kernel hub wraps it
+    start = text.find("\ndef apply_rotary_pos_emb(")
+    if start >= 0 and ".float()" in text[start:text.find("\n\n\n", start)]:
+        modeling.apply_rotary_pos_emb = widened(
+            "apply_rotary_pos_emb", {".float()": ".to(torch.promote_types(q.dtype, torch.float32))"}, modeling)
     for name, cls in list(vars(modeling).items()):
         if not isinstance(cls, type) or cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
             continue
@@ -213,11 +225,13 @@ def widen_gated_delta_nets(modeling):
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
         elif name.endswith("RMSNorm") and "(1.0 + self.weight.float())" in source:
             cls.forward = gemma_rms_norm_in_the_wider_dtype
+        elif name.endswith("RMSNorm") and "self.weight.to(torch.float32) * hidden_states" in source:
+            cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
     modeling._ds_tsp_widened = True
 
 
 for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe):
-    widen_gated_delta_nets(modeling)
+    widen_float32_casts(modeling)
 
 
 # Gemma-2/3 at sizes where every feature bites: a window shorter than the test
@@ -261,6 +275,21 @@ def tiny_config(arch, **overrides):
         return VaultGemmaConfig(**{**kwargs, **GEMMA2_TINY, **overrides})  # (the auto policy's; issue 62)
     if arch == "hunyuan_v1_dense":  # per-head q/k norms after the rotary embedding; auto policy (issue 62)
         return HunYuanDenseV1Config(**kwargs)
+    if arch == "ernie4_5":  # the rotary embedding on interleaved pairs, in float32 (widened); q/k/v/o and MLP
+        return Ernie4_5Config(**{"use_bias": True, **kwargs})  # biases; auto policy (issue 62)
+    if arch == "glm":  # interleaved pairs on half of each head, q/k/v biases, gate/up fused (gate_up_proj); auto
+        return GlmConfig(**{**PHI3_TOKENS, **kwargs, "head_dim": overrides.get("head_dim", 8)})
+    if arch == "glm4":  # GLM's, with sandwich norms under its own names (post_self_attn_layernorm, post_mlp_layernorm)
+        return Glm4Config(**{**PHI3_TOKENS, **kwargs, "head_dim": overrides.get("head_dim", 8)})
+    if arch == "helium":  # the rotary embedding on interleaved pairs; auto policy (issue 62)
+        return HeliumConfig(**kwargs)
+    if arch == "flint":  # rotary sliding layers, full layers without positions (NoPE); sinks; q/k norms; auto policy
+        return FlintConfig(**{"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], **kwargs,
+                              "attn_implementation": "eager_wide_softmax"})  # HF's only attention with sinks
+    if arch == "ministral3":  # queries scaled by position (llama_4_scaling_beta), past 4 tokens here; auto policy
+        return Ministral3Config(**{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "llama_4_scaling_beta": 0.5,
+                                                       "original_max_position_embeddings": 4}, **kwargs})
     if arch == "olmo2":  # post-norms only; q/k norms over the whole projection
         return Olmo2Config(**kwargs)
     if arch == "olmo3":  # OLMo-2's, with sliding layers and a RoPE table per layer type
@@ -299,6 +328,12 @@ def tiny_config(arch, **overrides):
     if arch == "hunyuan_v1_moe":  # Hunyuan's attention; 4 experts, softmax top-2 renormalised, a shared MLP
         # (shared_mlp) added to them; auto policy
         return HunYuanMoEV1Config(**{"num_experts": 4, "moe_topk": 2, **moe})
+    if arch == "ernie4_5_moe":  # ERNIE 4.5's attention; 4 experts, softmax top-2 with a score-correction bias, a
+        # shared expert; a dense first layer. Its load-balancing loss is Mixtral's (test_moe's); none here, as the
+        # reference loss (parity.reference_loss) is the cross-entropy alone
+        return Ernie4_5_MoeConfig(**{"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 8,
+                                     "moe_num_shared_experts": 1, "moe_layer_start_index": 1, **moe,
+                                     "output_router_logits": False})
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
                                "layer_types": ["sliding_attention", "full_attention"], **moe})
@@ -371,7 +406,9 @@ def mla_config(arch, kwargs):
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
-                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM,
+                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
+                 "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
+                 "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
@@ -409,7 +446,9 @@ def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
                 elif name.endswith("norm.weight"):  # off HF's zeros ((1 + w) norms): Adam's first steps on a
                     param.add_(0.1 * torch.randn_like(param))  # zero tensor compare mostly rounding
         return model.to(dtype)
-    model = MODEL_CLASSES[arch](tiny_config(arch, **overrides)).to(dtype)
+    model = MODEL_CLASSES[arch](tiny_config(arch, **overrides))
+    widen_float32_casts(sys.modules[type(model).__module__])
+    model = model.to(dtype)
     with torch.no_grad():
         # Larger than HF's 0.02 init so attention patterns and biases matter,
         # and norm weights away from 1 so a dropped norm would show.
@@ -483,7 +522,7 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
                     raise
     if device == "meta":
         return model
-    widen_gated_delta_nets(sys.modules[type(model).__module__])
+    widen_float32_casts(sys.modules[type(model).__module__])
     model = model.to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():

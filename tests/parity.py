@@ -88,8 +88,8 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
                 for hf_name, param in getattr(layer, block_name).replicated_params().items()}
     diffs = {}
     for name, param in tsp_model.named_parameters():
-        if not getattr(param, "tensor_model_parallel", False):
-            name = hf_names.get(id(param), name)
+        if not getattr(param, "tensor_model_parallel", False) and param.requires_grad:  # not a frozen buffer-like
+            name = hf_names.get(id(param), name)  # parameter (ERNIE 4.5's e_score_correction_bias)
             diffs[name] = (param.grad - ref[name]).abs().max().item() / scale(name)
     for name in ("model.embed_tokens", "lm_head"):
         module = tsp_model.get_submodule(name)
@@ -199,13 +199,15 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     return diffs
 
 
-def check(per_rank, label):
+def check(per_rank, label, bound=TOLERANCE):
+    """Every difference ``model_parity`` reports within ``bound`` (``TOLERANCE``; a float32 router's
+    ``ROUNDING_FLOOR`` for differences relative to their scale)."""
     # Ranks that do not hold a replicated key/value head report no k/v entries.
     worst = {k: max(d[k] for d in per_rank if k in d) for k in set().union(*per_rank) if k not in NOT_DIFFS}
     name = max(worst, key=worst.get)
     print(f"{label}: max|diff| {worst[name]:.2e} ({name}), loss {worst['loss']:.2e}")
     for key, value in worst.items():
-        assert value <= TOLERANCE, (key, value)
+        assert value <= bound, (key, value)
 
 
 def check_caught(per_rank, label):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GlmConfig, GlmForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ds_tsp
 from ds_tsp.checkpoint import CheckpointError, from_pretrained, save_pretrained
@@ -145,23 +145,27 @@ def _train_step_and_save(src, dst, steps=1):
         owner = model.get_submodule(prefix)
         if getattr(param, "tensor_model_parallel", False):
             def pairs(full):
-                return sharded_pieces(owner, {n.removeprefix(f"{prefix}."): t for n, t in full.items()})
+                pieces = sharded_pieces(owner, {n.removeprefix(f"{prefix}."): t for n, t in full.items()})
+                return {f"{prefix}.{n}": pair for n, pair in pieces.items()}
         else:  # replicated: a TSP block's under its Hugging Face name
             hf_name = next((f"{prefix}.{n}" for n, p in getattr(owner, "replicated_params", dict)().items()
                             if p is param), name)
 
             def pairs(full):
                 return {hf_name: (param.detach(), full[hf_name])}
-        differ += [f"{prefix}.{n}" for n, (held, full) in pairs(saved).items() if not torch.equal(held, full)]
-        unchanged += [f"{prefix}.{n}" for n, (held, full) in pairs(original).items() if torch.equal(held, full)]
+        differ += [n for n, (held, full) in pairs(saved).items() if not torch.equal(held, full)]
+        if param.requires_grad:  # not a frozen one (ERNIE 4.5-MoE's score-correction bias)
+            unchanged += [n for n, (held, full) in pairs(original).items() if torch.equal(held, full)]
     return differ, unchanged
 
 
-@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2),
-                                         ("qwen3_5", 2)])
+@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2),
+                                         ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
-    bit for bit: Phi-3's fused q/k/v and gate/up rows, Mixtral's experts
+    bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its
+    sandwich norms; ERNIE 4.5-MoE's experts and its score-correction bias, which its files hold beside the
+    router), Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
     DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
     Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention."""
@@ -171,7 +175,7 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
         dst = str(tmp_path / f"trained-{tsp_size}")
         per_rank = run_ranks(tsp_size, _train_step_and_save, src=src, dst=dst, steps=steps)
         print(f"{arch} D={tsp_size}, {steps} steps: tensors differing from the saved files per rank "
-              f"{[len(d) for d, _ in per_rank]}, left unchanged by the steps {[u for _, u in per_rank]}")
+              f"{[len(d) for d, _ in per_rank]} {per_rank[0][0][:4]}, left unchanged by the steps {[u for _, u in per_rank]}")
         assert all(not differ for differ, _ in per_rank)
         assert all(not unchanged for _, unchanged in per_rank)
 
@@ -269,10 +273,10 @@ def test_size_errors_fire_before_any_tensor_is_read(run_ranks, tmp_path):
 
 def test_policy_and_missing_tensors_are_refused_by_name(checkpoints, tmp_path):
     topology, tsp_config = _topology_and_config()
-    # GLM fuses gate/up into one projection, which no policy of its class describes.
-    glm = _config_only(tmp_path / "glm", GlmConfig(**COMMON, pad_token_id=0))
-    with pytest.raises(PolicyError, match="GlmDecoderLayer"):
-        from_pretrained(glm, topology, tsp_config)
+    # DiffLlama's attention holds its lambdas itself, which no TSP block carries.
+    diff_llama = _config_only(tmp_path / "diffllama", DiffLlamaConfig(**COMMON, pad_token_id=0))
+    with pytest.raises(PolicyError, match="DiffLlamaDecoderLayer"):
+        from_pretrained(diff_llama, topology, tsp_config)
 
     broken = tmp_path / "broken"
     tiny_model("llama").save_pretrained(broken)
@@ -325,11 +329,11 @@ def test_a_pre_sharded_checkpoint_loads_on_its_tsp_size_only(run_ranks, checkpoi
 
 
 def test_convert_refuses_unsupported_models_before_writing(tmp_path, capsys):
-    src, out = tmp_path / "glm", tmp_path / "out"
+    src, out = tmp_path / "diffllama", tmp_path / "out"
     torch.manual_seed(0)
-    GlmForCausalLM(GlmConfig(**COMMON, pad_token_id=0)).save_pretrained(src)
+    DiffLlamaForCausalLM(DiffLlamaConfig(**COMMON, pad_token_id=0)).save_pretrained(src)
     assert main(["convert", "--in", str(src), "--out", str(out), "--tsp-size", "2"]) == 1
-    assert "GlmDecoderLayer" in capsys.readouterr().err
+    assert "DiffLlamaDecoderLayer" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -624,7 +628,7 @@ def test_up_read_as_gate_would_be_caught(tmp_path, monkeypatch):
     topology, tsp_config = _topology_and_config()
     right = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
     assert torch.equal(right, ds_tsp.inject(copy.deepcopy(ref), topology, tsp_config).model.layers[0].mlp.packed)
-    swapped = expert_files.ExpertFiles(".block_sparse_moe.", {"gate_up_proj": ("w3", "w1"), "down_proj": ("w2",)})
+    swapped = expert_files.ExpertFiles(((".block_sparse_moe.", ".mlp."),), {"gate_up_proj": ("w3", "w1"), "down_proj": ("w2",)})
     monkeypatch.setattr(reading, "expert_files", lambda config: swapped)
     wrong = from_pretrained(str(tmp_path / "hf"), topology, tsp_config).model.layers[0].mlp.packed
     assert not torch.equal(wrong, right)

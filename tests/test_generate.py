@@ -508,14 +508,16 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
 
 @pytest.mark.parametrize("arch, tsp_size", [("gemma", 2), ("gemma", 4), ("gemma2", 2), ("gemma3", 2),
                                             ("vaultgemma", 2), ("olmo2", 2), ("olmo3", 4), ("hunyuan_v1_dense", 2),
-                                            ("hunyuan_v1_moe", 2)])
+                                            ("hunyuan_v1_moe", 2), ("ernie4_5", 2), ("flint", 2), ("ministral3", 2)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are
     soft-capped in decoding too (VaultGemma's under pre-norms), its sliding
     layers see their window of the cache, Gemma-3's layers their own RoPE
     table; OLMo-2/3 norm each new token's queries and keys over all heads,
-    Hunyuan's after rotating them."""
+    Hunyuan's after rotating them; ERNIE 4.5 rotates them by its own
+    (interleaved) function, Flint's full layers not at all, and Ministral 3
+    scales each new query by its position."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
     per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,

@@ -10,6 +10,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
+from float32_control import ROUNDING_FLOOR
 from models import tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, model_parity
 
@@ -83,6 +84,46 @@ def test_hunyuan_norms_before_the_rotary_are_caught(run_ranks):
     per_rank = run_ranks(2, _norms_before_the_rotary, arch="hunyuan_v1_dense", batch=2, seq_len=13)
     worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
     print(f"Hunyuan's q/k norms before the rotary embedding: max diff {worst:.2e}")
+    assert worst > 1e-3
+
+
+# Rotary conventions other than Llama's, by the model's own function (issue 62): ERNIE 4.5 (dense, MoE) and Helium
+# rotate interleaved pairs, GLM and GLM-4 on half of each head (their gate/up fused, GLM-4's sandwich norms under
+# its own names), Flint's full layers take no positions (NoPE), Ministral 3 scales its queries by position.
+ROTARY_ARCHS = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "flint", "ministral3")
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_rotary_conventions_match_hugging_face(run_ranks, tsp_size):
+    """Padded, packed, vocabulary folded or not; ERNIE 4.5-MoE's routers compute in float32 (its gradients are
+    held relative to their scale, as the class scan holds them)."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=1, seq_len=16, vocab_parallel=False),
+             dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for arch in ROTARY_ARCHS:
+        for case in cases:
+            relative = arch == "ernie4_5_moe"
+            check(run_ranks(tsp_size, model_parity, arch=arch, relative=relative, **case),
+                  f"D={tsp_size} {arch} {case}", ROUNDING_FLOOR if relative else TOLERANCE)
+
+
+def _rotary_wrong(wrong, **kwargs):
+    """``model_parity`` with one rotary piece wrong (``wrong``): the interleaved pairs rotated as halves, every
+    layer rotated (Flint's NoPE layers too), or the query scale dropped; injection's probe, which refuses each
+    of them, skipped."""
+    from ds_tsp.blocks import rotary
+    patches = {"halves": mock.patch("ds_tsp.blocks.attention.module.model_rotary", lambda attn, halves: rotary.ROTATE_HALF),
+               "nope": mock.patch("ds_tsp.blocks.rotary.rotates", lambda attn: True),
+               "scale": mock.patch("ds_tsp.blocks.attention.module.query_scale_of", lambda attn, config: None)}
+    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+@pytest.mark.parametrize("arch, wrong", [("ernie4_5", "halves"), ("glm4", "halves"), ("flint", "nope"),
+                                         ("ministral3", "scale")])
+def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):
+    per_rank = run_ranks(2, _rotary_wrong, wrong=wrong, arch=arch, batch=2, seq_len=13)
+    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
+    print(f"{arch} with the rotary {wrong} wrong: max diff {worst:.2e}")
     assert worst > 1e-3
 
 
@@ -286,19 +327,20 @@ def test_a_fused_shard_read_from_the_wrong_rows_is_caught(run_ranks):
 
 
 def test_unsupported_blocks_are_refused_with_the_class_name():
-    from transformers import GlmConfig, GlmForCausalLM
+    from transformers import StableLmConfig, StableLmForCausalLM
 
-    # GLM fuses gate/up into one projection, which no policy of its class describes.
-    model = GlmForCausalLM(GlmConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
-    with pytest.raises(PolicyError, match=r"GlmDecoderLayer at model.layers.0.mlp lacks "
-                                          r"\['gate_proj', 'up_proj'\]"):
+    # StableLM's decoder layer has Llama's shape but computes otherwise: the probe refuses it by class.
+    model = StableLmForCausalLM(StableLmConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               pad_token_id=0))
+    with pytest.raises(PolicyError, match=r"StableLmForCausalLM \(StableLmDecoderLayer at model.layers.0\) was "
+                                          r"accepted by shape only"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True))
     # The table's model class is checked before the config and the layers: the refusal names both classes.
     with pytest.raises(PolicyError, match=r"tsp.policy = 'llama' converts LlamaForCausalLM.*but the model is a "
-                                          r"GlmForCausalLM: set tsp.policy to \"auto\""):
+                                          r"StableLmForCausalLM: set tsp.policy to \"auto\""):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, policy="llama"))
-    assert type(model).__name__ == "GlmForCausalLM"
+    assert type(model).__name__ == "StableLmForCausalLM"
 
 
 def test_left_padding_is_refused_where_the_moved_rows_would_show():

@@ -1,14 +1,21 @@
 """Queries and keys as attention sees them: the q/k norms, then the rotary embedding.
 
 A model's q/k norms are per head (Qwen3, Gemma-3) or over the whole
-projection (OLMo-2: ``ProjectionNormPiece``); the rotary embedding is the
-Hugging Face (rotate-half) convention at the tokens' GLOBAL positions, on a
-head's first dims where the rotary factor is partial (Phi-4-mini), with
-tables from the model's own rotary module (one per layer type where the model
-keeps several: Gemma-3, OLMo-3). The backward of both, for the TSP attention's
-explicit backward, is here too.
+projection (OLMo-2: ``ProjectionNormPiece``); the rotary embedding runs at
+the tokens' GLOBAL positions with tables from the model's own rotary module
+(one per layer type where the model keeps several: Gemma-3, OLMo-3), in
+Llama's (rotate-half) convention, on a head's first dims where the rotary
+factor is partial (Phi-4-mini), or through the model's own function where it
+computes another (``model_rotary``: GLM's, ERNIE 4.5's and Helium's
+interleaved pairs). The backward of both, for the TSP attention's explicit
+backward, is here too. Queries scaled by position (Llama 4's attention
+temperature tuning, Ministral 3's) are the model's own function too
+(``query_scale_of``).
 """
 
+import inspect
+import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +58,126 @@ def apply_rotary_transpose(grad, cos, sin):
     return grad * cos + _rotate_half_transpose(grad * sin)
 
 
+class RotateHalf:
+    """Llama's rotary convention, computed by ds_tsp (``apply_rotary``)."""
+
+    def __call__(self, x, cos, sin):
+        return apply_rotary(x, cos, sin)
+
+    def transpose(self, grad, cos, sin):
+        return apply_rotary_transpose(grad, cos, sin)
+
+
+ROTATE_HALF = RotateHalf()
+
+
+class NoRotary:
+    """A layer without a positional encoding (NoPE: Flint's and Cohere2's
+    full-attention layers beside rotary sliding ones)."""
+
+    def __call__(self, x, cos, sin):
+        return x
+
+    def transpose(self, grad, cos, sin):
+        return grad
+
+
+NO_ROTARY = NoRotary()
+
+
+class ModelRotary:
+    """The model's own ``apply_rotary_pos_emb`` on ``(B, L, h, d)`` tensors,
+    called as its Hugging Face attention calls it, where it computes other
+    than Llama's: neighbouring dims rotating as pairs (GLM's, ERNIE 4.5's,
+    Helium's interleaved convention), or in float32 whatever the model's dtype
+    (ERNIE 4.5's), so the rotated values are the unsharded model's to the bit.
+    A rotation's transpose is the rotation by the opposite angles: backward
+    calls it with ``-sin`` (``model_rotary`` checks this of the function)."""
+
+    def __init__(self, apply):
+        self.apply = apply
+
+    def __call__(self, x, cos, sin):
+        heads_first = x.transpose(1, 2)
+        return self.apply(heads_first, heads_first, cos, sin)[0].transpose(1, 2)
+
+    def transpose(self, grad, cos, sin):
+        return self(grad, cos, -sin)
+
+
+@torch.no_grad()
+def model_rotary(attn, rotary_halves=False):
+    """The rotary convention of the Hugging Face attention ``attn``: ``NO_ROTARY``
+    for a layer its forward does not rotate (``rotates``); ``ROTATE_HALF``
+    where its modeling module's ``apply_rotary_pos_emb`` computes Llama's to the
+    bit on a float64 probe (or tables hold each frequency once,
+    ``rotary_halves``: GPT-OSS's), else a ``ModelRotary`` of that function,
+    which must then be a rotation (its transpose its inverse)."""
+    if not rotates(attn):
+        return NO_ROTARY
+    modeling = sys.modules.get(type(attn).__module__)
+    apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    d = getattr(attn, "head_dim", 0)
+    if apply is None or rotary_halves or d < 2 or d % 2:
+        return ROTATE_HALF
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 1, 3, 2, d, generator=generator, dtype=torch.float64)
+    angles = torch.randn(1, 3, d // 2, generator=generator, dtype=torch.float64) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    own = ModelRotary(apply)
+    try:
+        rotated = own(x, cos, sin)
+    except (RuntimeError, TypeError, ValueError):  # another signature: the layer probe judges Llama's convention
+        return ROTATE_HALF
+    if torch.equal(rotated, apply_rotary(x, cos, sin)):
+        return ROTATE_HALF
+    # <R x, y> = <x, R^T y>, and R^T y is what backward computes; 1e-5: a function computing in float32.
+    if (rotated * y).sum().sub((x * own.transpose(y, cos, sin)).sum()).abs() > 1e-5 * x.numel():
+        raise ValueError(f"{modeling.__name__}.apply_rotary_pos_emb ({type(attn).__name__}) is not a rotation "
+                         "whose transpose rotates by the opposite angles, which the TSP attention's backward "
+                         "assumes: ds_tsp does not support this attention")
+    return own
+
+
+# A forward that rotates only its sliding-window layers (Flint's, Cohere2's: full attention without positions).
+ROTARY_ON_SLIDING_LAYERS_ONLY = re.compile(r"if self\.sliding_window is not None:\s+(cos, sin = position_embeddings\s+)?"
+                                           r"query_states, key_states = apply_rotary_pos_emb\(")
+
+
+def rotates(attn):
+    """Whether the Hugging Face attention ``attn``'s forward applies the rotary
+    embedding: not in a full-attention layer of a model that rotates only its
+    sliding-window layers (NoPE layers: Flint, Cohere2)."""
+    try:
+        source = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        return True
+    return ROTARY_ON_SLIDING_LAYERS_ONLY.search(source) is None or getattr(attn, "sliding_window", None) is not None
+
+
+class Llama4QueryScale:
+    """Queries scaled by position after the rotary embedding (Llama 4's
+    attention temperature tuning; Ministral 3's, Mistral 4's): the model's own
+    ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
+
+    def __init__(self, scale, beta, max_position_embeddings):
+        self.scale, self.beta, self.max_position_embeddings = scale, beta, max_position_embeddings
+
+    def __call__(self, positions):
+        return self.scale(positions, self.beta, self.max_position_embeddings)[:, 0, :, 0]
+
+
+def query_scale_of(attn, config):
+    """The position-dependent query scale ``attn``'s forward applies, or None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    modeling = sys.modules[type(attn).__module__]
+    if params.get("llama_4_scaling_beta") is None or "get_llama_4_attn_scale" not in inspect.getsource(
+            type(attn).forward):
+        return None
+    return Llama4QueryScale(modeling.get_llama_4_attn_scale, params["llama_4_scaling_beta"],
+                            params.get("original_max_position_embeddings"))
+
+
 @dataclass(frozen=True)
 class ProjectionNormPiece:
     """A head group's part of an RMSNorm over a whole projection's width
@@ -87,17 +214,18 @@ def group_norm(plan, name, j, inv_rms):
     return ProjectionNormPiece(norm.weight[norm_rows(plan, name, j, True)], inv_rms[name])
 
 
-def rotate(t, norm, cos, sin):
+def rotate(t, norm, cos, sin, rope=ROTATE_HALF):
     """Queries or keys as attention sees them: the q/k norm if the model
-    has one, then the rotary embedding at the tokens' global positions; or
-    the other way round for a norm marked ``norms_after_rotary`` (Hunyuan's)."""
+    has one, then the rotary embedding (``rope``: ``ROTATE_HALF`` or the
+    model's ``ModelRotary``) at the tokens' global positions; or the other way
+    round for a norm marked ``norms_after_rotary`` (Hunyuan's)."""
     if norm is None:
-        return apply_rotary(t, cos, sin)
+        return rope(t, cos, sin)
     # Back to t's dtype: under autocast t is in the autocast dtype while the
     # norm keeps its float32 weight (a no-op otherwise).
     if norms_after_rotary(norm):
-        return norm(apply_rotary(t, cos, sin)).to(t.dtype)
-    return apply_rotary(norm(t).to(t.dtype), cos, sin)
+        return norm(rope(t, cos, sin)).to(t.dtype)
+    return rope(norm(t).to(t.dtype), cos, sin)
 
 
 def norms_after_rotary(norm):
@@ -137,24 +265,24 @@ def layer_rotary_tables(rotary_emb, layers, hidden, positions, max_position):
             for kind in dict.fromkeys(layer.rotary_kind for layer in layers)}
 
 
-def rotate_backward(t, grad, norm, cos, sin):
+def rotate_backward(t, grad, norm, cos, sin, rope=ROTATE_HALF):
     """Gradients of ``rotate`` for its input ``t``, its norm's weight (a
     ``ProjectionNormPiece``'s rows of it) and a ``ProjectionNormPiece``'s
     inverse RMS (None where there is none; without a norm ``t`` is not read)."""
     if norm is None:
-        return apply_rotary_transpose(grad, cos, sin), None, None
+        return rope.transpose(grad, cos, sin), None, None
     with torch.enable_grad():
         # Stand-in leaves for the weight: differentiating the parameter itself
         # would run its gradient hooks (the sum over the TSP group) here too.
         t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
         if isinstance(norm, ProjectionNormPiece):
             leaves = (weight, norm.inv_rms.detach().requires_grad_())
-            out = apply_rotary(ProjectionNormPiece(*leaves)(t), cos, sin)
+            out = rope(ProjectionNormPiece(*leaves)(t), cos, sin)
         else:
             leaves = (weight,)
 
             def normed(x):  # as rotate
                 return torch.func.functional_call(norm, {"weight": weight}, (x,)).to(t.dtype)
-            out = normed(apply_rotary(t, cos, sin)) if norms_after_rotary(norm) else apply_rotary(normed(t), cos, sin)
+            out = normed(rope(t, cos, sin)) if norms_after_rotary(norm) else rope(normed(t), cos, sin)
         grads = torch.autograd.grad(out, (t, *leaves), grad)
     return grads if len(grads) == 3 else (*grads, None)

@@ -12,7 +12,9 @@ reverted on save)::
 
 where ``gate_up_proj[e]`` is gate then up on dim 0 (``(F, H)`` each) and
 ``down_proj[e]`` is down; Mixtral's whole block is renamed in the files
-(``block_sparse_moe.`` for ``mlp.``, its router too). The layout of a model
+(``block_sparse_moe.`` for ``mlp.``, its router too), ERNIE 4.5-MoE's
+score-correction bias lies beside its router (``mlp.moe_statics.`` for
+``mlp.gate.moe_statics.``). The layout of a model
 type is read from transformers' own conversion mapping
 (``get_checkpoint_conversion_mapping``). Names and views only, no files:
 ``reading`` groups file names into the model's tensors, ``writing`` splits the
@@ -31,20 +33,25 @@ _PER_EXPERT = re.compile(r"(?P<block>.+\.)experts\.(?P<expert>\d+)\.(?P<projecti
 
 @dataclass(frozen=True)
 class ExpertFiles:
-    """How one architecture's files name its sparse-MoE blocks: ``file_block``
-    where the model has ``.mlp.``, and per fused tensor the per-expert
+    """How one architecture's files name its sparse-MoE blocks: ``renames``,
+    ``(file's text, model's text)`` pairs (Mixtral's ``.block_sparse_moe.``
+    where the model has ``.mlp.``), and per fused tensor the per-expert
     projections it concatenates (on dim 0 of each expert, in this order)."""
 
-    file_block: str
+    renames: tuple
     projections: dict
 
     def file_name(self, name):
         """The file's name of the model's tensor ``name`` (not an expert tensor)."""
-        return name.replace(".mlp.", self.file_block)
+        for file_text, model_text in reversed(self.renames):
+            name = name.replace(model_text, file_text)
+        return name
 
     def model_name(self, file_name):
         """The model's name of the file's tensor ``file_name`` (not a per-expert one)."""
-        return file_name.replace(self.file_block, ".mlp.")
+        for file_text, model_text in self.renames:
+            file_name = file_name.replace(file_text, model_text)
+        return file_name
 
     def expert_of(self, file_name):
         """``(fused model name, expert, projection)`` when ``file_name`` is one
@@ -77,25 +84,36 @@ class ExpertFiles:
 
 
 _SOURCE_PROJECTION = re.compile(r"experts\.\*\.(?P<projection>\w+)\.weight$")
+_PLAIN_NAME = re.compile(r"[\w.]+")  # a renaming's pattern that names tensors literally (no wildcards)
+
+
+def _literal(pattern):
+    """A renaming's regular expression as the text it matches, where it names
+    tensors literally (``\\.`` for a dot), else None."""
+    text = pattern.replace("\\.", ".")
+    return text if _PLAIN_NAME.fullmatch(text) else None
 _TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
 
 
 def expert_files(config):
     """The ``ExpertFiles`` of a model's config, from transformers' conversion
-    mapping for its ``model_type``, or None: its files name tensors as the model does
-    (a dense model's always: transformers' mapping, 1.6 MB built once, is not consulted)."""
-    if not any(getattr(config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts")):
-        return None
-    block, projections = ".mlp.", {}
+    mapping for its ``model_type``: its sparse-MoE blocks' per-expert layout and
+    the tensors its files name otherwise (Flint's ``softmax_offset`` for the
+    model's ``sinks``), or None where its files name every tensor as the model
+    does. A renaming by a pattern (not a literal name) ds_tsp does not follow:
+    a tensor it renames is then missing from the checkpoint, by name."""
+    renames, projections = [], {}
     for conversion in get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) or []:
         sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
-        if sources == [".block_sparse_moe."] and targets == [".mlp."]:
-            block = ".block_sparse_moe."
         fused = _TARGET_FUSED.search(targets[0]) if len(targets) == 1 else None
         parts = [_SOURCE_PROJECTION.search(source) for source in sources]
         if fused and all(parts):
             projections[fused["fused"]] = tuple(part["projection"] for part in parts)
-    return ExpertFiles(block, projections) if set(projections) == {"gate_up_proj", "down_proj"} else None
+        elif len(sources) == len(targets) == 1 and None not in (_literal(sources[0]), _literal(targets[0])):
+            renames.append((_literal(sources[0]), _literal(targets[0])))
+    if projections and set(projections) != {"gate_up_proj", "down_proj"}:
+        return None
+    return ExpertFiles(tuple(renames), projections) if renames or projections else None
 
 
 def to_files(layout, tensors):

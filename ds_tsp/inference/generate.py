@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
-from ds_tsp.blocks.rotary import apply_rotary, layer_rotary_tables, rotary_at, rotate
+from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate
 from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
@@ -304,7 +304,7 @@ class TSPDecoder:
             return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
                                                                        latent[:, keep, :, :0]))
-        plan, packed = attn.plan(h), attn.shard_weights().detach()
+        plan, packed = attn.plan(h, positions=positions), attn.shard_weights().detach()
         cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
@@ -366,6 +366,8 @@ class TSPDecoder:
         gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
         q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
+        if attn.query_scale is not None:  # (B, 1) factors at the new token's position
+            q_all = q_all * attn.query_scale(positions.unsqueeze(1)).to(q_all.dtype)[:, :, None]
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
@@ -436,8 +438,8 @@ def _normed_and_rotated(attn, norm, t, cos, sin):
     attention sees them: normed (per head, or over all heads by Hugging Face's
     own norm) and rotated."""
     if norm is not None and attn.norms_span_projection:
-        return apply_rotary(norm(t.flatten(-2)).to(t.dtype).view_as(t), cos, sin)
-    return rotate(t, norm, cos, sin)
+        return attn.rope(norm(t.flatten(-2)).to(t.dtype).view_as(t), cos, sin)
+    return rotate(t, norm, cos, sin, attn.rope)
 
 
 def _all_kv_heads(groups):

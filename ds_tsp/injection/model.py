@@ -17,7 +17,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
-from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
@@ -84,13 +83,13 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
 
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None):
-        """``positions``: the local tokens' position ids ``(B, S/D)``, which a latent attention that scales its
-        queries by position reads (Mistral 4's)."""
-        by_position = {"positions": positions} if isinstance(self.mixer, TSPLatentAttention) else {}
+        """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
+        queries by position reads (Ministral 3's, Mistral 4's)."""
+        by_position = {"positions": positions} if getattr(self.mixer, "query_scale", None) is not None else {}
         hidden_states = self.branch(
             "attention", hidden_states,
             lambda normed: self.mixer(normed, position_embeddings, documents, **by_position),
-            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm))
+            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **by_position))
         return self.branch("mlp", hidden_states, self.mlp)
 
 

@@ -284,6 +284,9 @@ SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
 POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
 # Pre-norms with the MLP's under Gemma 2's name (VaultGemma).
 PRE_FEEDFORWARD_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_feedforward_layernorm", None)}
+# Sandwich norms under GLM-4's names: post_attention_layernorm is the norm BEFORE the MLP there.
+GLM4_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_self_attn_layernorm"),
+                       "mlp": ("post_attention_layernorm", "post_mlp_layernorm")}
 
 
 @dataclass(frozen=True)
@@ -379,6 +382,12 @@ AUTO = DecoderPolicy("auto", None)
 # Auto with the norms after each block only (OLMo-2's layout, FlexOlmo's), chosen by the layer's norms.
 AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFORWARD_NORMS)
+# Auto's layouts by their norms' names, the most norms first: the first a layer holds every norm of is its layout.
+AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
+                DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
+                AUTO_PRE_FEEDFORWARD_NORMS)
+# Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
+FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Per-head query/key norms (Qwen3's, Hunyuan's after the rotary embedding): optional, but both of a pair or neither.
@@ -436,10 +445,9 @@ def resolve_policy(model, name="auto"):
     else:
         policy = POLICIES[name]
     check_linear_layers(model_class, model.config, layers, policy)
-    if policy is AUTO and not all(hasattr(layers[0], norm) for norm in AUTO.norm_names()):
-        # Another layout, found by its norms' names.
-        policy = next((layout for layout in (AUTO_POST_NORMS, AUTO_PRE_FEEDFORWARD_NORMS)
-                       if all(hasattr(layers[0], norm) for norm in layout.norm_names())), AUTO)
+    if policy is AUTO:
+        policy = with_mlp_names(next((layout for layout in AUTO_LAYOUTS
+                                      if all(hasattr(layers[0], norm) for norm in layout.norm_names())), AUTO), layers)
     if policy.layer_class is None and per_layer_type(getattr(model.config, "rope_parameters", None)) and \
             getattr(model.config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)
@@ -458,6 +466,22 @@ def resolve_policy(model, name="auto"):
         check_load_balancing(type(model), model.config)
     for index, layer in enumerate(layers):
         check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
+    return policy
+
+
+def with_mlp_names(policy, layers):
+    """The auto ``policy`` with its dense MLPs' names as the first dense MLP of
+    ``layers`` holds them: gate and up rows fused in ``gate_up_proj`` (GLM's,
+    ``FUSED_GATE_UP``), the activation module named ``activation_fn`` (GLM's,
+    Phi-3's). The probe then checks the layer computes what these names say."""
+    mlp = next((layer.get_submodule(policy.mlp) for layer in layers if hasattr(layer, policy.mlp)
+                and not policy.is_sparse(layer.get_submodule(policy.mlp))), None)
+    if mlp is None:
+        return policy
+    if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
+        policy = dataclasses.replace(policy, fused=FUSED_GATE_UP)
+    if not hasattr(mlp, policy.activation) and hasattr(mlp, "activation_fn"):
+        policy = dataclasses.replace(policy, activation="activation_fn")
     return policy
 
 

@@ -19,6 +19,7 @@ from ds_tsp.blocks.documents import query_blocks
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.input_norm import recomputable
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
+from ds_tsp.blocks.rotary import ROTATE_HALF, model_rotary, query_scale_of
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import compute_dtype
 
@@ -36,7 +37,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, tsp_group, *, qkv_bias=False,
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
-                 k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False):
+                 k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False, rope=ROTATE_HALF,
+                 query_scale=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -69,6 +71,9 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.sinks = sinks
         # GPT-OSS's rotary tables hold each frequency once, and both halves of a head rotate by them.
         self.rotary_halves = rotary_halves
+        # The rotary convention: Llama's, or the model's own function (GLM's and ERNIE 4.5's interleaved pairs).
+        self.rope = rope
+        self.query_scale = query_scale  # positions -> (B, L) factors of the queries (Llama4QueryScale), or None
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
         # The weight-gradient reduces' wire dtype; None: float32 (or wider). ds_tsp.initialize
@@ -102,13 +107,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
                 norm = copy.deepcopy(norm).to_empty(device=device)
                 norm.tsp_after_rotary = after_rotary  # read by rotary.rotate
             norms[name] = norm
+        rotary_halves = rotates_whole_head_by_half_tables(attn)
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
-                     sinks=has_sinks(attn), rotary_halves=rotates_whole_head_by_half_tables(attn),
-                     output_gate=has_output_gate(attn, config, fused), **norms)
+                     sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),
+                     rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config), **norms)
         module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -125,10 +131,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.heads, name, self.tsp_rank)
 
-    def plan(self, x, documents=None, input_norm=None):
+    def plan(self, x, documents=None, input_norm=None, positions=None):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.blocks.documents``), None for one per row;
-        ``input_norm``: the layer's norm to run inside (``forward``)."""
+        ``input_norm``: the layer's norm to run inside (``forward``);
+        ``positions``: the tokens' position ids ``(B, S/D)``, which a query scale reads."""
+        if self.query_scale is not None and positions is None:
+            raise ValueError("this attention scales its queries by position (llama_4_scaling_beta): its forward "
+                             "needs the tokens' positions")
         if self.softcap is not None:
             kernel = SoftCappedKernel(self.softcap)
         else:
@@ -145,7 +155,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                                                        self.layout_name, x.shape[0], self.token_tile,
                                                        self.sliding_window),
                              fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
-                             input_norm=input_norm, token_tile=self.token_tile)
+                             input_norm=input_norm, token_tile=self.token_tile, rope=self.rope,
+                             query_scale=None if self.query_scale is None else self.query_scale(positions))
 
     def projection_inv_rms(self, x, packed, plan):
         """With q/k norms over the whole projection, each local token's inverse
@@ -167,12 +178,13 @@ class TSPAttention(PackedShardMixin, nn.Module):
             return cos, sin
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
-    def forward(self, x, position_embeddings, documents=None, input_norm=None):
+    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None):
         """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
         applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
-        then the layer's input."""
+        then the layer's input. ``positions``: the local tokens' position ids
+        ``(B, S/D)``, read by a query scale (``query_scale``)."""
         cos, sin = self.full_tables(*position_embeddings)
-        plan, packed = self.plan(x, documents, input_norm), self.shard_weights()
+        plan, packed = self.plan(x, documents, input_norm, positions), self.shard_weights()
         norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.head_groups import HeadGroups
 from ds_tsp.blocks.input_norm import TiledInputNorm
-from ds_tsp.blocks.rotary import group_norm, norm_rows, rotate, rotate_backward
+from ds_tsp.blocks.rotary import ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -57,6 +57,8 @@ class AttentionPlan:
     k_norm: object = None  # Gemma-3) or over the whole projection (OLMo-2: see ProjectionNormPiece)
     input_norm: object = None  # the layer's norm before the attention, run inside it (ds_tsp.blocks.input_norm)
     token_tile: int = 0  # tsp.token_tile: the input norm's tiles in backward
+    rope: object = ROTATE_HALF  # the rotary convention (rotary.ROTATE_HALF, or the model's own ModelRotary)
+    query_scale: object = None  # (B, S/D) factors of the local queries after the rotary (Ministral 3's), or None
 
     @property
     def tsp_size(self):
@@ -97,6 +99,25 @@ def project(x, weights, name, heads_per_rank, head_dim):
     """``x`` ``(B, L, H)`` through projection ``name`` of a shard -> ``(B, L, heads, d)``."""
     out = F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
     return out.view(*x.shape[:2], heads_per_rank, head_dim)
+
+
+def queries(plan, q, norm, cos, sin):
+    """The raw queries ``q`` ``(B, L, h, d)`` as attention sees them: normed,
+    rotated and scaled by position where the model does (``plan.query_scale``)."""
+    rotated = rotate(q, norm, cos, sin, plan.rope)
+    return rotated if plan.query_scale is None else rotated * query_factor(plan, rotated)
+
+
+def queries_backward(plan, q, grad, norm, cos, sin):
+    """``rotate_backward`` of ``queries`` for the raw queries ``q`` and the gradient ``grad`` of what attention saw."""
+    if plan.query_scale is not None:
+        grad = grad * query_factor(plan, grad)
+    return rotate_backward(q, grad, norm, cos, sin, plan.rope)
+
+
+def query_factor(plan, like):
+    """``plan.query_scale`` ``(B, L, 1, 1)`` in ``like``'s dtype, as Hugging Face casts it."""
+    return plan.query_scale[:, :, None, None].to(like.dtype)
 
 
 def split_gate(q, head_dim):
@@ -233,7 +254,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
             v = project(x, w, "v_proj", heads.kv_heads, d)
-            k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin)
+            k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
             gathers[j] = gather_kv(plan, k_rotated, v)
             if kv_sink is not None:
                 kv_sink(k_rotated, v)
@@ -248,7 +269,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
         q, gate = split_gate(project(x, w, "q_proj", heads.q_heads, heads.q_width), d)
-        q_rotated = rotate(q, group_norm(plan, "q", j, inv_rms), cos, sin)
+        q_rotated = queries(plan, q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V, w.get("sinks"))
         gated = o if gate is None else o * torch.sigmoid(gate)
         precision.add_matmul(out, gated.flatten(2).flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
@@ -331,13 +352,13 @@ class Recomputation:
         if heads.holds_kv(j):
             self.keys[j] = self.project(w, "k_proj", heads.kv_heads)
             self.gathers[j] = gather_kv(plan, rotate(self.keys[j], group_norm(plan, "k", j, self.inv_rms), self.cos,
-                                                     self.sin), self.project(w, "v_proj", heads.kv_heads))
+                                                     self.sin, plan.rope), self.project(w, "v_proj", heads.kv_heads))
         return w
 
     def keys_backward(self, holder, dk):
         """``rotate_backward`` of the holder's keys, which are then dropped."""
         norm = group_norm(self.plan, "k", holder, self.inv_rms)
-        return rotate_backward(self.keys.pop(holder), dk, norm, self.cos, self.sin)
+        return rotate_backward(self.keys.pop(holder), dk, norm, self.cos, self.sin, self.plan.rope)
 
 
 class HeadGroupGrads:
@@ -480,7 +501,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
         raw_q, gate = split_gate(inputs.project(w, "q_proj", heads.q_heads, heads.q_width), heads.head_dim)
-        q = rotate(raw_q, q_norm, cos, sin)
+        q = queries(plan, raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if gate is not None:
             grad_gated, sigmoid = grad_o, torch.sigmoid(gate)
@@ -494,7 +515,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
         if unfinished is not None:  # the previous set's reduce-scatter ran under this group's compute
             grads.add_kv_set(*unfinished)
             unfinished = None
-        dq, *grad_q_norm = rotate_backward(raw_q, dq, q_norm, cos, sin)
+        dq, *grad_q_norm = queries_backward(plan, raw_q, dq, q_norm, cos, sin)
         raw_q = None
         if gate is not None:
             dq = torch.cat([dq, grad_gate.to(dq.dtype)], dim=-1)  # each head's query rows, then its gate's

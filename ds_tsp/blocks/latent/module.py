@@ -16,6 +16,7 @@ from ds_tsp.blocks.documents import query_blocks
 from ds_tsp.blocks.latent.schedule import FORMS, LatentPlan, TSPLatentAttentionFunction
 from ds_tsp.blocks.latent.shards import LatentShapes, REPLICATED, shard_piece, shard_spec
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
+from ds_tsp.blocks.rotary import query_scale_of
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import compute_dtype
 
@@ -48,28 +49,6 @@ def model_rope(attn, config):
     if "apply_rotary_pos_emb_interleave" in source and getattr(config, "rope_interleave", False):
         return ModelRope(modeling.apply_rotary_pos_emb_interleave)
     return ModelRope(modeling.apply_rotary_pos_emb)
-
-
-class Llama4QueryScale:
-    """Mistral 4's queries scaled by position (Llama 4's attention temperature
-    tuning): the model's own ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
-
-    def __init__(self, scale, beta, max_position_embeddings):
-        self.scale, self.beta, self.max_position_embeddings = scale, beta, max_position_embeddings
-
-    def __call__(self, positions):
-        return self.scale(positions, self.beta, self.max_position_embeddings)[:, 0, :, 0]
-
-
-def query_scale_of(attn, config):
-    """The position-dependent query scale ``attn``'s forward applies, or None."""
-    params = getattr(config, "rope_parameters", None) or {}
-    modeling = sys.modules[type(attn).__module__]
-    if params.get("llama_4_scaling_beta") is None or "get_llama_4_attn_scale" not in inspect.getsource(
-            type(attn).forward):
-        return None
-    return Llama4QueryScale(modeling.get_llama_4_attn_scale, params["llama_4_scaling_beta"],
-                            params.get("original_max_position_embeddings"))
 
 
 class TSPLatentAttention(PackedShardMixin, nn.Module):
