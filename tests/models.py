@@ -25,7 +25,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
-                          FlintConfig, FlintForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
+                          FlintConfig, FlintForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
                           HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
                           HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, Ministral3Config,
                           Ministral3ForCausalLM, VaultGemmaConfig, VaultGemmaForCausalLM)
@@ -334,6 +334,10 @@ def tiny_config(arch, **overrides):
         return Ernie4_5_MoeConfig(**{"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 8,
                                      "moe_num_shared_experts": 1, "moe_layer_start_index": 1, **moe,
                                      "output_router_logits": False})
+    if arch == "granitemoe":  # the MoE block at block_sparse_moe (files: input_linear / output_linear), 4 experts
+        # top-2, Granite's attention multiplier (the attention's scale); auto policy
+        return GraniteMoeConfig(**{"num_local_experts": 4, "attention_multiplier": 0.3, **moe,
+                                   "output_router_logits": False})
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
                                "layer_types": ["sliding_attention", "full_attention"], **moe})
@@ -409,6 +413,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
                  "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
+                 "granitemoe": GraniteMoeForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

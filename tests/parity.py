@@ -84,8 +84,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
     # Replicated tensors of the TSP blocks (o_proj / down_proj biases, q/k
     # norms) under their Hugging Face names.
     hf_names = {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-                for index, layer in enumerate(tsp_model.model.layers) for block_name in (layer.mixer_name, "mlp")
-                for hf_name, param in getattr(layer, block_name).replicated_params().items()}
+                for index, layer in enumerate(tsp_model.model.layers)
+                for block_name, block in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
+                for hf_name, param in block.replicated_params().items()}
     diffs = {}
     for name, param in tsp_model.named_parameters():
         if not getattr(param, "tensor_model_parallel", False) and param.requires_grad:  # not a frozen buffer-like
@@ -102,8 +103,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
     # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
     blocks = [(f"model.layers.{index}.{name}.{inner}".rstrip("."), block)
-              for index, layer in enumerate(tsp_model.model.layers) for name in (layer.mixer_name, "mlp")
-              for inner, block in getattr(layer, name).named_modules() if isinstance(block, PackedShardMixin)]
+              for index, layer in enumerate(tsp_model.model.layers)
+              for name, outer in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
+              for inner, block in outer.named_modules() if isinstance(block, PackedShardMixin)]
     for prefix, block in blocks:
         for name, grad in block.spec.unpack(block.packed.grad).items():
             # A fused Hugging Face tensor (Phi-3's qkv_proj) holds the piece at shifted rows.

@@ -140,16 +140,21 @@ def _train_step_and_save(src, dst, steps=1):
     original, saved = ({n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
                        for path in (src, dst))
     differ, unchanged = [], []
+    # The TSP layer keeps its MLP as mlp, under its Hugging Face name mlp_name (Granite-MoE's block_sparse_moe).
+    hf_mlp = {f"model.layers.{index}.mlp": f"model.layers.{index}.{layer.mlp_name}"
+              for index, layer in enumerate(model.model.layers)}
     for name, param in model.named_parameters():
         prefix = name.rsplit(".", 1)[0]
         owner = model.get_submodule(prefix)
+        hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_mlp.items()
+                          if prefix == tsp or prefix.startswith(f"{tsp}.")), prefix)
         if getattr(param, "tensor_model_parallel", False):
             def pairs(full):
-                pieces = sharded_pieces(owner, {n.removeprefix(f"{prefix}."): t for n, t in full.items()})
-                return {f"{prefix}.{n}": pair for n, pair in pieces.items()}
+                pieces = sharded_pieces(owner, {n.removeprefix(f"{hf_prefix}."): t for n, t in full.items()})
+                return {f"{hf_prefix}.{n}": pair for n, pair in pieces.items()}
         else:  # replicated: a TSP block's under its Hugging Face name
-            hf_name = next((f"{prefix}.{n}" for n, p in getattr(owner, "replicated_params", dict)().items()
-                            if p is param), name)
+            hf_name = next((f"{hf_prefix}.{n}" for n, p in getattr(owner, "replicated_params", dict)().items()
+                            if p is param), hf_prefix + name[len(prefix):])
 
             def pairs(full):
                 return {hf_name: (param.detach(), full[hf_name])}
@@ -159,13 +164,13 @@ def _train_step_and_save(src, dst, steps=1):
     return differ, unchanged
 
 
-@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2),
+@pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2), ("granitemoe", 2),
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its
     sandwich norms; ERNIE 4.5-MoE's experts and its score-correction bias, which its files hold beside the
-    router), Mixtral's experts
+    router; Granite-MoE's block_sparse_moe, its experts' files input_linear / output_linear), Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
     DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
     Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention."""

@@ -118,6 +118,16 @@ def _rotary_wrong(wrong, **kwargs):
         return model_parity(**kwargs)
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_granite_moe_matches_hugging_face(run_ranks, tsp_size):
+    """Granite-MoE's experts at block_sparse_moe (the auto policy finds the block by that name), its multipliers;
+    its router computes in float32, so its gradients are held relative to their scale."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for case in cases:
+        check(run_ranks(tsp_size, model_parity, arch="granitemoe", relative=True, **case),
+              f"D={tsp_size} granitemoe {case}", ROUNDING_FLOOR)
+
+
 @pytest.mark.parametrize("arch, wrong", [("ernie4_5", "halves"), ("glm4", "halves"), ("flint", "nope"),
                                          ("ministral3", "scale")])
 def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):

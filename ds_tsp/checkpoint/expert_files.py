@@ -75,7 +75,7 @@ class ExpertFiles:
     def files_of(self, name, tensor):
         """``[(file name, tensor)]`` that the model's tensor ``name`` is written as
         (views of ``tensor``), in transformers' order: each projection's experts in turn."""
-        if _FUSED.fullmatch(name) is None:
+        if not self.projections or _FUSED.fullmatch(name) is None:
             return [(self.file_name(name), tensor)]
         projections = self.projections_of(name)
         return [(self.expert_file_name(name, expert, projection), part[expert])

@@ -40,12 +40,15 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
     model's one table). The token mixer (``mixer``) is the TSP attention, or a
     hybrid's Gated DeltaNet, under its Hugging Face name ``mixer_name``
-    (``self_attn``, ``linear_attn``). Subclassing HF's checkpointing layer
-    makes ``model.gradient_checkpointing_enable()`` recompute it."""
+    (``self_attn``, ``linear_attn``); the MLP is ``mlp`` whatever its Hugging
+    Face name, ``mlp_name`` (Granite-MoE's ``block_sparse_moe``), which the
+    checkpoint readers and writers use (``DecoderPolicy.mlp``). Subclassing HF's
+    checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it."""
 
-    def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn"):
+    def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
+                 mlp_name="mlp"):
         super().__init__()
-        self.mixer_name = mixer_name
+        self.mixer_name, self.mlp_name = mixer_name, mlp_name
         # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
         # flat buffers, its checkpoints) in this order.
         for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
@@ -61,6 +64,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     def mixer(self):
         """The token mixer: the TSP attention, or a hybrid's Gated DeltaNet."""
         return getattr(self, self.mixer_name)
+
 
     def norms(self):
         """The layer's norms by Hugging Face name."""

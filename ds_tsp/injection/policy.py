@@ -386,6 +386,8 @@ AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFOR
 AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
                 AUTO_PRE_FEEDFORWARD_NORMS)
+# Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's).
+MLP_NAMES = ("block_sparse_moe", "feed_forward")
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 
@@ -446,8 +448,11 @@ def resolve_policy(model, name="auto"):
         policy = POLICIES[name]
     check_linear_layers(model_class, model.config, layers, policy)
     if policy is AUTO:
-        policy = with_mlp_names(next((layout for layout in AUTO_LAYOUTS
-                                      if all(hasattr(layers[0], norm) for norm in layout.norm_names())), AUTO), layers)
+        policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
+                                                                  for norm in layout.norm_names())), AUTO)
+        if not hasattr(layers[0], policy.mlp):
+            policy = dataclasses.replace(policy, mlp=next((n for n in MLP_NAMES if hasattr(layers[0], n)), policy.mlp))
+        policy = with_mlp_names(policy, layers)
     if policy.layer_class is None and per_layer_type(getattr(model.config, "rope_parameters", None)) and \
             getattr(model.config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)
