@@ -24,7 +24,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
-from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
+from transformers import (Cohere2Config, Cohere2ForCausalLM, Cohere2MoeConfig, Cohere2MoeForCausalLM, CohereConfig,
+                          CohereForCausalLM, Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           FlintConfig, FlintForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
                           HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
                           HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, Ministral3Config,
@@ -199,9 +200,10 @@ def widen_float32_casts(modeling):
     a float64 model, so that a float64 reference is float64-exact:
     Gated DeltaNet's chunked rule and its layers' decay and gated norms (a
     split of the sequence at any token then differs by about 2e-7), their
-    (1 + w) RMSNorms (Gemma's), RMSNorms multiplying by their weight in float32
-    (Helium's: their weight's gradient, a float32 sum over tokens, depends on
-    its order) and a rotary function rotating in float32 (ERNIE 4.5's)."""
+    (1 + w) RMSNorms (Gemma's), RMS and layer norms multiplying by their weight
+    in float32 (Helium's, Cohere's: their weight's gradient, a float32 sum over
+    tokens, depends on its order) and a rotary function rotating in float32
+    (ERNIE 4.5's, Cohere's)."""
     if getattr(modeling, "_ds_tsp_widened", False):
         return
     if hasattr(modeling, "torch_chunk_gated_delta_rule"):
@@ -225,7 +227,7 @@ def widen_float32_casts(modeling):
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
         elif name.endswith("RMSNorm") and "(1.0 + self.weight.float())" in source:
             cls.forward = gemma_rms_norm_in_the_wider_dtype
-        elif name.endswith("RMSNorm") and "self.weight.to(torch.float32) * hidden_states" in source:
+        elif name.endswith(("RMSNorm", "LayerNorm")) and "self.weight.to(torch.float32) * hidden_states" in source:
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
     modeling._ds_tsp_widened = True
 
@@ -281,6 +283,12 @@ def tiny_config(arch, **overrides):
         return GlmConfig(**{**PHI3_TOKENS, **kwargs, "head_dim": overrides.get("head_dim", 8)})
     if arch == "glm4":  # GLM's, with sandwich norms under its own names (post_self_attn_layernorm, post_mlp_layernorm)
         return Glm4Config(**{**PHI3_TOKENS, **kwargs, "head_dim": overrides.get("head_dim", 8)})
+    if arch == "cohere":  # attention and MLP side by side off one layer norm, interleaved pairs rotated in float32
+        # (widened), logits scaled by logit_scale; auto policy (issue 62)
+        return CohereConfig(**{**PHI3_TOKENS, "logit_scale": 0.25, **kwargs})
+    if arch == "cohere2":  # Cohere's layer; rotary sliding layers, full layers without positions (Command A's)
+        return Cohere2Config(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5,
+                                "layer_types": ["sliding_attention", "full_attention"], **kwargs})
     if arch == "helium":  # the rotary embedding on interleaved pairs; auto policy (issue 62)
         return HeliumConfig(**kwargs)
     if arch == "flint":  # rotary sliding layers, full layers without positions (NoPE); sinks; q/k norms; auto policy
@@ -337,6 +345,10 @@ def tiny_config(arch, **overrides):
     if arch == "granitemoe":  # the MoE block at block_sparse_moe (files: input_linear / output_linear), 4 experts
         # top-2, Granite's attention multiplier (the attention's scale); auto policy
         return GraniteMoeConfig(**{"num_local_experts": 4, "attention_multiplier": 0.3, **moe,
+                                   "output_router_logits": False})
+    if arch == "cohere2_moe":  # Cohere2's attention; 4 softmax-routed experts top-2 in the parallel block
+        return Cohere2MoeConfig(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5, "num_experts": 4,
+                                   "layer_types": ["sliding_attention", "full_attention"], **moe,
                                    "output_router_logits": False})
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
@@ -413,7 +425,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
                  "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
-                 "granitemoe": GraniteMoeForCausalLM,
+                 "granitemoe": GraniteMoeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
+                 "cohere2_moe": Cohere2MoeForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

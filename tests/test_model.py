@@ -128,6 +128,42 @@ def test_granite_moe_matches_hugging_face(run_ranks, tsp_size):
               f"D={tsp_size} granitemoe {case}", ROUNDING_FLOOR)
 
 
+# Cohere (Command R), Cohere2 (Command A) and Cohere2-MoE: attention and MLP side by side off one norm, the logits
+# scaled in the folded head, interleaved pairs rotated in float32, Cohere2's full layers without positions.
+COHERE_ARCHS = ("cohere", "cohere2", "cohere2_moe")
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_cohere_families_match_hugging_face(run_ranks, tsp_size):
+    cases = (dict(batch=2, seq_len=13), dict(batch=1, seq_len=16, vocab_parallel=False),
+             dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for arch in COHERE_ARCHS:
+        for case in cases:
+            check(run_ranks(tsp_size, model_parity, arch=arch, **case), f"D={tsp_size} {arch} {case}")
+
+
+def sequential_blocks(layer, hidden, run_attention, run_mlp, run_attention_with_norm=None):
+    """``TSPDecoderLayer.blocks`` ignoring ``parallel``: the MLP after the attention, on its output."""
+    return layer.branch("mlp", layer.branch("attention", hidden, run_attention, run_attention_with_norm), run_mlp)
+
+
+def _cohere_wrong(wrong, **kwargs):
+    """``model_parity`` with Cohere's blocks run one after the other, or its logits left unscaled; injection's
+    probe, which refuses either, skipped."""
+    patches = {"sequential": mock.patch("ds_tsp.injection.model.TSPDecoderLayer.blocks", sequential_blocks),
+               "unscaled": mock.patch("ds_tsp.injection.model.LogitMap.of", lambda config: None)}
+    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+@pytest.mark.parametrize("wrong", ["sequential", "unscaled"])
+def test_a_wrong_cohere_block_is_caught(run_ranks, wrong):
+    per_rank = run_ranks(2, _cohere_wrong, wrong=wrong, arch="cohere", batch=2, seq_len=13)
+    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
+    print(f"Cohere with its blocks {wrong}: max diff {worst:.2e}")
+    assert worst > 1e-3
+
+
 @pytest.mark.parametrize("arch, wrong", [("ernie4_5", "halves"), ("glm4", "halves"), ("flint", "nope"),
                                          ("ministral3", "scale")])
 def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):

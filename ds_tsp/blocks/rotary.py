@@ -122,7 +122,10 @@ def model_rotary(attn, rotary_halves=False):
         return ROTATE_HALF
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(2, 1, 3, 2, d, generator=generator, dtype=torch.float64)
-    angles = torch.randn(1, 3, d // 2, generator=generator, dtype=torch.float64) * 3
+    # Tables whose every pair of dims shares an angle both as halves and as neighbours (Llama's layout of the
+    # table, each half of it repeating each angle twice), so that either convention's function is a rotation.
+    angles = torch.randn(1, 3, d // 4 or 1, generator=generator, dtype=torch.float64).mul(3)
+    angles = angles.repeat_interleave(2, dim=-1)[..., :d // 2]
     cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
     own = ModelRotary(apply)
     try:
@@ -139,20 +142,25 @@ def model_rotary(attn, rotary_halves=False):
     return own
 
 
-# A forward that rotates only its sliding-window layers (Flint's, Cohere2's: full attention without positions).
-ROTARY_ON_SLIDING_LAYERS_ONLY = re.compile(r"if self\.sliding_window is not None:\s+(cos, sin = position_embeddings\s+)?"
+# A forward that rotates only its sliding-window layers (Flint's, Cohere2's: full attention without positions), or
+# those and the layers a flag of its own names (Cohere2-MoE's force_rope).
+ROTARY_ON_SLIDING_LAYERS_ONLY = re.compile(r"if self\.sliding_window is not None(?: or self\.(?P<flag>\w+))?:\s+"
+                                           r"(cos, sin = position_embeddings\s+)?"
                                            r"query_states, key_states = apply_rotary_pos_emb\(")
 
 
 def rotates(attn):
     """Whether the Hugging Face attention ``attn``'s forward applies the rotary
     embedding: not in a full-attention layer of a model that rotates only its
-    sliding-window layers (NoPE layers: Flint, Cohere2)."""
+    sliding-window layers (NoPE layers: Flint, Cohere2), unless the flag its
+    forward reads with the window is set (Cohere2-MoE's ``force_rope``)."""
     try:
         source = inspect.getsource(type(attn).forward)
     except (OSError, TypeError):
         return True
-    return ROTARY_ON_SLIDING_LAYERS_ONLY.search(source) is None or getattr(attn, "sliding_window", None) is not None
+    guarded = ROTARY_ON_SLIDING_LAYERS_ONLY.search(source)
+    return (guarded is None or getattr(attn, "sliding_window", None) is not None
+            or bool(guarded["flag"] and getattr(attn, guarded["flag"], False)))
 
 
 class Llama4QueryScale:

@@ -50,6 +50,8 @@ logits of one replicated position only, so each rank computes its ``(B, Vs)``
 slice and the slices are all-gathered.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -314,29 +316,73 @@ def soft_cap(logits, cap):
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _capped_logits(hidden, w, acc, softcap):
-    """A tile's logits against shard rows ``w``, soft-capped, in ``acc``, and
-    the derivative of the cap (None without one) for the backward."""
+@dataclass(frozen=True)
+class LogitMap:
+    """The final logits as the model's forward makes them from the LM head's
+    output ``z``: ``z * multiplier / divisor`` (Cohere's ``logit_scale``, a
+    multiplier; Granite's ``logits_scaling``, a divisor), then soft-capped at
+    ``cap`` (Gemma-2's ``final_logit_softcapping``), in Hugging Face's order of
+    operations. The fused head + loss ring applies it to each tile of logits
+    and its slope in backward, so no full-vocabulary tensor is made for it."""
+
+    multiplier: float = 1.0
+    divisor: float = 1.0
+    cap: float | None = None
+
+    @classmethod
+    def of(cls, config):
+        """The map of ``config``'s causal LM, or None where its logits are the head's output."""
+        logit_map = cls(getattr(config, "logit_scale", None) or 1.0, getattr(config, "logits_scaling", None) or 1.0,
+                        getattr(config, "final_logit_softcapping", None))
+        return None if logit_map == cls() else logit_map
+
+    def __call__(self, z):
+        if self.multiplier != 1.0:
+            z = z * self.multiplier
+        if self.divisor != 1.0:
+            z = z / self.divisor
+        return soft_cap(z, self.cap)
+
+    def __str__(self):
+        steps = ([f"times {self.multiplier} (config.logit_scale)"] if self.multiplier != 1.0 else []) + \
+            ([f"divided by {self.divisor} (config.logits_scaling)"] if self.divisor != 1.0 else []) + \
+            ([f"soft-cap at {self.cap} (config.final_logit_softcapping)"] if self.cap is not None else [])
+        return " -> ".join(steps)
+
+    def slope(self, mapped):
+        """The derivative of the map at each of its outputs ``mapped``: a tensor under a cap, else a number."""
+        linear = self.multiplier / self.divisor
+        return linear if self.cap is None else (1 - (mapped / self.cap) ** 2) * linear
+
+
+def map_logits(logits, logit_map):
+    """``logit_map(logits)``, or ``logits`` without a map (None)."""
+    return logits if logit_map is None else logit_map(logits)
+
+
+def _capped_logits(hidden, w, acc, logit_map):
+    """A tile's logits against shard rows ``w``, mapped (``LogitMap``), in
+    ``acc``, and the map's derivative (None without one) for the backward."""
     z = F.linear(hidden, w).to(acc)
-    if softcap is None:
+    if logit_map is None:
         return z, None
-    capped = soft_cap(z, softcap)
-    return capped, 1 - (capped / softcap) ** 2
+    mapped = logit_map(z)
+    return mapped, logit_map.slope(mapped)
 
 
 # What the forward ring can also find per token, over the same tiles (``cross_entropy_ring_forward``).
 RING_STATISTICS = ("argmax", "expected_logit", "logit_sum", "square_lse")
 
 
-def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, softcap=None,
+def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap=True, logit_map=None,
                                temperature=1.0, statistics=()):
     """``(losses, lse, {statistic: (N,)})``: the per-token cross-entropy
     ``(N,)`` (0 where the label is ignored) and the log-sum-exp ``(N,)`` of
     every token's full-vocabulary logits, both in fp32 or wider, and the
     ``statistics`` asked for. ``hidden`` ``(N, H)``, ``weight`` this rank's
-    ``(Vs, H)`` head rows; ``softcap``: the final logits' soft-cap
-    (``config.final_logit_softcapping``); ``temperature``: the logits divided
-    by it after the cap (RL trainers'). The statistics, found shard by shard
+    ``(Vs, H)`` head rows; ``logit_map``: the final logits' ``LogitMap``
+    (scale and soft-cap) or None; ``temperature``: the logits divided
+    by it after the map (RL trainers'). The statistics, found shard by shard
     on the same ring (``RING_STATISTICS``): ``argmax``, each token's predicted
     id, the first of the largest logits as ``logits.argmax(-1)`` picks;
     ``expected_logit``, ``sum_v p_v z_v`` (the entropy is ``lse`` less it), a
@@ -364,7 +410,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
         w = buf[:count]
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
-            z, _ = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
+            z, _ = _capped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
             if temperature != 1.0:
                 z = z / temperature
             grown = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
@@ -392,7 +438,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
 
 
 def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_size, tile, tsp_group, overlap=True,
-                                grad_wire_dtype=None, weight_grad=True, softcap=None, temperature=1.0,
+                                grad_wire_dtype=None, weight_grad=True, logit_map=None, temperature=1.0,
                                 grad_entropy=None, expected=None):
     """``(grad_hidden (N, H), grad_weight (Vs, H))``, the latter summed over every
     rank's tokens, from the saved log-sum-exp (logits recomputed per tile); its
@@ -418,7 +464,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
             # In place on the tile's logits, which nothing else reads: one (tile, count) buffer in fp32.
-            dz, cap_slope = _capped_logits(hidden[span], w, acc, softcap)  # (tile, count)
+            dz, cap_slope = _capped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
             if temperature != 1.0:
                 dz.div_(temperature)
             column, hit = _targets_in(labels[span], first, count)
@@ -458,13 +504,13 @@ class _CrossEntropyRing(torch.autograd.Function):
     # losses stay in float32 as in HF's loss.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap):
+    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, logit_map):
         losses, lse, _ = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group, overlap,
-                                                    softcap)
+                                                    logit_map)
         # Local tokens only (hidden, labels, lse) plus this rank's own shard.
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
-        ctx.grad_wire_dtype, ctx.softcap = grad_wire_dtype, softcap
+        ctx.grad_wire_dtype, ctx.logit_map = grad_wire_dtype, logit_map
         return losses
 
     @staticmethod
@@ -474,7 +520,7 @@ class _CrossEntropyRing(torch.autograd.Function):
         grad_hidden, grad_weight = cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse,
                                                                ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
                                                                ctx.grad_wire_dtype, ctx.needs_input_grad[1],
-                                                               ctx.softcap)
+                                                               ctx.logit_map)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
@@ -487,16 +533,16 @@ class _TokenScoresRing(torch.autograd.Function):
 
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, softcap,
+    def forward(ctx, hidden, weight, labels, vocab_size, tile, tsp_group, overlap, grad_wire_dtype, logit_map,
                 temperature, statistics):
         losses, lse, found = cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_group,
-                                                        overlap, softcap, temperature,
+                                                        overlap, logit_map, temperature,
                                                         ("expected_logit", *statistics))
         expected = found["expected_logit"]
         real = labels != IGNORE_INDEX
         ctx.save_for_backward(hidden, weight, labels, lse, expected)
         ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap = vocab_size, tile, tsp_group, overlap
-        ctx.grad_wire_dtype, ctx.softcap, ctx.temperature = grad_wire_dtype, softcap, temperature
+        ctx.grad_wire_dtype, ctx.logit_map, ctx.temperature = grad_wire_dtype, logit_map, temperature
         extras = [found[name] if name != "square_lse" else found[name] - 2 * lse for name in statistics]
         ctx.mark_non_differentiable(*extras)
         return (-losses, torch.where(real, lse - expected, 0), *extras)
@@ -508,7 +554,7 @@ class _TokenScoresRing(torch.autograd.Function):
         grad_losses = torch.zeros_like(lse) if grad_logprobs is None else -grad_logprobs
         grad_hidden, grad_weight = cross_entropy_ring_backward(
             grad_losses, hidden, weight, labels, lse, ctx.vocab_size, ctx.tile, ctx.tsp_group, ctx.overlap,
-            ctx.grad_wire_dtype, ctx.needs_input_grad[1], ctx.softcap, ctx.temperature, grad_entropy, expected)
+            ctx.grad_wire_dtype, ctx.needs_input_grad[1], ctx.logit_map, ctx.temperature, grad_entropy, expected)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
@@ -542,30 +588,30 @@ class VocabParallelLMHead(_VocabShard):
         weight = gather_rows(self.weight, self.tsp_group)[:self.vocab_size]
         return F.linear(hidden, weight)
 
-    def loss_sum(self, hidden, labels, softcap=None):
+    def loss_sum(self, hidden, labels, logit_map=None):
         """Sum over this rank's tokens of the cross-entropy against ``labels``
-        (``IGNORE_INDEX`` skipped) of the logits soft-capped by ``softcap``,
+        (``IGNORE_INDEX`` skipped) of the logits mapped by ``logit_map`` (``LogitMap``: scaled, soft-capped),
         fused with the head; no full logits."""
         losses = _CrossEntropyRing.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1),
                                          self.vocab_size, self.tile, self.tsp_group, self.overlap,
-                                         self.grad_wire_dtype, softcap)
+                                         self.grad_wire_dtype, logit_map)
         return losses.sum()
 
-    def token_scores(self, hidden, labels, softcap=None, temperature=1.0, statistics=()):
+    def token_scores(self, hidden, labels, logit_map=None, temperature=1.0, statistics=()):
         """``(log-probabilities of the labels, entropies, {statistic: values})``,
         each ``labels``' shape, float32 or wider, of this rank's tokens' logits
-        soft-capped by ``softcap`` and divided by ``temperature``; 0 where the
+        mapped by ``logit_map`` (``LogitMap``: scaled, soft-capped) and divided by ``temperature``; 0 where the
         label is ``IGNORE_INDEX``. ``statistics`` (no gradient): of
         ``RING_STATISTICS``, ``square_lse`` given as ``log sum_v p_v^2``. Fused
         with the head on its ring: no full logits."""
         logprobs, entropy, *extras = _TokenScoresRing.apply(
             hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.vocab_size, self.tile,
-            self.tsp_group, self.overlap, self.grad_wire_dtype, softcap, float(temperature), tuple(statistics))
+            self.tsp_group, self.overlap, self.grad_wire_dtype, logit_map, float(temperature), tuple(statistics))
         return (logprobs.view(labels.shape), entropy.view(labels.shape),
                 {name: value.view(labels.shape) for name, value in zip(statistics, extras)})
 
     @torch.no_grad()
-    def loss_sum_and_argmax(self, hidden, labels, softcap=None):
+    def loss_sum_and_argmax(self, hidden, labels, logit_map=None):
         """Evaluation: ``loss_sum`` (no gradient) and the predicted ids ``(...)``
         of this rank's tokens, the argmax of their full-vocabulary logits found
         on the same ring, without them. ``labels`` None: no loss (None)."""
@@ -573,7 +619,7 @@ class VocabParallelLMHead(_VocabShard):
                        else labels).reshape(-1)
         losses, _, found = cross_entropy_ring_forward(hidden.reshape(-1, hidden.shape[-1]), self.weight,
                                                       flat_labels, self.vocab_size, self.tile, self.tsp_group,
-                                                      self.overlap, softcap, statistics=("argmax",))
+                                                      self.overlap, logit_map, statistics=("argmax",))
         predicted = found["argmax"]
         return (None if labels is None else losses.sum()), predicted.view(hidden.shape[:-1])
 
@@ -602,8 +648,8 @@ def replicated_embedding(embed, ids):
     return embed(ids)
 
 
-def full_vocab_logits(lm_head, hidden, softcap=None):
-    """Logits ``(..., V)`` of a ``hidden`` replicated over the TSP group, soft-capped by ``softcap``."""
+def full_vocab_logits(lm_head, hidden, logit_map=None):
+    """Logits ``(..., V)`` of a ``hidden`` replicated over the TSP group, mapped by ``logit_map`` (``LogitMap``: scaled, soft-capped)."""
     if isinstance(lm_head, VocabParallelLMHead):
-        return soft_cap(lm_head.replicated_logits(hidden), softcap)
-    return soft_cap(lm_head(hidden), softcap)
+        return map_logits(lm_head.replicated_logits(hidden), logit_map)
+    return map_logits(lm_head(hidden), logit_map)

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
 from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate
-from ds_tsp.blocks.vocab import embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
+from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -252,7 +252,7 @@ class TSPDecoder:
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)
-        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.logit_map = LogitMap.of(model.config)
 
     @torch.no_grad()
     def prefill(self, prompt, lengths):
@@ -286,13 +286,13 @@ class TSPDecoder:
                     for state, value in zip(cache.states(index), (conv, recurrent)):
                         state.copy_(value)
 
-                hidden = layer.branch("attention", hidden, lambda normed: prefill_delta_net(
-                    layer.mixer, normed, positions, lengths, self.group, store))
+                def attention(normed):
+                    return prefill_delta_net(layer.mixer, normed, positions, lengths, self.group, store)
             else:
-                hidden = layer.branch("attention", hidden, lambda normed: self._prefill_attention(
-                    cache, index, slots, keep, layer.mixer, normed, tables[layer.rotary_kind],
-                    positions.expand(batch, -1)))
-            hidden = layer.branch("mlp", hidden, layer.mlp)
+                def attention(normed):
+                    return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
+                                                   tables[layer.rotary_kind], positions.expand(batch, -1))
+            hidden = layer.blocks(hidden, attention, layer.mlp)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
     def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions):
@@ -329,12 +329,13 @@ class TSPDecoder:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mixer, TSPGatedDeltaNet):
-                hidden = layer.branch("attention", hidden, lambda normed: decode_delta_net(
-                    layer.mixer, normed, *cache.states(index), self._sum_over_group))
+                def attention(normed):
+                    return decode_delta_net(layer.mixer, normed, *cache.states(index), self._sum_over_group)
             else:
-                hidden = layer.branch("attention", hidden, lambda normed: self._attention(
-                    cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots, positions))
-            hidden = layer.branch("mlp", hidden, lambda normed: self._mlp(layer.mlp, normed))
+                def attention(normed):
+                    return self._attention(cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots,
+                                           positions)
+            hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed))
         cache.next_positions = positions + 1
         return self._logits(hidden)
 
@@ -423,7 +424,7 @@ class TSPDecoder:
         return gathered[owners, torch.arange(hidden.shape[0], device=hidden.device)].unsqueeze(1)
 
     def _logits(self, hidden):
-        return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_softcap)[:, 0]
+        return full_vocab_logits(self.lm_head, self.final_norm(hidden), self.logit_map)[:, 0]
 
 
 def _cache_shape(attn):

@@ -20,7 +20,7 @@ from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
-from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, embed_local_tokens, soft_cap
+from ds_tsp.blocks.vocab import IGNORE_INDEX, LogitMap, VocabParallelLMHead, embed_local_tokens, map_logits
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding, rows_left_aligned,
                                      vocabulary_rows)
@@ -43,12 +43,16 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     (``self_attn``, ``linear_attn``); the MLP is ``mlp`` whatever its Hugging
     Face name, ``mlp_name`` (Granite-MoE's ``block_sparse_moe``), which the
     checkpoint readers and writers use (``DecoderPolicy.mlp``). Subclassing HF's
-    checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it."""
+    checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it.
+    ``parallel``: the MLP reads the attention's normed input and both add to
+    the layer's input (Cohere's layer), ``blocks`` runs them so."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
-                 mlp_name="mlp"):
+                 mlp_name="mlp", parallel=False):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
+        # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
+        self.parallel = parallel
         # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
         # flat buffers, its checkpoints) in this order.
         for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
@@ -90,11 +94,20 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
         queries by position reads (Ministral 3's, Mistral 4's)."""
         by_position = {"positions": positions} if getattr(self.mixer, "query_scale", None) is not None else {}
-        hidden_states = self.branch(
-            "attention", hidden_states,
-            lambda normed: self.mixer(normed, position_embeddings, documents, **by_position),
+        return self.blocks(
+            hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **by_position), self.mlp,
             lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **by_position))
-        return self.branch("mlp", hidden_states, self.mlp)
+
+    def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None):
+        """The layer's two blocks on ``hidden`` (``branch``'s ``run`` for each):
+        one after the other, or side by side (``parallel``) as
+        ``hidden + attention(norm(hidden)) + mlp(norm(hidden))``, in Hugging Face's order."""
+        if not self.parallel:
+            hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
+            return self.branch("mlp", hidden, run_mlp)
+        before, _ = self.layout["attention"]
+        normed = normalize(getattr(self, before), hidden, self.recompute_norms)
+        return hidden + run_attention(normed) + run_mlp(normed)
 
 
 def normalize(norm, hidden, recompute):
@@ -330,14 +343,14 @@ class TSPCausalLMMixin:
             for decoder_layer in layers:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
-        head, softcap = self.get_submodule(policy.lm_head), getattr(self.config, "final_logit_softcapping", None)
+        head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(self.config)
         if request.wanted:
             (loss, scores), logits = head_token_scores(head, hidden, batch, topo.tsp_group, num_items_in_batch,
-                                                       softcap, request.temperature, request.wanted,
+                                                       logit_map, request.temperature, request.wanted,
                                                        request.statistics), None
         else:
             (loss, logits), scores = lm_head_and_loss(head, hidden, batch, topo.tsp_group, num_items_in_batch,
-                                                      softcap, tsp_predictions), {}
+                                                      logit_map, tsp_predictions), {}
         if tsp_predictions is not None:
             logits = gather_sequence(logits, batch.num_padding, topo.tsp_group, self.tsp_config.layout)
         aux_loss = None
@@ -388,10 +401,10 @@ def router_aux_loss(model, moe_blocks, router_logits, batch):
     return load_balancing_loss(router_logits, top_k, batch.real, model.tsp_topology.tsp_group)
 
 
-def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None,
+def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_map=None,
                      predictions=None):
     """``(loss, logits)`` of the normed local hidden states ``(B, S/D, H)``,
-    the logits soft-capped by ``logit_softcap`` (``config.final_logit_softcapping``).
+    the logits mapped by ``logit_map`` (``LogitMap``: the config's logit scale and final soft-cap).
 
     The loss (None without labels) is the mean cross-entropy over all real
     tokens of the full sequence: each rank sums its own tokens' losses and the
@@ -403,11 +416,11 @@ def lm_head_and_loss(lm_head, hidden, batch, tsp_group, num_items_in_batch=None,
     logits, from which the loss is then taken."""
     folded = isinstance(lm_head, VocabParallelLMHead)
     if predictions == "argmax" and folded:
-        local_sum, logits = lm_head.loss_sum_and_argmax(hidden, batch.labels, logit_softcap)
+        local_sum, logits = lm_head.loss_sum_and_argmax(hidden, batch.labels, logit_map)
     elif folded and predictions is None and batch.labels is not None:
-        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels, logit_softcap)
+        logits, local_sum = None, lm_head.loss_sum(hidden, batch.labels, logit_map)
     else:
-        logits = soft_cap(lm_head(hidden), logit_softcap)
+        logits = map_logits(lm_head(hidden), logit_map)
         local_sum = None if batch.labels is None else F.cross_entropy(
             logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), batch.labels.flatten(),
             ignore_index=IGNORE_INDEX, reduction="sum")

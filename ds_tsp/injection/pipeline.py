@@ -32,7 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ds_tsp.blocks.moe.load_balancing import balance_loss, recorded_router_logits, routing_statistics
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import rotary_tables
-from ds_tsp.blocks.vocab import embed_local_tokens
+from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens
 from ds_tsp.injection.inputs import check_token_ids, vocabulary_rows
 from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
 from ds_tsp.injection.policy import load_balancing_loss
@@ -133,11 +133,11 @@ class TSPPipeLoss:
     """LM head and mean cross-entropy over all real tokens of the full sequence
     (labels come full, as the data iterator yields them), plus
     ``aux_loss_coef`` times the load-balancing loss when the last stage's
-    output carries its statistics; the logits soft-capped by ``logit_softcap``."""
+    output carries its statistics; the logits mapped by ``logit_map`` (``LogitMap``)."""
 
-    def __init__(self, head_pipe, topology, layout_name, aux_loss_coef=0.0, logit_softcap=None):
+    def __init__(self, head_pipe, topology, layout_name, aux_loss_coef=0.0, logit_map=None):
         self.head_pipe, self.topology, self.layout_name = head_pipe, topology, layout_name
-        self.aux_loss_coef, self.logit_softcap = aux_loss_coef, logit_softcap
+        self.aux_loss_coef, self.logit_map = aux_loss_coef, logit_map
 
     def __call__(self, outputs, labels):
         topo = self.topology
@@ -145,7 +145,7 @@ class TSPPipeLoss:
         check_token_ids(None, labels, vocabulary_rows(self.head_pipe.lm_head))
         batch = TSPBatch(labels, labels, None, None, topo.tsp_rank, topo.tsp_size, self.layout_name)
         loss, _ = lm_head_and_loss(self.head_pipe.lm_head, hidden, batch, topo.tsp_group,
-                                   logit_softcap=self.logit_softcap)
+                                   logit_map=self.logit_map)
         if statistics:
             loss = loss + self.aux_loss_coef * balance_loss(statistics[0], topo.tsp_group)
         return loss
@@ -206,7 +206,7 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     layers.append(head)
     pipe_topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=topology.tsp_size, num_dp=topology.dp_size)
     loss_fn = TSPPipeLoss(head, topology, tsp_config.layout, getattr(model.config, "router_aux_loss_coef", 0.0),
-                          getattr(model.config, "final_logit_softcapping", None))
+                          LogitMap.of(model.config))
     pipe = PipelineModule(layers=layers, loss_fn=loss_fn, topology=pipe_topology,
                           partition_method="type:TSPDecoderLayerPipe",
                           activation_checkpoint_interval=1 if activation_checkpointing else 0,

@@ -222,8 +222,9 @@ AUTO_CONFIG = {
     # the capped kernel, from the attention module's attn_logit_softcapping (the probe compares the layer).
     "final_logit_softcapping": SOFT_CAPPING["final_logit_softcapping"],
     "attn_logit_softcapping": SOFT_CAPPING["attn_logit_softcapping"],
-    "logit_scale": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
-    "logits_scaling": Accepts(NEUTRAL_SCALE, "logit scaling, which the TSP forward does not apply"),
+    # The final logits scaled inside the fused LM head + loss ring (vocab.LogitMap); the probe checks the logits.
+    "logit_scale": Accepts(any_value, "the final logits multiplied by it inside the fused LM head + loss ring"),
+    "logits_scaling": Accepts(any_value, "the final logits divided by it inside the fused LM head + loss ring"),
     "embedding_multiplier": Accepts(NEUTRAL_SCALE, "embedding scaling, which the TSP forward does not apply"),
     "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
     "query_pre_attn_scalar": SOFT_CAPPING["query_pre_attn_scalar"],
@@ -284,6 +285,8 @@ SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
 POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
 # Pre-norms with the MLP's under Gemma 2's name (VaultGemma).
 PRE_FEEDFORWARD_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_feedforward_layernorm", None)}
+# One norm feeding the attention and the MLP side by side (Cohere's parallel block: DecoderPolicy.parallel_blocks).
+PARALLEL_NORMS = {"attention": ("input_layernorm", None), "mlp": (None, None)}
 # Sandwich norms under GLM-4's names: post_attention_layernorm is the norm BEFORE the MLP there.
 GLM4_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_self_attn_layernorm"),
                        "mlp": ("post_attention_layernorm", "post_mlp_layernorm")}
@@ -319,6 +322,8 @@ class DecoderPolicy:
     # Fused projections, per block (``attention``, ``mlp``): ``{fused projection:
     # the logical projections whose rows it holds, in row order}`` (``ds_tsp.blocks.fused``).
     fused: dict = field(default_factory=dict, hash=False)
+    # The attention and the MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
+    parallel_blocks: bool = False
     # The sparse MoE block class at ``mlp`` (``ds_tsp.blocks.moe.module``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
@@ -385,7 +390,7 @@ AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFOR
 # Auto's layouts by their norms' names, the most norms first: the first a layer holds every norm of is its layout.
 AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
-                AUTO_PRE_FEEDFORWARD_NORMS)
+                AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
 # Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's).
 MLP_NAMES = ("block_sparse_moe", "feed_forward")
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).

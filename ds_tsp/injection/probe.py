@@ -10,7 +10,7 @@ identities, and refuses the model on any difference beyond round-off in:
 
 * the forward outside the layers: what reaches the first layer must be the
   embeddings fed in, and the logits what left the last layer (soft-capped
-  where the config sets ``final_logit_softcapping``, as the TSP head does);
+  where the config scales or soft-caps them, as the TSP head does: ``LogitMap``);
 * the probed layer's output against the TSP layer's, built by ``inject``'s
   own builder from a float64 copy of it and run on the same batch sharded over
   the TSP group, with the rotary tables the TSP forward computes.
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ds_tsp.blocks.rotary import rotary_tables
-from ds_tsp.blocks.vocab import soft_cap
+from ds_tsp.blocks.vocab import LogitMap, map_logits
 from ds_tsp.injection.model import TSPBatch
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
@@ -96,7 +96,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
     base_tolerance = EAGER_TOLERANCE if implementation == "eager" else TOLERANCE
     base_reference = (f"under Hugging Face's {implementation} attention, against a tolerance of {base_tolerance:.0e}"
                       + (" (its softmax runs in float32)" if implementation == "eager" else ""))
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    logit_map = LogitMap.of(model.config)
     for index in probed.values():
         with _probe_settings(model, implementation):
             outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
@@ -106,7 +106,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             tolerance = max(tolerance, LINEAR_TOLERANCE)
             reference += f" ({tolerance:.0e} for a Gated DeltaNet layer, whose rule Hugging Face runs in float32)"
         if outside > tolerance:
-            head = "lm_head" if cap is None else f"lm_head -> soft-cap at {cap} (config.final_logit_softcapping)"
+            head = "lm_head" if logit_map is None else f"lm_head -> {logit_map}"
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
                               f"decoder layers differs from embed -> layers -> norm -> {head} (relative "
                               f"difference {outside:.1e} on a float64 probe {reference}), e.g. scales embeddings "
@@ -175,8 +175,8 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                               f"could not run on the float64 probe ({type(error).__name__}: {error}): ds_tsp does "
                               "not support it") from error
         layer_in, layer_out = recorder.seen
-        # The final logits soft-capped as the TSP head does (config.final_logit_softcapping), nothing else.
-        expected = soft_cap(layer_out, getattr(model.config, "final_logit_softcapping", None))
+        # The final logits mapped as the TSP head does (LogitMap: scaled, soft-capped), nothing else.
+        expected = map_logits(layer_out, LogitMap.of(model.config))
         outside = torch.maximum(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), expected))
 
         tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import ModelOutput
 
-from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, soft_cap
+from ds_tsp.blocks.vocab import IGNORE_INDEX, VocabParallelLMHead, map_logits
 from ds_tsp.parallel.mappings import gather_sequence, gather_tokens, sum_over_group
 
 
@@ -128,20 +128,20 @@ def fused_head_output(model, batch, loss, scores, seq_len, vocab_size, aux_loss=
         label_mask=mask, aux_loss=aux_loss)
 
 
-def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_softcap=None,
+def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None, logit_map=None,
                       temperature=1.0, wanted=("token_logprobs", "entropy"), statistics=()):
     """``(loss, {name: values})``: the ``wanted`` log-probabilities
     (``token_logprobs``) and entropies of the normed local hidden states
     ``(B, S/D, H)`` against the batch's labels, the logits soft-capped by
-    ``logit_softcap`` and divided by ``temperature``, None where not wanted,
+    ``logit_map`` and divided by ``temperature``, None where not wanted,
     and the ``statistics`` of ``vocab.RING_STATISTICS`` (no gradient). The
     loss is the mean of ``-logp`` over the real targets of the whole sequence
     (Hugging Face's cross-entropy at temperature 1)."""
     labels = batch.labels
     if isinstance(lm_head, VocabParallelLMHead):
-        logprobs, entropy, found = lm_head.token_scores(hidden, labels, logit_softcap, temperature, statistics)
+        logprobs, entropy, found = lm_head.token_scores(hidden, labels, logit_map, temperature, statistics)
     else:
-        logprobs, entropy, found = _replicated_head_scores(lm_head, hidden, labels, logit_softcap, temperature,
+        logprobs, entropy, found = _replicated_head_scores(lm_head, hidden, labels, logit_map, temperature,
                                                            statistics)
     count = batch.num_real_labels if num_items_in_batch is None else num_items_in_batch
     divisor = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
@@ -150,9 +150,9 @@ def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None
     return sum_over_group(-logprobs.sum(), tsp_group) / divisor, scores
 
 
-def _replicated_head_scores(lm_head, hidden, labels, logit_softcap, temperature, statistics):
+def _replicated_head_scores(lm_head, hidden, labels, logit_map, temperature, statistics):
     """``head_token_scores``' values from a replicated head's local logits."""
-    logits = soft_cap(lm_head(hidden), logit_softcap)
+    logits = map_logits(lm_head(hidden), logit_map)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_softmax = F.log_softmax(logits, -1)
     real = labels != IGNORE_INDEX
