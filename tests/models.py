@@ -28,7 +28,8 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, Cohere2MoeConfig, C
                           CohereForCausalLM, Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           FlintConfig, FlintForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
                           HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
-                          HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, Ministral3Config,
+                          HunYuanDenseV1ForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, Jais2Config,
+                          Jais2ForCausalLM, Ministral3Config, NemotronConfig, NemotronForCausalLM,
                           Ministral3ForCausalLM, VaultGemmaConfig, VaultGemmaForCausalLM)
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoRMSNorm
@@ -289,6 +290,10 @@ def tiny_config(arch, **overrides):
     if arch == "cohere2":  # Cohere's layer; rotary sliding layers, full layers without positions (Command A's)
         return Cohere2Config(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5,
                                 "layer_types": ["sliding_attention", "full_attention"], **kwargs})
+    if arch == "nemotron":  # an ungated MLP, down(relu2(up(x))); layer norms (1 + w) with biases; half of each head
+        return NemotronConfig(**{**PHI3_TOKENS, "partial_rotary_factor": 0.5, **kwargs})  # rotary; auto policy
+    if arch == "jais2":  # an ungated MLP with biases, q/k/v/o biases; auto policy
+        return Jais2Config(**{**PHI3_TOKENS, **kwargs})
     if arch == "helium":  # the rotary embedding on interleaved pairs; auto policy (issue 62)
         return HeliumConfig(**kwargs)
     if arch == "flint":  # rotary sliding layers, full layers without positions (NoPE); sinks; q/k norms; auto policy
@@ -426,7 +431,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
                  "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
                  "granitemoe": GraniteMoeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
-                 "cohere2_moe": Cohere2MoeForCausalLM,
+                 "cohere2_moe": Cohere2MoeForCausalLM, "nemotron": NemotronForCausalLM, "jais2": Jais2ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

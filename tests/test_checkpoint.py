@@ -165,13 +165,14 @@ def _train_step_and_save(src, dst, steps=1):
 
 
 @pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2), ("granitemoe", 2),
-                                         ("cohere2", 1), ("cohere2_moe", 2),
+                                         ("cohere2", 1), ("cohere2_moe", 2), ("jais2", 1),
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its
     sandwich norms; ERNIE 4.5-MoE's experts and its score-correction bias, which its files hold beside the
-    router; Granite-MoE's block_sparse_moe, its experts' files input_linear / output_linear), Mixtral's experts
+    router; Granite-MoE's block_sparse_moe, its experts' files input_linear / output_linear; Jais-2's ungated
+    MLP), Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
     DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
     Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention."""

@@ -12,7 +12,7 @@ from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from float32_control import ROUNDING_FLOOR
 from models import tiny_model
-from parity import NOT_DIFFS, TOLERANCE, check, model_parity
+from parity import NOT_DIFFS, TOLERANCE, check, check_caught, model_parity
 
 
 # Fused projections (Phi-3's qkv_proj and gate_up_proj, read at shifted rows),
@@ -162,6 +162,20 @@ def test_a_wrong_cohere_block_is_caught(run_ranks, wrong):
     worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
     print(f"Cohere with its blocks {wrong}: max diff {worst:.2e}")
     assert worst > 1e-3
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_ungated_mlps_match_hugging_face(run_ranks, tsp_size):
+    """Nemotron's and Jais-2's MLPs, down(act(up(x))) (Jais-2's with biases), on the MLP ring without a gate."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for arch in ("nemotron", "jais2"):
+        for case in cases:
+            check(run_ranks(tsp_size, model_parity, arch=arch, **case), f"D={tsp_size} {arch} {case}")
+
+
+def test_a_wrong_ungated_mlp_shard_is_caught(run_ranks):
+    per_rank = run_ranks(2, model_parity, arch="jais2", batch=2, seq_len=13, wrong_shard="model.layers.0.mlp")
+    check_caught(per_rank, "Jais-2's MLP shard scaled on one rank")
 
 
 @pytest.mark.parametrize("arch, wrong", [("ernie4_5", "halves"), ("glm4", "halves"), ("flint", "nope"),

@@ -52,16 +52,19 @@ SHARD_DIMS = {
 DOWN_BIAS = "down_proj.bias"
 
 
-def shard_spec(hidden_size, intermediate_size, tsp_size, bias):
-    """``PackSpec`` of one rank's shard; raises if ``F`` does not split evenly."""
+def shard_spec(hidden_size, intermediate_size, tsp_size, bias, gated=True):
+    """``PackSpec`` of one rank's shard (without ``gate_proj`` for an ungated
+    MLP, ``down(act(up(x)))``); raises if ``F`` does not split evenly."""
     if intermediate_size % tsp_size:
         raise ValueError(
             f"intermediate_size {intermediate_size} is not divisible by tsp.size {tsp_size}: choose tsp.size "
             f"from the divisors of {intermediate_size} that divide the world size, or pad intermediate_size"
         )
     f = intermediate_size // tsp_size
-    shapes = {"gate_proj.weight": (f, hidden_size)}
-    if bias:
+    shapes = {}
+    if gated:
+        shapes["gate_proj.weight"] = (f, hidden_size)
+    if gated and bias:
         shapes["gate_proj.bias"] = (f,)
     shapes["up_proj.weight"] = (f, hidden_size)
     if bias:
@@ -84,11 +87,17 @@ def shard_forward(x, w, act_fn, out=None, add=True):
     and its gate and up projections ``(..., F/D)`` for backward. With ``out``
     (``(N, H)`` for tokens ``x`` ``(N, H)``) the contribution is added to it in
     place (written, when not ``add``), and ``out`` returned for it."""
-    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
+    gate = gate_projection(x, w)
     up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
+    h = act_fn(up) if gate is None else act_fn(gate) * up
     if out is None:
-        return F.linear(act_fn(gate) * up, w["down_proj.weight"]), gate, up
-    return precision.add_matmul(out, act_fn(gate) * up, w["down_proj.weight"].t(), add), gate, up
+        return F.linear(h, w["down_proj.weight"]), gate, up
+    return precision.add_matmul(out, h, w["down_proj.weight"].t(), add), gate, up
+
+
+def gate_projection(x, w):
+    """The gate projection of the tokens ``x`` by shard weights ``w``; None in an ungated MLP."""
+    return F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias")) if "gate_proj.weight" in w else None
 
 
 def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
@@ -100,8 +109,11 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     with ``into`` (``{name: accumulator}``, float32 or wider) the weight
     gradients are added into those in place instead (written, when not
     ``add``) and ``into`` is returned.
-    The activation's derivative comes from autograd so any ``ACT2FN`` entry works.
+    The activation's derivative comes from autograd so any ``ACT2FN`` entry
+    works. An ungated MLP (``gate`` None) differentiates ``act(up)``.
     """
+    if gate is None:
+        return _ungated_shard_backward(x2, grad_y2, w, act_fn, up, {} if into is None else into, add)
     with torch.enable_grad():
         gate = gate.detach().requires_grad_()
         act = act_fn(gate)
@@ -127,11 +139,38 @@ def shard_backward(x2, grad_y2, w, act_fn, gate, up, into=None, add=True):
     return grad_x, into
 
 
+def _ungated_shard_backward(x2, grad_y2, w, act_fn, up, into, add):
+    """``shard_backward`` of an ungated MLP's shard, ``down(act(up(x)))``."""
+    with torch.enable_grad():
+        up = up.detach().requires_grad_()
+        act = act_fn(up)
+    into["down_proj.weight"] = precision.partial_matmul(grad_y2.t(), act.detach(), out=into.get("down_proj.weight"),
+                                                        add=add)
+    (grad_up,) = torch.autograd.grad(act, up, grad_y2 @ w["down_proj.weight"])
+    del act
+    into["up_proj.weight"] = precision.partial_matmul(grad_up.t(), x2, out=into.get("up_proj.weight"), add=add)
+    if "up_proj.bias" in w:
+        acc = accumulation_dtype(grad_up.dtype)
+        if "up_proj.bias" not in into:
+            into["up_proj.bias"] = grad_up.sum(0, dtype=acc)
+        else:
+            into["up_proj.bias"].add_(grad_up.sum(0, dtype=acc)) if add else torch.sum(grad_up, 0, dtype=acc,
+                                                                                       out=into["up_proj.bias"])
+    return grad_up @ w["up_proj.weight"], into
+
+
+def input_projections(mlp, fused=None):
+    """The logical projections of the Hugging Face MLP ``mlp`` before its
+    activation: ``gate_proj`` and ``up_proj``, or ``up_proj`` alone in an
+    ungated MLP (no gate, none fused)."""
+    return ("gate_proj", "up_proj") if fused or hasattr(mlp, "gate_proj") else ("up_proj",)
+
+
 def hf_rows(mlp, fused=None):
     """Where gate/up lie in the Hugging Face gated MLP ``mlp`` under the policy's
     ``fused`` table for it (``ds_tsp.blocks.fused``: gate rows, then up)."""
     intermediate_size = mlp.down_proj.in_features
-    rows = FusedRows.of(fused or {}, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
+    rows = FusedRows.of(fused or {}, dict.fromkeys(input_projections(mlp, fused), intermediate_size))
     rows.check_rows(mlp, type(mlp).__name__)
     return rows
 
@@ -208,10 +247,10 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
         into = plan.spec.unpack(grad_shard)  # the first tile writes the weight gradients, the others add
         for start, end in tiles:
             x_tile = x2[start:end]
-            if gates:
+            if ups:
                 gate, up = gates[t], ups[t]
             else:
-                gate = F.linear(x_tile, w["gate_proj.weight"], w.get("gate_proj.bias"))
+                gate = gate_projection(x_tile, w)
                 up = F.linear(x_tile, w["up_proj.weight"], w.get("up_proj.bias"))
             tile_grad_x, _ = shard_backward(x_tile, grad_y2[start:end], w, plan.act_fn, gate, up, into,
                                             add=start > 0)
@@ -247,7 +286,8 @@ class _MLPRing(torch.autograd.Function):
 
 class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """``down(act(gate(x)) * up(x))`` over the local tokens, weights sharded on
-    ``F`` across ``tsp_group`` and moved by a ring (see the module docstring).
+    ``F`` across ``tsp_group`` and moved by a ring (see the module docstring);
+    without ``gated``, ``down(act(up(x)))`` (Nemotron's, Arcee's, Jais-2's MLPs).
 
     Parameters: ``packed``, this rank's shard of gate/up/down (and gate/up
     biases) laid out by ``self.spec``, tagged ``tensor_model_parallel``; and,
@@ -255,12 +295,12 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """
 
     def __init__(self, hidden_size, intermediate_size, act_fn, tsp_group, bias=False, overlap=True, token_tile=0,
-                 fp32_accumulators=True, dtype=None, device=None):
+                 fp32_accumulators=True, dtype=None, device=None, gated=True):
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.tsp_group = tsp_group
         self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
-        self.spec = shard_spec(hidden_size, intermediate_size, self.tsp_size, bias)
+        self.spec = shard_spec(hidden_size, intermediate_size, self.tsp_size, bias, gated)
         self.act_fn = act_fn
         self.overlap = overlap
         self.plan = MLPPlan(self.spec, act_fn, tsp_group, overlap, token_tile, fp32_accumulators)
@@ -307,14 +347,15 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         (``DecoderPolicy.fused``, Phi-3's ``gate_up_proj``), whose rows ``read``
         is then asked for under Hugging Face's names (``ds_tsp.blocks.fused``).
         """
-        rows = hf_rows(mlp, fused)
-        gate, up, down = (rows.hf_module(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        biases = [proj.bias is not None for proj in (gate, up, down)]
+        rows, names = hf_rows(mlp, fused), (*input_projections(mlp, fused), "down_proj")
+        projections = [rows.hf_module(mlp, name) for name in names]
+        biases = [proj.bias is not None for proj in projections]
         if len(set(biases)) != 1:
-            raise ValueError(f"TSPGatedMLP needs biases on all of gate/up/down_proj or none, got {biases}")
+            raise ValueError(f"TSPGatedMLP needs biases on all of {list(names)} or none, got {biases}")
+        down = projections[-1]
         module = cls(down.out_features, down.in_features, getattr(mlp, activation), tsp_group, bias=biases[0],
                      overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
-                     dtype=gate.weight.dtype, device=device or gate.weight.device)
+                     dtype=down.weight.dtype, device=device or down.weight.device, gated="gate_proj" in names)
         module.hf_rows = rows
         read = rows.reader(read or module_reader(mlp))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})

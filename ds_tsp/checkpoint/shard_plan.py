@@ -111,7 +111,7 @@ def _delta_net_shards(hf_layer, tsp_size):
 
 
 def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
-    """``BlockShards`` of a layer's MLP: a dense gated MLP, or a sparse MoE
+    """``BlockShards`` of a layer's MLP: a dense MLP (gated or not), or a sparse MoE
     block (experts cut on dim 0 of the fused 3-D tensors: a piece like any
     other, placed by ``placement``, an ``ExpertPlacement`` or None)."""
     if policy.is_sparse(hf_mlp):
@@ -122,10 +122,11 @@ def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
         return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(
             num_experts, shared_size, tsp_size, name, r, placement.size, placement.first + r),
             moe.replicated_names(hf_mlp)), FusedRows())
-    rows = mlp.hf_rows(hf_mlp, policy.fused.get(policy.mlp))
+    fused = policy.fused.get(policy.mlp)
+    rows, inputs = mlp.hf_rows(hf_mlp, fused), mlp.input_projections(hf_mlp, fused)
     hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
     specs = [mlp.shard_spec(hidden_size, intermediate_size, tsp_size,
-                            rows.hf_module(hf_mlp, "gate_proj").bias is not None)] * tsp_size
+                            rows.hf_module(hf_mlp, inputs[0]).bias is not None, "gate_proj" in inputs)] * tsp_size
     return BlockShards(specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
                                         [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else []), rows)
 

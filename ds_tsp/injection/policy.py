@@ -324,6 +324,8 @@ class DecoderPolicy:
     fused: dict = field(default_factory=dict, hash=False)
     # The attention and the MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
     parallel_blocks: bool = False
+    # The dense MLP gated, down(act(gate(x)) * up(x)), or not, down(act(up(x))) (Nemotron's, Arcee's).
+    gated_mlp: bool = True
     # The sparse MoE block class at ``mlp`` (``ds_tsp.blocks.moe.module``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
@@ -335,6 +337,10 @@ class DecoderPolicy:
     def norm_names(self):
         """The names of a layer's norms, in the order the layer applies them."""
         return [name for pair in self.norm_layout.values() for name in pair if name is not None]
+
+    def mlp_projections(self):
+        """The dense MLP's logical projections."""
+        return MLP_PROJECTIONS if self.gated_mlp else UNGATED_MLP_PROJECTIONS
 
     def hf_projections(self, block, projections):
         """``projections`` of ``block`` as its Hugging Face module holds them: those this policy fuses under
@@ -402,6 +408,7 @@ ATTENTION_NORMS = tuple(attention.QK_NORMS)
 # Tensors an attention module may hold itself, which the TSP attention shards with its heads: GPT-OSS's sinks.
 ATTENTION_TENSORS = ("sinks",)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
 
 
 def latent_projections(attn):
@@ -482,14 +489,18 @@ def resolve_policy(model, name="auto"):
 def with_mlp_names(policy, layers):
     """The auto ``policy`` with its dense MLPs' names as the first dense MLP of
     ``layers`` holds them: gate and up rows fused in ``gate_up_proj`` (GLM's,
-    ``FUSED_GATE_UP``), the activation module named ``activation_fn`` (GLM's,
-    Phi-3's). The probe then checks the layer computes what these names say."""
+    ``FUSED_GATE_UP``), no gate at all (Nemotron's, Arcee's: ``gated_mlp``), the
+    activation module named ``activation_fn`` (GLM's, Phi-3's). The probe then
+    checks the layer computes what these names say."""
     mlp = next((layer.get_submodule(policy.mlp) for layer in layers if hasattr(layer, policy.mlp)
                 and not policy.is_sparse(layer.get_submodule(policy.mlp))), None)
     if mlp is None:
         return policy
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
         policy = dataclasses.replace(policy, fused=FUSED_GATE_UP)
+    elif not hasattr(mlp, "gate_proj") and all(isinstance(getattr(mlp, name, None), nn.Linear)
+                                               for name in UNGATED_MLP_PROJECTIONS):
+        policy = dataclasses.replace(policy, gated_mlp=False)
     if not hasattr(mlp, policy.activation) and hasattr(mlp, "activation_fn"):
         policy = dataclasses.replace(policy, activation="activation_fn")
     return policy
@@ -610,7 +621,8 @@ def check_layer(policy, layer, where):
         mixer_parts = latent_projections(children[policy.attention])
     else:
         mixer_parts = policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS)
-    expected = {mixer: mixer_parts, policy.mlp: () if sparse else policy.hf_projections(policy.mlp, MLP_PROJECTIONS),
+    expected = {mixer: mixer_parts,
+                policy.mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections()),
                 **{name: () for name in policy.norm_names()}}
     check_own_tensors(layer, where, layer_class)
     for child, projections in expected.items():
