@@ -81,12 +81,7 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
     def scale(name):
         return max(1.0, ref[name].abs().max().item()) if relative else 1.0
 
-    # Replicated tensors of the TSP blocks (o_proj / down_proj biases, q/k
-    # norms) under their Hugging Face names.
-    hf_names = {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-                for index, layer in enumerate(tsp_model.model.layers)
-                for block_name, block in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
-                for hf_name, param in block.replicated_params().items()}
+    hf_names = replicated_hf_names(tsp_model)
     diffs = {}
     for name, param in tsp_model.named_parameters():
         if not getattr(param, "tensor_model_parallel", False) and param.requires_grad:  # not a frozen buffer-like
@@ -113,6 +108,15 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             full_name = f"{prefix}.{hf_name}"
             diffs[f"{prefix}.{name}"] = (grad - ref[full_name].narrow(*piece)).abs().max().item() / scale(full_name)
     return diffs
+
+
+def replicated_hf_names(tsp_model):
+    """``{id(parameter): Hugging Face name}`` of the tensors the TSP blocks keep
+    whole on every rank (o_proj / down_proj biases, q/k norms, routers)."""
+    return {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
+            for index, layer in enumerate(tsp_model.model.layers)
+            for block_name, block in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
+            for hf_name, param in block.replicated_params().items()}
 
 
 def sharded_pieces(module, full):

@@ -20,7 +20,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from models import COMMON, PER_EXPERT_FILE_ARCHS, tiny_model
-from parity import sharded_pieces
+from parity import replicated_hf_names, sharded_pieces
 from scripts import start_script
 from test_engine import ZERO3_PARTITIONED
 
@@ -143,6 +143,7 @@ def _train_step_and_save(src, dst, steps=1):
     # The TSP layer keeps its MLP as mlp, under its Hugging Face name mlp_name (Granite-MoE's block_sparse_moe).
     hf_mlp = {f"model.layers.{index}.mlp": f"model.layers.{index}.{layer.mlp_name}"
               for index, layer in enumerate(model.model.layers)}
+    replicated = replicated_hf_names(model)
     for name, param in model.named_parameters():
         prefix = name.rsplit(".", 1)[0]
         owner = model.get_submodule(prefix)
@@ -153,8 +154,7 @@ def _train_step_and_save(src, dst, steps=1):
                 pieces = sharded_pieces(owner, {n.removeprefix(f"{hf_prefix}."): t for n, t in full.items()})
                 return {f"{hf_prefix}.{n}": pair for n, pair in pieces.items()}
         else:  # replicated: a TSP block's under its Hugging Face name
-            hf_name = next((f"{hf_prefix}.{n}" for n, p in getattr(owner, "replicated_params", dict)().items()
-                            if p is param), hf_prefix + name[len(prefix):])
+            hf_name = replicated.get(id(param), hf_prefix + name[len(prefix):])
 
             def pairs(full):
                 return {hf_name: (param.detach(), full[hf_name])}
@@ -165,7 +165,8 @@ def _train_step_and_save(src, dst, steps=1):
 
 
 @pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2), ("granitemoe", 2),
-                                         ("cohere2", 1), ("cohere2_moe", 2), ("jais2", 1),
+                                         ("cohere2", 1), ("cohere2_moe", 2), ("jais2", 1), ("helium", 1),
+                                         ("ministral3", 1), ("hunyuan_v1_moe", 2), ("vaultgemma", 1),
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,

@@ -49,6 +49,9 @@ EAGER_TOLERANCE = 1e-5
 # norm in float32 whatever the model's dtype: a layer holding one is compared
 # as under eager attention.
 LINEAR_TOLERANCE = EAGER_TOLERANCE
+# HY-V3 adds its routed experts' and shared expert's outputs in float32 whatever the model's dtype
+# (config.enable_moe_fp32_combine), the TSP block in float32 or wider: compared as under eager attention.
+FLOAT32_COMBINE_TOLERANCE = EAGER_TOLERANCE
 # Attention implementations that run float64 on any device; the probe runs any
 # other (flash kernels take half precision on GPUs only) under SDPA, or eager
 # where the class does not take SDPA.
@@ -105,6 +108,11 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
         if policy.mixer(layers[index]) != policy.attention:
             tolerance = max(tolerance, LINEAR_TOLERANCE)
             reference += f" ({tolerance:.0e} for a Gated DeltaNet layer, whose rule Hugging Face runs in float32)"
+        elif getattr(model.config, "enable_moe_fp32_combine", False) and policy.is_sparse(
+                layers[index].get_submodule(policy.mlp)):
+            tolerance = max(tolerance, FLOAT32_COMBINE_TOLERANCE)
+            reference += (f" ({tolerance:.0e} for a layer whose experts Hugging Face adds in float32, "
+                          "config.enable_moe_fp32_combine)")
         if outside > tolerance:
             head = "lm_head" if logit_map is None else f"lm_head -> {logit_map}"
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
