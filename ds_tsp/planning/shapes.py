@@ -23,6 +23,11 @@ PRESETS = {
     # ALST's model (DESIGN.md 9): the shape of Llama-3-8B; only its RoPE scaling differs, which costs no memory.
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # GLM-4-32B-0414 (its Hugging Face config), 32.6B parameters: 61 layers, 48 query and 2 key/value heads of 128,
+    # half of each head rotary on interleaved pairs, gate and up fused in gate_up_proj, sandwich norms.
+    "glm-4-32b": dict(model_type="glm4", hidden_size=6144, intermediate_size=23040, num_hidden_layers=61,
+                      num_attention_heads=48, num_key_value_heads=2, head_dim=128, partial_rotary_factor=0.5,
+                      vocab_size=151552, tie_word_embeddings=False),
     # Mixture of experts, as their Hugging Face configs give them: 30.5B parameters, 3.3B active per token.
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
