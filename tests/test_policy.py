@@ -267,6 +267,15 @@ def test_an_auto_feature_away_from_its_neutral_value_is_refused_by_name():
         _inject(model)
 
 
+def test_a_tensor_kept_in_float32_is_not_packed_into_a_narrower_shard():
+    """Flint keeps its attention sinks in float32 whatever the model's dtype; the TSP attention packs them with its
+    weights, so a bfloat16 Flint is refused by name (in float32 it converts, and is exact: test_model)."""
+    model = tiny_model("flint", dtype=torch.bfloat16)
+    with pytest.raises(PolicyError, match=r"FlintForCausalLM keeps its attention's \['sinks'\] in float32 "
+                                          r"\(_keep_in_fp32_modules_strict\) while the model is torch.bfloat16"):
+        _inject(model)
+
+
 def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
     """The auto policy takes config.final_logit_softcapping (the TSP head caps the logits, as Gemma's forwards
     do); the probe checks the class's forward does: Llama's, with the attribute set, does not."""

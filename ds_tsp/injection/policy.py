@@ -477,6 +477,7 @@ def resolve_policy(model, name="auto"):
     # The config first: a feature it names (Llama 4's chunked attention) is a clearer refusal than the layer
     # shapes that feature comes with.
     check_config(model_class, model.config, policy)
+    check_float32_tensors(model, layers, policy)
     for index, layer in enumerate(layers):
         check_layer(policy, layer, f"{policy.layers}.{index}")
     if any(policy.is_sparse(layer.get_submodule(policy.mlp)) for layer in layers if hasattr(layer, policy.mlp)):
@@ -484,6 +485,24 @@ def resolve_policy(model, name="auto"):
     for index, layer in enumerate(layers):
         check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
     return policy
+
+
+def check_float32_tensors(model, layers, policy):
+    """Refuse a model whose class keeps a tensor the TSP attention packs with
+    its weights in float32 (``_keep_in_fp32_modules_strict``: Flint's sinks)
+    while the model is narrower: the packed shard would round it to the
+    weights' dtype, which Hugging Face's model does not."""
+    kept = set(getattr(type(model), "_keep_in_fp32_modules_strict", None) or ()) | set(
+        getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    dtype = getattr(model, "dtype", None)
+    packed = sorted(name for name in kept & set(ATTENTION_TENSORS)
+                    if any(hasattr(layer.get_submodule(policy.attention), name) for layer in layers
+                           if hasattr(layer, policy.attention)))
+    if packed and dtype is not None and dtype.is_floating_point and dtype.itemsize < 4:
+        raise PolicyError(f"{type(model).__name__} keeps its attention's {packed} in float32 "
+                          f"(_keep_in_fp32_modules_strict) while the model is {dtype}; the TSP attention packs them "
+                          "with its weights, in their dtype: load the model in float32 (torch_dtype=torch.float32) "
+                          "and train it under bf16 autocast, or leave tsp.enabled false")
 
 
 def with_mlp_names(policy, layers):
