@@ -8,9 +8,10 @@ Llama's (rotate-half) convention, on a head's first dims where the rotary
 factor is partial (Phi-4-mini), or through the model's own function where it
 computes another (``model_rotary``: GLM's, ERNIE 4.5's and Helium's
 interleaved pairs). The backward of both, for the TSP attention's explicit
-backward, is here too. Queries scaled by position (Llama 4's attention
-temperature tuning, Ministral 3's) are the model's own function too
-(``query_scale_of``).
+backward, is here too. Queries scaled by position after the rotary
+embedding (``llama_4_scaling_beta``: Ministral 3's, Mistral 4's) take the
+model's own function too (``query_scale_of``); layers a forward does not
+rotate (NoPE) take none (``rotates``).
 """
 
 import inspect
@@ -89,8 +90,9 @@ class ModelRotary:
     """The model's own ``apply_rotary_pos_emb`` on ``(B, L, h, d)`` tensors,
     called as its Hugging Face attention calls it, where it computes other
     than Llama's: neighbouring dims rotating as pairs (GLM's, ERNIE 4.5's,
-    Helium's interleaved convention), or in float32 whatever the model's dtype
-    (ERNIE 4.5's), so the rotated values are the unsharded model's to the bit.
+    Helium's, Cohere's interleaved convention), or in float32 whatever the
+    model's dtype (ERNIE 4.5's, Cohere's), so the rotated values are the
+    unsharded model's to the bit.
     A rotation's transpose is the rotation by the opposite angles: backward
     calls it with ``-sin`` (``model_rotary`` checks this of the function)."""
 
@@ -164,9 +166,9 @@ def rotates(attn):
 
 
 class Llama4QueryScale:
-    """Queries scaled by position after the rotary embedding (Llama 4's
-    attention temperature tuning; Ministral 3's, Mistral 4's): the model's own
-    ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
+    """Queries scaled by position after the rotary embedding (Ministral 3's,
+    Mistral 4's ``llama_4_scaling_beta``, after Llama 4's temperature tuning):
+    the model's own ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
 
     def __init__(self, scale, beta, max_position_embeddings):
         self.scale, self.beta, self.max_position_embeddings = scale, beta, max_position_embeddings
