@@ -40,6 +40,14 @@ QUICK_TIER = [
     "test_model.py::test_loss_and_every_gradient_match_hugging_face[2]",
     "test_model.py::test_a_wrong_shard_is_caught",
     "test_policy.py::test_classes_probed_under_eager_and_sdpa_are_exact[2]",
+    # The model's own rotary function (interleaved pairs), NoPE layers and position-scaled queries; Cohere's
+    # parallel block and scaled logits; ungated MLPs.
+    "test_model.py::test_rotary_conventions_match_hugging_face[2]",
+    "test_model.py::test_a_wrong_rotary_convention_is_caught",
+    "test_model.py::test_cohere_families_match_hugging_face[2]",
+    "test_model.py::test_a_wrong_cohere_block_is_caught",
+    "test_model.py::test_ungated_mlps_match_hugging_face[2]",
+    "test_model.py::test_a_wrong_ungated_mlp_shard_is_caught",
     # ds_tsp.initialize under DeepSpeed: ZeRO-1 over TSP 2 x DP 2, ZeRO-3, bf16, resume, a dead rank, export.
     "test_engine.py::test_training_matches_a_single_process_run[4-2-1-sgd-False-False-llama-False]",
     "test_engine.py::test_training_matches_a_single_process_run[2-2-3-sgd-False-False-llama-False]",
