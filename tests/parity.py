@@ -119,6 +119,30 @@ def replicated_hf_names(tsp_model):
             for hf_name, param in block.replicated_params().items()}
 
 
+def held_pieces(tsp_model, full):
+    """``[(Hugging Face name, parameter, value held here, the matching piece of
+    full[name])]`` for every tensor the TSP model ``tsp_model`` holds: a
+    shard's pieces (``sharded_pieces``), a replicated tensor whole, each under
+    the name Hugging Face's model gives it (a TSP layer keeps its MLP as
+    ``mlp`` whatever its ``mlp_name``: Granite-MoE's ``block_sparse_moe``)."""
+    hf_mlp = {f"model.layers.{index}.mlp": f"model.layers.{index}.{layer.mlp_name}"
+              for index, layer in enumerate(tsp_model.model.layers)}
+    replicated = replicated_hf_names(tsp_model)
+    held = []
+    for name, param in tsp_model.named_parameters():
+        prefix = name.rsplit(".", 1)[0]
+        hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_mlp.items()
+                          if prefix == tsp or prefix.startswith(f"{tsp}.")), prefix)
+        if getattr(param, "tensor_model_parallel", False):
+            pieces = sharded_pieces(tsp_model.get_submodule(prefix),
+                                    {n.removeprefix(f"{hf_prefix}."): t for n, t in full.items()})
+            held += [(f"{hf_prefix}.{n}", param, value, piece) for n, (value, piece) in pieces.items()]
+        else:
+            hf_name = replicated.get(id(param), hf_prefix + name[len(prefix):])
+            held.append((hf_name, param, param.detach(), full[hf_name]))
+    return held
+
+
 def sharded_pieces(module, full):
     """``{name: (value held here, the matching piece of the full tensor)}`` for
     every sharded tensor of a TSP block or vocabulary shard; ``full[name]`` gives

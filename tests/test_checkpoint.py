@@ -20,7 +20,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from models import COMMON, PER_EXPERT_FILE_ARCHS, tiny_model
-from parity import replicated_hf_names, sharded_pieces
+from parity import held_pieces
 from scripts import start_script
 from test_engine import ZERO3_PARTITIONED
 
@@ -139,28 +139,10 @@ def _train_step_and_save(src, dst, steps=1):
     save_pretrained(model, dst)
     original, saved = ({n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
                        for path in (src, dst))
-    differ, unchanged = [], []
-    # The TSP layer keeps its MLP as mlp, under its Hugging Face name mlp_name (Granite-MoE's block_sparse_moe).
-    hf_mlp = {f"model.layers.{index}.mlp": f"model.layers.{index}.{layer.mlp_name}"
-              for index, layer in enumerate(model.model.layers)}
-    replicated = replicated_hf_names(model)
-    for name, param in model.named_parameters():
-        prefix = name.rsplit(".", 1)[0]
-        owner = model.get_submodule(prefix)
-        hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_mlp.items()
-                          if prefix == tsp or prefix.startswith(f"{tsp}.")), prefix)
-        if getattr(param, "tensor_model_parallel", False):
-            def pairs(full):
-                pieces = sharded_pieces(owner, {n.removeprefix(f"{hf_prefix}."): t for n, t in full.items()})
-                return {f"{hf_prefix}.{n}": pair for n, pair in pieces.items()}
-        else:  # replicated: a TSP block's under its Hugging Face name
-            hf_name = replicated.get(id(param), hf_prefix + name[len(prefix):])
-
-            def pairs(full):
-                return {hf_name: (param.detach(), full[hf_name])}
-        differ += [n for n, (held, full) in pairs(saved).items() if not torch.equal(held, full)]
-        if param.requires_grad:  # not a frozen one (ERNIE 4.5-MoE's score-correction bias)
-            unchanged += [n for n, (held, full) in pairs(original).items() if torch.equal(held, full)]
+    differ = [name for name, _, held, full in held_pieces(model, saved) if not torch.equal(held, full)]
+    # A frozen tensor (ERNIE 4.5-MoE's score-correction bias) is left as it was.
+    unchanged = [name for name, param, held, full in held_pieces(model, original)
+                 if param.requires_grad and torch.equal(held, full)]
     return differ, unchanged
 
 
