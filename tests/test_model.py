@@ -120,8 +120,9 @@ def _rotary_wrong(wrong, **kwargs):
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_granite_moe_matches_hugging_face(run_ranks, tsp_size):
-    """Granite-MoE's experts at block_sparse_moe (the auto policy finds the block by that name), its multipliers;
-    its router computes in float32, so its gradients are held relative to their scale."""
+    """Granite-MoE's experts at block_sparse_moe (the auto policy finds the block by that name); its embedding,
+    attention, residual and logit multipliers; its router computes in float32, so its gradients are held relative
+    to their scale."""
     cases = (dict(batch=2, seq_len=13), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
     for case in cases:
         check(run_ranks(tsp_size, model_parity, arch="granitemoe", relative=True, **case),

@@ -632,20 +632,32 @@ class VocabParallelLMHead(_VocabShard):
         return torch.cat(gathered.unbind(0), dim=-1)[..., :self.vocab_size]
 
 
-def embed_local_tokens(embed, rank_ids, tsp_rank, local_ids=None):
+def embed_local_tokens(embed, rank_ids, tsp_rank, local_ids=None, multiplier=1.0):
     """This rank's embeddings from every rank's local ids: the vocabulary-parallel
     embedding needs them all, a replicated one its own only (``local_ids``, on
-    the embedding's device, when ``rank_ids`` are host copies)."""
+    the embedding's device, when ``rank_ids`` are host copies); times the
+    model's ``embedding_multiplier`` (``multiplier``)."""
     if isinstance(embed, VocabParallelEmbedding):
-        return embed(rank_ids)
-    return embed(rank_ids[tsp_rank] if local_ids is None else local_ids)
+        return scaled(embed(rank_ids), multiplier)
+    return scaled(embed(rank_ids[tsp_rank] if local_ids is None else local_ids), multiplier)
 
 
-def replicated_embedding(embed, ids):
-    """Embeddings of ``ids`` that are the same on every rank (generation)."""
+def replicated_embedding(embed, ids, multiplier=1.0):
+    """Embeddings of ``ids`` that are the same on every rank (generation), times ``multiplier``."""
     if isinstance(embed, VocabParallelEmbedding):
-        return embed.replicated_lookup(ids)
-    return embed(ids)
+        return scaled(embed.replicated_lookup(ids), multiplier)
+    return scaled(embed(ids), multiplier)
+
+
+def embedding_multiplier(config):
+    """The factor the model's forward multiplies the looked-up embeddings by
+    (Granite's ``config.embedding_multiplier``), 1.0 where it has none."""
+    return getattr(config, "embedding_multiplier", None) or 1.0
+
+
+def scaled(hidden, multiplier):
+    """``hidden * multiplier`` as Hugging Face's forward writes it, or ``hidden`` for 1."""
+    return hidden if multiplier == 1.0 else hidden * multiplier
 
 
 def full_vocab_logits(lm_head, hidden, logit_map=None):

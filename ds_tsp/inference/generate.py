@@ -64,7 +64,8 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
 from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate
-from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens, full_vocab_logits, replicated_embedding, soft_cap
+from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
+                                 replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -253,6 +254,7 @@ class TSPDecoder:
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)
         self.logit_map = LogitMap.of(model.config)
+        self.embedding_multiplier = embedding_multiplier(model.config)
 
     @torch.no_grad()
     def prefill(self, prompt, lengths):
@@ -264,7 +266,7 @@ class TSPDecoder:
         padded, _ = layout.pad_to_multiple(prompt, D, value=0)
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
         rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
-        hidden = embed_local_tokens(self.embed, rank_ids, r)  # (B, S/D, H)
+        hidden = embed_local_tokens(self.embed, rank_ids, r, multiplier=self.embedding_multiplier)  # (B, S/D, H)
         tables = layer_rotary_tables(self.rotary, self.layers, hidden, positions.expand(batch, -1),
                                      (lengths.max() - 1).view(1, 1))
 
@@ -321,7 +323,7 @@ class TSPDecoder:
         returns its logits ``(B, V)``."""
         positions = cache.next_positions
         target = cache.place_next_token()
-        hidden = replicated_embedding(self.embed, tokens.unsqueeze(1))  # (B, 1, H)
+        hidden = replicated_embedding(self.embed, tokens.unsqueeze(1), self.embedding_multiplier)  # (B, 1, H)
         tables = {kind: rotary_at(self.rotary, hidden, positions.unsqueeze(1), kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
         slots = None

@@ -187,7 +187,7 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
-                           policy.parallel_blocks)
+                           policy.parallel_blocks, getattr(config, "residual_multiplier", None) or 1.0)
 
 
 def check_expert_parallel(layers, policy, topology, tsp_config):

@@ -20,7 +20,8 @@ from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
-from ds_tsp.blocks.vocab import IGNORE_INDEX, LogitMap, VocabParallelLMHead, embed_local_tokens, map_logits
+from ds_tsp.blocks.vocab import (IGNORE_INDEX, LogitMap, VocabParallelLMHead, embed_local_tokens, embedding_multiplier,
+                                 map_logits, scaled)
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding, rows_left_aligned,
                                      vocabulary_rows)
@@ -48,11 +49,13 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     the layer's input (Cohere's layer), ``blocks`` runs them so."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
-                 mlp_name="mlp", parallel=False):
+                 mlp_name="mlp", parallel=False, residual_multiplier=1.0):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
         self.parallel = parallel
+        # Each block's output times this before it joins the residual stream (Granite's residual_multiplier).
+        self.residual_multiplier = residual_multiplier
         # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
         # flat buffers, its checkpoints) in this order.
         for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
@@ -88,7 +91,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             out = run_with_norm(hidden, norm)
         else:
             out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
-        return hidden + (out if after is None else normalize(getattr(self, after), out, self.recompute_norms))
+        out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
+        return hidden + scaled(out, self.residual_multiplier)
 
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
@@ -335,7 +339,7 @@ class TSPCausalLMMixin:
                          self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check)
         _check_left_padding_use(batch, request, self.get_submodule(policy.lm_head), tsp_predictions)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
-                                    batch.input_ids)
+                                    batch.input_ids, embedding_multiplier(self.config))
         layers = self.get_submodule(policy.layers)
         tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.position_ids,
                                      batch.max_position)

@@ -32,16 +32,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ds_tsp.blocks.moe.load_balancing import balance_loss, recorded_router_logits, routing_statistics
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import rotary_tables
-from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens
+from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens, embedding_multiplier
 from ds_tsp.injection.inputs import check_token_ids, vocabulary_rows
 from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
 from ds_tsp.injection.policy import load_balancing_loss
 
 
 class TSPEmbeddingPipe(nn.Module):
-    def __init__(self, embed_tokens, topology, layout_name, batch_check, num_experts=0):
+    def __init__(self, embed_tokens, topology, layout_name, batch_check, num_experts=0, multiplier=1.0):
         super().__init__()
         self.embed_tokens = embed_tokens
+        self.multiplier = multiplier  # the model's embedding_multiplier (Granite's)
         self.tsp_rank, self.tsp_size, self.layout_name = topology.tsp_rank, topology.tsp_size, layout_name
         self.batch_check = batch_check  # tsp.check_batch: the same micro-batch on every TSP rank
         self.num_experts = num_experts  # > 0: the message carries load-balancing statistics
@@ -50,7 +51,8 @@ class TSPEmbeddingPipe(nn.Module):
         batch = TSPBatch(input_ids, None, None, None, self.tsp_rank, self.tsp_size, self.layout_name,
                          vocab_size=(vocabulary_rows(self.embed_tokens),), batch_check=self.batch_check)
         positions = torch.cat([batch.position_ids, batch.max_position.expand(input_ids.shape[0], 1)], dim=1)
-        hidden = embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids)
+        hidden = embed_local_tokens(self.embed_tokens, batch.rank_input_ids, self.tsp_rank, batch.input_ids,
+                                    self.multiplier)
         if not self.num_experts:
             return hidden, positions
         # A leaf that takes a gradient, so a first stage without MoE layers still has one for each float output.
@@ -199,7 +201,7 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     num_experts = moe_blocks[0].num_experts if moe_blocks and carries_routing_statistics(model.config, type(model)) \
         else 0
     layers = [TSPEmbeddingPipe(model.get_submodule(policy.embed_tokens), topology, tsp_config.layout,
-                               model.tsp_batch_check, num_experts)]
+                               model.tsp_batch_check, num_experts, embedding_multiplier(model.config))]
     layers += [TSPDecoderLayerPipe(layer, rotary_emb) for layer in decoder_layers]
     head = TSPHeadPipe(model.get_submodule(policy.final_norm), model.get_submodule(policy.lm_head),
                        tsp_config.recompute_norms)

@@ -109,7 +109,6 @@ def rope_per_layer_type(params, partial_rotary=False):
 
 
 NO_DROPOUT = (None, 0, 0.0)
-NEUTRAL_SCALE = (None, 1, 1.0)
 
 # Read by every supported forward, whatever the class.
 COMMON = {
@@ -225,8 +224,10 @@ AUTO_CONFIG = {
     # The final logits scaled inside the fused LM head + loss ring (vocab.LogitMap); the probe checks the logits.
     "logit_scale": Accepts(any_value, "the final logits multiplied by it inside the fused LM head + loss ring"),
     "logits_scaling": Accepts(any_value, "the final logits divided by it inside the fused LM head + loss ring"),
-    "embedding_multiplier": Accepts(NEUTRAL_SCALE, "embedding scaling, which the TSP forward does not apply"),
-    "residual_multiplier": Accepts(NEUTRAL_SCALE, "residual scaling, which the TSP layer does not apply"),
+    # Granite's multipliers: the looked-up embeddings, and each block's output before the residual add, scaled as
+    # its forward does (vocab.embedding_multiplier, TSPDecoderLayer.residual_multiplier); the probe checks both.
+    "embedding_multiplier": Accepts(any_value, "the looked-up embeddings multiplied by it"),
+    "residual_multiplier": Accepts(any_value, "each block's output multiplied by it before the residual add"),
     "query_pre_attn_scalar": SOFT_CAPPING["query_pre_attn_scalar"],
     "clip_qkv": Accepts((None,), "clipping of q/k/v, which the TSP attention does not apply"),
     # A partial rotary factor: the TSP attention rotates each head's first dims as Phi-3's and GLM-4.5's

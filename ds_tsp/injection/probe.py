@@ -9,8 +9,9 @@ every decoder layer but one (and the final norm and the head) replaced by
 identities, and refuses the model on any difference beyond round-off in:
 
 * the forward outside the layers: what reaches the first layer must be the
-  embeddings fed in, and the logits what left the last layer (soft-capped
-  where the config scales or soft-caps them, as the TSP head does: ``LogitMap``);
+  embeddings fed in (times the config's ``embedding_multiplier``), and the
+  logits what left the last layer (scaled or soft-capped where the config
+  says so, as the TSP head does: ``LogitMap``);
 * the probed layer's output against the TSP layer's, built by ``inject``'s
   own builder from a float64 copy of it and run on the same batch sharded over
   the TSP group, with the rotary tables the TSP forward computes.
@@ -32,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ds_tsp.blocks.rotary import rotary_tables
-from ds_tsp.blocks.vocab import LogitMap, map_logits
+from ds_tsp.blocks.vocab import LogitMap, embedding_multiplier, map_logits, scaled
 from ds_tsp.injection.model import TSPBatch
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
@@ -185,13 +186,15 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         layer_in, layer_out = recorder.seen
         # The final logits mapped as the TSP head does (LogitMap: scaled, soft-capped), nothing else.
         expected = map_logits(layer_out, LogitMap.of(model.config))
-        outside = torch.maximum(_relative(layer_in, hidden), _relative(logits.to(layer_out.dtype), expected))
+        # What reaches the first layer: the embeddings fed in, times the model's embedding_multiplier (Granite's).
+        outside = torch.maximum(_relative(layer_in, scaled(hidden, embedding_multiplier(model.config))),
+                                _relative(logits.to(layer_out.dtype), expected))
 
         tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device,
                           rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
         shard = TSPBatch(torch.zeros(batch, seq_len, dtype=torch.long, device=device), None, positions, None,
                          tsp_rank, tsp_size, tsp_config.layout)
-        local = layout.shard(hidden, tsp_rank, tsp_size, tsp_config.layout)
+        local = layout.shard(layer_in, tsp_rank, tsp_size, tsp_config.layout)  # what the HF layer saw
         tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
         try:
             mine = tsp_layer(local, tables, positions=shard.position_ids)
