@@ -128,7 +128,10 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              # a latent attention: its down projections' rows (uneven at D = 4) and up projections' rows of B
              ("deepseek_v3_dense", LATENT_TARGETS, {}), ("deepseek_v2_lite", ("q_proj", "kv_b_proj", "o_proj"), {}),
              # a Gated DeltaNet hybrid: the gated attention's q_proj (2 head_dim rows a head), every layer's MLP
-             ("qwen3_5", ALL_TARGETS, {})]
+             ("qwen3_5", ALL_TARGETS, {}),
+             # an ungated MLP (up and down only) beside GLM-4's fused gate_up_proj: both by the MLP's own names
+             ("nemotron", ("q_proj", "v_proj", "up_proj", "down_proj"), {}),
+             ("glm4", ("q_proj", "o_proj", "gate_up_proj", "down_proj"), {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
