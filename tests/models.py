@@ -348,9 +348,10 @@ def tiny_config(arch, **overrides):
                                      "moe_num_shared_experts": 1, "moe_layer_start_index": 1, **moe,
                                      "output_router_logits": False})
     if arch == "granitemoe":  # the MoE block at block_sparse_moe (files: input_linear / output_linear), 4 experts
-        # top-2, Granite's embedding, attention, residual and logit multipliers; auto policy
+        # top-2, Granite's embedding, attention, residual and logit multipliers (embedding x residual != 1: the norms'
+        # scale invariance would make a dropped one of either look alike); auto policy
         return GraniteMoeConfig(**{"num_local_experts": 4, "embedding_multiplier": 2.0, "attention_multiplier": 0.3,
-                                   "residual_multiplier": 0.5, "logits_scaling": 4.0, **moe,
+                                   "residual_multiplier": 0.3, "logits_scaling": 4.0, **moe,
                                    "output_router_logits": False})
     if arch == "cohere2_moe":  # Cohere2's attention; 4 softmax-routed experts top-2 in the parallel block
         return Cohere2MoeConfig(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5, "num_experts": 4,

@@ -267,6 +267,14 @@ def test_an_auto_feature_away_from_its_neutral_value_is_refused_by_name():
         _inject(model)
 
 
+def test_q_k_norms_with_a_weight_per_head_are_refused_by_name():
+    """Cohere's use_qk_norm holds a (heads, head_dim) weight: refused by name before the probe runs the layer."""
+    model = tiny_model("cohere", use_qk_norm=True)
+    with pytest.raises(PolicyError, match=r"CohereDecoderLayer at model.layers.0.self_attn.q_norm holds a weight per "
+                                          r"head \(\(4, 4\): Cohere's use_qk_norm\)"):
+        _inject(model)
+
+
 def test_a_tensor_kept_in_float32_is_not_packed_into_a_narrower_shard():
     """Flint keeps its attention sinks in float32 whatever the model's dtype; the TSP attention packs them with its
     weights, so a bfloat16 Flint is refused by name (in float32 it converts, and is exact: test_model)."""

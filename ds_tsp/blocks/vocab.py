@@ -360,7 +360,7 @@ def map_logits(logits, logit_map):
     return logits if logit_map is None else logit_map(logits)
 
 
-def _capped_logits(hidden, w, acc, logit_map):
+def _mapped_logits(hidden, w, acc, logit_map):
     """A tile's logits against shard rows ``w``, mapped (``LogitMap``), in
     ``acc``, and the map's derivative (None without one) for the backward."""
     z = F.linear(hidden, w).to(acc)
@@ -410,7 +410,7 @@ def cross_entropy_ring_forward(hidden, weight, labels, vocab_size, tile, tsp_gro
         w = buf[:count]
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
-            z, _ = _capped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
+            z, _ = _mapped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
             if temperature != 1.0:
                 z = z / temperature
             grown = torch.logaddexp(lse[span], z.logsumexp(dim=-1))
@@ -464,7 +464,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
         for start in range(0, num_tokens, tile):
             span = slice(start, start + tile)
             # In place on the tile's logits, which nothing else reads: one (tile, count) buffer in fp32.
-            dz, cap_slope = _capped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
+            dz, slope = _mapped_logits(hidden[span], w, acc, logit_map)  # (tile, count)
             if temperature != 1.0:
                 dz.div_(temperature)
             column, hit = _targets_in(labels[span], first, count)
@@ -480,9 +480,9 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
                 dz.scatter_add_(1, column.unsqueeze(1), -(hit.to(acc) * scale[span]).unsqueeze(1))
             if temperature != 1.0:
                 dz.div_(temperature)
-            if cap_slope is not None:
-                dz.mul_(cap_slope)
-                del cap_slope
+            if slope is not None:
+                dz.mul_(slope)
+                del slope
             dz = dz.to(w.dtype)
             grad_hidden[span] += dz @ w
             if weight_grad:

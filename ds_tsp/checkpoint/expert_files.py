@@ -33,10 +33,12 @@ _PER_EXPERT = re.compile(r"(?P<block>.+\.)experts\.(?P<expert>\d+)\.(?P<projecti
 
 @dataclass(frozen=True)
 class ExpertFiles:
-    """How one architecture's files name its sparse-MoE blocks: ``renames``,
-    ``(file's text, model's text)`` pairs (Mixtral's ``.block_sparse_moe.``
-    where the model has ``.mlp.``), and per fused tensor the per-expert
-    projections it concatenates (on dim 0 of each expert, in this order)."""
+    """How one architecture's files name its tensors where the model names
+    them otherwise: ``renames``, ``(file's text, model's text)`` pairs
+    (Mixtral's ``.block_sparse_moe.`` where the model has ``.mlp.``, Flint's
+    ``softmax_offset`` for ``sinks``), and per fused expert tensor the
+    per-expert projections it concatenates (on dim 0 of each expert, in this
+    order; none for a dense model)."""
 
     renames: tuple
     projections: dict
@@ -84,6 +86,7 @@ class ExpertFiles:
 
 
 _SOURCE_PROJECTION = re.compile(r"experts\.\*\.(?P<projection>\w+)\.weight$")
+_TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
 _PLAIN_NAME = re.compile(r"[\w.]+")  # a renaming's pattern that names tensors literally (no wildcards)
 
 
@@ -92,7 +95,6 @@ def _literal(pattern):
     tensors literally (``\\.`` for a dot), else None."""
     text = pattern.replace("\\.", ".")
     return text if _PLAIN_NAME.fullmatch(text) else None
-_TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
 
 
 def expert_files(config):

@@ -72,7 +72,6 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         """The token mixer: the TSP attention, or a hybrid's Gated DeltaNet."""
         return getattr(self, self.mixer_name)
 
-
     def norms(self):
         """The layer's norms by Hugging Face name."""
         return {name: getattr(self, name) for pair in self.layout.values() for name in pair if name is not None}

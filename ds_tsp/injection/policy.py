@@ -760,7 +760,13 @@ def check_qk_norms(policy, attn, where, layer_class):
         raise PolicyError(f"{layer_class} at {where} norms queries and keys after the rotary embedding ({names}), "
                           f"which tsp.policy {policy.name!r} was not written for: use tsp.policy \"auto\"")
     for name, projection in zip(names, ("q_proj", "k_proj")):
-        width = getattr(attn, name).weight.numel()
+        weight = getattr(attn, name).weight
+        if weight.dim() != 1:
+            raise PolicyError(f"{layer_class} at {where}.{name} holds a weight per head ({tuple(weight.shape)}: "
+                              "Cohere's use_qk_norm), which the TSP attention's q/k norms, one weight for every head "
+                              "or one over the projection, do not carry: set config.use_qk_norm false only for a "
+                              "model trained without it, or leave tsp.enabled false")
+        width = weight.numel()
         spans_projection = policy.qk_norm_width == "projection" or (
             policy.layer_class is None and width == attn.get_submodule(projection).out_features)
         expected = attn.get_submodule(projection).out_features if spans_projection else attn.head_dim

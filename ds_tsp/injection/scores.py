@@ -132,8 +132,8 @@ def head_token_scores(lm_head, hidden, batch, tsp_group, num_items_in_batch=None
                       temperature=1.0, wanted=("token_logprobs", "entropy"), statistics=()):
     """``(loss, {name: values})``: the ``wanted`` log-probabilities
     (``token_logprobs``) and entropies of the normed local hidden states
-    ``(B, S/D, H)`` against the batch's labels, the logits soft-capped by
-    ``logit_map`` and divided by ``temperature``, None where not wanted,
+    ``(B, S/D, H)`` against the batch's labels, the logits mapped by
+    ``logit_map`` (``LogitMap``) and divided by ``temperature``, None where not wanted,
     and the ``statistics`` of ``vocab.RING_STATISTICS`` (no gradient). The
     loss is the mean of ``-logp`` over the real targets of the whole sequence
     (Hugging Face's cross-entropy at temperature 1)."""
