@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
+from transformers import Llama4ForCausalLM, Llama4TextConfig
 from transformers import (Cohere2Config, Cohere2ForCausalLM, Cohere2MoeConfig, Cohere2MoeForCausalLM, CohereConfig,
                           CohereForCausalLM, Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           FlintConfig, FlintForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
@@ -203,8 +204,9 @@ def widen_float32_casts(modeling):
     split of the sequence at any token then differs by about 2e-7), their
     (1 + w) RMSNorms (Gemma's), RMS and layer norms multiplying by their weight
     in float32 (Helium's, Cohere's: their weight's gradient, a float32 sum over
-    tokens, depends on its order) and a rotary function rotating in float32
-    (ERNIE 4.5's, Cohere's)."""
+    tokens, depends on its order), a rotary function rotating in float32
+    (ERNIE 4.5's, Cohere's, Llama 4's over its complex table), and Llama 4's
+    norms normalising in float32 and its router's sigmoid."""
     if getattr(modeling, "_ds_tsp_widened", False):
         return
     if hasattr(modeling, "torch_chunk_gated_delta_rule"):
@@ -216,11 +218,23 @@ def widen_float32_casts(modeling):
     if start >= 0 and ".float()" in text[start:text.find("\n\n\n", start)]:
         modeling.apply_rotary_pos_emb = widened(
             "apply_rotary_pos_emb", {".float()": ".to(torch.promote_types(q.dtype, torch.float32))"}, modeling)
-    for name, cls in list(vars(modeling).items()):
-        if not isinstance(cls, type) or cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
+    complex_rotary = getattr(modeling, "apply_rotary_emb", None)  # Llama 4's, over a complex table
+    if complex_rotary is not None and "xq.float()" in inspect.getsource(complex_rotary):
+        modeling.apply_rotary_emb = widened(complex_rotary, {
+            f"{x}.float()": f"{x}.to(torch.promote_types({x}.dtype, torch.float32))" for x in ("xq", "xk")})
+    classes = {cls: name for name, cls in reversed(list(vars(modeling).items())) if isinstance(cls, type)}
+    for cls, name in classes.items():  # each class once, under its first name (Llama4TextL2Norm is an alias)
+        if cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
             continue
         source = inspect.getsource(cls.forward)
-        if name.endswith("GatedDeltaNet") and "self.A_log.float()" in source:
+        if name.endswith("RMSNorm") and "self._norm(x.float())" in source:  # Llama 4's norms, with and without weight
+            cls.forward = widened(cls.forward, {"x.float()": "x.to(torch.promote_types(x.dtype, torch.float32))"})
+        elif name.endswith("Router") and "router_scores.float()" in source:  # Llama 4's sigmoid
+            cls.forward = widened(cls.forward, {"router_scores.float()": "router_scores.to(torch.promote_types("
+                                                                          "router_scores.dtype, torch.float32))",
+                                                # recompiled outside its class, super() has no class to start from
+                                                "super().forward(": "nn.Linear.forward(self, "})
+        elif name.endswith("GatedDeltaNet") and "self.A_log.float()" in source:
             cls.forward = widened(cls.forward, {
                 "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
                 "a.float()": "a.to(torch.promote_types(a.dtype, torch.float32))"})
@@ -357,6 +371,13 @@ def tiny_config(arch, **overrides):
         return Cohere2MoeConfig(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5, "num_experts": 4,
                                    "layer_types": ["sliding_attention", "full_attention"], **moe,
                                    "output_router_logits": False})
+    if arch == "llama4":  # Llama 4 text: chunked layers (chunks of 3 tokens here) rotating by its complex table,
+        # a weightless q/k norm after the rotary; a NoPE layer whose queries temperature tuning scales from 1 token
+        # on (floor_scale 2); a dense first layer, then MoE layers of 4 experts top-2 with a shared expert, the
+        # routing weights scaling the experts' inputs. No load-balancing loss (HF's forward adds none).
+        return Llama4TextConfig(**{**moe, "num_hidden_layers": 3, "num_local_experts": 4, "intermediate_size_mlp": 24,
+                                   "attention_chunk_size": 3, "no_rope_layers": [1, 0, 1], "moe_layers": [1, 2],
+                                   "floor_scale": 2, "attn_scale": 0.5, "output_router_logits": False, **overrides})
     if arch == "mellum":  # Qwen3-MoE's block; sliding and full layers, a RoPE table per layer type; auto policy
         return MellumConfig(**{"num_experts": 4, "moe_intermediate_size": 8, "sliding_window": 5,
                                "layer_types": ["sliding_attention", "full_attention"], **moe})
@@ -433,7 +454,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
                  "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
                  "granitemoe": GraniteMoeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
-                 "cohere2_moe": Cohere2MoeForCausalLM, "nemotron": NemotronForCausalLM, "jais2": Jais2ForCausalLM,
+                 "cohere2_moe": Cohere2MoeForCausalLM, "llama4": Llama4ForCausalLM, "nemotron": NemotronForCausalLM, "jais2": Jais2ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
@@ -568,9 +589,10 @@ def routes_in_float32(model):
         down = getattr(getattr(block, "experts", None), "down_proj", None)
         if router is None or not isinstance(down, torch.nn.Parameter) or down.dim() != 3:
             continue
+        from ds_tsp.blocks.moe.experts import flags_of
         from ds_tsp.blocks.moe.plan import router_inputs
 
-        hidden = down.shape[2 if getattr(block.experts, "is_transposed", False) else 1]
+        hidden = down.shape[2 if flags_of(block.experts)["is_transposed"] else 1]
         with torch.no_grad():
             routed = router(torch.zeros(1, hidden, dtype=down.dtype, device=down.device),
                             *(getattr(block, name) for name in router_inputs(block, router)))

@@ -48,6 +48,9 @@ QUICK_TIER = [
     "test_model.py::test_a_wrong_cohere_block_is_caught",
     "test_model.py::test_ungated_mlps_match_hugging_face[2]",
     "test_model.py::test_a_wrong_ungated_mlp_shard_is_caught",
+    # Llama 4: chunked and NoPE layers, temperature tuning, input-scaled experts.
+    "test_model.py::test_llama4_matches_hugging_face[2]",
+    "test_model.py::test_a_wrong_llama4_piece_is_caught",
     # ds_tsp.initialize under DeepSpeed: ZeRO-1 over TSP 2 x DP 2, ZeRO-3, bf16, resume, a dead rank, export.
     "test_engine.py::test_training_matches_a_single_process_run[4-2-1-sgd-False-False-llama-False]",
     "test_engine.py::test_training_matches_a_single_process_run[2-2-3-sgd-False-False-llama-False]",

@@ -205,6 +205,39 @@ def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):
     assert worst > 1e-3
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_llama4_matches_hugging_face(run_ranks, tsp_size):
+    """Llama 4 text: chunked layers (chunks of 3 tokens, cut at every row's and document's start) rotating by its
+    complex table with a weightless q/k norm after it, a NoPE layer with temperature-tuned queries, a dense layer
+    and MoE layers whose routing weights scale the experts' inputs, under both expert schedules; padded, packed,
+    the vocabulary folded or not."""
+    cases = (dict(batch=2, seq_len=13), dict(batch=2, seq_len=13, right_padding=3),
+             dict(batch=1, seq_len=16, vocab_parallel=False), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for case in cases:
+        for schedule in ("ring", "all_to_all"):
+            check(run_ranks(tsp_size, model_parity, arch="llama4", moe_schedule=schedule, **case),
+                  f"D={tsp_size} llama4 {schedule} {case}")
+
+
+def _llama4_wrong(wrong, **kwargs):
+    """``model_parity`` with one of Llama 4's pieces wrong: its chunked layers attending causally over the whole
+    row, its NoPE layer's queries not temperature-tuned, or its routing weights scaling the experts' outputs;
+    injection's probe, which refuses each, skipped."""
+    patches = {"chunks": mock.patch("ds_tsp.blocks.attention.module.attention_chunk_of", lambda attn, config: None),
+               "temperature": mock.patch("ds_tsp.blocks.attention.module.query_scale_of", lambda attn, config: None),
+               "output_weights": mock.patch("ds_tsp.blocks.moe.module.scales_expert_inputs", lambda moe: False)}
+    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+@pytest.mark.parametrize("wrong", ["chunks", "temperature", "output_weights"])
+def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong):
+    per_rank = run_ranks(2, _llama4_wrong, wrong=wrong, arch="llama4", batch=2, seq_len=13)
+    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
+    print(f"Llama 4 with its {wrong} wrong: max diff {worst:.2e}")
+    assert worst > 1e-3
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_tied_embeddings_contiguous_layout_and_right_padding(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama_tied", batch=2, seq_len=19, layout="contiguous",

@@ -84,6 +84,27 @@ def check_cu_seq_lens(kwargs):
     return next(iter(given.values()))
 
 
+def chunked_documents(documents, seq_len, batch, chunk):
+    """The document starts a chunked-attention layer attends within (Llama 4's
+    ``chunked_attention`` layers: a block-diagonal causal mask over chunks of
+    ``chunk`` tokens): each row (or packed document, from ``documents``) cut
+    every ``chunk`` tokens from its start, as Hugging Face's chunked mask cuts
+    it (from the first real token of a row; from position 0 of a document)."""
+    rows = documents or [[0]] * batch
+    return [sorted({t for start, end in zip(starts, [*starts[1:], seq_len]) for t in range(start, end, chunk)})
+            for starts in rows]
+
+
+def start_at_position_zero(documents, positions):
+    """Whether every packed document of ``documents`` starts at position id 0
+    (``positions`` ``(B, S)`` on the host), as HF's chunked mask, reading chunks
+    off the position ids, and ``chunked_documents`` agree only then."""
+    if documents is None:
+        return True
+    return positions is not None and all(int(positions[row, start]) == 0 for row, starts in enumerate(documents)
+                                         for start in starts)
+
+
 def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1, token_tile=0, window=None):
     """The attention work of this rank's ``local_len`` query tokens, grouped by
     the rows a group covers: ``[(rows, [(q_lo, q_hi, k_lo, k_hi), ...]), ...]``.

@@ -159,6 +159,15 @@ def _ungated_shard_backward(x2, grad_y2, w, act_fn, up, into, add):
     return grad_up @ w["up_proj.weight"], into
 
 
+# The names transformers gives an MLP's activation module (Llama's, GLM's and Llama 4's).
+ACTIVATION_NAMES = ("act_fn", "activation_fn")
+
+
+def mlp_activation(mlp):
+    """A Hugging Face MLP's activation module, under either of ``ACTIVATION_NAMES``, or None."""
+    return next((getattr(mlp, name) for name in ACTIVATION_NAMES if hasattr(mlp, name)), None)
+
+
 def input_projections(mlp, fused=None):
     """The logical projections of the Hugging Face MLP ``mlp`` before its
     activation: ``gate_proj`` and ``up_proj``, or ``up_proj`` alone in an

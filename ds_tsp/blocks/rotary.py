@@ -107,6 +107,32 @@ class ModelRotary:
         return self(grad, cos, -sin)
 
 
+class ComplexRotary:
+    """The model's own rotary function over a complex table (Llama 4's
+    ``apply_rotary_emb(xq, xk, freqs_cis)``: neighbouring dims as the real
+    and imaginary parts of one number, times ``freqs_cis`` ``(B, L, d/2)``),
+    called on ``(B, L, h, d)`` tensors as its attention calls it. ds_tsp carries
+    the table as its real and imaginary parts (``complex_tables``), which this
+    puts back together exactly; the transpose multiplies by the conjugate."""
+
+    def __init__(self, apply):
+        self.apply = apply
+
+    def __call__(self, x, cos, sin):
+        return self.apply(x, x, torch.complex(cos, sin))[0]
+
+    def transpose(self, grad, cos, sin):
+        return self(grad, cos, -sin)
+
+
+def complex_tables(tables):
+    """A rotary module's output as ``(cos, sin)``: a complex table (Llama 4's
+    ``freqs_cis``) split into its real and imaginary parts, others as they are."""
+    if len(tables) == 1 and tables[0].is_complex():
+        return tables[0].real, tables[0].imag
+    return tables
+
+
 @torch.no_grad()
 def model_rotary(attn, rotary_halves=False):
     """The rotary convention of the Hugging Face attention ``attn``: ``NO_ROTARY``
@@ -119,6 +145,8 @@ def model_rotary(attn, rotary_halves=False):
         return NO_ROTARY
     modeling = sys.modules.get(type(attn).__module__)
     apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply is None and "apply_rotary_emb(" in _forward_source(attn):
+        return ComplexRotary(modeling.apply_rotary_emb)  # a complex table (Llama 4's); the probe checks it
     d = getattr(attn, "head_dim", 0)
     if apply is None or rotary_halves or d < 2 or d % 2:
         return ROTATE_HALF
@@ -151,16 +179,22 @@ ROTARY_ON_SLIDING_LAYERS_ONLY = re.compile(r"if self\.sliding_window is not None
                                            r"query_states, key_states = apply_rotary_pos_emb\(")
 
 
+def _forward_source(attn):
+    try:
+        return inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        return ""
+
+
 def rotates(attn):
     """Whether the Hugging Face attention ``attn``'s forward applies the rotary
-    embedding: not in a full-attention layer of a model that rotates only its
+    embedding: not in a layer its ``use_rope`` flag turns off (Llama 4's NoPE
+    layers), nor in a full-attention layer of a model that rotates only its
     sliding-window layers (NoPE layers: Flint, Cohere2), unless the flag its
     forward reads with the window is set (Cohere2-MoE's ``force_rope``)."""
-    try:
-        source = inspect.getsource(type(attn).forward)
-    except (OSError, TypeError):
-        return True
-    guarded = ROTARY_ON_SLIDING_LAYERS_ONLY.search(source)
+    if not getattr(attn, "use_rope", True):  # Llama 4's and SmolLM3's NoPE layers (0 in no_rope_layers)
+        return False
+    guarded = ROTARY_ON_SLIDING_LAYERS_ONLY.search(_forward_source(attn))
     return (guarded is None or getattr(attn, "sliding_window", None) is not None
             or bool(guarded["flag"] and getattr(attn, guarded["flag"], False)))
 
@@ -168,7 +202,11 @@ def rotates(attn):
 class Llama4QueryScale:
     """Queries scaled by position after the rotary embedding (Ministral 3's,
     Mistral 4's ``llama_4_scaling_beta``, after Llama 4's temperature tuning):
-    the model's own ``get_llama_4_attn_scale``, ``(B, L)`` from positions ``(B, L)``."""
+    the model's own ``get_llama_4_attn_scale``, ``(B, L)`` from position ids
+    ``(B, L)``, cast to the queries' dtype before the product, as its forward casts it."""
+
+    reads = "position_ids"
+    casts_factors = True
 
     def __init__(self, scale, beta, max_position_embeddings):
         self.scale, self.beta, self.max_position_embeddings = scale, beta, max_position_embeddings
@@ -177,15 +215,45 @@ class Llama4QueryScale:
         return self.scale(positions, self.beta, self.max_position_embeddings)[:, 0, :, 0]
 
 
+class TemperatureTuning:
+    """Llama 4's attention temperature tuning of its NoPE layers: queries times
+    ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` at each token's
+    index ``i`` in its row as Hugging Face's forward counts it (the cache
+    position: left padding counted, packed documents not restarting it), in
+    float32, the product rounded once to the queries' dtype."""
+
+    reads = "cache_positions"
+    casts_factors = False
+
+    def __init__(self, attn_scale, floor_scale):
+        self.attn_scale, self.floor_scale = attn_scale, floor_scale
+
+    def __call__(self, cache_positions):
+        return torch.log1p(torch.floor((cache_positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+
+TEMPERATURE_TUNING = re.compile(r"if self\.attn_temperature_tuning and not self\.use_rope:")
+
+
 def query_scale_of(attn, config):
     """The position-dependent query scale ``attn``'s forward applies, or None."""
     params = getattr(config, "rope_parameters", None) or {}
     modeling = sys.modules[type(attn).__module__]
-    if params.get("llama_4_scaling_beta") is None or "get_llama_4_attn_scale" not in inspect.getsource(
-            type(attn).forward):
+    source = _forward_source(attn)
+    if getattr(attn, "attn_temperature_tuning", False) and not rotates(attn) and TEMPERATURE_TUNING.search(source):
+        return TemperatureTuning(attn.attn_scale, attn.floor_scale)
+    if params.get("llama_4_scaling_beta") is None or "get_llama_4_attn_scale" not in source:
         return None
     return Llama4QueryScale(modeling.get_llama_4_attn_scale, params["llama_4_scaling_beta"],
                             params.get("original_max_position_embeddings"))
+
+
+def scale_queries(q, factors, casts_factors):
+    """Queries ``q`` ``(B, L, h, d)`` times ``factors`` ``(B, L)`` as the
+    model's forward multiplies them: the factors cast to ``q``'s dtype first
+    (``casts_factors``), or the product rounded once. Its own transpose."""
+    factors = factors[:, :, None, None]
+    return q * factors.to(q.dtype) if casts_factors else (q * factors).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -238,6 +306,11 @@ def rotate(t, norm, cos, sin, rope=ROTATE_HALF):
     return rope(norm(t).to(t.dtype), cos, sin)
 
 
+def norm_weight(norm):
+    """A q/k norm's weight, or None for a weightless one (Llama 4's L2 norm)."""
+    return getattr(norm, "weight", None)
+
+
 def norms_after_rotary(norm):
     """Whether the q/k ``norm`` (a per-head Hugging Face norm module) runs on
     the rotated queries or keys (``TSPAttention.from_hf`` marks it)."""
@@ -284,15 +357,16 @@ def rotate_backward(t, grad, norm, cos, sin, rope=ROTATE_HALF):
     with torch.enable_grad():
         # Stand-in leaves for the weight: differentiating the parameter itself
         # would run its gradient hooks (the sum over the TSP group) here too.
-        t, weight = t.detach().requires_grad_(), norm.weight.detach().requires_grad_()
+        t, weight = t.detach().requires_grad_(), norm_weight(norm)
+        weight = None if weight is None else weight.detach().requires_grad_()
         if isinstance(norm, ProjectionNormPiece):
             leaves = (weight, norm.inv_rms.detach().requires_grad_())
             out = rope(ProjectionNormPiece(*leaves)(t), cos, sin)
         else:
-            leaves = (weight,)
+            leaves = () if weight is None else (weight,)
 
             def normed(x):  # as rotate
-                return torch.func.functional_call(norm, {"weight": weight}, (x,)).to(t.dtype)
+                return torch.func.functional_call(norm, {"weight": weight} if leaves else {}, (x,)).to(t.dtype)
             out = normed(rope(t, cos, sin)) if norms_after_rotary(norm) else rope(normed(t), cos, sin)
         grads = torch.autograd.grad(out, (t, *leaves), grad)
-    return grads if len(grads) == 3 else (*grads, None)
+    return (*grads, None, None)[:3]

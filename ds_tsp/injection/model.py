@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts
+from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts, start_at_position_zero
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables
@@ -93,10 +93,14 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
 
-    def forward(self, hidden_states, position_embeddings, documents=None, positions=None):
+    def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
-        queries by position reads (Ministral 3's, Mistral 4's)."""
-        by_position = {"positions": positions} if getattr(self.mixer, "query_scale", None) is not None else {}
+        queries by position reads (Ministral 3's, Mistral 4's); ``cache_positions``: their indices in
+        their rows as Hugging Face counts them, which Llama 4's temperature tuning reads."""
+        by_position = {}
+        scale = getattr(self.mixer, "query_scale", None)
+        if scale is not None:
+            by_position["positions"] = cache_positions if scale.reads == "cache_positions" else positions
         return self.blocks(
             hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **by_position), self.mlp,
             lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **by_position))
@@ -169,6 +173,7 @@ class TSPBatch:
         batch, seq_len = input_ids.shape
         host_real = _real_tokens(host_mask, batch, seq_len, host_ids.device)
         self.documents = document_starts(host_positions, host_mask, cu_seq_lens, input_ids.shape)
+        self.documents_start_at_zero = start_at_position_zero(self.documents, host_positions)
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
@@ -191,6 +196,11 @@ class TSPBatch:
         # Every rank's tokens, on the host: the vocabulary-parallel embedding routes them all.
         self.rank_input_ids = [layout.shard(host_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
         self.input_ids, self.position_ids = own(input_ids), own(position_ids)
+        # Each token's index in its row before the rows were left-aligned (Hugging Face's cache position).
+        cache_positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch, -1)
+        if self.left_padding is not None:
+            cache_positions = cache_positions + self.left_padding.to(input_ids.device).unsqueeze(1)
+        self.cache_positions = own(cache_positions)
         self.real = own(layout.pad_to_multiple(real, tsp_size, value=False)[0])  # (B, S/D): not padding
         self.labels = None if shifted is None else own(layout.pad_to_multiple(shifted, tsp_size, IGNORE_INDEX)[0])
 
@@ -340,11 +350,18 @@ class TSPCausalLMMixin:
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
                                     batch.input_ids, embedding_multiplier(self.config))
         layers = self.get_submodule(policy.layers)
+        if not batch.documents_start_at_zero and any(getattr(layer.mixer, "attention_chunk", None)
+                                                     for layer in layers):
+            raise ValueError("packed documents whose position_ids do not restart at 0 with chunked attention "
+                             "layers (attention_chunk_size): Hugging Face cuts chunks off the position ids, ds_tsp "
+                             "from each document's start; give every document position ids from 0 "
+                             "(DataCollatorWithFlattening's)")
         tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.position_ids,
                                      batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
             for decoder_layer in layers:
-                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids)
+                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
+                                       batch.cache_positions)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(self.config)
         if request.wanted:

@@ -76,7 +76,8 @@ class TSPDecoderLayerPipe(nn.Module):
         tables = rotary_tables(self.rotary_emb, hidden, positions[:, :-1], positions[:, -1:], self.layer.rotary_kind)
         blocks = self.moe_blocks if statistics else []
         with recorded_router_logits(blocks) as router_logits:
-            hidden = self.layer(hidden, tables, positions=positions[:, :-1])
+            # The pipeline takes input ids alone: position ids are each token's index, as is its cache position.
+            hidden = self.layer(hidden, tables, positions=positions[:, :-1], cache_positions=positions[:, :-1])
         if not statistics:
             return hidden, positions
         statistics = statistics[0]

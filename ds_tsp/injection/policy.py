@@ -32,6 +32,7 @@ from transformers.models.mixtral import modeling_mixtral
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.linear.module import is_gated_delta_net
+from ds_tsp.blocks.mlp import mlp_activation
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
 
@@ -88,8 +89,9 @@ def rope_with_partial_rotary(params):
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Gated DeltaNet layers (ds_tsp.blocks.linear) among them: the hybrids' (Qwen3.5, Qwen3-Next).
-MIXER_TYPES = (*LAYER_TYPES, "linear_attention")
+# Gated DeltaNet layers (ds_tsp.blocks.linear) among them: the hybrids' (Qwen3.5, Qwen3-Next); Llama 4's chunked
+# layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention")
 
 
 def full_or_sliding(layer_types):
@@ -126,7 +128,8 @@ COMMON = {
 ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
 SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
-                           "(each layer's window is checked against the one HF's mask uses), and linear_attention "
+                           "(each layer's window is checked against the one HF's mask uses), chunked_attention "
+                           "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
                            "layers holding a Gated DeltaNet are run by ds_tsp's; indexed_attention (DeepSeek-V3.2's "
                            "sparse indexer attention) and other linear layers (Kimi Linear's KDA, Mamba) are not built "
                            "under TSP"),
@@ -244,14 +247,13 @@ AUTO_CONFIG = {
     "residual_dropout": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
     "resid_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP layer does not apply"),
     "embd_pdrop": Accepts(NO_DROPOUT, "dropout, which the TSP forward does not apply"),
-    # Llama 4's attention, named so that a refusal says which feature it is (not yet built under TSP).
-    "attention_chunk_size": Accepts((None,), "chunked local attention (Llama 4: a block-diagonal causal mask over "
-                                    "fixed chunks), which the TSP attention does not apply"),
-    "no_rope_layers": Accepts(lambda layers: not layers or all(layers),
-                              "layers without rotary embedding (Llama 4's NoPE layers, 0 in no_rope_layers), which "
-                              "the TSP attention does not run"),
-    "attn_temperature_tuning": Accepts((None, False), "attention temperature tuning (Llama 4's NoPE layers scale "
-                                       "their queries with the position), which the TSP attention does not apply"),
+    # Llama 4's attention: chunked layers, NoPE layers whose queries are scaled by their index in the row.
+    "attention_chunk_size": Accepts(any_value, "the chunk of chunked_attention layers (Llama 4: a block-diagonal "
+                                    "causal mask over chunks, cut at every row's and packed document's start)"),
+    "no_rope_layers": Accepts(any_value, "layers without rotary embedding (0 in no_rope_layers: Llama 4's NoPE "
+                              "layers), which the TSP attention runs without positions"),
+    "attn_temperature_tuning": Accepts(any_value, "attention temperature tuning: Llama 4's NoPE layers scale their "
+                                       "queries with each token's index in its row (rotary.TemperatureTuning)"),
     # Gemma 3n's and Gemma 4's, named for the same reason.
     "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second "
                                            "embedding feeding every layer), which the TSP model does not build"),
@@ -760,7 +762,9 @@ def check_qk_norms(policy, attn, where, layer_class):
         raise PolicyError(f"{layer_class} at {where} norms queries and keys after the rotary embedding ({names}), "
                           f"which tsp.policy {policy.name!r} was not written for: use tsp.policy \"auto\"")
     for name, projection in zip(names, ("q_proj", "k_proj")):
-        weight = getattr(attn, name).weight
+        weight = getattr(getattr(attn, name), "weight", None)
+        if weight is None:  # a weightless norm (Llama 4's L2 norm): per head, as the probe checks
+            continue
         if weight.dim() != 1:
             raise PolicyError(f"{layer_class} at {where}.{name} holds a weight per head ({tuple(weight.shape)}: "
                               "Cohere's use_qk_norm), which the TSP attention's q/k norms, one weight for every head "
@@ -820,7 +824,7 @@ def check_sparse_block(block, where, layer_class, auto=False):
     if shared:
         expert = block.get_submodule(shared[0])
         grandchildren = {n for n, m in expert.named_children() if _holds_tensors(m)}
-        if grandchildren != set(MLP_PROJECTIONS) or not hasattr(expert, "act_fn") or any(
+        if grandchildren != set(MLP_PROJECTIONS) or mlp_activation(expert) is None or any(
                 getattr(expert.get_submodule(p), "bias", None) is not None for p in MLP_PROJECTIONS):
             raise PolicyError(f"{layer_class} at {where}.{shared[0]} is not a gated MLP without biases")
         check_own_tensors(expert, f"{where}.{shared[0]}", layer_class)
@@ -842,7 +846,8 @@ def _check_experts(experts, where, layer_class):
     up = "gate_up_proj" if flags["has_gate"] else "up_proj"
     expected = {up, "down_proj"} | ({f"{up}_bias", "down_proj_bias"} if flags["has_bias"] else set())
     tensors = {n: t for n, t in experts.named_parameters()}
-    activation = "_apply_gate" if flags["has_gate"] else "act_fn"
+    # Gated: the module's own _apply_gate, or act_fn over the halves of gate_up_proj (Llama 4's experts).
+    activation = "_apply_gate" if flags["has_gate"] and hasattr(experts, "_apply_gate") else "act_fn"
     if set(tensors) != expected or any(tensors[n].dim() != (2 if n.endswith("_bias") else 3) for n in expected) \
             or len({t.shape[0] for t in tensors.values()}) != 1 or not hasattr(experts, activation):
         raise PolicyError(f"{layer_class} at {where} holds {sorted((n, tuple(t.shape)) for n, t in tensors.items())}: "

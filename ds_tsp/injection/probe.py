@@ -197,7 +197,7 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         local = layout.shard(layer_in, tsp_rank, tsp_size, tsp_config.layout)  # what the HF layer saw
         tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
         try:
-            mine = tsp_layer(local, tables, positions=shard.position_ids)
+            mine = tsp_layer(local, tables, positions=shard.position_ids, cache_positions=shard.cache_positions)
         except (TypeError, ValueError, RuntimeError) as error:  # e.g. a router that returns something else
             raise PolicyError(f"{type(model).__name__} was accepted by shape only (tsp.policy auto), but the TSP "
                               f"layer built from its {type(recorder.layer).__name__} could not run on the probe "

@@ -15,11 +15,11 @@ from ds_tsp.blocks.attention.kernels import SinkKernel, SoftCappedKernel
 from ds_tsp.blocks.attention.norms import projection_inv_rms
 from ds_tsp.blocks.attention.schedule import AttentionPlan, TSPAttentionFunction
 from ds_tsp.blocks.attention.selection import select_kernel
-from ds_tsp.blocks.documents import query_blocks
+from ds_tsp.blocks.documents import chunked_documents, query_blocks
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.input_norm import recomputable
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
-from ds_tsp.blocks.rotary import ROTATE_HALF, model_rotary, query_scale_of
+from ds_tsp.blocks.rotary import ROTATE_HALF, complex_tables, model_rotary, norm_weight, query_scale_of
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import compute_dtype
 
@@ -38,7 +38,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
                  k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False, rope=ROTATE_HALF,
-                 query_scale=None):
+                 query_scale=None, attention_chunk=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -56,9 +56,13 @@ class TSPAttention(PackedShardMixin, nn.Module):
         # (ds_tsp.blocks.attention.norms). Their Hugging Face names: from_hf reads them off the module.
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_names = None if q_norm is None else ("q_norm", "k_norm")
-        self.norms_span_projection = q_norm is not None and q_norm.weight.numel() != head_dim
+        self.norms_span_projection = norm_weight(q_norm) is not None and q_norm.weight.numel() != head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        # Llama 4's chunked layers: attention within chunks of this many tokens (documents.chunked_documents).
+        if attention_chunk is not None and sliding_window is not None:
+            raise ValueError("a layer with both a sliding window and chunked attention: ds_tsp does not support it")
+        self.attention_chunk = attention_chunk
         # Gemma-2's attention-logit soft-cap: a kernel of ds_tsp's own (SoftCappedKernel) serves it.
         if softcap is not None and backend not in ("auto", "sdpa"):
             raise ValueError(f"tsp.attention_backend = {backend!r} cannot soft-cap attention scores "
@@ -73,7 +77,9 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.rotary_halves = rotary_halves
         # The rotary convention: Llama's, or the model's own function (GLM's and ERNIE 4.5's interleaved pairs).
         self.rope = rope
-        self.query_scale = query_scale  # positions -> (B, L) factors of the queries (Llama4QueryScale), or None
+        # positions -> (B, L) factors of the queries (Llama4QueryScale, TemperatureTuning), or None; its
+        # ``reads`` says which positions it takes ("position_ids" or "cache_positions").
+        self.query_scale = query_scale
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
         # The weight-gradient reduces' wire dtype; None: float32 (or wider). ds_tsp.initialize
@@ -114,7 +120,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
                      sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),
-                     rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config), **norms)
+                     rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config),
+                     attention_chunk=attention_chunk_of(attn, config), **norms)
         module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -123,7 +130,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
         params = {"o_proj.bias": self.o_bias}
-        params.update({f"{hf_name}.weight": getattr(self, name).weight
+        params.update({f"{hf_name}.weight": norm_weight(getattr(self, name))
                        for name, hf_name in zip(("q_norm", "k_norm"), self.qk_norm_names or ())})
         return {name: param for name, param in params.items() if param is not None}
 
@@ -135,10 +142,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.blocks.documents``), None for one per row;
         ``input_norm``: the layer's norm to run inside (``forward``);
-        ``positions``: the tokens' position ids ``(B, S/D)``, which a query scale reads."""
+        ``positions``: the tokens' positions ``(B, S/D)`` a query scale reads
+        (its ``reads``: position ids or cache positions)."""
         if self.query_scale is not None and positions is None:
-            raise ValueError("this attention scales its queries by position (llama_4_scaling_beta): its forward "
-                             "needs the tokens' positions")
+            raise ValueError("this attention scales its queries by position (llama_4_scaling_beta, "
+                             "attn_temperature_tuning): its forward needs the tokens' positions")
+        if self.attention_chunk is not None:
+            documents = chunked_documents(documents, x.shape[1] * self.heads.tsp_size, x.shape[0],
+                                          self.attention_chunk)
         if self.softcap is not None:
             kernel = SoftCappedKernel(self.softcap)
         else:
@@ -156,7 +167,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                                                        self.sliding_window),
                              fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                              input_norm=input_norm, token_tile=self.token_tile, rope=self.rope,
-                             query_scale=None if self.query_scale is None else self.query_scale(positions))
+                             query_scale=None if self.query_scale is None else self.query_scale(positions),
+                             casts_query_scale=getattr(self.query_scale, "casts_factors", True))
 
     def projection_inv_rms(self, x, packed, plan):
         """With q/k norms over the whole projection, each local token's inverse
@@ -170,10 +182,12 @@ class TSPAttention(PackedShardMixin, nn.Module):
         (whose sums of squares need the normed input first)."""
         return recomputable(norm) and not self.norms_span_projection
 
-    def full_tables(self, cos, sin):
-        """The rotary tables in ds_tsp's (Hugging Face's rotate-half) convention:
-        tables that hold each frequency once (``rotary_halves``) repeated for
-        both halves of a head, others as they are."""
+    def full_tables(self, *tables):
+        """The rotary tables ``(cos, sin)`` as ``self.rope`` takes them: a complex
+        table (Llama 4's) as its real and imaginary parts; tables that hold each
+        frequency once (``rotary_halves``) repeated for both halves of a head;
+        others as they are."""
+        cos, sin = complex_tables(tables)
         if not self.rotary_halves:
             return cos, sin
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -181,11 +195,11 @@ class TSPAttention(PackedShardMixin, nn.Module):
     def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None):
         """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
         applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
-        then the layer's input. ``positions``: the local tokens' position ids
-        ``(B, S/D)``, read by a query scale (``query_scale``)."""
+        then the layer's input. ``positions``: the local tokens' positions
+        ``(B, S/D)`` (position ids or cache positions: ``query_scale.reads``), read by a query scale."""
         cos, sin = self.full_tables(*position_embeddings)
         plan, packed = self.plan(x, documents, input_norm, positions), self.shard_weights()
-        norm_weights = [None if norm is None else norm.weight for norm in (self.q_norm, self.k_norm)]
+        norm_weights = [norm_weight(norm) for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
                                           None if input_norm is None else input_norm.weight)
@@ -207,12 +221,14 @@ def replicated_names(attn):
     """Hugging Face names of the tensors of an attention module that TSP keeps
     whole on every rank: the output bias and per-head q/k norms, where present."""
     names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
-    return names + [f"{name}.weight" for name in qk_norm_names(attn)[0] or ()]
+    return names + [f"{name}.weight" for name in qk_norm_names(attn)[0] or ()
+                    if norm_weight(getattr(attn, name)) is not None]
 
 
 # Per-head query and key norms by their Hugging Face names: applied before the
-# rotary embedding (Qwen3's, Gemma-3's) or after it (Hunyuan's).
-QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+# rotary embedding (Qwen3's, Gemma-3's) or after it (Hunyuan's; Llama 4's one
+# weightless norm for both, ``qk_norm``).
+QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True, ("qk_norm", "qk_norm"): True}
 
 
 def qk_norm_names(attn):
@@ -254,6 +270,16 @@ def rotates_whole_head_by_half_tables(attn):
     except (RuntimeError, TypeError, ValueError):  # Llama's convention: tables as wide as the head, or fail
         return False
     return rotated.shape == head.shape and not torch.equal(rotated[..., d // 2:], head[..., d // 2:])
+
+
+def attention_chunk_of(attn, config):
+    """The chunk a layer of type ``chunked_attention`` attends within (Llama 4's
+    ``attention_chunk_size``), None for other layers."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    index = getattr(attn, "layer_idx", None)
+    if index is None or index >= len(layer_types) or layer_types[index] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
 
 
 def sliding_window_of(attn, config):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.head_groups import HeadGroups
 from ds_tsp.blocks.input_norm import TiledInputNorm
-from ds_tsp.blocks.rotary import ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward
+from ds_tsp.blocks.rotary import ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward, scale_queries
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -59,6 +59,7 @@ class AttentionPlan:
     token_tile: int = 0  # tsp.token_tile: the input norm's tiles in backward
     rope: object = ROTATE_HALF  # the rotary convention (rotary.ROTATE_HALF, or the model's own ModelRotary)
     query_scale: object = None  # (B, S/D) factors of the local queries after the rotary (Ministral 3's), or None
+    casts_query_scale: bool = True  # cast the factors to the queries' dtype first (rotary.scale_queries)
 
     @property
     def tsp_size(self):
@@ -105,19 +106,14 @@ def queries(plan, q, norm, cos, sin):
     """The raw queries ``q`` ``(B, L, h, d)`` as attention sees them: normed,
     rotated and scaled by position where the model does (``plan.query_scale``)."""
     rotated = rotate(q, norm, cos, sin, plan.rope)
-    return rotated if plan.query_scale is None else rotated * query_factor(plan, rotated)
+    return rotated if plan.query_scale is None else scale_queries(rotated, plan.query_scale, plan.casts_query_scale)
 
 
 def queries_backward(plan, q, grad, norm, cos, sin):
     """``rotate_backward`` of ``queries`` for the raw queries ``q`` and the gradient ``grad`` of what attention saw."""
     if plan.query_scale is not None:
-        grad = grad * query_factor(plan, grad)
+        grad = scale_queries(grad, plan.query_scale, plan.casts_query_scale)
     return rotate_backward(q, grad, norm, cos, sin, plan.rope)
-
-
-def query_factor(plan, like):
-    """``plan.query_scale`` ``(B, L, 1, 1)`` in ``like``'s dtype, as Hugging Face casts it."""
-    return plan.query_scale[:, :, None, None].to(like.dtype)
 
 
 def split_gate(q, head_dim):

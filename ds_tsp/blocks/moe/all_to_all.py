@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_tsp.blocks.mlp import mlp_ring_backward, mlp_ring_forward
-from ds_tsp.blocks.moe.plan import Routing, expert_counts
+from ds_tsp.blocks.moe.plan import Routing, expert_counts, expert_rows
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 from ds_tsp.parallel.host_reads import host_copy
@@ -83,7 +83,8 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     rank's routed experts, at rest); ``received`` ``(R, H)`` the rows this
     rank's experts computed on, ``returned`` ``(N k, H)`` the outputs of this
     rank's rows in routing order, both kept for backward."""
-    received = comm.all_to_all_rows(x[routing.tokens], exchange.send_counts, exchange.recv_counts, plan.group)
+    rows = expert_rows(x[routing.tokens], weights[routing.tokens, routing.slots, None], plan)
+    received = comm.all_to_all_rows(rows, exchange.send_counts, exchange.recv_counts, plan.group)
     outputs = torch.empty_like(received)
     w = plan.routed_spec.unpack(routed_shard)
     for local in range(plan.experts_per_rank):
@@ -93,23 +94,28 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
     # Each output times its routing weight, added to its token: the rows are in expert order, so each token's
     # sum runs expert by expert, as HF's loop adds them; one index_add_ for all experts.
+    # Where the weights scaled the experts' inputs (Llama 4's), the outputs are added as they are.
     y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
-    y.index_add_(0, routing.tokens, (returned * weights[routing.tokens, routing.slots, None]).to(y.dtype))
+    weighted = returned if plan.scales_inputs else returned * weights[routing.tokens, routing.slots, None]
+    y.index_add_(0, routing.tokens, weighted.to(y.dtype))
     return y, received, returned
 
 
-def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, returned, routed_shard, plan):
+def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, returned, routed_shard, plan):
     """``(grad_x, grad_weights, grad_routed_shard)``: the transpose of the
     forward, ``grad_x`` in the accumulator dtype. The output gradients go to
     the experts' owners by the forward's routes, the input gradients come back
     by the reverse ones; ``grad_routed_shard`` is this rank's experts'
-    gradient from every rank's rows, summed here (no ring)."""
+    gradient from every rank's rows, summed here (no ring). ``x``: the local
+    tokens, read where the weights scaled the experts' inputs."""
     acc_dtype = accumulation_dtype(routed_shard.dtype)
     grad_rows = grad_y[routing.tokens]  # (N k, H) in routing order
+    row_weights = weights[routing.tokens, routing.slots, None]
     grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=grad_y.device)
-    grad_weights[routing.tokens, routing.slots] = (grad_rows.to(acc_dtype) * returned.to(acc_dtype)).sum(-1).to(
-        grad_weights.dtype)
-    grad_outputs = (grad_rows * weights[routing.tokens, routing.slots, None]).to(received.dtype)
+    if not plan.scales_inputs:
+        grad_weights[routing.tokens, routing.slots] = (grad_rows.to(acc_dtype) * returned.to(acc_dtype)).sum(-1).to(
+            grad_weights.dtype)
+    grad_outputs = (grad_rows if plan.scales_inputs else grad_rows * row_weights).to(received.dtype)
     grad_outputs = comm.all_to_all_rows(grad_outputs, exchange.send_counts, exchange.recv_counts, plan.group)
     grad_shard = torch.zeros(routed_shard.shape, dtype=acc_dtype, device=routed_shard.device)
     w, grad_w = plan.routed_spec.unpack(routed_shard), plan.routed_spec.unpack(grad_shard)
@@ -119,6 +125,10 @@ def moe_all_to_all_backward(grad_y, weights, routing, exchange, received, return
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             grad_received[rows], _ = plan.experts.backward(received[rows], grad_outputs[rows], weights_e, grads_e)
     grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
+    if plan.scales_inputs:  # the rows were the tokens times their weights
+        grad_weights[routing.tokens, routing.slots] = (grad_sent.to(acc_dtype) * x[routing.tokens].to(acc_dtype)).sum(
+            -1).to(grad_weights.dtype)
+        grad_sent = grad_sent * row_weights
     grad_x = torch.zeros(grad_y.shape, dtype=plan.accumulator_dtype(grad_y.dtype), device=grad_y.device)
     grad_x.index_add_(0, routing.tokens, grad_sent.to(grad_x.dtype))
     return grad_x, grad_weights.to(weights.dtype), grad_shard.to(routed_shard.dtype)
@@ -145,7 +155,7 @@ class _MoEAllToAll(torch.autograd.Function):
         # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent.
         # The shared expert's backward needs the local tokens too, and its output for its gate's gradient.
         ctx.save_for_backward(weights, packed, routing.tokens, routing.slots, received, returned,
-                              x if plan.shared else None, shared_scale, shared_out, *steps)
+                              x if plan.shared or plan.scales_inputs else None, shared_scale, shared_out, *steps)
         ctx.plan, ctx.offsets, ctx.exchange = plan, routing.offsets, exchange
         return y.to(x.dtype)
 
@@ -155,8 +165,8 @@ class _MoEAllToAll(torch.autograd.Function):
         weights, packed, tokens, slots, received, returned, x, shared_scale, shared_out, *steps = ctx.saved_tensors
         plan, routed = ctx.plan, ctx.plan.routed_spec.numel
         grad_x, grad_weights, grad_routed = moe_all_to_all_backward(
-            grad_y, weights, Routing(tokens, slots, ctx.offsets), ctx.exchange, received, returned, packed[:routed],
-            plan)
+            grad_y, x, weights, Routing(tokens, slots, ctx.offsets), ctx.exchange, received, returned,
+            packed[:routed], plan)
         grad_packed, grad_scale = torch.empty_like(packed), None
         grad_packed[:routed] = grad_routed
         if plan.shared:

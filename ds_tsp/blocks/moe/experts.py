@@ -35,8 +35,16 @@ PLAIN_FLAGS = {"has_gate": True, "is_transposed": False, "has_bias": False, "is_
 
 
 def flags_of(experts):
-    """``{flag: value}`` of a Hugging Face experts module, the plain layout's where it sets none."""
-    return {flag: getattr(experts, flag, plain) for flag, plain in PLAIN_FLAGS.items()}
+    """``{flag: value}`` of a Hugging Face experts module, the plain layout's
+    where it sets none, but ``is_transposed`` read off the shapes of a fused
+    ``gate_up_proj`` the module sets no flags for (Llama 4's ``(E, H, 2F)``
+    beside ``down_proj`` ``(E, F, H)``: ``x @ W`` where others hold ``W x``)."""
+    flags = {flag: getattr(experts, flag, plain) for flag, plain in PLAIN_FLAGS.items()}
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not hasattr(experts, "is_transposed") and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        flags["is_transposed"] = (gate_up.dim() == down.dim() == 3 and gate_up.shape[1] == down.shape[2]
+                                  and gate_up.shape[2] == 2 * down.shape[1])
+    return flags
 
 
 def weightless_copy(module):
@@ -99,7 +107,12 @@ class ExpertLayout:
             (torch.addmm(bias, x, weight) if self.transposed else F.linear(x, weight, bias))
 
     def _activate(self, proj):
-        return self.activation._apply_gate(proj) if self.gated else self.activation.act_fn(proj)
+        if not self.gated:
+            return self.activation.act_fn(proj)
+        if hasattr(self.activation, "_apply_gate"):
+            return self.activation._apply_gate(proj)
+        gate, up = proj.chunk(2, dim=-1)  # a module without transformers' flags (Llama 4's): act(gate) * up
+        return self.activation.act_fn(gate) * up
 
     def forward(self, x, w):
         """One expert on the tokens ``x`` ``(N, H)``: ``(N, H)``."""

@@ -19,14 +19,20 @@ from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.mappings import sum_over_group
 
 
+def router_logits_of(output):
+    """The logits ``(N, E)`` in a Hugging Face router's output: first of
+    ``(logits, weights, indices)``, last of Llama 4's ``(scores, logits)``."""
+    return output[1] if len(output) == 2 else output[0]
+
+
 @contextlib.contextmanager
 def recorded_router_logits(blocks):
     """Collect each ``TSPSparseMoE`` router's logits ``(N, E)`` during the
     forward inside, in layer order, as Hugging Face's ``OutputRecorder`` does
     (a forward hook on the router). Yields the list."""
     logits = []
-    handles = [block.router_module().register_forward_hook(lambda module, args, output: logits.append(output[0]))
-               for block in blocks]
+    handles = [block.router_module().register_forward_hook(
+        lambda module, args, output: logits.append(router_logits_of(output))) for block in blocks]
     try:
         yield logits
     finally:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp.blocks.mlp import TSPGatedMLP
+from ds_tsp.blocks.mlp import TSPGatedMLP, mlp_activation
 from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
 from ds_tsp.blocks.moe.all_to_all import moe_all_to_all
 from ds_tsp.blocks.moe.plan import (
@@ -53,9 +53,11 @@ from ds_tsp.blocks.moe.plan import (
     MoEPlan,
     Routing,
     child_named,
+    expert_rows,
     hf_sizes,
     replicated_tensors,
     router_inputs,
+    scales_expert_inputs,
     shard_piece,
     shard_spec,
     shared_weights,
@@ -87,7 +89,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def __init__(self, hidden_size, num_experts, experts, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
-                 device=None, router_name="gate", shared_name="shared_expert", router_buffers=None, ep_group=None):
+                 device=None, router_name="gate", shared_name="shared_expert", router_buffers=None, ep_group=None,
+                 scales_inputs=False):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
@@ -110,7 +113,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
             raise ValueError(f"schedule must be one of {MOE_SCHEDULES} or a chooser, not {schedule!r}")
         self.plan = MoEPlan(self.spec, experts, act_fn, self.ep_group, num_experts, bool(packed_shared), overlap,
-                            token_tile, fp32_accumulators, schedule=schedule)
+                            token_tile, fp32_accumulators, schedule=schedule, scales_inputs=scales_inputs)
         if self.shared_mlp_name:
             self.add_module(shared_name, TSPGatedMLP(hidden_size, shared_size, act_fn, tsp_group, overlap=overlap,
                                                      token_tile=token_tile, fp32_accumulators=fp32_accumulators,
@@ -179,13 +182,13 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         def replica(module):
             return None if module is None else copy.deepcopy(module).to_empty(device=device)
 
-        shared_act = None if shared_name is None else moe.get_submodule(shared_name).act_fn
+        shared_act = None if shared_name is None else mlp_activation(moe.get_submodule(shared_name))
         module = cls(hidden_size, num_experts, experts, shared_act,
                      replica(moe.get_submodule(router_name)), tsp_group, shared_size=shared_size,
                      shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
                      router_name=router_name, shared_name=shared_name or "shared_expert",
-                     router_buffers=router_buffers, ep_group=ep_group)
+                     router_buffers=router_buffers, ep_group=ep_group, scales_inputs=scales_expert_inputs(moe))
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         if module.shared_mlp_name:
@@ -207,8 +210,9 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         w = self.spec.unpack(self.packed.detach())
         for local, expert in self.plan.held_experts(0):
             for tokens, slots in routing.of_expert(expert, 0):
-                out = self.experts.forward(x[tokens], self.experts.weights(w, local))
-                y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
+                weight = weights[tokens, slots, None]
+                out = self.experts.forward(expert_rows(x[tokens], weight, self.plan), self.experts.weights(w, local))
+                y.index_add_(0, tokens, (out if self.plan.scales_inputs else out * weight).to(y.dtype))
         if shared_scale is not None:
             out, _, _ = gated_shard_forward(x, shared_weights(w), self.plan.act_fn)
             y += (shared_scale * out).to(y.dtype)
@@ -232,8 +236,15 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     def route(self, x2):
         """``(weights, indices)``, each ``(N, k)``, of Hugging Face's router on the
-        tokens ``x2`` ``(N, H)``: scores, top-k, normalisation, scaling and dtypes as HF's."""
+        tokens ``x2`` ``(N, H)``: scores, top-k, normalisation, scaling and dtypes as HF's.
+        A router returning ``(scores over every expert, logits)`` (Llama 4's) has
+        its top-k taken again from the logits, as its own ``torch.topk`` took it,
+        and its scores read there."""
         routed = self.run_router(x2)
+        if isinstance(routed, tuple) and len(routed) == 2 and routed[0].shape == routed[1].shape:
+            scores, logits = routed
+            index = torch.topk(logits, self.top_k, dim=1).indices
+            return scores.gather(1, index), index
         if not (isinstance(routed, tuple) and len(routed) == 3 and routed[1].shape == routed[2].shape
                 and routed[2].shape[:1] == x2.shape[:1] and not routed[2].is_floating_point()):
             raise TypeError(f"{type(self.router_module()).__name__} does not return Hugging Face's (logits, weights, "

@@ -17,6 +17,7 @@ replicated.
 """
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,27 @@ def hf_sizes(hf_moe):
     return hidden_size, num_experts, experts, shared_size, shared_name
 
 
+# Llama 4's block: each routed row is the token times its routing score, the experts' outputs summed unweighted.
+SCALED_EXPERT_INPUTS = re.compile(r"routed_in\s*=\s*routed_in\s*\*\s*router_scores")
+
+
+def scales_expert_inputs(hf_moe):
+    """Whether the Hugging Face block ``hf_moe``'s forward multiplies each
+    expert's input by its routing weight instead of its output (Llama 4's)."""
+    try:
+        source = inspect.getsource(type(hf_moe).forward)
+    except (OSError, TypeError):
+        return False
+    return SCALED_EXPERT_INPUTS.search(source) is not None
+
+
+def expert_rows(x, weights, plan):
+    """What an expert computes on: the tokens ``x`` ``(n, H)``, or, where
+    routing scales the inputs (``plan.scales_inputs``), the tokens times their
+    routing ``weights`` ``(n, 1)`` in ``x``'s dtype, as Hugging Face's product."""
+    return (x * weights).to(x.dtype) if plan.scales_inputs else x
+
+
 def shared_weights(w):
     """The shared expert's slice from an unpacked shard, under the gated MLP's names."""
     return {name.partition(".")[2]: tensor for name, tensor in w.items() if not is_routed(name)}
@@ -189,6 +211,8 @@ class MoEPlan:
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None  # the gradient accumulators' wire dtype (gradient_wire_dtype; None: float32)
     schedule: object = "ring"  # one of MOE_SCHEDULES, or a chooser per shape (TSPSparseMoE.schedule_for)
+    # Routing weights scale each expert's input, not its output (Llama 4's block: expert(x * w), summed).
+    scales_inputs: bool = False
 
     @property
     def routed_spec(self):

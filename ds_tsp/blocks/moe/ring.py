@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.mlp import shard_backward as gated_shard_backward
 from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
-from ds_tsp.blocks.moe.plan import Routing, shared_weights
+from ds_tsp.blocks.moe.plan import Routing, expert_rows, shared_weights
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -53,9 +53,11 @@ def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
         for local, expert in plan.held_experts(t):
             weights_e = plan.experts.weights(w, local)
             for tokens, slots in routing.of_expert(expert, plan.token_tile):
-                out = plan.experts.forward(x[tokens], weights_e)
-                # HF: expert output times its routing weight (type promotion), then summed per token.
-                y.index_add_(0, tokens, (out * weights[tokens, slots, None]).to(y.dtype))
+                weight = weights[tokens, slots, None]
+                out = plan.experts.forward(expert_rows(x[tokens], weight, plan), weights_e)
+                # HF: expert output times its routing weight (type promotion), then summed per token; or, where the
+                # weight scaled the expert's input (Llama 4's), the outputs summed as they are.
+                y.index_add_(0, tokens, (out if plan.scales_inputs else out * weight).to(y.dtype))
         if plan.shared:
             for start, end in plan.tiles(x.shape[0]):
                 out, _, _ = gated_shard_forward(x[start:end], shared_weights(w), plan.act_fn)
@@ -75,8 +77,12 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
         shared_scale.shape, dtype=accumulation_dtype(shared_scale.dtype), device=x.device)
 
     def piece_backward(x_piece, grad_piece, scale, w, grads):
-        """One routed expert on some tokens: adds to ``grads``, returns
-        ``(grad_x, <grad_y, output>)`` for the tokens."""
+        """One routed expert on some tokens: adds to ``grads``, returns the
+        tokens' ``(grad_x, grad_weight)``: ``<grad_y, output>`` for a weighted
+        output, ``<grad_input, x>`` for a weighted input (``plan.scales_inputs``)."""
+        if plan.scales_inputs:
+            grad_in, _ = plan.experts.backward(expert_rows(x_piece, scale, plan), grad_piece.to(x.dtype), w, grads)
+            return grad_in * scale, (grad_in.to(acc_dtype) * x_piece.to(acc_dtype)).sum(-1)
         piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads)
         return piece_grad_x, (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
 
