@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
-from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate
+from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate, scale_queries
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
@@ -204,13 +204,15 @@ def left_aligned(input_ids, attention_mask):
     return input_ids.gather(1, index), lengths
 
 
-def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None, softcap=None):
+def attend_cache(q, keys, values, key_positions, key_valid, query_positions, scale, window=None, softcap=None,
+                 chunk=None):
     """Partial attention of one new token per row over this rank's cached keys.
 
     ``q`` ``(B, nq, d)``; ``keys`` ``(B, nkv, T, d)``, ``values`` ``(B, nkv, T, dv)`` with global
     ``key_positions`` and ``key_valid`` ``(B, T)``; ``query_positions`` ``(B,)``.
-    Every cached key is at or before the query, so only validity and the
-    sliding window mask; ``softcap`` caps the scores as the layer's attention
+    Every cached key is at or before the query, so only validity, the
+    sliding window and the chunk (Llama 4's chunked layers: keys in the
+    query's chunk of ``chunk`` positions) mask; ``softcap`` caps the scores as the layer's attention
     does. Returns ``out`` ``(B, nq, dv)`` and ``lse`` ``(B, nq)``
     in the accumulation dtype; a row with no visible key here gets ``out = 0``
     and ``lse = -inf``, which weigh nothing in ``merge_partials``.
@@ -226,11 +228,24 @@ def attend_cache(q, keys, values, key_positions, key_valid, query_positions, sca
     visible = key_valid
     if window is not None:
         visible = visible & (key_positions > query_positions.unsqueeze(1) - window)
+    if chunk is not None:
+        visible = visible & (key_positions // chunk == query_positions.unsqueeze(1) // chunk)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
     out = probs @ values.to(acc)  # (B, nkv, nq/nkv, d)
     return out.reshape(batch, num_heads, values.shape[-1]), lse.reshape(batch, num_heads)
+
+
+def scaled_positions(attn, positions, left_padding):
+    """The positions ``attn``'s query scale reads (``query_scale.reads``): the
+    tokens' ``positions`` (position ids), or their cache positions as Hugging
+    Face counts them, the prompt's ``left_padding`` included (Llama 4's
+    temperature tuning)."""
+    scale = getattr(attn, "query_scale", None)
+    if scale is not None and scale.reads == "cache_positions":
+        return positions + left_padding
+    return positions
 
 
 def merge_partials(out, lse):
@@ -281,6 +296,7 @@ class TSPDecoder:
                          value_dim, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
+        cache.left_padding = prompt_len - lengths
 
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mixer, TSPGatedDeltaNet):
@@ -306,7 +322,8 @@ class TSPDecoder:
             return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
                                                                        latent[:, keep, :, :0]))
-        plan, packed = attn.plan(h, positions=positions), attn.shard_weights().detach()
+        plan = attn.plan(h, positions=scaled_positions(attn, positions, cache.left_padding.unsqueeze(1)))
+        packed = attn.shard_weights().detach()
         cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
@@ -370,7 +387,8 @@ class TSPDecoder:
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
         q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
         if attn.query_scale is not None:  # (B, 1) factors at the new token's position
-            q_all = q_all * attn.query_scale(positions.unsqueeze(1)).to(q_all.dtype)[:, :, None]
+            factors = attn.query_scale(scaled_positions(attn, positions, cache.left_padding).unsqueeze(1))
+            q_all = scale_queries(q_all.unsqueeze(1), factors, attn.query_scale.casts_factors)[:, 0]
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
@@ -378,7 +396,7 @@ class TSPDecoder:
             cache.write(index, slots, k_new, v_new.unsqueeze(1))
         keys, values = cache.layer(index)
         o, lse = self._heads_of_this_rank(keys, values, q_all, cache, positions, attn.scale, attn.sliding_window,
-                                          attn.softcap)  # (B, hq, d)
+                                          attn.softcap, attn.attention_chunk)  # (B, hq, d)
         if "sinks" in w:  # each head's sink joins its softmax once, over the whole cache (DESIGN.md 6h)
             o = o * torch.sigmoid(lse - w["sinks"].to(lse.dtype)).unsqueeze(-1).to(o.dtype)
         if gate is not None:  # this rank's heads' gates, kept from its own projection
@@ -388,11 +406,13 @@ class TSPDecoder:
             y = y + attn.o_bias
         return y.unsqueeze(1)
 
-    def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None):
+    def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None,
+                            chunk=None):
         """Every head's partial attention over this rank's cached ``keys`` and
         ``values``; an all-to-all hands each rank its head group's partials,
         merged: ``(B, hq, dv)`` and the log-sum-exp ``(B, hq)``."""
-        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions, scale, window, softcap)
+        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions, scale, window, softcap,
+                                chunk)
         dv = out.shape[-1]
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, dv+1)
         partial = partial.view(partial.shape[0], self.tsp_size, -1, dv + 1).transpose(0, 1)  # (D, B, hq, dv+1)

@@ -119,6 +119,9 @@ class TSPCache(Cache):
         self.length = 0
         self.rank_counts = list(rank_counts)
         self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)
+        # (B,) padding tokens each prompt had before its first real one: a token's cache position as Hugging
+        # Face counts it (Llama 4's temperature tuning reads it) is its position plus this.
+        self.left_padding = torch.zeros(batch, dtype=torch.long, device=device)
         self.seen_tokens = 0
 
     @property

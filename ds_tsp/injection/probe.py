@@ -32,7 +32,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from ds_tsp.blocks.rotary import rotary_tables
+from ds_tsp.blocks.latent.module import is_latent_attention
+from ds_tsp.blocks.rotary import ComplexRotary, model_rotary, rotary_tables
 from ds_tsp.blocks.vocab import LogitMap, embedding_multiplier, map_logits, scaled
 from ds_tsp.injection.model import TSPBatch
 from ds_tsp.injection.policy import PolicyError
@@ -53,6 +54,11 @@ LINEAR_TOLERANCE = EAGER_TOLERANCE
 # HY-V3 adds its routed experts' and shared expert's outputs in float32 whatever the model's dtype
 # (config.enable_moe_fp32_combine), the TSP block in float32 or wider: compared as under eager attention.
 FLOAT32_COMBINE_TOLERANCE = EAGER_TOLERANCE
+# Llama 4 rotates queries and keys by a complex64 table in float32 whatever the model's dtype, and torch's
+# complex product rounds an element by the loop it falls in (the shape of the heads and tokens it is called on),
+# so a TSP head group and Hugging Face's whole projection differ by float32 round-off (1.4e-8 measured at D=2):
+# compared as under eager attention.
+COMPLEX_ROTARY_TOLERANCE = EAGER_TOLERANCE
 # Attention implementations that run float64 on any device; the probe runs any
 # other (flash kernels take half precision on GPUs only) under SDPA, or eager
 # where the class does not take SDPA.
@@ -114,6 +120,11 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             tolerance = max(tolerance, FLOAT32_COMBINE_TOLERANCE)
             reference += (f" ({tolerance:.0e} for a layer whose experts Hugging Face adds in float32, "
                           "config.enable_moe_fp32_combine)")
+        attn = getattr(layers[index], policy.attention, None)
+        if attn is not None and not is_latent_attention(attn) and isinstance(model_rotary(attn), ComplexRotary):
+            tolerance = max(tolerance, COMPLEX_ROTARY_TOLERANCE)
+            reference += (f" ({tolerance:.0e} for a layer rotating by a complex table in float32, Llama 4's "
+                          "apply_rotary_emb)")
         if outside > tolerance:
             head = "lm_head" if logit_map is None else f"lm_head -> {logit_map}"
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
