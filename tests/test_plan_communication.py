@@ -435,15 +435,18 @@ def test_moe_step_bytes_equal_what_the_model_counts(run_ranks):
     # score-correction bias is a buffer (no gradient), no load-balancing loss whatever the config says.
     # MiniMax-M2: the score-correction bias the block hands its router, q/k norms over the whole projection.
     # GPT-OSS: sinks in the attention shards, biased experts, the router's bias and o_proj's bias replicated.
+    # Llama 4: a dense layer of intermediate_size_mlp, MoE layers with a shared expert, a weightless q/k norm
+    # (nothing replicated to reduce), no load-balancing loss.
     from models import tiny_config
 
     cases = {2: [("mixtral", torch.float64, True, False), ("qwen2_moe", torch.bfloat16, True, False),
                  ("qwen3_moe", torch.float32, False, False), ("qwen3_moe", torch.float32, True, True),
                  ("qwen3", torch.float32, True, False), ("olmoe", torch.float32, True, False),
                  ("glm4_moe", torch.float64, True, False), ("minimax_m2", torch.float64, True, False),
-                 ("gpt_oss", torch.float64, True, False)],
+                 ("gpt_oss", torch.float64, True, False), ("llama4", torch.float64, True, False)],
              4: [("qwen2_moe", torch.float32, True, False), ("qwen3_moe", torch.bfloat16, True, False),
-                 ("glm4_moe", torch.bfloat16, True, False), ("gpt_oss", torch.bfloat16, True, True)]}
+                 ("glm4_moe", torch.bfloat16, True, False), ("gpt_oss", torch.bfloat16, True, True),
+                 ("llama4", torch.bfloat16, True, False)]}
     for D, per_world in cases.items():
         _check_counted_steps(D, per_world, run_ranks(D, _counted_model_steps, cases=per_world))
         for arch, dtype, _, _ in per_world:
