@@ -227,9 +227,7 @@ def widen_float32_casts(modeling):
         if cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
             continue
         source = inspect.getsource(cls.forward)
-        if name.endswith("RMSNorm") and "self._norm(x.float())" in source:  # Llama 4's norms, with and without weight
-            cls.forward = widened(cls.forward, {"x.float()": "x.to(torch.promote_types(x.dtype, torch.float32))"})
-        elif name.endswith("Router") and "router_scores.float()" in source:  # Llama 4's sigmoid
+        if name.endswith("Router") and "router_scores.float()" in source:  # Llama 4's sigmoid
             cls.forward = widened(cls.forward, {"router_scores.float()": "router_scores.to(torch.promote_types("
                                                                           "router_scores.dtype, torch.float32))",
                                                 # recompiled outside its class, super() has no class to start from
@@ -244,6 +242,8 @@ def widen_float32_casts(modeling):
             cls.forward = gemma_rms_norm_in_the_wider_dtype
         elif name.endswith(("RMSNorm", "LayerNorm")) and "self.weight.to(torch.float32) * hidden_states" in source:
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
+        elif name.endswith("RMSNorm") and "self._norm(x.float())" in source:  # Llama 4's, with and without weight
+            cls.forward = widened(cls.forward, {"x.float()": "x.to(torch.promote_types(x.dtype, torch.float32))"})
     modeling._ds_tsp_widened = True
 
 

@@ -32,8 +32,9 @@ RATIO_BOUND = 3.0
 
 def hf_names(tsp_model):
     """Hugging Face names of the replicated tensors inside the TSP blocks."""
-    return {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-            for index, layer in enumerate(tsp_model.model.layers) for block_name in (layer.mixer_name, "mlp")
+    return {id(param): f"model.layers.{index}.{hf_block_name}.{hf_name}"
+            for index, layer in enumerate(tsp_model.model.layers)
+            for block_name, hf_block_name in ((layer.mixer_name, layer.mixer_name), ("mlp", layer.mlp_name))
             for hf_name, param in getattr(layer, block_name).replicated_params().items()}
 
 
@@ -53,12 +54,12 @@ def gradient_pieces(tsp_model):
             piece = module.shard_piece("weight")
             yield f"{name}.weight", module.weight.grad[:piece[2]], piece
     for index, layer in enumerate(tsp_model.model.layers):
-        for block_name in (layer.mixer_name, "mlp"):
+        for block_name, hf_block_name in ((layer.mixer_name, layer.mixer_name), ("mlp", layer.mlp_name)):
             block = getattr(layer, block_name)
             for name, grad in block.spec.unpack(block.packed.grad).items():
                 # A fused Hugging Face tensor (a Gated DeltaNet's in_proj_qkv, conv1d) holds it at shifted rows.
                 hf_name, piece = block.hf_rows.hf_piece(name, block.shard_piece(name))
-                yield f"model.layers.{index}.{block_name}.{hf_name}", grad, piece
+                yield f"model.layers.{index}.{hf_block_name}.{hf_name}", grad, piece
 
 
 def hf_loss(model, input_ids):
@@ -157,6 +158,7 @@ def out_of_bound(errors):
     (2, "gemma2", True, {}),  # the soft-capped kernel (scores and softmax in float32), soft-capped logits in the ring
     (2, "deepseek_v3_dense", True, {}),  # latent attention: float32 latent norms, bf16 latent gathered
     (2, "qwen3_5_hf_init", True, {}),  # Gated DeltaNet: the rule and its maps in float32, bf16 projections
+    (2, "llama4", True, {}),  # complex rotary tables (handed over in bf16), input-scaled experts, chunked layers
 ])
 def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel, options):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,

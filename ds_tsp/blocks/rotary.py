@@ -119,7 +119,9 @@ class ComplexRotary:
         self.apply = apply
 
     def __call__(self, x, cos, sin):
-        return self.apply(x, x, torch.complex(cos, sin))[0]
+        # At least float32: autocast hands the tables over in its dtype, which torch.complex does not take.
+        dtype = torch.promote_types(cos.dtype, torch.float32)
+        return self.apply(x, x, torch.complex(cos.to(dtype), sin.to(dtype)))[0]
 
     def transpose(self, grad, cos, sin):
         return self(grad, cos, -sin)
