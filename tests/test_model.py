@@ -238,6 +238,22 @@ def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong):
     assert worst > 1e-3
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_phimoe_with_jitter_zero_matches_hugging_face(run_ranks, tsp_size):
+    """PhiMoE's sparsemixer router, Hugging Face's own module on the local tokens: with router_jitter_noise 0 its
+    training-time Gumbel sampling always picks the top score, so the routes are HF's; padded and packed."""
+    cases = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for case in cases:
+        check(run_ranks(tsp_size, model_parity, arch="phimoe", **case), f"D={tsp_size} phimoe {case}")
+
+
+def test_phimoe_with_jitter_is_refused_by_name():
+    from models import tiny_model
+    model = tiny_model("phimoe", router_jitter_noise=0.01)
+    with pytest.raises(PolicyError, match="router_jitter_noise"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))
+
+
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_tied_embeddings_contiguous_layout_and_right_padding(run_ranks, tsp_size):
     per_rank = run_ranks(tsp_size, model_parity, arch="llama_tied", batch=2, seq_len=19, layout="contiguous",

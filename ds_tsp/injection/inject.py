@@ -233,9 +233,14 @@ def check_router(block, where):
             outputs.append(block.run_router(tokens))
     router.train(training)
     if any(not torch.equal(a, b) for a, b in zip(*outputs)):
+        # PhiMoE's sparsemixer: with its jitter 0 the Gumbel draw can only pick the top score.
+        jitter = {name: value for name, value in vars(router).items()
+                  if "jitter" in name and isinstance(value, (int, float)) and value}
+        fix = (f"its {jitter} make it sample: set config.router_jitter_noise = 0.0 (and input_jitter_noise) before "
+               "ds_tsp, with which it routes as in evaluation, or leave tsp.enabled false") if jitter else \
+            "ds_tsp does not support this router"
         raise PolicyError(f"{where}.{block.router_name} ({type(router).__name__}) routes at random in training (two "
-                          "seeds route one batch differently), which no sharded run can reproduce: ds_tsp does not "
-                          "support this router")
+                          f"seeds route one batch differently), which no sharded run can reproduce: {fix}")
 
 
 def keep_frozen(hf_block, tsp_block, layer_class, where):
