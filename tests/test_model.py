@@ -25,6 +25,20 @@ FUSED_CASES = [dict(arch="phi3", batch=2, seq_len=13),
                dict(arch="phi4_mini", batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]])]
 
 
+def parity_without_probe(patch, **kwargs):
+    """``model_parity`` under ``patch``, which makes one piece of the TSP model wrong; injection's probe, which
+    refuses each such piece, skipped."""
+    with patch, mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+def check_moved(per_rank, label):
+    """The guards' verdict: a deliberately wrong piece moved some loss or gradient by far more than the tolerance."""
+    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
+    print(f"{label}: max diff {worst:.2e}")
+    assert worst > 1e-3
+
+
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_loss_and_every_gradient_match_hugging_face(run_ranks, tsp_size):
     for arch in ("llama", "qwen2", "mistral", "qwen3"):
@@ -55,9 +69,7 @@ def test_a_wrong_shard_of_gemma2_or_olmo2_is_caught(run_ranks):
     for arch, wrong_shard in (("gemma2", "model.layers.1.self_attn"), ("gemma2", "lm_head"),
                               ("vaultgemma", "model.layers.0.mlp"), ("olmo2", "model.layers.0.self_attn")):
         per_rank = run_ranks(2, model_parity, arch=arch, batch=2, seq_len=13, wrong_shard=wrong_shard)
-        worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-        print(f"{arch}, {wrong_shard} scaled on the last rank: max diff {worst:.2e}")
-        assert worst > 1e-3
+        check_moved(per_rank, f"{arch}, {wrong_shard} scaled on the last rank")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -75,16 +87,12 @@ def test_hunyuan_dense_and_moe_match_hugging_face(run_ranks, tsp_size):
 def _norms_before_the_rotary(**kwargs):
     """``model_parity`` with Hunyuan's q/k norms applied before the rotary
     embedding, as Qwen3's are; injection's probe, which refuses that, skipped."""
-    with mock.patch("ds_tsp.blocks.rotary.norms_after_rotary", lambda norm: False), \
-            mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
+    return parity_without_probe(mock.patch("ds_tsp.blocks.rotary.norms_after_rotary", lambda norm: False), **kwargs)
 
 
 def test_hunyuan_norms_before_the_rotary_are_caught(run_ranks):
     per_rank = run_ranks(2, _norms_before_the_rotary, arch="hunyuan_v1_dense", batch=2, seq_len=13)
-    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"Hunyuan's q/k norms before the rotary embedding: max diff {worst:.2e}")
-    assert worst > 1e-3
+    check_moved(per_rank, "Hunyuan's q/k norms before the rotary embedding")
 
 
 # Rotary conventions other than Llama's, by the model's own function (issue 62): ERNIE 4.5 (dense, MoE) and Helium
@@ -114,8 +122,7 @@ def _rotary_wrong(wrong, **kwargs):
     patches = {"halves": mock.patch("ds_tsp.blocks.attention.module.model_rotary", lambda attn, halves: rotary.ROTATE_HALF),
                "nope": mock.patch("ds_tsp.blocks.rotary.rotates", lambda attn: True),
                "scale": mock.patch("ds_tsp.blocks.attention.module.query_scale_of", lambda attn, config: None)}
-    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
+    return parity_without_probe(patches[wrong], **kwargs)
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -133,17 +140,14 @@ def _granite_multiplier_dropped(multiplier, **kwargs):
     refuses that, skipped."""
     patches = {"embedding": mock.patch("ds_tsp.injection.model.embedding_multiplier", lambda config: 1.0),
                "residual": mock.patch("ds_tsp.injection.model.scaled", lambda hidden, multiplier: hidden)}
-    with patches[multiplier], mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
+    return parity_without_probe(patches[multiplier], **kwargs)
 
 
 @pytest.mark.parametrize("multiplier", ["embedding", "residual"])
 def test_a_dropped_granite_multiplier_is_caught(run_ranks, multiplier):
     per_rank = run_ranks(2, _granite_multiplier_dropped, multiplier=multiplier, arch="granitemoe", batch=2,
                          seq_len=13)
-    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"Granite-MoE without its {multiplier} multiplier: max diff {worst:.2e}")
-    assert worst > 1e-3
+    check_moved(per_rank, f"Granite-MoE without its {multiplier} multiplier")
 
 
 # Cohere (Command R), Cohere2 (Command A) and Cohere2-MoE: attention and MLP side by side off one norm, the logits
@@ -170,16 +174,13 @@ def _cohere_wrong(wrong, **kwargs):
     probe, which refuses either, skipped."""
     patches = {"sequential": mock.patch("ds_tsp.injection.model.TSPDecoderLayer.blocks", sequential_blocks),
                "unscaled": mock.patch("ds_tsp.injection.model.LogitMap.of", lambda config: None)}
-    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
+    return parity_without_probe(patches[wrong], **kwargs)
 
 
 @pytest.mark.parametrize("wrong", ["sequential", "unscaled"])
 def test_a_wrong_cohere_block_is_caught(run_ranks, wrong):
     per_rank = run_ranks(2, _cohere_wrong, wrong=wrong, arch="cohere", batch=2, seq_len=13)
-    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"Cohere with its blocks {wrong}: max diff {worst:.2e}")
-    assert worst > 1e-3
+    check_moved(per_rank, f"Cohere with its blocks {wrong}")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -200,9 +201,7 @@ def test_a_wrong_ungated_mlp_shard_is_caught(run_ranks):
                                          ("ministral3", "scale")])
 def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):
     per_rank = run_ranks(2, _rotary_wrong, wrong=wrong, arch=arch, batch=2, seq_len=13)
-    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"{arch} with the rotary {wrong} wrong: max diff {worst:.2e}")
-    assert worst > 1e-3
+    check_moved(per_rank, f"{arch} with the rotary {wrong} wrong")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -226,16 +225,13 @@ def _llama4_wrong(wrong, **kwargs):
     patches = {"chunks": mock.patch("ds_tsp.blocks.attention.module.attention_chunk_of", lambda attn, config: None),
                "temperature": mock.patch("ds_tsp.blocks.attention.module.query_scale_of", lambda attn, config: None),
                "output_weights": mock.patch("ds_tsp.blocks.moe.module.scales_expert_inputs", lambda moe: False)}
-    with patches[wrong], mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
+    return parity_without_probe(patches[wrong], **kwargs)
 
 
 @pytest.mark.parametrize("wrong", ["chunks", "temperature", "output_weights"])
 def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong):
     per_rank = run_ranks(2, _llama4_wrong, wrong=wrong, arch="llama4", batch=2, seq_len=13)
-    worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"Llama 4 with its {wrong} wrong: max diff {worst:.2e}")
-    assert worst > 1e-3
+    check_moved(per_rank, f"Llama 4 with its {wrong} wrong")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])

@@ -295,11 +295,6 @@ def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
 
 
 @pytest.mark.parametrize("model_type, overrides, match", [
-    ("llama4_text", {}, r"chunked_attention"),
-    ("llama4_text", {"layer_types": ["full_attention"] * 2, "attention_chunk_size": None},
-     r"attn_temperature_tuning = True.*NoPE layers scale their queries"),
-    ("llama4_text", {"layer_types": ["full_attention"] * 2, "attention_chunk_size": None,
-                     "attn_temperature_tuning": False, "no_rope_layers": [1, 0]}, r"no_rope_layers = \[1, 0\]"),
     ("gemma4_text", {"hidden_size_per_layer_input": 8}, r"hidden_size_per_layer_input = 8.*per-layer input embeddings"),
     ("gemma4_text", {"hidden_size_per_layer_input": 0, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
                      "layer_types": ["sliding_attention", "full_attention"] * 2},
@@ -310,10 +305,9 @@ def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
     # With none of those: its full layers' wider heads (transformers' per-layer head_dim).
     ("gemma4_text", {"hidden_size_per_layer_input": 0}, r"heterogeneous config \(per layer: \['head_dim'\]\)"),
 ])
-def test_llama4_and_gemma4_features_are_refused_by_name(model_type, overrides, match):
-    """Llama 4's chunked attention and NoPE layers, Gemma 4's per-layer inputs, key/value sharing, keys as
-    values, its MoE block beside the MLP and its per-layer head sizes: not built under TSP yet, each refused
-    naming its config key."""
+def test_gemma4_features_are_refused_by_name(model_type, overrides, match):
+    """Gemma 4's per-layer inputs, key/value sharing, keys as values, its MoE block beside the MLP and its
+    per-layer head sizes: not built under TSP yet, each refused naming its config key."""
     model = tiny_causal_lm(model_type, device="meta", **overrides)
     with pytest.raises(PolicyError, match=match):
         resolve_policy(model)
