@@ -259,6 +259,26 @@ def test_step_bytes_equal_what_the_model_counts(run_ranks):
     assert per_rank[0][0][0]["all_to_all"] != expected["all_to_all"]
 
 
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_layer_anatomy_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
+    """Issue 62's dense families, whose configs do not say what their layers hold (planning.anatomy reads it off
+    Hugging Face's layer on the meta device): Nemotron's and Jais-2's ungated MLPs and layer norms with biases,
+    GLM-4's four norms a layer, Cohere's one, ERNIE 4.5's biases on every projection (use_bias), Hunyuan's q/k
+    norms; every op of a training step, per rank, against tsp_step_bytes_by_op."""
+    dtype = torch.float64 if tsp_size == 2 else torch.bfloat16
+    cases = [(arch, dtype, True, False)
+             for arch in ("nemotron", "jais2", "glm4", "cohere", "cohere2", "ernie4_5", "hunyuan_v1_dense")]
+    _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+def test_mixtures_of_experts_the_planner_does_not_model_are_refused():
+    from models import tiny_config
+
+    for arch in ("ernie4_5_moe", "granitemoe", "cohere2_moe", "hunyuan_v1_moe", "phimoe"):
+        with pytest.raises(ValueError, match="the planner models the mixture-of-experts layers of"):
+            planner.model_shape(tiny_config(arch).to_dict())
+
+
 def test_latent_attention_step_bytes_equal_what_the_model_counts(run_ranks):
     """DeepSeek-V3's shape (latent attention, its down projections' rows uneven over 4 ranks) at D=4: every
     op of a training step, per rank, against tsp_step_bytes_by_op."""

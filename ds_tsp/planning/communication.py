@@ -476,7 +476,7 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     if activation_checkpointing:  # every layer's forward runs again in backward
         backward = {op: v + forward.get(op, 0) for op, v in backward.items()}
     counts = _by_direction(forward, backward, "both")
-    whole = [H]  # the final norm
+    whole = list(m.norm_tensors)  # the final norm
     for linear, layers in m.mixer_kinds:
         whole += m.mixer_replicated_tensors(linear) * layers
     for sparse, layers in m.layer_kinds:

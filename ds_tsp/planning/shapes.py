@@ -5,10 +5,13 @@ models included), the bytes of each number (``Precision``), the run's options
 attention shard, the folded vocabulary's rows and logits tiles). Imports no
 torch."""
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from ds_tsp.planning.anatomy import layer_anatomy
 
 GB = 1e9
 FLOAT32 = 4
@@ -157,6 +160,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2); sharded with their heads
     mlp_bias: bool = False  # gate/up biases sharded, down bias replicated
+    mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (Nemotron's, Jais-2's)
+    norms_per_layer: int = 2  # each layer's norms of H, replicated (Gemma-2's and GLM-4's sandwich: 4; Cohere's 1)
+    norm_bias: bool = False  # layer norms with biases (Nemotron's, Jais-2's), the final norm's too
     sliding_window: int | None = None
     name: str = "custom"
     qk_norm: bool = False  # q/k RMSNorm weights, replicated: per head (Qwen3) or ...
@@ -280,7 +286,8 @@ class ModelShape:
     def mlp_params(self):
         """``Wm``: gate, up, down (and gate/up biases) of a dense layer's MLP."""
         H, F = self.hidden_size, self.intermediate_size
-        return 3 * H * F + (2 * F if self.mlp_bias else 0)
+        inputs = 2 if self.mlp_gated else 1  # gate and up, or up alone
+        return (inputs + 1) * H * F + (inputs * F if self.mlp_bias else 0)
 
     @property
     def expert_params(self):
@@ -339,18 +346,24 @@ class ModelShape:
         return qk_norms + ([self.hidden_size] if self.o_proj_bias else [])
 
     def ffn_replicated_tensors(self, sparse=False):
-        """The rest of a layer's whole tensors: its two RMSNorms, and the dense MLP's down bias or the sparse
-        layer's router (and its bias) and shared-expert gate."""
+        """The rest of a layer's whole tensors: its norms (and their biases), and the dense MLP's down bias or the
+        sparse layer's router (and its bias) and shared-expert gate."""
         H = self.hidden_size
+        norms = self.norm_tensors * self.norms_per_layer
         if sparse:
-            return [H, H, self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
+            return norms + [self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
                 ([H] if self.gated_shared_expert else [])
-        return [H, H] + ([H] if self.mlp_bias else [])
+        return norms + ([H] if self.mlp_bias else [])
+
+    @property
+    def norm_tensors(self):
+        """One norm's tensors: its weight, and its bias where the norms have one."""
+        return [self.hidden_size] * (2 if self.norm_bias else 1)
 
     @property
     def embedding_params(self):
         """Embedding and LM head (one matrix when tied), plus the final norm."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + sum(self.norm_tensors)
 
     def _layers_sum(self, ffn):
         mixers = sum(count * (self.mixer_params(linear) + sum(self.mixer_replicated_tensors(linear)))
@@ -510,7 +523,7 @@ QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_tex
 # layer_types, or every full_attention_interval-th layer attention and the others linear; their attention gated by
 # q_proj's second half, with per-head q/k norms; their RMSNorms Gemma's, 1 + w in float32.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # the last: ERNIE 4.5's
 # DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's):
 # group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
 # ungated shared expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
@@ -635,7 +648,7 @@ def model_shape(model):
         latent, moe = _latent_fields(fields), _moe_fields(fields)
         # Qwen3.5-MoE's config has no intermediate_size: every layer is sparse
         every_layer_sparse = moe.get("moe_layers") == fields["num_hidden_layers"]
-        return ModelShape(
+        shape = ModelShape(
             hidden_size=fields["hidden_size"],
             intermediate_size=(fields.get("intermediate_size") or 0) if every_layer_sparse and not llama4
             else fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
@@ -656,6 +669,8 @@ def model_shape(model):
                                                      or bool(latent)),
             partial_rotary_factor=_partial_rotary_factor(fields), **moe, **_linear_fields(fields),
             **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
+        # What the config does not say (norms, biases, an ungated MLP), read off Hugging Face's layer.
+        return dataclasses.replace(shape, **layer_anatomy(fields))
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
                          f"num_hidden_layers, num_attention_heads and vocab_size (for mixture-of-experts "
