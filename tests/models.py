@@ -533,6 +533,10 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
                   experts_implementation="eager")  # MoE models: grouped_mm takes no float64
 
 
+# Where TINY_SIZES make a class's own forward degenerate: StableLM rotates partial_rotary_factor (0.25) of each
+# head, one dim of a 4-wide head, on which Hugging Face's forward widens the head to 5; 8-wide heads rotate 2.
+TINY_TYPE_SIZES = {"stablelm": dict(hidden_size=32)}
+
 # A mixture of experts at tiny sizes too: each attribute its config has (under its name or an alias) is set.
 TINY_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=8, shared_expert_intermediate_size=8, n_shared_experts=1)
@@ -550,7 +554,8 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
     for attention in (requested,) if requested else ("sdpa", "eager_wide_softmax", "eager"):
         # Some constructors print their config when they fail.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, "attn_implementation": attention, **overrides})
+            config = CONFIG_MAPPING[model_type](**{**TINY_SIZES, **TINY_TYPE_SIZES.get(model_type, {}),
+                                                   "attn_implementation": attention, **overrides})
             for key, value in TINY_MOE.items():
                 if hasattr(config, key) and key not in overrides:
                     setattr(config, key, value)

@@ -187,7 +187,16 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
-                           policy.parallel_blocks, getattr(config, "residual_multiplier", None) or 1.0)
+                           policy.parallel_blocks, residual_multiplier(config, layer))
+
+
+def residual_multiplier(config, layer):
+    """What the Hugging Face ``layer``'s forward multiplies each block's output
+    by before the residual add: Granite's ``config.residual_multiplier``, or
+    the factor the layer holds (MiniCPM3's ``residual_scale``, ``scale_depth /
+    sqrt(num_hidden_layers)``); 1.0 for neither. The probe checks it."""
+    held = getattr(layer, "residual_scale", None)
+    return getattr(config, "residual_multiplier", None) or (held if isinstance(held, float) else None) or 1.0
 
 
 def check_expert_parallel(layers, policy, topology, tsp_config):
@@ -236,7 +245,8 @@ def check_router(block, where):
         # PhiMoE's sparsemixer: with its jitter 0 the Gumbel draw can only pick the top score.
         jitter = {name: value for name, value in vars(router).items()
                   if "jitter" in name and isinstance(value, (int, float)) and value}
-        fix = (f"its {jitter} make it sample: set config.router_jitter_noise = 0.0 (and input_jitter_noise) before "
+        named = ", ".join(f"{name} = {value}" for name, value in jitter.items())
+        fix = (f"its {named} makes it sample: set config.router_jitter_noise = 0.0 (and input_jitter_noise) before "
                "ds_tsp, with which it routes as in evaluation, or leave tsp.enabled false") if jitter else \
             "ds_tsp does not support this router"
         raise PolicyError(f"{where}.{block.router_name} ({type(router).__name__}) routes at random in training (two "

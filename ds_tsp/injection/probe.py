@@ -31,6 +31,7 @@ import copy
 
 import torch
 import torch.nn as nn
+from transformers import LlamaConfig, PretrainedConfig
 
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.rotary import ComplexRotary, model_rotary, rotary_tables
@@ -134,7 +135,18 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
         if inside > tolerance:
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its decoder layer's "
                               f"forward differs from the TSP layer's (relative difference {inside:.1e} on a float64 "
-                              f"probe {reference}): it does more than Llama's layer, so ds_tsp does not support it")
+                              f"probe {reference}): it does more than Llama's layer, so ds_tsp does not support it"
+                              f"{unaudited_features(model.config, policy)}")
+
+
+def unaudited_features(config, policy):
+    """For a refusal: the attributes of ``config`` that neither Llama's config
+    has nor ``policy`` audits, among which the feature the TSP layer lacks is
+    likely named; empty where there are none."""
+    known = {*LlamaConfig().to_dict(), *PretrainedConfig().to_dict(), *policy.config}
+    names = sorted(name for name in config.to_dict() if name not in known and not name.startswith("_"))
+    return f" (its config's attributes that ds_tsp does not audit, one of which likely names it: {names})" \
+        if names else ""
 
 
 @contextlib.contextmanager
