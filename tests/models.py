@@ -24,7 +24,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
-from transformers import Llama4ForCausalLM, Llama4TextConfig, PhimoeConfig, PhimoeForCausalLM
+from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
+                          PhimoeConfig, PhimoeForCausalLM)
 from transformers import (Cohere2Config, Cohere2ForCausalLM, Cohere2MoeConfig, Cohere2MoeForCausalLM, CohereConfig,
                           CohereForCausalLM, Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           FlintConfig, FlintForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM,
@@ -371,6 +372,10 @@ def tiny_config(arch, **overrides):
         return Cohere2MoeConfig(**{**PHI3_TOKENS, "logit_scale": 0.25, "sliding_window": 5, "num_experts": 4,
                                    "layer_types": ["sliding_attention", "full_attention"], **moe,
                                    "output_router_logits": False})
+    if arch == "hyperclovax":  # sandwich norms under its own names (post_norm1, post_norm2); Granite's embedding and
+        # residual multipliers, the attention's, and logits MULTIPLIED by logits_scaling; auto policy
+        return HyperCLOVAXConfig(**{**kwargs, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                    "logits_scaling": 4.0, **overrides})
     if arch == "phimoe":  # PhiMoE's sparsemixer router with jitter 0: its Gumbel sampling in training then always
         # picks the top score (the others are masked to -inf), so training routes deterministically; auto policy
         return PhimoeConfig(**{"num_local_experts": 4, **moe, "router_jitter_noise": 0.0, "input_jitter_noise": 0.0,
@@ -458,7 +463,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
                  "ministral3": Ministral3ForCausalLM, "glm": GlmForCausalLM, "glm4": Glm4ForCausalLM,
                  "granitemoe": GraniteMoeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
-                 "cohere2_moe": Cohere2MoeForCausalLM, "llama4": Llama4ForCausalLM, "phimoe": PhimoeForCausalLM, "nemotron": NemotronForCausalLM, "jais2": Jais2ForCausalLM,
+                 "cohere2_moe": Cohere2MoeForCausalLM, "llama4": Llama4ForCausalLM, "phimoe": PhimoeForCausalLM,
+                 "hyperclovax": HyperCLOVAXForCausalLM, "nemotron": NemotronForCausalLM, "jais2": Jais2ForCausalLM,
                  "mistral": MistralForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "phi3": Phi3ForCausalLM,
                  "phi4_mini": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,

@@ -510,7 +510,8 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
                                             ("vaultgemma", 2), ("olmo2", 2), ("olmo3", 4), ("hunyuan_v1_dense", 2),
                                             ("hunyuan_v1_moe", 2), ("ernie4_5", 2), ("flint", 2), ("ministral3", 2),
                                             ("cohere", 2), ("cohere2", 2), ("cohere2_moe", 2), ("nemotron", 2),
-                                            ("granitemoe", 2), ("llama4", 2), ("llama4", 4)])
+                                            ("granitemoe", 2), ("llama4", 2), ("llama4", 4),
+                                            ("hyperclovax", 2)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are
@@ -526,7 +527,8 @@ def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, t
     Llama 4's chunked layers see the new token's chunk of the cache only, its
     NoPE layer's queries are tuned at their cache position (the left padding
     counted, as Hugging Face counts it) and its experts take inputs scaled by
-    their routing weights."""
+    their routing weights; HyperCLOVA X's logits are multiplied by its
+    logits_scaling."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
     per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,

@@ -235,6 +235,26 @@ def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_hyperclovax_matches_hugging_face(run_ranks, tsp_size):
+    """HyperCLOVA X: sandwich norms under its own names, Granite's multipliers, logits multiplied by
+    logits_scaling (Granite's divides); padded and packed."""
+    cases = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+    for case in cases:
+        check(run_ranks(tsp_size, model_parity, arch="hyperclovax", **case), f"D={tsp_size} hyperclovax {case}")
+
+
+def _logits_scaling_divided(**kwargs):
+    """``model_parity`` with HyperCLOVA X's logits divided by logits_scaling, as Granite's are."""
+    return parity_without_probe(mock.patch("ds_tsp.blocks.vocab.multiplies_logits_scaling", lambda cls: False),
+                                **kwargs)
+
+
+def test_hyperclovax_logits_divided_is_caught(run_ranks):
+    per_rank = run_ranks(2, _logits_scaling_divided, arch="hyperclovax", batch=2, seq_len=13)
+    check_moved(per_rank, "HyperCLOVA X's logits divided by logits_scaling")
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_phimoe_with_jitter_zero_matches_hugging_face(run_ranks, tsp_size):
     """PhiMoE's sparsemixer router, Hugging Face's own module on the local tokens: with router_jitter_noise 0 its
     training-time Gumbel sampling always picks the top score, so the routes are HF's; padded and packed."""

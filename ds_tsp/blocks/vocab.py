@@ -50,6 +50,8 @@ logits of one replicated position only, so each rank computes its ``(B, Vs)``
 slice and the slices are all-gathered.
 """
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -316,6 +318,20 @@ def soft_cap(logits, cap):
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+@functools.lru_cache(maxsize=None)
+def multiplies_logits_scaling(config_class):
+    """Whether the causal LM of ``config_class`` multiplies its logits by
+    ``config.logits_scaling`` (HyperCLOVA X's forward) rather than dividing
+    (Granite's), read off that forward."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        source = inspect.getsource(MODEL_FOR_CAUSAL_LM_MAPPING[config_class].forward)
+    except (KeyError, OSError, TypeError):
+        return False
+    return "* self.config.logits_scaling" in source
+
+
 @dataclass(frozen=True)
 class LogitMap:
     """The final logits as the model's forward makes them from the LM head's
@@ -331,9 +347,13 @@ class LogitMap:
 
     @classmethod
     def of(cls, config):
-        """The map of ``config``'s causal LM, or None where its logits are the head's output."""
-        logit_map = cls(getattr(config, "logit_scale", None) or 1.0, getattr(config, "logits_scaling", None) or 1.0,
-                        getattr(config, "final_logit_softcapping", None))
+        """The map of ``config``'s causal LM, or None where its logits are the head's output.
+        ``logits_scaling`` divides (Granite's) unless the causal LM's forward
+        multiplies by it (HyperCLOVA X's)."""
+        scaling = getattr(config, "logits_scaling", None) or 1.0
+        multiplies = scaling != 1.0 and multiplies_logits_scaling(type(config))
+        logit_map = cls((getattr(config, "logit_scale", None) or 1.0) * (scaling if multiplies else 1.0),
+                        1.0 if multiplies else scaling, getattr(config, "final_logit_softcapping", None))
         return None if logit_map == cls() else logit_map
 
     def __call__(self, z):
@@ -344,7 +364,7 @@ class LogitMap:
         return soft_cap(z, self.cap)
 
     def __str__(self):
-        steps = ([f"times {self.multiplier} (config.logit_scale)"] if self.multiplier != 1.0 else []) + \
+        steps = ([f"times {self.multiplier} (config.logit_scale or logits_scaling)"] if self.multiplier != 1.0 else []) + \
             ([f"divided by {self.divisor} (config.logits_scaling)"] if self.divisor != 1.0 else []) + \
             ([f"soft-cap at {self.cap} (config.final_logit_softcapping)"] if self.cap is not None else [])
         return " -> ".join(steps)

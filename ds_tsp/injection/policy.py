@@ -290,6 +290,9 @@ POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "po
 PRE_FEEDFORWARD_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_feedforward_layernorm", None)}
 # One norm feeding the attention and the MLP side by side (Cohere's parallel block: DecoderPolicy.parallel_blocks).
 PARALLEL_NORMS = {"attention": ("input_layernorm", None), "mlp": (None, None)}
+# Sandwich norms under HyperCLOVA X's names: post_norm1 after the attention, post_norm2 after the MLP.
+HYPERCLOVAX_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_norm1"),
+                              "mlp": ("post_attention_layernorm", "post_norm2")}
 # Sandwich norms under GLM-4's names: post_attention_layernorm is the norm BEFORE the MLP there.
 GLM4_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_self_attn_layernorm"),
                        "mlp": ("post_attention_layernorm", "post_mlp_layernorm")}
@@ -398,6 +401,7 @@ AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFORWARD_NORMS)
 # Auto's layouts by their norms' names, the most norms first: the first a layer holds every norm of is its layout.
 AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
+                DecoderPolicy("auto", None, norm_layout=HYPERCLOVAX_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
                 AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
 # Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's).
