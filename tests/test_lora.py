@@ -131,7 +131,9 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              ("qwen3_5", ALL_TARGETS, {}),
              # an ungated MLP (up and down only) beside GLM-4's fused gate_up_proj: both by the MLP's own names
              ("nemotron", ("q_proj", "v_proj", "up_proj", "down_proj"), {}),
-             ("glm4", ("q_proj", "o_proj", "gate_up_proj", "down_proj"), {})]
+             ("glm4", ("q_proj", "o_proj", "gate_up_proj", "down_proj"), {}),
+             # Llama 4: chunked, NoPE and temperature-tuned layers, its weightless q/k norm after the complex rotary
+             ("llama4", ATTENTION_ONLY, {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
