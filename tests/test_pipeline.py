@@ -21,14 +21,18 @@ LR = 0.1
 # one-process float32 control's distance to it, measured on this machine (tests/float32_control.py).
 
 
-def _hf_name(pipe_name, num_layers):
-    """``3.layer.mlp.packed`` (pipe layer 3) -> ``model.layers.2.mlp.packed``."""
+def _hf_name(pipe_name, num_layers, pipe=None):
+    """``3.layer.mlp.packed`` (pipe layer 3) -> ``model.layers.2.mlp.packed``, the MLP under the layer's
+    Hugging Face name where ``pipe`` (the pipeline module) gives it (Llama 4's ``feed_forward``)."""
     index, rest = pipe_name.split(".", 1)
     index = int(index)
     if index == 0:
         return f"model.{rest}"
     if index <= num_layers:
-        return f"model.layers.{index - 1}.{rest.removeprefix('layer.')}"
+        rest = rest.removeprefix("layer.")
+        if pipe is not None and rest.startswith("mlp."):
+            rest = f"{pipe.get_submodule(f'{index}.layer').mlp_name}.{rest.removeprefix('mlp.')}"
+        return f"model.layers.{index - 1}.{rest}"
     return rest if rest.startswith("lm_head") else f"model.{rest}"
 
 
@@ -94,7 +98,7 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     num_layers = ref.config.num_hidden_layers
     rel = {}
     for pipe_name, param in engine.module.named_parameters():
-        name = _hf_name(pipe_name, num_layers)
+        name = _hf_name(pipe_name, num_layers, engine.module)
         if getattr(param, "tensor_model_parallel", False):
             block = engine.module.get_submodule(pipe_name.rsplit(".", 1)[0])
             block_prefix = name.rsplit(".", 1)[0]
@@ -126,6 +130,8 @@ def _pipeline_run(tsp_size, checkpoint_dir=None, resume=False, activation_checkp
     # Mistral 4's latent attention: each stage recomputes its tables and hands its layers the positions that scale
     # their queries.
     (2, False, "mistral4", SEQ_LEN, None),
+    # Llama 4: each stage's chunked layers cut their chunks, its NoPE layer tunes its queries at the tokens' indices.
+    (2, False, "llama4", SEQ_LEN, {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0], "moe_layers": [1, 2, 3]}),
 ])
 def test_pipeline_matches_a_single_process_run(run_ranks, tsp_size, activation_checkpointing, arch, seq_len,
                                                model_overrides):
