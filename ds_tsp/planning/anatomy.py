@@ -8,16 +8,20 @@ projections carry biases (ERNIE 4.5's ``use_bias``) and per-head q/k norms
 with weights (Hunyuan's ``query_layernorm``). Each is the field of
 ``ModelShape`` the ring, the broadcast and the replicated gradients' all-reduce
 count by, so the planner's bytes are the ones the TSP blocks move.
+
+The planner is a leaf of the package and loads no torch until a config is
+planned: torch and transformers are imported here, when a layer is built.
 """
 
 import functools
 import json
 
-import torch
-from torch import nn
-
-# Where transformers' decoder layers keep their MLP (ds_tsp.injection.policy.MLP_NAMES).
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+# The names the TSP blocks read these by (ds_tsp.injection.policy.MLP_NAMES with "mlp",
+# ds_tsp.blocks.attention.module.QK_NORMS, ds_tsp.blocks.mlp.ACTIVATION_NAMES), which the planner, a leaf,
+# does not import.
+MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+QK_NORM_NAMES = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
+ACTIVATION_NAMES = ("act_fn", "activation_fn")
 
 
 def layer_anatomy(fields):
@@ -32,10 +36,8 @@ def layer_anatomy(fields):
 
 @functools.lru_cache(maxsize=64)
 def _anatomy(key):
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ds_tsp.blocks.attention.module import QK_NORMS  # the blocks import the planner's choosers
-    from ds_tsp.blocks.mlp import mlp_activation
 
     fields = {name: value for name, value in json.loads(key).items() if name not in ("name", "architectures")}
     try:
@@ -51,15 +53,15 @@ def _anatomy(key):
     anatomy = {"norms_per_layer": len(norms),
                "norm_bias": any(getattr(norm, "bias", None) is not None for norm in norms)}
     attn = getattr(layer, "self_attn", None)
-    if isinstance(getattr(attn, "q_proj", None), nn.Linear) and isinstance(getattr(attn, "o_proj", None), nn.Linear):
+    if all(isinstance(getattr(attn, name, None), torch.nn.Linear) for name in ("q_proj", "o_proj")):
         anatomy["attention_bias"] = attn.q_proj.bias is not None
         anatomy["o_proj_bias"] = attn.o_proj.bias is not None
-        per_head = [getattr(getattr(attn, name, None), "weight", None) for names in QK_NORMS for name in names]
+        per_head = [getattr(getattr(attn, name, None), "weight", None) for name in QK_NORM_NAMES]
         if any(weight is not None and weight.dim() == 1 and weight.numel() == attn.head_dim for weight in per_head):
             anatomy["qk_norm"] = True
     mlp = next((getattr(layer, name) for name in MLP_NAMES if hasattr(layer, name)), None)
     down = getattr(mlp, "down_proj", None)
-    if isinstance(down, nn.Linear) and mlp_activation(mlp) is not None:
+    if isinstance(down, torch.nn.Linear) and any(hasattr(mlp, name) for name in ACTIVATION_NAMES):
         anatomy["mlp_gated"] = hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj")
         anatomy["mlp_bias"] = down.bias is not None
     return tuple(anatomy.items())
