@@ -218,6 +218,22 @@ def test_llama4_matches_hugging_face(run_ranks, tsp_size):
                   f"D={tsp_size} llama4 {schedule} {case}")
 
 
+# The released checkpoints' settings: Scout's top-1 routing and llama3 RoPE; Maverick's dense layers between MoE
+# ones, without the q/k norm or temperature tuning.
+LLAMA4_RELEASED = {"scout": dict(num_experts_per_tok=1, rope_parameters={
+                       "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+                   "maverick": dict(num_experts_per_tok=1, moe_layers=[1], use_qk_norm=False,
+                                    attn_temperature_tuning=False)}
+
+
+@pytest.mark.parametrize("released", sorted(LLAMA4_RELEASED))
+def test_llama4_as_released_matches_hugging_face(run_ranks, released):
+    for case in (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]])):
+        check(run_ranks(2, model_parity, arch="llama4", model_overrides=LLAMA4_RELEASED[released], **case),
+              f"D=2 llama4 as {released} {case}")
+
+
 def _llama4_wrong(wrong, **kwargs):
     """``model_parity`` with one of Llama 4's pieces wrong: its chunked layers attending causally over the whole
     row, its NoPE layer's queries not temperature-tuned, or its routing weights scaling the experts' outputs;
