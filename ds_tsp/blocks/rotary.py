@@ -7,11 +7,12 @@ the tokens' GLOBAL positions with tables from the model's own rotary module
 Llama's (rotate-half) convention, on a head's first dims where the rotary
 factor is partial (Phi-4-mini), or through the model's own function where it
 computes another (``model_rotary``: GLM's, ERNIE 4.5's and Helium's
-interleaved pairs). The backward of both, for the TSP attention's explicit
-backward, is here too. Queries scaled by position after the rotary
-embedding (``llama_4_scaling_beta``: Ministral 3's, Mistral 4's) take the
-model's own function too (``query_scale_of``); layers a forward does not
-rotate (NoPE) take none (``rotates``).
+interleaved pairs; Llama 4's complex table, ``ComplexRotary``). The backward
+of each, for the TSP attention's explicit backward, is here too. Queries
+scaled by position after the rotary embedding (``llama_4_scaling_beta``:
+Ministral 3's, Mistral 4's) take the model's own function too, and Llama 4's
+NoPE layers their temperature tuning (``query_scale_of``); layers a forward
+does not rotate (NoPE) take none (``rotates``).
 """
 
 import inspect
@@ -138,7 +139,8 @@ def complex_tables(tables):
 @torch.no_grad()
 def model_rotary(attn, rotary_halves=False):
     """The rotary convention of the Hugging Face attention ``attn``: ``NO_ROTARY``
-    for a layer its forward does not rotate (``rotates``); ``ROTATE_HALF``
+    for a layer its forward does not rotate (``rotates``); a ``ComplexRotary``
+    of a modeling module rotating by a complex table (Llama 4's); ``ROTATE_HALF``
     where its modeling module's ``apply_rotary_pos_emb`` computes Llama's to the
     bit on a float64 probe (or tables hold each frequency once,
     ``rotary_halves``: GPT-OSS's), else a ``ModelRotary`` of that function,

@@ -12,6 +12,11 @@ Forward (``moe_all_to_all_forward``)::
     for e in 0..E-1: y[T_e] += weights[T_e, s] * returned[rows of e]  # HF's order: expert by expert
     y += scale(x) * shared expert(x)    # its slices on the MLP's ring; scale: sigmoid of a gate, or 1
 
+Where the routing weights scale the experts' inputs (Llama 4's block), the
+rows sent are the tokens times their weights and the outputs come back
+unweighted; backward then takes the weights' gradient from the returned input
+gradients and the local tokens.
+
 Backward is its transpose: the output rows' gradients, times the routing
 weights, go to the experts' owners by the same routes, the input rows'
 gradients come back by the reverse ones, the routing weights' gradients are

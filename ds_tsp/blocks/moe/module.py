@@ -9,7 +9,10 @@ Hugging Face's own modules, replicated, run on the local tokens: routing
 construction, whatever the router computes, as long as it returns HF's
 ``(logits, weights, indices)``. The block's output is the routed experts'
 weighted sum plus the shared expert's output, times ``sigmoid`` of its gate
-where it has one (Qwen2-MoE) or as it is (DeepSeek-V3's ``shared_experts``).
+where it has one (Qwen2-MoE) or as it is (DeepSeek-V3's ``shared_experts``);
+where the block's forward scales each expert's input by its routing weight
+instead (Llama 4's: ``plan.scales_inputs``), the outputs are summed as they
+are, in both schedules and in decoding.
 Two schedules meet tokens and experts, ``tsp.moe_schedule``: expert shards
 travel round a ring while tokens stay put (``ring.py``), or experts stay at
 rest while tokens go to them by all-to-all (``all_to_all.py``). The ring's bytes are fixed and the all-to-all's grow
