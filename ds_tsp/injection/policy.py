@@ -665,7 +665,9 @@ def check_layer(policy, layer, where):
         unexpected = sorted(grandchildren - set(projections) - pair)
         missing += sorted(pair - grandchildren)
         if missing:
-            raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}: cannot convert it to a TSP layer")
+            holds = f" (it holds {unexpected}, projections under names ds_tsp does not read)" if unexpected else ""
+            raise PolicyError(f"{layer_class} at {where}.{child} lacks {missing}{holds}: cannot convert it to a TSP "
+                              "layer")
         if unexpected:
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
