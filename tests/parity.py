@@ -39,10 +39,11 @@ def document_masks(model, input_ids, attention_mask, position_ids):
             "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
 
 
-def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None, position_ids=None):
+def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=None, position_ids=None, labels=None):
     """HF's causal-LM loss, but in float64 (HF upcasts logits to float32 only);
     with ``num_items_in_batch``, the sum over real tokens divided by it.
-    Without a cache: only then does HF read packed documents from ``position_ids``."""
+    Without a cache: only then does HF read packed documents from ``position_ids``.
+    ``labels``: the input ids by default (-100 where no loss is taken)."""
     masks = attention_mask
     if position_ids is not None and model.config.model_type in MASKS_WITHOUT_POSITIONS:
         masks = document_masks(model, input_ids, attention_mask, position_ids)
@@ -50,7 +51,7 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
         logits = per_document_logits(model, input_ids, position_ids)
     else:
         logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits
-    labels = input_ids[:, 1:].clone()
+    labels = (input_ids if labels is None else labels)[:, 1:].clone()
     if attention_mask is not None:
         labels[attention_mask[:, 1:] == 0] = -100
     reduction = "mean" if num_items_in_batch is None else "sum"
@@ -165,7 +166,7 @@ def packed_position_ids(documents):
 
 def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_shard=None, checkpointing=False,
                  num_items_in_batch=None, model_overrides=None, documents=None, cu_seq_lens=False,
-                 ignore_documents=False, relative=False, **tsp_options):
+                 ignore_documents=False, relative=False, left_padding=0, **tsp_options):
     """On every rank: |loss - HF loss|, the gradient diffs of ``shard_grad_diffs``,
     the bytes saved for backward and how many times an attention recomputed its
     input norm in backward (``ds_tsp.blocks.input_norm``), both of which ``check`` ignores.
@@ -178,7 +179,9 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     ``TSPConfig`` (``vocab_parallel``, ...). ``ignore_documents``: TSP attends
     each row as one sequence (the guard for ``documents``). ``relative``:
     gradient differences relative to the reference gradient's largest entry
-    where it is above 1 (``shard_grad_diffs``)."""
+    where it is above 1 (``shard_grad_diffs``). ``left_padding``: the last row's
+    first tokens are padding, as generation and TRL's trainers pad (its first
+    real token takes no loss: Hugging Face predicts it from padding)."""
     tsp_size = dist.get_world_size()
     torch.manual_seed(7)
     ref = tiny_model(arch, **(model_overrides or {}))
@@ -187,6 +190,12 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     if right_padding:
         attention_mask = torch.ones_like(input_ids)
         attention_mask[0, -right_padding:] = 0
+    labels = input_ids
+    if left_padding:
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        attention_mask[-1, :left_padding] = 0
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[-1, left_padding] = -100
     position_ids = None if documents is None else packed_position_ids(documents)
     packing = {"position_ids": position_ids}
     if cu_seq_lens:
@@ -215,13 +224,13 @@ def model_parity(arch, batch, seq_len, layout="zigzag", right_padding=0, wrong_s
     one_sequence_per_row = mock.patch("ds_tsp.injection.model.document_starts", return_value=None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             (one_sequence_per_row if ignore_documents else contextlib.nullcontext()):
-        out = model(input_ids=input_ids, labels=input_ids, attention_mask=attention_mask,
+        out = model(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
                     num_items_in_batch=num_items_in_batch, **packing)
     recomputes, norm_backward = [], TiledInputNorm.backward
     with mock.patch.object(TiledInputNorm, "backward", autospec=True,
                            side_effect=lambda *args: (recomputes.append(1), norm_backward(*args))[1]):
         out.loss.backward()
-    ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch, position_ids)
+    ref_loss = reference_loss(ref, input_ids, attention_mask, num_items_in_batch, position_ids, labels)
     ref_loss.backward()
     diffs = {"loss": abs(out.loss.item() - ref_loss.item()), "saved_bytes": sum(saved.values()),
              "input_norm_recomputes": len(recomputes)}

@@ -204,14 +204,17 @@ def test_a_wrong_rotary_convention_is_caught(run_ranks, arch, wrong):
     check_moved(per_rank, f"{arch} with the rotary {wrong} wrong")
 
 
+PACKED = dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]])
+
+
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_llama4_matches_hugging_face(run_ranks, tsp_size):
     """Llama 4 text: chunked layers (chunks of 3 tokens, cut at every row's and document's start) rotating by its
     complex table with a weightless q/k norm after it, a NoPE layer with temperature-tuned queries, a dense layer
     and MoE layers whose routing weights scale the experts' inputs, under both expert schedules; padded, packed,
-    the vocabulary folded or not."""
+    the vocabulary folded or not; left-padded rows moved, keeping each token's chunk and cache position."""
     cases = (dict(batch=2, seq_len=13), dict(batch=2, seq_len=13, right_padding=3),
-             dict(batch=1, seq_len=16, vocab_parallel=False), dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]))
+             dict(batch=2, seq_len=13, left_padding=4), dict(batch=1, seq_len=16, vocab_parallel=False), PACKED)
     for case in cases:
         for schedule in ("ring", "all_to_all"):
             check(run_ranks(tsp_size, model_parity, arch="llama4", moe_schedule=schedule, **case),
@@ -240,13 +243,20 @@ def _llama4_wrong(wrong, **kwargs):
     injection's probe, which refuses each, skipped."""
     patches = {"chunks": mock.patch("ds_tsp.blocks.attention.module.attention_chunk_of", lambda attn, config: None),
                "temperature": mock.patch("ds_tsp.blocks.attention.module.query_scale_of", lambda attn, config: None),
-               "output_weights": mock.patch("ds_tsp.blocks.moe.module.scales_expert_inputs", lambda moe: False)}
+               "output_weights": mock.patch("ds_tsp.blocks.moe.module.scales_expert_inputs", lambda moe: False),
+               "temperature_at_position_ids": mock.patch("ds_tsp.blocks.rotary.TemperatureTuning.reads",
+                                                         "position_ids")}
     return parity_without_probe(patches[wrong], **kwargs)
 
 
-@pytest.mark.parametrize("wrong", ["chunks", "temperature", "output_weights"])
-def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong):
-    per_rank = run_ranks(2, _llama4_wrong, wrong=wrong, arch="llama4", batch=2, seq_len=13)
+# Temperature tuning read at the position ids, which packed documents restart, instead of each token's index in
+# its row: only packed rows tell the two apart.
+@pytest.mark.parametrize("wrong, case", [("chunks", dict(batch=2, seq_len=13)),
+                                         ("temperature", dict(batch=2, seq_len=13)),
+                                         ("output_weights", dict(batch=2, seq_len=13)),
+                                         ("temperature_at_position_ids", PACKED)])
+def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong, case):
+    per_rank = run_ranks(2, _llama4_wrong, wrong=wrong, arch="llama4", **case)
     check_moved(per_rank, f"Llama 4 with its {wrong} wrong")
 
 
