@@ -2,6 +2,8 @@
 against hand-computed values and against what ds_tsp itself counts
 (comm.counter bytes), per layer and per training step, dense and MoE."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -269,6 +271,19 @@ def test_layer_anatomy_step_bytes_equal_what_the_model_counts(run_ranks, tsp_siz
     cases = [(arch, dtype, True, False)
              for arch in ("nemotron", "jais2", "glm4", "cohere", "cohere2", "ernie4_5", "hunyuan_v1_dense")]
     _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+def test_the_layer_anatomy_is_what_makes_those_bytes_match():
+    # Guard: from the config's fields alone (two norms, a gated MLP, no biases) Nemotron's ring and replicated
+    # all-reduce are planned otherwise, so the counted bytes above matched what the meta layer said.
+    from models import tiny_config
+
+    fields = tiny_config("nemotron").to_dict()
+    with_anatomy = planner.tsp_step_bytes_by_op(planner.model_shape(fields), SEQ, BATCH, 2, 8)
+    with mock.patch("ds_tsp.planning.shapes.layer_anatomy", return_value={}):
+        from_fields = planner.tsp_step_bytes_by_op(planner.model_shape(fields), SEQ, BATCH, 2, 8)
+    print(f"Nemotron at D=2: with the layer's anatomy {with_anatomy}, from the config alone {from_fields}")
+    assert with_anatomy["ring"] < from_fields["ring"] and with_anatomy["all_reduce"] > from_fields["all_reduce"]
 
 
 def test_mixtures_of_experts_the_planner_does_not_model_are_refused():

@@ -252,6 +252,13 @@ def query_scale_of(attn, config):
                             params.get("original_max_position_embeddings"))
 
 
+def query_scale_positions(scale, position_ids, cache_positions):
+    """The positions the query ``scale`` reads (its ``reads``): each token's
+    index in its row as Hugging Face counts it (``cache_positions``: Llama 4's
+    temperature tuning), else its position id."""
+    return cache_positions if scale is not None and scale.reads == "cache_positions" else position_ids
+
+
 def scale_queries(q, factors, casts_factors):
     """Queries ``q`` ``(B, L, h, d)`` times ``factors`` ``(B, L)`` as the
     model's forward multiplies them: the factors cast to ``q``'s dtype first

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
-from ds_tsp.blocks.rotary import layer_rotary_tables, rotary_at, rotate, scale_queries
+from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
@@ -237,17 +237,6 @@ def attend_cache(q, keys, values, key_positions, key_valid, query_positions, sca
     return out.reshape(batch, num_heads, values.shape[-1]), lse.reshape(batch, num_heads)
 
 
-def scaled_positions(attn, positions, left_padding):
-    """The positions ``attn``'s query scale reads (``query_scale.reads``): the
-    tokens' ``positions`` (position ids), or their cache positions as Hugging
-    Face counts them, the prompt's ``left_padding`` included (Llama 4's
-    temperature tuning)."""
-    scale = getattr(attn, "query_scale", None)
-    if scale is not None and scale.reads == "cache_positions":
-        return positions + left_padding
-    return positions
-
-
 def merge_partials(out, lse):
     """Merge partial attention over disjoint key sets by log-sum-exp: ``out``
     ``(D, B, h, d)``, ``lse`` ``(D, B, h)`` -> ``(B, h, d)``, ``(B, h)``."""
@@ -322,7 +311,10 @@ class TSPDecoder:
             return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
                                                                        latent[:, keep, :, :0]))
-        plan = attn.plan(h, positions=scaled_positions(attn, positions, cache.left_padding.unsqueeze(1)))
+        # A token's cache position counts its prompt's left padding, as Hugging Face's does.
+        scale_positions = query_scale_positions(getattr(attn, "query_scale", None), positions,
+                                                positions + cache.left_padding.unsqueeze(1))
+        plan = attn.plan(h, positions=scale_positions)
         packed = attn.shard_weights().detach()
         cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
@@ -387,7 +379,8 @@ class TSPDecoder:
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
         q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
         if attn.query_scale is not None:  # (B, 1) factors at the new token's position
-            factors = attn.query_scale(scaled_positions(attn, positions, cache.left_padding).unsqueeze(1))
+            factors = attn.query_scale(query_scale_positions(attn.query_scale, positions,
+                                                             positions + cache.left_padding).unsqueeze(1))
             q_all = scale_queries(q_all.unsqueeze(1), factors, attn.query_scale.casts_factors)[:, 0]
         if slots is not None:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts, start_at_position_zero
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
-from ds_tsp.blocks.rotary import layer_rotary_tables
+from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions
 from ds_tsp.blocks.vocab import (IGNORE_INDEX, LogitMap, VocabParallelLMHead, embed_local_tokens, embedding_multiplier,
                                  map_logits, scaled)
 from ds_tsp.inference.generate import cached_forward
@@ -97,10 +97,9 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
         queries by position reads (Ministral 3's, Mistral 4's); ``cache_positions``: their indices in
         their rows as Hugging Face counts them, which Llama 4's temperature tuning reads."""
-        by_position = {}
         scale = getattr(self.mixer, "query_scale", None)
-        if scale is not None:
-            by_position["positions"] = cache_positions if scale.reads == "cache_positions" else positions
+        by_position = {} if scale is None else {
+            "positions": query_scale_positions(scale, positions, cache_positions)}
         return self.blocks(
             hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **by_position), self.mlp,
             lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **by_position))
