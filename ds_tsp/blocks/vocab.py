@@ -364,7 +364,8 @@ class LogitMap:
         return soft_cap(z, self.cap)
 
     def __str__(self):
-        steps = ([f"times {self.multiplier} (config.logit_scale or logits_scaling)"] if self.multiplier != 1.0 else []) + \
+        steps = ([f"times {self.multiplier} (config.logit_scale or logits_scaling)"]
+                 if self.multiplier != 1.0 else []) + \
             ([f"divided by {self.divisor} (config.logits_scaling)"] if self.divisor != 1.0 else []) + \
             ([f"soft-cap at {self.cap} (config.final_logit_softcapping)"] if self.cap is not None else [])
         return " -> ".join(steps)
