@@ -88,18 +88,19 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
         if not getattr(param, "tensor_model_parallel", False) and param.requires_grad:  # not a frozen buffer-like
             name = hf_names.get(id(param), name)  # parameter (ERNIE 4.5's e_score_correction_bias)
             diffs[name] = (param.grad - ref[name]).abs().max().item() / scale(name)
-    for name in ("model.embed_tokens", "lm_head"):
+    policy = tsp_model.tsp_policy
+    for name in (policy.embed_tokens, policy.lm_head):
         module = tsp_model.get_submodule(name)
         if getattr(module.weight, "tensor_model_parallel", False):
             piece = module.shard_piece("weight")
             grad = module.weight.grad
-            full_name = f"{name}.weight" if f"{name}.weight" in ref else "model.embed_tokens.weight"  # tied: one
+            full_name = f"{name}.weight" if f"{name}.weight" in ref else f"{policy.embed_tokens}.weight"  # tied: one
             full = ref[full_name]
             diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
     # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
-    blocks = [(f"model.layers.{index}.{name}.{inner}".rstrip("."), block)
-              for index, layer in enumerate(tsp_model.model.layers)
+    blocks = [(f"{policy.layers}.{index}.{name}.{inner}".rstrip("."), block)
+              for index, layer in enumerate(tsp_model.get_submodule(policy.layers))
               for name, outer in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
               for inner, block in outer.named_modules() if isinstance(block, PackedShardMixin)]
     for prefix, block in blocks:
@@ -114,8 +115,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
 def replicated_hf_names(tsp_model):
     """``{id(parameter): Hugging Face name}`` of the tensors the TSP blocks keep
     whole on every rank (o_proj / down_proj biases, q/k norms, routers)."""
-    return {id(param): f"model.layers.{index}.{block_name}.{hf_name}"
-            for index, layer in enumerate(tsp_model.model.layers)
+    layers = tsp_model.tsp_policy.layers
+    return {id(param): f"{layers}.{index}.{block_name}.{hf_name}"
+            for index, layer in enumerate(tsp_model.get_submodule(layers))
             for block_name, block in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
             for hf_name, param in block.replicated_params().items()}
 
@@ -126,8 +128,9 @@ def held_pieces(tsp_model, full):
     shard's pieces (``sharded_pieces``), a replicated tensor whole, each under
     the name Hugging Face's model gives it (a TSP layer keeps its MLP as
     ``mlp`` whatever its ``mlp_name``: Granite-MoE's ``block_sparse_moe``)."""
-    hf_mlp = {f"model.layers.{index}.mlp": f"model.layers.{index}.{layer.mlp_name}"
-              for index, layer in enumerate(tsp_model.model.layers)}
+    layers = tsp_model.tsp_policy.layers
+    hf_mlp = {f"{layers}.{index}.mlp": f"{layers}.{index}.{layer.mlp_name}"
+              for index, layer in enumerate(tsp_model.get_submodule(layers))}
     replicated = replicated_hf_names(tsp_model)
     held = []
     for name, param in tsp_model.named_parameters():

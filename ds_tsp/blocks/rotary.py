@@ -336,14 +336,15 @@ def rotary_at(rotary_emb, hidden, positions, kind=None):
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
-    """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` as the model's
+    """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` (or a VLM's ``(3, B, n)`` M-RoPE axes) as the model's
     rotary embedding computes them for the whole sequence (for layers of type
     ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the
     full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them."""
-    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(positions.shape[0], 1)], dim=1)
+    probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(*positions.shape[:-1], 1)],
+                      dim=-1)
     return tuple(table[:, :-1] for table in rotary_at(rotary_emb, hidden, probe, kind))
 
 

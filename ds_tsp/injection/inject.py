@@ -12,7 +12,8 @@ from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, che
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
-from ds_tsp.injection.policy import PolicyError, load_balancing_loss, resolve_policy
+from ds_tsp.injection.multimodal import TSPVisionLanguageMixin, check_vision_language
+from ds_tsp.injection.policy import PolicyError, decoder_path, load_balancing_loss, resolve_policy, text_config
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
@@ -73,6 +74,9 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
         peft_config, adapters = adapter_files.config, adapter_files.adapters()
         model.requires_grad_(False)  # as PEFT freezes the base
     policy = resolve_policy(model, tsp_config.policy)
+    config, multimodal = text_config(model), decoder_path(model) != "model"
+    if multimodal:
+        check_vision_language(model)
     layers = model.get_submodule(policy.layers)
     check_adapter_paths(adapters, policy, layers)
     if adapter_files is None:
@@ -94,10 +98,10 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
         if partitioned:
             unpartition(layer)
         prefix = f"{policy.layers}.{index}"
-        layers[index] = tsp_layer(layer, model.config, policy, topology, tsp_config,
+        layers[index] = tsp_layer(layer, config, policy, topology, tsp_config,
                                   read=_prefixed(read, prefix), device=device,
                                   adapters=block_adapters(adapters, prefix),
-                                  rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
+                                  rotary_kind=policy.rotary_kind(config, index) if policy.rotary_kind else None)
     if tsp_config.vocab_parallel:
         fold_vocabulary(model, policy, topology, tsp_config, read=read, device=device)
 
@@ -109,7 +113,7 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 
     model.tsp_load_balancing = load_balancing_loss(type(model))
-    model.__class__ = _tsp_class(type(model))
+    model.__class__ = _tsp_class(type(model), TSPVisionLanguageMixin if multimodal else TSPCausalLMMixin)
     # A forward set on the instance (TRL's fused LM head) would hide the TSP
     # forward that injection puts in front of the model's class.
     vars(model).pop("forward", None)
@@ -299,11 +303,11 @@ def _prefixed(read, prefix):
 _TSP_CLASSES = {}
 
 
-def _tsp_class(cls):
-    """``TSP<cls>``: the HF class with the TSP forward in front, so the model
-    stays an instance of its own class (``isinstance``, ``config``, ...)."""
+def _tsp_class(cls, mixin):
+    """``TSP<cls>``: the HF class with the TSP forward (``mixin``'s) in front, so
+    the model stays an instance of its own class (``isinstance``, ``config``, ...)."""
     if issubclass(cls, TSPCausalLMMixin):
         raise ValueError(f"{cls.__name__} is already a TSP model: inject it once")
     if cls not in _TSP_CLASSES:
-        _TSP_CLASSES[cls] = type(f"TSP{cls.__name__}", (TSPCausalLMMixin, cls), {})
+        _TSP_CLASSES[cls] = type(f"TSP{cls.__name__}", (mixin, cls), {})
     return _TSP_CLASSES[cls]

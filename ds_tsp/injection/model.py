@@ -25,6 +25,7 @@ from ds_tsp.blocks.vocab import (IGNORE_INDEX, LogitMap, VocabParallelLMHead, em
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding, rows_left_aligned,
                                      vocabulary_rows)
+from ds_tsp.injection.policy import text_config
 from ds_tsp.injection.scores import SCORES, fused_head_output, head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
 from ds_tsp.parallel.host_reads import host_copy
@@ -139,8 +140,11 @@ class TSPBatch:
     copy's shards; the tensors the layers compute with stay on the device."""
 
     def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
-                 cu_seq_lens=None, vocab_size=None, batch_check=None):
-        """``vocab_size``: ``(embedding rows, head classes)`` to check the ids
+                 cu_seq_lens=None, vocab_size=None, batch_check=None, rotary_positions=None):
+        """``rotary_positions``: ``(P, B, S)`` positions the rotary embedding
+        reads in place of ``position_ids`` (a VLM's M-RoPE axes), moved,
+        padded and sharded alike (``self.rotary_positions``; by default the
+        position ids). ``vocab_size``: ``(embedding rows, head classes)`` to check the ids
         and labels against (``ds_tsp.injection.inputs``); ``batch_check``
         (``tsp.check_batch``): compare the batch across the TSP group (its
         fingerprints travel in the batch's host copy). An
@@ -161,6 +165,9 @@ class TSPBatch:
         if refusal is None:
             self.left_padding, refusal = _left_padding(host_mask, host_labels)
         if self.left_padding is not None:
+            if rotary_positions is not None:
+                rotary_positions = torch.stack([rows_left_aligned(self.left_padding, axis, None, None,
+                                                                  attention_mask)[0] for axis in rotary_positions])
             input_ids, labels, position_ids, attention_mask = rows_left_aligned(
                 self.left_padding, input_ids, labels, position_ids, attention_mask)
             host_ids, host_labels, host_positions, host_mask = rows_left_aligned(
@@ -177,7 +184,7 @@ class TSPBatch:
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
         # What rotary types that scale with the sequence read (HF: max(position_ids)).
-        self.max_position = position_ids.amax().view(1, 1)
+        self.max_position = (position_ids if rotary_positions is None else rotary_positions).amax().view(1, 1)
         shifted = None
         if labels is not None:
             shifted = shifted_targets(labels, real)
@@ -188,13 +195,19 @@ class TSPBatch:
         # real token from seeing it; its positions just continue the sequence.
         tail = position_ids[:, -1:] + torch.arange(1, self.num_padding + 1, device=input_ids.device)
         position_ids = torch.cat([position_ids, tail], dim=1)
+        if rotary_positions is not None:
+            rotary_positions = torch.cat([rotary_positions, rotary_positions[..., -1:]
+                                          + torch.arange(1, self.num_padding + 1, device=input_ids.device)], dim=-1)
 
         def own(t):
             return layout.shard(t, tsp_rank, tsp_size, layout_name)
 
         # Every rank's tokens, on the host: the vocabulary-parallel embedding routes them all.
         self.rank_input_ids = [layout.shard(host_ids, r, tsp_size, layout_name) for r in range(tsp_size)]
+        self.host_input_ids = host_ids  # (B, S) padded: where a VLM's visual rows go (ds_tsp.blocks.visual)
         self.input_ids, self.position_ids = own(input_ids), own(position_ids)
+        self.rotary_positions = self.position_ids if rotary_positions is None else \
+            layout.shard(rotary_positions, tsp_rank, tsp_size, layout_name, dim=2)
         # Each token's index in its row before the rows were left-aligned (Hugging Face's cache position).
         cache_positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch, -1)
         if self.left_padding is not None:
@@ -267,6 +280,21 @@ class TSPMoeCausalLMOutput(MoeCausalLMOutputWithPast):
 class TSPCausalLMMixin:
     """Put in front of the Hugging Face causal LM class by ``ds_tsp.inject``."""
 
+    def _visual_inputs(self, kwargs):
+        """The images and videos among the forward's keyword arguments (a vision-language model's,
+        ``ds_tsp.injection.multimodal``); a causal LM takes none."""
+        return None
+
+    def _batch(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens, vocab_size, visual):
+        """The micro-batch as this rank sees it (``TSPBatch``); a VLM's rotary embedding reads its M-RoPE
+        positions (``visual.positions``)."""
+        rotary_positions = None
+        if visual is not None:
+            position_ids, rotary_positions = visual.positions(input_ids, attention_mask, position_ids)
+        topo = self.tsp_topology
+        return TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
+                        self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check, rotary_positions)
+
     def _forward_options(self, kwargs):
         """``(moe_blocks, output_router_logits, asked, cu_seq_lens)`` from the
         forward's other keyword arguments, refusing those it does not take;
@@ -279,7 +307,7 @@ class TSPCausalLMMixin:
         if moe_blocks:
             output_router_logits = kwargs.pop("output_router_logits", None)
             if output_router_logits is None:
-                output_router_logits = getattr(self.config, "output_router_logits", False)
+                output_router_logits = getattr(text_config(self), "output_router_logits", False)
         cu_seq_lens = check_cu_seq_lens(kwargs)
         unsupported = {key: value for key, value in kwargs.items()
                        if value not in (None, False) and not (key == "return_dict" and value is True)}
@@ -325,8 +353,12 @@ class TSPCausalLMMixin:
         layout's order)."""
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a TSP model takes input_ids (the full sequence on every TSP rank), not inputs_embeds")
+        visual = self._visual_inputs(kwargs)
         moe_blocks, output_router_logits, asked, cu_seq_lens = self._forward_options(kwargs)
         if use_cache or cache is not None:
+            if visual is not None:
+                raise ValueError("generation with images or videos is not built under TSP yet: generate from the "
+                                 "unsharded model, or train with use_cache=False")
             if labels is not None or asked or cu_seq_lens is not None or tsp_predictions is not None:
                 raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
                                  "output_router_logits, tsp_predictions or packed documents: train without use_cache")
@@ -343,26 +375,22 @@ class TSPCausalLMMixin:
                              "keeps the last token's")
         policy, topo = self.tsp_policy, self.tsp_topology
         vocab_size = tuple(vocabulary_rows(self.get_submodule(name)) for name in (policy.embed_tokens, policy.lm_head))
-        batch = TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
-                         self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check)
+        batch = self._batch(input_ids, labels, position_ids, attention_mask, cu_seq_lens, vocab_size, visual)
         _check_left_padding_use(batch, request, self.get_submodule(policy.lm_head), tsp_predictions)
+        config, layers = text_config(self), self.get_submodule(policy.layers)
+        _check_chunked_documents(batch, layers)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
-                                    batch.input_ids, embedding_multiplier(self.config))
-        layers = self.get_submodule(policy.layers)
-        if not batch.documents_start_at_zero and any(getattr(layer.mixer, "attention_chunk", None)
-                                                     for layer in layers):
-            raise ValueError("packed documents whose position_ids do not restart at 0 with chunked attention "
-                             "layers (attention_chunk_size): Hugging Face cuts chunks off the position ids, ds_tsp "
-                             "from each document's start; give every document position ids from 0 "
-                             "(DataCollatorWithFlattening's)")
-        tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.position_ids,
+                                    batch.input_ids, embedding_multiplier(config))
+        if visual is not None:
+            hidden = visual.embed(hidden, batch, topo, self.tsp_config.layout)
+        tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.rotary_positions,
                                      batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
             for decoder_layer in layers:
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
                                        batch.cache_positions)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
-        head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(self.config)
+        head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(config)
         if request.wanted:
             (loss, scores), logits = head_token_scores(head, hidden, batch, topo.tsp_group, num_items_in_batch,
                                                        logit_map, request.temperature, request.wanted,
@@ -376,7 +404,7 @@ class TSPCausalLMMixin:
         if output_router_logits and self.tsp_load_balancing == "switch":  # as Hugging Face's forward adds it
             aux_loss = router_aux_loss(self, moe_blocks, router_logits, batch)
             if loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss
+                loss = loss + config.router_aux_loss_coef * aux_loss
         if request.fused:
             return fused_head_output(self, batch, loss, scores, input_ids.shape[1], vocab_size[1], aux_loss)
         if not moe_blocks:
@@ -388,6 +416,15 @@ class TSPCausalLMMixin:
         return TSPMoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=logits,
                                     router_logits=router_logits if output_router_logits else None,
                                     **{name: scores.get(name) for name in SCORES})
+
+
+def _check_chunked_documents(batch, layers):
+    """Refuse packed documents that chunked attention layers (Llama 4's) would cut elsewhere than Hugging Face."""
+    if not batch.documents_start_at_zero and any(getattr(layer.mixer, "attention_chunk", None) for layer in layers):
+        raise ValueError("packed documents whose position_ids do not restart at 0 with chunked attention "
+                         "layers (attention_chunk_size): Hugging Face cuts chunks off the position ids, ds_tsp "
+                         "from each document's start; give every document position ids from 0 "
+                         "(DataCollatorWithFlattening's)")
 
 
 def _check_left_padding_use(batch, request, head, tsp_predictions):

@@ -425,6 +425,25 @@ def latent_projections(attn):
     return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
 
+# A policy's parts that live in the text decoder (``model.*`` in a causal LM).
+DECODER_PARTS = ("layers", "embed_tokens", "final_norm", "rotary_emb")
+
+
+def decoder_path(model):
+    """Where ``model`` keeps its text decoder: ``model`` in a causal LM, the
+    language model's path in a vision-language model (``model.language_model``:
+    the module its ``get_decoder()`` returns)."""
+    if get_submodule(model, AUTO.layers) is not None or not hasattr(model, "get_decoder"):
+        return "model"
+    decoder = model.get_decoder()
+    return next((name for name, module in model.named_modules() if module is decoder and name), "model")
+
+
+def text_config(model):
+    """The config of ``model``'s text decoder: its own, or a vision-language model's ``text_config``."""
+    return model.config.get_text_config()
+
+
 def get_submodule(model, path):
     try:
         return model.get_submodule(path)
@@ -454,10 +473,13 @@ def resolve_policy(model, name="auto"):
         raise PolicyError(f"tsp.policy = {name!r} is unknown: choose \"auto\" or one of {sorted(POLICIES)}")
     refuse_adapters(model)
     model_class = type(model).__name__
-    layers = get_submodule(model, AUTO.layers)
+    decoder = decoder_path(model)
+    layers = get_submodule(model, f"{decoder}.layers")
     if layers is None or len(layers) == 0:
-        raise PolicyError(f"{model_class} has no decoder layers at '{AUTO.layers}': ds_tsp converts Hugging Face "
-                          "causal LMs shaped like LlamaForCausalLM")
+        raise PolicyError(f"{model_class} has no decoder layers at '{decoder}.layers': ds_tsp converts Hugging Face "
+                          "causal LMs shaped like LlamaForCausalLM, and vision-language models holding one "
+                          "(get_decoder())")
+    config = text_config(model)
     layer_class = type(layers[0]).__name__
     if name == "auto":
         audited = _from_transformers(model) and _from_transformers(layers[0])
@@ -465,15 +487,18 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
-    check_linear_layers(model_class, model.config, layers, policy)
+    if decoder != "model":
+        policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
+                                                for part in DECODER_PARTS})
+    check_linear_layers(model_class, config, layers, policy)
     if policy is AUTO:
         policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
                                                                   for norm in layout.norm_names())), AUTO)
         if not hasattr(layers[0], policy.mlp):
             policy = dataclasses.replace(policy, mlp=next((n for n in MLP_NAMES if hasattr(layers[0], n)), policy.mlp))
         policy = with_mlp_names(policy, layers)
-    if policy.layer_class is None and per_layer_type(getattr(model.config, "rope_parameters", None)) and \
-            getattr(model.config, "layer_types", None):
+    if policy.layer_class is None and per_layer_type(getattr(config, "rope_parameters", None)) and \
+            getattr(config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
         if get_submodule(model, path) is None:
@@ -483,14 +508,14 @@ def resolve_policy(model, name="auto"):
                           f"written for, but the model is a {model_class}: set tsp.policy to \"auto\"")
     # The config first: a feature it names (Llama 4's chunked attention) is a clearer refusal than the layer
     # shapes that feature comes with.
-    check_config(model_class, model.config, policy)
+    check_config(model_class, config, policy)
     check_float32_tensors(model, layers, policy)
     for index, layer in enumerate(layers):
         check_layer(policy, layer, f"{policy.layers}.{index}")
     if any(policy.is_sparse(layer.get_submodule(policy.mlp)) for layer in layers if hasattr(layer, policy.mlp)):
-        check_load_balancing(type(model), model.config)
+        check_load_balancing(type(model), config)
     for index, layer in enumerate(layers):
-        check_window(policy, layer, model.config, index, f"{policy.layers}.{index}")
+        check_window(policy, layer, config, index, f"{policy.layers}.{index}")
     return policy
 
 

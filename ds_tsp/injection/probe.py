@@ -37,7 +37,7 @@ from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.rotary import ComplexRotary, model_rotary, rotary_tables
 from ds_tsp.blocks.vocab import LogitMap, embedding_multiplier, map_logits, scaled
 from ds_tsp.injection.model import TSPBatch
-from ds_tsp.injection.policy import PolicyError
+from ds_tsp.injection.policy import PolicyError, text_config
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.host_reads import host_read
 
@@ -100,14 +100,14 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
         probed.setdefault(_signature(layer), index)
     # Float64 throughout, so torch SDPA: this checks the layer's forward, not a kernel.
     probe_config = tsp_config.model_copy(update={"attention_backend": "sdpa"})
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    implementation = getattr(text_config(model), "_attn_implementation", None) or "eager"
     if implementation not in FLOAT64_IMPLEMENTATIONS:
         # SDPA where the class takes it; GPT-OSS does not (SDPA has no sinks): its eager attention then.
         implementation = "sdpa" if getattr(type(model), "_supports_sdpa", True) else "eager"
     base_tolerance = EAGER_TOLERANCE if implementation == "eager" else TOLERANCE
     base_reference = (f"under Hugging Face's {implementation} attention, against a tolerance of {base_tolerance:.0e}"
                       + (" (its softmax runs in float32)" if implementation == "eager" else ""))
-    logit_map = LogitMap.of(model.config)
+    logit_map = LogitMap.of(text_config(model))
     for index in probed.values():
         with _probe_settings(model, implementation):
             outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
@@ -116,7 +116,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
         if policy.mixer(layers[index]) != policy.attention:
             tolerance = max(tolerance, LINEAR_TOLERANCE)
             reference += f" ({tolerance:.0e} for a Gated DeltaNet layer, whose rule Hugging Face runs in float32)"
-        elif getattr(model.config, "enable_moe_fp32_combine", False) and policy.is_sparse(
+        elif getattr(text_config(model), "enable_moe_fp32_combine", False) and policy.is_sparse(
                 layers[index].get_submodule(policy.mlp)):
             tolerance = max(tolerance, FLOAT32_COMBINE_TOLERANCE)
             reference += (f" ({tolerance:.0e} for a layer whose experts Hugging Face adds in float32, "
@@ -136,7 +136,7 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its decoder layer's "
                               f"forward differs from the TSP layer's (relative difference {inside:.1e} on a float64 "
                               f"probe {reference}): it does more than Llama's layer, so ds_tsp does not support it"
-                              f"{unaudited_features(model.config, policy)}")
+                              f"{unaudited_features(text_config(model), policy)}")
 
 
 def unaudited_features(config, policy):
@@ -157,7 +157,7 @@ def _probe_settings(model, implementation):
     grouped_mm takes no float64; the probe checks the forward, not a kernel)
     and no load-balancing loss (its layers but one are pass-throughs, which
     record no router logits)."""
-    config = model.config
+    config = text_config(model)
     overrides = {"_attn_implementation": implementation, "_experts_implementation": "eager",
                  "output_router_logits": False}
     # The attention implementation always; the MoE settings where the config has them (a dense model's has none).
@@ -188,10 +188,11 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
     tsp_rank, tsp_size = topology.tsp_rank, topology.tsp_size
     generator = torch.Generator().manual_seed(SEED)
     batch, seq_len = 2, 2 * tsp_size * max(1, -(-8 // (2 * tsp_size)))
-    hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=generator, dtype=torch.float64)
+    config = text_config(model)
+    hidden = torch.randn(batch, seq_len, config.hidden_size, generator=generator, dtype=torch.float64)
     hidden = hidden.to(device)
-    far = 4 * max(getattr(model.config, "max_position_embeddings", 0) or 0,
-                  (getattr(model.config, "rope_parameters", None) or {}).get("original_max_position_embeddings", 0))
+    far = 4 * max(getattr(config, "max_position_embeddings", 0) or 0,
+                  (getattr(config, "rope_parameters", None) or {}).get("original_max_position_embeddings", 0))
     positions = torch.arange(seq_len, device=device) + torch.tensor([[0], [far]], device=device)
 
     layers = model.get_submodule(policy.layers)
@@ -208,13 +209,13 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                               "not support it") from error
         layer_in, layer_out = recorder.seen
         # The final logits mapped as the TSP head does (LogitMap: scaled, soft-capped), nothing else.
-        expected = map_logits(layer_out, LogitMap.of(model.config))
+        expected = map_logits(layer_out, LogitMap.of(config))
         # What reaches the first layer: the embeddings fed in, times the model's embedding_multiplier (Granite's).
-        outside = torch.maximum(_relative(layer_in, scaled(hidden, embedding_multiplier(model.config))),
+        outside = torch.maximum(_relative(layer_in, scaled(hidden, embedding_multiplier(config))),
                                 _relative(logits.to(layer_out.dtype), expected))
 
-        tsp_layer = build(recorder.layer, model.config, policy, topology, tsp_config, device=device,
-                          rotary_kind=policy.rotary_kind(model.config, index) if policy.rotary_kind else None)
+        tsp_layer = build(recorder.layer, config, policy, topology, tsp_config, device=device,
+                          rotary_kind=policy.rotary_kind(config, index) if policy.rotary_kind else None)
         shard = TSPBatch(torch.zeros(batch, seq_len, dtype=torch.long, device=device), None, positions, None,
                          tsp_rank, tsp_size, tsp_config.layout)
         local = layout.shard(layer_in, tsp_rank, tsp_size, tsp_config.layout)  # what the HF layer saw

@@ -223,3 +223,25 @@ def gather_sequence(local, num_padding, group, layout_name):
     padding TSP appended dropped."""
     gathered, _ = comm.all_gather(local.contiguous(), group)
     return layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name), num_padding)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    @autocast_forward(cast_inputs=False)
+    def forward(ctx, rows, send_counts, recv_counts, group):
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        return comm.all_to_all_rows(rows, send_counts, recv_counts, group)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad):
+        return comm.all_to_all_rows(grad, ctx.recv_counts, ctx.send_counts, ctx.group), None, None, None
+
+
+def exchange_rows(rows, send_counts, recv_counts, group):
+    """Forward: the uneven all-to-all of ``rows`` (``comm.all_to_all_rows``:
+    ``send_counts[j]`` rows to group rank ``j``, ``recv_counts[j]`` from it).
+    Backward: the reverse all-to-all, each row's gradient back to its sender."""
+    if comm.group_size(group) == 1:
+        return rows
+    return _ExchangeRows.apply(rows, list(send_counts), list(recv_counts), group)

@@ -1,0 +1,135 @@
+"""The TSP forward of a vision-language model (``*ForConditionalGeneration``), DESIGN.md 6m.
+
+Its text decoder becomes TSP blocks as a causal LM's does (the policy is found
+at the model's ``get_decoder()``); its images and videos are encoded by the
+model's own vision tower, each rank a share of them, and their rows sent to
+the ranks that own their placeholder tokens (``ds_tsp.blocks.visual``). The
+tower's weights stay whole on every rank (replicated: their gradients sum
+over the TSP group like a norm's).
+
+Built for towers of Qwen's form (Qwen2-VL, Qwen2.5-VL, Qwen3.5): patches
+flattened in ``pixel_values`` with a ``(t, h, w)`` grid per item, merged
+``spatial_merge_size**2`` to a placeholder token, and 3-D M-RoPE positions,
+which the model's own ``get_rope_index`` computes once from the whole rows
+(each rank then takes its chunks' columns). Other towers are refused by name.
+"""
+
+import inspect
+
+import torch
+
+from ds_tsp.blocks.visual import VisualItem, VisualRoute
+from ds_tsp.injection.model import TSPCausalLMMixin
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel.host_reads import host_copy
+
+# The forward inputs a Qwen-style processor produces besides input_ids and attention_mask.
+VISUAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
+                 "second_per_grid_ts")
+
+
+def check_vision_language(model):
+    """Refuse, before any weight moves, a vision-language model whose tower
+    ds_tsp does not split, naming what it lacks."""
+    inner, name = getattr(model, "model", None), type(model).__name__
+    tower = getattr(inner, "visual", None)
+    if tower is None or not hasattr(inner, "get_rope_index") or not hasattr(tower, "spatial_merge_size"):
+        held = [child for child, _ in (inner or model).named_children()]
+        raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
+                          f"{held}): ds_tsp trains Qwen-style models (a model.visual tower over pixel_values with "
+                          "image_grid_thw, and get_rope_index's M-RoPE positions); train its text decoder alone "
+                          "(the causal LM of its text_config) or leave tsp.enabled false")
+    deepstack = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
+    if deepstack:
+        raise PolicyError(f"{name}'s vision tower feeds its first decoder layers too (vision_config."
+                          f"deepstack_visual_indexes = {list(deepstack)}, Qwen3-VL's deepstack), which ds_tsp does "
+                          "not route yet: leave tsp.enabled false for this model")
+
+
+class VisualInputs:
+    """One micro-batch's images and videos, as a Qwen-style processor gives
+    them, and what the TSP forward does with them: positions from the whole
+    rows, the tower's share on this rank, its rows to their tokens' ranks."""
+
+    def __init__(self, model, inputs):
+        self.model, self.inputs = model, inputs
+
+    def positions(self, input_ids, attention_mask, position_ids):
+        """``(text positions or None, rotary positions (3, B, S) or None)``.
+        Position ids passed in keep Hugging Face's meaning: ``(3, B, S)`` are
+        the rotary positions, ``(4, B, S)`` text positions (packed documents)
+        then those, ``(B, S)`` positions for every axis; without them the
+        model's ``get_rope_index`` computes them from the whole rows, on one
+        host copy of what it reads."""
+        if position_ids is not None:
+            if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+                return position_ids[0], position_ids[1:]
+            if position_ids.dim() == 3:
+                return None, position_ids
+            return position_ids, None
+        inner = self.model.model
+        wanted = inspect.signature(inner.get_rope_index).parameters
+        names = [name for name in ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+                 if name in wanted and self.inputs.get(name) is not None]
+        if self.inputs.get("mm_token_type_ids") is None:
+            raise ValueError("images or videos were given without mm_token_type_ids, which M-RoPE positions are "
+                             "computed from: pass the processor's mm_token_type_ids (as Hugging Face's forward asks)")
+        host = host_copy(input_ids, attention_mask, *(self.inputs[name] for name in names), reason="visual positions")
+        rotary, _ = inner.get_rope_index(host[0], attention_mask=host[1], **dict(zip(names, host[2:])))
+        return None, rotary.to(input_ids.device)
+
+    def items(self):
+        """The visual items in the order their rows fill the placeholders (images, then videos), and
+        ``(pixels, grids)`` of each kind; one host read of the grids."""
+        config, merge = self.model.config, self.model.model.visual.spatial_merge_size
+        kinds = [(token_id, self.inputs.get(pixels), self.inputs.get(grids))
+                 for token_id, pixels, grids in ((config.image_token_id, "pixel_values", "image_grid_thw"),
+                                                 (config.video_token_id, "pixel_values_videos", "video_grid_thw"))]
+        kinds = [kind for kind in kinds if kind[1] is not None]
+        host_grids = host_copy(*(grids for _, _, grids in kinds), reason="visual grids")
+        items = [VisualItem(token_id, int(patches), int(patches) // merge ** 2)
+                 for (token_id, _, _), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
+        return items, [(pixels, grids) for _, pixels, grids in kinds]
+
+    def embed(self, hidden, batch, topology, layout_name):
+        """``hidden`` (this rank's embeddings ``(B, S/D, H)``) with the visual
+        rows in place: this rank encodes its share of the items and sends each
+        row to its placeholder's rank. A rank whose share is empty encodes the
+        smallest item and sends none of it, so that every rank's tower runs
+        the same graph (its gradient sums over the group line up) and its
+        gradient there is zero."""
+        items, kinds = self.items()
+        route = VisualRoute(items, batch.host_input_ids, topology.tsp_rank, topology.tsp_size, layout_name)
+        mine = route.items if len(route.items) else [min(range(len(items)), key=lambda i: items[i].patches)]
+        pixels, grids = self._share(items, kinds, mine)
+        encoded = torch.cat(self.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        if not len(route.items):
+            encoded = encoded[:0]
+        return route.place(hidden, encoded, topology.tsp_group)
+
+    @staticmethod
+    def _share(items, kinds, mine):
+        """The pixel rows and grids of items ``mine`` (a contiguous run), images and videos together: the
+        tower encodes each item alone, whichever kind it is (Qwen's get_video_features is its image path)."""
+        pixels, grids, first_item = [], [], 0
+        for tensor, grid in kinds:
+            count = grid.shape[0]
+            wanted = [index - first_item for index in mine if first_item <= index < first_item + count]
+            if wanted:
+                before = sum(items[first_item + i].patches for i in range(wanted[0]))
+                length = sum(items[first_item + i].patches for i in wanted)
+                pixels.append(tensor[before:before + length])
+                grids.append(grid[wanted[0]:wanted[-1] + 1])
+            first_item += count
+        return torch.cat(pixels), torch.cat(grids)
+
+
+class TSPVisionLanguageMixin(TSPCausalLMMixin):
+    """Put in front of a Hugging Face vision-language class by ``ds_tsp.inject``:
+    the causal LM's TSP forward, taking the processor's visual inputs too."""
+
+    def _visual_inputs(self, kwargs):
+        inputs = {name: kwargs.pop(name, None) for name in VISUAL_INPUTS}
+        if inputs["pixel_values"] is None and inputs["pixel_values_videos"] is None:
+            return None
+        return VisualInputs(self, inputs)

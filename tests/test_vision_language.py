@@ -1,0 +1,128 @@
+"""Vision-language models under TSP against the unsharded Hugging Face model, float64 (DESIGN.md 6m)."""
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ds_tsp
+from ds_tsp.blocks.visual import VisualItem, share_items
+from ds_tsp.config import TSPConfig
+from ds_tsp.injection.policy import PolicyError
+from ds_tsp.parallel.topology import TSPTopology
+from parity import TOLERANCE, check, check_caught, shard_grad_diffs
+from vision_models import tiny_vlm, visual_batch
+
+# Rows of 48 tokens: D = 4 cuts them into 8 chunks of 6, so every image below straddles chunks (and ranks).
+ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
+                  [("text", 3), ("image", (1, 6, 4)), ("text", 10), ("image", (1, 2, 4)), ("text", 23)]]
+WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1, 4, 4)), ("text", 30), ("pad", 5)]]
+WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
+                [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
+CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
+         "a video of three temporal patches": WITH_A_VIDEO}
+
+
+def vlm_parity(rows, layout="zigzag", wrong=None, **tsp_options):
+    """On every rank: |loss - HF loss| and every gradient's max |diff| (vision
+    tower included), and how many patches this rank's tower encoded.
+    ``wrong``: "route" puts each received visual row one placeholder on,
+    "positions" hands the layers each token's index in its row on all three
+    M-RoPE axes (text positions, as a rotary embedding unaware of images would)."""
+    tsp_size = dist.get_world_size()
+    ref = tiny_vlm()
+    batch = visual_batch(rows)
+    ref.zero_grad()
+    ref_loss = reference_loss(ref, batch)
+    ref_loss.backward()
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    topo = TSPTopology(tsp_size)
+    ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",
+                                         **tsp_options))
+    encoded = []
+    tower_forward = type(model.model.visual).forward
+
+    def counting(tower, pixels, *args, **kwargs):
+        encoded.append(pixels.shape[0])
+        return tower_forward(tower, pixels, *args, **kwargs)
+
+    with mock.patch.object(type(model.model.visual), "forward", counting), _wrong(wrong, tsp_size):
+        out = model(**batch)
+    out.loss.backward()
+    diffs = {"loss": (out.loss - ref_loss).abs().item(), **shard_grad_diffs(model, ref)}
+    return {**diffs, "patches": sum(encoded)}
+
+
+def reference_loss(model, batch):
+    """Hugging Face's loss of ``batch``, but in float64 (its loss upcasts the logits to float32 only)."""
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+
+
+def _wrong(wrong, tsp_size):
+    """The deliberately wrong piece of a guard, as a patch (or none)."""
+    if wrong == "route":
+        from ds_tsp.blocks import visual
+
+        original = visual.VisualRoute.__init__
+
+        def shifted(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.slots = self.slots.roll(1)  # each received row one placeholder on
+        return mock.patch.object(visual.VisualRoute, "__init__", shifted)
+    if wrong == "positions":
+        from ds_tsp.injection import model as model_module
+
+        original = model_module.TSPBatch.__init__
+
+        def one_axis(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.rotary_positions = self.position_ids.expand_as(self.rotary_positions)
+        return mock.patch.object(model_module.TSPBatch, "__init__", one_axis)
+    return mock.patch.dict({})
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_qwen2_vl_matches_hugging_face(run_ranks, tsp_size):
+    for name, rows in CASES.items():
+        per_rank = run_ranks(tsp_size, vlm_parity, rows=rows)
+        check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {name}")
+        grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
+        patches = [t * h * w for t, h, w in grids]
+        encoded = [d["patches"] for d in per_rank]
+        print(f"D={tsp_size} {name}: patches encoded per rank {encoded} of {sum(patches)}")
+        # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none.
+        assert all(count <= sum(patches) / tsp_size + max(patches) for count in encoded)
+
+
+def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):
+    check([{k: v for k, v in d.items() if k != "patches"}
+           for d in run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, layout="contiguous")], "D=2 contiguous")
+
+
+@pytest.mark.parametrize("wrong", ["route", "positions"])
+def test_a_wrong_visual_row_or_position_is_caught(run_ranks, wrong):
+    per_rank = run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, wrong=wrong)
+    check_caught([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"wrong {wrong}")
+
+
+def test_items_are_shared_by_patch_count():
+    patches = [24, 24, 8, 48, 16]
+    for tsp_size in (1, 2, 3, 4, 8):
+        shares = share_items(patches, tsp_size)
+        assert [i for share in shares for i in share] == list(range(len(patches)))
+        for share in shares:
+            assert sum(patches[i] for i in share) <= sum(patches) / tsp_size + max(patches)
+    assert [list(s) for s in share_items([10], 2)] == [[0], []]
+
+
+def test_visual_features_and_placeholders_must_agree():
+    from ds_tsp.blocks.visual import VisualRoute
+    token_ids = torch.tensor([[1, 60, 60, 2]])
+    with pytest.raises(ValueError, match="2 placeholder tokens of id 60 but its images or videos of that kind give 3"):
+        VisualRoute([VisualItem(60, 12, 3)], token_ids, 0, 2, "zigzag")
