@@ -85,8 +85,8 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
                          f"{(str(error).strip().splitlines() or [''])[0][:80]}"))
             continue
         try:
-            resolve_policy(meta)
-            candidates.append((model_type, class_name, type(meta.model.layers[0]).__name__))
+            layers = meta.get_submodule(resolve_policy(meta).layers)
+            candidates.append((model_type, class_name, type(layers[0]).__name__))
         except PolicyError as error:
             rows.append((model_type, class_name, "refused", str(error)))
     scanned = time.perf_counter()

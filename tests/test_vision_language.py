@@ -22,19 +22,21 @@ ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
 WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1, 4, 4)), ("text", 30), ("pad", 5)]]
 WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
+# Families whose processors write each temporal patch of a video as its own run of placeholders.
+FRAMES_APART = ("qwen3_5",)
 CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
          "a video of three temporal patches": WITH_A_VIDEO}
 
 
-def vlm_parity(rows, layout="zigzag", wrong=None, **tsp_options):
+def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, **tsp_options):
     """On every rank: |loss - HF loss| and every gradient's max |diff| (vision
     tower included), and how many patches this rank's tower encoded.
     ``wrong``: "route" puts each received visual row one placeholder on,
     "positions" hands the layers each token's index in its row on all three
     M-RoPE axes (text positions, as a rotary embedding unaware of images would)."""
     tsp_size = dist.get_world_size()
-    ref = tiny_vlm()
-    batch = visual_batch(rows)
+    ref = tiny_vlm(arch)
+    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART)
     ref.zero_grad()
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -88,14 +90,15 @@ def _wrong(wrong, tsp_size):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-def test_qwen2_vl_matches_hugging_face(run_ranks, tsp_size):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_5"])
+def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
-        per_rank = run_ranks(tsp_size, vlm_parity, rows=rows)
-        check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {name}")
+        per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
+        check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {arch} {name}")
         grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
         patches = [t * h * w for t, h, w in grids]
         encoded = [d["patches"] for d in per_rank]
-        print(f"D={tsp_size} {name}: patches encoded per rank {encoded} of {sum(patches)}")
+        print(f"D={tsp_size} {arch} {name}: patches encoded per rank {encoded} of {sum(patches)}")
         # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none.
         assert all(count <= sum(patches) / tsp_size + max(patches) for count in encoded)
 

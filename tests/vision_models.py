@@ -1,7 +1,12 @@
 """Tiny Hugging Face vision-language models built in code, and batches as their processors lay them out."""
 
+import sys
+
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+
+from models import tiny_config, widen_float32_casts
 
 # Placeholder and delimiter ids at the top of the tiny vocabulary (the processor's special tokens).
 VOCAB, IMAGE, VIDEO, VISION_START, VISION_END = 64, 60, 61, 62, 63
@@ -10,29 +15,54 @@ TEXT, IMAGE_TYPE, VIDEO_TYPE = 0, 1, 2  # mm_token_type_ids
 CHANNELS, TEMPORAL_PATCH, PATCH, MERGE = 3, 2, 2, 2
 TEXT_CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
-VISION_CONFIG = dict(depth=2, embed_dim=16, num_heads=2, mlp_ratio=2, patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH,
-                     spatial_merge_size=MERGE, in_channels=CHANNELS)
 SPECIAL = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
                vision_end_token_id=VISION_END)
 
 
+# Qwen2.5-VL's tower: windows of 2 x 2 merged tokens (window_size in pixels) in its first block, whole items in
+# its last (fullatt_block_indexes). Qwen3.5's: learned positions on a 4 x 4 grid, interpolated to each item's.
+VISION_CONFIGS = {
+    "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                 dict(depth=2, embed_dim=16, num_heads=2, mlp_ratio=2, hidden_size=TEXT_CONFIG["hidden_size"])),
+    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                   dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, window_size=8,
+                        fullatt_block_indexes=[1], out_hidden_size=TEXT_CONFIG["hidden_size"])),
+    "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration,
+                dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
+                     out_hidden_size=TEXT_CONFIG["hidden_size"])),
+}
+
+
 def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
-    """The vision-language model ``arch`` on a tiny config: head_dim 8, whose four rotary frequencies M-RoPE
-    splits 2 (time), 1 (height), 1 (width); a small rope_theta keeps the height's and width's frequencies
-    (0.1, 0.03) large enough that their positions matter."""
+    """The vision-language model ``arch`` on a tiny config. Its rotary dims (head_dim 8; Qwen3.5: half of 16)
+    hold four frequencies, which M-RoPE splits 2 (time), 1 (height), 1 (width); a small rope_theta keeps the
+    height's and width's frequencies (0.1, 0.03) large enough that their positions matter. Qwen3.5's text
+    decoder is the hybrid's tiny one (three Gated DeltaNet layers, then a gated attention layer), its Hugging
+    Face float32 casts widened to float64 as for the text model (``models.widen_float32_casts``)."""
     torch.manual_seed(seed)
+    config_class, model_class, vision = VISION_CONFIGS[arch]
     rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
-    config = Qwen2VLConfig(text_config={**TEXT_CONFIG, "rope_parameters": rope},
-                           vision_config={**VISION_CONFIG, "hidden_size": TEXT_CONFIG["hidden_size"]}, **SPECIAL)
+    text = {**TEXT_CONFIG, "rope_parameters": rope}
+    if arch == "qwen3_5":
+        text = {**tiny_config("qwen3_5", **TEXT_CONFIG).to_dict(), "head_dim": 16,
+                "rope_parameters": {**rope, "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
+    vision = {**vision, "patch_size": PATCH, "temporal_patch_size": TEMPORAL_PATCH, "spatial_merge_size": MERGE,
+              "in_channels": CHANNELS}
+    config = config_class(text_config=text, vision_config=vision, **SPECIAL)
     config.text_config._attn_implementation = "sdpa"
-    return Qwen2VLForConditionalGeneration(config).to(dtype).eval()
+    model = model_class(config)
+    widen_float32_casts(sys.modules[type(model).__module__])
+    return model.to(dtype).eval()
 
 
-def visual_batch(rows, seed=0, dtype=torch.float64):
+def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False):
     """Processor-style inputs for ``rows``: each a list of ``("text", n)``,
     ``("image", (t, h, w))`` or ``("video", (t, h, w))`` (grids in patches)
-    and ``("pad", n)`` at the end. Returns the forward's keyword arguments,
-    labels -100 on the visual tokens, their delimiters and the padding."""
+    and ``("pad", n)`` at the end; rows shorter than the longest are padded
+    at the end. ``frames_apart``: each temporal patch of a video is its own
+    run of placeholders after a timestamp token, as Qwen3-VL's and Qwen3.5's
+    processors write videos. Returns the forward's keyword arguments, labels
+    -100 on the visual tokens, their delimiters and the padding."""
     generator = torch.Generator().manual_seed(seed)
     ids, types, labels, masks, grids = [], [], [], [], {"image": [], "video": []}
     for row in rows:
@@ -44,16 +74,21 @@ def visual_batch(rows, seed=0, dtype=torch.float64):
                 row_mask += [int(kind == "text")] * size
                 continue
             t, h, w = size
-            tokens = t * h * w // MERGE ** 2
             placeholder, kind_type = (IMAGE, IMAGE_TYPE) if kind == "image" else (VIDEO, VIDEO_TYPE)
-            row_ids += [VISION_START] + [placeholder] * tokens + [VISION_END]
-            row_types += [TEXT] + [kind_type] * tokens + [TEXT]
-            row_mask += [1] * (tokens + 2)
+            runs = t if kind == "video" and frames_apart else 1
+            for _ in range(runs):
+                tokens = t * h * w // MERGE ** 2 // runs
+                timestamp = [1] if runs > 1 else []  # a text token: "<t seconds>"
+                row_ids += timestamp + [VISION_START] + [placeholder] * tokens + [VISION_END]
+                row_types += [TEXT] * len(timestamp) + [TEXT] + [kind_type] * tokens + [TEXT]
+                row_mask += [1] * (len(timestamp) + tokens + 2)
             grids[kind].append(size)
         ids.append(row_ids), types.append(row_types), masks.append(row_mask)
     width = max(len(row) for row in ids)
-    if any(len(row) != width for row in ids):
-        raise ValueError(f"rows of lengths {[len(row) for row in ids]}: pad them to one length with (\"pad\", n)")
+    for row_ids, row_types, row_mask in zip(ids, types, masks):
+        row_ids += [0] * (width - len(row_ids))
+        row_types += [TEXT] * (width - len(row_types))
+        row_mask += [0] * (width - len(row_mask))
     input_ids, mask = torch.tensor(ids), torch.tensor(masks)
     labels = input_ids.masked_fill((input_ids >= VISION_START - 4) | (mask == 0), -100)
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,

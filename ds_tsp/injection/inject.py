@@ -12,7 +12,7 @@ from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, che
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
-from ds_tsp.injection.multimodal import TSPVisionLanguageMixin, check_vision_language
+from ds_tsp.injection.multimodal import TSPVisionLanguageMixin
 from ds_tsp.injection.policy import PolicyError, decoder_path, load_balancing_loss, resolve_policy, text_config
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
@@ -75,8 +75,6 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
         model.requires_grad_(False)  # as PEFT freezes the base
     policy = resolve_policy(model, tsp_config.policy)
     config, multimodal = text_config(model), decoder_path(model) != "model"
-    if multimodal:
-        check_vision_language(model)
     layers = model.get_submodule(policy.layers)
     check_adapter_paths(adapters, policy, layers)
     if adapter_files is None:

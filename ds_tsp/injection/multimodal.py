@@ -20,30 +20,11 @@ import torch
 
 from ds_tsp.blocks.visual import VisualItem, VisualRoute
 from ds_tsp.injection.model import TSPCausalLMMixin
-from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.host_reads import host_copy
 
 # The forward inputs a Qwen-style processor produces besides input_ids and attention_mask.
 VISUAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
                  "second_per_grid_ts")
-
-
-def check_vision_language(model):
-    """Refuse, before any weight moves, a vision-language model whose tower
-    ds_tsp does not split, naming what it lacks."""
-    inner, name = getattr(model, "model", None), type(model).__name__
-    tower = getattr(inner, "visual", None)
-    if tower is None or not hasattr(inner, "get_rope_index") or not hasattr(tower, "spatial_merge_size"):
-        held = [child for child, _ in (inner or model).named_children()]
-        raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
-                          f"{held}): ds_tsp trains Qwen-style models (a model.visual tower over pixel_values with "
-                          "image_grid_thw, and get_rope_index's M-RoPE positions); train its text decoder alone "
-                          "(the causal LM of its text_config) or leave tsp.enabled false")
-    deepstack = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
-    if deepstack:
-        raise PolicyError(f"{name}'s vision tower feeds its first decoder layers too (vision_config."
-                          f"deepstack_visual_indexes = {list(deepstack)}, Qwen3-VL's deepstack), which ds_tsp does "
-                          "not route yet: leave tsp.enabled false for this model")
 
 
 class VisualInputs:

@@ -439,6 +439,24 @@ def decoder_path(model):
     return next((name for name, module in model.named_modules() if module is decoder and name), "model")
 
 
+def check_vision_language(model):
+    """Refuse, before any weight moves, a vision-language model whose tower
+    ds_tsp does not split, naming what it lacks."""
+    inner, name = getattr(model, "model", None), type(model).__name__
+    tower = getattr(inner, "visual", None)
+    if tower is None or not hasattr(inner, "get_rope_index") or not hasattr(tower, "spatial_merge_size"):
+        held = [child for child, _ in (inner or model).named_children()]
+        raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
+                          f"{held}): ds_tsp trains Qwen-style models (a model.visual tower over pixel_values with "
+                          "image_grid_thw, and get_rope_index's M-RoPE positions); train its text decoder alone "
+                          "(the causal LM of its text_config) or leave tsp.enabled false")
+    deepstack = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
+    if deepstack:
+        raise PolicyError(f"{name}'s vision tower feeds its first decoder layers too (vision_config."
+                          f"deepstack_visual_indexes = {list(deepstack)}, Qwen3-VL's deepstack), which ds_tsp does "
+                          "not route yet: leave tsp.enabled false for this model")
+
+
 def text_config(model):
     """The config of ``model``'s text decoder: its own, or a vision-language model's ``text_config``."""
     return model.config.get_text_config()
@@ -480,6 +498,8 @@ def resolve_policy(model, name="auto"):
                           "causal LMs shaped like LlamaForCausalLM, and vision-language models holding one "
                           "(get_decoder())")
     config = text_config(model)
+    if decoder != "model":
+        check_vision_language(model)
     layer_class = type(layers[0]).__name__
     if name == "auto":
         audited = _from_transformers(model) and _from_transformers(layers[0])
