@@ -13,8 +13,9 @@ from ds_tsp.blocks.visual import VisualItem, share_items
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
-from parity import TOLERANCE, check, check_caught, shard_grad_diffs
-from vision_models import tiny_vlm, visual_batch
+from float32_control import float32_bound
+from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs
+from vision_models import packed_visual_batch, tiny_vlm, visual_batch
 
 # Rows of 48 tokens: D = 4 cuts them into 8 chunks of 6, so every image below straddles chunks (and ranks).
 ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
@@ -28,7 +29,7 @@ CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, 
          "a video of three temporal patches": WITH_A_VIDEO}
 
 
-def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, **tsp_options):
+def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False, **tsp_options):
     """On every rank: |loss - HF loss| and every gradient's max |diff| (vision
     tower included), and how many patches this rank's tower encoded.
     ``wrong``: "route" puts each received visual row one placeholder on,
@@ -36,7 +37,8 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, **tsp_options
     M-RoPE axes (text positions, as a rotary embedding unaware of images would)."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
-    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART)
+    batch = (packed_visual_batch if packed else visual_batch)(
+        *((ref,) if packed else ()), rows, frames_apart=arch in FRAMES_APART)
     ref.zero_grad()
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -103,6 +105,20 @@ def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
         assert all(count <= sum(patches) / tsp_size + max(patches) for count in encoded)
 
 
+# Two rows of two and three documents, images and a video in several of them, straddling the documents' chunks.
+PACKED = [[[("text", 5), ("image", (1, 4, 6)), ("text", 9)], [("text", 3), ("video", (2, 4, 4)), ("text", 12)]],
+          [[("text", 9)], [("image", (1, 2, 4)), ("text", 6)], [("text", 2), ("image", (1, 4, 4)), ("text", 20)]]]
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
+    """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts."""
+    check([{k: v for k, v in d.items() if k != "patches"}
+           for d in run_ranks(tsp_size, vlm_parity, rows=PACKED, arch=arch, packed=True)],
+          f"D={tsp_size} {arch} packed")
+
+
 def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):
     check([{k: v for k, v in d.items() if k != "patches"}
            for d in run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, layout="contiguous")], "D=2 contiguous")
@@ -129,3 +145,68 @@ def test_visual_features_and_placeholders_must_agree():
     token_ids = torch.tensor([[1, 60, 60, 2]])
     with pytest.raises(ValueError, match="2 placeholder tokens of id 60 but its images or videos of that kind give 3"):
         VisualRoute([VisualItem(60, 12, 3)], token_ids, 0, 2, "zigzag")
+
+
+# Each data-parallel replica's micro-batch: its own images, a row without any on the second.
+REPLICA_ROWS = [ONE_IMAGE_EACH, WITH_A_TEXT_ROW[1:]]
+ENGINE_STEPS, ENGINE_LR = 3, 1e-2
+
+
+def vlm_engine_run(tsp_size, zero_stage):
+    """Qwen2-VL in float32 trained by ``ds_tsp.initialize`` (Adam, DeepSpeed's default clipping at 1.0) over
+    TSP ``tsp_size`` x the rest data parallel, each replica on its micro-batch; the one-process float32 run on
+    the replicas' mean loss is the control, the same run in float64 the truth (tests/float32_control.py).
+    Returns each weight's relative error against the truth (this rank's pieces, tower included) and the
+    control's, the losses, and the untrained weights' largest relative distance to the truth's (what a run
+    that trained nothing would score)."""
+    dp_size = dist.get_world_size() // tsp_size
+    ref = tiny_vlm(dtype=torch.float32)
+    model, truth = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": tsp_size, "attention_backend": "sdpa"}}
+    engine, _, _, _ = ds_tsp.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=ENGINE_LR),
+                                        config=config)
+    replicas = [[visual_batch(REPLICA_ROWS[r % len(REPLICA_ROWS)], seed=10 * step + r, dtype=torch.float32)
+                 for r in range(dp_size)] for step in range(ENGINE_STEPS)]
+    losses = []
+    for step in replicas:
+        loss = engine(**step[engine.tsp_topology.dp_rank]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    for one_process in (ref, truth):
+        optimizer = torch.optim.Adam(one_process.parameters(), lr=ENGINE_LR)
+        for step in replicas:
+            optimizer.zero_grad()
+            dtype = next(one_process.parameters()).dtype
+            loss = sum(reference_loss(one_process, {k: v.to(dtype) if v.is_floating_point() else v
+                                                    for k, v in batch.items()}) for batch in step) / dp_size
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(one_process.parameters(), 1.0)
+            optimizer.step()
+    truth_params = dict(truth.named_parameters())
+    with torch.no_grad():
+        engine_full = {name: value for name, _, value, _ in held_pieces(engine.module, truth_params)}
+        pieces = {name: full for name, _, _, full in held_pieces(engine.module, truth_params)}
+    rel = {name: ((value.double() - pieces[name]).abs().max() / pieces[name].abs().max()).item()
+           for name, value in engine_full.items()}
+    control = {name: ((param.double() - truth_params[name]).abs().max() / truth_params[name].abs().max()).item()
+               for name, param in ref.named_parameters()}
+    moved = max(((param - orig).abs().max() / param.abs().max()).item()
+                for (_, param), orig in zip(truth.named_parameters(), tiny_vlm(dtype=torch.float64).parameters()))
+    return dict(rel=rel, control=control, losses=losses, moved=moved)
+
+
+@pytest.mark.parametrize("world, tsp_size, zero_stage", [(4, 2, 2), (2, 2, 3)])
+def test_engine_trains_qwen2_vl_like_one_process(run_ranks, world, tsp_size, zero_stage):
+    per_rank = run_ranks(world, vlm_engine_run, tsp_size=tsp_size, zero_stage=zero_stage, timeout_s=300)
+    worst = max(max(d["rel"].values()) for d in per_rank)
+    name = max(per_rank[0]["rel"], key=per_rank[0]["rel"].get)
+    control = max(per_rank[0]["control"].values())
+    tower = max(v for d in per_rank for k, v in d["rel"].items() if ".visual." in k)
+    print(f"TSP {tsp_size} x DP {world // tsp_size}, ZeRO-{zero_stage}: max rel |dw| against float64 {worst:.2e} "
+          f"({name}; the tower's {tower:.2e}), the float32 control's {control:.2e}; training moved the weights "
+          f"{per_rank[0]['moved']:.2e}; losses {[round(v, 5) for v in per_rank[0]['losses']]}")
+    assert per_rank[0]["moved"] > 10 * float32_bound([control])  # the comparison could tell trained from not
+    assert worst <= float32_bound([control])

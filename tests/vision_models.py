@@ -101,3 +101,32 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False):
             batch[pixels] = torch.randn(patches, CHANNELS * TEMPORAL_PATCH * PATCH * PATCH, generator=generator,
                                         dtype=dtype)
     return batch
+
+
+def packed_visual_batch(model, rows, frames_apart=False):
+    """Rows of packed documents (``rows``: per row, its documents, each as
+    ``visual_batch`` takes a row), as a packing collator writes them for
+    Qwen's models: each document's M-RoPE positions from the model's
+    ``get_rope_index`` on it alone, behind its text positions (from 0), in
+    position ids of shape ``(4, B, S)``; the images and videos in row order."""
+    documents = [[visual_batch([document], seed=index, frames_apart=frames_apart) for index, document in
+                  enumerate(row)] for row in rows]
+    batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
+             for key in ("input_ids", "labels", "mm_token_type_ids")}
+    positions = []
+    for row in documents:
+        pieces = []
+        for doc in row:
+            grids = {key: doc[key] for key in ("image_grid_thw", "video_grid_thw") if key in doc}
+            rotary, _ = model.model.get_rope_index(doc["input_ids"], mm_token_type_ids=doc["mm_token_type_ids"],
+                                                   **grids)
+            text = torch.arange(doc["input_ids"].shape[1]).view(1, 1, -1)
+            pieces.append(torch.cat([text, rotary]))
+        positions.append(torch.cat(pieces, dim=-1))
+    batch["position_ids"] = torch.cat(positions, dim=1)
+    for pixels, grids in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        held = [doc for row in documents for doc in row if grids in doc]
+        if held:
+            batch[pixels] = torch.cat([doc[pixels] for doc in held])
+            batch[grids] = torch.cat([doc[grids] for doc in held])
+    return batch

@@ -69,7 +69,7 @@ def engine_layout(engine):
     module names of pipeline stages with the model's own, which a reshard
     gives every parameter under both."""
     topology, module = engine.tsp_topology, engine.module
-    config = getattr(module, "tsp_model_config", None) or module.config
+    config = (getattr(module, "tsp_model_config", None) or module.config).get_text_config()
     policy = module.tsp_policy
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size, "ep": topology.ep_size,
             "zero_stage": int(engine.zero_optimization_stage()),
