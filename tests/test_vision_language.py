@@ -210,3 +210,37 @@ def test_engine_trains_qwen2_vl_like_one_process(run_ranks, world, tsp_size, zer
           f"{per_rank[0]['moved']:.2e}; losses {[round(v, 5) for v in per_rank[0]['losses']]}")
     assert per_rank[0]["moved"] > 10 * float32_bound([control])  # the comparison could tell trained from not
     assert worst <= float32_bound([control])
+
+
+def _meta_vlm(model_class, config):
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def test_towers_ds_tsp_does_not_split_are_refused_by_name():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration
+    from ds_tsp.injection.policy import resolve_policy
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    for model_class, config in (
+            (LlavaForConditionalGeneration, LlavaConfig(text_config={"model_type": "llama", **text},
+                                                        vision_config={"model_type": "clip_vision_model", **vision})),
+            (Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))):
+        with pytest.raises(PolicyError, match=f"{model_class.__name__} is a vision-language model whose vision tower "
+                                              r"ds_tsp does not split yet \(it holds \['vision_tower'"):
+            resolve_policy(_meta_vlm(model_class, config))
+
+
+def test_generation_with_images_is_refused(run_ranks):
+    run_ranks(2, generation_with_images_refused)
+
+
+def generation_with_images_refused():
+    model = tiny_vlm()
+    ds_tsp.inject(model, TSPTopology(2), TSPConfig(enabled=True, size=2, attention_backend="sdpa"))
+    batch = visual_batch(ONE_IMAGE_EACH)
+    batch.pop("labels")
+    with pytest.raises(ValueError, match="generation with images or videos is not built under TSP yet"):
+        model(**batch, use_cache=True)
