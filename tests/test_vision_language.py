@@ -24,7 +24,7 @@ WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1
 WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
 # Families whose processors write each temporal patch of a video as its own run of placeholders.
-FRAMES_APART = ("qwen3_5",)
+FRAMES_APART = ("qwen3_vl", "qwen3_5")
 CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
          "a video of three temporal patches": WITH_A_VIDEO}
 
@@ -34,7 +34,8 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     tower included), and how many patches this rank's tower encoded.
     ``wrong``: "route" puts each received visual row one placeholder on,
     "positions" hands the layers each token's index in its row on all three
-    M-RoPE axes (text positions, as a rotary embedding unaware of images would)."""
+    M-RoPE axes (text positions, as a rotary embedding unaware of images would),
+    "deepstack" drops the tower's features added after the first decoder layers."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
     batch = (packed_visual_batch if packed else visual_batch)(
@@ -88,11 +89,14 @@ def _wrong(wrong, tsp_size):
             original(self, *args, **kwargs)
             self.rotary_positions = self.position_ids.expand_as(self.rotary_positions)
         return mock.patch.object(model_module.TSPBatch, "__init__", one_axis)
+    if wrong == "deepstack":
+        from ds_tsp.injection.multimodal import VisualInputs
+        return mock.patch.object(VisualInputs, "after_layer", lambda self, index, hidden: hidden)
     return mock.patch.dict({})
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
         per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
@@ -124,9 +128,9 @@ def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):
            for d in run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, layout="contiguous")], "D=2 contiguous")
 
 
-@pytest.mark.parametrize("wrong", ["route", "positions"])
-def test_a_wrong_visual_row_or_position_is_caught(run_ranks, wrong):
-    per_rank = run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, wrong=wrong)
+@pytest.mark.parametrize("wrong, arch", [("route", "qwen2_vl"), ("positions", "qwen2_vl"), ("deepstack", "qwen3_vl")])
+def test_a_wrong_visual_row_position_or_dropped_deepstack_is_caught(run_ranks, wrong, arch):
+    per_rank = run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, wrong=wrong, arch=arch)
     check_caught([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"wrong {wrong}")
 
 

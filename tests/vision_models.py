@@ -4,7 +4,8 @@ import sys
 
 import torch
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
 
 from models import tiny_config, widen_float32_casts
 
@@ -20,13 +21,17 @@ SPECIAL = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id
 
 
 # Qwen2.5-VL's tower: windows of 2 x 2 merged tokens (window_size in pixels) in its first block, whole items in
-# its last (fullatt_block_indexes). Qwen3.5's: learned positions on a 4 x 4 grid, interpolated to each item's.
+# its last (fullatt_block_indexes). Qwen3-VL's and Qwen3.5's: learned positions on a 4 x 4 grid, interpolated to
+# each item's; Qwen3-VL's deepstack adds features of both tower blocks to both decoder layers' outputs.
 VISION_CONFIGS = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration,
                  dict(depth=2, embed_dim=16, num_heads=2, mlp_ratio=2, hidden_size=TEXT_CONFIG["hidden_size"])),
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                    dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, window_size=8,
                         fullatt_block_indexes=[1], out_hidden_size=TEXT_CONFIG["hidden_size"])),
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                 dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
+                      out_hidden_size=TEXT_CONFIG["hidden_size"], deepstack_visual_indexes=[0, 1])),
     "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration,
                 dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
                      out_hidden_size=TEXT_CONFIG["hidden_size"])),
@@ -43,6 +48,8 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     config_class, model_class, vision = VISION_CONFIGS[arch]
     rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
     text = {**TEXT_CONFIG, "rope_parameters": rope}
+    if arch == "qwen3_vl":
+        text["rope_parameters"] = {**rope, "mrope_interleaved": True}
     if arch == "qwen3_5":
         text = {**tiny_config("qwen3_5", **TEXT_CONFIG).to_dict(), "head_dim": 16,
                 "rope_parameters": {**rope, "partial_rotary_factor": 0.5, "mrope_interleaved": True}}

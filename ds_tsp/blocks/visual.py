@@ -97,12 +97,22 @@ class VisualRoute:
         self.recv_counts = torch.bincount(source[arriving], minlength=tsp_size).tolist()
         self.slots = local[rows[arriving]]
 
-    def place(self, hidden, encoded, group):
+    def received(self, encoded, group):
+        """The encoded rows this rank's placeholders take, in ``slots`` order:
+        ``encoded`` (this rank's items' rows, in item order; their features
+        side by side where the tower gives several per row) sent to their
+        owners. Backward sends each row's gradient back."""
+        return exchange_rows(encoded[self.send_order.to(encoded.device)], self.send_counts, self.recv_counts, group)
+
+    def place(self, hidden, rows):
         """``hidden`` ``(B, S/D, H)`` (this rank's embeddings) with its
-        placeholder tokens' rows replaced by the encoded rows that belong
-        there; ``encoded``: this rank's items' merged rows, in item order.
+        placeholder tokens' rows replaced by ``rows`` (``received``'s).
         Differentiable in both (a placeholder's embedding gets no gradient)."""
-        received = exchange_rows(encoded[self.send_order.to(encoded.device)], self.send_counts, self.recv_counts,
-                                 group)
-        flat = hidden.flatten(0, 1).index_put((self.slots.to(hidden.device),), received.to(hidden.dtype))
+        flat = hidden.flatten(0, 1).index_put((self.slots.to(hidden.device),), rows.to(hidden.dtype))
+        return flat.view_as(hidden)
+
+    def add(self, hidden, rows):
+        """``hidden`` with ``rows`` added at its placeholder tokens (Qwen3-VL's
+        deepstack: ``hidden[visual] + features``, as Hugging Face adds them)."""
+        flat = hidden.flatten(0, 1).index_add(0, self.slots.to(hidden.device), rows.to(hidden.dtype))
         return flat.view_as(hidden)

@@ -386,9 +386,11 @@ class TSPCausalLMMixin:
         tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.rotary_positions,
                                      batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
-            for decoder_layer in layers:
+            for index, decoder_layer in enumerate(layers):
                 hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
                                        batch.cache_positions)
+                if visual is not None:
+                    hidden = visual.after_layer(index, hidden)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(config)
         if request.wanted:

@@ -34,6 +34,9 @@ class VisualInputs:
 
     def __init__(self, model, inputs):
         self.model, self.inputs = model, inputs
+        # After ``embed``: the route and, per decoder layer the tower also feeds (Qwen3-VL's deepstack), the
+        # rows added to its output at this rank's placeholders.
+        self.route, self.deepstack = None, []
 
     def positions(self, input_ids, attention_mask, position_ids):
         """``(text positions or None, rotary positions (3, B, S) or None)``.
@@ -83,10 +86,21 @@ class VisualInputs:
         route = VisualRoute(items, batch.host_input_ids, topology.tsp_rank, topology.tsp_size, layout_name)
         mine = route.items if len(route.items) else [min(range(len(items)), key=lambda i: items[i].patches)]
         pixels, grids = self._share(items, kinds, mine)
-        encoded = torch.cat(self.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        output = self.model.get_image_features(pixels, grids, return_dict=True)
+        # The merged rows and, side by side, the features the tower adds after the first decoder layers: one
+        # all-to-all carries them all.
+        features = [output.pooler_output, *(getattr(output, "deepstack_features", None) or ())]
+        encoded = torch.cat([torch.cat(feature) for feature in features], dim=-1)
         if not len(route.items):
             encoded = encoded[:0]
-        return route.place(hidden, encoded, topology.tsp_group)
+        rows = route.received(encoded, topology.tsp_group).split(hidden.shape[-1], dim=-1)
+        self.route, self.deepstack = route, rows[1:]
+        return route.place(hidden, rows[0])
+
+    def after_layer(self, index, hidden):
+        """Decoder layer ``index``'s output, with the tower's features for it added at the visual tokens
+        (Qwen3-VL's deepstack feeds its first layers; other towers none)."""
+        return self.route.add(hidden, self.deepstack[index]) if index < len(self.deepstack) else hidden
 
     @staticmethod
     def _share(items, kinds, mine):

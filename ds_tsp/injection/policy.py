@@ -450,11 +450,6 @@ def check_vision_language(model):
                           f"{held}): ds_tsp trains Qwen-style models (a model.visual tower over pixel_values with "
                           "image_grid_thw, and get_rope_index's M-RoPE positions); train its text decoder alone "
                           "(the causal LM of its text_config) or leave tsp.enabled false")
-    deepstack = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
-    if deepstack:
-        raise PolicyError(f"{name}'s vision tower feeds its first decoder layers too (vision_config."
-                          f"deepstack_visual_indexes = {list(deepstack)}, Qwen3-VL's deepstack), which ds_tsp does "
-                          "not route yet: leave tsp.enabled false for this model")
 
 
 def text_config(model):
