@@ -295,6 +295,18 @@ class TSPCausalLMMixin:
         return TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                         self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check, rotary_positions)
 
+    def _decoder_layers(self, layers, hidden, batch, visual):
+        """The TSP decoder ``layers`` on this rank's ``hidden``, each given its rotary tables (computed once per
+        kind); a VLM's tower adds its features to the first layers' outputs (``visual.after_layer``)."""
+        tables = layer_rotary_tables(self.get_submodule(self.tsp_policy.rotary_emb), layers, hidden,
+                                     batch.rotary_positions, batch.max_position)
+        for index, decoder_layer in enumerate(layers):
+            hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
+                                   batch.cache_positions)
+            if visual is not None:
+                hidden = visual.after_layer(index, hidden)
+        return hidden
+
     def _forward_options(self, kwargs):
         """``(moe_blocks, output_router_logits, asked, cu_seq_lens)`` from the
         forward's other keyword arguments, refusing those it does not take;
@@ -383,14 +395,8 @@ class TSPCausalLMMixin:
                                     batch.input_ids, embedding_multiplier(config))
         if visual is not None:
             hidden = visual.embed(hidden, batch, topo, self.tsp_config.layout)
-        tables = layer_rotary_tables(self.get_submodule(policy.rotary_emb), layers, hidden, batch.rotary_positions,
-                                     batch.max_position)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
-            for index, decoder_layer in enumerate(layers):
-                hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
-                                       batch.cache_positions)
-                if visual is not None:
-                    hidden = visual.after_layer(index, hidden)
+            hidden = self._decoder_layers(layers, hidden, batch, visual)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(config)
         if request.wanted:
