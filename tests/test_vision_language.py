@@ -248,3 +248,18 @@ def generation_with_images_refused():
     batch.pop("labels")
     with pytest.raises(ValueError, match="generation with images or videos is not built under TSP yet"):
         model(**batch, use_cache=True)
+
+
+def test_text_only_generation_gives_hugging_face_tokens(run_ranks):
+    for tokens, expected in run_ranks(2, text_generation):
+        assert tokens == expected
+
+
+def text_generation():
+    """Greedy tokens of the injected Qwen2-VL on a text prompt, and the unsharded model's."""
+    ref = tiny_vlm()
+    model = copy.deepcopy(ref)
+    ds_tsp.inject(model, TSPTopology(2), TSPConfig(enabled=True, size=2, attention_backend="sdpa"))
+    prompt = torch.arange(1, 9).unsqueeze(0)
+    options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, pad_token_id=0, do_sample=False)
+    return model.generate(prompt, **options).tolist(), ref.generate(prompt, **options).tolist()
