@@ -263,3 +263,17 @@ def text_generation():
     prompt = torch.arange(1, 9).unsqueeze(0)
     options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, pad_token_id=0, do_sample=False)
     return model.generate(prompt, **options).tolist(), ref.generate(prompt, **options).tolist()
+
+
+def test_pipeline_stages_of_a_vlm_are_refused():
+    from ds_tsp.injection.pipeline import check_pipeline_stages
+    with pytest.raises(ValueError, match="tsp.pipeline_stages = 2 with a vision-language model \\(Qwen2VLConfig\\)"):
+        check_pipeline_stages(tiny_vlm().config, TSPConfig(enabled=True, size=2, pipeline_stages=2))
+
+
+def test_reading_a_vlm_checkpoint_by_slices_is_refused(tmp_path):
+    from ds_tsp.checkpoint.shard_plan import meta_model
+    tiny_vlm().config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="holds a vision-language model \\(Qwen2VLConfig\\), which ds_tsp does not "
+                                         "read slice by slice yet"):
+        meta_model(str(tmp_path))

@@ -336,7 +336,8 @@ def rotary_at(rotary_emb, hidden, positions, kind=None):
 
 
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
-    """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` (or a VLM's ``(3, B, n)`` M-RoPE axes) as the model's
+    """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` (a VLM's
+    M-RoPE axes: ``(3, B, n)``) as the model's
     rotary embedding computes them for the whole sequence (for layers of type
     ``kind``, where the model keeps a table per layer type: Gemma-3). Rotary types that
     scale with the sequence (``dynamic``) read the largest position id, so the

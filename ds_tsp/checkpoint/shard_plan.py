@@ -18,6 +18,7 @@ tensor the tuple of row pieces a rank holds of it.
 """
 
 import contextlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -265,6 +266,11 @@ def meta_model(path_or_config, torch_dtype=None, model_class=None):
     if not hasattr(config, "model_type"):
         config = AutoConfig.from_pretrained(path_or_config)
     dtype = resolve_dtype(torch_dtype, config)
+    if model_class is None and config.get_text_config() is not config:
+        raise ValueError(f"{path_or_config if isinstance(path_or_config, (str, os.PathLike)) else 'the checkpoint'} "
+                         f"holds a vision-language model ({type(config).__name__}), which ds_tsp does not read slice by "
+                         "slice yet: load it with its class's from_pretrained and pass the model object to "
+                         "ds_tsp.initialize or ds_tsp.inject")
     with torch.device("meta"), _without_hf_zero3_init():
         if model_class is None:
             return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype

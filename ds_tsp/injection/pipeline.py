@@ -170,6 +170,10 @@ def carries_routing_statistics(config, model_class=None):
 def check_pipeline_stages(config, tsp_config, ds_config=None, model_class=None):
     """Refuse, from the configs alone, a model the pipeline stages cannot split;
     set what DeepSpeed's pipeline engine must do for it in ``ds_config``."""
+    if config.get_text_config() is not config:
+        raise ValueError(f"tsp.pipeline_stages = {tsp_config.pipeline_stages} with a vision-language model "
+                         f"({type(config).__name__}): pipeline stages of a VLM (its tower and visual rows) are not "
+                         "built; train it with tsp.pipeline_stages 1 (TSP x DP)")
     layers, stages = config.num_hidden_layers, tsp_config.pipeline_stages
     if layers % stages:
         raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
