@@ -1,5 +1,6 @@
 """Vision-language models under TSP against the unsharded Hugging Face model, float64 (DESIGN.md 6m)."""
 
+import contextlib
 import copy
 from unittest import mock
 
@@ -237,19 +238,6 @@ def test_towers_ds_tsp_does_not_split_are_refused_by_name():
             resolve_policy(_meta_vlm(model_class, config))
 
 
-def test_generation_with_images_is_refused(run_ranks):
-    run_ranks(2, generation_with_images_refused)
-
-
-def generation_with_images_refused():
-    model = tiny_vlm()
-    ds_tsp.inject(model, TSPTopology(2), TSPConfig(enabled=True, size=2, attention_backend="sdpa"))
-    batch = visual_batch(ONE_IMAGE_EACH)
-    batch.pop("labels")
-    with pytest.raises(ValueError, match="generation with images or videos is not built under TSP yet"):
-        model(**batch, use_cache=True)
-
-
 def test_text_only_generation_gives_hugging_face_tokens(run_ranks):
     for tokens, expected in run_ranks(2, text_generation):
         assert tokens == expected
@@ -271,9 +259,115 @@ def test_pipeline_stages_of_a_vlm_are_refused():
         check_pipeline_stages(tiny_vlm().config, TSPConfig(enabled=True, size=2, pipeline_stages=2))
 
 
-def test_reading_a_vlm_checkpoint_by_slices_is_refused(tmp_path):
-    from ds_tsp.checkpoint.shard_plan import meta_model
-    tiny_vlm().config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="holds a vision-language model \\(Qwen2VLConfig\\), which ds_tsp does not "
-                                         "read slice by slice yet"):
-        meta_model(str(tmp_path))
+
+def vlm_round_trip(source, saved, trained):
+    """``ds_tsp.from_pretrained`` of Hugging Face's own save of a tiny Qwen2-VL (its files in the original
+    layout: ``visual.*``, ``model.layers.*``), then (``trained``) one SGD step on an image batch, then
+    ``ds_tsp.save_pretrained``, loaded back by the class's ``from_pretrained``. Returns the loss of the model
+    read against the one injected in memory, the names the two checkpoints disagree on, and the largest
+    difference of every tensor this rank holds against the reloaded model's (trained) or the original's."""
+    ref = tiny_vlm()
+    if dist.get_rank() == 0:
+        ref.save_pretrained(source)
+    dist.barrier()
+    tsp_size = dist.get_world_size()
+    topo, config = TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa")
+    model = ds_tsp.from_pretrained(source, topo, config)
+    in_memory = copy.deepcopy(ref)
+    ds_tsp.inject(in_memory, topo, config)
+    batch = visual_batch(ONE_IMAGE_EACH)
+    loss = model(**batch).loss
+    same_loss = loss.item() == in_memory(**batch).loss.item()
+    if trained:
+        loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.sub_(0.1 * param.grad)
+    ds_tsp.save_pretrained(model, saved, overwrite=True)
+    dist.barrier()
+    reloaded = type(ref).from_pretrained(saved, dtype=torch.float64)
+    expected = dict(reloaded.state_dict()) if trained else dict(ref.state_dict())
+    missing = sorted(set(ref.state_dict()) ^ set(reloaded.state_dict()))
+    worst = max((held.double() - full.double()).abs().max().item()
+                for _, _, held, full in held_pieces(model, expected))
+    moved = max((a - b).abs().max().item() for a, b in zip(reloaded.state_dict().values(), ref.state_dict().values()))
+    return dict(same_loss=same_loss, missing=missing, worst=worst, moved=moved)
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+@pytest.mark.parametrize("trained", [False, True])
+def test_from_pretrained_then_save_pretrained_is_bit_exact(run_ranks, tmp_path, tsp_size, trained):
+    per_rank = run_ranks(tsp_size, vlm_round_trip, source=str(tmp_path / "hf"), saved=str(tmp_path / "tsp"),
+                         trained=trained)
+    print(f"D={tsp_size} trained={trained}: {per_rank[0]}")
+    for result in per_rank:
+        assert result["same_loss"] and result["missing"] == [] and result["worst"] == 0.0
+        assert (result["moved"] > 0) == trained  # the step moved the saved weights (or nothing did)
+
+
+# Prompts of one image and two (``_left_padded`` pads the shorter on the left, as generation pads prompts).
+PROMPTS = [[("text", 3), ("image", (1, 4, 6)), ("text", 4)],
+           [("text", 2), ("image", (1, 2, 4)), ("text", 3), ("image", (1, 4, 4)), ("text", 6)]]
+
+
+def generation_with_images(arch, tsp_size, wrong=False):
+    """Hugging Face's generate (greedy) on the injected model and on the unsharded one, for image prompts and a
+    video prompt: whether the tokens are the same, the largest difference of the steps' logits (which generate
+    hands out in float32) and the largest logit.
+    ``wrong``: the new tokens rotate at their text positions, without the prompt's rope_deltas."""
+    from ds_tsp.inference import generate
+
+    ref = tiny_vlm(arch)
+    model = copy.deepcopy(ref)
+    ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    prefill = generate.TSPDecoder.prefill
+
+    def without_deltas(self, *args, **kwargs):
+        cache, logits = prefill(self, *args, **kwargs)
+        cache.rope_deltas.zero_()
+        return cache, logits
+
+    patches = (mock.patch.object(generate.TSPDecoder, "prefill", without_deltas),
+               mock.patch.object(generate, "_positions_continue", lambda *args: torch.tensor(True))) if wrong else ()
+    results = []
+    for rows in (PROMPTS, WITH_A_VIDEO[:1]):
+        batch = _left_padded(visual_batch(rows, seed=3, frames_apart=arch in FRAMES_APART))
+        batch.pop("labels")
+        options = dict(max_new_tokens=5, pad_token_id=0, do_sample=False, output_logits=True,
+                       return_dict_in_generate=True)
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            mine = model.generate(**batch, **options)
+        expected = ref.generate(**batch, **options)
+        results.append((torch.equal(mine.sequences, expected.sequences),
+                        max((a - b).abs().max().item() for a, b in zip(mine.logits, expected.logits)),
+                        max(b.abs().max().item() for b in expected.logits)))
+    return results
+
+
+def _left_padded(batch):
+    """``visual_batch``'s right-padded rows moved to the left, as generation pads prompts."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    width = batch["input_ids"].shape[1]
+    index = (torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width
+    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+        batch[key] = batch[key].gather(1, index)
+    return batch
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
+def test_generation_with_images_gives_hugging_face_tokens(run_ranks, arch):
+    per_rank = run_ranks(2, generation_with_images, arch=arch, tsp_size=2)
+    print(f"{arch}: logits within {max(diff for rank in per_rank for _, diff, _ in rank):.1e} of Hugging Face's")
+    # float64 logits that agree to ~1e-14 agree in float32 to its last bit: one ulp of the largest logit.
+    assert all(same and diff <= torch.finfo(torch.float32).eps * scale for rank in per_rank
+               for same, diff, scale in rank)
+
+
+def test_new_tokens_rotating_without_the_prompts_rope_deltas_are_caught(run_ranks):
+    per_rank = run_ranks(2, generation_with_images, arch="qwen2_vl", tsp_size=2, wrong=True)
+    moved = min(max(diff / (torch.finfo(torch.float32).eps * scale) for _, diff, scale in rank) for rank in per_rank)
+    print(f"without rope_deltas: logits move by {moved:.0f} float32 ulps of the largest")
+    assert moved > 100

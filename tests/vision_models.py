@@ -42,7 +42,8 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     """The vision-language model ``arch`` on a tiny config. Its rotary dims (head_dim 8; Qwen3.5: half of 16)
     hold four frequencies, which M-RoPE splits 2 (time), 1 (height), 1 (width); a small rope_theta keeps the
     height's and width's frequencies (0.1, 0.03) large enough that their positions matter. Qwen3.5's text
-    decoder is the hybrid's tiny one (three Gated DeltaNet layers, then a gated attention layer), its Hugging
+    decoder is the hybrid's tiny one (three Gated DeltaNet layers, then a gated attention layer, whose positions
+    are the M-RoPE ones), its Hugging
     Face float32 casts widened to float64 as for the text model (``models.widen_float32_casts``)."""
     torch.manual_seed(seed)
     config_class, model_class, vision = VISION_CONFIGS[arch]
@@ -51,7 +52,7 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     if arch == "qwen3_vl":
         text["rope_parameters"] = {**rope, "mrope_interleaved": True}
     if arch == "qwen3_5":
-        text = {**tiny_config("qwen3_5", **TEXT_CONFIG).to_dict(), "head_dim": 16,
+        text = {**tiny_config("qwen3_5", **{**TEXT_CONFIG, "num_hidden_layers": 4}).to_dict(), "head_dim": 16,
                 "rope_parameters": {**rope, "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
     vision = {**vision, "patch_size": PATCH, "temporal_patch_size": TEMPORAL_PATCH, "spatial_merge_size": MERGE,
               "in_channels": CHANNELS}

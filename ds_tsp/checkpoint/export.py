@@ -241,8 +241,8 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     elif fp32_master and (is_pipeline(folder) or folded):
         state = resharded_master_weights(os.fspath(checkpoint_dir), os.path.basename(folder), model, policy)
     else:
-        state = joined_state(model, policy, rank_weights(folder, fp32_master,
-                                                         hf_prefixes(policy, model.config.num_hidden_layers)))
+        layers = model.config.get_text_config().num_hidden_layers
+        state = joined_state(model, policy, rank_weights(folder, fp32_master, hf_prefixes(policy, layers)))
     check_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
     with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
         copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
@@ -270,7 +270,7 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
         state = {}
         for index, layer in enumerate(model.get_submodule(policy.layers)):
             prefix = f"{policy.layers}.{index}"
-            for block, shards in layer_shards(layer, model.config, policy, 1).items():
+            for block, shards in layer_shards(layer, model.config.get_text_config(), policy, 1).items():
                 # Each packed parameter's tensors in name order: the block's, and a TSP block's inside it.
                 tensors, by_param = {}, defaultdict(list)
                 for name in sorted(shards.specs[0].shapes):
@@ -314,7 +314,8 @@ def joined_state(model, policy, states):
     for index, layer in enumerate(tqdm(model.get_submodule(policy.layers), desc=f"Joining {tsp_size} TSP ranks",
                                        unit="layer")):
         prefix = f"{policy.layers}.{index}"
-        for block, (specs, holdings, hf_rows) in layer_shards(layer, model.config, policy, tsp_size).items():
+        shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size)
+        for block, (specs, holdings, hf_rows) in shards.items():
             named = []
             for spec, state in zip(specs, states):
                 tensors = spec.unpack(state[f"{prefix}.{block}.packed"])
@@ -328,7 +329,7 @@ def joined_state(model, policy, states):
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i, layer in enumerate(model.get_submodule(policy.layers))
                            for b in (policy.mixer(layer), policy.mlp))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})
-    full.update({name: join_vocab(name, [state[name] for state in states], model.config.vocab_size)
+    full.update({name: join_vocab(name, [state[name] for state in states], model.config.get_text_config().vocab_size)
                  for name in vocab_names(model, policy) if name in states[0]})
     expected = set(untied(model, dict(model.state_dict())))
     state = {name: full[name] for name in expected if name in full}

@@ -24,6 +24,8 @@ import os
 
 import torch
 from tqdm.auto import tqdm
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, rename_source_key
 
 from ds_tsp.blocks.fused import row_pieces, split_rows
 from ds_tsp.checkpoint.adapters import AdapterFiles
@@ -164,11 +166,37 @@ class ExpertFilesCheckpoint:
         return fused if dim == 0 else fused.narrow(dim, start, length)
 
 
-def hf_checkpoint(path, config=None):
+class RenamedCheckpoint:
+    """A Hugging Face checkpoint (``SafetensorsCheckpoint``) under the model's
+    names where its files name tensors otherwise: ``rename(file name)`` gives
+    the model's name (a vision-language model's files keep their original
+    layout, Qwen2-VL's ``visual.*`` and ``model.layers.*``)."""
+
+    def __init__(self, files, rename):
+        self.path, self.files = files.path, files
+        self.sources = {rename(file_name): file_name for file_name in files.names}
+        self.shapes = {name: files.shapes[source] for name, source in self.sources.items()}
+
+    @property
+    def names(self):
+        return list(self.shapes)
+
+    def read(self, name, piece=None):
+        return self.files.read(self.sources[name], piece)
+
+
+def hf_checkpoint(path, config=None, model=None):
     """The tensors of the Hugging Face checkpoint at ``path`` under the model's
     names: ``SafetensorsCheckpoint``, through ``ExpertFilesCheckpoint`` where
-    ``config``'s architecture has a per-expert file layout (None: as the files name them)."""
+    ``config``'s architecture has a per-expert file layout (None: as the files
+    name them), or through ``RenamedCheckpoint`` where ``model`` is a
+    vision-language model, whose class's conversion mapping renames its files'
+    tensors (transformers' own renaming, as its ``from_pretrained`` applies it)."""
     files = SafetensorsCheckpoint(path)
+    config = model.config if model is not None else config
+    if model is not None and config.get_text_config() is not config:
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        return RenamedCheckpoint(files, lambda name: rename_source_key(name, renamings, [])[0])
     layout = expert_files(config)
     return files if layout is None else ExpertFilesCheckpoint(files, layout)
 
@@ -224,10 +252,10 @@ def _holding(piece):
     return tuple(tuple(part) for part in piece) if isinstance(piece[0], list) else tuple(piece)
 
 
-def open_checkpoint(path, tsp_size=1, tsp_rank=0, config=None):
+def open_checkpoint(path, tsp_size=1, tsp_rank=0, config=None, model=None):
     """The reader for ``path``: the Hugging Face weights that Hugging Face itself
-    would load (``hf_checkpoint``: under the names of a model with ``config``),
-    else the pre-sharded files of ``tsp_shards.json``."""
+    would load (``hf_checkpoint``: under the names of ``model``, or of a model
+    with ``config``), else the pre-sharded files of ``tsp_shards.json``."""
     path = os.fspath(path)
     chosen = hf_weights_file(path) if os.path.isdir(path) else None
     if chosen is None and os.path.isfile(os.path.join(path, TSP_SHARDS)):
@@ -241,7 +269,7 @@ def open_checkpoint(path, tsp_size=1, tsp_rank=0, config=None):
         raise CheckpointError(f"{path} holds {chosen}, which Hugging Face loads before any other file there, but "
                               "ds_tsp reads safetensors only: re-save the model with save_pretrained (which writes "
                               f"safetensors) and remove {chosen}")
-    return hf_checkpoint(path, config)
+    return hf_checkpoint(path, config, model)
 
 
 def check_tensors_present(model, checkpoint):
@@ -345,7 +373,7 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, a
     policy = resolve_policy(model, tsp_config.policy)
     experts = ExpertPlacement(topology.ep_size, topology.ep_rank - topology.tsp_rank) if topology.folds_experts else None
     plan = shard_plan(model, policy, topology.tsp_size, tsp_config.vocab_parallel, experts)[topology.tsp_rank]
-    checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank, model.config)
+    checkpoint = open_checkpoint(path, topology.tsp_size, topology.tsp_rank, model=model)
     if experts is not None and isinstance(checkpoint, TSPShardCheckpoint):
         raise CheckpointError(f"{path} holds ds-tsp convert's shards, whose experts are cut over the TSP group, but "
                               f"tsp.expert_parallel_size = {topology.ep_size} folds them over replicas too: load "

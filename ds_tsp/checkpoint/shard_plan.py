@@ -18,11 +18,10 @@ tensor the tuple of row pieces a rank holds of it.
 """
 
 import contextlib
-import os
 from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ds_tsp.blocks import mlp, vocab
 from ds_tsp.blocks.attention import module as attention
@@ -156,10 +155,11 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True, experts=None):
                              type(model).__name__)
         for tsp_rank, plan in enumerate(plans):
             plan.update(dict.fromkeys(vocab_names(model, policy),
-                                      vocab.shard_piece(model.config.vocab_size, tsp_size, tsp_rank)))
+                                      vocab.shard_piece(model.config.get_text_config().vocab_size, tsp_size, tsp_rank)))
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
-        for block_name, block in layer_shards(layer, model.config, policy, tsp_size, experts).items():
+        shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size, experts)
+        for block_name, block in shards.items():
             for plan, held in zip(plans, block.holdings):
                 plan.update({f"{prefix}.{block_name}.{name}": piece
                              for name, piece in block.hf_rows.hf_holdings(held).items()})
@@ -260,20 +260,17 @@ def resolve_dtype(torch_dtype, config):
 
 
 def meta_model(path_or_config, torch_dtype=None, model_class=None):
-    """The Hugging Face causal LM of a checkpoint (or config), on the meta device:
+    """The Hugging Face causal LM (or vision-language model) of a checkpoint (or config), on the meta device:
     sizes, no memory. ``model_class`` (default: the Auto class's choice) builds it."""
     config = path_or_config
     if not hasattr(config, "model_type"):
         config = AutoConfig.from_pretrained(path_or_config)
     dtype = resolve_dtype(torch_dtype, config)
-    if model_class is None and config.get_text_config() is not config:
-        raise ValueError(f"{path_or_config if isinstance(path_or_config, (str, os.PathLike)) else 'the checkpoint'} "
-                         f"holds a vision-language model ({type(config).__name__}), which ds_tsp does not read slice by "
-                         "slice yet: load it with its class's from_pretrained and pass the model object to "
-                         "ds_tsp.initialize or ds_tsp.inject")
     with torch.device("meta"), _without_hf_zero3_init():
         if model_class is None:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
+            # A vision-language model's text config sits under its own (Qwen2-VL's text_config).
+            auto = AutoModelForCausalLM if config.get_text_config() is config else AutoModelForImageTextToText
+            return auto.from_config(config, dtype=dtype), dtype
         return model_class._from_config(config, dtype=dtype), dtype
 
 

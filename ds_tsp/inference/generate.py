@@ -77,7 +77,8 @@ from ds_tsp.parallel.host_reads import host_read
 
 
 @torch.no_grad()
-def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0):
+def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0,
+                   visual=None):
     """``(logits, cache)`` of a TSP model's forward with a KV cache, as Hugging
     Face's ``generate`` calls it, on every rank of the TSP group with the same
     arguments.
@@ -91,6 +92,13 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
     token; ``position_ids``, where given, must be those. ``logits`` ``(B, 1, V)``
     are the last token's, bit-identical on every rank, so every rank's loop
     picks the same tokens.
+
+    A vision-language model's prompt may hold images and videos (``visual``,
+    ``ds_tsp.injection.multimodal.VisualInputs``): the prefill encodes them
+    split over the group as training does, and rotates by their M-RoPE
+    positions (Hugging Face's ``(4, B, P)`` position ids: text positions,
+    then the three axes; computed from the prompt where not given); each
+    new token then rotates at its position plus its row's ``rope_deltas``.
     """
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep != 1:
         raise ValueError(f"a TSP forward with a KV cache returns the last token's logits only: it takes "
@@ -99,6 +107,9 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          "tokens back); for every token's logits run the forward without use_cache or cache")
     decoder = TSPDecoder(model)
     if isinstance(cache, TSPCache):
+        if visual is not None:
+            raise ValueError("images or videos after the prompt: a TSP cache continues with text tokens only; "
+                             "put every image in the prompt")
         _check_continuation(cache, input_ids, attention_mask, position_ids)
         for column in range(input_ids.shape[1]):
             logits = decoder.step(cache, input_ids[:, column])
@@ -119,12 +130,35 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          "live on the others too; save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained without tsp.expert_parallel_size")
     prompt, lengths = left_aligned(input_ids, attention_mask)
-    _check_prompt_positions(position_ids, attention_mask, input_ids)
+    text_positions, rotary = _prompt_positions(position_ids)
+    _check_prompt_positions(text_positions, attention_mask, input_ids)
+    if visual is not None and rotary is None:
+        _, rotary = visual.positions(input_ids, attention_mask, None)
     model.tsp_batch_check(input_ids=input_ids, attention_mask=attention_mask)
     agree_on_random_state(decoder.group, input_ids.device)
-    cache, logits = decoder.prefill(prompt, lengths)
+    rotary = None if rotary is None else _planes_left_aligned(rotary, lengths)
+    cache, logits = decoder.prefill(prompt, lengths, rotary, visual)
     cache.seen_tokens = input_ids.shape[1]
     return logits.unsqueeze(1), cache
+
+
+def _prompt_positions(position_ids):
+    """``(text positions or None, M-RoPE positions (3, B, P) or None)`` of a
+    prompt's ``position_ids`` as Hugging Face's ``generate`` passes them: ``(B, P)``
+    text positions, or a VLM's ``(4, B, P)`` (text, then the three axes)."""
+    if position_ids is None or position_ids.dim() == 2:
+        return position_ids, None
+    if position_ids.shape[0] == 4:
+        return position_ids[0], position_ids[1:]
+    return None, position_ids
+
+
+def _planes_left_aligned(planes, lengths):
+    """Position planes ``(P, B, S)`` of left-padded prompts moved as ``left_aligned`` moves the prompts."""
+    prompt_len = planes.shape[-1]
+    shift = (prompt_len - lengths.to(planes.device)).unsqueeze(1)
+    index = (torch.arange(prompt_len, device=planes.device).unsqueeze(0) + shift) % prompt_len
+    return planes.gather(2, index.expand(planes.shape[0], -1, -1))
 
 
 def _check_prompt_positions(position_ids, attention_mask, input_ids):
@@ -138,6 +172,17 @@ def _check_prompt_positions(position_ids, attention_mask, input_ids):
         raise ValueError("position_ids must count each prompt's real tokens from 0 (Hugging Face's "
                          "attention_mask.cumsum(-1) - 1), as TSP generation places the cached keys; pass no "
                          "position_ids, or those")
+
+
+def _positions_continue(position_ids, expected, rope_deltas):
+    """Whether new tokens' ``position_ids`` are those Hugging Face passes for
+    the ``expected`` text positions ``(B, n)``: rotary positions, which a VLM
+    offsets by each row's ``rope_deltas`` (zero for a text model), behind a
+    text plane where there are four (a VLM's ``(4, B, n)``)."""
+    rotary = expected + rope_deltas.unsqueeze(1)
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return (position_ids[0] == expected).all() & (position_ids[1:] == rotary).all()
+    return (position_ids == rotary).all()
 
 
 def _check_continuation(cache, input_ids, attention_mask, position_ids):
@@ -156,7 +201,7 @@ def _check_continuation(cache, input_ids, attention_mask, position_ids):
             raise ValueError(f"position_ids has {position_ids.shape[-1]} columns for {n} new tokens: pass the new "
                              "tokens' positions only, or none")
         expected = cache.next_positions.unsqueeze(1) + torch.arange(n, device=cache.next_positions.device)
-        continues.append((position_ids.to(expected.device) == expected).all())
+        continues.append(_positions_continue(position_ids.to(expected.device), expected, cache.rope_deltas))
     if continues and not bool(host_read(torch.stack(continues).all(), "decode step check")):
         raise ValueError("new tokens must be real (attention_mask ones) at the positions that continue each row "
                          "(position_ids: the row's real tokens so far); TSP generation does not mask generated "
@@ -250,6 +295,7 @@ class TSPDecoder:
 
     def __init__(self, model):
         policy, topology = model.tsp_policy, model.tsp_topology
+        self.topology = topology
         self.group, self.tsp_rank, self.tsp_size = topology.tsp_group, topology.tsp_rank, topology.tsp_size
         self.layout = model.tsp_config.layout
         self.embed = model.get_submodule(policy.embed_tokens)
@@ -257,22 +303,32 @@ class TSPDecoder:
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)
-        self.logit_map = LogitMap.of(model.config)
-        self.embedding_multiplier = embedding_multiplier(model.config)
+        config = model.config.get_text_config()
+        self.logit_map = LogitMap.of(config)
+        self.embedding_multiplier = embedding_multiplier(config)
 
     @torch.no_grad()
-    def prefill(self, prompt, lengths):
+    def prefill(self, prompt, lengths, rotary=None, visual=None):
         """Run the left-aligned ``prompt`` ``(B, P)`` (``lengths`` real tokens per
         row) through the TSP layers; returns this rank's new ``TSPCache`` and the
-        logits ``(B, V)`` of each row's last real token, on every rank."""
+        logits ``(B, V)`` of each row's last real token, on every rank. A VLM's
+        prompt rotates by its M-RoPE positions ``rotary`` ``(3, B, P)`` (left-aligned
+        too) and holds the images and videos of ``visual``."""
         batch, prompt_len = prompt.shape
         D, r, device = self.tsp_size, self.tsp_rank, prompt.device
-        padded, _ = layout.pad_to_multiple(prompt, D, value=0)
+        padded, num_padding = layout.pad_to_multiple(prompt, D, value=0)
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
         rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
         hidden = embed_local_tokens(self.embed, rank_ids, r, multiplier=self.embedding_multiplier)  # (B, S/D, H)
-        tables = layer_rotary_tables(self.rotary, self.layers, hidden, positions.expand(batch, -1),
-                                     (lengths.max() - 1).view(1, 1))
+        if visual is not None:
+            hidden = visual.embed(hidden, host_read(padded, "visual placeholders"), self.topology, self.layout)
+        if rotary is None:
+            tables = layer_rotary_tables(self.rotary, self.layers, hidden, positions.expand(batch, -1),
+                                         (lengths.max() - 1).view(1, 1))
+        else:
+            tail = rotary.new_zeros(*rotary.shape[:-1], num_padding)  # padding: no real token sees it
+            local = layout.shard(torch.cat([rotary, tail], dim=-1), r, D, self.layout, dim=2)
+            tables = layer_rotary_tables(self.rotary, self.layers, hidden, local, rotary.amax().view(1, 1))
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         # Worked out on the host (a nonzero on the device would wait for it), then moved.
@@ -286,6 +342,9 @@ class TSPDecoder:
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
         cache.left_padding = prompt_len - lengths
+        if rotary is not None:  # Hugging Face's rope_deltas: the largest M-RoPE position of the prompt, past its length
+            real = torch.arange(prompt_len, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+            cache.rope_deltas = rotary.masked_fill(~real, -1).amax(dim=(0, 2)) + 1 - lengths
 
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mixer, TSPGatedDeltaNet):
@@ -300,6 +359,8 @@ class TSPDecoder:
                     return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
                                                    tables[layer.rotary_kind], positions.expand(batch, -1))
             hidden = layer.blocks(hidden, attention, layer.mlp)
+            if visual is not None:
+                hidden = visual.after_layer(index, hidden)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
     def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions):
@@ -333,7 +394,8 @@ class TSPDecoder:
         positions = cache.next_positions
         target = cache.place_next_token()
         hidden = replicated_embedding(self.embed, tokens.unsqueeze(1), self.embedding_multiplier)  # (B, 1, H)
-        tables = {kind: rotary_at(self.rotary, hidden, positions.unsqueeze(1), kind)
+        rotated_at = (positions + cache.rope_deltas).unsqueeze(1)  # a VLM's M-RoPE axes, equal for text tokens
+        tables = {kind: rotary_at(self.rotary, hidden, rotated_at, kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
         slots = None
         if target == self.tsp_rank:

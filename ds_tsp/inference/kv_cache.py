@@ -122,6 +122,9 @@ class TSPCache(Cache):
         # (B,) padding tokens each prompt had before its first real one: a token's cache position as Hugging
         # Face counts it (Llama 4's temperature tuning reads it) is its position plus this.
         self.left_padding = torch.zeros(batch, dtype=torch.long, device=device)
+        # (B,) what a VLM's new tokens add to their positions to rotate (Hugging Face's rope_deltas: a prompt's
+        # M-RoPE positions run past its length by this); zero for a text model.
+        self.rope_deltas = torch.zeros(batch, dtype=torch.long, device=device)
         self.seen_tokens = 0
 
     @property
@@ -208,6 +211,7 @@ class TSPCache(Cache):
                 layer.keys, layer.values = select(layer.keys), select(layer.values)
         self._positions, self._valid = select(self._positions), select(self._valid)
         self.next_positions = select(self.next_positions)
+        self.left_padding, self.rope_deltas = select(self.left_padding), select(self.rope_deltas)
 
     def reorder_cache(self, beam_idx):
         """Beam search: row ``i`` becomes row ``beam_idx[i]``, on every rank alike."""

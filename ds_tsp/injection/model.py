@@ -368,13 +368,11 @@ class TSPCausalLMMixin:
         visual = self._visual_inputs(kwargs)
         moe_blocks, output_router_logits, asked, cu_seq_lens = self._forward_options(kwargs)
         if use_cache or cache is not None:
-            if visual is not None:
-                raise ValueError("generation with images or videos is not built under TSP yet: generate from the "
-                                 "unsharded model, or train with use_cache=False")
             if labels is not None or asked or cu_seq_lens is not None or tsp_predictions is not None:
                 raise ValueError("a TSP forward with use_cache or a cache (generation) takes no labels, "
                                  "output_router_logits, tsp_predictions or packed documents: train without use_cache")
-            logits, cache = cached_forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep)
+            logits, cache = cached_forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep,
+                                           visual)
             output = MoeCausalLMOutputWithPast if moe_blocks else CausalLMOutputWithPast
             return output(logits=logits, cache=cache)
         if tsp_predictions not in (None, "argmax", "logits"):
@@ -394,7 +392,7 @@ class TSPCausalLMMixin:
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,
                                     batch.input_ids, embedding_multiplier(config))
         if visual is not None:
-            hidden = visual.embed(hidden, batch, topo, self.tsp_config.layout)
+            hidden = visual.embed(hidden, batch.host_input_ids, topo, self.tsp_config.layout)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
             hidden = self._decoder_layers(layers, hidden, batch, visual)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)

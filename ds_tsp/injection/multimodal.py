@@ -75,15 +75,16 @@ class VisualInputs:
                  for (token_id, _, _), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
         return items, [(pixels, grids) for _, pixels, grids in kinds]
 
-    def embed(self, hidden, batch, topology, layout_name):
-        """``hidden`` (this rank's embeddings ``(B, S/D, H)``) with the visual
+    def embed(self, hidden, token_ids, topology, layout_name):
+        """``hidden`` (this rank's embeddings ``(B, S/D, H)`` of the host ids
+        ``token_ids`` ``(B, S)``, padded as TSP pads them) with the visual
         rows in place: this rank encodes its share of the items and sends each
         row to its placeholder's rank. A rank whose share is empty encodes the
         smallest item and sends none of it, so that every rank's tower runs
         the same graph (its gradient sums over the group line up) and its
         gradient there is zero."""
         items, kinds = self.items()
-        route = VisualRoute(items, batch.host_input_ids, topology.tsp_rank, topology.tsp_size, layout_name)
+        route = VisualRoute(items, token_ids, topology.tsp_rank, topology.tsp_size, layout_name)
         mine = route.items if len(route.items) else [min(range(len(items)), key=lambda i: items[i].patches)]
         pixels, grids = self._share(items, kinds, mine)
         output = self.model.get_image_features(pixels, grids, return_dict=True)
@@ -122,6 +123,17 @@ class VisualInputs:
 class TSPVisionLanguageMixin(TSPCausalLMMixin):
     """Put in front of a Hugging Face vision-language class by ``ds_tsp.inject``:
     the causal LM's TSP forward, taking the processor's visual inputs too."""
+
+    def forward(self, *args, **kwargs):
+        """``TSPCausalLMMixin.forward``, its signature naming the processor's
+        visual inputs too: Hugging Face's ``generate`` passes a forward the
+        arguments its signature names (and refuses the others)."""
+        return super().forward(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(TSPCausalLMMixin.forward).replace(parameters=[
+        *(p for p in inspect.signature(TSPCausalLMMixin.forward).parameters.values() if p.kind != p.VAR_KEYWORD),
+        *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in VISUAL_INPUTS),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
     def _visual_inputs(self, kwargs):
         inputs = {name: kwargs.pop(name, None) for name in VISUAL_INPUTS}
