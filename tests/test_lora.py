@@ -38,8 +38,8 @@ def adapter_pieces(tsp_model, reference):
     """``{name: (adapter tensor held here, the matching piece of the reference's)}``
     for every adapter factor of the TSP model, under PEFT's parameter names;
     ``reference(name)`` gives the reference's full tensor."""
-    pieces = {}
-    for index, layer in enumerate(tsp_model.model.layers):
+    pieces, layers = {}, tsp_model.tsp_policy.layers
+    for index, layer in enumerate(tsp_model.get_submodule(layers)):
         for block_name in (layer.mixer_name, "mlp"):
             block = getattr(layer, block_name)
             for projection, adapter in (block.lora.adapters.items() if block.lora is not None else ()):
@@ -48,7 +48,7 @@ def adapter_pieces(tsp_model, reference):
                 hf_projection, first_row = block.hf_rows.sources.get(f"{projection}.weight",
                                                                      (f"{projection}.weight", 0))
                 for factor in ("lora_A", "lora_B"):
-                    name = f"model.layers.{index}.{block_name}.{hf_projection.removesuffix('.weight')}.{factor}"
+                    name = f"{layers}.{index}.{block_name}.{hf_projection.removesuffix('.weight')}.{factor}"
                     full = reference(name)
                     if factor == "lora_B" and projection in ROW_SPLIT:
                         full = full.narrow(0, first_row + piece[1], piece[2])[:getattr(adapter, factor).shape[0]]

@@ -371,3 +371,40 @@ def test_new_tokens_rotating_without_the_prompts_rope_deltas_are_caught(run_rank
     moved = min(max(diff / (torch.finfo(torch.float32).eps * scale) for _, diff, scale in rank) for rank in per_rank)
     print(f"without rope_deltas: logits move by {moved:.0f} float32 ulps of the largest")
     assert moved > 100
+
+
+def vlm_lora_parity(arch):
+    """PEFT LoRA on the text decoder's seven projections of a tiny ``arch``, the tower and the rest frozen (the
+    common recipe), injected as a ``PeftModel``: |loss diff| against the PEFT model on an image batch, and the
+    max |diff| of every adapter gradient this rank holds; what trains and what got a gradient though frozen."""
+    from peft import LoraConfig, get_peft_model
+    from test_lora import ALL_TARGETS, adapter_pieces
+
+    torch.manual_seed(0)
+    targets = rf".*language_model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(ALL_TARGETS)})"
+    ref = get_peft_model(tiny_vlm(arch), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                    init_lora_weights=False))
+    model = copy.deepcopy(ref)
+    tsp_size = dist.get_world_size()
+    tsp_model = ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size,
+                                                                       attention_backend="sdpa"))
+    batch = visual_batch(ONE_IMAGE_EACH, frames_apart=arch in FRAMES_APART)
+    loss = tsp_model(**batch).loss
+    loss.backward()
+    ref_loss = reference_loss(ref, batch)
+    ref_loss.backward()
+    ref_grads = {n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+                 for n, p in ref.named_parameters() if p.requires_grad}
+    diffs = {"loss": abs(loss.item() - ref_loss.item())}
+    for name, (held, full) in adapter_pieces(tsp_model, ref_grads.get).items():
+        if held.numel():
+            diffs[name] = (held.grad - full).abs().max().item()
+    return {"diffs": diffs, "adapters": len(ref_grads),
+            "trainable": [n for n, p in tsp_model.named_parameters() if p.requires_grad],
+            "frozen_grads": [n for n, p in tsp_model.named_parameters() if not p.requires_grad and p.grad is not None]}
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_lora_on_the_decoder_with_the_tower_frozen_matches_peft(run_ranks, tsp_size):
+    from test_lora import check_lora
+    check_lora(run_ranks(tsp_size, vlm_lora_parity, arch="qwen2_vl"), f"D={tsp_size} qwen2_vl LoRA")
