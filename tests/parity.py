@@ -13,6 +13,7 @@ import ds_tsp
 from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.input_norm import TiledInputNorm
 from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.blocks.tower import ShardedUnit
 from ds_tsp.runtime.offload import host_checkpoint
 from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
@@ -98,6 +99,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             full = ref[full_name]
             diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
+    for prefix, unit in sharded_units(tsp_model):  # a vision tower's units, 1/D of each per rank
+        full = unit_slice(unit, {name: ref[f"{prefix}.{name}"] for name in unit.names})
+        diffs[f"{prefix}.shard"] = (unit.shard.grad - full).abs().max().item()
     # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
     blocks = [(f"{policy.layers}.{index}.{name}.{inner}".rstrip("."), block)
               for index, layer in enumerate(tsp_model.get_submodule(policy.layers))
@@ -110,6 +114,19 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             full_name = f"{prefix}.{hf_name}"
             diffs[f"{prefix}.{name}"] = (grad - ref[full_name].narrow(*piece)).abs().max().item() / scale(full_name)
     return diffs
+
+
+def sharded_units(tsp_model):
+    """``[(name, ShardedUnit)]``: the units of a vision tower held 1/D per rank (``ds_tsp.blocks.tower``)."""
+    return [(name, module) for name, module in tsp_model.named_modules() if isinstance(module, ShardedUnit)]
+
+
+def unit_slice(unit, full):
+    """This rank's slice of ``unit``'s flat vector, cut from the full tensors ``full`` (``{name in the unit: tensor}``)."""
+    flat = torch.cat([full[name].reshape(-1) for name in unit.names])
+    length, tsp_rank = unit.shard.numel(), dist.get_rank(unit.tsp_group)
+    flat = torch.cat([flat, flat.new_zeros(length * dist.get_world_size(unit.tsp_group) - flat.numel())])
+    return flat[tsp_rank * length:(tsp_rank + 1) * length]
 
 
 def replicated_hf_names(tsp_model):
@@ -132,9 +149,13 @@ def held_pieces(tsp_model, full):
     hf_mlp = {f"{layers}.{index}.mlp": f"{layers}.{index}.{layer.mlp_name}"
               for index, layer in enumerate(tsp_model.get_submodule(layers))}
     replicated = replicated_hf_names(tsp_model)
-    held = []
+    held, units = [], dict(sharded_units(tsp_model))
     for name, param in tsp_model.named_parameters():
         prefix = name.rsplit(".", 1)[0]
+        if prefix in units:
+            unit = units[prefix]
+            held.append((name, param, param.detach(), unit_slice(unit, {n: full[f"{prefix}.{n}"] for n in unit.names})))
+            continue
         hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_mlp.items()
                           if prefix == tsp or prefix.startswith(f"{tsp}.")), prefix)
         if getattr(param, "tensor_model_parallel", False):

@@ -15,7 +15,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from float32_control import float32_bound
-from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs
+from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs, sharded_units
 from vision_models import packed_visual_batch, tiny_vlm, visual_batch
 
 # Rows of 48 tokens: D = 4 cuts them into 8 chunks of 6, so every image below straddles chunks (and ranks).
@@ -191,11 +191,14 @@ def vlm_engine_run(tsp_size, zero_stage):
             torch.nn.utils.clip_grad_norm_(one_process.parameters(), 1.0)
             optimizer.step()
     truth_params = dict(truth.named_parameters())
+    units = dict(sharded_units(engine.module))
     with torch.no_grad():
-        engine_full = {name: value for name, _, value, _ in held_pieces(engine.module, truth_params)}
-        pieces = {name: full for name, _, _, full in held_pieces(engine.module, truth_params)}
-    rel = {name: ((value.double() - pieces[name]).abs().max() / pieces[name].abs().max()).item()
-           for name, value in engine_full.items()}
+        pieces = {name: (held, full) for name, _, held, full in held_pieces(engine.module, truth_params)}
+        # A tower unit's slice is relative to the whole unit's largest weight (a slice may hold only zeros).
+        scales = {f"{prefix}.shard": torch.cat([truth_params[f"{prefix}.{n}"].reshape(-1) for n in unit.names])
+                  .abs().max() for prefix, unit in units.items()}
+    rel = {name: ((held.double() - full).abs().max() / scales.get(name, full.abs().max())).item()
+           for name, (held, full) in pieces.items()}
     control = {name: ((param.double() - truth_params[name]).abs().max() / truth_params[name].abs().max()).item()
                for name, param in ref.named_parameters()}
     moved = max(((param - orig).abs().max() / param.abs().max()).item()
@@ -408,3 +411,26 @@ def vlm_lora_parity(arch):
 def test_lora_on_the_decoder_with_the_tower_frozen_matches_peft(run_ranks, tsp_size):
     from test_lora import check_lora
     check_lora(run_ranks(tsp_size, vlm_lora_parity, arch="qwen2_vl"), f"D={tsp_size} qwen2_vl LoRA")
+
+
+def tower_held(arch):
+    """``(tower parameters held on this rank, the tower's parameters in all, its units)``."""
+    from ds_tsp.blocks.tower import ShardedUnit
+
+    model = tiny_vlm(arch)
+    total = sum(p.numel() for p in model.model.visual.parameters())
+    tsp_size = dist.get_world_size()
+    ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
+    units = [m for m in model.model.visual.modules() if isinstance(m, ShardedUnit)]
+    return sum(p.numel() for p in model.model.visual.parameters()), total, len(units)
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_each_rank_holds_a_dth_of_the_tower(run_ranks, tsp_size):
+    for arch in ("qwen2_vl", "qwen3_vl"):
+        per_rank = run_ranks(tsp_size, tower_held, arch=arch)
+        held, total, units = per_rank[0]
+        print(f"D={tsp_size} {arch}: {[rank[0] for rank in per_rank]} tower parameters a rank, of {total} "
+              f"({units} units)")
+        # A unit's slice is ceil(numel / D): at most one element of padding a unit past the 1/D share.
+        assert units > 1 and all(rank[0] <= total / tsp_size + units for rank in per_rank)

@@ -39,6 +39,7 @@ from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 from ds_tsp.blocks.fused import row_pieces
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.blocks.tower import ShardedUnit
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from ds_tsp.checkpoint.adapters import save_adapters
 from ds_tsp.checkpoint.expert_files import expert_files, to_files
@@ -148,6 +149,11 @@ def gather_unit(prefix, module):
         replicated = module.replicated_tensors()
         return GatherUnit({f"{prefix}.{n}": (replicated[n] if n in replicated else module.packed).dtype for n in names},
                           lambda: {f"{prefix}.{n}": t for n, t in gather_block(module).items()}, params)
+    if isinstance(module, ShardedUnit):  # a tower unit: its flat vector all-gathered, cut into its tensors
+        buffers = {f"{prefix}.{n}": t for n, t in module.unit.state_dict().items()}
+        return GatherUnit({**{f"{prefix}.{n}": module.shard.dtype for n in module.names},
+                           **{n: t.dtype for n, t in buffers.items()}},
+                          lambda: {**_unit_tensors(prefix, module), **buffers}, params)
     if isinstance(module, (VocabParallelEmbedding, VocabParallelLMHead)):
         if getattr(module, "tied", False):
             return GatherUnit({}, dict)
@@ -156,6 +162,11 @@ def gather_unit(prefix, module):
     dtypes = {f"{prefix}.{n}": t.dtype for n, t in module.named_parameters()}
     dtypes.update({f"{prefix}.{n}": t.dtype for n, t in module.named_buffers() if n in module.state_dict()})
     return GatherUnit(dtypes, lambda: {f"{prefix}.{n}": t for n, t in module.state_dict().items()}, params)
+
+
+@torch.no_grad()
+def _unit_tensors(prefix, unit):
+    return {f"{prefix}.{name}": tensor for name, tensor in unit.full_tensors().items()}
 
 
 # ---------------------------------------------------------- what a rank holds
@@ -215,6 +226,7 @@ def saved_stage(model):
         modules = {policy.embed_tokens: module.get_submodule(policy.embed_tokens)}
         modules.update({f"{policy.layers}.{i}": layer for i, layer in enumerate(module.get_submodule(policy.layers))})
         modules.update({name: module.get_submodule(name) for name in (policy.final_norm, policy.lm_head)})
+        modules.update({name: unit for name, unit in module.named_modules() if isinstance(unit, ShardedUnit)})
         inside = tuple(f"{name}." for name in (*modules, policy.layers))
         extra = {name: t for name, t in module.state_dict().items() if not name.startswith(inside)}
         stage = SavedStage(module.tsp_topology, policy, hf_class(module), module.config,

@@ -8,12 +8,14 @@ from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import hf_sizes
+from ds_tsp.blocks.tower import shard_tower
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.multimodal import TSPVisionLanguageMixin
-from ds_tsp.injection.policy import PolicyError, decoder_path, load_balancing_loss, resolve_policy, text_config
+from ds_tsp.injection.policy import (VISION_TOWER, PolicyError, decoder_path, load_balancing_loss, resolve_policy,
+                                    text_config)
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
@@ -46,8 +48,9 @@ def inject(model, topology, tsp_config, read=None, device=None, adapter_files=No
     3. with ``tsp.vocab_parallel``, replace the embedding and the LM head by
        this rank's vocabulary rows (one shard for both when tied);
     4. copy replicated parameters and buffers from TSP rank 0 (a model
-       object may differ between ranks in value; files read do not), and
-       make their gradients sum over the TSP group once;
+       object may differ between ranks in value; files read do not), keep
+       1/D of a vision-language model's tower (``ds_tsp.blocks.tower``), and
+       make the gradients of what stays whole sum over the TSP group once;
     5. give the model the TSP forward (HF calling convention, full sequence in).
 
     The TSP blocks are built from a forked random state: the caller's (what
@@ -107,6 +110,8 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
         model.to(device)  # what is not a TSP block: norms, rotary tables, a replicated embedding and head
     if read is None:
         broadcast_replicated(model, topology.tsp_group)
+    if multimodal:  # the tower's weights 1/D per rank, as its work is (every rank now holds the same ones)
+        shard_tower(model.get_submodule(VISION_TOWER), topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 

@@ -439,6 +439,10 @@ def decoder_path(model):
     return next((name for name, module in model.named_modules() if module is decoder and name), "model")
 
 
+# Where a vision-language model of the form ds_tsp trains (Qwen's) keeps its vision tower.
+VISION_TOWER = "model.visual"
+
+
 def check_vision_language(model):
     """Refuse, before any weight moves, a vision-language model whose tower
     ds_tsp does not split, naming what it lacks."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.blocks.tower import ShardedUnit
 from ds_tsp.injection.lora import LoRAAdapter, adapter_parameter_name, holds_adapters, peft_parameter_name
 
 
@@ -22,7 +23,8 @@ def hf_tensors(model):
     """``[(parameter, [(Hugging Face name, numel)])]`` of an injected model, each
     parameter once: a TSP block's packed shard holds its spec's tensors in
     order, each named by the Hugging Face tensor that holds its rows (Phi-3's
-    q, k and v pieces all by ``qkv_proj.weight``: ``ds_tsp.blocks.fused``), every
+    q, k and v pieces all by ``qkv_proj.weight``: ``ds_tsp.blocks.fused``), a
+    vision tower unit's slice the tensors it holds elements of, every
     other parameter (replicated in a block, a vocabulary shard, a norm) the
     one Hugging Face tensor of its own name; a LoRA adapter's factor is named
     by its projection (``lora.peft_parameter_name``)."""
@@ -36,6 +38,9 @@ def hf_tensors(model):
                                     for n, shape in module.spec.shapes.items()]))
                 continue
             name = next((f"{prefix}.{hf}" for hf, p in module.replicated_params().items() if p is param), name)
+        elif isinstance(module, ShardedUnit):  # this rank's slice of a tower unit's flat vector
+            out.append((param, [(f"{prefix}.{hf}", numel) for hf, numel in module.held_pieces()]))
+            continue
         elif isinstance(module, LoRAAdapter):
             name = adapter_parameter_name(model, prefix, name.rpartition(".")[2])
         out.append((param, [(name, param.numel())]))

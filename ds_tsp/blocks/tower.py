@@ -1,0 +1,115 @@
+"""A vision tower's weights held 1/D per rank of the TSP group (FSDP-style), DESIGN.md 6m.
+
+The tower's work is per image and split over the group (``ds_tsp.blocks.visual``),
+so for the tower the TSP group is data parallelism: its weights need not be
+whole on every rank between uses. Each unit of the tower (a block, the patch
+embedding, the merger: ``tower_units``) becomes a ``ShardedUnit``: its
+parameters flattened in registration order into one vector, padded to a
+multiple of D, of which this rank keeps one slice. The unit's forward
+all-gathers the vector (backward: the gradient reduce-scattered, summed over
+the group, each rank's covering its own images), runs the Hugging Face module
+on the gathered tensors (``torch.func.functional_call``) and lets them go:
+per rank the tower's parameters, gradients and optimizer states are 1/D of
+its total plus at most D - 1 padding elements a unit, and its full weights
+live one unit at a time.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from ds_tsp.parallel import comm
+from ds_tsp.parallel.mappings import gather_rows
+
+
+class ShardedUnit(nn.Module):
+    """One tower unit's parameters, this rank's ``1/D`` slice of their flat
+    vector (the parameter ``shard``), around the Hugging Face module ``unit``,
+    which keeps its buffers (outside this module's ``state_dict``) and holds no
+    parameter of its own. ``names`` and ``shapes`` say where each Hugging Face
+    tensor sits in the vector."""
+
+    def __init__(self, unit, group):
+        super().__init__()
+        params = dict(unit.named_parameters())
+        if len({p.requires_grad for p in params.values()}) > 1:
+            frozen = sorted(name for name, p in params.items() if not p.requires_grad)
+            raise ValueError(f"{type(unit).__name__}: {frozen} are frozen but its other parameters are not; ds_tsp "
+                             "holds a tower unit's parameters in one shard, which trains all or none: freeze the "
+                             "whole unit or none of it")
+        self.names, self.shapes = list(params), [tuple(p.shape) for p in params.values()]
+        self.numel, self.tsp_group = sum(p.numel() for p in params.values()), group
+        tsp_size, tsp_rank = comm.group_size(group), comm.group_rank(group)
+        length = math.ceil(self.numel / tsp_size)
+        flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+        flat = torch.cat([flat, flat.new_zeros(length * tsp_size - self.numel)])
+        self.shard = nn.Parameter(flat[tsp_rank * length:(tsp_rank + 1) * length].clone(),
+                                  requires_grad=any(p.requires_grad for p in params.values()))
+        self.shard.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
+        for name in self.names:  # registered still (None), so the module reads as itself; functional_call fills them
+            owner, _, leaf = name.rpartition(".")
+            unit.get_submodule(owner)._parameters[leaf] = None
+        # Held, not registered: hooks on every submodule (ZeRO-3's) would otherwise meet the gathered tensors
+        # functional_call puts in its modules. Moves and train/eval reach it through _apply and train.
+        self.__dict__["unit"] = unit
+
+    def _apply(self, fn, recurse=True):
+        self.unit._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def train(self, mode=True):
+        self.unit.train(mode)
+        return super().train(mode)
+
+    def extra_repr(self):
+        return f"{type(self.unit).__name__}, {self.numel} parameters, {self.shard.numel()} held here"
+
+    def held_pieces(self):
+        """``[(Hugging Face name, numel)]`` of the tensors this rank's slice
+        holds elements of, in order; the padding counts as the last tensor's."""
+        length = self.shard.numel()
+        start, held, offset = comm.group_rank(self.tsp_group) * length, [], 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            overlap = min(start + length, offset + size) - max(start, offset)
+            if overlap > 0:
+                held.append([name, overlap])
+            offset += size
+        padding = start + length - max(start, self.numel)
+        if padding > 0:
+            if not held or held[-1][0] != self.names[-1]:
+                held.append([self.names[-1], 0])
+            held[-1][1] += padding
+        return [tuple(piece) for piece in held]
+
+    def full_tensors(self, flat=None):
+        """``{Hugging Face name: tensor}`` of the unit, cut from its whole flat
+        vector ``flat`` (by default gathered: collective over the group)."""
+        flat = gather_rows(self.shard, self.tsp_group)[:self.numel] if flat is None else flat
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return {name: piece.view(shape) for name, shape, piece in zip(self.names, self.shapes, flat.split(sizes))}
+
+    def forward(self, *args, **kwargs):
+        return torch.func.functional_call(self.unit, self.full_tensors(), args, kwargs, strict=False)
+
+
+def tower_units(tower):
+    """``{name in the tower: module}`` of the units to shard: each child that
+    holds parameters, a ``ModuleList``'s children (the blocks) one by one."""
+    units = {}
+    for name, child in tower.named_children():
+        children = child.named_children() if isinstance(child, nn.ModuleList) else [(None, child)]
+        for index, module in children:
+            if any(True for _ in module.parameters()):
+                units[name if index is None else f"{name}.{index}"] = module
+    return units
+
+
+def shard_tower(tower, group):
+    """Replace every unit of ``tower`` (``tower_units``) by its ``ShardedUnit``
+    over the TSP ``group``; at a group of one nothing changes."""
+    if comm.group_size(group) == 1:
+        return
+    for name, unit in tower_units(tower).items():
+        tower.set_submodule(name, ShardedUnit(unit, group))
