@@ -440,3 +440,26 @@ def test_each_rank_holds_a_dth_of_the_tower(run_ranks, tsp_size):
               f"({units} units)")
         # A unit's slice is ceil(numel / D): at most one element of padding a unit past the 1/D share.
         assert units > 1 and all(rank[0] <= total / tsp_size + units for rank in per_rank)
+
+
+def test_example_trains_a_vlm_under_the_deepspeed_launcher(tmp_path, own_processes):
+    import json
+    import os
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29519", os.path.join(root, "examples", "train_vlm.py"),
+           "--deepspeed_config", os.path.join(root, "ds_configs", "tsp2_cpu.json"), "--steps", "30"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sizes = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{\"tsp\"")))
+    print(sizes)
+    # One rank holds half the tower (its units' slices, at most one element of padding each) and about half of
+    # the decoder (its norms whole).
+    held, whole = sizes["held per rank"], sizes["in all"]
+    assert held["tower"] <= whole["tower"] / 2 + 8 and held["decoder"] < 0.6 * whole["decoder"]
+    first, last = map(float, re.search(r"caption loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    print(f"caption loss {first} -> {last}")
+    assert last < first - 1.0
