@@ -88,6 +88,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
     for name, param in tsp_model.named_parameters():
         if not getattr(param, "tensor_model_parallel", False) and param.requires_grad:  # not a frozen buffer-like
             name = hf_names.get(id(param), name)  # parameter (ERNIE 4.5's e_score_correction_bias)
+            if param.grad is None or ref[name] is None:  # unused by the forward (LLaVA's last tower layer)
+                diffs[name] = 0.0 if param.grad is None and ref[name] is None else float("inf")
+                continue
             diffs[name] = (param.grad - ref[name]).abs().max().item() / scale(name)
     policy = tsp_model.tsp_policy
     for name in (policy.embed_tokens, policy.lm_head):
@@ -100,7 +103,13 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
             diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
     for prefix, unit in sharded_units(tsp_model):  # a vision tower's units, 1/D of each per rank
-        full = unit_slice(unit, {name: ref[f"{prefix}.{name}"] for name in unit.names})
+        grads = {name: ref[f"{prefix}.{name}"] for name in unit.names}
+        if unit.shard.grad is None:  # a unit the forward leaves unused: Hugging Face's tensors get none either
+            diffs[f"{prefix}.shard"] = 0.0 if all(grad is None for grad in grads.values()) else float("inf")
+            continue
+        shapes = dict(zip(unit.names, unit.shapes))
+        full = unit_slice(unit, {name: torch.zeros(shapes[name], dtype=unit.shard.grad.dtype) if grad is None else grad
+                                 for name, grad in grads.items()})
         diffs[f"{prefix}.shard"] = (unit.shard.grad - full).abs().max().item()
     # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
     blocks = [(f"{policy.layers}.{index}.{name}.{inner}".rstrip("."), block)

@@ -39,8 +39,8 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     "deepstack" drops the tower's features added after the first decoder layers."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
-    batch = (packed_visual_batch if packed else visual_batch)(
-        *((ref,) if packed else ()), rows, frames_apart=arch in FRAMES_APART)
+    batch = packed_visual_batch(ref, rows) if packed else \
+        visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava")
     ref.zero_grad()
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -50,13 +50,14 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",
                                          **tsp_options))
     encoded = []
-    tower_forward = type(model.model.visual).forward
+    tower_class = type(getattr(model.model, "visual", None) or model.model.vision_tower)
+    tower_forward = tower_class.forward
 
-    def counting(tower, pixels, *args, **kwargs):
+    def counting(tower, pixels, *args, **kwargs):  # Qwen's: patches; LLaVA's: images
         encoded.append(pixels.shape[0])
         return tower_forward(tower, pixels, *args, **kwargs)
 
-    with mock.patch.object(type(model.model.visual), "forward", counting), _wrong(wrong, tsp_size):
+    with mock.patch.object(tower_class, "forward", counting), _wrong(wrong, tsp_size):
         out = model(**batch)
     out.loss.backward()
     diffs = {"loss": (out.loss - ref_loss).abs().item(), **shard_grad_diffs(model, ref)}
@@ -97,13 +98,15 @@ def _wrong(wrong, tsp_size):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"])
 def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
+        if arch == "llava" and name == "a video of three temporal patches":
+            continue  # LLaVA 1.5 takes images only
         per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
         check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {arch} {name}")
         grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
-        patches = [t * h * w for t, h, w in grids]
+        patches = [1 if arch == "llava" else t * h * w for t, h, w in grids]  # LLaVA's images: one each
         encoded = [d["patches"] for d in per_rank]
         print(f"D={tsp_size} {arch} {name}: patches encoded per rank {encoded} of {sum(patches)}")
         # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none.
@@ -232,15 +235,18 @@ def _meta_vlm(model_class, config):
 
 
 def test_towers_ds_tsp_does_not_split_are_refused_by_name():
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration)
     from ds_tsp.injection.policy import resolve_policy
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
                   patch_size=4)
+    # Gemma 3: its image tokens attend to each other both ways; LLaVA-NeXT: images tiled at any resolution.
     for model_class, config in (
-            (LlavaForConditionalGeneration, LlavaConfig(text_config={"model_type": "llama", **text},
-                                                        vision_config={"model_type": "clip_vision_model", **vision})),
+            (LlavaNextForConditionalGeneration, LlavaNextConfig(text_config={"model_type": "llama", **text},
+                                                                vision_config={"model_type": "clip_vision_model",
+                                                                               **vision})),
             (Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))):
         with pytest.raises(PolicyError, match=f"{model_class.__name__} is a vision-language model whose vision tower "
                                               r"ds_tsp does not split yet \(it holds \['vision_tower'"):

@@ -3,7 +3,7 @@
 import sys
 
 import torch
-from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+from transformers import (LlavaConfig, LlavaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 
@@ -38,6 +38,13 @@ VISION_CONFIGS = {
 }
 
 
+# LLaVA 1.5's shape: a CLIP tower over 8 x 8 images of 4 x 4 patches (4 tokens an image, the CLS dropped), the
+# second-to-last layer's features (its last layer then takes no gradient, as in Hugging Face), a Llama decoder.
+LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                    num_attention_heads=2, image_size=8, patch_size=4)
+LLAVA_IMAGE_TOKENS, LLAVA_IMAGE = 4, (CHANNELS, 8, 8)
+
+
 def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     """The vision-language model ``arch`` on a tiny config. Its rotary dims (head_dim 8; Qwen3.5: half of 16)
     hold four frequencies, which M-RoPE splits 2 (time), 1 (height), 1 (width); a small rope_theta keeps the
@@ -46,6 +53,11 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     are the M-RoPE ones), its Hugging
     Face float32 casts widened to float64 as for the text model (``models.widen_float32_casts``)."""
     torch.manual_seed(seed)
+    if arch == "llava":
+        config = LlavaConfig(text_config={"model_type": "llama", **TEXT_CONFIG, "head_dim": 8},
+                             vision_config=LLAVA_VISION, image_token_id=IMAGE)
+        config.text_config._attn_implementation = "sdpa"
+        return LlavaForConditionalGeneration(config).to(dtype).eval()
     config_class, model_class, vision = VISION_CONFIGS[arch]
     rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
     text = {**TEXT_CONFIG, "rope_parameters": rope}
@@ -63,14 +75,16 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     return model.to(dtype).eval()
 
 
-def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False):
+def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=False):
     """Processor-style inputs for ``rows``: each a list of ``("text", n)``,
     ``("image", (t, h, w))`` or ``("video", (t, h, w))`` (grids in patches)
     and ``("pad", n)`` at the end; rows shorter than the longest are padded
     at the end. ``frames_apart``: each temporal patch of a video is its own
     run of placeholders after a timestamp token, as Qwen3-VL's and Qwen3.5's
-    processors write videos. Returns the forward's keyword arguments, labels
-    -100 on the visual tokens, their delimiters and the padding."""
+    processors write videos. ``llava``: LLaVA's layout instead (every image
+    ``LLAVA_IMAGE_TOKENS`` placeholders, no delimiters or grids, its pixels
+    ``(N, 3, 8, 8)``, no ``mm_token_type_ids``). Returns the forward's keyword
+    arguments, labels -100 on the visual tokens, their delimiters and the padding."""
     generator = torch.Generator().manual_seed(seed)
     ids, types, labels, masks, grids = [], [], [], [], {"image": [], "video": []}
     for row in rows:
@@ -80,6 +94,12 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False):
                 row_ids += torch.randint(0, VISION_START - 4, (size,), generator=generator).tolist()
                 row_types += [TEXT] * size
                 row_mask += [int(kind == "text")] * size
+                continue
+            if llava:
+                row_ids += [IMAGE] * LLAVA_IMAGE_TOKENS
+                row_types += [IMAGE_TYPE] * LLAVA_IMAGE_TOKENS
+                row_mask += [1] * LLAVA_IMAGE_TOKENS
+                grids[kind].append(size)
                 continue
             t, h, w = size
             placeholder, kind_type = (IMAGE, IMAGE_TYPE) if kind == "image" else (VIDEO, VIDEO_TYPE)
@@ -101,6 +121,10 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False):
     labels = input_ids.masked_fill((input_ids >= VISION_START - 4) | (mask == 0), -100)
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
              "mm_token_type_ids": torch.tensor(types)}
+    if llava:
+        del batch["mm_token_type_ids"]
+        batch["pixel_values"] = torch.randn(len(grids["image"]), *LLAVA_IMAGE, generator=generator, dtype=dtype)
+        return batch
     for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
                                ("video", "pixel_values_videos", "video_grid_thw")):
         if grids[kind]:

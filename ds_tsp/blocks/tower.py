@@ -94,15 +94,20 @@ class ShardedUnit(nn.Module):
         return torch.func.functional_call(self.unit, self.full_tensors(), args, kwargs, strict=False)
 
 
-def tower_units(tower):
+def tower_units(tower, prefix=""):
     """``{name in the tower: module}`` of the units to shard: each child that
-    holds parameters, a ``ModuleList``'s children (the blocks) one by one."""
+    holds parameters, a ``ModuleList``'s children (the blocks) one by one, and
+    within a child that holds a ``ModuleList`` (CLIP's encoder) its own units.
+    Parameters of a module it descends into stay whole (and replicated)."""
     units = {}
     for name, child in tower.named_children():
-        children = child.named_children() if isinstance(child, nn.ModuleList) else [(None, child)]
-        for index, module in children:
-            if any(True for _ in module.parameters()):
-                units[name if index is None else f"{name}.{index}"] = module
+        if isinstance(child, nn.ModuleList):
+            units.update({f"{prefix}{name}.{index}": block for index, block in child.named_children()
+                          if any(True for _ in block.parameters())})
+        elif any(isinstance(module, nn.ModuleList) for module in child.modules()):
+            units.update(tower_units(child, f"{prefix}{name}."))
+        elif any(True for _ in child.parameters()):
+            units[f"{prefix}{name}"] = child
     return units
 
 

@@ -14,8 +14,8 @@ from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.multimodal import TSPVisionLanguageMixin
-from ds_tsp.injection.policy import (VISION_TOWER, PolicyError, decoder_path, load_balancing_loss, resolve_policy,
-                                    text_config)
+from ds_tsp.injection.policy import (VISION_TOWERS, PolicyError, decoder_path, load_balancing_loss, resolve_policy,
+                                    text_config, vision_family)
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
@@ -111,7 +111,9 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     if read is None:
         broadcast_replicated(model, topology.tsp_group)
     if multimodal:  # the tower's weights 1/D per rank, as its work is (every rank now holds the same ones)
-        shard_tower(model.get_submodule(VISION_TOWER), topology.tsp_group)
+        model.tsp_vision_family = vision_family(model)
+        for path in VISION_TOWERS[model.tsp_vision_family]:
+            shard_tower(model.get_submodule(path), topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 

@@ -4,14 +4,14 @@ Its text decoder becomes TSP blocks as a causal LM's does (the policy is found
 at the model's ``get_decoder()``); its images and videos are encoded by the
 model's own vision tower, each rank a share of them, and their rows sent to
 the ranks that own their placeholder tokens (``ds_tsp.blocks.visual``). The
-tower's weights stay whole on every rank (replicated: their gradients sum
-over the TSP group like a norm's).
+tower's weights are held 1/D per rank (``ds_tsp.blocks.tower``).
 
-Built for towers of Qwen's form (Qwen2-VL, Qwen2.5-VL, Qwen3.5): patches
-flattened in ``pixel_values`` with a ``(t, h, w)`` grid per item, merged
-``spatial_merge_size**2`` to a placeholder token, and 3-D M-RoPE positions,
-which the model's own ``get_rope_index`` computes once from the whole rows
-(each rank then takes its chunks' columns). Other towers are refused by name.
+Built for two families (``FAMILIES``): Qwen's (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, Qwen3.5: patches flattened in ``pixel_values`` with a ``(t, h, w)``
+grid per item, merged ``spatial_merge_size**2`` to a placeholder token, and
+3-D M-RoPE positions, which the model's own ``get_rope_index`` computes once
+from the whole rows, each rank then taking its chunks' columns) and LLaVA's
+(whole images of one size, plain positions). Other towers are refused by name.
 """
 
 import inspect
@@ -22,21 +22,57 @@ from ds_tsp.blocks.visual import VisualItem, VisualRoute
 from ds_tsp.injection.model import TSPCausalLMMixin
 from ds_tsp.parallel.host_reads import host_copy
 
-# The forward inputs a Qwen-style processor produces besides input_ids and attention_mask.
+# The forward inputs the processors of the families built produce besides input_ids and attention_mask.
 VISUAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
                  "second_per_grid_ts")
 
 
 class VisualInputs:
-    """One micro-batch's images and videos, as a Qwen-style processor gives
-    them, and what the TSP forward does with them: positions from the whole
-    rows, the tower's share on this rank, its rows to their tokens' ranks."""
+    """One micro-batch's images (and videos) as the model's processor gives
+    them, and what the TSP forward does with them: the tower's share on this
+    rank, its rows to their tokens' ranks. A family says how its items are
+    counted, encoded and positioned (``positions``, ``items``, ``encode``)."""
 
     def __init__(self, model, inputs):
         self.model, self.inputs = model, inputs
         # After ``embed``: the route and, per decoder layer the tower also feeds (Qwen3-VL's deepstack), the
         # rows added to its output at this rank's placeholders.
         self.route, self.deepstack = None, []
+
+    def positions(self, input_ids, attention_mask, position_ids):
+        """``(text positions or None, rotary positions (3, B, S) or None)``: the position ids as given."""
+        return position_ids, None
+
+    def embed(self, hidden, token_ids, topology, layout_name):
+        """``hidden`` (this rank's embeddings ``(B, S/D, H)`` of the host ids
+        ``token_ids`` ``(B, S)``, padded as TSP pads them) with the visual
+        rows in place: this rank encodes its share of the items and sends each
+        row to its placeholder's rank. A rank whose share is empty encodes the
+        smallest item and sends none of it, so that every rank's tower runs
+        the same graph (its gathers and gradient sums over the group line up)
+        and its gradient there is zero."""
+        items = self.items(token_ids)
+        route = VisualRoute(items, token_ids, topology.tsp_rank, topology.tsp_size, layout_name)
+        mine = list(route.items) or [min(range(len(items)), key=lambda i: items[i].patches)]
+        # The merged rows and, side by side, the features the tower adds after the first decoder layers: one
+        # all-to-all carries them all.
+        encoded = torch.cat([torch.cat(feature) for feature in self.encode(items, mine)], dim=-1)
+        if not len(route.items):
+            encoded = encoded[:0]
+        rows = route.received(encoded, topology.tsp_group).split(hidden.shape[-1], dim=-1)
+        self.route, self.deepstack = route, rows[1:]
+        return route.place(hidden, rows[0])
+
+    def after_layer(self, index, hidden):
+        """Decoder layer ``index``'s output, with the tower's features for it added at the visual tokens
+        (Qwen3-VL's deepstack feeds its first layers; other towers none)."""
+        return self.route.add(hidden, self.deepstack[index]) if index < len(self.deepstack) else hidden
+
+
+class QwenVisualInputs(VisualInputs):
+    """Qwen's images and videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
+    patches flattened in ``pixel_values`` with a ``(t, h, w)`` grid per item,
+    ``spatial_merge_size**2`` patches to a placeholder token, M-RoPE positions."""
 
     def positions(self, input_ids, attention_mask, position_ids):
         """``(text positions or None, rotary positions (3, B, S) or None)``.
@@ -62,53 +98,28 @@ class VisualInputs:
         rotary, _ = inner.get_rope_index(host[0], attention_mask=host[1], **dict(zip(names, host[2:])))
         return None, rotary.to(input_ids.device)
 
-    def items(self):
-        """The visual items in the order their rows fill the placeholders (images, then videos), and
-        ``(pixels, grids)`` of each kind; one host read of the grids."""
-        config, merge = self.model.config, self.model.model.visual.spatial_merge_size
+    def _kinds(self):
+        """``(placeholder id, pixels, grids)`` of the images, then the videos, where given."""
+        config = self.model.config
         kinds = [(token_id, self.inputs.get(pixels), self.inputs.get(grids))
                  for token_id, pixels, grids in ((config.image_token_id, "pixel_values", "image_grid_thw"),
                                                  (config.video_token_id, "pixel_values_videos", "video_grid_thw"))]
-        kinds = [kind for kind in kinds if kind[1] is not None]
+        return [kind for kind in kinds if kind[1] is not None]
+
+    def items(self, token_ids):
+        """The visual items in the order their rows fill the placeholders (images, then videos); one host
+        read of the grids."""
+        merge = self.model.model.visual.spatial_merge_size
+        kinds = self._kinds()
         host_grids = host_copy(*(grids for _, _, grids in kinds), reason="visual grids")
-        items = [VisualItem(token_id, int(patches), int(patches) // merge ** 2)
-                 for (token_id, _, _), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
-        return items, [(pixels, grids) for _, pixels, grids in kinds]
+        return [VisualItem(token_id, int(patches), int(patches) // merge ** 2)
+                for (token_id, _, _), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
 
-    def embed(self, hidden, token_ids, topology, layout_name):
-        """``hidden`` (this rank's embeddings ``(B, S/D, H)`` of the host ids
-        ``token_ids`` ``(B, S)``, padded as TSP pads them) with the visual
-        rows in place: this rank encodes its share of the items and sends each
-        row to its placeholder's rank. A rank whose share is empty encodes the
-        smallest item and sends none of it, so that every rank's tower runs
-        the same graph (its gradient sums over the group line up) and its
-        gradient there is zero."""
-        items, kinds = self.items()
-        route = VisualRoute(items, token_ids, topology.tsp_rank, topology.tsp_size, layout_name)
-        mine = route.items if len(route.items) else [min(range(len(items)), key=lambda i: items[i].patches)]
-        pixels, grids = self._share(items, kinds, mine)
-        output = self.model.get_image_features(pixels, grids, return_dict=True)
-        # The merged rows and, side by side, the features the tower adds after the first decoder layers: one
-        # all-to-all carries them all.
-        features = [output.pooler_output, *(getattr(output, "deepstack_features", None) or ())]
-        encoded = torch.cat([torch.cat(feature) for feature in features], dim=-1)
-        if not len(route.items):
-            encoded = encoded[:0]
-        rows = route.received(encoded, topology.tsp_group).split(hidden.shape[-1], dim=-1)
-        self.route, self.deepstack = route, rows[1:]
-        return route.place(hidden, rows[0])
-
-    def after_layer(self, index, hidden):
-        """Decoder layer ``index``'s output, with the tower's features for it added at the visual tokens
-        (Qwen3-VL's deepstack feeds its first layers; other towers none)."""
-        return self.route.add(hidden, self.deepstack[index]) if index < len(self.deepstack) else hidden
-
-    @staticmethod
-    def _share(items, kinds, mine):
-        """The pixel rows and grids of items ``mine`` (a contiguous run), images and videos together: the
-        tower encodes each item alone, whichever kind it is (Qwen's get_video_features is its image path)."""
+    def encode(self, items, mine):
+        """The tower's features of items ``mine`` (a contiguous run), images and videos together (Qwen's
+        get_video_features is its image path): per kind of feature, one tensor a item."""
         pixels, grids, first_item = [], [], 0
-        for tensor, grid in kinds:
+        for _, tensor, grid in self._kinds():
             count = grid.shape[0]
             wanted = [index - first_item for index in mine if first_item <= index < first_item + count]
             if wanted:
@@ -117,7 +128,31 @@ class VisualInputs:
                 pixels.append(tensor[before:before + length])
                 grids.append(grid[wanted[0]:wanted[-1] + 1])
             first_item += count
-        return torch.cat(pixels), torch.cat(grids)
+        output = self.model.get_image_features(torch.cat(pixels), torch.cat(grids), return_dict=True)
+        return [output.pooler_output, *(getattr(output, "deepstack_features", None) or ())]
+
+
+class LlavaVisualInputs(VisualInputs):
+    """LLaVA's images: ``pixel_values`` ``(N, C, H, W)``, each image encoded to
+    the same number of placeholder tokens (the tower's patches, its
+    ``vision_feature_layer`` and ``vision_feature_select_strategy``), plain positions."""
+
+    def items(self, token_ids):
+        image_token_id, count = self.model.config.image_token_id, self.inputs["pixel_values"].shape[0]
+        tokens = int((token_ids == image_token_id).sum())
+        if tokens % count:
+            raise ValueError(f"the batch holds {tokens} image tokens (id {image_token_id}) for {count} images, "
+                             "which cannot each take the same number: build the inputs with the model's processor, "
+                             "and truncate no row inside an image")
+        return [VisualItem(image_token_id, 1, tokens // count)] * count
+
+    def encode(self, items, mine):
+        pixels = self.inputs["pixel_values"][mine[0]:mine[-1] + 1]
+        return [self.model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output]
+
+
+# The TSP forward's visual inputs by vision-language family (``ds_tsp.injection.policy.vision_family``).
+FAMILIES = {"qwen": QwenVisualInputs, "llava": LlavaVisualInputs}
 
 
 class TSPVisionLanguageMixin(TSPCausalLMMixin):
@@ -139,4 +174,4 @@ class TSPVisionLanguageMixin(TSPCausalLMMixin):
         inputs = {name: kwargs.pop(name, None) for name in VISUAL_INPUTS}
         if inputs["pixel_values"] is None and inputs["pixel_values_videos"] is None:
             return None
-        return VisualInputs(self, inputs)
+        return FAMILIES[self.tsp_vision_family](self, inputs)

@@ -439,21 +439,27 @@ def decoder_path(model):
     return next((name for name, module in model.named_modules() if module is decoder and name), "model")
 
 
-# Where a vision-language model of the form ds_tsp trains (Qwen's) keeps its vision tower.
-VISION_TOWER = "model.visual"
+# The vision-language families ds_tsp trains, each with where it keeps its tower (and projector), which ds_tsp
+# holds 1/D per rank: Qwen's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), recognised by its tower and M-RoPE, and
+# LLaVA's (LLaVA 1.5: a CLIP-style tower, a projector, whole images of one size), by its model type.
+VISION_TOWERS = {"qwen": ("model.visual",), "llava": ("model.vision_tower", "model.multi_modal_projector")}
+LLAVA_TYPES = ("llava",)
 
 
-def check_vision_language(model):
-    """Refuse, before any weight moves, a vision-language model whose tower
-    ds_tsp does not split, naming what it lacks."""
+def vision_family(model):
+    """The family (``VISION_TOWERS``) of a vision-language ``model``, or a
+    refusal naming what it holds, before any weight moves."""
     inner, name = getattr(model, "model", None), type(model).__name__
     tower = getattr(inner, "visual", None)
-    if tower is None or not hasattr(inner, "get_rope_index") or not hasattr(tower, "spatial_merge_size"):
-        held = [child for child, _ in (inner or model).named_children()]
-        raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
-                          f"{held}): ds_tsp trains Qwen-style models (a model.visual tower over pixel_values with "
-                          "image_grid_thw, and get_rope_index's M-RoPE positions); train its text decoder alone "
-                          "(the causal LM of its text_config) or leave tsp.enabled false")
+    if tower is not None and hasattr(inner, "get_rope_index") and hasattr(tower, "spatial_merge_size"):
+        return "qwen"
+    if model.config.model_type in LLAVA_TYPES:
+        return "llava"
+    held = [child for child, _ in (inner or model).named_children()]
+    raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
+                      f"{held}): ds_tsp trains Qwen's (a model.visual tower over pixel_values with image_grid_thw, "
+                      f"and get_rope_index's M-RoPE positions) and LLaVA's (model_type {' or '.join(LLAVA_TYPES)}); "
+                      "train its text decoder alone (the causal LM of its text_config) or leave tsp.enabled false")
 
 
 def text_config(model):
@@ -498,7 +504,7 @@ def resolve_policy(model, name="auto"):
                           "(get_decoder())")
     config = text_config(model)
     if decoder != "model":
-        check_vision_language(model)
+        vision_family(model)
     layer_class = type(layers[0]).__name__
     if name == "auto":
         audited = _from_transformers(model) and _from_transformers(layers[0])
