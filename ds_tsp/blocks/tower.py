@@ -8,7 +8,7 @@ parameters flattened in registration order into one vector, padded to a
 multiple of D, of which this rank keeps one slice. The unit's forward
 all-gathers the vector (backward: the gradient reduce-scattered, summed over
 the group, each rank's covering its own images), runs the Hugging Face module
-on the gathered tensors (``torch.func.functional_call``) and lets them go:
+on the gathered tensors and lets them go:
 per rank the tower's parameters, gradients and optimizer states are 1/D of
 its total plus at most D - 1 padding elements a unit, and its full weights
 live one unit at a time.
@@ -26,9 +26,8 @@ from ds_tsp.parallel.mappings import gather_rows
 class ShardedUnit(nn.Module):
     """One tower unit's parameters, this rank's ``1/D`` slice of their flat
     vector (the parameter ``shard``), around the Hugging Face module ``unit``,
-    which keeps its buffers (outside this module's ``state_dict``) and holds no
-    parameter of its own. ``names`` and ``shapes`` say where each Hugging Face
-    tensor sits in the vector."""
+    which keeps its buffers and holds no parameter of its own. ``names`` and
+    ``shapes`` say where each Hugging Face tensor sits in the vector."""
 
     def __init__(self, unit, group):
         super().__init__()
@@ -47,23 +46,18 @@ class ShardedUnit(nn.Module):
         self.shard = nn.Parameter(flat[tsp_rank * length:(tsp_rank + 1) * length].clone(),
                                   requires_grad=any(p.requires_grad for p in params.values()))
         self.shard.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
-        for name in self.names:  # registered still (None), so the module reads as itself; functional_call fills them
+        # Each tensor becomes a plain attribute of its module, None at rest and the gathered tensor while the
+        # unit runs: no hook on a submodule (ZeRO-3's fetches) meets a parameter it did not make, and the module
+        # stays registered for those that look for it by class (Hugging Face's hidden-state capture).
+        for name in self.names:
             owner, _, leaf = name.rpartition(".")
-            unit.get_submodule(owner)._parameters[leaf] = None
-        # Held, not registered: hooks on every submodule (ZeRO-3's) would otherwise meet the gathered tensors
-        # functional_call puts in its modules. Moves and train/eval reach it through _apply and train.
-        self.__dict__["unit"] = unit
-
-    def _apply(self, fn, recurse=True):
-        self.unit._apply(fn, recurse)
-        return super()._apply(fn, recurse)
-
-    def train(self, mode=True):
-        self.unit.train(mode)
-        return super().train(mode)
+            module = unit.get_submodule(owner)
+            del module._parameters[leaf]
+            module.__dict__[leaf] = None
+        self.unit = unit
 
     def extra_repr(self):
-        return f"{type(self.unit).__name__}, {self.numel} parameters, {self.shard.numel()} held here"
+        return f"{self.numel} parameters, {self.shard.numel()} held here"
 
     def held_pieces(self):
         """``[(Hugging Face name, numel)]`` of the tensors this rank's slice
@@ -91,7 +85,14 @@ class ShardedUnit(nn.Module):
         return {name: piece.view(shape) for name, shape, piece in zip(self.names, self.shapes, flat.split(sizes))}
 
     def forward(self, *args, **kwargs):
-        return torch.func.functional_call(self.unit, self.full_tensors(), args, kwargs, strict=False)
+        owners = [self.unit.get_submodule(name.rpartition(".")[0]) for name in self.names]
+        try:
+            for owner, (name, tensor) in zip(owners, self.full_tensors().items()):
+                owner.__dict__[name.rpartition(".")[2]] = tensor
+            return self.unit(*args, **kwargs)
+        finally:  # the full tensors live on in autograd's graph only, as long as backward needs them
+            for owner, name in zip(owners, self.names):
+                owner.__dict__[name.rpartition(".")[2]] = None
 
 
 def tower_units(tower, prefix=""):
