@@ -470,3 +470,62 @@ def test_example_trains_a_vlm_under_the_deepspeed_launcher(tmp_path, own_process
     first, last = map(float, re.search(r"caption loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     print(f"caption loss {first} -> {last}")
     assert last < first - 1.0
+
+
+def counted_vlm_step(arch, rows):
+    """Bytes this rank receives per ``comm`` op in one training step of a tiny injected ``arch`` on ``rows``,
+    with what the planner needs to predict them: the embedding's rows exchanged, the visual rows exchanged, the
+    tower's units' sizes and the placeholders."""
+    from ds_tsp.blocks import visual as visual_module
+    from ds_tsp.blocks.tower import ShardedUnit
+    from ds_tsp.parallel import comm, layout
+    from ds_tsp.planning.communication import vocab_rows_per_rank
+
+    D, rank = dist.get_world_size(), dist.get_rank()
+    model = tiny_vlm(arch)
+    ds_tsp.inject(model, TSPTopology(D), TSPConfig(enabled=True, size=D, attention_backend="sdpa"))
+    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava")
+    ids = layout.pad_to_multiple(batch["input_ids"], D, value=0)[0]
+    owners = torch.stack([layout.shard(ids, j, D, "zigzag") for j in range(D)]).flatten(1) // \
+        vocab_rows_per_rank(model.config.get_text_config().vocab_size, D)
+    embedding_rows = (int((owners[rank] != rank).sum()), int((owners[torch.arange(D) != rank] == rank).sum()))
+    routes = []
+    original = visual_module.VisualRoute.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        routes.append(self)
+
+    comm.counter.reset()
+    with mock.patch.object(visual_module.VisualRoute, "__init__", recording):
+        model(**batch).loss.backward()
+    route = routes[0]
+    visual_rows = (sum(route.recv_counts) - route.recv_counts[rank], sum(route.send_counts) - route.send_counts[rank])
+    units = [m for m in model.modules() if isinstance(m, ShardedUnit)]
+    return dict(counted={op: c["received"] for op, c in comm.counter.snapshot().items() if op != "barrier"},
+                embedding_rows=embedding_rows, visual_rows=visual_rows, units=[unit.numel for unit in units],
+                trained=[unit.numel for unit in units if unit.shard.grad is not None],
+                seq_len=ids.shape[1], config=model.config.to_dict())
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_step_bytes_equal_the_planners_with_the_visual_rows_and_the_tower(run_ranks, tsp_size):
+    """Every op's bytes of a training step, counted, equal the planner's: the text decoder's
+    (``tsp_step_bytes_by_op``, with this batch's embedding rows) plus the tower's (``tsp_visual_bytes_by_op``:
+    its units' all-gathers and reduce-scatters, the visual rows' all-to-all, with this batch's rows)."""
+    from ds_tsp.planning.communication import tsp_step_bytes_by_op
+    from ds_tsp.planning.visual import tsp_visual_bytes_by_op
+
+    for arch in ("qwen2_vl", "qwen3_vl", "llava"):
+        rows = ONE_IMAGE_EACH
+        for rank, result in enumerate(run_ranks(tsp_size, counted_vlm_step, arch=arch, rows=rows)):
+            config = result["config"]
+            text = tsp_step_bytes_by_op(config, result["seq_len"], len(rows), tsp_size, 8, tsp_rank=rank,
+                                        rows_exchanged=result["embedding_rows"])
+            deepstack = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
+            visual = tsp_visual_bytes_by_op(result["units"], config["text_config"]["hidden_size"], 1, tsp_size, 8,
+                                            features=1 + deepstack, rows_exchanged=result["visual_rows"],
+                                            trained_numels=result["trained"])
+            planned = {op: text.get(op, 0) + visual.get(op, 0) for op in {*text, *visual}}
+            print(f"D={tsp_size} {arch} rank {rank}: counted {result['counted']}, planned {planned}")
+            assert result["counted"] == planned

@@ -26,9 +26,10 @@ ACTIVATION_NAMES = ("act_fn", "activation_fn")
 
 def layer_anatomy(fields):
     """``{ModelShape field: value}`` read off the first decoder layer of the
-    Hugging Face causal LM that ``fields`` (a config's dict, with its
-    ``model_type``) describes; ``{}`` where transformers cannot build it (a
-    preset without a model type, a class it does not know)."""
+    Hugging Face causal LM (or a vision-language model's text decoder) that
+    ``fields`` (a config's dict, with its ``model_type``) describes; ``{}``
+    where transformers cannot build it (a preset without a model type, a
+    class it does not know)."""
     if "model_type" not in fields:
         return {}
     return dict(_anatomy(json.dumps(fields, sort_keys=True, default=str)))
@@ -37,14 +38,16 @@ def layer_anatomy(fields):
 @functools.lru_cache(maxsize=64)
 def _anatomy(key):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     fields = {name: value for name, value in json.loads(key).items() if name not in ("name", "architectures")}
     try:
         config = AutoConfig.for_model(**fields)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        layer = model.get_submodule("model.layers")[0]
+            if type(config) in AutoModelForCausalLM._model_mapping:
+                layer = AutoModelForCausalLM.from_config(config).get_submodule("model.layers")[0]
+            else:  # a vision-language model's text decoder (qwen2_vl_text): its model class alone
+                layer = AutoModel.from_config(config).get_submodule("layers")[0]
     except Exception:  # noqa: BLE001 - any config transformers does not build: the config's fields alone
         return ()
     hidden = config.hidden_size
