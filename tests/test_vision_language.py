@@ -25,7 +25,7 @@ WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1
 WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
 # Families whose processors write each temporal patch of a video as its own run of placeholders.
-FRAMES_APART = ("qwen3_vl", "qwen3_5")
+FRAMES_APART = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
          "a video of three temporal patches": WITH_A_VIDEO}
 
@@ -98,7 +98,7 @@ def _wrong(wrong, tsp_size):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava"])
 def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
         if arch == "llava" and name == "a video of three temporal patches":

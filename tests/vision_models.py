@@ -4,7 +4,8 @@ import sys
 
 import torch
 from transformers import (LlavaConfig, LlavaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLConfig,
+                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 
 from models import tiny_config, widen_float32_casts
@@ -32,6 +33,9 @@ VISION_CONFIGS = {
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration,
                  dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
                       out_hidden_size=TEXT_CONFIG["hidden_size"], deepstack_visual_indexes=[0, 1])),
+    "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                    dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
+                         out_hidden_size=TEXT_CONFIG["hidden_size"])),
     "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration,
                 dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, num_position_embeddings=16,
                      out_hidden_size=TEXT_CONFIG["hidden_size"])),
@@ -63,13 +67,14 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     text = {**TEXT_CONFIG, "rope_parameters": rope}
     if arch == "qwen3_vl":
         text["rope_parameters"] = {**rope, "mrope_interleaved": True}
-    if arch == "qwen3_5":
-        text = {**tiny_config("qwen3_5", **{**TEXT_CONFIG, "num_hidden_layers": 4}).to_dict(), "head_dim": 16,
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text = {**tiny_config(arch, **{**TEXT_CONFIG, "num_hidden_layers": 4}).to_dict(), "head_dim": 16,
                 "rope_parameters": {**rope, "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
     vision = {**vision, "patch_size": PATCH, "temporal_patch_size": TEMPORAL_PATCH, "spatial_merge_size": MERGE,
               "in_channels": CHANNELS}
     config = config_class(text_config=text, vision_config=vision, **SPECIAL)
     config.text_config._attn_implementation = "sdpa"
+    config.text_config._experts_implementation = "eager"  # HF's grouped_mm takes no float64
     model = model_class(config)
     widen_float32_casts(sys.modules[type(model).__module__])
     return model.to(dtype).eval()
