@@ -16,7 +16,7 @@ from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from float32_control import float32_bound
 from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs, sharded_units
-from vision_models import packed_visual_batch, tiny_vlm, visual_batch
+from vision_models import PATCH, packed_visual_batch, tiny_vlm, visual_batch
 
 # Rows of 48 tokens: D = 4 cuts them into 8 chunks of 6, so every image below straddles chunks (and ranks).
 ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
@@ -24,6 +24,8 @@ ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
 WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1, 4, 4)), ("text", 30), ("pad", 5)]]
 WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
+# Families that take images only.
+IMAGES_ONLY = ("llava", "mistral3")
 # Families whose processors write each temporal patch of a video as its own run of placeholders.
 FRAMES_APART = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
@@ -40,7 +42,7 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
     batch = packed_visual_batch(ref, rows) if packed else \
-        visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava")
+        visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3")
     ref.zero_grad()
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -53,8 +55,9 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     tower_class = type(getattr(model.model, "visual", None) or model.model.vision_tower)
     tower_forward = tower_class.forward
 
-    def counting(tower, pixels, *args, **kwargs):  # Qwen's: patches; LLaVA's: images
-        encoded.append(pixels.shape[0])
+    def counting(tower, pixels, *args, **kwargs):  # Qwen's and Pixtral's: patches; LLaVA's: images
+        sizes = kwargs.get("image_sizes")
+        encoded.append(pixels.shape[0] if sizes is None else int((sizes // PATCH).prod(dim=-1).sum()))
         return tower_forward(tower, pixels, *args, **kwargs)
 
     with mock.patch.object(tower_class, "forward", counting), _wrong(wrong, tsp_size):
@@ -98,11 +101,12 @@ def _wrong(wrong, tsp_size):
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava",
+                                  "mistral3"])
 def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
-        if arch == "llava" and name == "a video of three temporal patches":
-            continue  # LLaVA 1.5 takes images only
+        if arch in IMAGES_ONLY and name == "a video of three temporal patches":
+            continue
         per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
         check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {arch} {name}")
         grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
@@ -346,8 +350,9 @@ def generation_with_images(arch, tsp_size, wrong=False):
     patches = (mock.patch.object(generate.TSPDecoder, "prefill", without_deltas),
                mock.patch.object(generate, "_positions_continue", lambda *args: torch.tensor(True))) if wrong else ()
     results = []
-    for rows in (PROMPTS,) if arch == "llava" else (PROMPTS, WITH_A_VIDEO[:1]):  # LLaVA 1.5 takes no video
-        batch = _left_padded(visual_batch(rows, seed=3, frames_apart=arch in FRAMES_APART, llava=arch == "llava"))
+    for rows in (PROMPTS,) if arch in IMAGES_ONLY else (PROMPTS, WITH_A_VIDEO[:1]):
+        batch = _left_padded(visual_batch(rows, seed=3, frames_apart=arch in FRAMES_APART, llava=arch == "llava",
+                                          pixtral=arch == "mistral3"))
         batch.pop("labels")
         options = dict(max_new_tokens=5, pad_token_id=0, do_sample=False, output_logits=True,
                        return_dict_in_generate=True)
@@ -373,7 +378,7 @@ def _left_padded(batch):
     return batch
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_5", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_5", "llava", "mistral3"])
 def test_generation_with_images_gives_hugging_face_tokens(run_ranks, arch):
     per_rank = run_ranks(2, generation_with_images, arch=arch, tsp_size=2)
     print(f"{arch}: logits within {max(diff for rank in per_rank for _, diff, _ in rank):.1e} of Hugging Face's")
@@ -484,7 +489,7 @@ def counted_vlm_step(arch, rows):
     D, rank = dist.get_world_size(), dist.get_rank()
     model = tiny_vlm(arch)
     ds_tsp.inject(model, TSPTopology(D), TSPConfig(enabled=True, size=D, attention_backend="sdpa"))
-    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava")
+    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3")
     ids = layout.pad_to_multiple(batch["input_ids"], D, value=0)[0]
     owners = torch.stack([layout.shard(ids, j, D, "zigzag") for j in range(D)]).flatten(1) // \
         vocab_rows_per_rank(model.config.get_text_config().vocab_size, D)
@@ -516,7 +521,7 @@ def test_step_bytes_equal_the_planners_with_the_visual_rows_and_the_tower(run_ra
     from ds_tsp.planning.communication import tsp_step_bytes_by_op
     from ds_tsp.planning.visual import tsp_visual_bytes_by_op
 
-    for arch in ("qwen2_vl", "qwen3_vl", "llava"):
+    for arch in ("qwen2_vl", "qwen3_vl", "llava", "mistral3"):
         rows = ONE_IMAGE_EACH
         for rank, result in enumerate(run_ranks(tsp_size, counted_vlm_step, arch=arch, rows=rows)):
             config = result["config"]

@@ -3,7 +3,8 @@
 import sys
 
 import torch
-from transformers import (LlavaConfig, LlavaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+from transformers import (LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                           Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
@@ -49,6 +50,12 @@ LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=16, intermediate
 LLAVA_IMAGE_TOKENS, LLAVA_IMAGE = 4, (CHANNELS, 8, 8)
 
 
+# Mistral 3's shape: a Pixtral tower of 2 x 2 pixel patches (the tests' grids, in patches, times 2 in pixels), its
+# projector merging 2 x 2 patches to a token, a Mistral decoder.
+PIXTRAL_VISION = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, head_dim=8, image_size=16, patch_size=PATCH)
+
+
 def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     """The vision-language model ``arch`` on a tiny config. Its rotary dims (head_dim 8; Qwen3.5: half of 16)
     hold four frequencies, which M-RoPE splits 2 (time), 1 (height), 1 (width); a small rope_theta keeps the
@@ -57,6 +64,11 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     are the M-RoPE ones), its Hugging
     Face float32 casts widened to float64 as for the text model (``models.widen_float32_casts``)."""
     torch.manual_seed(seed)
+    if arch == "mistral3":
+        config = Mistral3Config(text_config={"model_type": "mistral", **TEXT_CONFIG, "head_dim": 8},
+                                vision_config=PIXTRAL_VISION, image_token_id=IMAGE, spatial_merge_size=MERGE)
+        config.text_config._attn_implementation = "sdpa"
+        return Mistral3ForConditionalGeneration(config).to(dtype).eval()
     if arch == "llava":
         config = LlavaConfig(text_config={"model_type": "llama", **TEXT_CONFIG, "head_dim": 8},
                              vision_config=LLAVA_VISION, image_token_id=IMAGE)
@@ -80,7 +92,7 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     return model.to(dtype).eval()
 
 
-def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=False):
+def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=False, pixtral=False):
     """Processor-style inputs for ``rows``: each a list of ``("text", n)``,
     ``("image", (t, h, w))`` or ``("video", (t, h, w))`` (grids in patches)
     and ``("pad", n)`` at the end; rows shorter than the longest are padded
@@ -89,7 +101,9 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
     processors write videos. ``llava``: LLaVA's layout instead (every image
     ``LLAVA_IMAGE_TOKENS`` placeholders, no delimiters or grids, its pixels
     ``(N, 3, 8, 8)``, no ``mm_token_type_ids``). Returns the forward's keyword
-    arguments, labels -100 on the visual tokens, their delimiters and the padding."""
+    arguments, labels -100 on the visual tokens, their delimiters and the padding.
+    ``pixtral``: Mistral 3's (each image its grid's placeholders, no
+    delimiters; pixels ``(N, 3, H, W)`` padded to the largest, ``image_sizes``)."""
     generator = torch.Generator().manual_seed(seed)
     ids, types, labels, masks, grids = [], [], [], [], {"image": [], "video": []}
     for row in rows:
@@ -107,6 +121,13 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
                 grids[kind].append(size)
                 continue
             t, h, w = size
+            if pixtral:
+                tokens = h * w // MERGE ** 2
+                row_ids += [IMAGE] * tokens
+                row_types += [IMAGE_TYPE] * tokens
+                row_mask += [1] * tokens
+                grids[kind].append(size)
+                continue
             placeholder, kind_type = (IMAGE, IMAGE_TYPE) if kind == "image" else (VIDEO, VIDEO_TYPE)
             runs = t if kind == "video" and frames_apart else 1
             for _ in range(runs):
@@ -126,6 +147,13 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
     labels = input_ids.masked_fill((input_ids >= VISION_START - 4) | (mask == 0), -100)
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
              "mm_token_type_ids": torch.tensor(types)}
+    if pixtral:
+        del batch["mm_token_type_ids"]
+        sizes = torch.tensor([(h * PATCH, w * PATCH) for _, h, w in grids["image"]])
+        batch["image_sizes"] = sizes
+        batch["pixel_values"] = torch.randn(len(sizes), CHANNELS, *sizes.amax(dim=0).tolist(), generator=generator,
+                                            dtype=dtype)
+        return batch
     if llava:
         del batch["mm_token_type_ids"]
         batch["pixel_values"] = torch.randn(len(grids["image"]), *LLAVA_IMAGE, generator=generator, dtype=dtype)

@@ -59,6 +59,21 @@ class ShardedUnit(nn.Module):
     def extra_repr(self):
         return f"{self.numel} parameters, {self.shard.numel()} held here"
 
+    def __getattr__(self, name):
+        """What the Hugging Face module holds, read through the unit in its
+        place: a parameter of the module itself (Pixtral reads its patch
+        convolution's ``weight.dtype``) as a stand-in of its shape, dtype and
+        device (its values live in the shards), anything else as it is."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "unit" not in self._modules:  # still being built
+                raise
+            unit = self._modules["unit"]
+        if name in self.names:
+            return self._parameters["shard"].detach()[:1].expand(self.shapes[self.names.index(name)])
+        return getattr(unit, name)
+
     def held_pieces(self):
         """``[(Hugging Face name, numel)]`` of the tensors this rank's slice
         holds elements of, in order; the padding counts as the last tensor's."""

@@ -6,12 +6,13 @@ model's own vision tower, each rank a share of them, and their rows sent to
 the ranks that own their placeholder tokens (``ds_tsp.blocks.visual``). The
 tower's weights are held 1/D per rank (``ds_tsp.blocks.tower``).
 
-Built for two families (``FAMILIES``): Qwen's (Qwen2-VL, Qwen2.5-VL,
+Built for three families (``FAMILIES``): Qwen's (Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, Qwen3.5: patches flattened in ``pixel_values`` with a ``(t, h, w)``
 grid per item, merged ``spatial_merge_size**2`` to a placeholder token, and
 3-D M-RoPE positions, which the model's own ``get_rope_index`` computes once
-from the whole rows, each rank then taking its chunks' columns) and LLaVA's
-(whole images of one size, plain positions). Other towers are refused by name.
+from the whole rows, each rank then taking its chunks' columns), LLaVA's
+(whole images of one size, plain positions) and Mistral 3's (Pixtral: images
+of their own sizes, plain positions). Other towers are refused by name.
 """
 
 import inspect
@@ -24,7 +25,7 @@ from ds_tsp.parallel.host_reads import host_copy
 
 # The forward inputs the processors of the families built produce besides input_ids and attention_mask.
 VISUAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
-                 "second_per_grid_ts")
+                 "second_per_grid_ts", "image_sizes")
 
 
 class VisualInputs:
@@ -151,8 +152,29 @@ class LlavaVisualInputs(VisualInputs):
         return [self.model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output]
 
 
+class PixtralVisualInputs(VisualInputs):
+    """Mistral 3's images: ``pixel_values`` ``(N, C, H, W)`` padded to the
+    largest, each image's own ``image_sizes`` ``(h, w)`` in pixels; Pixtral
+    attends within each image, the projector merges ``spatial_merge_size**2``
+    patches to a placeholder token; plain positions."""
+
+    def items(self, token_ids):
+        image_token_id, config = self.model.config.image_token_id, self.model.config
+        patch = self.model.model.vision_tower.patch_size
+        sizes = host_copy(self.inputs["image_sizes"], reason="visual grids")[0]
+        return [VisualItem(image_token_id, int(h // patch) * int(w // patch),
+                           int(h // (patch * config.spatial_merge_size)) * int(w // (patch * config.spatial_merge_size)))
+                for h, w in sizes]
+
+    def encode(self, items, mine):
+        chosen = slice(mine[0], mine[-1] + 1)
+        return [self.model.model.get_image_features(pixel_values=self.inputs["pixel_values"][chosen],
+                                                    image_sizes=self.inputs["image_sizes"][chosen],
+                                                    return_dict=True).pooler_output]
+
+
 # The TSP forward's visual inputs by vision-language family (``ds_tsp.injection.policy.vision_family``).
-FAMILIES = {"qwen": QwenVisualInputs, "llava": LlavaVisualInputs}
+FAMILIES = {"qwen": QwenVisualInputs, "llava": LlavaVisualInputs, "mistral3": PixtralVisualInputs}
 
 
 class TSPVisionLanguageMixin(TSPCausalLMMixin):

@@ -440,9 +440,11 @@ def decoder_path(model):
 
 
 # The vision-language families ds_tsp trains, each with where it keeps its tower (and projector), which ds_tsp
-# holds 1/D per rank: Qwen's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), recognised by its tower and M-RoPE, and
-# LLaVA's (LLaVA 1.5: a CLIP-style tower, a projector, whole images of one size), by its model type.
-VISION_TOWERS = {"qwen": ("model.visual",), "llava": ("model.vision_tower", "model.multi_modal_projector")}
+# holds 1/D per rank: Qwen's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), recognised by its tower and M-RoPE;
+# LLaVA's (LLaVA 1.5: a CLIP-style tower, a projector, whole images of one size) and Mistral 3's (a Pixtral tower
+# over images of their own sizes, a patch-merging projector), by their model types.
+VISION_TOWERS = {"qwen": ("model.visual",), "llava": ("model.vision_tower", "model.multi_modal_projector"),
+                 "mistral3": ("model.vision_tower", "model.multi_modal_projector")}
 LLAVA_TYPES = ("llava",)
 
 
@@ -455,11 +457,14 @@ def vision_family(model):
         return "qwen"
     if model.config.model_type in LLAVA_TYPES:
         return "llava"
+    if model.config.model_type == "mistral3":
+        return "mistral3"
     held = [child for child, _ in (inner or model).named_children()]
     raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
                       f"{held}): ds_tsp trains Qwen's (a model.visual tower over pixel_values with image_grid_thw, "
-                      f"and get_rope_index's M-RoPE positions) and LLaVA's (model_type {' or '.join(LLAVA_TYPES)}); "
-                      "train its text decoder alone (the causal LM of its text_config) or leave tsp.enabled false")
+                      f"and get_rope_index's M-RoPE positions), LLaVA's (model_type {' or '.join(LLAVA_TYPES)}) and "
+                      "Mistral 3's; train its text decoder alone (the causal LM of its text_config) or leave "
+                      "tsp.enabled false")
 
 
 def text_config(model):
