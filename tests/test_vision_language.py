@@ -14,7 +14,7 @@ from ds_tsp.blocks.visual import VisualItem, share_items
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
-from float32_control import float32_bound
+from float32_control import float32_bound, relative_errors
 from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs, sharded_units
 from vision_models import PATCH, packed_visual_batch, tiny_vlm, visual_batch
 
@@ -534,3 +534,81 @@ def test_step_bytes_equal_the_planners_with_the_visual_rows_and_the_tower(run_ra
             planned = {op: text.get(op, 0) + visual.get(op, 0) for op in {*text, *visual}}
             print(f"D={tsp_size} {arch} rank {rank}: counted {result['counted']}, planned {planned}")
             assert result["counted"] == planned
+
+
+TRAINER_STEPS = 4
+
+
+def _vision_rows(count, seed):
+    """``count`` processor-style samples of one row each (a prompt, an image of one of two sizes, a caption)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(count):
+        grid = (1, 4, 6) if index % 2 else (1, 4, 4)
+        row = [("text", 3), ("image", grid), ("text", 28 - grid[1] * grid[2] // 4)]
+        batch = visual_batch([row], seed=int(torch.randint(0, 1000, (1,), generator=generator)), dtype=torch.float32)
+        samples.append({key: value[0] if key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+                        else value for key, value in batch.items()})
+    return samples
+
+
+def vision_collator(samples):
+    """Rows stacked, every image's patches and grid concatenated in row order (as Qwen's processor does)."""
+    rows = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "attention_mask", "labels",
+                                                                      "mm_token_type_ids")}
+    return {**rows, "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
+            "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples])}
+
+
+def _vision_trainer_arguments(output_dir, per_device_batch, deepspeed=None):
+    from transformers import TrainingArguments
+
+    configured = {"accelerator_config": {"use_configured_state": True}} if deepspeed else {}
+    return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device_batch,
+                             max_steps=TRAINER_STEPS, learning_rate=1e-2, logging_steps=1, report_to=[], seed=0,
+                             disable_tqdm=True, save_strategy="no", remove_unused_columns=False, deepspeed=deepspeed,
+                             **configured)
+
+
+def tsp_vision_trainer_run(output_dir):
+    """``ds_tsp.TSPTrainer`` on a tiny Qwen2-VL in float32 with a vision collator, TSP 2: its logged losses."""
+    from accelerate.state import AcceleratorState
+
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
+
+    try:
+        configure_cpu_ranks()
+        config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                  "zero_optimization": {"stage": 1}, "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}}
+        trainer = ds_tsp.TSPTrainer(model=tiny_vlm(dtype=torch.float32), data_collator=vision_collator,
+                                    args=_vision_trainer_arguments(output_dir, 2, config),
+                                    train_dataset=_vision_rows(2 * TRAINER_STEPS, 1))
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_tsp_trainer_with_a_vision_collator_matches_one_process(run_ranks, tmp_path):
+    """The Trainer's logged losses under TSP 2 against the stock Trainer's in one process, the same run in float64
+    the truth and the float32 one the control (tests/float32_control.py). Hugging Face's loss takes float32
+    logits even from a float64 model, so the truth's losses are float32 values too and the bound is float32's
+    rounding floor where the control matches them exactly."""
+    from transformers import Trainer
+
+    tsp = run_ranks(2, tsp_vision_trainer_run, output_dir=str(tmp_path / "tsp"), timeout_s=300)[0]
+    stock = {}
+    for dtype in (torch.float32, torch.float64):
+        model = tiny_vlm(dtype=torch.float32).to(dtype)
+        rows = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in row.items()}
+                for row in _vision_rows(2 * TRAINER_STEPS, 1)]
+        trainer = Trainer(model=model, data_collator=vision_collator, train_dataset=rows,
+                          args=_vision_trainer_arguments(str(tmp_path / f"stock-{dtype}"), 2))
+        trainer.train()
+        stock[dtype] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    errors = relative_errors(tsp, stock[torch.float64])
+    control = relative_errors(stock[torch.float32], stock[torch.float64])
+    print(f"losses: TSP {tsp}, one process {stock[torch.float32]}, float64 {stock[torch.float64]}; "
+          f"relative errors {max(errors):.1e}, the control's {max(control):.1e}")
+    assert len(tsp) == TRAINER_STEPS and max(errors) <= float32_bound(control)
