@@ -32,7 +32,8 @@ CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, 
          "a video of three temporal patches": WITH_A_VIDEO}
 
 
-def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False, **tsp_options):
+def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False, checkpointing=False,
+               **tsp_options):
     """On every rank: |loss - HF loss| and every gradient's max |diff| (vision
     tower included), and how many patches this rank's tower encoded.
     ``wrong``: "route" puts each received visual row one placeholder on,
@@ -51,6 +52,9 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     topo = TSPTopology(tsp_size)
     ds_tsp.inject(model, topo, TSPConfig(enabled=True, size=tsp_size, layout=layout, attention_backend="sdpa",
                                          **tsp_options))
+    if checkpointing:  # Hugging Face's, on the decoder layers and the tower's blocks alike
+        model.train()
+        model.activation_checkpointing_enable()
     encoded = []
     tower_class = type(getattr(model.model, "visual", None) or model.model.vision_tower)
     tower_forward = tower_class.forward
@@ -129,6 +133,13 @@ def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
     check([{k: v for k, v in d.items() if k != "patches"}
            for d in run_ranks(tsp_size, vlm_parity, rows=PACKED, arch=arch, packed=True)],
           f"D={tsp_size} {arch} packed")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_gradient_checkpointing_of_the_tower_and_the_decoder_matches_hugging_face(run_ranks, arch):
+    check([{k: v for k, v in d.items() if k != "patches"}
+           for d in run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, arch=arch, checkpointing=True)],
+          f"D=2 {arch} checkpointed")
 
 
 def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):

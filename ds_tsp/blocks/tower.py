@@ -17,6 +17,7 @@ live one unit at a time.
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ds_tsp.parallel import comm
@@ -49,7 +50,10 @@ class ShardedUnit(nn.Module):
         # Each tensor becomes a plain attribute of its module, None at rest and the gathered tensor while the
         # unit runs: no hook on a submodule (ZeRO-3's fetches) meets a parameter it did not make, and the module
         # stays registered for those that look for it by class (Hugging Face's hidden-state capture).
-        for name in self.names:
+        # Every name a tensor goes by (a tied one by each), with the index of its tensor.
+        self.aliases = [(name, self.names.index(next(n for n, p in params.items() if p is param)))
+                        for name, param in unit.named_parameters(remove_duplicate=False)]
+        for name, _ in self.aliases:
             owner, _, leaf = name.rpartition(".")
             module = unit.get_submodule(owner)
             del module._parameters[leaf]
@@ -100,14 +104,30 @@ class ShardedUnit(nn.Module):
         return {name: piece.view(shape) for name, shape, piece in zip(self.names, self.shapes, flat.split(sizes))}
 
     def forward(self, *args, **kwargs):
-        owners = [self.unit.get_submodule(name.rpartition(".")[0]) for name in self.names]
+        """The unit on its gathered tensors. Where the unit recomputes itself in
+        backward (Hugging Face's gradient checkpointing of a tower block), the
+        gather is recomputed with it: the unit checkpointed alone would run
+        again without its tensors."""
+        if getattr(self.unit, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args, **kwargs):
+        owners = [(self.unit.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], index)
+                  for name, index in self.aliases]
+        recomputes = getattr(self.unit, "gradient_checkpointing", None)
         try:
-            for owner, (name, tensor) in zip(owners, self.full_tensors().items()):
-                owner.__dict__[name.rpartition(".")[2]] = tensor
+            tensors = list(self.full_tensors().values())
+            for owner, leaf, index in owners:
+                owner.__dict__[leaf] = tensors[index]
+            if recomputes:
+                self.unit.gradient_checkpointing = False
             return self.unit(*args, **kwargs)
         finally:  # the full tensors live on in autograd's graph only, as long as backward needs them
-            for owner, name in zip(owners, self.names):
-                owner.__dict__[name.rpartition(".")[2]] = None
+            for owner, leaf, _ in owners:
+                owner.__dict__[leaf] = None
+            if recomputes:
+                self.unit.gradient_checkpointing = recomputes
 
 
 def tower_units(tower, prefix=""):
