@@ -623,3 +623,46 @@ def test_tsp_trainer_with_a_vision_collator_matches_one_process(run_ranks, tmp_p
     print(f"losses: TSP {tsp}, one process {stock[torch.float32]}, float64 {stock[torch.float64]}; "
           f"relative errors {max(errors):.1e}, the control's {max(control):.1e}")
     assert len(tsp) == TRAINER_STEPS and max(errors) <= float32_bound(control)
+
+
+def converted_and_saved(source, converted, checkpoint):
+    """``ds-tsp convert``'s shards of a VLM read back (the loss of the model read against the in-memory one's),
+    and what resharding and exporting the engine's DeepSpeed checkpoint answer."""
+    from ds_tsp.checkpoint import CheckpointError, shard_checkpoint
+    from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
+    from ds_tsp.checkpoint.resharding import reshard
+
+    ref = tiny_vlm(dtype=torch.float32)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(source)
+        shard_checkpoint(source, converted, 2)
+    dist.barrier()
+    topo, config = TSPTopology(2), TSPConfig(enabled=True, size=2, attention_backend="sdpa")
+    batch = visual_batch(ONE_IMAGE_EACH, dtype=torch.float32)
+    model = ds_tsp.from_pretrained(converted, topo, config)
+    in_memory = copy.deepcopy(ref)
+    ds_tsp.inject(in_memory, topo, config)
+    same_loss = model(**batch).loss.item() == in_memory(**batch).loss.item()
+    engine, *_ = ds_tsp.initialize(model=copy.deepcopy(ref), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                                   config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+                                           "zero_allow_untested_optimizer": True,
+                                           "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}})
+    engine.save_checkpoint(checkpoint, tag="step0")
+    refusals = []
+    if dist.get_rank() == 0:
+        for attempt in (lambda: reshard(checkpoint, checkpoint + "-universal"),
+                        lambda: export_deepspeed_checkpoint(checkpoint, source, checkpoint + "-hf")):
+            try:
+                attempt()
+            except CheckpointError as refusal:
+                refusals.append(str(refusal))
+    return same_loss, refusals
+
+
+def test_convert_reads_back_and_resharding_a_vlm_checkpoint_is_refused(run_ranks, tmp_path):
+    per_rank = run_ranks(2, converted_and_saved, source=str(tmp_path / "hf"), converted=str(tmp_path / "shards"),
+                         checkpoint=str(tmp_path / "ds"))
+    assert all(same_loss for same_loss, _ in per_rank)
+    refusals = per_rank[0][1]
+    print("\n".join(refusals))
+    assert len(refusals) == 2 and all("holds a vision-language model's tower" in refusal for refusal in refusals)

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
-from ds_tsp.checkpoint.resharding import read_layout, reshard
+from ds_tsp.checkpoint.resharding import VISION_TOWER_REFUSED, read_layout, reshard
 from ds_tsp.checkpoint.shard_plan import join_holdings, layer_shards, meta_model, untied, vocab_names
 from ds_tsp.checkpoint.staging import staged
 from ds_tsp.checkpoint.writing import (
@@ -231,6 +231,8 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     policy = resolve_policy(model, "auto")
     folder = checkpoint_folder(os.fspath(checkpoint_dir), tag)
     layout = read_layout(folder) or {}
+    if layout.get("vision_tower"):
+        raise CheckpointError(VISION_TOWER_REFUSED.format(source=folder, what="exporting"))
     folded = layout.get("ep", layout.get("tsp")) != layout.get("tsp")
     if folded and not fp32_master:
         raise CheckpointError(f"{folder} was saved with experts folded over replicas (tsp.expert_parallel_size = "
@@ -301,7 +303,7 @@ def saved_16bit_weights(checkpoint_dir, model):
     """The model-dtype weights ZeRO-3 gathered beside its DeepSpeed checkpoint
     (the Trainer's ``save_model`` under ``stage3_gather_16bit_weights_on_model_save``
     writes them at the same step), checked against ``model``."""
-    source = hf_checkpoint(checkpoint_dir, model.config)
+    source = hf_checkpoint(checkpoint_dir, model=model)
     check_tensors_present(model, source)
     expected = set(untied(model, dict(model.state_dict())))
     return {name: source.read(name) for name in source.names if name in expected}

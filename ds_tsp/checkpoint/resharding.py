@@ -60,6 +60,12 @@ LORA_RESHARD_REFUSED = ("{source} is a LoRA run's checkpoint, whose adapter shar
                         "which PeftModel.from_pretrained loads for a model of any layout")
 
 
+VISION_TOWER_REFUSED = ("{source} holds a vision-language model's tower, whose units are flat vectors cut by the "
+                        "TSP size, which {what} does not join or recut yet: write the model with "
+                        "ds_tsp.save_pretrained (or the Trainer's save_model), which ds_tsp.from_pretrained reads at "
+                        "any layout")
+
+
 def engine_layout(engine):
     """``{"tsp", "dp", "pp", "ep", "zero_stage", "pipeline_names", "folded_shared"}``
     of a ds_tsp engine (``ep``: the expert-parallel size; ``folded_shared``:
@@ -76,6 +82,8 @@ def engine_layout(engine):
             "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
             "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"],
             "lora": getattr(module, "tsp_peft_config", None) is not None,
+            # A vision-language model's tower units, each a flat vector cut by the TSP size (ds_tsp.blocks.tower).
+            "vision_tower": getattr(module, "tsp_vision_family", None) is not None and topology.tsp_size > 1,
             "folded_shared": any(getattr(block, "shared_mlp_name", None) is not None for block in module.modules())}
 
 
@@ -163,6 +171,8 @@ def reshard(checkpoint_dir, out_dir, tag=None, force=False):
                               "\"checkpoint\": {\"load_universal\": true}")
     if saved.get("lora"):
         raise CheckpointError(LORA_RESHARD_REFUSED.format(source=source))
+    if saved.get("vision_tower"):
+        raise CheckpointError(VISION_TOWER_REFUSED.format(source=source, what="resharding"))
     if saved["zero_stage"] == 0:
         raise CheckpointError(f"{source} was saved with zero_optimization.stage 0, whose optimizer state DeepSpeed's "
                               "universal checkpoints do not read: train with stage 1, 2 or 3 to move between layouts")

@@ -548,7 +548,7 @@ def shard_checkpoint(in_dir, out_dir, tsp_size, policy="auto", force=False, voca
                               "Hugging Face checkpoint")
     model, _ = meta_model(in_dir)
     plans = shard_plan(model, resolve_policy(model, policy), tsp_size, vocab_parallel)
-    source = hf_checkpoint(in_dir, model.config)
+    source = hf_checkpoint(in_dir, model=model)
     check_tensors_present(model, source)
     check_out_dir(in_dir, out_dir, force)
     with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
