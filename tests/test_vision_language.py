@@ -626,8 +626,9 @@ def test_tsp_trainer_with_a_vision_collator_matches_one_process(run_ranks, tmp_p
 
 
 def converted_and_saved(source, converted, checkpoint):
-    """``ds-tsp convert``'s shards of a VLM read back (the loss of the model read against the in-memory one's),
-    and what resharding and exporting the engine's DeepSpeed checkpoint answer."""
+    """``ds-tsp convert``'s shards of a VLM read back (the loss of the model read against the in-memory one's)
+    and the engine's DeepSpeed checkpoint resumed at its layout (every parameter back), both in ``same``; what
+    resharding and exporting that checkpoint answer."""
     from ds_tsp.checkpoint import CheckpointError, shard_checkpoint
     from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
     from ds_tsp.checkpoint.resharding import reshard
@@ -648,6 +649,12 @@ def converted_and_saved(source, converted, checkpoint):
                                            "zero_allow_untested_optimizer": True,
                                            "tsp": {"enabled": True, "size": 2, "attention_backend": "sdpa"}})
     engine.save_checkpoint(checkpoint, tag="step0")
+    saved = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    with torch.no_grad():
+        for param in engine.module.parameters():
+            param.zero_()
+    engine.load_checkpoint(checkpoint, tag="step0")  # at its own layout
+    same_loss = same_loss and all(torch.equal(param, saved[name]) for name, param in engine.module.named_parameters())
     refusals = []
     if dist.get_rank() == 0:
         for attempt in (lambda: reshard(checkpoint, checkpoint + "-universal"),
