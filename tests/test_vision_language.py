@@ -673,3 +673,9 @@ def test_convert_reads_back_and_resharding_a_vlm_checkpoint_is_refused(run_ranks
     refusals = per_rank[0][1]
     print("\n".join(refusals))
     assert len(refusals) == 2 and all("holds a vision-language model's tower" in refusal for refusal in refusals)
+
+
+def test_visual_inputs_a_family_does_not_take_are_refused():
+    from ds_tsp.injection.multimodal import LlavaVisualInputs
+    with pytest.raises(ValueError, match=r"takes \['pixel_values'\] of the visual inputs, not \['pixel_values_videos'\]"):
+        LlavaVisualInputs(tiny_vlm("llava"), {"pixel_values": None, "pixel_values_videos": torch.zeros(1)})

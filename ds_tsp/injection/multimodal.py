@@ -34,7 +34,14 @@ class VisualInputs:
     rank, its rows to their tokens' ranks. A family says how its items are
     counted, encoded and positioned (``positions``, ``items``, ``encode``)."""
 
+    # The visual inputs the family's forward takes (its processor's).
+    TAKES = VISUAL_INPUTS
+
     def __init__(self, model, inputs):
+        given = sorted(name for name, value in inputs.items() if value is not None and name not in self.TAKES)
+        if given:
+            raise ValueError(f"{type(model).__name__} takes {list(self.TAKES)} of the visual inputs, not {given}: "
+                             "pass what its processor returns")
         self.model, self.inputs = model, inputs
         # After ``embed``: the route and, per decoder layer the tower also feeds (Qwen3-VL's deepstack), the
         # rows added to its output at this rank's placeholders.
@@ -74,6 +81,9 @@ class QwenVisualInputs(VisualInputs):
     """Qwen's images and videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
     patches flattened in ``pixel_values`` with a ``(t, h, w)`` grid per item,
     ``spatial_merge_size**2`` patches to a placeholder token, M-RoPE positions."""
+
+    TAKES = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
+             "second_per_grid_ts")
 
     def positions(self, input_ids, attention_mask, position_ids):
         """``(text positions or None, rotary positions (3, B, S) or None)``.
@@ -138,6 +148,8 @@ class LlavaVisualInputs(VisualInputs):
     the same number of placeholder tokens (the tower's patches, its
     ``vision_feature_layer`` and ``vision_feature_select_strategy``), plain positions."""
 
+    TAKES = ("pixel_values",)
+
     def items(self, token_ids):
         image_token_id, count = self.model.config.image_token_id, self.inputs["pixel_values"].shape[0]
         tokens = int((token_ids == image_token_id).sum())
@@ -157,6 +169,8 @@ class PixtralVisualInputs(VisualInputs):
     largest, each image's own ``image_sizes`` ``(h, w)`` in pixels; Pixtral
     attends within each image, the projector merges ``spatial_merge_size**2``
     patches to a placeholder token; plain positions."""
+
+    TAKES = ("pixel_values", "image_sizes")
 
     def items(self, token_ids):
         image_token_id, config = self.model.config.image_token_id, self.model.config
