@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ds_tsp
+from ds_tsp.blocks.tower import ShardedUnit
 from ds_tsp.blocks.visual import VisualItem, share_items
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
@@ -33,17 +34,25 @@ CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, 
 
 
 def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False, checkpointing=False,
-               **tsp_options):
+               left_padded=False, **tsp_options):
     """On every rank: |loss - HF loss| and every gradient's max |diff| (vision
     tower included), and how many patches this rank's tower encoded.
     ``wrong``: "route" puts each received visual row one placeholder on,
     "positions" hands the layers each token's index in its row on all three
     M-RoPE axes (text positions, as a rotary embedding unaware of images would),
-    "deepstack" drops the tower's features added after the first decoder layers."""
+    "deepstack" drops the tower's features added after the first decoder layers,
+    "tower" scales the last rank's slice of the tower's first block by 1.5.
+    ``left_padded``: the padded rows padded on the left, as TRL's trainers pad
+    (their first real token takes no loss: Hugging Face predicts it from padding).
+    Qwen2.5-VL's videos come with ``second_per_grid_ts`` (2 s a temporal patch)."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
     batch = packed_visual_batch(ref, rows) if packed else \
         visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3")
+    if left_padded:
+        batch = _left_padded(batch, first_unlabelled=True)
+    if arch == "qwen2_5_vl" and "video_grid_thw" in batch:
+        batch["second_per_grid_ts"] = torch.full((len(batch["video_grid_thw"]),), 2.0, dtype=torch.float64)
     ref.zero_grad()
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -55,6 +64,9 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     if checkpointing:  # Hugging Face's, on the decoder layers and the tower's blocks alike
         model.train()
         model.activation_checkpointing_enable()
+    if wrong == "tower" and topo.tsp_rank == tsp_size - 1:
+        with torch.no_grad():
+            next(unit for unit in model.modules() if isinstance(unit, ShardedUnit)).shard.mul_(1.5)
     encoded = []
     tower_class = type(getattr(model.model, "visual", None) or model.model.vision_tower)
     tower_forward = tower_class.forward
@@ -142,12 +154,26 @@ def test_gradient_checkpointing_of_the_tower_and_the_decoder_matches_hugging_fac
           f"D=2 {arch} checkpointed")
 
 
+@pytest.mark.parametrize("tsp_size", [2, 4])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_left_padded_rows_match_hugging_face(run_ranks, arch, tsp_size):
+    """Rows padded on the left (TRL's trainers pad so): moved to the right before the layers, their M-RoPE
+    positions and visual rows moved with them."""
+    for name in ("a row without images, padding", "a video of three temporal patches"):
+        if arch in IMAGES_ONLY and name == "a video of three temporal patches":
+            continue
+        check([{k: v for k, v in d.items() if k != "patches"}
+               for d in run_ranks(tsp_size, vlm_parity, rows=CASES[name], arch=arch, left_padded=True)],
+              f"D={tsp_size} {arch} {name}, left-padded")
+
+
 def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):
     check([{k: v for k, v in d.items() if k != "patches"}
            for d in run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, layout="contiguous")], "D=2 contiguous")
 
 
-@pytest.mark.parametrize("wrong, arch", [("route", "qwen2_vl"), ("positions", "qwen2_vl"), ("deepstack", "qwen3_vl")])
+@pytest.mark.parametrize("wrong, arch", [("route", "qwen2_vl"), ("positions", "qwen2_vl"), ("deepstack", "qwen3_vl"),
+                                         ("tower", "qwen2_vl")])
 def test_a_wrong_visual_row_position_or_dropped_deepstack_is_caught(run_ranks, wrong, arch):
     per_rank = run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, wrong=wrong, arch=arch)
     check_caught([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"wrong {wrong}")
@@ -378,14 +404,18 @@ def generation_with_images(arch, tsp_size, wrong=False):
     return results
 
 
-def _left_padded(batch):
-    """``visual_batch``'s right-padded rows moved to the left, as generation pads prompts."""
+def _left_padded(batch, first_unlabelled=False):
+    """``visual_batch``'s right-padded rows moved to the left, as generation pads prompts;
+    ``first_unlabelled``: a left-padded row's first real token takes no loss."""
     lengths = batch["attention_mask"].sum(dim=1)
     width = batch["input_ids"].shape[1]
     index = (torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width
     for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
         if key in batch:
             batch[key] = batch[key].gather(1, index)
+    if first_unlabelled:
+        rows = (lengths < width).nonzero().squeeze(1)
+        batch["labels"][rows, width - lengths[rows]] = -100
     return batch
 
 

@@ -335,6 +335,18 @@ def rotary_at(rotary_emb, hidden, positions, kind=None):
     return tables if isinstance(tables, tuple) else (tables,)
 
 
+def text_and_rotary_positions(position_ids):
+    """``(text positions or None, rotary positions or None)`` of ``position_ids``
+    as Hugging Face passes them: ``(B, S)`` positions for everything, a VLM's
+    ``(3, B, S)`` M-RoPE axes, or its ``(4, B, S)``: text positions (which
+    packed documents restart), then the three axes."""
+    if position_ids is None or position_ids.dim() == 2:
+        return position_ids, None
+    if position_ids.shape[0] == 4:
+        return position_ids[0], position_ids[1:]
+    return None, position_ids
+
+
 def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     """``rotary_at``'s tables of this rank's ``positions`` ``(B, n)`` (a VLM's
     M-RoPE axes: ``(3, B, n)``) as the model's

@@ -63,7 +63,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
-from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries
+from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries,
+                                  text_and_rotary_positions)
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
@@ -130,7 +131,7 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          "live on the others too; save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained without tsp.expert_parallel_size")
     prompt, lengths = left_aligned(input_ids, attention_mask)
-    text_positions, rotary = _prompt_positions(position_ids)
+    text_positions, rotary = text_and_rotary_positions(position_ids)
     _check_prompt_positions(text_positions, attention_mask, input_ids)
     if visual is not None and rotary is None:
         _, rotary = visual.positions(input_ids, attention_mask, None)
@@ -140,17 +141,6 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
     cache, logits = decoder.prefill(prompt, lengths, rotary, visual)
     cache.seen_tokens = input_ids.shape[1]
     return logits.unsqueeze(1), cache
-
-
-def _prompt_positions(position_ids):
-    """``(text positions or None, M-RoPE positions (3, B, P) or None)`` of a
-    prompt's ``position_ids`` as Hugging Face's ``generate`` passes them: ``(B, P)``
-    text positions, or a VLM's ``(4, B, P)`` (text, then the three axes)."""
-    if position_ids is None or position_ids.dim() == 2:
-        return position_ids, None
-    if position_ids.shape[0] == 4:
-        return position_ids[0], position_ids[1:]
-    return None, position_ids
 
 
 def _planes_left_aligned(planes, lengths):

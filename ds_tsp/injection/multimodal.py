@@ -19,6 +19,7 @@ import inspect
 
 import torch
 
+from ds_tsp.blocks.rotary import text_and_rotary_positions
 from ds_tsp.blocks.visual import VisualItem, VisualRoute
 from ds_tsp.injection.model import TSPCausalLMMixin
 from ds_tsp.parallel.host_reads import host_copy
@@ -46,6 +47,8 @@ class VisualInputs:
         # After ``embed``: the route and, per decoder layer the tower also feeds (Qwen3-VL's deepstack), the
         # rows added to its output at this rank's placeholders.
         self.route, self.deepstack = None, []
+        # Host copies of inputs already read (``positions``), for what reads them again.
+        self.host_inputs = {}
 
     def positions(self, input_ids, attention_mask, position_ids):
         """``(text positions or None, rotary positions (3, B, S) or None)``: the position ids as given."""
@@ -86,18 +89,13 @@ class QwenVisualInputs(VisualInputs):
              "second_per_grid_ts")
 
     def positions(self, input_ids, attention_mask, position_ids):
-        """``(text positions or None, rotary positions (3, B, S) or None)``.
-        Position ids passed in keep Hugging Face's meaning: ``(3, B, S)`` are
-        the rotary positions, ``(4, B, S)`` text positions (packed documents)
-        then those, ``(B, S)`` positions for every axis; without them the
-        model's ``get_rope_index`` computes them from the whole rows, on one
-        host copy of what it reads."""
+        """``(text positions or None, rotary positions (3, B, S) or None)``:
+        position ids passed in as Hugging Face reads them
+        (``rotary.text_and_rotary_positions``); without them the model's
+        ``get_rope_index`` computes them from the whole rows, on one host copy
+        of what it reads, the grids included (``items`` reads them from it)."""
         if position_ids is not None:
-            if position_ids.dim() == 3 and position_ids.shape[0] == 4:
-                return position_ids[0], position_ids[1:]
-            if position_ids.dim() == 3:
-                return None, position_ids
-            return position_ids, None
+            return text_and_rotary_positions(position_ids)
         inner = self.model.model
         wanted = inspect.signature(inner.get_rope_index).parameters
         names = [name for name in ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -106,31 +104,35 @@ class QwenVisualInputs(VisualInputs):
             raise ValueError("images or videos were given without mm_token_type_ids, which M-RoPE positions are "
                              "computed from: pass the processor's mm_token_type_ids (as Hugging Face's forward asks)")
         host = host_copy(input_ids, attention_mask, *(self.inputs[name] for name in names), reason="visual positions")
-        rotary, _ = inner.get_rope_index(host[0], attention_mask=host[1], **dict(zip(names, host[2:])))
+        self.host_inputs = dict(zip(names, host[2:]))
+        rotary, _ = inner.get_rope_index(host[0], attention_mask=host[1], **self.host_inputs)
         return None, rotary.to(input_ids.device)
 
     def _kinds(self):
-        """``(placeholder id, pixels, grids)`` of the images, then the videos, where given."""
+        """``(placeholder id, pixels, grids, the grids' name)`` of the images, then the videos, where given."""
         config = self.model.config
-        kinds = [(token_id, self.inputs.get(pixels), self.inputs.get(grids))
+        kinds = [(token_id, self.inputs.get(pixels), self.inputs.get(grids), grids)
                  for token_id, pixels, grids in ((config.image_token_id, "pixel_values", "image_grid_thw"),
                                                  (config.video_token_id, "pixel_values_videos", "video_grid_thw"))]
         return [kind for kind in kinds if kind[1] is not None]
 
     def items(self, token_ids):
-        """The visual items in the order their rows fill the placeholders (images, then videos); one host
-        read of the grids."""
+        """The visual items in the order their rows fill the placeholders (images, then videos); the grids
+        from ``positions``' host copy, else one host read of them."""
         merge = self.model.model.visual.spatial_merge_size
         kinds = self._kinds()
-        host_grids = host_copy(*(grids for _, _, grids in kinds), reason="visual grids")
+        if all(name in self.host_inputs for *_, name in kinds):
+            host_grids = [self.host_inputs[name] for *_, name in kinds]
+        else:
+            host_grids = host_copy(*(grids for _, _, grids, _ in kinds), reason="visual grids")
         return [VisualItem(token_id, int(patches), int(patches) // merge ** 2)
-                for (token_id, _, _), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
+                for (token_id, *_), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
 
     def encode(self, items, mine):
         """The tower's features of items ``mine`` (a contiguous run), images and videos together (Qwen's
         get_video_features is its image path): per kind of feature, one tensor a item."""
         pixels, grids, first_item = [], [], 0
-        for _, tensor, grid in self._kinds():
+        for _, tensor, grid, _ in self._kinds():
             count = grid.shape[0]
             wanted = [index - first_item for index in mine if first_item <= index < first_item + count]
             if wanted:
