@@ -92,6 +92,44 @@ def test_sinks_after_a_fused_kernel_equal_the_sink_softmax(dtype):
     assert moved > 1e10 * max(errors.values()) if dtype == torch.float64 else moved > PARITY_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_bidirectional_blocks_attend_to_every_key_of_the_block(window):
+    """A bidirectional block (Gemma 3's image tokens: ``ahead`` keys of the
+    block after its last query) in every CPU kernel, forward and backward
+    (through the fused backward where a kernel has one), equals float64
+    softmax attention over every key, or every key after ``own - window``
+    with a window, where query ``i`` is key ``i + Lk - Lq - ahead``; the causal
+    block of the same tensors differs (0.1 or more)."""
+    generator = torch.Generator().manual_seed(7)
+    ahead, scale = 3, 8 ** -0.5
+    q, k, v, grad = (torch.randn(2, length, heads, 8, generator=generator, dtype=torch.float64)
+                     for length, heads in ((5, 4), (14, 2), (14, 2), (5, 4)))
+    own = torch.arange(5).unsqueeze(1) + 14 - 5 - ahead
+    keys = torch.arange(14).unsqueeze(0)
+    allowed = torch.ones(5, 14, dtype=torch.bool) if window is None else keys > own - window
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    rep_k, rep_v = (t.repeat_interleave(2, dim=2) for t in leaves[1:])
+    scores = torch.einsum("bqhd,bkhd->bhqk", leaves[0], rep_k) * scale
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~allowed, -math.inf).softmax(-1), rep_v)
+    reference = (expected.detach(), *torch.autograd.grad(expected, leaves, grad))
+    sinks = torch.full((4,), -math.inf, dtype=torch.float64)  # a sink that takes no weight: plain attention
+    for kernel in (SDPAKernel(), BlockwiseFlashKernel(ak._CPUFlashOps()), ak.SoftCappedKernel(1e9),
+                   ak.SinkKernel(BlockwiseFlashKernel(ak._CPUFlashOps()))):
+        options = {"sinks": sinks} if isinstance(kernel, ak.SinkKernel) else {}
+        if window is None and hasattr(kernel, "explicit_backward"):
+            out, lse = kernel.forward(q, k, v, scale, ahead=ahead, **options)
+            got = (out, *kernel.backward(grad, q, k, v, out, lse, scale, ahead=ahead))
+        else:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out, _ = kernel.attend(*leaves, scale, window, ahead=ahead, **options)
+            got = (out.detach(), *torch.autograd.grad(out, leaves, grad))
+        errors = [(a - b).abs().max().item() for a, b in zip(got, reference)]
+        print(f"{type(kernel).__name__} bidirectional, window={window}: max errors {errors}")
+        assert max(errors) <= 1e-12
+        causal, _ = kernel.attend(q, k, v, scale, window, **options)
+        assert (causal - reference[0]).abs().max() > 0.1
+
+
 class TopLeftCausal(SDPAKernel):
     """SDPA's own ``is_causal`` for every block: top-left aligned, wrong when Lq < Lk."""
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ds_tsp.parallel import layout
-from ds_tsp.blocks.documents import document_starts, query_blocks
+from ds_tsp.blocks.attention.kernels import bottom_right_causal_mask
+from ds_tsp.blocks.documents import bidirectional_spans, document_starts, query_blocks
 from float32_control import UNIT_ROUNDOFF
 from models import tiny_model
 from parity import TOLERANCE, check, model_parity, packed_position_ids
@@ -139,8 +140,8 @@ def test_query_blocks_cover_each_document_causally(token_tile, window):
             (rows, blocks), = query_blocks(documents, seq_len // tsp_size, tsp_rank, tsp_size, layout_name,
                                            token_tile=token_tile, window=window)
             seen = {}
-            for q_lo, q_hi, k_lo, k_hi in blocks:
-                assert token_tile == 0 or q_hi - q_lo <= token_tile
+            for q_lo, q_hi, k_lo, k_hi, ahead in blocks:
+                assert ahead is None and (token_tile == 0 or q_hi - q_lo <= token_tile)
                 for offset, q in enumerate(range(q_lo, q_hi)):
                     # bottom-right causal: query q sees keys k_lo .. its own global index
                     seen[q] = list(range(k_lo, k_hi - (q_hi - q_lo) + offset + 1))
@@ -153,6 +154,46 @@ def test_query_blocks_cover_each_document_causally(token_tile, window):
                 else:  # the kernel masks the rest of the window; nothing it needs is cut
                     needed = list(range(max(start, token - window + 1), token + 1))
                     assert keys[-len(needed):] == needed and keys[0] >= start, (layout_name, tsp_rank, q)
+
+
+@pytest.mark.parametrize("token_tile, window", [(0, None), (3, None), (0, 4), (2, 5)])
+def test_bidirectional_spans_give_hugging_faces_blockwise_mask(token_tile, window):
+    """Gemma 3's mask, block by block: a query sees the keys of its document
+    up to itself, and those of its span (one image's tokens) up to the span's
+    end, within the window (Hugging Face's AND(window, OR(causal, blockwise)),
+    AND its packed documents). Spans straddle chunks, ranks and a document
+    start; each rank's blocks, expanded with the kernels' own mask, give
+    exactly that mask for every query it holds, in every layout and tiling."""
+    seq_len, tsp_size = 32, 4
+    marked = torch.zeros(2, seq_len, dtype=torch.bool)
+    for row, (start, end) in ((0, (2, 11)), (0, (13, 14)), (0, (18, 29)), (1, (5, 7))):
+        marked[row, start:end] = True
+    spans = bidirectional_spans(marked)
+    assert spans == [[(2, 11), (13, 14), (18, 29)], [(5, 7)]]
+    documents = [[0, 22], [0]]  # the last span of row 0 crosses a document start
+    for layout_name in ("zigzag", "contiguous"):
+        for tsp_rank in range(tsp_size):
+            local = layout.shard(torch.arange(seq_len).unsqueeze(0), tsp_rank, tsp_size, layout_name)[0]
+            groups = query_blocks(documents, seq_len // tsp_size, tsp_rank, tsp_size, layout_name, batch=2,
+                                  token_tile=token_tile, window=window, spans=spans)
+            for (rows, blocks), row in zip(groups, (0, 1)):
+                seen = {}
+                for q_lo, q_hi, k_lo, k_hi, ahead in blocks:
+                    assert token_tile == 0 or q_hi - q_lo <= token_tile
+                    mask = bottom_right_causal_mask(q_hi - q_lo, k_hi - k_lo, window, ahead=ahead)
+                    for offset, q in enumerate(range(q_lo, q_hi)):
+                        seen[q] = (mask[offset].nonzero().flatten() + k_lo).tolist()
+                assert sorted(seen) == list(range(seq_len // tsp_size))
+                for q, keys in seen.items():
+                    token = int(local[q])
+                    start = max(s for s in documents[row] if s <= token)
+                    end = min([s for s in documents[row] if s > token] + [seq_len])
+                    span = next(((a, b) for a, b in spans[row] if a <= token < b), (token, token + 1))
+                    expected = [j for j in range(start, end) if (j <= token or span[0] <= j < span[1])
+                                and (window is None or j > token - window)]
+                    assert keys == expected, (layout_name, tsp_rank, row, token)
+    assert bidirectional_spans(torch.zeros(2, 4, dtype=torch.bool)) is None
+    assert bidirectional_spans(marked[:1], left_padding=torch.tensor([2])) == [[(0, 9), (11, 12), (16, 27)]]
 
 
 def peak_bytes_of_a_step(documents):

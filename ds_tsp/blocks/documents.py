@@ -14,9 +14,16 @@ row. The TSP attention never builds a mask from them: ``query_blocks`` cuts
 each of this rank's query chunks at document starts, and every piece attends
 bottom-right causally to the keys from its document's start to its own end,
 which is exactly the block-diagonal causal mask, at no memory cost.
+
+A vision-language model may also let the tokens of one image see each other
+both ways (Gemma 3's ``token_type_ids``): its *bidirectional spans*, per row
+sorted ``(start, end)`` pairs, cut the query pieces again, and a piece inside
+a span sees the span's keys up to its end (``Block.ahead``), still within its
+document.
 """
 
 import bisect
+from typing import NamedTuple
 
 import torch
 
@@ -105,36 +112,80 @@ def start_at_position_zero(documents, positions):
                                          for start in starts)
 
 
-def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1, token_tile=0, window=None):
-    """The attention work of this rank's ``local_len`` query tokens, grouped by
-    the rows a group covers: ``[(rows, [(q_lo, q_hi, k_lo, k_hi), ...]), ...]``.
-    Local queries ``[q_lo, q_hi)`` attend bottom-right causally to the global
-    keys ``[k_lo, k_hi)``.
+def bidirectional_spans(marked, left_padding=None):
+    """Per row, the sorted ``(start, end)`` runs of ``marked`` tokens (a host
+    ``(B, S)`` bool: Gemma 3's image tokens, ``token_type_ids == 1``), moved
+    left by the row's ``left_padding`` (``(B,)`` or None) as the rows are; None
+    when no row has one. One run is one image's tokens, as Hugging Face's
+    ``get_block_sequence_ids_for_mask`` groups them."""
+    edges = torch.diff(marked.to(torch.int8), dim=-1, prepend=marked.new_zeros(marked.shape[0], 1).to(torch.int8),
+                       append=marked.new_zeros(marked.shape[0], 1).to(torch.int8))
+    if not marked.any():
+        return None
+    spans = []
+    for row, row_edges in enumerate(edges):
+        shift = 0 if left_padding is None else int(left_padding[row])
+        starts, ends = ((row_edges == step).nonzero().flatten().tolist() for step in (1, -1))
+        spans.append([(start - shift, end - shift) for start, end in zip(starts, ends)])
+    return spans
 
-    Without documents: one group over every row (``batch`` of them), one block
-    per chunk (chunk ``g`` of ``2D`` sees the key prefix that ends with itself).
-    With documents: one group per row, one block per piece of a chunk that lies
-    in one document, whose keys start at that document's start. Blocks are then
-    cut into tiles of at most ``token_tile`` query tokens over the group's rows
-    (0: no cut), each with its own causal key range, and with a sliding
-    ``window`` no block's keys reach further back than its first query sees.
+
+class Block(NamedTuple):
+    """Local queries ``[q_lo, q_hi)`` attending to the global keys ``[k_lo, k_hi)``.
+
+    Query ``i`` of the block is the key ``own = i + (k_hi - k_lo) - (q_hi - q_lo) - ahead``
+    of the range (bottom-right alignment, ``ahead`` keys past the last query's
+    own). A causal block (``ahead`` None) sees the keys up to its own; a
+    bidirectional one (queries inside a bidirectional span, ``ahead`` >= 0:
+    the span's keys after the last query) sees every key of the range. With
+    a sliding window, either sees only keys after ``own - window``."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    ahead: int | None = None
+
+    @property
+    def end(self):
+        """One past the global position of the block's last query."""
+        return self.k_hi - (self.ahead or 0)
+
+
+def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1, token_tile=0, window=None,
+                 spans=None):
+    """The attention work of this rank's ``local_len`` query tokens, grouped by
+    the rows a group covers: ``[(rows, [Block, ...]), ...]``.
+
+    Without documents or spans: one group over every row (``batch`` of them),
+    one causal block per chunk (chunk ``g`` of ``2D`` sees the key prefix that
+    ends with itself). With documents (or ``spans``, per row its sorted
+    bidirectional ``(start, end)`` pairs, or None): one group per row, one
+    block per piece of a chunk that lies in one document, whose keys start at
+    that document's start, and a piece in a span its own block, whose keys end
+    at the span's end (cut at the document's). Blocks are then cut into tiles
+    of at most ``token_tile`` query tokens over the group's rows (0: no cut),
+    each with its own key range, and with a sliding ``window`` no block's keys
+    reach further back than its first query sees.
     """
     chunk_len = local_len // 2
     chunks = layout.chunk_ids(tsp_rank, tsp_size, layout_name)
-    if documents is None:
-        groups = [(slice(None), batch, [(i * chunk_len, (i + 1) * chunk_len, 0, (c + 1) * chunk_len)
+    if documents is None and spans is None:
+        groups = [(slice(None), batch, [Block(i * chunk_len, (i + 1) * chunk_len, 0, (c + 1) * chunk_len)
                                         for i, c in enumerate(chunks)])]
     else:
         groups = []
-        for row, starts in enumerate(documents):
+        for row in range(batch):
+            starts, row_spans = [0] if documents is None else documents[row], [] if spans is None else spans[row]
             blocks = []
             for i, c in enumerate(chunks):
                 lo, hi = c * chunk_len, (c + 1) * chunk_len
                 k = bisect.bisect_right(starts, lo) - 1  # the document holding the chunk's first token
                 while k < len(starts) and starts[k] < hi:
-                    end = min(hi, starts[k + 1] if k + 1 < len(starts) else hi)
-                    first = max(lo, starts[k])
-                    blocks.append((first - lo + i * chunk_len, end - lo + i * chunk_len, starts[k], end))
+                    document_end = starts[k + 1] if k + 1 < len(starts) else None
+                    end = min(hi, document_end or hi)
+                    blocks += _pieces(max(lo, starts[k]), end, starts[k], document_end, row_spans,
+                                      i * chunk_len - lo)
                     k += 1
             groups.append((slice(row, row + 1), 1, blocks))
     return [(rows, [tile for block in _merge_adjacent(blocks)
@@ -142,17 +193,48 @@ def query_blocks(documents, local_len, tsp_rank, tsp_size, layout_name, batch=1,
             for rows, rows_in_group, blocks in groups]
 
 
+def _pieces(first, end, document_start, document_end, spans, to_local):
+    """The blocks of the global queries ``[first, end)`` of one document
+    (from ``document_start``; ``document_end`` None: the row's end): causal
+    pieces between the bidirectional ``spans``, and each piece inside one its
+    own block seeing the span's keys (cut at the document's end).
+    ``to_local``: added to a global query position to give its local index."""
+    blocks, at = [], first
+    for span_start, span_end in spans[max(0, bisect.bisect_right(spans, (first, float("inf"))) - 1):]:
+        if span_start >= end:
+            break
+        span_start = max(span_start, document_start)
+        span_end = span_end if document_end is None else min(span_end, document_end)
+        if span_end <= at:
+            continue
+        if span_start > at:
+            blocks.append(Block(at + to_local, span_start + to_local, document_start, span_start))
+            at = span_start
+        piece_end = min(end, span_end)
+        blocks.append(Block(at + to_local, piece_end + to_local, document_start, span_end, span_end - piece_end))
+        at = piece_end
+    if at < end:
+        blocks.append(Block(at + to_local, end + to_local, document_start, end))
+    return blocks
+
+
 def _merge_adjacent(blocks):
-    """Blocks whose queries follow one another and that see the same keys'
-    start at the same causal offset (``k_hi - q_hi``) are one block: the
-    contiguous layout's two chunks, the zigzag layout's at D = 1, the two
-    chunks' pieces of one document. Fewer, longer kernel calls; the same mask."""
+    """Blocks of one kind whose queries follow one another, locally and in
+    the row, and that see the same keys' start (and, bidirectional, the same
+    keys' end) are one block: the contiguous layout's two chunks, the zigzag
+    layout's at D = 1, the two chunks' pieces of one document or one span.
+    Fewer, longer kernel calls; the same mask."""
     merged = []
     for block in blocks:
         if merged:
-            q_lo, q_hi, k_lo, k_hi = merged[-1]
-            if block[0] == q_hi and block[2] == k_lo and block[3] - block[1] == k_hi - q_hi:
-                merged[-1] = (q_lo, block[1], k_lo, block[3])
+            last = merged[-1]
+            follows = (block.q_lo == last.q_hi and block.k_lo == last.k_lo
+                       and block.end - block.q_hi == last.end - last.q_hi)
+            if follows and block.ahead is None and last.ahead is None:
+                merged[-1] = last._replace(q_hi=block.q_hi, k_hi=block.k_hi)
+                continue
+            if follows and block.ahead is not None and last.ahead is not None and block.k_hi == last.k_hi:
+                merged[-1] = last._replace(q_hi=block.q_hi, ahead=block.ahead)
                 continue
         merged.append(block)
     return merged
@@ -160,11 +242,11 @@ def _merge_adjacent(blocks):
 
 def _tiles(block, tile_len, window):
     """``block`` cut into query tiles of at most ``tile_len`` tokens (one if 0),
-    each keeping the keys its queries see under bottom-right causal alignment."""
-    q_lo, q_hi, k_lo, k_hi = block
-    tile_len = tile_len or q_hi - q_lo
-    for start in range(q_lo, q_hi, tile_len):
-        end = min(start + tile_len, q_hi)
-        tile_k_hi = k_hi - (q_hi - end)
-        tile_k_lo = k_lo if window is None else max(k_lo, tile_k_hi - (end - start) - window + 1)
-        yield start, end, tile_k_lo, tile_k_hi
+    each keeping the keys its queries see."""
+    tile_len = tile_len or block.q_hi - block.q_lo
+    for start in range(block.q_lo, block.q_hi, tile_len):
+        stop = min(start + tile_len, block.q_hi)
+        own_end = block.end - (block.q_hi - stop)  # one past the tile's last query in the row
+        k_hi = own_end if block.ahead is None else block.k_hi
+        k_lo = block.k_lo if window is None else max(block.k_lo, own_end - (stop - start) - window + 1)
+        yield Block(start, stop, k_lo, k_hi, None if block.ahead is None else k_hi - own_end)

@@ -9,6 +9,10 @@ float32 (else None). The output is differentiable by autograd; the log-sum-exp
 is for merging partial attention (decoding), not for training. ``hkv`` may
 divide ``hq`` (grouped-query).
 
+Every kernel also takes ``ahead`` (an int, ``documents.Block.ahead``): the
+queries then sit ``ahead`` keys before the end of the keys and see every key
+(a bidirectional block: Gemma 3's image tokens), within the window if any.
+
 For training, a kernel may also offer ``explicit_backward(head_dim, window)`` and then
 ``forward(q, k, v, scale) -> (out, lse)`` and ``backward(grad_out, q, k, v,
 out, lse, scale) -> (dq, dk, dv)``: the TSP backward then saves the output and
@@ -38,11 +42,12 @@ from torch.nn.attention.bias import causal_lower_right
 logger = logging.getLogger("ds_tsp")
 
 
-def bottom_right_causal_mask(q_len, k_len, window=None, device=None):
-    """``(Lq, Lk)`` bool, True where a query may attend to a key."""
-    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + (k_len - q_len)
+def bottom_right_causal_mask(q_len, k_len, window=None, device=None, ahead=None):
+    """``(Lq, Lk)`` bool, True where a query may attend to a key; with
+    ``ahead`` (a bidirectional block) every key within the window."""
+    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + (k_len - q_len - (ahead or 0))
     k_pos = torch.arange(k_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
+    mask = k_pos <= q_pos if ahead is None else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask
@@ -53,27 +58,27 @@ class SDPAKernel:
 
     name = "sdpa"
 
-    def attend(self, q, k, v, scale, window=None, with_lse=False):
+    def attend(self, q, k, v, scale, window=None, with_lse=False, ahead=None):
         q_len, k_len = q.shape[1], k.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
-        if q_len == k_len and window is None:
-            mask = None
-        else:
+        mask, causal = None, ahead is None
+        if window is not None or (causal and q_len != k_len):
             # No boolean mask where a causal flag serves, and whole heads where a mask or flag goes in: on CUDA
             # the memory-efficient kernel, which serves them beyond flash's reach (float32, windows), takes no
             # grouped heads, and SDPA would fall back to the math kernel (full score matrices) without a word.
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             mask = (causal_lower_right(q_len, k_len) if window is None
-                    else bottom_right_causal_mask(q_len, k_len, window, q.device))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                    else bottom_right_causal_mask(q_len, k_len, window, q.device, ahead))
+            causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         lse = None
         if with_lse:
             # SDPA does not return it; materialising the scores is fine for the
             # short query blocks of decoding, which is the only user.
             with torch.no_grad():
-                lse = _log_sum_exp(q, k, scale, bottom_right_causal_mask(q_len, k_len, window, q.device))
+                lse = _log_sum_exp(q, k, scale, bottom_right_causal_mask(q_len, k_len, window, q.device, ahead))
         return out.transpose(1, 2), lse
 
 
@@ -89,14 +94,14 @@ class SoftCappedKernel:
     def __init__(self, cap):
         self.cap = cap
 
-    def attend(self, q, k, v, scale, window=None, with_lse=False):
+    def attend(self, q, k, v, scale, window=None, with_lse=False, ahead=None):
         acc = torch.promote_types(q.dtype, torch.float32)
         q_len, k_len = q.shape[1], k.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
         repeats = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale / self.cap) * self.cap
-        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device), float("-inf"))
+        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device, ahead), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
         lse = scores.detach().logsumexp(dim=-1) if with_lse else None
         return out.transpose(1, 2), lse
@@ -126,14 +131,14 @@ class SinkKernel:
     def explicit_backward(self, head_dim, window):
         return hasattr(self.base, "explicit_backward") and self.base.explicit_backward(head_dim, window)
 
-    def forward(self, q, k, v, scale, sinks=None):
-        out, lse = self.base.forward(q, k, v, scale)  # (B, L, h, d), (B, h, L)
+    def forward(self, q, k, v, scale, sinks=None, **ahead):
+        out, lse = self.base.forward(q, k, v, scale, **ahead)  # (B, L, h, d), (B, h, L)
         s = sinks.to(lse.dtype).view(1, -1, 1)
         kept = torch.sigmoid(lse - s).transpose(1, 2).unsqueeze(-1)  # (B, L, h, 1)
         return (out * kept.to(out.dtype)).to(out.dtype), torch.logaddexp(lse, s.expand_as(lse))
 
-    def backward(self, grad_out, q, k, v, out, lse, scale):
-        return self.base.backward(grad_out, q, k, v, out, lse, scale)
+    def backward(self, grad_out, q, k, v, out, lse, scale, **ahead):
+        return self.base.backward(grad_out, q, k, v, out, lse, scale, **ahead)
 
     @staticmethod
     def sink_gradient(grad_out, out, lse, sinks):
@@ -145,14 +150,14 @@ class SinkKernel:
         weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
         return -(weight * row).sum(dim=(0, 2))
 
-    def attend(self, q, k, v, scale, window=None, with_lse=False, sinks=None):
+    def attend(self, q, k, v, scale, window=None, with_lse=False, sinks=None, ahead=None):
         acc = torch.promote_types(q.dtype, torch.float32)
         q_len, k_len = q.shape[1], k.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
         repeats = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
-        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device), float("-inf"))
+        scores = scores.masked_fill(~bottom_right_causal_mask(q_len, k_len, window, q.device, ahead), float("-inf"))
         sink_column = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         combined = torch.cat([scores, sink_column], dim=-1)
         probs = torch.softmax(combined, dim=-1)[..., :-1]
@@ -249,7 +254,7 @@ class BlockwiseFlashKernel(SDPAKernel):
 
     A bottom-right causal block is a full block (the keys before the queries'
     own chunk) plus a square causal block (their own chunk): one fused call
-    each, merged by log-sum-exp. Backward runs each block's fused backward
+    each, merged by log-sum-exp; a bidirectional block is one full call. Backward runs each block's fused backward
     against the MERGED output and log-sum-exp, which gives the exact gradient
     of the merged attention (ring-flash-attention's pattern).
     """
@@ -262,22 +267,22 @@ class BlockwiseFlashKernel(SDPAKernel):
         attention (no window) at a head size the fused kernels take."""
         return window is None and self.ops.supports(head_dim)
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, ahead=None):
         q, k, v = _heads_first(q, k, v, takes_grouped_query(self.ops, q.device, q.dtype))
         out = lse = None
-        for k_block, v_block, causal in _blocks(q, k, v):
+        for k_block, v_block, causal in _blocks(q, k, v, ahead):
             block_out, block_lse = self.ops.forward(q, k_block, v_block, causal, scale)
             out, lse = _merge(out, lse, block_out, block_lse)
         return out.to(q.dtype).transpose(1, 2), lse
 
-    def backward(self, grad_out, q, k, v, out, lse, scale):
+    def backward(self, grad_out, q, k, v, out, lse, scale, ahead=None):
         grouped_query = takes_grouped_query(self.ops, q.device, q.dtype)
         rep = 1 if grouped_query else q.shape[2] // k.shape[2]
         q, k, v = _heads_first(q, k, v, grouped_query)
         grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
         lse = lse.to(self._lse_dtype(q))
         grads = [self.ops.backward(grad_out, q, k_block, v_block, out, lse, causal, scale)
-                 for k_block, v_block, causal in _blocks(q, k, v)]
+                 for k_block, v_block, causal in _blocks(q, k, v, ahead)]
         grad_q = grads[0][0]
         if len(grads) == 2:  # the blocks' query gradients add up in float32 (or wider), cast once
             grad_q = (grad_q.to(torch.promote_types(q.dtype, torch.float32)) + grads[1][0]).to(q.dtype)
@@ -348,8 +353,12 @@ def _cat(pieces, dim):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def _blocks(q, k, v):
-    """The full block before the queries' own keys (if any), then the causal square."""
+def _blocks(q, k, v, ahead=None):
+    """The full block before the queries' own keys (if any), then the causal
+    square; a bidirectional block (``ahead`` given) whole, as one full block."""
+    if ahead is not None:
+        yield k, v, False
+        return
     prefix = k.shape[2] - q.shape[2]
     if prefix > 0:
         yield k[:, :, :prefix], v[:, :, :prefix], False
@@ -414,8 +423,9 @@ class _FlashAttnLSE:
                               f"(unknown {unknown}, missing {missing})")
         return cls(*functions.values(), parameters), None
 
-    def forward(self, q, k, v, scale):
-        outputs = self._forward(**self._arguments("_flash_attn_forward", q=q, k=k, v=v, softmax_scale=scale))
+    def forward(self, q, k, v, scale, causal=True):
+        outputs = self._forward(**self._arguments("_flash_attn_forward", q=q, k=k, v=v, softmax_scale=scale,
+                                                  causal=causal))
         if len(outputs) == 8:  # out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
             return outputs[0], outputs[5]
         if len(outputs) == 4:  # out_padded, softmax_lse, S_dmask, rng_state
@@ -423,11 +433,12 @@ class _FlashAttnLSE:
         raise RuntimeError(f"flash-attn's _flash_attn_forward returned {len(outputs)} values; ds_tsp knows 8 "
                            "(flash-attn < 2.6.3) and 4")
 
-    def backward(self, grad_out, q, k, v, out, lse, scale):
+    def backward(self, grad_out, q, k, v, out, lse, scale, causal=True):
         # Filled in place; the kernel reads the log-sum-exp as a dense array.
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._backward(**self._arguments("_flash_attn_backward", dout=grad_out, q=q, k=k, v=v, out=out,
-                                         softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale))
+                                         softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+                                         causal=causal))
         return dq, dk, dv
 
     def _arguments(self, function, **tensors):
@@ -467,16 +478,18 @@ class FlashKernel:
         """Full causal attention at a head size flash-attn takes unpadded."""
         return self._lse_api is not None and window is None and head_dim % 8 == 0 and head_dim <= 256
 
-    def attend(self, q, k, v, scale, window=None, with_lse=False):
-        window_size = (-1, -1) if window is None else (window - 1, 0)
-        out, lse, _ = self._flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=window_size,
-                                            return_attn_probs=True)
+    def attend(self, q, k, v, scale, window=None, with_lse=False, ahead=None):
+        # flash-attn's window counts from the bottom-right diagonal: a bidirectional block's queries sit `ahead`
+        # keys before it and see every key after them.
+        window_size = (-1, -1) if window is None else (window - 1 + (ahead or 0), 0 if ahead is None else -1)
+        out, lse, _ = self._flash_attn_func(q, k, v, softmax_scale=scale, causal=ahead is None,
+                                            window_size=window_size, return_attn_probs=True)
         return out, lse if with_lse else None
 
-    def forward(self, q, k, v, scale):
-        return self._lse_api.forward(q, k, v, scale)
+    def forward(self, q, k, v, scale, ahead=None):
+        return self._lse_api.forward(q, k, v, scale, causal=ahead is None)
 
-    def backward(self, grad_out, q, k, v, out, lse, scale):
-        return self._lse_api.backward(grad_out, q, k, v, out, lse, scale)
+    def backward(self, grad_out, q, k, v, out, lse, scale, ahead=None):
+        return self._lse_api.backward(grad_out, q, k, v, out, lse, scale, causal=ahead is None)
 
 

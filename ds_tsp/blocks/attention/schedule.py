@@ -163,6 +163,12 @@ def _cat(pieces, dim):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
+def _bidirectional(ahead):
+    """A kernel's keyword for a bidirectional block (``documents.Block.ahead``);
+    none for a causal one, so kernels that never meet one need not take it."""
+    return {} if ahead is None else {"ahead": ahead}
+
+
 def attend_local_chunks(plan, q, K, V, sinks=None):
     """Causal attention of this rank's queries over the full keys, block by
     block of ``plan.query_blocks``: each of this rank's two chunks (of ``2D``)
@@ -177,13 +183,14 @@ def attend_local_chunks(plan, q, K, V, sinks=None):
     outputs, lses = [], []
     for rows, blocks in plan.query_blocks:
         row_outputs, row_lses = [], []
-        for q_lo, q_hi, k_lo, k_hi in blocks:
+        for q_lo, q_hi, k_lo, k_hi, ahead in blocks:
             q_block, K_block, V_block = q[rows, q_lo:q_hi], K[rows, k_lo:k_hi], V[rows, k_lo:k_hi]
+            options = {**with_sinks, **_bidirectional(ahead)}
             if plan.explicit_backward:
-                out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale, **with_sinks)
+                out, lse = plan.kernel.forward(q_block, K_block, V_block, plan.scale, **options)
                 row_lses.append(lse)
             else:
-                out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window, **with_sinks)
+                out, _ = plan.kernel.attend(q_block, K_block, V_block, plan.scale, plan.window, **options)
             row_outputs.append(out)
         outputs.append(_cat(row_outputs, 1))
         lses.append(_cat(row_lses, -1) if row_lses else None)
@@ -198,10 +205,10 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V, 
     grad_q, grad_sinks = [], None
     for rows, blocks in plan.query_blocks:
         row_grads = []
-        for q_lo, q_hi, k_lo, k_hi in blocks:
+        for q_lo, q_hi, k_lo, k_hi, ahead in blocks:
             dq, dk, dv = plan.kernel.backward(grad_o[rows, q_lo:q_hi], q[rows, q_lo:q_hi], K[rows, k_lo:k_hi],
                                               V[rows, k_lo:k_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],
-                                              plan.scale)
+                                              plan.scale, **_bidirectional(ahead))
             row_grads.append(dq)
             if sinks is not None:
                 part = plan.kernel.sink_gradient(grad_o[rows, q_lo:q_hi], o[rows, q_lo:q_hi], lse[rows, :, q_lo:q_hi],

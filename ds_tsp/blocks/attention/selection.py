@@ -252,14 +252,14 @@ class AutoKernel:
     def explicit_backward(self, head_dim, window):
         return _explicit(self.kernel_for(head_dim, window), head_dim, window)
 
-    def attend(self, q, k, v, scale, window=None, with_lse=False):
-        return self.kernel_for(q.shape[-1], window).attend(q, k, v, scale, window, with_lse)
+    def attend(self, q, k, v, scale, window=None, with_lse=False, **ahead):
+        return self.kernel_for(q.shape[-1], window).attend(q, k, v, scale, window, with_lse, **ahead)
 
-    def forward(self, q, k, v, scale):
-        return self.kernel_for(q.shape[-1], None).forward(q, k, v, scale)
+    def forward(self, q, k, v, scale, **ahead):
+        return self.kernel_for(q.shape[-1], None).forward(q, k, v, scale, **ahead)
 
-    def backward(self, grad_out, q, k, v, out, lse, scale):
-        return self.kernel_for(q.shape[-1], None).backward(grad_out, q, k, v, out, lse, scale)
+    def backward(self, grad_out, q, k, v, out, lse, scale, **ahead):
+        return self.kernel_for(q.shape[-1], None).backward(grad_out, q, k, v, out, lse, scale, **ahead)
 
     def _agreed_choice(self, head_dim, windowed):
         """Group rank 0's ``_choose``, broadcast (an int64 on ``comm.group_device``, one host read)."""
