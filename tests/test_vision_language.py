@@ -26,7 +26,9 @@ WITH_A_TEXT_ROW = [ONE_IMAGE_EACH[0], [("text", 48)], [("text", 7), ("image", (1
 WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2, 4)), ("text", 22)],
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
 # Families that take images only.
-IMAGES_ONLY = ("llava", "mistral3")
+IMAGES_ONLY = ("llava", "gemma3", "mistral3")
+# Families whose tower takes whole images of one size (the tests count images, not patches).
+WHOLE_IMAGES = ("llava", "gemma3")
 # Families whose processors write each temporal patch of a video as its own run of placeholders.
 FRAMES_APART = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 CASES = {"one image each, two in a row": ONE_IMAGE_EACH, "a row without images, padding": WITH_A_TEXT_ROW,
@@ -41,20 +43,25 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     "positions" hands the layers each token's index in its row on all three
     M-RoPE axes (text positions, as a rotary embedding unaware of images would),
     "deepstack" drops the tower's features added after the first decoder layers,
-    "tower" scales the last rank's slice of the tower's first block by 1.5.
+    "tower" scales the last rank's slice of the tower's first block by 1.5,
+    "mask" drops Gemma 3's image-block mask (every token causal).
     ``left_padded``: the padded rows padded on the left, as TRL's trainers pad
     (their first real token takes no loss: Hugging Face predicts it from padding).
     Qwen2.5-VL's videos come with ``second_per_grid_ts`` (2 s a temporal patch)."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
     batch = packed_visual_batch(ref, rows) if packed else \
-        visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3")
+        visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3",
+                     gemma=arch == "gemma3")
     if left_padded:
         batch = _left_padded(batch, first_unlabelled=True)
     if arch == "qwen2_5_vl" and "video_grid_thw" in batch:
         batch["second_per_grid_ts"] = torch.full((len(batch["video_grid_thw"]),), 2.0, dtype=torch.float64)
     ref.zero_grad()
-    ref_loss = reference_loss(ref, batch)
+    if packed and arch == "gemma3":
+        ref_loss = reference_loss_by_document(ref, rows, batch["labels"])
+    else:
+        ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
     model = copy.deepcopy(ref)
     model.zero_grad()
@@ -71,7 +78,9 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     tower_class = type(getattr(model.model, "visual", None) or model.model.vision_tower)
     tower_forward = tower_class.forward
 
-    def counting(tower, pixels, *args, **kwargs):  # Qwen's and Pixtral's: patches; LLaVA's: images
+    def counting(tower, pixels=None, *args, **kwargs):  # Qwen's and Pixtral's: patches; LLaVA's, Gemma 3's: images
+        if pixels is None:  # Gemma 3 passes them by name
+            pixels = kwargs.pop("pixel_values")
         sizes = kwargs.get("image_sizes")
         encoded.append(pixels.shape[0] if sizes is None else int((sizes // PATCH).prod(dim=-1).sum()))
         return tower_forward(tower, pixels, *args, **kwargs)
@@ -88,6 +97,24 @@ def reference_loss(model, batch):
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+
+
+def reference_loss_by_document(model, rows, labels):
+    """``reference_loss`` of Gemma 3's packed ``rows`` (``packed_visual_batch``'s), from Hugging Face's logits of
+    each document run alone. Its packed forward is no reference: on its sliding layers the image-block mask is
+    indexed by each token's position in its document instead of in the row (transformers 5.25,
+    ``create_masks_for_vision_model``), which moves its logits 0.34 from the documents' own; with that mask
+    indexed by the row, its packed logits equal the documents' to 3.5e-16."""
+    def alone(document, seed):
+        batch = visual_batch([document], seed=seed, gemma=True)
+        if not len(batch["pixel_values"]):  # a document without images
+            del batch["pixel_values"]
+        return model(**{key: value for key, value in batch.items() if key not in ("labels", "attention_mask")},
+                     use_cache=False).logits
+
+    logits = torch.cat([torch.cat([alone(document, index) for index, document in enumerate(row)], dim=1)
+                        for row in rows])
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 def _wrong(wrong, tsp_size):
@@ -113,12 +140,15 @@ def _wrong(wrong, tsp_size):
     if wrong == "deepstack":
         from ds_tsp.injection.multimodal import VisualInputs
         return mock.patch.object(VisualInputs, "after_layer", lambda self, index, hidden: hidden)
+    if wrong == "mask":
+        from ds_tsp.injection.multimodal import GemmaVisualInputs
+        return mock.patch.object(GemmaVisualInputs, "spans", lambda self, left_padding: None)
     return mock.patch.dict({})
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "llava",
-                                  "mistral3"])
+                                  "gemma3", "mistral3"])
 def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
     for name, rows in CASES.items():
         if arch in IMAGES_ONLY and name == "a video of three temporal patches":
@@ -126,7 +156,7 @@ def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
         per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
         check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {arch} {name}")
         grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
-        patches = [1 if arch == "llava" else t * h * w for t, h, w in grids]  # LLaVA's images: one each
+        patches = [1 if arch in WHOLE_IMAGES else t * h * w for t, h, w in grids]  # whole images: one each
         encoded = [d["patches"] for d in per_rank]
         print(f"D={tsp_size} {arch} {name}: patches encoded per rank {encoded} of {sum(patches)}")
         # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none.
@@ -138,12 +168,19 @@ PACKED = [[[("text", 5), ("image", (1, 4, 6)), ("text", 9)], [("text", 3), ("vid
           [[("text", 9)], [("image", (1, 2, 4)), ("text", 6)], [("text", 2), ("image", (1, 4, 4)), ("text", 20)]]]
 
 
+# PACKED with images only (16 tokens each, straddling their documents' chunks), for Gemma 3.
+PACKED_IMAGES = [[[("text", 5), ("image", (1, 4, 6)), ("text", 3)], [("text", 3), ("image", (1, 4, 4)), ("text", 12)]],
+                 [[("text", 9)], [("image", (1, 2, 4)), ("text", 6)], [("text", 2), ("image", (1, 4, 4)), ("text", 6)]]]
+
+
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
 def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
-    """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts."""
+    """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts;
+    Gemma 3's images see themselves both ways within their document."""
     check([{k: v for k, v in d.items() if k != "patches"}
-           for d in run_ranks(tsp_size, vlm_parity, rows=PACKED, arch=arch, packed=True)],
+           for d in run_ranks(tsp_size, vlm_parity, rows=PACKED_IMAGES if arch in IMAGES_ONLY else PACKED,
+                              arch=arch, packed=True)],
           f"D={tsp_size} {arch} packed")
 
 
@@ -155,7 +192,7 @@ def test_gradient_checkpointing_of_the_tower_and_the_decoder_matches_hugging_fac
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "gemma3"])
 def test_left_padded_rows_match_hugging_face(run_ranks, arch, tsp_size):
     """Rows padded on the left (TRL's trainers pad so): moved to the right before the layers, their M-RoPE
     positions and visual rows moved with them."""
@@ -173,7 +210,7 @@ def test_qwen2_vl_contiguous_layout_matches_hugging_face(run_ranks):
 
 
 @pytest.mark.parametrize("wrong, arch", [("route", "qwen2_vl"), ("positions", "qwen2_vl"), ("deepstack", "qwen3_vl"),
-                                         ("tower", "qwen2_vl")])
+                                         ("tower", "qwen2_vl"), ("mask", "gemma3")])
 def test_a_wrong_visual_row_position_or_dropped_deepstack_is_caught(run_ranks, wrong, arch):
     per_rank = run_ranks(2, vlm_parity, rows=ONE_IMAGE_EACH, wrong=wrong, arch=arch)
     check_caught([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"wrong {wrong}")
@@ -389,7 +426,7 @@ def generation_with_images(arch, tsp_size, wrong=False):
     results = []
     for rows in (PROMPTS,) if arch in IMAGES_ONLY else (PROMPTS, WITH_A_VIDEO[:1]):
         batch = _left_padded(visual_batch(rows, seed=3, frames_apart=arch in FRAMES_APART, llava=arch == "llava",
-                                          pixtral=arch == "mistral3"))
+                                          pixtral=arch == "mistral3", gemma=arch == "gemma3"))
         batch.pop("labels")
         options = dict(max_new_tokens=5, pad_token_id=0, do_sample=False, output_logits=True,
                        return_dict_in_generate=True)
@@ -410,7 +447,7 @@ def _left_padded(batch, first_unlabelled=False):
     lengths = batch["attention_mask"].sum(dim=1)
     width = batch["input_ids"].shape[1]
     index = (torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width
-    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids"):
         if key in batch:
             batch[key] = batch[key].gather(1, index)
     if first_unlabelled:
@@ -419,7 +456,7 @@ def _left_padded(batch, first_unlabelled=False):
     return batch
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_5", "llava", "mistral3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_5", "llava", "gemma3", "mistral3"])
 def test_generation_with_images_gives_hugging_face_tokens(run_ranks, arch):
     per_rank = run_ranks(2, generation_with_images, arch=arch, tsp_size=2)
     print(f"{arch}: logits within {max(diff for rank in per_rank for _, diff, _ in rank):.1e} of Hugging Face's")

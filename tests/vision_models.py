@@ -3,7 +3,7 @@
 import sys
 
 import torch
-from transformers import (LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
                           Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                           Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
@@ -50,6 +50,14 @@ LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=16, intermediate
 LLAVA_IMAGE_TOKENS, LLAVA_IMAGE = 4, (CHANNELS, 8, 8)
 
 
+# Gemma 3's shape: a SigLIP tower over 8 x 8 images of 2 x 2 patches, pooled to 16 tokens an image (longer than the
+# decoder's sliding window of 5, so an image's tokens see each other beyond it), each between delimiters; a
+# Gemma 3 decoder (a sliding layer, then a full one).
+GEMMA_VISION = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, image_size=8, patch_size=2, vision_use_head=False)
+GEMMA_IMAGE_TOKENS, GEMMA_IMAGE = 16, (CHANNELS, 8, 8)
+
+
 # Mistral 3's shape: a Pixtral tower of 2 x 2 pixel patches (the tests' grids, in patches, times 2 in pixels), its
 # projector merging 2 x 2 patches to a token, a Mistral decoder.
 PIXTRAL_VISION = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -64,6 +72,16 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     are the M-RoPE ones), its Hugging
     Face float32 casts widened to float64 as for the text model (``models.widen_float32_casts``)."""
     torch.manual_seed(seed)
+    if arch == "gemma3":
+        text = tiny_config("gemma3", **TEXT_CONFIG, head_dim=8, final_logit_softcapping=None).to_dict()
+        config = Gemma3Config(text_config=text, vision_config=GEMMA_VISION, image_token_id=IMAGE,
+                              boi_token_id=VISION_START, eoi_token_id=VISION_END,
+                              mm_tokens_per_image=GEMMA_IMAGE_TOKENS)
+        config.text_config._attn_implementation = "sdpa"
+        model = Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # Hugging Face starts the projection at zeros: no image would matter
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.2)
+        return model.to(dtype).eval()
     if arch == "mistral3":
         config = Mistral3Config(text_config={"model_type": "mistral", **TEXT_CONFIG, "head_dim": 8},
                                 vision_config=PIXTRAL_VISION, image_token_id=IMAGE, spatial_merge_size=MERGE)
@@ -92,7 +110,7 @@ def tiny_vlm(arch="qwen2_vl", seed=0, dtype=torch.float64):
     return model.to(dtype).eval()
 
 
-def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=False, pixtral=False):
+def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=False, pixtral=False, gemma=False):
     """Processor-style inputs for ``rows``: each a list of ``("text", n)``,
     ``("image", (t, h, w))`` or ``("video", (t, h, w))`` (grids in patches)
     and ``("pad", n)`` at the end; rows shorter than the longest are padded
@@ -103,7 +121,10 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
     ``(N, 3, 8, 8)``, no ``mm_token_type_ids``). Returns the forward's keyword
     arguments, labels -100 on the visual tokens, their delimiters and the padding.
     ``pixtral``: Mistral 3's (each image its grid's placeholders, no
-    delimiters; pixels ``(N, 3, H, W)`` padded to the largest, ``image_sizes``)."""
+    delimiters; pixels ``(N, 3, H, W)`` padded to the largest, ``image_sizes``).
+    ``gemma``: Gemma 3's (every image ``GEMMA_IMAGE_TOKENS`` placeholders
+    between delimiters, pixels ``(N, 3, 8, 8)``, ``token_type_ids`` 1 on the
+    placeholders)."""
     generator = torch.Generator().manual_seed(seed)
     ids, types, labels, masks, grids = [], [], [], [], {"image": [], "video": []}
     for row in rows:
@@ -113,6 +134,12 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
                 row_ids += torch.randint(0, VISION_START - 4, (size,), generator=generator).tolist()
                 row_types += [TEXT] * size
                 row_mask += [int(kind == "text")] * size
+                continue
+            if gemma:
+                row_ids += [VISION_START] + [IMAGE] * GEMMA_IMAGE_TOKENS + [VISION_END]
+                row_types += [TEXT] + [IMAGE_TYPE] * GEMMA_IMAGE_TOKENS + [TEXT]
+                row_mask += [1] * (GEMMA_IMAGE_TOKENS + 2)
+                grids[kind].append(size)
                 continue
             if llava:
                 row_ids += [IMAGE] * LLAVA_IMAGE_TOKENS
@@ -154,6 +181,10 @@ def visual_batch(rows, seed=0, dtype=torch.float64, frames_apart=False, llava=Fa
         batch["pixel_values"] = torch.randn(len(sizes), CHANNELS, *sizes.amax(dim=0).tolist(), generator=generator,
                                             dtype=dtype)
         return batch
+    if gemma:
+        batch["token_type_ids"] = batch.pop("mm_token_type_ids")
+        batch["pixel_values"] = torch.randn(len(grids["image"]), *GEMMA_IMAGE, generator=generator, dtype=dtype)
+        return batch
     if llava:
         del batch["mm_token_type_ids"]
         batch["pixel_values"] = torch.randn(len(grids["image"]), *LLAVA_IMAGE, generator=generator, dtype=dtype)
@@ -174,6 +205,8 @@ def packed_visual_batch(model, rows, frames_apart=False):
     Qwen's models: each document's M-RoPE positions from the model's
     ``get_rope_index`` on it alone, behind its text positions (from 0), in
     position ids of shape ``(4, B, S)``; the images and videos in row order."""
+    if model.config.model_type == "gemma3":
+        return _packed_gemma_batch(rows)
     documents = [[visual_batch([document], seed=index, frames_apart=frames_apart) for index, document in
                   enumerate(row)] for row in rows]
     batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
@@ -194,4 +227,17 @@ def packed_visual_batch(model, rows, frames_apart=False):
         if held:
             batch[pixels] = torch.cat([doc[pixels] for doc in held])
             batch[grids] = torch.cat([doc[grids] for doc in held])
+    return batch
+
+
+def _packed_gemma_batch(rows):
+    """``packed_visual_batch`` for Gemma 3: position ids from 0 in each
+    document, ``token_type_ids`` over the row, no attention mask."""
+    documents = [[visual_batch([document], seed=index, gemma=True) for index, document in enumerate(row)]
+                 for row in rows]
+    batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
+             for key in ("input_ids", "labels", "token_type_ids")}
+    batch["position_ids"] = torch.stack([torch.cat([torch.arange(doc["input_ids"].shape[1]) for doc in row])
+                                         for row in documents])
+    batch["pixel_values"] = torch.cat([doc["pixel_values"] for row in documents for doc in row])
     return batch

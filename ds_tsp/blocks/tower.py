@@ -147,10 +147,17 @@ def tower_units(tower, prefix=""):
     return units
 
 
-def shard_tower(tower, group):
-    """Replace every unit of ``tower`` (``tower_units``) by its ``ShardedUnit``
-    over the TSP ``group``; at a group of one nothing changes."""
+def shard_tower(model, path, group):
+    """Replace every unit of the tower at ``path`` of ``model`` (``tower_units``)
+    by its ``ShardedUnit`` over the TSP ``group``; a tower without blocks that
+    holds parameters of its own (Gemma 3's projector: a norm, a pooling and a
+    bare projection matrix) is one unit. At a group of one nothing changes."""
     if comm.group_size(group) == 1:
+        return
+    tower = model.get_submodule(path)
+    if any(True for _ in tower.parameters(recurse=False)) and \
+            not any(isinstance(module, nn.ModuleList) for module in tower.modules()):
+        model.set_submodule(path, ShardedUnit(tower, group))
         return
     for name, unit in tower_units(tower).items():
         tower.set_submodule(name, ShardedUnit(unit, group))

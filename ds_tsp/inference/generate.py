@@ -336,6 +336,7 @@ class TSPDecoder:
             real = torch.arange(prompt_len, device=device).unsqueeze(0) < lengths.unsqueeze(1)
             cache.rope_deltas = rotary.masked_fill(~real, -1).amax(dim=(0, 2)) + 1 - lengths
 
+        spans = None if visual is None else visual.spans(cache.left_padding)
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mixer, TSPGatedDeltaNet):
                 def store(conv, recurrent, index=index):
@@ -347,17 +348,18 @@ class TSPDecoder:
             else:
                 def attention(normed):
                     return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
-                                                   tables[layer.rotary_kind], positions.expand(batch, -1))
+                                                   tables[layer.rotary_kind], positions.expand(batch, -1), spans)
             hidden = layer.blocks(hidden, attention, layer.mlp)
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
-    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions):
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions, spans=None):
         """The broadcast schedule's attention output for the local tokens ``h``;
         their rotated K and V (``keep``: the real prompt tokens; a latent
         attention's latent) go to ``cache``. What the schedule saves for a
-        backward is freed on return, before the MLP."""
+        backward is freed on return, before the MLP. ``spans``: the prompts'
+        runs of tokens that see each other both ways (``VisualInputs.spans``)."""
         if isinstance(attn, TSPLatentAttention):
             return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
@@ -365,7 +367,7 @@ class TSPDecoder:
         # A token's cache position counts its prompt's left padding, as Hugging Face's does.
         scale_positions = query_scale_positions(getattr(attn, "query_scale", None), positions,
                                                 positions + cache.left_padding.unsqueeze(1))
-        plan = attn.plan(h, positions=scale_positions)
+        plan = attn.plan(h, positions=scale_positions, spans=spans)
         packed = attn.shard_weights().detach()
         cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)

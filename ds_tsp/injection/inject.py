@@ -113,7 +113,7 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     if multimodal:  # the tower's weights 1/D per rank, as its work is (every rank now holds the same ones)
         model.tsp_vision_family = vision_family(model)
         for path in VISION_TOWERS[model.tsp_vision_family]:
-            shard_tower(model.get_submodule(path), topology.tsp_group)
+            shard_tower(model, path, topology.tsp_group)
     replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
     replicated_grads = sum_grads_over_group(replicated, topology.tsp_group)
 

@@ -94,16 +94,20 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
 
-    def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None):
+    def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None,
+                spans=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
         queries by position reads (Ministral 3's, Mistral 4's); ``cache_positions``: their indices in
-        their rows as Hugging Face counts them, which Llama 4's temperature tuning reads."""
+        their rows as Hugging Face counts them, which Llama 4's temperature tuning reads; ``spans``: the
+        rows' runs of tokens that see each other both ways (a VLM's images, Gemma 3's), for the attention."""
         scale = getattr(self.mixer, "query_scale", None)
-        by_position = {} if scale is None else {
+        options = {} if scale is None else {
             "positions": query_scale_positions(scale, positions, cache_positions)}
+        if spans is not None:
+            options["spans"] = spans
         return self.blocks(
-            hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **by_position), self.mlp,
-            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **by_position))
+            hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **options), self.mlp,
+            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **options))
 
     def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None):
         """The layer's two blocks on ``hidden`` (``branch``'s ``run`` for each):
@@ -297,12 +301,14 @@ class TSPCausalLMMixin:
 
     def _decoder_layers(self, layers, hidden, batch, visual):
         """The TSP decoder ``layers`` on this rank's ``hidden``, each given its rotary tables (computed once per
-        kind); a VLM's tower adds its features to the first layers' outputs (``visual.after_layer``)."""
+        kind); a VLM's tower adds its features to the first layers' outputs (``visual.after_layer``), and its
+        images may see themselves both ways (``visual.spans``)."""
         tables = layer_rotary_tables(self.get_submodule(self.tsp_policy.rotary_emb), layers, hidden,
                                      batch.rotary_positions, batch.max_position)
+        spans = None if visual is None else visual.spans(batch.left_padding)
         for index, decoder_layer in enumerate(layers):
             hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
-                                   batch.cache_positions)
+                                   batch.cache_positions, spans)
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
         return hidden

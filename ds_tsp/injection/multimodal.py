@@ -6,19 +6,22 @@ model's own vision tower, each rank a share of them, and their rows sent to
 the ranks that own their placeholder tokens (``ds_tsp.blocks.visual``). The
 tower's weights are held 1/D per rank (``ds_tsp.blocks.tower``).
 
-Built for three families (``FAMILIES``): Qwen's (Qwen2-VL, Qwen2.5-VL,
+Built for four families (``FAMILIES``): Qwen's (Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, Qwen3.5: patches flattened in ``pixel_values`` with a ``(t, h, w)``
 grid per item, merged ``spatial_merge_size**2`` to a placeholder token, and
 3-D M-RoPE positions, which the model's own ``get_rope_index`` computes once
 from the whole rows, each rank then taking its chunks' columns), LLaVA's
-(whole images of one size, plain positions) and Mistral 3's (Pixtral: images
-of their own sizes, plain positions). Other towers are refused by name.
+(whole images of one size, plain positions), Gemma 3's (LLaVA's layout, and
+one image's tokens attending to each other both ways) and Mistral 3's
+(Pixtral: images of their own sizes, plain positions). Other towers are
+refused by name.
 """
 
 import inspect
 
 import torch
 
+from ds_tsp.blocks.documents import bidirectional_spans
 from ds_tsp.blocks.rotary import text_and_rotary_positions
 from ds_tsp.blocks.visual import VisualItem, VisualRoute
 from ds_tsp.injection.model import TSPCausalLMMixin
@@ -26,7 +29,7 @@ from ds_tsp.parallel.host_reads import host_copy
 
 # The forward inputs the processors of the families built produce besides input_ids and attention_mask.
 VISUAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
-                 "second_per_grid_ts", "image_sizes")
+                 "second_per_grid_ts", "image_sizes", "token_type_ids")
 
 
 class VisualInputs:
@@ -53,6 +56,13 @@ class VisualInputs:
     def positions(self, input_ids, attention_mask, position_ids):
         """``(text positions or None, rotary positions (3, B, S) or None)``: the position ids as given."""
         return position_ids, None
+
+    def spans(self, left_padding):
+        """Per row, the runs of tokens that attend to each other both ways
+        (``documents.bidirectional_spans``, moved left by each row's
+        ``left_padding`` ``(B,)``, or None), or None: every family's tokens
+        attend causally but Gemma 3's images."""
+        return None
 
     def embed(self, hidden, token_ids, topology, layout_name):
         """``hidden`` (this rank's embeddings ``(B, S/D, H)`` of the host ids
@@ -166,6 +176,26 @@ class LlavaVisualInputs(VisualInputs):
         return [self.model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output]
 
 
+class GemmaVisualInputs(LlavaVisualInputs):
+    """Gemma 3's images: LLaVA's layout (``pixel_values`` ``(N, C, H, W)`` of
+    one size, ``mm_tokens_per_image`` placeholders each: SigLIP, pooled and
+    projected), and, where ``token_type_ids`` are given (its processor's: 1 on
+    the image tokens), one image's tokens attending to each other both ways,
+    as Hugging Face's mask lets them (``spans``)."""
+
+    TAKES = ("pixel_values", "token_type_ids")
+
+    def encode(self, items, mine):
+        """LLaVA's, its projector's output ``(N, tokens, H)`` one tensor an image."""
+        return [super().encode(items, mine)[0].unbind()]
+
+    def spans(self, left_padding):
+        types = self.inputs.get("token_type_ids")
+        if types is None:  # Hugging Face's mask is then causal everywhere
+            return None
+        return bidirectional_spans(*host_copy(types == 1, left_padding, reason="image spans"))
+
+
 class PixtralVisualInputs(VisualInputs):
     """Mistral 3's images: ``pixel_values`` ``(N, C, H, W)`` padded to the
     largest, each image's own ``image_sizes`` ``(h, w)`` in pixels; Pixtral
@@ -190,7 +220,8 @@ class PixtralVisualInputs(VisualInputs):
 
 
 # The TSP forward's visual inputs by vision-language family (``ds_tsp.injection.policy.vision_family``).
-FAMILIES = {"qwen": QwenVisualInputs, "llava": LlavaVisualInputs, "mistral3": PixtralVisualInputs}
+FAMILIES = {"qwen": QwenVisualInputs, "llava": LlavaVisualInputs, "gemma3": GemmaVisualInputs,
+            "mistral3": PixtralVisualInputs}
 
 
 class TSPVisionLanguageMixin(TSPCausalLMMixin):
@@ -211,5 +242,16 @@ class TSPVisionLanguageMixin(TSPCausalLMMixin):
     def _visual_inputs(self, kwargs):
         inputs = {name: kwargs.pop(name, None) for name in VISUAL_INPUTS}
         if inputs["pixel_values"] is None and inputs["pixel_values_videos"] is None:
+            _check_text_only(inputs)
             return None
         return FAMILIES[self.tsp_vision_family](self, inputs)
+
+
+def _check_text_only(inputs):
+    """A batch without pixels may carry its processor's token types, but none
+    may mark image tokens: Hugging Face would still let them see each other
+    (Gemma 3's mask), with no image in their place."""
+    types = inputs.pop("token_type_ids")
+    if types is not None and host_copy((types != 0).any(), reason="token types")[0]:
+        raise ValueError("token_type_ids mark image tokens but no pixel_values were given: pass the images the "
+                         "processor made those tokens for, or token_type_ids of zeros (text only)")

@@ -441,11 +441,14 @@ def decoder_path(model):
 
 # The vision-language families ds_tsp trains, each with where it keeps its tower (and projector), which ds_tsp
 # holds 1/D per rank: Qwen's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), recognised by its tower and M-RoPE;
-# LLaVA's (LLaVA 1.5: a CLIP-style tower, a projector, whole images of one size) and Mistral 3's (a Pixtral tower
+# LLaVA's (LLaVA 1.5: a CLIP-style tower, a projector, whole images of one size), Gemma 3's (a SigLIP tower, a
+# pooling projector, LLaVA's layout, images attending to themselves both ways) and Mistral 3's (a Pixtral tower
 # over images of their own sizes, a patch-merging projector), by their model types.
 VISION_TOWERS = {"qwen": ("model.visual",), "llava": ("model.vision_tower", "model.multi_modal_projector"),
+                 "gemma3": ("model.vision_tower", "model.multi_modal_projector"),
                  "mistral3": ("model.vision_tower", "model.multi_modal_projector")}
 LLAVA_TYPES = ("llava",)
+TYPED_FAMILIES = ("gemma3", "mistral3")  # families known by their model type alone
 
 
 def vision_family(model):
@@ -457,14 +460,14 @@ def vision_family(model):
         return "qwen"
     if model.config.model_type in LLAVA_TYPES:
         return "llava"
-    if model.config.model_type == "mistral3":
-        return "mistral3"
+    if model.config.model_type in TYPED_FAMILIES:
+        return model.config.model_type
     held = [child for child, _ in (inner or model).named_children()]
     raise PolicyError(f"{name} is a vision-language model whose vision tower ds_tsp does not split yet (it holds "
                       f"{held}): ds_tsp trains Qwen's (a model.visual tower over pixel_values with image_grid_thw, "
-                      f"and get_rope_index's M-RoPE positions), LLaVA's (model_type {' or '.join(LLAVA_TYPES)}) and "
-                      "Mistral 3's; train its text decoder alone (the causal LM of its text_config) or leave "
-                      "tsp.enabled false")
+                      f"and get_rope_index's M-RoPE positions), LLaVA's (model_type {' or '.join(LLAVA_TYPES)}), "
+                      "Gemma 3's and Mistral 3's; train its text decoder alone (the causal LM of its text_config) "
+                      "or leave tsp.enabled false")
 
 
 def text_config(model):
@@ -517,9 +520,6 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
-    if decoder != "model":
-        policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
-                                                for part in DECODER_PARTS})
     check_linear_layers(model_class, config, layers, policy)
     if policy is AUTO:
         policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
@@ -527,6 +527,9 @@ def resolve_policy(model, name="auto"):
         if not hasattr(layers[0], policy.mlp):
             policy = dataclasses.replace(policy, mlp=next((n for n in MLP_NAMES if hasattr(layers[0], n)), policy.mlp))
         policy = with_mlp_names(policy, layers)
+    if decoder != "model":
+        policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
+                                                for part in DECODER_PARTS})
     if policy.layer_class is None and per_layer_type(getattr(config, "rope_parameters", None)) and \
             getattr(config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)

@@ -138,12 +138,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
         """``(dim, start, length)`` of the full tensor ``name`` this rank holds, or None if whole."""
         return shard_piece(self.heads, name, self.tsp_rank)
 
-    def plan(self, x, documents=None, input_norm=None, positions=None):
+    def plan(self, x, documents=None, input_norm=None, positions=None, spans=None):
         """How to run this layer on the local tokens ``x``; ``documents``: the
         rows' document starts (``ds_tsp.blocks.documents``), None for one per row;
         ``input_norm``: the layer's norm to run inside (``forward``);
         ``positions``: the tokens' positions ``(B, S/D)`` a query scale reads
-        (its ``reads``: position ids or cache positions)."""
+        (its ``reads``: position ids or cache positions); ``spans``: per row
+        the runs of tokens that see each other both ways (Gemma 3's images:
+        ``documents.bidirectional_spans``), None for none."""
         if self.query_scale is not None and positions is None:
             raise ValueError("this attention scales its queries by position (llama_4_scaling_beta, "
                              "attn_temperature_tuning): its forward needs the tokens' positions")
@@ -164,7 +166,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm,
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
                                                        self.layout_name, x.shape[0], self.token_tile,
-                                                       self.sliding_window),
+                                                       self.sliding_window, spans),
                              fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                              input_norm=input_norm, token_tile=self.token_tile, rope=self.rope,
                              query_scale=None if self.query_scale is None else self.query_scale(positions),
@@ -192,13 +194,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
             return cos, sin
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
-    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None):
+    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None, spans=None):
         """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
         applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
         then the layer's input. ``positions``: the local tokens' positions
-        ``(B, S/D)`` (position ids or cache positions: ``query_scale.reads``), read by a query scale."""
+        ``(B, S/D)`` (position ids or cache positions: ``query_scale.reads``), read by a query scale.
+        ``spans``: bidirectional runs of tokens (``plan``)."""
         cos, sin = self.full_tables(*position_embeddings)
-        plan, packed = self.plan(x, documents, input_norm, positions), self.shard_weights()
+        plan, packed = self.plan(x, documents, input_norm, positions, spans), self.shard_weights()
         norm_weights = [norm_weight(norm) for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
