@@ -510,20 +510,26 @@ def test_lora_on_the_decoder_with_the_tower_frozen_matches_peft(run_ranks, tsp_s
 
 
 def tower_held(arch):
-    """``(tower parameters held on this rank, the tower's parameters in all, its units)``."""
+    """``(tower parameters held on this rank, the tower's parameters in all, its units)``, the projector's
+    included."""
     from ds_tsp.blocks.tower import ShardedUnit
+    from ds_tsp.injection.policy import VISION_TOWERS, vision_family
 
     model = tiny_vlm(arch)
-    total = sum(p.numel() for p in model.model.visual.parameters())
+
+    def towers():
+        return [model.get_submodule(path) for path in VISION_TOWERS[vision_family(model)]]
+
+    total = sum(p.numel() for tower in towers() for p in tower.parameters())
     tsp_size = dist.get_world_size()
     ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa"))
-    units = [m for m in model.model.visual.modules() if isinstance(m, ShardedUnit)]
-    return sum(p.numel() for p in model.model.visual.parameters()), total, len(units)
+    units = [m for tower in towers() for m in tower.modules() if isinstance(m, ShardedUnit)]
+    return sum(p.numel() for tower in towers() for p in tower.parameters()), total, len(units)
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])
 def test_each_rank_holds_a_dth_of_the_tower(run_ranks, tsp_size):
-    for arch in ("qwen2_vl", "qwen3_vl"):
+    for arch in ("qwen2_vl", "qwen3_vl", "gemma3"):
         per_rank = run_ranks(tsp_size, tower_held, arch=arch)
         held, total, units = per_rank[0]
         print(f"D={tsp_size} {arch}: {[rank[0] for rank in per_rank]} tower parameters a rank, of {total} "
@@ -567,7 +573,8 @@ def counted_vlm_step(arch, rows):
     D, rank = dist.get_world_size(), dist.get_rank()
     model = tiny_vlm(arch)
     ds_tsp.inject(model, TSPTopology(D), TSPConfig(enabled=True, size=D, attention_backend="sdpa"))
-    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3")
+    batch = visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3",
+                         gemma=arch == "gemma3")
     ids = layout.pad_to_multiple(batch["input_ids"], D, value=0)[0]
     owners = torch.stack([layout.shard(ids, j, D, "zigzag") for j in range(D)]).flatten(1) // \
         vocab_rows_per_rank(model.config.get_text_config().vocab_size, D)
@@ -599,7 +606,7 @@ def test_step_bytes_equal_the_planners_with_the_visual_rows_and_the_tower(run_ra
     from ds_tsp.planning.communication import tsp_step_bytes_by_op
     from ds_tsp.planning.visual import tsp_visual_bytes_by_op
 
-    for arch in ("qwen2_vl", "qwen3_vl", "llava", "mistral3"):
+    for arch in ("qwen2_vl", "qwen3_vl", "llava", "gemma3", "mistral3"):
         rows = ONE_IMAGE_EACH
         for rank, result in enumerate(run_ranks(tsp_size, counted_vlm_step, arch=arch, rows=rows)):
             config = result["config"]

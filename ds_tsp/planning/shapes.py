@@ -640,8 +640,9 @@ def model_shape(model):
     if isinstance(model, ModelShape):
         return model
     fields = _shape_fields(model)
+    decoder_fields = fields
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
-        fields = {**fields, **fields["text_config"]}
+        fields, decoder_fields = {**fields, **fields["text_config"]}, fields["text_config"]
     try:
         heads = fields["num_attention_heads"]
         llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
@@ -670,7 +671,7 @@ def model_shape(model):
             partial_rotary_factor=_partial_rotary_factor(fields), **moe, **_linear_fields(fields),
             **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
         # What the config does not say (norms, biases, an ungated MLP), read off Hugging Face's layer.
-        return dataclasses.replace(shape, **layer_anatomy(fields))
+        return dataclasses.replace(shape, **layer_anatomy(decoder_fields))
     except KeyError as err:
         raise ValueError(f"model config has no {err.args[0]!r}: the planner needs hidden_size, intermediate_size, "
                          f"num_hidden_layers, num_attention_heads and vocab_size (for mixture-of-experts "
