@@ -313,19 +313,20 @@ def _meta_vlm(model_class, config):
 
 
 def test_towers_ds_tsp_does_not_split_are_refused_by_name():
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaNextConfig,
-                              LlavaNextForConditionalGeneration)
+    from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, PaliGemmaConfig,
+                              PaliGemmaForConditionalGeneration)
     from ds_tsp.injection.policy import resolve_policy
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
                   patch_size=4)
-    # Gemma 3: its image tokens attend to each other both ways; LLaVA-NeXT: images tiled at any resolution.
+    # LLaVA-NeXT: images tiled at any resolution; PaliGemma: a prefix (image and prompt) attended both ways.
     for model_class, config in (
             (LlavaNextForConditionalGeneration, LlavaNextConfig(text_config={"model_type": "llama", **text},
                                                                 vision_config={"model_type": "clip_vision_model",
                                                                                **vision})),
-            (Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))):
+            (PaliGemmaForConditionalGeneration, PaliGemmaConfig(text_config={"model_type": "gemma", **text},
+                                                                vision_config=vision))):
         with pytest.raises(PolicyError, match=f"{model_class.__name__} is a vision-language model whose vision tower "
                                               r"ds_tsp does not split yet \(it holds \['vision_tower'"):
             resolve_policy(_meta_vlm(model_class, config))
