@@ -96,7 +96,8 @@ def test_sinks_after_a_fused_kernel_equal_the_sink_softmax(dtype):
 def test_bidirectional_blocks_attend_to_every_key_of_the_block(window):
     """A bidirectional block (Gemma 3's image tokens: ``ahead`` keys of the
     block after its last query) in every CPU kernel, forward and backward
-    (through the fused backward where a kernel has one), equals float64
+    (through the fused backward where a kernel has one; flash-attn's through
+    fakes of its documented window semantics), equals float64
     softmax attention over every key, or every key after ``own - window``
     with a window, where query ``i`` is key ``i + Lk - Lq - ahead``; the causal
     block of the same tensors differs (0.1 or more)."""
@@ -114,7 +115,8 @@ def test_bidirectional_blocks_attend_to_every_key_of_the_block(window):
     reference = (expected.detach(), *torch.autograd.grad(expected, leaves, grad))
     sinks = torch.full((4,), -math.inf, dtype=torch.float64)  # a sink that takes no weight: plain attention
     for kernel in (SDPAKernel(), BlockwiseFlashKernel(ak._CPUFlashOps()), ak.SoftCappedKernel(1e9),
-                   ak.SinkKernel(BlockwiseFlashKernel(ak._CPUFlashOps()))):
+                   ak.SinkKernel(BlockwiseFlashKernel(ak._CPUFlashOps())),
+                   FlashKernel(_interface(*RELEASES["2.6.3+"])), FlashKernel(_interface(*RELEASES["2.5"]))):
         options = {"sinks": sinks} if isinstance(kernel, ak.SinkKernel) else {}
         if window is None and hasattr(kernel, "explicit_backward"):
             out, lse = kernel.forward(q, k, v, scale, ahead=ahead, **options)
@@ -376,27 +378,39 @@ def test_auto_choice_is_rank_zeros_on_every_rank(run_ranks):
 
 # ---- flash-attn's private API, by release (fakes computing exact attention) ----
 
-def _attention(q, k, v, scale, window_left):
+def _flash_mask(q_len, k_len, causal, left, right):
+    """flash-attn's documented mask: query ``i`` sees keys ``[i + Lk - Lq - left, i + Lk - Lq + right]`` (-1:
+    unbounded), and none after ``i + Lk - Lq`` when causal."""
+    diagonal = torch.arange(q_len).unsqueeze(1) + k_len - q_len
+    keys = torch.arange(k_len).unsqueeze(0)
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        allowed &= keys <= diagonal
+    if left >= 0:
+        allowed &= keys >= diagonal - left
+    if right >= 0:
+        allowed &= keys <= diagonal + right
+    return allowed
+
+
+def _attention(q, k, v, scale, window_left, causal=True, window_right=-1):
     """Float64 probabilities, scores' lse and repeated k/v heads for flash-attn's layout (B, L, h, d)."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = q.double(), k.double().repeat_interleave(rep, 2), v.double().repeat_interleave(rep, 2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    window = None if window_left < 0 else window_left + 1
-    scores = scores.masked_fill(~bottom_right_causal_mask(q.shape[1], k.shape[1], window), -math.inf)
+    scores = scores.masked_fill(~_flash_mask(q.shape[1], k.shape[1], causal, window_left, window_right), -math.inf)
     return scores, scores.logsumexp(-1), q, k, v
 
 
 def _forward(q, k, v, scale, causal, window_left):
-    assert causal
-    scores, lse, _, _, v64 = _attention(q, k, v, scale, window_left)
+    scores, lse, _, _, v64 = _attention(q, k, v, scale, window_left, causal)
     out = torch.einsum("bhqk,bkhd->bqhd", (scores - lse.unsqueeze(-1)).exp(), v64)
     return out.to(q.dtype), lse  # lse kept in float64, so the adapter's plumbing is checked to 1e-10
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window_left):
     """Flash attention's backward: from the given output and log-sum-exp, as the kernel does."""
-    assert causal
-    scores, _, q64, k64, v64 = _attention(q, k, v, scale, window_left)
+    scores, _, q64, k64, v64 = _attention(q, k, v, scale, window_left, causal)
     probs = (scores - lse.double().unsqueeze(-1)).exp()
     dout, out = dout.double(), out.double()
     d_scores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout, v64)
@@ -408,8 +422,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window_left):
 
 
 def _flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_attn_probs):
-    assert causal and return_attn_probs
-    scores, lse, _, _, _ = _attention(q, k, v, softmax_scale, window_size[0])
+    assert return_attn_probs
+    scores, lse, _, _, _ = _attention(q, k, v, softmax_scale, window_size[0], causal, window_size[1])
     rep = q.shape[2] // k.shape[2]
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1).to(q.dtype), v.repeat_interleave(rep, 2))
     return out, lse, None
