@@ -24,6 +24,7 @@ One module per concern, in the order they build on one another:
 | ``anchors`` | published numbers: the TSP paper's peaks, ALST's lengths, Ulysses' and Megatron CP's throughput |
 | ``timing`` | step time per strategy from FLOPs, links and overlap, its bound, and the throughput anchors |
 | ``tables`` | Markdown tables, a MoE model's facts and the memory-against-length plot |
+| ``visual`` | a vision-language model's tower: its size, memory per device and bytes per TSP rank |
 | ``cli`` | the ``ds-tsp plan`` options and command |
 """
 
@@ -101,6 +102,7 @@ __all__ = [
     "add_plan_arguments", "alst_name", "best_expert_parallel_size", "cheaper_moe_schedule", "compare_anchor",
     "compare_anchors", "delta_net_bytes_by_op", "expert_parallel_sizes",
     "format_longest_table", "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors",
+    "format_tower_table",
     "logits_tile_tokens", "longest_fitting", "max_seq_len", "model_shape", "moe_block_bytes_by_op",
     "moe_crossover_tokens", "moe_facts", "plan", "plan_alst", "plan_autotp", "plot_memory_vs_seq", "recommend",
     "run_plan", "serving_plans", "step_time", "tsp_bytes_by_op", "tsp_bytes_per_layer", "tsp_layers_bytes_by_op",
@@ -112,6 +114,7 @@ __all__ = [
 # The command line and the tables load on first use: the blocks' and the engine's imports need neither.
 _LAZY = {"add_plan_arguments": "cli", "run_plan": "cli", "format_longest_table": "tables",
          "format_moe_facts": "tables", "format_table": "tables", "format_time_anchors": "tables",
+         "format_tower_table": "tables",
          "moe_facts": "tables", "plot_memory_vs_seq": "tables"}
 
 

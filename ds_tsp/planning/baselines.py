@@ -19,6 +19,10 @@ all-to-alls or CP's K/V gather, ZeRO-3's parameter gathers, each in forward,
 backward and the recomputed forward, and the gradients' reduce over the
 weight replicas; per step also the vocabulary's all-reduces and ZeRO's
 embedding and parameter gathers.
+
+A vision-language model's tower (``visual``) runs whole on every device of a
+replica over all the micro-batch's patches, its states partitioned as ZeRO
+partitions the decoder's (over the weight replicas), not split by ``t``.
 """
 
 import math
@@ -33,6 +37,7 @@ from ds_tsp.planning.memory import (
     EVERY_LAYER,
     FULL_KV,
     GRAD_X,
+    HOST_OPTIMIZER,
     LOSS_BACKWARD,
     MLP_TILE,
     MODEL_LEVEL,
@@ -62,11 +67,15 @@ from ds_tsp.planning.plan_types import (
     SP_ALL_TO_ALL,
     EP_ALL_TO_ALL,
     TP_ACTIVATIONS,
+    VISION_GATHER,
+    VISION_GRADS,
+    VISION_PARAM_GATHER,
     ZERO3_GATHER,
     CommPart,
     StrategyPlan,
 )
 from ds_tsp.planning.shapes import lora_adapter_params
+from ds_tsp.planning.visual import add_tower, tower_flops, tower_memory, tower_summary
 
 
 @dataclass(frozen=True)
@@ -163,11 +172,18 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     memory, detail, terms, host = _baseline_memory(setting, b, params)
     forward, backward, per_step, parts = _baseline_communication(setting, b, params)
     flops, attention_flops = _baseline_flops(setting, b)
+    tower = {}
+    if setting.vision:
+        memory, terms, host, tower = _with_tower(setting, b, memory, terms, host)
+        per_step += tower["comm_per_step"]
+        parts = {**parts, **_baseline_tower_parts(setting, b)}
+        flops, attention_flops = (total + tower_part for total, tower_part in
+                                  zip((flops, attention_flops), tower_flops(setting, setting.patches)))
     problem = _baseline_problem(setting.model, t, c, kind, setting.seq_len, experts_split)
     return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, b.tokens(setting), setting,
                         feasible=problem is None, notes=problem or "", inexact=inexact_reason(setting.model, c),
                         detail=detail, terms=terms, host=host, comm_parts=parts,
-                        attention_flops_per_step=attention_flops, devices_per_replica=t * c)
+                        attention_flops_per_step=attention_flops, devices_per_replica=t * c, tower=tower)
 
 
 def inexact_reason(m, c):
@@ -436,6 +452,35 @@ def _baseline_communication(setting, b, params):
              EP_ALL_TO_ALL: CommPart(passes * summed(ep), b.expert_parallel, t * c, "all_to_all")}
     return (summed(forward) / m.num_layers, (summed(forward) + summed(grads)) / m.num_layers, per_step,
             {k: v for k, v in parts.items() if v.nbytes})
+
+
+def _with_tower(setting, b, memory, terms, host):
+    """``(memory, terms, host, visual.tower_summary)`` with the whole tower on the device, encoding all the
+    micro-batch's patches, its states partitioned by ZeRO over the weight replicas."""
+    v = setting.vision
+    tower = tower_memory(setting, v.params, b.replica_group, setting.patches, gathered=b.zero3(setting))
+    memory, terms = add_tower(memory, terms, tower)
+    if tower.host:
+        host = {**host, HOST_OPTIMIZER: host[HOST_OPTIMIZER] + setting.ranks_per_node * tower.host}
+    summary = tower_summary(tower, setting.patches, v.params, _baseline_tower_parts(setting, b),
+                            tower_flops(setting, setting.patches)[0])
+    return memory, terms, host, summary
+
+
+def _baseline_tower_parts(setting, b):
+    """The tower's bytes one device receives per step, by kind: whole on every device of a replica, its
+    gradients reduced over the weight replicas (reduce-scattered under ZeRO), ZeRO-3's gathers of it in
+    forward, backward (and the checkpointed blocks' recompute), ZeRO-1/2's gather of the updated tower."""
+    v, p, replicas = setting.vision, setting.precision, b.replica_group
+    grad_reduce = _gather if setting.zero_stage >= 1 else _all_reduce
+    passes = 3 if setting.activation_checkpointing else 2
+    parts = {VISION_GRADS: CommPart(grad_reduce(replicas, v.params * p.grad), replicas, b.t,
+                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),
+             VISION_GATHER: CommPart(passes * _gather(replicas, v.params * p.element) if b.zero3(setting) else 0,
+                                     replicas, b.t, "all_gather"),
+             VISION_PARAM_GATHER: CommPart(_gather(replicas, v.params * p.element)
+                                           if setting.zero_stage in (1, 2) else 0, replicas, b.t, "all_gather")}
+    return {name: part for name, part in parts.items() if part.nbytes}
 
 
 def _baseline_flops(setting, b):

@@ -23,6 +23,7 @@ from ds_tsp.planning.shapes import (
     PRECISIONS,
     PRESETS,
     TSP_ATTENTION_BACKWARDS,
+    model_fields,
     model_shape,
 )
 from ds_tsp.planning.strategies import TSP_MOE_SCHEDULES, plan, recommend
@@ -32,10 +33,12 @@ from ds_tsp.planning.tables import (
     format_moe_facts,
     format_table,
     format_time_anchors,
+    format_tower_table,
     moe_facts,
     plot_memory_vs_seq,
 )
 from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, compare_anchors, step_time
+from ds_tsp.planning.visual import vision_shape
 
 DEFAULT_MODEL = "llama-7b"
 
@@ -134,6 +137,15 @@ def add_plan_arguments(parser):
     parser.add_argument("--moe-schedule", choices=TSP_MOE_SCHEDULES, default="ring",
                         help="tsp.moe_schedule of the TSP rows' sparse layers (default: ring; the runtime's default "
                              "is auto)")
+    parser.add_argument("--video-frames", type=_non_negative_int, default=0,
+                        help="a vision-language model's video: frames per sequence as its tower encodes them (Qwen: "
+                             "temporal patches of 2 sampled frames), --video-frames x --video-tokens-per-frame "
+                             "visual tokens of each --seq-len; every plan gains the tower's memory, bytes and FLOPs "
+                             "(default 0: the text decoder alone)")
+    parser.add_argument("--video-tokens-per-frame", type=_positive_int,
+                        help="visual tokens a frame becomes after merging (default: the model's: a 448 x 448 frame "
+                             "for Qwen, (448/patch)^2/merge^2, 196 for Qwen3-VL's 16-pixel patches; the tower's "
+                             "image size for LLaVA, Gemma 3 and Mistral 3)")
     parser.add_argument("--memory-gb", type=float, help="device memory in GB: list the strategies that fit, best "
                                                         "first; with --max-seq-len, the device budget")
     parser.add_argument("--host-memory-gb", type=float,
@@ -177,6 +189,11 @@ def add_plan_arguments(parser):
 def _write_json(path, document, out):
     Path(path).write_text(json.dumps(document, indent=1) + "\n")
     print(f"Wrote {path}", file=out)
+
+
+def _refuse_video(args, mode):
+    if args.video_frames or args.video_tokens_per_frame is not None:
+        raise ValueError(f"--video-frames and --video-tokens-per-frame go with the per-length table, not with {mode}")
 
 
 def _tsp_layout_given(args):
@@ -271,9 +288,12 @@ def _run_table(args, out):
                    devices_per_node=args.devices_per_node, lora_rank=args.lora_rank,
                    lora_targets=tuple(args.lora_targets), tsp_size=args.tsp_size,
                    expert_parallel_size=args.expert_parallel_size, moe_schedule=args.moe_schedule)
+    options.update(_video_options(args, model))
     plans = plan(model, args.seq_len, args.micro_batch, args.devices, args.dtype, zero_stage, checkpointing,
                  args.tsp_attention_backward, args.logits_tile_mib, **options)
     print(format_table(plans, PAPER_PEAK_GB if args.paper else None, cluster), file=out)
+    if plans[0].setting.vision:
+        print(format_tower_table(plans), file=out)
     if plans[0].setting.model.is_moe:
         print(format_moe_facts(plans), file=out)
     if args.memory_gb is not None:
@@ -287,7 +307,8 @@ def _run_table(args, out):
             print(f"Nothing fits in {args.memory_gb:g} GB; the smallest is {best.name} at {format_gb(best.total)} GB "
                   f"(try activation checkpointing, more devices or a shorter sequence)", file=out)
     if args.plot:
-        seq_lens = [args.seq_len >> k for k in range(6, -1, -1) if args.seq_len >> k >= 2 * args.devices]
+        seq_lens = [args.seq_len >> k for k in range(6, -1, -1)
+                    if args.seq_len >> k >= max(2 * args.devices, options.get("visual_tokens", 0))]
         plot_memory_vs_seq(model, seq_lens, args.devices, args.plot, args.micro_batch, args.dtype, zero_stage,
                            checkpointing, None if args.memory_gb is None else args.memory_gb * GB,
                            args.tsp_attention_backward, args.logits_tile_mib, **options)
@@ -301,8 +322,30 @@ def _run_table(args, out):
                                            "peak_gb": p.total / GB, "host_gb_per_node": p.host_total / GB,
                                            "terms_gb": {k: v / GB for k, v in p.terms.items()},
                                            "comm_gb_per_step": p.comm_per_step / GB,
-                                           "tflop_per_step": p.flops_per_step / 1e12, **_time_fields(p, cluster)}
+                                           "tflop_per_step": p.flops_per_step / 1e12, **_time_fields(p, cluster),
+                                           **({"vision_tower": p.tower} if p.tower else {})}
                                           for p in plans]}, out)
+
+
+def _video_options(args, model):
+    """``plan``'s ``visual_tokens`` and ``frame_tokens`` of ``--video-frames`` and ``--video-tokens-per-frame``;
+    none without a video. Refused: a model without a vision tower, a video longer than ``--seq-len``."""
+    if not args.video_frames:
+        if args.video_tokens_per_frame is not None:
+            raise ValueError("--video-tokens-per-frame sizes the frames of --video-frames: give --video-frames too")
+        return {}
+    vision = vision_shape(model_fields(model))
+    if vision is None:
+        raise ValueError(f"--video-frames {args.video_frames}: {model_shape(model).name} has no vision tower (its "
+                         f"config has no vision_config): drop --video-frames and --video-tokens-per-frame, or plan "
+                         f"a vision-language model (qwen3-vl-8b, qwen3.5-27b-vl, or a config with vision_config)")
+    frame_tokens = args.video_tokens_per_frame or vision.frame_tokens
+    visual_tokens = args.video_frames * frame_tokens
+    if visual_tokens > args.seq_len:
+        raise ValueError(f"--video-frames {args.video_frames} x --video-tokens-per-frame {frame_tokens} = "
+                         f"{visual_tokens:,} visual tokens do not fit in --seq-len {args.seq_len:,}: raise --seq-len "
+                         f"to at least {visual_tokens:,}, or lower --video-frames or --video-tokens-per-frame")
+    return {"visual_tokens": visual_tokens, "frame_tokens": frame_tokens}
 
 
 def _time_fields(plan_, cluster):
@@ -316,10 +359,13 @@ def run_plan(args, out=None):
     out = out or sys.stdout
     try:
         if args.time_anchors:
+            _refuse_video(args, "--time-anchors")
             _run_time_anchors(args, out)
         elif args.serve:
+            _refuse_video(args, "--serve")
             _run_serve(args, out)
         elif args.max_seq_len or args.alst:
+            _refuse_video(args, "--max-seq-len")
             _run_max_seq_len(args, out)
         else:
             _run_table(args, out)

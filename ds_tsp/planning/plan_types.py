@@ -34,6 +34,14 @@ TSP_PARTS = {"broadcast": "tsp_weight_broadcast", "ring": "tsp_ring", "all_gathe
              "reduce_scatter": "tsp_kv_grad_scatter", "reduce": "tsp_weight_grad_reduce",
              "all_to_all": "tsp_embedding_all_to_all", "all_reduce": "tsp_replicated_grads",
              "batch_check": "tsp_batch_check"}
+# A vision-language model's tower (``visual``): TSP's units all-gathered (forward, and again where checkpointed
+# blocks run again) and ZeRO-3's gathers of the tower; their gradients reduce-scattered over the TSP group, or the
+# baselines' reduced over the weight replicas; ZeRO-1/2's gather of the updated tower; TSP's merged visual rows
+# sent to their placeholders' ranks (and their gradients back).
+VISION_GATHER = "vision_tower_gather"
+VISION_GRADS = "vision_tower_grads"
+VISION_PARAM_GATHER = "vision_tower_param_gather"
+VISION_ROWS = "vision_rows_all_to_all"
 # TSP's sparse layers under the token all-to-all, over their expert-parallel group (the TSP group, or more ranks)
 TSP_EXPERT_ALL_TO_ALL = "tsp_expert_all_to_all"
 
@@ -75,6 +83,7 @@ class StrategyPlan:
     comm_parts: dict = field(default_factory=dict)  # name -> CommPart, summing to comm_per_step
     attention_flops_per_step: float = 0.0  # the part of flops_per_step in QK^T and PV (and their backward)
     devices_per_replica: int = 1  # devices sharing one micro-batch: t*c, D for TSP (1 for DP)
+    tower: dict = field(default_factory=dict)  # a vision-language model's tower on this device (visual.tower_summary)
 
     @property
     def total(self):

@@ -95,6 +95,31 @@ PRESETS = {
                         partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
                         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # Qwen3.5-27B as the vision-language model it ships as: the text model above and its vision tower, a
+    # Qwen3-VL-style tower of 27 blocks, 1152 wide (4304 MLP, 16 heads), 16 x 16 patches, 2 frames a temporal
+    # patch, 2 x 2 patches merged into a token of 5120, no deepstack features: its config.json's vision_config as
+    # public copies quote it (an MLX conversion's config.json with this text_config, a written review of the
+    # model's config, and ports checking a checkpoint against depth 27 / 1152 / 4304 / out_hidden_size 5120), not
+    # read from the model's repository.
+    "qwen3.5-27b-vl": dict(model_type="qwen3_5", text_config=None,
+                           vision_config=dict(model_type="qwen3_5", depth=27, hidden_size=1152,
+                                              intermediate_size=4304, num_heads=16, patch_size=16,
+                                              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120,
+                                              num_position_embeddings=2304, deepstack_visual_indexes=[])),
+    # Qwen3-VL-8B-Instruct: a Qwen3 decoder of 36 layers (4096 wide, 12288 MLP, 32 query and 8 key/value heads
+    # of 128, q/k norms, vocabulary 151936, untied) and a tower of 27 blocks, 1152 wide (4304 MLP, 16 heads),
+    # 16 x 16 patches, 2 frames a temporal patch, 2 x 2 patches merged into a token of 4096, deepstack features
+    # of blocks 8, 16 and 24 added to the first decoder layers: its config.json as several public copies quote it
+    # (TensorRT-LLM's Qwen3-VL-8B-Instruct test config, other ports' tests), not read from the model's repository.
+    "qwen3-vl-8b": dict(model_type="qwen3_vl",
+                        text_config=dict(model_type="qwen3_vl_text", hidden_size=4096, intermediate_size=12288,
+                                         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+                        vision_config=dict(model_type="qwen3_vl", depth=27, hidden_size=1152,
+                                           intermediate_size=4304, num_heads=16, patch_size=16,
+                                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=4096,
+                                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+                        tie_word_embeddings=False),
     # Qwen3.5-397B-A17B's text model: 396.35B parameters, 17.35B active per token; 512 experts of 1024 (top-10) and
     # a gated shared expert of 1024 in every layer, linear layers of 16 key and 64 value heads of 128. Its
     # config.json's text_config as public code quotes it (THUDM/slime's scripts/models/qwen3.5-397B-A17B.sh,
@@ -107,6 +132,8 @@ PRESETS = {
                               num_experts_per_tok=10, moe_intermediate_size=1024,
                               shared_expert_intermediate_size=1024),
 }
+# The Qwen3.5-27B vision-language model's decoder is the text preset's.
+PRESETS["qwen3.5-27b-vl"]["text_config"] = PRESETS["qwen3.5-27b"]
 
 # How TSP attention gets its backward: "fused" saves each head group's output
 # and log-sum-exp and runs the fused backward (every backend of
@@ -429,10 +456,20 @@ class Setting:
     tsp_size: int | None = None
     expert_parallel_size: int | None = None
     moe_schedule: str = "ring"  # tsp.moe_schedule of the TSP rows: "ring", "all_to_all" or "auto"
+    # A vision-language model's visual tokens: its tower (visual.VisionShape; None: the text decoder alone),
+    # visual_tokens of each sequence's seq_len placeholders, frame_tokens of them a frame (an image).
+    vision: object = None
+    visual_tokens: int = 0
+    frame_tokens: int = 0
 
     @property
     def precision(self):
         return PRECISIONS[self.dtype]
+
+    @property
+    def patches(self):
+        """The tower's patches in one micro-batch: its visual tokens' merged patches."""
+        return self.micro_batch * self.visual_tokens * self.vision.patches_per_token if self.vision else 0
 
     @property
     def tsp_group_size(self):
@@ -487,6 +524,11 @@ def lora_adapter_params(m, rank, targets, shards, sparse=False):
         fan_in, fan_out = sizes[name]
         total += rank * (fan_in + fan_out / shards) if name in LORA_ROW_SPLIT else rank * (fan_in / shards + fan_out)
     return total
+
+
+def model_fields(model):
+    """The config's fields ``model_shape`` reads (a preset's, a config's); ``{}`` for a ``ModelShape``."""
+    return {} if isinstance(model, ModelShape) else _shape_fields(model)
 
 
 def _shape_fields(model):

@@ -18,9 +18,11 @@ from ds_tsp.planning.shapes import (
     TSP_ATTENTION_BACKWARDS,
     Setting,
     expert_parallel_sizes,
+    model_fields,
     model_shape,
 )
 from ds_tsp.planning.tsp_plan import plan_tsp
+from ds_tsp.planning.visual import vision_shape
 
 # tsp.moe_schedule: a schedule, or "auto", the cheaper for the micro-batch's shape
 TSP_MOE_SCHEDULES = (*MOE_SCHEDULES, "auto")
@@ -30,7 +32,8 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
                  tsp_attention_backward=None, logits_tile_mib=DEFAULT_LOGITS_TILE_MIB, *, token_tile=0,
                  fp32_accumulators=True, recompute_norms=False, offload_activations=False, offload_optimizer=False,
                  prefetch_checkpoints=False, devices_per_node=DEFAULT_DEVICES_PER_NODE, lora_rank=0,
-                 lora_targets=LORA_TARGETS, tsp_size=None, expert_parallel_size=None, moe_schedule="ring"):
+                 lora_targets=LORA_TARGETS, tsp_size=None, expert_parallel_size=None, moe_schedule="ring",
+                 visual_tokens=0, frame_tokens=None):
     """A checked ``Setting`` (arguments as ``plan``'s; ``expert_parallel_size`` a number or None)."""
     if not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: full fine-tuning), not {lora_rank!r}")
@@ -70,11 +73,35 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
     if moe_schedule not in TSP_MOE_SCHEDULES:
         raise ValueError(f"moe_schedule must be one of {', '.join(TSP_MOE_SCHEDULES)}, not {moe_schedule!r}")
     _check_tsp_layout(m, devices, tsp_size, expert_parallel_size)
+    vision, frame_tokens = _vision(model, m, seq_len, visual_tokens, frame_tokens, lora_rank)
     return Setting(m, seq_len, micro_batch, devices, dtype, zero_stage, bool(activation_checkpointing),
                    tsp_attention_backward, logits_tile_mib, token_tile, bool(fp32_accumulators),
                    bool(recompute_norms), bool(offload_activations), bool(prefetch_checkpoints),
                    bool(offload_optimizer), devices_per_node, lora_rank, tuple(lora_targets), tsp_size,
-                   expert_parallel_size, moe_schedule)
+                   expert_parallel_size, moe_schedule, vision, visual_tokens, frame_tokens)
+
+
+def _vision(model, m, seq_len, visual_tokens, frame_tokens, lora_rank):
+    """``(visual.VisionShape, tokens a frame)`` of a run with ``visual_tokens`` per sequence, ``(None, 0)``
+    without; a text-only model, more visual tokens than the sequence holds, or LoRA, refused."""
+    if not isinstance(visual_tokens, int) or visual_tokens < 0:
+        raise ValueError(f"visual_tokens must be an integer >= 0 (0: text alone), not {visual_tokens!r}")
+    if not visual_tokens:
+        return None, 0
+    if lora_rank:
+        raise ValueError("visual_tokens with lora_rank: the planner does not model a vision tower under LoRA; "
+                         "plan full fine-tuning (lora_rank 0)")
+    vision = vision_shape(model_fields(model))
+    if vision is None:
+        raise ValueError(f"visual_tokens = {visual_tokens}: {m.name} has no vision tower (its config has no "
+                         f"vision_config); plan a vision-language model's config, or no visual tokens")
+    if visual_tokens > seq_len:
+        raise ValueError(f"visual_tokens = {visual_tokens} do not fit in seq_len = {seq_len}: lengthen the "
+                         f"sequence or shorten the video")
+    frame_tokens = vision.frame_tokens if frame_tokens is None else frame_tokens
+    if not isinstance(frame_tokens, int) or not 1 <= frame_tokens:
+        raise ValueError(f"frame_tokens must be an integer >= 1, not {frame_tokens!r}")
+    return vision, min(frame_tokens, visual_tokens)
 
 
 def _check_tsp_layout(m, devices, tsp_size, expert_parallel_size):
@@ -120,6 +147,10 @@ def plan(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=0, activ
     ``devices_per_node`` (ranks whose offloads share one host); the offloads
     apply to every strategy. ``lora_rank`` (> 0) and ``lora_targets`` plan
     LoRA fine-tuning: the base frozen, adapters on those projections.
+    ``visual_tokens`` (> 0, a vision-language model's) of each sequence's
+    ``seq_len`` tokens are visual, ``frame_tokens`` a frame (default: the
+    tower's ``visual.VisionShape.frame_tokens``): every plan gains the tower's
+    memory, bytes and FLOPs (``visual``).
 
     The TSP rows: ``tsp_size`` (``D``, dividing ``devices``; default all of
     them) ranks a TSP group, ``devices / D`` data-parallel replicas beside it

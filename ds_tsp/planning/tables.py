@@ -169,6 +169,46 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         footer += _paper_footer(plans, paper)
     return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
 
+def format_tower_table(plans):
+    """Markdown table of a vision-language model's tower on one device of each plan (``StrategyPlan.tower``):
+    the patches it encodes, the parameters it holds (before ZeRO partitions them), its model states, the
+    tensors it keeps for backward, its own backward's peak buffers, its bytes received and FLOPs per step;
+    with a footer of what is assumed."""
+    setting = plans[0].setting
+    v, D = setting.vision, setting.tsp_group_size
+    head = ["strategy", "patches", "params held (M)", "states GB", "saved GB", "backward GB", "GB/step", "TFLOP/step"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for plan_ in plans:
+        tower = plan_.tower
+        if not tower:
+            continue
+        rows.append("| " + " | ".join([
+            plan_.name, f"{tower['patches']:,.0f}", f"{tower['params_held'] / 1e6:,.0f}", format_gb(tower["states"]),
+            format_gb(tower["activations"]), format_gb(tower["backward"]), f"{tower['comm_per_step'] / GB:.1f}",
+            f"{tower['flops_per_step'] / 1e12:.0f}"]) + " |")
+    frames = setting.visual_tokens / setting.frame_tokens
+    footer = [
+        f"Vision tower: {v.params / 1e6:,.0f}M parameters with its mergers, {v.layers} blocks of {v.hidden_size} "
+        f"(MLP {v.intermediate_size}, {v.num_heads} heads), {v.patches_per_token} patches a visual token, "
+        f"{v.features} row(s) of {v.text_hidden_size} a token to the decoder; {frames:g} frames x "
+        f"{setting.frame_tokens} tokens = {setting.visual_tokens:,} visual tokens of each sequence's "
+        f"{setting.seq_len:,}, {setting.patches:,} patches a micro-batch. Its terms are in the table above "
+        f"(model states, saved tensors; its backward where it sets the peak).",
+        f"TSP({D}): each rank encodes about 1/{D} of the patches, holds ceil(numel/{D}) of each of the tower's "
+        f"{len(v.unit_numels)} units (all-gathered in forward and, checkpointed, again in backward; their "
+        f"gradients reduce-scattered) and keeps the gathered units autograd saves; the merged rows go to their "
+        f"placeholders' ranks by one all-to-all (ds_tsp.blocks.tower, DESIGN.md 6m).",
+        "Assumed for the others: the tower runs whole on every device of a model replica over ALL the "
+        "micro-batch's patches (DeepSpeed-Ulysses takes a text config only; verl's Ulysses path runs the whole tower "
+        "for every image on every rank); ZeRO partitions its states over the weight replicas as the decoder's "
+        "(ZeRO-3 gathering it in forward and backward); TP does not split it.",
+        "Saved tensors per patch and block: 8 e h + 16 + 4 a + 2 e F (gated MLP: 4 e F), the mergers 4 e h a "
+        "feature; checkpointed, each block keeps its input (e h) and runs again in the tower's backward, which "
+        "runs last (visual.tower_memory).",
+    ]
+    return "Vision tower per device:\n\n" + "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"
+
+
 def _replicas_footer(plans):
     """The footer lines of TSP rows with data-parallel replicas beside their group, and of folded experts."""
     setting = plans[0].setting

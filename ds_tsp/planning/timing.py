@@ -81,6 +81,10 @@ from ds_tsp.planning.plan_types import (
     TP_ACTIVATIONS,
     TSP_EXPERT_ALL_TO_ALL,
     TSP_PARTS,
+    VISION_GATHER,
+    VISION_GRADS,
+    VISION_PARAM_GATHER,
+    VISION_ROWS,
     ZERO3_GATHER,
 )
 from ds_tsp.planning.shapes import DEFAULT_DEVICES_PER_NODE
@@ -109,6 +113,10 @@ OVERLAPPED = {
     TSP_PARTS["all_reduce"]: False,
     TSP_PARTS["batch_check"]: False,  # the forward waits for the fingerprints
     TSP_EXPERT_ALL_TO_ALL: False,
+    VISION_GATHER: True,
+    VISION_GRADS: True,
+    VISION_PARAM_GATHER: False,
+    VISION_ROWS: False,  # the decoder waits for its visual rows
 }
 
 

@@ -42,6 +42,7 @@ from ds_tsp.planning.memory import (
     EXPERT_ROWS,
     GRAD_X,
     HEAD_BACKWARD,
+    HOST_OPTIMIZER,
     HEAD_GROUP_LOCAL,
     HEAD_PHASE,
     KEPT_OUTSIDE,
@@ -73,6 +74,9 @@ from ds_tsp.planning.plan_types import (
     PARAM_GATHER,
     TSP_EXPERT_ALL_TO_ALL,
     TSP_PARTS,
+    VISION_GATHER,
+    VISION_GRADS,
+    VISION_ROWS,
     CommPart,
     StrategyPlan,
 )
@@ -87,6 +91,7 @@ from ds_tsp.planning.shapes import (
     tsp_shape_problem,
     vocab_rows_per_rank,
 )
+from ds_tsp.planning.visual import add_tower, tower_flops, tower_memory, tower_summary, tsp_visual_bytes_by_op
 
 
 def plan_tsp(setting, vocab_parallel):
@@ -103,6 +108,13 @@ def plan_tsp(setting, vocab_parallel):
     memory, detail, terms, host = _tsp_memory(setting, vocab_parallel, tokens, schedule)
     forward, backward, per_step, parts = _tsp_communication(setting, vocab_parallel, S, problem)
     flops, attention_flops = _tsp_flops(setting, vocab_parallel, S, tokens)
+    tower = {}
+    if setting.vision and not problem:
+        memory, terms, host, tower = _with_tower(setting, memory, terms, host)
+        per_step += tower["comm_per_step"]
+        parts = {**parts, **_tsp_tower_parts(setting)}
+        flops, attention_flops = (total + tower_part for total, tower_part in
+                                  zip((flops, attention_flops), tower_flops(setting, setting.patches / D)))
     refused = problem or _layout_problem(setting)
     notes = refused or ("" if S == setting.seq_len else f"sequence padded to {S}")
     layout = f"tsp={D}" + (f" x dp={dp}" if dp > 1 else "") + (f", ep={ep}" if ep > D else "") + \
@@ -110,7 +122,8 @@ def plan_tsp(setting, vocab_parallel):
         f", vocab_parallel={str(vocab_parallel).lower()}"
     return StrategyPlan(tsp_name(D, vocab_parallel, dp, ep), layout, memory, forward, backward, per_step, flops,
                         tokens, setting, feasible=not refused, notes=notes, detail=detail, terms=terms, host=host,
-                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=D)
+                        comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=D,
+                        tower=tower)
 
 
 def _moe_schedule(setting, S):
@@ -533,7 +546,8 @@ def _replica_parts(setting, vocab_parallel):
     if dp == 1:
         return {}
     held = _held_params(setting, vocab_parallel)
-    trained = held.adapters if setting.lora_rank else held.params
+    trained = (held.adapters if setting.lora_rank else held.params) + \
+        (setting.vision.held_params(D) if setting.vision else 0)  # the tower's shards too
     experts = 0 if setting.lora_rank else _held_experts(setting)
     reduce_op = "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"
 
@@ -548,6 +562,34 @@ def _replica_parts(setting, vocab_parallel):
         parts[EXPERT_PARAM_GATHER] = CommPart(received(edp, experts * p.element, "all_gather"), edp, ep,
                                               "all_gather")
     return {name: part for name, part in parts.items() if part.nbytes}
+
+
+def _with_tower(setting, memory, terms, host):
+    """``(memory, terms, host, visual.tower_summary)`` with the vision tower one rank holds and runs: ``ceil(numel / D)`` of each
+    unit (ZeRO-1/2 partitioning them over the replicas), its share of the patches, ``1/D``, and the
+    gathered units autograd keeps for backward (``ds_tsp.blocks.tower``: all of them, or where the blocks are
+    checkpointed the others alone); one unit gathered whole in backward, with its gradient."""
+    v, D, e = setting.vision, setting.tsp_group_size, setting.precision.element
+    kept_units = sum(v.unit_numels) - (sum(v.recomputed_numels) if setting.activation_checkpointing else 0)
+    tower = tower_memory(setting, v.held_params(D), setting.tsp_replicas, setting.patches / D,
+                         saved_weights=kept_units * e if D > 1 else 0, gathered=D > 1)
+    memory, terms = add_tower(memory, terms, tower)
+    if tower.host:
+        host = {**host, HOST_OPTIMIZER: host[HOST_OPTIMIZER] + setting.ranks_per_node * tower.host}
+    summary = tower_summary(tower, setting.patches / D, v.held_params(D), _tsp_tower_parts(setting),
+                            tower_flops(setting, setting.patches / D)[0])
+    return memory, terms, host, summary
+
+
+def _tsp_tower_parts(setting):
+    """The tower's bytes one rank receives per step, by kind (``visual.tsp_visual_bytes_by_op``, the rows
+    spread evenly over the ranks)."""
+    v, D = setting.vision, setting.tsp_group_size
+    by_op = tsp_visual_bytes_by_op(v.unit_numels, v.text_hidden_size, setting.micro_batch * setting.visual_tokens,
+                                   D, setting.precision.element, features=v.features,
+                                   recomputed_numels=v.recomputed_numels if setting.activation_checkpointing else ())
+    kinds = {"all_gather": VISION_GATHER, "reduce_scatter": VISION_GRADS, "all_to_all": VISION_ROWS}
+    return {kinds[op]: CommPart(float(nbytes), D, 1, op) for op, nbytes in by_op.items() if nbytes}
 
 
 def _tsp_flops(setting, vocab_parallel, S, tokens):
