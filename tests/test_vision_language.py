@@ -354,22 +354,24 @@ def test_pipeline_stages_of_a_vlm_are_refused():
 
 
 
-def vlm_round_trip(source, saved, trained):
-    """``ds_tsp.from_pretrained`` of Hugging Face's own save of a tiny Qwen2-VL (its files in the original
+def vlm_round_trip(source, saved, trained, arch="qwen2_vl"):
+    """``ds_tsp.from_pretrained`` of Hugging Face's own save of a tiny ``arch`` (Qwen2-VL's files in the original
     layout: ``visual.*``, ``model.layers.*``), then (``trained``) one SGD step on an image batch, then
     ``ds_tsp.save_pretrained``, loaded back by the class's ``from_pretrained``. Returns the loss of the model
-    read against the one injected in memory, the names the two checkpoints disagree on, and the largest
+    read against Hugging Face's load of the same files injected in memory, the names the two checkpoints disagree on, and the largest
     difference of every tensor this rank holds against the reloaded model's (trained) or the original's."""
-    ref = tiny_vlm()
+    ref = tiny_vlm(arch)
     if dist.get_rank() == 0:
         ref.save_pretrained(source)
     dist.barrier()
     tsp_size = dist.get_world_size()
     topo, config = TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa")
     model = ds_tsp.from_pretrained(source, topo, config)
-    in_memory = copy.deepcopy(ref)
+    # Hugging Face's own load of the files: its non-persistent buffers as its loads make them (Gemma 3's
+    # embedding scale in float64, where the model built in float32 and cast holds float32's rounding of it).
+    in_memory = type(ref).from_pretrained(source, dtype=torch.float64)
     ds_tsp.inject(in_memory, topo, config)
-    batch = visual_batch(ONE_IMAGE_EACH)
+    batch = visual_batch(ONE_IMAGE_EACH, gemma=arch == "gemma3")
     loss = model(**batch).loss
     same_loss = loss.item() == in_memory(**batch).loss.item()
     if trained:
@@ -398,6 +400,13 @@ def test_from_pretrained_then_save_pretrained_is_bit_exact(run_ranks, tmp_path, 
     for result in per_rank:
         assert result["same_loss"] and result["missing"] == [] and result["worst"] == 0.0
         assert (result["moved"] > 0) == trained  # the step moved the saved weights (or nothing did)
+
+
+def test_gemma3_round_trip_is_bit_exact(run_ranks, tmp_path):
+    """Gemma 3's SigLIP tower and its projector (one unit: a norm and a bare projection matrix), trained at D=2."""
+    for result in run_ranks(2, vlm_round_trip, source=str(tmp_path / "hf"), saved=str(tmp_path / "tsp"),
+                            trained=True, arch="gemma3"):
+        assert result["same_loss"] and result["missing"] == [] and result["worst"] == 0.0 and result["moved"] > 0
 
 
 # Prompts of one image and two (``_left_padded`` pads the shorter on the left, as generation pads prompts).

@@ -24,6 +24,7 @@ import os
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -297,7 +298,7 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
     """Read every parameter and persistent buffer outside the TSP blocks whole
     from ``checkpoint`` (tied parameters once, under whichever of their names the
     file has) and fill non-persistent buffers the way Hugging Face does after a
-    meta-device load: the model's own ``_init_weights`` on their module."""
+    meta-device load: the ``_init_weights`` of the model that holds their module."""
     groups = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if not name.startswith(skip_prefixes):
@@ -325,9 +326,17 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
         else:
             value = torch.empty_like(buffer, device=device)
         module._buffers[attr] = value
-    for module in model.modules():
+    # Each by the Hugging Face model it belongs to, as Hugging Face initialises a model nested in another
+    # (a VLM's SigLIP tower fills its own position ids), its read parameters marked as Hugging Face marks
+    # loaded ones, so that its initialisers leave them be (SigLIP's would draw new position embeddings).
+    owners = {name: module for name, module in model.named_modules() if isinstance(module, PreTrainedModel)}
+    for name, module in model.named_modules():
         if any(attr in module._non_persistent_buffers_set for attr in module._buffers):
-            model._init_weights(module)
+            owner = max((prefix for prefix in owners if not prefix or name == prefix or name.startswith(f"{prefix}.")),
+                        key=len)
+            for param in module.parameters():
+                param._is_hf_initialized = True
+            owners[owner]._init_weights(module)
 
 
 def _check_materialised(model):
