@@ -156,10 +156,13 @@ def test_vision_language_models_match_hugging_face(run_ranks, arch, tsp_size):
         per_rank = run_ranks(tsp_size, vlm_parity, rows=rows, arch=arch)
         check([{k: v for k, v in d.items() if k != "patches"} for d in per_rank], f"D={tsp_size} {arch} {name}")
         grids = [size for row in rows for kind, size in row if kind in ("image", "video")]
-        patches = [1 if arch in WHOLE_IMAGES else t * h * w for t, h, w in grids]  # whole images: one each
+        # The tower's items: whole images (one each for LLaVA's and Gemma 3's, whose tower counts images), Qwen's
+        # temporal patches.
+        patches = [1 if arch in WHOLE_IMAGES else h * w for t, h, w in grids for _ in range(t)]
         encoded = [d["patches"] for d in per_rank]
         print(f"D={tsp_size} {arch} {name}: patches encoded per rank {encoded} of {sum(patches)}")
-        # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none.
+        # Each rank encodes its share (at most total / D + the largest item), or the smallest item where it has none:
+        # a video's temporal patches are shared out too.
         assert all(count <= sum(patches) / tsp_size + max(patches) for count in encoded)
 
 

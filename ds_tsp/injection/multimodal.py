@@ -126,32 +126,37 @@ class QwenVisualInputs(VisualInputs):
                                                  (config.video_token_id, "pixel_values_videos", "video_grid_thw"))]
         return [kind for kind in kinds if kind[1] is not None]
 
-    def items(self, token_ids):
-        """The visual items in the order their rows fill the placeholders (images, then videos); the grids
-        from ``positions``' host copy, else one host read of them."""
-        merge = self.model.model.visual.spatial_merge_size
+    def _pieces(self):
+        """The items as the tower encodes them, in the order their rows fill the placeholders (images, then
+        videos): ``(placeholder id, pixels, first pixel row, (h, w))``, each temporal patch of an item its own
+        piece. Qwen's towers attend within a temporal patch (Qwen2.5-VL's windows lie in one too), so a long
+        video's temporal patches are encoded apart, on the ranks that share them. The grids from
+        ``positions``' host copy, else one host read of them."""
         kinds = self._kinds()
         if all(name in self.host_inputs for *_, name in kinds):
             host_grids = [self.host_inputs[name] for *_, name in kinds]
         else:
             host_grids = host_copy(*(grids for _, _, grids, _ in kinds), reason="visual grids")
-        return [VisualItem(token_id, int(patches), int(patches) // merge ** 2)
-                for (token_id, *_), grids in zip(kinds, host_grids) for patches in grids.prod(dim=-1)]
+        pieces = []
+        for (token_id, pixels, *_), grids in zip(kinds, host_grids):
+            row = 0
+            for t, h, w in grids.tolist():
+                pieces += [(token_id, pixels, row + frame * h * w, (h, w)) for frame in range(t)]
+                row += t * h * w
+        return pieces
+
+    def items(self, token_ids):
+        merge = self.model.model.visual.spatial_merge_size
+        self.pieces = self._pieces()
+        return [VisualItem(token_id, h * w, h * w // merge ** 2) for token_id, _, _, (h, w) in self.pieces]
 
     def encode(self, items, mine):
-        """The tower's features of items ``mine`` (a contiguous run), images and videos together (Qwen's
-        get_video_features is its image path): per kind of feature, one tensor a item."""
-        pixels, grids, first_item = [], [], 0
-        for _, tensor, grid, _ in self._kinds():
-            count = grid.shape[0]
-            wanted = [index - first_item for index in mine if first_item <= index < first_item + count]
-            if wanted:
-                before = sum(items[first_item + i].patches for i in range(wanted[0]))
-                length = sum(items[first_item + i].patches for i in wanted)
-                pixels.append(tensor[before:before + length])
-                grids.append(grid[wanted[0]:wanted[-1] + 1])
-            first_item += count
-        output = self.model.get_image_features(torch.cat(pixels), torch.cat(grids), return_dict=True)
+        """The tower's features of items ``mine`` (a contiguous run), images and videos together in one call
+        (Qwen's get_video_features is its image path): per kind of feature, one tensor a item."""
+        chosen = [self.pieces[index] for index in mine]
+        pixels = torch.cat([tensor[row:row + h * w] for _, tensor, row, (h, w) in chosen])
+        grids = torch.tensor([[1, h, w] for *_, (h, w) in chosen], device=pixels.device)
+        output = self.model.get_image_features(pixels, grids, return_dict=True)
         return [output.pooler_output, *(getattr(output, "deepstack_features", None) or ())]
 
 
