@@ -51,9 +51,12 @@ QUICK_TIER = [
     # Llama 4: chunked and NoPE layers, temperature tuning, input-scaled experts.
     "test_model.py::test_llama4_matches_hugging_face[2]",
     "test_model.py::test_a_wrong_llama4_piece_is_caught",
-    # Vision-language models: the tower's share per rank, visual rows to their tokens' ranks, M-RoPE positions.
+    # Vision-language models: the tower's share per rank, visual rows to their tokens' ranks, M-RoPE positions,
+    # Gemma 3's images attended both ways.
     "test_vision_language.py::test_vision_language_models_match_hugging_face[qwen2_vl-2]",
     "test_vision_language.py::test_a_wrong_visual_row_position_or_dropped_deepstack_is_caught[route-qwen2_vl]",
+    "test_vision_language.py::test_vision_language_models_match_hugging_face[gemma3-2]",
+    "test_documents.py::test_bidirectional_spans_give_hugging_faces_blockwise_mask[2-5]",
     # ds_tsp.initialize under DeepSpeed: ZeRO-1 over TSP 2 x DP 2, ZeRO-3, bf16, resume, a dead rank, export.
     "test_engine.py::test_training_matches_a_single_process_run[4-2-1-sgd-False-False-llama-False]",
     "test_engine.py::test_training_matches_a_single_process_run[2-2-3-sgd-False-False-llama-False]",
