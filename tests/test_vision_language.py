@@ -715,7 +715,8 @@ def test_tsp_trainer_with_a_vision_collator_matches_one_process(run_ranks, tmp_p
 def converted_and_saved(source, converted, checkpoint):
     """``ds-tsp convert``'s shards of a VLM read back (the loss of the model read against the in-memory one's)
     and the engine's DeepSpeed checkpoint resumed at its layout (every parameter back), both in ``same``; what
-    resharding and exporting that checkpoint answer."""
+    resharding that checkpoint answers; whether exporting it (model weights, and the fp32 master weights)
+    gives Hugging Face's model, tower included, tensor for tensor."""
     from ds_tsp.checkpoint import CheckpointError, shard_checkpoint
     from ds_tsp.checkpoint.export import export_deepspeed_checkpoint
     from ds_tsp.checkpoint.resharding import reshard
@@ -742,24 +743,28 @@ def converted_and_saved(source, converted, checkpoint):
             param.zero_()
     engine.load_checkpoint(checkpoint, tag="step0")  # at its own layout
     same_loss = same_loss and all(torch.equal(param, saved[name]) for name, param in engine.module.named_parameters())
-    refusals = []
+    refusals, exported = [], []
     if dist.get_rank() == 0:
-        for attempt in (lambda: reshard(checkpoint, checkpoint + "-universal"),
-                        lambda: export_deepspeed_checkpoint(checkpoint, source, checkpoint + "-hf")):
-            try:
-                attempt()
-            except CheckpointError as refusal:
-                refusals.append(str(refusal))
-    return same_loss, refusals
+        try:
+            reshard(checkpoint, checkpoint + "-universal")
+        except CheckpointError as refusal:
+            refusals.append(str(refusal))
+        for fp32_master in (False, True):
+            export_deepspeed_checkpoint(checkpoint, source, checkpoint + "-hf", force=True, fp32_master=fp32_master)
+            state = type(ref).from_pretrained(checkpoint + "-hf", dtype=torch.float32).state_dict()
+            exported.append(sorted(state) == sorted(ref.state_dict())
+                            and all(torch.equal(state[name], tensor) for name, tensor in ref.state_dict().items()))
+    return same_loss, refusals, exported
 
 
-def test_convert_reads_back_and_resharding_a_vlm_checkpoint_is_refused(run_ranks, tmp_path):
+def test_convert_and_export_read_back_and_resharding_a_vlm_checkpoint_is_refused(run_ranks, tmp_path):
     per_rank = run_ranks(2, converted_and_saved, source=str(tmp_path / "hf"), converted=str(tmp_path / "shards"),
                          checkpoint=str(tmp_path / "ds"))
-    assert all(same_loss for same_loss, _ in per_rank)
-    refusals = per_rank[0][1]
+    assert all(same_loss for same_loss, _, _ in per_rank)
+    refusals, exported = per_rank[0][1:]
     print("\n".join(refusals))
-    assert len(refusals) == 2 and all("holds a vision-language model's tower" in refusal for refusal in refusals)
+    assert len(refusals) == 1 and "holds a vision-language model's tower" in refusals[0]
+    assert exported == [True, True]  # the tower's slices joined into Hugging Face's tensors, both ways
 
 
 def test_visual_inputs_a_family_does_not_take_are_refused():

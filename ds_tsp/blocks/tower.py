@@ -100,8 +100,7 @@ class ShardedUnit(nn.Module):
         """``{Hugging Face name: tensor}`` of the unit, cut from its whole flat
         vector ``flat`` (by default gathered: collective over the group)."""
         flat = gather_rows(self.shard, self.tsp_group)[:self.numel] if flat is None else flat
-        sizes = [math.prod(shape) for shape in self.shapes]
-        return {name: piece.view(shape) for name, shape, piece in zip(self.names, self.shapes, flat.split(sizes))}
+        return unit_tensors(self.names, self.shapes, flat)
 
     def forward(self, *args, **kwargs):
         """The unit on its gathered tensors. Where the unit recomputes itself in
@@ -130,6 +129,13 @@ class ShardedUnit(nn.Module):
                 self.unit.gradient_checkpointing = recomputes
 
 
+def unit_tensors(names, shapes, flat):
+    """``{name: tensor}`` cut from a unit's whole flat vector ``flat`` (its tensors ``names`` of ``shapes``,
+    in order; padding past them ignored)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return {name: piece.view(shape) for name, shape, piece in zip(names, shapes, flat[:sum(sizes)].split(sizes))}
+
+
 def tower_units(tower, prefix=""):
     """``{name in the tower: module}`` of the units to shard: each child that
     holds parameters, a ``ModuleList``'s children (the blocks) one by one, and
@@ -147,17 +153,38 @@ def tower_units(tower, prefix=""):
     return units
 
 
-def shard_tower(model, path, group):
-    """Replace every unit of the tower at ``path`` of ``model`` (``tower_units``)
-    by its ``ShardedUnit`` over the TSP ``group``; a tower without blocks that
-    holds parameters of its own (Gemma 3's projector: a norm, a pooling and a
-    bare projection matrix) is one unit. At a group of one nothing changes."""
-    if comm.group_size(group) == 1:
-        return
+def unit_paths(model, path):
+    """``{path in model: module}`` of the units of the tower at ``path`` of ``model``
+    (``tower_units``); a tower without blocks that holds parameters of its own
+    (Gemma 3's projector: a norm, a pooling and a bare projection matrix) is one unit."""
     tower = model.get_submodule(path)
     if any(True for _ in tower.parameters(recurse=False)) and \
             not any(isinstance(module, nn.ModuleList) for module in tower.modules()):
-        model.set_submodule(path, ShardedUnit(tower, group))
+        return {path: tower}
+    return {f"{path}.{name}": unit for name, unit in tower_units(tower).items()}
+
+
+def shard_tower(model, path, group):
+    """Replace every unit of the tower at ``path`` of ``model`` (``unit_paths``)
+    by its ``ShardedUnit`` over the TSP ``group``. At a group of one nothing changes."""
+    if comm.group_size(group) == 1:
         return
-    for name, unit in tower_units(tower).items():
-        tower.set_submodule(name, ShardedUnit(unit, group))
+    for name, unit in unit_paths(model, path).items():
+        model.set_submodule(name, ShardedUnit(unit, group))
+
+
+def join_units(model, paths, states):
+    """``{Hugging Face name: tensor}`` of the tower units at ``paths`` of the unsharded ``model`` (a meta
+    model will do), from every TSP rank's saved state (``{name: tensor}``, in rank order), which holds each
+    unit's slice as ``<unit>.shard`` and its buffers under ``<unit>.unit.``: the slices joined in rank
+    order and cut into the unit's tensors, as ``ShardedUnit`` made them."""
+    full = {}
+    for path in paths:
+        for name, unit in unit_paths(model, path).items():
+            params = dict(unit.named_parameters())
+            flat = torch.cat([state[f"{name}.shard"].reshape(-1) for state in states])
+            tensors = unit_tensors(list(params), [p.shape for p in params.values()], flat)
+            full.update({f"{name}.{tensor}": value for tensor, value in tensors.items()})
+            full.update({f"{name}.{key[len(name) + 6:]}": value for key, value in states[0].items()
+                         if key.startswith(f"{name}.unit.")})
+    return full

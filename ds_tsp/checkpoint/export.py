@@ -43,6 +43,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
+from ds_tsp.blocks.tower import join_units
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
 from ds_tsp.checkpoint.resharding import VISION_TOWER_REFUSED, read_layout, reshard
@@ -56,7 +57,7 @@ from ds_tsp.checkpoint.writing import (
     write_state_dict,
 )
 from ds_tsp.injection.pipeline import hf_prefixes
-from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.injection.policy import VISION_TOWERS, resolve_policy, vision_family
 
 # Replicated tensors of a TSP block whose parameter is not under its Hugging Face name (a MoE block's
 # router and shared-expert gate, the q/k norms keep theirs).
@@ -231,9 +232,10 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
     policy = resolve_policy(model, "auto")
     folder = checkpoint_folder(os.fspath(checkpoint_dir), tag)
     layout = read_layout(folder) or {}
-    if layout.get("vision_tower"):
-        raise CheckpointError(VISION_TOWER_REFUSED.format(source=folder, what="exporting"))
     folded = layout.get("ep", layout.get("tsp")) != layout.get("tsp")
+    if layout.get("vision_tower") and fp32_master and (is_pipeline(folder) or folded):
+        raise CheckpointError(VISION_TOWER_REFUSED.format(
+            source=folder, what="exporting the master weights of pipeline stages or folded experts"))
     if folded and not fp32_master:
         raise CheckpointError(f"{folder} was saved with experts folded over replicas (tsp.expert_parallel_size = "
                               f"{layout['ep']}): its model states hold replica 0's experts, each rank's own are in "
@@ -244,7 +246,8 @@ def export_deepspeed_checkpoint(checkpoint_dir, model_dir, out_dir, tag=None, fo
         state = resharded_master_weights(os.fspath(checkpoint_dir), os.path.basename(folder), model, policy)
     else:
         layers = model.config.get_text_config().num_hidden_layers
-        state = joined_state(model, policy, rank_weights(folder, fp32_master, hf_prefixes(policy, layers)))
+        state = joined_state(model, policy, rank_weights(folder, fp32_master, hf_prefixes(policy, layers)),
+                             layout.get("vision_tower"))
     check_out_dir(os.fspath(model_dir), os.fspath(out_dir), force)
     with staged(out_dir, replaced=replaced_by_a_checkpoint) as staging:
         copy_other_files(os.fspath(model_dir), staging)  # the tokenizer, the generation config
@@ -309,8 +312,9 @@ def saved_16bit_weights(checkpoint_dir, model):
     return {name: source.read(name) for name in source.names if name in expected}
 
 
-def joined_state(model, policy, states):
-    """The model's full tensors from every TSP rank's module state (``rank_weights``)."""
+def joined_state(model, policy, states, vision_tower=False):
+    """The model's full tensors from every TSP rank's module state (``rank_weights``); ``vision_tower``: the
+    states hold a vision-language model's tower units, each rank a slice (``ds_tsp.blocks.tower``)."""
     tsp_size = len(states)
     full = {}
     for index, layer in enumerate(tqdm(model.get_submodule(policy.layers), desc=f"Joining {tsp_size} TSP ranks",
@@ -333,6 +337,8 @@ def joined_state(model, policy, states):
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})
     full.update({name: join_vocab(name, [state[name] for state in states], model.config.get_text_config().vocab_size)
                  for name in vocab_names(model, policy) if name in states[0]})
+    if vision_tower:
+        full.update(join_units(model, VISION_TOWERS[vision_family(model)], states))
     expected = set(untied(model, dict(model.state_dict())))
     state = {name: full[name] for name in expected if name in full}
     missing = expected - set(state)
