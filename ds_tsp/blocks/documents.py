@@ -118,10 +118,10 @@ def bidirectional_spans(marked, left_padding=None):
     left by the row's ``left_padding`` (``(B,)`` or None) as the rows are; None
     when no row has one. One run is one image's tokens, as Hugging Face's
     ``get_block_sequence_ids_for_mask`` groups them."""
-    edges = torch.diff(marked.to(torch.int8), dim=-1, prepend=marked.new_zeros(marked.shape[0], 1).to(torch.int8),
-                       append=marked.new_zeros(marked.shape[0], 1).to(torch.int8))
     if not marked.any():
         return None
+    border = torch.zeros(marked.shape[0], 1, dtype=torch.int8)
+    edges = torch.diff(marked.to(torch.int8), dim=-1, prepend=border, append=border)  # 1: a run starts, -1: ends
     spans = []
     for row, row_edges in enumerate(edges):
         shift = 0 if left_padding is None else int(left_padding[row])
