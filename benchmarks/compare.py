@@ -215,7 +215,9 @@ class FullSequenceRun:
         self.engine = engine
 
     def step(self, input_ids):
-        loss = self.engine(input_ids=input_ids, labels=input_ids).loss
+        """``input_ids`` its own labels, or a dict of the forward's inputs (a VLM's, ``compare_vlm.py``)."""
+        inputs = input_ids if isinstance(input_ids, dict) else {"input_ids": input_ids, "labels": input_ids}
+        loss = self.engine(**inputs).loss
         self.engine.backward(loss)
         self.engine.step()
         return loss.item()
@@ -266,7 +268,10 @@ class UlyssesRun:
         chunk = seq_len // sp_size
         own = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
         logits = self.engine(input_ids=input_ids[:, own], position_ids=positions[:, own]).logits
-        labels = shift_labels[:, own]
+        return self.finish(logits, shift_labels[:, own])
+
+    def finish(self, logits, labels):
+        """The step from this rank's ``logits`` and shifted ``labels``: the ALST loss, backward, optimizer."""
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         good = (labels != IGNORE_INDEX).sum()
         losses = dist_nn.all_gather(loss, group=self.sp_group)
@@ -477,7 +482,11 @@ def batch_ids(args, seq_len, replica=0):
 
 
 def measure(run, seq_len, args):
-    input_ids = batch_ids(args, seq_len)
+    return measure_batch(run, batch_ids(args, seq_len), args)
+
+
+def measure_batch(run, input_ids, args):
+    """One cell's figures of ``run`` training on ``input_ids`` (or a dict of inputs, ``FullSequenceRun.step``)."""
     losses = []
     # First step: builds optimizer state and runs one-off first-forward checks.
     for _ in range(max(args.warmup - 1, 0)):

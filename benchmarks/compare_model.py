@@ -8,6 +8,17 @@ Gated DeltaNet hybrid (``hybrid``). ``compare.py`` builds it and
 from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig, Qwen3_5TextConfig
 
 
+def add_model_arguments(parser, vocab=32000):
+    """The benchmark model's sizes as command-line options (``compare.py``'s defaults), for the scripts
+    that train it beside ``compare.py``."""
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=1376, help="the dense MLP's")
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
 def model_config(args):
     common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,

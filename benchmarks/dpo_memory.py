@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from compare import adamw, build_model, ds_config, zero3_buckets
+from compare_model import add_model_arguments
 from measure import LiveTensorBytes, peak_rss_bytes, reset_peak_rss
 from ranks import run_on_ranks
 
@@ -130,12 +131,7 @@ def parse_args(argv=None):
                         help="tokens of a pair: a chosen and a rejected sequence of half as many each")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--warmup", type=int, default=2, help="steps; the last is the measured one")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=1376)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(parser)
     parser.add_argument("--strategy-timeout", type=float, default=1800, help="seconds for one strategy, all lengths")
     parser.add_argument("--collective-timeout", type=float, default=600, help="gloo timeout, so a dead peer fails")
     parser.add_argument("--out", default="benchmarks/results")
