@@ -541,7 +541,16 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
 
 # Where TINY_SIZES make a class's own forward degenerate: StableLM rotates partial_rotary_factor (0.25) of each
 # head, one dim of a 4-wide head, on which Hugging Face's forward widens the head to 5; 8-wide heads rotate 2.
-TINY_TYPE_SIZES = {"stablelm": dict(hidden_size=32)}
+# Gemma 3's causal LM is its vision-language model, whose composite config takes tiny sizes in its parts: the
+# decoder's TINY_SIZES, a SigLIP tower of one block over 8 x 8 images pooled to 16 tokens, the image
+# placeholders at the top of the vocabulary (the scan's text-only rows may hold them: no image replaces them).
+TINY_TYPE_SIZES = {"stablelm": dict(hidden_size=32),
+                   "gemma3": dict(text_config={**{k: v for k, v in TINY_SIZES.items() if "implementation" not in k},
+                                               "model_type": "gemma3_text"},
+                                  vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
+                                                     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     image_size=8, patch_size=2, vision_use_head=False),
+                                  mm_tokens_per_image=16, image_token_id=60, boi_token_id=58, eoi_token_id=59)}
 
 # A mixture of experts at tiny sizes too: each attribute its config has (under its name or an alias) is set.
 TINY_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,

@@ -50,7 +50,7 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     Qwen2.5-VL's videos come with ``second_per_grid_ts`` (2 s a temporal patch)."""
     tsp_size = dist.get_world_size()
     ref = tiny_vlm(arch)
-    batch = packed_visual_batch(ref, rows) if packed else \
+    batch = packed_visual_batch(ref, rows, frames_apart=arch in FRAMES_APART) if packed else \
         visual_batch(rows, frames_apart=arch in FRAMES_APART, llava=arch == "llava", pixtral=arch == "mistral3",
                      gemma=arch == "gemma3")
     if left_padded:
@@ -177,7 +177,7 @@ PACKED_IMAGES = [[[("text", 5), ("image", (1, 4, 6)), ("text", 3)], [("text", 3)
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "mistral3"])
 def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
     """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts;
     Gemma 3's images see themselves both ways within their document."""
@@ -185,6 +185,23 @@ def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
            for d in run_ranks(tsp_size, vlm_parity, rows=PACKED_IMAGES if arch in IMAGES_ONLY else PACKED,
                               arch=arch, packed=True)],
           f"D={tsp_size} {arch} packed")
+
+
+def hybrid_vlm_packed_refusal():
+    model = tiny_vlm("qwen3_5")
+    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    try:
+        model(**packed_visual_batch(tiny_vlm("qwen3_5"), PACKED, frames_apart=True))
+    except ValueError as refusal:
+        return str(refusal)
+    return None
+
+
+def test_packed_rows_of_a_hybrid_vlm_are_refused(run_ranks):
+    """Qwen3.5's VLM: Hugging Face's packed forward carries the linear layers' state across documents (its loss
+    1.4e-3 from ds_tsp's, which restarts it as for the text model, at D=1), so packed rows are refused."""
+    [refusal] = run_ranks(1, hybrid_vlm_packed_refusal)
+    assert refusal is not None and "carries it across the documents, so the two would differ" in refusal
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])

@@ -205,10 +205,10 @@ def packed_visual_batch(model, rows, frames_apart=False):
     Qwen's models: each document's M-RoPE positions from the model's
     ``get_rope_index`` on it alone, behind its text positions (from 0), in
     position ids of shape ``(4, B, S)``; the images and videos in row order."""
-    if model.config.model_type == "gemma3":
-        return _packed_gemma_batch(rows)
-    documents = [[visual_batch([document], seed=index, frames_apart=frames_apart) for index, document in
-                  enumerate(row)] for row in rows]
+    if model.config.model_type in PLAIN_LAYOUTS:
+        return _packed_plain_batch(rows, model.config.model_type)
+    documents = _same_length([[visual_batch([document], seed=index, frames_apart=frames_apart)
+                               for index, document in enumerate(row)] for row in rows])
     batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
              for key in ("input_ids", "labels", "mm_token_type_ids")}
     positions = []
@@ -230,14 +230,38 @@ def packed_visual_batch(model, rows, frames_apart=False):
     return batch
 
 
-def _packed_gemma_batch(rows):
-    """``packed_visual_batch`` for Gemma 3: position ids from 0 in each
-    document, ``token_type_ids`` over the row, no attention mask."""
-    documents = [[visual_batch([document], seed=index, gemma=True) for index, document in enumerate(row)]
-                 for row in rows]
-    batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
-             for key in ("input_ids", "labels", "token_type_ids")}
+def _same_length(documents):
+    """Packed rows (lists of ``visual_batch`` documents) of one length: a text document fills a shorter one."""
+    lengths = [sum(doc["input_ids"].shape[1] for doc in row) for row in documents]
+    for row, length in zip(documents, lengths):
+        if length < max(lengths):
+            row.append(visual_batch([[("text", max(lengths) - length)]], seed=len(row)))
+    return documents
+
+
+# The families with plain positions, by model type: ``visual_batch``'s layout for each.
+PLAIN_LAYOUTS = {"llava": {"llava": True}, "gemma3": {"gemma": True}, "mistral3": {"pixtral": True}}
+
+
+def _packed_plain_batch(rows, model_type):
+    """``packed_visual_batch`` for the families with plain positions (LLaVA, Gemma 3, Mistral 3): position
+    ids from 0 in each document, no attention mask, the images in row order (Mistral 3's pixels padded to
+    the largest, with their ``image_sizes``; Gemma 3's ``token_type_ids`` over the row)."""
+    layout = PLAIN_LAYOUTS[model_type]
+    documents = [[visual_batch([document], seed=index, **(layout if any(kind == "image" for kind, _ in document)
+                                                          else {"llava": True}))
+                  for index, document in enumerate(row)] for row in rows]
+    documents = _same_length(documents)
+    keys = ("input_ids", "labels", "token_type_ids") if model_type == "gemma3" else ("input_ids", "labels")
+    batch = {key: torch.stack([torch.cat([doc.get(key, torch.zeros_like(doc["input_ids"]))[0] for doc in row])
+                               for row in documents]) for key in keys}
     batch["position_ids"] = torch.stack([torch.cat([torch.arange(doc["input_ids"].shape[1]) for doc in row])
                                          for row in documents])
-    batch["pixel_values"] = torch.cat([doc["pixel_values"] for row in documents for doc in row])
+    pixels = [doc["pixel_values"] for row in documents for doc in row if len(doc.get("pixel_values", ()))]
+    height, width = max(p.shape[2] for p in pixels), max(p.shape[3] for p in pixels)
+    batch["pixel_values"] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2]))
+                                       for p in pixels])
+    if model_type == "mistral3":
+        batch["image_sizes"] = torch.cat([doc["image_sizes"] for row in documents for doc in row
+                                          if "image_sizes" in doc])
     return batch
