@@ -250,11 +250,11 @@ class TSPVisionLanguageMixin(TSPCausalLMMixin):
         linear = [layer for layer in self.get_submodule(self.tsp_policy.layers)
                   if isinstance(layer.mixer, TSPGatedDeltaNet)]
         if batch.documents is not None and linear:
-            raise ValueError("packed documents (position ids that restart) in a vision-language model whose decoder "
-                             "has linear-attention layers (Qwen3.5's): ds_tsp restarts their recurrent state at "
-                             "each document, as for the text model, but Hugging Face's vision-language forward "
-                             "(transformers 5.25) carries it across the documents, so the two would differ: pass "
-                             "one document per row")
+            raise ValueError("packed documents in a vision-language model whose decoder has linear-attention layers "
+                             "(Qwen3.5's): ds_tsp restarts their recurrent state at each document, as for the text "
+                             "model, but Hugging Face's vision-language forward (transformers 5.25) gives such rows "
+                             "other numbers (with or without cu_seq_lens_q), so the two would differ: pass one "
+                             "document per row")
         return batch
 
     def _visual_inputs(self, kwargs):
