@@ -785,6 +785,15 @@ def test_convert_and_export_read_back_and_resharding_a_vlm_checkpoint_is_refused
     assert exported == [True, True]  # the tower's slices joined into Hugging Face's tensors, both ways
 
 
+def test_image_token_types_without_images_are_refused():
+    """Gemma 3's token types marking image tokens with no pixels: Hugging Face would still let those tokens see each
+    other, with no image in their place; token types of zeros (a text-only batch from its processor) pass."""
+    from ds_tsp.injection.multimodal import _check_text_only
+    with pytest.raises(ValueError, match="token_type_ids mark image tokens but no pixel_values were given"):
+        _check_text_only({"token_type_ids": torch.tensor([[0, 1, 1, 0]])})
+    _check_text_only({"token_type_ids": torch.zeros(1, 4, dtype=torch.long)})
+
+
 def test_visual_inputs_a_family_does_not_take_are_refused():
     from ds_tsp.injection.multimodal import LlavaVisualInputs
     with pytest.raises(ValueError, match=r"takes \['pixel_values'\] of the visual inputs, not \['pixel_values_videos'\]"):
