@@ -17,7 +17,7 @@ from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from float32_control import float32_bound, relative_errors
 from parity import TOLERANCE, check, check_caught, held_pieces, shard_grad_diffs, sharded_units
-from vision_models import PATCH, packed_visual_batch, tiny_vlm, visual_batch
+from vision_models import PATCH, packed_documents, packed_visual_batch, tiny_vlm, visual_batch
 
 # Rows of 48 tokens: D = 4 cuts them into 8 chunks of 6, so every image below straddles chunks (and ranks).
 ONE_IMAGE_EACH = [[("text", 5), ("image", (1, 4, 6)), ("text", 35)],
@@ -27,6 +27,9 @@ WITH_A_VIDEO = [[("text", 4), ("video", (3, 4, 4)), ("text", 4), ("image", (1, 2
                 [("text", 2), ("image", (1, 4, 4)), ("text", 30), ("pad", 10)]]
 # Families that take images only.
 IMAGES_ONLY = ("llava", "gemma3", "mistral3")
+# Families whose packed rows are checked against Hugging Face's forward of each document alone
+# (``reference_loss_by_document`` says why).
+BY_DOCUMENT = ("gemma3", "qwen3_5", "qwen3_5_moe")
 # Families whose tower takes whole images of one size (the tests count images, not patches).
 WHOLE_IMAGES = ("llava", "gemma3")
 # Families whose processors write each temporal patch of a video as its own run of placeholders.
@@ -58,8 +61,8 @@ def vlm_parity(rows, arch="qwen2_vl", layout="zigzag", wrong=None, packed=False,
     if arch == "qwen2_5_vl" and "video_grid_thw" in batch:
         batch["second_per_grid_ts"] = torch.full((len(batch["video_grid_thw"]),), 2.0, dtype=torch.float64)
     ref.zero_grad()
-    if packed and arch == "gemma3":
-        ref_loss = reference_loss_by_document(ref, rows, batch["labels"])
+    if packed and arch in BY_DOCUMENT:
+        ref_loss = reference_loss_by_document(ref, packed_documents(ref, rows, arch in FRAMES_APART), batch["labels"])
     else:
         ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
@@ -99,21 +102,22 @@ def reference_loss(model, batch):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
 
 
-def reference_loss_by_document(model, rows, labels):
-    """``reference_loss`` of Gemma 3's packed ``rows`` (``packed_visual_batch``'s), from Hugging Face's logits of
-    each document run alone. Its packed forward is no reference: on its sliding layers the image-block mask is
-    indexed by each token's position in its document instead of in the row (transformers 5.25,
-    ``create_masks_for_vision_model``), which moves its logits 0.34 from the documents' own; with that mask
-    indexed by the row, its packed logits equal the documents' to 3.5e-16."""
-    def alone(document, seed):
-        batch = visual_batch([document], seed=seed, gemma=True)
-        if not len(batch["pixel_values"]):  # a document without images
-            del batch["pixel_values"]
-        return model(**{key: value for key, value in batch.items() if key not in ("labels", "attention_mask")},
-                     use_cache=False).logits
+def reference_loss_by_document(model, documents, labels):
+    """``reference_loss`` of packed rows (``documents``: ``packed_documents``'), from Hugging Face's logits of
+    each document run alone, where its packed forward is no reference:
 
-    logits = torch.cat([torch.cat([alone(document, index) for index, document in enumerate(row)], dim=1)
-                        for row in rows])
+    * Gemma 3: on its sliding layers the image-block mask is indexed by each token's position in its
+      document instead of in the row (transformers 5.25, ``create_masks_for_vision_model``), which moves its
+      logits 0.34 from the documents' own; with that mask indexed by the row, its packed logits equal the
+      documents' to 3.5e-16;
+    * Qwen3.5: its linear-attention layers carry their state across packed documents (their torch path
+      ignores the boundaries), as in the text model (``parity.per_document_logits``)."""
+    def alone(batch):
+        inputs = {key: value for key, value in batch.items() if key not in ("labels", "attention_mask")
+                  and not (key.startswith("pixel_values") and not len(value))}
+        return model(**inputs, use_cache=False).logits
+
+    logits = torch.cat([torch.cat([alone(document) for document in row], dim=1) for row in documents])
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
@@ -177,32 +181,14 @@ PACKED_IMAGES = [[[("text", 5), ("image", (1, 4, 6)), ("text", 3)], [("text", 3)
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "mistral3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "gemma3", "mistral3"])
 def test_packed_rows_match_hugging_face(run_ranks, arch, tsp_size):
-    """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts;
-    Gemma 3's images see themselves both ways within their document."""
+    """Packed documents with their (4, B, S) positions: attention stops at each document, its M-RoPE restarts,
+    Qwen3.5's linear layers restart their state; Gemma 3's images see themselves both ways within their document."""
     check([{k: v for k, v in d.items() if k != "patches"}
            for d in run_ranks(tsp_size, vlm_parity, rows=PACKED_IMAGES if arch in IMAGES_ONLY else PACKED,
                               arch=arch, packed=True)],
           f"D={tsp_size} {arch} packed")
-
-
-def hybrid_vlm_packed_refusal():
-    model = tiny_vlm("qwen3_5")
-    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
-    try:
-        model(**packed_visual_batch(tiny_vlm("qwen3_5"), PACKED, frames_apart=True))
-    except ValueError as refusal:
-        return str(refusal)
-    return None
-
-
-def test_packed_rows_of_a_hybrid_vlm_are_refused(run_ranks):
-    """Qwen3.5's VLM: Hugging Face's vision-language forward gives packed rows other numbers than ds_tsp's
-    restart of the linear layers' state at each document (1.35e-3 in the loss at D=1, with or without
-    cu_seq_lens_q), so packed rows are refused by name."""
-    [refusal] = run_ranks(1, hybrid_vlm_packed_refusal)
-    assert refusal is not None and "so the two would differ: pass one document per row" in refusal
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])

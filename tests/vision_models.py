@@ -205,10 +205,9 @@ def packed_visual_batch(model, rows, frames_apart=False):
     Qwen's models: each document's M-RoPE positions from the model's
     ``get_rope_index`` on it alone, behind its text positions (from 0), in
     position ids of shape ``(4, B, S)``; the images and videos in row order."""
+    documents = packed_documents(model, rows, frames_apart)
     if model.config.model_type in PLAIN_LAYOUTS:
-        return _packed_plain_batch(rows, model.config.model_type)
-    documents = _same_length([[visual_batch([document], seed=index, frames_apart=frames_apart)
-                               for index, document in enumerate(row)] for row in rows])
+        return _packed_plain_batch(documents, model.config.model_type)
     batch = {key: torch.stack([torch.cat([doc[key][0] for doc in row]) for row in documents])
              for key in ("input_ids", "labels", "mm_token_type_ids")}
     positions = []
@@ -243,15 +242,21 @@ def _same_length(documents):
 PLAIN_LAYOUTS = {"llava": {"llava": True}, "gemma3": {"gemma": True}, "mistral3": {"pixtral": True}}
 
 
-def _packed_plain_batch(rows, model_type):
+def packed_documents(model, rows, frames_apart=False):
+    """The documents of packed ``rows`` (``packed_visual_batch``'s), each its own ``visual_batch`` in the
+    family's layout (a text-only document of a family with plain positions in LLaVA's, which has no grids),
+    the rows filled to one length by a text document."""
+    plain = PLAIN_LAYOUTS.get(model.config.model_type)
+    return _same_length([[visual_batch([document], seed=index, **(
+        {"frames_apart": frames_apart} if plain is None else
+        plain if any(kind == "image" for kind, _ in document) else {"llava": True}))
+        for index, document in enumerate(row)] for row in rows])
+
+
+def _packed_plain_batch(documents, model_type):
     """``packed_visual_batch`` for the families with plain positions (LLaVA, Gemma 3, Mistral 3): position
     ids from 0 in each document, no attention mask, the images in row order (Mistral 3's pixels padded to
     the largest, with their ``image_sizes``; Gemma 3's ``token_type_ids`` over the row)."""
-    layout = PLAIN_LAYOUTS[model_type]
-    documents = [[visual_batch([document], seed=index, **(layout if any(kind == "image" for kind, _ in document)
-                                                          else {"llava": True}))
-                  for index, document in enumerate(row)] for row in rows]
-    documents = _same_length(documents)
     keys = ("input_ids", "labels", "token_type_ids") if model_type == "gemma3" else ("input_ids", "labels")
     batch = {key: torch.stack([torch.cat([doc.get(key, torch.zeros_like(doc["input_ids"]))[0] for doc in row])
                                for row in documents]) for key in keys}

@@ -22,7 +22,6 @@ import inspect
 import torch
 
 from ds_tsp.blocks.documents import bidirectional_spans
-from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.rotary import text_and_rotary_positions
 from ds_tsp.blocks.visual import VisualItem, VisualRoute
 from ds_tsp.injection.model import TSPCausalLMMixin
@@ -244,18 +243,6 @@ class TSPVisionLanguageMixin(TSPCausalLMMixin):
         *(p for p in inspect.signature(TSPCausalLMMixin.forward).parameters.values() if p.kind != p.VAR_KEYWORD),
         *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in VISUAL_INPUTS),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
-
-    def _batch(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens, vocab_size, visual):
-        batch = super()._batch(input_ids, labels, position_ids, attention_mask, cu_seq_lens, vocab_size, visual)
-        linear = [layer for layer in self.get_submodule(self.tsp_policy.layers)
-                  if isinstance(layer.mixer, TSPGatedDeltaNet)]
-        if batch.documents is not None and linear:
-            raise ValueError("packed documents in a vision-language model whose decoder has linear-attention layers "
-                             "(Qwen3.5's): ds_tsp restarts their recurrent state at each document, as for the text "
-                             "model, but Hugging Face's vision-language forward (transformers 5.25) gives such rows "
-                             "other numbers (with or without cu_seq_lens_q), so the two would differ: pass one "
-                             "document per row")
-        return batch
 
     def _visual_inputs(self, kwargs):
         inputs = {name: kwargs.pop(name, None) for name in VISUAL_INPUTS}
