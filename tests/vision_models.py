@@ -3,11 +3,11 @@
 import sys
 
 import torch
-from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
-                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
-                          Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
-                          Qwen3VLForConditionalGeneration)
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration,
+                          Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                          Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
 from models import tiny_config, widen_float32_casts
 

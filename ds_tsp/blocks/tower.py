@@ -185,6 +185,7 @@ def join_units(model, paths, states):
             flat = torch.cat([state[f"{name}.shard"].reshape(-1) for state in states])
             tensors = unit_tensors(list(params), [p.shape for p in params.values()], flat)
             full.update({f"{name}.{tensor}": value for tensor, value in tensors.items()})
-            full.update({f"{name}.{key[len(name) + 6:]}": value for key, value in states[0].items()
-                         if key.startswith(f"{name}.unit.")})
+            buffers = f"{name}.unit."  # ShardedUnit keeps the Hugging Face module as ``unit``
+            full.update({f"{name}.{key.removeprefix(buffers)}": value for key, value in states[0].items()
+                         if key.startswith(buffers)})
     return full
