@@ -366,7 +366,8 @@ def vlm_round_trip(source, saved, trained, arch="qwen2_vl"):
     layout: ``visual.*``, ``model.layers.*``), then (``trained``) one SGD step on an image batch, then
     ``ds_tsp.save_pretrained``, loaded back by the class's ``from_pretrained``. Returns the loss of the model
     read against Hugging Face's load of the same files injected in memory, the names the two checkpoints
-    disagree on, and the largest difference of every tensor this rank holds against the reloaded model's (trained) or the original's."""
+    disagree on, and the largest difference of every tensor this rank holds against the reloaded model's
+    (trained) or the original's."""
     ref = tiny_vlm(arch)
     if dist.get_rank() == 0:
         ref.save_pretrained(source)
