@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
 from transformers import (Cohere2Config, Cohere2ForCausalLM, Cohere2MoeConfig, Cohere2MoeForCausalLM, CohereConfig,
@@ -207,7 +208,7 @@ def widen_float32_casts(modeling):
     in float32 (Helium's, Cohere's: their weight's gradient, a float32 sum over
     tokens, depends on its order), a rotary function rotating in float32
     (ERNIE 4.5's, Cohere's, Llama 4's over its complex table), and Llama 4's
-    norms normalising in float32 and its router's sigmoid."""
+    and Gemma 4's norms normalising in float32 and Llama 4's router's sigmoid."""
     if getattr(modeling, "_ds_tsp_widened", False):
         return
     if hasattr(modeling, "torch_chunk_gated_delta_rule"):
@@ -245,6 +246,10 @@ def widen_float32_casts(modeling):
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
         elif name.endswith("RMSNorm") and "self._norm(x.float())" in source:  # Llama 4's, with and without weight
             cls.forward = widened(cls.forward, {"x.float()": "x.to(torch.promote_types(x.dtype, torch.float32))"})
+        elif name.endswith("RMSNorm") and "self._norm(hidden_states.float())" in source:  # Gemma 4's, both ways
+            cls.forward = widened(cls.forward, {
+                "hidden_states.float()": "hidden_states.to(torch.promote_types(hidden_states.dtype, torch.float32))",
+                "self.weight.float()": "self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))"})
     modeling._ds_tsp_widened = True
 
 
@@ -257,6 +262,12 @@ for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe):
 # the scores and logits reach.
 GEMMA2_TINY = dict(sliding_window=5, query_pre_attn_scalar=4, attn_logit_softcapping=1.5,
                    final_logit_softcapping=2.0, attn_implementation="eager_wide_softmax")
+GEMMA4_TINY = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=5,
+                   global_head_dim=8, num_global_key_value_heads=1, attention_k_eq_v=True,
+                   final_logit_softcapping=2.0, hidden_size_per_layer_input=0,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1000.0}})
 # Phi-4-mini's shape: fused projections, GQA, 3/4 of each head rotary under
 # longrope (its short factors up to original_max_position_embeddings tokens,
 # its long ones past), a tied head.
@@ -289,6 +300,11 @@ def tiny_config(arch, **overrides):
                                                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                           "rope_theta": 1000.0}},
                                    **overrides})
+    if arch == "gemma4":  # Gemma 4 text: Gemma 3's layer with a weightless value norm and scale 1; full layers
+        # with wider heads (8) and one key/value head whose keys are also its values; proportional RoPE rotating a
+        # quarter of their heads; soft-capped logits. Per-layer inputs, shared keys/values and the MoE block: the
+        # overrides of GEMMA4_FEATURES.
+        return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, **overrides})
     if arch == "vaultgemma":  # Gemma-2's scale, soft-capped scores and logits and sliding layers, pre-norms only
         return VaultGemmaConfig(**{**kwargs, **GEMMA2_TINY, **overrides})  # (the auto policy's; issue 62)
     if arch == "hunyuan_v1_dense":  # per-head q/k norms after the rotary embedding; auto policy (issue 62)
@@ -458,6 +474,7 @@ def mla_config(arch, kwargs):
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
+                 "gemma4": Gemma4ForCausalLM,
                  "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,
@@ -513,6 +530,8 @@ def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a router's, so that it moves the routing
                 buffer.normal_(0, 0.3)
+            if name.endswith("layer_scalar"):  # Gemma 4's, off 1 so that a dropped one would show
+                buffer.normal_(1.0, 0.2)
     return model
 
 

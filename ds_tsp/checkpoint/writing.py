@@ -164,6 +164,12 @@ def gather_unit(prefix, module):
     return GatherUnit(dtypes, lambda: {f"{prefix}.{n}": t for n, t in module.state_dict().items()}, params)
 
 
+def _whole_tensors(prefix, tensors):
+    """A ``GatherUnit`` of ``tensors`` every rank holds whole, under ``prefix``."""
+    named = {f"{prefix}.{name}": tensor for name, tensor in tensors.items()}
+    return GatherUnit({name: tensor.dtype for name, tensor in named.items()}, lambda: named)
+
+
 @torch.no_grad()
 def _unit_tensors(prefix, unit):
     return {f"{prefix}.{name}": tensor for name, tensor in unit.full_tensors().items()}
@@ -195,6 +201,7 @@ class SavedStage:
                 units += [gather_unit(f"{prefix}.{name}.{inner}".rstrip("."), block)
                           for name, part in parts.items() for inner, block in part.named_modules()
                           if not inner or isinstance(block, PackedShardMixin)]
+                units.append(_whole_tensors(prefix, module.own_tensors()))
             else:
                 units.append(gather_unit(prefix, module))
         if self.extra:

@@ -196,7 +196,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
         shard_adapters(block, block_adapters(adapters or {}, where))
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
-                           policy.parallel_blocks, residual_multiplier(config, layer))
+                           policy.parallel_blocks, residual_multiplier(config, layer),
+                           layer._buffers.get("layer_scalar"))
 
 
 def residual_multiplier(config, layer):

@@ -50,7 +50,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     the layer's input (Cohere's layer), ``blocks`` runs them so."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
-                 mlp_name="mlp", parallel=False, residual_multiplier=1.0):
+                 mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
@@ -67,6 +67,12 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.layout = layout
         self.recompute_norms = recompute_norms  # tsp.recompute_norms
         self.rotary_kind = rotary_kind
+        # The layer's output times this buffer, kept under its Hugging Face name (Gemma 4's layer_scalar), or None.
+        self.register_buffer("layer_scalar", layer_scalar)
+
+    def own_tensors(self):
+        """The tensors the layer holds itself, outside its norms and blocks, by Hugging Face name."""
+        return {} if self.layer_scalar is None else {"layer_scalar": self.layer_scalar}
 
     @property
     def mixer(self):
@@ -115,10 +121,12 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         ``hidden + attention(norm(hidden)) + mlp(norm(hidden))``, in Hugging Face's order."""
         if not self.parallel:
             hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
-            return self.branch("mlp", hidden, run_mlp)
-        before, _ = self.layout["attention"]
-        normed = normalize(getattr(self, before), hidden, self.recompute_norms)
-        return hidden + run_attention(normed) + run_mlp(normed)
+            hidden = self.branch("mlp", hidden, run_mlp)
+        else:
+            before, _ = self.layout["attention"]
+            normed = normalize(getattr(self, before), hidden, self.recompute_norms)
+            hidden = hidden + run_attention(normed) + run_mlp(normed)
+        return hidden if self.layer_scalar is None else hidden * self.layer_scalar
 
 
 def normalize(norm, hidden, recompute):

@@ -190,6 +190,31 @@ GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
 GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
                                                "embedding for each layer type with the whole sequence's positions; "
                                                f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
+# Gemma 3n's and Gemma 4's features beyond Gemma 3's layer that the TSP model does not build yet.
+GEMMA_LAYER_FEATURES = {
+    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second "
+                                           "embedding feeding every layer), which the TSP model does not build"),
+    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers "
+                                    "attend to earlier layers' keys and values), which the TSP attention does not do"),
+    "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
+                                "the TSP layer does not run"),
+}
+# Gemma 4's text decoder: Gemma 3's layer with a weightless value norm, keys used as values on its full layers
+# (attention_k_eq_v: no v_proj there), wider heads and fewer key/value heads on those layers (transformers'
+# per-layer head_dim and num_key_value_heads, which the TSP attention reads layer by layer), proportional RoPE,
+# the scale 1.0 its q/k norms take over, each layer's output times its layer_scalar buffer.
+GEMMA4 = {**GEMMA3, "attention_k_eq_v": Accepts(any_value, "the full layers' keys before their norm and rotary "
+                                                "are their values (no v_proj), as the TSP attention computes them"),
+          "use_bidirectional_attention": Accepts((None, "vision"), "bidirectional attention over all tokens "
+                                                 "(\"all\"); \"vision\" lets images see themselves in the "
+                                                 "vision-language model, and leaves the causal LM causal",
+                                                 "leave use_bidirectional_attention unset for a causal LM"),
+          "use_double_wide_mlp": Accepts(any_value, "the key/value-sharing layers' MLP width, read from the module"),
+          **GEMMA_LAYER_FEATURES,
+          "vocab_size_per_layer_input": Accepts(any_value, "read only with hidden_size_per_layer_input"),
+          "num_experts": Accepts(any_value, "read only with enable_moe_block"),
+          "top_k_experts": Accepts(any_value, "read only with enable_moe_block"),
+          "moe_intermediate_size": Accepts(any_value, "read only with enable_moe_block")}
 # OLMo-2/3: post-norms only; q/k RMSNorms over the whole projection width.
 OLMO2 = {**COMMON, "attention_bias": ATTENTION_BIAS}
 OLMO3 = {**OLMO2, **SLIDING, "rope_parameters": GEMMA3["rope_parameters"]}
@@ -254,14 +279,9 @@ AUTO_CONFIG = {
                               "layers), which the TSP attention runs without positions"),
     "attn_temperature_tuning": Accepts(any_value, "attention temperature tuning: Llama 4's NoPE layers scale their "
                                        "queries with each token's index in its row (rotary.TemperatureTuning)"),
-    # Gemma 3n's and Gemma 4's, named for the same reason.
-    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second "
-                                           "embedding feeding every layer), which the TSP model does not build"),
-    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers "
-                                    "attend to earlier layers' keys and values), which the TSP attention does not do"),
-    "attention_k_eq_v": Accepts((None, False), "keys used as values (Gemma 4), which the TSP attention does not do"),
-    "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
-                                "the TSP layer does not run"),
+    # Gemma 3n's and Gemma 4's, named for the same reason (Gemma 4's own policy builds some: GEMMA4).
+    **GEMMA_LAYER_FEATURES,
+    "attention_k_eq_v": Accepts((None, False), "keys used as values (Gemma 4), which only Gemma 4's policy reads"),
 }
 
 
@@ -384,6 +404,8 @@ POLICIES = {
                             norm_layout=SANDWICH_NORMS),
     "gemma3_text": DecoderPolicy("gemma3_text", "Gemma3DecoderLayer", "Gemma3ForCausalLM", GEMMA3, layer_types_window,
                                  norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
+    "gemma4_text": DecoderPolicy("gemma4_text", "Gemma4TextDecoderLayer", "Gemma4ForCausalLM", GEMMA4,
+                                 layer_types_window, norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
     "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
                            qk_norm_width="projection"),
     "olmoe": DecoderPolicy("olmoe", "OlmoeDecoderLayer", "OlmoeForCausalLM", OLMOE, no_window,
@@ -410,6 +432,8 @@ MLP_NAMES = ("block_sparse_moe", "feed_forward")
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Tensors a decoder layer may hold itself, which the TSP layer keeps: Gemma 4's layer_scalar, its output's factor.
+LAYER_TENSORS = ("layer_scalar",)
 # Per-head query/key norms (Qwen3's, Hunyuan's after the rotary embedding): optional, but both of a pair or neither.
 ATTENTION_NORMS = tuple(attention.QK_NORMS)
 # Tensors an attention module may hold itself, which the TSP attention shards with its heads: GPT-OSS's sinks.
@@ -639,10 +663,16 @@ def warn_unbuilt(model_class, config):
                            "next-token loss alone", model_class, key, layers)
 
 
+# What a heterogeneous config (transformers' per-layer attributes) may set per layer: the TSP attention reads its
+# heads off the layer's config (``attention.heads_config``), as Gemma 4's full layers' wider heads and fewer
+# key/value heads.
+PER_LAYER_ATTRIBUTES = ("head_dim", "num_key_value_heads")
+
+
 def check_config(model_class, config, policy):
     """Refuse any config attribute of ``policy``'s table whose value the TSP forward does not reproduce."""
     warn_unbuilt(model_class, config)
-    # A heterogeneous config (transformers' per-layer attributes, Gemma 4's head sizes) refuses global reads of them.
+    # A heterogeneous config refuses global reads of what it sets per layer, and what the TSP layers read once.
     per_layer = sorted(config.per_layer_attributes or ()) if getattr(config, "is_heterogeneous", False) else []
     for key, accepts in policy.config.items():
         if key in per_layer:
@@ -652,9 +682,10 @@ def check_config(model_class, config, policy):
             fix = f": {accepts.fix}" if accepts.fix else ""
             raise PolicyError(f"{model_class} has config.{key} = {value!r}, which ds_tsp does not reproduce "
                               f"({accepts.why}){fix}; tsp.policy {policy.name!r}")
-    if per_layer:
-        raise PolicyError(f"{model_class} has a heterogeneous config (per layer: {per_layer}), which ds_tsp does not "
-                          "convert: every TSP layer of a model has the same shape")
+    unread = [key for key in per_layer if key not in PER_LAYER_ATTRIBUTES]
+    if unread:
+        raise PolicyError(f"{model_class} has a heterogeneous config setting {unread} per layer, which ds_tsp does "
+                          f"not convert: the TSP layers read only {list(PER_LAYER_ATTRIBUTES)} layer by layer")
 
 
 def check_window(policy, layer, config, index, where):
@@ -705,10 +736,12 @@ def check_layer(policy, layer, where):
         mixer_parts = latent_projections(children[policy.attention])
     else:
         mixer_parts = policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS)
+        if attention.values_from_keys(children.get(policy.attention)):
+            mixer_parts = tuple(p for p in mixer_parts if p != "v_proj")
     expected = {mixer: mixer_parts,
                 policy.mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections()),
                 **{name: () for name in policy.norm_names()}}
-    check_own_tensors(layer, where, layer_class)
+    check_own_tensors(layer, where, layer_class, LAYER_TENSORS)
     for child, projections in expected.items():
         if sparse and child == policy.mlp:
             continue  # check_sparse_block below

@@ -38,12 +38,15 @@ class TSPAttention(PackedShardMixin, nn.Module):
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
                  k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False, rope=ROTATE_HALF,
-                 query_scale=None, attention_chunk=None):
+                 query_scale=None, attention_chunk=None, v_norm=None, values_from_keys=False):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
         self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group), output_gate)
-        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks) for j in range(self.heads.tsp_size))
+        # Keys used as values (Gemma 4's full layers): no v_proj in any shard.
+        self.values_from_keys = values_from_keys
+        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks, values=not values_from_keys)
+                           for j in range(self.heads.tsp_size))
         self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts parameters tagged model-parallel on every TSP rank in
@@ -57,6 +60,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_names = None if q_norm is None else ("q_norm", "k_norm")
         self.norms_span_projection = norm_weight(q_norm) is not None and q_norm.weight.numel() != head_dim
+        # A weightless per-head norm of the values (Gemma 4's v_norm), or None.
+        self.v_norm = v_norm
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         # Llama 4's chunked layers: attention within chunks of this many tokens (documents.chunked_documents).
@@ -99,6 +104,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
         Phi-3's ``qkv_proj``), whose rows ``read`` is then asked for under
         Hugging Face's names (``ds_tsp.blocks.fused``).
         """
+        config = heads_config(attn, config)
         rows = hf_rows(attn, config, fused)
         q_proj = rows.hf_module(attn, "q_proj")
         weight = q_proj.weight
@@ -113,6 +119,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                 norm = copy.deepcopy(norm).to_empty(device=device)
                 norm.tsp_after_rotary = after_rotary  # read by rotary.rotate
             norms[name] = norm
+        if getattr(attn, "v_norm", None) is not None:  # weightless (Gemma 4's): nothing to load
+            norms["v_norm"] = copy.deepcopy(attn.v_norm).to_empty(device=device)
         rotary_halves = rotates_whole_head_by_half_tables(attn)
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
@@ -121,7 +129,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
                      sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),
                      rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config),
-                     attention_chunk=attention_chunk_of(attn, config), **norms)
+                     attention_chunk=attention_chunk_of(attn, config), values_from_keys=values_from_keys(attn),
+                     **norms)
         module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -164,6 +173,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
         return AttentionPlan(group=self.tsp_group, heads=self.heads, specs=self.specs, layout=self.layout_name,
                              kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
                              explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm,
+                             v_norm=self.v_norm, values_from_keys=self.values_from_keys,
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
                                                        self.layout_name, x.shape[0], self.token_tile,
                                                        self.sliding_window, spans),
@@ -209,9 +219,27 @@ class TSPAttention(PackedShardMixin, nn.Module):
         return out if self.o_bias is None else out + self.o_bias
 
 
+def heads_config(attn, config):
+    """The config that gives ``attn``'s head counts: a heterogeneous config's
+    view of its layer (transformers' per-layer attributes: Gemma 4's full
+    layers' wider heads and fewer key/value heads), else ``config`` itself."""
+    if not getattr(config, "is_heterogeneous", False):
+        return config
+    return config.per_layer_config[attn.layer_idx]
+
+
+def values_from_keys(attn):
+    """Whether ``attn``'s values are its keys before their norm and rotary
+    embedding: it holds a key projection and no value projection (Gemma 4's
+    full layers under ``attention_k_eq_v``)."""
+    return (attn is not None and isinstance(getattr(attn, "k_proj", None), nn.Linear)
+            and hasattr(attn, "v_proj") and attn.v_proj is None)
+
+
 def hf_rows(attn, config, fused=None):
     """Where q/k/v lie in the Hugging Face module ``attn`` under the policy's
     ``fused`` table for it (``ds_tsp.blocks.fused``: q rows, then k, then v)."""
+    config = heads_config(attn, config)
     head_dim = attn.head_dim
     kv_rows = config.num_key_value_heads * head_dim
     q_rows = config.num_attention_heads * head_dim * (2 if has_output_gate(attn, config, fused) else 1)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.head_groups import HeadGroups
 from ds_tsp.blocks.input_norm import TiledInputNorm
-from ds_tsp.blocks.rotary import ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward, scale_queries
+from ds_tsp.blocks.rotary import NO_ROTARY, ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward, scale_queries
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -55,6 +55,8 @@ class AttentionPlan:
     grad_wire_dtype: object = None  # weight-gradient reduces' wire dtype (precision.gradient_wire_dtype; None: float32)
     q_norm: object = None  # q/k norms applied before the rotary embedding, replicated: per head (Qwen3,
     k_norm: object = None  # Gemma-3) or over the whole projection (OLMo-2: see ProjectionNormPiece)
+    v_norm: object = None  # a weightless per-head norm of the values (Gemma 4's), or None
+    values_from_keys: bool = False  # the values are the keys before their norm and rotary (Gemma 4's k_eq_v)
     input_norm: object = None  # the layer's norm before the attention, run inside it (ds_tsp.blocks.input_norm)
     token_tile: int = 0  # tsp.token_tile: the input norm's tiles in backward
     rope: object = ROTATE_HALF  # the rotary convention (rotary.ROTATE_HALF, or the model's own ModelRotary)
@@ -114,6 +116,23 @@ def queries_backward(plan, q, grad, norm, cos, sin):
     if plan.query_scale is not None:
         grad = scale_queries(grad, plan.query_scale, plan.casts_query_scale)
     return rotate_backward(q, grad, norm, cos, sin, plan.rope)
+
+
+def raw_values(plan, x_project, k):
+    """The values of a key/value holder before their norm: its keys ``k``
+    before theirs where the layer takes keys as values, else ``v_proj`` of the
+    local tokens (``x_project(name)``)."""
+    return k if plan.values_from_keys else x_project("v_proj")
+
+
+def values(plan, v):
+    """The raw values ``v`` ``(B, L, h, d)`` as attention sees them: normed where the layer norms them."""
+    return v if plan.v_norm is None else rotate(v, plan.v_norm, None, None, NO_ROTARY)
+
+
+def values_backward(plan, v, grad):
+    """The gradient of the raw values ``v`` from that of ``values(plan, v)``."""
+    return grad if plan.v_norm is None else rotate_backward(v, grad, plan.v_norm, None, None, NO_ROTARY)[0]
 
 
 def split_gate(q, head_dim):
@@ -256,7 +275,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
-            v = project(x, w, "v_proj", heads.kv_heads, d)
+            v = values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
             k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
             gathers[j] = gather_kv(plan, k_rotated, v)
             if kv_sink is not None:
@@ -336,6 +355,7 @@ class Recomputation:
         self.stream = shard_stream(plan, packed)
         self.gathers = {}  # key/value holder -> its K/V all-gather in flight
         self.keys = {}  # key/value holder -> its keys before the norm and rotary embedding
+        self.values = {}  # key/value holder -> its values before their norm, where the layer norms them
 
     def project(self, w, name, num_heads, head_dim=None):
         """Projection ``name`` of the local tokens, as the forward computed it
@@ -354,14 +374,21 @@ class Recomputation:
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             self.keys[j] = self.project(w, "k_proj", heads.kv_heads)
+            v = raw_values(plan, lambda name: self.project(w, name, heads.kv_heads), self.keys[j])
+            if plan.v_norm is not None:
+                self.values[j] = v
             self.gathers[j] = gather_kv(plan, rotate(self.keys[j], group_norm(plan, "k", j, self.inv_rms), self.cos,
-                                                     self.sin, plan.rope), self.project(w, "v_proj", heads.kv_heads))
+                                                     self.sin, plan.rope), values(plan, v))
         return w
 
     def keys_backward(self, holder, dk):
         """``rotate_backward`` of the holder's keys, which are then dropped."""
         norm = group_norm(self.plan, "k", holder, self.inv_rms)
         return rotate_backward(self.keys.pop(holder), dk, norm, self.cos, self.sin, self.plan.rope)
+
+    def values_backward(self, holder, dv):
+        """The gradient of the holder's raw values (``values_backward``), which are then dropped."""
+        return values_backward(self.plan, self.values.pop(holder, None), dv)
 
 
 class HeadGroupGrads:
@@ -434,13 +461,18 @@ class HeadGroupGrads:
         the input gradient and the key/value weight gradients, which go to the
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
         dk, dv = scatter.wait()
+        dv = self.inputs.values_backward(holder, dv)
         dk, *grad_k_norm = self.inputs.keys_backward(holder, dk)
         self.add_norm("k", holder, *grad_k_norm)
         dk = dk.flatten(0, 1).flatten(1)
         dv = dv.flatten(0, 1).flatten(1)
-        self.add_input(dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"])
+        if self.plan.values_from_keys:  # one projection fed both
+            dk = dk + dv
+            self.add_input(dk @ kv_weights["k_proj.weight"])
+        else:
+            self.add_input(dk @ kv_weights["k_proj.weight"] + dv @ kv_weights["v_proj.weight"])
+            self.write_projection(holder, "v_proj", dv)
         self.write_projection(holder, "k_proj", dk)
-        self.write_projection(holder, "v_proj", dv)
         self.reduce_part(holder, "all" if holder == j else "key/value")
 
     def own_shard(self):
