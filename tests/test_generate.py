@@ -483,8 +483,8 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
     """``TSPCache``'s row operations (beam search, expansion, selection) move
     every layer's keys and values, the positions, validity and next positions
     alike, and storage grows past its first size."""
-    cache = TSPCache(num_layers=2, batch=3, num_kv_heads=1, head_dim=2, dtype=torch.float64, device="cpu",
-                     tsp_rank=0, rank_counts=[2])
+    cache = TSPCache(num_layers=2, batch=3, dtype=torch.float64, device="cpu", tsp_rank=0, rank_counts=[2],
+                     shapes=dict.fromkeys(range(2), (1, 2, None)))
     slots = cache.reserve(torch.tensor([[0, 1]] * 3), torch.ones(3, 2, dtype=torch.bool))
     for layer in range(2):
         rows = torch.arange(3, dtype=torch.float64).view(3, 1, 1, 1).expand(3, 2, 1, 2) + 10 * layer
@@ -511,7 +511,7 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
                                             ("hunyuan_v1_moe", 2), ("ernie4_5", 2), ("flint", 2), ("ministral3", 2),
                                             ("cohere", 2), ("cohere2", 2), ("cohere2_moe", 2), ("nemotron", 2),
                                             ("granitemoe", 2), ("llama4", 2), ("llama4", 4),
-                                            ("hyperclovax", 2)])
+                                            ("hyperclovax", 2), ("gemma4", 2), ("gemma4", 4)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are
@@ -528,7 +528,8 @@ def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, t
     NoPE layer's queries are tuned at their cache position (the left padding
     counted, as Hugging Face counts it) and its experts take inputs scaled by
     their routing weights; HyperCLOVA X's logits are multiplied by its
-    logits_scaling."""
+    logits_scaling; Gemma 4's full layers cache wider heads, fewer of them,
+    whose keys are their values, every layer's values normed."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
     per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,

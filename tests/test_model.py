@@ -8,6 +8,7 @@ import torch
 import ds_tsp
 from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.fused import FusedRows
+from ds_tsp.injection.inject import tsp_layer as REAL_TSP_LAYER
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from float32_control import ROUNDING_FLOOR
@@ -258,6 +259,37 @@ def _llama4_wrong(wrong, **kwargs):
 def test_a_wrong_llama4_piece_is_caught(run_ranks, wrong, case):
     per_rank = run_ranks(2, _llama4_wrong, wrong=wrong, arch="llama4", **case)
     check_moved(per_rank, f"Llama 4 with its {wrong} wrong")
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_gemma4_matches_hugging_face(run_ranks, tsp_size):
+    """Gemma 4 text: sliding layers of 4-wide heads, full layers of 8-wide heads with one key/value head whose
+    keys (before their norm and rotary) are its values, every layer's values normed without a weight,
+    proportional RoPE on the full layers, each layer's output times its layer_scalar; padded both ways, packed,
+    the vocabulary folded or not."""
+    cases = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=13, left_padding=4), PACKED,
+             dict(batch=1, seq_len=16, vocab_parallel=False))
+    for case in cases:
+        check(run_ranks(tsp_size, model_parity, arch="gemma4", **case), f"D={tsp_size} gemma4 {case}")
+
+
+def _without_layer_scalar(layer, *args, **kwargs):
+    layer._buffers.pop("layer_scalar", None)
+    return REAL_TSP_LAYER(layer, *args, **kwargs)
+
+
+def _gemma4_wrong(wrong, **kwargs):
+    """``model_parity`` with one of Gemma 4's pieces wrong: its values not normed, or its layers' outputs not
+    multiplied by their layer_scalar."""
+    patches = {"value_norm": mock.patch("ds_tsp.blocks.attention.schedule.attended_values", lambda plan, v: v),
+               "layer_scalar": mock.patch("ds_tsp.injection.inject.tsp_layer", _without_layer_scalar)}
+    with patches[wrong]:
+        return model_parity(**kwargs)
+
+
+@pytest.mark.parametrize("wrong", ["value_norm", "layer_scalar"])
+def test_a_wrong_gemma4_piece_is_caught(run_ranks, wrong):
+    check_moved(run_ranks(2, _gemma4_wrong, wrong=wrong, arch="gemma4", batch=2, seq_len=13), f"Gemma 4's {wrong}")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])

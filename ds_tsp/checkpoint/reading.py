@@ -394,6 +394,8 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, a
     if tsp_config.vocab_parallel:
         blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}
+    replicated |= {name for name in model.state_dict() if name not in dict(model.named_parameters())
+                   and not name.startswith(blocks)}  # persistent buffers (Gemma 4's layer_scalar), read whole
     progress = tqdm(total=len(plan) + len(replicated), desc=f"Loading {os.path.basename(path)}", unit="tensor",
                     disable=topology.rank != 0)
     _materialise_replicated(model, checkpoint, blocks, dtype, device, progress)

@@ -82,10 +82,11 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
         return {policy.attention: _latent_shards(attn, config, tsp_size),
                 policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
+    config = attention.heads_config(attn, config)
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size,
                        attention.has_output_gate(attn, config, policy.fused.get(policy.attention)))
     attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r,
-                             attention.has_sinks(attn))
+                             attention.has_sinks(attn), values=not attention.values_from_keys(attn))
                   for r in range(tsp_size)]
     return {
         policy.attention: BlockShards(attn_specs, _holdings(attn_specs,

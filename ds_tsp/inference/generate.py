@@ -62,7 +62,7 @@ rank 0's random state (``agree_on_random_state``).
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import attention_forward, project, split_gate
+from ds_tsp.blocks.attention.schedule import attended_values, attention_forward, project, raw_values, split_gate
 from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries,
                                   text_and_rotary_positions)
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
@@ -323,12 +323,11 @@ class TSPDecoder:
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         # Worked out on the host (a nonzero on the device would wait for it), then moved.
         keep, kept_positions = (t.to(device) for t in prompt_tokens(r, D, self.layout, prompt_len))
-        attention = [layer.mixer for layer in self.layers if not isinstance(layer.mixer, TSPGatedDeltaNet)]
-        key_heads, key_dim, value_dim = _cache_shape(attention[0]) if attention else (0, 0, None)
+        shapes = {index: _cache_shape(layer.mixer) for index, layer in enumerate(self.layers)
+                  if not isinstance(layer.mixer, TSPGatedDeltaNet)}
         states = {index: state_shapes(layer.mixer, hidden.dtype) for index, layer in enumerate(self.layers)
                   if isinstance(layer.mixer, TSPGatedDeltaNet)}
-        cache = TSPCache(len(self.layers), batch, key_heads, key_dim, hidden.dtype, device, r, prompt_counts,
-                         value_dim, states)
+        cache = TSPCache(len(self.layers), batch, hidden.dtype, device, r, prompt_counts, shapes, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
         cache.left_padding = prompt_len - lengths
@@ -426,7 +425,8 @@ class TSPDecoder:
         # every head of the new token (a norm over the projection needs them all).
         q, gate = split_gate(project(h, w, "q_proj", hq, heads.q_width), d)  # (B, 1, hq, d); an output gate
         if heads.holds_kv(self.tsp_rank):
-            k, v = project(h, w, "k_proj", hkv, d), project(h, w, "v_proj", hkv, d)
+            k = project(h, w, "k_proj", hkv, d)
+            v = raw_values(attn, lambda name: project(h, w, name, hkv, d), k)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
         gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
@@ -440,7 +440,7 @@ class TSPDecoder:
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
             k_new = _normed_and_rotated(attn, attn.k_norm, k_new.unsqueeze(1), cos, sin)
-            cache.write(index, slots, k_new, v_new.unsqueeze(1))
+            cache.write(index, slots, k_new, attended_values(attn, v_new.unsqueeze(1)))
         keys, values = cache.layer(index)
         o, lse = self._heads_of_this_rank(keys, values, q_all, cache, positions, attn.scale, attn.sliding_window,
                                           attn.softcap, attn.attention_chunk)  # (B, hq, d)

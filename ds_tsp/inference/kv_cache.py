@@ -89,18 +89,18 @@ class TSPCache(Cache):
     each), from which every rank places the next token alike;
     ``next_positions`` ``(B,)`` the position of each row's next token.
     ``get_seq_length`` counts the input columns seen, padding included, as
-    Hugging Face's caches do. ``value_dim`` 0: no values (a multi-head latent
-    attention caches its latent and rotary key as one key head, its values
-    being the latent itself). ``states``: ``{layer: (conv shape, recurrent
-    shape, recurrent dtype)}`` of a hybrid's Gated DeltaNet layers, without the
-    batch: those layers keep this rank's head group's states
-    (``TSPStateLayer``) instead of slots.
+    Hugging Face's caches do. ``shapes``: ``{layer: (key heads, key width,
+    value width)}`` of the attention layers, each its own (Gemma 4's full
+    layers have wider heads and fewer of them); a value width None is the
+    key's, 0 no values (a multi-head latent attention caches its latent and
+    rotary key as one key head, its values being the latent itself).
+    ``states``: ``{layer: (conv shape, recurrent shape, recurrent dtype)}`` of
+    a hybrid's Gated DeltaNet layers, without the batch: those layers keep
+    this rank's head group's states (``TSPStateLayer``) instead of slots.
     """
 
-    def __init__(self, num_layers, batch, num_kv_heads, head_dim, dtype, device, tsp_rank, rank_counts,
-                 value_dim=None, states=None):
-        shape = (batch, num_kv_heads, rank_counts[tsp_rank], head_dim)
-        value_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)
+    def __init__(self, num_layers, batch, dtype, device, tsp_rank, rank_counts, shapes, states=None):
+        slots = rank_counts[tsp_rank]
         states = states or {}
 
         def layer(index):
@@ -108,14 +108,16 @@ class TSPCache(Cache):
                 conv, recurrent, state_dtype = states[index]
                 return TSPStateLayer(torch.zeros((batch, *conv), dtype=dtype, device=device),
                                      torch.zeros((batch, *recurrent), dtype=state_dtype, device=device))
+            key_heads, key_dim, value_dim = shapes[index]
             # Zeros, not empty: a slot no token of a row is written to is masked out of that row's attention,
             # but its value still meets a zero weight in probs @ values, and 0 x NaN of stale memory is NaN.
-            return TSPCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
-                                 torch.zeros(value_shape, dtype=dtype, device=device))
+            return TSPCacheLayer(torch.zeros((batch, key_heads, slots, key_dim), dtype=dtype, device=device),
+                                 torch.zeros((batch, key_heads, slots, key_dim if value_dim is None else value_dim),
+                                             dtype=dtype, device=device))
 
         super().__init__(layers=[layer(index) for index in range(num_layers)])
-        self._positions = torch.zeros(batch, shape[2], dtype=torch.long, device=device)
-        self._valid = torch.zeros(batch, shape[2], dtype=torch.bool, device=device)
+        self._positions = torch.zeros(batch, slots, dtype=torch.long, device=device)
+        self._valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
         self.length = 0
         self.rank_counts = list(rank_counts)
         self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)

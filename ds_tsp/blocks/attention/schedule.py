@@ -120,18 +120,19 @@ def queries_backward(plan, q, grad, norm, cos, sin):
 
 def raw_values(plan, x_project, k):
     """The values of a key/value holder before their norm: its keys ``k``
-    before theirs where the layer takes keys as values, else ``v_proj`` of the
-    local tokens (``x_project(name)``)."""
+    before theirs where the layer takes keys as values, else ``v_proj`` of its
+    tokens (``x_project(name)``). ``plan``: the ``AttentionPlan``, or the
+    ``TSPAttention`` in decoding (both carry ``v_norm`` and ``values_from_keys``)."""
     return k if plan.values_from_keys else x_project("v_proj")
 
 
-def values(plan, v):
+def attended_values(plan, v):
     """The raw values ``v`` ``(B, L, h, d)`` as attention sees them: normed where the layer norms them."""
     return v if plan.v_norm is None else rotate(v, plan.v_norm, None, None, NO_ROTARY)
 
 
-def values_backward(plan, v, grad):
-    """The gradient of the raw values ``v`` from that of ``values(plan, v)``."""
+def attended_values_backward(plan, v, grad):
+    """The gradient of the raw values ``v`` from that of ``attended_values(plan, v)``."""
     return grad if plan.v_norm is None else rotate_backward(v, grad, plan.v_norm, None, None, NO_ROTARY)[0]
 
 
@@ -275,7 +276,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
             k = project(x, w, "k_proj", heads.kv_heads, d)
-            v = values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
+            v = attended_values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
             k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
             gathers[j] = gather_kv(plan, k_rotated, v)
             if kv_sink is not None:
@@ -378,7 +379,7 @@ class Recomputation:
             if plan.v_norm is not None:
                 self.values[j] = v
             self.gathers[j] = gather_kv(plan, rotate(self.keys[j], group_norm(plan, "k", j, self.inv_rms), self.cos,
-                                                     self.sin, plan.rope), values(plan, v))
+                                                     self.sin, plan.rope), attended_values(plan, v))
         return w
 
     def keys_backward(self, holder, dk):
@@ -387,8 +388,8 @@ class Recomputation:
         return rotate_backward(self.keys.pop(holder), dk, norm, self.cos, self.sin, self.plan.rope)
 
     def values_backward(self, holder, dv):
-        """The gradient of the holder's raw values (``values_backward``), which are then dropped."""
-        return values_backward(self.plan, self.values.pop(holder, None), dv)
+        """The gradient of the holder's raw values (``attended_values_backward``), which are then dropped."""
+        return attended_values_backward(self.plan, self.values.pop(holder, None), dv)
 
 
 class HeadGroupGrads:
