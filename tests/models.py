@@ -302,9 +302,12 @@ def tiny_config(arch, **overrides):
                                    **overrides})
     if arch == "gemma4":  # Gemma 4 text: Gemma 3's layer with a weightless value norm and scale 1; full layers
         # with wider heads (8) and one key/value head whose keys are also its values; proportional RoPE rotating a
-        # quarter of their heads; soft-capped logits. Per-layer inputs, shared keys/values and the MoE block: the
-        # overrides of GEMMA4_FEATURES.
+        # quarter of their heads; soft-capped logits.
         return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, **overrides})
+    if arch == "gemma4_moe":  # and 4 experts (top-2) beside every layer's MLP, as Gemma 4's 26B-A4B
+        return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "enable_moe_block": True, "num_experts": 4,
+                                   "top_k_experts": 2, "moe_intermediate_size": 8, "experts_implementation": "eager",
+                                   **overrides})
     if arch == "vaultgemma":  # Gemma-2's scale, soft-capped scores and logits and sliding layers, pre-norms only
         return VaultGemmaConfig(**{**kwargs, **GEMMA2_TINY, **overrides})  # (the auto policy's; issue 62)
     if arch == "hunyuan_v1_dense":  # per-head q/k norms after the rotary embedding; auto policy (issue 62)
@@ -474,7 +477,7 @@ def mla_config(arch, kwargs):
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
-                 "gemma4": Gemma4ForCausalLM,
+                 "gemma4": Gemma4ForCausalLM, "gemma4_moe": Gemma4ForCausalLM,
                  "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,

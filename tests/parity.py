@@ -14,6 +14,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.input_norm import TiledInputNorm
 from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.blocks.tower import ShardedUnit
+from ds_tsp.injection.policy import hf_path
 from ds_tsp.runtime.offload import host_checkpoint
 from ds_tsp.parallel.topology import TSPTopology
 from models import tiny_model
@@ -112,9 +113,9 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
                                  for name, grad in grads.items()})
         diffs[f"{prefix}.shard"] = (unit.shard.grad - full).abs().max().item()
     # Every TSP block of a layer, and a folded MoE block's shared expert (a TSP MLP inside it).
-    blocks = [(f"{policy.layers}.{index}.{name}.{inner}".rstrip("."), block)
+    blocks = [(hf_path(policy.layers, str(index), name, inner), block)
               for index, layer in enumerate(tsp_model.get_submodule(policy.layers))
-              for name, outer in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
+              for name, outer in layer.hf_blocks().items()
               for inner, block in outer.named_modules() if isinstance(block, PackedShardMixin)]
     for prefix, block in blocks:
         for name, grad in block.spec.unpack(block.packed.grad).items():
@@ -142,9 +143,9 @@ def replicated_hf_names(tsp_model):
     """``{id(parameter): Hugging Face name}`` of the tensors the TSP blocks keep
     whole on every rank (o_proj / down_proj biases, q/k norms, routers)."""
     layers = tsp_model.tsp_policy.layers
-    return {id(param): f"{layers}.{index}.{block_name}.{hf_name}"
+    return {id(param): hf_path(layers, str(index), block_name, hf_name)
             for index, layer in enumerate(tsp_model.get_submodule(layers))
-            for block_name, block in ((layer.mixer_name, layer.mixer), (layer.mlp_name, layer.mlp))
+            for block_name, block in layer.hf_blocks().items()
             for hf_name, param in block.replicated_params().items()}
 
 
@@ -153,10 +154,12 @@ def held_pieces(tsp_model, full):
     full[name])]`` for every tensor the TSP model ``tsp_model`` holds: a
     shard's pieces (``sharded_pieces``), a replicated tensor whole, each under
     the name Hugging Face's model gives it (a TSP layer keeps its MLP as
-    ``mlp`` whatever its ``mlp_name``: Granite-MoE's ``block_sparse_moe``)."""
+    ``mlp`` whatever its ``mlp_name``, Granite-MoE's ``block_sparse_moe``, and
+    experts beside it as ``moe``: ``TSPDecoderLayer.hf_prefixes``)."""
     layers = tsp_model.tsp_policy.layers
-    hf_mlp = {f"{layers}.{index}.mlp": f"{layers}.{index}.{layer.mlp_name}"
-              for index, layer in enumerate(tsp_model.get_submodule(layers))}
+    hf_blocks = {f"{layers}.{index}.{attribute}": hf_path(layers, str(index), hf)
+                 for index, layer in enumerate(tsp_model.get_submodule(layers))
+                 for attribute, hf in layer.hf_prefixes().items()}
     replicated = replicated_hf_names(tsp_model)
     held, units = [], dict(sharded_units(tsp_model))
     for name, param in tsp_model.named_parameters():
@@ -165,7 +168,7 @@ def held_pieces(tsp_model, full):
             unit = units[prefix]
             held.append((name, param, param.detach(), unit_slice(unit, {n: full[f"{prefix}.{n}"] for n in unit.names})))
             continue
-        hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_mlp.items()
+        hf_prefix = next((hf + prefix[len(tsp):] for tsp, hf in hf_blocks.items()
                           if prefix == tsp or prefix.startswith(f"{tsp}.")), prefix)
         if getattr(param, "tensor_model_parallel", False):
             pieces = sharded_pieces(tsp_model.get_submodule(prefix),

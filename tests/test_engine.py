@@ -254,8 +254,9 @@ def _gathered(engine, zero_stage):
     (4, 2, 2, "adam", False, False, "glm4", False), (4, 2, 2, "adam", False, False, "ernie4_5_moe", False),
     # Llama 4: chunked and NoPE layers, temperature-tuned queries, experts whose inputs the routing weights scale.
     (4, 2, 2, "adam", False, False, "llama4", False),
-    # Gemma 4: full layers of wider heads whose keys are their values, normed values, layer_scalar.
-    (4, 2, 2, "adam", False, False, "gemma4", False),
+    # Gemma 4: full layers of wider heads whose keys are their values, normed values, layer_scalar; and its
+    # experts beside every layer's MLP.
+    (4, 2, 2, "adam", False, False, "gemma4", False), (4, 2, 2, "adam", False, False, "gemma4_moe", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
                                                activation_checkpointing, config_optimizer, arch, offload_optimizer):

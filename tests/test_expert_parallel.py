@@ -144,7 +144,8 @@ def test_models_folded_experts_cannot_take_are_refused_before_any_weight_moves(r
 
 
 @pytest.mark.parametrize("zero_stage, arch, optimizer", [(1, "qwen3_moe", "adam"), (2, "qwen3_moe", "adam"),
-                                                         (2, "mixtral", "sgd"), (1, "qwen2_moe", "sgd")])
+                                                         (2, "mixtral", "sgd"), (1, "qwen2_moe", "sgd"),
+                                                         (2, "gemma4_moe", "sgd")])
 def test_engine_trains_like_one_process_with_experts_over_four_ranks(run_ranks, zero_stage, arch, optimizer):
     """fp32, TSP 2 x DP 2, experts over all 4 ranks (DeepSpeed's MoE groups):
     weights and gradient norms as one process's; each rank's optimizer steps

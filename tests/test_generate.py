@@ -511,7 +511,8 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
                                             ("hunyuan_v1_moe", 2), ("ernie4_5", 2), ("flint", 2), ("ministral3", 2),
                                             ("cohere", 2), ("cohere2", 2), ("cohere2_moe", 2), ("nemotron", 2),
                                             ("granitemoe", 2), ("llama4", 2), ("llama4", 4),
-                                            ("hyperclovax", 2), ("gemma4", 2), ("gemma4", 4)])
+                                            ("hyperclovax", 2), ("gemma4", 2), ("gemma4", 4),
+                                            ("gemma4_moe", 2)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are

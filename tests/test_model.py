@@ -273,23 +273,38 @@ def test_gemma4_matches_hugging_face(run_ranks, tsp_size):
         check(run_ranks(tsp_size, model_parity, arch="gemma4", **case), f"D={tsp_size} gemma4 {case}")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_gemma4_experts_beside_the_mlp_match_hugging_face(run_ranks, tsp_size):
+    """Gemma 4's MoE layers (26B-A4B's): beside each dense MLP, Hugging Face's router on the branch's input (its
+    own weightless norm, scale and per-expert scales) and 4 experts (top-2) on pre_feedforward_layernorm_2 of
+    it, the two outputs normed apart and summed; under both expert schedules, padded and packed."""
+    for case in (dict(batch=2, seq_len=13, right_padding=3), PACKED):
+        for schedule in ("ring", "all_to_all"):
+            check(run_ranks(tsp_size, model_parity, arch="gemma4_moe", moe_schedule=schedule, **case),
+                  f"D={tsp_size} gemma4_moe {schedule} {case}")
+
+
 def _without_layer_scalar(layer, *args, **kwargs):
     layer._buffers.pop("layer_scalar", None)
     return REAL_TSP_LAYER(layer, *args, **kwargs)
 
 
 def _gemma4_wrong(wrong, **kwargs):
-    """``model_parity`` with one of Gemma 4's pieces wrong: its values not normed, or its layers' outputs not
-    multiplied by their layer_scalar."""
+    """``model_parity`` with one of Gemma 4's pieces wrong."""
     patches = {"value_norm": mock.patch("ds_tsp.blocks.attention.schedule.attended_values", lambda plan, v: v),
-               "layer_scalar": mock.patch("ds_tsp.injection.inject.tsp_layer", _without_layer_scalar)}
+               "layer_scalar": mock.patch("ds_tsp.injection.inject.tsp_layer", _without_layer_scalar),
+               "experts_input_norm": mock.patch("ds_tsp.blocks.moe.module.TSPSparseMoE.expert_inputs",
+                                                lambda self, x: x)}
     with patches[wrong]:
         return model_parity(**kwargs)
 
 
-@pytest.mark.parametrize("wrong", ["value_norm", "layer_scalar"])
-def test_a_wrong_gemma4_piece_is_caught(run_ranks, wrong):
-    check_moved(run_ranks(2, _gemma4_wrong, wrong=wrong, arch="gemma4", batch=2, seq_len=13), f"Gemma 4's {wrong}")
+@pytest.mark.parametrize("wrong, arch", [("value_norm", "gemma4"), ("layer_scalar", "gemma4"),
+                                         ("experts_input_norm", "gemma4_moe")])
+def test_a_wrong_gemma4_piece_is_caught(run_ranks, wrong, arch):
+    """Gemma 4's values not normed, its layers' outputs not times their layer_scalar, its experts run on the
+    branch's input rather than their own norm of it."""
+    check_moved(run_ranks(2, _gemma4_wrong, wrong=wrong, arch=arch, batch=2, seq_len=13), f"Gemma 4's {wrong}")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])

@@ -333,7 +333,7 @@ def joined_state(model, policy, states, vision_tower=False):
                       for name in holdings[0].keys() | {n for held in holdings for n in held}}
             full.update({f"{prefix}.{block}.{name}": tensor for name, tensor in hf_rows.fuse(joined).items()})
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i, layer in enumerate(model.get_submodule(policy.layers))
-                           for b in (policy.mixer(layer), policy.mlp))
+                           for b in policy.block_prefixes(layer))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})
     full.update({name: join_vocab(name, [state[name] for state in states], model.config.get_text_config().vocab_size)
                  for name in vocab_names(model, policy) if name in states[0]})

@@ -390,7 +390,7 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, a
     check_tensors_present(model, checkpoint)
 
     blocks = tuple(f"{policy.layers}.{i}.{part}." for i, layer in enumerate(model.get_submodule(policy.layers))
-                   for part in (policy.mixer(layer), policy.mlp))
+                   for part in policy.block_prefixes(layer))
     if tsp_config.vocab_parallel:
         blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}

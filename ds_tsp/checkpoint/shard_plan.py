@@ -37,6 +37,7 @@ from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.injection.model import TSPCausalLMMixin
+from ds_tsp.injection.policy import hf_path
 from ds_tsp.parallel import comm
 
 
@@ -66,21 +67,30 @@ class ExpertPlacement(NamedTuple):
 
 
 def layer_shards(layer, config, policy, tsp_size, experts=None):
-    """``{block name: BlockShards}`` of one Hugging Face decoder layer (meta
-    device is enough); ``experts``: an ``ExpertPlacement``, or None for
-    experts split over the TSP group.
+    """``{block's Hugging Face prefix under the layer: BlockShards}`` of one
+    Hugging Face decoder layer (meta device is enough): its mixer, its MLP and
+    experts beside it (prefix "": ``policy.ExpertsBesideMLP``); ``experts``: an
+    ``ExpertPlacement``, or None for experts split over the TSP group.
 
     Built with the functions the TSP modules use, so it raises their head and
     intermediate-size divisibility errors before any tensor is read.
     """
+    shards = {policy.mixer(layer): _mixer_shards(layer, config, policy, tsp_size),
+              policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
+    beside = policy.beside(layer)
+    if beside is not None:  # experts beside the MLP: the layer's own router, experts and their input norm
+        shards[""] = _sparse_shards(layer, tsp_size, experts, beside.input_norm)
+    return shards
+
+
+def _mixer_shards(layer, config, policy, tsp_size):
+    """``BlockShards`` of a layer's token mixer: an attention, a latent attention or a Gated DeltaNet."""
     mixer = policy.mixer(layer)
     if mixer != policy.attention:
-        return {mixer: _delta_net_shards(layer.get_submodule(mixer), tsp_size),
-                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
+        return _delta_net_shards(layer.get_submodule(mixer), tsp_size)
     attn = layer.get_submodule(policy.attention)
     if latent.is_latent_attention(attn):
-        return {policy.attention: _latent_shards(attn, config, tsp_size),
-                policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
+        return _latent_shards(attn, config, tsp_size)
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
     config = attention.heads_config(attn, config)
     heads = HeadGroups(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, tsp_size,
@@ -88,12 +98,8 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
     attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r,
                              attention.has_sinks(attn), values=not attention.values_from_keys(attn))
                   for r in range(tsp_size)]
-    return {
-        policy.attention: BlockShards(attn_specs, _holdings(attn_specs,
-                                                            lambda name, r: shard_piece(heads, name, r),
-                                                            attention.replicated_names(attn)), rows),
-        policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts),
-    }
+    return BlockShards(attn_specs, _holdings(attn_specs, lambda name, r: shard_piece(heads, name, r),
+                                             attention.replicated_names(attn)), rows)
 
 
 def _latent_shards(attn, config, tsp_size):
@@ -116,13 +122,7 @@ def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
     block (experts cut on dim 0 of the fused 3-D tensors: a piece like any
     other, placed by ``placement``, an ``ExpertPlacement`` or None)."""
     if policy.is_sparse(hf_mlp):
-        hidden_size, num_experts, experts, shared_size, shared_name = moe.hf_sizes(hf_mlp)
-        placement = placement or ExpertPlacement(tsp_size, 0)
-        specs = [moe.shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size,
-                                shared_name or "shared_expert", placement.size)] * tsp_size
-        return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(
-            num_experts, shared_size, tsp_size, name, r, placement.size, placement.first + r),
-            moe.replicated_names(hf_mlp)), FusedRows())
+        return _sparse_shards(hf_mlp, tsp_size, placement)
     fused = policy.fused.get(policy.mlp)
     rows, inputs = mlp.hf_rows(hf_mlp, fused), mlp.input_projections(hf_mlp, fused)
     hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
@@ -130,6 +130,19 @@ def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
                             rows.hf_module(hf_mlp, inputs[0]).bias is not None, "gate_proj" in inputs)] * tsp_size
     return BlockShards(specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
                                         [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else []), rows)
+
+
+def _sparse_shards(hf_moe, tsp_size, placement=None, input_norm=None):
+    """``BlockShards`` of a sparse MoE block (experts cut on dim 0 of the fused
+    3-D tensors, placed by ``placement``); ``input_norm``: the norm of its
+    experts' inputs it holds (experts beside an MLP), or None."""
+    hidden_size, num_experts, experts, shared_size, shared_name = moe.hf_sizes(hf_moe)
+    placement = placement or ExpertPlacement(tsp_size, 0)
+    specs = [moe.shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size,
+                            shared_name or "shared_expert", placement.size)] * tsp_size
+    return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(
+        num_experts, shared_size, tsp_size, name, r, placement.size, placement.first + r),
+        moe.replicated_names(hf_moe, input_norm)), FusedRows())
 
 
 def vocab_names(model, policy):
@@ -162,7 +175,7 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True, experts=None):
         shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size, experts)
         for block_name, block in shards.items():
             for plan, held in zip(plans, block.holdings):
-                plan.update({f"{prefix}.{block_name}.{name}": piece
+                plan.update({hf_path(prefix, block_name, name): piece
                              for name, piece in block.hf_rows.hf_holdings(held).items()})
     return plans
 

@@ -66,7 +66,7 @@ from ds_tsp.checkpoint.shard_plan import (
 )
 from ds_tsp.checkpoint.staging import SharedSave, staged, staged_together
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
-from ds_tsp.injection.policy import resolve_policy
+from ds_tsp.injection.policy import hf_path, resolve_policy
 from ds_tsp.parallel import comm
 
 # Hugging Face's default before transformers 5 (which writes up to 50GB per
@@ -197,8 +197,8 @@ class SavedStage:
         units = []
         for prefix, module in self.modules.items():
             if isinstance(module, TSPDecoderLayer):
-                parts = {**module.norms(), module.mixer_name: module.mixer, self.policy.mlp: module.mlp}
-                units += [gather_unit(f"{prefix}.{name}.{inner}".rstrip("."), block)
+                parts = {**module.norms(), **module.hf_blocks()}
+                units += [gather_unit(hf_path(prefix, name, inner), block)
                           for name, part in parts.items() for inner, block in part.named_modules()
                           if not inner or isinstance(block, PackedShardMixin)]
                 units.append(_whole_tensors(prefix, module.own_tensors()))

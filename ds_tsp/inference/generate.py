@@ -399,7 +399,8 @@ class TSPDecoder:
                 def attention(normed):
                     return self._attention(cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots,
                                            positions)
-            hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed))
+            hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed),
+                                  run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h))
         cache.next_positions = positions + 1
         return self._logits(hidden)
 

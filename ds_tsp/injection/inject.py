@@ -194,10 +194,27 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                     f"{policy.mlp}.{shared}")
     for where, block in ((mixer, tsp_attention), (policy.mlp, tsp_mlp)):
         shard_adapters(block, block_adapters(adapters or {}, where))
-    return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in policy.norm_names()},
+    beside = policy.beside(layer)
+    experts = None if beside is None else experts_beside_mlp(layer, beside, topology, tsp_config, read, device)
+    norms = policy.norm_names() + list(beside.norms() if beside else ())
+    return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in norms},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
                            policy.parallel_blocks, residual_multiplier(config, layer),
-                           layer._buffers.get("layer_scalar"))
+                           layer._buffers.get("layer_scalar"), experts, beside)
+
+
+def experts_beside_mlp(layer, beside, topology, tsp_config, read=None, device=None):
+    """The TSP MoE block of the experts a Hugging Face ``layer`` holds beside its MLP (``ExpertsBesideMLP``,
+    Gemma 4's): the layer itself is the Hugging Face block (its router, experts and their input norm are its
+    children), so the block's tensors keep their names under the layer."""
+    block = TSPSparseMoE.from_hf(
+        layer, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
+        fp32_accumulators=tsp_config.fp32_accumulators, read=read, device=device,
+        schedule=cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
+        ep_group=topology.ep_group, input_norm_name=beside.input_norm)
+    check_router(block, f"{type(layer).__name__}.{beside.router}")
+    keep_frozen(layer, block, type(layer).__name__, "")
+    return block
 
 
 def residual_multiplier(config, layer):
@@ -221,6 +238,7 @@ def check_expert_parallel(layers, policy, topology, tsp_config):
     if not tsp_config.folds_experts:
         return
     sparse = [layer.get_submodule(policy.mlp) for layer in layers if policy.is_sparse(layer.get_submodule(policy.mlp))]
+    sparse += [layer for layer in layers if policy.beside(layer) is not None]  # experts beside the MLP (Gemma 4's)
     if not sparse:
         tsp_config.check_experts(None)
     for mlp in sparse:

@@ -50,7 +50,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     the layer's input (Cohere's layer), ``blocks`` runs them so."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
-                 mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None):
+                 mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None, experts=None,
+                 beside=None):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
@@ -69,6 +70,26 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.rotary_kind = rotary_kind
         # The layer's output times this buffer, kept under its Hugging Face name (Gemma 4's layer_scalar), or None.
         self.register_buffer("layer_scalar", layer_scalar)
+        # Experts beside the MLP (Gemma 4's: a TSPSparseMoE whose tensors are the layer's own, so its Hugging
+        # Face prefix is the layer's), with the norms of the two outputs (``beside``, a policy.ExpertsBesideMLP).
+        self.beside = beside
+        if experts is not None:
+            for name in beside.norms():
+                self.add_module(name, norms[name])
+            self.moe = experts
+        else:
+            self.moe = None
+
+    def hf_prefixes(self):
+        """``{attribute of a TSP block: its Hugging Face prefix under the layer}``: the token mixer, the MLP
+        (``mlp`` whatever its Hugging Face name), and experts beside it (prefix "": their tensors are the
+        layer's own)."""
+        prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name}
+        return prefixes if self.moe is None else {**prefixes, "moe": ""}
+
+    def hf_blocks(self):
+        """``{Hugging Face prefix under the layer: TSP block}`` (``hf_prefixes``)."""
+        return {hf: getattr(self, attribute) for attribute, hf in self.hf_prefixes().items()}
 
     def own_tensors(self):
         """The tensors the layer holds itself, outside its norms and blocks, by Hugging Face name."""
@@ -81,14 +102,17 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 
     def norms(self):
         """The layer's norms by Hugging Face name."""
-        return {name: getattr(self, name) for pair in self.layout.values() for name in pair if name is not None}
+        names = [name for pair in self.layout.values() for name in pair if name is not None]
+        return {name: getattr(self, name) for name in names + list(self.beside.norms() if self.beside else ())}
 
-    def branch(self, block, hidden, run, run_with_norm=None):
+    def branch(self, block, hidden, run, run_with_norm=None, run_experts=None):
         """``hidden`` plus the ``block`` (``"attention"`` or ``"mlp"``) ``run`` on
         it, normed before and after as the layout says, in HF's order.
         ``run_with_norm(hidden, norm)``: the block given the norm before it to
         run inside, used where ``tsp.recompute_norms`` asks for it and the
-        block can (its ``takes_input_norm``) while autograd records."""
+        block can (its ``takes_input_norm``) while autograd records.
+        ``run_experts(hidden)``: the experts beside the MLP, whose output (normed)
+        joins the MLP's (normed) before the norm after (Gemma 4's)."""
         before, after = self.layout[block]
         norm = None if before is None else getattr(self, before)
         module = self.mixer if block == "attention" else self.mlp
@@ -97,6 +121,10 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             out = run_with_norm(hidden, norm)
         else:
             out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
+        if run_experts is not None:
+            mlp_norm, experts_norm = (getattr(self, name) for name in self.beside.norms())
+            out = normalize(mlp_norm, out, self.recompute_norms) + \
+                normalize(experts_norm, run_experts(hidden), self.recompute_norms)
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
 
@@ -115,13 +143,16 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **options), self.mlp,
             lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **options))
 
-    def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None):
+    def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None, run_experts=None):
         """The layer's two blocks on ``hidden`` (``branch``'s ``run`` for each):
         one after the other, or side by side (``parallel``) as
-        ``hidden + attention(norm(hidden)) + mlp(norm(hidden))``, in Hugging Face's order."""
+        ``hidden + attention(norm(hidden)) + mlp(norm(hidden))``, in Hugging Face's order;
+        experts beside the MLP (``moe``) by ``run_experts``, by default the block itself."""
+        if self.moe is not None and run_experts is None:
+            run_experts = self.moe
         if not self.parallel:
             hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
-            hidden = self.branch("mlp", hidden, run_mlp)
+            hidden = self.branch("mlp", hidden, run_mlp, run_experts=run_experts)
         else:
             before, _ = self.layout["attention"]
             normed = normalize(getattr(self, before), hidden, self.recompute_norms)
@@ -326,8 +357,8 @@ class TSPCausalLMMixin:
         forward's other keyword arguments, refusing those it does not take;
         ``asked``: ``output_router_logits`` passed to the forward (the whole
         sequence's router logits, as Hugging Face's), not just the config's."""
-        moe_blocks = [layer.mlp for layer in self.get_submodule(self.tsp_policy.layers)
-                      if isinstance(layer.mlp, TSPSparseMoE)]
+        moe_blocks = [block for layer in self.get_submodule(self.tsp_policy.layers)
+                      for block in (layer.mlp, layer.moe) if isinstance(block, TSPSparseMoE)]
         output_router_logits = None
         asked = bool(kwargs.get("output_router_logits"))
         if moe_blocks:

@@ -196,8 +196,6 @@ GEMMA_LAYER_FEATURES = {
                                            "embedding feeding every layer), which the TSP model does not build"),
     "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers "
                                     "attend to earlier layers' keys and values), which the TSP attention does not do"),
-    "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
-                                "the TSP layer does not run"),
 }
 # Gemma 4's text decoder: Gemma 3's layer with a weightless value norm, keys used as values on its full layers
 # (attention_k_eq_v: no v_proj there), wider heads and fewer key/value heads on those layers (transformers'
@@ -212,9 +210,11 @@ GEMMA4 = {**GEMMA3, "attention_k_eq_v": Accepts(any_value, "the full layers' key
           "use_double_wide_mlp": Accepts(any_value, "the key/value-sharing layers' MLP width, read from the module"),
           **GEMMA_LAYER_FEATURES,
           "vocab_size_per_layer_input": Accepts(any_value, "read only with hidden_size_per_layer_input"),
-          "num_experts": Accepts(any_value, "read only with enable_moe_block"),
-          "top_k_experts": Accepts(any_value, "read only with enable_moe_block"),
-          "moe_intermediate_size": Accepts(any_value, "read only with enable_moe_block")}
+          "enable_moe_block": Accepts(any_value, "experts beside the dense MLP (ExpertsBesideMLP): Hugging Face's "
+                                      "router on the local tokens, the experts sharded as a TSP MoE block's"),
+          "num_experts": Accepts(any_value, "read by the router and the experts' shapes"),
+          "top_k_experts": Accepts(any_value, "read by Hugging Face's own router module"),
+          "moe_intermediate_size": Accepts(any_value, "read from the experts' shapes")}
 # OLMo-2/3: post-norms only; q/k RMSNorms over the whole projection width.
 OLMO2 = {**COMMON, "attention_bias": ATTENTION_BIAS}
 OLMO3 = {**OLMO2, **SLIDING, "rope_parameters": GEMMA3["rope_parameters"]}
@@ -282,6 +282,8 @@ AUTO_CONFIG = {
     # Gemma 3n's and Gemma 4's, named for the same reason (Gemma 4's own policy builds some: GEMMA4).
     **GEMMA_LAYER_FEATURES,
     "attention_k_eq_v": Accepts((None, False), "keys used as values (Gemma 4), which only Gemma 4's policy reads"),
+    "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
+                                "only Gemma 4's policy builds"),
 }
 
 
@@ -316,6 +318,35 @@ HYPERCLOVAX_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_norm1"),
 # Sandwich norms under GLM-4's names: post_attention_layernorm is the norm BEFORE the MLP there.
 GLM4_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_self_attn_layernorm"),
                        "mlp": ("post_attention_layernorm", "post_mlp_layernorm")}
+
+
+def hf_path(*parts):
+    """A Hugging Face module or tensor name from its parts, the empty ones left
+    out (a TSP block whose tensors are its layer's own has the prefix "")."""
+    return ".".join(part for part in parts if part)
+
+
+@dataclass(frozen=True)
+class ExpertsBesideMLP:
+    """A mixture of experts beside a layer's dense MLP (Gemma 4's), its tensors
+    the layer's own children: ``router`` (HF's, run on the feed-forward
+    branch's input), ``experts`` (fused 3-D tensors, run on ``input_norm`` of
+    that input); the MLP's output normed by ``mlp_norm`` and the experts' by
+    ``experts_norm`` are summed before the branch's norm after."""
+
+    router: str = "router"
+    experts: str = "experts"
+    input_norm: str = "pre_feedforward_layernorm_2"
+    mlp_norm: str = "post_feedforward_layernorm_1"
+    experts_norm: str = "post_feedforward_layernorm_2"
+
+    def parts(self):
+        """The layer's children the TSP experts block holds (replicated or sharded)."""
+        return self.router, self.experts, self.input_norm
+
+    def norms(self):
+        """The layer's children the TSP layer keeps as they are."""
+        return self.mlp_norm, self.experts_norm
 
 
 @dataclass(frozen=True)
@@ -355,6 +386,19 @@ class DecoderPolicy:
     # The sparse MoE block class at ``mlp`` (``ds_tsp.blocks.moe.module``); a layer may hold it
     # or a dense gated MLP. None: dense MLPs only.
     sparse_mlp: str | None = None
+    # A mixture of experts beside the dense MLP, held by the layer itself (Gemma 4's), or None.
+    experts_beside_mlp: ExpertsBesideMLP | None = None
+
+    def beside(self, layer):
+        """The ``ExpertsBesideMLP`` of ``layer`` where it holds experts beside its MLP, else None."""
+        beside = self.experts_beside_mlp
+        return beside if beside is not None and isinstance(getattr(layer, beside.experts, None), nn.Module) else None
+
+    def block_prefixes(self, layer):
+        """The Hugging Face prefixes, under ``layer``, of the tensors its TSP blocks hold (those the blocks read
+        and write, rather than the layer's norms): the mixer's, the MLP's and those of experts beside it."""
+        beside = self.beside(layer)
+        return (self.mixer(layer), self.mlp, *(beside.parts() if beside else ()))
 
     def mixer(self, layer):
         """The name of ``layer``'s token mixer: its Gated DeltaNet where it holds one, else its attention."""
@@ -405,7 +449,8 @@ POLICIES = {
     "gemma3_text": DecoderPolicy("gemma3_text", "Gemma3DecoderLayer", "Gemma3ForCausalLM", GEMMA3, layer_types_window,
                                  norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
     "gemma4_text": DecoderPolicy("gemma4_text", "Gemma4TextDecoderLayer", "Gemma4ForCausalLM", GEMMA4,
-                                 layer_types_window, norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
+                                 layer_types_window, norm_layout=SANDWICH_NORMS, rotary_kind=layer_type,
+                                 experts_beside_mlp=ExpertsBesideMLP()),
     "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
                            qk_norm_width="projection"),
     "olmoe": DecoderPolicy("olmoe", "OlmoeDecoderLayer", "OlmoeForCausalLM", OLMOE, no_window,
@@ -741,10 +786,14 @@ def check_layer(policy, layer, where):
     expected = {mixer: mixer_parts,
                 policy.mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections()),
                 **{name: () for name in policy.norm_names()}}
+    beside = policy.beside(layer)
+    if beside is not None:
+        check_experts_beside(layer, beside, where, layer_class)
+        expected.update(dict.fromkeys((*beside.parts(), *beside.norms()), ()))
     check_own_tensors(layer, where, layer_class, LAYER_TENSORS)
     for child, projections in expected.items():
-        if sparse and child == policy.mlp:
-            continue  # check_sparse_block below
+        if (sparse and child == policy.mlp) or (beside is not None and child in beside.parts()):
+            continue  # check_sparse_block below, check_experts_beside above
         if child not in children:
             raise PolicyError(f"{layer_class} at {where} has no '{child}' submodule: cannot convert it to a TSP layer")
         module = children[child]
@@ -928,6 +977,16 @@ def check_sparse_block(block, where, layer_class, auto=False):
     gate = getattr(block, moe_plan.SHARED_GATE, None)
     if gate is not None and (not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None):
         raise PolicyError(f"{layer_class} at {where}.{moe_plan.SHARED_GATE} is not a Linear(H, 1) without bias")
+
+
+def check_experts_beside(layer, beside, where, layer_class):
+    """Experts beside the MLP (``ExpertsBesideMLP``): a router returning Hugging Face's (scores, weights,
+    indices), experts as transformers 5 lays them out, and the norms around them."""
+    missing = [name for name in (*beside.parts(), *beside.norms()) if getattr(layer, name, None) is None]
+    if missing:
+        raise PolicyError(f"{layer_class} at {where} holds {beside.experts} beside its MLP but lacks {missing}: "
+                          "not the layout of experts beside an MLP ds_tsp knows (Gemma 4's)")
+    _check_experts(layer.get_submodule(beside.experts), f"{where}.{beside.experts}", layer_class)
 
 
 def _check_experts(experts, where, layer_class):

@@ -93,7 +93,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_experts, experts, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
                  device=None, router_name="gate", shared_name="shared_expert", router_buffers=None, ep_group=None,
-                 scales_inputs=False):
+                 scales_inputs=False, input_norm=None, input_norm_name=None):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
@@ -128,6 +128,11 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         for name, buffer in (router_buffers or {}).items():
             self.register_buffer(name, buffer)
         self.shared_expert_gate = shared_gate
+        # The norm the experts' inputs pass after routing, under its Hugging Face name (Gemma 4's experts beside
+        # its MLP: routed on the branch's input, run on pre_feedforward_layernorm_2 of it), or None.
+        self.input_norm_name = input_norm_name
+        if input_norm is not None:
+            self.add_module(input_norm_name, input_norm)
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
         # DeepSpeed counts a parameter on every model-parallel rank in grad norms only with this tag.
         self.packed.tensor_model_parallel = True
@@ -153,7 +158,17 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         """The tensors every rank holds whole, under Hugging Face names: the
         router's parameters and persistent buffers, the shared expert's gate."""
         return replicated_tensors(self.router_module(), self.router_name, self.shared_expert_gate,
-                                  {name: getattr(self, name) for name in self.router_inputs})
+                                  {name: getattr(self, name) for name in self.router_inputs},
+                                  {self.input_norm_name: self.input_norm} if self.input_norm_name else None)
+
+    @property
+    def input_norm(self):
+        """The norm of the experts' inputs (``input_norm_name``), or None."""
+        return None if self.input_norm_name is None else self.get_submodule(self.input_norm_name)
+
+    def expert_inputs(self, x2):
+        """What the experts compute on for the routed tokens ``x2``: ``x2``, or its ``input_norm``."""
+        return x2 if self.input_norm is None else self.input_norm(x2)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
@@ -166,7 +181,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
 
     @classmethod
     def from_hf(cls, moe, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", read=None,
-                device=None, ep_group=None):
+                device=None, ep_group=None, input_norm_name=None):
         """Build from a Hugging Face sparse MoE block (``gate`` or ``router``:
         its router, ``experts`` in any layout ``experts.ExpertLayout`` reads
         (fused 3-D tensors, transposed or not, with biases or not), and
@@ -186,12 +201,14 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
             return None if module is None else copy.deepcopy(module).to_empty(device=device)
 
         shared_act = None if shared_name is None else mlp_activation(moe.get_submodule(shared_name))
+        input_norm = None if input_norm_name is None else replica(moe.get_submodule(input_norm_name))
         module = cls(hidden_size, num_experts, experts, shared_act,
                      replica(moe.get_submodule(router_name)), tsp_group, shared_size=shared_size,
                      shared_gate=replica(getattr(moe, SHARED_GATE, None)), overlap=overlap, token_tile=token_tile,
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
                      router_name=router_name, shared_name=shared_name or "shared_expert",
-                     router_buffers=router_buffers, ep_group=ep_group, scales_inputs=scales_expert_inputs(moe))
+                     router_buffers=router_buffers, ep_group=ep_group, scales_inputs=scales_expert_inputs(moe),
+                     input_norm=input_norm, input_norm_name=input_norm_name)
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         if module.shared_mlp_name:
@@ -208,6 +225,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         moving; the shares sum over the group to the block's output."""
         weights, index = self.route(x)
         shared_scale = self.shared_scale(x)
+        x = self.expert_inputs(x)
         y = torch.zeros(x.shape, dtype=self.plan.accumulator_dtype(x.dtype), device=x.device)
         routing = Routing.of(index, self.num_experts)
         w = self.spec.unpack(self.packed.detach())
@@ -227,7 +245,8 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         weights, index = self.route(x2)
         shared_scale = self.shared_scale(x2)
         schedule = moe_ring if self.schedule_for(x2, index.shape[-1]) == "ring" else moe_all_to_all
-        y = schedule(x2, weights, index, shared_scale if self.plan.shared else None, self.packed, self.plan)
+        y = schedule(self.expert_inputs(x2), weights, index, shared_scale if self.plan.shared else None, self.packed,
+                     self.plan)
         if self.shared_mlp_name:  # HF: the routed experts' sum, plus the shared expert's output times its scale
             y = y + shared_scale * self.get_submodule(self.shared_mlp_name)(x).reshape(x2.shape)
         return y.view(x.shape)

@@ -98,25 +98,29 @@ def router_inputs(block, router):
     return [name for name in taken if name in block._buffers and block._buffers[name] is not None]
 
 
-def replicated_tensors(router, router_name, shared_gate=None, block_inputs=None):
+def replicated_tensors(router, router_name, shared_gate=None, block_inputs=None, input_norm=None):
     """``{Hugging Face name: tensor}`` of what every rank keeps whole: the
     router's parameters and persistent buffers, the block's own buffers it
-    hands the router (``block_inputs``: ``{name: tensor}``), and the shared
-    expert's gate."""
+    hands the router (``block_inputs``: ``{name: tensor}``), the shared
+    expert's gate, and the norm of the experts' inputs (``input_norm``: ``{name: module}``)."""
     tensors = {f"{router_name}.{name}": tensor for name, tensor in router.state_dict(keep_vars=True).items()}
     tensors.update(block_inputs or {})
+    for norm_name, norm in (input_norm or {}).items():
+        tensors.update({f"{norm_name}.{name}": tensor for name, tensor in norm.state_dict(keep_vars=True).items()})
     if shared_gate is not None:
         tensors.update({f"{SHARED_GATE}.{name}": tensor
                         for name, tensor in shared_gate.state_dict(keep_vars=True).items()})
     return tensors
 
 
-def replicated_names(hf_moe):
-    """Hugging Face names of the tensors of a sparse MoE block every rank keeps whole."""
+def replicated_names(hf_moe, input_norm_name=None):
+    """Hugging Face names of the tensors of a sparse MoE block every rank keeps
+    whole; ``input_norm_name``: the norm of its experts' inputs (``TSPSparseMoE.input_norm``), or None."""
     router_name = child_named(hf_moe, ROUTER_NAMES)
     router = hf_moe.get_submodule(router_name)
+    norm = {} if input_norm_name is None else {input_norm_name: hf_moe.get_submodule(input_norm_name)}
     return list(replicated_tensors(router, router_name, getattr(hf_moe, SHARED_GATE, None),
-                                   {name: hf_moe._buffers[name] for name in router_inputs(hf_moe, router)}))
+                                   {name: hf_moe._buffers[name] for name in router_inputs(hf_moe, router)}, norm))
 
 
 def is_routed(name):
