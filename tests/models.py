@@ -304,6 +304,10 @@ def tiny_config(arch, **overrides):
         # with wider heads (8) and one key/value head whose keys are also its values; proportional RoPE rotating a
         # quarter of their heads; soft-capped logits.
         return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, **overrides})
+    if arch == "gemma4_shared_kv":  # the last two layers attend to the keys and values of the first two (Gemma 4
+        # E2B's and E4B's, whose key/value-sharing layers take double-wide MLPs)
+        return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                                   **overrides})
     if arch == "gemma4_moe":  # and 4 experts (top-2) beside every layer's MLP, as Gemma 4's 26B-A4B
         return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "enable_moe_block": True, "num_experts": 4,
                                    "top_k_experts": 2, "moe_intermediate_size": 8, "experts_implementation": "eager",
@@ -477,7 +481,7 @@ def mla_config(arch, kwargs):
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
-                 "gemma4": Gemma4ForCausalLM, "gemma4_moe": Gemma4ForCausalLM,
+                 "gemma4": Gemma4ForCausalLM, "gemma4_moe": Gemma4ForCausalLM, "gemma4_shared_kv": Gemma4ForCausalLM,
                  "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,

@@ -8,9 +8,12 @@ import torch
 import ds_tsp
 from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.fused import FusedRows
+from ds_tsp.blocks.attention.schedule import attention_backward as REAL_ATTENTION_BACKWARD
+from ds_tsp.blocks.attention.schedule import shared_heads as REAL_SHARED_HEADS
 from ds_tsp.injection.inject import tsp_layer as REAL_TSP_LAYER
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
+from distributed import RankFailure
 from float32_control import ROUNDING_FLOOR
 from models import tiny_model
 from parity import NOT_DIFFS, TOLERANCE, check, check_caught, model_parity
@@ -284,6 +287,33 @@ def test_gemma4_experts_beside_the_mlp_match_hugging_face(run_ranks, tsp_size):
                   f"D={tsp_size} gemma4_moe {schedule} {case}")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_gemma4_shared_keys_and_values_match_hugging_face(run_ranks, tsp_size):
+    """Gemma 4's key/value sharing (E2B's and E4B's): its last two layers (a sliding and a full one, double-wide
+    MLPs) attend to the keys and values of the last earlier layer of their type, which hands its local tokens' on;
+    the gradients of those keys and values flow back into the layer that made them; padded, packed, and under
+    activation checkpointing (each layer's shared keys and values are its checkpoint's input or output)."""
+    for case in (dict(batch=2, seq_len=13, right_padding=3), PACKED, dict(batch=2, seq_len=13, checkpointing=True)):
+        check(run_ranks(tsp_size, model_parity, arch="gemma4_shared_kv", **case), f"D={tsp_size} gemma4 shared {case}")
+
+
+def test_gemma4_shared_keys_and_values_refuse_host_checkpoints(run_ranks):
+    with pytest.raises(RankFailure, match=r"cpu_checkpointing .* shares keys and values across layers"):
+        run_ranks(2, model_parity, arch="gemma4_shared_kv", batch=2, seq_len=13, checkpointing="host")
+
+
+def _zero_shared_heads(plan, shared, j):
+    k, v = REAL_SHARED_HEADS(plan, shared, j)
+    return torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _shared_gradient_dropped(*args):
+    args = list(args)
+    if len(args) > 10 and args[10] is not None:  # the gradient of a storing layer's keys and values
+        args[10] = torch.zeros_like(args[10])
+    return REAL_ATTENTION_BACKWARD(*args)
+
+
 def _without_layer_scalar(layer, *args, **kwargs):
     layer._buffers.pop("layer_scalar", None)
     return REAL_TSP_LAYER(layer, *args, **kwargs)
@@ -294,16 +324,21 @@ def _gemma4_wrong(wrong, **kwargs):
     patches = {"value_norm": mock.patch("ds_tsp.blocks.attention.schedule.attended_values", lambda plan, v: v),
                "layer_scalar": mock.patch("ds_tsp.injection.inject.tsp_layer", _without_layer_scalar),
                "experts_input_norm": mock.patch("ds_tsp.blocks.moe.module.TSPSparseMoE.expert_inputs",
-                                                lambda self, x: x)}
+                                                lambda self, x: x),
+               "shared_kv": mock.patch("ds_tsp.blocks.attention.schedule.shared_heads", _zero_shared_heads),
+               "shared_kv_gradient": mock.patch("ds_tsp.blocks.attention.schedule.attention_backward",
+                                                _shared_gradient_dropped)}
     with patches[wrong]:
         return model_parity(**kwargs)
 
 
 @pytest.mark.parametrize("wrong, arch", [("value_norm", "gemma4"), ("layer_scalar", "gemma4"),
-                                         ("experts_input_norm", "gemma4_moe")])
+                                         ("experts_input_norm", "gemma4_moe"), ("shared_kv", "gemma4_shared_kv"),
+                                         ("shared_kv_gradient", "gemma4_shared_kv")])
 def test_a_wrong_gemma4_piece_is_caught(run_ranks, wrong, arch):
     """Gemma 4's values not normed, its layers' outputs not times their layer_scalar, its experts run on the
-    branch's input rather than their own norm of it."""
+    branch's input rather than their own norm of it, the shared keys and values dropped (zeros) or their
+    gradient not flowing back to the layer that made them."""
     check_moved(run_ranks(2, _gemma4_wrong, wrong=wrong, arch=arch, batch=2, seq_len=13), f"Gemma 4's {wrong}")
 
 

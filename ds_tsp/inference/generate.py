@@ -336,6 +336,7 @@ class TSPDecoder:
             cache.rope_deltas = rotary.masked_fill(~real, -1).amax(dim=(0, 2)) + 1 - lengths
 
         spans = None if visual is None else visual.spans(cache.left_padding)
+        shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mixer, TSPGatedDeltaNet):
                 def store(conv, recurrent, index=index):
@@ -347,18 +348,21 @@ class TSPDecoder:
             else:
                 def attention(normed):
                     return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
-                                                   tables[layer.rotary_kind], positions.expand(batch, -1), spans)
+                                                   tables[layer.rotary_kind], positions.expand(batch, -1), spans,
+                                                   shared_kv)
             hidden = layer.blocks(hidden, attention, layer.mlp)
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
-    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions, spans=None):
+    def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions, spans=None, shared_kv=None):
         """The broadcast schedule's attention output for the local tokens ``h``;
         their rotated K and V (``keep``: the real prompt tokens; a latent
         attention's latent) go to ``cache``. What the schedule saves for a
         backward is freed on return, before the MLP. ``spans``: the prompts'
-        runs of tokens that see each other both ways (``VisualInputs.spans``)."""
+        runs of tokens that see each other both ways (``VisualInputs.spans``).
+        ``shared_kv``: the prompt's keys and values shared across layers, which
+        a storing layer writes and a reusing one attends to, caching none."""
         if isinstance(attn, TSPLatentAttention):
             return prefill_latent_attention(attn, h, tables, positions,
                                             lambda latent: cache.write(index, slots, latent[:, keep],
@@ -371,10 +375,15 @@ class TSPDecoder:
         cos, sin = attn.full_tables(*tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
-        out, _ = attention_forward(plan, h, packed, cos, sin, inv_rms,
-                                   kv_sink=lambda k, v: (keys.append(k), values.append(v)))
-        cache.write(index, slots, _all_kv_heads(torch.stack(keys))[:, keep],
-                    _all_kv_heads(torch.stack(values))[:, keep])
+        reuses = attn.kv_sharing == "reuse"
+        out, _, *stored = attention_forward(plan, h, packed, cos, sin, inv_rms,
+                                            kv_sink=lambda k, v: (keys.append(k), values.append(v)),
+                                            shared=shared_kv[attn.kv_key] if reuses else None)
+        if attn.kv_sharing == "store":
+            shared_kv[attn.kv_key] = stored[0]
+        if not reuses:
+            cache.write(index, slots, _all_kv_heads(torch.stack(keys))[:, keep],
+                        _all_kv_heads(torch.stack(values))[:, keep])
         return out if attn.o_bias is None else out + attn.o_bias
 
     @torch.no_grad()
@@ -425,7 +434,9 @@ class TSPDecoder:
         # Projected here, normed and rotated once gathered: every rank then holds
         # every head of the new token (a norm over the projection needs them all).
         q, gate = split_gate(project(h, w, "q_proj", hq, heads.q_width), d)  # (B, 1, hq, d); an output gate
-        if heads.holds_kv(self.tsp_rank):
+        if attn.kv_sharing == "reuse":  # an earlier layer's keys and values, cached there
+            k = v = q[:, :, :0]
+        elif heads.holds_kv(self.tsp_rank):
             k = project(h, w, "k_proj", hkv, d)
             v = raw_values(attn, lambda name: project(h, w, name, hkv, d), k)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
@@ -437,12 +448,12 @@ class TSPDecoder:
             factors = attn.query_scale(query_scale_positions(attn.query_scale, positions,
                                                              positions + cache.left_padding).unsqueeze(1))
             q_all = scale_queries(q_all.unsqueeze(1), factors, attn.query_scale.casts_factors)[:, 0]
-        if slots is not None:
+        if slots is not None and attn.kv_sharing != "reuse":
             kv = gathered[[j for j in range(D) if heads.holds_kv(j)], :, hq:].transpose(0, 1)  # (B, G, 2hkv, d)
             k_new, v_new = kv[:, :, :hkv].flatten(1, 2), kv[:, :, hkv:].flatten(1, 2)  # (B, nkv, d)
             k_new = _normed_and_rotated(attn, attn.k_norm, k_new.unsqueeze(1), cos, sin)
             cache.write(index, slots, k_new, attended_values(attn, v_new.unsqueeze(1)))
-        keys, values = cache.layer(index)
+        keys, values = cache.layer(self._kv_layer(index, attn))
         o, lse = self._heads_of_this_rank(keys, values, q_all, cache, positions, attn.scale, attn.sliding_window,
                                           attn.softcap, attn.attention_chunk)  # (B, hq, d)
         if "sinks" in w:  # each head's sink joins its softmax once, over the whole cache (DESIGN.md 6h)
@@ -453,6 +464,14 @@ class TSPDecoder:
         if attn.o_bias is not None:
             y = y + attn.o_bias
         return y.unsqueeze(1)
+
+    def _kv_layer(self, index, attn):
+        """The layer whose cache layer ``index`` attends to: its own, or, where it reuses an earlier layer's keys
+        and values, the last earlier layer of its type that stores them."""
+        if attn.kv_sharing != "reuse":
+            return index
+        return max(i for i, layer in enumerate(self.layers[:index])
+                   if getattr(layer.mixer, "kv_sharing", None) == "store" and layer.mixer.kv_key == attn.kv_key)
 
     def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None,
                             chunk=None):
@@ -501,6 +520,8 @@ def _cache_shape(attn):
     """``(key heads, key width, value width)`` a layer's cache holds per token."""
     if isinstance(attn, TSPLatentAttention):
         return latent_cache_shape(attn)
+    if attn.kv_sharing == "reuse":  # attends to an earlier layer's cache
+        return 0, attn.heads.head_dim, None
     return attn.heads.num_kv_heads, attn.heads.head_dim, None
 
 

@@ -128,20 +128,39 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
 
+    @property
+    def kv_sharing(self):
+        """How the layer's attention shares keys and values across layers (``TSPAttention.kv_sharing``)."""
+        return getattr(self.mixer, "kv_sharing", None)
+
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None,
-                spans=None):
+                spans=None, shared=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
         queries by position reads (Ministral 3's, Mistral 4's); ``cache_positions``: their indices in
         their rows as Hugging Face counts them, which Llama 4's temperature tuning reads; ``spans``: the
-        rows' runs of tokens that see each other both ways (a VLM's images, Gemma 3's), for the attention."""
+        rows' runs of tokens that see each other both ways (a VLM's images, Gemma 3's), for the attention.
+        Keys and values shared across layers (``kv_sharing``): a layer that reuses them takes them as
+        ``shared``, one that stores them returns ``(hidden, its local keys and values)``, so that an
+        activation checkpoint sees them as its input and output."""
         scale = getattr(self.mixer, "query_scale", None)
         options = {} if scale is None else {
             "positions": query_scale_positions(scale, positions, cache_positions)}
         if spans is not None:
             options["spans"] = spans
-        return self.blocks(
-            hidden_states, lambda normed: self.mixer(normed, position_embeddings, documents, **options), self.mlp,
-            lambda hidden, norm: self.mixer(hidden, position_embeddings, documents, input_norm=norm, **options))
+        if self.kv_sharing == "reuse":
+            options["shared"] = shared
+        stored = []
+
+        def attention(normed, **norm):
+            out = self.mixer(normed, position_embeddings, documents, **norm, **options)
+            if self.kv_sharing == "store":
+                out, kv = out
+                stored.append(kv)
+            return out
+
+        hidden = self.blocks(hidden_states, attention, self.mlp,
+                             lambda hidden, norm: attention(hidden, input_norm=norm))
+        return (hidden, stored[0]) if stored else hidden
 
     def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None, run_experts=None):
         """The layer's two blocks on ``hidden`` (``branch``'s ``run`` for each):
@@ -345,9 +364,13 @@ class TSPCausalLMMixin:
         tables = layer_rotary_tables(self.get_submodule(self.tsp_policy.rotary_emb), layers, hidden,
                                      batch.rotary_positions, batch.max_position)
         spans = None if visual is None else visual.spans(batch.left_padding)
+        shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, decoder_layer in enumerate(layers):
+            sharing, key = decoder_layer.kv_sharing, getattr(decoder_layer.mixer, "kv_key", None)
             hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
-                                   batch.cache_positions, spans)
+                                   batch.cache_positions, spans, shared_kv[key] if sharing == "reuse" else None)
+            if sharing == "store":
+                hidden, shared_kv[key] = hidden
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
         return hidden

@@ -175,6 +175,14 @@ def check_pipeline_stages(config, tsp_config, ds_config=None, model_class=None):
                          f"({type(config).__name__}): pipeline stages of a VLM (its tower and visual rows) are not "
                          "built; train it with tsp.pipeline_stages 1 (TSP x DP)")
     layers, stages = config.num_hidden_layers, tsp_config.pipeline_stages
+    shared = getattr(config, "num_kv_shared_layers", 0) or getattr(config, "hidden_size_per_layer_input", 0)
+    if shared:
+        raise ValueError(f"tsp.pipeline_stages = {stages} with a model whose layers take more than the hidden "
+                         f"state from the layers before them (num_kv_shared_layers = "
+                         f"{getattr(config, 'num_kv_shared_layers', 0)}: keys and values shared across layers; "
+                         f"hidden_size_per_layer_input = {getattr(config, 'hidden_size_per_layer_input', 0)}: "
+                         "per-layer inputs from the embedding), which the pipeline's stages do not pass on: train "
+                         "it with tsp.pipeline_stages 1 (TSP x DP)")
     if layers % stages:
         raise ValueError(f"num_hidden_layers = {layers} does not split evenly over tsp.pipeline_stages = "
                          f"{stages}: choose tsp.pipeline_stages from the divisors of {layers}")

@@ -209,6 +209,9 @@ GEMMA4 = {**GEMMA3, "attention_k_eq_v": Accepts(any_value, "the full layers' key
                                                  "leave use_bidirectional_attention unset for a causal LM"),
           "use_double_wide_mlp": Accepts(any_value, "the key/value-sharing layers' MLP width, read from the module"),
           **GEMMA_LAYER_FEATURES,
+          "num_kv_shared_layers": Accepts(any_value, "the last layers attend to the keys and values of the last "
+                                          "earlier layer of their type, which hands its local tokens' on "
+                                          "(TSPAttention.kv_sharing); each gathers them as its own"),
           "vocab_size_per_layer_input": Accepts(any_value, "read only with hidden_size_per_layer_input"),
           "enable_moe_block": Accepts(any_value, "experts beside the dense MLP (ExpertsBesideMLP): Hugging Face's "
                                       "router on the local tokens, the experts sharded as a TSP MoE block's"),
@@ -783,6 +786,8 @@ def check_layer(policy, layer, where):
         mixer_parts = policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS)
         if attention.values_from_keys(children.get(policy.attention)):
             mixer_parts = tuple(p for p in mixer_parts if p != "v_proj")
+        if attention.reuses_kv(children.get(policy.attention)):  # an earlier layer's keys and values
+            mixer_parts = tuple(p for p in mixer_parts if p not in ("k_proj", "v_proj"))
     expected = {mixer: mixer_parts,
                 policy.mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections()),
                 **{name: () for name in policy.norm_names()}}
@@ -799,9 +804,11 @@ def check_layer(policy, layer, where):
         module = children[child]
         grandchildren = {n for n, m in module.named_children() if _holds_tensors(m)}
         missing = [p for p in projections if p not in grandchildren]
-        # One pair of q/k norms at most: the first present is the pair the TSP attention takes, another is unexpected.
-        pair = next((set(pair) for pair in ATTENTION_NORMS if grandchildren & set(pair)), set()) \
-            if child == policy.attention else set()
+        # One pair of q/k norms at most: the first present is the pair the TSP attention takes, another is unexpected;
+        # a layer reusing an earlier layer's keys has the query's alone.
+        pair = next((pair for pair in ATTENTION_NORMS if grandchildren & set(pair)), ()) \
+            if child == policy.attention else ()
+        pair = set(pair[:1] if pair and attention.reuses_kv(module) else pair)
         unexpected = sorted(grandchildren - set(projections) - pair)
         missing += sorted(pair - grandchildren)
         if missing:
@@ -908,6 +915,8 @@ def check_qk_norms(policy, attn, where, layer_class):
         raise PolicyError(f"{layer_class} at {where} norms queries and keys after the rotary embedding ({names}), "
                           f"which tsp.policy {policy.name!r} was not written for: use tsp.policy \"auto\"")
     for name, projection in zip(names, ("q_proj", "k_proj")):
+        if attention.reuses_kv(attn) and projection == "k_proj":
+            continue  # an earlier layer's keys, normed there
         weight = getattr(getattr(attn, name), "weight", None)
         if weight is None:  # a weightless norm (Llama 4's L2 norm): per head, as the probe checks
             continue

@@ -26,6 +26,7 @@ from ds_tsp.injection.inject import inject
 from ds_tsp.injection.lora import holds_adapters
 from ds_tsp.injection.model import num_targets
 from ds_tsp.injection.pipeline import build_pipeline, check_pipeline_stages
+from ds_tsp.injection.policy import text_config
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.topology import TSPTopology
@@ -35,7 +36,7 @@ from ds_tsp.runtime.expert_parallel import (
     expert_param_groups,
     load_experts_from_their_masters,
 )
-from ds_tsp.runtime.offload import host_checkpoint_function
+from ds_tsp.runtime.offload import HOST_CHECKPOINT_REFUSAL, host_checkpoint_function
 from ds_tsp.runtime.optimizer import ClientOptimizer
 from ds_tsp.runtime.prefetch import PrefetchWhenAffordable
 from ds_tsp.runtime.replicated_schedule import schedule_replicated_grads
@@ -269,6 +270,8 @@ def _configure_activation_checkpointing(model, ds_config, topology, tsp_config):
         return
     model.train()
     if section.get("cpu_checkpointing"):
+        if getattr(text_config(model), "num_kv_shared_layers", 0):
+            raise ValueError(HOST_CHECKPOINT_REFUSAL)
         prefetch = tsp_config.prefetch_checkpoints
         if prefetch == "auto":
             prefetch = PrefetchWhenAffordable(model.config, topology.tsp_size, tsp_config.vocab_parallel,

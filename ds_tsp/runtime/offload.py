@@ -77,6 +77,14 @@ class HostCopy:
         return tensor
 
 
+# A layer that hands its keys and values to later layers (or takes an earlier one's) has a second output (or
+# input) to differentiate, which a host checkpoint of the layer's one input and output would cut off.
+HOST_CHECKPOINT_REFUSAL = ("activation_checkpointing.cpu_checkpointing keeps one input of a layer in host memory "
+                           "and differentiates one output, but this model shares keys and values across layers "
+                           "(config.num_kv_shared_layers, Gemma 4's): set cpu_checkpointing to false, with which "
+                           "DeepSpeed's activation checkpointing recomputes its layers")
+
+
 class _HostCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, prefetch, hidden, *args):
@@ -89,7 +97,10 @@ class _HostCheckpoint(torch.autograd.Function):
         if prefetch:
             _last_copies[hidden.device] = weakref.ref(ctx.saved_hidden)
         with torch.no_grad():
-            return run(hidden, *args)
+            out = run(hidden, *args)
+        if not torch.is_tensor(out):
+            raise ValueError(HOST_CHECKPOINT_REFUSAL)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -115,6 +126,8 @@ def host_checkpoint(run, hidden, *args, prefetch=False):
     differentiated and stay where they are: every layer shares them.
     ``prefetch``: bring the layer below's input back under this layer's
     backward; a callable decides it from ``hidden`` (``ds_tsp.runtime.prefetch``)."""
+    if any(torch.is_tensor(arg) and arg.requires_grad for arg in args):
+        raise ValueError(HOST_CHECKPOINT_REFUSAL)
     return _HostCheckpoint.apply(run, prefetch, hidden, *args)
 
 

@@ -98,12 +98,13 @@ SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1, "sinks":
               "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
 
 
-def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True):
+def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True, keys=True):
     """Rank ``tsp_rank``'s packed shard: its query heads, ``o_proj`` columns and
     (``sinks``) its heads' sink logits, then, on the rank that holds them, its
     key/value heads (a contiguous tail, so the key/value gradient can be
     reduced on its own); without ``values`` (keys used as values, Gemma 4's
-    full layers) no ``v_proj``."""
+    full layers) no ``v_proj``, without ``keys`` (a layer attending to an
+    earlier layer's keys and values, Gemma 4's shared ones) neither."""
     q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
     q_proj = heads.q_heads * heads.q_width
     shapes = {"q_proj.weight": (q_proj, hidden_size), "q_proj.bias": (q_proj,), "o_proj.weight": (hidden_size, q),
@@ -112,6 +113,7 @@ def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True)
     return PackSpec({name: shape for name, shape in shapes.items()
                      if (qkv_bias or not name.endswith("bias")) and (sinks or name != "sinks")
                      and (values or not name.startswith("v_proj"))
+                     and (keys or not name.startswith(("k_proj", "v_proj")))
                      and heads.holds(name, tsp_rank)})
 
 

@@ -38,14 +38,19 @@ class TSPAttention(PackedShardMixin, nn.Module):
                  o_bias=False, scale=None, sliding_window=None, layout_name="zigzag", backend="auto",
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
                  k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False, rope=ROTATE_HALF,
-                 query_scale=None, attention_chunk=None, v_norm=None, values_from_keys=False):
+                 query_scale=None, attention_chunk=None, v_norm=None, values_from_keys=False, kv_sharing=None,
+                 kv_key=None):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
         self.heads = HeadGroups(num_heads, num_kv_heads, head_dim, comm.group_size(tsp_group), output_gate)
         # Keys used as values (Gemma 4's full layers): no v_proj in any shard.
         self.values_from_keys = values_from_keys
-        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks, values=not values_from_keys)
+        # Keys and values shared across layers (Gemma 4's): "store" hands this layer's to the later layers of its
+        # kind (``kv_key``, its layer type), which "reuse" them and hold no key/value projections.
+        self.kv_sharing, self.kv_key = kv_sharing, kv_key
+        self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks, values=not values_from_keys,
+                                      keys=kv_sharing != "reuse")
                            for j in range(self.heads.tsp_size))
         self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
@@ -112,7 +117,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
         norms = {}
         hf_names, after_rotary = qk_norm_names(attn)
         for name, hf_name in zip(("q_norm", "k_norm"), hf_names or (None, None)):
-            norm = None if hf_name is None else getattr(attn, hf_name)
+            norm = None if hf_name is None else getattr(attn, hf_name, None)  # a layer reusing keys has no k_norm
             if norm is not None:
                 # A copy, so the HF module's parameters are never shared; its
                 # weight is loaded from ``read`` below.
@@ -130,7 +135,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),
                      rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config),
                      attention_chunk=attention_chunk_of(attn, config), values_from_keys=values_from_keys(attn),
-                     **norms)
+                     kv_sharing=kv_sharing_of(attn, config), kv_key=getattr(attn, "layer_type", None), **norms)
         module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -174,6 +179,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              kernel=kernel, scale=self.scale, window=self.sliding_window, overlap=self.overlap,
                              explicit_backward=explicit, q_norm=self.q_norm, k_norm=self.k_norm,
                              v_norm=self.v_norm, values_from_keys=self.values_from_keys,
+                             kv_sharing=self.kv_sharing,
                              query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, self.heads.tsp_size,
                                                        self.layout_name, x.shape[0], self.token_tile,
                                                        self.sliding_window, spans),
@@ -204,19 +210,29 @@ class TSPAttention(PackedShardMixin, nn.Module):
             return cos, sin
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
-    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None, spans=None):
+    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None, spans=None,
+                shared=None):
         """``input_norm``: the layer's norm before the attention (``takes_input_norm``),
         applied to ``x`` here and recomputed tile by tile in backward; ``x`` is
         then the layer's input. ``positions``: the local tokens' positions
         ``(B, S/D)`` (position ids or cache positions: ``query_scale.reads``), read by a query scale.
-        ``spans``: bidirectional runs of tokens (``plan``)."""
+        ``spans``: bidirectional runs of tokens (``plan``). Keys and values
+        shared across layers (``kv_sharing``): a layer that reuses them takes the
+        storing layer's local ones as ``shared`` ``(2, B, S/D, nkv, d)``; a layer
+        that stores them returns ``(output, its local keys and values)``."""
+        if self.kv_sharing == "reuse" and shared is None:
+            raise ValueError("this attention reuses an earlier layer's keys and values: its forward takes them")
         cos, sin = self.full_tables(*position_embeddings)
         plan, packed = self.plan(x, documents, input_norm, positions, spans), self.shard_weights()
         norm_weights = [norm_weight(norm) for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
-                                          None if input_norm is None else input_norm.weight)
-        return out if self.o_bias is None else out + self.o_bias
+                                          None if input_norm is None else input_norm.weight, shared)
+        stored = None
+        if self.kv_sharing == "store":
+            out, stored = out
+        out = out if self.o_bias is None else out + self.o_bias
+        return out if stored is None else (out, stored)
 
 
 def heads_config(attn, config):
@@ -226,6 +242,22 @@ def heads_config(attn, config):
     if not getattr(config, "is_heterogeneous", False):
         return config
     return config.per_layer_config[attn.layer_idx]
+
+
+def reuses_kv(attn):
+    """Whether ``attn`` attends to an earlier layer's keys and values, holding no key/value projections."""
+    return bool(getattr(attn, "is_kv_shared_layer", False))
+
+
+def kv_sharing_of(attn, config):
+    """How ``attn`` shares keys and values across layers (``config.num_kv_shared_layers``, Gemma 4's): "reuse"
+    (it attends to an earlier layer's), "store" (the last layer of its type that computes its own, which the
+    later ones reuse), or None."""
+    if not getattr(config, "num_kv_shared_layers", 0):
+        return None
+    if reuses_kv(attn):
+        return "reuse"
+    return "store" if getattr(attn, "store_full_length_kv", False) else None
 
 
 def values_from_keys(attn):
@@ -253,7 +285,7 @@ def replicated_names(attn):
     whole on every rank: the output bias and per-head q/k norms, where present."""
     names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
     return names + [f"{name}.weight" for name in qk_norm_names(attn)[0] or ()
-                    if norm_weight(getattr(attn, name)) is not None]
+                    if norm_weight(getattr(attn, name, None)) is not None]
 
 
 # Per-head query and key norms by their Hugging Face names: applied before the

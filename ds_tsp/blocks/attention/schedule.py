@@ -57,6 +57,9 @@ class AttentionPlan:
     k_norm: object = None  # Gemma-3) or over the whole projection (OLMo-2: see ProjectionNormPiece)
     v_norm: object = None  # a weightless per-head norm of the values (Gemma 4's), or None
     values_from_keys: bool = False  # the values are the keys before their norm and rotary (Gemma 4's k_eq_v)
+    # Keys and values shared across layers (Gemma 4's): "store" also returns the local tokens' keys and values,
+    # "reuse" attends to those of an earlier layer (no key/value projections); None: neither.
+    kv_sharing: str | None = None
     input_norm: object = None  # the layer's norm before the attention, run inside it (ds_tsp.blocks.input_norm)
     token_tile: int = 0  # tsp.token_tile: the input norm's tiles in backward
     rope: object = ROTATE_HALF  # the rotary convention (rotary.ROTATE_HALF, or the model's own ModelRotary)
@@ -134,6 +137,15 @@ def attended_values(plan, v):
 def attended_values_backward(plan, v, grad):
     """The gradient of the raw values ``v`` from that of ``attended_values(plan, v)``."""
     return grad if plan.v_norm is None else rotate_backward(v, grad, plan.v_norm, None, None, NO_ROTARY)[0]
+
+
+def shared_heads(plan, shared, j):
+    """Key/value holder ``j``'s heads of the local tokens' shared keys and values ``shared``
+    ``(2, B, S/D, nkv, d)``: ``(k, v)``, each ``(B, S/D, kv_heads, d)``."""
+    heads = plan.heads
+    first = heads.kv_rows(j).start // heads.head_dim
+    piece = shared[:, :, :, first:first + heads.kv_heads]
+    return piece[0], piece[1]
 
 
 def split_gate(q, head_dim):
@@ -241,7 +253,7 @@ def attend_local_chunks_backward(plan, grad_o, q, K, V, o, lse, grad_K, grad_V, 
     return _cat(grad_q, 0), grad_sinks
 
 
-def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, input_norm=None):
+def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, input_norm=None, shared=None):
     """Forward of one layer on the local tokens ``x`` ``(B, S/D, H)``;
     ``inv_rms``: with q/k norms over the whole projection, each local token's
     inverse RMS of q and of k (``{"q", "k"}``, ``projection_squares_forward``);
@@ -258,6 +270,11 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
     ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``; nothing without.
     Queries, keys and values are not kept: backward projects them again from
     ``x`` with the shards it receives anyway.
+
+    Keys and values shared across layers (``plan.kv_sharing``): a layer that
+    reuses them takes each holder's from ``shared`` (the storing layer's local
+    keys and values ``(2, B, S/D, nkv, d)``) instead of projecting and gathers
+    them as its own; one that stores them returns them as a third value.
     """
     heads, d = plan.heads, plan.heads.head_dim
     if input_norm is not None:
@@ -268,6 +285,7 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
                       device=x.device)
     saved = {"o": [], "lse": []}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
+    stored = []  # with plan.kv_sharing "store": every holder's local keys and values, in head order
     stream = shard_stream(plan, packed)
 
     def receive():
@@ -275,12 +293,17 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         j, shard = next(stream)
         w = plan.specs[j].unpack(shard)
         if heads.holds_kv(j):
-            k = project(x, w, "k_proj", heads.kv_heads, d)
-            v = attended_values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
-            k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
+            if plan.kv_sharing == "reuse":
+                k_rotated, v = shared_heads(plan, shared, j)
+            else:
+                k = project(x, w, "k_proj", heads.kv_heads, d)
+                v = attended_values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
+                k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
             gathers[j] = gather_kv(plan, k_rotated, v)
             if kv_sink is not None:
                 kv_sink(k_rotated, v)
+            if plan.kv_sharing == "store":
+                stored.append((k_rotated, v))
         return w
 
     upcoming = receive()
@@ -300,7 +323,10 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
             upcoming = receive()
-    return out.view(x.shape).to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
+    out = out.view(x.shape).to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
+    if plan.kv_sharing != "store":
+        return out
+    return (*out, torch.stack([torch.cat(parts, dim=2) for parts in zip(*stored)]))
 
 
 def _accumulator_dtype(plan, dtype):
@@ -350,8 +376,9 @@ class Recomputation:
     a second time: each group's queries and, per key/value holder, its keys
     (kept for their gradient) and its K/V all-gather."""
 
-    def __init__(self, plan, x, packed, cos, sin, inv_rms, input_norm):
+    def __init__(self, plan, x, packed, cos, sin, inv_rms, input_norm, shared=None):
         self.plan, self.x, self.cos, self.sin, self.inv_rms, self.input_norm = plan, x, cos, sin, inv_rms, input_norm
+        self.shared = shared  # the keys and values a layer that reuses them attends to (attention_forward)
         self.tokens = x.flatten(0, 1)  # (N, H)
         self.stream = shard_stream(plan, packed)
         self.gathers = {}  # key/value holder -> its K/V all-gather in flight
@@ -373,7 +400,9 @@ class Recomputation:
         plan, heads = self.plan, self.plan.heads
         j, shard = next(self.stream)
         w = plan.specs[j].unpack(shard)
-        if heads.holds_kv(j):
+        if heads.holds_kv(j) and plan.kv_sharing == "reuse":
+            self.gathers[j] = gather_kv(plan, *shared_heads(plan, self.shared, j))
+        elif heads.holds_kv(j):
             self.keys[j] = self.project(w, "k_proj", heads.kv_heads)
             v = raw_values(plan, lambda name: self.project(w, name, heads.kv_heads), self.keys[j])
             if plan.v_norm is not None:
@@ -405,6 +434,9 @@ class HeadGroupGrads:
         self.shards = {}  # group j -> this rank's partial gradient of shard j
         self.norm_weights, self.norm_inv_rms = {"q": None, "k": None}, {"q": None, "k": None}
         self.reduces = ReducesInFlight(plan)
+        # Shared keys and values: a reusing layer's gradient of those it attended to; a storing layer's of those
+        # it handed on (from the later layers), added to its own keys' and values'.
+        self.shared = None
 
     def shard(self, j):
         """Views, by name, of shard ``j``'s gradient buffer (float32 or wider)."""
@@ -462,6 +494,15 @@ class HeadGroupGrads:
         the input gradient and the key/value weight gradients, which go to the
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
         dk, dv = scatter.wait()
+        if self.plan.kv_sharing is not None:
+            first = self.plan.heads.kv_rows(holder).start // self.plan.heads.head_dim
+            heads = slice(first, first + self.plan.heads.kv_heads)
+            if self.plan.kv_sharing == "reuse":  # the keys and values are an earlier layer's: their gradient goes back
+                self.shared[0][:, :, heads], self.shared[1][:, :, heads] = dk, dv
+                if holder == j:
+                    self.reduce_part(holder, "all")
+                return
+            dk, dv = dk + self.shared[0][:, :, heads], dv + self.shared[1][:, :, heads]
         dv = self.inputs.values_backward(holder, dv)
         dk, *grad_k_norm = self.inputs.keys_backward(holder, dk)
         self.add_norm("k", holder, *grad_k_norm)
@@ -509,19 +550,23 @@ def attend_backward(plan, grad_o, q, K, V, dKV, saved, j, sinks=None):
     return dq, o, d_sinks[0] if d_sinks else None
 
 
-def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None, input_norm=None):
+def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None, input_norm=None, shared=None,
+                       grad_shared=None):
     """Gradients of the local tokens ``x``, this rank's packed shard, the q/k
-    norms' weights and inverse RMS, and the ``input_norm``'s weight (None where
-    absent). Per head group: re-broadcast its shard, project again, attend
+    norms' weights and inverse RMS, the ``input_norm``'s weight and the shared
+    keys and values (None where absent). Per head group: re-broadcast its shard, project again, attend
     backward; a replica set's dK/dV sums are reduce-scattered once the set is
-    complete and, with ``plan.overlap``, finished under the next group's compute."""
+    complete and, with ``plan.overlap``, finished under the next group's compute.
+    ``shared``: the keys and values a reusing layer attended to; ``grad_shared``:
+    the gradient of those a storing layer returned."""
     heads = plan.heads
     # Products run in the shard's dtype (tensor cores for bf16; ``x`` keeps its
     # own when the input norm runs inside); sums over head groups and ranks
     # accumulate in at least float32, cast once at the end.
     dtype = packed.dtype
-    inputs = Recomputation(plan, x, packed, cos, sin, inv_rms, input_norm)
+    inputs = Recomputation(plan, x, packed, cos, sin, inv_rms, input_norm, shared)
     grads = HeadGroupGrads(plan, inputs, dtype)
+    grads.shared = torch.empty_like(shared) if plan.kv_sharing == "reuse" else grad_shared
     grad_tokens = grad_out.flatten(0, 1)  # (N, H)
     upcoming, unfinished = inputs.receive(), None
     for j in range(plan.tsp_size):
@@ -577,7 +622,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
     own = grads.own_shard()
     grad_x, grad_input_norm = grads.input_grads()
     return (grad_x, own.to(packed.dtype), grads.norm_weights["q"], grads.norm_weights["k"], grads.norm_inv_rms["q"],
-            grads.norm_inv_rms["k"], grad_input_norm)
+            grads.norm_inv_rms["k"], grad_input_norm, grads.shared if plan.kv_sharing == "reuse" else None)
 
 
 class TSPAttentionFunction(torch.autograd.Function):
@@ -594,31 +639,34 @@ class TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     @autocast_forward(cast_inputs=True, keep=(0, 7, 8, 9))
     def forward(ctx, x, packed, cos, sin, plan, q_norm_weight, k_norm_weight, q_inv_rms, k_inv_rms,
-                input_norm_weight):
-        # The norm weights are inputs only so that autograd routes their gradients.
+                input_norm_weight, shared=None):
+        # The norm weights are inputs only so that autograd routes their gradients. ``shared``: the keys and
+        # values a layer reusing them attends to; a layer storing them returns its own as a second output.
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
         input_norm = None
         if plan.input_norm is None:
             x = x.to(packed.dtype)  # as autocast casts a projection's input
         else:
             input_norm = TiledInputNorm(plan.input_norm, input_norm_weight, packed.dtype, plan.token_tile)
-        out, saved = attention_forward(plan, x, packed, cos, sin, inv_rms, input_norm=input_norm)
+        out, saved, *stored = attention_forward(plan, x, packed, cos, sin, inv_rms, input_norm=input_norm,
+                                                shared=shared)
         ctx.plan, ctx.input_norm = plan, input_norm
         ctx.saved_counts = {name: len(tensors) for name, tensors in saved.items()}
-        ctx.save_for_backward(x, packed, cos, sin, q_inv_rms, k_inv_rms,
+        ctx.save_for_backward(x, packed, cos, sin, q_inv_rms, k_inv_rms, shared,
                               *(t for tensors in saved.values() for t in tensors))
-        return out
+        return (out, *stored) if stored else out
 
     @staticmethod
     @autocast_backward
-    def backward(ctx, grad_out):
-        x, packed, cos, sin, q_inv_rms, k_inv_rms, *flat = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_stored=None):
+        x, packed, cos, sin, q_inv_rms, k_inv_rms, shared, *flat = ctx.saved_tensors
         saved, start = {}, 0
         for name, count in ctx.saved_counts.items():
             saved[name], start = flat[start:start + count], start + count
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
         grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin, inv_rms,
-                                   ctx.input_norm)
-        grad_x, grad_packed, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms, grad_input_norm = grads
+                                   ctx.input_norm, shared, grad_stored)
+        (grad_x, grad_packed, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms, grad_input_norm,
+         grad_shared) = grads
         return (grad_x, grad_packed, None, None, None, grad_q_norm, grad_k_norm, grad_q_inv_rms, grad_k_inv_rms,
-                grad_input_norm)
+                grad_input_norm, grad_shared)
