@@ -308,6 +308,11 @@ def tiny_config(arch, **overrides):
         # E2B's and E4B's, whose key/value-sharing layers take double-wide MLPs)
         return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
                                    **overrides})
+    if arch == "gemma4_layer_inputs":  # and per-layer inputs (4 a layer) from a second embedding, as E2B's and
+        # E4B's beside their shared keys and values
+        return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                                   "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": kwargs["vocab_size"],
+                                   **overrides})
     if arch == "gemma4_moe":  # and 4 experts (top-2) beside every layer's MLP, as Gemma 4's 26B-A4B
         return Gemma4TextConfig(**{**kwargs, **GEMMA4_TINY, "enable_moe_block": True, "num_experts": 4,
                                    "top_k_experts": 2, "moe_intermediate_size": 8, "experts_implementation": "eager",
@@ -482,6 +487,7 @@ def mla_config(arch, kwargs):
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                  "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
                  "gemma4": Gemma4ForCausalLM, "gemma4_moe": Gemma4ForCausalLM, "gemma4_shared_kv": Gemma4ForCausalLM,
+                 "gemma4_layer_inputs": Gemma4ForCausalLM,
                  "vaultgemma": VaultGemmaForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM,
                  "ernie4_5_moe": Ernie4_5_MoeForCausalLM, "helium": HeliumForCausalLM, "flint": FlintForCausalLM,

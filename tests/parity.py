@@ -94,13 +94,17 @@ def shard_grad_diffs(tsp_model, ref_model, relative=False):
                 continue
             diffs[name] = (param.grad - ref[name]).abs().max().item() / scale(name)
     policy = tsp_model.tsp_policy
-    for name in (policy.embed_tokens, policy.lm_head):
+    inputs = policy.model_inputs(tsp_model)  # a per-layer embedding (Gemma 4's), folded as the main one
+    for name in (policy.embed_tokens, policy.lm_head, *([inputs.embed] if inputs else [])):
         module = tsp_model.get_submodule(name)
         if getattr(module.weight, "tensor_model_parallel", False):
             piece = module.shard_piece("weight")
             grad = module.weight.grad
             full_name = f"{name}.weight" if f"{name}.weight" in ref else f"{policy.embed_tokens}.weight"  # tied: one
             full = ref[full_name]
+            if grad is None:  # a forward that never reached it (a guard's)
+                diffs[f"{name}.weight"] = 0.0 if full is None else float("inf")
+                continue
             diffs[f"{name}.weight"] = (grad[:piece[2]] - full.narrow(*piece)).abs().max().item() / scale(full_name)
             diffs[f"{name}.weight padding rows"] = grad[piece[2]:].abs().max().item() if piece[2] < len(grad) else 0.0
     for prefix, unit in sharded_units(tsp_model):  # a vision tower's units, 1/D of each per rank

@@ -257,9 +257,10 @@ def _gathered(engine, zero_stage):
     # Gemma 4: full layers of wider heads whose keys are their values, normed values, layer_scalar; and its
     # experts beside every layer's MLP.
     (4, 2, 2, "adam", False, False, "gemma4", False), (4, 2, 2, "adam", False, False, "gemma4_moe", False),
-    # Gemma 4's keys and values shared across layers, under DeepSpeed's activation checkpointing: each layer's
-    # shared keys and values are its checkpoint's second output or input.
-    (4, 2, 2, "adam", True, False, "gemma4_shared_kv", False),
+    # Gemma 4's keys and values shared across layers and its per-layer inputs, under DeepSpeed's activation
+    # checkpointing: each layer's shared keys and values are its checkpoint's second output or input, its
+    # per-layer input one more input.
+    (4, 2, 2, "adam", True, False, "gemma4_layer_inputs", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
                                                activation_checkpointing, config_optimizer, arch, offload_optimizer):

@@ -512,7 +512,8 @@ def test_the_cache_reorders_expands_and_selects_rows_as_hugging_faces_does():
                                             ("cohere", 2), ("cohere2", 2), ("cohere2_moe", 2), ("nemotron", 2),
                                             ("granitemoe", 2), ("llama4", 2), ("llama4", 4),
                                             ("hyperclovax", 2), ("gemma4", 2), ("gemma4", 4),
-                                            ("gemma4_moe", 2), ("gemma4_shared_kv", 2), ("gemma4_shared_kv", 4)])
+                                            ("gemma4_moe", 2), ("gemma4_shared_kv", 2), ("gemma4_shared_kv", 4),
+                                            ("gemma4_layer_inputs", 2)])
 def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, tsp_size):
     """Gemma's folded embedding scales the rows it looks up (prefill and each
     new token) as Hugging Face's does; Gemma-2's scores and final logits are
@@ -532,7 +533,9 @@ def test_the_gemma_and_olmo_families_generate_as_hugging_face(run_ranks, arch, t
     logits_scaling; Gemma 4's full layers cache wider heads, fewer of them,
     whose keys are their values, every layer's values normed; its experts
     beside the MLP take each new token; its key/value-sharing layers cache
-    nothing and attend to the cache of the layer whose keys they share."""
+    nothing and attend to the cache of the layer whose keys they share; its
+    per-layer inputs come from the folded per-layer embedding for the prompt
+    and for each new token."""
     prompts, mask = _left_padded(LEFT_PADDED_LENGTHS)
     ref_tokens, ref_logits = _hf_reference(arch, prompts, attention_mask=mask, max_new_tokens=12)
     per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, attention_mask=mask,

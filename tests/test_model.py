@@ -10,6 +10,7 @@ from ds_tsp.config import TSPConfig
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.attention.schedule import attention_backward as REAL_ATTENTION_BACKWARD
 from ds_tsp.blocks.attention.schedule import shared_heads as REAL_SHARED_HEADS
+from ds_tsp.blocks.layer_inputs import local_layer_inputs as REAL_LOCAL_LAYER_INPUTS
 from ds_tsp.injection.inject import tsp_layer as REAL_TSP_LAYER
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
@@ -39,7 +40,7 @@ def parity_without_probe(patch, **kwargs):
 def check_moved(per_rank, label):
     """The guards' verdict: a deliberately wrong piece moved some loss or gradient by far more than the tolerance."""
     worst = max(value for rank in per_rank for key, value in rank.items() if key not in NOT_DIFFS)
-    print(f"{label}: max diff {worst:.2e}")
+    print(f"{label}: max diff {worst:.2e}, loss moved {max(rank['loss'] for rank in per_rank):.2e}")
     assert worst > 1e-3
 
 
@@ -297,6 +298,21 @@ def test_gemma4_shared_keys_and_values_match_hugging_face(run_ranks, tsp_size):
         check(run_ranks(tsp_size, model_parity, arch="gemma4_shared_kv", **case), f"D={tsp_size} gemma4 shared {case}")
 
 
+@pytest.mark.parametrize("tsp_size", [1, 2, 4])
+def test_gemma4_per_layer_inputs_match_hugging_face(run_ranks, tsp_size):
+    """Gemma 4's per-layer inputs (E2B's and E4B's, beside their shared keys and values): a second embedding of
+    4 values a layer, folded by vocabulary, mixed with the projected embeddings by the decoder's own
+    project_per_layer_inputs, gated, projected, normed and added by every layer; padded, packed, unfolded."""
+    for case in (dict(batch=2, seq_len=13, right_padding=3), PACKED, dict(batch=1, seq_len=16, vocab_parallel=False)):
+        check(run_ranks(tsp_size, model_parity, arch="gemma4_layer_inputs", **case),
+              f"D={tsp_size} gemma4 layer inputs {case}")
+
+
+def _zero_layer_inputs(*args):
+    inputs = REAL_LOCAL_LAYER_INPUTS(*args)
+    return torch.zeros_like(inputs)
+
+
 def test_gemma4_shared_keys_and_values_refuse_host_checkpoints(run_ranks):
     with pytest.raises(RankFailure, match=r"cpu_checkpointing .* shares keys and values across layers"):
         run_ranks(2, model_parity, arch="gemma4_shared_kv", batch=2, seq_len=13, checkpointing="host")
@@ -327,18 +343,20 @@ def _gemma4_wrong(wrong, **kwargs):
                                                 lambda self, x: x),
                "shared_kv": mock.patch("ds_tsp.blocks.attention.schedule.shared_heads", _zero_shared_heads),
                "shared_kv_gradient": mock.patch("ds_tsp.blocks.attention.schedule.attention_backward",
-                                                _shared_gradient_dropped)}
+                                                _shared_gradient_dropped),
+               "layer_inputs": mock.patch("ds_tsp.injection.model.local_layer_inputs", _zero_layer_inputs)}
     with patches[wrong]:
         return model_parity(**kwargs)
 
 
 @pytest.mark.parametrize("wrong, arch", [("value_norm", "gemma4"), ("layer_scalar", "gemma4"),
                                          ("experts_input_norm", "gemma4_moe"), ("shared_kv", "gemma4_shared_kv"),
-                                         ("shared_kv_gradient", "gemma4_shared_kv")])
+                                         ("shared_kv_gradient", "gemma4_shared_kv"),
+                                         ("layer_inputs", "gemma4_layer_inputs")])
 def test_a_wrong_gemma4_piece_is_caught(run_ranks, wrong, arch):
     """Gemma 4's values not normed, its layers' outputs not times their layer_scalar, its experts run on the
     branch's input rather than their own norm of it, the shared keys and values dropped (zeros) or their
-    gradient not flowing back to the layer that made them."""
+    gradient not flowing back to the layer that made them, the per-layer inputs missing (zeros)."""
     check_moved(run_ranks(2, _gemma4_wrong, wrong=wrong, arch=arch, batch=2, seq_len=13), f"Gemma 4's {wrong}")
 
 

@@ -294,14 +294,13 @@ def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
         _inject(model)
 
 
-@pytest.mark.parametrize("model_type, overrides, match", [
-    ("gemma4_text", {"hidden_size_per_layer_input": 8}, r"hidden_size_per_layer_input = 8.*per-layer input embeddings"),
-])
-def test_gemma4_features_are_refused_by_name(model_type, overrides, match):
-    """Gemma 4's per-layer inputs: not built under TSP yet, refused naming its config key."""
-    model = tiny_causal_lm(model_type, device="meta", **overrides)
-    with pytest.raises(PolicyError, match=match):
-        resolve_policy(model)
+def test_gemma4_bidirectional_attention_is_refused_by_name():
+    """Gemma 4 as an encoder (use_bidirectional_attention "all": every token sees every other) is refused naming
+    the key; its other features, transformers' defaults included (per-layer inputs), are built."""
+    with pytest.raises(PolicyError, match=r"use_bidirectional_attention = 'all'.*leave use_bidirectional_attention "
+                                          r"unset for a causal LM"):
+        resolve_policy(tiny_causal_lm("gemma4_text", device="meta", use_bidirectional_attention="all"))
+    assert resolve_policy(tiny_causal_lm("gemma4_text", device="meta")).name == "gemma4_text"
 
 
 @pytest.mark.parametrize("where, kind", [("self_attn", "parameter"), ("mlp", "buffer"), ("", "parameter")])

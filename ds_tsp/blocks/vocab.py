@@ -108,18 +108,26 @@ def embedding_scale(embed):
     return scale
 
 
-def check_foldable(embed, lm_head, where="model"):
-    """Refuse, before any weight moves, an embedding or head that the folded
-    vocabulary would not reproduce exactly."""
-    fix = "set tsp.vocab_parallel to false to keep them replicated"
+FOLD_FIX = "set tsp.vocab_parallel to false to keep them replicated"
+
+
+def check_foldable_table(embed, where="model", kind="input embedding"):
+    """Refuse, before any weight moves, an embedding the folded vocabulary would not reproduce exactly."""
     try:
         embedding_scale(embed)
     except VocabError as refusal:
-        raise VocabError(f"{where}'s input embedding is a {type(embed).__name__}, not a plain nn.Embedding "
-                         f"({refusal}): ds_tsp cannot fold it; {fix}") from None
+        raise VocabError(f"{where}'s {kind} is a {type(embed).__name__}, not a plain nn.Embedding "
+                         f"({refusal}): ds_tsp cannot fold it; {FOLD_FIX}") from None
     if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
-        raise VocabError(f"{where}'s input embedding uses max_norm, scale_grad_by_freq or sparse gradients, "
-                         f"which the vocabulary-parallel embedding does not reproduce; {fix}")
+        raise VocabError(f"{where}'s {kind} uses max_norm, scale_grad_by_freq or sparse gradients, "
+                         f"which the vocabulary-parallel embedding does not reproduce; {FOLD_FIX}")
+
+
+def check_foldable(embed, lm_head, where="model"):
+    """Refuse, before any weight moves, an embedding or head that the folded
+    vocabulary would not reproduce exactly."""
+    fix = FOLD_FIX
+    check_foldable_table(embed, where)
     if type(lm_head) is not nn.Linear or lm_head.bias is not None:
         raise VocabError(f"{where}'s LM head is a {type(lm_head).__name__}"
                          f"{' with a bias' if getattr(lm_head, 'bias', None) is not None else ''}: ds_tsp folds a "

@@ -335,8 +335,8 @@ def joined_state(model, policy, states, vision_tower=False):
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i, layer in enumerate(model.get_submodule(policy.layers))
                            for b in policy.block_prefixes(layer))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})
-    full.update({name: join_vocab(name, [state[name] for state in states], model.config.get_text_config().vocab_size)
-                 for name in vocab_names(model, policy) if name in states[0]})
+    full.update({name: join_vocab(name, [state[name] for state in states], rows)
+                 for name, rows in vocab_names(model, policy).items() if name in states[0]})
     if vision_tower:
         full.update(join_units(model, VISION_TOWERS[vision_family(model)], states))
     expected = set(untied(model, dict(model.state_dict())))

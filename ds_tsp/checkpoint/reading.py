@@ -393,6 +393,8 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, a
                    for part in policy.block_prefixes(layer))
     if tsp_config.vocab_parallel:
         blocks += (f"{policy.embed_tokens}.", f"{policy.lm_head}.")
+        if policy.model_inputs(model) is not None:
+            blocks += (f"{policy.model_inputs(model).embed}.",)
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}
     replicated |= {name for name in model.state_dict() if name not in dict(model.named_parameters())
                    and not name.startswith(blocks)}  # persistent buffers (Gemma 4's layer_scalar), read whole

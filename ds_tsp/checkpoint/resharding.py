@@ -80,7 +80,8 @@ def engine_layout(engine):
     return {"tsp": topology.tsp_size, "dp": topology.dp_size, "pp": topology.pp_size, "ep": topology.ep_size,
             "zero_stage": int(engine.zero_optimization_stage()),
             "pipeline_names": hf_prefixes(policy, config.num_hidden_layers),
-            "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight"],
+            "vocabulary": [f"{policy.embed_tokens}.weight", f"{policy.lm_head}.weight",
+                           *([f"{policy.model_inputs(module).embed}.weight"] if policy.model_inputs(module) else [])],
             "lora": getattr(module, "tsp_peft_config", None) is not None,
             # A vision-language model's tower units, each a flat vector cut by the TSP size (ds_tsp.blocks.tower).
             "vision_tower": getattr(module, "tsp_vision_family", None) is not None and topology.tsp_size > 1,

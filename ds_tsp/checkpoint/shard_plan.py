@@ -147,12 +147,17 @@ def _sparse_shards(hf_moe, tsp_size, placement=None, input_norm=None):
 
 
 def vocab_names(model, policy):
-    """Hugging Face names of the vocabulary matrices: the embedding's, and the
-    LM head's unless it is tied to the embedding."""
+    """``{Hugging Face name: vocabulary rows}`` of the matrices folded by
+    vocabulary: the embedding's, the LM head's unless it is tied to the
+    embedding, and a per-layer embedding's (Gemma 4's, rows of its own count)."""
     embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
-    names = [f"{policy.embed_tokens}.weight"]
+    rows = model.config.get_text_config().vocab_size
+    names = {f"{policy.embed_tokens}.weight": rows}
     if lm_head.weight is not embed.weight:
-        names.append(f"{policy.lm_head}.weight")
+        names[f"{policy.lm_head}.weight"] = rows
+    inputs = policy.model_inputs(model)
+    if inputs is not None:
+        names[f"{inputs.embed}.weight"] = model.get_submodule(inputs.embed).num_embeddings
     return names
 
 
@@ -168,9 +173,12 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True, experts=None):
     if vocab_parallel:
         vocab.check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                              type(model).__name__)
+        inputs = policy.model_inputs(model)
+        if inputs is not None:
+            vocab.check_foldable_table(model.get_submodule(inputs.embed), type(model).__name__, "per-layer embedding")
         for tsp_rank, plan in enumerate(plans):
-            plan.update(dict.fromkeys(vocab_names(model, policy),
-                                      vocab.shard_piece(model.config.get_text_config().vocab_size, tsp_size, tsp_rank)))
+            plan.update({name: vocab.shard_piece(rows, tsp_size, tsp_rank)
+                         for name, rows in vocab_names(model, policy).items()})
     for index, layer in enumerate(model.get_submodule(policy.layers)):
         prefix = f"{policy.layers}.{index}"
         shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size, experts)

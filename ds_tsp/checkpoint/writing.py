@@ -197,7 +197,7 @@ class SavedStage:
         units = []
         for prefix, module in self.modules.items():
             if isinstance(module, TSPDecoderLayer):
-                parts = {**module.norms(), **module.hf_blocks()}
+                parts = {**module.whole_modules(), **module.hf_blocks()}
                 units += [gather_unit(hf_path(prefix, name, inner), block)
                           for name, part in parts.items() for inner, block in part.named_modules()
                           if not inner or isinstance(block, PackedShardMixin)]
@@ -231,6 +231,9 @@ def saved_stage(model):
     if isinstance(module, TSPCausalLMMixin):
         policy = module.tsp_policy
         modules = {policy.embed_tokens: module.get_submodule(policy.embed_tokens)}
+        inputs = policy.model_inputs(module)
+        if inputs is not None:  # the per-layer embedding, folded by vocabulary as the main one
+            modules[inputs.embed] = module.get_submodule(inputs.embed)
         modules.update({f"{policy.layers}.{i}": layer for i, layer in enumerate(module.get_submodule(policy.layers))})
         modules.update({name: module.get_submodule(name) for name in (policy.final_norm, policy.lm_head)})
         modules.update({name: unit for name, unit in module.named_modules() if isinstance(unit, ShardedUnit)})

@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attended_values, attention_forward, project, raw_values, split_gate
+from ds_tsp.blocks.layer_inputs import local_layer_inputs, replicated_layer_inputs
 from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries,
                                   text_and_rotary_positions)
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
@@ -296,6 +297,14 @@ class TSPDecoder:
         config = model.config.get_text_config()
         self.logit_map = LogitMap.of(config)
         self.embedding_multiplier = embedding_multiplier(config)
+        # Per-layer inputs (Gemma 4's): the decoder that mixes them and their embedding, or None.
+        inputs = policy.model_inputs(model)
+        self.decoder = model.get_submodule(policy.layers.rpartition(".")[0])
+        self.layer_table = None if inputs is None else model.get_submodule(inputs.embed)
+
+    def _layer_input(self, layer_inputs, index):
+        """Layer ``index``'s part of every layer's input (``ds_tsp.blocks.layer_inputs``), None without."""
+        return None if layer_inputs is None else layer_inputs[:, :, index]
 
     @torch.no_grad()
     def prefill(self, prompt, lengths, rotary=None, visual=None):
@@ -310,6 +319,8 @@ class TSPDecoder:
         positions = layout.positions(r, D, self.layout, padded.shape[1], device=device)  # (S/D,)
         rank_ids = [layout.shard(padded, j, D, self.layout) for j in range(D)]
         hidden = embed_local_tokens(self.embed, rank_ids, r, multiplier=self.embedding_multiplier)  # (B, S/D, H)
+        layer_inputs = None if self.layer_table is None else \
+            local_layer_inputs(self.decoder, self.layer_table, rank_ids, r, None, hidden)
         if visual is not None:
             hidden = visual.embed(hidden, host_read(padded, "visual placeholders"), self.topology, self.layout)
         if rotary is None:
@@ -350,7 +361,7 @@ class TSPDecoder:
                     return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
                                                    tables[layer.rotary_kind], positions.expand(batch, -1), spans,
                                                    shared_kv)
-            hidden = layer.blocks(hidden, attention, layer.mlp)
+            hidden = layer.blocks(hidden, attention, layer.mlp, per_layer_input=self._layer_input(layer_inputs, index))
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
@@ -394,6 +405,8 @@ class TSPDecoder:
         positions = cache.next_positions
         target = cache.place_next_token()
         hidden = replicated_embedding(self.embed, tokens.unsqueeze(1), self.embedding_multiplier)  # (B, 1, H)
+        layer_inputs = None if self.layer_table is None else \
+            replicated_layer_inputs(self.decoder, self.layer_table, tokens.unsqueeze(1), hidden)
         rotated_at = (positions + cache.rope_deltas).unsqueeze(1)  # a VLM's M-RoPE axes, equal for text tokens
         tables = {kind: rotary_at(self.rotary, hidden, rotated_at, kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
@@ -409,7 +422,8 @@ class TSPDecoder:
                     return self._attention(cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots,
                                            positions)
             hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed),
-                                  run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h))
+                                  run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h),
+                                  per_layer_input=self._layer_input(layer_inputs, index))
         cache.next_positions = positions + 1
         return self._logits(hidden)
 

@@ -9,7 +9,7 @@ from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import hf_sizes
 from ds_tsp.blocks.tower import shard_tower
-from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable
+from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable, check_foldable_table
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
@@ -93,6 +93,9 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
     if tsp_config.vocab_parallel:
         check_foldable(model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head),
                        type(model).__name__)
+        if policy.model_inputs(model) is not None:
+            check_foldable_table(model.get_submodule(policy.model_inputs(model).embed), type(model).__name__,
+                                 "per-layer embedding")
     if policy.layer_class is None:  # accepted by shape only: its forward must equal the TSP layers' on a probe
         probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
     for index, layer in enumerate(layers):
@@ -197,10 +200,12 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     beside = policy.beside(layer)
     experts = None if beside is None else experts_beside_mlp(layer, beside, topology, tsp_config, read, device)
     norms = policy.norm_names() + list(beside.norms() if beside else ())
+    inputs = policy.layer_inputs(layer)
+    input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), "act_fn")} if inputs else {}
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in norms},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
                            policy.parallel_blocks, residual_multiplier(config, layer),
-                           layer._buffers.get("layer_scalar"), experts, beside)
+                           layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules)
 
 
 def experts_beside_mlp(layer, beside, topology, tsp_config, read=None, device=None):
@@ -308,6 +313,13 @@ def fold_vocabulary(model, policy, topology, tsp_config, read=None, device=None)
     embed, lm_head = model.get_submodule(policy.embed_tokens), model.get_submodule(policy.lm_head)
     folded_embed = VocabParallelEmbedding.from_hf(embed, topology.tsp_group, read=_prefixed(read, policy.embed_tokens),
                                                   device=device)
+    inputs = policy.model_inputs(model)
+    if inputs is not None:  # the per-layer embedding (Gemma 4's), folded as the main one
+        table = model.get_submodule(inputs.embed)
+        folded_table = VocabParallelEmbedding.from_hf(table, topology.tsp_group, read=_prefixed(read, inputs.embed),
+                                                      device=device)
+        folded_table.weight.requires_grad_(table.weight.requires_grad)
+        model.set_submodule(inputs.embed, folded_table)
     tied_to = folded_embed if lm_head.weight is embed.weight else None
     folded_head = VocabParallelLMHead.from_hf(lm_head, topology.tsp_group, tsp_config.logits_tile_mib,
                                               tsp_config.overlap, tied_to=tied_to,

@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts, start_at_position_zero
+from ds_tsp.blocks.layer_inputs import local_layer_inputs
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions
@@ -51,7 +52,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
                  mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None, experts=None,
-                 beside=None):
+                 beside=None, inputs=None, input_modules=None):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
@@ -79,6 +80,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             self.moe = experts
         else:
             self.moe = None
+        # Per-layer inputs (Gemma 4's, a policy.PerLayerInputs): the layer's gate, projection and norm of its
+        # input under their Hugging Face names, kept whole, and the gate's activation (``input_modules["act"]``).
+        self.inputs = inputs
+        for name, module in (input_modules or {}).items():
+            self.add_module(name, module)
 
     def hf_prefixes(self):
         """``{attribute of a TSP block: its Hugging Face prefix under the layer}``: the token mixer, the MLP
@@ -104,6 +110,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         """The layer's norms by Hugging Face name."""
         names = [name for pair in self.layout.values() for name in pair if name is not None]
         return {name: getattr(self, name) for name in names + list(self.beside.norms() if self.beside else ())}
+
+    def whole_modules(self):
+        """The Hugging Face modules the layer keeps whole, by name: its norms and what applies a per-layer input."""
+        parts = self.inputs.layer_parts() if self.inputs is not None else ()
+        return {**self.norms(), **{name: getattr(self, name) for name in parts}}
 
     def branch(self, block, hidden, run, run_with_norm=None, run_experts=None):
         """``hidden`` plus the ``block`` (``"attention"`` or ``"mlp"``) ``run`` on
@@ -134,14 +145,15 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         return getattr(self.mixer, "kv_sharing", None)
 
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None,
-                spans=None, shared=None):
+                spans=None, shared=None, per_layer_input=None):
         """``positions``: the local tokens' position ids ``(B, S/D)``, which an attention that scales its
         queries by position reads (Ministral 3's, Mistral 4's); ``cache_positions``: their indices in
         their rows as Hugging Face counts them, which Llama 4's temperature tuning reads; ``spans``: the
         rows' runs of tokens that see each other both ways (a VLM's images, Gemma 3's), for the attention.
         Keys and values shared across layers (``kv_sharing``): a layer that reuses them takes them as
         ``shared``, one that stores them returns ``(hidden, its local keys and values)``, so that an
-        activation checkpoint sees them as its input and output."""
+        activation checkpoint sees them as its input and output. ``per_layer_input``: the layer's input from the
+        per-layer embedding ``(B, S/D, P)`` (``inputs``)."""
         scale = getattr(self.mixer, "query_scale", None)
         options = {} if scale is None else {
             "positions": query_scale_positions(scale, positions, cache_positions)}
@@ -159,14 +171,16 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             return out
 
         hidden = self.blocks(hidden_states, attention, self.mlp,
-                             lambda hidden, norm: attention(hidden, input_norm=norm))
+                             lambda hidden, norm: attention(hidden, input_norm=norm), per_layer_input=per_layer_input)
         return (hidden, stored[0]) if stored else hidden
 
-    def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None, run_experts=None):
+    def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None, run_experts=None,
+               per_layer_input=None):
         """The layer's two blocks on ``hidden`` (``branch``'s ``run`` for each):
         one after the other, or side by side (``parallel``) as
         ``hidden + attention(norm(hidden)) + mlp(norm(hidden))``, in Hugging Face's order;
-        experts beside the MLP (``moe``) by ``run_experts``, by default the block itself."""
+        experts beside the MLP (``moe``) by ``run_experts``, by default the block itself;
+        then the layer's ``per_layer_input`` (``add_input``) and its ``layer_scalar``."""
         if self.moe is not None and run_experts is None:
             run_experts = self.moe
         if not self.parallel:
@@ -176,7 +190,18 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             before, _ = self.layout["attention"]
             normed = normalize(getattr(self, before), hidden, self.recompute_norms)
             hidden = hidden + run_attention(normed) + run_mlp(normed)
+        if self.inputs is not None:
+            hidden = self.add_input(hidden, per_layer_input)
         return hidden if self.layer_scalar is None else hidden * self.layer_scalar
+
+    def add_input(self, hidden, per_layer_input):
+        """``hidden`` plus the layer's input ``per_layer_input`` gated by ``hidden``, projected and normed, as
+        Hugging Face's layer adds it (per token: no collective)."""
+        if per_layer_input is None:
+            raise ValueError("this layer takes a per-layer input (hidden_size_per_layer_input): its forward needs it")
+        gate, projection, norm = (getattr(self, name) for name in self.inputs.layer_parts())
+        gated = self.get_submodule("act_fn")(gate(hidden)) * per_layer_input
+        return hidden + normalize(norm, projection(gated), self.recompute_norms)
 
 
 def normalize(norm, hidden, recompute):
@@ -357,10 +382,20 @@ class TSPCausalLMMixin:
         return TSPBatch(input_ids, labels, position_ids, attention_mask, topo.tsp_rank, topo.tsp_size,
                         self.tsp_config.layout, cu_seq_lens, vocab_size, self.tsp_batch_check, rotary_positions)
 
-    def _decoder_layers(self, layers, hidden, batch, visual):
+    def _layer_inputs(self, batch, hidden):
+        """Every layer's input from the per-layer embedding for this rank's tokens ``(B, S/D, L, P)``
+        (``ds_tsp.blocks.layer_inputs``), or None for a model without."""
+        inputs = self.tsp_policy.model_inputs(self)
+        if inputs is None:
+            return None
+        decoder = self.get_submodule(self.tsp_policy.layers.rpartition(".")[0])
+        return local_layer_inputs(decoder, self.get_submodule(inputs.embed), batch.rank_input_ids,
+                                  self.tsp_topology.tsp_rank, batch.input_ids, hidden)
+
+    def _decoder_layers(self, layers, hidden, batch, visual, layer_inputs=None):
         """The TSP decoder ``layers`` on this rank's ``hidden``, each given its rotary tables (computed once per
-        kind); a VLM's tower adds its features to the first layers' outputs (``visual.after_layer``), and its
-        images may see themselves both ways (``visual.spans``)."""
+        kind) and its part of ``layer_inputs`` (``_layer_inputs``); a VLM's tower adds its features to the first
+        layers' outputs (``visual.after_layer``), and its images may see themselves both ways (``visual.spans``)."""
         tables = layer_rotary_tables(self.get_submodule(self.tsp_policy.rotary_emb), layers, hidden,
                                      batch.rotary_positions, batch.max_position)
         spans = None if visual is None else visual.spans(batch.left_padding)
@@ -368,7 +403,8 @@ class TSPCausalLMMixin:
         for index, decoder_layer in enumerate(layers):
             sharing, key = decoder_layer.kv_sharing, getattr(decoder_layer.mixer, "kv_key", None)
             hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
-                                   batch.cache_positions, spans, shared_kv[key] if sharing == "reuse" else None)
+                                   batch.cache_positions, spans, shared_kv[key] if sharing == "reuse" else None,
+                                   None if layer_inputs is None else layer_inputs[:, :, index])
             if sharing == "store":
                 hidden, shared_kv[key] = hidden
             if visual is not None:
@@ -461,8 +497,9 @@ class TSPCausalLMMixin:
                                     batch.input_ids, embedding_multiplier(config))
         if visual is not None:
             hidden = visual.embed(hidden, batch.host_input_ids, topo, self.tsp_config.layout)
+        layer_inputs = self._layer_inputs(batch, hidden)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
-            hidden = self._decoder_layers(layers, hidden, batch, visual)
+            hidden = self._decoder_layers(layers, hidden, batch, visual, layer_inputs)
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(config)
         if request.wanted:

@@ -209,6 +209,9 @@ GEMMA4 = {**GEMMA3, "attention_k_eq_v": Accepts(any_value, "the full layers' key
                                                  "leave use_bidirectional_attention unset for a causal LM"),
           "use_double_wide_mlp": Accepts(any_value, "the key/value-sharing layers' MLP width, read from the module"),
           **GEMMA_LAYER_FEATURES,
+          "hidden_size_per_layer_input": Accepts(any_value, "per-layer inputs (PerLayerInputs): a second embedding "
+                                                 "folded by vocabulary, mixed by the decoder's own "
+                                                 "project_per_layer_inputs, gated and added by every layer"),
           "num_kv_shared_layers": Accepts(any_value, "the last layers attend to the keys and values of the last "
                                           "earlier layer of their type, which hands its local tokens' on "
                                           "(TSPAttention.kv_sharing); each gathers them as its own"),
@@ -353,6 +356,25 @@ class ExpertsBesideMLP:
 
 
 @dataclass(frozen=True)
+class PerLayerInputs:
+    """Per-layer inputs (Gemma 4's): a second embedding ``embed`` (vocabulary
+    rows of every layer's input side by side), which the TSP model folds by
+    vocabulary as the main one; the decoder's own ``project_per_layer_inputs``
+    mixes it with a projection of the embedded tokens into each layer's input,
+    which the layer gates (``gate``, its activation ``act_fn``), projects back
+    (``projection``), norms (``norm``) and adds to its output."""
+
+    embed: str = "model.embed_tokens_per_layer"
+    gate: str = "per_layer_input_gate"
+    projection: str = "per_layer_projection"
+    norm: str = "post_per_layer_input_norm"
+
+    def layer_parts(self):
+        """The layer's children that apply its input, kept whole on every rank."""
+        return self.gate, self.projection, self.norm
+
+
+@dataclass(frozen=True)
 class DecoderPolicy:
     name: str
     layer_class: str | None  # None: any class of the right shape (auto)
@@ -391,6 +413,18 @@ class DecoderPolicy:
     sparse_mlp: str | None = None
     # A mixture of experts beside the dense MLP, held by the layer itself (Gemma 4's), or None.
     experts_beside_mlp: ExpertsBesideMLP | None = None
+    # Per-layer inputs from a second embedding (Gemma 4's), where the model has them, or None.
+    per_layer_inputs: PerLayerInputs | None = None
+
+    def model_inputs(self, model):
+        """The ``PerLayerInputs`` of ``model`` where it has a per-layer embedding, else None."""
+        inputs = self.per_layer_inputs
+        return inputs if inputs is not None and get_submodule(model, inputs.embed) is not None else None
+
+    def layer_inputs(self, layer):
+        """The ``PerLayerInputs`` of a decoder ``layer`` that takes one, else None."""
+        inputs = self.per_layer_inputs
+        return inputs if inputs is not None and getattr(layer, inputs.gate, None) is not None else None
 
     def beside(self, layer):
         """The ``ExpertsBesideMLP`` of ``layer`` where it holds experts beside its MLP, else None."""
@@ -453,7 +487,7 @@ POLICIES = {
                                  norm_layout=SANDWICH_NORMS, rotary_kind=layer_type),
     "gemma4_text": DecoderPolicy("gemma4_text", "Gemma4TextDecoderLayer", "Gemma4ForCausalLM", GEMMA4,
                                  layer_types_window, norm_layout=SANDWICH_NORMS, rotary_kind=layer_type,
-                                 experts_beside_mlp=ExpertsBesideMLP()),
+                                 experts_beside_mlp=ExpertsBesideMLP(), per_layer_inputs=PerLayerInputs()),
     "olmo2": DecoderPolicy("olmo2", "Olmo2DecoderLayer", "Olmo2ForCausalLM", OLMO2, no_window, norm_layout=POST_NORMS,
                            qk_norm_width="projection"),
     "olmoe": DecoderPolicy("olmoe", "OlmoeDecoderLayer", "OlmoeForCausalLM", OLMOE, no_window,
@@ -795,6 +829,9 @@ def check_layer(policy, layer, where):
     if beside is not None:
         check_experts_beside(layer, beside, where, layer_class)
         expected.update(dict.fromkeys((*beside.parts(), *beside.norms()), ()))
+    inputs = policy.layer_inputs(layer)
+    if inputs is not None:
+        expected.update(dict.fromkeys(inputs.layer_parts(), ()))
     check_own_tensors(layer, where, layer_class, LAYER_TENSORS)
     for child, projections in expected.items():
         if (sparse and child == policy.mlp) or (beside is not None and child in beside.parts()):
