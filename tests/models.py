@@ -571,12 +571,16 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
                   experts_implementation="eager")  # MoE models: grouped_mm takes no float64
 
 
-# Where TINY_SIZES make a class's own forward degenerate: StableLM rotates partial_rotary_factor (0.25) of each
-# head, one dim of a 4-wide head, on which Hugging Face's forward widens the head to 5; 8-wide heads rotate 2.
+# Where TINY_SIZES make a class's own forward degenerate, or leave it large: StableLM rotates
+# partial_rotary_factor (0.25) of each head, one dim of a 4-wide head, on which Hugging Face's forward widens the
+# head to 5; 8-wide heads rotate 2.
 # Gemma 3's causal LM is its vision-language model, whose composite config takes tiny sizes in its parts: the
 # decoder's TINY_SIZES, a SigLIP tower of one block over 8 x 8 images pooled to 16 tokens, the image
 # placeholders at the top of the vocabulary (the scan's text-only rows may hold them: no image replaces them).
 TINY_TYPE_SIZES = {"stablelm": dict(hidden_size=32),
+                   # Gemma 4's full layers (512-wide heads by default) and per-layer embedding (262,144 rows of 256
+                   # a layer by default) at tiny sizes too.
+                   "gemma4_text": dict(global_head_dim=8, hidden_size_per_layer_input=4, vocab_size_per_layer_input=61),
                    "gemma3": dict(text_config={**{k: v for k, v in TINY_SIZES.items() if "implementation" not in k},
                                                "model_type": "gemma3_text"},
                                   vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
