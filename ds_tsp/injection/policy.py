@@ -190,12 +190,14 @@ GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
 GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
                                                "embedding for each layer type with the whole sequence's positions; "
                                                f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
-# Gemma 3n's and Gemma 4's features beyond Gemma 3's layer that the TSP model does not build yet.
+# Gemma 3n's and Gemma 4's features beyond Gemma 3's layer, which ds_tsp builds for Gemma 4's own classes only.
 GEMMA_LAYER_FEATURES = {
-    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second "
-                                           "embedding feeding every layer), which the TSP model does not build"),
-    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers "
-                                    "attend to earlier layers' keys and values), which the TSP attention does not do"),
+    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second embedding "
+                                           "feeding every layer), which ds_tsp builds for Gemma4ForCausalLM only "
+                                           "(tsp.policy gemma4_text)"),
+    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers attend "
+                                    "to earlier layers' keys and values), which ds_tsp builds for Gemma4ForCausalLM "
+                                    "only (tsp.policy gemma4_text)"),
 }
 # Gemma 4's text decoder: Gemma 3's layer with a weightless value norm, keys used as values on its full layers
 # (attention_k_eq_v: no v_proj there), wider heads and fewer key/value heads on those layers (transformers'
