@@ -4,6 +4,7 @@ against hand-computed values and against what ds_tsp itself counts
 
 from unittest import mock
 
+import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
@@ -271,6 +272,30 @@ def test_layer_anatomy_step_bytes_equal_what_the_model_counts(run_ranks, tsp_siz
     cases = [(arch, dtype, True, False)
              for arch in ("nemotron", "jais2", "glm4", "cohere", "cohere2", "ernie4_5", "hunyuan_v1_dense")]
     _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_gemma4_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
+    """Gemma 4: sliding layers of 4-wide heads beside full layers of 8-wide heads with one key/value head whose
+    keys are their values (ModelShape.mixer_view), and its experts beside every MLP (planned as an ungated
+    shared expert: the same weights round a ring); every op of a training step, per rank, against
+    tsp_step_bytes_by_op."""
+    dtype = torch.float64 if tsp_size == 2 else torch.bfloat16
+    cases = [("gemma4", dtype, True, False), ("gemma4_moe", dtype, True, False)]
+    _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+def test_gemma4_full_layers_are_what_makes_those_bytes_match():
+    # Guard: planned with every layer as its sliding ones (no full-layer shape), Gemma 4's broadcast, shard
+    # gradient reduce and q/k norms' all-reduce are planned otherwise (its K/V, 2 heads of 4 or 1 of 8 a token,
+    # are as wide), so the bytes above matched the full layers' own shapes.
+    from models import tiny_config
+
+    m = planner.model_shape(tiny_config("gemma4").to_dict())
+    uniform = dataclasses.replace(m, global_layers=0)
+    with_full, without = (planner.tsp_step_bytes_by_op(shape, SEQ, BATCH, 2, 8) for shape in (m, uniform))
+    print(f"Gemma 4 at D=2: with its full layers' shape {with_full}, every layer a sliding one's {without}")
+    assert all(with_full[op] != without[op] for op in ("broadcast", "reduce", "all_reduce"))
 
 
 def test_the_layer_anatomy_is_what_makes_those_bytes_match():

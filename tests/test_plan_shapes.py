@@ -203,8 +203,8 @@ def test_hybrid_configs_are_read_from_layer_types_or_the_interval():
     by_interval = planner.model_shape(text)
     nested = planner.model_shape({"model_type": "qwen3_5_moe", "text_config": text})  # the multimodal config
     listed = planner.model_shape({**text, "layer_types": ["linear_attention", "full_attention"] * 2})
-    assert by_interval == nested and by_interval.mixer_kinds == ((False, 1), (True, 3))
-    assert listed.mixer_kinds == ((False, 2), (True, 2)) and by_interval.renormalise_top_k
+    assert by_interval == nested and by_interval.mixer_kinds == (("attention", 1), ("linear", 3))
+    assert listed.mixer_kinds == (("attention", 2), ("linear", 2)) and by_interval.renormalise_top_k
     assert by_interval.moe_layers == 4 and by_interval.intermediate_size == 0
     with pytest.raises(ValueError, match=r"3 linear_attention layers \(model_type 'kimi_linear'\): the planner "
                                          r"models the Gated DeltaNet layers of qwen3_next, qwen3_5_text, "

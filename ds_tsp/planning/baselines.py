@@ -125,7 +125,7 @@ class _Baseline:
 class _Params(NamedTuple):
     """The parameters one device holds."""
 
-    mixer: dict  # {linear: one layer's token mixer's, with its whole tensors}
+    mixer: dict  # {mixer kind: one layer's token mixer's, with its whole tensors}
     ffn: dict  # {sparse: the rest of one layer's: its feed-forward block, norms and routing}
     layers: float  # every layer's
     embedding: float  # the embedding's and the LM head's
@@ -252,13 +252,17 @@ def _baseline_params(m, b):
     """``_Params``: attention heads (and a Gated DeltaNet's) and feed-forward blocks split over ``t``, norms and
     routers whole; the embedding and LM head split by vocabulary, or AutoTP's whole embedding and column-split
     head."""
-    H, d, t = m.hidden_size, m.head_dim, b.t
-    attention = (m.attention_params - 2 * m.num_kv_heads * d * H) / t + 2 * _kv_heads(m, t) * d * H
-    mixer = {linear: (m.linear_params / t if linear else attention) + sum(m.mixer_replicated_tensors(linear))
-             for linear, _ in m.mixer_kinds}
+    H, t = m.hidden_size, b.t
+
+    def attention(view):  # q and o split; k and v split down to one head a device
+        kv = view.kv_projections * view.num_kv_heads * view.head_dim * H
+        return (view.attention_params - kv) / t + kv * _kv_heads(view, t) / view.num_kv_heads
+
+    mixer = {kind: (view.linear_params / t if linear else attention(view)) + sum(view.mixer_replicated_tensors(linear))
+             for kind, (view, linear) in ((kind, m.mixer_view(kind)) for kind, _ in m.mixer_kinds)}
     ffn = {sparse: _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
            + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}
-    layers = sum(count * mixer[linear] for linear, count in m.mixer_kinds) + \
+    layers = sum(count * mixer[kind] for kind, count in m.mixer_kinds) + \
         sum(count * ffn[sparse] for sparse, count in m.layer_kinds)
     embedding = m.embedding_params / t if b.vocab_parallel else \
         m.embedding_params - (0 if m.tie_word_embeddings else m.vocab_size * H * (t - 1) / t)
@@ -275,7 +279,7 @@ def _baseline_memory(setting, b, params):
     tokens = b.tokens(setting)
     states, optimizer_host = _baseline_states(setting, b, params)
     mixer_saved, ffn_saved = _baseline_layers_saved(setting, b)
-    every_layer = sum(count * mixer_saved[linear] for linear, count in m.mixer_kinds) + \
+    every_layer = sum(count * mixer_saved[kind] for kind, count in m.mixer_kinds) + \
         sum(count * ffn_saved[sparse] for sparse, count in m.layer_kinds)
     one_layer = max(mixer_saved.values()) + max(ffn_saved.values())  # of the larger kinds where layers differ
     # HF rotary: one row per position
@@ -326,16 +330,19 @@ def _baseline_states(setting, b, params):
 
 
 def _baseline_layers_saved(setting, b):
-    """``({linear: bytes}, {sparse: bytes})``: what one Hugging Face layer's
+    """``({mixer kind: bytes}, {sparse: bytes})``: what one Hugging Face layer's
     token mixer of each kind, and the rest of a layer of each kind, save for
     backward. Under sequence parallelism a Gated DeltaNet layer runs on the
     local tokens alone (``inexact_reason``)."""
     m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
     tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
-    mixer = {linear: tokens * hf_mixer_saved_per_token(m, e, b.t, b.ulysses, linear) for linear, _ in m.mixer_kinds}
-    if False in mixer:  # the q/k norms' once-a-call tensors; all-gather CP's full-sequence K/V for the local one
-        mixer[False] += 2 * rms_norm_saved_per_call(m, width=m.head_dim) if m.qk_norm else 0
-        mixer[False] += (B * S - tokens) * 2 * _kv_heads(m, b.t) * m.head_dim * e if b.gathers_kv else 0
+    mixer = {}
+    for kind, _ in m.mixer_kinds:
+        view, linear = m.mixer_view(kind)
+        mixer[kind] = tokens * hf_mixer_saved_per_token(view, e, b.t, b.ulysses, linear)
+        if not linear:  # the q/k norms' once-a-call tensors; all-gather CP's full-sequence K/V for the local one
+            mixer[kind] += 2 * rms_norm_saved_per_call(view, width=view.head_dim) if view.qk_norm else 0
+            mixer[kind] += (B * S - tokens) * 2 * _kv_heads(view, b.t) * view.head_dim * e if b.gathers_kv else 0
     ffn = {sparse: tokens * hf_ffn_saved_per_token(m, e, b.t, mlp_tiled and not sparse, sparse, b.experts_split)
            + 2 * rms_norm_saved_per_call(m) + (hf_moe_layer_saved(m) if sparse else 0) for sparse, _ in m.layer_kinds}
     return mixer, ffn
@@ -407,21 +414,27 @@ def _baseline_communication(setting, b, params):
     token mixer and feed-forward block count apart, each kind by its count of
     layers."""
     m, p, B, S = setting.model, setting.precision, setting.micro_batch, setting.seq_len
-    e, H, d = p.element, m.hidden_size, m.head_dim
-    t, c, replicas, tokens, kv_heads = b.t, b.c, b.replica_group, b.tokens(setting), _kv_heads(m, b.t)
+    e, H = p.element, m.hidden_size
+    t, c, replicas, tokens = b.t, b.c, b.replica_group, b.tokens(setting)
     zero3 = b.zero3(setting)
     grad_reduce = _gather if setting.zero_stage >= 1 else _all_reduce  # reduce-scatter under ZeRO
-    kinds = [(("mixer", linear), count) for linear, count in m.mixer_kinds] + \
+    kinds = [(("mixer", kind), count) for kind, count in m.mixer_kinds] + \
         [(("ffn", sparse), count) for sparse, count in m.layer_kinds]
     # The parameters of each kind of block, and the replicas each part is synchronised over.
-    shared = {**{("mixer", linear): ((n, replicas),) for linear, n in params.mixer.items()},
+    shared = {**{("mixer", kind): ((n, replicas),) for kind, n in params.mixer.items()},
               **{("ffn", sparse): params.shared_by(b, sparse) for sparse in params.ffn}}
     # TP: after the token mixer and after a split feed-forward block
     tp = {kind: _all_reduce(t, tokens * H * e) if kind[0] == "mixer" or b.ffn_t(kind[1]) > 1 else 0
           for kind, _ in kinds}
-    sp = {"ulysses": _gather(c, tokens * (2 * m.num_heads / t + 2 * kv_heads) * d * e),  # q, k, v in; output back
-          "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
-    sp = {kind: sp if kind == ("mixer", False) else 0 for kind, _ in kinds}  # attention layers only
+
+    def sequence_parallel(view):  # Ulysses: q, k, v in and the output back; all-gather CP: the K/V
+        kv_heads, d = _kv_heads(view, t), view.head_dim
+        return {"ulysses": _gather(c, tokens * (2 * view.num_heads / t + 2 * kv_heads) * d * e),
+                "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
+
+    views = {("mixer", kind): m.mixer_view(kind) for kind, _ in m.mixer_kinds}
+    sp = {kind: sequence_parallel(views[kind][0]) if kind in views and not views[kind][1] else 0  # attention only
+          for kind, _ in kinds}
     zero3_layer = {kind: sum(_gather(group, n * e) for n, group in shared[kind]) if zero3 else 0 for kind, _ in kinds}
     # AutoEP: each routed row (token, expert) to the expert's owner and its output back, top-k rows a token
     ep = {kind: 2 * _gather(b.expert_parallel, m.experts_per_token * tokens * H * e) if kind == ("ffn", True)

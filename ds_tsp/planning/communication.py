@@ -477,8 +477,8 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
         backward = {op: v + forward.get(op, 0) for op, v in backward.items()}
     counts = _by_direction(forward, backward, "both")
     whole = list(m.norm_tensors)  # the final norm
-    for linear, layers in m.mixer_kinds:
-        whole += m.mixer_replicated_tensors(linear) * layers
+    for view, linear, layers in m.mixer_groups:
+        whole += view.mixer_replicated_tensors(linear) * layers
     for sparse, layers in m.layer_kinds:
         whole += m.ffn_replicated_tensors(sparse) * layers
     if vocab_parallel:
@@ -513,8 +513,8 @@ def _layers_ops(m, seq_len, micro_batch, D, e, tsp_rank, moe_schedule, grad_wire
     """``(forward, backward)`` bytes by op of every layer: each kind of mixer and of feed-forward block times its
     count of layers, the experts over ``ep`` ranks."""
     forward, backward = {}, {}
-    parts = [(layers, _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes))
-             for linear, layers in m.mixer_kinds]
+    parts = [(layers, _mixer_ops(view, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes))
+             for view, linear, layers in m.mixer_groups]
     parts += [(layers, _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_bytes, ep))
               for sparse, layers in m.layer_kinds]
     for layers, pair in parts:

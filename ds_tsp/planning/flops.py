@@ -36,30 +36,30 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     head = 2 * T * m.vocab_size * m.hidden_size
     forward, backward = head, (3 if fused_head else 2) * head
     attention = recompute = 0
-    for linear, layers in m.mixer_kinds:
+    for view, linear, layers in m.mixer_groups:  # each kind of token mixer with its own sizes
         if linear:
-            mm, rule = 2 * T * m.linear_params, T * delta_rule_flops_per_token(m)
+            mm, rule = 2 * T * view.linear_params, T * delta_rule_flops_per_token(view)
             forward += layers * (mm + rule)
             backward += layers * 2 * (mm + rule)
             if tsp:  # every head group's forward again under autograd, its chunks' maps included
-                backward += layers * (mm + T * delta_rule_flops_per_token(m, maps=True))
+                backward += layers * (mm + T * delta_rule_flops_per_token(view, maps=True))
             if setting.activation_checkpointing:
                 recompute += layers * (mm + rule)
             continue
-        attn = B * S * S * m.num_heads * (m.head_dim + m.value_dim)  # causal: half of QK^T and PV
-        mm_attn = 2 * T * m.attention_params
+        attn = B * S * S * view.num_heads * (view.head_dim + view.value_dim)  # causal: half of QK^T and PV
+        mm_attn = 2 * T * view.attention_params
         forward += layers * (mm_attn + attn)
         backward += layers * (2 * mm_attn + 2.5 * attn)
         attention += layers * attn * 3.5
         if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
             backward += layers * attn
             attention += layers * attn
-        if tsp and m.is_latent:
+        if tsp and view.is_latent:
             # Expanded latent attention (tsp.latent_attention "auto"'s choice for long sequences, the plans' regime;
             # cheaper_latent_form): each rank makes every head group's K/V from the whole sequence's latent,
             # in forward and again in backward (with its gradients), where one device would make them once.
-            expansion = 2 * T * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * (round(1 / share)
-                                                                                                      - 1)
+            expansion = 2 * T * view.kv_lora_rank * view.num_heads * (view.qk_nope_head_dim + view.v_head_dim) * \
+                (round(1 / share) - 1)
             forward += layers * expansion
             backward += layers * 3 * expansion
         if setting.activation_checkpointing:

@@ -224,6 +224,15 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # Gemma 4's full-attention layers: global_layers of the num_layers attend with heads of their own size
+    # (global_head_dim, global_num_kv_heads), their keys their values where global_values_from_keys (no v_proj);
+    # mixer_view gives their shape.
+    global_layers: int = 0
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
+    global_values_from_keys: bool = False
+    values_from_keys: bool = False  # the attention's keys (before their norm) are its values: no v_proj
+    router_scales: bool = False  # the router scales its input per channel and its weights per expert (Gemma 4's)
     attention_output_gate: bool = False  # q_proj yields each head's query and output gate: 2 * head_dim rows a head
     partial_rotary_factor: float = 1.0  # the share of a head that rotates: cos/sin are that wide
     norm_in_float32: bool = False  # RMSNorms scale by 1 + w in float32 (Qwen3-Next's, Qwen3.5's), in float32 out
@@ -234,10 +243,27 @@ class ModelShape:
 
     @property
     def mixer_kinds(self):
-        """``((linear, count), ...)``: how many layers mix tokens by attention (False) and by a Gated DeltaNet
-        (True), attention first, none empty. Per-layer sizes take ``linear``: which token mixer."""
-        kinds = ((False, self.num_layers - self.linear_layers), (True, self.linear_layers))
-        return tuple((linear, count) for linear, count in kinds if count)
+        """``((kind, count), ...)``: how many layers mix tokens by each kind of token mixer, none empty:
+        "attention", "global_attention" (Gemma 4's full layers, heads of their own size) and "linear" (a Gated
+        DeltaNet). ``mixer_view`` gives a kind's shape and whether it is linear."""
+        kinds = (("attention", self.num_layers - self.linear_layers - self.global_layers),
+                 ("global_attention", self.global_layers), ("linear", self.linear_layers))
+        return tuple((kind, count) for kind, count in kinds if count)
+
+    @property
+    def mixer_groups(self):
+        """``((shape, linear, count), ...)``: each kind of token mixer as ``mixer_view`` gives it, and its count."""
+        return tuple((*self.mixer_view(kind), count) for kind, count in self.mixer_kinds)
+
+    def mixer_view(self, kind):
+        """``(shape, linear)`` of a kind of token mixer (``mixer_kinds``): the shape its per-layer sizes are read
+        from (this one, or for Gemma 4's full layers this one with their head sizes), and whether it is a Gated
+        DeltaNet."""
+        if kind == "global_attention":
+            return dataclasses.replace(self, head_dim=self.global_head_dim, num_kv_heads=self.global_num_kv_heads,
+                                       values_from_keys=self.global_values_from_keys, sliding_window=None,
+                                       global_layers=0), False
+        return self, kind == "linear"
 
     @property
     def linear_params(self):
@@ -306,8 +332,13 @@ class ModelShape:
             down = sum(self.latent_down_rows()) * (self.hidden_size + int(self.attention_bias))
             return down + self.latent_head_params(self.num_heads)
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
-        rows = nq * self.q_width + 2 * nkv * d
+        rows = nq * self.q_width + self.kv_projections * nkv * d
         return H * rows + nq * d * H + (rows if self.attention_bias else 0) + (nq if self.attention_sinks else 0)
+
+    @property
+    def kv_projections(self):
+        """The key and value projections an attention holds: 2, or 1 where its keys are its values."""
+        return 1 if self.values_from_keys else 2
 
     @property
     def mlp_params(self):
@@ -379,7 +410,7 @@ class ModelShape:
         norms = self.norm_tensors * self.norms_per_layer
         if sparse:
             return norms + [self.num_experts * H] + ([self.num_experts] if self.router_bias else []) + \
-                ([H] if self.gated_shared_expert else [])
+                ([H] if self.gated_shared_expert else []) + ([H, self.num_experts] if self.router_scales else [])
         return norms + ([H] if self.mlp_bias else [])
 
     @property
@@ -393,8 +424,8 @@ class ModelShape:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + sum(self.norm_tensors)
 
     def _layers_sum(self, ffn):
-        mixers = sum(count * (self.mixer_params(linear) + sum(self.mixer_replicated_tensors(linear)))
-                     for linear, count in self.mixer_kinds)
+        mixers = sum(count * (view.mixer_params(linear) + sum(view.mixer_replicated_tensors(linear)))
+                     for view, linear, count in self.mixer_groups)
         return mixers + sum(count * (ffn(sparse) + sum(self.ffn_replicated_tensors(sparse)))
                             for sparse, count in self.layer_kinds)
 
@@ -570,6 +601,10 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 # group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
 # ungated shared expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
 DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+# Gemma 4's text decoder: full layers with heads of their own size (global_attention_fields), its mixture of
+# experts beside every layer's dense MLP (planned as an ungated shared expert of intermediate_size: the same
+# weights, ring and bytes), a router scaling its input and its weights per expert.
+GEMMA4_MODEL_TYPES = ("gemma4_text",)
 # o_proj takes the attention_bias too (Llama's, GPT-OSS's), not only q/k/v.
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
@@ -589,6 +624,13 @@ def _moe_fields(fields):
     if not experts:
         return {}
     model_type = fields.get("model_type")
+    if model_type in GEMMA4_MODEL_TYPES:  # num_experts is read only with enable_moe_block
+        if not fields.get("enable_moe_block"):
+            return {}
+        return dict(num_experts=experts["num_experts"], experts_per_token=fields["top_k_experts"],
+                    expert_size=fields["moe_intermediate_size"], shared_expert_size=fields["intermediate_size"],
+                    shared_expert_gate=False, moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
+                    router_weights_fp32=True, router_scales=True)
     if model_type not in (None, *MOE_MODEL_TYPES) or (model_type is None and "n_routed_experts" in experts):
         key, value = next(iter(experts.items()))
         raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
@@ -661,6 +703,37 @@ def _linear_fields(fields):
                 norm_in_float32=True)
 
 
+def _global_attention_fields(fields):
+    """Gemma 4's full layers' sizes (``ModelShape``'s ``global_*``): their head size and key/value heads, from
+    transformers' ``per_layer_config`` or the released configs' ``global_head_dim`` and
+    ``num_global_key_value_heads`` (the latter taken only with ``attention_k_eq_v``, as transformers reads it);
+    none for other models. Per-layer inputs and shared keys and values are refused: not planned yet."""
+    if fields.get("model_type") not in GEMMA4_MODEL_TYPES:
+        return {}
+    for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+        if fields.get(key):
+            raise ValueError(f"model config has {key} = {fields[key]}: the planner does not model Gemma 4's "
+                             "per-layer inputs or its keys and values shared across layers yet (ds_tsp trains "
+                             "them); plan a shape without them, as Gemma 4's 31B and 26B-A4B")
+    layers = fields["num_hidden_layers"]
+    types = fields.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
+                                          else "sliding_attention" for i in range(layers)]
+    full = [index for index, kind in enumerate(types) if kind == "full_attention"]
+    overrides = {int(index): dict(sizes) for index, sizes in (fields.get("per_layer_config") or {}).items()}
+    if overrides:
+        if sorted(overrides) != full or len({tuple(sorted(sizes.items())) for sizes in overrides.values()}) > 1:
+            raise ValueError(f"model config's per_layer_config {fields['per_layer_config']} is not one set of "
+                             "sizes for every full_attention layer: the planner models Gemma 4's layout only")
+        sizes = overrides[full[0]]
+    else:
+        sizes = {"head_dim": fields.get("global_head_dim") or fields["head_dim"]}
+        if fields.get("attention_k_eq_v") and fields.get("num_global_key_value_heads"):
+            sizes["num_key_value_heads"] = fields["num_global_key_value_heads"]
+    return dict(global_layers=len(full), global_head_dim=sizes.get("head_dim", fields["head_dim"]),
+                global_num_kv_heads=sizes.get("num_key_value_heads", fields["num_key_value_heads"]),
+                global_values_from_keys=bool(fields.get("attention_k_eq_v")))
+
+
 def _partial_rotary_factor(fields):
     """The rotated share of a head, where the config names one (top level or in ``rope_parameters``)."""
     rope = fields.get("rope_parameters") if isinstance(fields.get("rope_parameters"), dict) else {}
@@ -703,7 +776,8 @@ def model_shape(model):
             attention_bias=_attention_bias(fields), mlp_bias=bool(fields.get("mlp_bias", False)),
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
             name=str(fields.get("name", "custom")),
-            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES, *PROJECTION_QK_NORMS)
+            qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES, *PROJECTION_QK_NORMS,
+                                                 *GEMMA4_MODEL_TYPES)
             or (bool(fields.get("use_qk_norm")) and not llama4),  # GLM-4.5's switch; Llama 4's norm has no weight
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
             attention_sinks=fields.get("model_type") == "gpt_oss",
@@ -711,6 +785,7 @@ def model_shape(model):
             o_proj_bias=_attention_bias(fields) and (fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES
                                                      or bool(latent)),
             partial_rotary_factor=_partial_rotary_factor(fields), **moe, **_linear_fields(fields),
+            **_global_attention_fields(fields),
             **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
         # What the config does not say (norms, biases, an ungated MLP), read off Hugging Face's layer.
         return dataclasses.replace(shape, **layer_anatomy(decoder_fields))
@@ -783,7 +858,7 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
     own = q_heads * (m.q_width * (H + bias) + d * H) + (q_heads if m.attention_sinks else 0)
     kv_replicas = max(D // m.num_kv_heads, 1)
     if tsp_rank % kv_replicas == 0:
-        own += 2 * kv_heads * d * (H + bias)
+        own += m.kv_projections * kv_heads * d * (H + bias)
     return own
 
 

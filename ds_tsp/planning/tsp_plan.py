@@ -25,6 +25,7 @@ embedding's (run last). Communication is what ``communication`` counts, op by
 op; FLOPs are ``flops.step_flops``' over ``D``.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 from ds_tsp.planning.communication import (
@@ -196,23 +197,25 @@ def _tsp_memory(setting, vocab_parallel, tokens, schedule):
     """One rank's memory: ``(memory parts, detail, terms, host)``; ``schedule`` the sparse layers'."""
     m, D = setting.model, setting.tsp_group_size
     tile = _token_tile(setting, tokens)
-    mixer_shard = {linear: tsp_mixer_shard(m, D, linear) for linear, _ in m.mixer_kinds}
+    mixer_shard = {kind: tsp_mixer_shard(view, D, linear) for kind, (view, linear) in
+                   ((kind, m.mixer_view(kind)) for kind, _ in m.mixer_kinds)}
     ffn_shard = {sparse: _ffn_shard(setting, sparse) for sparse, _ in m.layer_kinds}
     states, optimizer_host = _tsp_model_states(setting, vocab_parallel)
     saved = _tsp_blocks_saved(setting, tokens, tile < tokens, mixer_shard, ffn_shard, schedule == "all_to_all")
-    every_layer = sum(layers * saved["attention"][linear] for linear, layers in m.mixer_kinds) + \
+    every_layer = sum(layers * saved["attention"][kind] for kind, layers in m.mixer_kinds) + \
         sum(layers * saved["mlp"][sparse] for sparse, layers in m.layer_kinds)
     outside = _tsp_outside_layers(setting, vocab_parallel, tokens)
-    mixer_pieces = {linear: _tsp_mixer_transient(setting, tokens, mixer_shard[linear], linear)
-                    for linear, _ in m.mixer_kinds}
+    mixer_pieces = {kind: _tsp_mixer_transient(_with_mixer(setting, kind), tokens, mixer_shard[kind],
+                                               m.mixer_view(kind)[1])
+                    for kind, _ in m.mixer_kinds}
     mlp_pieces = {sparse: _tsp_mlp_transient(setting, tokens, tile, ffn_shard[sparse], sparse, schedule)
                   for sparse, _ in m.layer_kinds}
     # One layer's backward at its peak (of the larger kinds where layers differ), the MLP's or the mixer's:
     # (its kinds, saved tensors still live, the backward's buffers by term).
     kinds, live, layer_pieces = max(
-        (((linear, sparse), live, pieces) for linear, _ in m.mixer_kinds for sparse, _ in m.layer_kinds
-         for live, pieces in _tsp_backward_phases(setting, saved["attention"][linear], saved["mlp"][sparse],
-                                                  mixer_pieces[linear], mlp_pieces[sparse], every_layer)),
+        (((kind, sparse), live, pieces) for kind, _ in m.mixer_kinds for sparse, _ in m.layer_kinds
+         for live, pieces in _tsp_backward_phases(setting, saved["attention"][kind], saved["mlp"][sparse],
+                                                  mixer_pieces[kind], mlp_pieces[sparse], every_layer)),
         key=lambda found: found[1] + sum(found[2].values()))
     detail = {
         "saved_for_backward": (outside.saved + every_layer + outside.logits_saved
@@ -241,13 +244,13 @@ def _held_params(setting, vocab_parallel):
     """``_Held``: one rank's shards of every layer, the norms and routers whole, the embedding and LM head whole
     or folded; under LoRA also the adapters' shards."""
     m, D, H = setting.model, setting.tsp_group_size, setting.model.hidden_size
-    mixer_params = {linear: tsp_mixer_shard(m, D, linear) + sum(m.mixer_replicated_tensors(linear))
-                    for linear, _ in m.mixer_kinds}
+    mixer_params = {kind: tsp_mixer_shard(view, D, linear) + sum(view.mixer_replicated_tensors(linear))
+                    for kind, (view, linear) in ((kind, m.mixer_view(kind)) for kind, _ in m.mixer_kinds)}
     ffn_params = {sparse: _ffn_shard(setting, sparse) + sum(m.ffn_replicated_tensors(sparse))
                   for sparse, _ in m.layer_kinds}
     vocab_rows = _vocab_rows(setting, vocab_parallel)
     vocab = vocab_rows * H * (1 if m.tie_word_embeddings else 2)
-    params = sum(layers * mixer_params[linear] for linear, layers in m.mixer_kinds) + \
+    params = sum(layers * mixer_params[kind] for kind, layers in m.mixer_kinds) + \
         sum(layers * ffn_params[sparse] for sparse, layers in m.layer_kinds) + H + vocab
     largest_layer = max(max(mixer_params.values()) + max(ffn_params.values()), vocab_rows * H)
     if not setting.lora_rank:
@@ -278,18 +281,18 @@ def _tsp_model_states(setting, vocab_parallel):
 
 
 def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to_all=False):
-    """``{"attention": {linear: bytes}, "mlp": {sparse: bytes}}``: what one
+    """``{"attention": {mixer kind: bytes}, "mlp": {sparse: bytes}}``: what one
     layer's token mixer and feed-forward block of each kind save for backward
     (``all_to_all``: the sparse layers under the token all-to-all)."""
     m, e, H = setting.model, setting.precision.element, setting.model.hidden_size
 
-    def per_token(linear=False, sparse=False):
-        return tsp_block_saved_per_token(m, e, setting.tsp_attention_backward, mlp_tiled, sparse,
+    def per_token(kind="attention", sparse=False):
+        view, linear = m.mixer_view(kind)
+        return tsp_block_saved_per_token(view, e, setting.tsp_attention_backward, mlp_tiled, sparse,
                                          setting.recompute_norms, linear, all_to_all)
 
     norm = rms_norm_saved_per_call(m, setting.recompute_norms)  # each block's norm's, once a layer
-    saved = {"attention": {linear: tokens * per_token(linear=linear)["attention"] + norm
-                           for linear, _ in m.mixer_kinds},
+    saved = {"attention": {kind: tokens * per_token(kind)["attention"] + norm for kind, _ in m.mixer_kinds},
              "mlp": {sparse: tokens * per_token(sparse=sparse)["mlp"] + norm for sparse, _ in m.layer_kinds}}
     if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
         for kind, shards in (("attention", mixer_shard), ("mlp", ffn_shard)):
@@ -299,8 +302,13 @@ def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to
         # host checkpoint frees it); with tsp.recompute_norms the first norm keeps the layer's checkpointed
         # input, already counted as such.
         again = tokens * e * H * ((0 if setting.offload_activations else 1) - (1 if setting.recompute_norms else 0))
-        saved["attention"] = {linear: v + again for linear, v in saved["attention"].items()}
+        saved["attention"] = {kind: v + again for kind, v in saved["attention"].items()}
     return saved
+
+
+def _with_mixer(setting, kind):
+    """``setting`` with its model as a kind of token mixer reads it (``ModelShape.mixer_view``)."""
+    return dataclasses.replace(setting, model=setting.model.mixer_view(kind)[0])
 
 
 def _tsp_outside_layers(setting, vocab_parallel, tokens):
