@@ -132,6 +132,35 @@ def test_moe_presets_match_their_published_sizes():
     assert scout.intermediate_size == 16384 and not scout.qk_norm  # dense MLPs' size; a weightless q/k norm
 
 
+def test_gemma4_and_command_a_presets_are_hugging_faces_models():
+    """Gemma 4 31B and 26B-A4B: every parameter Hugging Face's text model holds, built on the meta device from the
+    presets (full layers of their own head sizes, keys as values; experts beside every MLP), and the model card's
+    "30.7B" and "25.2B total, 3.8B active"; Command A's shape: Hugging Face's Cohere2 model, "111B"."""
+    import torch
+    from transformers import Cohere2Config, Cohere2ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    for name, config_class, model_class, published in (
+            ("gemma-4-31b", Gemma4TextConfig, Gemma4ForCausalLM, ("30.7", "30.7")),
+            ("gemma-4-26b-a4b", Gemma4TextConfig, Gemma4ForCausalLM, ("25.2", "3.8")),
+            ("command-a", Cohere2Config, Cohere2ForCausalLM, ("111.1", "111.1"))):
+        fields = {k: v for k, v in planner.PRESETS[name].items() if k != "model_type"}
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in model_class(config_class(**fields)).parameters())
+        m = planner.model_shape(name)
+        print(f"{name}: {m.params:,} parameters planned, Hugging Face's {numel:,}; {m.active_params / 1e9:.2f}B active")
+        assert m.params == numel
+        assert (f"{m.params / 1e9:.1f}", f"{m.active_params / 1e9:.1f}") == published
+    gemma = planner.model_shape("gemma-4-31b")
+    assert gemma.mixer_kinds == (("attention", 50), ("global_attention", 10))
+    assert (gemma.global_head_dim, gemma.global_num_kv_heads, gemma.global_values_from_keys) == (512, 4, True)
+
+
+def test_gemma4_layers_the_planner_does_not_model_are_refused():
+    for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+        with pytest.raises(ValueError, match=rf"{key} = 2: the planner does not model Gemma 4's per-layer inputs"):
+            planner.model_shape({**planner.PRESETS["gemma-4-31b"], key: 2})
+
+
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
                                          r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, "

@@ -31,6 +31,29 @@ PRESETS = {
     "glm-4-32b": dict(model_type="glm4", hidden_size=6144, intermediate_size=23040, num_hidden_layers=61,
                       num_attention_heads=48, num_key_value_heads=2, head_dim=128, partial_rotary_factor=0.5,
                       vocab_size=151552, tie_word_embeddings=False),
+    # Gemma 4 31B's text decoder, the largest dense one (its configs, several readers agreeing): 50 sliding layers
+    # of 16 key/value heads of 256 (window 1024) and 10 full ones of 4 key/value heads of 512 whose keys are
+    # their values, a tied head soft-capped at 30.
+    "gemma-4-31b": dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+                        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, vocab_size=262144,
+                        tie_word_embeddings=True, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                        num_kv_shared_layers=0),
+    # Gemma 4 26B-A4B's: 30 layers (5 full), each a dense MLP of 2112 beside 128 experts of 704 (top-8).
+    "gemma-4-26b-a4b": dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                            num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
+                            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, vocab_size=262144,
+                            tie_word_embeddings=True, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                            num_kv_shared_layers=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                            moe_intermediate_size=704),
+    # Command A's shape (Cohere2, 111B: two readers of its config agreeing): attention and MLP side by side off one
+    # layer norm, three sliding layers (window 4096) to one full layer without positions, logits times 0.25.
+    "command-a": dict(model_type="cohere2", hidden_size=12288, intermediate_size=36864, num_hidden_layers=64,
+                      num_attention_heads=96, num_key_value_heads=8, head_dim=128, sliding_window=4096,
+                      layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 16, vocab_size=256000,
+                      tie_word_embeddings=True, logit_scale=0.25),
     # Mixture of experts, as their Hugging Face configs give them: 30.5B parameters, 3.3B active per token.
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
