@@ -17,6 +17,7 @@ from ds_tsp.checkpoint import CheckpointError
 from ds_tsp.cli import main
 from ds_tsp.blocks.packing import PackedShardMixin
 from ds_tsp.injection.pipeline import hf_prefixes
+from ds_tsp.injection.policy import hf_path
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead
 from float32_control import float32_bound, relative_errors
 from models import tiny_model
@@ -90,11 +91,16 @@ def _reference(arch, batches, dtype=torch.float64, **overrides):
 
 
 def _model_name(module):
-    """The model's name of a module name of ``module`` (a pipeline's: ``3.layer.mlp`` -> ``model.layers.2.mlp``)."""
+    """The model's name of a module name of ``module`` (a pipeline's: ``3.layer.mlp`` -> ``model.layers.2.mlp``;
+    experts beside an MLP, ``model.layers.2.moe`` -> ``model.layers.2``: TSPDecoderLayer.hf_prefixes)."""
     if not hasattr(module, "tsp_model_config"):
-        return lambda name: name
-    names = hf_prefixes(module.tsp_policy, module.tsp_model_config.num_hidden_layers)
-    to_model = {f"{pipe}.": f"{model}." for pipe, model in names.items()}
+        layers = module.tsp_policy.layers
+        to_model = {f"{layers}.{index}.{attribute}.": f"{hf_path(layers, str(index), hf)}."
+                    for index, layer in enumerate(module.get_submodule(layers))
+                    for attribute, hf in layer.hf_prefixes().items()}
+    else:
+        names = hf_prefixes(module.tsp_policy, module.tsp_model_config.num_hidden_layers)
+        to_model = {f"{pipe}.": f"{model}." for pipe, model in names.items()}
 
     def rename(name):
         prefix = next((p for p in to_model if f"{name}.".startswith(p)), None)
@@ -203,6 +209,10 @@ MOVES = {
     # 1.7e-6 of float64's tensor by tensor (a Llama's: ~1e-7), so two float32 runs' Adam weights and moments can
     # differ by twice the usual bounds (HYBRID_SCALE) with their losses within 6e-8.
     "hybrid-tsp2xdp2-to-tsp4": ("qwen3_5_hf_init", dict(tsp=2, zero=1), dict(tsp=4, zero=2), None),
+    # Gemma 4's experts beside the MLP (a TSP MoE block holding the layer's own router and experts); its per-layer
+    # embedding folded by vocabulary beside the main one, and its keys and values shared across layers.
+    "gemma4-experts-tsp2xdp2-to-tsp4": ("gemma4_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=2), None),
+    "gemma4-layer-inputs-tsp4-to-tsp2xdp2": ("gemma4_layer_inputs", dict(tsp=4, zero=2), dict(tsp=2, zero=1), None),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),

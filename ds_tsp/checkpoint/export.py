@@ -56,8 +56,9 @@ from ds_tsp.checkpoint.writing import (
     replaced_by_a_checkpoint,
     write_state_dict,
 )
+from ds_tsp.injection.model import block_attribute
 from ds_tsp.injection.pipeline import hf_prefixes
-from ds_tsp.injection.policy import VISION_TOWERS, resolve_policy, vision_family
+from ds_tsp.injection.policy import VISION_TOWERS, hf_path, resolve_policy, vision_family
 
 # Replicated tensors of a TSP block whose parameter is not under its Hugging Face name (a MoE block's
 # router and shared-expert gate, the q/k norms keep theirs).
@@ -276,22 +277,23 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
         for index, layer in enumerate(model.get_submodule(policy.layers)):
             prefix = f"{policy.layers}.{index}"
             for block, shards in layer_shards(layer, model.config.get_text_config(), policy, 1).items():
+                held_at = f"{prefix}.{block_attribute(block, policy.mlp)}"  # where the TSP layer holds the block
                 # Each packed parameter's tensors in name order: the block's, and a TSP block's inside it.
                 tensors, by_param = {}, defaultdict(list)
                 for name in sorted(shards.specs[0].shapes):
                     inner = name.partition(".")[0]
-                    nested = os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{inner}.packed"))
-                    by_param[f"{prefix}.{block}.{inner}.packed" if nested else f"{prefix}.{block}.packed"].append(name)
+                    nested = os.path.isdir(os.path.join(zero, f"{held_at}.{inner}.packed"))
+                    by_param[f"{held_at}.{inner}.packed" if nested else f"{held_at}.packed"].append(name)
                 for param, names in by_param.items():
                     flat, offset = master(param).reshape(-1), 0
                     for name in names:
                         shape = shards.specs[0].shapes[name]
                         tensors[name] = flat[offset:offset + math.prod(shape)].view(shape)
                         offset += math.prod(shape)
-                state.update({f"{prefix}.{block}.{name}": t for name, t in shards.hf_rows.fuse(tensors).items()})
-                state.update({f"{prefix}.{block}.{hf}": master(f"{prefix}.{block}.{param}")
+                state.update({hf_path(prefix, block, name): t for name, t in shards.hf_rows.fuse(tensors).items()})
+                state.update({hf_path(prefix, block, hf): master(f"{held_at}.{param}")
                               for hf, param in _replicated(shards.holdings).items()
-                              if os.path.isdir(os.path.join(zero, f"{prefix}.{block}.{param}"))})
+                              if os.path.isdir(os.path.join(zero, f"{held_at}.{param}"))})
         expected = untied(model, dict(model.state_dict()))
         state.update({name: master(name) for name in expected if name not in state})
         return {name: state[name].view(expected[name].shape) for name in expected}
@@ -322,16 +324,17 @@ def joined_state(model, policy, states, vision_tower=False):
         prefix = f"{policy.layers}.{index}"
         shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size)
         for block, (specs, holdings, hf_rows) in shards.items():
+            held_at = f"{prefix}.{block_attribute(block, policy.mlp)}"  # where the TSP layer holds the block
             named = []
             for spec, state in zip(specs, states):
-                tensors = spec.unpack(state[f"{prefix}.{block}.packed"])
-                tensors.update({hf: state[f"{prefix}.{block}.{param}"] for hf, param in _replicated(holdings).items()
-                                if f"{prefix}.{block}.{param}" in state})
+                tensors = spec.unpack(state[f"{held_at}.packed"])
+                tensors.update({hf: state[f"{held_at}.{param}"] for hf, param in _replicated(holdings).items()
+                                if f"{held_at}.{param}" in state})
                 named.append(tensors)
             joined = {name: join_holdings(name, [(held[name], tensors[name])
                                                  for held, tensors in zip(holdings, named) if name in held])
                       for name in holdings[0].keys() | {n for held in holdings for n in held}}
-            full.update({f"{prefix}.{block}.{name}": tensor for name, tensor in hf_rows.fuse(joined).items()})
+            full.update({hf_path(prefix, block, name): tensor for name, tensor in hf_rows.fuse(joined).items()})
     block_prefixes = tuple(f"{policy.layers}.{i}.{b}." for i, layer in enumerate(model.get_submodule(policy.layers))
                            for b in policy.block_prefixes(layer))
     full.update({name: tensor for name, tensor in states[0].items() if not name.startswith(block_prefixes)})

@@ -87,9 +87,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             self.add_module(name, module)
 
     def hf_prefixes(self):
-        """``{attribute of a TSP block: its Hugging Face prefix under the layer}``: the token mixer, the MLP
-        (``mlp`` whatever its Hugging Face name), and experts beside it (prefix "": their tensors are the
-        layer's own)."""
+        """``{attribute of a TSP block: its Hugging Face prefix under the layer}`` (``block_attribute``)."""
         prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name}
         return prefixes if self.moe is None else {**prefixes, "moe": ""}
 
@@ -202,6 +200,14 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         gate, projection, norm = (getattr(self, name) for name in self.inputs.layer_parts())
         gated = self.get_submodule("act_fn")(gate(hidden)) * per_layer_input
         return hidden + normalize(norm, projection(gated), self.recompute_norms)
+
+
+def block_attribute(hf_prefix, mlp_name):
+    """The ``TSPDecoderLayer`` attribute holding the TSP block whose Hugging Face prefix under the layer is
+    ``hf_prefix``: the token mixer's own name, ``mlp`` for the MLP whatever its Hugging Face name ``mlp_name``
+    (Granite-MoE's ``block_sparse_moe``), ``moe`` for experts beside it (prefix "": their tensors are the
+    layer's own)."""
+    return {"": "moe", mlp_name: "mlp"}.get(hf_prefix, hf_prefix)
 
 
 def normalize(norm, hidden, recompute):
