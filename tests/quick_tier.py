@@ -51,6 +51,11 @@ QUICK_TIER = [
     # Llama 4: chunked and NoPE layers, temperature tuning, input-scaled experts.
     "test_model.py::test_llama4_matches_hugging_face[2]",
     "test_model.py::test_a_wrong_llama4_piece_is_caught",
+    # Gemma 4: full layers of their own head sizes, keys as values, experts beside the MLP, shared keys and
+    # values, per-layer inputs.
+    "test_model.py::test_gemma4_experts_beside_the_mlp_match_hugging_face[2]",
+    "test_model.py::test_gemma4_per_layer_inputs_match_hugging_face[2]",
+    "test_model.py::test_a_wrong_gemma4_piece_is_caught",
     # Vision-language models: the tower's share per rank, visual rows to their tokens' ranks, M-RoPE positions,
     # Gemma 3's images attended both ways.
     "test_vision_language.py::test_vision_language_models_match_hugging_face[qwen2_vl-2]",
