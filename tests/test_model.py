@@ -169,7 +169,7 @@ def test_cohere_families_match_hugging_face(run_ranks, tsp_size):
             check(run_ranks(tsp_size, model_parity, arch=arch, **case), f"D={tsp_size} {arch} {case}")
 
 
-def sequential_blocks(layer, hidden, run_attention, run_mlp, run_attention_with_norm=None):
+def sequential_blocks(layer, hidden, run_attention, run_mlp, run_attention_with_norm=None, **_):
     """``TSPDecoderLayer.blocks`` ignoring ``parallel``: the MLP after the attention, on its output."""
     return layer.branch("mlp", layer.branch("attention", hidden, run_attention, run_attention_with_norm), run_mlp)
 
