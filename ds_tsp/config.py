@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 # The architecture tables of ds_tsp.injection.policy.POLICIES (tests/test_policy.py keeps the two the same).
 POLICY_NAMES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
-                "gemma3_text", "olmo2", "olmoe", "flex_olmo", "minimax_m2", "olmo3")
+                "gemma3_text", "gemma4_text", "olmo2", "olmoe", "flex_olmo", "minimax_m2", "olmo3")
 
 
 class TSPConfigError(ValueError):

@@ -230,3 +230,14 @@ def test_checkpointed_mixture_of_experts_stages_use_the_non_reentrant_checkpoint
     ds_config["pipeline"]["use_reentrant"] = True
     with pytest.raises(ValueError, match="pipeline.use_reentrant = true: .* set pipeline.use_reentrant to false"):
         check_pipeline_stages(config, tsp_config, ds_config)
+
+
+@pytest.mark.parametrize("arch, key", [("gemma4_shared_kv", "num_kv_shared_layers = 2"),
+                                       ("gemma4_layer_inputs", "hidden_size_per_layer_input = 4")])
+def test_layers_taking_more_than_the_hidden_state_are_refused(arch, key):
+    """Gemma 4's keys and values shared across layers and its per-layer inputs would cross pipeline stages."""
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.injection.pipeline import check_pipeline_stages
+
+    with pytest.raises(ValueError, match=rf"tsp.pipeline_stages = 2 .*{key}.*train it with tsp.pipeline_stages 1"):
+        check_pipeline_stages(tiny_model(arch).config, TSPConfig(enabled=True, pipeline_stages=2))

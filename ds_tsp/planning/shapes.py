@@ -607,11 +607,18 @@ def _shape_fields(model):
     raise TypeError(f"model must be a preset name, a config path, a dict or a Hugging Face config, not {type(model)}")
 
 
+# Gemma 4's text decoder: full layers with heads of their own size (global_attention_fields), its mixture of
+# experts beside every layer's dense MLP (planned as an ungated shared expert of intermediate_size: the same
+# weights, ring and bytes), a router scaling its input and its weights per expert.
+GEMMA4_MODEL_TYPES = ("gemma4_text",)
 # Mixture-of-experts model types the planner knows (ds_tsp.injection.policy runs them and others of their
 # kind), and the keys by which other MoE configs are recognised and refused.
 MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
                    "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "qwen3_next",
-                   "qwen3_5_moe_text")
+                   "qwen3_5_moe_text", "phimoe", "granitemoe", "hunyuan_v1_moe", "cohere2_moe", "ernie4_5_moe",
+                   *GEMMA4_MODEL_TYPES)
+# Mixtral's kind: num_local_experts of intermediate_size in every layer, no shared expert.
+MIXTRAL_KIND = ("mixtral", "minimax_m2", "gpt_oss", "phimoe", "granitemoe")
 # Qwen's kind: experts of moe_intermediate_size, sparse layers by decoder_sparse_step and mlp_only_layers, a shared
 # expert with its sigmoid gate.
 QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -624,10 +631,6 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 # group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
 # ungated shared expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
 DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
-# Gemma 4's text decoder: full layers with heads of their own size (global_attention_fields), its mixture of
-# experts beside every layer's dense MLP (planned as an ungated shared expert of intermediate_size: the same
-# weights, ring and bytes), a router scaling its input and its weights per expert.
-GEMMA4_MODEL_TYPES = ("gemma4_text",)
 # o_proj takes the attention_bias too (Llama's, GPT-OSS's), not only q/k/v.
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
@@ -654,13 +657,39 @@ def _moe_fields(fields):
                     expert_size=fields["moe_intermediate_size"], shared_expert_size=fields["intermediate_size"],
                     shared_expert_gate=False, moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
                     router_weights_fp32=True, router_scales=True)
+    if model_type == "hunyuan_v1_moe":  # experts of intermediate_size beside a shared MLP of it, every layer
+        top_k = fields["moe_topk"]
+        if isinstance(top_k, list) and len(set(top_k)) > 1:
+            raise ValueError(f"model config has moe_topk = {top_k}: the planner models one top-k for every layer")
+        return dict(num_experts=experts["num_experts"], experts_per_token=top_k[0] if isinstance(top_k, list)
+                    else top_k, expert_size=fields["intermediate_size"], shared_expert_size=fields["intermediate_size"],
+                    shared_expert_gate=False, moe_layers=fields["num_hidden_layers"], renormalise_top_k=True)
+    if model_type == "cohere2_moe":  # the dense prefix (mlp_layer_types) of prefix_dense_intermediate_size
+        types = fields.get("mlp_layer_types") or ["dense" if i < (fields.get("first_k_dense_replace") or 0)
+                                                  else "sparse" for i in range(fields["num_hidden_layers"])]
+        return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"],
+                    shared_expert_size=fields["intermediate_size"] * (fields.get("num_shared_experts") or 0),
+                    shared_expert_gate=False, moe_layers=types.count("sparse"),
+                    renormalise_top_k=bool(fields.get("norm_topk_prob")),
+                    dense_size=fields.get("prefix_dense_intermediate_size") or fields["intermediate_size"])
+    if model_type == "ernie4_5_moe":  # sparse from moe_layer_start_index to moe_layer_end_index, every interval
+        layers = fields["num_hidden_layers"]
+        end = fields.get("moe_layer_end_index", -1)
+        end = layers - 1 if end == -1 else end
+        sparse = [i for i in range(layers) if (i + 1) % (fields.get("moe_layer_interval") or 1) == 0
+                  and fields.get("moe_layer_start_index", 1) <= i <= end]
+        return dict(num_experts=experts["moe_num_experts"], experts_per_token=fields["moe_k"],
+                    expert_size=fields["moe_intermediate_size"],
+                    shared_expert_size=fields["moe_intermediate_size"] * (fields.get("moe_num_shared_experts") or 0),
+                    shared_expert_gate=False, moe_layers=len(sparse), renormalise_top_k=True,
+                    output_router_logits=bool(fields.get("output_router_logits")))
     if model_type not in (None, *MOE_MODEL_TYPES) or (model_type is None and "n_routed_experts" in experts):
         key, value = next(iter(experts.items()))
         raise ValueError(f"model config has {key} = {value} (model_type {model_type!r}): the planner models the "
                          f"mixture-of-experts layers of {', '.join(MOE_MODEL_TYPES)} only")
     qwen = "moe_intermediate_size" in fields if model_type is None else model_type in QWEN_MOE_MODEL_TYPES
-    mixtral = not qwen and ("num_local_experts" in experts if model_type is None
-                            else model_type in ("mixtral", "minimax_m2", "gpt_oss"))
+    mixtral = not qwen and ("num_local_experts" in experts if model_type is None else model_type in MIXTRAL_KIND)
     num_experts = experts.get("n_routed_experts") or experts.get("num_experts") or experts.get("num_local_experts")
     layers = fields["num_hidden_layers"]
     if model_type == "llama4_text":  # sparse layers listed (or every interleave_moe_layer_step-th), experts and an
@@ -787,10 +816,11 @@ def model_shape(model):
         latent, moe = _latent_fields(fields), _moe_fields(fields)
         # Qwen3.5-MoE's config has no intermediate_size: every layer is sparse
         every_layer_sparse = moe.get("moe_layers") == fields["num_hidden_layers"]
+        dense_size = moe.pop("dense_size", None)  # a dense layer's MLP of another size (Cohere2-MoE's prefix)
         shape = ModelShape(
             hidden_size=fields["hidden_size"],
-            intermediate_size=(fields.get("intermediate_size") or 0) if every_layer_sparse and not llama4
-            else fields["intermediate_size_mlp" if llama4 else "intermediate_size"],
+            intermediate_size=dense_size or ((fields.get("intermediate_size") or 0) if every_layer_sparse and not llama4
+                                             else fields["intermediate_size_mlp" if llama4 else "intermediate_size"]),
             num_layers=fields["num_hidden_layers"], num_heads=heads,
             num_kv_heads=latent.get("num_kv_heads") or fields.get("num_key_value_heads") or heads,
             head_dim=latent.get("head_dim") or fields.get("head_dim") or fields["hidden_size"] // heads,
