@@ -158,7 +158,8 @@ def _sgd_steps(model, batches):
 @pytest.mark.parametrize("arch, steps", [("phi3", 1), ("glm4", 1), ("ernie4_5_moe", 2), ("granitemoe", 2),
                                          ("cohere2", 1), ("cohere2_moe", 2), ("jais2", 1), ("helium", 1),
                                          ("ministral3", 1), ("hunyuan_v1_moe", 2), ("vaultgemma", 1), ("llama4", 2),
-                                         ("phimoe", 2), ("cohere", 1), ("hyperclovax", 1), ("gemma4", 1), ("gemma4_moe", 2), ("gemma4_shared_kv", 1), ("gemma4_layer_inputs", 1),
+                                         ("phimoe", 2), ("cohere", 1), ("hyperclovax", 1), ("gemma4", 1),
+                                         ("gemma4_moe", 2), ("gemma4_shared_kv", 1), ("gemma4_layer_inputs", 1),
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,

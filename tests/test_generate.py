@@ -464,10 +464,11 @@ def _resident_bytes(arch, context):
     return sum(p.numel() * p.element_size() for p in model.parameters()), cache.nbytes()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gemma4", "gemma4_moe"])
 def test_the_serving_planner_counts_what_each_rank_keeps(run_ranks, arch):
     """``ds-tsp plan --serve``: TSP's weights per rank are the most any rank
-    holds, its KV cache per token what the cache holds (float64: e = 8)."""
+    holds, its KV cache per token what the cache holds (float64: e = 8);
+    Gemma 4's full layers with their own heads, keys as values."""
     from ds_tsp.planning import serving_plans
     config = tiny_model(arch).config.to_dict()
     single, _, tsp = serving_plans(config, 2, micro_batch=1, dtype="fp32")

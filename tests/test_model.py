@@ -314,7 +314,7 @@ def _zero_layer_inputs(*args):
 
 
 def test_gemma4_shared_keys_and_values_refuse_host_checkpoints(run_ranks):
-    with pytest.raises(RankFailure, match=r"cpu_checkpointing .* shares keys and values across layers"):
+    with pytest.raises(RankFailure, match=r"cpu_checkpointing .* keys and values shared across layers"):
         run_ranks(2, model_parity, arch="gemma4_shared_kv", batch=2, seq_len=13, checkpointing="host")
 
 

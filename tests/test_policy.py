@@ -294,6 +294,17 @@ def test_a_soft_cap_the_forward_does_not_apply_is_refused_by_the_probe():
         _inject(model)
 
 
+def test_gemma4_configs_ds_tsp_does_not_build_are_refused_by_name():
+    """An assistant model (every layer reusing keys and values none computes), and a per-layer embedding of
+    another vocabulary than the main one folded beside it: refused naming the key and the fix."""
+    with pytest.raises(PolicyError, match=r"num_kv_shared_layers = 4 of its 4 layers: every layer reuses keys and "
+                                          r"values none of them computes"):
+        resolve_policy(tiny_model("gemma4", num_kv_shared_layers=4))
+    with pytest.raises(PolicyError, match=r"vocab_size_per_layer_input = 53 beside vocab_size = 61: .* set "
+                                          r"tsp.vocab_parallel to false"):
+        _inject(tiny_model("gemma4_layer_inputs", vocab_size_per_layer_input=53))
+
+
 def test_gemma4_bidirectional_attention_is_refused_by_name():
     """Gemma 4 as an encoder (use_bidirectional_attention "all": every token sees every other) is refused naming
     the key; its other features, transformers' defaults included (per-layer inputs), are built."""

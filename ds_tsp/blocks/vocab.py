@@ -126,16 +126,15 @@ def check_foldable_table(embed, where="model", kind="input embedding"):
 def check_foldable(embed, lm_head, where="model"):
     """Refuse, before any weight moves, an embedding or head that the folded
     vocabulary would not reproduce exactly."""
-    fix = FOLD_FIX
     check_foldable_table(embed, where)
     if type(lm_head) is not nn.Linear or lm_head.bias is not None:
         raise VocabError(f"{where}'s LM head is a {type(lm_head).__name__}"
                          f"{' with a bias' if getattr(lm_head, 'bias', None) is not None else ''}: ds_tsp folds a "
-                         f"bias-free nn.Linear only; {fix}")
+                         f"bias-free nn.Linear only; {FOLD_FIX}")
     if lm_head.out_features != embed.num_embeddings or lm_head.in_features != embed.embedding_dim:
         raise VocabError(f"{where}'s LM head maps {lm_head.in_features} -> {lm_head.out_features} but the embedding "
                          f"is {embed.num_embeddings} x {embed.embedding_dim}: ds_tsp folds them only when both "
-                         f"span the same vocabulary; {fix}")
+                         f"span the same vocabulary; {FOLD_FIX}")
 
 
 # ----------------------------------------------------------------- embedding

@@ -396,10 +396,10 @@ def from_pretrained(path, topology, tsp_config, torch_dtype=None, device=None, a
         if policy.model_inputs(model) is not None:
             blocks += (f"{policy.model_inputs(model).embed}.",)
     replicated = {id(p) for n, p in model.named_parameters() if not n.startswith(blocks)}
-    replicated |= {name for name in model.state_dict() if name not in dict(model.named_parameters())
-                   and not name.startswith(blocks)}  # persistent buffers (Gemma 4's layer_scalar), read whole
-    progress = tqdm(total=len(plan) + len(replicated), desc=f"Loading {os.path.basename(path)}", unit="tensor",
-                    disable=topology.rank != 0)
+    state_names = set(model.state_dict())  # persistent buffers (Gemma 4's layer_scalar) are read whole too
+    persistent = {n for n, _ in model.named_buffers() if n in state_names and not n.startswith(blocks)}
+    progress = tqdm(total=len(plan) + len(replicated) + len(persistent), desc=f"Loading {os.path.basename(path)}",
+                    unit="tensor", disable=topology.rank != 0)
     _materialise_replicated(model, checkpoint, blocks, dtype, device, progress)
 
     def read(full_name, piece):

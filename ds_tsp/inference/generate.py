@@ -297,6 +297,9 @@ class TSPDecoder:
         config = model.config.get_text_config()
         self.logit_map = LogitMap.of(config)
         self.embedding_multiplier = embedding_multiplier(config)
+        # Keys and values shared across layers (Gemma 4's): the layer storing them, by layer type.
+        self.kv_sources = {layer.mixer.kv_key: index for index, layer in enumerate(self.layers)
+                           if getattr(layer.mixer, "kv_sharing", None) == "store"}
         # Per-layer inputs (Gemma 4's): the decoder that mixes them and their embedding, or None.
         inputs = policy.model_inputs(model)
         self.decoder = model.get_submodule(policy.layers.rpartition(".")[0])
@@ -455,7 +458,8 @@ class TSPDecoder:
             v = raw_values(attn, lambda name: project(h, w, name, hkv, d), k)
         else:  # a replica of another rank's key/value heads: it holds no k/v weights, sends zeros
             k = v = q.new_zeros(q.shape[0], 1, hkv, d)
-        gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)  # (D, B, hq+2hkv, d)
+        # (D, B, hq+2hkv, d); (D, B, hq, d) where the layer reuses another's keys and values
+        gathered = comm.all_gather_small(torch.cat([q, k, v], dim=2)[:, 0], self.group)
         q_all = gathered[:, :, :hq].transpose(0, 1).flatten(1, 2)  # (B, nq, d)
         q_all = _normed_and_rotated(attn, attn.q_norm, q_all.unsqueeze(1), cos, sin)[:, 0]
         if attn.query_scale is not None:  # (B, 1) factors at the new token's position
@@ -481,11 +485,8 @@ class TSPDecoder:
 
     def _kv_layer(self, index, attn):
         """The layer whose cache layer ``index`` attends to: its own, or, where it reuses an earlier layer's keys
-        and values, the last earlier layer of its type that stores them."""
-        if attn.kv_sharing != "reuse":
-            return index
-        return max(i for i, layer in enumerate(self.layers[:index])
-                   if getattr(layer.mixer, "kv_sharing", None) == "store" and layer.mixer.kv_key == attn.kv_key)
+        and values, the layer of its type that stores them."""
+        return self.kv_sources.get(attn.kv_key, index) if attn.kv_sharing == "reuse" else index
 
     def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None,
                             chunk=None):

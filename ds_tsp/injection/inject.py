@@ -96,6 +96,8 @@ def _inject(model, topology, tsp_config, read, device, adapter_files):
         if policy.model_inputs(model) is not None:
             check_foldable_table(model.get_submodule(policy.model_inputs(model).embed), type(model).__name__,
                                  "per-layer embedding")
+            check_same_vocabulary(model.get_submodule(policy.model_inputs(model).embed),
+                                  model.get_submodule(policy.embed_tokens), type(model).__name__)
     if policy.layer_class is None:  # accepted by shape only: its forward must equal the TSP layers' on a probe
         probe_layers(model, policy, topology, tsp_config, tsp_layer, device=device)
     for index, layer in enumerate(layers):
@@ -201,7 +203,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     experts = None if beside is None else experts_beside_mlp(layer, beside, topology, tsp_config, read, device)
     norms = policy.norm_names() + list(beside.norms() if beside else ())
     inputs = policy.layer_inputs(layer)
-    input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), "act_fn")} if inputs else {}
+    input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), inputs.activation)} \
+        if inputs else {}
     return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in norms},
                            policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
                            policy.parallel_blocks, residual_multiplier(config, layer),
@@ -218,7 +221,7 @@ def experts_beside_mlp(layer, beside, topology, tsp_config, read=None, device=No
         schedule=cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
         ep_group=topology.ep_group, input_norm_name=beside.input_norm)
     check_router(block, f"{type(layer).__name__}.{beside.router}")
-    keep_frozen(layer, block, type(layer).__name__, "")
+    keep_frozen(layer, block, type(layer).__name__, beside.experts)
     return block
 
 
@@ -305,6 +308,16 @@ def keep_frozen(hf_block, tsp_block, layer_class, where):
                               f"False) but {sorted(set(names) - frozen)} are not; TSP packs them into one shard, "
                               "which trains all or none: freeze all of them or none before ds_tsp injects the model")
         param.requires_grad_(not mixed.pop())
+
+
+def check_same_vocabulary(table, embed, model_class):
+    """Refuse folding a per-layer embedding of another vocabulary than the main one: DeepSpeed's universal
+    checkpoints strip one vocabulary size's padding rows from every folded matrix."""
+    if table.num_embeddings != embed.num_embeddings:
+        raise PolicyError(f"{model_class} has vocab_size_per_layer_input = {table.num_embeddings} beside vocab_size = "
+                          f"{embed.num_embeddings}: ds_tsp folds its per-layer embedding beside the main one only "
+                          "over the same vocabulary (DeepSpeed's universal checkpoints record one vocabulary size); "
+                          "set tsp.vocab_parallel to false to keep both whole on every rank")
 
 
 def fold_vocabulary(model, policy, topology, tsp_config, read=None, device=None):

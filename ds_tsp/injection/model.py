@@ -59,8 +59,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.parallel = parallel
         # Each block's output times this before it joins the residual stream (Granite's residual_multiplier).
         self.residual_multiplier = residual_multiplier
-        # Registered in the order they run: DeepSpeed lays parameters out (ZeRO's
-        # flat buffers, its checkpoints) in this order.
+        # Registered in the order they run (experts beside the MLP and per-layer inputs after the rest):
+        # DeepSpeed lays parameters out (ZeRO's flat buffers, its checkpoints) in this order.
         for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
                                              ("mlp", mlp, layout["mlp"])):
             for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
@@ -81,7 +81,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         else:
             self.moe = None
         # Per-layer inputs (Gemma 4's, a policy.PerLayerInputs): the layer's gate, projection and norm of its
-        # input under their Hugging Face names, kept whole, and the gate's activation (``input_modules["act"]``).
+        # input and the gate's activation, under their Hugging Face names, kept whole.
         self.inputs = inputs
         for name, module in (input_modules or {}).items():
             self.add_module(name, module)
@@ -181,6 +181,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         then the layer's ``per_layer_input`` (``add_input``) and its ``layer_scalar``."""
         if self.moe is not None and run_experts is None:
             run_experts = self.moe
+        if self.parallel and run_experts is not None:
+            raise ValueError("experts beside the MLP in a layer whose blocks run side by side: not built")
         if not self.parallel:
             hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
             hidden = self.branch("mlp", hidden, run_mlp, run_experts=run_experts)
@@ -198,7 +200,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         if per_layer_input is None:
             raise ValueError("this layer takes a per-layer input (hidden_size_per_layer_input): its forward needs it")
         gate, projection, norm = (getattr(self, name) for name in self.inputs.layer_parts())
-        gated = self.get_submodule("act_fn")(gate(hidden)) * per_layer_input
+        gated = self.get_submodule(self.inputs.activation)(gate(hidden)) * per_layer_input
         return hidden + normalize(norm, projection(gated), self.recompute_norms)
 
 

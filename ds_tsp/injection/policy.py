@@ -363,11 +363,12 @@ class PerLayerInputs:
     rows of every layer's input side by side), which the TSP model folds by
     vocabulary as the main one; the decoder's own ``project_per_layer_inputs``
     mixes it with a projection of the embedded tokens into each layer's input,
-    which the layer gates (``gate``, its activation ``act_fn``), projects back
+    which the layer gates (``gate``, its ``activation``), projects back
     (``projection``), norms (``norm``) and adds to its output."""
 
     embed: str = "model.embed_tokens_per_layer"
     gate: str = "per_layer_input_gate"
+    activation: str = "act_fn"
     projection: str = "per_layer_projection"
     norm: str = "post_per_layer_input_norm"
 
@@ -766,6 +767,11 @@ def check_config(model_class, config, policy):
             fix = f": {accepts.fix}" if accepts.fix else ""
             raise PolicyError(f"{model_class} has config.{key} = {value!r}, which ds_tsp does not reproduce "
                               f"({accepts.why}){fix}; tsp.policy {policy.name!r}")
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared and shared >= config.num_hidden_layers:
+        raise PolicyError(f"{model_class} has config.num_kv_shared_layers = {shared} of its {config.num_hidden_layers} "
+                          "layers: every layer reuses keys and values none of them computes (an assistant model "
+                          "reading another model's), which ds_tsp does not build: train it with tsp.enabled false")
     unread = [key for key in per_layer if key not in PER_LAYER_ATTRIBUTES]
     if unread:
         raise PolicyError(f"{model_class} has a heterogeneous config setting {unread} per layer, which ds_tsp does "

@@ -311,13 +311,14 @@ def _baseline_memory(setting, b, params):
 def _baseline_states(setting, b, params):
     """One device's model states, ZeRO over the weight replicas, and its offloaded optimizer's host bytes."""
     m, p = setting.model, setting.precision
-    if setting.lora_rank:
-        adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, b.t, sparse)
-                    for sparse, _ in m.layer_kinds}
-        return lora_model_states(
-            params.layers + params.embedding, sum(count * adapters[sparse] for sparse, count in m.layer_kinds), p,
-            setting.zero_stage, b.replica_group, setting.offload_optimizer,
-            layer_adapter_params=max(adapters.values()))
+    if setting.lora_rank:  # each kind of mixer layer's adapters (its own heads), in proportion to the FFN kinds
+        adapters = {(kind, sparse): lora_adapter_params(m.mixer_view(kind)[0], setting.lora_rank,
+                                                        setting.lora_targets, b.t, sparse)
+                    for kind, _ in m.mixer_kinds for sparse, _ in m.layer_kinds}
+        total = sum(mixers * count * adapters[kind, sparse] / m.num_layers
+                    for kind, mixers in m.mixer_kinds for sparse, count in m.layer_kinds)
+        return lora_model_states(params.layers + params.embedding, total, p, setting.zero_stage, b.replica_group,
+                                 setting.offload_optimizer, layer_adapter_params=max(adapters.values()))
     layer_params = max(params.largest_layer, m.vocab_size * m.hidden_size / b.t)
     states, host = model_states(params.layers + params.embedding - params.experts, p, setting.zero_stage,
                                 b.replica_group, setting.offload_optimizer, layer_params=layer_params)
@@ -378,9 +379,10 @@ def _baseline_loss(setting, b):
 def _baseline_layer_buffers(setting, b, params):
     """One layer's backward buffers (``plan_baseline``'s detail), by name."""
     m, e, B, S = setting.model, setting.precision.element, setting.micro_batch, setting.seq_len
-    d, t = m.head_dim, b.t
+    t = b.t
     tokens, mlp_tiled = b.tokens(setting), b.mlp_tiled(setting)
-    kv_heads = _kv_heads(m, t)
+    # The attention's buffers of the largest kind of attention layer (Gemma 4's full layers: their own heads).
+    views = [view for view, linear, _ in m.mixer_groups if not linear] or [m]
 
     def ffn_grads(sparse):
         """Gradients of the feed-forward intermediates in backward; tiled, of one
@@ -392,8 +394,9 @@ def _baseline_layer_buffers(setting, b, params):
     return {
         "mlp_grads": max(ffn_grads(sparse) for sparse, _ in m.layer_kinds),
         "grad_x": 2 * tokens * m.hidden_size * e,
-        "all_to_all_buffers": tokens * (m.num_heads / t + 2 * kv_heads) * d * e if b.ulysses else 0,
-        "full_kv_grads": 2 * B * S * 2 * kv_heads * d * e if b.gathers_kv else 0,
+        "all_to_all_buffers": max(tokens * (v.num_heads / t + 2 * _kv_heads(v, t)) * v.head_dim * e for v in views)
+        if b.ulysses else 0,
+        "full_kv_grads": max(2 * B * S * 2 * _kv_heads(v, t) * v.head_dim * e for v in views) if b.gathers_kv else 0,
         "zero3_gathered_layers": 2 * params.largest_layer * e if b.zero3(setting) else 0,
     }
 

@@ -70,31 +70,41 @@ def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
         raise ValueError(f"the serving plans (--serve) do not model a Gated DeltaNet hybrid ({m.name}) yet: its "
                          f"linear layers keep a recurrent state, not a KV cache")
     e, D, H = PRECISIONS[dtype].element, devices, m.hidden_size
-    kv_head_token = 2 * m.num_layers * micro_batch * m.head_dim * e  # K and V of one head, every layer
-    layers_replicated = sum(count * m.layer_replicated_params(sparse) for sparse, count in m.layer_kinds)
-    single = ServingPlan("single device", m.params * e, kv_head_token * m.num_kv_heads)
+    # Each kind of attention layer with its own heads (Gemma 4's full layers): (shape, layers).
+    kinds = [(view, count) for view, _, count in m.mixer_groups]
+
+    def kv_token(heads):  # K and V of every layer, ``heads(view)`` key/value heads of each
+        return sum(2 * count * micro_batch * view.head_dim * e * heads(view) for view, count in kinds)
+
+    layers_replicated = sum(count * sum(m.ffn_replicated_tensors(sparse)) for sparse, count in m.layer_kinds) + \
+        sum(count * sum(view.mixer_replicated_tensors(linear)) for view, linear, count in m.mixer_groups)
+    single = ServingPlan("single device", m.params * e, kv_token(lambda view: view.num_kv_heads))
     plans = [single]
     if D == 1:
         return plans
 
     # AutoTP splits q/o and a dense MLP D ways (a sparse block stays whole: the MoE models' tp_plans name their
     # attention only); with fewer key/value heads than devices each keeps one whole.
-    kv_params = 2 * m.num_kv_heads * m.head_dim * (H + (1 if m.attention_bias else 0))
-    tp_attention = (m.attention_params - kv_params) / D + kv_params * max(m.num_kv_heads // D, 1) / m.num_kv_heads
+    def tp_attention(view):
+        kv_params = view.kv_projections * view.num_kv_heads * view.head_dim * (H + (1 if view.attention_bias else 0))
+        return (view.attention_params - kv_params) / D + kv_params * max(view.num_kv_heads // D, 1) / view.num_kv_heads
+
     tp_ffn = sum(count * m.ffn_params(sparse) / (1 if sparse else D) for sparse, count in m.layer_kinds)
     tp_problem = f"num_attention_heads {m.num_heads} is not divisible by {D}" if m.num_heads % D else None
     vocab = m.vocab_size * H
     # AutoTP splits an untied LM head by rows; the embedding (and a head tied to it) stays whole.
-    tp_weights = (m.num_layers * tp_attention + tp_ffn + layers_replicated + vocab
+    tp_weights = (sum(count * tp_attention(view) for view, count in kinds) + tp_ffn + layers_replicated + vocab
                   + (0 if m.tie_word_embeddings else vocab / D) + H) * e
-    plans.append(ServingPlan(f"TP({D})", tp_weights, kv_head_token * max(m.num_kv_heads // D, 1), problem=tp_problem))
+    plans.append(ServingPlan(f"TP({D})", tp_weights, kv_token(lambda view: max(view.num_kv_heads // D, 1)),
+                             problem=tp_problem))
 
     tsp_problem = tsp_shape_problem(m, D)
-    attention = 0 if tsp_problem else max(tsp_attention_shard(m, D, r) for r in range(D))
+    attention = 0 if tsp_problem else sum(count * max(tsp_attention_shard(view, D, r) for r in range(D))
+                                          for view, count in kinds)
     ffn = sum(count * m.ffn_params(sparse) for sparse, count in m.layer_kinds) / D
     vocab_rows = vocab_rows_per_rank(m.vocab_size, D) * H * (1 if m.tie_word_embeddings else 2)
-    tsp_weights = (m.num_layers * attention + ffn + layers_replicated + vocab_rows + H) * e
-    plans.append(ServingPlan(tsp_name(D), tsp_weights, kv_head_token * m.num_kv_heads,
+    tsp_weights = (attention + ffn + layers_replicated + vocab_rows + H) * e
+    plans.append(ServingPlan(tsp_name(D), tsp_weights, kv_token(lambda view: view.num_kv_heads),
                              tokens_per_device_divisor=D, problem=tsp_problem))
     return plans
 

@@ -561,9 +561,15 @@ LORA_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_pro
 def lora_adapter_params(m, rank, targets, shards, sparse=False):
     """Parameters of one layer's LoRA adapters that one of ``shards`` ranks
     holds (TSP's and TP's split: the factor on the split side by ``shards``,
-    the other whole); a sparse layer's MLP takes none (ds_tsp refuses them)."""
-    H, d, F = m.hidden_size, m.head_dim, m.intermediate_size
-    sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d), "v_proj": (H, m.num_kv_heads * d),
+    the other whole); a sparse layer's MLP takes none (ds_tsp refuses them),
+    but the dense MLP beside Gemma 4's experts (its planned shared expert)
+    does. ``m``: the layer's mixer's shape (``ModelShape.mixer_view``); keys
+    used as values have no ``v_proj`` to adapt."""
+    H, d = m.hidden_size, m.head_dim
+    F = m.shared_expert_size if sparse and m.router_scales else m.intermediate_size
+    sparse = sparse and not m.router_scales
+    sizes = {"q_proj": (H, m.num_heads * d), "k_proj": (H, m.num_kv_heads * d),
+             "v_proj": (H, 0 if m.values_from_keys else m.num_kv_heads * d),
              "o_proj": (m.num_heads * m.value_dim, H), "gate_proj": (H, F), "up_proj": (H, F), "down_proj": (F, H)}
     if m.is_latent:  # a latent attention's projections (a query latent or q_proj)
         sizes.update({"q_a_proj": (H, m.q_lora_rank), "q_b_proj": (m.q_lora_rank, m.num_heads * d),
@@ -860,10 +866,15 @@ def tsp_shape_problem(m, tsp_size):
         return f"num_attention_heads {nq} is not divisible by {D}"
     if m.is_latent and min(m.latent_down_rows()) < D:
         return f"a latent down projection of {min(m.latent_down_rows())} rows cannot give each of {D} ranks a row"
-    if nq % nkv:
-        return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}"
-    if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
-        return f"num_key_value_heads {nkv} and {D} do not divide one another"
+    for kind, _ in m.mixer_kinds:  # each kind of attention layer its own key/value heads (Gemma 4's full layers)
+        view, linear = m.mixer_view(kind)
+        nkv, which = view.num_kv_heads, "" if kind == "attention" else f" of the {kind} layers"
+        if linear:
+            continue
+        if nq % nkv:
+            return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}{which}"
+        if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
+            return f"num_key_value_heads {nkv}{which} and {D} do not divide one another"
     if m.is_hybrid and m.linear_num_key_heads % D:
         return (f"linear_num_key_heads {m.linear_num_key_heads} is not divisible by {D}: a rank owns whole key heads "
                 f"of the Gated DeltaNet layers")

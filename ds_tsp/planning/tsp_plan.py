@@ -255,10 +255,13 @@ def _held_params(setting, vocab_parallel):
     largest_layer = max(max(mixer_params.values()) + max(ffn_params.values()), vocab_rows * H)
     if not setting.lora_rank:
         return _Held(params, largest_layer)
-    adapters = {sparse: lora_adapter_params(m, setting.lora_rank, setting.lora_targets, D, sparse)
-                for sparse, _ in m.layer_kinds}
-    return _Held(params, largest_layer, sum(layers * adapters[sparse] for sparse, layers in m.layer_kinds),
-                 max(adapters.values()))
+    # Each kind of mixer layer's adapters (Gemma 4's full layers: their own heads), in proportion to the FFN kinds.
+    adapters = {(kind, sparse): lora_adapter_params(m.mixer_view(kind)[0], setting.lora_rank, setting.lora_targets,
+                                                    D, sparse)
+                for kind, _ in m.mixer_kinds for sparse, _ in m.layer_kinds}
+    total = sum(mixers * layers * adapters[kind, sparse] / m.num_layers
+                for kind, mixers in m.mixer_kinds for sparse, layers in m.layer_kinds)
+    return _Held(params, largest_layer, total, max(adapters.values()))
 
 
 def _tsp_model_states(setting, vocab_parallel):

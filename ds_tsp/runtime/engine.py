@@ -270,7 +270,8 @@ def _configure_activation_checkpointing(model, ds_config, topology, tsp_config):
         return
     model.train()
     if section.get("cpu_checkpointing"):
-        if getattr(text_config(model), "num_kv_shared_layers", 0):
+        config = text_config(model)
+        if getattr(config, "num_kv_shared_layers", 0) or getattr(config, "hidden_size_per_layer_input", 0):
             raise ValueError(HOST_CHECKPOINT_REFUSAL)
         prefetch = tsp_config.prefetch_checkpoints
         if prefetch == "auto":

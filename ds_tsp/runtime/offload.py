@@ -77,11 +77,12 @@ class HostCopy:
         return tensor
 
 
-# A layer that hands its keys and values to later layers (or takes an earlier one's) has a second output (or
-# input) to differentiate, which a host checkpoint of the layer's one input and output would cut off.
+# A layer that hands its keys and values to later layers (or takes an earlier one's), or takes a per-layer input,
+# has a second output or input to differentiate, which a host checkpoint of one input and output would cut off.
 HOST_CHECKPOINT_REFUSAL = ("activation_checkpointing.cpu_checkpointing keeps one input of a layer in host memory "
-                           "and differentiates one output, but this model shares keys and values across layers "
-                           "(config.num_kv_shared_layers, Gemma 4's): set cpu_checkpointing to false, with which "
+                           "and differentiates one output, but this model's layers take or give more (Gemma 4's keys "
+                           "and values shared across layers, config.num_kv_shared_layers, or its per-layer inputs, "
+                           "config.hidden_size_per_layer_input): set cpu_checkpointing to false, with which "
                            "DeepSpeed's activation checkpointing recomputes its layers")
 
 
@@ -123,7 +124,8 @@ def host_checkpoint(run, hidden, *args, prefetch=False):
     """``run(hidden, *args)`` as an activation checkpoint whose saved input is
     ``hidden`` in host memory (the ``gradient_checkpointing_func`` of a TSP
     layer). ``args`` (the rotary tables, the documents) are not
-    differentiated and stay where they are: every layer shares them.
+    differentiated and stay where they are: every layer shares them; one
+    that needs a gradient is refused (``HOST_CHECKPOINT_REFUSAL``).
     ``prefetch``: bring the layer below's input back under this layer's
     backward; a callable decides it from ``hidden`` (``ds_tsp.runtime.prefetch``)."""
     if any(torch.is_tensor(arg) and arg.requires_grad for arg in args):

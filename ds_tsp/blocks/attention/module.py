@@ -251,13 +251,17 @@ def reuses_kv(attn):
 
 def kv_sharing_of(attn, config):
     """How ``attn`` shares keys and values across layers (``config.num_kv_shared_layers``, Gemma 4's): "reuse"
-    (it attends to an earlier layer's), "store" (the last layer of its type that computes its own, which the
-    later ones reuse), or None."""
+    (it attends to an earlier layer's), "store" (the last layer of its type that computes its own, where later
+    ones of its type reuse them), or None."""
     if not getattr(config, "num_kv_shared_layers", 0):
         return None
     if reuses_kv(attn):
         return "reuse"
-    return "store" if getattr(attn, "store_full_length_kv", False) else None
+    if not getattr(attn, "store_full_length_kv", False):
+        return None
+    reused = any(mode == "reuse" and kind == attn.layer_type
+                 for mode, kind in zip(config.kv_sharing_modes, config.layer_types))
+    return "store" if reused else None
 
 
 def values_from_keys(attn):
