@@ -296,6 +296,13 @@ def test_gemma4_full_layers_are_what_makes_those_bytes_match():
     with_full, without = (planner.tsp_step_bytes_by_op(shape, SEQ, BATCH, 2, 8) for shape in (m, uniform))
     print(f"Gemma 4 at D=2: with its full layers' shape {with_full}, every layer a sliding one's {without}")
     assert all(with_full[op] != without[op] for op in ("broadcast", "reduce", "all_reduce"))
+    # One layer's bytes name its kind: the step is the sum of each kind's layers'.
+    layers = {kind: planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 8, "both", mixer=kind)
+              for kind in ("attention", "global_attention")}
+    assert planner.tsp_layers_bytes_by_op(m, SEQ, BATCH, 2, 8, "both") == \
+        {op: 2 * layers["attention"][op] + 2 * layers["global_attention"][op] for op in layers["attention"]}
+    with pytest.raises(ValueError, match=r"attention layers of two shapes .*: say which with mixer="):
+        planner.tsp_bytes_by_op(m, SEQ, BATCH, 2, 8, "both")
 
 
 def test_the_layer_anatomy_is_what_makes_those_bytes_match():

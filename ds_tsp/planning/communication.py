@@ -84,6 +84,20 @@ def _mixer_kind(m, linear):
     return _one_kind(m, linear, "linear", m.linear_layers, ("attention", "Gated DeltaNet"))
 
 
+def _mixer_view(m, linear, mixer):
+    """``(shape, linear)`` of the token mixer a per-layer count is asked for: ``mixer`` (a kind of
+    ``ModelShape.mixer_kinds``), else ``linear``'s (``_mixer_kind``); a model with attention layers of two shapes
+    (Gemma 4's full layers) must name one."""
+    kinds = dict(m.mixer_kinds)
+    if mixer is not None:
+        if mixer not in kinds:
+            raise ValueError(f"{m.name} has no {mixer!r} layers: mixer= takes one of {sorted(kinds)}")
+        return m.mixer_view(mixer)
+    if m.global_layers and not linear:
+        raise ValueError(f"{m.name} has attention layers of two shapes ({kinds}): say which with mixer=")
+    return m, _mixer_kind(m, linear)
+
+
 def _check(m, seq_len, tsp_size, direction, expert_parallel_size=None):
     """Refuse what ``m`` cannot run at this size; return the expert-parallel size."""
     if direction not in DIRECTIONS:
@@ -110,7 +124,8 @@ def _expert_parallel(tsp_size, expert_parallel_size):
 
 
 def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
-                    grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring", expert_parallel_size=None):
+                    grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring", expert_parallel_size=None,
+                    mixer=None):
     """Bytes one rank receives in one TSP decoder layer (attention + MLP), per
     ``comm`` op name, as ``comm.counter`` counts them; ``direction`` is
     "forward", "backward" or "both".
@@ -139,18 +154,22 @@ def tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction
     kind of layer (a model with both kinds must say). ``linear``: a Gated
     DeltaNet layer of a hybrid, whose bytes (``delta_net_bytes_by_op``: head
     groups broadcast, their state maps gathered) take the attention's place;
-    likewise by default the model's kind of token mixer.
+    likewise by default the model's kind of token mixer. ``mixer``: the kind of
+    token mixer by name (``ModelShape.mixer_kinds``: Gemma 4's "global_attention"
+    layers have heads of their own size), which a model with two attention
+    shapes must give.
     ``expert_parallel_size``: the sparse block's experts over that many ranks
     (``moe_block_bytes_by_op``), above ``D`` by the token all-to-all whatever
     ``moe_schedule`` says.
     """
     m = model_shape(model)
     D = tsp_size
-    sparse, linear = _layer_kind(m, sparse), _mixer_kind(m, linear)
+    view, linear = _mixer_view(m, linear, mixer)
+    sparse = _layer_kind(m, sparse)
     ep = _check(m, seq_len, D, direction, expert_parallel_size)
     if ep == 1:
         return {}
-    forward, backward = _mixer_ops(m, seq_len, micro_batch, D, elem_bytes, tsp_rank, linear, grad_wire_bytes)
+    forward, backward = _mixer_ops(view, seq_len, micro_batch, D, elem_bytes, tsp_rank, linear, grad_wire_bytes)
     for ops, more in zip((forward, backward), _ffn_ops(m, seq_len, micro_batch, D, elem_bytes, sparse,
                                                         moe_schedule, grad_wire_bytes, ep)):
         for op, v in more.items():
@@ -388,13 +407,14 @@ def moe_crossover_tokens(model, tsp_size, elem_bytes, direction="both", *, grad_
 
 def tsp_bytes_per_layer(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, tsp_rank=None, *,
                         grad_wire_bytes=None, sparse=None, linear=None, moe_schedule="ring",
-                        expert_parallel_size=None):
+                        expert_parallel_size=None, mixer=None):
     """Total of ``tsp_bytes_by_op``: bytes one rank receives in one TSP layer
     (forward ``(D-1)/D * (Wa + Wm + 2*B*S*nkv*d) * elem`` on average)."""
     total = sum(Fraction(v) for v in tsp_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction,
                                                       tsp_rank, grad_wire_bytes=grad_wire_bytes, sparse=sparse,
                                                       linear=linear, moe_schedule=moe_schedule,
-                                                      expert_parallel_size=expert_parallel_size).values())
+                                                      expert_parallel_size=expert_parallel_size,
+                                                      mixer=mixer).values())
     return int(total) if total.denominator == 1 else float(total)
 
 
