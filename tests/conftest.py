@@ -43,6 +43,22 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
+# DeepSpeed's shared-memory all-reduce (the CPU accelerator's, where the TSP group is the whole world) opens these
+# in /dev/shm and never unlinks them: 69 MB each, tens a run, held in the machine's memory until removed.
+SHARED_MEMORY = Path("/dev/shm")
+SHARED_BUFFERS = "deepspeed_allreduce_buffer_*"
+
+
+def pytest_sessionstart(session):
+    session.config.shared_buffers_before = set(SHARED_MEMORY.glob(SHARED_BUFFERS))
+
+
+def pytest_sessionfinish(session):
+    """Remove the shared-memory buffers this session's ranks left, not another's."""
+    for path in set(SHARED_MEMORY.glob(SHARED_BUFFERS)) - session.config.shared_buffers_before:
+        path.unlink(missing_ok=True)
+
+
 def pytest_collection_finish(session):
     """The collected test modules and what they imported live for the whole
     session: out of the garbage collector's sight (as in the rank workers),

@@ -36,6 +36,7 @@ from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
 from ds_tsp.blocks.moe.module import TSPSparseMoE
+from ds_tsp.injection.inject import check_same_vocabulary
 from ds_tsp.injection.model import TSPCausalLMMixin
 from ds_tsp.injection.policy import hf_path
 from ds_tsp.parallel import comm
@@ -175,7 +176,9 @@ def shard_plan(model, policy, tsp_size, vocab_parallel=True, experts=None):
                              type(model).__name__)
         inputs = policy.model_inputs(model)
         if inputs is not None:
-            vocab.check_foldable_table(model.get_submodule(inputs.embed), type(model).__name__, "per-layer embedding")
+            table, embed = model.get_submodule(inputs.embed), model.get_submodule(policy.embed_tokens)
+            vocab.check_foldable_table(table, type(model).__name__, "per-layer embedding")
+            check_same_vocabulary(table, embed, type(model).__name__)
         for tsp_rank, plan in enumerate(plans):
             plan.update({name: vocab.shard_piece(rows, tsp_size, tsp_rank)
                          for name, rows in vocab_names(model, policy).items()})
