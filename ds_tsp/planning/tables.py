@@ -106,6 +106,8 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}"
         + (f" (latent attention: q_lora_rank {m.q_lora_rank}, kv_lora_rank {m.kv_lora_rank}, rotary "
            f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "")
+        + (f"; {m.global_layers} full layers of heads {m.num_heads}/{m.global_num_kv_heads}, d={m.global_head_dim}"
+           + (", keys as values" if m.global_values_from_keys else "") if m.global_layers else "")
         + (f" (gated attention); {m.linear_layers} of the {m.num_layers} layers Gated DeltaNet "
            f"(linear attention: {m.linear_num_key_heads} key heads of {m.linear_key_head_dim}, "
            f"{m.linear_num_value_heads} value heads of {m.linear_value_head_dim}, a {m.linear_conv_kernel}-tap "
