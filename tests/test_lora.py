@@ -133,7 +133,10 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              ("nemotron", ("q_proj", "v_proj", "up_proj", "down_proj"), {}),
              ("glm4", ("q_proj", "o_proj", "gate_up_proj", "down_proj"), {}),
              # Llama 4: chunked, NoPE and temperature-tuned layers, its weightless q/k norm after the complex rotary
-             ("llama4", ATTENTION_ONLY, {})]
+             ("llama4", ATTENTION_ONLY, {}),
+             # Gemma 4: full layers without v_proj (keys as values), layers reusing another's keys and values (no
+             # k_proj, v_proj), per-layer inputs; and the dense MLP beside its experts
+             ("gemma4_layer_inputs", ALL_TARGETS, {}), ("gemma4_moe", ALL_TARGETS, {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")

@@ -81,6 +81,11 @@ class HeadGroups:
         first = tsp_rank * self.num_kv_heads // self.tsp_size
         return slice(first * self.head_dim, (first + self.kv_heads) * self.head_dim)
 
+    def kv_head_slice(self, tsp_rank):
+        """The key/value heads (among all ``num_kv_heads``) held by ``tsp_rank``."""
+        first = self.kv_rows(tsp_rank).start // self.head_dim
+        return slice(first, first + self.kv_heads)
+
     def rows(self, name, tsp_rank):
         if name == "sinks":  # one per query head
             return slice(tsp_rank * self.q_heads, (tsp_rank + 1) * self.q_heads)

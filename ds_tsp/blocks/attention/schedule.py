@@ -142,9 +142,7 @@ def attended_values_backward(plan, v, grad):
 def shared_heads(plan, shared, j):
     """Key/value holder ``j``'s heads of the local tokens' shared keys and values ``shared``
     ``(2, B, S/D, nkv, d)``: ``(k, v)``, each ``(B, S/D, kv_heads, d)``."""
-    heads = plan.heads
-    first = heads.kv_rows(j).start // heads.head_dim
-    piece = shared[:, :, :, first:first + heads.kv_heads]
+    piece = shared[:, :, :, plan.heads.kv_head_slice(j)]
     return piece[0], piece[1]
 
 
@@ -323,10 +321,10 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             saved["o"].append(o), saved["lse"].append(lse)
         if not plan.overlap and j + 1 < plan.tsp_size:
             upcoming = receive()
-    out = out.view(x.shape).to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
+    result = out.view(x.shape).to(x.dtype), {name: tensors for name, tensors in saved.items() if tensors}
     if plan.kv_sharing != "store":
-        return out
-    return (*out, torch.stack([torch.cat(parts, dim=2) for parts in zip(*stored)]))
+        return result
+    return (*result, torch.stack([torch.cat(parts, dim=2) for parts in zip(*stored)]))
 
 
 def _accumulator_dtype(plan, dtype):
@@ -495,8 +493,7 @@ class HeadGroupGrads:
         holder (with ``j``'s own query/output part when ``j`` is the holder)."""
         dk, dv = scatter.wait()
         if self.plan.kv_sharing is not None:
-            first = self.plan.heads.kv_rows(holder).start // self.plan.heads.head_dim
-            heads = slice(first, first + self.plan.heads.kv_heads)
+            heads = self.plan.heads.kv_head_slice(holder)
             if self.plan.kv_sharing == "reuse":  # the keys and values are an earlier layer's: their gradient goes back
                 self.shared[0][:, :, heads], self.shared[1][:, :, heads] = dk, dv
                 if holder == j:
