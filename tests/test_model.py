@@ -271,8 +271,10 @@ def test_gemma4_matches_hugging_face(run_ranks, tsp_size):
     keys (before their norm and rotary) are its values, every layer's values normed without a weight,
     proportional RoPE on the full layers, each layer's output times its layer_scalar; padded both ways, packed,
     the vocabulary folded or not."""
+    # The released configs' use_bidirectional_attention "vision" leaves the text model causal.
     cases = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=13, left_padding=4), PACKED,
-             dict(batch=1, seq_len=16, vocab_parallel=False))
+             dict(batch=1, seq_len=16, vocab_parallel=False),
+             dict(batch=2, seq_len=13, model_overrides={"use_bidirectional_attention": "vision"}))
     for case in cases:
         check(run_ranks(tsp_size, model_parity, arch="gemma4", **case), f"D={tsp_size} gemma4 {case}")
 

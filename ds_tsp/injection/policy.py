@@ -190,15 +190,6 @@ GEMMA2 = {**GEMMA, **SLIDING, **SOFT_CAPPING}
 GEMMA3 = {**GEMMA2, "rope_parameters": Accepts(rope_per_layer_type, "the TSP model calls the model's own rotary "
                                                "embedding for each layer type with the whole sequence's positions; "
                                                f"rope_type {', '.join(ROPE_TYPES)} are checked equal to HF")}
-# Gemma 3n's and Gemma 4's features beyond Gemma 3's layer, which ds_tsp builds for Gemma 4's own classes only.
-GEMMA_LAYER_FEATURES = {
-    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second embedding "
-                                           "feeding every layer), which ds_tsp builds for Gemma4ForCausalLM only "
-                                           "(tsp.policy gemma4_text)"),
-    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers attend "
-                                    "to earlier layers' keys and values), which ds_tsp builds for Gemma4ForCausalLM "
-                                    "only (tsp.policy gemma4_text)"),
-}
 # Gemma 4's text decoder: Gemma 3's layer with a weightless value norm, keys used as values on its full layers
 # (attention_k_eq_v: no v_proj there), wider heads and fewer key/value heads on those layers (transformers'
 # per-layer head_dim and num_key_value_heads, which the TSP attention reads layer by layer), proportional RoPE,
@@ -210,7 +201,6 @@ GEMMA4 = {**GEMMA3, "attention_k_eq_v": Accepts(any_value, "the full layers' key
                                                  "vision-language model, and leaves the causal LM causal",
                                                  "leave use_bidirectional_attention unset for a causal LM"),
           "use_double_wide_mlp": Accepts(any_value, "the key/value-sharing layers' MLP width, read from the module"),
-          **GEMMA_LAYER_FEATURES,
           "hidden_size_per_layer_input": Accepts(any_value, "per-layer inputs (PerLayerInputs): a second embedding "
                                                  "folded by vocabulary, mixed by the decoder's own "
                                                  "project_per_layer_inputs, gated and added by every layer"),
@@ -287,8 +277,14 @@ AUTO_CONFIG = {
                               "layers), which the TSP attention runs without positions"),
     "attn_temperature_tuning": Accepts(any_value, "attention temperature tuning: Llama 4's NoPE layers scale their "
                                        "queries with each token's index in its row (rotary.TemperatureTuning)"),
-    # Gemma 3n's and Gemma 4's, named for the same reason (Gemma 4's own policy builds some: GEMMA4).
-    **GEMMA_LAYER_FEATURES,
+    # Gemma 3n's and Gemma 4's features beyond Gemma 3's layer, named for the same reason: ds_tsp builds them for
+    # Gemma 4's own classes only (GEMMA4).
+    "hidden_size_per_layer_input": Accepts((None, 0), "per-layer input embeddings (Gemma 3n/4: a second embedding "
+                                           "feeding every layer), which ds_tsp builds for Gemma4ForCausalLM only "
+                                           "(tsp.policy gemma4_text)"),
+    "num_kv_shared_layers": Accepts((None, 0), "key/value sharing across layers (Gemma 3n/4: the last layers attend "
+                                    "to earlier layers' keys and values), which ds_tsp builds for Gemma4ForCausalLM "
+                                    "only (tsp.policy gemma4_text)"),
     "attention_k_eq_v": Accepts((None, False), "keys used as values (Gemma 4), which only Gemma 4's policy reads"),
     "enable_moe_block": Accepts((None, False), "a mixture-of-experts block beside the dense MLP (Gemma 4), which "
                                 "only Gemma 4's policy builds"),
