@@ -1,11 +1,12 @@
-"""Gated DeltaNet's chunk maps (ds_tsp.blocks.linear.chunk_maps) against the token-by-token recurrence, float64."""
+"""Gated DeltaNet's chunk maps (ds_tsp.blocks.linear.delta_rule, composed by chunk_maps) against the token-by-token recurrence, float64."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from float32_control import float32_bound
-from ds_tsp.blocks.linear.chunk_maps import chunk_terms, initial_states, run_chunks, span_map
+from ds_tsp.blocks.linear.chunk_maps import initial_states, state_gradients
+from ds_tsp.blocks.linear.delta_rule import chunk_terms, run_chunks, span_map
 
 
 def recurrence(q, k, v, g, beta, state):
@@ -90,8 +91,6 @@ def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence()
     """Backward as TSP would run it: each span's initial-state gradient from its own outputs, the transposed
     composition for each span's final-state gradient, then each span's backward from its initial state with
     those two gradients: every input's gradient (and the first state's) equals autograd of the recurrence."""
-    from ds_tsp.blocks.linear.chunk_maps import state_gradients
-
     leaves = [t.requires_grad_() for t in inputs(L=100)]
     start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
     gen = torch.Generator().manual_seed(2)

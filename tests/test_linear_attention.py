@@ -34,14 +34,13 @@ def test_hybrids_match_hugging_face(run_ranks, tsp_size):
 
 
 def _wrong_map(**kwargs):
-    """``model_parity`` with every chunk's state map off by 1% (its ``U``)."""
-    span_map = recurrence.span_map
+    """``model_parity`` with every chunk's state map off by 1% (its ``U``), as exchanged."""
+    gather_maps = recurrence.gather_maps
 
-    def wrong(terms):
-        T, U = span_map(terms)
-        return T, U * 1.01
+    def wrong(*args):
+        return [(T, U * 1.01) for T, U in gather_maps(*args)]
 
-    with mock.patch.object(recurrence, "span_map", wrong), mock.patch("ds_tsp.injection.inject.probe_layers"):
+    with mock.patch.object(recurrence, "gather_maps", wrong), mock.patch("ds_tsp.injection.inject.probe_layers"):
         return model_parity(**kwargs)
 
 

@@ -82,7 +82,7 @@ def delta_rule_flops_per_token(m, maps=False):
     Face's ``torch_chunk_gated_delta_rule`` chunks it (``C`` tokens): the UT system and the intra-chunk scores
     (``2 C dk`` each), the two triangular solves (``C (dk + dv)``), the intra-chunk attention (``2 C dv``), the
     state read twice and written (``6 dk dv``). ``maps``: also each chunk's state map ``(T, U)`` and its
-    composition into its span's (``ds_tsp.blocks.linear.chunk_maps.span_map``), ``2 dk (dk + dv) (1 + dk/C)``."""
+    composition into its span's (``ds_tsp.blocks.linear.delta_rule.span_map``), ``2 dk (dk + dv) (1 + dk/C)``."""
     C, dk, dv = DELTA_CHUNK, m.linear_key_head_dim, m.linear_value_head_dim
     rule = C * (5 * dk + 3 * dv) + 6 * dk * dv
     span = 2 * dk * (dk + dv) * (1 + dk / C) if maps else 0

@@ -1,115 +1,66 @@
-"""Gated DeltaNet's recurrence as affine maps of its state (DESIGN.md 6j): the
-exact pieces a TSP rank needs to run its own tokens from the true initial state
-without waiting for the ranks before it.
+"""A recurrent layer's state moved by spans of tokens, as affine maps (DESIGN.md
+6j, 6n): the exact pieces a TSP rank needs to run its own tokens from the true
+initial state without waiting for the ranks before it.
 
-Within a span of tokens the state ``S`` (``dk x dv`` per value head) moves as
-``S_out = T S_in + U`` and the span's outputs are affine in ``S_in`` too. Each
-rank computes its spans' ``(T, U)`` from a zero state, the maps are exchanged,
-and each rank composes the maps of the spans before its own to get their
-initial states, then runs its spans from them. Everything here is Hugging
-Face's ``torch_chunk_gated_delta_rule`` (64-token chunks, the UT transform)
-restated per chunk, in the inputs' dtype (float32 or wider).
-
-Shapes: ``q, k`` ``(B, h, L, dk)`` (already repeated to the value heads,
-l2-normed and scaled as HF does), ``v`` ``(B, h, L, dv)``, ``g, beta``
-``(B, h, L)``; states ``(B, h, dk, dv)``.
+Within a span the state ``S`` moves as ``S_out = T S_in + U`` and the span's
+outputs are affine in ``S_in`` too. Each rank computes its spans' ``(T, U)``
+from a zero state, the maps are exchanged, and each rank composes the maps of
+the spans before its own to get their initial states, then runs its spans from
+them. Only ``T``'s shape depends on the layer (a ``ChunkRule``): a dense matrix
+acting on the state's rows (Gated DeltaNet's ``dk x dk``, ``delta_rule``), or
+``elementwise``, a tensor broadcast against the state (Mamba-2's one scalar per
+head, ``ssd``). A composition keeps the shape, so the bytes of an elementwise
+``T`` carry no ``dk x dk`` term.
 """
 
+from typing import Callable, NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 
-def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
-    """Each chunk's terms of HF's chunked rule, a dict of ``(B, h, n, C, ...)``
-    tensors: ``w`` (``k_cumdecay``), ``u`` (``new_values``), ``q`` decayed from
-    the chunk's start, ``k`` decayed to its end, the masked intra-chunk
-    attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n)``. The
-    span is zero-padded to whole chunks (padding decays nothing and writes
-    nothing: ``g = beta = 0``); ``length`` keeps its real token count.
+class ChunkRule(NamedTuple):
+    """One kind of recurrence, restated by spans: ``terms(*inputs, chunk_size=, starts=)``
+    a span's chunk terms from its ``(B, h, L, ...)`` inputs (``starts`` ``(B, L)``:
+    the tokens that start a packed document, where the state restarts, or None);
+    ``run(terms, state)`` its outputs ``(B, h, L, dv)`` and final state from the
+    initial ``state``; ``span_map(terms)`` its ``(T, U)``; ``elementwise``: how
+    ``T`` acts on the state (``act``)."""
 
-    ``starts`` ``(B, L)`` (bool, or None): the tokens that start a packed
-    document, where the state restarts from zero, as Hugging Face's layer run
-    on each document alone. Tokens then interact only within their document:
-    the intra-chunk terms are masked to pairs of one document, a token reads
-    the chunk's incoming state only if no document starts between them
-    (``q``, ``w``), writes the outgoing one only if none starts after it
-    (``k``), and a chunk with a start passes none of its incoming state on
-    (``decay`` 0), so its map's ``T`` is exactly 0."""
-    length = q.shape[2]
-    pad = (chunk_size - length % chunk_size) % chunk_size
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    B, h, L = g.shape
-    n = L // chunk_size
-    q, k, v = (t.reshape(B, h, n, chunk_size, t.shape[-1]) for t in (q, k, v))
-    g, beta = (t.reshape(B, h, n, chunk_size) for t in (g, beta))
-    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    cum = g.cumsum(-1)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    reads = writes = keeps = None
-    if starts is not None:
-        starts = F.pad(starts, (0, pad)).reshape(B, 1, n, chunk_size)
-        document = starts.long().cumsum(-1)  # (B, 1, n, C): starts seen since the chunk began
-        upper = upper | (document.unsqueeze(-1) != document.unsqueeze(-2))
-        reads, writes = (document == 0).to(q.dtype), (document == document[..., -1:]).to(q.dtype)
-        keeps = (document[..., -1] == 0).to(q.dtype)
-    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise
-    from_start, to_end = cum.exp(), (cum[..., -1:] - cum).exp()
-    decay = cum[..., -1].exp()
-    if starts is not None:
-        from_start, to_end, decay = from_start * reads, to_end * writes, decay * keeps
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * from_start.unsqueeze(-1), upper=False, unitriangular=True)
-    a = (q @ k.transpose(-1, -2)) * pairwise
-    return {"w": w, "u": u, "a": a, "q": q * from_start.unsqueeze(-1), "k": k * to_end.unsqueeze(-1),
-            "decay": decay, "length": length}
+    terms: Callable
+    run: Callable
+    span_map: Callable
+    elementwise: bool
 
 
-def run_chunks(terms, state):
-    """The span's outputs ``(B, h, length, dv)`` and final state from the initial ``state``: HF's scan."""
-    outputs = []
-    for i in range(terms["u"].shape[2]):
-        v_new = terms["u"][:, :, i] - terms["w"][:, :, i] @ state
-        outputs.append(terms["q"][:, :, i] @ state + terms["a"][:, :, i] @ v_new)
-        state = state * terms["decay"][:, :, i, None, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
-    out = torch.cat(outputs, dim=2)[:, :, :terms["length"]]
-    return out, state
+def act(T, state, elementwise):
+    """``T S``: ``T`` broadcast against the state, or a matrix on its rows."""
+    return T * state if elementwise else T @ state
 
 
-def span_map(terms):
-    """``(T, U)`` of the whole span: ``S_out = T S_in + U``, ``T`` ``(B, h, dk, dk)``.
-    Per chunk ``T_c = decay_c I - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
-    dk = terms["k"].shape[-1]
-    eye = torch.eye(dk, dtype=terms["k"].dtype, device=terms["k"].device)
-    T = U = None
-    for i in range(terms["u"].shape[2]):
-        k_t = terms["k"][:, :, i].transpose(-1, -2)
-        T_c = terms["decay"][:, :, i, None, None] * eye - k_t @ terms["w"][:, :, i]
-        U_c = k_t @ terms["u"][:, :, i]
-        T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c))
-    return T, U
+def transposed(T, elementwise):
+    """``T^T`` (an elementwise ``T`` is its own)."""
+    return T if elementwise else T.transpose(-1, -2)
 
 
-def compose(first, then):
+def compose(first, then, elementwise):
     """The map of ``first`` followed by ``then``: ``(T2 T1, T2 U1 + U2)``."""
     (T1, U1), (T2, U2) = first, then
-    return T2 @ T1, T2 @ U1 + U2
+    return act(T2, T1, elementwise), act(T2, U1, elementwise) + U2
 
 
-def initial_states(maps, state=None):
+def initial_states(maps, state=None, elementwise=False):
     """Every span's initial state, from the maps of the spans in sequence order
-    and the first span's ``state`` (zero by default): the prefix compositions."""
-    T, U = maps[0]
-    current = torch.zeros_like(U) if state is None else state
+    and the first span's ``state`` (zero by default): the prefix compositions;
+    and the state after the last span."""
+    current = torch.zeros_like(maps[0][1]) if state is None else state
     states = []
     for T, U in maps:
         states.append(current)
-        current = T @ current + U
+        current = act(T, current, elementwise) + U
     return states, current
 
 
-def state_gradients(local, maps, final=None):
+def state_gradients(local, maps, final=None, elementwise=False):
     """The gradient of every span's final state, the transpose of ``initial_states``:
     ``local[j]`` is what span ``j``'s own outputs give its initial state's
     gradient (``(d out_j / d S_j)^T grad out_j``), ``maps`` the spans' ``(T, U)``
@@ -120,5 +71,5 @@ def state_gradients(local, maps, final=None):
     finals = [None] * len(maps)
     for j in reversed(range(len(maps))):
         finals[j] = current
-        current = local[j] + maps[j][0].transpose(-1, -2) @ current
+        current = local[j] + act(transposed(maps[j][0], elementwise), current, elementwise)
     return finals, current

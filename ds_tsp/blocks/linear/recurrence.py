@@ -1,19 +1,22 @@
-"""Gated DeltaNet's recurrence over a TSP group (DESIGN.md 6j): every rank runs
-its own two sequence chunks from their exact initial states, computed from the
-chunks' affine maps (``chunk_maps``) exchanged once, whatever the sequence length.
+"""A recurrent layer over a TSP group (DESIGN.md 6j, 6n): every rank runs its
+own two sequence chunks from their exact initial states, computed from the
+chunks' affine maps (``chunk_maps``) exchanged once, whatever the sequence
+length. One schedule for every ``ChunkRule``: Gated DeltaNet's
+(``delta_rule.GATED_DELTA``), Mamba-2's (``ssd.SSD``).
 
 Forward: each rank computes its two chunks' maps ``(T, U)`` from a zero state;
-ONE all-gather of the ``2D`` maps (``2 B h dk (dk + dv)`` elements a rank);
-each rank composes the maps of the chunks before each of its own (natural
-order) and runs its chunks from those states. Backward: each chunk's
-initial-state gradient from its own outputs; ONE all-gather of them; each rank
-composes the transposed maps of the chunks after each of its own for their
-final-state gradients, then runs its chunks' backward with both gradients.
+ONE all-gather of the ``2D`` maps (``2 B (|T| + |U|)`` elements a rank: a dense
+``T`` is ``h dk dk``, an elementwise one as small as the rule's); each rank
+composes the maps of the chunks before each of its own (natural order) and runs
+its chunks from those states. Backward: each chunk's initial-state gradient from
+its own outputs; ONE all-gather of them; each rank composes the transposed maps
+of the chunks after each of its own for their final-state gradients, then runs
+its chunks' backward with both gradients.
 """
 
 import torch
 
-from ds_tsp.blocks.linear.chunk_maps import chunk_terms, initial_states, run_chunks, span_map, state_gradients
+from ds_tsp.blocks.linear.chunk_maps import initial_states, state_gradients
 from ds_tsp.parallel import comm, layout
 
 
@@ -35,68 +38,73 @@ def _spans(tensors):
     return list(zip(*(t.chunk(2, dim=2) for t in tensors)))
 
 
-def recurrence_forward(q, k, v, g, beta, starts, group, layout_name, chunk_size):
-    """The local tokens' outputs ``(B, h, S/D, dv)``; and, for backward, this
-    rank's two chunks' initial states and every chunk's ``T`` (sequence order);
-    and the state after the whole sequence, the same on every rank."""
-    D, r = comm.group_size(group), comm.group_rank(group)
-    terms = [chunk_terms(*span, chunk_size=chunk_size, starts=s)
-             for span, s in zip(_spans((q, k, v, g, beta)), _starts(starts))]
-    maps = [span_map(t) for t in terms]
-    T = torch.stack([m[0] for m in maps])  # (2, B, h, dk, dk)
-    U = torch.stack([m[1] for m in maps])  # (2, B, h, dk, dv)
-    gathered, _ = comm.all_gather(torch.cat([T, U], dim=-1), group)  # (D, 2, B, h, dk, dk + dv)
-    dk = T.shape[-1]
-    all_maps = [(m[..., :dk], m[..., dk:]) for m in _natural(gathered, D, layout_name)]
-    states, final = initial_states(all_maps)
-    mine = _own(states, r, D, layout_name)
-    out = torch.cat([run_chunks(t, s)[0] for t, s in zip(terms, mine)], dim=2)
-    return out, mine, [T for T, _ in all_maps], final
-
-
-class GatedDeltaRecurrence(torch.autograd.Function):
-    """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps;
-    backward: the transposed exchange and each chunk's own backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, starts, group, layout_name, chunk_size):
-        out, mine, all_T, _ = recurrence_forward(q, k, v, g, beta, starts, group, layout_name, chunk_size)
-        ctx.save_for_backward(q, k, v, g, beta, *mine, *all_T)
-        ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = group, layout_name, chunk_size, starts
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, g, beta, s0, s1, *all_T = ctx.saved_tensors
-        group, layout_name = ctx.group, ctx.layout_name
-        D, r = comm.group_size(group), comm.group_rank(group)
-        spans = [[t.detach().requires_grad_() for t in span] for span in _spans((q, k, v, g, beta))]
-        grads_out = grad_out.chunk(2, dim=2)
-        local, runs = [], []
-        with torch.enable_grad():
-            for span, starts, state, g_out in zip(spans, _starts(ctx.starts), (s0, s1), grads_out):
-                state = state.detach().requires_grad_()
-                out, final = run_chunks(chunk_terms(*span, chunk_size=ctx.chunk_size, starts=starts), state)
-                local.append(torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0])
-                runs.append((span, out, final, g_out))
-        gathered, _ = comm.all_gather(torch.stack(local), group)  # (D, 2, B, h, dk, dv)
-        finals, _ = state_gradients(_natural(gathered, D, layout_name), [(T, None) for T in all_T])
-        grads = []
-        with torch.enable_grad():
-            for (span, out, final, g_out), g_final in zip(runs, _own(finals, r, D, layout_name)):
-                grads.append(torch.autograd.grad((out * g_out).sum() + (final * g_final).sum(), span))
-        return (*(torch.cat(parts, dim=2) for parts in zip(*grads)), None, None, None, None)
-
-
 def _starts(starts):
     """This rank's two chunks of the document starts ``(B, S/D)``, or Nones."""
     return (None, None) if starts is None else starts.chunk(2, dim=1)
 
 
-def gated_delta_recurrence(q, k, v, g, beta, group, layout_name="zigzag", chunk_size=64, starts=None):
-    """The gated delta rule's outputs for this rank's tokens (``(B, h, S/D, ...)``
-    inputs in the TSP layout), exact for the whole sequence; forward: an
+def gather_maps(maps, group, layout_name):
+    """Every chunk's ``(T, U)`` in sequence order, from this rank's two: one all-gather of both, flattened."""
+    T, U = (torch.stack(parts) for parts in zip(*maps))  # (2, B, ...)
+    sizes = [T[0, 0].numel(), U[0, 0].numel()]
+    gathered, _ = comm.all_gather(torch.cat([T.flatten(2), U.flatten(2)], dim=-1), group)  # (D, 2, B, |T| + |U|)
+    return [(t.view(T.shape[1:]), u.view(U.shape[1:]))
+            for t, u in (m.split(sizes, dim=-1) for m in _natural(gathered, comm.group_size(group), layout_name))]
+
+
+def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size):
+    """The local tokens' outputs ``(B, h, S/D, dv)``; and, for backward, this
+    rank's two chunks' initial states and every chunk's ``T`` (sequence order);
+    and the state after the whole sequence, the same on every rank."""
+    D, r = comm.group_size(group), comm.group_rank(group)
+    terms = [rule.terms(*span, chunk_size=chunk_size, starts=s) for span, s in zip(_spans(inputs), _starts(starts))]
+    all_maps = gather_maps([rule.span_map(t) for t in terms], group, layout_name)
+    states, final = initial_states(all_maps, elementwise=rule.elementwise)
+    mine = _own(states, r, D, layout_name)
+    out = torch.cat([rule.run(t, s)[0] for t, s in zip(terms, mine)], dim=2)
+    return out, mine, [T for T, _ in all_maps], final
+
+
+class ChunkRecurrence(torch.autograd.Function):
+    """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps;
+    backward: the transposed exchange and each chunk's own backward."""
+
+    @staticmethod
+    def forward(ctx, rule, starts, group, layout_name, chunk_size, *inputs):
+        out, mine, all_T, _ = recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size)
+        ctx.save_for_backward(*inputs, *mine, *all_T)
+        ctx.rule, ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = rule, group, layout_name, chunk_size, starts
+        ctx.count = len(inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        inputs, mine, all_T = saved[:ctx.count], saved[ctx.count:ctx.count + 2], saved[ctx.count + 2:]
+        rule, group, layout_name = ctx.rule, ctx.group, ctx.layout_name
+        D, r = comm.group_size(group), comm.group_rank(group)
+        spans = [[t.detach().requires_grad_() for t in span] for span in _spans(inputs)]
+        local, runs = [], []
+        with torch.enable_grad():
+            for span, starts, state, g_out in zip(spans, _starts(ctx.starts), mine, grad_out.chunk(2, dim=2)):
+                state = state.detach().requires_grad_()
+                out, final = rule.run(rule.terms(*span, chunk_size=ctx.chunk_size, starts=starts), state)
+                local.append(torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0])
+                runs.append((span, out, final, g_out))
+        gathered, _ = comm.all_gather(torch.stack(local), group)  # (D, 2, B, ...state)
+        finals, _ = state_gradients(_natural(gathered, D, layout_name), [(T, None) for T in all_T],
+                                    elementwise=rule.elementwise)
+        grads = []
+        with torch.enable_grad():
+            for (span, out, final, g_out), g_final in zip(runs, _own(finals, r, D, layout_name)):
+                grads.append(torch.autograd.grad((out * g_out).sum() + (final * g_final).sum(), span))
+        return (None,) * 5 + tuple(torch.cat(parts, dim=2) for parts in zip(*grads))
+
+
+def chunk_recurrence(rule, inputs, group, layout_name="zigzag", chunk_size=64, starts=None):
+    """The ``rule``'s outputs for this rank's tokens (``inputs``: its ``(B, h, S/D, ...)``
+    tensors in the TSP layout), exact for the whole sequence; forward: an
     all-gather of the chunks' state maps, backward: one of their state gradients.
     ``starts`` ``(B, S/D)``: the local tokens that start a packed document
-    (the state restarts there, ``chunk_maps.chunk_terms``), or None."""
-    return GatedDeltaRecurrence.apply(q, k, v, g, beta, starts, group, layout_name, chunk_size)
+    (the state restarts there), or None."""
+    return ChunkRecurrence.apply(rule, starts, group, layout_name, chunk_size, *inputs)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
 from ds_tsp.blocks.linear.conv import causal_conv
-from ds_tsp.blocks.linear.recurrence import gated_delta_recurrence, recurrence_forward
+from ds_tsp.blocks.linear.delta_rule import GATED_DELTA
+from ds_tsp.blocks.linear.recurrence import chunk_recurrence, recurrence_forward
 from ds_tsp.blocks.linear.shards import CONV_PARTS
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
@@ -108,9 +109,9 @@ def head_group(plan, x, w, norm_weight, sink=None):
     q = q * shapes.head_k_dim ** -0.5
     v, g, beta = heads(v, shapes.head_v_dim), g.transpose(1, 2), beta.transpose(1, 2).to(wide)
     if sink is None:
-        out = gated_delta_recurrence(q, k, v, g, beta, plan.group, plan.layout, plan.chunk_size, plan.starts)
+        out = chunk_recurrence(GATED_DELTA, (q, k, v, g, beta), plan.group, plan.layout, plan.chunk_size, plan.starts)
     else:
-        out, _, _, final = recurrence_forward(q, k, v, g, beta, plan.starts, plan.group, plan.layout,
+        out, _, _, final = recurrence_forward(GATED_DELTA, (q, k, v, g, beta), plan.starts, plan.group, plan.layout,
                                               plan.chunk_size)
         sink(conv_inputs, final)
     out = out.transpose(1, 2).to(x.dtype)  # (B, L, hv, dv)

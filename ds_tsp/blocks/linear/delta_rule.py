@@ -1,0 +1,94 @@
+"""Gated DeltaNet's rule as affine maps of its state (DESIGN.md 6j): a span's
+chunk terms, its run from a given initial state and its map.
+
+Within a span of tokens the state ``S`` (``dk x dv`` per value head) moves as
+``S_out = T S_in + U``, ``T`` a dense ``dk x dk`` matrix, and the span's
+outputs are affine in ``S_in`` too (``ds_tsp.blocks.linear.chunk_maps`` composes
+the maps). Everything here is Hugging Face's ``torch_chunk_gated_delta_rule``
+(64-token chunks, the UT transform) restated per chunk, in the inputs' dtype
+(float32 or wider).
+
+Shapes: ``q, k`` ``(B, h, L, dk)`` (already repeated to the value heads,
+l2-normed and scaled as HF does), ``v`` ``(B, h, L, dv)``, ``g, beta``
+``(B, h, L)``; states ``(B, h, dk, dv)``.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.linear.chunk_maps import ChunkRule, compose
+
+
+def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
+    """Each chunk's terms of HF's chunked rule, a dict of ``(B, h, n, C, ...)``
+    tensors: ``w`` (``k_cumdecay``), ``u`` (``new_values``), ``q`` decayed from
+    the chunk's start, ``k`` decayed to its end, the masked intra-chunk
+    attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n)``. The
+    span is zero-padded to whole chunks (padding decays nothing and writes
+    nothing: ``g = beta = 0``); ``length`` keeps its real token count.
+
+    ``starts`` ``(B, L)`` (bool, or None): the tokens that start a packed
+    document, where the state restarts from zero, as Hugging Face's layer run
+    on each document alone. Tokens then interact only within their document:
+    the intra-chunk terms are masked to pairs of one document, a token reads
+    the chunk's incoming state only if no document starts between them
+    (``q``, ``w``), writes the outgoing one only if none starts after it
+    (``k``), and a chunk with a start passes none of its incoming state on
+    (``decay`` 0), so its map's ``T`` is exactly 0."""
+    length = q.shape[2]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    B, h, L = g.shape
+    n = L // chunk_size
+    q, k, v = (t.reshape(B, h, n, chunk_size, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(B, h, n, chunk_size) for t in (g, beta))
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    cum = g.cumsum(-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    reads = writes = keeps = None
+    if starts is not None:
+        starts = F.pad(starts, (0, pad)).reshape(B, 1, n, chunk_size)
+        document = starts.long().cumsum(-1)  # (B, 1, n, C): starts seen since the chunk began
+        upper = upper | (document.unsqueeze(-1) != document.unsqueeze(-2))
+        reads, writes = (document == 0).to(q.dtype), (document == document[..., -1:]).to(q.dtype)
+        keeps = (document[..., -1] == 0).to(q.dtype)
+    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    from_start, to_end = cum.exp(), (cum[..., -1:] - cum).exp()
+    decay = cum[..., -1].exp()
+    if starts is not None:
+        from_start, to_end, decay = from_start * reads, to_end * writes, decay * keeps
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * from_start.unsqueeze(-1), upper=False, unitriangular=True)
+    a = (q @ k.transpose(-1, -2)) * pairwise
+    return {"w": w, "u": u, "a": a, "q": q * from_start.unsqueeze(-1), "k": k * to_end.unsqueeze(-1),
+            "decay": decay, "length": length}
+
+
+def run_chunks(terms, state):
+    """The span's outputs ``(B, h, length, dv)`` and final state from the initial ``state``: HF's scan."""
+    outputs = []
+    for i in range(terms["u"].shape[2]):
+        v_new = terms["u"][:, :, i] - terms["w"][:, :, i] @ state
+        outputs.append(terms["q"][:, :, i] @ state + terms["a"][:, :, i] @ v_new)
+        state = state * terms["decay"][:, :, i, None, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
+    out = torch.cat(outputs, dim=2)[:, :, :terms["length"]]
+    return out, state
+
+
+def span_map(terms):
+    """``(T, U)`` of the whole span: ``S_out = T S_in + U``, ``T`` ``(B, h, dk, dk)``.
+    Per chunk ``T_c = decay_c I - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
+    dk = terms["k"].shape[-1]
+    eye = torch.eye(dk, dtype=terms["k"].dtype, device=terms["k"].device)
+    T = U = None
+    for i in range(terms["u"].shape[2]):
+        k_t = terms["k"][:, :, i].transpose(-1, -2)
+        T_c = terms["decay"][:, :, i, None, None] * eye - k_t @ terms["w"][:, :, i]
+        U_c = k_t @ terms["u"][:, :, i]
+        T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c), elementwise=False)
+    return T, U
+
+
+GATED_DELTA = ChunkRule(chunk_terms, run_chunks, span_map, elementwise=False)
