@@ -50,6 +50,10 @@ from transformers import (Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3_5ForCausa
 from transformers.models.qwen3_next import modeling_qwen3_next
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.bamba import modeling_bamba
+from transformers.models.falcon_h1 import modeling_falcon_h1
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
@@ -202,7 +206,7 @@ def widen_float32_casts(modeling):
     """The reference's float32 casts in the modeling module ``modeling`` (once)
     in float32 or the model's dtype if wider, where HF casts to float32 even in
     a float64 model, so that a float64 reference is float64-exact:
-    Gated DeltaNet's chunked rule and its layers' decay and gated norms (a
+    Gated DeltaNet's chunked rule and its layers' decay and gated norms, Mamba-2's scan (a
     split of the sequence at any token then differs by about 2e-7), their
     (1 + w) RMSNorms (Gemma's), RMS and layer norms multiplying by their weight
     in float32 (Helium's, Cohere's: their weight's gradient, a float32 sum over
@@ -215,6 +219,10 @@ def widen_float32_casts(modeling):
         for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
                                             modeling))
+    for scan in ("mamba2_chunk_scan", "mamba2_scan_forward"):  # Mamba-2's torch path (its scan, its A)
+        if hasattr(modeling, scan):
+            setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
+                                                                "torch.float32))"}, modeling))
     text = inspect.getsource(modeling)  # the rotary function's source, also where a kernel hub wraps it
     start = text.find("\ndef apply_rotary_pos_emb(")
     if start >= 0 and ".float()" in text[start:text.find("\n\n\n", start)]:
@@ -253,7 +261,8 @@ def widen_float32_casts(modeling):
     modeling._ds_tsp_widened = True
 
 
-for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe):
+for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_bamba,
+                 modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1):
     widen_float32_casts(modeling)
 
 

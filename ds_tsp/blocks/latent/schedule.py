@@ -63,19 +63,25 @@ class LatentPlan:
 
 
 def piece_stream(plan, packed, part):
-    """Yield ``(j, weights of piece j)`` for every owner ``j``, ``part`` 0 for
-    the down pieces, 1 for the head groups; with ``plan.overlap`` the broadcast
-    of piece ``j+1`` is in flight while piece ``j`` computes."""
+    """Yield ``(j, weights of piece j)`` for every owner ``j``, ``part`` the
+    index of the piece in each shard (here 0 for the down pieces, 1 for the
+    head groups); with ``plan.overlap`` the broadcast of piece ``j+1`` is in
+    flight while piece ``j`` computes."""
     tsp_rank = comm.group_rank(plan.group)
 
     def buffer(j):
         specs = plan.specs[j]
         if j == tsp_rank:
-            return packed.detach().narrow(0, 0 if part == 0 else specs[0].numel, specs[part].numel)
+            return packed.detach().narrow(0, part_offset(specs, part), specs[part].numel)
         return packed.new_empty(specs[part].numel)
 
     for j, buf in broadcast_stream(plan.group, buffer, plan.overlap):
         yield j, plan.specs[j][part].unpack(buf)
+
+
+def part_offset(specs, part):
+    """Where piece ``part`` starts in a packed shard laid out as ``specs``, its pieces one after the other."""
+    return sum(spec.numel for spec in specs[:part])
 
 
 def down_project(plan, x, packed):
@@ -205,7 +211,7 @@ class ShardGrads:
         """A flat float32-or-wider gradient buffer of piece ``part`` of rank ``j``, and its views by name."""
         specs = self.plan.specs[j]
         if j == self.tsp_rank:
-            flat = self.own.narrow(0, 0 if part == 0 else specs[0].numel, specs[part].numel)
+            flat = self.own.narrow(0, part_offset(specs, part), specs[part].numel)
         else:
             flat = torch.empty(specs[part].numel, dtype=self.acc_dtype, device=self.own.device)
         return flat, specs[part].unpack(flat)

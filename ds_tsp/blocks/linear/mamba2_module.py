@@ -1,0 +1,115 @@
+"""The TSP Mamba-2 mixer (Bamba's, Granite-4.0-H's, Nemotron-H's, Falcon-H1's,
+Mamba-2's and every Hugging Face mixer of their shape): this rank's heads of
+one Mamba-2 layer, built from a Hugging Face module or a checkpoint
+(``from_hf``, ``load_shard``), run by ``ds_tsp.blocks.linear.mamba2_schedule``.
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+from transformers.activations import ACT2FN
+
+from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan, TSPMamba2Function
+from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
+from ds_tsp.blocks.packing import PackedShardMixin, module_reader
+from ds_tsp.parallel import comm, layout
+
+# What a Hugging Face Mamba-2 mixer holds, by attribute: its modules and tensors, and its sizes.
+MAMBA2_MODULES = ("in_proj", "conv1d", "norm", "out_proj")
+MAMBA2_TENSORS = ("dt_bias", "A_log", "D")
+MAMBA2_SIZES = ("hidden_size", "num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size",
+                "chunk_size")
+
+
+class TSPMamba2(PackedShardMixin, nn.Module):
+    """A Mamba-2 mixer over a TSP group, sharded by head (``mamba2_shards``).
+
+    ``forward(x, position_embeddings, documents)`` takes the local tokens
+    ``(B, S/D, H)`` (no rotary: the tables are ignored) and the rows' packed
+    document starts, at which the state restarts and the convolution's window
+    stops. The constructor allocates the shard without initialising it:
+    ``from_hf`` or ``load_shard`` fills it.
+    """
+
+    def __init__(self, shapes, tsp_group, norm, activation, time_step_limit, chunk_size, *, out_bias=False,
+                 layout_name="zigzag", overlap=True, fp32_accumulators=True, dtype=None, device=None):
+        super().__init__()
+        self.tsp_group = tsp_group
+        self.tsp_rank = comm.group_rank(tsp_group)
+        self.shapes = shapes
+        self.specs = tuple(shapes.specs(j) for j in range(shapes.tsp_size))
+        self.spec = shapes.spec(self.tsp_rank)
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
+        self.packed.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
+        self.lora = None
+        self.hf_rows = shapes.hf_rows()
+        self.norm = norm  # Hugging Face's gated norm module (the whole inner width), kept whole
+        self.out_bias = nn.Parameter(torch.empty(shapes.hidden_size, dtype=dtype, device=device)) if out_bias else None
+        self.activation = activation
+        self.time_step_limit, self.chunk_size = tuple(time_step_limit), chunk_size
+        self.layout_name, self.overlap, self.fp32_accumulators = layout_name, overlap, fp32_accumulators
+        self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
+
+    @classmethod
+    def from_hf(cls, layer, config, tsp_group, layout_name="zigzag", overlap=True, fp32_accumulators=True,
+                read=None, device=None, backend=None, token_tile=0):
+        """Build from a Hugging Face Mamba-2 mixer, keeping this rank's shard;
+        ``read(name, piece)`` as ``TSPAttention.from_hf``'s (Hugging Face's
+        names). ``backend`` and ``token_tile`` are the attention's options,
+        which a layer without attention does not read."""
+        weight = layer.out_proj.weight
+        device = device or weight.device
+        shapes = mamba2_shapes(layer, comm.group_size(tsp_group))
+        module = cls(shapes, tsp_group, copy.deepcopy(layer.norm).to_empty(device=device), ACT2FN[layer.activation],
+                     layer.time_step_limit, layer.chunk_size, out_bias=layer.out_proj.bias is not None,
+                     layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
+                     dtype=weight.dtype, device=device)
+        read = module.hf_rows.reader(read or module_reader(layer))
+        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
+        return module
+
+    def replicated_params(self):
+        """The parameters every rank holds whole, under Hugging Face names."""
+        params = {"norm.weight": self.norm.weight}
+        return params if self.out_bias is None else {**params, "out_proj.bias": self.out_bias}
+
+    def shard_piece(self, name):
+        return self.shapes.piece(name, self.tsp_rank)
+
+    def takes_input_norm(self, norm):
+        return False
+
+    def plan(self, x, documents=None, valid=None, state_sink=None):
+        D = self.shapes.tsp_size
+        starts = None
+        if documents is not None:
+            positions = layout.positions(self.tsp_rank, D, self.layout_name, x.shape[1] * D, device=x.device)
+            starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
+        return Mamba2Plan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
+                          norm=self.norm, activation=self.activation, time_step_limit=self.time_step_limit,
+                          overlap=self.overlap, documents=documents, starts=starts, chunk_size=self.chunk_size,
+                          fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
+                          valid=valid, state_sink=state_sink)
+
+    def forward(self, x, position_embeddings=None, documents=None, input_norm=None):
+        if input_norm is not None:
+            raise ValueError("the Mamba-2 mixer does not run its input norm inside (takes_input_norm)")
+        return TSPMamba2Function.apply(x, self.shard_weights(), self.plan(x, documents), self.norm.weight,
+                                       self.out_bias)
+
+
+def mamba2_shapes(layer, tsp_size):
+    """The ``Mamba2Shapes`` of a Hugging Face Mamba-2 mixer."""
+    return Mamba2Shapes(hidden_size=layer.hidden_size, num_heads=layer.num_heads, head_dim=layer.head_dim,
+                        n_groups=layer.n_groups, state_size=layer.ssm_state_size,
+                        conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size,
+                        proj_bias=layer.in_proj.bias is not None, conv_bias=layer.conv1d.bias is not None)
+
+
+def is_mamba2(module):
+    """Whether ``module`` is a Mamba-2 mixer of the shape Hugging Face's share: ``in_proj`` packing
+    ``z, x, B, C, dt``, a short convolution, per-head ``dt_bias`` / ``A_log`` / ``D``, a gated norm."""
+    return (all(isinstance(getattr(module, name, None), nn.Module) for name in MAMBA2_MODULES)
+            and all(isinstance(getattr(module, name, None), nn.Parameter) for name in MAMBA2_TENSORS)
+            and hasattr(module, "n_groups") and hasattr(module, "time_step_limit"))
