@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
+from transformers import BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
@@ -452,10 +453,17 @@ HYBRID_TINY = dict(num_hidden_layers=4, head_dim=8, linear_num_key_heads=4, line
                    linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4)
 HYBRID_MOE = dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts_per_tok=2,
                   experts_implementation="eager")
+# Mamba-2 hybrids at tiny sizes: 8 heads of 4 (two a rank at D = 4) in 2 groups of state 4, 8-token SSM chunks (the
+# tests' sequences span several), a 4-tap convolution with bias; an attention layer third of four.
+MAMBA2_TINY = dict(num_hidden_layers=4, mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=4,
+                   mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
 HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "qwen3_next_dense": (Qwen3NextConfig, {"num_experts": 0}),
                 "qwen3_5": (Qwen3_5TextConfig, {}),
-                "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE)}
+                "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE),
+                "bamba": (BambaConfig, {**MAMBA2_TINY, "attn_layer_indices": [2]}),
+                "granitemoehybrid": (GraniteMoeHybridConfig, {**MAMBA2_TINY, "num_local_experts": 0,
+                                     "layer_types": ["mamba", "mamba", "attention", "mamba"]})}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
@@ -514,7 +522,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
                  "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
                  "qwen3_next_dense": Qwen3NextForCausalLM,
-                 "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
+                 "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
+                 "granitemoehybrid": GraniteMoeHybridForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

@@ -32,6 +32,7 @@ from ds_tsp.blocks.latent import module as latent
 from ds_tsp.blocks.latent import shards as latent_shards
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear import module as linear
+from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, is_mamba2, mamba2_shapes
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
@@ -85,8 +86,11 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
 
 
 def _mixer_shards(layer, config, policy, tsp_size):
-    """``BlockShards`` of a layer's token mixer: an attention, a latent attention or a Gated DeltaNet."""
+    """``BlockShards`` of a layer's token mixer: an attention, a latent attention, a Gated DeltaNet or a Mamba-2
+    mixer."""
     mixer = policy.mixer(layer)
+    if mixer != policy.attention and is_mamba2(layer.get_submodule(mixer)):
+        return _mamba2_shards(layer.get_submodule(mixer), tsp_size)
     if mixer != policy.attention:
         return _delta_net_shards(layer.get_submodule(mixer), tsp_size)
     attn = layer.get_submodule(policy.attention)
@@ -117,6 +121,13 @@ def _delta_net_shards(hf_layer, tsp_size):
     shapes = linear.delta_net_shapes(hf_layer, tsp_size)
     specs = [shapes.spec(r) for r in range(tsp_size)]
     return BlockShards(specs, _holdings(specs, shapes.piece, linear.replicated_names(hf_layer)), shapes.hf_rows())
+
+
+def _mamba2_shards(hf_layer, tsp_size):
+    """``BlockShards`` of a Mamba-2 mixer (``ds_tsp.blocks.linear.mamba2_shards``)."""
+    shapes = mamba2_shapes(hf_layer, tsp_size)
+    specs = [shapes.spec(r) for r in range(tsp_size)]
+    return BlockShards(specs, _holdings(specs, shapes.piece, shapes.replicated_names()), shapes.hf_rows())
 
 
 def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
@@ -208,7 +219,7 @@ def block_specs(block):
         return list(block.specs)
     if isinstance(block, TSPLatentAttention):
         return [latent_shards.shard_spec(block.shapes, r) for r in range(block.shapes.tsp_size)]
-    if isinstance(block, TSPGatedDeltaNet):
+    if isinstance(block, (TSPGatedDeltaNet, TSPMamba2)):
         return [block.shapes.spec(r) for r in range(block.shapes.tsp_size)]
     if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
         return [block.spec] * comm.group_size(shard_group(block)[0])
@@ -225,7 +236,7 @@ def block_holdings(block):
     elif isinstance(block, TSPLatentAttention):
         holdings = _holdings(specs, lambda name, r: latent_shards.shard_piece(block.shapes, name, r),
                              list(block.replicated_tensors()))
-    elif isinstance(block, TSPGatedDeltaNet):
+    elif isinstance(block, (TSPGatedDeltaNet, TSPMamba2)):
         holdings = _holdings(specs, block.shapes.piece, list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,

@@ -4,6 +4,7 @@ import torch
 
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
+from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, is_mamba2
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -174,8 +175,9 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     options = dict(layout_name=tsp_config.layout, backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
                    token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
                    read=_prefixed(read, mixer), device=device)
-    if mixer == policy.linear_attention:
-        tsp_attention = TSPGatedDeltaNet.from_hf(attention, config, topology.tsp_group, **options)
+    if mixer in policy.recurrent:
+        recurrent = TSPMamba2 if is_mamba2(attention) else TSPGatedDeltaNet
+        tsp_attention = recurrent.from_hf(attention, config, topology.tsp_group, **options)
     elif is_latent_attention(attention):
         form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention
         tsp_attention = TSPLatentAttention.from_hf(attention, config, topology.tsp_group, form=form, **options)

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
+from transformers.activations import ACT2FN
 from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
+from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
 from ds_tsp.blocks.linear.module import is_gated_delta_net
 from ds_tsp.blocks.mlp import mlp_activation
 from ds_tsp.blocks.moe import plan as moe_plan
@@ -89,7 +91,8 @@ def rope_with_partial_rotary(params):
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Gated DeltaNet layers (ds_tsp.blocks.linear) among them: the hybrids' (Qwen3.5, Qwen3-Next); Llama 4's chunked
+# Recurrent layers (ds_tsp.blocks.linear) among them: the hybrids' Gated DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2
+# (Bamba, Granite-4.0-H); Llama 4's chunked
 # layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
 MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention")
 
@@ -130,9 +133,9 @@ SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
                            "(each layer's window is checked against the one HF's mask uses), chunked_attention "
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
-                           "layers holding a Gated DeltaNet are run by ds_tsp's; indexed_attention (DeepSeek-V3.2's "
-                           "sparse indexer attention) and other linear layers (Kimi Linear's KDA, Mamba) are not built "
-                           "under TSP"),
+                           "layers holding a Gated DeltaNet or a Mamba-2 mixer are run by ds_tsp's; indexed_attention "
+                           "(DeepSeek-V3.2's sparse indexer attention) and other linear layers (Kimi Linear's KDA, "
+                           "Mamba-1) are not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -314,6 +317,8 @@ SANDWICH_NORMS = {"attention": ("input_layernorm", "post_attention_layernorm"),
 POST_NORMS = {"attention": (None, "post_attention_layernorm"), "mlp": (None, "post_feedforward_layernorm")}
 # Pre-norms with the MLP's under Gemma 2's name (VaultGemma).
 PRE_FEEDFORWARD_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_feedforward_layernorm", None)}
+# Pre-norms with the MLP's under Bamba's name.
+PRE_FF_NORMS = {"attention": ("input_layernorm", None), "mlp": ("pre_ff_layernorm", None)}
 # One norm feeding the attention and the MLP side by side (Cohere's parallel block: DecoderPolicy.parallel_blocks).
 PARALLEL_NORMS = {"attention": ("input_layernorm", None), "mlp": (None, None)}
 # Sandwich norms under HyperCLOVA X's names: post_norm1 after the attention, post_norm2 after the MLP.
@@ -389,8 +394,9 @@ class DecoderPolicy:
     rotary_emb: str = "model.rotary_emb"
     lm_head: str = "lm_head"
     attention: str = "self_attn"
-    # Where a hybrid's linear layers hold their Gated DeltaNet instead of an attention (ds_tsp.blocks.linear).
-    linear_attention: str = "linear_attn"
+    # Where a hybrid's recurrent layers hold their mixer instead of an attention (ds_tsp.blocks.linear): a Gated
+    # DeltaNet (Qwen3.5's linear_attn) or a Mamba-2 mixer (Bamba's, Granite-4.0-H's mamba).
+    recurrent: tuple = ("linear_attn", "mamba")
     mlp: str = "mlp"
     # The names of the norms (before, after) the "attention" and the "mlp" block.
     norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
@@ -437,8 +443,8 @@ class DecoderPolicy:
         return (self.mixer(layer), self.mlp, *(beside.parts() if beside else ()))
 
     def mixer(self, layer):
-        """The name of ``layer``'s token mixer: its Gated DeltaNet where it holds one, else its attention."""
-        return self.linear_attention if hasattr(layer, self.linear_attention) else self.attention
+        """The name of ``layer``'s token mixer: its recurrent mixer where it holds one, else its attention."""
+        return next((name for name in self.recurrent if getattr(layer, name, None) is not None), self.attention)
 
     def norm_names(self):
         """The names of a layer's norms, in the order the layer applies them."""
@@ -506,9 +512,12 @@ AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFOR
 AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=HYPERCLOVAX_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
-                AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
+                AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PRE_FF_NORMS),
+                DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
 # Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's).
 MLP_NAMES = ("block_sparse_moe", "feed_forward")
+# Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's).
+FINAL_NORM_NAMES = ("final_layernorm", "norm_f")
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 
@@ -632,6 +641,10 @@ def resolve_policy(model, name="auto"):
         if not hasattr(layers[0], policy.mlp):
             policy = dataclasses.replace(policy, mlp=next((n for n in MLP_NAMES if hasattr(layers[0], n)), policy.mlp))
         policy = with_mlp_names(policy, layers)
+        final_norm = next((name for name in FINAL_NORM_NAMES if get_submodule(model, f"{decoder}.{name}") is not None
+                           and get_submodule(model, f"{decoder}.norm") is None), None)
+        if final_norm is not None:
+            policy = dataclasses.replace(policy, final_norm=f"model.{final_norm}")
     if decoder != "model":
         policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
                                                 for part in DECODER_PARTS})
@@ -804,20 +817,23 @@ def check_own_tensors(module, where, layer_class, known=()):
 
 def check_layer(policy, layer, where):
     """Refuse a decoder layer that is not exactly a token mixer (attention, or a
-    hybrid's Gated DeltaNet) + gated MLP + the policy's norms."""
+    hybrid's Gated DeltaNet or Mamba-2 mixer) + gated MLP + the policy's norms."""
     layer_class = type(layer).__name__
     if policy.layer_class is not None and layer_class != policy.layer_class:
         raise PolicyError(f"{where} is a {layer_class}, but tsp.policy = {policy.name!r} converts "
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
     children = dict(layer.named_children())
     mixer = policy.mixer(layer)
-    linear = mixer == policy.linear_attention
-    if linear:
+    linear = mixer in policy.recurrent
+    mamba = linear and is_mamba2(children[mixer])
+    if mamba:
+        check_mamba2(children[mixer], f"{where}.{mixer}", layer_class)
+    elif linear:
         check_delta_net(children[mixer], f"{where}.{mixer}", layer_class)
     sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
     latent = not linear and policy.attention in children and is_latent_attention(children[policy.attention])
     if linear:
-        mixer_parts = delta_net_projections(children[mixer])
+        mixer_parts = MAMBA2_MODULES if mamba else delta_net_projections(children[mixer])
     elif latent:
         mixer_parts = latent_projections(children[policy.attention])
     else:
@@ -860,7 +876,7 @@ def check_layer(policy, layer, where):
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
         if projections and child == mixer and linear:
-            check_own_tensors(module, f"{where}.{child}", layer_class, DELTA_NET_TENSORS)
+            check_own_tensors(module, f"{where}.{child}", layer_class, MAMBA2_TENSORS if mamba else DELTA_NET_TENSORS)
         elif projections:
             check_own_tensors(module, f"{where}.{child}", layer_class,
                               ATTENTION_TENSORS if child == policy.attention else ())
@@ -900,20 +916,47 @@ def delta_net_projections(module):
 
 def check_linear_layers(model_class, config, layers, policy):
     """Refuse first, by name, a model whose ``linear_attention`` layers (its
-    config's ``layer_types``) hold anything but a Gated DeltaNet ds_tsp builds:
-    the clearest reason, before the parts such a model lacks."""
+    config's ``layer_types``) hold anything but a Gated DeltaNet or a Mamba-2
+    mixer ds_tsp builds: the clearest reason, before the parts such a model lacks."""
     for index, kind in enumerate(getattr(config, "layer_types", None) or ()):
         if kind != "linear_attention" or index >= len(layers):
             continue
         layer = layers[index]
-        mixer = getattr(layer, policy.linear_attention, None) or getattr(layer, policy.attention, None)
-        if not is_gated_delta_net(mixer):
+        mixer = layer.get_submodule(policy.mixer(layer))
+        if not is_gated_delta_net(mixer) and not is_mamba2(mixer):
             raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
-                              f"{type(mixer or layer).__name__}, not a Gated DeltaNet of the kind ds_tsp builds "
-                              "(in_proj_qkvz/in_proj_ba or in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: Qwen3-Next's, "
-                              "Qwen3.5's); Kimi Linear's KDA (a decay per key channel), OLMo-Hybrid's DeltaNet "
-                              "(negative eigenvalues) and Mamba layers are not built under TSP: train this model "
-                              "with tsp.enabled false")
+                              f"{type(mixer).__name__}, not a recurrent mixer of the kinds ds_tsp builds: a Gated "
+                              "DeltaNet (in_proj_qkvz/in_proj_ba or in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: "
+                              "Qwen3-Next's, Qwen3.5's) or a Mamba-2 mixer (in_proj, conv1d, dt_bias, A_log, D, a "
+                              "gated norm: Bamba's, Granite-4.0-H's); Kimi Linear's KDA (a decay per key channel), "
+                              "OLMo-Hybrid's DeltaNet (negative eigenvalues) and Mamba-1 layers are not built under "
+                              "TSP: train this model with tsp.enabled false")
+
+
+def check_mamba2(module, where, layer_class):
+    """A Mamba-2 mixer ds_tsp builds: integer sizes, ``in_proj`` rows packing
+    ``z, x, B, C, dt``, a depthwise causal convolution over the ``x, B, C``
+    channels, heads in whole groups, a gated norm over the inner width in
+    ``n_groups`` groups, and an activation transformers names."""
+    kind = type(module).__name__
+    if not all(isinstance(getattr(module, name, None), int) for name in MAMBA2_SIZES) or \
+            getattr(module, "activation", None) not in ACT2FN:
+        raise PolicyError(f"{layer_class} at {where} ({kind}) lacks a Mamba-2 mixer's integer {MAMBA2_SIZES} or an "
+                          "activation transformers names: ds_tsp does not build it")
+    d_inner, state_rows = module.num_heads * module.head_dim, module.n_groups * module.ssm_state_size
+    conv, channels = module.conv1d, d_inner + 2 * state_rows
+    rows = 2 * d_inner + 2 * state_rows + module.num_heads
+    if module.intermediate_size != d_inner or module.in_proj.out_features != rows or module.num_heads % module.n_groups:
+        raise PolicyError(f"{layer_class} at {where} ({kind}): in_proj has {module.in_proj.out_features} rows, not "
+                          f"z, x, B, C and dt's {rows}, or its {module.num_heads} heads of {module.head_dim} are not "
+                          f"its intermediate_size {module.intermediate_size} in {module.n_groups} whole groups: "
+                          "ds_tsp does not build it")
+    if conv.groups != channels or conv.in_channels != channels or conv.padding[0] != conv.kernel_size[0] - 1:
+        raise PolicyError(f"{layer_class} at {where} ({kind}) has a convolution {conv} that is not depthwise and "
+                          f"causal over its {channels} x/B/C channels: ds_tsp does not build it")
+    if module.norm.weight.numel() != d_inner or getattr(module.norm, "group_size", None) != d_inner // module.n_groups:
+        raise PolicyError(f"{layer_class} at {where}.norm ({type(module.norm).__name__}) is not a gated norm over "
+                          f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it")
 
 
 def check_delta_net(module, where, layer_class):

@@ -28,6 +28,8 @@ scales.
 
 import contextlib
 import copy
+import inspect
+import typing
 
 import torch
 import torch.nn as nn
@@ -68,10 +70,22 @@ SEED = 1234
 
 
 class _PassThrough(nn.Module):
-    """A decoder layer (or norm, or head) that returns its input."""
+    """A decoder layer (or norm, or head) that returns its input; ``extra``
+    Nones after it for a layer whose forward returns a tuple its model unpacks
+    (Bamba's ``hidden_states, attn_weights``)."""
+
+    def __init__(self, extra=0):
+        super().__init__()
+        self.extra = extra
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states, *[None] * self.extra) if self.extra else hidden_states
+
+
+def _tuple_extras(layer):
+    """How many outputs ``layer``'s forward declares after the hidden states (``-> tuple[...]``), 0 for none."""
+    annotation = inspect.signature(type(layer).forward).return_annotation
+    return len(typing.get_args(annotation)) - 1 if typing.get_origin(annotation) is tuple else 0
 
 
 class _Recorder(nn.Module):
@@ -249,7 +263,7 @@ def _swapped(model, policy, index, recorder, rotary):
     saved = {path: model.get_submodule(path) for path in stand_ins}
     try:
         for i in range(len(layers)):
-            layers[i] = recorder if i == index else _PassThrough()
+            layers[i] = recorder if i == index else _PassThrough(_tuple_extras(saved_layers[i]))
         for path, module in stand_ins.items():
             model.set_submodule(path, module)
         yield
