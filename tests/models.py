@@ -457,13 +457,21 @@ HYBRID_MOE = dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermed
 # tests' sequences span several), a 4-tap convolution with bias; an attention layer third of four.
 MAMBA2_TINY = dict(num_hidden_layers=4, mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=4,
                    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                           logits_scaling=3.0)
 HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "qwen3_next_dense": (Qwen3NextConfig, {"num_experts": 0}),
                 "qwen3_5": (Qwen3_5TextConfig, {}),
                 "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE),
                 "bamba": (BambaConfig, {**MAMBA2_TINY, "attn_layer_indices": [2]}),
-                "granitemoehybrid": (GraniteMoeHybridConfig, {**MAMBA2_TINY, "num_local_experts": 0,
-                                     "layer_types": ["mamba", "mamba", "attention", "mamba"]})}
+                # Granite-4.0-H: NoPE, Granite's multipliers; its MoE (4 experts of 8, top-2) beside the shared MLP.
+                "granitemoehybrid": (GraniteMoeHybridConfig, {**MAMBA2_TINY, **GRANITE_MULTIPLIERS,
+                                                              "num_local_experts": 0, "position_embedding_type": "nope",
+                                                              "layer_types": ["mamba", "mamba", "attention", "mamba"]}),
+                "granitemoehybrid_moe": (GraniteMoeHybridConfig, {
+                    **MAMBA2_TINY, **GRANITE_MULTIPLIERS, "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "intermediate_size": 8, "shared_intermediate_size": 16, "position_embedding_type": "rope",
+                    "layer_types": ["mamba", "attention", "mamba", "mamba"], "experts_implementation": "eager"})}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
@@ -523,7 +531,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
-                 "granitemoehybrid": GraniteMoeHybridForCausalLM}
+                 "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

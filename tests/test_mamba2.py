@@ -1,4 +1,4 @@
-"""Mamba-2 hybrids (Bamba) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
+"""Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
 casts of the scan widened to float64 (tests/models.py)."""
 
 from unittest import mock
@@ -13,7 +13,7 @@ from parity import check, check_caught, model_parity
 # not a multiple of the SSM chunk).
 CASES = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=16, left_padding=5),
          dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]), dict(batch=1, seq_len=45))
-ARCHS = ("bamba",)
+ARCHS = ("bamba", "granitemoehybrid", "granitemoehybrid_moe")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -22,6 +22,18 @@ def test_mamba2_hybrids_match_hugging_face(run_ranks, tsp_size):
     for arch in ARCHS:
         for case in CASES:
             check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
+
+
+def test_granite_moe_load_balancing_loss(run_ranks):
+    """Granite-4.0-H's MoE beside its shared MLP with output_router_logits: the loss with Hugging Face's auxiliary
+    loss over the whole sequence, and every gradient, at D = 2 under both MoE schedules (test_moe's harness)."""
+    from test_moe import SCHEDULES, check_case, moe_parity
+
+    case = ("granitemoehybrid_moe", 2, 13, 3, "random", {"output_router_logits": True, "router_aux_loss_coef": 0.1})
+    per_rank = run_ranks(2, moe_parity, cases=[case])
+    for i, schedule in enumerate(SCHEDULES):
+        grads = check_case([rank[i] for rank in per_rank], f"D=2 {schedule} granitemoehybrid_moe, its aux loss")
+        assert "block_sparse_moe.experts.gate_up_proj" in " ".join(grads)
 
 
 def _wrong_map(**kwargs):

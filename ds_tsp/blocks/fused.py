@@ -73,6 +73,8 @@ class FusedRows:
         if name not in self.sources:
             return name, piece
         hf_name, first = self.sources[name]
+        if len(self.parts(hf_name.rsplit(".", 1)[0])) == 1:  # a projection under another name (Granite's
+            return hf_name, piece  # output_linear for down_proj): any piece of it
         if piece is None or piece[0] != 0:
             # Every fused projection is split by rows (heads, columns of F), so this never happens.
             raise ValueError(f"{name} lies in rows of {hf_name}: only a piece of its rows can be read, not {piece}")

@@ -160,7 +160,7 @@ def _ungated_shard_backward(x2, grad_y2, w, act_fn, up, into, add):
 
 
 # The names transformers gives an MLP's activation module (Llama's, GLM's and Llama 4's).
-ACTIVATION_NAMES = ("act_fn", "activation_fn")
+ACTIVATION_NAMES = ("act_fn", "activation_fn", "activation")
 
 
 def mlp_activation(mlp):
@@ -177,11 +177,19 @@ def input_projections(mlp, fused=None):
 
 def hf_rows(mlp, fused=None):
     """Where gate/up lie in the Hugging Face gated MLP ``mlp`` under the policy's
-    ``fused`` table for it (``ds_tsp.blocks.fused``: gate rows, then up)."""
-    intermediate_size = mlp.down_proj.in_features
-    rows = FusedRows.of(fused or {}, dict.fromkeys(input_projections(mlp, fused), intermediate_size))
+    ``fused`` table for it (``ds_tsp.blocks.fused``: gate rows, then up), and
+    ``down_proj`` where the table names it otherwise (Granite-4.0-H's ``output_linear``)."""
+    down = down_projection(mlp, fused)
+    rows = FusedRows.of(fused or {}, {**dict.fromkeys(input_projections(mlp, fused), down.in_features),
+                                      "down_proj": down.out_features})
     rows.check_rows(mlp, type(mlp).__name__)
     return rows
+
+
+def down_projection(mlp, fused=None):
+    """The Hugging Face MLP's ``down_proj`` Linear, under the name the policy's ``fused`` table gives it."""
+    name = next((holder for holder, parts in (fused or {}).items() if parts == ("down_proj",)), "down_proj")
+    return mlp.get_submodule(name)
 
 
 # Without a backward to come (a generation's prefill) tiles cost no

@@ -330,7 +330,10 @@ def norms_after_rotary(norm):
 
 def rotary_at(rotary_emb, hidden, positions, kind=None):
     """The model's rotary tables at ``positions`` as a tuple: ``(cos, sin)``, or
-    the one complex table DeepSeek-V2 keeps."""
+    the one complex table DeepSeek-V2 keeps; None for a model without a rotary
+    embedding (``rotary_emb`` None: Granite-4.0-H's, Nemotron-H's NoPE)."""
+    if rotary_emb is None:
+        return None
     tables = rotary_of_kind(rotary_emb, hidden, positions, kind)
     return tables if isinstance(tables, tuple) else (tables,)
 
@@ -355,7 +358,10 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     scale with the sequence (``dynamic``) read the largest position id, so the
     full sequence's ``max_position`` ``(1, 1)``, the same on every rank, is
     appended to the positions and its row dropped from the tables. Positions
-    past it (the padding TSP appends) are clamped to it: no real token sees them."""
+    past it (the padding TSP appends) are clamped to it: no real token sees them.
+    None for a model without a rotary embedding (``rotary_emb`` None)."""
+    if rotary_emb is None:
+        return None
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(*positions.shape[:-1], 1)],
                       dim=-1)
     return tuple(table[:, :-1] for table in rotary_at(rotary_emb, hidden, probe, kind))

@@ -71,7 +71,7 @@ class ExpertPlacement(NamedTuple):
 def layer_shards(layer, config, policy, tsp_size, experts=None):
     """``{block's Hugging Face prefix under the layer: BlockShards}`` of one
     Hugging Face decoder layer (meta device is enough): its mixer, its MLP and
-    experts beside it (prefix "": ``policy.ExpertsBesideMLP``); ``experts``: an
+    experts beside it (``policy.ExpertsBesideMLP``: prefix "" for Gemma 4's, the layer's own); ``experts``: an
     ``ExpertPlacement``, or None for experts split over the TSP group.
 
     Built with the functions the TSP modules use, so it raises their head and
@@ -81,7 +81,7 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
               policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
     beside = policy.beside(layer)
     if beside is not None:  # experts beside the MLP: the layer's own router, experts and their input norm
-        shards[""] = _sparse_shards(layer, tsp_size, experts, beside.input_norm)
+        shards[beside.block] = _sparse_shards(beside.hf_block(layer), tsp_size, experts, beside.input_norm)
     return shards
 
 
@@ -138,11 +138,12 @@ def _mlp_shards(hf_mlp, policy, tsp_size, placement=None):
         return _sparse_shards(hf_mlp, tsp_size, placement)
     fused = policy.fused.get(policy.mlp)
     rows, inputs = mlp.hf_rows(hf_mlp, fused), mlp.input_projections(hf_mlp, fused)
-    hidden_size, intermediate_size = hf_mlp.down_proj.out_features, hf_mlp.down_proj.in_features
+    down = mlp.down_projection(hf_mlp, fused)
+    hidden_size, intermediate_size = down.out_features, down.in_features
     specs = [mlp.shard_spec(hidden_size, intermediate_size, tsp_size,
                             rows.hf_module(hf_mlp, inputs[0]).bias is not None, "gate_proj" in inputs)] * tsp_size
     return BlockShards(specs, _holdings(specs, lambda name, r: mlp.shard_piece(intermediate_size, tsp_size, name, r),
-                                        [mlp.DOWN_BIAS] if hf_mlp.down_proj.bias is not None else []), rows)
+                                        [mlp.DOWN_BIAS] if down.bias is not None else []), rows)
 
 
 def _sparse_shards(hf_moe, tsp_size, placement=None, input_norm=None):

@@ -290,7 +290,7 @@ class TSPDecoder:
         self.group, self.tsp_rank, self.tsp_size = topology.tsp_group, topology.tsp_rank, topology.tsp_size
         self.layout = model.tsp_config.layout
         self.embed = model.get_submodule(policy.embed_tokens)
-        self.rotary = model.get_submodule(policy.rotary_emb)
+        self.rotary = policy.rotary_module(model)
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
         self.lm_head = model.get_submodule(policy.lm_head)

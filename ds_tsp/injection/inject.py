@@ -15,8 +15,8 @@ from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.multimodal import TSPVisionLanguageMixin
-from ds_tsp.injection.policy import (VISION_TOWERS, PolicyError, decoder_path, load_balancing_loss, resolve_policy,
-                                    text_config, vision_family)
+from ds_tsp.injection.policy import (VISION_TOWERS, PolicyError, decoder_path, hf_path, load_balancing_loss,
+                                    resolve_policy, text_config, vision_family)
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
@@ -214,16 +214,17 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
 
 
 def experts_beside_mlp(layer, beside, topology, tsp_config, read=None, device=None):
-    """The TSP MoE block of the experts a Hugging Face ``layer`` holds beside its MLP (``ExpertsBesideMLP``,
-    Gemma 4's): the layer itself is the Hugging Face block (its router, experts and their input norm are its
-    children), so the block's tensors keep their names under the layer."""
+    """The TSP MoE block of the experts a Hugging Face ``layer`` holds beside its MLP (``ExpertsBesideMLP``):
+    its own block (Granite-4.0-H's), or the layer itself, whose router, experts and their input norm are its
+    children (Gemma 4's), so the block's tensors keep their names under the layer."""
+    hf_block = beside.hf_block(layer)
     block = TSPSparseMoE.from_hf(
-        layer, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
-        fp32_accumulators=tsp_config.fp32_accumulators, read=read, device=device,
-        schedule=cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
+        hf_block, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
+        fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, beside.block) if beside.block else read,
+        device=device, schedule=cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
         ep_group=topology.ep_group, input_norm_name=beside.input_norm)
-    check_router(block, f"{type(layer).__name__}.{beside.router}")
-    keep_frozen(layer, block, type(layer).__name__, beside.experts)
+    check_router(block, f"{type(layer).__name__}.{hf_path(beside.block, beside.router)}")
+    keep_frozen(hf_block, block, type(layer).__name__, hf_path(beside.block, beside.experts))
     return block
 
 
@@ -248,7 +249,8 @@ def check_expert_parallel(layers, policy, topology, tsp_config):
     if not tsp_config.folds_experts:
         return
     sparse = [layer.get_submodule(policy.mlp) for layer in layers if policy.is_sparse(layer.get_submodule(policy.mlp))]
-    sparse += [layer for layer in layers if policy.beside(layer) is not None]  # experts beside the MLP (Gemma 4's)
+    sparse += [policy.beside(layer).hf_block(layer) for layer in layers
+               if policy.beside(layer) is not None]  # experts beside the MLP (Gemma 4's, Granite-4.0-H's)
     if not sparse:
         tsp_config.check_experts(None)
     for mlp in sparse:

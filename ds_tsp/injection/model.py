@@ -71,8 +71,9 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.rotary_kind = rotary_kind
         # The layer's output times this buffer, kept under its Hugging Face name (Gemma 4's layer_scalar), or None.
         self.register_buffer("layer_scalar", layer_scalar)
-        # Experts beside the MLP (Gemma 4's: a TSPSparseMoE whose tensors are the layer's own, so its Hugging
-        # Face prefix is the layer's), with the norms of the two outputs (``beside``, a policy.ExpertsBesideMLP).
+        # Experts beside the MLP (a TSPSparseMoE: Gemma 4's, whose tensors are the layer's own, so its Hugging
+        # Face prefix is the layer's; Granite-4.0-H's block), with the norms of the two outputs where there are
+        # any (``beside``, a policy.ExpertsBesideMLP).
         self.beside = beside
         if experts is not None:
             for name in beside.norms():
@@ -89,7 +90,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     def hf_prefixes(self):
         """``{attribute of a TSP block: its Hugging Face prefix under the layer}`` (``block_attribute``)."""
         prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name}
-        return prefixes if self.moe is None else {**prefixes, "moe": ""}
+        return prefixes if self.moe is None else {**prefixes, "moe": self.beside.block}
 
     def hf_blocks(self):
         """``{Hugging Face prefix under the layer: TSP block}`` (``hf_prefixes``)."""
@@ -120,8 +121,10 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         ``run_with_norm(hidden, norm)``: the block given the norm before it to
         run inside, used where ``tsp.recompute_norms`` asks for it and the
         block can (its ``takes_input_norm``) while autograd records.
-        ``run_experts(hidden)``: the experts beside the MLP, whose output (normed)
-        joins the MLP's (normed) before the norm after (Gemma 4's)."""
+        ``run_experts(hidden)``: the experts beside the MLP, whose output joins
+        the MLP's (each normed, Gemma 4's, or not, Granite-4.0-H's) before the
+        norm after; they take the branch's input where they norm it themselves
+        (``beside.input_norm``), else the MLP's normed input."""
         before, after = self.layout[block]
         norm = None if before is None else getattr(self, before)
         module = self.mixer if block == "attention" else self.mlp
@@ -129,11 +132,15 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
                 and module.takes_input_norm(norm)):
             out = run_with_norm(hidden, norm)
         else:
-            out = run(hidden if norm is None else normalize(norm, hidden, self.recompute_norms))
+            normed = hidden if norm is None else normalize(norm, hidden, self.recompute_norms)
+            out = run(normed)
         if run_experts is not None:
-            mlp_norm, experts_norm = (getattr(self, name) for name in self.beside.norms())
-            out = normalize(mlp_norm, out, self.recompute_norms) + \
-                normalize(experts_norm, run_experts(hidden), self.recompute_norms)
+            experts = run_experts(hidden if self.beside.input_norm else normed)
+            if self.beside.norms():
+                mlp_norm, experts_norm = (getattr(self, name) for name in self.beside.norms())
+                out, experts = (normalize(mlp_norm, out, self.recompute_norms),
+                                normalize(experts_norm, experts, self.recompute_norms))
+            out = out + experts
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
 
@@ -404,7 +411,7 @@ class TSPCausalLMMixin:
         """The TSP decoder ``layers`` on this rank's ``hidden``, each given its rotary tables (computed once per
         kind) and its part of ``layer_inputs`` (``_layer_inputs``); a VLM's tower adds its features to the first
         layers' outputs (``visual.after_layer``), and its images may see themselves both ways (``visual.spans``)."""
-        tables = layer_rotary_tables(self.get_submodule(self.tsp_policy.rotary_emb), layers, hidden,
+        tables = layer_rotary_tables(self.tsp_policy.rotary_module(self), layers, hidden,
                                      batch.rotary_positions, batch.max_position)
         spans = None if visual is None else visual.spans(batch.left_padding)
         shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type

@@ -209,7 +209,7 @@ def build_pipeline(model, topology, tsp_config, activation_checkpointing=False):
     check_pipeline_stages(model.config, tsp_config, model_class=type(model))
     policy, stages = model.tsp_policy, tsp_config.pipeline_stages
     decoder_layers = list(model.get_submodule(policy.layers))
-    rotary_emb = model.get_submodule(policy.rotary_emb)
+    rotary_emb = policy.rotary_module(model)
     moe_blocks = [module for module in model.modules() if isinstance(module, TSPSparseMoE)]
     num_experts = moe_blocks[0].num_experts if moe_blocks and carries_routing_statistics(model.config, type(model)) \
         else 0

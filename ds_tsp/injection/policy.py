@@ -337,25 +337,36 @@ def hf_path(*parts):
 
 @dataclass(frozen=True)
 class ExpertsBesideMLP:
-    """A mixture of experts beside a layer's dense MLP (Gemma 4's), its tensors
-    the layer's own children: ``router`` (HF's, run on the feed-forward
-    branch's input), ``experts`` (fused 3-D tensors, run on ``input_norm`` of
-    that input); the MLP's output normed by ``mlp_norm`` and the experts' by
-    ``experts_norm`` are summed before the branch's norm after."""
+    """A mixture of experts beside a layer's dense MLP, on the same feed-forward
+    branch, the two outputs summed. Gemma 4's: a ``router`` and ``experts``
+    (fused 3-D tensors) that are the layer's own children (``block`` ""), routed
+    on the branch's input, the experts run on ``input_norm`` of it, the MLP's
+    output normed by ``mlp_norm`` and the experts' by ``experts_norm`` before
+    the sum. Granite-4.0-H's: a sparse MoE block of its own (``block``), run on
+    the MLP's normed input, the outputs summed as they are (no norms)."""
 
+    block: str = ""
     router: str = "router"
     experts: str = "experts"
-    input_norm: str = "pre_feedforward_layernorm_2"
-    mlp_norm: str = "post_feedforward_layernorm_1"
-    experts_norm: str = "post_feedforward_layernorm_2"
+    input_norm: str | None = "pre_feedforward_layernorm_2"
+    mlp_norm: str | None = "post_feedforward_layernorm_1"
+    experts_norm: str | None = "post_feedforward_layernorm_2"
 
     def parts(self):
         """The layer's children the TSP experts block holds (replicated or sharded)."""
-        return self.router, self.experts, self.input_norm
+        return (self.block,) if self.block else tuple(p for p in (self.router, self.experts, self.input_norm) if p)
 
     def norms(self):
         """The layer's children the TSP layer keeps as they are."""
-        return self.mlp_norm, self.experts_norm
+        return tuple(name for name in (self.mlp_norm, self.experts_norm) if name)
+
+    def hf_block(self, layer):
+        """The Hugging Face module holding the router and experts: ``block``, or the layer itself."""
+        return getattr(layer, self.block, None) if self.block else layer
+
+
+# Granite-4.0-H's MoE block beside its shared MLP (the layer's MLP): its output and the MLP's summed.
+GRANITE_EXPERTS = ExpertsBesideMLP(block="block_sparse_moe", input_norm=None, mlp_norm=None, experts_norm=None)
 
 
 @dataclass(frozen=True)
@@ -391,7 +402,7 @@ class DecoderPolicy:
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     final_norm: str = "model.norm"
-    rotary_emb: str = "model.rotary_emb"
+    rotary_emb: str | None = "model.rotary_emb"  # None: the model has none (NoPE: Granite-4.0-H's, Nemotron-H's)
     lm_head: str = "lm_head"
     attention: str = "self_attn"
     # Where a hybrid's recurrent layers hold their mixer instead of an attention (ds_tsp.blocks.linear): a Gated
@@ -434,7 +445,9 @@ class DecoderPolicy:
     def beside(self, layer):
         """The ``ExpertsBesideMLP`` of ``layer`` where it holds experts beside its MLP, else None."""
         beside = self.experts_beside_mlp
-        return beside if beside is not None and isinstance(getattr(layer, beside.experts, None), nn.Module) else None
+        if beside is None or not isinstance(beside.hf_block(layer), nn.Module):
+            return None
+        return beside if isinstance(getattr(beside.hf_block(layer), beside.experts, None), nn.Module) else None
 
     def block_prefixes(self, layer):
         """The Hugging Face prefixes, under ``layer``, of the tensors its TSP blocks hold (those the blocks read
@@ -445,6 +458,10 @@ class DecoderPolicy:
     def mixer(self, layer):
         """The name of ``layer``'s token mixer: its recurrent mixer where it holds one, else its attention."""
         return next((name for name in self.recurrent if getattr(layer, name, None) is not None), self.attention)
+
+    def rotary_module(self, model):
+        """``model``'s rotary embedding module, or None where it has none."""
+        return None if self.rotary_emb is None else model.get_submodule(self.rotary_emb)
 
     def norm_names(self):
         """The names of a layer's norms, in the order the layer applies them."""
@@ -514,12 +531,15 @@ AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
                 AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PRE_FF_NORMS),
                 DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
-# Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's).
-MLP_NAMES = ("block_sparse_moe", "feed_forward")
+# Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's and
+# Bamba's; Granite-4.0-H's dense MLP).
+MLP_NAMES = ("block_sparse_moe", "feed_forward", "shared_mlp")
 # Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's).
 FINAL_NORM_NAMES = ("final_layernorm", "norm_f")
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
+# Granite-4.0-H's shared MLP: gate and up rows in input_linear, down_proj named output_linear.
+GRANITE_LINEARS = {"input_linear": ("gate_proj", "up_proj"), "output_linear": ("down_proj",)}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Tensors a decoder layer may hold itself, which the TSP layer keeps: Gemma 4's layer_scalar, its output's factor.
@@ -639,20 +659,26 @@ def resolve_policy(model, name="auto"):
         policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
                                                                   for norm in layout.norm_names())), AUTO)
         if not hasattr(layers[0], policy.mlp):
-            policy = dataclasses.replace(policy, mlp=next((n for n in MLP_NAMES if hasattr(layers[0], n)), policy.mlp))
+            policy = dataclasses.replace(policy, mlp=next(
+                (n for n in MLP_NAMES if getattr(layers[0], n, None) is not None), policy.mlp))
+        if getattr(layers[0], "shared_mlp", None) is not None and \
+                any(getattr(layer, GRANITE_EXPERTS.block, None) is not None for layer in layers):
+            policy = dataclasses.replace(policy, mlp="shared_mlp", experts_beside_mlp=GRANITE_EXPERTS)
         policy = with_mlp_names(policy, layers)
         final_norm = next((name for name in FINAL_NORM_NAMES if get_submodule(model, f"{decoder}.{name}") is not None
                            and get_submodule(model, f"{decoder}.norm") is None), None)
         if final_norm is not None:
             policy = dataclasses.replace(policy, final_norm=f"model.{final_norm}")
+        if get_submodule(model, f"{decoder}.rotary_emb") is None:  # a model without positions (NoPE); the probe
+            policy = dataclasses.replace(policy, rotary_emb=None)  # finds an attention that rotates all the same
     if decoder != "model":
         policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
-                                                for part in DECODER_PARTS})
+                                                for part in DECODER_PARTS if getattr(policy, part) is not None})
     if policy.layer_class is None and per_layer_type(getattr(config, "rope_parameters", None)) and \
             getattr(config, "layer_types", None):
         policy = dataclasses.replace(policy, rotary_kind=layer_type)
     for path in (policy.embed_tokens, policy.final_norm, policy.rotary_emb, policy.lm_head):
-        if get_submodule(model, path) is None:
+        if path is not None and get_submodule(model, path) is None:
             raise PolicyError(f"{model_class} has no '{path}': ds_tsp cannot convert it")
     if policy.model_class not in (None, model_class):
         raise PolicyError(f"tsp.policy = {name!r} converts {policy.model_class}, whose forward its table was "
@@ -700,11 +726,14 @@ def with_mlp_names(policy, layers):
         return policy
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
         policy = dataclasses.replace(policy, fused=FUSED_GATE_UP)
+    elif all(isinstance(getattr(mlp, name, None), nn.Linear) for name in GRANITE_LINEARS):
+        policy = dataclasses.replace(policy, fused={policy.mlp: GRANITE_LINEARS})
     elif not hasattr(mlp, "gate_proj") and all(isinstance(getattr(mlp, name, None), nn.Linear)
                                                for name in UNGATED_MLP_PROJECTIONS):
         policy = dataclasses.replace(policy, gated_mlp=False)
-    if not hasattr(mlp, policy.activation) and hasattr(mlp, "activation_fn"):
-        policy = dataclasses.replace(policy, activation="activation_fn")
+    if not hasattr(mlp, policy.activation):
+        policy = dataclasses.replace(policy, activation=next(
+            (name for name in ("activation_fn", "activation") if hasattr(mlp, name)), policy.activation))
     return policy
 
 
@@ -1075,11 +1104,14 @@ def check_sparse_block(block, where, layer_class, auto=False):
 def check_experts_beside(layer, beside, where, layer_class):
     """Experts beside the MLP (``ExpertsBesideMLP``): a router returning Hugging Face's (scores, weights,
     indices), experts as transformers 5 lays them out, and the norms around them."""
-    missing = [name for name in (*beside.parts(), *beside.norms()) if getattr(layer, name, None) is None]
+    block = beside.hf_block(layer)
+    missing = [name for name in beside.norms() if getattr(layer, name, None) is None] + \
+        [name for name in (beside.router, beside.experts, beside.input_norm) if name and getattr(block, name, None) is None]
     if missing:
         raise PolicyError(f"{layer_class} at {where} holds {beside.experts} beside its MLP but lacks {missing}: "
-                          "not the layout of experts beside an MLP ds_tsp knows (Gemma 4's)")
-    _check_experts(layer.get_submodule(beside.experts), f"{where}.{beside.experts}", layer_class)
+                          "not a layout of experts beside an MLP ds_tsp knows (Gemma 4's, Granite-4.0-H's)")
+    experts = hf_path(beside.block, beside.experts)
+    _check_experts(layer.get_submodule(experts), f"{where}.{experts}", layer_class)
 
 
 def _check_experts(experts, where, layer_class):

@@ -29,7 +29,7 @@ scales.
 import contextlib
 import copy
 import inspect
-import typing
+import re
 
 import torch
 import torch.nn as nn
@@ -82,10 +82,15 @@ class _PassThrough(nn.Module):
         return (hidden_states, *[None] * self.extra) if self.extra else hidden_states
 
 
-def _tuple_extras(layer):
-    """How many outputs ``layer``'s forward declares after the hidden states (``-> tuple[...]``), 0 for none."""
-    annotation = inspect.signature(type(layer).forward).return_annotation
-    return len(typing.get_args(annotation)) - 1 if typing.get_origin(annotation) is tuple else 0
+def _tuple_extras(decoder):
+    """How many outputs ``decoder``'s forward unpacks from each layer's after the hidden states (Bamba's
+    ``hidden_states, attn_weights = decoder_layer(...)``), 0 where it takes the layer's output whole."""
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return 0
+    unpacked = re.search(r"^\s*((?:\w+\s*,\s*)+\w+)\s*=\s*decoder_layer\(", source, re.MULTILINE)
+    return 0 if unpacked is None else unpacked[1].count(",")
 
 
 class _Recorder(nn.Module):
@@ -212,7 +217,7 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
     layers = model.get_submodule(policy.layers)
     recorder = _Recorder(_float64_copy(layers[index], device, generator))
     # The rotary module may keep state between calls (dynamic RoPE): probe a copy.
-    rotary = copy.deepcopy(model.get_submodule(policy.rotary_emb))
+    rotary = copy.deepcopy(policy.rotary_module(model))
     with torch.no_grad():
         try:
             with _swapped(model, policy, index, recorder, rotary):
@@ -259,11 +264,13 @@ def _swapped(model, policy, index, recorder, rotary):
     ``rotary``; everything is put back on exit."""
     layers = model.get_submodule(policy.layers)
     saved_layers = list(layers)
-    stand_ins = {policy.final_norm: _PassThrough(), policy.lm_head: _PassThrough(), policy.rotary_emb: rotary}
+    extras = _tuple_extras(model.get_submodule(policy.layers.rpartition(".")[0]))
+    stand_ins = {policy.final_norm: _PassThrough(), policy.lm_head: _PassThrough(),
+                 **({} if policy.rotary_emb is None else {policy.rotary_emb: rotary})}
     saved = {path: model.get_submodule(path) for path in stand_ins}
     try:
         for i in range(len(layers)):
-            layers[i] = recorder if i == index else _PassThrough(_tuple_extras(saved_layers[i]))
+            layers[i] = recorder if i == index else _PassThrough(extras)
         for path, module in stand_ins.items():
             model.set_submodule(path, module)
         yield

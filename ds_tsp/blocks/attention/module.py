@@ -5,6 +5,7 @@ layer's self-attention, built from a Hugging Face module or a checkpoint
 """
 
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -19,7 +20,7 @@ from ds_tsp.blocks.documents import chunked_documents, query_blocks
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.input_norm import recomputable
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
-from ds_tsp.blocks.rotary import ROTATE_HALF, complex_tables, model_rotary, norm_weight, query_scale_of
+from ds_tsp.blocks.rotary import NO_ROTARY, ROTATE_HALF, complex_tables, model_rotary, norm_weight, query_scale_of
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import compute_dtype
 
@@ -222,8 +223,10 @@ class TSPAttention(PackedShardMixin, nn.Module):
         that stores them returns ``(output, its local keys and values)``."""
         if self.kv_sharing == "reuse" and shared is None:
             raise ValueError("this attention reuses an earlier layer's keys and values: its forward takes them")
-        cos, sin = self.full_tables(*position_embeddings)
+        cos, sin = (None, None) if position_embeddings is None else self.full_tables(*position_embeddings)
         plan, packed = self.plan(x, documents, input_norm, positions, spans), self.shard_weights()
+        if position_embeddings is None:  # a model without a rotary embedding (NoPE), as its forward skips it
+            plan = dataclasses.replace(plan, rope=NO_ROTARY)
         norm_weights = [norm_weight(norm) for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
