@@ -160,7 +160,8 @@ def _sgd_steps(model, batches):
                                          ("ministral3", 1), ("hunyuan_v1_moe", 2), ("vaultgemma", 1), ("llama4", 2),
                                          ("phimoe", 2), ("cohere", 1), ("hyperclovax", 1), ("gemma4", 1),
                                          ("gemma4_moe", 2), ("gemma4_shared_kv", 1), ("gemma4_layer_inputs", 1),
-                                         ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2)])
+                                         ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2),
+                                         ("bamba", 1), ("granitemoehybrid", 1), ("granitemoehybrid_moe", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its
@@ -169,7 +170,9 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     MLP), Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
     DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
-    Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention."""
+    Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention, Bamba's and
+    Granite-4.0-H's Mamba-2 mixers (in_proj's five pieces a rank, conv1d's three), Granite-4.0-H's shared MLP
+    (input_linear, output_linear) and its MoE block beside it."""
     src = str(tmp_path / arch)
     tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):
