@@ -220,7 +220,8 @@ def widen_float32_casts(modeling):
         for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)"},
                                             modeling))
-    for scan in ("mamba2_chunk_scan", "mamba2_scan_forward"):  # Mamba-2's torch path (its scan, its A)
+    for scan in ("mamba2_chunk_scan", "mamba2_scan_forward", "mamba2_selective_state_update"):  # Mamba-2's torch
+        # path: its scan, its A and its decode step
         if hasattr(modeling, scan):
             setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                                 "torch.float32))"}, modeling))

@@ -4,9 +4,10 @@ casts of the scan widened to float64 (tests/models.py)."""
 from unittest import mock
 
 import pytest
+import torch
 
 from ds_tsp.blocks.linear import recurrence
-from parity import check, check_caught, model_parity
+from parity import TOLERANCE, check, check_caught, model_parity
 
 # Right- and left-padded, packed (documents restarting the positions: every state restarts at each, and the
 # convolution's window stops there) and many 8-token SSM chunks (45 tokens: chunks of 5 or 6 tokens a rank at D = 4,
@@ -34,6 +35,25 @@ def test_granite_moe_load_balancing_loss(run_ranks):
     for i, schedule in enumerate(SCHEDULES):
         grads = check_case([rank[i] for rank in per_rank], f"D=2 {schedule} granitemoehybrid_moe, its aux loss")
         assert "block_sparse_moe.experts.gate_up_proj" in " ".join(grads)
+
+
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe"])
+def test_generate_gives_hugging_face_tokens(run_ranks, arch):
+    """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
+    greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each
+    rank keeps its heads' Mamba-2 states and half of the attention layer's tokens."""
+    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+
+    prompts = _prompts(2, seed=9)
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+    # At D = 4 each norm group's heads lie on two ranks (its sums of squares all-reduced).
+    for tsp_size in (2, 4) if arch == "bamba" else (2,):
+        per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+        diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
+        print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
+        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+        assert diff <= TOLERANCE
+    check_strategies_on_left_padded_prompts(run_ranks, arch)
 
 
 def _wrong_map(**kwargs):

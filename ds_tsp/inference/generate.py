@@ -59,6 +59,8 @@ state, from its owner), the same logits all-gather, and the broadcast of TSP
 rank 0's random state (``agree_on_random_state``).
 """
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -69,11 +71,12 @@ from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, ro
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
-from ds_tsp.inference.linear_decode import decode_delta_net, prefill_delta_net, state_shapes
+from ds_tsp.inference import linear_decode, mamba2_decode
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.host_reads import host_read
 
@@ -281,6 +284,20 @@ def merge_partials(out, lse):
     return (weights.unsqueeze(-1) * out).sum(dim=0), total
 
 
+class RecurrentDecode(NamedTuple):
+    """How generation runs one kind of recurrent mixer: its states' shapes, its prefill and its decode step."""
+
+    state_shapes: Callable
+    prefill: Callable
+    decode: Callable
+
+
+RECURRENT = {TSPGatedDeltaNet: RecurrentDecode(linear_decode.state_shapes, linear_decode.prefill_delta_net,
+                                               linear_decode.decode_delta_net),
+             TSPMamba2: RecurrentDecode(mamba2_decode.state_shapes, mamba2_decode.prefill_mamba2,
+                                        mamba2_decode.decode_mamba2)}
+
+
 class TSPDecoder:
     """Prefill and single-token steps of one injected model on this rank."""
 
@@ -338,9 +355,9 @@ class TSPDecoder:
         # Worked out on the host (a nonzero on the device would wait for it), then moved.
         keep, kept_positions = (t.to(device) for t in prompt_tokens(r, D, self.layout, prompt_len))
         shapes = {index: _cache_shape(layer.mixer) for index, layer in enumerate(self.layers)
-                  if not isinstance(layer.mixer, TSPGatedDeltaNet)}
-        states = {index: state_shapes(layer.mixer, hidden.dtype) for index, layer in enumerate(self.layers)
-                  if isinstance(layer.mixer, TSPGatedDeltaNet)}
+                  if type(layer.mixer) not in RECURRENT}
+        states = {index: RECURRENT[type(layer.mixer)].state_shapes(layer.mixer, hidden.dtype)
+                  for index, layer in enumerate(self.layers) if type(layer.mixer) in RECURRENT}
         cache = TSPCache(len(self.layers), batch, hidden.dtype, device, r, prompt_counts, shapes, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
@@ -352,13 +369,14 @@ class TSPDecoder:
         spans = None if visual is None else visual.spans(cache.left_padding)
         shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, layer in enumerate(self.layers):
-            if isinstance(layer.mixer, TSPGatedDeltaNet):
+            if type(layer.mixer) in RECURRENT:
                 def store(conv, recurrent, index=index):
                     for state, value in zip(cache.states(index), (conv, recurrent)):
                         state.copy_(value)
 
                 def attention(normed):
-                    return prefill_delta_net(layer.mixer, normed, positions, lengths, self.group, store)
+                    return RECURRENT[type(layer.mixer)].prefill(layer.mixer, normed, positions, lengths, self.group,
+                                                                store)
             else:
                 def attention(normed):
                     return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
@@ -386,7 +404,7 @@ class TSPDecoder:
                                                 positions + cache.left_padding.unsqueeze(1))
         plan = attn.plan(h, positions=scale_positions, spans=spans)
         packed = attn.shard_weights().detach()
-        cos, sin = attn.full_tables(*tables)
+        cos, sin = attn.full_tables(tables)
         inv_rms = attn.projection_inv_rms(h, packed, plan)
         keys, values = [], []
         reuses = attn.kv_sharing == "reuse"
@@ -417,9 +435,10 @@ class TSPDecoder:
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            if isinstance(layer.mixer, TSPGatedDeltaNet):
+            if type(layer.mixer) in RECURRENT:
                 def attention(normed):
-                    return decode_delta_net(layer.mixer, normed, *cache.states(index), self._sum_over_group)
+                    return RECURRENT[type(layer.mixer)].decode(layer.mixer, normed, *cache.states(index),
+                                                               self._sum_over_group)
             else:
                 def attention(normed):
                     return self._attention(cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots,
@@ -445,7 +464,7 @@ class TSPDecoder:
             return decode_latent_attention(attn, h, tables, positions.unsqueeze(1), self.group, write, attend,
                                            self._sum_over_group)
         heads, D = attn.heads, self.tsp_size
-        cos, sin = attn.full_tables(*tables)
+        cos, sin = attn.full_tables(tables)
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
         w = attn.spec.unpack(attn.shard_weights().detach())
         # Projected here, normed and rotated once gathered: every rank then holds

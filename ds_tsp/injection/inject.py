@@ -10,6 +10,7 @@ from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import hf_sizes
 from ds_tsp.blocks.tower import shard_tower
+from ds_tsp.blocks.rotary import NO_ROTARY
 from ds_tsp.blocks.vocab import VocabParallelEmbedding, VocabParallelLMHead, check_foldable, check_foldable_table
 from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check_same_model
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
@@ -184,6 +185,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     else:
         tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
                                              fused=policy.fused.get(policy.attention), **options)
+        if policy.rotary_emb is None:  # a model without a rotary embedding (NoPE): its attention takes no tables
+            tsp_attention.rope = NO_ROTARY
     sparse = policy.is_sparse(mlp)
     tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
         mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,

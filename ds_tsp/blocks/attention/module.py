@@ -5,7 +5,6 @@ layer's self-attention, built from a Hugging Face module or a checkpoint
 """
 
 import copy
-import dataclasses
 import sys
 
 import torch
@@ -20,7 +19,7 @@ from ds_tsp.blocks.documents import chunked_documents, query_blocks
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.input_norm import recomputable
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
-from ds_tsp.blocks.rotary import NO_ROTARY, ROTATE_HALF, complex_tables, model_rotary, norm_weight, query_scale_of
+from ds_tsp.blocks.rotary import ROTATE_HALF, complex_tables, model_rotary, norm_weight, query_scale_of
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import compute_dtype
 
@@ -201,11 +200,14 @@ class TSPAttention(PackedShardMixin, nn.Module):
         (whose sums of squares need the normed input first)."""
         return recomputable(norm) and not self.norms_span_projection
 
-    def full_tables(self, *tables):
+    def full_tables(self, tables):
         """The rotary tables ``(cos, sin)`` as ``self.rope`` takes them: a complex
         table (Llama 4's) as its real and imaginary parts; tables that hold each
         frequency once (``rotary_halves``) repeated for both halves of a head;
-        others as they are."""
+        others as they are; ``(None, None)`` for a model without a rotary
+        embedding (``tables`` None), whose layers ``inject`` builds without one."""
+        if tables is None:
+            return None, None
         cos, sin = complex_tables(tables)
         if not self.rotary_halves:
             return cos, sin
@@ -223,10 +225,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
         that stores them returns ``(output, its local keys and values)``."""
         if self.kv_sharing == "reuse" and shared is None:
             raise ValueError("this attention reuses an earlier layer's keys and values: its forward takes them")
-        cos, sin = (None, None) if position_embeddings is None else self.full_tables(*position_embeddings)
+        cos, sin = self.full_tables(position_embeddings)
         plan, packed = self.plan(x, documents, input_norm, positions, spans), self.shard_weights()
-        if position_embeddings is None:  # a model without a rotary embedding (NoPE), as its forward skips it
-            plan = dataclasses.replace(plan, rope=NO_ROTARY)
         norm_weights = [norm_weight(norm) for norm in (self.q_norm, self.k_norm)]
         inv_rms = self.projection_inv_rms(x, packed, plan) or {"q": None, "k": None}
         out = TSPAttentionFunction.apply(x, packed, cos, sin, plan, *norm_weights, inv_rms["q"], inv_rms["k"],
