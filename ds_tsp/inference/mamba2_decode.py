@@ -20,9 +20,10 @@ Face's ``causal_conv1d_update``); one small all-gather joins the ``B`` and
 ``C`` pieces (``2 n_groups n`` elements a row); rank ``j`` advances its heads'
 states (Hugging Face's ``mamba2_selective_state_update``, in float32 or the
 model's dtype where wider); the gated norm's sums of squares over its groups,
-which may span ranks, are all-reduced (``B n_groups`` elements); its heads'
-normed outputs pass its ``out_proj`` columns and the ``D`` partial outputs are
-all-gathered and summed in rank order. No weight moves.
+which may span ranks, are all-gathered and summed in rank order (``B n_groups``
+elements a rank); its heads' normed outputs pass its ``out_proj`` columns and
+the ``D`` partial outputs are all-gathered and summed in rank order. No weight
+moves.
 """
 
 import dataclasses
@@ -120,7 +121,8 @@ def gated_norm_piece(mixer, y, z, group):
     """Hugging Face's gated norm (``RMSNormGated``: ``y * silu(z)`` normed over
     groups of ``d_inner / n_groups`` features, in float32 or wider) of this
     rank's features ``y``, ``z`` ``(B, d_inner/D)``: a norm group's sum of
-    squares summed over the ranks holding it (one all-reduce of ``(B, n_groups)``)."""
+    squares summed over the ranks holding it (one all-gather of ``(B, n_groups)``
+    a rank, summed in rank order)."""
     s, norm = mixer.shapes, mixer.norm
     size = s.d_inner // s.n_groups
     wide = torch.promote_types(y.dtype, torch.float32)
@@ -128,7 +130,10 @@ def gated_norm_piece(mixer, y, z, group):
     start = mixer.tsp_rank * (s.d_inner // s.tsp_size)
     group_of = (start + torch.arange(gated.shape[-1], device=y.device)) // size  # each feature's norm group
     sums = gated.new_zeros(gated.shape[0], s.n_groups).index_add_(1, group_of, gated * gated)
-    comm.all_reduce(sums, group)
+    gathered = comm.all_gather_small(sums, group)
+    sums = gathered[0]
+    for other in gathered[1:]:  # in rank order: the same bits on every rank
+        sums = sums + other
     normed = gated * torch.rsqrt(sums / size + norm.variance_epsilon)[:, group_of]
     weight = norm.weight[start:start + gated.shape[-1]]
     return weight * normed.to(y.dtype)
