@@ -213,6 +213,11 @@ MOVES = {
     # embedding folded by vocabulary beside the main one, and its keys and values shared across layers.
     "gemma4-experts-tsp2xdp2-to-tsp4": ("gemma4_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=2), None),
     "gemma4-layer-inputs-tsp4-to-tsp2xdp2": ("gemma4_layer_inputs", dict(tsp=4, zero=2), dict(tsp=2, zero=1), None),
+    # Granite-4.0-H's Mamba-2 mixers (each rank's heads' rows of in_proj in five pieces, conv1d's in three) and its MoE
+    # beside the shared MLP; TSP 2 x DP 2 to TSP 4 and back.
+    "mamba2-tsp2xdp2-to-tsp4": ("granitemoehybrid_moe", dict(tsp=2, zero=1), dict(tsp=4, zero=2),
+                                dict(output_router_logits=False)),
+    "mamba2-tsp4-to-tsp2xdp2": ("granitemoehybrid", dict(tsp=4, zero=2), dict(tsp=2, zero=1), None),
     # 61 rows: 31 per rank at TSP 2 (one padding row), 16 at TSP 4 (three).
     "pp2xtsp2-to-tsp4": ("llama", dict(tsp=2, zero=1, pp=2), dict(tsp=4, zero=1), None),
     "tsp4-to-pp2xtsp2": ("llama", dict(tsp=4, zero=1), dict(tsp=2, zero=1, pp=2), None),
