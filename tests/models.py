@@ -24,7 +24,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
-from transformers import BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                          NemotronHConfig, NemotronHForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
@@ -244,6 +245,11 @@ def widen_float32_casts(modeling):
                                                                           "router_scores.dtype, torch.float32))",
                                                 # recompiled outside its class, super() has no class to start from
                                                 "super().forward(": "nn.Linear.forward(self, "})
+        elif name.endswith("Router") and "hidden_states.type(torch.float32)" in source:  # Nemotron-H's, in float32
+            cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(hidden_states.dtype, torch.float32)"})
+        elif name.endswith("ForCausalLM") and "logits = self.lm_head(hidden_states).float()" in source:  # Nemotron-H's
+            cls.forward = widened(cls.forward, {"logits = self.lm_head(hidden_states).float()":
+                                                "logits = self.lm_head(hidden_states)"})
         elif name.endswith("GatedDeltaNet") and "self.A_log.float()" in source:
             cls.forward = widened(cls.forward, {
                 "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
@@ -465,6 +471,13 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "qwen3_5": (Qwen3_5TextConfig, {}),
                 "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE),
                 "bamba": (BambaConfig, {**MAMBA2_TINY, "attn_layer_indices": [2]}),
+                # Nemotron-H: one block a layer (Mamba-2, MLP, NoPE attention, MoE: its pattern's letters), ungated
+                # relu2 MLPs and experts, a sigmoid group-limited router with a shared expert.
+                "nemotron_h": (NemotronHConfig, dict(
+                    layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+                    mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=4, conv_kernel=4, chunk_size=8,
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_group=2, topk_group=1,
+                    moe_shared_expert_intermediate_size=16, routed_scaling_factor=1.5, experts_implementation="eager")),
                 # Granite-4.0-H: NoPE, Granite's multipliers; its MoE (4 experts of 8, top-2) beside the shared MLP.
                 "granitemoehybrid": (GraniteMoeHybridConfig, {**MAMBA2_TINY, **GRANITE_MULTIPLIERS,
                                                               "num_local_experts": 0, "position_embedding_type": "nope",
@@ -532,7 +545,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
-                 "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM}
+                 "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
+                 "nemotron_h": NemotronHForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

@@ -99,7 +99,7 @@ def test_other_linear_layers_are_refused_by_name(model_type, mixer):
     import ds_tsp
     from ds_tsp.config import TSPConfig
 
-    with pytest.raises(PolicyError, match=f"linear_attention layer holding {mixer}, not a Gated DeltaNet"):
+    with pytest.raises(PolicyError, match=f"linear_attention layer holding {mixer}, not a recurrent mixer"):
         ds_tsp.inject(tiny_causal_lm(model_type, device="meta"), TSPTopology(1), TSPConfig(enabled=True, size=1))
 
 

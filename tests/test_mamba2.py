@@ -1,4 +1,4 @@
-"""Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
+"""Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE, Nemotron-H) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
 casts of the scan widened to float64 (tests/models.py)."""
 
 from unittest import mock
@@ -14,7 +14,7 @@ from parity import TOLERANCE, check, check_caught, model_parity
 # not a multiple of the SSM chunk).
 CASES = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=16, left_padding=5),
          dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]), dict(batch=1, seq_len=45))
-ARCHS = ("bamba", "granitemoehybrid", "granitemoehybrid_moe")
+ARCHS = ("bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -37,7 +37,7 @@ def test_granite_moe_load_balancing_loss(run_ranks):
         assert "block_sparse_moe.experts.gate_up_proj" in " ".join(grads)
 
 
-@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe"])
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h"])
 def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each

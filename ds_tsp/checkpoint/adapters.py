@@ -49,8 +49,8 @@ def adapter_blocks(model):
     policy = model.tsp_policy
     blocks = []
     for index, layer in enumerate(model.get_submodule(policy.layers)):
-        for name, block in ((layer.mixer_name, layer.mixer), (policy.mlp, layer.mlp)):
-            if block.lora is not None:
+        for name, block in ((layer.mixer_name, layer.token_mixer), (layer.mlp_name, layer.mlp)):
+            if block is not None and block.lora is not None:
                 blocks.append((f"{policy.layers}.{index}.{name}", block))
     return blocks
 

@@ -77,23 +77,25 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
     Built with the functions the TSP modules use, so it raises their head and
     intermediate-size divisibility errors before any tensor is read.
     """
-    shards = {policy.mixer(layer): _mixer_shards(layer, config, policy, tsp_size),
-              policy.mlp: _mlp_shards(layer.get_submodule(policy.mlp), policy, tsp_size, experts)}
+    mixer, mlp_name = policy.mixer(layer), policy.mlp_of(layer)
+    shards = {}
+    if mixer is not None:
+        shards[mixer] = _mixer_shards(layer.get_submodule(mixer), config, policy, tsp_size)
+    if mlp_name is not None:
+        shards[mlp_name] = _mlp_shards(layer.get_submodule(mlp_name), policy, tsp_size, experts)
     beside = policy.beside(layer)
     if beside is not None:  # experts beside the MLP: the layer's own router, experts and their input norm
         shards[beside.block] = _sparse_shards(beside.hf_block(layer), tsp_size, experts, beside.input_norm)
     return shards
 
 
-def _mixer_shards(layer, config, policy, tsp_size):
-    """``BlockShards`` of a layer's token mixer: an attention, a latent attention, a Gated DeltaNet or a Mamba-2
-    mixer."""
-    mixer = policy.mixer(layer)
-    if mixer != policy.attention and is_mamba2(layer.get_submodule(mixer)):
-        return _mamba2_shards(layer.get_submodule(mixer), tsp_size)
-    if mixer != policy.attention:
-        return _delta_net_shards(layer.get_submodule(mixer), tsp_size)
-    attn = layer.get_submodule(policy.attention)
+def _mixer_shards(attn, config, policy, tsp_size):
+    """``BlockShards`` of a layer's token mixer ``attn``: an attention, a latent attention, a Gated DeltaNet or a
+    Mamba-2 mixer."""
+    if is_mamba2(attn):
+        return _mamba2_shards(attn, tsp_size)
+    if linear.is_gated_delta_net(attn):
+        return _delta_net_shards(attn, tsp_size)
     if latent.is_latent_attention(attn):
         return _latent_shards(attn, config, tsp_size)
     rows = attention.hf_rows(attn, config, policy.fused.get(policy.attention))
@@ -153,7 +155,7 @@ def _sparse_shards(hf_moe, tsp_size, placement=None, input_norm=None):
     hidden_size, num_experts, experts, shared_size, shared_name = moe.hf_sizes(hf_moe)
     placement = placement or ExpertPlacement(tsp_size, 0)
     specs = [moe.shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size,
-                            shared_name or "shared_expert", placement.size)] * tsp_size
+                            shared_name or "shared_expert", placement.size, moe.shared_is_gated(hf_moe))] * tsp_size
     return BlockShards(specs, _holdings(specs, lambda name, r: moe.shard_piece(
         num_experts, shared_size, tsp_size, name, r, placement.size, placement.first + r),
         moe.replicated_names(hf_moe, input_norm)), FusedRows())

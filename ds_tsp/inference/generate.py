@@ -315,8 +315,8 @@ class TSPDecoder:
         self.logit_map = LogitMap.of(config)
         self.embedding_multiplier = embedding_multiplier(config)
         # Keys and values shared across layers (Gemma 4's): the layer storing them, by layer type.
-        self.kv_sources = {layer.mixer.kv_key: index for index, layer in enumerate(self.layers)
-                           if getattr(layer.mixer, "kv_sharing", None) == "store"}
+        self.kv_sources = {layer.token_mixer.kv_key: index for index, layer in enumerate(self.layers)
+                           if getattr(layer.token_mixer, "kv_sharing", None) == "store"}
         # Per-layer inputs (Gemma 4's): the decoder that mixes them and their embedding, or None.
         inputs = policy.model_inputs(model)
         self.decoder = model.get_submodule(policy.layers.rpartition(".")[0])
@@ -354,10 +354,10 @@ class TSPDecoder:
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         # Worked out on the host (a nonzero on the device would wait for it), then moved.
         keep, kept_positions = (t.to(device) for t in prompt_tokens(r, D, self.layout, prompt_len))
-        shapes = {index: _cache_shape(layer.mixer) for index, layer in enumerate(self.layers)
-                  if type(layer.mixer) not in RECURRENT}
-        states = {index: RECURRENT[type(layer.mixer)].state_shapes(layer.mixer, hidden.dtype)
-                  for index, layer in enumerate(self.layers) if type(layer.mixer) in RECURRENT}
+        shapes = {index: _cache_shape(layer.token_mixer) for index, layer in enumerate(self.layers)
+                  if layer.token_mixer is not None and type(layer.token_mixer) not in RECURRENT}
+        states = {index: RECURRENT[type(layer.token_mixer)].state_shapes(layer.token_mixer, hidden.dtype)
+                  for index, layer in enumerate(self.layers) if type(layer.token_mixer) in RECURRENT}
         cache = TSPCache(len(self.layers), batch, hidden.dtype, device, r, prompt_counts, shapes, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
@@ -369,17 +369,17 @@ class TSPDecoder:
         spans = None if visual is None else visual.spans(cache.left_padding)
         shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, layer in enumerate(self.layers):
-            if type(layer.mixer) in RECURRENT:
+            if type(layer.token_mixer) in RECURRENT:
                 def store(conv, recurrent, index=index):
                     for state, value in zip(cache.states(index), (conv, recurrent)):
                         state.copy_(value)
 
                 def attention(normed):
-                    return RECURRENT[type(layer.mixer)].prefill(layer.mixer, normed, positions, lengths, self.group,
+                    return RECURRENT[type(layer.token_mixer)].prefill(layer.token_mixer, normed, positions, lengths, self.group,
                                                                 store)
             else:
                 def attention(normed):
-                    return self._prefill_attention(cache, index, slots, keep, layer.mixer, normed,
+                    return self._prefill_attention(cache, index, slots, keep, layer.token_mixer, normed,
                                                    tables[layer.rotary_kind], positions.expand(batch, -1), spans,
                                                    shared_kv)
             hidden = layer.blocks(hidden, attention, layer.mlp, per_layer_input=self._layer_input(layer_inputs, index))
@@ -435,13 +435,13 @@ class TSPDecoder:
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            if type(layer.mixer) in RECURRENT:
+            if type(layer.token_mixer) in RECURRENT:
                 def attention(normed):
-                    return RECURRENT[type(layer.mixer)].decode(layer.mixer, normed, *cache.states(index),
+                    return RECURRENT[type(layer.token_mixer)].decode(layer.token_mixer, normed, *cache.states(index),
                                                                self._sum_over_group)
             else:
                 def attention(normed):
-                    return self._attention(cache, index, layer.mixer, normed, tables[layer.rotary_kind], slots,
+                    return self._attention(cache, index, layer.token_mixer, normed, tables[layer.rotary_kind], slots,
                                            positions)
             hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed),
                                   run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h),

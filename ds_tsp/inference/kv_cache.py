@@ -95,8 +95,9 @@ class TSPCache(Cache):
     key's, 0 no values (a multi-head latent attention caches its latent and
     rotary key as one key head, its values being the latent itself).
     ``states``: ``{layer: (conv shape, recurrent shape, recurrent dtype)}`` of
-    a hybrid's Gated DeltaNet layers, without the batch: those layers keep
-    this rank's head group's states (``TSPStateLayer``) instead of slots.
+    a hybrid's recurrent layers, without the batch: those layers keep this
+    rank's head group's states (``TSPStateLayer``) instead of slots. A layer in
+    neither (an MLP alone, Nemotron-H's) keeps nothing.
     """
 
     def __init__(self, num_layers, batch, dtype, device, tsp_rank, rank_counts, shapes, states=None):
@@ -104,6 +105,8 @@ class TSPCache(Cache):
         states = states or {}
 
         def layer(index):
+            if index not in states and index not in shapes:  # a layer of an MLP alone (Nemotron-H's)
+                return _TSPLayer()
             if index in states:
                 conv, recurrent, state_dtype = states[index]
                 return TSPStateLayer(torch.zeros((batch, *conv), dtype=dtype, device=device),
@@ -209,7 +212,7 @@ class TSPCache(Cache):
         for layer in self.layers:
             if isinstance(layer, TSPStateLayer):
                 layer.conv, layer.recurrent = select(layer.conv), select(layer.recurrent)
-            else:
+            elif isinstance(layer, TSPCacheLayer):
                 layer.keys, layer.values = select(layer.keys), select(layer.values)
         self._positions, self._valid = select(self._positions), select(self._valid)
         self.next_positions = select(self.next_positions)

@@ -16,8 +16,8 @@ from ds_tsp.injection.consistency import BatchCheck, broadcast_replicated, check
 from ds_tsp.injection.lora import block_adapters, check_adapter_paths, model_reader, shard_adapters, take_adapters
 from ds_tsp.injection.model import TSPCausalLMMixin, TSPDecoderLayer
 from ds_tsp.injection.multimodal import TSPVisionLanguageMixin
-from ds_tsp.injection.policy import (VISION_TOWERS, PolicyError, decoder_path, hf_path, load_balancing_loss,
-                                    resolve_policy, text_config, vision_family)
+from ds_tsp.injection.policy import (VISION_TOWERS, PolicyError, decoder_path, hf_path, is_recurrent,
+                                    load_balancing_loss, resolve_policy, text_config, vision_family)
 from ds_tsp.injection.probe import probe_layers
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.mappings import sum_grads_over_group
@@ -166,54 +166,75 @@ def unpartition(module, skip=()):
 
 def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=None, adapters=None, rotary_kind=None):
     """A ``TSPDecoderLayer`` from one Hugging Face decoder layer (norms kept as
-    they are); its MLP becomes a ``TSPSparseMoE`` where the policy says it is
-    sparse, else a ``TSPGatedMLP``. ``adapters``: ``{path in the layer: (read,
-    scaling)}`` (``ds_tsp.injection.lora.shard_adapters``), sharded with their blocks;
-    ``rotary_kind``: the rotary tables the layer takes (``DecoderPolicy.rotary_kind``)."""
-    mixer = policy.mixer(layer)
-    attention = layer.get_submodule(mixer)
-    mlp = layer.get_submodule(policy.mlp)
+    they are): its token mixer (``tsp_mixer``) and its MLP (``tsp_mlp``), either
+    absent in a layer of one block (``DecoderPolicy.single_block``). ``adapters``:
+    ``{path in the layer: (read, scaling)}`` (``ds_tsp.injection.lora.shard_adapters``),
+    sharded with their blocks; ``rotary_kind``: the rotary tables the layer takes
+    (``DecoderPolicy.rotary_kind``)."""
+    mixer, mlp = policy.mixer(layer), policy.mlp_of(layer)
+    blocks = {}
+    if mixer is not None:
+        blocks[mixer] = tsp_mixer(layer.get_submodule(mixer), config, policy, topology, tsp_config,
+                                  _prefixed(read, mixer), device, f"{type(layer).__name__}.{mixer}")
+    if mlp is not None:
+        blocks[mlp] = tsp_mlp(layer.get_submodule(mlp), policy, topology, tsp_config, _prefixed(read, mlp), device,
+                              f"{type(layer).__name__}.{mlp}")
+    for where, block in blocks.items():
+        shard_adapters(block, block_adapters(adapters or {}, where))
+    beside = policy.beside(layer)
+    experts = None if beside is None else experts_beside_mlp(layer, beside, topology, tsp_config, read, device)
+    layout = policy.layout_of(layer)
+    norms = [name for pair in layout.values() for name in pair if name is not None] + list(beside.norms() if beside
+                                                                                           else ())
+    inputs = policy.layer_inputs(layer)
+    input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), inputs.activation)} \
+        if inputs else {}
+    return TSPDecoderLayer(blocks.get(mixer), blocks.get(mlp), {name: layer.get_submodule(name) for name in norms},
+                           layout, tsp_config.recompute_norms, rotary_kind, mixer, mlp,
+                           policy.parallel_blocks, residual_multiplier(config, layer),
+                           layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules)
+
+
+def tsp_mixer(attention, config, policy, topology, tsp_config, read, device, where):
+    """The TSP block of a Hugging Face token mixer: a recurrent mixer (``ds_tsp.blocks.linear``), a latent
+    attention or an attention."""
     options = dict(layout_name=tsp_config.layout, backend=tsp_config.attention_backend, overlap=tsp_config.overlap,
-                   token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators,
-                   read=_prefixed(read, mixer), device=device)
-    if mixer in policy.recurrent:
+                   token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators, read=read,
+                   device=device)
+    if is_recurrent(attention):
         recurrent = TSPMamba2 if is_mamba2(attention) else TSPGatedDeltaNet
-        tsp_attention = recurrent.from_hf(attention, config, topology.tsp_group, **options)
+        block = recurrent.from_hf(attention, config, topology.tsp_group, **options)
     elif is_latent_attention(attention):
         form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention
-        tsp_attention = TSPLatentAttention.from_hf(attention, config, topology.tsp_group, form=form, **options)
+        block = TSPLatentAttention.from_hf(attention, config, topology.tsp_group, form=form, **options)
     else:
-        tsp_attention = TSPAttention.from_hf(attention, config, topology.tsp_group,
-                                             fused=policy.fused.get(policy.attention), **options)
+        block = TSPAttention.from_hf(attention, config, topology.tsp_group, fused=policy.fused.get(policy.attention),
+                                     **options)
         if policy.rotary_emb is None:  # a model without a rotary embedding (NoPE): its attention takes no tables
-            tsp_attention.rope = NO_ROTARY
+            block.rope = NO_ROTARY
+    layer_class, name = where.split(".", 1)
+    keep_frozen(attention, block, layer_class, name)
+    return block
+
+
+def tsp_mlp(mlp, policy, topology, tsp_config, read, device, where):
+    """The TSP block of a Hugging Face MLP: a ``TSPSparseMoE`` where the policy says it is sparse, else a
+    ``TSPGatedMLP``."""
     sparse = policy.is_sparse(mlp)
-    tsp_mlp = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
+    block = (TSPSparseMoE if sparse else TSPGatedMLP).from_hf(
         mlp, topology.tsp_group, overlap=tsp_config.overlap, token_tile=tsp_config.token_tile,
-        fp32_accumulators=tsp_config.fp32_accumulators, read=_prefixed(read, policy.mlp), device=device,
+        fp32_accumulators=tsp_config.fp32_accumulators, read=read, device=device,
         **({"schedule": cheaper_moe_schedule if tsp_config.moe_schedule == "auto" else tsp_config.moe_schedule,
             "ep_group": topology.ep_group} if sparse else
            {"fused": policy.fused.get(policy.mlp), "activation": policy.activation}))
     if sparse:
-        check_router(tsp_mlp, f"{type(layer).__name__}.{policy.mlp}")
-    keep_frozen(attention, tsp_attention, type(layer).__name__, mixer)
-    keep_frozen(mlp, tsp_mlp, type(layer).__name__, policy.mlp)
-    if sparse and tsp_mlp.shared_mlp_name:  # a folded block's shared expert, a TSP MLP of its own
-        shared = tsp_mlp.shared_mlp_name
-        keep_frozen(mlp.get_submodule(shared), tsp_mlp.get_submodule(shared), type(layer).__name__,
-                    f"{policy.mlp}.{shared}")
-    for where, block in ((mixer, tsp_attention), (policy.mlp, tsp_mlp)):
-        shard_adapters(block, block_adapters(adapters or {}, where))
-    beside = policy.beside(layer)
-    experts = None if beside is None else experts_beside_mlp(layer, beside, topology, tsp_config, read, device)
-    norms = policy.norm_names() + list(beside.norms() if beside else ())
-    inputs = policy.layer_inputs(layer)
-    input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), inputs.activation)} \
-        if inputs else {}
-    return TSPDecoderLayer(tsp_attention, tsp_mlp, {name: layer.get_submodule(name) for name in norms},
-                           policy.norm_layout, tsp_config.recompute_norms, rotary_kind, mixer, policy.mlp,
-                           policy.parallel_blocks, residual_multiplier(config, layer),
-                           layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules)
+        check_router(block, where)
+    layer_class, name = where.split(".", 1)
+    keep_frozen(mlp, block, layer_class, name)
+    if sparse and block.shared_mlp_name:  # a folded block's shared expert, a TSP MLP of its own
+        shared = block.shared_mlp_name
+        keep_frozen(mlp.get_submodule(shared), block.get_submodule(shared), layer_class, f"{name}.{shared}")
+    return block
 
 
 def experts_beside_mlp(layer, beside, topology, tsp_config, read=None, device=None):
@@ -251,7 +272,8 @@ def check_expert_parallel(layers, policy, topology, tsp_config):
                          f"asks for {expected}: build it with TSPTopology.of(tsp_config)")
     if not tsp_config.folds_experts:
         return
-    sparse = [layer.get_submodule(policy.mlp) for layer in layers if policy.is_sparse(layer.get_submodule(policy.mlp))]
+    mlps = [layer.get_submodule(policy.mlp_of(layer)) for layer in layers if policy.mlp_of(layer) is not None]
+    sparse = [mlp for mlp in mlps if policy.is_sparse(mlp)]
     sparse += [policy.beside(layer).hf_block(layer) for layer in layers
                if policy.beside(layer) is not None]  # experts beside the MLP (Gemma 4's, Granite-4.0-H's)
     if not sparse:

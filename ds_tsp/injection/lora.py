@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ds_tsp.blocks.latent.module import is_latent_attention
-from ds_tsp.injection.policy import PolicyError
+from ds_tsp.injection.policy import PolicyError, is_recurrent
 from ds_tsp.parallel import comm
 
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
@@ -295,16 +295,17 @@ def check_adapter_paths(adapters, policy, layers):
     allowed = set()
     for index, layer in enumerate(layers):
         prefix = f"{policy.layers}.{index}"
-        if policy.mixer(layer) == policy.attention:  # no adapters on a hybrid's Gated DeltaNet
-            latent = is_latent_attention(layer.get_submodule(policy.attention))
-            allowed |= {f"{prefix}.{policy.attention}.{name}" for name in (LATENT_TARGETS if latent else attention)}
-        if not policy.is_sparse(layer.get_submodule(policy.mlp)):
-            allowed |= {f"{prefix}.{policy.mlp}.{name}" for name in mlp}
+        mixer, mlp_name = policy.mixer(layer), policy.mlp_of(layer)
+        if mixer is not None and not is_recurrent(layer.get_submodule(mixer)):  # none on a hybrid's recurrent mixer
+            latent = is_latent_attention(layer.get_submodule(mixer))
+            allowed |= {f"{prefix}.{mixer}.{name}" for name in (LATENT_TARGETS if latent else attention)}
+        if mlp_name is not None and not policy.is_sparse(layer.get_submodule(mlp_name)):
+            allowed |= {f"{prefix}.{mlp_name}.{name}" for name in mlp}
     for path in adapters:
         if path not in allowed:
             raise PolicyError(f"a LoRA adapter on {path}: ds_tsp shards adapters on the decoder layers' "
                               f"{', '.join(attention)} (a latent attention's {', '.join(LATENT_TARGETS)}; none on "
-                              f"a Gated DeltaNet's) and a dense MLP's {', '.join(mlp)}: drop it from "
+                              f"a recurrent mixer's) and a dense MLP's {', '.join(mlp)}: drop it from "
                               "LoraConfig(target_modules=...)")
 
 

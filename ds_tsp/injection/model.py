@@ -61,6 +61,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.residual_multiplier = residual_multiplier
         # Registered in the order they run (experts beside the MLP and per-layer inputs after the rest):
         # DeepSpeed lays parameters out (ZeRO's flat buffers, its checkpoints) in this order.
+        # A layer of one block (Nemotron-H's) holds no mixer (``mixer_name`` None) or no MLP (``mlp`` None).
         for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
                                              ("mlp", mlp, layout["mlp"])):
             for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
@@ -90,6 +91,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     def hf_prefixes(self):
         """``{attribute of a TSP block: its Hugging Face prefix under the layer}`` (``block_attribute``)."""
         prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name}
+        prefixes = {attribute: hf for attribute, hf in prefixes.items()
+                    if attribute is not None and getattr(self, attribute) is not None}
         return prefixes if self.moe is None else {**prefixes, "moe": self.beside.block}
 
     def hf_blocks(self):
@@ -101,9 +104,10 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         return {} if self.layer_scalar is None else {"layer_scalar": self.layer_scalar}
 
     @property
-    def mixer(self):
-        """The token mixer: the TSP attention, or a hybrid's Gated DeltaNet."""
-        return getattr(self, self.mixer_name)
+    def token_mixer(self):
+        """The token mixer: the TSP attention, or a hybrid's recurrent mixer, under its Hugging Face name
+        ``mixer_name``; None in a layer of an MLP alone."""
+        return None if self.mixer_name is None else getattr(self, self.mixer_name)
 
     def norms(self):
         """The layer's norms by Hugging Face name."""
@@ -127,7 +131,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         (``beside.input_norm``), else the MLP's normed input."""
         before, after = self.layout[block]
         norm = None if before is None else getattr(self, before)
-        module = self.mixer if block == "attention" else self.mlp
+        module = self.token_mixer if block == "attention" else self.mlp
         if (run_with_norm is not None and norm is not None and self.recompute_norms and torch.is_grad_enabled()
                 and module.takes_input_norm(norm)):
             out = run_with_norm(hidden, norm)
@@ -147,7 +151,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     @property
     def kv_sharing(self):
         """How the layer's attention shares keys and values across layers (``TSPAttention.kv_sharing``)."""
-        return getattr(self.mixer, "kv_sharing", None)
+        return getattr(self.token_mixer, "kv_sharing", None)
 
     def forward(self, hidden_states, position_embeddings, documents=None, positions=None, cache_positions=None,
                 spans=None, shared=None, per_layer_input=None):
@@ -159,7 +163,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         ``shared``, one that stores them returns ``(hidden, its local keys and values)``, so that an
         activation checkpoint sees them as its input and output. ``per_layer_input``: the layer's input from the
         per-layer embedding ``(B, S/D, P)`` (``inputs``)."""
-        scale = getattr(self.mixer, "query_scale", None)
+        scale = getattr(self.token_mixer, "query_scale", None)
         options = {} if scale is None else {
             "positions": query_scale_positions(scale, positions, cache_positions)}
         if spans is not None:
@@ -169,7 +173,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         stored = []
 
         def attention(normed, **norm):
-            out = self.mixer(normed, position_embeddings, documents, **norm, **options)
+            out = self.token_mixer(normed, position_embeddings, documents, **norm, **options)
             if self.kv_sharing == "store":
                 out, kv = out
                 stored.append(kv)
@@ -191,8 +195,10 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         if self.parallel and run_experts is not None:
             raise ValueError("experts beside the MLP in a layer whose blocks run side by side: not built")
         if not self.parallel:
-            hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
-            hidden = self.branch("mlp", hidden, run_mlp, run_experts=run_experts)
+            if self.token_mixer is not None:
+                hidden = self.branch("attention", hidden, run_attention, run_attention_with_norm)
+            if self.mlp is not None:
+                hidden = self.branch("mlp", hidden, run_mlp, run_experts=run_experts)
         else:
             before, _ = self.layout["attention"]
             normed = normalize(getattr(self, before), hidden, self.recompute_norms)
@@ -211,12 +217,12 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         return hidden + normalize(norm, projection(gated), self.recompute_norms)
 
 
-def block_attribute(hf_prefix, mlp_name):
+def block_attribute(hf_prefix, mlp_name, experts_name=""):
     """The ``TSPDecoderLayer`` attribute holding the TSP block whose Hugging Face prefix under the layer is
     ``hf_prefix``: the token mixer's own name, ``mlp`` for the MLP whatever its Hugging Face name ``mlp_name``
-    (Granite-MoE's ``block_sparse_moe``), ``moe`` for experts beside it (prefix "": their tensors are the
-    layer's own)."""
-    return {"": "moe", mlp_name: "mlp"}.get(hf_prefix, hf_prefix)
+    (Granite-MoE's ``block_sparse_moe``; None in a layer of a mixer alone), ``moe`` for experts beside it under
+    ``experts_name`` (Granite-4.0-H's block; "" where their tensors are the layer's own, Gemma 4's)."""
+    return {experts_name: "moe", mlp_name: "mlp"}.get(hf_prefix, hf_prefix)
 
 
 def normalize(norm, hidden, recompute):
@@ -416,7 +422,7 @@ class TSPCausalLMMixin:
         spans = None if visual is None else visual.spans(batch.left_padding)
         shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, decoder_layer in enumerate(layers):
-            sharing, key = decoder_layer.kv_sharing, getattr(decoder_layer.mixer, "kv_key", None)
+            sharing, key = decoder_layer.kv_sharing, getattr(decoder_layer.token_mixer, "kv_key", None)
             hidden = decoder_layer(hidden, tables[decoder_layer.rotary_kind], batch.documents, batch.position_ids,
                                    batch.cache_positions, spans, shared_kv[key] if sharing == "reuse" else None,
                                    None if layer_inputs is None else layer_inputs[:, :, index])
@@ -546,7 +552,7 @@ class TSPCausalLMMixin:
 
 def _check_chunked_documents(batch, layers):
     """Refuse packed documents that chunked attention layers (Llama 4's) would cut elsewhere than Hugging Face."""
-    if not batch.documents_start_at_zero and any(getattr(layer.mixer, "attention_chunk", None) for layer in layers):
+    if not batch.documents_start_at_zero and any(getattr(layer.token_mixer, "attention_chunk", None) for layer in layers):
         raise ValueError("packed documents whose position_ids do not restart at 0 with chunked attention "
                          "layers (attention_chunk_size): Hugging Face cuts chunks off the position ids, ds_tsp "
                          "from each document's start; give every document position ids from 0 "

@@ -94,7 +94,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Recurrent layers (ds_tsp.blocks.linear) among them: the hybrids' Gated DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2
 # (Bamba, Granite-4.0-H); Llama 4's chunked
 # layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
-MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention")
+# Layers of one block (Nemotron-H's) name their MLP and MoE layers too.
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe")
 
 
 def full_or_sliding(layer_types):
@@ -431,6 +432,9 @@ class DecoderPolicy:
     experts_beside_mlp: ExpertsBesideMLP | None = None
     # Per-layer inputs from a second embedding (Gemma 4's), where the model has them, or None.
     per_layer_inputs: PerLayerInputs | None = None
+    # One block a layer (Nemotron-H's): its token mixer or its MLP under this name, after the layer's one norm
+    # (``norm_layout``'s first), the layer's kind by what the block is; None: a mixer and an MLP every layer.
+    single_block: str | None = None
 
     def model_inputs(self, model):
         """The ``PerLayerInputs`` of ``model`` where it has a per-layer embedding, else None."""
@@ -449,15 +453,40 @@ class DecoderPolicy:
             return None
         return beside if isinstance(getattr(beside.hf_block(layer), beside.experts, None), nn.Module) else None
 
+    def experts_prefix(self, layer):
+        """The Hugging Face prefix of the experts ``layer`` holds beside its MLP: their block's, or "" where
+        their tensors are the layer's own (and where there are none)."""
+        beside = self.beside(layer)
+        return "" if beside is None else beside.block
+
     def block_prefixes(self, layer):
         """The Hugging Face prefixes, under ``layer``, of the tensors its TSP blocks hold (those the blocks read
         and write, rather than the layer's norms): the mixer's, the MLP's and those of experts beside it."""
         beside = self.beside(layer)
-        return (self.mixer(layer), self.mlp, *(beside.parts() if beside else ()))
+        return tuple(name for name in (self.mixer(layer), self.mlp_of(layer), *(beside.parts() if beside else ()))
+                     if name is not None)
 
     def mixer(self, layer):
-        """The name of ``layer``'s token mixer: its recurrent mixer where it holds one, else its attention."""
+        """The name of ``layer``'s token mixer: its recurrent mixer where it holds one, else its attention;
+        None for a single-block layer holding an MLP."""
+        if self.single_block is not None:
+            return self.single_block if is_token_mixer(layer.get_submodule(self.single_block)) else None
         return next((name for name in self.recurrent if getattr(layer, name, None) is not None), self.attention)
+
+    def mlp_of(self, layer):
+        """The name of ``layer``'s MLP (or MoE block); None for a single-block layer holding a token mixer."""
+        if self.single_block is not None:
+            return None if is_token_mixer(layer.get_submodule(self.single_block)) else self.single_block
+        return self.mlp
+
+    def layout_of(self, layer):
+        """The norms ``(before, after)`` each block of ``layer``: ``norm_layout``, but a single-block layer's
+        one norm before the block it holds."""
+        if self.single_block is None:
+            return self.norm_layout
+        norm = self.norm_names()[0]
+        mixes = self.mixer(layer) is not None
+        return {"attention": (norm if mixes else None, None), "mlp": (None if mixes else norm, None)}
 
     def rotary_module(self, model):
         """``model``'s rotary embedding module, or None where it has none."""
@@ -531,11 +560,17 @@ AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
                 AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PRE_FF_NORMS),
                 DecoderPolicy("auto", None, norm_layout=PARALLEL_NORMS, parallel_blocks=True))
+# Auto's layers of one block (Nemotron-H's): an attention, a Mamba-2 mixer, an MLP or an MoE block at ``mixer``,
+# after the layer's one ``norm``.
+SINGLE_BLOCK = DecoderPolicy("auto", None, attention="mixer", mlp="mixer", recurrent=(), single_block="mixer",
+                             norm_layout={"attention": ("norm", None), "mlp": (None, None)})
 # Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's and
 # Bamba's; Granite-4.0-H's dense MLP).
 MLP_NAMES = ("block_sparse_moe", "feed_forward", "shared_mlp")
-# Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's).
+# Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's), and without an
+# ``embed_tokens`` its embedding (Nemotron-H's).
 FINAL_NORM_NAMES = ("final_layernorm", "norm_f")
+EMBEDDING_NAME = "embeddings"
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 # Granite-4.0-H's shared MLP: gate and up rows in input_linear, down_proj named output_linear.
@@ -550,6 +585,16 @@ ATTENTION_NORMS = tuple(attention.QK_NORMS)
 ATTENTION_TENSORS = ("sinks",)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
+
+
+def is_recurrent(module):
+    """Whether ``module`` is a recurrent token mixer ds_tsp builds (``ds_tsp.blocks.linear``)."""
+    return is_gated_delta_net(module) or is_mamba2(module)
+
+
+def is_token_mixer(module):
+    """Whether ``module`` mixes tokens (an attention, a latent attention or a recurrent mixer), not an MLP."""
+    return is_recurrent(module) or is_latent_attention(module) or isinstance(getattr(module, "o_proj", None), nn.Module)
 
 
 def latent_projections(attn):
@@ -654,23 +699,19 @@ def resolve_policy(model, name="auto"):
                        and p.model_class == model_class), AUTO)
     else:
         policy = POLICIES[name]
-    check_linear_layers(model_class, config, layers, policy)
     if policy is AUTO:
-        policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
-                                                                  for norm in layout.norm_names())), AUTO)
-        if not hasattr(layers[0], policy.mlp):
-            policy = dataclasses.replace(policy, mlp=next(
-                (n for n in MLP_NAMES if getattr(layers[0], n, None) is not None), policy.mlp))
-        if getattr(layers[0], "shared_mlp", None) is not None and \
-                any(getattr(layer, GRANITE_EXPERTS.block, None) is not None for layer in layers):
-            policy = dataclasses.replace(policy, mlp="shared_mlp", experts_beside_mlp=GRANITE_EXPERTS)
+        policy = auto_layout(layers)
         policy = with_mlp_names(policy, layers)
         final_norm = next((name for name in FINAL_NORM_NAMES if get_submodule(model, f"{decoder}.{name}") is not None
                            and get_submodule(model, f"{decoder}.norm") is None), None)
         if final_norm is not None:
             policy = dataclasses.replace(policy, final_norm=f"model.{final_norm}")
+        if get_submodule(model, f"{decoder}.embed_tokens") is None and \
+                get_submodule(model, f"{decoder}.{EMBEDDING_NAME}") is not None:
+            policy = dataclasses.replace(policy, embed_tokens=f"model.{EMBEDDING_NAME}")
         if get_submodule(model, f"{decoder}.rotary_emb") is None:  # a model without positions (NoPE); the probe
             policy = dataclasses.replace(policy, rotary_emb=None)  # finds an attention that rotates all the same
+    check_linear_layers(model_class, config, layers, policy)
     if decoder != "model":
         policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
                                                 for part in DECODER_PARTS if getattr(policy, part) is not None})
@@ -689,10 +730,28 @@ def resolve_policy(model, name="auto"):
     check_float32_tensors(model, layers, policy)
     for index, layer in enumerate(layers):
         check_layer(policy, layer, f"{policy.layers}.{index}")
-    if any(policy.is_sparse(layer.get_submodule(policy.mlp)) for layer in layers if hasattr(layer, policy.mlp)):
+    mlps = [get_submodule(layer, policy.mlp_of(layer)) for layer in layers if policy.mlp_of(layer) is not None]
+    if any(mlp is not None and policy.is_sparse(mlp) for mlp in mlps):
         check_load_balancing(type(model), config)
     for index, layer in enumerate(layers):
         check_window(policy, layer, config, index, f"{policy.layers}.{index}")
+    return policy
+
+
+def auto_layout(layers):
+    """Auto's policy for ``layers`` by the names they hold: one block a layer (``SINGLE_BLOCK``), or the layout
+    of norms whose every name the first layer holds (``AUTO_LAYOUTS``), with its MLP where the layer keeps it
+    (``MLP_NAMES``) and Granite-4.0-H's MoE beside its shared MLP."""
+    if getattr(layers[0], SINGLE_BLOCK.single_block, None) is not None:
+        return SINGLE_BLOCK
+    policy = next((layout for layout in AUTO_LAYOUTS if all(hasattr(layers[0], norm)
+                                                          for norm in layout.norm_names())), AUTO)
+    if not hasattr(layers[0], policy.mlp):
+        policy = dataclasses.replace(policy, mlp=next(
+            (n for n in MLP_NAMES if getattr(layers[0], n, None) is not None), policy.mlp))
+    if getattr(layers[0], "shared_mlp", None) is not None and \
+            any(getattr(layer, GRANITE_EXPERTS.block, None) is not None for layer in layers):
+        policy = dataclasses.replace(policy, mlp="shared_mlp", experts_beside_mlp=GRANITE_EXPERTS)
     return policy
 
 
@@ -720,8 +779,8 @@ def with_mlp_names(policy, layers):
     ``FUSED_GATE_UP``), no gate at all (Nemotron's, Arcee's: ``gated_mlp``), the
     activation module named ``activation_fn`` (GLM's, Phi-3's). The probe then
     checks the layer computes what these names say."""
-    mlp = next((layer.get_submodule(policy.mlp) for layer in layers if hasattr(layer, policy.mlp)
-                and not policy.is_sparse(layer.get_submodule(policy.mlp))), None)
+    mlps = [get_submodule(layer, policy.mlp_of(layer)) for layer in layers if policy.mlp_of(layer) is not None]
+    mlp = next((mlp for mlp in mlps if mlp is not None and not policy.is_sparse(mlp)), None)
     if mlp is None:
         return policy
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
@@ -846,34 +905,37 @@ def check_own_tensors(module, where, layer_class, known=()):
 
 def check_layer(policy, layer, where):
     """Refuse a decoder layer that is not exactly a token mixer (attention, or a
-    hybrid's Gated DeltaNet or Mamba-2 mixer) + gated MLP + the policy's norms."""
+    hybrid's Gated DeltaNet or Mamba-2 mixer) + gated MLP + the policy's norms,
+    or one of the two where the policy's layers hold one block (``single_block``)."""
     layer_class = type(layer).__name__
     if policy.layer_class is not None and layer_class != policy.layer_class:
         raise PolicyError(f"{where} is a {layer_class}, but tsp.policy = {policy.name!r} converts "
                           f"{policy.layer_class}: set tsp.policy to \"auto\" or the matching architecture")
     children = dict(layer.named_children())
-    mixer = policy.mixer(layer)
-    linear = mixer in policy.recurrent
-    mamba = linear and is_mamba2(children[mixer])
+    mixer, mlp = policy.mixer(layer), policy.mlp_of(layer)
+    attn = children.get(mixer) if mixer is not None else None
+    linear = attn is not None and is_recurrent(attn)
+    mamba = linear and is_mamba2(attn)
     if mamba:
-        check_mamba2(children[mixer], f"{where}.{mixer}", layer_class)
+        check_mamba2(attn, f"{where}.{mixer}", layer_class)
     elif linear:
-        check_delta_net(children[mixer], f"{where}.{mixer}", layer_class)
-    sparse = policy.mlp in children and policy.is_sparse(children[policy.mlp])
-    latent = not linear and policy.attention in children and is_latent_attention(children[policy.attention])
+        check_delta_net(attn, f"{where}.{mixer}", layer_class)
+    sparse = mlp in children and policy.is_sparse(children[mlp])
+    latent = not linear and attn is not None and is_latent_attention(attn)
     if linear:
-        mixer_parts = MAMBA2_MODULES if mamba else delta_net_projections(children[mixer])
+        mixer_parts = MAMBA2_MODULES if mamba else delta_net_projections(attn)
     elif latent:
-        mixer_parts = latent_projections(children[policy.attention])
+        mixer_parts = latent_projections(attn)
     else:
         mixer_parts = policy.hf_projections(policy.attention, ATTENTION_PROJECTIONS)
-        if attention.values_from_keys(children.get(policy.attention)):
+        if attention.values_from_keys(attn):
             mixer_parts = tuple(p for p in mixer_parts if p != "v_proj")
-        if attention.reuses_kv(children.get(policy.attention)):  # an earlier layer's keys and values
+        if attention.reuses_kv(attn):  # an earlier layer's keys and values
             mixer_parts = tuple(p for p in mixer_parts if p not in ("k_proj", "v_proj"))
-    expected = {mixer: mixer_parts,
-                policy.mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections()),
-                **{name: () for name in policy.norm_names()}}
+    expected = {**({} if mixer is None else {mixer: mixer_parts}),
+                **({} if mlp is None else
+                   {mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections())}),
+                **{name: () for pair in policy.layout_of(layer).values() for name in pair if name is not None}}
     beside = policy.beside(layer)
     if beside is not None:
         check_experts_beside(layer, beside, where, layer_class)
@@ -883,7 +945,7 @@ def check_layer(policy, layer, where):
         expected.update(dict.fromkeys(inputs.layer_parts(), ()))
     check_own_tensors(layer, where, layer_class, LAYER_TENSORS)
     for child, projections in expected.items():
-        if (sparse and child == policy.mlp) or (beside is not None and child in beside.parts()):
+        if (sparse and child == mlp) or (beside is not None and child in beside.parts()):
             continue  # check_sparse_block below, check_experts_beside above
         if child not in children:
             raise PolicyError(f"{layer_class} at {where} has no '{child}' submodule: cannot convert it to a TSP layer")
@@ -892,8 +954,8 @@ def check_layer(policy, layer, where):
         missing = [p for p in projections if p not in grandchildren]
         # One pair of q/k norms at most: the first present is the pair the TSP attention takes, another is unexpected;
         # a layer reusing an earlier layer's keys has the query's alone.
-        pair = next((pair for pair in ATTENTION_NORMS if grandchildren & set(pair)), ()) \
-            if child == policy.attention else ()
+        attends = child == mixer and not linear and not latent
+        pair = next((pair for pair in ATTENTION_NORMS if grandchildren & set(pair)), ()) if attends else ()
         pair = set(pair[:1] if pair and attention.reuses_kv(module) else pair)
         unexpected = sorted(grandchildren - set(projections) - pair)
         missing += sorted(pair - grandchildren)
@@ -907,9 +969,8 @@ def check_layer(policy, layer, where):
         if projections and child == mixer and linear:
             check_own_tensors(module, f"{where}.{child}", layer_class, MAMBA2_TENSORS if mamba else DELTA_NET_TENSORS)
         elif projections:
-            check_own_tensors(module, f"{where}.{child}", layer_class,
-                              ATTENTION_TENSORS if child == policy.attention else ())
-            if latent and child == policy.attention:
+            check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
+            if latent and child == mixer:
                 _check_latent_biases(module, f"{where}.{child}", layer_class)
             else:
                 _check_biases(module, projections, f"{where}.{child}", layer_class)
@@ -917,16 +978,16 @@ def check_layer(policy, layer, where):
         if name not in expected and _holds_tensors(children[name]):
             raise PolicyError(f"{layer_class} at {where} has an unexpected submodule '{name}' "
                               "that the TSP layer would ignore: this layer is not supported")
-    # The latent attention reads its head sizes from the config (shards.LatentShapes).
-    if not latent and not linear and not isinstance(getattr(children[policy.attention], "head_dim", None), int):
-        raise PolicyError(f"{layer_class} at {where}.{policy.attention} has no integer head_dim, which the TSP "
-                          "attention reads to split heads: this layer is not supported")
-    if not latent and not linear:
-        check_qk_norms(policy, children[policy.attention], f"{where}.{policy.attention}", layer_class)
+    if attn is not None and not latent and not linear:
+        # The latent attention reads its head sizes from the config (shards.LatentShapes).
+        if not isinstance(getattr(attn, "head_dim", None), int):
+            raise PolicyError(f"{layer_class} at {where}.{mixer} has no integer head_dim, which the TSP "
+                              "attention reads to split heads: this layer is not supported")
+        check_qk_norms(policy, attn, f"{where}.{mixer}", layer_class)
     if sparse:
-        check_sparse_block(children[policy.mlp], f"{where}.{policy.mlp}", layer_class, policy.layer_class is None)
-    elif not hasattr(children[policy.mlp], policy.activation):
-        raise PolicyError(f"{layer_class} at {where}.{policy.mlp} has no {policy.activation}: not a gated MLP "
+        check_sparse_block(children[mlp], f"{where}.{mlp}", layer_class, policy.layer_class is None)
+    elif mlp is not None and not hasattr(children[mlp], policy.activation):
+        raise PolicyError(f"{layer_class} at {where}.{mlp} has no {policy.activation}: not a gated MLP "
                           "ds_tsp knows")
 
 
@@ -1056,7 +1117,7 @@ def check_qk_norms(policy, attn, where, layer_class):
 
 def check_sparse_block(block, where, layer_class, auto=False):
     """Refuse a sparse MoE block that is not a router (``gate`` or ``router``) +
-    fused experts (+ a shared expert, a gated MLP without biases, at
+    fused experts (+ a shared expert, an MLP without biases, gated or not, at
     ``shared_expert`` with or without its gate, a Linear H -> 1 without bias, or
     at ``shared_experts``). Under ``auto`` the router's and the block's
     forwards are unknown: ``ds_tsp.injection.probe`` compares them with HF's."""
@@ -1092,9 +1153,9 @@ def check_sparse_block(block, where, layer_class, auto=False):
     if shared:
         expert = block.get_submodule(shared[0])
         grandchildren = {n for n, m in expert.named_children() if _holds_tensors(m)}
-        if grandchildren != set(MLP_PROJECTIONS) or mlp_activation(expert) is None or any(
-                getattr(expert.get_submodule(p), "bias", None) is not None for p in MLP_PROJECTIONS):
-            raise PolicyError(f"{layer_class} at {where}.{shared[0]} is not a gated MLP without biases")
+        if grandchildren not in (set(MLP_PROJECTIONS), set(UNGATED_MLP_PROJECTIONS)) or mlp_activation(expert) is None \
+                or any(getattr(expert.get_submodule(p), "bias", None) is not None for p in grandchildren):
+            raise PolicyError(f"{layer_class} at {where}.{shared[0]} is not an MLP (gated or not) without biases")
         check_own_tensors(expert, f"{where}.{shared[0]}", layer_class)
     gate = getattr(block, moe_plan.SHARED_GATE, None)
     if gate is not None and (not isinstance(gate, nn.Linear) or gate.out_features != 1 or gate.bias is not None):

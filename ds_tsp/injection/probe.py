@@ -39,7 +39,7 @@ from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.rotary import ComplexRotary, model_rotary, rotary_tables
 from ds_tsp.blocks.vocab import LogitMap, embedding_multiplier, map_logits, scaled
 from ds_tsp.injection.model import TSPBatch
-from ds_tsp.injection.policy import PolicyError, text_config
+from ds_tsp.injection.policy import PolicyError, is_recurrent, text_config
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.host_reads import host_read
 
@@ -69,13 +69,32 @@ FLOAT64_IMPLEMENTATIONS = ("sdpa", "eager")
 SEED = 1234
 
 
-class _PassThrough(nn.Module):
+class _StandIn(nn.Module):
+    """A module standing in for ``original`` (kept outside the module tree): the
+    plain attributes the model's forward reads of its layers (Nemotron-H's
+    ``block_type``) are the original's."""
+
+    def __init__(self, original=None):
+        super().__init__()
+        object.__setattr__(self, "_original", original)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None or name.startswith("_"):
+                raise
+            return getattr(original, name)
+
+
+class _PassThrough(_StandIn):
     """A decoder layer (or norm, or head) that returns its input; ``extra``
     Nones after it for a layer whose forward returns a tuple its model unpacks
     (Bamba's ``hidden_states, attn_weights``)."""
 
-    def __init__(self, extra=0):
-        super().__init__()
+    def __init__(self, extra=0, original=None):
+        super().__init__(original)
         self.extra = extra
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -93,11 +112,11 @@ def _tuple_extras(decoder):
     return 0 if unpacked is None else unpacked[1].count(",")
 
 
-class _Recorder(nn.Module):
+class _Recorder(_StandIn):
     """Runs ``layer`` and keeps its input and output hidden states."""
 
     def __init__(self, layer):
-        super().__init__()
+        super().__init__(layer)
         self.layer = layer
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -132,16 +151,18 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             outside, inside = _probe(model, policy, topology, probe_config, build, index, device)
         where = f"{type(model).__name__} ({type(layers[index]).__name__} at {policy.layers}.{index})"
         tolerance, reference = base_tolerance, base_reference
-        if policy.mixer(layers[index]) != policy.attention:
+        mixer, mlp = policy.mixer(layers[index]), policy.mlp_of(layers[index])
+        if mixer is not None and is_recurrent(layers[index].get_submodule(mixer)):
             tolerance = max(tolerance, LINEAR_TOLERANCE)
-            reference += f" ({tolerance:.0e} for a Gated DeltaNet layer, whose rule Hugging Face runs in float32)"
-        elif getattr(text_config(model), "enable_moe_fp32_combine", False) and policy.is_sparse(
-                layers[index].get_submodule(policy.mlp)):
+            reference += f" ({tolerance:.0e} for a recurrent layer, whose rule Hugging Face runs in float32)"
+        elif getattr(text_config(model), "enable_moe_fp32_combine", False) and mlp is not None and policy.is_sparse(
+                layers[index].get_submodule(mlp)):
             tolerance = max(tolerance, FLOAT32_COMBINE_TOLERANCE)
             reference += (f" ({tolerance:.0e} for a layer whose experts Hugging Face adds in float32, "
                           "config.enable_moe_fp32_combine)")
-        attn = getattr(layers[index], policy.attention, None)
-        if attn is not None and not is_latent_attention(attn) and isinstance(model_rotary(attn), ComplexRotary):
+        attn = None if mixer is None else layers[index].get_submodule(mixer)
+        if attn is not None and not is_recurrent(attn) and not is_latent_attention(attn) and \
+                isinstance(model_rotary(attn), ComplexRotary):
             tolerance = max(tolerance, COMPLEX_ROTARY_TOLERANCE)
             reference += (f" ({tolerance:.0e} for a layer rotating by a complex table in float32, Llama 4's "
                           "apply_rotary_emb)")
@@ -227,8 +248,10 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
                               f"could not run on the float64 probe ({type(error).__name__}: {error}): ds_tsp does "
                               "not support it") from error
         layer_in, layer_out = recorder.seen
-        # The final logits mapped as the TSP head does (LogitMap: scaled, soft-capped), nothing else.
-        expected = map_logits(layer_out, LogitMap.of(config))
+        # The final logits mapped as the TSP head does (LogitMap: scaled, soft-capped), nothing else; in the
+        # dtype the model hands them out in (Nemotron-H's in float32 whatever its own: the TSP head's loss and
+        # logits take the model's, float32 or wider inside).
+        expected = map_logits(layer_out, LogitMap.of(config)).to(logits.dtype)
         # What reaches the first layer: the embeddings fed in, times the model's embedding_multiplier (Granite's).
         outside = torch.maximum(_relative(layer_in, scaled(hidden, embedding_multiplier(config))),
                                 _relative(logits.to(layer_out.dtype), expected))
@@ -270,7 +293,7 @@ def _swapped(model, policy, index, recorder, rotary):
     saved = {path: model.get_submodule(path) for path in stand_ins}
     try:
         for i in range(len(layers)):
-            layers[i] = recorder if i == index else _PassThrough(extras)
+            layers[i] = recorder if i == index else _PassThrough(extras, saved_layers[i])
         for path, module in stand_ins.items():
             model.set_submodule(path, module)
         yield

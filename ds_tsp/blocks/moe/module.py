@@ -63,6 +63,7 @@ from ds_tsp.blocks.moe.plan import (
     scales_expert_inputs,
     shard_piece,
     shard_spec,
+    shared_is_gated,
     shared_weights,
 )
 from ds_tsp.blocks.moe.ring import moe_ring
@@ -93,7 +94,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def __init__(self, hidden_size, num_experts, experts, act_fn, router, tsp_group, shared_size=0,
                  shared_gate=None, overlap=True, token_tile=0, fp32_accumulators=True, schedule="ring", dtype=None,
                  device=None, router_name="gate", shared_name="shared_expert", router_buffers=None, ep_group=None,
-                 scales_inputs=False, input_norm=None, input_norm_name=None):
+                 scales_inputs=False, input_norm=None, input_norm_name=None, shared_gated=True):
         super().__init__()
         if shared_gate is not None and not shared_size:
             raise ValueError("a shared_expert_gate needs its shared expert")
@@ -109,8 +110,9 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         # Folded, a shared expert is a TSP MLP of its own; else its slice ends the packed shard.
         self.shared_mlp_name = shared_name if self.folded and shared_size else None
         packed_shared = 0 if self.shared_mlp_name else shared_size
+        self.shared_gated = shared_gated  # the shared expert gate_proj, up_proj, down_proj, or the last two
         self.spec = shard_spec(hidden_size, num_experts, experts, self.tsp_size, packed_shared, shared_name,
-                               self.ep_size)
+                               self.ep_size, shared_gated)
         self.act_fn = act_fn
         self.overlap = overlap
         if not callable(schedule) and schedule not in MOE_SCHEDULES:
@@ -120,7 +122,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         if self.shared_mlp_name:
             self.add_module(shared_name, TSPGatedMLP(hidden_size, shared_size, act_fn, tsp_group, overlap=overlap,
                                                      token_tile=token_tile, fp32_accumulators=fp32_accumulators,
-                                                     dtype=dtype, device=device))
+                                                     dtype=dtype, device=device, gated=shared_gated))
         self.router_name = router_name
         self.add_module(router_name, router)
         # Buffers the Hugging Face block holds and hands its router by name, kept under the block's names.
@@ -208,7 +210,7 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
                      fp32_accumulators=fp32_accumulators, schedule=schedule, dtype=dtype, device=device,
                      router_name=router_name, shared_name=shared_name or "shared_expert",
                      router_buffers=router_buffers, ep_group=ep_group, scales_inputs=scales_expert_inputs(moe),
-                     input_norm=input_norm, input_norm_name=input_norm_name)
+                     input_norm=input_norm, input_norm_name=input_norm_name, shared_gated=shared_is_gated(moe))
         read = read or module_reader(moe)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         if module.shared_mlp_name:

@@ -54,10 +54,12 @@ def shared_tensors(shared_name):
 
 
 def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, shared_name="shared_expert",
-               expert_parallel_size=None):
+               expert_parallel_size=None, shared_gated=True):
     """``PackSpec`` of one rank's shard, ``experts`` an ``ExpertLayout``, the
     routed experts split over ``expert_parallel_size`` ranks (None: the TSP
-    group); raises if ``E`` (or the shared expert's intermediate size) does not split evenly."""
+    group), a shared expert gated or not (``shared_gated``: Nemotron-H's is
+    ``up``, ``down`` alone); raises if ``E`` (or the shared expert's
+    intermediate size) does not split evenly."""
     ep = expert_parallel_size or tsp_size
     if ep != tsp_size and num_experts % ep:
         raise ValueError(f"num_experts {num_experts} is not divisible by tsp.expert_parallel_size {ep}: choose "
@@ -73,7 +75,8 @@ def shard_spec(hidden_size, num_experts, experts, tsp_size, shared_size=0, share
     shapes = {name: (e, *shape) for name, shape in experts.shapes.items()}
     if shared_size:
         gate, up, down = shared_tensors(shared_name)
-        shapes.update({gate: (f, hidden_size), up: (f, hidden_size), down: (hidden_size, f)})
+        shapes.update({**({gate: (f, hidden_size)} if shared_gated else {}), up: (f, hidden_size),
+                       down: (hidden_size, f)})
     return PackSpec(shapes)
 
 
@@ -136,8 +139,14 @@ def hf_sizes(hf_moe):
     num_experts = hf_moe.experts.down_proj.shape[0]
     hidden_size = hf_moe.experts.down_proj.shape[-1 if experts.transposed else 1]
     shared_name = child_named(hf_moe, SHARED_NAMES)
-    shared_size = 0 if shared_name is None else hf_moe.get_submodule(shared_name).gate_proj.out_features
+    shared_size = 0 if shared_name is None else hf_moe.get_submodule(shared_name).up_proj.out_features
     return hidden_size, num_experts, experts, shared_size, shared_name
+
+
+def shared_is_gated(hf_moe):
+    """Whether the Hugging Face block's shared expert (if any) is a gated MLP (``gate_proj``: all but Nemotron-H's)."""
+    shared_name = child_named(hf_moe, SHARED_NAMES)
+    return shared_name is None or hasattr(hf_moe.get_submodule(shared_name), "gate_proj")
 
 
 # Llama 4's block: each routed row is the token times its routing score, the experts' outputs summed unweighted.
@@ -230,7 +239,8 @@ class MoEPlan:
         on the MLP's ring, for the all-to-all schedule."""
         tsp_size = comm.group_size(self.group)
         shared_down = next(shape for name, shape in self.spec.shapes.items() if name.endswith(".down_proj.weight"))
-        spec = mlp_shard_spec(shared_down[0], shared_down[1] * tsp_size, tsp_size, bias=False)
+        gated = any(name.endswith(".gate_proj.weight") for name in self.spec.shapes if not is_routed(name))
+        spec = mlp_shard_spec(shared_down[0], shared_down[1] * tsp_size, tsp_size, bias=False, gated=gated)
         return MLPPlan(spec, self.act_fn, self.group, self.overlap, self.token_tile, self.fp32_accumulators,
                        self.grad_wire_dtype)
 

@@ -88,9 +88,7 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
 
     def shared_backward(x_piece, grad_piece, scale, w, grads):
         """The shared expert's slice on some tokens, as ``piece_backward``."""
-        gate = F.linear(x_piece, w["gate_proj.weight"])
-        up = F.linear(x_piece, w["up_proj.weight"])
-        out = F.linear(plan.act_fn(gate) * up, w["down_proj.weight"])
+        out, gate, up = gated_shard_forward(x_piece, w, plan.act_fn)  # gated or not
         grad_scale_piece = (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
         grad_out = (grad_piece * scale).to(x.dtype)
         piece_grad_x, piece_grads = gated_shard_backward(x_piece, grad_out, w, plan.act_fn, gate, up)
