@@ -25,7 +25,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
-                          NemotronHConfig, NemotronHForCausalLM)
+                          NemotronHConfig, NemotronHForCausalLM, OlmoHybridConfig, OlmoHybridForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
@@ -56,6 +56,7 @@ from transformers.models.bamba import modeling_bamba
 from transformers.models.falcon_h1 import modeling_falcon_h1
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
+from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
@@ -91,7 +92,7 @@ AttentionMaskInterface.register("eager_wide_softmax", eager_mask)  # additive fl
 
 
 def rms_norm_in_the_wider_dtype(self, hidden_states):
-    """OLMo-2/3's (OLMoE's, FlexOlmo's, MiniMax-M2's) RMSNorm as Hugging Face writes it, but in float32 or the
+    """OLMo-2/3's (OLMoE's, FlexOlmo's, MiniMax-M2's, OLMo-Hybrid's) RMSNorm as Hugging Face writes it, but in float32 or the
     input's dtype if wider: HF's computes in float32 even in a float64 model
     (and so its q/k norms make every number after them float32-exact only)."""
     input_dtype = hidden_states.dtype
@@ -102,7 +103,7 @@ def rms_norm_in_the_wider_dtype(self, hidden_states):
 
 
 Olmo2RMSNorm.forward = Olmo3RMSNorm.forward = OlmoeRMSNorm.forward = FlexOlmoRMSNorm.forward = \
-    MiniMaxM2RMSNorm.forward = rms_norm_in_the_wider_dtype
+    MiniMaxM2RMSNorm.forward = modeling_olmo_hybrid.OlmoHybridRMSNorm.forward = rms_norm_in_the_wider_dtype
 # The MLA models' norms, whose latent norms (kv_a_layernorm, q_a_layernorm) are HF's float32 RMSNorm too.
 DeepseekV3RMSNorm.forward = modeling_deepseek_v2.DeepseekV2RMSNorm.forward = Glm4MoeLiteRMSNorm.forward = \
     YoutuRMSNorm.forward = Mistral4RMSNorm.forward = rms_norm_in_the_wider_dtype
@@ -250,10 +251,15 @@ def widen_float32_casts(modeling):
         elif name.endswith("ForCausalLM") and "logits = self.lm_head(hidden_states).float()" in source:  # Nemotron-H's
             cls.forward = widened(cls.forward, {"logits = self.lm_head(hidden_states).float()":
                                                 "logits = self.lm_head(hidden_states)"})
-        elif name.endswith("GatedDeltaNet") and "self.A_log.float()" in source:
+        elif name.endswith("GatedDeltaNet") and "self.A_log.float()" in source and "a.float()" in source:
             cls.forward = widened(cls.forward, {
                 "self.A_log.float()": "self.A_log.to(torch.promote_types(a.dtype, torch.float32))",
                 "a.float()": "a.to(torch.promote_types(a.dtype, torch.float32))"})
+        elif name.endswith("GatedDeltaNet") and "self.a_proj(hidden_states).float()" in source:  # OLMo-Hybrid's
+            cls.forward = widened(cls.forward, {
+                "self.A_log.float()": "self.A_log.to(torch.promote_types(hidden_states.dtype, torch.float32))",
+                "self.a_proj(hidden_states).float()": "self.a_proj(hidden_states).to(torch.promote_types("
+                                                      "hidden_states.dtype, torch.float32))"})
         elif name.endswith("RMSNormGated") and "torch.float32" in source:
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
         elif name.endswith("RMSNorm") and "(1.0 + self.weight.float())" in source:
@@ -270,7 +276,7 @@ def widen_float32_casts(modeling):
 
 
 for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_bamba,
-                 modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1):
+                 modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1, modeling_olmo_hybrid):
     widen_float32_casts(modeling)
 
 
@@ -470,6 +476,10 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "qwen3_next_dense": (Qwen3NextConfig, {"num_experts": 0}),
                 "qwen3_5": (Qwen3_5TextConfig, {}),
                 "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE),
+                # OLMo-Hybrid: one Linear per projection, negative eigenvalues (beta up to 2), post-norm attention
+                # layers with q/k norms over the projection beside pre-norm linear ones.
+                "olmo_hybrid": (OlmoHybridConfig, {"linear_allow_neg_eigval": True, "pad_token_id": 0, "layer_types": [
+                    "linear_attention", "linear_attention", "full_attention", "linear_attention"]}),
                 "bamba": (BambaConfig, {**MAMBA2_TINY, "attn_layer_indices": [2]}),
                 # Nemotron-H: one block a layer (Mamba-2, MLP, NoPE attention, MoE: its pattern's letters), ungated
                 # relu2 MLPs and experts, a sigmoid group-limited router with a shared expert.
@@ -546,7 +556,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
-                 "nemotron_h": NemotronHForCausalLM}
+                 "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")
@@ -618,7 +628,18 @@ TINY_SIZES = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidde
 # Gemma 3's causal LM is its vision-language model, whose composite config takes tiny sizes in its parts: the
 # decoder's TINY_SIZES, a SigLIP tower of one block over 8 x 8 images pooled to 16 tokens, the image
 # placeholders at the top of the vocabulary (the scan's text-only rows may hold them: no image replaces them).
+# Mamba-2 mixers whose default heads (128 of 64) are not the tiny inner width (2 x 16): 8 heads of 4, 2 groups of state
+# 4, 8-token SSM chunks; the hybrids' layer patterns at two or three layers.
+MAMBA2_TINY_TYPES = dict(mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=4, mamba_chunk_size=8)
 TINY_TYPE_SIZES = {"stablelm": dict(hidden_size=32),
+                   "bamba": MAMBA2_TINY_TYPES, "granitemoehybrid": MAMBA2_TINY_TYPES,
+                   "mamba2": dict(num_heads=8, head_dim=4, n_groups=2, state_size=4, chunk_size=8, expand=2),
+                   "zamba2": dict(n_mamba_heads=8, mamba_headdim=4, mamba_ngroups=2, mamba_d_state=4, chunk_size=8,
+                                  layers_block_type=["mamba", "hybrid"]),
+                   # Zamba's shared transformer is tied across its hybrid layers: two of them, a Mamba layer between.
+                   "zamba": dict(layers_block_type=["hybrid", "mamba", "hybrid"], num_hidden_layers=3, mamba_dt_rank=4,
+                                 attn_layer_period=2, attn_layer_offset=0),
+                   "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
                    # Gemma 4's full layers (512-wide heads by default) and per-layer embedding (262,144 rows of 256
                    # a layer by default) at tiny sizes too.
                    "gemma4_text": dict(global_head_dim=8, hidden_size_per_layer_input=4, vocab_size_per_layer_input=61),

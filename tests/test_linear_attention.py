@@ -1,6 +1,7 @@
-"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under TSP against the unsharded Hugging Face
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) under TSP against the unsharded Hugging Face
 model, float64, with Hugging Face's float32 casts of the linear layers widened to float64 (tests/models.py)."""
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -28,7 +29,7 @@ def test_hybrids_match_hugging_face(run_ranks, tsp_size):
     the reference's (where it is above 1): the first tokens of a document reach the l2 norm of the rule with
     small queries, so these tiny models' gradients reach ~150, and Hugging Face's own gradients move by
     2.9e-10 between its chunk sizes 64 and 2."""
-    for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+    for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"):
         for case in CASES:
             check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
 
@@ -51,6 +52,21 @@ def _no_halo(**kwargs):
 
     with mock.patch("ds_tsp.blocks.linear.conv.halos", no_halos), mock.patch("ds_tsp.injection.inject.probe_layers"):
         return model_parity(**kwargs)
+
+
+def _beta_in_zero_one(**kwargs):
+    """``model_parity`` with OLMo-Hybrid's negative eigenvalues dropped (beta in [0, 1], not [0, 2])."""
+    with mock.patch.object(TSPGatedDeltaNet, "plan", lambda self, x, documents=None: dataclasses.replace(
+            plan_of(self, x, documents), beta_scale=1.0)), mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+plan_of = TSPGatedDeltaNet.plan
+
+
+def test_negative_eigenvalues_are_needed(run_ranks):
+    check_caught(run_ranks(2, _beta_in_zero_one, arch="olmo_hybrid", batch=2, seq_len=13, relative=True),
+                 "OLMo-Hybrid's beta in [0, 1]")
 
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
@@ -91,11 +107,9 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
             assert forward == planned["forward"] and both == planned["both"]
 
 
-@pytest.mark.parametrize("model_type, mixer", [("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
-                                               ("kimi_linear", "KimiLinearDeltaAttention")])
+@pytest.mark.parametrize("model_type, mixer", [("kimi_linear", "KimiLinearDeltaAttention")])
 def test_other_linear_layers_are_refused_by_name(model_type, mixer):
-    """OLMo-Hybrid's DeltaNet (negative eigenvalues, its own projections) and Kimi Linear's KDA (a decay per key
-    channel): refused before any weight moves, naming the layer's class."""
+    """Kimi Linear's KDA (a decay per key channel): refused before any weight moves, naming the layer's class."""
     import ds_tsp
     from ds_tsp.config import TSPConfig
 
@@ -103,7 +117,7 @@ def test_other_linear_layers_are_refused_by_name(model_type, mixer):
         ds_tsp.inject(tiny_causal_lm(model_type, device="meta"), TSPTopology(1), TSPConfig(enabled=True, size=1))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "olmo_hybrid"])
 def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each

@@ -14,7 +14,9 @@ where ``gate_up_proj[e]`` is gate then up on dim 0 (``(F, H)`` each) and
 ``down_proj[e]`` is down; Mixtral's whole block is renamed in the files
 (``block_sparse_moe.`` for ``mlp.``, its router too), ERNIE 4.5-MoE's
 score-correction bias lies beside its router (``mlp.moe_statics.`` for
-``mlp.gate.moe_statics.``). The layout of a model
+``mlp.gate.moe_statics.``), Nemotron-H's ungated experts are ``up_proj`` and
+``down_proj`` alone and its files name the decoder ``backbone.`` for
+``model.``. The layout of a model
 type is read from transformers' own conversion mapping
 (``get_checkpoint_conversion_mapping``). Names and views only, no files:
 ``reading`` groups file names into the model's tensors, ``writing`` splits the
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import dot_natural_key
 
-_FUSED = re.compile(r"(?P<block>.+\.)experts\.(?P<fused>gate_up_proj|down_proj)")
+_FUSED = re.compile(r"(?P<block>.+\.)experts\.(?P<fused>gate_up_proj|up_proj|down_proj)")
 _PER_EXPERT = re.compile(r"(?P<block>.+\.)experts\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight")
 
 
@@ -86,7 +88,7 @@ class ExpertFiles:
 
 
 _SOURCE_PROJECTION = re.compile(r"experts\.\*\.(?P<projection>\w+)\.weight$")
-_TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|down_proj)$")
+_TARGET_FUSED = re.compile(r"experts\.(?P<fused>gate_up_proj|up_proj|down_proj)$")
 _PLAIN_NAME = re.compile(r"[\w.]+")  # a renaming's pattern that names tensors literally (no wildcards)
 
 
@@ -113,7 +115,7 @@ def expert_files(config):
             projections[fused["fused"]] = tuple(part["projection"] for part in parts)
         elif len(sources) == len(targets) == 1 and None not in (_literal(sources[0]), _literal(targets[0])):
             renames.append((_literal(sources[0]), _literal(targets[0])))
-    if projections and set(projections) != {"gate_up_proj", "down_proj"}:
+    if projections and set(projections) not in ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"}):
         return None
     return ExpertFiles(tuple(renames), projections) if renames or projections else None
 

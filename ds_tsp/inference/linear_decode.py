@@ -80,7 +80,7 @@ def decode_delta_net(net, h, conv_state, recurrent_state, sum_over_group):
     conv_state.copy_(window[..., 1:])
     q, k, v = mixed.split([s.key_rows, s.key_rows, s.value_rows], dim=-1)
     wide = recurrent_state.dtype
-    beta = b[:, 0].sigmoid().to(wide)  # (B, hv)
+    beta = (b[:, 0].sigmoid() if net.beta_scale == 1 else b[:, 0].sigmoid() * net.beta_scale).to(wide)  # (B, hv)
     g = -w["A_log"].to(wide).exp() * F.softplus(a[:, 0].to(wide) + w["dt_bias"])
 
     def heads(t, dim):  # (B, h*dim) -> (B, hv, dim), keys and queries repeated to the value heads

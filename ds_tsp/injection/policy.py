@@ -34,6 +34,7 @@ from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
 from ds_tsp.blocks.linear.module import is_gated_delta_net
+from ds_tsp.blocks.linear.module import norm_name as linear_norm_name
 from ds_tsp.blocks.mlp import mlp_activation
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
@@ -135,8 +136,9 @@ SLIDING = {
                            "(each layer's window is checked against the one HF's mask uses), chunked_attention "
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
                            "layers holding a Gated DeltaNet or a Mamba-2 mixer are run by ds_tsp's; indexed_attention "
-                           "(DeepSeek-V3.2's sparse indexer attention) and other linear layers (Kimi Linear's KDA, "
-                           "Mamba-1) are not built under TSP"),
+                           "(DeepSeek-V3.2's sparse indexer attention), other linear layers (Kimi Linear's KDA, "
+                           "Mamba-1), conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
+                           "attention and Mamba-2 side by side) are not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -435,6 +437,9 @@ class DecoderPolicy:
     # One block a layer (Nemotron-H's): its token mixer or its MLP under this name, after the layer's one norm
     # (``norm_layout``'s first), the layer's kind by what the block is; None: a mixer and an MLP every layer.
     single_block: str | None = None
+    # Layers of two classes with their norms laid out differently (OLMo-Hybrid's post-norm attention layers beside
+    # pre-norm linear ones): each layer's layout is the first of AUTO_LAYOUTS whose norms it holds (auto only).
+    layouts_by_layer: bool = False
 
     def model_inputs(self, model):
         """The ``PerLayerInputs`` of ``model`` where it has a per-layer embedding, else None."""
@@ -482,6 +487,9 @@ class DecoderPolicy:
     def layout_of(self, layer):
         """The norms ``(before, after)`` each block of ``layer``: ``norm_layout``, but a single-block layer's
         one norm before the block it holds."""
+        if self.layouts_by_layer:
+            return next((layout.norm_layout for layout in AUTO_LAYOUTS
+                         if all(hasattr(layer, norm) for norm in layout.norm_names())), self.norm_layout)
         if self.single_block is None:
             return self.norm_layout
         norm = self.norm_names()[0]
@@ -567,9 +575,9 @@ SINGLE_BLOCK = DecoderPolicy("auto", None, attention="mixer", mlp="mixer", recur
 # Where a layer without an ``mlp`` keeps its MLP or MoE block (Granite-MoE's, Mixtral's old name; Llama 4's and
 # Bamba's; Granite-4.0-H's dense MLP).
 MLP_NAMES = ("block_sparse_moe", "feed_forward", "shared_mlp")
-# Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's), and without an
+# Where a decoder without a ``norm`` keeps its final norm (Bamba's and Falcon-H1's, Nemotron-H's, LFM's), and without an
 # ``embed_tokens`` its embedding (Nemotron-H's).
-FINAL_NORM_NAMES = ("final_layernorm", "norm_f")
+FINAL_NORM_NAMES = ("final_layernorm", "norm_f", "embedding_norm")  # the last: LFM's
 EMBEDDING_NAME = "embeddings"
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
@@ -690,6 +698,12 @@ def resolve_policy(model, name="auto"):
                           "causal LMs shaped like LlamaForCausalLM, and vision-language models holding one "
                           "(get_decoder())")
     config = text_config(model)
+    if decoder != "model" and getattr(model.config, "vision_config", None) is None:
+        raise PolicyError(f"{model_class} keeps its decoder layers at '{decoder}.layers' and is no vision-language "
+                          f"model ({type(layers[0]).__name__}: a state-space model without attention, Mamba's or "
+                          "Mamba-2's, keeps its blocks there): ds_tsp converts causal LMs shaped like "
+                          "LlamaForCausalLM and the hybrids among them (Mamba-2 mixers beside attention layers under "
+                          "model.layers: Bamba, Granite-4.0-H, Nemotron-H); train it with tsp.enabled false")
     if decoder != "model":
         vision_family(model)
     layer_class = type(layers[0]).__name__
@@ -752,6 +766,8 @@ def auto_layout(layers):
     if getattr(layers[0], "shared_mlp", None) is not None and \
             any(getattr(layer, GRANITE_EXPERTS.block, None) is not None for layer in layers):
         policy = dataclasses.replace(policy, mlp="shared_mlp", experts_beside_mlp=GRANITE_EXPERTS)
+    if len({type(layer) for layer in layers}) > 1:
+        policy = dataclasses.replace(policy, layouts_by_layer=True)
     return policy
 
 
@@ -994,12 +1010,15 @@ def check_layer(policy, layer, where):
 # A Gated DeltaNet's submodules, in either of Hugging Face's layouts (ds_tsp.blocks.linear.shards), and the
 # tensors it holds itself.
 DELTA_NET_INPUTS = {"interleaved": ("in_proj_qkvz", "in_proj_ba"),
-                    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+                    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                    "separate": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")}
 DELTA_NET_TENSORS = ("A_log", "dt_bias")
 
 
 def delta_net_projections(module):
     """The submodules of a Gated DeltaNet (``ds_tsp.blocks.linear``) in its layout."""
+    if hasattr(module, "q_proj"):  # OLMo-Hybrid's
+        return (*DELTA_NET_INPUTS["separate"], "conv1d", "o_norm", "o_proj")
     inputs = DELTA_NET_INPUTS["interleaved" if hasattr(module, "in_proj_qkvz") else "split"]
     return (*inputs, "conv1d", "norm", "out_proj")
 
@@ -1012,15 +1031,17 @@ def check_linear_layers(model_class, config, layers, policy):
         if kind != "linear_attention" or index >= len(layers):
             continue
         layer = layers[index]
-        mixer = layer.get_submodule(policy.mixer(layer))
-        if not is_gated_delta_net(mixer) and not is_mamba2(mixer):
+        name = policy.mixer(layer)
+        mixer = None if name is None else get_submodule(layer, name)
+        if mixer is None or not is_recurrent(mixer):
             raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
-                              f"{type(mixer).__name__}, not a recurrent mixer of the kinds ds_tsp builds: a Gated "
-                              "DeltaNet (in_proj_qkvz/in_proj_ba or in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: "
-                              "Qwen3-Next's, Qwen3.5's) or a Mamba-2 mixer (in_proj, conv1d, dt_bias, A_log, D, a "
-                              "gated norm: Bamba's, Granite-4.0-H's); Kimi Linear's KDA (a decay per key channel), "
-                              "OLMo-Hybrid's DeltaNet (negative eigenvalues) and Mamba-1 layers are not built under "
-                              "TSP: train this model with tsp.enabled false")
+                              f"{type(mixer or layer).__name__}, not a recurrent mixer of the kinds ds_tsp builds: a "
+                              "Gated DeltaNet (in_proj_qkvz/in_proj_ba, in_proj_qkv/in_proj_z/in_proj_b/in_proj_a or "
+                              "q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's) or a Mamba-2 mixer (in_proj, "
+                              "conv1d, dt_bias, A_log, D, a gated norm: Bamba's, Granite-4.0-H's, Nemotron-H's); Kimi "
+                              "Linear's KDA (a decay per key channel) and Mamba-1 layers (Jamba's, Zamba's: a decay "
+                              "per channel and state entry) are not built under TSP: train this model with "
+                              "tsp.enabled false")
 
 
 def check_mamba2(module, where, layer_class):
@@ -1053,28 +1074,29 @@ def check_delta_net(module, where, layer_class):
     """A Gated DeltaNet ds_tsp builds: unbiased projections, a depthwise causal
     convolution over the queries', keys' and values' channels, a gated norm of
     one value head's width, and Hugging Face's head sizes; any other linear
-    layer (Kimi Linear's KDA, OLMo-Hybrid's, Mamba's) is refused by name."""
+    layer (Kimi Linear's KDA, Mamba's) is refused by name."""
     kind = type(module).__name__
     if not is_gated_delta_net(module):
         raise PolicyError(f"{layer_class} at {where} is a {kind}, a linear-attention layer ds_tsp does not build "
-                          "under TSP (it builds Gated DeltaNet layers fed by in_proj_qkvz/in_proj_ba or "
-                          "in_proj_qkv/in_proj_z/in_proj_b/in_proj_a: Qwen3-Next's, Qwen3.5's): train this model "
-                          "with tsp.enabled false")
+                          "under TSP (it builds Gated DeltaNet layers fed by in_proj_qkvz/in_proj_ba, "
+                          "in_proj_qkv/in_proj_z/in_proj_b/in_proj_a or q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, "
+                          "OLMo-Hybrid's): train this model with tsp.enabled false")
     sizes = ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
     if not all(isinstance(getattr(module, name, None), int) for name in sizes) or not isinstance(
-            getattr(module, "activation", None), str) or getattr(module, "allow_neg_eigval", False):
+            getattr(module, "activation", None), str):
         raise PolicyError(f"{layer_class} at {where} ({kind}) lacks Gated DeltaNet's integer {sizes} or its "
-                          "activation name, or changes its rule (allow_neg_eigval): ds_tsp does not build it")
-    biased = [name for name in delta_net_projections(module) if name not in ("conv1d", "norm")
+                          "activation name: ds_tsp does not build it")
+    norm = linear_norm_name(module)
+    biased = [name for name in delta_net_projections(module) if name not in ("conv1d", norm)
               and getattr(module.get_submodule(name), "bias", None) is not None]
     conv, channels = module.conv1d, 2 * module.num_k_heads * module.head_k_dim + module.num_v_heads * module.head_v_dim
     if biased or conv.groups != channels or conv.in_channels != channels or conv.padding[0] != conv.kernel_size[0] - 1:
         raise PolicyError(f"{layer_class} at {where} ({kind}) has biases on {biased} or a convolution "
                           f"{conv} that is not depthwise and causal over its {channels} query/key/value channels: "
                           "ds_tsp does not build it")
-    if module.norm.weight.numel() != module.head_v_dim:
-        raise PolicyError(f"{layer_class} at {where}.norm normalises {module.norm.weight.numel()} features, not one "
-                          f"value head's {module.head_v_dim}: ds_tsp does not build it")
+    if module.get_submodule(norm).weight.numel() != module.head_v_dim:
+        raise PolicyError(f"{layer_class} at {where}.{norm} normalises {module.get_submodule(norm).weight.numel()} "
+                          f"features, not one value head's {module.head_v_dim}: ds_tsp does not build it")
 
 
 def check_qk_norms(policy, attn, where, layer_class):

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from transformers import LlamaConfig, PretrainedConfig
 
+from ds_tsp.blocks.attention.module import qk_norm_names
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.rotary import ComplexRotary, model_rotary, rotary_tables
 from ds_tsp.blocks.vocab import LogitMap, embedding_multiplier, map_logits, scaled
@@ -62,6 +63,10 @@ FLOAT32_COMBINE_TOLERANCE = EAGER_TOLERANCE
 # so a TSP head group and Hugging Face's whole projection differ by float32 round-off (1.4e-8 measured at D=2):
 # compared as under eager attention.
 COMPLEX_ROTARY_TOLERANCE = EAGER_TOLERANCE
+# Hugging Face's q/k norms over the whole projection (OLMo-2's kind: OLMo-Hybrid's under auto) compute in float32
+# whatever the model's dtype; the TSP attention sums their squares over the ranks' head groups in float32 or wider:
+# compared as under eager attention.
+FLOAT32_NORM_TOLERANCE = EAGER_TOLERANCE
 # Attention implementations that run float64 on any device; the probe runs any
 # other (flash kernels take half precision on GPUs only) under SDPA, or eager
 # where the class does not take SDPA.
@@ -166,6 +171,11 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             tolerance = max(tolerance, COMPLEX_ROTARY_TOLERANCE)
             reference += (f" ({tolerance:.0e} for a layer rotating by a complex table in float32, Llama 4's "
                           "apply_rotary_emb)")
+        if attn is not None and not is_recurrent(attn) and not is_latent_attention(attn) and \
+                _float32_projection_norms(attn):
+            tolerance = max(tolerance, FLOAT32_NORM_TOLERANCE)
+            reference += (f" ({tolerance:.0e} for q/k norms over the whole projection, which Hugging Face computes "
+                          "in float32 and the TSP attention from every rank's sums of squares)")
         if outside > tolerance:
             head = "lm_head" if logit_map is None else f"lm_head -> {logit_map}"
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
@@ -272,6 +282,21 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
     verdict = torch.stack([outside, inside]).to(torch.float64).to(comm.group_device(topology.tsp_group))
     comm.all_reduce(verdict, topology.tsp_group)
     return host_read(verdict, "probe").tolist()
+
+
+def _float32_projection_norms(attn):
+    """Whether ``attn``'s q/k norms span its whole projection (wider than a head) and compute in float32."""
+    names, _ = qk_norm_names(attn)
+    norms = [getattr(attn, name) for name in names or ()]
+    return any(norm.weight.numel() != getattr(attn, "head_dim", 0) and "torch.float32" in _forward_source(norm)
+               for norm in norms if getattr(norm, "weight", None) is not None)
+
+
+def _forward_source(module):
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _relative(actual, expected):

@@ -1,5 +1,5 @@
-"""The TSP Gated DeltaNet block (Qwen3.5, Qwen3.5-MoE, Qwen3-Next and every
-Hugging Face class of their shape): this rank's head group of one linear
+"""The TSP Gated DeltaNet block (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid
+and every Hugging Face class of their shape): this rank's head group of one linear
 attention layer, built from a Hugging Face module or a checkpoint
 (``from_hf``, ``load_shard``), run by ``ds_tsp.blocks.linear.schedule``.
 """
@@ -11,7 +11,7 @@ import torch.nn as nn
 from transformers.activations import ACT2FN
 
 from ds_tsp.blocks.linear.schedule import DeltaNetPlan, TSPDeltaNetFunction
-from ds_tsp.blocks.linear.shards import REPLICATED, DeltaNetShapes
+from ds_tsp.blocks.linear.shards import SEPARATE_NAMES, DeltaNetShapes
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm, layout
 
@@ -26,7 +26,7 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
     """
 
     def __init__(self, shapes, tsp_group, norm, activation, *, layout_name="zigzag", overlap=True,
-                 fp32_accumulators=True, dtype=None, device=None):
+                 fp32_accumulators=True, dtype=None, device=None, norm_name="norm", beta_scale=1.0):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -38,6 +38,9 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
         self.lora = None
         self.hf_rows = shapes.hf_rows()
         self.norm = norm  # Hugging Face's gated norm module (one value head's width), kept whole
+        self.norm_name = norm_name  # its Hugging Face name (OLMo-Hybrid's o_norm)
+        # beta's range, 2 where the layer allows negative eigenvalues (OLMo-Hybrid's allow_neg_eigval), else 1
+        self.beta_scale = beta_scale
         self.activation = activation
         self.layout_name, self.overlap, self.fp32_accumulators = layout_name, overlap, fp32_accumulators
         self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
@@ -49,19 +52,21 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
         shard; ``read(name, piece)`` as ``TSPAttention.from_hf``'s (Hugging
         Face's names). ``backend`` and ``token_tile`` are the attention's
         options, which a layer without attention does not read."""
-        weight = layer.out_proj.weight
-        device = device or weight.device
         shapes = delta_net_shapes(layer, comm.group_size(tsp_group))
-        module = cls(shapes, tsp_group, copy.deepcopy(layer.norm).to_empty(device=device), ACT2FN[layer.activation],
-                     layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
-                     dtype=weight.dtype, device=device)
+        weight = shapes.hf_rows().hf_module(layer, "out_proj").weight
+        device = device or weight.device
+        name = norm_name(layer)
+        module = cls(shapes, tsp_group, copy.deepcopy(layer.get_submodule(name)).to_empty(device=device),
+                     ACT2FN[layer.activation], layout_name=layout_name, overlap=overlap,
+                     fp32_accumulators=fp32_accumulators, dtype=weight.dtype, device=device, norm_name=name,
+                     beta_scale=2.0 if getattr(layer, "allow_neg_eigval", False) else 1.0)
         read = module.hf_rows.reader(read or module_reader(layer))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
-        return {"norm.weight": self.norm.weight}
+        return {f"{self.norm_name}.weight": self.norm.weight}
 
     def shard_piece(self, name):
         return self.shapes.piece(name, self.tsp_rank)
@@ -77,7 +82,7 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
             starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
         return DeltaNetPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                             norm=self.norm, activation=self.activation, overlap=self.overlap, documents=documents,
-                            starts=starts, fp32_accumulators=self.fp32_accumulators,
+                            starts=starts, fp32_accumulators=self.fp32_accumulators, beta_scale=self.beta_scale,
                             grad_wire_dtype=self.grad_wire_dtype)
 
     def forward(self, x, position_embeddings=None, documents=None, input_norm=None):
@@ -91,18 +96,25 @@ def delta_net_shapes(layer, tsp_size):
     return DeltaNetShapes(hidden_size=layer.hidden_size, num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
                           head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim,
                           conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size,
-                          interleaved=hasattr(layer, "in_proj_qkvz"), conv_bias=layer.conv1d.bias is not None)
+                          interleaved=hasattr(layer, "in_proj_qkvz"), conv_bias=layer.conv1d.bias is not None,
+                          separate=hasattr(layer, "q_proj"))
 
 
 def is_gated_delta_net(module):
     """Whether ``module`` is a Gated DeltaNet layer of a shape ds_tsp takes: a
     short convolution and the gated delta rule's ``A_log`` / ``dt_bias``, fed
-    by ``in_proj_qkvz`` + ``in_proj_ba`` or ``in_proj_qkv`` + ``in_proj_z`` /
-    ``_b`` / ``_a``."""
+    by ``in_proj_qkvz`` + ``in_proj_ba``, ``in_proj_qkv`` + ``in_proj_z`` /
+    ``_b`` / ``_a``, or one Linear each (OLMo-Hybrid's ``q_proj`` ... ``g_proj``)."""
     return (isinstance(getattr(module, "conv1d", None), nn.Conv1d) and hasattr(module, "A_log")
-            and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
+            and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
+                 or all(hasattr(module, name) for name in SEPARATE_NAMES)))
+
+
+def norm_name(layer):
+    """The Hugging Face name of a Gated DeltaNet's gated norm: ``norm``, or OLMo-Hybrid's ``o_norm``."""
+    return "o_norm" if hasattr(layer, "o_norm") else "norm"
 
 
 def replicated_names(layer):
     """Hugging Face names of the Gated DeltaNet tensors TSP keeps whole on every rank."""
-    return list(REPLICATED)
+    return [f"{norm_name(layer)}.weight"]

@@ -60,6 +60,7 @@ class DeltaNetPlan:
     state_sink: object = None
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None
+    beta_scale: float = 1.0  # 2 where the layer allows negative eigenvalues (OLMo-Hybrid's allow_neg_eigval)
 
     @property
     def tsp_size(self):
@@ -94,7 +95,7 @@ def head_group(plan, x, w, norm_weight, sink=None):
                         plan.documents)
     q, k, v = mixed.split([shapes.key_rows, shapes.key_rows, shapes.value_rows], dim=-1)
     wide = torch.promote_types(x.dtype, torch.float32)
-    beta = b.sigmoid()
+    beta = b.sigmoid() if plan.beta_scale == 1 else b.sigmoid() * plan.beta_scale
     g = -w["A_log"].to(wide).exp() * F.softplus(a.to(wide) + w["dt_bias"])
     if plan.valid is not None:
         beta, g = beta * plan.valid[..., None], g * plan.valid[..., None]

@@ -14,7 +14,10 @@ Hugging Face lays the input projections out in two ways:
   and their kin): a rank's rows of ``in_proj_qkv`` are three pieces, read as
   the logical ``in_proj_q``, ``in_proj_k`` and ``in_proj_v`` (``ds_tsp.blocks.fused``);
 * ``in_proj_qkvz`` and ``in_proj_ba`` (Qwen3-Next), which keep each key head's
-  queries, keys, values and gates (``b``, ``a``) together: a rank's rows are one block.
+  queries, keys, values and gates (``b``, ``a``) together: a rank's rows are one block;
+* one Linear per projection (OLMo-Hybrid's ``q_proj``, ``k_proj``, ``v_proj``,
+  ``g_proj``, ``b_proj``, ``a_proj`` and ``o_proj``, its gated norm ``o_norm``):
+  the logical tensors under other names (``separate``).
 
 The convolution's channels are queries', keys', values' in both: three pieces,
 the logical ``conv1d_q``, ``conv1d_k`` and ``conv1d_v``.
@@ -27,7 +30,9 @@ from ds_tsp.blocks.packing import PackSpec
 
 CONV_PARTS = ("conv1d_q", "conv1d_k", "conv1d_v")
 QKV_PARTS = ("in_proj_q", "in_proj_k", "in_proj_v")
-REPLICATED = ("norm.weight",)
+# OLMo-Hybrid's Linear for each logical tensor (``DeltaNetShapes.separate``).
+SEPARATE_NAMES = {"q_proj": "in_proj_q", "k_proj": "in_proj_k", "v_proj": "in_proj_v", "g_proj": "in_proj_z",
+                  "b_proj": "in_proj_b", "a_proj": "in_proj_a", "o_proj": "out_proj"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class DeltaNetShapes:
     tsp_size: int
     interleaved: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, else in_proj_qkv / _z / _b / _a
     conv_bias: bool = False
+    separate: bool = False  # OLMo-Hybrid's q_proj / k_proj / v_proj / g_proj / b_proj / a_proj / o_proj
 
     def __post_init__(self):
         D, nk, nv = self.tsp_size, self.num_k_heads, self.num_v_heads
@@ -107,5 +113,10 @@ class DeltaNetShapes:
         """Where the logical tensors lie in Hugging Face's fused ones."""
         keys, values = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         rows = dict(zip(QKV_PARTS + CONV_PARTS, (keys, keys, values) * 2))
+        if self.separate:
+            rows.update({"in_proj_z": values, "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads,
+                         "out_proj": self.hidden_size})
+            return FusedRows.of({**{hf: (logical,) for hf, logical in SEPARATE_NAMES.items()}, "conv1d": CONV_PARTS},
+                                rows)
         table = {"conv1d": CONV_PARTS} if self.interleaved else {"in_proj_qkv": QKV_PARTS, "conv1d": CONV_PARTS}
         return FusedRows.of(table, rows)
