@@ -5,8 +5,14 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ds_tsp.blocks.linear import recurrence
+from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
+from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.planning.communication import mamba2_bytes_by_op
+from models import tiny_model
 from parity import TOLERANCE, check, check_caught, model_parity
 
 # Right- and left-padded, packed (documents restarting the positions: every state restarts at each, and the
@@ -80,3 +86,36 @@ def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
     for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
                                 ("head group scaled", model_parity, {"wrong_shard": "model.layers.0.mamba"})):
         check_caught(run_ranks(2, body, arch="bamba", batch=2, seq_len=13, relative=True, **kwargs), label)
+
+
+def _layer_bytes(seq_len):
+    """One Mamba-2 mixer's forward and backward on this rank's tokens: the bytes it received, by op."""
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    model = tiny_model("bamba")
+    tsp = TSPMamba2.from_hf(model.model.layers[0].mamba, model.config, topo.tsp_group)
+    torch.manual_seed(1)
+    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
+    x.requires_grad_()
+    comm.counter.reset()
+    y = tsp(x)
+    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    y.backward(torch.ones_like(y))
+    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+
+
+def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
+    """At D = 4 every op of a Mamba-2 layer moves what ``mamba2_bytes_by_op`` says, the same at S = 256 and
+    S = 4096: its three pieces' broadcasts, the convolution's halos (2 chunks x 3 tokens of every channel) and
+    the chunks' state maps (2 x 8 heads x (1 + n p)) and, backward, their gradients."""
+    config = tiny_model("bamba").config
+    sizes = (config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
+             config.mamba_d_state, config.mamba_d_conv)
+    for seq_len in (256, 4096):
+        for forward, both in run_ranks(4, _layer_bytes, seq_len=seq_len):
+            planned = {direction: mamba2_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction,
+                                                     conv_bias=config.mamba_conv_bias)
+                       for direction in ("forward", "both")}
+            print(f"S={seq_len}: forward {forward}, planned {planned['forward']}; fwd+bwd {both}, "
+                  f"planned {planned['both']}")
+            assert forward == planned["forward"] and both == planned["both"]

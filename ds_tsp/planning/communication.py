@@ -281,6 +281,40 @@ def delta_net_bytes_by_op(hidden_size, num_k_heads, num_v_heads, head_k_dim, hea
     return _by_direction(forward, backward, direction)
 
 
+def mamba2_bytes_by_op(hidden_size, num_heads, head_dim, n_groups, state_size, conv_kernel, batch, local_tokens,
+                       tsp_size, elem_bytes, direction, *, proj_bias=False, conv_bias=True, grad_wire_bytes=None):
+    """Bytes a rank receives in one Mamba-2 mixer (DESIGN.md 6n,
+    ``ds_tsp.blocks.linear.mamba2_schedule``), by op, for ``batch`` rows of
+    ``local_tokens`` a rank. Forward: every other rank's three pieces broadcast
+    (input rows, per-channel tensors, ``out_proj`` columns); each rank's two
+    chunks' last ``kernel - 1`` convolution inputs of every channel and their
+    two state maps (one scalar and ``n x p`` a head) all-gathered once.
+    Backward: the input and per-channel pieces broadcast again to recompute,
+    the halos and maps gathered again, the state gradients all-gathered, the
+    halos' gradients reduce-scattered, the output pieces broadcast, then the
+    input pieces a third time for the input's gradient; each piece's gradient
+    reduced to its owner in the gradient wire dtype. The states travel in
+    float32, or the model's dtype where wider. Nothing grows with the sequence
+    once a chunk holds ``kernel - 1`` tokens."""
+    D, e = tsp_size, elem_bytes
+    if D == 1:
+        return {}
+    state, a = max(e, 4), gradient_wire_bytes(e, grad_wire_bytes)
+    heads, inner, rows = num_heads // D, num_heads * head_dim // D, n_groups * state_size // D
+    inputs = (hidden_size + proj_bias) * (2 * inner + 2 * rows + heads)
+    channels = (conv_kernel + conv_bias) * (inner + 2 * rows) + 3 * heads
+    outputs = hidden_size * inner
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * D * (inner + 2 * rows)  # every channel, every rank's
+    maps = 2 * batch * num_heads * (1 + state_size * head_dim)
+    state_grads = 2 * batch * num_heads * state_size * head_dim
+    forward = {"broadcast": e * (D - 1) * (inputs + channels + outputs),
+               "all_gather": (D - 1) * (e * halo + state * maps)}
+    backward = {"broadcast": e * (D - 1) * (2 * inputs + channels + outputs),
+                "all_gather": (D - 1) * (e * halo + state * (maps + state_grads)),
+                "reduce_scatter": (D - 1) * e * halo, "reduce": a * (D - 1) * (inputs + channels + outputs)}
+    return _by_direction(forward, backward, direction)
+
+
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
                         grad_wire_bytes=None, expert_parallel_size=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts
