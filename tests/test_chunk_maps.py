@@ -1,5 +1,7 @@
 """Gated DeltaNet's chunk maps (ds_tsp.blocks.linear.delta_rule, composed by chunk_maps) against the token-by-token recurrence, float64."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,10 +12,12 @@ from ds_tsp.blocks.linear.delta_rule import chunk_terms, run_chunks, span_map
 
 
 def recurrence(q, k, v, g, beta, state):
-    """Hugging Face's torch_recurrent_gated_delta_rule, in the inputs' dtype: one token at a time."""
+    """Hugging Face's torch_recurrent_gated_delta_rule (or, with a decay per key channel ``g`` ``(B, h, L, dk)``,
+    recurrent_kimi_delta_attention), in the inputs' dtype: one token at a time."""
     outputs = []
     for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        state = state * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
         memory = (state * k[:, :, t].unsqueeze(-1)).sum(-2)
         delta = (v[:, :, t] - memory) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
@@ -21,22 +25,31 @@ def recurrence(q, k, v, g, beta, state):
     return torch.stack(outputs, dim=2), state
 
 
-def inputs(B=2, h=3, L=150, dk=8, dv=6, seed=0):
+def inputs(B=2, h=3, L=150, dk=8, dv=6, seed=0, per_channel=False):
+    """Random inputs of the rule; ``per_channel``: KDA's decay, one a key channel."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, h, L, dk, generator=gen, dtype=torch.float64), dim=-1) * dk ** -0.5
     k = F.normalize(torch.randn(B, h, L, dk, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, h, L, dv, generator=gen, dtype=torch.float64)
-    g = -F.softplus(torch.randn(B, h, L, generator=gen, dtype=torch.float64))
+    g = -F.softplus(torch.randn(B, h, L, *((dk,) if per_channel else ()), generator=gen, dtype=torch.float64))
     beta = torch.sigmoid(torch.randn(B, h, L, generator=gen, dtype=torch.float64))
     return q, k, v, g, beta
 
 
+class KDA:
+    """Kimi Linear's KDA for ``test_linear_recurrence``: the same rule with a decay per key channel."""
+
+    inputs = staticmethod(functools.partial(inputs, per_channel=True))
+    recurrence = staticmethod(recurrence)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("cuts", [[150], [70, 80], [13, 40, 37, 60], [5, 5, 100, 40]])
-def test_spans_run_from_composed_maps_equal_the_recurrence(cuts):
+def test_spans_run_from_composed_maps_equal_the_recurrence(cuts, per_channel):
     """The sequence cut into spans (lengths not multiples of the chunk): each span's map from a zero state,
     the composed prefixes as their initial states, each span run from its own: outputs and the final state
-    equal the recurrence's over the whole sequence."""
-    q, k, v, g, beta = inputs()
+    equal the recurrence's over the whole sequence; with a decay per key channel too (KDA's)."""
+    q, k, v, g, beta = inputs(per_channel=per_channel)
     start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected, final = recurrence(q, k, v, g, beta, start)
     bounds = torch.tensor([0] + cuts).cumsum(0).tolist()
@@ -85,6 +98,28 @@ def test_one_span_is_hugging_faces_chunked_rule():
           f"relative: out {ours[0]:.2e} (bound {bounds[0]:.2e}, HF's {control[0]:.2e}), "
           f"state {ours[1]:.2e} (bound {bounds[1]:.2e}, HF's {control[1]:.2e})")
     assert ours[0] <= bounds[0] and ours[1] <= bounds[1]
+
+
+def test_one_span_is_hugging_faces_kda():
+    """Against transformers' chunk_kimi_delta_attention (Kimi Linear's KDA, its decay per key channel), run in
+    float64 by patching its float32 casts away; its l2 norm and query scale left to it."""
+    from unittest import mock
+
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    q, k, v, g, beta = inputs(per_channel=True)
+    start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    to = torch.Tensor.to
+    with mock.patch.object(torch.Tensor, "to", lambda t, *a, **kw: t if a == (torch.float32,) else to(t, *a, **kw)), \
+            mock.patch.object(torch.Tensor, "float", lambda t: t):
+        expected, final = modeling_kimi_linear.chunk_kimi_delta_attention(
+            *(t.transpose(1, 2) for t in (q * q.shape[-1] ** 0.5, k, v, g)), beta.transpose(1, 2), chunk_size=32,
+            initial_state=start, output_final_state=True)
+    out, state = run_chunks(chunk_terms(q, k, v, g, beta, chunk_size=16), start)
+    diff, state_diff = (out.transpose(1, 2) - expected).abs().max().item(), (state - final).abs().max().item()
+    print(f"against HF's chunk_kimi_delta_attention (chunks 32 against 16): max|out diff| {diff:.2e}, "
+          f"state {state_diff:.2e}")
+    assert diff < 1e-12 and state_diff < 1e-12
 
 
 def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence():

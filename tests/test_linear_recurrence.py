@@ -13,7 +13,7 @@ from ds_tsp.parallel.topology import TSPTopology
 import test_chunk_maps
 import test_ssd
 
-RULES = {"gated_delta": (GATED_DELTA, test_chunk_maps), "ssd": (SSD, test_ssd)}
+RULES = {"gated_delta": (GATED_DELTA, test_chunk_maps), "ssd": (SSD, test_ssd), "kda": (GATED_DELTA, test_chunk_maps.KDA)}
 
 
 def _sharded_run(seq_len, layout_name="zigzag", rule="gated_delta"):
@@ -39,8 +39,8 @@ def _sharded_run(seq_len, layout_name="zigzag", rule="gated_delta"):
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_the_sharded_recurrence_equals_one_process(run_ranks, tsp_size, rule):
     # The maps' all-gather, per rank, whatever S: 2 chunks x B x h x (|T| + dk dv), |T| = dk dk for Gated
-    # DeltaNet's dense T, 1 for Mamba-2's scalar a head.
-    per_head = {"gated_delta": 8 * 8, "ssd": 1}[rule] + 8 * 6
+    # DeltaNet's and KDA's dense T, 1 for Mamba-2's scalar a head.
+    per_head = {"gated_delta": 8 * 8, "kda": 8 * 8, "ssd": 1}[rule] + 8 * 6
     for seq_len in (40, 120):  # chunks of 5 and 15 tokens at D=4: not multiples of the 16-token chunk
         for layout_name in ("zigzag", "contiguous"):
             per_rank = run_ranks(tsp_size, _sharded_run, seq_len=seq_len, layout_name=layout_name, rule=rule)

@@ -1,5 +1,6 @@
-"""Gated DeltaNet's rule as affine maps of its state (DESIGN.md 6j): a span's
-chunk terms, its run from a given initial state and its map.
+"""Gated DeltaNet's rule (and Kimi Linear's KDA, its decay one a key channel) as
+affine maps of its state (DESIGN.md 6j, 6n): a span's chunk terms, its run
+from a given initial state and its map.
 
 Within a span of tokens the state ``S`` (``dk x dv`` per value head) moves as
 ``S_out = T S_in + U``, ``T`` a dense ``dk x dk`` matrix, and the span's
@@ -23,9 +24,12 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
     """Each chunk's terms of HF's chunked rule, a dict of ``(B, h, n, C, ...)``
     tensors: ``w`` (``k_cumdecay``), ``u`` (``new_values``), ``q`` decayed from
     the chunk's start, ``k`` decayed to its end, the masked intra-chunk
-    attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n)``. The
-    span is zero-padded to whole chunks (padding decays nothing and writes
-    nothing: ``g = beta = 0``); ``length`` keeps its real token count.
+    attention ``a`` and each chunk's total decay ``decay`` ``(B, h, n, c)``. The
+    log decay ``g`` is one a head and token ``(B, h, L)`` (Gated DeltaNet's,
+    ``c = 1``) or one a key channel ``(B, h, L, dk)`` (Kimi Linear's KDA,
+    ``chunk_kimi_delta_attention``: ``c = dk``). The span is zero-padded to
+    whole chunks (padding decays nothing and writes nothing: ``g = beta = 0``);
+    ``length`` keeps its real token count.
 
     ``starts`` ``(B, L)`` (bool, or None): the tokens that start a packed
     document, where the state restarts from zero, as Hugging Face's layer run
@@ -37,14 +41,16 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
     (``decay`` 0), so its map's ``T`` is exactly 0."""
     length = q.shape[2]
     pad = (chunk_size - length % chunk_size) % chunk_size
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    B, h, L = g.shape
+    per_channel = g.dim() == 4
+    g = g if per_channel else g.unsqueeze(-1)  # (B, h, L, c)
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta, (0, pad))
+    B, h, L = beta.shape
     n = L // chunk_size
-    q, k, v = (t.reshape(B, h, n, chunk_size, t.shape[-1]) for t in (q, k, v))
-    g, beta = (t.reshape(B, h, n, chunk_size) for t in (g, beta))
+    q, k, v, g = (t.reshape(B, h, n, chunk_size, t.shape[-1]) for t in (q, k, v, g))
+    beta = beta.reshape(B, h, n, chunk_size)
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    cum = g.cumsum(-1)
+    cum = g.cumsum(-2)  # (B, h, n, C, c)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     reads = writes = keeps = None
     if starts is not None:
@@ -53,17 +59,22 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
         upper = upper | (document.unsqueeze(-1) != document.unsqueeze(-2))
         reads, writes = (document == 0).to(q.dtype), (document == document[..., -1:]).to(q.dtype)
         keeps = (document[..., -1] == 0).to(q.dtype)
-    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise
-    from_start, to_end = cum.exp(), (cum[..., -1:] - cum).exp()
-    decay = cum[..., -1].exp()
+    # (B, h, n, C, C, c): the decay from token j to token i (j <= i, one document), per channel or for all
+    pairwise = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
+    if per_channel:
+        system = torch.einsum("...ic,...jc,...ijc->...ij", k_beta, k, pairwise)
+        a = torch.einsum("...ic,...jc,...ijc->...ij", q, k, pairwise)
+    else:
+        system = (k_beta @ k.transpose(-1, -2)) * pairwise[..., 0]
+        a = (q @ k.transpose(-1, -2)) * pairwise[..., 0]
+    from_start, to_end = cum.exp(), (cum[..., -1:, :] - cum).exp()
+    decay = cum[..., -1, :].exp()  # (B, h, n, c)
     if starts is not None:
-        from_start, to_end, decay = from_start * reads, to_end * writes, decay * keeps
+        from_start, to_end = from_start * reads.unsqueeze(-1), to_end * writes.unsqueeze(-1)
+        decay = decay * keeps.unsqueeze(-1)
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * from_start.unsqueeze(-1), upper=False, unitriangular=True)
-    a = (q @ k.transpose(-1, -2)) * pairwise
-    return {"w": w, "u": u, "a": a, "q": q * from_start.unsqueeze(-1), "k": k * to_end.unsqueeze(-1),
-            "decay": decay, "length": length}
+    w = torch.linalg.solve_triangular(system, k_beta * from_start, upper=False, unitriangular=True)
+    return {"w": w, "u": u, "a": a, "q": q * from_start, "k": k * to_end, "decay": decay, "length": length}
 
 
 def run_chunks(terms, state):
@@ -72,20 +83,20 @@ def run_chunks(terms, state):
     for i in range(terms["u"].shape[2]):
         v_new = terms["u"][:, :, i] - terms["w"][:, :, i] @ state
         outputs.append(terms["q"][:, :, i] @ state + terms["a"][:, :, i] @ v_new)
-        state = state * terms["decay"][:, :, i, None, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
+        state = state * terms["decay"][:, :, i, :, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
     out = torch.cat(outputs, dim=2)[:, :, :terms["length"]]
     return out, state
 
 
 def span_map(terms):
     """``(T, U)`` of the whole span: ``S_out = T S_in + U``, ``T`` ``(B, h, dk, dk)``.
-    Per chunk ``T_c = decay_c I - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
+    Per chunk ``T_c = diag(decay_c) - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
     dk = terms["k"].shape[-1]
     eye = torch.eye(dk, dtype=terms["k"].dtype, device=terms["k"].device)
     T = U = None
     for i in range(terms["u"].shape[2]):
         k_t = terms["k"][:, :, i].transpose(-1, -2)
-        T_c = terms["decay"][:, :, i, None, None] * eye - k_t @ terms["w"][:, :, i]
+        T_c = terms["decay"][:, :, i, :, None] * eye - k_t @ terms["w"][:, :, i]
         U_c = k_t @ terms["u"][:, :, i]
         T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c), elementwise=False)
     return T, U
