@@ -25,7 +25,8 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
-                          NemotronHConfig, NemotronHForCausalLM, OlmoHybridConfig, OlmoHybridForCausalLM)
+                          KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+                          OlmoHybridConfig, OlmoHybridForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
@@ -57,6 +58,7 @@ from transformers.models.falcon_h1 import modeling_falcon_h1
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid
+from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
@@ -227,6 +229,14 @@ def widen_float32_casts(modeling):
         if hasattr(modeling, scan):
             setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                                 "torch.float32))"}, modeling))
+    if hasattr(modeling, "chunk_kimi_delta_attention"):  # Kimi Linear's KDA, its decay and its forget gate
+        for rule, extra in (("chunk_kimi_delta_attention", {".exp().float()": ".exp()"}),
+                            ("recurrent_kimi_delta_attention", {})):
+            setattr(modeling, rule, widened(rule, {"torch.float32": "torch.promote_types(initial_dtype, torch.float32)",
+                                                   **extra}, modeling))
+        gate = modeling.KimiLinearForgetGate
+        gate.forward = widened(gate.forward, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
+                                                          "torch.float32))"})
     text = inspect.getsource(modeling)  # the rotary function's source, also where a kernel hub wraps it
     start = text.find("\ndef apply_rotary_pos_emb(")
     if start >= 0 and ".float()" in text[start:text.find("\n\n\n", start)]:
@@ -240,7 +250,10 @@ def widen_float32_casts(modeling):
     for cls, name in classes.items():  # each class once, under its first name (Llama4TextL2Norm is an alias)
         if cls.__module__ != modeling.__name__ or "forward" not in vars(cls):
             continue
-        source = inspect.getsource(cls.forward)
+        try:
+            source = inspect.getsource(cls.forward)
+        except OSError:  # widened above (Kimi Linear's forget gate)
+            continue
         if name.endswith("Router") and "router_scores.float()" in source:  # Llama 4's sigmoid
             cls.forward = widened(cls.forward, {"router_scores.float()": "router_scores.to(torch.promote_types("
                                                                           "router_scores.dtype, torch.float32))",
@@ -276,7 +289,8 @@ def widen_float32_casts(modeling):
 
 
 for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_bamba,
-                 modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1, modeling_olmo_hybrid):
+                 modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1, modeling_olmo_hybrid,
+                 modeling_kimi_linear):
     widen_float32_casts(modeling)
 
 
@@ -476,6 +490,16 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "qwen3_next_dense": (Qwen3NextConfig, {"num_experts": 0}),
                 "qwen3_5": (Qwen3_5TextConfig, {}),
                 "qwen3_5_moe": (Qwen3_5MoeTextConfig, HYBRID_MOE),
+                # Kimi Linear: KDA (a decay per key channel, 4 heads of 4) beside an MLA layer; a dense MLP, then
+                # its MoE (4 experts of 8, top-2, sigmoid group-limited routing, a shared expert).
+                "kimi_linear": (KimiLinearConfig, dict(
+                    num_hidden_layers=4, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"],
+                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=4, linear_head_dim=4,
+                    linear_conv_kernel_dim=4, kv_lora_rank=6, q_lora_rank=None, qk_rope_head_dim=2,
+                    qk_nope_head_dim=4, v_head_dim=6, num_key_value_heads=4, num_local_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1, n_group=2, topk_group=1,
+                    experts_implementation="eager", pad_token_id=0)),
                 # OLMo-Hybrid: one Linear per projection, negative eigenvalues (beta up to 2), post-norm attention
                 # layers with q/k norms over the projection beside pre-norm linear ones.
                 "olmo_hybrid": (OlmoHybridConfig, {"linear_allow_neg_eigval": True, "pad_token_id": 0, "layer_types": [
@@ -556,7 +580,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
-                 "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM}
+                 "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
+                 "kimi_linear": KimiLinearForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

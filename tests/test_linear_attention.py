@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) under TSP against the unsharded Hugging Face
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) and Kimi Linear's KDA under TSP against the unsharded Hugging Face
 model, float64, with Hugging Face's float32 casts of the linear layers widened to float64 (tests/models.py)."""
 
 import dataclasses
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.blocks.linear import recurrence
+from ds_tsp.blocks.linear import recurrence, schedule
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
-from ds_tsp.planning.communication import delta_net_bytes_by_op
+from ds_tsp.planning.communication import delta_net_bytes_by_op, kda_bytes_by_op
 from models import tiny_causal_lm, tiny_model
 from parity import TOLERANCE, check, check_caught, model_parity
 
@@ -29,7 +29,7 @@ def test_hybrids_match_hugging_face(run_ranks, tsp_size):
     the reference's (where it is above 1): the first tokens of a document reach the l2 norm of the rule with
     small queries, so these tiny models' gradients reach ~150, and Hugging Face's own gradients move by
     2.9e-10 between its chunk sizes 64 and 2."""
-    for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"):
+    for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"):
         for case in CASES:
             check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
 
@@ -70,9 +70,57 @@ def test_negative_eigenvalues_are_needed(run_ranks):
 
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
-    for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
-                                ("head group scaled", model_parity, {"wrong_shard": "model.layers.0.linear_attn"})):
-        check_caught(run_ranks(2, body, arch="qwen3_5", batch=2, seq_len=13, relative=True, **kwargs), label)
+    for arch, mixer in (("qwen3_5", "linear_attn"), ("kimi_linear", "self_attn")):
+        for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
+                                    ("head group scaled", model_parity, {"wrong_shard": f"model.layers.0.{mixer}"})):
+            check_caught(run_ranks(2, body, arch=arch, batch=2, seq_len=13, relative=True, **kwargs),
+                         f"{arch}: {label}")
+
+
+def _per_head_decay(**kwargs):
+    """``model_parity`` with KDA's decay one a head (its channels' mean), not one a key channel."""
+    inputs = schedule.kda_inputs
+
+    def averaged(*args):
+        *rest, g = inputs(*args)
+        return (*rest, g.mean(-1, keepdim=True).expand_as(g))
+
+    with mock.patch.object(schedule, "kda_inputs", averaged), mock.patch("ds_tsp.injection.inject.probe_layers"):
+        return model_parity(**kwargs)
+
+
+def test_a_decay_per_head_is_caught(run_ranks):
+    check_caught(run_ranks(2, _per_head_decay, arch="kimi_linear", batch=2, seq_len=13, relative=True),
+                 "KDA's decay per head, not per key channel")
+
+
+def _kda_layer_bytes(seq_len):
+    """One KDA layer's forward and backward on this rank's tokens: the bytes it received, by op."""
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    model = tiny_model("kimi_linear")
+    tsp = TSPGatedDeltaNet.from_hf(model.model.layers[0].self_attn, model.config, topo.tsp_group)
+    torch.manual_seed(1)
+    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
+    x.requires_grad_()
+    comm.counter.reset()
+    y = tsp(x)
+    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    y.backward(torch.ones_like(y))
+    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+
+
+def test_kda_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
+    """At D = 4 every op of a KDA layer moves what ``kda_bytes_by_op`` says, the same at S = 256 and S = 4096."""
+    config = tiny_model("kimi_linear").config
+    sizes = (config.hidden_size, config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim)
+    for seq_len in (256, 4096):
+        for forward, both in run_ranks(4, _kda_layer_bytes, seq_len=seq_len):
+            planned = {direction: kda_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction)
+                       for direction in ("forward", "both")}
+            print(f"KDA S={seq_len}: forward {forward}, planned {planned['forward']}; fwd+bwd {both}, "
+                  f"planned {planned['both']}")
+            assert forward == planned["forward"] and both == planned["both"]
 
 
 def _layer_bytes(seq_len):
@@ -107,9 +155,10 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
             assert forward == planned["forward"] and both == planned["both"]
 
 
-@pytest.mark.parametrize("model_type, mixer", [("kimi_linear", "KimiLinearDeltaAttention")])
+@pytest.mark.parametrize("model_type, mixer", [("jamba", "JambaMambaMixer")])
 def test_other_linear_layers_are_refused_by_name(model_type, mixer):
-    """Kimi Linear's KDA (a decay per key channel): refused before any weight moves, naming the layer's class."""
+    """Jamba's Mamba-1 mixer (a decay per channel and state entry): refused before any weight moves, naming the
+    layer's class."""
     import ds_tsp
     from ds_tsp.config import TSPConfig
 

@@ -61,7 +61,7 @@ def prefill_delta_net(net, h, positions, lengths, group, store):
             store(tails.sum(dim=0).transpose(1, 2), final)
 
     plan = dataclasses.replace(net.plan(h), valid=valid, state_sink=sink)
-    return delta_net_forward(plan, h, net.shard_weights().detach(), net.norm.weight)
+    return delta_net_forward(plan, h, net.shard_weights().detach(), net.replicated_params())
 
 
 @torch.no_grad()
@@ -70,6 +70,9 @@ def decode_delta_net(net, h, conv_state, recurrent_state, sum_over_group):
     ``conv_state`` ``(B, C, kernel - 1)`` and ``recurrent_state``
     ``(B, hv, dk, dv)`` of this rank's head group advance by the token in place."""
     s = net.shapes
+    if s.kda:
+        raise NotImplementedError("generation through Kimi Linear's KDA layers is not built under TSP yet (training "
+                                  "is): generate with the unsharded model, or leave tsp.enabled false")
     w = net.spec.unpack(net.shard_weights().detach())
     q, k, v, z, b, a = project(s, h, w)
     window = torch.cat([conv_state, torch.cat([q, k, v], dim=-1).transpose(1, 2)], dim=-1)  # (B, C, kernel)

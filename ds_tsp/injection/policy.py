@@ -33,7 +33,7 @@ from transformers.models.mixtral import modeling_mixtral
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
-from ds_tsp.blocks.linear.module import is_gated_delta_net
+from ds_tsp.blocks.linear.module import is_gated_delta_net, is_kda
 from ds_tsp.blocks.linear.module import norm_name as linear_norm_name
 from ds_tsp.blocks.mlp import mlp_activation
 from ds_tsp.blocks.moe import plan as moe_plan
@@ -1013,10 +1013,15 @@ DELTA_NET_INPUTS = {"interleaved": ("in_proj_qkvz", "in_proj_ba"),
                     "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
                     "separate": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")}
 DELTA_NET_TENSORS = ("A_log", "dt_bias")
+# Kimi Linear's KDA's submodules (its decay's tensors in forget_gate).
+KDA_MODULES = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+               "o_proj")
 
 
 def delta_net_projections(module):
     """The submodules of a Gated DeltaNet (``ds_tsp.blocks.linear``) in its layout."""
+    if is_kda(module):  # Kimi Linear's
+        return KDA_MODULES
     if hasattr(module, "q_proj"):  # OLMo-Hybrid's
         return (*DELTA_NET_INPUTS["separate"], "conv1d", "o_norm", "o_proj")
     inputs = DELTA_NET_INPUTS["interleaved" if hasattr(module, "in_proj_qkvz") else "split"]
@@ -1081,6 +1086,9 @@ def check_delta_net(module, where, layer_class):
                           "under TSP (it builds Gated DeltaNet layers fed by in_proj_qkvz/in_proj_ba, "
                           "in_proj_qkv/in_proj_z/in_proj_b/in_proj_a or q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, "
                           "OLMo-Hybrid's): train this model with tsp.enabled false")
+    if is_kda(module):
+        check_kda(module, where, layer_class)
+        return
     sizes = ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
     if not all(isinstance(getattr(module, name, None), int) for name in sizes) or not isinstance(
             getattr(module, "activation", None), str):
@@ -1097,6 +1105,31 @@ def check_delta_net(module, where, layer_class):
     if module.get_submodule(norm).weight.numel() != module.head_v_dim:
         raise PolicyError(f"{layer_class} at {where}.{norm} normalises {module.get_submodule(norm).weight.numel()} "
                           f"features, not one value head's {module.head_v_dim}: ds_tsp does not build it")
+
+
+def check_kda(module, where, layer_class):
+    """Kimi Linear's KDA as ds_tsp builds it: integer sizes, unbiased projections of ``num_heads`` heads of
+    ``head_dim`` (gates' down projections to one head's width), a depthwise causal convolution over the
+    queries', keys' and values' channels and a gated norm of one head's width."""
+    kind = type(module).__name__
+    sizes = ("hidden_size", "num_heads", "head_dim")
+    if not all(isinstance(getattr(module, name, None), int) for name in sizes) or \
+            not isinstance(getattr(module, "activation", None), str):
+        raise PolicyError(f"{layer_class} at {where} ({kind}) lacks KDA's integer {sizes} or its activation name: "
+                          "ds_tsp does not build it")
+    rows, d, gate = module.num_heads * module.head_dim, module.head_dim, module.forget_gate
+    shapes = {"q_proj": (rows, module.hidden_size), "k_proj": (rows, module.hidden_size),
+              "v_proj": (rows, module.hidden_size), "b_proj": (module.num_heads, module.hidden_size),
+              "g_a_proj": (d, module.hidden_size), "g_b_proj": (rows, d), "o_proj": (module.hidden_size, rows),
+              "forget_gate.f_a_proj": (d, module.hidden_size), "forget_gate.f_b_proj": (rows, d)}
+    wrong = [name for name, shape in shapes.items() if tuple(module.get_submodule(name).weight.shape) != shape
+             or module.get_submodule(name).bias is not None]
+    conv = module.conv1d
+    if wrong or conv.groups != 3 * rows or conv.padding[0] != conv.kernel_size[0] - 1 or \
+            tuple(gate.dt_bias.shape) != (rows,) or gate.A_log.numel() != module.num_heads or \
+            module.o_norm.weight.numel() != d:
+        raise PolicyError(f"{layer_class} at {where} ({kind}) is not KDA of the shape ds_tsp builds ({wrong} of "
+                          "another shape or biased, or its convolution, dt_bias, A_log or o_norm of another width)")
 
 
 def check_qk_norms(policy, attn, where, layer_class):

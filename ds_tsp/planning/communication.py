@@ -263,15 +263,41 @@ def delta_net_bytes_by_op(hidden_size, num_k_heads, num_v_heads, head_k_dim, hea
     other ``D-1`` ranks in the gradient wire dtype. The state travels in
     float32, or the model's dtype where wider. Nothing grows with the sequence
     once a chunk holds ``kernel - 1`` tokens."""
+    k_heads, v_heads = num_k_heads // tsp_size, num_v_heads // tsp_size
+    keys, values = k_heads * head_k_dim, v_heads * head_v_dim
+    shard = hidden_size * (2 * keys + 2 * values + 2 * v_heads) + (2 * keys + values) * conv_kernel + 2 * v_heads \
+        + hidden_size * values
+    return _delta_rule_bytes(shard, 2 * keys + values, v_heads, head_k_dim, head_v_dim, conv_kernel, batch,
+                             local_tokens, tsp_size, elem_bytes, direction, grad_wire_bytes)
+
+
+def kda_bytes_by_op(hidden_size, num_heads, head_dim, conv_kernel, batch, local_tokens, tsp_size, elem_bytes,
+                    direction, *, grad_wire_bytes=None):
+    """Bytes a rank receives in one of Kimi Linear's KDA layers (DESIGN.md 6n,
+    ``ds_tsp.blocks.linear`` with ``DeltaNetShapes.kda``), by op: Gated
+    DeltaNet's exchanges (``delta_net_bytes_by_op``) over its head groups' shards
+    (queries, keys, values, their channels, the gates' up projections
+    ``f_b_proj`` and ``g_b_proj``, ``dt_bias`` per channel, ``A_log``, ``b_proj``,
+    ``o_proj``'s columns). The gates' down projections are kept whole and move
+    nothing; the maps are the same ``dk x dk`` a head: a decay per key channel
+    changes what they hold, not their size."""
+    heads = num_heads // tsp_size
+    rows = heads * head_dim
+    shard = 3 * hidden_size * rows + 3 * rows * conv_kernel + 2 * rows * head_dim + rows + heads \
+        + heads * hidden_size + hidden_size * rows
+    return _delta_rule_bytes(shard, 3 * rows, heads, head_dim, head_dim, conv_kernel, batch, local_tokens, tsp_size,
+                             elem_bytes, direction, grad_wire_bytes)
+
+
+def _delta_rule_bytes(shard, channels, v_heads, head_k_dim, head_v_dim, conv_kernel, batch, local_tokens, tsp_size,
+                      elem_bytes, direction, grad_wire_bytes):
+    """The exchanges of the delta rule's schedule (``ds_tsp.blocks.linear.schedule``) for head groups of
+    ``shard`` elements, ``channels`` convolution channels and ``v_heads`` value heads each."""
     D, e = tsp_size, elem_bytes
     if D == 1:
         return {}
     state, a = max(e, 4), gradient_wire_bytes(e, grad_wire_bytes)
-    k_heads, v_heads = num_k_heads // D, num_v_heads // D
-    keys, values = k_heads * head_k_dim, v_heads * head_v_dim
-    shard = hidden_size * (2 * keys + 2 * values + 2 * v_heads) + (2 * keys + values) * conv_kernel + 2 * v_heads \
-        + hidden_size * values
-    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * (2 * keys + values)
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * channels
     maps = 2 * batch * v_heads * head_k_dim * (head_k_dim + head_v_dim)
     state_grads = 2 * batch * v_heads * head_k_dim * head_v_dim
     groups = (D - 1) * D  # D head groups, each exchange over the D ranks

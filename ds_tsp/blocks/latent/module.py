@@ -37,13 +37,22 @@ class ModelRope:
         return self.apply(heads_first, heads_first, *tables)[0].transpose(1, 2)
 
 
+class NoRope:
+    """A latent attention whose forward rotates nothing (Kimi Linear's MLA, NoPE): the rotary key passes as is."""
+
+    def __call__(self, t, tables):
+        return t
+
+
 def model_rope(attn, config):
     """The rotary function ``attn``'s forward applies, read from its modeling
     module: the interleaved one where the forward calls it for
     ``config.rope_interleave`` and the config asks for it; DeepSeek-V2's
-    complex one where the forward calls that."""
+    complex one where the forward calls that; none where it calls none."""
     modeling = sys.modules[type(attn).__module__]
     source = inspect.getsource(type(attn).forward)
+    if "apply_rotary" not in source:
+        return NoRope()
     if "apply_rotary_emb(" in source:
         return ModelRope(modeling.apply_rotary_emb)
     if "apply_rotary_pos_emb_interleave" in source and getattr(config, "rope_interleave", False):

@@ -11,7 +11,7 @@ import torch.nn as nn
 from transformers.activations import ACT2FN
 
 from ds_tsp.blocks.linear.schedule import DeltaNetPlan, TSPDeltaNetFunction
-from ds_tsp.blocks.linear.shards import SEPARATE_NAMES, DeltaNetShapes
+from ds_tsp.blocks.linear.shards import KDA_REPLICATED, SEPARATE_NAMES, DeltaNetShapes
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm, layout
 
@@ -41,6 +41,12 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
         self.norm_name = norm_name  # its Hugging Face name (OLMo-Hybrid's o_norm)
         # beta's range, 2 where the layer allows negative eigenvalues (OLMo-Hybrid's allow_neg_eigval), else 1
         self.beta_scale = beta_scale
+        # KDA's gates' low-rank down projections (forget_gate.f_a_proj, g_a_proj: (d, H)), kept whole, or None.
+        self.gate_downs = None
+        if shapes.kda:
+            self.gate_downs = nn.ParameterList(
+                [nn.Parameter(torch.empty(shapes.head_k_dim, shapes.hidden_size, dtype=dtype, device=device))
+                 for _ in KDA_REPLICATED[:2]])
         self.activation = activation
         self.layout_name, self.overlap, self.fp32_accumulators = layout_name, overlap, fp32_accumulators
         self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
@@ -53,7 +59,7 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
         Face's names). ``backend`` and ``token_tile`` are the attention's
         options, which a layer without attention does not read."""
         shapes = delta_net_shapes(layer, comm.group_size(tsp_group))
-        weight = shapes.hf_rows().hf_module(layer, "out_proj").weight
+        weight = (layer.o_proj if shapes.kda else shapes.hf_rows().hf_module(layer, "out_proj")).weight
         device = device or weight.device
         name = norm_name(layer)
         module = cls(shapes, tsp_group, copy.deepcopy(layer.get_submodule(name)).to_empty(device=device),
@@ -66,7 +72,8 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
-        return {f"{self.norm_name}.weight": self.norm.weight}
+        downs = {} if self.gate_downs is None else dict(zip(KDA_REPLICATED, self.gate_downs))
+        return {**downs, f"{self.norm_name}.weight": self.norm.weight}
 
     def shard_piece(self, name):
         return self.shapes.piece(name, self.tsp_rank)
@@ -81,18 +88,25 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
             positions = layout.positions(self.tsp_rank, D, self.layout_name, x.shape[1] * D, device=x.device)
             starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
         return DeltaNetPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
-                            norm=self.norm, activation=self.activation, overlap=self.overlap, documents=documents,
+                            norm=self.norm, norm_weight=f"{self.norm_name}.weight",
+                            replicated_names=tuple(self.replicated_params()), activation=self.activation, overlap=self.overlap, documents=documents,
                             starts=starts, fp32_accumulators=self.fp32_accumulators, beta_scale=self.beta_scale,
                             grad_wire_dtype=self.grad_wire_dtype)
 
     def forward(self, x, position_embeddings=None, documents=None, input_norm=None):
         if input_norm is not None:
             raise ValueError("the Gated DeltaNet block does not run its input norm inside (takes_input_norm)")
-        return TSPDeltaNetFunction.apply(x, self.shard_weights(), self.plan(x, documents), self.norm.weight)
+        return TSPDeltaNetFunction.apply(x, self.shard_weights(), self.plan(x, documents),
+                                         *self.replicated_params().values())
 
 
 def delta_net_shapes(layer, tsp_size):
-    """The ``DeltaNetShapes`` of a Hugging Face Gated DeltaNet module."""
+    """The ``DeltaNetShapes`` of a Hugging Face Gated DeltaNet module (or Kimi Linear's KDA)."""
+    if is_kda(layer):
+        return DeltaNetShapes(hidden_size=layer.hidden_size, num_k_heads=layer.num_heads, num_v_heads=layer.num_heads,
+                              head_k_dim=layer.head_dim, head_v_dim=layer.head_dim,
+                              conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size, interleaved=False,
+                              conv_bias=layer.conv1d.bias is not None, kda=True)
     return DeltaNetShapes(hidden_size=layer.hidden_size, num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
                           head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim,
                           conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size,
@@ -105,9 +119,19 @@ def is_gated_delta_net(module):
     short convolution and the gated delta rule's ``A_log`` / ``dt_bias``, fed
     by ``in_proj_qkvz`` + ``in_proj_ba``, ``in_proj_qkv`` + ``in_proj_z`` /
     ``_b`` / ``_a``, or one Linear each (OLMo-Hybrid's ``q_proj`` ... ``g_proj``)."""
-    return (isinstance(getattr(module, "conv1d", None), nn.Conv1d) and hasattr(module, "A_log")
-            and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
-                 or all(hasattr(module, name) for name in SEPARATE_NAMES)))
+    return is_kda(module) or (isinstance(getattr(module, "conv1d", None), nn.Conv1d) and hasattr(module, "A_log")
+                              and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
+                                   or all(hasattr(module, name) for name in SEPARATE_NAMES)))
+
+
+def is_kda(module):
+    """Whether ``module`` is Kimi Linear's KDA: the delta rule with a decay per key channel from a low-rank
+    forget gate (``forget_gate``: ``f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log``), ``b_proj`` and a low-rank
+    output gate (``g_a_proj``, ``g_b_proj``) before its gated norm ``o_norm``."""
+    gate = getattr(module, "forget_gate", None)
+    return (isinstance(getattr(module, "conv1d", None), nn.Conv1d) and isinstance(gate, nn.Module)
+            and all(hasattr(gate, name) for name in ("f_a_proj", "f_b_proj", "dt_bias", "A_log"))
+            and all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj")))
 
 
 def norm_name(layer):
@@ -117,4 +141,4 @@ def norm_name(layer):
 
 def replicated_names(layer):
     """Hugging Face names of the Gated DeltaNet tensors TSP keeps whole on every rank."""
-    return [f"{norm_name(layer)}.weight"]
+    return [*(KDA_REPLICATED[:2] if is_kda(layer) else ()), f"{norm_name(layer)}.weight"]

@@ -30,6 +30,8 @@ from ds_tsp.blocks.packing import PackSpec
 
 CONV_PARTS = ("conv1d_q", "conv1d_k", "conv1d_v")
 QKV_PARTS = ("in_proj_q", "in_proj_k", "in_proj_v")
+# Kimi Linear's KDA's tensors every rank keeps whole: its gates' low-rank down projections and its gated norm.
+KDA_REPLICATED = ("forget_gate.f_a_proj.weight", "g_a_proj.weight", "o_norm.weight")
 # OLMo-Hybrid's Linear for each logical tensor (``DeltaNetShapes.separate``).
 SEPARATE_NAMES = {"q_proj": "in_proj_q", "k_proj": "in_proj_k", "v_proj": "in_proj_v", "g_proj": "in_proj_z",
                   "b_proj": "in_proj_b", "a_proj": "in_proj_a", "o_proj": "out_proj"}
@@ -49,6 +51,7 @@ class DeltaNetShapes:
     interleaved: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, else in_proj_qkv / _z / _b / _a
     conv_bias: bool = False
     separate: bool = False  # OLMo-Hybrid's q_proj / k_proj / v_proj / g_proj / b_proj / a_proj / o_proj
+    kda: bool = False  # Kimi Linear's KDA: a decay per key channel from a low-rank forget gate, a low-rank output gate
 
     def __post_init__(self):
         D, nk, nv = self.tsp_size, self.num_k_heads, self.num_v_heads
@@ -74,6 +77,11 @@ class DeltaNetShapes:
         return self.num_v_heads // self.num_k_heads
 
     @property
+    def out_proj(self):
+        """The name of the output projection's columns in a shard (Hugging Face's ``o_proj`` under KDA's names)."""
+        return "o_proj.weight" if self.kda else "out_proj.weight"
+
+    @property
     def key_rows(self):
         return self.k_heads * self.head_k_dim
 
@@ -84,6 +92,13 @@ class DeltaNetShapes:
     def _per_rank(self):
         """``{name: (dim, rows per rank)}`` of every tensor a rank holds a piece of."""
         H, keys, values, heads = self.hidden_size, self.key_rows, self.value_rows, self.v_heads
+        if self.kda:  # under Hugging Face's names; f_a_proj and g_a_proj, the gates' low-rank down, kept whole
+            d = self.head_k_dim
+            return {**{f"{name}.weight": (0, keys, H) for name in ("q_proj", "k_proj", "v_proj")},
+                    **{f"{part}.weight": (0, keys, 1, self.conv_kernel) for part in CONV_PARTS},
+                    "forget_gate.f_b_proj.weight": (0, keys, d), "forget_gate.dt_bias": (0, keys),
+                    "forget_gate.A_log": (2, 1, 1, heads, 1), "b_proj.weight": (0, heads, H),
+                    "g_b_proj.weight": (0, keys, d), "o_proj.weight": (1, H, values)}
         if self.interleaved:
             per_key_head = 2 * self.head_k_dim + 2 * self.ratio * self.head_v_dim
             inputs = {"in_proj_qkvz.weight": (0, self.k_heads * per_key_head, H),
@@ -113,6 +128,8 @@ class DeltaNetShapes:
         """Where the logical tensors lie in Hugging Face's fused ones."""
         keys, values = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         rows = dict(zip(QKV_PARTS + CONV_PARTS, (keys, keys, values) * 2))
+        if self.kda:
+            return FusedRows.of({"conv1d": CONV_PARTS}, rows)
         if self.separate:
             rows.update({"in_proj_z": values, "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads,
                          "out_proj": self.hidden_size})
