@@ -237,6 +237,9 @@ def widen_float32_casts(modeling):
         gate = modeling.KimiLinearForgetGate
         gate.forward = widened(gate.forward, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                           "torch.float32))"})
+        kda = modeling.KimiLinearDeltaAttention  # its cache's state in float32
+        kda.forward = widened(kda.forward, {".to(torch.float32)": ".to(torch.promote_types(hidden_states.dtype, "
+                                                                  "torch.float32))"})
     text = inspect.getsource(modeling)  # the rotary function's source, also where a kernel hub wraps it
     start = text.find("\ndef apply_rotary_pos_emb(")
     if start >= 0 and ".float()" in text[start:text.find("\n\n\n", start)]:

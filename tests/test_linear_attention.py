@@ -166,7 +166,7 @@ def test_other_linear_layers_are_refused_by_name(model_type, mixer):
         ds_tsp.inject(tiny_causal_lm(model_type, device="meta"), TSPTopology(1), TSPConfig(enabled=True, size=1))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"])
 def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each

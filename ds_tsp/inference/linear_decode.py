@@ -30,7 +30,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.linear.schedule import delta_net_forward, l2norm, project
+from ds_tsp.blocks.linear.schedule import (compute_weights, delta_net_forward, kda_inputs, kda_l2norm, l2norm,
+                                          project)
 from ds_tsp.blocks.linear.shards import CONV_PARTS
 from ds_tsp.parallel import comm
 
@@ -68,13 +69,20 @@ def prefill_delta_net(net, h, positions, lengths, group, store):
 def decode_delta_net(net, h, conv_state, recurrent_state, sum_over_group):
     """The layer's output ``(B, 1, H)`` for the new token ``h`` ``(B, 1, H)``;
     ``conv_state`` ``(B, C, kernel - 1)`` and ``recurrent_state``
-    ``(B, hv, dk, dv)`` of this rank's head group advance by the token in place."""
+    ``(B, hv, dk, dv)`` of this rank's head group advance by the token in place.
+    KDA's decay is one a key channel (``recurrent_kimi_delta_attention``)."""
     s = net.shapes
+    w = compute_weights(net.spec.unpack(net.shard_weights().detach()), h.dtype)
+    wide = recurrent_state.dtype
     if s.kda:
-        raise NotImplementedError("generation through Kimi Linear's KDA layers is not built under TSP yet (training "
-                                  "is): generate with the unsharded model, or leave tsp.enabled false")
-    w = net.spec.unpack(net.shard_weights().detach())
-    q, k, v, z, b, a = project(s, h, w)
+        replicated = {name: t.detach() for name, t in net.replicated_params().items()}
+        q, k, v, z, beta, g = kda_inputs(s, h, w, replicated, wide)
+        beta, g, normalize = beta[:, 0].to(wide), g[:, 0], kda_l2norm  # (B, h), (B, h, dk)
+    else:
+        q, k, v, z, b, a = project(s, h, w)
+        beta = (b[:, 0].sigmoid() if net.beta_scale == 1 else b[:, 0].sigmoid() * net.beta_scale).to(wide)
+        g = -w["A_log"].to(wide).exp() * F.softplus(a[:, 0].to(wide) + w["dt_bias"])  # (B, hv)
+        normalize = l2norm
     window = torch.cat([conv_state, torch.cat([q, k, v], dim=-1).transpose(1, 2)], dim=-1)  # (B, C, kernel)
     conv_weight = torch.cat([w[f"{part}.weight"] for part in CONV_PARTS])  # (C, 1, kernel)
     conv_bias = torch.cat([w[f"{part}.bias"] for part in CONV_PARTS]) if s.conv_bias else None
@@ -82,22 +90,19 @@ def decode_delta_net(net, h, conv_state, recurrent_state, sum_over_group):
     mixed = net.activation(mixed).to(h.dtype)[..., -1]  # (B, C)
     conv_state.copy_(window[..., 1:])
     q, k, v = mixed.split([s.key_rows, s.key_rows, s.value_rows], dim=-1)
-    wide = recurrent_state.dtype
-    beta = (b[:, 0].sigmoid() if net.beta_scale == 1 else b[:, 0].sigmoid() * net.beta_scale).to(wide)  # (B, hv)
-    g = -w["A_log"].to(wide).exp() * F.softplus(a[:, 0].to(wide) + w["dt_bias"])
 
     def heads(t, dim):  # (B, h*dim) -> (B, hv, dim), keys and queries repeated to the value heads
         t = t.reshape(t.shape[0], -1, dim)
         return (t if t.shape[1] == s.v_heads else t.repeat_interleave(s.ratio, dim=1)).to(wide)
 
-    q, k = (l2norm(heads(t, s.head_k_dim)) for t in (q, k))
+    q, k = (normalize(heads(t, s.head_k_dim)) for t in (q, k))
     q = q / s.head_k_dim ** 0.5
-    state = recurrent_state * g.exp()[..., None, None]
+    state = recurrent_state * (g.exp()[..., None] if s.kda else g.exp()[..., None, None])
     delta = (heads(v, s.head_v_dim) - (state * k.unsqueeze(-1)).sum(dim=-2)) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     recurrent_state.copy_(state)
     out = (state * q.unsqueeze(-1)).sum(dim=-2).to(h.dtype)  # (B, hv, dv)
     normed = torch.func.functional_call(net.norm, {"weight": net.norm.weight},
                                         (out.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim)))
-    part = F.linear(normed.reshape(h.shape[0], -1), w["out_proj.weight"])  # (B, H)
+    part = F.linear(normed.reshape(h.shape[0], -1), w[s.out_proj])  # (B, H)
     return sum_over_group(part).unsqueeze(1)
