@@ -19,8 +19,9 @@ from ds_tsp.cli import main
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
+from float32_control import float32_bound, relative_errors
 from models import COMMON, PER_EXPERT_FILE_ARCHS, tiny_model
-from parity import held_pieces
+from parity import TOLERANCE, held_pieces, reference_loss
 from scripts import start_script
 from test_engine import ZERO3_PARTITIONED
 
@@ -173,7 +174,9 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
     Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention, Bamba's and
     Granite-4.0-H's Mamba-2 mixers (in_proj's five pieces a rank, conv1d's three), Granite-4.0-H's shared MLP
-    (input_linear, output_linear) and its MoE block beside it."""
+    (input_linear, output_linear) and its MoE block beside it, Nemotron-H's (backbone.* files, ungated per-expert
+    files). (OLMo-Hybrid's and Kimi Linear's files read too, but Hugging Face keeps their A_log or dt_bias in float32
+    in this float64 model, so a float64 shard's cannot round trip to the bit: ``test_convolutions_in_parts_read``.)"""
     src = str(tmp_path / arch)
     tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):
@@ -183,6 +186,35 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
               f"{[len(d) for d, _ in per_rank]} {per_rank[0][0][:4]}, left unchanged by the steps {[u for _, u in per_rank]}")
         assert all(not differ for differ, _ in per_rank)
         assert all(not unchanged for _, unchanged in per_rank)
+
+
+def _load_from_parts(src, arch):
+    """``from_pretrained`` of a checkpoint holding the convolution in three files (q_conv1d, k_conv1d, v_conv1d):
+    ``(its loss, Hugging Face's own load's, the float64 model's)``. Both loads keep what the class keeps in float32
+    (``_keep_in_fp32_modules_strict``: Kimi Linear's routers and, in Hugging Face's, its dt_bias), so neither is
+    float64-exact: Hugging Face's is the control."""
+    topology, tsp_config = _topology_and_config()
+    model = from_pretrained(src, topology, tsp_config)
+    input_ids = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4))
+    loaded = AutoModelForCausalLM.from_pretrained(src, experts_implementation="eager")
+    return tuple(loss.item() for loss in (model(input_ids=input_ids, labels=input_ids).loss,
+                                          reference_loss(loaded, input_ids), reference_loss(tiny_model(arch), input_ids)))
+
+
+@pytest.mark.parametrize("arch", ["olmo_hybrid", "kimi_linear"])
+def test_convolutions_in_parts_read(run_ranks, tmp_path, arch):
+    """OLMo-Hybrid's and Kimi Linear's files (each convolution in q/k/v_conv1d, Kimi's experts one file each and
+    its forget gate's tensors beside it), read slice by slice at D = 2, give the float64 model's loss: exactly
+    where the class keeps nothing in float32 (OLMo-Hybrid), else within the float32 control's bound (Hugging
+    Face's own load of the files against the float64 model)."""
+    src = str(tmp_path / arch)
+    tiny_model(arch).save_pretrained(src)
+    for loss, loaded, truth in run_ranks(2, _load_from_parts, src=src, arch=arch):
+        ours, control = relative_errors([loss, loaded], [truth, truth])
+        bound = TOLERANCE if control == 0 else float32_bound([control])
+        print(f"{arch} from its files at D=2: relative |loss - the float64 model's| {ours:.2e} (Hugging Face's "
+              f"load: {control:.2e}, bound {bound:.2e})")
+        assert ours <= bound
 
 
 def test_save_pretrained_with_data_parallel_replicas(run_ranks, checkpoints, tmp_path):

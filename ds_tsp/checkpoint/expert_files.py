@@ -44,6 +44,17 @@ class ExpertFiles:
 
     renames: tuple
     projections: dict
+    # ``(model's text, (files' texts))``: a model tensor its files hold in parts, concatenated on dim 0 (OLMo-Hybrid's
+    # and Kimi Linear's conv1d: q_conv1d, k_conv1d, v_conv1d), which transformers' save writes as equal chunks.
+    concatenations: tuple = ()
+
+    def concatenation_of(self, file_name):
+        """``(model name, part index)`` when ``file_name`` is a part of a concatenated model tensor, else None."""
+        for model_text, file_texts in self.concatenations:
+            for index, file_text in enumerate(file_texts):
+                if file_name.endswith(file_text):
+                    return self.model_name(file_name[:-len(file_text)]) + model_text, index
+        return None
 
     def file_name(self, name):
         """The file's name of the model's tensor ``name`` (not an expert tensor)."""
@@ -79,6 +90,10 @@ class ExpertFiles:
     def files_of(self, name, tensor):
         """``[(file name, tensor)]`` that the model's tensor ``name`` is written as
         (views of ``tensor``), in transformers' order: each projection's experts in turn."""
+        for model_text, file_texts in self.concatenations:
+            if name.endswith(model_text):
+                prefix = self.file_name(name[:-len(model_text)])
+                return [(prefix + file_text, part) for file_text, part in zip(file_texts, tensor.chunk(len(file_texts)))]
         if not self.projections or _FUSED.fullmatch(name) is None:
             return [(self.file_name(name), tensor)]
         projections = self.projections_of(name)
@@ -106,18 +121,28 @@ def expert_files(config):
     model's ``sinks``), or None where its files name every tensor as the model
     does. A renaming by a pattern (not a literal name) ds_tsp does not follow:
     a tensor it renames is then missing from the checkpoint, by name."""
-    renames, projections = [], {}
+    renames, projections, concatenations = [], {}, []
     for conversion in get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) or []:
         sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
         fused = _TARGET_FUSED.search(targets[0]) if len(targets) == 1 else None
         parts = [_SOURCE_PROJECTION.search(source) for source in sources]
+        literal = [_literal(pattern) for pattern in sources + targets]
         if fused and all(parts):
             projections[fused["fused"]] = tuple(part["projection"] for part in parts)
-        elif len(sources) == len(targets) == 1 and None not in (_literal(sources[0]), _literal(targets[0])):
-            renames.append((_literal(sources[0]), _literal(targets[0])))
+        elif len(sources) == len(targets) == 1 and None not in literal:
+            renames.append((literal[0], literal[1]))
+        elif len(targets) == 1 < len(sources) and None not in literal and _concatenates(conversion):
+            concatenations.append((literal[-1], tuple(literal[:-1])))
     if projections and set(projections) not in ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"}):
         return None
-    return ExpertFiles(tuple(renames), projections) if renames or projections else None
+    return ExpertFiles(tuple(renames), projections, tuple(concatenations)) \
+        if renames or projections or concatenations else None
+
+
+def _concatenates(conversion):
+    """Whether a converter only concatenates its sources on dim 0 (transformers' ``Concatenate(dim=0)``)."""
+    operations = getattr(conversion, "operations", ())
+    return len(operations) == 1 and type(operations[0]).__name__ == "Concatenate" and operations[0].dim == 0
 
 
 def to_files(layout, tensors):

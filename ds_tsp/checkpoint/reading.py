@@ -110,7 +110,8 @@ class ExpertFilesCheckpoint:
     model's names: files in transformers' per-expert layout (``ExpertFiles``)
     read as the fused tensors the model holds, the block renamed where the
     layout renames it (Mixtral's ``block_sparse_moe``); fused files read as
-    they are.
+    they are; a tensor the files hold in parts (``ExpertFiles.concatenations``)
+    read as their concatenation.
 
     ``read`` of a fused tensor reads only the experts of its piece: a rank
     holding experts ``[a, b)`` reads their ``3 (b - a)`` tensors per MoE layer
@@ -121,9 +122,12 @@ class ExpertFilesCheckpoint:
         self.path, self.files, self.layout = files.path, files, layout
         self.sources = {}  # model name -> file name
         by_expert = {}  # fused model name -> {expert: {projection: file name}}
+        by_part = {}  # concatenated model name -> {part index: file name}
         for file_name in files.names:
-            found = layout.expert_of(file_name)
-            if found is None:
+            found, part = layout.expert_of(file_name), layout.concatenation_of(file_name)
+            if part is not None:
+                by_part.setdefault(part[0], {})[part[1]] = file_name
+            elif found is None:
                 self.sources[layout.model_name(file_name)] = file_name
             else:
                 name, expert, projection = found
@@ -132,7 +136,11 @@ class ExpertFilesCheckpoint:
         both = sorted(set(self.sources) & set(self.experts))
         if both:
             raise CheckpointError(f"{self.path} holds {both[0]} both fused and per expert: keep one of the two")
+        self.parts = {name: [held[index] for index in sorted(held)] for name, held in by_part.items()}
         self.shapes = {name: files.shapes[source] for name, source in self.sources.items()}
+        for name, parts in self.parts.items():
+            shapes = [files.shapes[file_name] for file_name in parts]
+            self.shapes[name] = (sum(shape[0] for shape in shapes), *shapes[0][1:])
         for name, experts in self.experts.items():
             shapes = [files.shapes[file_name] for parts in experts for file_name in parts]
             if len(set(shapes)) != 1:
@@ -156,6 +164,10 @@ class ExpertFilesCheckpoint:
         return list(self.shapes)
 
     def read(self, name, piece=None):
+        if name in self.parts:  # a concatenation of small tensors (a convolution's parts): read whole, then cut
+            tensors = self.files.read_whole(self.parts[name])
+            whole = torch.cat([tensors[file_name] for file_name in self.parts[name]])
+            return whole if piece is None else whole.narrow(*piece)
         experts = self.experts.get(name)
         if experts is None:
             return self.files.read(self.sources[name], piece)

@@ -772,20 +772,22 @@ def auto_layout(layers):
 
 
 def check_float32_tensors(model, layers, policy):
-    """Refuse a model whose class keeps a tensor the TSP attention packs with
-    its weights in float32 (``_keep_in_fp32_modules_strict``: Flint's sinks)
-    while the model is narrower: the packed shard would round it to the
-    weights' dtype, which Hugging Face's model does not."""
+    """Refuse a model whose class keeps a tensor a TSP mixer packs with its
+    weights in float32 (``_keep_in_fp32_modules_strict``: Flint's sinks, Kimi
+    Linear's ``dt_bias``) while the model is narrower: the packed shard would
+    round it to the weights' dtype, which Hugging Face's model does not."""
     kept = set(getattr(type(model), "_keep_in_fp32_modules_strict", None) or ()) | set(
         getattr(type(model), "_keep_in_fp32_modules", None) or ())
     dtype = getattr(model, "dtype", None)
-    packed = sorted(name for name in kept & set(ATTENTION_TENSORS)
-                    if any(hasattr(layer.get_submodule(policy.attention), name) for layer in layers
-                           if hasattr(layer, policy.attention)))
+    mixers = [layer.get_submodule(policy.mixer(layer)) for layer in layers if policy.mixer(layer) is not None
+              and get_submodule(layer, policy.mixer(layer)) is not None]
+    packed = sorted(name for name in kept & {*ATTENTION_TENSORS, *DELTA_NET_TENSORS, *MAMBA2_TENSORS}
+                    if any(name.rpartition(".")[2] in {n.rpartition(".")[2] for n, _ in mixer.named_parameters()}
+                           for mixer in mixers))
     if packed and dtype is not None and dtype.is_floating_point and dtype.itemsize < 4:
-        raise PolicyError(f"{type(model).__name__} keeps its attention's {packed} in float32 "
-                          f"(_keep_in_fp32_modules_strict) while the model is {dtype}; the TSP attention packs them "
-                          "with its weights, in their dtype: load the model in float32 (torch_dtype=torch.float32) "
+        raise PolicyError(f"{type(model).__name__} keeps its token mixers' {packed} in float32 "
+                          f"(_keep_in_fp32_modules_strict) while the model is {dtype}; the TSP blocks pack them "
+                          "with their weights, in their dtype: load the model in float32 (torch_dtype=torch.float32) "
                           "and train it under bf16 autocast, or leave tsp.enabled false")
 
 
