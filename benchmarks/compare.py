@@ -13,6 +13,13 @@ bytes communicated and step time per rank, for two small models (``--models``):
   state maps (bytes independent of the length); DeepSpeed's Ulysses swaps only
   the attention function, so there its linear layers run on each rank's own
   tokens alone and compute something else (the losses column shows it);
+* ``nemotron``, the Mamba-2 row: Nemotron-H at the same width
+  (``compare_model.nemotron_config``: layers of one block, Mamba-2 mixers and
+  MLPs alternating, one NoPE attention layer), vocabulary 32,000, at D = 2.
+  TSP exchanges the Mamba-2 chunks' state maps (one scalar and ``n x p`` a
+  head, bytes independent of the length); Ulysses' Mamba-2 layers run on each
+  rank's own tokens alone, as the hybrid row's, and compute another model; the
+  planner does not model Mamba-2 layers yet, so the row has no planned columns;
 * ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``
@@ -155,7 +162,8 @@ import transformers  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
-from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import (DeepseekV3ForCausalLM, LlamaForCausalLM, NemotronHForCausalLM, Qwen3_5ForCausalLM,  # noqa: E402
+                          Qwen3MoeForCausalLM)
 
 import ds_tsp  # noqa: E402
 from ds_tsp.parallel import comm as tsp_comm
@@ -175,7 +183,7 @@ def build_model(args):
     torch.manual_seed(0)
     config = model_config(args)
     model_class = {"moe": Qwen3MoeForCausalLM, "mla": DeepseekV3ForCausalLM,
-                   "hybrid": Qwen3_5ForCausalLM}.get(args.model, LlamaForCausalLM)
+                   "hybrid": Qwen3_5ForCausalLM, "nemotron": NemotronHForCausalLM}.get(args.model, LlamaForCausalLM)
     model = model_class(config).float()
     # --lora-rank: PEFT's LoRA model, the base frozen, non-zero B so the adapters change the forward
     # (longest.py's arguments have no LoRA)
@@ -463,7 +471,7 @@ def strategies_for(world, model="dense", lora=False):
     if model == "moe":
         names = ["tsp", "tsp_ring", "tsp_all_to_all", "autotp", "ulysses", "ulysses_zero3", "autoep", "autoep_zero3"]
         return names + (["tsp_2x2", "tsp_2x2_ep4"] if world == 2 * TSP_X_DP_SIZE else [])
-    if model in ("mla", "hybrid"):
+    if model in ("mla", "hybrid", "nemotron"):
         return ["tsp", "autotp", "ulysses", "ulysses_zero3"]
     names = ["tsp", "tsp_replicated_vocab", "autotp", "ulysses", "ulysses_zero3"]
     if world == 4:
@@ -547,14 +555,15 @@ def embedding_rows_exchanged(args, world, seq_len):
 MODEL_DEFAULTS = {"dense": {"vocab": 128256, "sizes": [2], "suffix": ""},
                   "moe": {"vocab": 32000, "sizes": [2, 4], "suffix": "_moe"},
                   "mla": {"vocab": 32000, "sizes": [2], "suffix": "_mla"},
-                  "hybrid": {"vocab": 32000, "sizes": [2], "suffix": "_hybrid"}}
+                  "hybrid": {"vocab": 32000, "sizes": [2], "suffix": "_hybrid"},
+                  "nemotron": {"vocab": 32000, "sizes": [2], "suffix": "_nemotron"}}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODEL_DEFAULTS), choices=list(MODEL_DEFAULTS),
                         help="the rows to run: dense (Llama), moe (Qwen3-MoE), mla (DeepSeek-V3's attention), hybrid "
-                             "(Qwen3.5's Gated DeltaNet layers); default all")
+                             "(Qwen3.5's Gated DeltaNet layers), nemotron (Nemotron-H's Mamba-2 layers); default all")
     parser.add_argument("--sizes", type=int, nargs="+", help="ranks D per parallel strategy (default: dense 2, "
                                                               "and the MoE row's --moe-sizes)")
     parser.add_argument("--moe-sizes", type=int, nargs="+", help="D for the MoE row (default 2 4; --sizes if given)")
@@ -660,6 +669,11 @@ def _model_card(args):
         card.update(arch="Qwen3_5ForCausalLM", head_dim=config.head_dim, **{key: getattr(config, key) for key in (
             "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
             "linear_value_head_dim", "linear_conv_kernel_dim")})
+    if args.model == "nemotron":
+        config = model_config(args)
+        card.update(arch="NemotronHForCausalLM", head_dim=config.head_dim, **{key: getattr(config, key) for key in (
+            "layers_block_type", "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")})
+        card["layers"] = config.num_hidden_layers
     if args.model == "moe":
         card.update(arch="Qwen3MoeForCausalLM", head_dim=args.hidden // args.heads, experts=args.experts,
                     top_k=args.top_k, expert_intermediate=args.expert_intermediate)

@@ -1,11 +1,12 @@
 """The model ``compare.py`` trains, as a Hugging Face config: Llama (dense),
 Qwen3-MoE (``moe``, Hugging Face's default grouped experts, no load-balancing
 loss: ``output_router_logits`` false as in its config), DeepSeek-V3's
-multi-head latent attention over dense MLPs (``mla``) or a Qwen3.5-shaped
-Gated DeltaNet hybrid (``hybrid``). ``compare.py`` builds it and
+multi-head latent attention over dense MLPs (``mla``), a Qwen3.5-shaped
+Gated DeltaNet hybrid (``hybrid``) or a Nemotron-H-shaped Mamba-2 hybrid
+(``nemotron``). ``compare.py`` builds it and
 ``report.py`` plans it, from the same fields."""
 
-from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig, Qwen3_5TextConfig
+from transformers import DeepseekV3Config, LlamaConfig, NemotronHConfig, Qwen3MoeConfig, Qwen3_5TextConfig
 
 
 def add_model_arguments(parser, vocab=32000):
@@ -27,6 +28,8 @@ def model_config(args):
         return mla_config(common, args.hidden // args.heads)
     if getattr(args, "model", "dense") == "hybrid":
         return hybrid_config(common, args.hidden // args.heads)
+    if getattr(args, "model", "dense") == "nemotron":
+        return nemotron_config(common, args.hidden // args.heads)
     if getattr(args, "model", "dense") == "moe":
         return Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
                               num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_intermediate,
@@ -45,6 +48,20 @@ def mla_config(common, head_dim):
                             qk_nope_head_dim=nope, qk_rope_head_dim=nope // 2, v_head_dim=nope, head_dim=nope // 2,
                             first_k_dense_replace=common["num_hidden_layers"], num_nextn_predict_layers=0,
                             rope_interleave=True)
+
+
+def nemotron_config(common, head_dim):
+    """Nemotron-H at the benchmark's width, in its proportions: its layers one block each, Mamba-2 mixers and
+    MLPs alternating with one NoPE attention layer a quarter of the way ("M-M*-M-" over the benchmark's depth
+    doubled: every layer of the other rows becomes a mixer and an MLP); Mamba-2 heads of ``head_dim`` over twice
+    the hidden size, 8 groups of state 128 (Nemotron-H 8B's), a 4-tap convolution; ungated relu2 MLPs."""
+    layers = 2 * common["num_hidden_layers"]
+    pattern = ["full_attention" if i == layers // 4 else "linear_attention" if i % 2 == 0 else "mlp"
+               for i in range(layers)]
+    hidden = common["hidden_size"]
+    return NemotronHConfig(**{**common, "num_hidden_layers": layers}, head_dim=head_dim, layers_block_type=pattern,
+                           mamba_num_heads=2 * hidden // head_dim, mamba_head_dim=head_dim, n_groups=8,
+                           ssm_state_size=128, conv_kernel=4, chunk_size=128, mlp_hidden_act="relu2")
 
 
 def hybrid_config(common, head_dim):
