@@ -93,7 +93,8 @@ class ExpertFiles:
         for model_text, file_texts in self.concatenations:
             if name.endswith(model_text):
                 prefix = self.file_name(name[:-len(model_text)])
-                return [(prefix + file_text, part) for file_text, part in zip(file_texts, tensor.chunk(len(file_texts)))]
+                parts = tensor.chunk(len(file_texts))
+                return [(prefix + file_text, part) for file_text, part in zip(file_texts, parts)]
         if not self.projections or _FUSED.fullmatch(name) is None:
             return [(self.file_name(name), tensor)]
         projections = self.projections_of(name)

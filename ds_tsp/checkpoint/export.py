@@ -277,7 +277,8 @@ def resharded_master_weights(checkpoint_dir, tag, model, policy):
         for index, layer in enumerate(model.get_submodule(policy.layers)):
             prefix = f"{policy.layers}.{index}"
             for block, shards in layer_shards(layer, model.config.get_text_config(), policy, 1).items():
-                held_at = f"{prefix}.{block_attribute(block, policy.mlp_of(layer), policy.experts_prefix(layer))}"  # where the TSP layer holds the block
+                # where the TSP layer holds the block
+                held_at = f"{prefix}.{block_attribute(block, policy.mlp_of(layer), policy.experts_prefix(layer))}"
                 # Each packed parameter's tensors in name order: the block's, and a TSP block's inside it.
                 tensors, by_param = {}, defaultdict(list)
                 for name in sorted(shards.specs[0].shapes):
@@ -324,7 +325,8 @@ def joined_state(model, policy, states, vision_tower=False):
         prefix = f"{policy.layers}.{index}"
         shards = layer_shards(layer, model.config.get_text_config(), policy, tsp_size)
         for block, (specs, holdings, hf_rows) in shards.items():
-            held_at = f"{prefix}.{block_attribute(block, policy.mlp_of(layer), policy.experts_prefix(layer))}"  # where the TSP layer holds the block
+            # where the TSP layer holds the block
+            held_at = f"{prefix}.{block_attribute(block, policy.mlp_of(layer), policy.experts_prefix(layer))}"
             named = []
             for spec, state in zip(specs, states):
                 tensors = spec.unpack(state[f"{held_at}.packed"])

@@ -375,8 +375,8 @@ class TSPDecoder:
                         state.copy_(value)
 
                 def attention(normed):
-                    return RECURRENT[type(layer.token_mixer)].prefill(layer.token_mixer, normed, positions, lengths, self.group,
-                                                                store)
+                    return RECURRENT[type(layer.token_mixer)].prefill(layer.token_mixer, normed, positions, lengths,
+                                                                      self.group, store)
             else:
                 def attention(normed):
                     return self._prefill_attention(cache, index, slots, keep, layer.token_mixer, normed,

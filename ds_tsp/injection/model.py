@@ -552,7 +552,8 @@ class TSPCausalLMMixin:
 
 def _check_chunked_documents(batch, layers):
     """Refuse packed documents that chunked attention layers (Llama 4's) would cut elsewhere than Hugging Face."""
-    if not batch.documents_start_at_zero and any(getattr(layer.token_mixer, "attention_chunk", None) for layer in layers):
+    if not batch.documents_start_at_zero and any(getattr(layer.token_mixer, "attention_chunk", None)
+                                                 for layer in layers):
         raise ValueError("packed documents whose position_ids do not restart at 0 with chunked attention "
                          "layers (attention_chunk_size): Hugging Face cuts chunks off the position ids, ds_tsp "
                          "from each document's start; give every document position ids from 0 "

@@ -1224,7 +1224,8 @@ def check_experts_beside(layer, beside, where, layer_class):
     indices), experts as transformers 5 lays them out, and the norms around them."""
     block = beside.hf_block(layer)
     missing = [name for name in beside.norms() if getattr(layer, name, None) is None] + \
-        [name for name in (beside.router, beside.experts, beside.input_norm) if name and getattr(block, name, None) is None]
+        [name for name in (beside.router, beside.experts, beside.input_norm)
+         if name and getattr(block, name, None) is None]
     if missing:
         raise PolicyError(f"{layer_class} at {where} holds {beside.experts} beside its MLP but lacks {missing}: "
                           "not a layout of experts beside an MLP ds_tsp knows (Gemma 4's, Granite-4.0-H's)")

@@ -91,7 +91,8 @@ def project(plan, x, packed):
 
 
 def channel_pieces(plan, packed, leaves=False):
-    """Every rank's per-channel piece, ``[{name: tensor}]`` by rank (fresh leaves requiring gradients with ``leaves``)."""
+    """Every rank's per-channel piece, ``[{name: tensor}]`` by rank (fresh leaves requiring gradients with
+    ``leaves``)."""
     pieces = []
     for _, w in piece_stream(plan, packed, CHANNELS):
         pieces.append({name: t.detach().clone().requires_grad_() if leaves else t.clone() for name, t in w.items()})

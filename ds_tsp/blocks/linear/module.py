@@ -89,7 +89,8 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
             starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
         return DeltaNetPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                             norm=self.norm, norm_weight=f"{self.norm_name}.weight",
-                            replicated_names=tuple(self.replicated_params()), activation=self.activation, overlap=self.overlap, documents=documents,
+                            replicated_names=tuple(self.replicated_params()), activation=self.activation,
+                            overlap=self.overlap, documents=documents,
                             starts=starts, fp32_accumulators=self.fp32_accumulators, beta_scale=self.beta_scale,
                             grad_wire_dtype=self.grad_wire_dtype)
 

@@ -211,7 +211,8 @@ def delta_net_backward(plan, grad_out, x, packed, replicated):
         precision.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1), out=into[out_proj], add=False)
         grads.send(j, flat)
     own = grads.own_shard()
-    return grad_x.to(x.dtype), own.to(packed.dtype), [g.to(t.dtype) for g, t in zip(grad_replicated, replicated.values())]
+    grad_replicated = [grad.to(t.dtype) for grad, t in zip(grad_replicated, replicated.values())]
+    return grad_x.to(x.dtype), own.to(packed.dtype), grad_replicated
 
 
 class TSPDeltaNetFunction(torch.autograd.Function):

@@ -60,7 +60,8 @@ def run_chunks(terms, state):
     outputs = []
     for i in range(terms["v"].shape[2]):
         outputs.append(terms["q"][:, :, i] @ state + terms["w"][:, :, i] @ terms["v"][:, :, i])
-        state = state * terms["decay"][:, :, i, None, None] + terms["k"][:, :, i].transpose(-1, -2) @ terms["v"][:, :, i]
+        writes = terms["k"][:, :, i].transpose(-1, -2) @ terms["v"][:, :, i]
+        state = state * terms["decay"][:, :, i, None, None] + writes
     return torch.cat(outputs, dim=2)[:, :, :terms["length"]], state
 
 
