@@ -6,16 +6,15 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from ds_tsp.blocks.linear import recurrence, schedule
+from ds_tsp.blocks.linear import schedule
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.injection.policy import PolicyError
-from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import delta_net_bytes_by_op, kda_bytes_by_op
 from models import tiny_causal_lm, tiny_model
 from parity import TOLERANCE, check, check_caught, model_parity
+from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
 
 # Padded (13 tokens, the last 3 of a row masked), packed (documents restarting the positions: the state restarts
 # at each) and longer than a 64-token chunk of the rule without being a multiple of it.
@@ -32,26 +31,6 @@ def test_hybrids_match_hugging_face(run_ranks, tsp_size):
     for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"):
         for case in CASES:
             check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
-
-
-def _wrong_map(**kwargs):
-    """``model_parity`` with every chunk's state map off by 1% (its ``U``), as exchanged."""
-    gather_maps = recurrence.gather_maps
-
-    def wrong(*args):
-        return [(T, U * 1.01) for T, U in gather_maps(*args)]
-
-    with mock.patch.object(recurrence, "gather_maps", wrong), mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
-
-
-def _no_halo(**kwargs):
-    """``model_parity`` with the convolution's halos dropped (zeros before every chunk)."""
-    def no_halos(x, group, layout_name, width):
-        return [x.new_zeros(x.shape[0], width, x.shape[2])] * 2
-
-    with mock.patch("ds_tsp.blocks.linear.conv.halos", no_halos), mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
 
 
 def _beta_in_zero_one(**kwargs):
@@ -71,7 +50,7 @@ def test_negative_eigenvalues_are_needed(run_ranks):
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
     for arch, mixer in (("qwen3_5", "linear_attn"), ("kimi_linear", "self_attn")):
-        for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
+        for label, body, kwargs in (("chunk map 1% off", wrong_map_parity, {}), ("halo dropped", no_halo_parity, {}),
                                     ("head group scaled", model_parity, {"wrong_shard": f"model.layers.0.{mixer}"})):
             check_caught(run_ranks(2, body, arch=arch, batch=2, seq_len=13, relative=True, **kwargs),
                          f"{arch}: {label}")
@@ -94,49 +73,18 @@ def test_a_decay_per_head_is_caught(run_ranks):
                  "KDA's decay per head, not per key channel")
 
 
-def _kda_layer_bytes(seq_len):
-    """One KDA layer's forward and backward on this rank's tokens: the bytes it received, by op."""
-    topo = TSPTopology(dist.get_world_size())
-    D, r = topo.tsp_size, topo.tsp_rank
-    model = tiny_model("kimi_linear")
-    tsp = TSPGatedDeltaNet.from_hf(model.model.layers[0].self_attn, model.config, topo.tsp_group)
-    torch.manual_seed(1)
-    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
-    x.requires_grad_()
-    comm.counter.reset()
-    y = tsp(x)
-    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-    y.backward(torch.ones_like(y))
-    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-
-
 def test_kda_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
     """At D = 4 every op of a KDA layer moves what ``kda_bytes_by_op`` says, the same at S = 256 and S = 4096."""
     config = tiny_model("kimi_linear").config
     sizes = (config.hidden_size, config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim)
     for seq_len in (256, 4096):
-        for forward, both in run_ranks(4, _kda_layer_bytes, seq_len=seq_len):
+        for forward, both in run_ranks(4, layer_bytes, arch="kimi_linear", path="model.layers.0.self_attn",
+                                             block_class=TSPGatedDeltaNet, seq_len=seq_len):
             planned = {direction: kda_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction)
                        for direction in ("forward", "both")}
             print(f"KDA S={seq_len}: forward {forward}, planned {planned['forward']}; fwd+bwd {both}, "
                   f"planned {planned['both']}")
             assert forward == planned["forward"] and both == planned["both"]
-
-
-def _layer_bytes(seq_len):
-    """One Gated DeltaNet layer's forward and backward on this rank's tokens: the bytes it received, by op."""
-    topo = TSPTopology(dist.get_world_size())
-    D, r = topo.tsp_size, topo.tsp_rank
-    model = tiny_model("qwen3_5")
-    tsp = TSPGatedDeltaNet.from_hf(model.model.layers[0].linear_attn, model.config, topo.tsp_group)
-    torch.manual_seed(1)
-    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
-    x.requires_grad_()
-    comm.counter.reset()
-    y = tsp(x)
-    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-    y.backward(torch.ones_like(y))
-    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
 
 
 def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
@@ -147,7 +95,8 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
     sizes = (config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
              config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim)
     for seq_len in (256, 4096):
-        for forward, both in run_ranks(4, _layer_bytes, seq_len=seq_len):
+        for forward, both in run_ranks(4, layer_bytes, arch="qwen3_5", path="model.layers.0.linear_attn",
+                                             block_class=TSPGatedDeltaNet, seq_len=seq_len):
             planned = {direction: delta_net_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction)
                        for direction in ("forward", "both")}
             print(f"S={seq_len}: forward {forward}, planned {planned['forward']}; fwd+bwd {both}, "

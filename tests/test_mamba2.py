@@ -1,19 +1,14 @@
 """Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE, Nemotron-H) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
 casts of the scan widened to float64 (tests/models.py)."""
 
-from unittest import mock
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from ds_tsp.blocks.linear import recurrence
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
-from ds_tsp.parallel import comm, layout
-from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import mamba2_bytes_by_op
 from models import tiny_model
 from parity import TOLERANCE, check, check_caught, model_parity
+from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
 
 # Right- and left-padded, packed (documents restarting the positions: every state restarts at each, and the
 # convolution's window stops there) and many 8-token SSM chunks (45 tokens: chunks of 5 or 6 tokens a rank at D = 4,
@@ -62,46 +57,10 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     check_strategies_on_left_padded_prompts(run_ranks, arch)
 
 
-def _wrong_map(**kwargs):
-    """``model_parity`` with every chunk's state map off by 1% (its ``U``), as exchanged."""
-    gather_maps = recurrence.gather_maps
-
-    def wrong(*args):
-        return [(T, U * 1.01) for T, U in gather_maps(*args)]
-
-    with mock.patch.object(recurrence, "gather_maps", wrong), mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
-
-
-def _no_halo(**kwargs):
-    """``model_parity`` with the convolution's halos dropped (zeros before every chunk)."""
-    def no_halos(x, group, layout_name, width):
-        return [x.new_zeros(x.shape[0], width, x.shape[2])] * 2
-
-    with mock.patch("ds_tsp.blocks.linear.conv.halos", no_halos), mock.patch("ds_tsp.injection.inject.probe_layers"):
-        return model_parity(**kwargs)
-
-
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
-    for label, body, kwargs in (("chunk map 1% off", _wrong_map, {}), ("halo dropped", _no_halo, {}),
+    for label, body, kwargs in (("chunk map 1% off", wrong_map_parity, {}), ("halo dropped", no_halo_parity, {}),
                                 ("head group scaled", model_parity, {"wrong_shard": "model.layers.0.mamba"})):
         check_caught(run_ranks(2, body, arch="bamba", batch=2, seq_len=13, relative=True, **kwargs), label)
-
-
-def _layer_bytes(seq_len):
-    """One Mamba-2 mixer's forward and backward on this rank's tokens: the bytes it received, by op."""
-    topo = TSPTopology(dist.get_world_size())
-    D, r = topo.tsp_size, topo.tsp_rank
-    model = tiny_model("bamba")
-    tsp = TSPMamba2.from_hf(model.model.layers[0].mamba, model.config, topo.tsp_group)
-    torch.manual_seed(1)
-    x = layout.shard(torch.randn(1, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
-    x.requires_grad_()
-    comm.counter.reset()
-    y = tsp(x)
-    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-    y.backward(torch.ones_like(y))
-    return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
 
 
 def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
@@ -112,7 +71,8 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
     sizes = (config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
              config.mamba_d_state, config.mamba_d_conv)
     for seq_len in (256, 4096):
-        for forward, both in run_ranks(4, _layer_bytes, seq_len=seq_len):
+        for forward, both in run_ranks(4, layer_bytes, arch="bamba", path="model.layers.0.mamba",
+                                             block_class=TSPMamba2, seq_len=seq_len):
             planned = {direction: mamba2_bytes_by_op(*sizes, 1, seq_len // 4, 4, 8, direction,
                                                      conv_bias=config.mamba_conv_bias)
                        for direction in ("forward", "both")}

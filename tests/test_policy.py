@@ -275,11 +275,13 @@ def test_q_k_norms_with_a_weight_per_head_are_refused_by_name():
         _inject(model)
 
 
-def test_a_tensor_kept_in_float32_is_not_packed_into_a_narrower_shard():
-    """Flint keeps its attention sinks in float32 whatever the model's dtype; the TSP attention packs them with its
-    weights, so a bfloat16 Flint is refused by name (in float32 it converts, and is exact: test_model)."""
-    model = tiny_model("flint", dtype=torch.bfloat16)
-    with pytest.raises(PolicyError, match=r"FlintForCausalLM keeps its attention's \['sinks'\] in float32 "
+@pytest.mark.parametrize("arch, kept", [("flint", "sinks"), ("kimi_linear", "dt_bias")])
+def test_a_tensor_kept_in_float32_is_not_packed_into_a_narrower_shard(arch, kept):
+    """Flint keeps its attention sinks, Kimi Linear its KDA's dt_bias in float32 whatever the model's dtype; the
+    TSP blocks pack them with their weights, so a bfloat16 model is refused by name (in float32 each converts, and
+    is exact: test_model, test_linear_attention)."""
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    with pytest.raises(PolicyError, match=rf"{type(model).__name__} keeps its token mixers' \['{kept}'\] in float32 "
                                           r"\(_keep_in_fp32_modules_strict\) while the model is torch.bfloat16"):
         _inject(model)
 

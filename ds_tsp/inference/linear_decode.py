@@ -43,25 +43,41 @@ def state_shapes(net, dtype):
             torch.promote_types(dtype, torch.float32))
 
 
+class PromptTails:
+    """Where each row's last ``width`` real prompt tokens lie among the local
+    ones at global ``positions`` ``(S/D,)`` of rows ``lengths`` ``(B,)`` tokens
+    long (``valid`` ``(B, S/D)``: the real ones), and the convolution inputs of
+    those tokens gathered from whichever ranks hold them (``gather``)."""
+
+    def __init__(self, positions, lengths, width):
+        self.width = width
+        self.valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, S/D)
+        slot = positions.unsqueeze(0) - (lengths.unsqueeze(1) - width)  # a token's place among its row's last ones
+        # Tokens outside the tail go to a spare slot past it, dropped: a scatter, with no host read of which are in.
+        self.target = torch.where((slot >= 0) & self.valid, slot, width).unsqueeze(-1)  # (B, S/D, 1)
+
+    def gather(self, conv_inputs, group):
+        """``(B, width, C)``: each row's last inputs ``conv_inputs`` ``(B, S/D, C)``, from every rank: each
+        places its tokens' in their slots, zeros elsewhere, and one small all-gather sums them (one
+        contributor a slot, so exactly)."""
+        tail = conv_inputs.new_zeros(conv_inputs.shape[0], self.width + 1, conv_inputs.shape[-1])
+        tail.scatter_(1, self.target.expand(-1, -1, conv_inputs.shape[-1]), conv_inputs)
+        return comm.all_gather_small(tail[:, :self.width].contiguous(), group).sum(dim=0)
+
+
 @torch.no_grad()
 def prefill_delta_net(net, h, positions, lengths, group, store):
     """The layer's output for the local tokens ``h`` ``(B, S/D, H)`` at global
     ``positions`` ``(S/D,)`` of rows ``lengths`` ``(B,)`` tokens long;
     ``store(conv, recurrent)`` receives this rank's head group's states."""
-    width = net.shapes.conv_kernel - 1
-    valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, S/D)
-    slot = positions.unsqueeze(0) - (lengths.unsqueeze(1) - width)  # a token's place among its row's last ones
-    # Tokens outside the tail go to a spare slot past it, dropped: a scatter, with no host read of which are in.
-    target = torch.where((slot >= 0) & valid, slot, width).unsqueeze(-1)  # (B, S/D, 1)
+    tails = PromptTails(positions, lengths, net.shapes.conv_kernel - 1)
 
     def sink(j, conv_inputs, final):
-        tail = conv_inputs.new_zeros(conv_inputs.shape[0], width + 1, conv_inputs.shape[-1])
-        tail.scatter_(1, target.expand(-1, -1, conv_inputs.shape[-1]), conv_inputs)
-        tails = comm.all_gather_small(tail[:, :width].contiguous(), group)  # (D, B, kernel - 1, C)
+        gathered = tails.gather(conv_inputs, group)
         if j == net.tsp_rank:
-            store(tails.sum(dim=0).transpose(1, 2), final)
+            store(gathered.transpose(1, 2), final)
 
-    plan = dataclasses.replace(net.plan(h), valid=valid, state_sink=sink)
+    plan = dataclasses.replace(net.plan(h), valid=tails.valid, state_sink=sink)
     return delta_net_forward(plan, h, net.shard_weights().detach(), net.replicated_params())
 
 

@@ -10,9 +10,7 @@ Prefill runs the training schedule (``mamba2_schedule``) on the left-aligned
 prompt with each row's padding neither decaying nor writing the state, so the
 state after the whole sequence, every head's on every rank, is each row's
 after its last real token; rank ``j`` keeps its heads'. The convolution's
-tails lie on whichever ranks own each row's last tokens: each rank places its
-tokens' inputs in a ``(B, kernel - 1, C)`` buffer, zeros elsewhere, and one
-small all-gather hands them to all; their sum is exact, one contributor a slot.
+tails are gathered as Gated DeltaNet's (``linear_decode.PromptTails``).
 
 A decode step, with the new token replicated on every rank: rank ``j``
 projects it through its own input rows and convolves its own channels (Hugging
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.linear.mamba2_schedule import mamba2_forward
 from ds_tsp.blocks.linear.mamba2_shards import CONV_PARTS, INPUT_PARTS
+from ds_tsp.inference.linear_decode import PromptTails
 from ds_tsp.parallel import comm
 
 
@@ -56,21 +55,14 @@ def prefill_mamba2(mixer, h, positions, lengths, group, store):
     """The mixer's output for the local tokens ``h`` ``(B, S/D, H)`` at global
     ``positions`` ``(S/D,)`` of rows ``lengths`` ``(B,)`` tokens long;
     ``store(conv, recurrent)`` receives this rank's states."""
-    width = mixer.shapes.conv_kernel - 1
-    valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, S/D)
-    slot = positions.unsqueeze(0) - (lengths.unsqueeze(1) - width)  # a token's place among its row's last ones
-    # Tokens outside the tail go to a spare slot past it, dropped: a scatter, with no host read of which are in.
-    target = torch.where((slot >= 0) & valid, slot, width).unsqueeze(-1)  # (B, S/D, 1)
+    tails = PromptTails(positions, lengths, mixer.shapes.conv_kernel - 1)
     mine = own_channels(mixer.shapes, mixer.tsp_rank).to(h.device)
     heads = slice(mixer.tsp_rank * mixer.shapes.heads, (mixer.tsp_rank + 1) * mixer.shapes.heads)
 
     def sink(conv_inputs, final):
-        tail = conv_inputs.new_zeros(conv_inputs.shape[0], width + 1, conv_inputs.shape[-1])
-        tail.scatter_(1, target.expand(-1, -1, conv_inputs.shape[-1]), conv_inputs)
-        tails = comm.all_gather_small(tail[:, :width].contiguous(), group)  # (D, B, kernel - 1, C)
-        store(tails.sum(dim=0)[..., mine].transpose(1, 2), final[:, heads])
+        store(tails.gather(conv_inputs, group)[..., mine].transpose(1, 2), final[:, heads])
 
-    plan = dataclasses.replace(mixer.plan(h), valid=valid, state_sink=sink)
+    plan = dataclasses.replace(mixer.plan(h), valid=tails.valid, state_sink=sink)
     return mamba2_forward(plan, h, mixer.shard_weights().detach(), mixer.norm.weight, mixer.out_bias)
 
 
