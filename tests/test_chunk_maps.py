@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from float32_control import float32_bound
 from ds_tsp.blocks.linear.chunk_maps import initial_states, state_gradients
-from ds_tsp.blocks.linear.delta_rule import chunk_terms, run_chunks, span_map
+from ds_tsp.blocks.linear.delta_rule import GATED_DELTA, chunk_terms, run_chunks, span_map
 
 
 def recurrence(q, k, v, g, beta, state):
@@ -122,35 +122,43 @@ def test_one_span_is_hugging_faces_kda():
     assert diff < 1e-12 and state_diff < 1e-12
 
 
-def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence():
-    """Backward as TSP would run it: each span's initial-state gradient from its own outputs, the transposed
-    composition for each span's final-state gradient, then each span's backward from its initial state with
-    those two gradients: every input's gradient (and the first state's) equals autograd of the recurrence."""
-    leaves = [t.requires_grad_() for t in inputs(L=100)]
+def spans_backward_diff(rule, leaves, recurrence, bounds=(0, 30, 47, 100)):
+    """Backward as TSP would run it for ``rule`` (a ``ChunkRule``) over spans cut at ``bounds``: each span's
+    initial-state gradient from its own outputs, the transposed composition for each span's final-state
+    gradient, then each span's backward from its initial state with those two gradients. Returns the largest
+    difference of every input's gradient (and the first state's) from autograd of the token ``recurrence``."""
+    leaves = [t.requires_grad_() for t in leaves]
     start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
     gen = torch.Generator().manual_seed(2)
-    grad_out, grad_final = torch.randn(2, 3, 100, 6, generator=gen, dtype=torch.float64), torch.randn(
+    length = leaves[0].shape[2]
+    grad_out, grad_final = torch.randn(2, 3, length, 6, generator=gen, dtype=torch.float64), torch.randn(
         2, 3, 8, 6, generator=gen, dtype=torch.float64)
     out, final = recurrence(*leaves, start)
     expected = torch.autograd.grad((out * grad_out).sum() + (final * grad_final).sum(), leaves + [start])
 
-    bounds = [0, 30, 47, 100]
-    spans = [[t.detach()[:, :, a:b].requires_grad_() for t in leaves] for a, b in zip(bounds, bounds[1:])]
-    terms = [chunk_terms(*span, chunk_size=16) for span in spans]
+    pairs = list(zip(bounds, bounds[1:]))
+    spans = [[t.detach()[:, :, a:b].requires_grad_() for t in leaves] for a, b in pairs]
+    terms = [rule.terms(*span, chunk_size=16) for span in spans]
     with torch.no_grad():
-        states, _ = initial_states([span_map(t) for t in terms], start.detach())
-    maps = [tuple(m.detach() for m in span_map(t)) for t in terms]
-    grads_out = [grad_out[:, :, a:b] for a, b in zip(bounds, bounds[1:])]
+        states, _ = initial_states([rule.span_map(t) for t in terms], start.detach(), rule.elementwise)
+    maps = [tuple(m.detach() for m in rule.span_map(t)) for t in terms]
+    grads_out = [grad_out[:, :, a:b] for a, b in pairs]
     local = []
     for t, s, g_out in zip(terms, states, grads_out):
         s = s.clone().requires_grad_()
-        local.append(torch.autograd.grad((run_chunks(t, s)[0] * g_out).sum(), s, retain_graph=True)[0])
-    finals, grad_start = state_gradients(local, maps, grad_final)
+        local.append(torch.autograd.grad((rule.run(t, s)[0] * g_out).sum(), s, retain_graph=True)[0])
+    finals, grad_start = state_gradients(local, maps, grad_final, rule.elementwise)
     got = [torch.zeros_like(t) for t in leaves]
-    for span, t, s, g_out, g_final, (a, b) in zip(spans, terms, states, grads_out, finals, zip(bounds, bounds[1:])):
-        o, f = run_chunks(t, s)
+    for span, t, s, g_out, g_final, (a, b) in zip(spans, terms, states, grads_out, finals, pairs):
+        o, f = rule.run(t, s)
         for total, part in zip(got, torch.autograd.grad((o * g_out).sum() + (f * g_final).sum(), span)):
             total[:, :, a:b] += part
-    diff = max((a - b).abs().max().item() for a, b in zip(got + [grad_start], expected))
-    print(f"spans {bounds}: max|grad diff| {diff:.2e}")
+    return max((a - b).abs().max().item() for a, b in zip(got + [grad_start], expected))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence(per_channel):
+    """``spans_backward_diff`` of the gated delta rule (a decay per key channel too: KDA's)."""
+    diff = spans_backward_diff(GATED_DELTA, inputs(L=100, per_channel=per_channel), recurrence)
+    print(f"per channel {per_channel}: max|grad diff| {diff:.2e}")
     assert diff < 1e-11

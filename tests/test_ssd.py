@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.linear.chunk_maps import initial_states, state_gradients
-from ds_tsp.blocks.linear.ssd import chunk_terms, run_chunks, span_map
+from ds_tsp.blocks.linear.chunk_maps import initial_states
+from ds_tsp.blocks.linear.ssd import SSD, chunk_terms, run_chunks, span_map
 
 
 def recurrence(q, k, v, a, state):
@@ -117,31 +117,9 @@ def test_one_span_is_hugging_faces_chunked_scan():
 
 
 def test_spans_backward_from_transposed_maps_equals_autograd_of_the_recurrence():
-    leaves = [t.requires_grad_() for t in inputs(L=100)]
-    start = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    gen = torch.Generator().manual_seed(2)
-    grad_out = torch.randn(2, 3, 100, 6, generator=gen, dtype=torch.float64)
-    grad_final = torch.randn(2, 3, 8, 6, generator=gen, dtype=torch.float64)
-    out, final = recurrence(*leaves, start)
-    expected = torch.autograd.grad((out * grad_out).sum() + (final * grad_final).sum(), leaves + [start])
+    """``test_chunk_maps.spans_backward_diff`` of the SSD (its ``T`` elementwise)."""
+    from test_chunk_maps import spans_backward_diff
 
-    bounds = [0, 30, 47, 100]
-    spans = [[t.detach().requires_grad_() for t in span] for span in _spans(leaves, bounds)]
-    terms = [chunk_terms(*span, chunk_size=16) for span in spans]
-    with torch.no_grad():
-        states, _ = initial_states([span_map(t) for t in terms], start.detach(), elementwise=True)
-    maps = [tuple(m.detach() for m in span_map(t)) for t in terms]
-    grads_out = [grad_out[:, :, a:b] for a, b in zip(bounds, bounds[1:])]
-    local = []
-    for t, s, g_out in zip(terms, states, grads_out):
-        s = s.clone().requires_grad_()
-        local.append(torch.autograd.grad((run_chunks(t, s)[0] * g_out).sum(), s, retain_graph=True)[0])
-    finals, grad_start = state_gradients(local, maps, grad_final, elementwise=True)
-    got = [torch.zeros_like(t) for t in leaves]
-    for span, t, s, g_out, g_final, (a, b) in zip(spans, terms, states, grads_out, finals, zip(bounds, bounds[1:])):
-        o, f = run_chunks(t, s)
-        for total, part in zip(got, torch.autograd.grad((o * g_out).sum() + (f * g_final).sum(), span)):
-            total[:, :, a:b] += part
-    diff = max((x - y).abs().max().item() for x, y in zip(got + [grad_start], expected))
-    print(f"spans {bounds}: max|grad diff| {diff:.2e}")
+    diff = spans_backward_diff(SSD, inputs(L=100), recurrence)
+    print(f"max|grad diff| {diff:.2e}")
     assert diff < 1e-11
