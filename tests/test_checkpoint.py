@@ -356,6 +356,16 @@ def test_convert_then_join_is_bit_exact(checkpoints, tmp_path, arch, tsp_size):
             assert a.read() == b.read()
 
 
+def test_a_pre_sharded_projection_under_another_name_loads(run_ranks, tmp_path):
+    """Granite-4.0-H's shared MLP holds down_proj as output_linear, split by columns: ``ds-tsp convert`` writes
+    each rank's columns and a TSP 2 load of them saves the original tensors back."""
+    src, shards, dst = str(tmp_path / "granite"), str(tmp_path / "shards"), str(tmp_path / "saved")
+    tiny_model("granitemoehybrid").save_pretrained(src)
+    assert main(["convert", "--in", src, "--out", shards, "--tsp-size", "2"]) == 0
+    run_ranks(2, _load_and_save, src=shards, dst=dst, tsp_size=2)
+    assert_same_tensors(hf_tensors(dst), hf_tensors(src))
+
+
 def test_a_pre_sharded_checkpoint_loads_on_its_tsp_size_only(run_ranks, checkpoints, tmp_path):
     shards, dst = str(tmp_path / "shards"), str(tmp_path / "saved")
     assert main(["convert", "--in", checkpoints["llama"], "--out", shards, "--tsp-size", "4"]) == 0

@@ -40,15 +40,16 @@ def adapter_pieces(tsp_model, reference):
     ``reference(name)`` gives the reference's full tensor."""
     pieces, layers = {}, tsp_model.tsp_policy.layers
     for index, layer in enumerate(tsp_model.get_submodule(layers)):
-        for block_name in (layer.mixer_name, "mlp"):
+        for block_name, hf_block in layer.hf_prefixes().items():  # the MLP under its own name (Granite's shared_mlp)
             block = getattr(layer, block_name)
-            for projection, adapter in (block.lora.adapters.items() if block.lora is not None else ()):
+            for projection, adapter in (getattr(block, "lora", None).adapters.items()
+                                        if getattr(block, "lora", None) is not None else ()):
                 piece = block.shard_piece(f"{projection}.weight")
                 # A fused projection's adapter (Phi-3's qkv_proj): its parts' rows of B, one A.
                 hf_projection, first_row = block.hf_rows.sources.get(f"{projection}.weight",
                                                                      (f"{projection}.weight", 0))
                 for factor in ("lora_A", "lora_B"):
-                    name = f"{layers}.{index}.{block_name}.{hf_projection.removesuffix('.weight')}.{factor}"
+                    name = f"{layers}.{index}.{hf_block}.{hf_projection.removesuffix('.weight')}.{factor}"
                     full = reference(name)
                     if factor == "lora_B" and projection in ROW_SPLIT:
                         full = full.narrow(0, first_row + piece[1], piece[2])[:getattr(adapter, factor).shape[0]]
@@ -136,7 +137,10 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              ("llama4", ATTENTION_ONLY, {}),
              # Gemma 4: full layers without v_proj (keys as values), layers reusing another's keys and values (no
              # k_proj, v_proj), per-layer inputs; and the dense MLP beside its experts
-             ("gemma4_layer_inputs", ALL_TARGETS, {}), ("gemma4_moe", ALL_TARGETS, {})]
+             ("gemma4_layer_inputs", ALL_TARGETS, {}), ("gemma4_moe", ALL_TARGETS, {}),
+             # Granite-4.0-H: its NoPE attention beside Mamba-2 mixers (which take none), its shared MLP's gate and
+             # up rows in input_linear, down_proj named output_linear (split by columns)
+             ("granitemoehybrid", ("q_proj", "o_proj", "input_linear", "output_linear"), {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")

@@ -73,8 +73,8 @@ class FusedRows:
         if name not in self.sources:
             return name, piece
         hf_name, first = self.sources[name]
-        if len(self.parts(hf_name.rsplit(".", 1)[0])) == 1:  # a projection under another name (Granite's
-            return hf_name, piece  # output_linear for down_proj): any piece of it
+        if self.renames(hf_name):
+            return hf_name, piece
         if piece is None or piece[0] != 0:
             # Every fused projection is split by rows (heads, columns of F), so this never happens.
             raise ValueError(f"{name} lies in rows of {hf_name}: only a piece of its rows can be read, not {piece}")
@@ -92,11 +92,16 @@ class FusedRows:
         out = {}
         for name, piece in held.items():
             hf_name, hf_piece = self.hf_piece(name, piece)
-            if name in self.sources:
+            if name in self.sources and not self.renames(hf_name):
                 out[hf_name] = tuple(sorted((*out.get(hf_name, ()), hf_piece), key=lambda p: p[1]))
             else:
-                out[hf_name] = piece
+                out[hf_name] = hf_piece
         return out
+
+    def renames(self, hf_name):
+        """Whether the Hugging Face tensor ``hf_name`` holds one logical tensor only (a projection under another
+        name, Granite-4.0-H's ``output_linear``), any piece of which is read as it is."""
+        return len(self.parts(hf_name.rsplit(".", 1)[0])) == 1
 
     def fuse(self, full):
         """``{hf_name: tensor}`` from the logical tensors ``full`` (each whole):

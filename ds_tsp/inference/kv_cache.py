@@ -69,10 +69,11 @@ class TSPCacheLayer(_TSPLayer):
 
 
 class TSPStateLayer(_TSPLayer):
-    """One Gated DeltaNet layer's states for this rank's head group (not cut
-    by token): its convolution's last ``kernel - 1`` inputs ``(B, C, kernel - 1)``
-    and its recurrent state ``(B, hv, dk, dv)``, both updated in place by a
-    decode step (``ds_tsp.inference.linear_decode``)."""
+    """One recurrent layer's states for this rank's heads (not cut by token):
+    its convolution's last ``kernel - 1`` inputs ``(B, C, kernel - 1)`` and its
+    recurrent state (Gated DeltaNet's ``(B, hv, dk, dv)``, Mamba-2's
+    ``(B, h/D, n, p)``), both updated in place by a decode step
+    (``ds_tsp.inference.linear_decode``, ``mamba2_decode``)."""
 
     def __init__(self, conv, recurrent):
         super().__init__()
@@ -174,7 +175,7 @@ class TSPCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, TSPCacheLayer)]
 
     def states(self, layer):
-        """``(conv, recurrent)`` states of a Gated DeltaNet ``layer``, updated in place."""
+        """``(conv, recurrent)`` states of a recurrent ``layer`` (Gated DeltaNet, Mamba-2), updated in place."""
         return self.layers[layer].conv, self.layers[layer].recurrent
 
     def write(self, layer, slots, keys, values):

@@ -117,7 +117,10 @@ def shard_adapters(block, adapters):
         return
     shards = {}
     for projection, (read, scaling) in adapters.items():
-        if projection in block.hf_rows.totals:
+        renamed = block.hf_rows.parts(projection) if projection in block.hf_rows.totals else []
+        if len(renamed) == 1:  # a projection under another name (Granite-4.0-H's output_linear for down_proj)
+            projection = renamed[0]
+        elif projection in block.hf_rows.totals:
             lora_A = nn.Parameter(read("lora_A", None).contiguous())
             for part in block.hf_rows.parts(projection):
                 first_row = block.hf_rows.sources[f"{part}.weight"][1]

@@ -34,16 +34,17 @@ from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
 
 class TSPDecoderLayer(GradientCheckpointingLayer):
-    """A decoder layer of two residual branches, TSP attention then the TSP MLP,
+    """A decoder layer of two residual branches, TSP attention then the TSP MLP
+    (or one of them: a layer of one block, Nemotron-H's, holds no mixer or no MLP),
     each with the Hugging Face norms the architecture puts around it (kept as
     they are, under their Hugging Face names): ``layout`` maps ``"attention"``
     and ``"mlp"`` to the names of the norms ``(before, after)`` the block, None
     where there is none: Llama's pre-norms, Gemma-2/3's sandwich (both),
     OLMo-2/3's post-norms (after only). ``rotary_kind`` names the rotary
     tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
-    model's one table). The token mixer (``mixer``) is the TSP attention, or a
-    hybrid's Gated DeltaNet, under its Hugging Face name ``mixer_name``
-    (``self_attn``, ``linear_attn``); the MLP is ``mlp`` whatever its Hugging
+    model's one table). The token mixer (``token_mixer``) is the TSP attention,
+    or a hybrid's recurrent mixer (Gated DeltaNet, Mamba-2), under its Hugging
+    Face name ``mixer_name`` (``self_attn``, ``linear_attn``, ``mamba``, ``mixer``); the MLP is ``mlp`` whatever its Hugging
     Face name, ``mlp_name`` (Granite-MoE's ``block_sparse_moe``), which the
     checkpoint readers and writers use (``DecoderPolicy.mlp``). Subclassing HF's
     checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it.

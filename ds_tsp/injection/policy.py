@@ -135,9 +135,9 @@ SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
                            "(each layer's window is checked against the one HF's mask uses), chunked_attention "
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
-                           "layers holding a Gated DeltaNet or a Mamba-2 mixer are run by ds_tsp's; indexed_attention "
-                           "(DeepSeek-V3.2's sparse indexer attention), other linear layers (Kimi Linear's KDA, "
-                           "Mamba-1), conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
+                           "layers holding a Gated DeltaNet (Kimi Linear's KDA among them) or a Mamba-2 mixer are "
+                           "run by ds_tsp's; indexed_attention (DeepSeek-V3.2's sparse indexer attention), other "
+                           "linear layers (Mamba-1's), conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
                            "attention and Mamba-2 side by side) are not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
@@ -1044,11 +1044,10 @@ def check_linear_layers(model_class, config, layers, policy):
             raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
                               f"{type(mixer or layer).__name__}, not a recurrent mixer of the kinds ds_tsp builds: a "
                               "Gated DeltaNet (in_proj_qkvz/in_proj_ba, in_proj_qkv/in_proj_z/in_proj_b/in_proj_a or "
-                              "q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's) or a Mamba-2 mixer (in_proj, "
-                              "conv1d, dt_bias, A_log, D, a gated norm: Bamba's, Granite-4.0-H's, Nemotron-H's); Kimi "
-                              "Linear's KDA (a decay per key channel) and Mamba-1 layers (Jamba's, Zamba's: a decay "
-                              "per channel and state entry) are not built under TSP: train this model with "
-                              "tsp.enabled false")
+                              "q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's; Kimi Linear's KDA) or a "
+                              "Mamba-2 mixer (in_proj, conv1d, dt_bias, A_log, D, a gated norm: Bamba's, "
+                              "Granite-4.0-H's, Nemotron-H's); Mamba-1 layers (Jamba's, Zamba's: a decay per channel "
+                              "and state entry) are not built under TSP: train this model with tsp.enabled false")
 
 
 def check_mamba2(module, where, layer_class):
@@ -1081,7 +1080,7 @@ def check_delta_net(module, where, layer_class):
     """A Gated DeltaNet ds_tsp builds: unbiased projections, a depthwise causal
     convolution over the queries', keys' and values' channels, a gated norm of
     one value head's width, and Hugging Face's head sizes; any other linear
-    layer (Kimi Linear's KDA, Mamba's) is refused by name."""
+    layer (Mamba-1's) is refused by name; Kimi Linear's KDA is checked by ``check_kda``."""
     kind = type(module).__name__
     if not is_gated_delta_net(module):
         raise PolicyError(f"{layer_class} at {where} is a {kind}, a linear-attention layer ds_tsp does not build "
@@ -1127,11 +1126,12 @@ def check_kda(module, where, layer_class):
     wrong = [name for name, shape in shapes.items() if tuple(module.get_submodule(name).weight.shape) != shape
              or module.get_submodule(name).bias is not None]
     conv = module.conv1d
-    if wrong or conv.groups != 3 * rows or conv.padding[0] != conv.kernel_size[0] - 1 or \
+    if wrong or conv.bias is not None or conv.groups != 3 * rows or conv.padding[0] != conv.kernel_size[0] - 1 or \
             tuple(gate.dt_bias.shape) != (rows,) or gate.A_log.numel() != module.num_heads or \
             module.o_norm.weight.numel() != d:
         raise PolicyError(f"{layer_class} at {where} ({kind}) is not KDA of the shape ds_tsp builds ({wrong} of "
-                          "another shape or biased, or its convolution, dt_bias, A_log or o_norm of another width)")
+                          "another shape or biased, or its convolution biased, or it, dt_bias, A_log or o_norm of "
+                          "another width)")
 
 
 def check_qk_norms(policy, attn, where, layer_class):

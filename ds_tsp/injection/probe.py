@@ -287,7 +287,7 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
 def _float32_projection_norms(attn):
     """Whether ``attn``'s q/k norms span its whole projection (wider than a head) and compute in float32."""
     names, _ = qk_norm_names(attn)
-    norms = [getattr(attn, name) for name in names or ()]
+    norms = [getattr(attn, name, None) for name in names or ()]
     return any(norm.weight.numel() != getattr(attn, "head_dim", 0) and "torch.float32" in _forward_source(norm)
                for norm in norms if getattr(norm, "weight", None) is not None)
 

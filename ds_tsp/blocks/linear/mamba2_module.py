@@ -62,7 +62,7 @@ class TSPMamba2(PackedShardMixin, nn.Module):
         device = device or weight.device
         shapes = mamba2_shapes(layer, comm.group_size(tsp_group))
         module = cls(shapes, tsp_group, copy.deepcopy(layer.norm).to_empty(device=device), ACT2FN[layer.activation],
-                     layer.time_step_limit, layer.chunk_size, out_bias=layer.out_proj.bias is not None,
+                     layer.time_step_limit, layer.chunk_size, out_bias=shapes.out_bias,
                      layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device)
         read = module.hf_rows.reader(read or module_reader(layer))
@@ -104,7 +104,8 @@ def mamba2_shapes(layer, tsp_size):
     return Mamba2Shapes(hidden_size=layer.hidden_size, num_heads=layer.num_heads, head_dim=layer.head_dim,
                         n_groups=layer.n_groups, state_size=layer.ssm_state_size,
                         conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size,
-                        proj_bias=layer.in_proj.bias is not None, conv_bias=layer.conv1d.bias is not None)
+                        proj_bias=layer.in_proj.bias is not None, conv_bias=layer.conv1d.bias is not None,
+                        out_bias=layer.out_proj.bias is not None)
 
 
 def is_mamba2(module):

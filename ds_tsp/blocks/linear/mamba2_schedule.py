@@ -19,9 +19,9 @@ in flight under the current one's compute):
    all-reduce is needed.
 
 Backward broadcasts the input pieces again (the projections are recomputed,
-not saved), runs steps 2 and 3 under autograd with the per-channel pieces as
-leaves, the output pieces for the normed output's gradient, and the input
-pieces a third time for the input's gradient: each piece's weight gradient
+not saved), runs step 2 under autograd with the per-channel pieces as leaves,
+broadcasts the output pieces for the normed output's gradient (written out),
+and the input pieces a third time for the input's gradient: each piece's weight gradient
 goes to its owner, summed in float32 or wider. Saved: the local input only.
 
 Numerics are Hugging Face's torch path (``mamba2_chunk_scan``): ``dt`` in the
@@ -205,12 +205,13 @@ class TSPMamba2Function(torch.autograd.Function):
     """forward: ``mamba2_forward``, saving its input; backward: ``mamba2_backward``."""
 
     # Under autocast the input is cast to the autocast dtype; the shard keeps its dtype (each piece is cast once
-    # received, A_log, dt_bias and D never, as Hugging Face's layer takes them in their own dtype), and so do the
-    # norm's weight and out_proj's bias.
+    # received, A_log and D never, dt_bias to the tokens' dtype where dt takes it, as Hugging Face's layer does),
+    # and so do the norm's weight and out_proj's bias.
     @staticmethod
     @autocast_forward(cast_inputs=True, keep=(1, 3, 4))
     def forward(ctx, x, packed, plan, norm_weight, out_bias):
         ctx.plan, ctx.has_bias = plan, out_bias is not None
+        ctx.bias_dtype = None if out_bias is None else out_bias.dtype
         ctx.save_for_backward(x, packed, norm_weight)
         return mamba2_forward(plan, x, packed, norm_weight, out_bias)
 
@@ -219,5 +220,8 @@ class TSPMamba2Function(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, packed, norm_weight = ctx.saved_tensors
         grad_x, grad_packed, grad_norm = mamba2_backward(ctx.plan, grad_out.contiguous(), x, packed, norm_weight)
-        grad_bias = grad_out.flatten(0, 1).sum(0) if ctx.has_bias else None
+        grad_bias = None
+        if ctx.has_bias:  # summed over the local tokens in float32 or wider
+            grad_bias = grad_out.flatten(0, 1).sum(0, dtype=_accumulator_dtype(ctx.plan, grad_out.dtype))
+            grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_x, grad_packed, None, grad_norm, grad_bias

@@ -44,8 +44,9 @@ class Mamba2Shapes:
     state_size: int
     conv_kernel: int
     tsp_size: int
-    proj_bias: bool = False
+    proj_bias: bool = False  # in_proj's bias, split with its rows
     conv_bias: bool = True
+    out_bias: bool = False  # out_proj's bias, kept whole
 
     def __post_init__(self):
         D = self.tsp_size
@@ -115,4 +116,4 @@ class Mamba2Shapes:
 
     def replicated_names(self):
         """Hugging Face names of the tensors every rank holds whole."""
-        return ["norm.weight"] + (["out_proj.bias"] if self.proj_bias else [])
+        return ["norm.weight"] + (["out_proj.bias"] if self.out_bias else [])
