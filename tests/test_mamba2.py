@@ -26,6 +26,37 @@ def test_mamba2_hybrids_match_hugging_face(run_ranks, tsp_size):
             check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, **case), f"D={tsp_size} {arch} {case}")
 
 
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_variants_of_bamba_match_hugging_face(run_ranks, tsp_size):
+    """One group of B/C rows for every head (Bamba's default, its gated norm over the whole inner width), and
+    biased projections (mamba_proj_bias), right-padded."""
+    for overrides, case in (({"mamba_n_groups": 1}, CASES[1]), ({"mamba_n_groups": 1}, CASES[0]),
+                            ({"mamba_proj_bias": True}, CASES[0])):
+        check(run_ranks(tsp_size, model_parity, arch="bamba", relative=True, model_overrides=overrides, **case),
+              f"D={tsp_size} bamba {overrides} {case}")
+
+
+def test_left_padding_with_a_biased_in_proj_is_refused():
+    """Hugging Face's convolution carries a biased in_proj's output at the padding into the first real tokens
+    (its loss moves 5.4e-2 from the rows moved left): refused by name, in training and in generation."""
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+
+    model = tiny_model("bamba", mamba_proj_bias=True)
+    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    input_ids = torch.randint(3, 61, (2, 8))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
+    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 mixers whose in_proj has a bias"):
+        model(input_ids=input_ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 mixers whose in_proj has a bias"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    model(input_ids=input_ids, labels=input_ids)  # no padding: runs
+
+
 def test_granite_moe_load_balancing_loss(run_ranks):
     """Granite-4.0-H's MoE beside its shared MLP with output_router_logits: the loss with Hugging Face's auxiliary
     loss over the whole sequence, and every gradient, at D = 2 under both MoE schedules (test_moe's harness)."""

@@ -71,7 +71,7 @@ from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, ro
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
-from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
+from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, left_padding_refusal
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
@@ -134,7 +134,7 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
                          f"{folded[0]}) is not supported: each replica decodes its own prompts, while its experts "
                          "live on the others too; save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained without tsp.expert_parallel_size")
-    prompt, lengths = left_aligned(input_ids, attention_mask)
+    prompt, lengths = left_aligned(input_ids, attention_mask, left_padding_refusal(model))
     text_positions, rotary = text_and_rotary_positions(position_ids)
     _check_prompt_positions(text_positions, attention_mask, input_ids)
     if visual is not None and rotary is None:
@@ -220,10 +220,11 @@ def agree_on_random_state(group, device):
         accelerator.set_rng_state(state, device.index)
 
 
-def left_aligned(input_ids, attention_mask):
+def left_aligned(input_ids, attention_mask, padding_refused=None):
     """``(prompts, lengths)``: each row's real tokens moved to the front (padding
     after them, where causal masking and the cache's validity keep it unseen),
-    and the number of real tokens per row. Only left padding is accepted."""
+    and the number of real tokens per row. Only left padding is accepted;
+    ``padding_refused``: why the model cannot run padded prompts, or None."""
     batch, prompt_len = input_ids.shape
     if attention_mask is None:
         return input_ids, torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
@@ -235,6 +236,8 @@ def left_aligned(input_ids, attention_mask):
         raise ValueError("attention_mask must be left padding (each row: zeros, then ones); right padding or "
                          "holes inside a prompt are not supported by TSP generation: pad prompts on the left "
                          "(tokenizer.padding_side = 'left')")
+    if padding_refused is not None and not host_mask.all():  # why the model's left-padded prompts cannot run
+        raise ValueError(padding_refused)
     lengths = mask.sum(dim=1)
     if (host_mask.sum(dim=1) == 0).any():
         raise ValueError("every prompt needs at least one real token (a row of attention_mask is all zeros)")

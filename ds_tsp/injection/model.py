@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts, start_at_position_zero
 from ds_tsp.blocks.layer_inputs import local_layer_inputs
+from ds_tsp.blocks.linear.mamba2_module import left_padding_refusal
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions
@@ -513,6 +514,8 @@ class TSPCausalLMMixin:
         vocab_size = tuple(vocabulary_rows(self.get_submodule(name)) for name in (policy.embed_tokens, policy.lm_head))
         batch = self._batch(input_ids, labels, position_ids, attention_mask, cu_seq_lens, vocab_size, visual)
         _check_left_padding_use(batch, request, self.get_submodule(policy.lm_head), tsp_predictions)
+        if batch.left_padding is not None and left_padding_refusal(self) is not None:
+            raise ValueError(left_padding_refusal(self))
         config, layers = text_config(self), self.get_submodule(policy.layers)
         _check_chunked_documents(batch, layers)
         hidden = embed_local_tokens(self.get_submodule(policy.embed_tokens), batch.rank_input_ids, topo.tsp_rank,

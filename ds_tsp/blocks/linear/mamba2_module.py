@@ -99,6 +99,22 @@ class TSPMamba2(PackedShardMixin, nn.Module):
                                        self.out_bias)
 
 
+def left_padding_refusal(model):
+    """Why ``model``'s left-padded rows cannot run, or None: a Mamba-2 mixer
+    whose ``in_proj`` has a bias. Hugging Face zeroes the padding's hidden
+    states, so its projections are that bias and its convolution carries them
+    into the first real tokens; the TSP model runs a row moved left, its window
+    starting at the first real token."""
+    biased = [name for name, module in model.named_modules()
+              if isinstance(module, TSPMamba2) and module.shapes.proj_bias]
+    if not biased:
+        return None
+    return (f"left-padded rows with Mamba-2 mixers whose in_proj has a bias ({biased[0]}, mamba_proj_bias): Hugging "
+            "Face's convolution reads the padding's projected bias into the first real tokens, which the TSP model "
+            "does not reproduce: pad on the right (tokenizer.padding_side = 'right'), pack the rows, or leave "
+            "tsp.enabled false")
+
+
 def mamba2_shapes(layer, tsp_size):
     """The ``Mamba2Shapes`` of a Hugging Face Mamba-2 mixer."""
     return Mamba2Shapes(hidden_size=layer.hidden_size, num_heads=layer.num_heads, head_dim=layer.head_dim,

@@ -91,12 +91,10 @@ def project(plan, x, packed):
 
 
 def channel_pieces(plan, packed, leaves=False):
-    """Every rank's per-channel piece, ``[{name: tensor}]`` by rank (fresh leaves requiring gradients with
-    ``leaves``)."""
-    pieces = []
-    for _, w in piece_stream(plan, packed, CHANNELS):
-        pieces.append({name: t.detach().clone().requires_grad_() if leaves else t.clone() for name, t in w.items()})
-    return pieces
+    """Every rank's per-channel piece, ``[{name: tensor}]`` by rank (views of each received buffer; leaves
+    requiring gradients with ``leaves``)."""
+    return [{name: t.detach().requires_grad_() if leaves else t for name, t in w.items()}
+            for _, w in piece_stream(plan, packed, CHANNELS)]
 
 
 def mix(plan, proj, pieces, norm_weight, sink=False):
