@@ -6,7 +6,7 @@ convolution's last ``kernel - 1`` inputs of its own channels (its heads' ``x``
 and its ``1/D`` of the ``B`` and ``C`` rows, ``mamba2_shards``) and its heads'
 SSM states ``(h/D, n, p)`` (``kv_cache.TSPStateLayer``).
 
-Prefill runs the training schedule (``mamba2_schedule``) on the left-aligned
+Prefill runs the training schedule (``streamed``, ``mamba2_schedule``) on the left-aligned
 prompt with each row's padding neither decaying nor writing the state, so the
 state after the whole sequence, every head's on every rank, is each row's
 after its last real token; rank ``j`` keeps its heads'. The convolution's
@@ -29,8 +29,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.linear.mamba2_schedule import mamba2_forward
 from ds_tsp.blocks.linear.mamba2_shards import CONV_PARTS, INPUT_PARTS
+from ds_tsp.blocks.linear.streamed import streamed_forward
 from ds_tsp.inference.linear_decode import PromptTails
 from ds_tsp.parallel import comm
 
@@ -63,7 +63,7 @@ def prefill_mamba2(mixer, h, positions, lengths, group, store):
         store(tails.gather(conv_inputs, group)[..., mine].transpose(1, 2), final[:, heads])
 
     plan = dataclasses.replace(mixer.plan(h), valid=tails.valid, state_sink=sink)
-    return mamba2_forward(plan, h, mixer.shard_weights().detach(), mixer.norm.weight, mixer.out_bias)
+    return streamed_forward(plan, h, mixer.shard_weights().detach(), mixer.out_bias, (mixer.norm.weight,))
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ def compute_dtype(tensor):
     return tensor.dtype
 
 
-def autocast_forward(cast_inputs, keep=()):
+def autocast_forward(cast_inputs, keep=(), keep_from=None):
     """``torch.amp.custom_fwd`` for Functions that run on any device and under
     any autocast dtype (``custom_fwd`` fixes both when it decorates).
 
@@ -39,8 +39,9 @@ def autocast_forward(cast_inputs, keep=()):
     dtypes, as the ops it stands for (lookups, collectives) do under
     autocast. ``keep``: the positions (after ``ctx``) of arguments that stay
     in their dtype even with ``cast_inputs`` (float32 statistics a norm
-    applies, as Hugging Face's norms compute in float32 under autocast).
-    Pair with ``autocast_backward``."""
+    applies, as Hugging Face's norms compute in float32 under autocast);
+    ``keep_from``: the position from which every argument stays (a Function's
+    trailing ``*tensors``). Pair with ``autocast_backward``."""
 
     def decorate(forward):
         @functools.wraps(forward)
@@ -50,7 +51,8 @@ def autocast_forward(cast_inputs, keep=()):
             if not _autocast_on(device_type):
                 return forward(ctx, *args)
             if cast_inputs:
-                args = [arg.to(compute_dtype(arg)) if isinstance(arg, torch.Tensor) and index not in keep else arg
+                kept = set(keep) | set(range(len(args) if keep_from is None else keep_from, len(args)))
+                args = [arg.to(compute_dtype(arg)) if isinstance(arg, torch.Tensor) and index not in kept else arg
                         for index, arg in enumerate(args)]
             with torch.autocast(device_type, enabled=False):
                 return forward(ctx, *args)

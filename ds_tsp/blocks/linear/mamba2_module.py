@@ -1,7 +1,8 @@
 """The TSP Mamba-2 mixer (Bamba's, Granite-4.0-H's, Nemotron-H's, Falcon-H1's,
 Mamba-2's and every Hugging Face mixer of their shape): this rank's heads of
 one Mamba-2 layer, built from a Hugging Face module or a checkpoint
-(``from_hf``, ``load_shard``), run by ``ds_tsp.blocks.linear.mamba2_schedule``.
+(``from_hf``, ``load_shard``), run by ``ds_tsp.blocks.linear.streamed`` with
+``mamba2_schedule``'s step 2.
 """
 
 import copy
@@ -10,8 +11,9 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
-from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan, TSPMamba2Function
+from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan
 from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
+from ds_tsp.blocks.linear.streamed import StreamedMixerFunction
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
 from ds_tsp.parallel import comm, layout
 
@@ -95,8 +97,8 @@ class TSPMamba2(PackedShardMixin, nn.Module):
     def forward(self, x, position_embeddings=None, documents=None, input_norm=None):
         if input_norm is not None:
             raise ValueError("the Mamba-2 mixer does not run its input norm inside (takes_input_norm)")
-        return TSPMamba2Function.apply(x, self.shard_weights(), self.plan(x, documents), self.norm.weight,
-                                       self.out_bias)
+        return StreamedMixerFunction.apply(x, self.shard_weights(), self.plan(x, documents), self.out_bias,
+                                           self.norm.weight)
 
 
 def left_padding_refusal(model):

@@ -73,6 +73,18 @@ class Mamba2Shapes:
         """Heads per rank."""
         return self.num_heads // self.tsp_size
 
+    input_parts = INPUT_PARTS
+
+    @property
+    def output_width(self):
+        """Columns of ``out_proj`` a rank holds: its heads'."""
+        return self.heads * self.head_dim
+
+    def input_rows(self, name, j):
+        """The slice of rank ``j``'s rows in the full ``name`` (an input part)."""
+        per_rank = self._full_rows()[name] // self.tsp_size
+        return slice(j * per_rank, (j + 1) * per_rank)
+
     def _full_rows(self):
         return dict(zip(INPUT_PARTS + CONV_PARTS,
                         (self.d_inner, self.d_inner, self.state_rows, self.state_rows, self.num_heads,

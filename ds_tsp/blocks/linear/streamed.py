@@ -1,0 +1,150 @@
+"""The schedule of the recurrent mixers whose shard is three pieces
+broadcast in turn (Mamba-2's, ``mamba2_schedule``; LFM's gated short
+convolution, ``short_conv``), as plain forward and backward functions and the
+autograd Function that runs them (DESIGN.md 6n).
+
+Per layer, on every rank, with ``x`` its local tokens ``(B, S/D, H)``, each
+rank's pieces broadcast in turn (the next one in flight under the current
+one's compute):
+
+1. the input pieces: each rank projects its own tokens through every rank's
+   rows, so it holds its tokens' whole projections;
+2. the per-channel pieces: the mixer's own ``plan.mix`` (its convolution's
+   halos and recurrence gathered from the other ranks) turns the projections
+   into the mixed output ``(B, S/D, mixed width)`` of its tokens;
+3. the output pieces: each rank's ``out_proj`` columns, summed locally, so no
+   all-reduce is needed.
+
+Backward broadcasts the input pieces again (the projections are recomputed,
+not saved), runs step 2 under autograd with the per-channel pieces and the
+replicated tensors as leaves, broadcasts the output pieces for the mixed
+output's gradient (written out), and the input pieces a third time for the
+input's gradient: each piece's weight gradient goes to its owner, summed in
+float32 or wider. Saved: the local input only.
+
+A plan gives ``group``, ``specs`` (every rank's three PackSpecs), ``overlap``,
+``fp32_accumulators``, ``grad_wire_dtype``, ``state_sink`` and ``shapes``
+(``input_parts``, ``input_rows(name, j)``, ``output_width``), and
+``mix(proj, pieces, replicated, sink)``.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
+from ds_tsp.parallel import precision
+from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+
+INPUTS, CHANNELS, OUTPUTS = range(3)  # the pieces of a shard, in their order
+
+
+def project(plan, x, packed):
+    """The local tokens' projections ``{input part: (B, S/D, its full rows)}``, from every rank's input piece."""
+    outputs = {name: [] for name in plan.shapes.input_parts}
+    for _, w in piece_stream(plan, packed, INPUTS):
+        for name, parts in outputs.items():
+            bias = w.get(f"{name}.bias")
+            parts.append(F.linear(x, w[f"{name}.weight"].to(x.dtype), None if bias is None else bias.to(x.dtype)))
+    return {name: torch.cat(parts, dim=-1) for name, parts in outputs.items()}
+
+
+def channel_pieces(plan, packed, leaves=False):
+    """Every rank's per-channel piece, ``[{name: tensor}]`` by rank (views of each received buffer; leaves
+    requiring gradients with ``leaves``)."""
+    return [{name: t.detach().requires_grad_() if leaves else t for name, t in w.items()}
+            for _, w in piece_stream(plan, packed, CHANNELS)]
+
+
+def joined(pieces, dims=None):
+    """Every rank's per-channel tensors, each concatenated over the ranks along its ``dims[name]`` (default 0)."""
+    return {name: torch.cat([piece[name] for piece in pieces], dim=(dims or {}).get(name, 0)) for name in pieces[0]}
+
+
+def accumulator_dtype(plan, dtype):
+    return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
+
+
+def streamed_forward(plan, x, packed, out_bias, replicated=()):
+    """Forward of one mixer on the local tokens ``x``: the output ``(B, S/D, H)``."""
+    mixed = plan.mix(project(plan, x, packed), channel_pieces(plan, packed), replicated,
+                     sink=plan.state_sink is not None)
+    out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=accumulator_dtype(plan, x.dtype), device=x.device)
+    columns = plan.shapes.output_width
+    for j, w in piece_stream(plan, packed, OUTPUTS):
+        part = mixed[..., j * columns:(j + 1) * columns].flatten(0, 1)
+        precision.add_matmul(out, part, w["out_proj.weight"].to(x.dtype).t(), add=j > 0)
+    out = out.view(x.shape).to(x.dtype)
+    return out if out_bias is None else out + out_bias.to(x.dtype)
+
+
+def streamed_backward(plan, grad_out, x, packed, replicated=()):
+    """Gradients of the local tokens ``x``, this rank's packed shard and the ``replicated`` tensors."""
+    shapes = plan.shapes
+    grads = ShardGrads(plan, packed)
+    acc = accumulator_dtype(plan, x.dtype)
+    with torch.no_grad():
+        proj = project(plan, x, packed)
+    proj = {name: t.requires_grad_() for name, t in proj.items()}
+    pieces = channel_pieces(plan, packed, leaves=True)
+    kept = [t.detach().requires_grad_() for t in replicated]
+    with torch.enable_grad():
+        mixed = plan.mix(proj, pieces, kept)
+    grad_tokens = grad_out.flatten(0, 1)  # (N, H)
+    grad_mixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=x.device)
+    columns = shapes.output_width
+    for j, w in piece_stream(plan, packed, OUTPUTS):
+        part = slice(j * columns, (j + 1) * columns)
+        grad_mixed[..., part] = (grad_tokens @ w["out_proj.weight"].to(grad_tokens.dtype)).view(
+            *mixed.shape[:2], columns)
+        flat, into = grads.buffer(j, OUTPUTS)
+        precision.partial_matmul(grad_tokens.t(), mixed.detach()[..., part].flatten(0, 1),
+                                 out=into["out_proj.weight"], add=False)
+        grads.send(j, flat)
+    leaves = [*proj.values(), *(t for piece in pieces for t in piece.values()), *kept]
+    found = torch.autograd.grad(mixed, leaves, grad_mixed, allow_unused=True)
+    grad_proj, found = dict(zip(proj, found[:len(proj)])), found[len(proj):]
+    for j, piece in enumerate(pieces):
+        flat, into = grads.buffer(j, CHANNELS)
+        for (name, leaf), grad in zip(piece.items(), found):
+            into[name].copy_(torch.zeros_like(leaf) if grad is None else grad)
+        found = found[len(piece):]
+        grads.send(j, flat)
+    grad_replicated = [g.to(t.dtype) for g, t in zip(found, replicated)]
+    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device)
+    x_tokens = x.flatten(0, 1)
+    for j, w in piece_stream(plan, packed, INPUTS):
+        flat, into = grads.buffer(j, INPUTS)
+        for name in shapes.input_parts:
+            g = grad_proj[name][..., shapes.input_rows(name, j)].flatten(0, 1)  # (N, rows)
+            precision.add_matmul(grad_x.view(-1, x.shape[-1]), g, w[f"{name}.weight"].to(g.dtype))
+            precision.partial_matmul(g.t(), x_tokens, out=into[f"{name}.weight"], add=False)
+            if f"{name}.bias" in into:
+                into[f"{name}.bias"].copy_(g.sum(0))
+        grads.send(j, flat)
+    return grad_x.to(x.dtype), grads.own_shard().to(packed.dtype), grad_replicated
+
+
+class StreamedMixerFunction(torch.autograd.Function):
+    """forward: ``streamed_forward``, saving its input; backward: ``streamed_backward``."""
+
+    # Under autocast the input is cast to the autocast dtype; the shard keeps its dtype (each piece is cast once
+    # received, where the mixer's own layer casts it), and so do out_proj's bias and the replicated tensors.
+    @staticmethod
+    @autocast_forward(cast_inputs=True, keep=(1, 3), keep_from=4)
+    def forward(ctx, x, packed, plan, out_bias, *replicated):
+        ctx.plan, ctx.has_bias = plan, out_bias is not None
+        ctx.bias_dtype = None if out_bias is None else out_bias.dtype
+        ctx.save_for_backward(x, packed, *replicated)
+        return streamed_forward(plan, x, packed, out_bias, replicated)
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx, grad_out):
+        x, packed, *replicated = ctx.saved_tensors
+        grad_x, grad_packed, grad_replicated = streamed_backward(ctx.plan, grad_out.contiguous(), x, packed,
+                                                                 replicated)
+        grad_bias = None
+        if ctx.has_bias:  # summed over the local tokens in float32 or wider
+            grad_bias = grad_out.flatten(0, 1).sum(0, dtype=accumulator_dtype(ctx.plan, grad_out.dtype))
+            grad_bias = grad_bias.to(ctx.bias_dtype)
+        return grad_x, grad_packed, None, grad_bias, *grad_replicated
