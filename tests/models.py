@@ -27,6 +27,8 @@ from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
                           KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           OlmoHybridConfig, OlmoHybridForCausalLM)
+from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM, Lfm3Config,
+                          Lfm3ForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers import (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           PhimoeConfig, PhimoeForCausalLM)
@@ -522,7 +524,21 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "granitemoehybrid_moe": (GraniteMoeHybridConfig, {
                     **MAMBA2_TINY, **GRANITE_MULTIPLIERS, "num_local_experts": 4, "num_experts_per_tok": 2,
                     "intermediate_size": 8, "shared_intermediate_size": 16, "position_embedding_type": "rope",
-                    "layer_types": ["mamba", "attention", "mamba", "mamba"], "experts_implementation": "eager"})}
+                    "layer_types": ["mamba", "attention", "mamba", "mamba"], "experts_implementation": "eager"}),
+                # LFM2: gated short convolutions (kernel 3) beside attention layers with q/k layernorms; the MLP's
+                # silu a function. LFM2-MoE: its sigmoid router with an expert bias after a dense first layer, its
+                # rotary named pos_emb. LFM3: kernel 4, sandwich norms, a sliding layer and a full one rotating half
+                # of each head (proportional), no rotary table for the conv layers.
+                "lfm2": (Lfm2Config, {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
+                                      "pad_token_id": 0}),
+                "lfm2_moe": (Lfm2MoeConfig, {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                                             "num_hidden_layers": 4, "num_dense_layers": 1, "num_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                                             "use_expert_bias": True, "routed_scaling_factor": 1.5, "pad_token_id": 0,
+                                             "experts_implementation": "eager"}),
+                "lfm3": (Lfm3Config, {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
+                                      "num_hidden_layers": 4, "sliding_window": 5, "conv_L_cache": 4,
+                                      "use_attention_gate": False, "pad_token_id": 0})}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
@@ -584,7 +600,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
                  "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
-                 "kimi_linear": KimiLinearForCausalLM}
+                 "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM, "lfm2_moe": Lfm2MoeForCausalLM,
+                 "lfm3": Lfm3ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")
@@ -620,7 +637,7 @@ def tiny_model(arch, seed=0, dtype=torch.float64, **overrides):
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a router's, so that it moves the routing
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # a router's, so that it moves the routing
                 buffer.normal_(0, 0.3)
             if name.endswith("layer_scalar"):  # Gemma 4's, off 1 so that a dropped one would show
                 buffer.normal_(1.0, 0.2)

@@ -49,7 +49,7 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
     masks = attention_mask
     if position_ids is not None and model.config.model_type in MASKS_WITHOUT_POSITIONS:
         masks = document_masks(model, input_ids, attention_mask, position_ids)
-    if position_ids is not None and "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+    if position_ids is not None and {"linear_attention", "conv"} & set(getattr(model.config, "layer_types", None) or ()):
         logits = per_document_logits(model, input_ids, position_ids)
     else:
         logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits
@@ -63,9 +63,10 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
 
 def per_document_logits(model, input_ids, position_ids):
     """The logits of packed rows with every document run alone: Hugging Face's
-    linear-attention layers carry their state across packed documents (their
-    torch path ignores the boundaries), so the reference for a state that
-    restarts at each document is Hugging Face's model on each document."""
+    linear-attention and short-convolution layers carry their state across
+    packed documents (their torch path ignores the boundaries), so the
+    reference for a state that restarts at each document is Hugging Face's
+    model on each document."""
     rows = []
     for row, positions in zip(input_ids, position_ids):
         starts = [0] + [t for t in range(1, len(positions)) if positions[t] != positions[t - 1] + 1] + [len(row)]

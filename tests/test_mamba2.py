@@ -50,9 +50,9 @@ def test_left_padding_with_a_biased_in_proj_is_refused():
     mask[1, :3] = 0
     labels = input_ids.masked_fill(mask == 0, -100)
     labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
-    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 mixers whose in_proj has a bias"):
+    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 or short-convolution mixers"):
         model(input_ids=input_ids, attention_mask=mask, labels=labels)
-    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 mixers whose in_proj has a bias"):
+    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 or short-convolution mixers"):
         model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     model(input_ids=input_ids, labels=input_ids)  # no padding: runs
 

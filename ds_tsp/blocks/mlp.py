@@ -355,7 +355,7 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     def from_hf(cls, mlp, tsp_group, overlap=True, token_tile=0, fp32_accumulators=True, read=None, device=None,
                 fused=None, activation="act_fn"):
         """Build from a HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``
-        and the activation module named ``activation``), keeping this rank's slice of it.
+        and the activation module named ``activation``; None: silu, LFM's function), keeping this rank's slice of it.
 
         ``read(name, piece)`` returns the tensor ``name`` cut to ``piece`` (see
         ``shard_piece``); by default it slices ``mlp``'s own parameters, and a
@@ -370,7 +370,8 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         if len(set(biases)) != 1:
             raise ValueError(f"TSPGatedMLP needs biases on all of {list(names)} or none, got {biases}")
         down = projections[-1]
-        module = cls(down.out_features, down.in_features, getattr(mlp, activation), tsp_group, bias=biases[0],
+        act_fn = nn.SiLU() if activation is None else getattr(mlp, activation)
+        module = cls(down.out_features, down.in_features, act_fn, tsp_group, bias=biases[0],
                      overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=down.weight.dtype, device=device or down.weight.device, gated="gate_proj" in names)
         module.hf_rows = rows

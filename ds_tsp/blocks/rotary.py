@@ -328,11 +328,15 @@ def norms_after_rotary(norm):
     return getattr(norm, "tsp_after_rotary", False)
 
 
+# The rotary kind of a layer that rotates nothing, in a model keeping tables per layer type (LFM3's conv layers).
+UNROTATED = "unrotated"
+
+
 def rotary_at(rotary_emb, hidden, positions, kind=None):
     """The model's rotary tables at ``positions`` as a tuple: ``(cos, sin)``, or
     the one complex table DeepSeek-V2 keeps; None for a model without a rotary
-    embedding (``rotary_emb`` None: Granite-4.0-H's, Nemotron-H's NoPE)."""
-    if rotary_emb is None:
+    embedding (``rotary_emb`` None: Granite-4.0-H's, Nemotron-H's NoPE) or layers that rotate nothing."""
+    if rotary_emb is None or kind == UNROTATED:
         return None
     tables = rotary_of_kind(rotary_emb, hidden, positions, kind)
     return tables if isinstance(tables, tuple) else (tables,)
@@ -360,7 +364,7 @@ def rotary_tables(rotary_emb, hidden, positions, max_position, kind=None):
     appended to the positions and its row dropped from the tables. Positions
     past it (the padding TSP appends) are clamped to it: no real token sees them.
     None for a model without a rotary embedding (``rotary_emb`` None)."""
-    if rotary_emb is None:
+    if rotary_emb is None or kind == UNROTATED:
         return None
     probe = torch.cat([torch.minimum(positions, max_position), max_position.expand(*positions.shape[:-1], 1)],
                       dim=-1)

@@ -32,7 +32,9 @@ from ds_tsp.blocks.latent import module as latent
 from ds_tsp.blocks.latent import shards as latent_shards
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear import module as linear
-from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, is_mamba2, mamba2_shapes
+from ds_tsp.blocks.linear.mamba2_module import is_mamba2, mamba2_shapes
+from ds_tsp.blocks.linear.short_conv import is_short_conv, short_conv_shapes
+from ds_tsp.blocks.linear.streamed import StreamedMixer
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe import plan as moe
@@ -90,10 +92,12 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
 
 
 def _mixer_shards(attn, config, policy, tsp_size):
-    """``BlockShards`` of a layer's token mixer ``attn``: an attention, a latent attention, a Gated DeltaNet or a
-    Mamba-2 mixer."""
+    """``BlockShards`` of a layer's token mixer ``attn``: an attention, a latent attention, a Gated DeltaNet, a
+    Mamba-2 mixer or a short convolution."""
     if is_mamba2(attn):
-        return _mamba2_shards(attn, tsp_size)
+        return _streamed_shards(mamba2_shapes(attn, tsp_size))
+    if is_short_conv(attn):
+        return _streamed_shards(short_conv_shapes(attn, tsp_size))
     if linear.is_gated_delta_net(attn):
         return _delta_net_shards(attn, tsp_size)
     if latent.is_latent_attention(attn):
@@ -125,10 +129,9 @@ def _delta_net_shards(hf_layer, tsp_size):
     return BlockShards(specs, _holdings(specs, shapes.piece, linear.replicated_names(hf_layer)), shapes.hf_rows())
 
 
-def _mamba2_shards(hf_layer, tsp_size):
-    """``BlockShards`` of a Mamba-2 mixer (``ds_tsp.blocks.linear.mamba2_shards``)."""
-    shapes = mamba2_shapes(hf_layer, tsp_size)
-    specs = [shapes.spec(r) for r in range(tsp_size)]
+def _streamed_shards(shapes):
+    """``BlockShards`` of a mixer of three pieces (``ds_tsp.blocks.linear.streamed``) of ``shapes``."""
+    specs = [shapes.spec(r) for r in range(shapes.tsp_size)]
     return BlockShards(specs, _holdings(specs, shapes.piece, shapes.replicated_names()), shapes.hf_rows())
 
 
@@ -222,7 +225,7 @@ def block_specs(block):
         return list(block.specs)
     if isinstance(block, TSPLatentAttention):
         return [latent_shards.shard_spec(block.shapes, r) for r in range(block.shapes.tsp_size)]
-    if isinstance(block, (TSPGatedDeltaNet, TSPMamba2)):
+    if isinstance(block, (TSPGatedDeltaNet, StreamedMixer)):
         return [block.shapes.spec(r) for r in range(block.shapes.tsp_size)]
     if isinstance(block, (TSPGatedMLP, TSPSparseMoE)):
         return [block.spec] * comm.group_size(shard_group(block)[0])
@@ -239,7 +242,7 @@ def block_holdings(block):
     elif isinstance(block, TSPLatentAttention):
         holdings = _holdings(specs, lambda name, r: latent_shards.shard_piece(block.shapes, name, r),
                              list(block.replicated_tensors()))
-    elif isinstance(block, (TSPGatedDeltaNet, TSPMamba2)):
+    elif isinstance(block, (TSPGatedDeltaNet, StreamedMixer)):
         holdings = _holdings(specs, block.shapes.piece, list(block.replicated_tensors()))
     elif isinstance(block, TSPSparseMoE):
         holdings = _holdings(specs, lambda name, r: moe.shard_piece(block.num_experts, block.shared_size, tsp_size,

@@ -5,6 +5,7 @@ import torch
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, is_mamba2
+from ds_tsp.blocks.linear.short_conv import TSPShortConv, is_short_conv
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -202,7 +203,8 @@ def tsp_mixer(attention, config, policy, topology, tsp_config, read, device, whe
                    token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators, read=read,
                    device=device)
     if is_recurrent(attention):
-        recurrent = TSPMamba2 if is_mamba2(attention) else TSPGatedDeltaNet
+        recurrent = TSPMamba2 if is_mamba2(attention) else TSPShortConv if is_short_conv(attention) else \
+            TSPGatedDeltaNet
         block = recurrent.from_hf(attention, config, topology.tsp_group, **options)
     elif is_latent_attention(attention):
         form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention

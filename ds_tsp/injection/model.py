@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ds_tsp.blocks.documents import check_cu_seq_lens, document_starts, start_at_position_zero
 from ds_tsp.blocks.layer_inputs import local_layer_inputs
-from ds_tsp.blocks.linear.mamba2_module import left_padding_refusal
+from ds_tsp.blocks.linear.streamed import left_padding_refusal
 from ds_tsp.blocks.moe.load_balancing import full_sequence_router_logits, load_balancing_loss, recorded_router_logits
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions

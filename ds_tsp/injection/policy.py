@@ -35,7 +35,9 @@ from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
 from ds_tsp.blocks.linear.module import is_gated_delta_net, is_kda
 from ds_tsp.blocks.linear.module import norm_name as linear_norm_name
+from ds_tsp.blocks.linear.short_conv import SHORT_CONV_MODULES, is_short_conv
 from ds_tsp.blocks.mlp import mlp_activation
+from ds_tsp.blocks.rotary import UNROTATED
 from ds_tsp.blocks.moe import plan as moe_plan
 from ds_tsp.blocks.moe.experts import flags_of as expert_flags
 
@@ -93,10 +95,10 @@ def rope_with_partial_rotary(params):
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Recurrent layers (ds_tsp.blocks.linear) among them: the hybrids' Gated DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2
-# (Bamba, Granite-4.0-H); Llama 4's chunked
+# (Bamba, Granite-4.0-H), LFM's conv layers (gated short convolutions); Llama 4's chunked
 # layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
 # Layers of one block (Nemotron-H's) name their MLP and MoE layers too.
-MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe")
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe", "conv")
 
 
 def full_or_sliding(layer_types):
@@ -135,10 +137,10 @@ SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
                            "(each layer's window is checked against the one HF's mask uses), chunked_attention "
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
-                           "layers holding a Gated DeltaNet (Kimi Linear's KDA among them) or a Mamba-2 mixer are "
-                           "run by ds_tsp's; indexed_attention (DeepSeek-V3.2's sparse indexer attention), other "
-                           "linear layers (Mamba-1's), conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
-                           "attention and Mamba-2 side by side) are not built under TSP"),
+                           "layers holding a Gated DeltaNet (Kimi Linear's KDA among them) or a Mamba-2 mixer and conv "
+                           "layers (LFM's gated short convolutions) are run by ds_tsp's; indexed_attention "
+                           "(DeepSeek-V3.2's sparse indexer attention), other linear layers (Mamba-1's) and hybrid "
+                           "layers (Falcon-H1's attention and Mamba-2 side by side) are not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -310,7 +312,10 @@ def layer_types_window(config, index):
 
 
 def layer_type(config, index):
-    return config.layer_types[index]
+    """The rotary tables layer ``index`` takes where the model keeps one per layer type: its type's, or none
+    (``UNROTATED``) for a layer of a type without tables (LFM3's conv layers)."""
+    kind = config.layer_types[index]
+    return kind if kind in config.rope_parameters else UNROTATED
 
 
 # The norms (before, after) each block: None where there is none.
@@ -330,6 +335,10 @@ HYPERCLOVAX_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_norm1"),
 # Sandwich norms under GLM-4's names: post_attention_layernorm is the norm BEFORE the MLP there.
 GLM4_SANDWICH_NORMS = {"attention": ("input_layernorm", "post_self_attn_layernorm"),
                        "mlp": ("post_attention_layernorm", "post_mlp_layernorm")}
+# LFM's: operator_norm before the token mixer, ffn_norm before the MLP; LFM3's sandwich norms after each
+# (nn.Identity where its config turns them off).
+LFM_NORMS = {"attention": ("operator_norm", None), "mlp": ("ffn_norm", None)}
+LFM_SANDWICH_NORMS = {"attention": ("operator_norm", "post_operator_norm"), "mlp": ("ffn_norm", "post_ffn_norm")}
 
 
 def hf_path(*parts):
@@ -409,8 +418,9 @@ class DecoderPolicy:
     lm_head: str = "lm_head"
     attention: str = "self_attn"
     # Where a hybrid's recurrent layers hold their mixer instead of an attention (ds_tsp.blocks.linear): a Gated
-    # DeltaNet (Qwen3.5's linear_attn) or a Mamba-2 mixer (Bamba's, Granite-4.0-H's mamba).
-    recurrent: tuple = ("linear_attn", "mamba")
+    # DeltaNet (Qwen3.5's linear_attn), a Mamba-2 mixer (Bamba's, Granite-4.0-H's mamba) or a gated short
+    # convolution (LFM's conv).
+    recurrent: tuple = ("linear_attn", "mamba", "conv")
     mlp: str = "mlp"
     # The names of the norms (before, after) the "attention" and the "mlp" block.
     norm_layout: dict = field(default_factory=lambda: PRE_NORMS, hash=False)
@@ -418,8 +428,8 @@ class DecoderPolicy:
     rotary_kind: Callable | None = None
     # q/k norms "per head" (Qwen3, Gemma-3) or over the whole "projection" (OLMo-2), where there are any.
     qk_norm_width: str = "head"
-    # The gated MLP's activation module, by its attribute name.
-    activation: str = "act_fn"
+    # The gated MLP's activation module, by its attribute name; None: the MLP holds none and applies silu (LFM's).
+    activation: str | None = "act_fn"
     # Fused projections, per block (``attention``, ``mlp``): ``{fused projection:
     # the logical projections whose rows it holds, in row order}`` (``ds_tsp.blocks.fused``).
     fused: dict = field(default_factory=dict, hash=False)
@@ -564,6 +574,8 @@ AUTO_POST_NORMS = DecoderPolicy("auto", None, norm_layout=POST_NORMS)
 AUTO_PRE_FEEDFORWARD_NORMS = DecoderPolicy("auto", None, norm_layout=PRE_FEEDFORWARD_NORMS)
 # Auto's layouts by their norms' names, the most norms first: the first a layer holds every norm of is its layout.
 AUTO_LAYOUTS = (DecoderPolicy("auto", None, norm_layout=GLM4_SANDWICH_NORMS),
+                DecoderPolicy("auto", None, norm_layout=LFM_SANDWICH_NORMS),
+                DecoderPolicy("auto", None, norm_layout=LFM_NORMS),
                 DecoderPolicy("auto", None, norm_layout=HYPERCLOVAX_SANDWICH_NORMS),
                 DecoderPolicy("auto", None, norm_layout=SANDWICH_NORMS), AUTO, AUTO_POST_NORMS,
                 AUTO_PRE_FEEDFORWARD_NORMS, DecoderPolicy("auto", None, norm_layout=PRE_FF_NORMS),
@@ -579,10 +591,16 @@ MLP_NAMES = ("block_sparse_moe", "feed_forward", "shared_mlp")
 # ``embed_tokens`` its embedding (Nemotron-H's).
 FINAL_NORM_NAMES = ("final_layernorm", "norm_f", "embedding_norm")  # the last: LFM's
 EMBEDDING_NAME = "embeddings"
+# Where a decoder without a ``rotary_emb`` keeps its rotary embedding (LFM2-MoE's).
+ROTARY_NAMES = ("pos_emb",)
 # Auto's gated MLP with its gate and up rows in one tensor (GLM's gate_up_proj: the gate's rows, then the up's).
 FUSED_GATE_UP = {"mlp": {"gate_up_proj": ("gate_proj", "up_proj")}}
 # Granite-4.0-H's shared MLP: gate and up rows in input_linear, down_proj named output_linear.
 GRANITE_LINEARS = {"input_linear": ("gate_proj", "up_proj"), "output_linear": ("down_proj",)}
+# LFM's MLP: w2(silu(w1(x)) * w3(x)), its activation a function, not a module.
+LFM_LINEARS = {"w1": ("gate_proj",), "w3": ("up_proj",), "w2": ("down_proj",)}
+# LFM2's attention: o_proj named out_proj.
+OUT_PROJ = {"out_proj": ("o_proj",)}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Tensors a decoder layer may hold itself, which the TSP layer keeps: Gemma 4's layer_scalar, its output's factor.
@@ -597,7 +615,7 @@ UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
 
 def is_recurrent(module):
     """Whether ``module`` is a recurrent token mixer ds_tsp builds (``ds_tsp.blocks.linear``)."""
-    return is_gated_delta_net(module) or is_mamba2(module)
+    return is_gated_delta_net(module) or is_mamba2(module) or is_short_conv(module)
 
 
 def is_token_mixer(module):
@@ -716,6 +734,11 @@ def resolve_policy(model, name="auto"):
     if policy is AUTO:
         policy = auto_layout(layers)
         policy = with_mlp_names(policy, layers)
+        attention_layer = next((layer for layer in layers if get_submodule(layer, policy.mixer(layer) or "") is not None
+                                and policy.mixer(layer) == policy.attention), None)
+        if attention_layer is not None and not hasattr(attention_layer.get_submodule(policy.attention), "o_proj") \
+                and isinstance(getattr(attention_layer.get_submodule(policy.attention), "out_proj", None), nn.Linear):
+            policy = dataclasses.replace(policy, fused={**policy.fused, policy.attention: OUT_PROJ})
         final_norm = next((name for name in FINAL_NORM_NAMES if get_submodule(model, f"{decoder}.{name}") is not None
                            and get_submodule(model, f"{decoder}.norm") is None), None)
         if final_norm is not None:
@@ -723,8 +746,10 @@ def resolve_policy(model, name="auto"):
         if get_submodule(model, f"{decoder}.embed_tokens") is None and \
                 get_submodule(model, f"{decoder}.{EMBEDDING_NAME}") is not None:
             policy = dataclasses.replace(policy, embed_tokens=f"model.{EMBEDDING_NAME}")
-        if get_submodule(model, f"{decoder}.rotary_emb") is None:  # a model without positions (NoPE); the probe
-            policy = dataclasses.replace(policy, rotary_emb=None)  # finds an attention that rotates all the same
+        if get_submodule(model, f"{decoder}.rotary_emb") is None:  # another name (LFM2-MoE's), or no positions
+            rotary = next((name for name in ROTARY_NAMES if get_submodule(model, f"{decoder}.{name}") is not None), None)
+            # NoPE: the probe finds an attention that rotates all the same
+            policy = dataclasses.replace(policy, rotary_emb=None if rotary is None else f"model.{rotary}")
     check_linear_layers(model_class, config, layers, policy)
     if decoder != "model":
         policy = dataclasses.replace(policy, **{part: f"{decoder}.{getattr(policy, part).removeprefix('model.')}"
@@ -805,12 +830,14 @@ def with_mlp_names(policy, layers):
         policy = dataclasses.replace(policy, fused=FUSED_GATE_UP)
     elif all(isinstance(getattr(mlp, name, None), nn.Linear) for name in GRANITE_LINEARS):
         policy = dataclasses.replace(policy, fused={policy.mlp: GRANITE_LINEARS})
+    elif all(isinstance(getattr(mlp, name, None), nn.Linear) for name in LFM_LINEARS):
+        policy = dataclasses.replace(policy, fused={policy.mlp: LFM_LINEARS})
     elif not hasattr(mlp, "gate_proj") and all(isinstance(getattr(mlp, name, None), nn.Linear)
                                                for name in UNGATED_MLP_PROJECTIONS):
         policy = dataclasses.replace(policy, gated_mlp=False)
-    if not hasattr(mlp, policy.activation):
+    if not hasattr(mlp, policy.activation):  # another name, or none (LFM's silu: the probe checks it)
         policy = dataclasses.replace(policy, activation=next(
-            (name for name in ("activation_fn", "activation") if hasattr(mlp, name)), policy.activation))
+            (name for name in ("activation_fn", "activation") if hasattr(mlp, name)), None))
     return policy
 
 
@@ -933,15 +960,17 @@ def check_layer(policy, layer, where):
     mixer, mlp = policy.mixer(layer), policy.mlp_of(layer)
     attn = children.get(mixer) if mixer is not None else None
     linear = attn is not None and is_recurrent(attn)
-    mamba = linear and is_mamba2(attn)
+    mamba, short_conv = linear and is_mamba2(attn), linear and is_short_conv(attn)
     if mamba:
         check_mamba2(attn, f"{where}.{mixer}", layer_class)
+    elif short_conv:
+        check_short_conv(attn, f"{where}.{mixer}", layer_class)
     elif linear:
         check_delta_net(attn, f"{where}.{mixer}", layer_class)
     sparse = mlp in children and policy.is_sparse(children[mlp])
     latent = not linear and attn is not None and is_latent_attention(attn)
     if linear:
-        mixer_parts = MAMBA2_MODULES if mamba else delta_net_projections(attn)
+        mixer_parts = MAMBA2_MODULES if mamba else SHORT_CONV_MODULES if short_conv else delta_net_projections(attn)
     elif latent:
         mixer_parts = latent_projections(attn)
     else:
@@ -985,7 +1014,8 @@ def check_layer(policy, layer, where):
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
         if projections and child == mixer and linear:
-            check_own_tensors(module, f"{where}.{child}", layer_class, MAMBA2_TENSORS if mamba else DELTA_NET_TENSORS)
+            check_own_tensors(module, f"{where}.{child}", layer_class,
+                              MAMBA2_TENSORS if mamba else () if short_conv else DELTA_NET_TENSORS)
         elif projections:
             check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
             if latent and child == mixer:
@@ -1004,7 +1034,7 @@ def check_layer(policy, layer, where):
         check_qk_norms(policy, attn, f"{where}.{mixer}", layer_class)
     if sparse:
         check_sparse_block(children[mlp], f"{where}.{mlp}", layer_class, policy.layer_class is None)
-    elif mlp is not None and not hasattr(children[mlp], policy.activation):
+    elif mlp is not None and policy.activation is not None and not hasattr(children[mlp], policy.activation):
         raise PolicyError(f"{layer_class} at {where}.{mlp} has no {policy.activation}: not a gated MLP "
                           "ds_tsp knows")
 
@@ -1074,6 +1104,16 @@ def check_mamba2(module, where, layer_class):
     if module.norm.weight.numel() != d_inner or getattr(module.norm, "group_size", None) != d_inner // module.n_groups:
         raise PolicyError(f"{layer_class} at {where}.norm ({type(module.norm).__name__}) is not a gated norm over "
                           f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it")
+
+
+def check_short_conv(module, where, layer_class):
+    """A gated short convolution ds_tsp builds: its convolution causal (padded by ``kernel - 1``, Hugging Face's
+    forward keeping the first outputs) and undilated, with no activation."""
+    conv = module.conv
+    if conv.padding[0] != conv.kernel_size[0] - 1 or conv.dilation[0] != 1 or conv.stride[0] != 1 or \
+            getattr(module, "activation", None) is not None:
+        raise PolicyError(f"{layer_class} at {where} ({type(module).__name__}) has a convolution {conv} that is not "
+                          "causal, undilated and without activation: ds_tsp does not build it")
 
 
 def check_delta_net(module, where, layer_class):

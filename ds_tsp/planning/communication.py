@@ -341,6 +341,31 @@ def mamba2_bytes_by_op(hidden_size, num_heads, head_dim, n_groups, state_size, c
     return _by_direction(forward, backward, direction)
 
 
+def short_conv_bytes_by_op(hidden_size, conv_kernel, batch, local_tokens, tsp_size, elem_bytes, direction, *,
+                           bias=False, grad_wire_bytes=None):
+    """Bytes a rank receives in one gated short convolution (LFM's, DESIGN.md
+    6n, ``ds_tsp.blocks.linear.short_conv``), by op, for ``batch`` rows of
+    ``local_tokens`` a rank: ``mamba2_bytes_by_op``'s schedule without the
+    state maps. Forward: every other rank's three pieces broadcast (``B``,
+    ``C`` and ``x`` rows of its channels, their taps, their ``out_proj``
+    columns) and each chunk's last ``kernel - 1`` convolution inputs of every
+    channel all-gathered. Backward: the input and per-channel pieces broadcast
+    again, the halos gathered again and their gradients reduce-scattered, the
+    output pieces broadcast, the input pieces a third time; each piece's
+    gradient reduced to its owner. ``bias``: LFM's ``conv_bias``, on
+    ``in_proj`` and the convolution (broadcast) and ``out_proj`` (whole)."""
+    D, e = tsp_size, elem_bytes
+    if D == 1:
+        return {}
+    a, channels = gradient_wire_bytes(e, grad_wire_bytes), hidden_size // D
+    inputs, taps, outputs = (hidden_size + bias) * 3 * channels, (conv_kernel + bias) * channels, hidden_size * channels
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * D * channels  # every channel, every rank's
+    forward = {"broadcast": e * (D - 1) * (inputs + taps + outputs), "all_gather": (D - 1) * e * halo}
+    backward = {"broadcast": e * (D - 1) * (2 * inputs + taps + outputs), "all_gather": (D - 1) * e * halo,
+                "reduce_scatter": (D - 1) * e * halo, "reduce": a * (D - 1) * (inputs + taps + outputs)}
+    return _by_direction(forward, backward, direction)
+
+
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
                         grad_wire_bytes=None, expert_parallel_size=None):
     """Bytes one rank receives in one sparse MoE block of ``model`` (experts

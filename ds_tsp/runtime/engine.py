@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.latent.module import TSPLatentAttention
-from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
+from ds_tsp.blocks.linear.streamed import StreamedMixer
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
@@ -153,7 +153,7 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     # TSP attention's backward also reads its per-head norms, and a block merges
     # its LoRA adapters into its shard: each block is a DeepSpeed leaf module,
     # gathered whole, as DeepSpeed does for MoE.
-    set_z3_leaf_modules(model, [TSPAttention, TSPLatentAttention, TSPGatedDeltaNet, TSPMamba2, TSPGatedMLP])
+    set_z3_leaf_modules(model, [TSPAttention, TSPLatentAttention, TSPGatedDeltaNet, StreamedMixer, TSPGatedMLP])
     describe_for_universal_checkpoints(model, topology)
     declare_expert_layers(model)
     optimizer, model_parameters = client.rebuild(model, expert_param_groups)
@@ -208,7 +208,7 @@ def set_grad_wire_dtype(model, dtype):
     each to bf16 adds up to ``D`` roundings per weight gradient where the
     unsharded model's one matmul rounds once."""
     for module in model.modules():
-        if isinstance(module, (TSPAttention, TSPLatentAttention, TSPGatedDeltaNet, TSPMamba2, TSPGatedMLP,
+        if isinstance(module, (TSPAttention, TSPLatentAttention, TSPGatedDeltaNet, StreamedMixer, TSPGatedMLP,
                                TSPSparseMoE, VocabParallelLMHead)):
             module.grad_wire_dtype = dtype
 

@@ -128,7 +128,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
             norms["v_norm"] = copy.deepcopy(attn.v_norm).to_empty(device=device)
         rotary_halves = rotates_whole_head_by_half_tables(attn)
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
-                     tsp_group, qkv_bias=q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+                     tsp_group, qkv_bias=q_proj.bias is not None, o_bias=rows.hf_module(attn, "o_proj").bias is not None,
                      scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
@@ -282,7 +282,8 @@ def hf_rows(attn, config, fused=None):
     head_dim = attn.head_dim
     kv_rows = config.num_key_value_heads * head_dim
     q_rows = config.num_attention_heads * head_dim * (2 if has_output_gate(attn, config, fused) else 1)
-    rows = FusedRows.of(fused or {}, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+    rows = FusedRows.of(fused or {}, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows,
+                                      "o_proj": config.hidden_size})
     rows.check_rows(attn, type(attn).__name__)
     return rows
 
@@ -290,15 +291,17 @@ def hf_rows(attn, config, fused=None):
 def replicated_names(attn):
     """Hugging Face names of the tensors of an attention module that TSP keeps
     whole on every rank: the output bias and per-head q/k norms, where present."""
-    names = ["o_proj.bias"] if attn.o_proj.bias is not None else []
+    output = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj  # LFM2's name
+    names = ["o_proj.bias"] if output.bias is not None else []
     return names + [f"{name}.weight" for name in qk_norm_names(attn)[0] or ()
                     if norm_weight(getattr(attn, name, None)) is not None]
 
 
 # Per-head query and key norms by their Hugging Face names: applied before the
-# rotary embedding (Qwen3's, Gemma-3's) or after it (Hunyuan's; Llama 4's one
+# rotary embedding (Qwen3's, Gemma-3's, LFM2's q/k_layernorm) or after it (Hunyuan's; Llama 4's one
 # weightless norm for both, ``qk_norm``).
-QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True, ("qk_norm", "qk_norm"): True}
+QK_NORMS = {("q_norm", "k_norm"): False, ("q_layernorm", "k_layernorm"): False, ("query_layernorm", "key_layernorm"): True,
+            ("qk_norm", "qk_norm"): True}
 
 
 def qk_norm_names(attn):

@@ -13,8 +13,8 @@ from transformers.activations import ACT2FN
 
 from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan
 from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
-from ds_tsp.blocks.linear.streamed import StreamedMixerFunction
-from ds_tsp.blocks.packing import PackedShardMixin, module_reader
+from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction
+from ds_tsp.blocks.packing import module_reader
 from ds_tsp.parallel import comm, layout
 
 # What a Hugging Face Mamba-2 mixer holds, by attribute: its modules and tensors, and its sizes.
@@ -24,7 +24,7 @@ MAMBA2_SIZES = ("hidden_size", "num_heads", "head_dim", "n_groups", "ssm_state_s
                 "chunk_size")
 
 
-class TSPMamba2(PackedShardMixin, nn.Module):
+class TSPMamba2(StreamedMixer):
     """A Mamba-2 mixer over a TSP group, sharded by head (``mamba2_shards``).
 
     ``forward(x, position_embeddings, documents)`` takes the local tokens
@@ -34,24 +34,13 @@ class TSPMamba2(PackedShardMixin, nn.Module):
     ``from_hf`` or ``load_shard`` fills it.
     """
 
-    def __init__(self, shapes, tsp_group, norm, activation, time_step_limit, chunk_size, *, out_bias=False,
-                 layout_name="zigzag", overlap=True, fp32_accumulators=True, dtype=None, device=None):
-        super().__init__()
-        self.tsp_group = tsp_group
-        self.tsp_rank = comm.group_rank(tsp_group)
-        self.shapes = shapes
-        self.specs = tuple(shapes.specs(j) for j in range(shapes.tsp_size))
-        self.spec = shapes.spec(self.tsp_rank)
-        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
-        self.packed.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
-        self.lora = None
-        self.hf_rows = shapes.hf_rows()
+    def __init__(self, shapes, tsp_group, norm, activation, time_step_limit, chunk_size, *, layout_name="zigzag",
+                 overlap=True, fp32_accumulators=True, dtype=None, device=None):
+        super().__init__(shapes, tsp_group, layout_name=layout_name, overlap=overlap,
+                         fp32_accumulators=fp32_accumulators, dtype=dtype, device=device)
         self.norm = norm  # Hugging Face's gated norm module (the whole inner width), kept whole
-        self.out_bias = nn.Parameter(torch.empty(shapes.hidden_size, dtype=dtype, device=device)) if out_bias else None
         self.activation = activation
         self.time_step_limit, self.chunk_size = tuple(time_step_limit), chunk_size
-        self.layout_name, self.overlap, self.fp32_accumulators = layout_name, overlap, fp32_accumulators
-        self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
 
     @classmethod
     def from_hf(cls, layer, config, tsp_group, layout_name="zigzag", overlap=True, fp32_accumulators=True,
@@ -64,9 +53,8 @@ class TSPMamba2(PackedShardMixin, nn.Module):
         device = device or weight.device
         shapes = mamba2_shapes(layer, comm.group_size(tsp_group))
         module = cls(shapes, tsp_group, copy.deepcopy(layer.norm).to_empty(device=device), ACT2FN[layer.activation],
-                     layer.time_step_limit, layer.chunk_size, out_bias=shapes.out_bias,
-                     layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
-                     dtype=weight.dtype, device=device)
+                     layer.time_step_limit, layer.chunk_size, layout_name=layout_name, overlap=overlap,
+                     fp32_accumulators=fp32_accumulators, dtype=weight.dtype, device=device)
         read = module.hf_rows.reader(read or module_reader(layer))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
@@ -75,12 +63,6 @@ class TSPMamba2(PackedShardMixin, nn.Module):
         """The parameters every rank holds whole, under Hugging Face names."""
         params = {"norm.weight": self.norm.weight}
         return params if self.out_bias is None else {**params, "out_proj.bias": self.out_bias}
-
-    def shard_piece(self, name):
-        return self.shapes.piece(name, self.tsp_rank)
-
-    def takes_input_norm(self, norm):
-        return False
 
     def plan(self, x, documents=None, valid=None, state_sink=None):
         D = self.shapes.tsp_size
@@ -99,22 +81,6 @@ class TSPMamba2(PackedShardMixin, nn.Module):
             raise ValueError("the Mamba-2 mixer does not run its input norm inside (takes_input_norm)")
         return StreamedMixerFunction.apply(x, self.shard_weights(), self.plan(x, documents), self.out_bias,
                                            self.norm.weight)
-
-
-def left_padding_refusal(model):
-    """Why ``model``'s left-padded rows cannot run, or None: a Mamba-2 mixer
-    whose ``in_proj`` has a bias. Hugging Face zeroes the padding's hidden
-    states, so its projections are that bias and its convolution carries them
-    into the first real tokens; the TSP model runs a row moved left, its window
-    starting at the first real token."""
-    biased = [name for name, module in model.named_modules()
-              if isinstance(module, TSPMamba2) and module.shapes.proj_bias]
-    if not biased:
-        return None
-    return (f"left-padded rows with Mamba-2 mixers whose in_proj has a bias ({biased[0]}, mamba_proj_bias): Hugging "
-            "Face's convolution reads the padding's projected bias into the first real tokens, which the TSP model "
-            "does not reproduce: pad on the right (tokenizer.padding_side = 'right'), pack the rows, or leave "
-            "tsp.enabled false")
 
 
 def mamba2_shapes(layer, tsp_size):

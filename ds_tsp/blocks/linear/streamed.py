@@ -29,10 +29,12 @@ A plan gives ``group``, ``specs`` (every rank's three PackSpecs), ``overlap``,
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
-from ds_tsp.parallel import precision
+from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
 INPUTS, CHANNELS, OUTPUTS = range(3)  # the pieces of a shard, in their order
@@ -148,3 +150,49 @@ class StreamedMixerFunction(torch.autograd.Function):
             grad_bias = grad_out.flatten(0, 1).sum(0, dtype=accumulator_dtype(ctx.plan, grad_out.dtype))
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_x, grad_packed, None, grad_bias, *grad_replicated
+
+
+class StreamedMixer(PackedShardMixin, nn.Module):
+    """What the mixers run by this schedule hold: this rank's packed shard of
+    ``shapes`` (its three pieces), ``out_proj``'s bias whole where there is
+    one, and the options the plan reads. The constructor allocates without
+    initialising: ``from_hf`` or ``load_shard`` fills them."""
+
+    def __init__(self, shapes, tsp_group, *, layout_name="zigzag", overlap=True, fp32_accumulators=True, dtype=None,
+                 device=None):
+        super().__init__()
+        self.tsp_group = tsp_group
+        self.tsp_rank = comm.group_rank(tsp_group)
+        self.shapes = shapes
+        self.specs = tuple(shapes.specs(j) for j in range(shapes.tsp_size))
+        self.spec = shapes.spec(self.tsp_rank)
+        self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
+        self.packed.tensor_model_parallel = True  # counted on every TSP rank in gradient norms
+        self.lora = None
+        self.hf_rows = shapes.hf_rows()
+        self.out_bias = (nn.Parameter(torch.empty(shapes.hidden_size, dtype=dtype, device=device))
+                         if shapes.out_bias else None)
+        self.layout_name, self.overlap, self.fp32_accumulators = layout_name, overlap, fp32_accumulators
+        self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
+
+    def shard_piece(self, name):
+        return self.shapes.piece(name, self.tsp_rank)
+
+    def takes_input_norm(self, norm):
+        return False
+
+
+def left_padding_refusal(model):
+    """Why ``model``'s left-padded rows cannot run, or None: a streamed mixer
+    (Mamba-2's, a short convolution) whose ``in_proj`` has a bias. Hugging Face
+    zeroes the padding's hidden states, so its projections are that bias and
+    its convolution carries them into the first real tokens; the TSP model runs
+    a row moved left, its window starting at the first real token."""
+    biased = [name for name, module in model.named_modules()
+              if isinstance(module, StreamedMixer) and module.shapes.proj_bias]
+    if not biased:
+        return None
+    return (f"left-padded rows with Mamba-2 or short-convolution mixers whose in_proj has a bias ({biased[0]}: "
+            "mamba_proj_bias, conv_bias): Hugging Face's convolution reads the padding's projected bias into the "
+            "first real tokens, which the TSP model does not reproduce: pad on the right "
+            "(tokenizer.padding_side = 'right'), pack the rows, or leave tsp.enabled false")
