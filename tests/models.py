@@ -527,8 +527,8 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                     "layer_types": ["mamba", "attention", "mamba", "mamba"], "experts_implementation": "eager"}),
                 # LFM2: gated short convolutions (kernel 3) beside attention layers with q/k layernorms; the MLP's
                 # silu a function. LFM2-MoE: its sigmoid router with an expert bias after a dense first layer, its
-                # rotary named pos_emb. LFM3: kernel 4, sandwich norms, a sliding layer and a full one rotating half
-                # of each head (proportional), no rotary table for the conv layers.
+                # rotary named pos_emb. LFM3: kernel 4, sandwich norms, a sigmoid gate a head (g_proj), a sliding
+                # layer and a full one rotating half of each head (proportional), no rotary table for conv layers.
                 "lfm2": (Lfm2Config, {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
                                       "pad_token_id": 0}),
                 "lfm2_moe": (Lfm2MoeConfig, {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
@@ -538,7 +538,7 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                                              "experts_implementation": "eager"}),
                 "lfm3": (Lfm3Config, {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
                                       "num_hidden_layers": 4, "sliding_window": 5, "conv_L_cache": 4,
-                                      "use_attention_gate": False, "pad_token_id": 0})}
+                                      "pad_token_id": 0})}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents

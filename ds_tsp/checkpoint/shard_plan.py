@@ -108,7 +108,7 @@ def _mixer_shards(attn, config, policy, tsp_size):
                        attention.has_output_gate(attn, config, policy.fused.get(policy.attention)))
     attn_specs = [shard_spec(heads, config.hidden_size, rows.hf_module(attn, "q_proj").bias is not None, r,
                              attention.has_sinks(attn), values=not attention.values_from_keys(attn),
-                             keys=not attention.reuses_kv(attn))
+                             keys=not attention.reuses_kv(attn), head_gate=attention.has_head_gate(attn))
                   for r in range(tsp_size)]
     return BlockShards(attn_specs, _holdings(attn_specs, lambda name, r: shard_piece(heads, name, r),
                                              attention.replicated_names(attn)), rows)

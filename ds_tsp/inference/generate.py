@@ -477,6 +477,8 @@ class TSPDecoder:
         # Projected here, normed and rotated once gathered: every rank then holds
         # every head of the new token (a norm over the projection needs them all).
         q, gate = split_gate(project(h, w, "q_proj", hq, heads.q_width), d)  # (B, 1, hq, d); an output gate
+        if "g_proj.weight" in w:  # one gate a head (LFM3's)
+            gate = project(h, w, "g_proj", hq, 1)
         if attn.kv_sharing == "reuse":  # an earlier layer's keys and values, cached there
             k = v = q[:, :, :0]
         elif heads.holds_kv(self.tsp_rank):

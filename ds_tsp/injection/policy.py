@@ -979,6 +979,8 @@ def check_layer(policy, layer, where):
             mixer_parts = tuple(p for p in mixer_parts if p != "v_proj")
         if attention.reuses_kv(attn):  # an earlier layer's keys and values
             mixer_parts = tuple(p for p in mixer_parts if p not in ("k_proj", "v_proj"))
+        if attention.has_head_gate(attn):  # LFM3's gate a head
+            mixer_parts = (*mixer_parts, "g_proj")
     expected = {**({} if mixer is None else {mixer: mixer_parts}),
                 **({} if mlp is None else
                    {mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections())}),

@@ -87,25 +87,26 @@ class HeadGroups:
         return slice(first, first + self.kv_heads)
 
     def rows(self, name, tsp_rank):
-        if name == "sinks":  # one per query head
+        if name == "sinks" or name.startswith("g_proj"):  # one per query head
             return slice(tsp_rank * self.q_heads, (tsp_rank + 1) * self.q_heads)
         if name.startswith("q_proj"):
             return self.q_proj_rows(tsp_rank)
         return self.q_rows(tsp_rank) if name.startswith("o_proj") else self.kv_rows(tsp_rank)
 
     def holds(self, name, tsp_rank):
-        return name.startswith(("q_proj", "o_proj", "sinks")) or self.holds_kv(tsp_rank)
+        return name.startswith(("q_proj", "o_proj", "sinks", "g_proj")) or self.holds_kv(tsp_rank)
 
 
 # Which dim of each full Hugging Face tensor is split (o_proj.bias is replicated); GPT-OSS's
-# attention sinks, one logit per query head, go with their heads.
-SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1, "sinks": 0,
+# attention sinks, one logit per query head, and LFM3's head gate, one row per query head, go with their heads.
+SHARD_DIMS = {"q_proj.weight": 0, "q_proj.bias": 0, "o_proj.weight": 1, "sinks": 0, "g_proj.weight": 0,
               "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0, "v_proj.bias": 0}
 
 
-def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True, keys=True):
-    """Rank ``tsp_rank``'s packed shard: its query heads, ``o_proj`` columns and
-    (``sinks``) its heads' sink logits, then, on the rank that holds them, its
+def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True, keys=True, head_gate=False):
+    """Rank ``tsp_rank``'s packed shard: its query heads, ``o_proj`` columns,
+    (``sinks``) its heads' sink logits and (``head_gate``) their rows of the
+    gate projection ``g_proj`` (LFM3's: one sigmoid gate a head), then, on the rank that holds them, its
     key/value heads (a contiguous tail, so the key/value gradient can be
     reduced on its own); without ``values`` (keys used as values, Gemma 4's
     full layers) no ``v_proj``, without ``keys`` (a layer attending to an
@@ -113,10 +114,12 @@ def shard_spec(heads, hidden_size, qkv_bias, tsp_rank, sinks=False, values=True,
     q, kv = heads.q_heads * heads.head_dim, heads.kv_heads * heads.head_dim
     q_proj = heads.q_heads * heads.q_width
     shapes = {"q_proj.weight": (q_proj, hidden_size), "q_proj.bias": (q_proj,), "o_proj.weight": (hidden_size, q),
-              "sinks": (heads.q_heads,), "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
+              "sinks": (heads.q_heads,), "g_proj.weight": (heads.q_heads, hidden_size),
+              "k_proj.weight": (kv, hidden_size), "k_proj.bias": (kv,),
               "v_proj.weight": (kv, hidden_size), "v_proj.bias": (kv,)}
     return PackSpec({name: shape for name, shape in shapes.items()
                      if (qkv_bias or not name.endswith("bias")) and (sinks or name != "sinks")
+                     and (head_gate or name != "g_proj.weight")
                      and (values or not name.startswith("v_proj"))
                      and (keys or not name.startswith(("k_proj", "v_proj")))
                      and heads.holds(name, tsp_rank)})

@@ -39,7 +39,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
                  overlap=True, token_tile=0, fp32_accumulators=True, dtype=None, device=None, q_norm=None,
                  k_norm=None, softcap=None, sinks=False, rotary_halves=False, output_gate=False, rope=ROTATE_HALF,
                  query_scale=None, attention_chunk=None, v_norm=None, values_from_keys=False, kv_sharing=None,
-                 kv_key=None):
+                 kv_key=None, head_gate=False):
         super().__init__()
         self.tsp_group = tsp_group
         self.tsp_rank = comm.group_rank(tsp_group)
@@ -50,7 +50,7 @@ class TSPAttention(PackedShardMixin, nn.Module):
         # kind (``kv_key``, its layer type), which "reuse" them and hold no key/value projections.
         self.kv_sharing, self.kv_key = kv_sharing, kv_key
         self.specs = tuple(shard_spec(self.heads, hidden_size, qkv_bias, j, sinks, values=not values_from_keys,
-                                      keys=kv_sharing != "reuse")
+                                      keys=kv_sharing != "reuse", head_gate=head_gate)
                            for j in range(self.heads.tsp_size))
         self.spec = self.specs[self.tsp_rank]
         self.packed = nn.Parameter(torch.empty(self.spec.numel, dtype=dtype, device=device))
@@ -135,7 +135,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
                      sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),
                      rope=model_rotary(attn, rotary_halves), query_scale=query_scale_of(attn, config),
                      attention_chunk=attention_chunk_of(attn, config), values_from_keys=values_from_keys(attn),
-                     kv_sharing=kv_sharing_of(attn, config), kv_key=getattr(attn, "layer_type", None), **norms)
+                     kv_sharing=kv_sharing_of(attn, config), kv_key=getattr(attn, "layer_type", None),
+                     head_gate=has_head_gate(attn), **norms)
         module.hf_rows, module.qk_norm_names = rows, hf_names
         read = rows.reader(read or module_reader(attn))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -318,6 +319,14 @@ def has_output_gate(attn, config, fused=None):
     q_proj = getattr(attn, "q_proj", None)
     return (not fused and isinstance(q_proj, nn.Linear)
             and q_proj.out_features == 2 * config.num_attention_heads * attn.head_dim)
+
+
+def has_head_gate(attn):
+    """Whether ``attn`` gates each head's output by one sigmoid of its own projection ``g_proj`` (LFM3's:
+    ``o * sigmoid(g_proj(x))``, one row a query head)."""
+    g_proj, q_proj = getattr(attn, "g_proj", None), getattr(attn, "q_proj", None)
+    return (isinstance(g_proj, nn.Linear) and isinstance(q_proj, nn.Linear)
+            and g_proj.out_features * attn.head_dim == q_proj.out_features)
 
 
 def has_sinks(attn):

@@ -313,6 +313,8 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
         q, gate = split_gate(project(x, w, "q_proj", heads.q_heads, heads.q_width), d)
+        if "g_proj.weight" in w:  # one gate a head (LFM3's), from its own projection: (B, L, h, 1)
+            gate = project(x, w, "g_proj", heads.q_heads, 1)
         q_rotated = queries(plan, q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V, w.get("sinks"))
         gated = o if gate is None else o * torch.sigmoid(gate)
@@ -445,6 +447,12 @@ class HeadGroupGrads:
     def add_input(self, grad):
         self.x.add_(grad.to(self.x.dtype))
 
+    def add_projection(self, j, w, name, grad):
+        """Group ``j``'s projection ``name`` of the local tokens, from its output's ``grad`` ``(N, rows)``:
+        the input's gradient through it, and its weight's."""
+        self.add_input(grad @ w[f"{name}.weight"])
+        self.write_projection(j, name, grad)
+
     def write_projection(self, j, name, grad):
         """Projection ``name``'s weight (and bias) gradient from its output's ``grad``."""
         into, tokens, input_norm = self.shard(j), self.inputs.tokens, self.inputs.input_norm
@@ -459,8 +467,7 @@ class HeadGroupGrads:
     def add_query_output(self, j, w, dq, o, grad_tokens):
         """Group ``j``'s query and output projections, from ``dq`` ``(N, hq*d)``,
         the attention output ``o`` and the layer's output gradient ``(N, H)``."""
-        self.add_input(dq @ w["q_proj.weight"])
-        self.write_projection(j, "q_proj", dq)
+        self.add_projection(j, w, "q_proj", dq)
         precision.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1).flatten(1), out=self.shard(j)["o_proj.weight"],
                             add=False)
 
@@ -579,6 +586,9 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
         raw_q, gate = split_gate(inputs.project(w, "q_proj", heads.q_heads, heads.q_width), heads.head_dim)
+        head_gate = "g_proj.weight" in w
+        if head_gate:
+            gate = inputs.project(w, "g_proj", heads.q_heads, 1)
         q = queries(plan, raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if gate is not None:
@@ -587,6 +597,8 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
         dq, o, grad_sinks = attend_backward(plan, grad_o, q, K, V, dKV, saved, j, w.get("sinks"))
         if gate is not None:
             grad_gate = grad_gated * o * sigmoid * (1 - sigmoid)
+            if head_gate:  # summed over the head's features: (B, L, h, 1)
+                grad_gate = grad_gate.sum(-1, keepdim=True)
             o = o * sigmoid
         if grad_sinks is not None:
             grads.shard(j)["sinks"].copy_(grad_sinks)
@@ -595,10 +607,12 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             unfinished = None
         dq, *grad_q_norm = queries_backward(plan, raw_q, dq, q_norm, cos, sin)
         raw_q = None
-        if gate is not None:
+        if gate is not None and not head_gate:
             dq = torch.cat([dq, grad_gate.to(dq.dtype)], dim=-1)  # each head's query rows, then its gate's
         grads.add_norm("q", j, *grad_q_norm)
         grads.add_query_output(j, w, dq.flatten(0, 1).flatten(1), o, grad_tokens)
+        if head_gate:
+            grads.add_projection(j, w, "g_proj", grad_gate.flatten(0, 1).flatten(1).to(dq.dtype))
         if j == holder + heads.kv_replicas - 1:  # the replica set is complete
             # Sent in the model dtype, as the forward gathered K/V (the cost
             # model's 2*B*S*nkv*d elements of the model's size), summed in fp32.
