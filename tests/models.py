@@ -27,6 +27,7 @@ from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
                           KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           OlmoHybridConfig, OlmoHybridForCausalLM)
+from transformers import JambaConfig, JambaForCausalLM
 from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM, Lfm3Config,
                           Lfm3ForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -57,6 +58,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.bamba import modeling_bamba
 from transformers.models.falcon_h1 import modeling_falcon_h1
+from transformers.models.jamba import modeling_jamba
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid
@@ -231,6 +233,10 @@ def widen_float32_casts(modeling):
         if hasattr(modeling, scan):
             setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                                 "torch.float32))"}, modeling))
+    if hasattr(modeling, "mamba_scan_forward"):  # Mamba-1's (Jamba's) torch path: its scan, A, D and dt's bias
+        for scan in ("mamba_scan_forward", "mamba_selective_scan"):
+            setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
+                                                                "torch.float32))"}, modeling))
     if hasattr(modeling, "chunk_kimi_delta_attention"):  # Kimi Linear's KDA, its decay and its forget gate
         for rule, extra in (("chunk_kimi_delta_attention", {".exp().float()": ".exp()"}),
                             ("recurrent_kimi_delta_attention", {})):
@@ -295,7 +301,7 @@ def widen_float32_casts(modeling):
 
 for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_bamba,
                  modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1, modeling_olmo_hybrid,
-                 modeling_kimi_linear):
+                 modeling_kimi_linear, modeling_jamba):
     widen_float32_casts(modeling)
 
 
@@ -538,7 +544,14 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                                              "experts_implementation": "eager"}),
                 "lfm3": (Lfm3Config, {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
                                       "num_hidden_layers": 4, "sliding_window": 5, "conv_L_cache": 4,
-                                      "pad_token_id": 0})}
+                                      "pad_token_id": 0}),
+                # Jamba: Mamba-1 mixers (32 channels, state 4, time-step rank 4) around a NoPE attention layer,
+                # its MoE (4 experts, top-2) on every other layer.
+                "jamba": (JambaConfig, {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2,
+                                        "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+                                        "num_experts_per_tok": 2, "mamba_d_state": 4, "mamba_d_conv": 4,
+                                        "mamba_expand": 2, "mamba_dt_rank": 4, "pad_token_id": 0,
+                                        "experts_implementation": "eager"})}
 
 
 # Multi-head latent attention at tiny sizes: query, key and value heads of three sizes (4 + 2 rotary, 6), latents
@@ -601,7 +614,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
                  "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
                  "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM, "lfm2_moe": Lfm2MoeForCausalLM,
-                 "lfm3": Lfm3ForCausalLM}
+                 "lfm3": Lfm3ForCausalLM, "jamba": JambaForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

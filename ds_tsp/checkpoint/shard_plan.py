@@ -33,6 +33,7 @@ from ds_tsp.blocks.latent import shards as latent_shards
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear import module as linear
 from ds_tsp.blocks.linear.mamba2_module import is_mamba2, mamba2_shapes
+from ds_tsp.blocks.linear.mamba1 import is_mamba1, mamba1_shapes
 from ds_tsp.blocks.linear.short_conv import is_short_conv, short_conv_shapes
 from ds_tsp.blocks.linear.streamed import StreamedMixer
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
@@ -98,6 +99,8 @@ def _mixer_shards(attn, config, policy, tsp_size):
         return _streamed_shards(mamba2_shapes(attn, tsp_size))
     if is_short_conv(attn):
         return _streamed_shards(short_conv_shapes(attn, tsp_size))
+    if is_mamba1(attn):
+        return _streamed_shards(mamba1_shapes(attn, tsp_size))
     if linear.is_gated_delta_net(attn):
         return _delta_net_shards(attn, tsp_size)
     if latent.is_latent_attention(attn):

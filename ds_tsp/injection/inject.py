@@ -5,8 +5,9 @@ import torch
 from ds_tsp.blocks.attention.module import TSPAttention
 from ds_tsp.blocks.latent.module import TSPLatentAttention, is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2, is_mamba2
+from ds_tsp.blocks.linear.mamba1 import TSPMamba1, is_mamba1
 from ds_tsp.blocks.linear.short_conv import TSPShortConv, is_short_conv
-from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
+from ds_tsp.blocks.linear.module import TSPGatedDeltaNet, is_gated_delta_net
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.moe.plan import hf_sizes
@@ -196,6 +197,11 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
                            layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules)
 
 
+# The TSP block of each recurrent mixer ds_tsp builds, by the test that recognises its Hugging Face module.
+RECURRENT_BLOCKS = ((is_mamba2, TSPMamba2), (is_mamba1, TSPMamba1), (is_short_conv, TSPShortConv),
+                    (is_gated_delta_net, TSPGatedDeltaNet))
+
+
 def tsp_mixer(attention, config, policy, topology, tsp_config, read, device, where):
     """The TSP block of a Hugging Face token mixer: a recurrent mixer (``ds_tsp.blocks.linear``), a latent
     attention or an attention."""
@@ -203,8 +209,7 @@ def tsp_mixer(attention, config, policy, topology, tsp_config, read, device, whe
                    token_tile=tsp_config.token_tile, fp32_accumulators=tsp_config.fp32_accumulators, read=read,
                    device=device)
     if is_recurrent(attention):
-        recurrent = TSPMamba2 if is_mamba2(attention) else TSPShortConv if is_short_conv(attention) else \
-            TSPGatedDeltaNet
+        recurrent = next(block for is_kind, block in RECURRENT_BLOCKS if is_kind(attention))
         block = recurrent.from_hf(attention, config, topology.tsp_group, **options)
     elif is_latent_attention(attention):
         form = cheaper_latent_form if tsp_config.latent_attention == "auto" else tsp_config.latent_attention

@@ -35,6 +35,7 @@ from ds_tsp.blocks.latent.module import is_latent_attention
 from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
 from ds_tsp.blocks.linear.module import is_gated_delta_net, is_kda
 from ds_tsp.blocks.linear.module import norm_name as linear_norm_name
+from ds_tsp.blocks.linear.mamba1 import MAMBA1_MODULES, MAMBA1_NORMS, MAMBA1_TENSORS, is_mamba1
 from ds_tsp.blocks.linear.short_conv import SHORT_CONV_MODULES, is_short_conv
 from ds_tsp.blocks.mlp import mlp_activation
 from ds_tsp.blocks.rotary import UNROTATED
@@ -615,7 +616,7 @@ UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
 
 def is_recurrent(module):
     """Whether ``module`` is a recurrent token mixer ds_tsp builds (``ds_tsp.blocks.linear``)."""
-    return is_gated_delta_net(module) or is_mamba2(module) or is_short_conv(module)
+    return is_gated_delta_net(module) or is_mamba2(module) or is_short_conv(module) or is_mamba1(module)
 
 
 def is_token_mixer(module):
@@ -961,8 +962,11 @@ def check_layer(policy, layer, where):
     attn = children.get(mixer) if mixer is not None else None
     linear = attn is not None and is_recurrent(attn)
     mamba, short_conv = linear and is_mamba2(attn), linear and is_short_conv(attn)
+    mamba1 = linear and is_mamba1(attn)
     if mamba:
         check_mamba2(attn, f"{where}.{mixer}", layer_class)
+    elif mamba1:
+        check_mamba1(attn, f"{where}.{mixer}", layer_class)
     elif short_conv:
         check_short_conv(attn, f"{where}.{mixer}", layer_class)
     elif linear:
@@ -970,7 +974,8 @@ def check_layer(policy, layer, where):
     sparse = mlp in children and policy.is_sparse(children[mlp])
     latent = not linear and attn is not None and is_latent_attention(attn)
     if linear:
-        mixer_parts = MAMBA2_MODULES if mamba else SHORT_CONV_MODULES if short_conv else delta_net_projections(attn)
+        mixer_parts = (MAMBA2_MODULES if mamba else SHORT_CONV_MODULES if short_conv else
+                       (*MAMBA1_MODULES, *MAMBA1_NORMS) if mamba1 else delta_net_projections(attn))
     elif latent:
         mixer_parts = latent_projections(attn)
     else:
@@ -1017,7 +1022,8 @@ def check_layer(policy, layer, where):
                               "that the TSP block would ignore: this layer is not supported")
         if projections and child == mixer and linear:
             check_own_tensors(module, f"{where}.{child}", layer_class,
-                              MAMBA2_TENSORS if mamba else () if short_conv else DELTA_NET_TENSORS)
+                              MAMBA2_TENSORS if mamba else MAMBA1_TENSORS if mamba1 else () if short_conv
+                              else DELTA_NET_TENSORS)
         elif projections:
             check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
             if latent and child == mixer:
@@ -1076,10 +1082,10 @@ def check_linear_layers(model_class, config, layers, policy):
             raise PolicyError(f"{model_class}: layer {index} is a linear_attention layer holding "
                               f"{type(mixer or layer).__name__}, not a recurrent mixer of the kinds ds_tsp builds: a "
                               "Gated DeltaNet (in_proj_qkvz/in_proj_ba, in_proj_qkv/in_proj_z/in_proj_b/in_proj_a or "
-                              "q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's; Kimi Linear's KDA) or a "
+                              "q/k/v/g/b/a_proj: Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's; Kimi Linear's KDA), a "
                               "Mamba-2 mixer (in_proj, conv1d, dt_bias, A_log, D, a gated norm: Bamba's, "
-                              "Granite-4.0-H's, Nemotron-H's); Mamba-1 layers (Jamba's, Zamba's: a decay per channel "
-                              "and state entry) are not built under TSP: train this model with tsp.enabled false")
+                              "Granite-4.0-H's, Nemotron-H's) or a Mamba-1 mixer of Jamba's shape (x_proj, dt_proj, "
+                              "its dt/B/C norms): train this model with tsp.enabled false")
 
 
 def check_mamba2(module, where, layer_class):
@@ -1106,6 +1112,23 @@ def check_mamba2(module, where, layer_class):
     if module.norm.weight.numel() != d_inner or getattr(module.norm, "group_size", None) != d_inner // module.n_groups:
         raise PolicyError(f"{layer_class} at {where}.norm ({type(module.norm).__name__}) is not a gated norm over "
                           f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it")
+
+
+def check_mamba1(module, where, layer_class):
+    """A Mamba-1 mixer ds_tsp builds: ``in_proj`` rows packing ``x`` and ``z``, a depthwise causal convolution
+    over ``x``, ``x_proj`` to the time-step rank and ``B``, ``C`` without a bias, a biased ``dt_proj`` back to the
+    channels, and an activation transformers names."""
+    kind, d = type(module).__name__, module.out_proj.in_features
+    conv, n, rank = module.conv1d, module.A_log.shape[-1], module.dt_proj.in_features
+    if getattr(module, "activation", None) not in ACT2FN or module.in_proj.out_features != 2 * d or \
+            module.x_proj.out_features != rank + 2 * n or module.x_proj.bias is not None or \
+            module.dt_proj.bias is None or module.dt_proj.out_features != d or tuple(module.A_log.shape) != (d, n):
+        raise PolicyError(f"{layer_class} at {where} ({kind}) is not a Mamba-1 mixer of Jamba's shape (in_proj "
+                          "packing x and z, x_proj to dt, B and C without a bias, a biased dt_proj, A_log per "
+                          "channel and state entry, an activation transformers names): ds_tsp does not build it")
+    if conv.groups != d or conv.in_channels != d or conv.padding[0] != conv.kernel_size[0] - 1:
+        raise PolicyError(f"{layer_class} at {where} ({kind}) has a convolution {conv} that is not depthwise and "
+                          f"causal over its {d} channels: ds_tsp does not build it")
 
 
 def check_short_conv(module, where, layer_class):
