@@ -234,7 +234,7 @@ def widen_float32_casts(modeling):
             setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                                 "torch.float32))"}, modeling))
     if hasattr(modeling, "mamba_scan_forward"):  # Mamba-1's (Jamba's) torch path: its scan, A, D and dt's bias
-        for scan in ("mamba_scan_forward", "mamba_selective_scan"):
+        for scan in ("mamba_scan_forward", "mamba_selective_scan", "mamba_selective_state_update"):
             setattr(modeling, scan, widened(scan, {".float()": ".to(torch.promote_types(hidden_states.dtype, "
                                                                 "torch.float32))"}, modeling))
     if hasattr(modeling, "chunk_kimi_delta_attention"):  # Kimi Linear's KDA, its decay and its forget gate

@@ -163,7 +163,7 @@ def _sgd_steps(model, batches):
                                          ("gemma4_moe", 2), ("gemma4_shared_kv", 1), ("gemma4_layer_inputs", 1),
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2),
                                          ("bamba", 1), ("granitemoehybrid", 1), ("granitemoehybrid_moe", 2),
-                                         ("nemotron_h", 2), ("lfm2_moe", 2), ("lfm3", 1)])
+                                         ("nemotron_h", 2), ("lfm2_moe", 2), ("lfm3", 1), ("jamba", 2)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its
@@ -176,8 +176,10 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     Granite-4.0-H's Mamba-2 mixers (in_proj's five pieces a rank, conv1d's three), Granite-4.0-H's shared MLP
     (input_linear, output_linear) and its MoE block beside it, Nemotron-H's (backbone.* files, ungated per-expert
     files), LFM's short convolutions (in_proj's three pieces a rank), their attention's out_proj, w1/w3/w2 MLPs,
-    LFM2-MoE's expert bias and LFM3's sandwich norms. (OLMo-Hybrid's and Kimi Linear's files read too, but Hugging Face keeps their A_log or dt_bias in float32
-    in this float64 model, so a float64 shard's cannot round trip to the bit: ``test_convolutions_in_parts_read``.)"""
+    LFM2-MoE's expert bias and LFM3's sandwich norms and head gates, Jamba's Mamba-1 mixers (x_proj split by
+    columns) and MoE. (OLMo-Hybrid's and Kimi Linear's files read too, but Hugging Face keeps their A_log or dt_bias
+    in float32 in this float64 model, so a float64 shard's cannot round trip to the bit:
+    ``test_convolutions_in_parts_read``.)"""
     src = str(tmp_path / arch)
     tiny_model(arch).save_pretrained(src)
     for tsp_size in (2, 4):

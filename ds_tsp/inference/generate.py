@@ -71,6 +71,7 @@ from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, ro
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
 from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.blocks.linear.mamba1 import TSPMamba1
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
 from ds_tsp.blocks.linear.streamed import left_padding_refusal
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
@@ -78,7 +79,7 @@ from ds_tsp.blocks.linear.short_conv import TSPShortConv
 from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.inference.kv_cache import TSPCache, prompt_tokens
 from ds_tsp.inference.latent_decode import decode_latent_attention, latent_cache_shape, prefill_latent_attention
-from ds_tsp.inference import linear_decode, mamba2_decode, short_conv_decode
+from ds_tsp.inference import linear_decode, mamba1_decode, mamba2_decode, short_conv_decode
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.host_reads import host_read
 
@@ -301,6 +302,8 @@ RECURRENT = {TSPGatedDeltaNet: RecurrentDecode(linear_decode.state_shapes, linea
                                                linear_decode.decode_delta_net),
              TSPMamba2: RecurrentDecode(mamba2_decode.state_shapes, mamba2_decode.prefill_mamba2,
                                         mamba2_decode.decode_mamba2),
+             TSPMamba1: RecurrentDecode(mamba1_decode.state_shapes, mamba1_decode.prefill_mamba1,
+                                        mamba1_decode.decode_mamba1),
              TSPShortConv: RecurrentDecode(short_conv_decode.state_shapes, short_conv_decode.prefill_short_conv,
                                            short_conv_decode.decode_short_conv)}
 

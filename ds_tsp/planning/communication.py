@@ -322,17 +322,44 @@ def mamba2_bytes_by_op(hidden_size, num_heads, head_dim, n_groups, state_size, c
     reduced to its owner in the gradient wire dtype. The states travel in
     float32, or the model's dtype where wider. Nothing grows with the sequence
     once a chunk holds ``kernel - 1`` tokens."""
+    D = tsp_size
+    heads, inner, rows = num_heads // D, num_heads * head_dim // D, n_groups * state_size // D
+    pieces = ((hidden_size + proj_bias) * (2 * inner + 2 * rows + heads),
+              (conv_kernel + conv_bias) * (inner + 2 * rows) + 3 * heads, hidden_size * inner)
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * D * (inner + 2 * rows)  # every channel, every rank's
+    maps = 2 * batch * num_heads * (1 + state_size * head_dim)
+    state_grads = 2 * batch * num_heads * state_size * head_dim
+    return _streamed_bytes(pieces, halo, maps, state_grads, D, elem_bytes, direction, grad_wire_bytes)
+
+
+def mamba1_bytes_by_op(hidden_size, d_inner, state_size, dt_rank, conv_kernel, batch, local_tokens, tsp_size,
+                       elem_bytes, direction, *, proj_bias=False, conv_bias=True, grad_wire_bytes=None):
+    """Bytes a rank receives in one Mamba-1 mixer (Jamba's, DESIGN.md 6n,
+    ``ds_tsp.blocks.linear.mamba1``), by op: ``mamba2_bytes_by_op``'s
+    schedule over its pieces (``x`` and ``z`` rows; the convolution's taps,
+    ``x_proj`` columns, ``dt_proj`` rows, ``A_log`` and ``D``; ``out_proj``
+    columns), the halos of its ``d_inner`` channels, and its chunks' maps: an
+    elementwise ``T`` and a ``U`` of ``d_inner x n`` each."""
+    D = tsp_size
+    channels = d_inner // D
+    pieces = ((hidden_size + proj_bias) * 2 * channels,
+              (conv_kernel + conv_bias + 2 * dt_rank + 2 * state_size + 2 + state_size) * channels,
+              hidden_size * channels)
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * d_inner
+    maps = 2 * batch * 2 * d_inner * state_size
+    return _streamed_bytes(pieces, halo, maps, 2 * batch * d_inner * state_size, D, elem_bytes, direction,
+                           grad_wire_bytes)
+
+
+def _streamed_bytes(pieces, halo, maps, state_grads, tsp_size, elem_bytes, direction, grad_wire_bytes):
+    """The bytes of a mixer on the streamed schedule (``ds_tsp.blocks.linear.streamed``) from the elements of
+    its ``pieces`` (inputs, per-channel, outputs) a rank, of its convolution's ``halo`` (every rank's), of its
+    chunks' state ``maps`` and their ``state_grads`` (the states in float32, or the model's dtype where wider)."""
     D, e = tsp_size, elem_bytes
     if D == 1:
         return {}
     state, a = max(e, 4), gradient_wire_bytes(e, grad_wire_bytes)
-    heads, inner, rows = num_heads // D, num_heads * head_dim // D, n_groups * state_size // D
-    inputs = (hidden_size + proj_bias) * (2 * inner + 2 * rows + heads)
-    channels = (conv_kernel + conv_bias) * (inner + 2 * rows) + 3 * heads
-    outputs = hidden_size * inner
-    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * D * (inner + 2 * rows)  # every channel, every rank's
-    maps = 2 * batch * num_heads * (1 + state_size * head_dim)
-    state_grads = 2 * batch * num_heads * state_size * head_dim
+    inputs, channels, outputs = pieces
     forward = {"broadcast": e * (D - 1) * (inputs + channels + outputs),
                "all_gather": (D - 1) * (e * halo + state * maps)}
     backward = {"broadcast": e * (D - 1) * (2 * inputs + channels + outputs),
@@ -354,16 +381,10 @@ def short_conv_bytes_by_op(hidden_size, conv_kernel, batch, local_tokens, tsp_si
     output pieces broadcast, the input pieces a third time; each piece's
     gradient reduced to its owner. ``bias``: LFM's ``conv_bias``, on
     ``in_proj`` and the convolution (broadcast) and ``out_proj`` (whole)."""
-    D, e = tsp_size, elem_bytes
-    if D == 1:
-        return {}
-    a, channels = gradient_wire_bytes(e, grad_wire_bytes), hidden_size // D
-    inputs, taps, outputs = (hidden_size + bias) * 3 * channels, (conv_kernel + bias) * channels, hidden_size * channels
-    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * D * channels  # every channel, every rank's
-    forward = {"broadcast": e * (D - 1) * (inputs + taps + outputs), "all_gather": (D - 1) * e * halo}
-    backward = {"broadcast": e * (D - 1) * (2 * inputs + taps + outputs), "all_gather": (D - 1) * e * halo,
-                "reduce_scatter": (D - 1) * e * halo, "reduce": a * (D - 1) * (inputs + taps + outputs)}
-    return _by_direction(forward, backward, direction)
+    channels = hidden_size // tsp_size
+    pieces = ((hidden_size + bias) * 3 * channels, (conv_kernel + bias) * channels, hidden_size * channels)
+    halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * hidden_size  # every channel, every rank's
+    return _streamed_bytes(pieces, halo, 0, 0, tsp_size, elem_bytes, direction, grad_wire_bytes)
 
 
 def tsp_moe_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, direction, schedule="ring", *,
