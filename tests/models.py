@@ -27,7 +27,7 @@ from transformers.models.vaultgemma.modeling_vaultgemma import VaultGemmaRMSNorm
 from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
                           KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           OlmoHybridConfig, OlmoHybridForCausalLM)
-from transformers import JambaConfig, JambaForCausalLM
+from transformers import FalconH1Config, FalconH1ForCausalLM, JambaConfig, JambaForCausalLM
 from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM, Lfm3Config,
                           Lfm3ForCausalLM)
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -495,6 +495,11 @@ HYBRID_MOE = dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermed
 # tests' sequences span several), a 4-tap convolution with bias; an attention layer third of four.
 MAMBA2_TINY = dict(num_hidden_layers=4, mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=4,
                    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
+FALCON_H1_TINY = dict(num_hidden_layers=3, mamba_d_ssm=32, mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2,
+                      mamba_d_state=4, mamba_d_conv=4, mamba_chunk_size=8, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0],
+                      ssm_in_multiplier=0.7, ssm_out_multiplier=1.3, attention_in_multiplier=0.9,
+                      attention_out_multiplier=1.1, key_multiplier=0.6, mlp_multipliers=[1.4, 0.75],
+                      embedding_multiplier=1.5, lm_head_multiplier=0.8, pad_token_id=0)
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
                            logits_scaling=3.0)
 HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
@@ -545,6 +550,12 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 "lfm3": (Lfm3Config, {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
                                       "num_hidden_layers": 4, "sliding_window": 5, "conv_L_cache": 4,
                                       "pad_token_id": 0}),
+                # Falcon-H1: a Mamba-2 mixer (8 heads of 4, 2 groups of state 4) beside the attention in every
+                # layer, off one norm, and its multipliers: of each in_proj part (mup_vector), of the mixers' inputs
+                # and outputs, the keys, the MLP's gate and output, the embedding and the logits. Without the
+                # mixer's gated norm (its default), and, in falcon_h1_norm, with it (normed before the gate).
+                "falcon_h1": (FalconH1Config, FALCON_H1_TINY),
+                "falcon_h1_norm": (FalconH1Config, {**FALCON_H1_TINY, "mamba_rms_norm": True}),
                 # Jamba: Mamba-1 mixers (32 channels, state 4, time-step rank 4) around a NoPE attention layer,
                 # its MoE (4 experts, top-2) on every other layer.
                 "jamba": (JambaConfig, {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2,
@@ -614,7 +625,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
                  "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
                  "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM, "lfm2_moe": Lfm2MoeForCausalLM,
-                 "lfm3": Lfm3ForCausalLM, "jamba": JambaForCausalLM}
+                 "lfm3": Lfm3ForCausalLM, "jamba": JambaForCausalLM, "falcon_h1": FalconH1ForCausalLM,
+                 "falcon_h1_norm": FalconH1ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

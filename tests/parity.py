@@ -49,7 +49,8 @@ def reference_loss(model, input_ids, attention_mask=None, num_items_in_batch=Non
     masks = attention_mask
     if position_ids is not None and model.config.model_type in MASKS_WITHOUT_POSITIONS:
         masks = document_masks(model, input_ids, attention_mask, position_ids)
-    if position_ids is not None and {"linear_attention", "conv"} & set(getattr(model.config, "layer_types", None) or ()):
+    recurrent_types = {"linear_attention", "conv", "hybrid"}
+    if position_ids is not None and recurrent_types & set(getattr(model.config, "layer_types", None) or ()):
         logits = per_document_logits(model, input_ids, position_ids)
     else:
         logits = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, use_cache=False).logits

@@ -1,5 +1,5 @@
-"""Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE, Nemotron-H) under TSP against the unsharded Hugging Face model, float64, with Hugging Face's float32
-casts of the scan widened to float64 (tests/models.py)."""
+"""Mamba-2 hybrids (Bamba, Granite-4.0-H dense and MoE, Nemotron-H, Falcon-H1) under TSP against the unsharded
+Hugging Face model, float64, with Hugging Face's float32 casts of the scan widened to float64 (tests/models.py)."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
 # not a multiple of the SSM chunk).
 CASES = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=16, left_padding=5),
          dict(batch=2, seq_len=19, documents=[[6, 1, 8, 4], [19]]), dict(batch=1, seq_len=45))
-ARCHS = ("bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h")
+ARCHS = ("bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "falcon_h1")
 
 
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
@@ -27,13 +27,31 @@ def test_mamba2_hybrids_match_hugging_face(run_ranks, tsp_size):
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])
-def test_variants_of_bamba_match_hugging_face(run_ranks, tsp_size):
-    """One group of B/C rows for every head (Bamba's default, its gated norm over the whole inner width), and
-    biased projections (mamba_proj_bias), right-padded."""
-    for overrides, case in (({"mamba_n_groups": 1}, CASES[1]), ({"mamba_n_groups": 1}, CASES[0]),
-                            ({"mamba_proj_bias": True}, CASES[0])):
-        check(run_ranks(tsp_size, model_parity, arch="bamba", relative=True, model_overrides=overrides, **case),
-              f"D={tsp_size} bamba {overrides} {case}")
+def test_variants_match_hugging_face(run_ranks, tsp_size):
+    """Bamba with one group of B/C rows for every head (its default, its gated norm over the whole inner width),
+    and with biased projections (mamba_proj_bias), right-padded; Falcon-H1 with its mixers' gated norm, normed
+    before the gate (mamba_norm_before_gate, its default) and after, padded and packed."""
+    variants = (("bamba", {"mamba_n_groups": 1}, CASES[1]), ("bamba", {"mamba_n_groups": 1}, CASES[0]),
+                ("bamba", {"mamba_proj_bias": True}, CASES[0]), ("falcon_h1_norm", {}, CASES[1]),
+                ("falcon_h1_norm", {}, CASES[2]), ("falcon_h1_norm", {"mamba_norm_before_gate": False}, CASES[0]))
+    for arch, overrides, case in variants:
+        check(run_ranks(tsp_size, model_parity, arch=arch, relative=True, model_overrides=overrides, **case),
+              f"D={tsp_size} {arch} {overrides} {case}")
+
+
+def test_generation_through_falcon_h1_layers_is_refused():
+    """Falcon-H1's layers run a Mamba-2 mixer beside the attention: training is exact (above), generation is
+    refused by name before any step."""
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+
+    model = tiny_model("falcon_h1")
+    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    input_ids = torch.randint(3, 61, (1, 8))
+    with pytest.raises(ValueError, match=r"generation through layers running a recurrent mixer beside their "
+                                         r"attention \(model.layers.0: Falcon-H1's hybrid layers\)"):
+        model.generate(input_ids, max_new_tokens=2, do_sample=False)
 
 
 def test_left_padding_with_a_biased_in_proj_is_refused():

@@ -34,6 +34,7 @@ from torch import nn
 
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
+from ds_tsp.blocks.vocab import scaled
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -161,6 +162,18 @@ def _ungated_shard_backward(x2, grad_y2, w, act_fn, up, into, add):
 
 # The names transformers gives an MLP's activation module (Llama's, GLM's and Llama 4's).
 ACTIVATION_NAMES = ("act_fn", "activation_fn", "activation")
+
+
+class ScaledInputActivation(nn.Module):
+    """``act(x * multiplier)``: an MLP's activation of its gate times a multiplier (Falcon-H1's
+    ``gate_multiplier``), as Hugging Face's MLP computes it; its derivative comes from autograd."""
+
+    def __init__(self, act, multiplier):
+        super().__init__()
+        self.act, self.multiplier = act, multiplier
+
+    def forward(self, x):
+        return self.act(x * self.multiplier)
 
 
 def mlp_activation(mlp):
@@ -312,8 +325,10 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
     """
 
     def __init__(self, hidden_size, intermediate_size, act_fn, tsp_group, bias=False, overlap=True, token_tile=0,
-                 fp32_accumulators=True, dtype=None, device=None, gated=True):
+                 fp32_accumulators=True, dtype=None, device=None, gated=True, output_multiplier=1.0):
         super().__init__()
+        # The output times this (Falcon-H1's down_multiplier, after down_proj and its bias).
+        self.output_multiplier = output_multiplier
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.tsp_group = tsp_group
         self.tsp_size, self.tsp_rank = comm.group_size(tsp_group), comm.group_rank(tsp_group)
@@ -371,9 +386,12 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
             raise ValueError(f"TSPGatedMLP needs biases on all of {list(names)} or none, got {biases}")
         down = projections[-1]
         act_fn = nn.SiLU() if activation is None else getattr(mlp, activation)
+        if getattr(mlp, "gate_multiplier", 1.0) != 1.0:  # Falcon-H1's: act(gate(x) * gate_multiplier)
+            act_fn = ScaledInputActivation(act_fn, mlp.gate_multiplier)
         module = cls(down.out_features, down.in_features, act_fn, tsp_group, bias=biases[0],
                      overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
-                     dtype=down.weight.dtype, device=device or down.weight.device, gated="gate_proj" in names)
+                     dtype=down.weight.dtype, device=device or down.weight.device, gated="gate_proj" in names,
+                     output_multiplier=getattr(mlp, "down_multiplier", 1.0))
         module.hf_rows = rows
         read = rows.reader(read or module_reader(mlp))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -397,7 +415,7 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         y = _MLPRing.apply(x, packed, self.plan, for_backward)
         if self.down_bias is not None:
             y = y + self.down_bias
-        return y
+        return scaled(y, self.output_multiplier)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -342,8 +342,9 @@ def multiplies_logits_scaling(config_class):
 @dataclass(frozen=True)
 class LogitMap:
     """The final logits as the model's forward makes them from the LM head's
-    output ``z``: ``z * multiplier / divisor`` (Cohere's ``logit_scale``, a
-    multiplier; Granite's ``logits_scaling``, a divisor), then soft-capped at
+    output ``z``: ``z * multiplier / divisor`` (Cohere's ``logit_scale`` and
+    Falcon-H1's ``lm_head_multiplier``, multipliers; Granite's
+    ``logits_scaling``, a divisor), then soft-capped at
     ``cap`` (Gemma-2's ``final_logit_softcapping``), in Hugging Face's order of
     operations. The fused head + loss ring applies it to each tile of logits
     and its slope in backward, so no full-vocabulary tensor is made for it."""
@@ -359,7 +360,8 @@ class LogitMap:
         multiplies by it (HyperCLOVA X's)."""
         scaling = getattr(config, "logits_scaling", None) or 1.0
         multiplies = scaling != 1.0 and multiplies_logits_scaling(type(config))
-        logit_map = cls((getattr(config, "logit_scale", None) or 1.0) * (scaling if multiplies else 1.0),
+        multiplier = (getattr(config, "logit_scale", None) or 1.0) * (getattr(config, "lm_head_multiplier", None) or 1.0)
+        logit_map = cls(multiplier * (scaling if multiplies else 1.0),
                         1.0 if multiplies else scaling, getattr(config, "final_logit_softcapping", None))
         return None if logit_map == cls() else logit_map
 
@@ -371,7 +373,7 @@ class LogitMap:
         return soft_cap(z, self.cap)
 
     def __str__(self):
-        steps = ([f"times {self.multiplier} (config.logit_scale or logits_scaling)"]
+        steps = ([f"times {self.multiplier} (config.logit_scale, lm_head_multiplier or logits_scaling)"]
                  if self.multiplier != 1.0 else []) + \
             ([f"divided by {self.divisor} (config.logits_scaling)"] if self.divisor != 1.0 else []) + \
             ([f"soft-cap at {self.cap} (config.final_logit_softcapping)"] if self.cap is not None else [])

@@ -306,6 +306,11 @@ def _owner(model, full_name):
     return model.get_submodule(module_name), attr
 
 
+def _within(name, prefix):
+    """Whether the module ``name`` is the module ``prefix`` or lies inside it."""
+    return not prefix or name == prefix or name.startswith(f"{prefix}.")
+
+
 def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, progress):
     """Read every parameter and persistent buffer outside the TSP blocks whole
     from ``checkpoint`` (tied parameters once, under whichever of their names the
@@ -341,11 +346,15 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
     # Each by the Hugging Face model it belongs to, as Hugging Face initialises a model nested in another
     # (a VLM's SigLIP tower fills its own position ids), its read parameters marked as Hugging Face marks
     # loaded ones, so that its initialisers leave them be (SigLIP's would draw new position embeddings).
+    # The Hugging Face models above them too, children first as Hugging Face goes: a model may fill its
+    # layers' buffers itself (Falcon-H1's decoder, its mixers' mup_vector).
     owners = {name: module for name, module in model.named_modules() if isinstance(module, PreTrainedModel)}
-    for name, module in model.named_modules():
-        if any(attr in module._non_persistent_buffers_set for attr in module._buffers):
-            owner = max((prefix for prefix in owners if not prefix or name == prefix or name.startswith(f"{prefix}.")),
-                        key=len)
+    holders = [name for name, module in model.named_modules()
+               if any(attr in module._non_persistent_buffers_set for attr in module._buffers)]
+    above = {owner for name in holders for owner in owners if _within(name, owner) and owner != name}
+    for name, module in reversed(list(model.named_modules())):
+        if name in holders or name in above:
+            owner = max((prefix for prefix in owners if _within(name, prefix)), key=len)
             for param in module.parameters():
                 param._is_hf_initialized = True
             owners[owner]._init_weights(module)

@@ -82,8 +82,9 @@ def layer_shards(layer, config, policy, tsp_size, experts=None):
     """
     mixer, mlp_name = policy.mixer(layer), policy.mlp_of(layer)
     shards = {}
-    if mixer is not None:
-        shards[mixer] = _mixer_shards(layer.get_submodule(mixer), config, policy, tsp_size)
+    for name in (mixer, policy.side_mixer(layer)):
+        if name is not None:
+            shards[name] = _mixer_shards(layer.get_submodule(name), config, policy, tsp_size)
     if mlp_name is not None:
         shards[mlp_name] = _mlp_shards(layer.get_submodule(mlp_name), policy, tsp_size, experts)
     beside = policy.beside(layer)

@@ -131,6 +131,11 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
                          "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
+    beside = [name for name, layer in model.named_modules() if getattr(layer, "side_mixer", None) is not None]
+    if beside:
+        raise ValueError(f"generation through layers running a recurrent mixer beside their attention ({beside[0]}: "
+                         "Falcon-H1's hybrid layers) is not built: train and save under TSP, and generate with "
+                         "Hugging Face's model from ds_tsp.save_pretrained's files")
     folded = [block.ep_size for block in model.modules() if isinstance(block, TSPSparseMoE) and block.folded]
     if folded:
         raise ValueError(f"generation with experts folded over data-parallel replicas (tsp.expert_parallel_size = "

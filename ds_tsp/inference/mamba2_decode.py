@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.linear.mamba2_shards import CONV_PARTS, INPUT_PARTS
 from ds_tsp.blocks.linear.streamed import streamed_forward
+from ds_tsp.blocks.vocab import scaled
 from ds_tsp.inference.linear_decode import PromptTails
 from ds_tsp.parallel import comm
 
@@ -63,7 +64,8 @@ def prefill_mamba2(mixer, h, positions, lengths, group, store):
         store(tails.gather(conv_inputs, group)[..., mine].transpose(1, 2), final[:, heads])
 
     plan = dataclasses.replace(mixer.plan(h), valid=tails.valid, state_sink=sink)
-    return streamed_forward(plan, h, mixer.shard_weights().detach(), mixer.out_bias, (mixer.norm.weight,))
+    return streamed_forward(plan, scaled(h, mixer.input_multiplier), mixer.shard_weights().detach(),
+                            mixer.out_bias, mixer.norm_weights())
 
 
 @torch.no_grad()
@@ -73,7 +75,11 @@ def decode_mamba2(mixer, h, conv_state, recurrent_state, sum_over_group):
     ``(B, h/D, n, p)`` of this rank advance by the token in place."""
     s, group = mixer.shapes, mixer.tsp_group
     w = mixer.spec.unpack(mixer.shard_weights().detach())
+    h = scaled(h, mixer.input_multiplier)
     proj = {name: F.linear(h[:, 0], w[f"{name}.weight"], w.get(f"{name}.bias")) for name in INPUT_PARTS}  # (B, .)
+    multipliers = mixer.part_multipliers()
+    if multipliers is not None:  # this rank's rows of each part's
+        proj = {name: t * multipliers[name][0, 0, s.input_rows(name, mixer.tsp_rank)] for name, t in proj.items()}
     window = torch.cat([conv_state, torch.cat([proj["in_proj_x"], proj["in_proj_B"], proj["in_proj_C"]],
                                               dim=-1).unsqueeze(-1)], dim=-1)  # (B, C/D, kernel)
     weight = torch.cat([w[f"{part}.weight"] for part in CONV_PARTS])  # (C/D, 1, kernel)
@@ -103,7 +109,8 @@ def decode_mamba2(mixer, h, conv_state, recurrent_state, sum_over_group):
     recurrent_state.copy_(state)
     y = (heads(Cs).unsqueeze(-1) * state).sum(dim=-2) + x * w["D"][:, None]  # (B, h/D, p)
     y = y.to(h.dtype).reshape(batch, inner)  # Hugging Face's step returns the model's dtype
-    out = gated_norm_piece(mixer, y, proj["in_proj_z"], group)
+    z = proj["in_proj_z"]
+    out = y * F.silu(z) if mixer.norm is None else gated_norm_piece(mixer, y, z, group)
     part = F.linear(out.to(h.dtype), w["out_proj.weight"])  # (B, H)
     total = sum_over_group(part)
     return (total if mixer.out_bias is None else total + mixer.out_bias).unsqueeze(1)

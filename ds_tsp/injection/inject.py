@@ -175,9 +175,11 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     (``DecoderPolicy.rotary_kind``)."""
     mixer, mlp = policy.mixer(layer), policy.mlp_of(layer)
     blocks = {}
-    if mixer is not None:
-        blocks[mixer] = tsp_mixer(layer.get_submodule(mixer), config, policy, topology, tsp_config,
-                                  _prefixed(read, mixer), device, f"{type(layer).__name__}.{mixer}")
+    side = policy.side_mixer(layer)
+    for name in (mixer, side):
+        if name is not None:
+            blocks[name] = tsp_mixer(layer.get_submodule(name), config, policy, topology, tsp_config,
+                                     _prefixed(read, name), device, f"{type(layer).__name__}.{name}")
     if mlp is not None:
         blocks[mlp] = tsp_mlp(layer.get_submodule(mlp), policy, topology, tsp_config, _prefixed(read, mlp), device,
                               f"{type(layer).__name__}.{mlp}")
@@ -194,7 +196,8 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     return TSPDecoderLayer(blocks.get(mixer), blocks.get(mlp), {name: layer.get_submodule(name) for name in norms},
                            layout, tsp_config.recompute_norms, rotary_kind, mixer, mlp,
                            policy.parallel_blocks, residual_multiplier(config, layer),
-                           layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules)
+                           layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules,
+                           None if side is None else (side, blocks[side]), mixer_multipliers(layer))
 
 
 # The TSP block of each recurrent mixer ds_tsp builds, by the test that recognises its Hugging Face module.
@@ -266,6 +269,14 @@ def residual_multiplier(config, layer):
     sqrt(num_hidden_layers)``); 1.0 for neither. The probe checks it."""
     held = getattr(layer, "residual_scale", None)
     return getattr(config, "residual_multiplier", None) or (held if isinstance(held, float) else None) or 1.0
+
+
+def mixer_multipliers(layer):
+    """``(attention input, attention output, side mixer output)`` factors of a layer running a recurrent mixer
+    beside its attention, as Hugging Face's layer holds them (Falcon-H1's); 1.0 where it holds none. The probe
+    checks them."""
+    return tuple(getattr(layer, name, 1.0) for name in ("attention_in_multiplier", "attn_out_multiplier",
+                                                         "ssm_out_multiplier"))
 
 
 def check_expert_parallel(layers, policy, topology, tsp_config):

@@ -50,13 +50,22 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     checkpoint readers and writers use (``DecoderPolicy.mlp``). Subclassing HF's
     checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it.
     ``parallel``: the MLP reads the attention's normed input and both add to
-    the layer's input (Cohere's layer), ``blocks`` runs them so."""
+    the layer's input (Cohere's layer), ``blocks`` runs them so. ``side``:
+    ``(Hugging Face name, TSP block)`` of a recurrent mixer beside the
+    attention (Falcon-H1's Mamba-2 mixer), both off the attention's norm, their
+    outputs summed: ``side(x) * side_out + attention(x * attention_in) *
+    attention_out`` with ``mixer_multipliers = (attention_in, attention_out,
+    side_out)``."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
                  mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None, experts=None,
-                 beside=None, inputs=None, input_modules=None):
+                 beside=None, inputs=None, input_modules=None, side=None, mixer_multipliers=(1.0, 1.0, 1.0)):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
+        self.side_name = None if side is None else side[0]
+        if side is not None:
+            self.add_module(*side)
+        self.mixer_multipliers = tuple(mixer_multipliers)
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
         self.parallel = parallel
         # Each block's output times this before it joins the residual stream (Granite's residual_multiplier).
@@ -92,7 +101,7 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 
     def hf_prefixes(self):
         """``{attribute of a TSP block: its Hugging Face prefix under the layer}`` (``block_attribute``)."""
-        prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name}
+        prefixes = {self.mixer_name: self.mixer_name, "mlp": self.mlp_name, self.side_name: self.side_name}
         prefixes = {attribute: hf for attribute, hf in prefixes.items()
                     if attribute is not None and getattr(self, attribute) is not None}
         return prefixes if self.moe is None else {**prefixes, "moe": self.beside.block}
@@ -151,6 +160,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         return hidden + scaled(out, self.residual_multiplier)
 
     @property
+    def side_mixer(self):
+        """The recurrent mixer beside the attention (``side``), or None."""
+        return None if self.side_name is None else getattr(self, self.side_name)
+
+    @property
     def kv_sharing(self):
         """How the layer's attention shares keys and values across layers (``TSPAttention.kv_sharing``)."""
         return getattr(self.token_mixer, "kv_sharing", None)
@@ -181,9 +195,26 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
                 stored.append(kv)
             return out
 
-        hidden = self.blocks(hidden_states, attention, self.mlp,
-                             lambda hidden, norm: attention(hidden, input_norm=norm), per_layer_input=per_layer_input)
+        def run_with_norm(hidden, norm):
+            return attention(hidden, input_norm=norm)
+
+        if self.side_mixer is None:
+            hidden = self.blocks(hidden_states, attention, self.mlp, run_with_norm, per_layer_input=per_layer_input)
+        else:  # the norm runs outside: it feeds two mixers
+            hidden = self.blocks(hidden_states, self.beside_attention(attention, documents), self.mlp,
+                                 per_layer_input=per_layer_input)
         return (hidden, stored[0]) if stored else hidden
+
+    def beside_attention(self, run_attention, documents=None):
+        """The token-mixing branch of a layer with a recurrent mixer beside its attention (``side``), as Hugging
+        Face's layer sums them (Falcon-H1's), from ``run_attention(normed)``."""
+        attention_in, attention_out, side_out = self.mixer_multipliers
+
+        def run(normed):
+            side = scaled(self.side_mixer(normed, None, documents), side_out)
+            return side + scaled(run_attention(scaled(normed, attention_in)), attention_out)
+
+        return run
 
     def blocks(self, hidden, run_attention, run_mlp, run_attention_with_norm=None, run_experts=None,
                per_layer_input=None):

@@ -96,10 +96,11 @@ def rope_with_partial_rotary(params):
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Recurrent layers (ds_tsp.blocks.linear) among them: the hybrids' Gated DeltaNet (Qwen3.5, Qwen3-Next) and Mamba-2
-# (Bamba, Granite-4.0-H), LFM's conv layers (gated short convolutions); Llama 4's chunked
+# (Bamba, Granite-4.0-H), LFM's conv layers (gated short convolutions), Falcon-H1's hybrid layers (a Mamba-2 mixer
+# beside the attention); Llama 4's chunked
 # layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
 # Layers of one block (Nemotron-H's) name their MLP and MoE layers too.
-MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe", "conv")
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe", "conv", "hybrid")
 
 
 def full_or_sliding(layer_types):
@@ -138,10 +139,10 @@ SLIDING = {
     "layer_types": Accepts(full_or_sliding, f"each layer's mask: {' or '.join(LAYER_TYPES)} are reproduced "
                            "(each layer's window is checked against the one HF's mask uses), chunked_attention "
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
-                           "layers holding a Gated DeltaNet (Kimi Linear's KDA among them) or a Mamba-2 mixer and conv "
-                           "layers (LFM's gated short convolutions) are run by ds_tsp's; indexed_attention "
-                           "(DeepSeek-V3.2's sparse indexer attention), other linear layers (Mamba-1's) and hybrid "
-                           "layers (Falcon-H1's attention and Mamba-2 side by side) are not built under TSP"),
+                           "layers holding a Gated DeltaNet (Kimi Linear's KDA among them), a Mamba-2 or a Mamba-1 "
+                           "mixer, conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
+                           "attention and Mamba-2 side by side) are run by ds_tsp's; indexed_attention "
+                           "(DeepSeek-V3.2's sparse indexer attention) is not built under TSP"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -479,15 +480,25 @@ class DecoderPolicy:
         """The Hugging Face prefixes, under ``layer``, of the tensors its TSP blocks hold (those the blocks read
         and write, rather than the layer's norms): the mixer's, the MLP's and those of experts beside it."""
         beside = self.beside(layer)
-        return tuple(name for name in (self.mixer(layer), self.mlp_of(layer), *(beside.parts() if beside else ()))
+        return tuple(name for name in (self.mixer(layer), self.side_mixer(layer), self.mlp_of(layer),
+                                       *(beside.parts() if beside else ()))
                      if name is not None)
 
     def mixer(self, layer):
-        """The name of ``layer``'s token mixer: its recurrent mixer where it holds one, else its attention;
+        """The name of ``layer``'s token mixer: its recurrent mixer where it holds one alone, else its attention;
         None for a single-block layer holding an MLP."""
         if self.single_block is not None:
             return self.single_block if is_token_mixer(layer.get_submodule(self.single_block)) else None
+        if self.side_mixer(layer) is not None:
+            return self.attention
         return next((name for name in self.recurrent if getattr(layer, name, None) is not None), self.attention)
+
+    def side_mixer(self, layer):
+        """The name of the recurrent mixer ``layer`` runs beside its attention, off the same norm (Falcon-H1's
+        ``mamba``), or None."""
+        if self.single_block is not None or getattr(layer, self.attention, None) is None:
+            return None
+        return next((name for name in self.recurrent if getattr(layer, name, None) is not None), None)
 
     def mlp_of(self, layer):
         """The name of ``layer``'s MLP (or MoE block); None for a single-block layer holding a token mixer."""
@@ -735,10 +746,10 @@ def resolve_policy(model, name="auto"):
     if policy is AUTO:
         policy = auto_layout(layers)
         policy = with_mlp_names(policy, layers)
-        attention_layer = next((layer for layer in layers if get_submodule(layer, policy.mixer(layer) or "") is not None
-                                and policy.mixer(layer) == policy.attention), None)
-        if attention_layer is not None and not hasattr(attention_layer.get_submodule(policy.attention), "o_proj") \
-                and isinstance(getattr(attention_layer.get_submodule(policy.attention), "out_proj", None), nn.Linear):
+        attentions = [get_submodule(layer, policy.attention) for layer in layers]
+        attn = next((a for a in attentions if a is not None and not is_recurrent(a) and not is_latent_attention(a)),
+                    None)
+        if attn is not None and not hasattr(attn, "o_proj") and isinstance(getattr(attn, "out_proj", None), nn.Linear):
             policy = dataclasses.replace(policy, fused={**policy.fused, policy.attention: OUT_PROJ})
         final_norm = next((name for name in FINAL_NORM_NAMES if get_submodule(model, f"{decoder}.{name}") is not None
                            and get_submodule(model, f"{decoder}.norm") is None), None)
@@ -961,21 +972,13 @@ def check_layer(policy, layer, where):
     mixer, mlp = policy.mixer(layer), policy.mlp_of(layer)
     attn = children.get(mixer) if mixer is not None else None
     linear = attn is not None and is_recurrent(attn)
-    mamba, short_conv = linear and is_mamba2(attn), linear and is_short_conv(attn)
-    mamba1 = linear and is_mamba1(attn)
-    if mamba:
-        check_mamba2(attn, f"{where}.{mixer}", layer_class)
-    elif mamba1:
-        check_mamba1(attn, f"{where}.{mixer}", layer_class)
-    elif short_conv:
-        check_short_conv(attn, f"{where}.{mixer}", layer_class)
-    elif linear:
-        check_delta_net(attn, f"{where}.{mixer}", layer_class)
+    side = policy.side_mixer(layer)
+    recurrent = {name: recurrent_parts(children[name], f"{where}.{name}", layer_class)
+                 for name in (mixer if linear else None, side) if name is not None}
     sparse = mlp in children and policy.is_sparse(children[mlp])
     latent = not linear and attn is not None and is_latent_attention(attn)
     if linear:
-        mixer_parts = (MAMBA2_MODULES if mamba else SHORT_CONV_MODULES if short_conv else
-                       (*MAMBA1_MODULES, *MAMBA1_NORMS) if mamba1 else delta_net_projections(attn))
+        mixer_parts = recurrent[mixer][0]
     elif latent:
         mixer_parts = latent_projections(attn)
     else:
@@ -987,6 +990,7 @@ def check_layer(policy, layer, where):
         if attention.has_head_gate(attn):  # LFM3's gate a head
             mixer_parts = (*mixer_parts, "g_proj")
     expected = {**({} if mixer is None else {mixer: mixer_parts}),
+                **{name: parts for name, (parts, _) in recurrent.items()},
                 **({} if mlp is None else
                    {mlp: () if sparse else policy.hf_projections(policy.mlp, policy.mlp_projections())}),
                 **{name: () for pair in policy.layout_of(layer).values() for name in pair if name is not None}}
@@ -1020,10 +1024,8 @@ def check_layer(policy, layer, where):
         if unexpected:
             raise PolicyError(f"{layer_class} at {where}.{child} has unexpected submodule(s) {unexpected} "
                               "that the TSP block would ignore: this layer is not supported")
-        if projections and child == mixer and linear:
-            check_own_tensors(module, f"{where}.{child}", layer_class,
-                              MAMBA2_TENSORS if mamba else MAMBA1_TENSORS if mamba1 else () if short_conv
-                              else DELTA_NET_TENSORS)
+        if projections and child in recurrent:
+            check_own_tensors(module, f"{where}.{child}", layer_class, recurrent[child][1])
         elif projections:
             check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
             if latent and child == mixer:
@@ -1073,6 +1075,11 @@ def check_linear_layers(model_class, config, layers, policy):
     config's ``layer_types``) hold anything but a Gated DeltaNet or a Mamba-2
     mixer ds_tsp builds: the clearest reason, before the parts such a model lacks."""
     for index, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind == "hybrid" and index < len(layers) and policy.side_mixer(layers[index]) is None:
+            raise PolicyError(f"{model_class}: layer {index} is a hybrid layer ({type(layers[index]).__name__}) that "
+                              "does not hold a recurrent mixer beside its attention (Falcon-H1's mamba beside "
+                              "self_attn): Zamba's shared transformer blocks are not built under TSP; train this "
+                              "model with tsp.enabled false")
         if kind != "linear_attention" or index >= len(layers):
             continue
         layer = layers[index]
@@ -1109,9 +1116,30 @@ def check_mamba2(module, where, layer_class):
     if conv.groups != channels or conv.in_channels != channels or conv.padding[0] != conv.kernel_size[0] - 1:
         raise PolicyError(f"{layer_class} at {where} ({kind}) has a convolution {conv} that is not depthwise and "
                           f"causal over its {channels} x/B/C channels: ds_tsp does not build it")
-    if module.norm.weight.numel() != d_inner or getattr(module.norm, "group_size", None) != d_inner // module.n_groups:
-        raise PolicyError(f"{layer_class} at {where}.norm ({type(module.norm).__name__}) is not a gated norm over "
+    norm = module.norm
+    if isinstance(norm, nn.Identity):  # Falcon-H1's with mamba_rms_norm off: the output gated by silu(z) alone
+        return
+    if not isinstance(getattr(norm, "weight", None), nn.Parameter) or norm.weight.numel() != d_inner or (
+            getattr(norm, "group_size", None) != d_inner // module.n_groups
+            and getattr(norm, "n_groups", None) != module.n_groups):
+        raise PolicyError(f"{layer_class} at {where}.norm ({type(norm).__name__}) is not a gated norm over "
                           f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it")
+
+
+def recurrent_parts(module, where, layer_class):
+    """``(submodules, own tensors)`` of a recurrent mixer ds_tsp builds, once its kind's checks pass."""
+    if is_mamba2(module):
+        check_mamba2(module, where, layer_class)
+        modules = MAMBA2_MODULES if _holds_tensors(module.norm) else tuple(m for m in MAMBA2_MODULES if m != "norm")
+        return modules, (*MAMBA2_TENSORS, "mup_vector")  # Falcon-H1's multipliers of in_proj's rows
+    if is_mamba1(module):
+        check_mamba1(module, where, layer_class)
+        return (*MAMBA1_MODULES, *MAMBA1_NORMS), MAMBA1_TENSORS
+    if is_short_conv(module):
+        check_short_conv(module, where, layer_class)
+        return SHORT_CONV_MODULES, ()
+    check_delta_net(module, where, layer_class)
+    return delta_net_projections(module), DELTA_NET_TENSORS
 
 
 def check_mamba1(module, where, layer_class):

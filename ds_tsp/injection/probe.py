@@ -94,27 +94,32 @@ class _StandIn(nn.Module):
 
 
 class _PassThrough(_StandIn):
-    """A decoder layer (or norm, or head) that returns its input; ``extra``
-    Nones after it for a layer whose forward returns a tuple its model unpacks
-    (Bamba's ``hidden_states, attn_weights``)."""
+    """A decoder layer (or norm, or head) that returns its input; in a tuple
+    with ``extra`` Nones after it for a layer whose forward returns a tuple its
+    model unpacks (Bamba's ``hidden_states, attn_weights``) or indexes
+    (Falcon-H1's ``layer_outputs[0]``: none after it); whole for None."""
 
-    def __init__(self, extra=0, original=None):
+    def __init__(self, extra=None, original=None):
         super().__init__(original)
         self.extra = extra
 
     def forward(self, hidden_states, *args, **kwargs):
-        return (hidden_states, *[None] * self.extra) if self.extra else hidden_states
+        return hidden_states if self.extra is None else (hidden_states, *[None] * self.extra)
 
 
 def _tuple_extras(decoder):
     """How many outputs ``decoder``'s forward unpacks from each layer's after the hidden states (Bamba's
-    ``hidden_states, attn_weights = decoder_layer(...)``), 0 where it takes the layer's output whole."""
+    ``hidden_states, attn_weights = decoder_layer(...)``), 0 where it indexes the first of a tuple
+    (Falcon-H1's ``layer_outputs[0]``), None where it takes the layer's output whole."""
     try:
         source = inspect.getsource(type(decoder).forward)
     except (OSError, TypeError):
-        return 0
+        return None
     unpacked = re.search(r"^\s*((?:\w+\s*,\s*)+\w+)\s*=\s*decoder_layer\(", source, re.MULTILINE)
-    return 0 if unpacked is None else unpacked[1].count(",")
+    if unpacked is not None:
+        return unpacked[1].count(",")
+    named = re.search(r"^\s*(\w+)\s*=\s*decoder_layer\(", source, re.MULTILINE)
+    return 0 if named is not None and re.search(rf"\b{named[1]}\[0\]", source) else None
 
 
 class _Recorder(_StandIn):
@@ -176,13 +181,13 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
             tolerance = max(tolerance, FLOAT32_NORM_TOLERANCE)
             reference += (f" ({tolerance:.0e} for q/k norms over the whole projection, which Hugging Face computes "
                           "in float32 and the TSP attention from every rank's sums of squares)")
-        if outside > tolerance:
+        if not outside <= tolerance:  # NaN too: a forward the probe cannot read is not accepted
             head = "lm_head" if logit_map is None else f"lm_head -> {logit_map}"
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its forward outside the "
                               f"decoder layers differs from embed -> layers -> norm -> {head} (relative "
                               f"difference {outside:.1e} on a float64 probe {reference}), e.g. scales embeddings "
                               "or logits: ds_tsp does not support it")
-        if inside > tolerance:
+        if not inside <= tolerance:
             raise PolicyError(f"{where} was accepted by shape only (tsp.policy auto), but its decoder layer's "
                               f"forward differs from the TSP layer's (relative difference {inside:.1e} on a float64 "
                               f"probe {reference}): it does more than Llama's layer, so ds_tsp does not support it"
@@ -262,8 +267,11 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         # dtype the model hands them out in (Nemotron-H's in float32 whatever its own: the TSP head's loss and
         # logits take the model's, float32 or wider inside).
         expected = map_logits(layer_out, LogitMap.of(config)).to(logits.dtype)
-        # What reaches the first layer: the embeddings fed in, times the model's embedding_multiplier (Granite's).
-        outside = torch.maximum(_relative(layer_in, scaled(hidden, embedding_multiplier(config))),
+        # What reaches the first layer: the embeddings fed in, times the model's embedding_multiplier where its
+        # forward scales embeddings it is given (Granite's), not only those it looks up (Falcon-H1's).
+        decoder = model.get_submodule(policy.layers.rpartition(".")[0])
+        multiplier = embedding_multiplier(config) if _scales_given_embeddings(decoder) else 1.0
+        outside = torch.maximum(_relative(layer_in, scaled(hidden, multiplier)),
                                 _relative(logits.to(layer_out.dtype), expected))
 
         tsp_layer = build(recorder.layer, config, policy, topology, tsp_config, device=device,
@@ -282,6 +290,12 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
     verdict = torch.stack([outside, inside]).to(torch.float64).to(comm.group_device(topology.tsp_group))
     comm.all_reduce(verdict, topology.tsp_group)
     return host_read(verdict, "probe").tolist()
+
+
+def _scales_given_embeddings(decoder):
+    """Whether ``decoder`` multiplies the embeddings it is given by its embedding_multiplier, not only those it
+    looks up (Falcon-H1's ``embed_tokens(input_ids) * self.embedding_multiplier``)."""
+    return "embed_tokens(input_ids) * self.embedding_multiplier" not in _forward_source(decoder)
 
 
 def _float32_projection_norms(attn):

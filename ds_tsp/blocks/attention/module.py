@@ -129,7 +129,9 @@ class TSPAttention(PackedShardMixin, nn.Module):
         rotary_halves = rotates_whole_head_by_half_tables(attn)
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
                      tsp_group, qkv_bias=q_proj.bias is not None, o_bias=rows.hf_module(attn, "o_proj").bias is not None,
-                     scale=attn.scaling, sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
+                     # Falcon-H1's key_multiplier scales the keys, so the scores: folded into the scale.
+                     scale=attn.scaling * getattr(attn, "key_multiplier", 1.0),
+                     sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, softcap=getattr(attn, "attn_logit_softcapping", None),
                      sinks=has_sinks(attn), rotary_halves=rotary_halves, output_gate=has_output_gate(attn, config, fused),

@@ -6,6 +6,7 @@ one Mamba-2 layer, built from a Hugging Face module or a checkpoint
 """
 
 import copy
+import sys
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,7 @@ from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan
 from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
 from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction
 from ds_tsp.blocks.packing import module_reader
+from ds_tsp.blocks.vocab import scaled
 from ds_tsp.parallel import comm, layout
 
 # What a Hugging Face Mamba-2 mixer holds, by attribute: its modules and tensors, and its sizes.
@@ -35,12 +37,19 @@ class TSPMamba2(StreamedMixer):
     """
 
     def __init__(self, shapes, tsp_group, norm, activation, time_step_limit, chunk_size, *, layout_name="zigzag",
-                 overlap=True, fp32_accumulators=True, dtype=None, device=None):
+                 overlap=True, fp32_accumulators=True, dtype=None, device=None, input_multiplier=1.0,
+                 mup_vector=None):
         super().__init__(shapes, tsp_group, layout_name=layout_name, overlap=overlap,
                          fp32_accumulators=fp32_accumulators, dtype=dtype, device=device)
-        self.norm = norm  # Hugging Face's gated norm module (the whole inner width), kept whole
+        # Hugging Face's gated norm module (the whole inner width), kept whole; None where the layer has none
+        # (Falcon-H1's mamba_rms_norm off: the output gated by silu(z) alone).
+        self.norm = norm
         self.activation = activation
         self.time_step_limit, self.chunk_size = tuple(time_step_limit), chunk_size
+        # Falcon-H1's multipliers: of the input (ssm_in_multiplier) and of in_proj's output rows (its mup_vector,
+        # a buffer Hugging Face computes from the config and does not save: kept whole, not saved either).
+        self.input_multiplier = input_multiplier
+        self.register_buffer("mup_vector", mup_vector, persistent=False)
 
     @classmethod
     def from_hf(cls, layer, config, tsp_group, layout_name="zigzag", overlap=True, fp32_accumulators=True,
@@ -52,17 +61,30 @@ class TSPMamba2(StreamedMixer):
         weight = layer.out_proj.weight
         device = device or weight.device
         shapes = mamba2_shapes(layer, comm.group_size(tsp_group))
-        module = cls(shapes, tsp_group, copy.deepcopy(layer.norm).to_empty(device=device), ACT2FN[layer.activation],
-                     layer.time_step_limit, layer.chunk_size, layout_name=layout_name, overlap=overlap,
-                     fp32_accumulators=fp32_accumulators, dtype=weight.dtype, device=device)
+        norm = copy.deepcopy(layer.norm).to_empty(device=device) if _holds_weight(layer.norm) else None
+        mup = mup_vector_of(layer, config, weight.dtype)
+        module = cls(shapes, tsp_group, norm, ACT2FN[layer.activation], layer.time_step_limit, layer.chunk_size,
+                     layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
+                     dtype=weight.dtype, device=device, input_multiplier=getattr(layer, "ssm_in_multiplier", 1.0),
+                     mup_vector=None if mup is None else mup.to(device))
         read = module.hf_rows.reader(read or module_reader(layer))
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
         return module
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
-        params = {"norm.weight": self.norm.weight}
+        params = {} if self.norm is None else {"norm.weight": self.norm.weight}
         return params if self.out_bias is None else {**params, "out_proj.bias": self.out_bias}
+
+    def part_multipliers(self):
+        """``{input part: its rows of the mup_vector}``, or None without one."""
+        if self.mup_vector is None:
+            return None
+        return {name: self.mup_vector[..., rows] for name, rows in self.shapes.in_proj_rows().items()}
+
+    def norm_weights(self):
+        """The replicated tensors the schedule takes: the norm's weight, or none."""
+        return () if self.norm is None else (self.norm.weight,)
 
     def plan(self, x, documents=None, valid=None, state_sink=None):
         D = self.shapes.tsp_size
@@ -74,13 +96,31 @@ class TSPMamba2(StreamedMixer):
                           norm=self.norm, activation=self.activation, time_step_limit=self.time_step_limit,
                           overlap=self.overlap, documents=documents, starts=starts, chunk_size=self.chunk_size,
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
-                          valid=valid, state_sink=state_sink)
+                          valid=valid, state_sink=state_sink, part_multipliers=self.part_multipliers())
 
     def forward(self, x, position_embeddings=None, documents=None, input_norm=None):
         if input_norm is not None:
             raise ValueError("the Mamba-2 mixer does not run its input norm inside (takes_input_norm)")
-        return StreamedMixerFunction.apply(x, self.shard_weights(), self.plan(x, documents), self.out_bias,
-                                           self.norm.weight)
+        return StreamedMixerFunction.apply(scaled(x, self.input_multiplier), self.shard_weights(),
+                                           self.plan(x, documents), self.out_bias, *self.norm_weights())
+
+
+def mup_vector_of(layer, config, dtype):
+    """A copy of the mixer's ``mup_vector`` (Falcon-H1's multipliers of in_proj's rows, a buffer no checkpoint
+    holds), or None; on the meta device, computed from the config by the layer's own modeling module
+    (``compute_mup_vector``, as Hugging Face's weight initialisation does), in the weights' ``dtype``."""
+    mup = getattr(layer, "mup_vector", None)
+    if mup is None or not mup.is_meta:
+        return None if mup is None else mup.detach().clone()
+    compute = getattr(sys.modules[type(layer).__module__], "compute_mup_vector", None)
+    if compute is None:
+        raise ValueError(f"{type(layer).__name__} holds a mup_vector its module has no compute_mup_vector for: "
+                         "ds_tsp cannot tell its values from the config; leave tsp.enabled false")
+    return compute(config).to(dtype)
+
+
+def _holds_weight(norm):
+    return isinstance(getattr(norm, "weight", None), torch.Tensor)
 
 
 def mamba2_shapes(layer, tsp_size):

@@ -37,7 +37,7 @@ class Mamba2Plan:
     shapes: object  # mamba2_shards.Mamba2Shapes
     specs: tuple  # every rank's (inputs, channels, outputs) PackSpecs
     layout: str
-    norm: object  # the Hugging Face gated norm module, run with the given weight
+    norm: object  # the Hugging Face gated norm module, run with the given weight; None: gated by silu(z) alone
     activation: object  # the convolution's activation (the layer's own)
     time_step_limit: tuple  # dt's clamp, the layer's own
     overlap: bool
@@ -50,21 +50,27 @@ class Mamba2Plan:
     # state_sink(conv inputs (B, S/D, conv channels), final state (B, h, n, p)), or None.
     valid: object = None
     state_sink: object = None
+    # {input part: its multiplier} (Falcon-H1's mup_vector, cut by part), or None.
+    part_multipliers: dict | None = None
 
     @property
     def tsp_size(self):
         return self.shapes.tsp_size
 
     def mix(self, proj, pieces, replicated, sink=False):
-        """``mix`` with the norm's weight, the one replicated tensor."""
-        return mix(self, proj, pieces, *replicated, sink=sink)
+        """``mix`` with the norm's weight, the one replicated tensor (none without a norm)."""
+        return mix(self, proj, pieces, *(replicated or (None,)), sink=sink)
 
 
 def mix(plan, proj, pieces, norm_weight, sink=False):
     """The normed output ``(B, S/D, d_inner)`` in the tokens' dtype, from the projections ``proj`` and every
     rank's per-channel piece; with ``sink``, no autograd: ``plan.state_sink`` takes the conv inputs and the
-    final state."""
+    final state. Without a norm (``plan.norm`` None, Falcon-H1's ``mamba_rms_norm`` off) the output is gated
+    by ``silu(z)`` alone."""
     shapes = plan.shapes
+    out_dtype = proj["in_proj_x"].dtype
+    if plan.part_multipliers is not None:  # Falcon-H1's mup_vector, in its dtype (a float32 buffer, as HF's)
+        proj = {name: t * plan.part_multipliers[name] for name, t in proj.items()}
     dtype = proj["in_proj_x"].dtype
     B, L = proj["in_proj_x"].shape[:2]
     channels = joined(pieces)
@@ -92,7 +98,8 @@ def mix(plan, proj, pieces, norm_weight, sink=False):
         plan.state_sink(conv_inputs, final)
     else:
         y = chunk_recurrence(SSD, inputs, plan.group, plan.layout, plan.chunk_size, plan.starts)
-    y = y.transpose(1, 2) + channels["D"][:, None] * xs
-    normed = torch.func.functional_call(plan.norm, {"weight": norm_weight},
-                                        (y.reshape(B, L, shapes.d_inner), proj["in_proj_z"]))
-    return normed.to(dtype)
+    y = (y.transpose(1, 2) + channels["D"][:, None] * xs).reshape(B, L, shapes.d_inner)
+    if plan.norm is None:
+        return (y * F.silu(proj["in_proj_z"])).to(out_dtype)
+    normed = torch.func.functional_call(plan.norm, {"weight": norm_weight}, (y, proj["in_proj_z"]))
+    return normed.to(out_dtype)

@@ -80,6 +80,14 @@ class Mamba2Shapes:
         """Columns of ``out_proj`` a rank holds: its heads'."""
         return self.heads * self.head_dim
 
+    def in_proj_rows(self):
+        """``{input part: its rows in Hugging Face's whole in_proj}``."""
+        rows, first = {}, 0
+        for name in INPUT_PARTS:
+            rows[name] = slice(first, first + self._full_rows()[name])
+            first = rows[name].stop
+        return rows
+
     def input_rows(self, name, j):
         """The slice of rank ``j``'s rows in the full ``name`` (an input part)."""
         per_rank = self._full_rows()[name] // self.tsp_size
