@@ -140,7 +140,7 @@ def _moe_schedule(setting, S):
 def _layout_problem(setting):
     """Why ds_tsp refuses the TSP rows' layout (``runtime.expert_parallel``, ``blocks.moe.module``), or the
     planner does not model it, or None."""
-    m, stage = setting.model, setting.zero_stage
+    stage = setting.zero_stage
     if setting.expert_group_size > setting.tsp_group_size:
         if stage in (0, 3):
             why = "DeepSpeed refuses ZeRO-3 with MoE layers" if stage else \
@@ -552,7 +552,7 @@ def _replica_parts(setting, vocab_parallel):
     (reduce-scattered under ZeRO) over the ``dp`` ranks ``D`` apart that hold the same shards, folded experts'
     over their expert-data-parallel group ``ep`` apart; under ZeRO-1/2 the updated weights gathered back. LoRA
     runs reduce their adapters alone."""
-    m, p, D, dp = setting.model, setting.precision, setting.tsp_group_size, setting.tsp_replicas
+    p, D, dp = setting.precision, setting.tsp_group_size, setting.tsp_replicas
     ep, edp = setting.expert_group_size, setting.expert_replicas
     if dp == 1:
         return {}

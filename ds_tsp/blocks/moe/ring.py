@@ -31,7 +31,6 @@ independent of the sequence; no all-to-all, no all-reduce.
 """
 
 import torch
-import torch.nn.functional as F
 
 from ds_tsp.blocks.mlp import shard_backward as gated_shard_backward
 from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
