@@ -33,8 +33,7 @@ from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.linear.conv import causal_conv
 from ds_tsp.blocks.linear.recurrence import chunk_recurrence, recurrence_forward
 from ds_tsp.blocks.linear.selective_scan import SELECTIVE
-from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction, joined
-from ds_tsp.blocks.packing import PackSpec, module_reader
+from ds_tsp.blocks.linear.streamed import ChannelShapes, StreamedMixer, StreamedMixerFunction, joined
 from ds_tsp.parallel import comm, layout
 
 INPUT_PARTS = ("in_proj_x", "in_proj_z")  # in_proj's rows, in Hugging Face's order
@@ -44,7 +43,7 @@ MAMBA1_TENSORS = ("A_log", "D")
 
 
 @dataclass(frozen=True)
-class Mamba1Shapes:
+class Mamba1Shapes(ChannelShapes):
     """The sizes of one Mamba-1 mixer over a TSP group of ``tsp_size``."""
 
     hidden_size: int
@@ -66,15 +65,10 @@ class Mamba1Shapes:
                              f"choose tsp.size from the divisors of {self.d_inner}")
 
     @property
-    def output_width(self):
-        """Channels (columns of ``out_proj``) a rank holds."""
-        return self.d_inner // self.tsp_size
+    def channels(self):
+        return self.d_inner
 
-    def input_rows(self, name, j):
-        """The slice of rank ``j``'s rows in the full ``name`` (an input part)."""
-        return slice(j * self.output_width, (j + 1) * self.output_width)
-
-    def _pieces(self):
+    def pieces(self):
         """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
         H, C, n = self.hidden_size, self.output_width, self.state_size
         inputs = {f"{name}.weight": (0, (C, H)) for name in INPUT_PARTS}
@@ -86,23 +80,6 @@ class Mamba1Shapes:
         channels.update({"x_proj.weight": (1, (self.dt_rank + 2 * n, C)), "dt_proj.weight": (0, (C, self.dt_rank)),
                          "dt_proj.bias": (0, (C,)), "A_log": (0, (C, n)), "D": (0, (C,))})
         return inputs, channels, {"out_proj.weight": (1, (H, C))}
-
-    def specs(self, tsp_rank):
-        """The ``(inputs, channels, outputs)`` PackSpecs of ``tsp_rank``'s shard (every rank's alike)."""
-        return tuple(PackSpec({name: shape for name, (_, shape) in piece.items()}) for piece in self._pieces())
-
-    def spec(self, tsp_rank):
-        """The whole shard's PackSpec: its three pieces one after the other."""
-        return PackSpec({name: shape for spec in self.specs(tsp_rank) for name, shape in spec.shapes.items()})
-
-    def piece(self, name, tsp_rank):
-        """``(dim, start, length)`` of the full (logical) tensor ``name`` that
-        ``tsp_rank`` holds, or None for a tensor every rank holds whole."""
-        for piece in self._pieces():
-            if name in piece:
-                dim, shape = piece[name]
-                return dim, tsp_rank * shape[dim], shape[dim]
-        return None
 
     def hf_rows(self):
         """Where ``x`` and ``z`` lie in Hugging Face's fused ``in_proj``."""
@@ -193,12 +170,9 @@ class TSPMamba1(StreamedMixer):
         weight = layer.out_proj.weight
         device = device or weight.device
         norms = {name: copy.deepcopy(layer.get_submodule(name)).to_empty(device=device) for name in MAMBA1_NORMS}
-        module = cls(mamba1_shapes(layer, comm.group_size(tsp_group)), tsp_group, norms, ACT2FN[layer.activation],
-                     layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
-                     dtype=weight.dtype, device=device)
-        read = module.hf_rows.reader(read or module_reader(layer))
-        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
-        return module
+        return cls(mamba1_shapes(layer, comm.group_size(tsp_group)), tsp_group, norms, ACT2FN[layer.activation],
+                   layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators, dtype=weight.dtype,
+                   device=device).load_hf(layer, read)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

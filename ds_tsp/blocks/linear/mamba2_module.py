@@ -15,7 +15,6 @@ from transformers.activations import ACT2FN
 from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan
 from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
 from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction
-from ds_tsp.blocks.packing import module_reader
 from ds_tsp.blocks.vocab import scaled
 from ds_tsp.parallel import comm, layout
 
@@ -67,9 +66,7 @@ class TSPMamba2(StreamedMixer):
                      layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
                      dtype=weight.dtype, device=device, input_multiplier=getattr(layer, "ssm_in_multiplier", 1.0),
                      mup_vector=None if mup is None else mup.to(device))
-        read = module.hf_rows.reader(read or module_reader(layer))
-        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
-        return module
+        return module.load_hf(layer, read)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

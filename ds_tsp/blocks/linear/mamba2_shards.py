@@ -25,16 +25,15 @@ tokens). A rank's shard is three pieces, broadcast in turn: the input rows
 from dataclasses import dataclass
 
 from ds_tsp.blocks.fused import FusedRows
-from ds_tsp.blocks.packing import PackSpec
+from ds_tsp.blocks.linear.streamed import StreamedShapes
 
 INPUT_PARTS = ("in_proj_z", "in_proj_x", "in_proj_B", "in_proj_C", "in_proj_dt")
 CONV_PARTS = ("conv1d_x", "conv1d_B", "conv1d_C")
 HEAD_TENSORS = ("dt_bias", "A_log", "D")
-PIECES = ("inputs", "channels", "outputs")
 
 
 @dataclass(frozen=True)
-class Mamba2Shapes:
+class Mamba2Shapes(StreamedShapes):
     """The sizes of one Mamba-2 mixer over a TSP group of ``tsp_size``."""
 
     hidden_size: int
@@ -98,8 +97,8 @@ class Mamba2Shapes:
                         (self.d_inner, self.d_inner, self.state_rows, self.state_rows, self.num_heads,
                          self.d_inner, self.state_rows, self.state_rows)))
 
-    def _pieces(self):
-        """``{piece: {name: (dim, shape per rank)}}``."""
+    def pieces(self):
+        """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
         D, H = self.tsp_size, self.hidden_size
         rows = {name: full // D for name, full in self._full_rows().items()}
         inputs = {f"{name}.weight": (0, (rows[name], H)) for name in INPUT_PARTS}
@@ -109,26 +108,7 @@ class Mamba2Shapes:
         if self.conv_bias:
             channels.update({f"{name}.bias": (0, (rows[name],)) for name in CONV_PARTS})
         channels.update({name: (0, (self.heads,)) for name in HEAD_TENSORS})
-        outputs = {"out_proj.weight": (1, (H, self.heads * self.head_dim))}
-        return dict(zip(PIECES, (inputs, channels, outputs)))
-
-    def specs(self, tsp_rank):
-        """The ``(inputs, channels, outputs)`` PackSpecs of ``tsp_rank``'s shard (every rank's alike)."""
-        return tuple(PackSpec({name: shape for name, (_, shape) in piece.items()})
-                     for piece in self._pieces().values())
-
-    def spec(self, tsp_rank):
-        """The whole shard's PackSpec: its three pieces one after the other."""
-        return PackSpec({name: shape for spec in self.specs(tsp_rank) for name, shape in spec.shapes.items()})
-
-    def piece(self, name, tsp_rank):
-        """``(dim, start, length)`` of the full (logical) tensor ``name`` that
-        ``tsp_rank`` holds, or None for a tensor every rank holds whole."""
-        for piece in self._pieces().values():
-            if name in piece:
-                dim, shape = piece[name]
-                return dim, tsp_rank * shape[dim], shape[dim]
-        return None
+        return inputs, channels, {"out_proj.weight": (1, (H, self.heads * self.head_dim))}
 
     def hf_rows(self):
         """Where the logical tensors lie in Hugging Face's fused ``in_proj`` and ``conv1d``."""

@@ -20,8 +20,7 @@ import torch.nn as nn
 
 from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.linear.conv import causal_conv
-from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction, joined
-from ds_tsp.blocks.packing import PackSpec, module_reader
+from ds_tsp.blocks.linear.streamed import ChannelShapes, StreamedMixer, StreamedMixerFunction, joined
 from ds_tsp.parallel import comm
 
 INPUT_PARTS = ("in_proj_B", "in_proj_C", "in_proj_x")  # in_proj's rows, in Hugging Face's order
@@ -29,7 +28,7 @@ SHORT_CONV_MODULES = ("in_proj", "conv", "out_proj")
 
 
 @dataclass(frozen=True)
-class ShortConvShapes:
+class ShortConvShapes(ChannelShapes):
     """The sizes of one gated short convolution over a TSP group of ``tsp_size``."""
 
     hidden_size: int
@@ -48,15 +47,10 @@ class ShortConvShapes:
                              f"from the divisors of {self.hidden_size}")
 
     @property
-    def output_width(self):
-        """Columns of ``out_proj`` (channels) a rank holds."""
-        return self.hidden_size // self.tsp_size
+    def channels(self):
+        return self.hidden_size
 
-    def input_rows(self, name, j):
-        """The slice of rank ``j``'s rows in the full ``name`` (an input part)."""
-        return slice(j * self.output_width, (j + 1) * self.output_width)
-
-    def _pieces(self):
+    def pieces(self):
         """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
         H, C = self.hidden_size, self.output_width
         inputs = {f"{name}.weight": (0, (C, H)) for name in INPUT_PARTS}
@@ -66,23 +60,6 @@ class ShortConvShapes:
         if self.conv_bias:
             channels["conv.bias"] = (0, (C,))
         return inputs, channels, {"out_proj.weight": (1, (H, C))}
-
-    def specs(self, tsp_rank):
-        """The ``(inputs, channels, outputs)`` PackSpecs of ``tsp_rank``'s shard (every rank's alike)."""
-        return tuple(PackSpec({name: shape for name, (_, shape) in piece.items()}) for piece in self._pieces())
-
-    def spec(self, tsp_rank):
-        """The whole shard's PackSpec: its three pieces one after the other."""
-        return PackSpec({name: shape for spec in self.specs(tsp_rank) for name, shape in spec.shapes.items()})
-
-    def piece(self, name, tsp_rank):
-        """``(dim, start, length)`` of the full (logical) tensor ``name`` that
-        ``tsp_rank`` holds, or None for a tensor every rank holds whole."""
-        for piece in self._pieces():
-            if name in piece:
-                dim, shape = piece[name]
-                return dim, tsp_rank * shape[dim], shape[dim]
-        return None
 
     def hf_rows(self):
         """Where ``B``, ``C`` and ``x`` lie in Hugging Face's fused ``in_proj``."""
@@ -139,12 +116,9 @@ class TSPShortConv(StreamedMixer):
         names). ``backend`` and ``token_tile`` are the attention's options,
         which a layer without attention does not read."""
         weight = layer.out_proj.weight
-        module = cls(short_conv_shapes(layer, comm.group_size(tsp_group)), tsp_group, layout_name=layout_name,
-                     overlap=overlap, fp32_accumulators=fp32_accumulators, dtype=weight.dtype,
-                     device=device or weight.device)
-        read = module.hf_rows.reader(read or module_reader(layer))
-        module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
-        return module
+        return cls(short_conv_shapes(layer, comm.group_size(tsp_group)), tsp_group, layout_name=layout_name,
+                   overlap=overlap, fp32_accumulators=fp32_accumulators, dtype=weight.dtype,
+                   device=device or weight.device).load_hf(layer, read)
 
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
-from ds_tsp.blocks.packing import PackedShardMixin
+from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -152,6 +152,43 @@ class StreamedMixerFunction(torch.autograd.Function):
         return grad_x, grad_packed, None, grad_bias, *grad_replicated
 
 
+class StreamedShapes:
+    """How a streamed mixer's shard splits, from its ``pieces()``: ``(inputs,
+    channels, outputs)``, each ``{name: (split dim, shape per rank)}`` (every
+    rank's alike); ``hf_rows()`` and ``replicated_names()`` are the mixer's own."""
+
+    def specs(self, tsp_rank):
+        """The ``(inputs, channels, outputs)`` PackSpecs of ``tsp_rank``'s shard."""
+        return tuple(PackSpec({name: shape for name, (_, shape) in piece.items()}) for piece in self.pieces())
+
+    def spec(self, tsp_rank):
+        """The whole shard's PackSpec: its three pieces one after the other."""
+        return PackSpec({name: shape for spec in self.specs(tsp_rank) for name, shape in spec.shapes.items()})
+
+    def piece(self, name, tsp_rank):
+        """``(dim, start, length)`` of the full (logical) tensor ``name`` that
+        ``tsp_rank`` holds, or None for a tensor every rank holds whole."""
+        for piece in self.pieces():
+            if name in piece:
+                dim, shape = piece[name]
+                return dim, tsp_rank * shape[dim], shape[dim]
+        return None
+
+
+class ChannelShapes(StreamedShapes):
+    """A streamed mixer split by channel (Mamba-1's, the short convolution's): rank ``j`` owns channels
+    ``[j C, (j+1) C)``, ``C = output_width``, of every input part and of ``out_proj``'s columns."""
+
+    @property
+    def output_width(self):
+        """Channels (columns of ``out_proj``) a rank holds."""
+        return self.channels // self.tsp_size
+
+    def input_rows(self, name, j):
+        """The slice of rank ``j``'s rows in the full ``name`` (an input part)."""
+        return slice(j * self.output_width, (j + 1) * self.output_width)
+
+
 class StreamedMixer(PackedShardMixin, nn.Module):
     """What the mixers run by this schedule hold: this rank's packed shard of
     ``shapes`` (its three pieces), ``out_proj``'s bias whole where there is
@@ -180,6 +217,13 @@ class StreamedMixer(PackedShardMixin, nn.Module):
 
     def takes_input_norm(self, norm):
         return False
+
+    def load_hf(self, layer, read=None):
+        """This rank's shard from the Hugging Face mixer ``layer``, or from ``read(name, piece)`` under its names
+        (``TSPAttention.from_hf``'s); returns the module."""
+        read = self.hf_rows.reader(read or module_reader(layer))
+        self.load_shard({name: read(name, self.shard_piece(name)) for name in self.shard_names()})
+        return self
 
 
 def left_padding_refusal(model):
