@@ -1,8 +1,10 @@
-"""Bodies the recurrent layers' tests share (Gated DeltaNet, KDA, Mamba-2): the guards that break one piece of
-the chunk-map schedule on purpose, and one layer's bytes by op."""
+"""Bodies the recurrent layers' tests share (Gated DeltaNet, KDA, Mamba-2, Mamba-1, short convolutions): the
+guards that break one piece of the chunk-map schedule on purpose, one layer's bytes by op, and the refusal of
+left padding where a biased in_proj would leak it."""
 
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -49,3 +51,24 @@ def layer_bytes(arch, path, block_class, seq_len):
     forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
     y.backward(torch.ones_like(y))
     return forward, {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+
+
+def check_left_padding_refused(arch, mixer_path, **overrides):
+    """``arch`` with a biased ``in_proj`` (``overrides``) refuses left-padded rows by name, naming the first such
+    mixer (``mixer_path``), in training and in generation, and runs rows without padding."""
+    import ds_tsp
+    from ds_tsp.config import TSPConfig
+
+    model = tiny_model(arch, **overrides)
+    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    input_ids = torch.randint(3, 61, (2, 8))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
+    refusal = rf"left-padded rows with Mamba-2 or short-convolution mixers whose in_proj has a bias \({mixer_path}"
+    with pytest.raises(ValueError, match=refusal):
+        model(input_ids=input_ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match=refusal):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    model(input_ids=input_ids, labels=input_ids)  # no padding: runs

@@ -163,6 +163,20 @@ def _run_strategies(arch, input_ids, attention_mask, max_new_tokens):
                                  pad_token_id=0, **kwargs) for name, kwargs in STRATEGIES.items()}
 
 
+def check_recurrent_generation(run_ranks, arch, tsp_sizes=(2,)):
+    """A hybrid's generation at each of ``tsp_sizes``: greedy tokens and every step's logits against Hugging
+    Face's; then greedy, beam search and penalties on left-padded prompts at D = 2."""
+    prompts = _prompts(2, seed=9)
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+    for tsp_size in tsp_sizes:
+        per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+        diff = _max_logit_diff(per_rank, ref_logits)
+        print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
+        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
+        assert diff <= TOLERANCE
+    check_strategies_on_left_padded_prompts(run_ranks, arch)
+
+
 def check_strategies_on_left_padded_prompts(run_ranks, arch, tsp_size=2):
     """Greedy, beam search and penalties on prompts of ``LEFT_PADDED_LENGTHS``:
     Hugging Face's tokens on every rank; returns Hugging Face's."""

@@ -5,7 +5,6 @@ import dataclasses
 from unittest import mock
 
 import pytest
-import torch
 
 from ds_tsp.blocks.linear import schedule
 from ds_tsp.blocks.linear.module import TSPGatedDeltaNet
@@ -13,7 +12,7 @@ from ds_tsp.injection.policy import PolicyError
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import delta_net_bytes_by_op, kda_bytes_by_op
 from models import tiny_causal_lm, tiny_model
-from parity import TOLERANCE, check, check_caught, model_parity
+from parity import check, check_caught, model_parity
 from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
 
 # Padded (13 tokens, the last 3 of a row masked), packed (documents restarting the positions: the state restarts
@@ -120,16 +119,9 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each
     rank keeps its head group's Gated DeltaNet states and half of the attention layer's tokens."""
-    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+    from test_generate import check_recurrent_generation
 
-    prompts = _prompts(2, seed=9)
-    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
-    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
-    diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
-    print(f"D=2 {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
-    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-    assert diff <= TOLERANCE
-    check_strategies_on_left_padded_prompts(run_ranks, arch)
+    check_recurrent_generation(run_ranks, arch)
 
 
 def test_multi_token_prediction_layers_are_named_as_not_built(caplog):

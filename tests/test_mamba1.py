@@ -2,12 +2,11 @@
 casts of the scan widened to float64 (tests/models.py)."""
 
 import pytest
-import torch
 
 from ds_tsp.blocks.linear.mamba1 import TSPMamba1
 from ds_tsp.planning.communication import mamba1_bytes_by_op
 from models import tiny_model
-from parity import TOLERANCE, check, check_caught, model_parity
+from parity import check, check_caught, model_parity
 from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
 
 # Right- and left-padded, packed (every state restarts at each document, and the convolution's window stops there)
@@ -31,16 +30,9 @@ def test_generate_gives_hugging_face_tokens(run_ranks):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each
     rank keeps its channels' Mamba-1 states and half of the attention layer's tokens."""
-    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+    from test_generate import check_recurrent_generation
 
-    prompts = _prompts(2, seed=9)
-    ref_tokens, ref_logits = _hf_reference("jamba", prompts, max_new_tokens=8)
-    per_rank = run_ranks(2, _run_generate, arch="jamba", input_ids=prompts, max_new_tokens=8)
-    diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
-    print(f"D=2 jamba: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
-    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-    assert diff <= TOLERANCE
-    check_strategies_on_left_padded_prompts(run_ranks, "jamba")
+    check_recurrent_generation(run_ranks, "jamba")
 
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):

@@ -7,8 +7,8 @@ import torch
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
 from ds_tsp.planning.communication import mamba2_bytes_by_op
 from models import tiny_model
-from parity import TOLERANCE, check, check_caught, model_parity
-from recurrent_checks import layer_bytes, no_halo_parity, wrong_map_parity
+from parity import check, check_caught, model_parity
+from recurrent_checks import check_left_padding_refused, layer_bytes, no_halo_parity, wrong_map_parity
 
 # Right- and left-padded, packed (documents restarting the positions: every state restarts at each, and the
 # convolution's window stops there) and many 8-token SSM chunks (45 tokens: chunks of 5 or 6 tokens a rank at D = 4,
@@ -57,22 +57,7 @@ def test_generation_through_falcon_h1_layers_is_refused():
 def test_left_padding_with_a_biased_in_proj_is_refused():
     """Hugging Face's convolution carries a biased in_proj's output at the padding into the first real tokens
     (its loss moves 5.4e-2 from the rows moved left): refused by name, in training and in generation."""
-    import ds_tsp
-    from ds_tsp.config import TSPConfig
-    from ds_tsp.parallel.topology import TSPTopology
-
-    model = tiny_model("bamba", mamba_proj_bias=True)
-    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
-    input_ids = torch.randint(3, 61, (2, 8))
-    mask = torch.ones_like(input_ids)
-    mask[1, :3] = 0
-    labels = input_ids.masked_fill(mask == 0, -100)
-    labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
-    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 or short-convolution mixers"):
-        model(input_ids=input_ids, attention_mask=mask, labels=labels)
-    with pytest.raises(ValueError, match=r"left-padded rows with Mamba-2 or short-convolution mixers"):
-        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    model(input_ids=input_ids, labels=input_ids)  # no padding: runs
+    check_left_padding_refused("bamba", "model.layers.0.mamba", mamba_proj_bias=True)
 
 
 def test_granite_moe_load_balancing_loss(run_ranks):
@@ -92,18 +77,10 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each
     rank keeps its heads' Mamba-2 states and half of the attention layer's tokens."""
-    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+    from test_generate import check_recurrent_generation
 
-    prompts = _prompts(2, seed=9)
-    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
     # At D = 4 each norm group's heads lie on two ranks (its sums of squares all-reduced).
-    for tsp_size in (2, 4) if arch == "bamba" else (2,):
-        per_rank = run_ranks(tsp_size, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
-        diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
-        print(f"D={tsp_size} {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
-        assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-        assert diff <= TOLERANCE
-    check_strategies_on_left_padded_prompts(run_ranks, arch)
+    check_recurrent_generation(run_ranks, arch, (2, 4) if arch == "bamba" else (2,))
 
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):

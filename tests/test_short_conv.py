@@ -2,13 +2,12 @@
 float64."""
 
 import pytest
-import torch
 
 from ds_tsp.blocks.linear.short_conv import TSPShortConv
 from ds_tsp.planning.communication import short_conv_bytes_by_op
 from models import tiny_model
-from parity import TOLERANCE, check, check_caught, model_parity
-from recurrent_checks import layer_bytes, no_halo_parity
+from parity import check, check_caught, model_parity
+from recurrent_checks import check_left_padding_refused, layer_bytes, no_halo_parity
 
 # Right- and left-padded, packed (the convolution's window stops at each document's start, as Hugging Face's model
 # run on each document alone) and long enough that every rank's chunks need halos from other ranks at D = 4.
@@ -37,22 +36,7 @@ def test_biased_convolutions_match_hugging_face(run_ranks, tsp_size):
 def test_left_padding_with_a_biased_in_proj_is_refused():
     """Hugging Face's convolution carries a biased in_proj's output at the padding into the first real tokens:
     refused by name, in training and in generation."""
-    import ds_tsp
-    from ds_tsp.config import TSPConfig
-    from ds_tsp.parallel.topology import TSPTopology
-
-    model = tiny_model("lfm2", conv_bias=True)
-    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
-    input_ids = torch.randint(3, 61, (2, 8))
-    mask = torch.ones_like(input_ids)
-    mask[1, :3] = 0
-    labels = input_ids.masked_fill(mask == 0, -100)
-    labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
-    with pytest.raises(ValueError, match=r"short-convolution mixers whose in_proj has a bias \(model.layers.0.conv"):
-        model(input_ids=input_ids, attention_mask=mask, labels=labels)
-    with pytest.raises(ValueError, match=r"short-convolution mixers whose in_proj has a bias"):
-        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    model(input_ids=input_ids, labels=input_ids)  # no padding: runs
+    check_left_padding_refused("lfm2", "model.layers.0.conv", conv_bias=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -60,16 +44,9 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's, and greedy, beam search and
     penalties on left-padded prompts (each row's window after its own last token); each rank keeps its channels'
     convolution windows and half of the attention layers' tokens."""
-    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+    from test_generate import check_recurrent_generation
 
-    prompts = _prompts(2, seed=9)
-    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
-    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
-    diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
-    print(f"D=2 {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
-    assert all(torch.equal(r["sequences"], ref_tokens) for r in per_rank)
-    assert diff <= TOLERANCE
-    check_strategies_on_left_padded_prompts(run_ranks, arch)
+    check_recurrent_generation(run_ranks, arch)
 
 
 def test_a_dropped_halo_or_wrong_shard_is_caught(run_ranks):
