@@ -264,6 +264,9 @@ def _gathered(engine, zero_stage):
     # Granite-4.0-H: Mamba-2 mixers (the chunk maps, the halos and the B/C pieces over the group), a NoPE attention
     # layer, Granite's multipliers; TSP 2 x DP 2 under ZeRO-2 and TSP 2 under ZeRO-3.
     (4, 2, 2, "adam", False, False, "granitemoehybrid", False), (2, 2, 3, "adam", False, False, "granitemoehybrid", False),
+    # Jamba's Mamba-1 mixers and MoE under ZeRO-3; LFM2-MoE's short convolutions and expert-biased router over TSP 2
+    # x DP 2 under ZeRO-2.
+    (2, 2, 3, "adam", False, False, "jamba", False), (4, 2, 2, "adam", False, False, "lfm2_moe", False),
 ])
 def test_training_matches_a_single_process_run(run_ranks, world, tsp_size, zero_stage, optimizer,
                                                activation_checkpointing, config_optimizer, arch, offload_optimizer):
