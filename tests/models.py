@@ -542,6 +542,8 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                 # layer and a full one rotating half of each head (proportional), no rotary table for conv layers.
                 "lfm2": (Lfm2Config, {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
                                       "pad_token_id": 0}),
+                "lfm2_biased": (Lfm2Config, {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
+                                             "pad_token_id": 0, "conv_bias": True}),
                 "lfm2_moe": (Lfm2MoeConfig, {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
                                              "num_hidden_layers": 4, "num_dense_layers": 1, "num_experts": 4,
                                              "num_experts_per_tok": 2, "moe_intermediate_size": 8,
@@ -625,7 +627,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
                  "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
                  "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM, "lfm2_moe": Lfm2MoeForCausalLM,
-                 "lfm3": Lfm3ForCausalLM, "jamba": JambaForCausalLM, "falcon_h1": FalconH1ForCausalLM,
+                 "lfm3": Lfm3ForCausalLM, "lfm2_biased": Lfm2ForCausalLM, "jamba": JambaForCausalLM, "falcon_h1": FalconH1ForCausalLM,
                  "falcon_h1_norm": FalconH1ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.

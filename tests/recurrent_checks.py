@@ -66,7 +66,7 @@ def check_left_padding_refused(arch, mixer_path, **overrides):
     mask[1, :3] = 0
     labels = input_ids.masked_fill(mask == 0, -100)
     labels[1, 3] = -100  # the first real token, which Hugging Face predicts from padding
-    refusal = rf"left-padded rows with Mamba-2 or short-convolution mixers whose in_proj has a bias \({mixer_path}"
+    refusal = rf"left-padded rows with Mamba or short-convolution mixers whose in_proj has a bias \({mixer_path}"
     with pytest.raises(ValueError, match=refusal):
         model(input_ids=input_ids, attention_mask=mask, labels=labels)
     with pytest.raises(ValueError, match=refusal):

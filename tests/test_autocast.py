@@ -159,6 +159,9 @@ def out_of_bound(errors):
     (2, "deepseek_v3_dense", True, {}),  # latent attention: float32 latent norms, bf16 latent gathered
     (2, "qwen3_5_hf_init", True, {}),  # Gated DeltaNet: the rule and its maps in float32, bf16 projections
     (2, "llama4", True, {}),  # complex rotary tables (handed over in bf16), input-scaled experts, chunked layers
+    (2, "jamba", True, {}),  # Mamba-1: float32 dt/B/C norms and scan, bf16 projections
+    (2, "falcon_h1_norm", True, {}),  # Mamba-2 beside the attention: a float32 mup_vector, its gated norm
+    (2, "lfm2", True, {}),  # short convolutions in bf16
 ])
 def test_bf16_autocast_matches_hugging_face_autocast(run_ranks, tsp_size, arch, vocab_parallel, options):
     errors = relative_errors(run_ranks(tsp_size, autocast_parity, arch=arch, batch=2, seq_len=16,

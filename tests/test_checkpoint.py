@@ -164,7 +164,7 @@ def _sgd_steps(model, batches):
                                          ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2),
                                          ("bamba", 1), ("granitemoehybrid", 1), ("granitemoehybrid_moe", 2),
                                          ("nemotron_h", 2), ("lfm2_moe", 2), ("lfm3", 1), ("jamba", 2),
-                                         ("falcon_h1_norm", 1)])
+                                         ("falcon_h1", 1), ("falcon_h1_norm", 1)])
 def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     """What training produced on every rank is what Hugging Face loads back,
     bit for bit: Phi-3's fused q/k/v and gate/up rows (GLM-4's gate/up under the auto policy, with its

@@ -519,7 +519,8 @@ def _train_save_and_gather(model_dir, checkpoint_dir, gathered_dir, tsp_options)
 # masters: the model states hold replica 0's experts, and a plain export is refused.
 @pytest.mark.parametrize("arch, tsp_options", [("llama", {}), ("qwen2_moe", {}), ("phi3", {}), ("deepseek_v3", {}),
                                                ("gemma4_moe", {}), ("gemma4_layer_inputs", {}), ("granitemoe", {}),
-                                               ("qwen2_moe", {"expert_parallel_size": 4})])
+                                               ("qwen2_moe", {"expert_parallel_size": 4}), ("jamba", {}),
+                                               ("lfm2_biased", {})])
 def test_export_turns_a_deepspeed_checkpoint_into_hugging_face(run_ranks, tmp_path, arch, tsp_options):
     from safetensors.torch import load_file
 

@@ -39,21 +39,6 @@ def test_variants_match_hugging_face(run_ranks, tsp_size):
               f"D={tsp_size} {arch} {overrides} {case}")
 
 
-def test_generation_through_falcon_h1_layers_is_refused():
-    """Falcon-H1's layers run a Mamba-2 mixer beside the attention: training is exact (above), generation is
-    refused by name before any step."""
-    import ds_tsp
-    from ds_tsp.config import TSPConfig
-    from ds_tsp.parallel.topology import TSPTopology
-
-    model = tiny_model("falcon_h1")
-    ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
-    input_ids = torch.randint(3, 61, (1, 8))
-    with pytest.raises(ValueError, match=r"generation through layers running a recurrent mixer beside their "
-                                         r"attention \(model.layers.0: Falcon-H1's hybrid layers\)"):
-        model.generate(input_ids, max_new_tokens=2, do_sample=False)
-
-
 def test_left_padding_with_a_biased_in_proj_is_refused():
     """Hugging Face's convolution carries a biased in_proj's output at the padding into the first real tokens
     (its loss moves 5.4e-2 from the rows moved left): refused by name, in training and in generation."""
@@ -72,7 +57,8 @@ def test_granite_moe_load_balancing_loss(run_ranks):
         assert "block_sparse_moe.experts.gate_up_proj" in " ".join(grads)
 
 
-@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "falcon_h1",
+                                  "falcon_h1_norm"])
 def test_generate_gives_hugging_face_tokens(run_ranks, arch):
     """At D = 2: greedy tokens and every step's logits against Hugging Face's (its float32 casts widened), and
     greedy, beam search and penalties on left-padded prompts (each row's state after its own last token); each

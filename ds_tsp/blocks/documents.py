@@ -91,6 +91,14 @@ def check_cu_seq_lens(kwargs):
     return next(iter(given.values()))
 
 
+def local_starts(documents, tsp_rank, tsp_size, layout_name, local_len, device):
+    """``(B, S/D)`` bool: which of this rank's tokens start a packed document (``documents``: each row's starts),
+    where a recurrent layer's state restarts; worked out on the host, then moved without waiting for the device."""
+    positions = layout.positions(tsp_rank, tsp_size, layout_name, local_len * tsp_size)
+    starts = torch.stack([torch.isin(positions, torch.tensor(row, dtype=positions.dtype)) for row in documents])
+    return starts.to(device, non_blocking=True)
+
+
 def chunked_documents(documents, seq_len, batch, chunk):
     """The document starts a chunked-attention layer attends within (Llama 4's
     ``chunked_attention`` layers: a block-diagonal causal mask over chunks of

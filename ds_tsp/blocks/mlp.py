@@ -402,11 +402,11 @@ class TSPGatedMLP(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         """For tokens ``x`` ``(N, H)`` that every rank holds (decoding), this
         rank's share of the output from its own shard alone, no weight moving:
         the shares sum over the group to the MLP's output (``down_proj``'s bias
-        included once, by rank 0)."""
+        included once, by rank 0), each times ``output_multiplier``."""
         y, _, _ = shard_forward(x, self.spec.unpack(self.shard_weights().detach()), self.act_fn)
         if self.down_bias is not None and self.tsp_rank == 0:
             y = y + self.down_bias
-        return y
+        return scaled(y, self.output_multiplier)
 
     def forward(self, x):
         """``x``: this rank's tokens ``(B, S/D, H)``; returns ``(B, S/D, H)``."""

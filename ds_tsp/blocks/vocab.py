@@ -360,7 +360,8 @@ class LogitMap:
         multiplies by it (HyperCLOVA X's)."""
         scaling = getattr(config, "logits_scaling", None) or 1.0
         multiplies = scaling != 1.0 and multiplies_logits_scaling(type(config))
-        multiplier = (getattr(config, "logit_scale", None) or 1.0) * (getattr(config, "lm_head_multiplier", None) or 1.0)
+        multiplier = ((getattr(config, "logit_scale", None) or 1.0)
+                      * (getattr(config, "lm_head_multiplier", None) or 1.0))
         logit_map = cls(multiplier * (scaling if multiplies else 1.0),
                         1.0 if multiplies else scaling, getattr(config, "final_logit_softcapping", None))
         return None if logit_map == cls() else logit_map

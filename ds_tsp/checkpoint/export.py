@@ -43,6 +43,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from tqdm.auto import tqdm
 
+from ds_tsp.blocks.attention.module import QK_NORMS
 from ds_tsp.blocks.tower import join_units
 from ds_tsp.checkpoint.formats import CheckpointError, hf_weights_file
 from ds_tsp.checkpoint.reading import check_tensors_present, hf_checkpoint
@@ -61,8 +62,11 @@ from ds_tsp.injection.pipeline import hf_prefixes
 from ds_tsp.injection.policy import VISION_TOWERS, hf_path, resolve_policy, vision_family
 
 # Replicated tensors of a TSP block whose parameter is not under its Hugging Face name (a MoE block's
-# router and shared-expert gate, the q/k norms keep theirs).
-_RENAMED_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias"}
+# router and shared-expert gate keep theirs; a recurrent mixer's out_proj bias does not, and the attention holds
+# its q/k norms as q_norm and k_norm whatever their names: LFM2's q/k_layernorm, Hunyuan's query/key_layernorm).
+_RENAMED_REPLICATED = {"o_proj.bias": "o_bias", "down_proj.bias": "down_bias", "out_proj.bias": "out_bias",
+                       **{f"{hf}.weight": f"{tsp}.weight" for pair in QK_NORMS if pair[0] != pair[1]
+                          for hf, tsp in zip(pair, ("q_norm", "k_norm"))}}
 
 
 def _replicated(holdings):

@@ -339,6 +339,7 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
         module, attr = _owner(model, name)
         if name in state_names:
             value = checkpoint.read(name).to(device=device, dtype=buffer.dtype, copy=True)
+            value._is_hf_initialized = True  # read: no initialiser below may overwrite it
             progress.update()
         else:
             value = torch.empty_like(buffer, device=device)
@@ -349,8 +350,8 @@ def _materialise_replicated(model, checkpoint, skip_prefixes, dtype, device, pro
     # The Hugging Face models above them too, children first as Hugging Face goes: a model may fill its
     # layers' buffers itself (Falcon-H1's decoder, its mixers' mup_vector).
     owners = {name: module for name, module in model.named_modules() if isinstance(module, PreTrainedModel)}
-    holders = [name for name, module in model.named_modules()
-               if any(attr in module._non_persistent_buffers_set for attr in module._buffers)]
+    holders = {name for name, module in model.named_modules()
+               if any(attr in module._non_persistent_buffers_set for attr in module._buffers)}
     above = {owner for name in holders for owner in owners if _within(name, owner) and owner != name}
     for name, module in reversed(list(model.named_modules())):
         if name in holders or name in above:

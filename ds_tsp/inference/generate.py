@@ -131,11 +131,6 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
                          "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
-    beside = [name for name, layer in model.named_modules() if getattr(layer, "side_mixer", None) is not None]
-    if beside:
-        raise ValueError(f"generation through layers running a recurrent mixer beside their attention ({beside[0]}: "
-                         "Falcon-H1's hybrid layers) is not built: train and save under TSP, and generate with "
-                         "Hugging Face's model from ds_tsp.save_pretrained's files")
     folded = [block.ep_size for block in model.modules() if isinstance(block, TSPSparseMoE) and block.folded]
     if folded:
         raise ValueError(f"generation with experts folded over data-parallel replicas (tsp.expert_parallel_size = "
@@ -313,6 +308,23 @@ RECURRENT = {TSPGatedDeltaNet: RecurrentDecode(linear_decode.state_shapes, linea
                                            short_conv_decode.decode_short_conv)}
 
 
+def _recurrent_mixers(layers):
+    """Each layer's recurrent mixer (its token mixer, or the one beside its attention), or None."""
+    return [layer.side_mixer if layer.side_mixer is not None else
+            layer.token_mixer if type(layer.token_mixer) in RECURRENT else None for layer in layers]
+
+
+def _token_mixing(layer, attention, recurrent):
+    """A layer's token-mixing branch for prefill or a decode step: ``attention(normed)`` for its attention,
+    ``recurrent(normed, mixer)`` for a recurrent mixer, or both summed where the mixer runs beside the attention
+    (``TSPDecoderLayer.beside_attention``)."""
+    if layer.side_mixer is not None:
+        return layer.beside_attention(attention, lambda normed: recurrent(normed, layer.side_mixer))
+    if type(layer.token_mixer) in RECURRENT:
+        return lambda normed: recurrent(normed, layer.token_mixer)
+    return attention
+
+
 class TSPDecoder:
     """Prefill and single-token steps of one injected model on this rank."""
 
@@ -371,8 +383,8 @@ class TSPDecoder:
         keep, kept_positions = (t.to(device) for t in prompt_tokens(r, D, self.layout, prompt_len))
         shapes = {index: _cache_shape(layer.token_mixer) for index, layer in enumerate(self.layers)
                   if layer.token_mixer is not None and type(layer.token_mixer) not in RECURRENT}
-        states = {index: RECURRENT[type(layer.token_mixer)].state_shapes(layer.token_mixer, hidden.dtype)
-                  for index, layer in enumerate(self.layers) if type(layer.token_mixer) in RECURRENT}
+        states = {index: RECURRENT[type(mixer)].state_shapes(mixer, hidden.dtype)
+                  for index, mixer in enumerate(_recurrent_mixers(self.layers)) if mixer is not None}
         cache = TSPCache(len(self.layers), batch, hidden.dtype, device, r, prompt_counts, shapes, states)
         slots = cache.reserve(kept_positions.expand(batch, -1), kept_positions.unsqueeze(0) < lengths.unsqueeze(1))
         cache.next_positions = lengths.clone()
@@ -384,19 +396,19 @@ class TSPDecoder:
         spans = None if visual is None else visual.spans(cache.left_padding)
         shared_kv = {}  # keys and values shared across layers (Gemma 4's), by layer type
         for index, layer in enumerate(self.layers):
-            if type(layer.token_mixer) in RECURRENT:
-                def store(conv, recurrent, index=index):
-                    for state, value in zip(cache.states(index), (conv, recurrent)):
-                        state.copy_(value)
+            def store(conv, recurrent, index=index):
+                for state, value in zip(cache.states(index), (conv, recurrent)):
+                    state.copy_(value)
 
-                def attention(normed):
-                    return RECURRENT[type(layer.token_mixer)].prefill(layer.token_mixer, normed, positions, lengths,
-                                                                      self.group, store)
-            else:
-                def attention(normed):
-                    return self._prefill_attention(cache, index, slots, keep, layer.token_mixer, normed,
-                                                   tables[layer.rotary_kind], positions.expand(batch, -1), spans,
-                                                   shared_kv)
+            def recurrent(normed, mixer):
+                return RECURRENT[type(mixer)].prefill(mixer, normed, positions, lengths, self.group, store)
+
+            def attention(normed):
+                return self._prefill_attention(cache, index, slots, keep, layer.token_mixer, normed,
+                                               tables[layer.rotary_kind], positions.expand(batch, -1), spans,
+                                               shared_kv)
+
+            attention = _token_mixing(layer, attention, recurrent)
             hidden = layer.blocks(hidden, attention, layer.mlp, per_layer_input=self._layer_input(layer_inputs, index))
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
@@ -450,14 +462,14 @@ class TSPDecoder:
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
         for index, layer in enumerate(self.layers):
-            if type(layer.token_mixer) in RECURRENT:
-                def attention(normed):
-                    return RECURRENT[type(layer.token_mixer)].decode(layer.token_mixer, normed, *cache.states(index),
-                                                               self._sum_over_group)
-            else:
-                def attention(normed):
-                    return self._attention(cache, index, layer.token_mixer, normed, tables[layer.rotary_kind], slots,
-                                           positions)
+            def recurrent(normed, mixer):
+                return RECURRENT[type(mixer)].decode(mixer, normed, *cache.states(index), self._sum_over_group)
+
+            def attention(normed):
+                return self._attention(cache, index, layer.token_mixer, normed, tables[layer.rotary_kind], slots,
+                                       positions)
+
+            attention = _token_mixing(layer, attention, recurrent)
             hidden = layer.blocks(hidden, attention, lambda normed: self._mlp(layer.mlp, normed),
                                   run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h),
                                   per_layer_input=self._layer_input(layer_inputs, index))

@@ -80,6 +80,15 @@ class TSPStateLayer(_TSPLayer):
         self.conv, self.recurrent = conv, recurrent
 
 
+class TSPHybridLayer(TSPCacheLayer):
+    """A layer running a recurrent mixer beside its attention (Falcon-H1's): the attention's slots and the
+    mixer's states, both updated in place."""
+
+    def __init__(self, keys, values, conv, recurrent):
+        super().__init__(keys, values)
+        self.conv, self.recurrent = conv, recurrent
+
+
 class TSPCache(Cache):
     """This rank's slots of every layer's cache.
 
@@ -98,7 +107,9 @@ class TSPCache(Cache):
     ``states``: ``{layer: (conv shape, recurrent shape, recurrent dtype)}`` of
     a hybrid's recurrent layers, without the batch: those layers keep this
     rank's head group's states (``TSPStateLayer``) instead of slots. A layer in
-    neither (an MLP alone, Nemotron-H's) keeps nothing.
+    both (Falcon-H1's: a Mamba-2 mixer beside the attention) keeps both
+    (``TSPHybridLayer``); a layer in neither (an MLP alone, Nemotron-H's)
+    keeps nothing.
     """
 
     def __init__(self, num_layers, batch, dtype, device, tsp_rank, rank_counts, shapes, states=None):
@@ -110,14 +121,17 @@ class TSPCache(Cache):
                 return _TSPLayer()
             if index in states:
                 conv, recurrent, state_dtype = states[index]
-                return TSPStateLayer(torch.zeros((batch, *conv), dtype=dtype, device=device),
-                                     torch.zeros((batch, *recurrent), dtype=state_dtype, device=device))
+                held = (torch.zeros((batch, *conv), dtype=dtype, device=device),
+                        torch.zeros((batch, *recurrent), dtype=state_dtype, device=device))
+                if index not in shapes:
+                    return TSPStateLayer(*held)
             key_heads, key_dim, value_dim = shapes[index]
             # Zeros, not empty: a slot no token of a row is written to is masked out of that row's attention,
             # but its value still meets a zero weight in probs @ values, and 0 x NaN of stale memory is NaN.
-            return TSPCacheLayer(torch.zeros((batch, key_heads, slots, key_dim), dtype=dtype, device=device),
-                                 torch.zeros((batch, key_heads, slots, key_dim if value_dim is None else value_dim),
-                                             dtype=dtype, device=device))
+            kv = (torch.zeros((batch, key_heads, slots, key_dim), dtype=dtype, device=device),
+                  torch.zeros((batch, key_heads, slots, key_dim if value_dim is None else value_dim), dtype=dtype,
+                              device=device))
+            return TSPHybridLayer(*kv, *held) if index in states else TSPCacheLayer(*kv)
 
         super().__init__(layers=[layer(index) for index in range(num_layers)])
         self._positions = torch.zeros(batch, slots, dtype=torch.long, device=device)
@@ -175,7 +189,8 @@ class TSPCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, TSPCacheLayer)]
 
     def states(self, layer):
-        """``(conv, recurrent)`` states of a recurrent ``layer`` (Gated DeltaNet, Mamba-2), updated in place."""
+        """``(conv, recurrent)`` states of a recurrent ``layer`` (Gated DeltaNet, Mamba-2, Mamba-1, a short
+        convolution), updated in place."""
         return self.layers[layer].conv, self.layers[layer].recurrent
 
     def write(self, layer, slots, keys, values):
@@ -199,7 +214,7 @@ class TSPCache(Cache):
         """Bytes of the cached keys and values (filled slots, all layers) and of the Gated DeltaNet states."""
         slots = sum(t[:, :, :self.length].numel() * t.element_size()
                     for layer in self._slot_layers() for t in (layer.keys, layer.values))
-        return slots + sum(t.numel() * t.element_size() for layer in self.layers if isinstance(layer, TSPStateLayer)
+        return slots + sum(t.numel() * t.element_size() for layer in self.layers if hasattr(layer, "recurrent")
                            for t in (layer.conv, layer.recurrent))
 
     def get_seq_length(self, layer_idx=0):
@@ -211,9 +226,9 @@ class TSPCache(Cache):
     def _select_rows(self, select):
         """Apply ``select`` (a function of a tensor with the batch first) to every per-row tensor."""
         for layer in self.layers:
-            if isinstance(layer, TSPStateLayer):
+            if hasattr(layer, "recurrent"):
                 layer.conv, layer.recurrent = select(layer.conv), select(layer.recurrent)
-            elif isinstance(layer, TSPCacheLayer):
+            if isinstance(layer, TSPCacheLayer):
                 layer.keys, layer.values = select(layer.keys), select(layer.values)
         self._positions, self._valid = select(self._positions), select(self._valid)
         self.next_positions = select(self.next_positions)

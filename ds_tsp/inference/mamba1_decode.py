@@ -48,7 +48,7 @@ def prefill_mamba1(mixer, h, positions, lengths, group, store):
 
     plan = dataclasses.replace(mixer.plan(h), valid=tails.valid, state_sink=sink)
     return streamed_forward(plan, h, mixer.shard_weights().detach(), mixer.out_bias,
-                            tuple(norm.weight for norm in mixer.norms.values()))
+                            tuple(norm.weight for norm in mixer.norms().values()))
 
 
 @torch.no_grad()
@@ -66,8 +66,8 @@ def decode_mamba1(mixer, h, conv_state, recurrent_state, sum_over_group):
     conv_state.copy_(window[..., 1:])
     time_step, B, C = sum_over_group(F.linear(xs, w["x_proj.weight"])).split(
         [s.dt_rank, s.state_size, s.state_size], dim=-1)  # every channel's sum, in rank order
-    time_step, B, C = (norm(t) for norm, t in zip(mixer.norms.values(), (time_step, B, C)))
-    dt = F.softplus(F.linear(time_step, w["dt_proj.weight"]) + w["dt_proj.bias"])  # (B, d/D)
+    time_step, B, C = (norm(t) for norm, t in zip(mixer.norms().values(), (time_step, B, C)))
+    dt = F.softplus(F.linear(time_step.to(h.dtype), w["dt_proj.weight"]) + w["dt_proj.bias"])  # (B, d/D)
     wide = recurrent_state.dtype
     A = -torch.exp(w["A_log"].to(torch.promote_types(w["A_log"].dtype, torch.float32))).to(wide)  # (d/D, n)
     dt = dt.to(wide)
@@ -75,6 +75,6 @@ def decode_mamba1(mixer, h, conv_state, recurrent_state, sum_over_group):
         xs.to(wide)[..., None]
     recurrent_state.copy_(state)
     y = (state * C.to(wide)[:, None]).sum(-1) + xs.to(wide) * w["D"].to(wide)
-    y = (y * F.silu(z.to(wide))).to(h.dtype)
+    y = (y * F.silu(z)).to(h.dtype)  # the gate in the model's dtype, as the training schedule and HF take it
     total = sum_over_group(F.linear(y, w["out_proj.weight"]))  # (B, H)
     return (total if mixer.out_bias is None else total + mixer.out_bias).unsqueeze(1)

@@ -118,14 +118,16 @@ def decode_mamba2(mixer, h, conv_state, recurrent_state, sum_over_group):
 
 def gated_norm_piece(mixer, y, z, group):
     """Hugging Face's gated norm (``RMSNormGated``: ``y * silu(z)`` normed over
-    groups of ``d_inner / n_groups`` features, in float32 or wider) of this
-    rank's features ``y``, ``z`` ``(B, d_inner/D)``: a norm group's sum of
-    squares summed over the ranks holding it (one all-gather of ``(B, n_groups)``
-    a rank, summed in rank order)."""
+    groups of ``d_inner / n_groups`` features, in float32 or wider; Falcon-H1's
+    ``norm_before_gate``: ``y`` normed, then times ``silu(z)``) of this rank's
+    features ``y``, ``z`` ``(B, d_inner/D)``: a norm group's sum of squares
+    summed over the ranks holding it (one all-gather of ``(B, n_groups)`` a
+    rank, summed in rank order)."""
     s, norm = mixer.shapes, mixer.norm
     size = s.d_inner // s.n_groups
     wide = torch.promote_types(y.dtype, torch.float32)
-    gated = y.to(wide) * F.silu(z.to(wide))
+    before = getattr(norm, "norm_before_gate", False)
+    gated = y.to(wide) if before else y.to(wide) * F.silu(z.to(wide))
     start = mixer.tsp_rank * (s.d_inner // s.tsp_size)
     group_of = (start + torch.arange(gated.shape[-1], device=y.device)) // size  # each feature's norm group
     sums = gated.new_zeros(gated.shape[0], s.n_groups).index_add_(1, group_of, gated * gated)
@@ -135,4 +137,7 @@ def gated_norm_piece(mixer, y, z, group):
         sums = sums + other
     normed = gated * torch.rsqrt(sums / size + norm.variance_epsilon)[:, group_of]
     weight = norm.weight[start:start + gated.shape[-1]]
+    if hasattr(norm, "norm_before_gate"):  # Falcon-H1's: the weight, then the gate where it comes after, then cast
+        normed = weight * normed
+        return (normed * F.silu(z.to(wide)) if before else normed).to(y.dtype)
     return weight * normed.to(y.dtype)

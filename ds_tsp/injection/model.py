@@ -44,8 +44,9 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     OLMo-2/3's post-norms (after only). ``rotary_kind`` names the rotary
     tables the layer takes (Gemma-3's and OLMo-3's layer types; None: the
     model's one table). The token mixer (``token_mixer``) is the TSP attention,
-    or a hybrid's recurrent mixer (Gated DeltaNet, Mamba-2), under its Hugging
-    Face name ``mixer_name`` (``self_attn``, ``linear_attn``, ``mamba``, ``mixer``); the MLP is ``mlp`` whatever its Hugging
+    or a hybrid's recurrent mixer (Gated DeltaNet, Mamba-2, Mamba-1, a short
+    convolution), under its Hugging Face name ``mixer_name`` (``self_attn``,
+    ``linear_attn``, ``mamba``, ``conv``, ``mixer``); the MLP is ``mlp`` whatever its Hugging
     Face name, ``mlp_name`` (Granite-MoE's ``block_sparse_moe``), which the
     checkpoint readers and writers use (``DecoderPolicy.mlp``). Subclassing HF's
     checkpointing layer makes ``model.gradient_checkpointing_enable()`` recompute it.
@@ -63,8 +64,6 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         self.side_name = None if side is None else side[0]
-        if side is not None:
-            self.add_module(*side)
         self.mixer_multipliers = tuple(mixer_multipliers)
         # Attention and MLP side by side off the attention's norm, both added to the layer's input (Cohere's).
         self.parallel = parallel
@@ -72,10 +71,12 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.residual_multiplier = residual_multiplier
         # Registered in the order they run (experts beside the MLP and per-layer inputs after the rest):
         # DeepSpeed lays parameters out (ZeRO's flat buffers, its checkpoints) in this order.
-        # A layer of one block (Nemotron-H's) holds no mixer (``mixer_name`` None) or no MLP (``mlp`` None).
-        for name, block, (before, after) in ((mixer_name, mixer, layout["attention"]),
-                                             ("mlp", mlp, layout["mlp"])):
-            for module_name, module in ((before, norms.get(before)), (name, block), (after, norms.get(after))):
+        # A layer of one block (Nemotron-H's) holds no mixer (``mixer_name`` None) or no MLP (``mlp`` None); a
+        # recurrent mixer beside the attention runs first, as Hugging Face's layer runs it.
+        beside_attention = [side] if side is not None else []
+        for name, block, (before, after), first in ((mixer_name, mixer, layout["attention"], beside_attention),
+                                                    ("mlp", mlp, layout["mlp"], [])):
+            for module_name, module in ((before, norms.get(before)), *first, (name, block), (after, norms.get(after))):
                 if module_name is not None:
                     self.add_module(module_name, module)
         self.layout = layout
@@ -201,17 +202,17 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         if self.side_mixer is None:
             hidden = self.blocks(hidden_states, attention, self.mlp, run_with_norm, per_layer_input=per_layer_input)
         else:  # the norm runs outside: it feeds two mixers
-            hidden = self.blocks(hidden_states, self.beside_attention(attention, documents), self.mlp,
-                                 per_layer_input=per_layer_input)
+            side = self.beside_attention(attention, lambda normed: self.side_mixer(normed, None, documents))
+            hidden = self.blocks(hidden_states, side, self.mlp, per_layer_input=per_layer_input)
         return (hidden, stored[0]) if stored else hidden
 
-    def beside_attention(self, run_attention, documents=None):
+    def beside_attention(self, run_attention, run_side):
         """The token-mixing branch of a layer with a recurrent mixer beside its attention (``side``), as Hugging
-        Face's layer sums them (Falcon-H1's), from ``run_attention(normed)``."""
+        Face's layer sums them (Falcon-H1's), from ``run_attention(normed)`` and ``run_side(normed)``."""
         attention_in, attention_out, side_out = self.mixer_multipliers
 
         def run(normed):
-            side = scaled(self.side_mixer(normed, None, documents), side_out)
+            side = scaled(run_side(normed), side_out)
             return side + scaled(run_attention(scaled(normed, attention_in)), attention_out)
 
         return run

@@ -32,7 +32,8 @@ from transformers.models.mixtral import modeling_mixtral
 
 from ds_tsp.blocks.attention import module as attention
 from ds_tsp.blocks.latent.module import is_latent_attention
-from ds_tsp.blocks.linear.mamba2_module import MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, is_mamba2
+from ds_tsp.blocks.linear.mamba2_module import (MAMBA2_MODULES, MAMBA2_SIZES, MAMBA2_TENSORS, has_gated_norm,
+                                                is_mamba2)
 from ds_tsp.blocks.linear.module import is_gated_delta_net, is_kda
 from ds_tsp.blocks.linear.module import norm_name as linear_norm_name
 from ds_tsp.blocks.linear.mamba1 import MAMBA1_MODULES, MAMBA1_NORMS, MAMBA1_TENSORS, is_mamba1
@@ -419,9 +420,9 @@ class DecoderPolicy:
     rotary_emb: str | None = "model.rotary_emb"  # None: the model has none (NoPE: Granite-4.0-H's, Nemotron-H's)
     lm_head: str = "lm_head"
     attention: str = "self_attn"
-    # Where a hybrid's recurrent layers hold their mixer instead of an attention (ds_tsp.blocks.linear): a Gated
-    # DeltaNet (Qwen3.5's linear_attn), a Mamba-2 mixer (Bamba's, Granite-4.0-H's mamba) or a gated short
-    # convolution (LFM's conv).
+    # Where a hybrid's recurrent layers hold their mixer instead of an attention, or beside it (Falcon-H1's)
+    # (ds_tsp.blocks.linear): a Gated DeltaNet (Qwen3.5's linear_attn), a Mamba-2 or Mamba-1 mixer (Bamba's,
+    # Granite-4.0-H's, Jamba's mamba) or a gated short convolution (LFM's conv).
     recurrent: tuple = ("linear_attn", "mamba", "conv")
     mlp: str = "mlp"
     # The names of the norms (before, after) the "attention" and the "mlp" block.
@@ -498,7 +499,7 @@ class DecoderPolicy:
         ``mamba``), or None."""
         if self.single_block is not None or getattr(layer, self.attention, None) is None:
             return None
-        return next((name for name in self.recurrent if getattr(layer, name, None) is not None), None)
+        return next((name for name in self.recurrent if is_recurrent(getattr(layer, name, None))), None)
 
     def mlp_of(self, layer):
         """The name of ``layer``'s MLP (or MoE block); None for a single-block layer holding a token mixer."""
@@ -759,7 +760,8 @@ def resolve_policy(model, name="auto"):
                 get_submodule(model, f"{decoder}.{EMBEDDING_NAME}") is not None:
             policy = dataclasses.replace(policy, embed_tokens=f"model.{EMBEDDING_NAME}")
         if get_submodule(model, f"{decoder}.rotary_emb") is None:  # another name (LFM2-MoE's), or no positions
-            rotary = next((name for name in ROTARY_NAMES if get_submodule(model, f"{decoder}.{name}") is not None), None)
+            rotary = next((name for name in ROTARY_NAMES if get_submodule(model, f"{decoder}.{name}") is not None),
+                          None)
             # NoPE: the probe finds an attention that rotates all the same
             policy = dataclasses.replace(policy, rotary_emb=None if rotary is None else f"model.{rotary}")
     check_linear_layers(model_class, config, layers, policy)
@@ -962,7 +964,7 @@ def check_own_tensors(module, where, layer_class, known=()):
 
 def check_layer(policy, layer, where):
     """Refuse a decoder layer that is not exactly a token mixer (attention, or a
-    hybrid's Gated DeltaNet or Mamba-2 mixer) + gated MLP + the policy's norms,
+    hybrid's recurrent mixer, or both side by side) + gated MLP + the policy's norms,
     or one of the two where the policy's layers hold one block (``single_block``)."""
     layer_class = type(layer).__name__
     if policy.layer_class is not None and layer_class != policy.layer_class:
@@ -1072,8 +1074,9 @@ def delta_net_projections(module):
 
 def check_linear_layers(model_class, config, layers, policy):
     """Refuse first, by name, a model whose ``linear_attention`` layers (its
-    config's ``layer_types``) hold anything but a Gated DeltaNet or a Mamba-2
-    mixer ds_tsp builds: the clearest reason, before the parts such a model lacks."""
+    config's ``layer_types``) hold anything but a recurrent mixer ds_tsp builds
+    (``is_recurrent``), or whose ``hybrid`` layers hold none beside their
+    attention: the clearest reason, before the parts such a model lacks."""
     for index, kind in enumerate(getattr(config, "layer_types", None) or ()):
         if kind == "hybrid" and index < len(layers) and policy.side_mixer(layers[index]) is None:
             raise PolicyError(f"{model_class}: layer {index} is a hybrid layer ({type(layers[index]).__name__}) that "
@@ -1119,18 +1122,21 @@ def check_mamba2(module, where, layer_class):
     norm = module.norm
     if isinstance(norm, nn.Identity):  # Falcon-H1's with mamba_rms_norm off: the output gated by silu(z) alone
         return
-    if not isinstance(getattr(norm, "weight", None), nn.Parameter) or norm.weight.numel() != d_inner or (
-            getattr(norm, "group_size", None) != d_inner // module.n_groups
-            and getattr(norm, "n_groups", None) != module.n_groups):
+    if not has_gated_norm(module):
+        raise PolicyError(f"{layer_class} at {where}.norm ({type(norm).__name__}) is neither a gated norm with a "
+                          "weight nor nn.Identity: ds_tsp does not build it; train this model with tsp.enabled false")
+    if norm.weight.numel() != d_inner or (getattr(norm, "group_size", None) != d_inner // module.n_groups
+                                          and getattr(norm, "n_groups", None) != module.n_groups):
         raise PolicyError(f"{layer_class} at {where}.norm ({type(norm).__name__}) is not a gated norm over "
-                          f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it")
+                          f"the {d_inner} inner features in {module.n_groups} groups: ds_tsp does not build it; "
+                          "train this model with tsp.enabled false")
 
 
 def recurrent_parts(module, where, layer_class):
     """``(submodules, own tensors)`` of a recurrent mixer ds_tsp builds, once its kind's checks pass."""
     if is_mamba2(module):
         check_mamba2(module, where, layer_class)
-        modules = MAMBA2_MODULES if _holds_tensors(module.norm) else tuple(m for m in MAMBA2_MODULES if m != "norm")
+        modules = MAMBA2_MODULES if has_gated_norm(module) else tuple(m for m in MAMBA2_MODULES if m != "norm")
         return modules, (*MAMBA2_TENSORS, "mup_vector")  # Falcon-H1's multipliers of in_proj's rows
     if is_mamba1(module):
         check_mamba1(module, where, layer_class)
@@ -1153,10 +1159,12 @@ def check_mamba1(module, where, layer_class):
             module.dt_proj.bias is None or module.dt_proj.out_features != d or tuple(module.A_log.shape) != (d, n):
         raise PolicyError(f"{layer_class} at {where} ({kind}) is not a Mamba-1 mixer of Jamba's shape (in_proj "
                           "packing x and z, x_proj to dt, B and C without a bias, a biased dt_proj, A_log per "
-                          "channel and state entry, an activation transformers names): ds_tsp does not build it")
+                          "channel and state entry, an activation transformers names): ds_tsp does not build it; "
+                          "train this model with tsp.enabled false")
     if conv.groups != d or conv.in_channels != d or conv.padding[0] != conv.kernel_size[0] - 1:
         raise PolicyError(f"{layer_class} at {where} ({kind}) has a convolution {conv} that is not depthwise and "
-                          f"causal over its {d} channels: ds_tsp does not build it")
+                          f"causal over its {d} channels: ds_tsp does not build it; train this model with "
+                          "tsp.enabled false")
 
 
 def check_short_conv(module, where, layer_class):
@@ -1166,7 +1174,8 @@ def check_short_conv(module, where, layer_class):
     if conv.padding[0] != conv.kernel_size[0] - 1 or conv.dilation[0] != 1 or conv.stride[0] != 1 or \
             getattr(module, "activation", None) is not None:
         raise PolicyError(f"{layer_class} at {where} ({type(module).__name__}) has a convolution {conv} that is not "
-                          "causal, undilated and without activation: ds_tsp does not build it")
+                          "causal, undilated and without activation: ds_tsp does not build it; train this model "
+                          "with tsp.enabled false")
 
 
 def check_delta_net(module, where, layer_class):

@@ -343,7 +343,7 @@ def mamba1_bytes_by_op(hidden_size, d_inner, state_size, dt_rank, conv_kernel, b
     D = tsp_size
     channels = d_inner // D
     pieces = ((hidden_size + proj_bias) * 2 * channels,
-              (conv_kernel + conv_bias + 2 * dt_rank + 2 * state_size + 2 + state_size) * channels,
+              (conv_kernel + conv_bias + 2 * dt_rank + 3 * state_size + 2) * channels,  # x_proj, dt_proj, A_log, D
               hidden_size * channels)
     halo = 2 * batch * min(conv_kernel - 1, local_tokens // 2) * d_inner
     maps = 2 * batch * 2 * d_inner * state_size

@@ -128,7 +128,8 @@ class TSPAttention(PackedShardMixin, nn.Module):
             norms["v_norm"] = copy.deepcopy(attn.v_norm).to_empty(device=device)
         rotary_halves = rotates_whole_head_by_half_tables(attn)
         module = cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
-                     tsp_group, qkv_bias=q_proj.bias is not None, o_bias=rows.hf_module(attn, "o_proj").bias is not None,
+                     tsp_group, qkv_bias=q_proj.bias is not None,
+                     o_bias=rows.hf_module(attn, "o_proj").bias is not None,
                      # Falcon-H1's key_multiplier scales the keys, so the scores: folded into the scale.
                      scale=attn.scaling * getattr(attn, "key_multiplier", 1.0),
                      sliding_window=sliding_window_of(attn, config), layout_name=layout_name,
@@ -303,8 +304,8 @@ def replicated_names(attn):
 # Per-head query and key norms by their Hugging Face names: applied before the
 # rotary embedding (Qwen3's, Gemma-3's, LFM2's q/k_layernorm) or after it (Hunyuan's; Llama 4's one
 # weightless norm for both, ``qk_norm``).
-QK_NORMS = {("q_norm", "k_norm"): False, ("q_layernorm", "k_layernorm"): False, ("query_layernorm", "key_layernorm"): True,
-            ("qk_norm", "qk_norm"): True}
+QK_NORMS = {("q_norm", "k_norm"): False, ("q_layernorm", "k_layernorm"): False,
+            ("query_layernorm", "key_layernorm"): True, ("qk_norm", "qk_norm"): True}
 
 
 def qk_norm_names(attn):

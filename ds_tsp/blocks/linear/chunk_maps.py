@@ -9,7 +9,8 @@ the spans before its own to get their initial states, then runs its spans from
 them. Only ``T``'s shape depends on the layer (a ``ChunkRule``): a dense matrix
 acting on the state's rows (Gated DeltaNet's ``dk x dk``, ``delta_rule``), or
 ``elementwise``, a tensor broadcast against the state (Mamba-2's one scalar per
-head, ``ssd``). A composition keeps the shape, so the bytes of an elementwise
+head, ``ssd``; Mamba-1's one decay a channel and state entry,
+``selective_scan``). A composition keeps the shape, so the bytes of an elementwise
 ``T`` carry no ``dk x dk`` term.
 """
 

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ds_tsp.blocks.fused import FusedRows
+from ds_tsp.blocks.documents import local_starts
 from ds_tsp.blocks.linear.conv import causal_conv
 from ds_tsp.blocks.linear.recurrence import chunk_recurrence, recurrence_forward
 from ds_tsp.blocks.linear.selective_scan import SELECTIVE
 from ds_tsp.blocks.linear.streamed import ChannelShapes, StreamedMixer, StreamedMixerFunction, joined
-from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel import comm
 
 INPUT_PARTS = ("in_proj_x", "in_proj_z")  # in_proj's rows, in Hugging Face's order
 MAMBA1_MODULES = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")
@@ -124,7 +125,8 @@ class Mamba1Plan:
             [s.dt_rank, s.state_size, s.state_size], dim=-1)
         time_step, B, C = (torch.func.functional_call(norm, {"weight": weight}, (t,))
                            for norm, weight, t in zip(self.norms, replicated, (time_step, B, C)))
-        dt = F.linear(time_step, channels["dt_proj.weight"].to(dtype))  # (B, L, d): dt_proj without its bias
+        # (B, L, d): dt_proj without its bias, in the tokens' dtype (a float32 norm weight under autocast widens it)
+        dt = F.linear(time_step.to(dtype), channels["dt_proj.weight"].to(dtype))
         dt = F.softplus(dt + channels["dt_proj.bias"].to(dtype))
         if self.valid is not None:  # padding neither decays nor writes the state
             dt = dt * self.valid[..., None]
@@ -157,7 +159,8 @@ class TSPMamba1(StreamedMixer):
                  fp32_accumulators=True, dtype=None, device=None):
         super().__init__(shapes, tsp_group, layout_name=layout_name, overlap=overlap,
                          fp32_accumulators=fp32_accumulators, dtype=dtype, device=device)
-        self.norms = nn.ModuleDict(norms)  # Hugging Face's dt, B and C norms, kept whole
+        for name, norm in norms.items():  # Hugging Face's dt, B and C norms, kept whole under their names
+            self.add_module(name, norm)
         self.activation = activation
 
     @classmethod
@@ -174,19 +177,20 @@ class TSPMamba1(StreamedMixer):
                    layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators, dtype=weight.dtype,
                    device=device).load_hf(layer, read)
 
+    def norms(self):
+        """The dt, B and C norms by Hugging Face name."""
+        return {name: getattr(self, name) for name in MAMBA1_NORMS}
+
     def replicated_params(self):
         """The parameters every rank holds whole, under Hugging Face names."""
-        params = {f"{name}.weight": norm.weight for name, norm in self.norms.items()}
+        params = {f"{name}.weight": norm.weight for name, norm in self.norms().items()}
         return params if self.out_bias is None else {**params, "out_proj.bias": self.out_bias}
 
     def plan(self, x, documents=None, valid=None, state_sink=None):
-        starts = None
-        if documents is not None:
-            positions = layout.positions(self.tsp_rank, self.shapes.tsp_size, self.layout_name,
-                                         x.shape[1] * self.shapes.tsp_size, device=x.device)
-            starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
+        starts = None if documents is None else local_starts(documents, self.tsp_rank, self.shapes.tsp_size,
+                                                             self.layout_name, x.shape[1], x.device)
         return Mamba1Plan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
-                          norms=tuple(self.norms.values()), activation=self.activation, overlap=self.overlap,
+                          norms=tuple(self.norms().values()), activation=self.activation, overlap=self.overlap,
                           documents=documents, starts=starts, fp32_accumulators=self.fp32_accumulators,
                           grad_wire_dtype=self.grad_wire_dtype, valid=valid, state_sink=state_sink)
 
@@ -194,7 +198,7 @@ class TSPMamba1(StreamedMixer):
         if input_norm is not None:
             raise ValueError("the Mamba-1 mixer does not run its input norm inside (takes_input_norm)")
         return StreamedMixerFunction.apply(x, self.shard_weights(), self.plan(x, documents), self.out_bias,
-                                           *(norm.weight for norm in self.norms.values()))
+                                           *(norm.weight for norm in self.norms().values()))
 
 
 def mamba1_shapes(layer, tsp_size):

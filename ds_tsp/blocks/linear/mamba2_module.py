@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
+from ds_tsp.blocks.documents import local_starts
 from ds_tsp.blocks.linear.mamba2_schedule import Mamba2Plan
 from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
 from ds_tsp.blocks.linear.streamed import StreamedMixer, StreamedMixerFunction
 from ds_tsp.blocks.vocab import scaled
-from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel import comm
 
 # What a Hugging Face Mamba-2 mixer holds, by attribute: its modules and tensors, and its sizes.
 MAMBA2_MODULES = ("in_proj", "conv1d", "norm", "out_proj")
@@ -60,7 +61,7 @@ class TSPMamba2(StreamedMixer):
         weight = layer.out_proj.weight
         device = device or weight.device
         shapes = mamba2_shapes(layer, comm.group_size(tsp_group))
-        norm = copy.deepcopy(layer.norm).to_empty(device=device) if _holds_weight(layer.norm) else None
+        norm = copy.deepcopy(layer.norm).to_empty(device=device) if shapes.norm else None
         mup = mup_vector_of(layer, config, weight.dtype)
         module = cls(shapes, tsp_group, norm, ACT2FN[layer.activation], layer.time_step_limit, layer.chunk_size,
                      layout_name=layout_name, overlap=overlap, fp32_accumulators=fp32_accumulators,
@@ -84,11 +85,8 @@ class TSPMamba2(StreamedMixer):
         return () if self.norm is None else (self.norm.weight,)
 
     def plan(self, x, documents=None, valid=None, state_sink=None):
-        D = self.shapes.tsp_size
-        starts = None
-        if documents is not None:
-            positions = layout.positions(self.tsp_rank, D, self.layout_name, x.shape[1] * D, device=x.device)
-            starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
+        starts = None if documents is None else local_starts(documents, self.tsp_rank, self.shapes.tsp_size,
+                                                             self.layout_name, x.shape[1], x.device)
         return Mamba2Plan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           norm=self.norm, activation=self.activation, time_step_limit=self.time_step_limit,
                           overlap=self.overlap, documents=documents, starts=starts, chunk_size=self.chunk_size,
@@ -116,8 +114,10 @@ def mup_vector_of(layer, config, dtype):
     return compute(config).to(dtype)
 
 
-def _holds_weight(norm):
-    return isinstance(getattr(norm, "weight", None), torch.Tensor)
+def has_gated_norm(layer):
+    """Whether the Mamba-2 mixer ``layer`` norms its output (a module with a weight), rather than gating it by
+    ``silu(z)`` alone (Falcon-H1's ``nn.Identity``, ``mamba_rms_norm`` off)."""
+    return isinstance(getattr(layer.norm, "weight", None), torch.Tensor)
 
 
 def mamba2_shapes(layer, tsp_size):
@@ -126,7 +126,7 @@ def mamba2_shapes(layer, tsp_size):
                         n_groups=layer.n_groups, state_size=layer.ssm_state_size,
                         conv_kernel=layer.conv1d.kernel_size[0], tsp_size=tsp_size,
                         proj_bias=layer.in_proj.bias is not None, conv_bias=layer.conv1d.bias is not None,
-                        out_bias=layer.out_proj.bias is not None)
+                        out_bias=layer.out_proj.bias is not None, norm=has_gated_norm(layer))
 
 
 def is_mamba2(module):

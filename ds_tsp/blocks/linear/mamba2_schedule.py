@@ -69,7 +69,7 @@ def mix(plan, proj, pieces, norm_weight, sink=False):
     by ``silu(z)`` alone."""
     shapes = plan.shapes
     out_dtype = proj["in_proj_x"].dtype
-    if plan.part_multipliers is not None:  # Falcon-H1's mup_vector, in its dtype (a float32 buffer, as HF's)
+    if plan.part_multipliers is not None:  # Falcon-H1's mup_vector, a buffer in the weights' dtype
         proj = {name: t * plan.part_multipliers[name] for name, t in proj.items()}
     dtype = proj["in_proj_x"].dtype
     B, L = proj["in_proj_x"].shape[:2]

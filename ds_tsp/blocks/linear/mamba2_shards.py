@@ -46,6 +46,7 @@ class Mamba2Shapes(StreamedShapes):
     proj_bias: bool = False  # in_proj's bias, split with its rows
     conv_bias: bool = True
     out_bias: bool = False  # out_proj's bias, kept whole
+    norm: bool = True  # a gated norm (Falcon-H1's may have none: mamba_rms_norm off), its weight kept whole
 
     def __post_init__(self):
         D = self.tsp_size
@@ -116,4 +117,4 @@ class Mamba2Shapes(StreamedShapes):
 
     def replicated_names(self):
         """Hugging Face names of the tensors every rank holds whole."""
-        return ["norm.weight"] + (["out_proj.bias"] if self.out_bias else [])
+        return (["norm.weight"] if self.norm else []) + (["out_proj.bias"] if self.out_bias else [])

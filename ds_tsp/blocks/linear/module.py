@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
+from ds_tsp.blocks.documents import local_starts
 from ds_tsp.blocks.linear.schedule import DeltaNetPlan, TSPDeltaNetFunction
 from ds_tsp.blocks.linear.shards import KDA_REPLICATED, SEPARATE_NAMES, DeltaNetShapes
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
-from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel import comm
 
 
 class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
@@ -82,11 +83,8 @@ class TSPGatedDeltaNet(PackedShardMixin, nn.Module):
         return False
 
     def plan(self, x, documents=None):
-        D = self.shapes.tsp_size
-        starts = None
-        if documents is not None:
-            positions = layout.positions(self.tsp_rank, D, self.layout_name, x.shape[1] * D, device=x.device)
-            starts = torch.stack([torch.isin(positions, torch.tensor(row, device=x.device)) for row in documents])
+        starts = None if documents is None else local_starts(documents, self.tsp_rank, self.shapes.tsp_size,
+                                                             self.layout_name, x.shape[1], x.device)
         return DeltaNetPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                             norm=self.norm, norm_weight=f"{self.norm_name}.weight",
                             replicated_names=tuple(self.replicated_params()), activation=self.activation,

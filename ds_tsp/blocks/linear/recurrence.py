@@ -2,7 +2,8 @@
 own two sequence chunks from their exact initial states, computed from the
 chunks' affine maps (``chunk_maps``) exchanged once, whatever the sequence
 length. One schedule for every ``ChunkRule``: Gated DeltaNet's
-(``delta_rule.GATED_DELTA``), Mamba-2's (``ssd.SSD``).
+(``delta_rule.GATED_DELTA``), Mamba-2's (``ssd.SSD``), Mamba-1's
+(``selective_scan.SELECTIVE``).
 
 Forward: each rank computes its two chunks' maps ``(T, U)`` from a zero state;
 ONE all-gather of the ``2D`` maps (``2 B (|T| + |U|)`` elements a rank: a dense

@@ -1,7 +1,7 @@
 """The schedule of the recurrent mixers whose shard is three pieces
-broadcast in turn (Mamba-2's, ``mamba2_schedule``; LFM's gated short
-convolution, ``short_conv``), as plain forward and backward functions and the
-autograd Function that runs them (DESIGN.md 6n).
+broadcast in turn (Mamba-2's, ``mamba2_schedule``; Mamba-1's, ``mamba1``;
+LFM's gated short convolution, ``short_conv``), as plain forward and backward
+functions and the autograd Function that runs them (DESIGN.md 6n).
 
 Per layer, on every rank, with ``x`` its local tokens ``(B, S/D, H)``, each
 rank's pieces broadcast in turn (the next one in flight under the current
@@ -120,8 +120,8 @@ def streamed_backward(plan, grad_out, x, packed, replicated=()):
             g = grad_proj[name][..., shapes.input_rows(name, j)].flatten(0, 1)  # (N, rows)
             precision.add_matmul(grad_x.view(-1, x.shape[-1]), g, w[f"{name}.weight"].to(g.dtype))
             precision.partial_matmul(g.t(), x_tokens, out=into[f"{name}.weight"], add=False)
-            if f"{name}.bias" in into:
-                into[f"{name}.bias"].copy_(g.sum(0))
+            if f"{name}.bias" in into:  # summed over the local tokens in float32 or wider
+                into[f"{name}.bias"].copy_(g.sum(0, dtype=acc))
         grads.send(j, flat)
     return grad_x.to(x.dtype), grads.own_shard().to(packed.dtype), grad_replicated
 
@@ -228,7 +228,7 @@ class StreamedMixer(PackedShardMixin, nn.Module):
 
 def left_padding_refusal(model):
     """Why ``model``'s left-padded rows cannot run, or None: a streamed mixer
-    (Mamba-2's, a short convolution) whose ``in_proj`` has a bias. Hugging Face
+    (Mamba-2's, Mamba-1's, a short convolution) whose ``in_proj`` has a bias. Hugging Face
     zeroes the padding's hidden states, so its projections are that bias and
     its convolution carries them into the first real tokens; the TSP model runs
     a row moved left, its window starting at the first real token."""
@@ -236,7 +236,7 @@ def left_padding_refusal(model):
               if isinstance(module, StreamedMixer) and module.shapes.proj_bias]
     if not biased:
         return None
-    return (f"left-padded rows with Mamba-2 or short-convolution mixers whose in_proj has a bias ({biased[0]}: "
+    return (f"left-padded rows with Mamba or short-convolution mixers whose in_proj has a bias ({biased[0]}: "
             "mamba_proj_bias, conv_bias): Hugging Face's convolution reads the padding's projected bias into the "
             "first real tokens, which the TSP model does not reproduce: pad on the right "
             "(tokenizer.padding_side = 'right'), pack the rows, or leave tsp.enabled false")
