@@ -103,15 +103,19 @@ def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):
             assert forward == planned["forward"] and both == planned["both"]
 
 
-@pytest.mark.parametrize("model_type, mixer", [("jamba", "JambaMambaMixer")])
-def test_other_linear_layers_are_refused_by_name(model_type, mixer):
-    """Jamba's Mamba-1 mixer (a decay per channel and state entry): refused before any weight moves, naming the
-    layer's class."""
+@pytest.mark.parametrize("overrides, refusal", [
+    ({"layers_block_type": ["mamba", "hybrid", "hybrid"]},
+     r"linear_attention layer holding ZambaMambaMixer, not a recurrent mixer"),
+    ({}, r"hybrid layer \(ZambaHybridLayer\) that does not hold a recurrent mixer beside its attention")])
+def test_other_linear_layers_are_refused_by_name(overrides, refusal):
+    """Zamba's Mamba mixer (its own heads of Mamba-1, not Jamba's shape) and its hybrid layers (a shared transformer
+    block, not a mixer beside the attention): refused before any weight moves, naming the class."""
     import ds_tsp
     from ds_tsp.config import TSPConfig
 
-    with pytest.raises(PolicyError, match=f"linear_attention layer holding {mixer}, not a recurrent mixer"):
-        ds_tsp.inject(tiny_causal_lm(model_type, device="meta"), TSPTopology(1), TSPConfig(enabled=True, size=1))
+    with pytest.raises(PolicyError, match=refusal):
+        ds_tsp.inject(tiny_causal_lm("zamba", device="meta", **overrides), TSPTopology(1),
+                      TSPConfig(enabled=True, size=1))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"])
