@@ -161,6 +161,17 @@ def test_gemma4_layers_the_planner_does_not_model_are_refused():
             planner.model_shape({**planner.PRESETS["gemma-4-31b"], key: 2})
 
 
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "lfm2", "lfm3"])
+def test_recurrent_mixers_the_planner_does_not_model_are_refused(arch):
+    """Mamba-2, Mamba-1 and short-convolution hybrids (which ds_tsp trains) are refused by name, not planned as
+    models of attention layers alone."""
+    from models import tiny_config
+
+    with pytest.raises(ValueError, match=rf"\(model_type '{arch}'\): the planner does not model Mamba-2, Mamba-1 or "
+                                         r"short-convolution layers yet"):
+        planner.model_shape(tiny_config(arch).to_dict())
+
+
 def test_other_mixture_of_experts_configs_are_refused():
     with pytest.raises(ValueError, match=r"n_routed_experts = 64 .*: the planner models the mixture-of-experts "
                                          r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, "

@@ -738,6 +738,30 @@ def _latent_fields(fields):
                 num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope)
 
 
+# Layer types whose token mixer the planner models: attention of every kind, and the Gated DeltaNet hybrids'
+# linear_attention layers (``_linear_fields`` says which models); Nemotron-H's layers of an MLP alone do not mix.
+PLANNED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "linear_attention",
+                       "mlp", "moe")
+# Config fields that declare a recurrent token mixer the planner does not model yet: Mamba-2's and Mamba-1's
+# (Bamba's, Granite-4.0-H's, Falcon-H1's, Jamba's mamba_*, Nemotron-H's ssm_state_size) and LFM's short
+# convolutions (conv_L_cache).
+UNPLANNED_MIXER_FIELDS = ("mamba_", "ssm_state_size", "conv_L_cache")
+
+
+def _check_planned_mixers(fields):
+    """Refuse, by name, a model whose layers mix tokens by a kind the planner does not model (Mamba-2, Mamba-1,
+    short convolutions, Falcon-H1's hybrid layers), rather than plan it as attention layers alone."""
+    kinds = [kind for key in ("layer_types", "layers_block_type") for kind in fields.get(key) or ()
+             if isinstance(kind, str)]
+    unplanned = sorted({kind for kind in kinds if kind not in PLANNED_LAYER_TYPES})
+    declared = sorted(key for key in fields if key.startswith(UNPLANNED_MIXER_FIELDS))
+    if unplanned or declared:
+        what = f"{unplanned} layers" if unplanned else f"recurrent mixers ({', '.join(declared[:3])})"
+        raise ValueError(f"model config has {what} (model_type {fields.get('model_type')!r}): the planner does not "
+                         "model Mamba-2, Mamba-1 or short-convolution layers yet (ds_tsp trains them); plan an "
+                         "attention or Gated DeltaNet model of the same sizes")
+
+
 def _linear_fields(fields):
     """A Gated DeltaNet hybrid's sizes (``ModelShape``'s), from ``layer_types`` or, failing it,
     ``full_attention_interval``; none for a model without linear-attention layers. Other models with
@@ -816,6 +840,7 @@ def model_shape(model):
     decoder_fields = fields
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
         fields, decoder_fields = {**fields, **fields["text_config"]}, fields["text_config"]
+    _check_planned_mixers(fields)
     try:
         heads = fields["num_attention_heads"]
         llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
