@@ -140,7 +140,10 @@ def test_loss_and_every_adapter_gradient_match_the_peft_model(run_ranks, tsp_siz
              ("gemma4_layer_inputs", ALL_TARGETS, {}), ("gemma4_moe", ALL_TARGETS, {}),
              # Granite-4.0-H: its NoPE attention beside Mamba-2 mixers (which take none), its shared MLP's gate and
              # up rows in input_linear, down_proj named output_linear (split by columns)
-             ("granitemoehybrid", ("q_proj", "o_proj", "input_linear", "output_linear"), {})]
+             ("granitemoehybrid", ("q_proj", "o_proj", "input_linear", "output_linear"), {}),
+             # LFM2: its attention's o_proj named out_proj (as its convolutions' is: the path tells them apart) and
+             # its MLP's w1/w3/w2, beside short convolutions (which take none)
+             ("lfm2", ("q_proj", "self_attn.out_proj", "w1", "w2", "w3"), {})]
     for arch, targets, options in cases:
         per_rank = run_ranks(tsp_size, lora_parity, arch=arch, targets=targets, **options)
         check_lora(per_rank, f"D={tsp_size} {arch} LoRA on {','.join(targets)} {options}")
@@ -183,6 +186,16 @@ def test_a_moe_models_expert_adapters_are_refused(run_ranks):
     (message,) = run_ranks(1, refusal, arch="qwen2_moe", targets=("q_proj", "gate_proj"))
     print(message)
     assert "shared_expert.gate_proj" in message and "target_modules" in message
+
+
+@pytest.mark.parametrize("arch, targets, adapted", [("lfm2", ("out_proj",), "model.layers.0.conv.out_proj"),
+                                                   ("jamba", ("in_proj",), "model.layers.0.mamba.in_proj")])
+def test_adapters_on_a_recurrent_mixer_are_refused(run_ranks, arch, targets, adapted):
+    """LoRA on a short convolution's or a Mamba mixer's projections: refused by the adapter's path, before any
+    weight moves."""
+    (message,) = run_ranks(1, refusal, arch=arch, targets=targets)
+    print(message)
+    assert message is not None and f"a LoRA adapter on {adapted}" in message and "target_modules" in message
 
 
 # ------------------------------------------------------------ under the engine

@@ -70,9 +70,14 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
 
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
-    for label, body, kwargs in (("chunk map 1% off", wrong_map_parity, {}), ("halo dropped", no_halo_parity, {}),
-                                ("head group scaled", model_parity, {"wrong_shard": "model.layers.0.mamba"})):
-        check_caught(run_ranks(2, body, arch="bamba", batch=2, seq_len=13, relative=True, **kwargs), label)
+    """Bamba's mixer, and Falcon-H1's beside its attention (a wrong shard there moves the summed branch)."""
+    for label, body, kwargs in (("chunk map 1% off", wrong_map_parity, {"arch": "bamba"}),
+                                ("halo dropped", no_halo_parity, {"arch": "bamba"}),
+                                ("head group scaled", model_parity, {"arch": "bamba",
+                                                                     "wrong_shard": "model.layers.0.mamba"}),
+                                ("Falcon-H1's side mixer scaled", model_parity, {"arch": "falcon_h1",
+                                                                                  "wrong_shard": "model.layers.0.mamba"})):
+        check_caught(run_ranks(2, body, batch=2, seq_len=13, relative=True, **kwargs), label)
 
 
 def test_bytes_equal_the_planner_and_do_not_grow_with_the_sequence(run_ranks):

@@ -29,7 +29,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.documents import local_starts
 from ds_tsp.blocks.linear.conv import causal_conv
 from ds_tsp.blocks.linear.recurrence import chunk_recurrence, recurrence_forward
@@ -58,33 +57,22 @@ class Mamba1Shapes(ChannelShapes):
     out_bias: bool = False  # out_proj's bias, kept whole
 
     input_parts = INPUT_PARTS
-
-    def __post_init__(self):
-        if self.d_inner % self.tsp_size:
-            raise ValueError(f"the Mamba layers' intermediate size {self.d_inner} (mamba_expand x hidden_size) is "
-                             f"not divisible by tsp.size = {self.tsp_size}: a TSP rank owns 1/D of their channels; "
-                             f"choose tsp.size from the divisors of {self.d_inner}")
+    channels_name = "the Mamba layers' intermediate size (mamba_expand x hidden_size)"
 
     @property
     def channels(self):
         return self.d_inner
 
-    def pieces(self):
-        """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
-        H, C, n = self.hidden_size, self.output_width, self.state_size
-        inputs = {f"{name}.weight": (0, (C, H)) for name in INPUT_PARTS}
-        if self.proj_bias:
-            inputs.update({f"{name}.bias": (0, (C,)) for name in INPUT_PARTS})
+    def channel_tensors(self):
+        """This rank's channels' convolution taps (and bias), ``x_proj`` columns, ``dt_proj`` rows and bias,
+        ``A_log`` rows and ``D``."""
+        C, n = self.output_width, self.state_size
         channels = {"conv1d.weight": (0, (C, 1, self.conv_kernel))}
         if self.conv_bias:
             channels["conv1d.bias"] = (0, (C,))
         channels.update({"x_proj.weight": (1, (self.dt_rank + 2 * n, C)), "dt_proj.weight": (0, (C, self.dt_rank)),
                          "dt_proj.bias": (0, (C,)), "A_log": (0, (C, n)), "D": (0, (C,))})
-        return inputs, channels, {"out_proj.weight": (1, (H, C))}
-
-    def hf_rows(self):
-        """Where ``x`` and ``z`` lie in Hugging Face's fused ``in_proj``."""
-        return FusedRows.of({"in_proj": INPUT_PARTS}, dict.fromkeys(INPUT_PARTS, self.d_inner))
+        return channels
 
     def replicated_names(self):
         """Hugging Face names of the tensors every rank holds whole."""

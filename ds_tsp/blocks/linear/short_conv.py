@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.linear.conv import causal_conv
 from ds_tsp.blocks.linear.streamed import ChannelShapes, StreamedMixer, StreamedMixerFunction, joined
 from ds_tsp.parallel import comm
@@ -39,31 +38,16 @@ class ShortConvShapes(ChannelShapes):
     out_bias: bool = False  # out_proj's bias, kept whole
 
     input_parts = INPUT_PARTS
-
-    def __post_init__(self):
-        if self.hidden_size % self.tsp_size:
-            raise ValueError(f"hidden_size = {self.hidden_size} is not divisible by tsp.size = {self.tsp_size}: a "
-                             "TSP rank owns 1/D of the channels of the short convolution layers; choose tsp.size "
-                             f"from the divisors of {self.hidden_size}")
+    channels_name = "hidden_size"
 
     @property
     def channels(self):
         return self.hidden_size
 
-    def pieces(self):
-        """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
-        H, C = self.hidden_size, self.output_width
-        inputs = {f"{name}.weight": (0, (C, H)) for name in INPUT_PARTS}
-        if self.proj_bias:
-            inputs.update({f"{name}.bias": (0, (C,)) for name in INPUT_PARTS})
-        channels = {"conv.weight": (0, (C, 1, self.conv_kernel))}
-        if self.conv_bias:
-            channels["conv.bias"] = (0, (C,))
-        return inputs, channels, {"out_proj.weight": (1, (H, C))}
-
-    def hf_rows(self):
-        """Where ``B``, ``C`` and ``x`` lie in Hugging Face's fused ``in_proj``."""
-        return FusedRows.of({"in_proj": INPUT_PARTS}, dict.fromkeys(INPUT_PARTS, self.hidden_size))
+    def channel_tensors(self):
+        """This rank's channels' convolution taps (and bias)."""
+        C = self.output_width
+        return {"conv.weight": (0, (C, 1, self.conv_kernel)), **({"conv.bias": (0, (C,))} if self.conv_bias else {})}
 
     def replicated_names(self):
         """Hugging Face names of the tensors every rank holds whole."""

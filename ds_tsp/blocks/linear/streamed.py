@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ds_tsp.blocks.fused import FusedRows
 from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
 from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.parallel import comm, precision
@@ -177,7 +178,28 @@ class StreamedShapes:
 
 class ChannelShapes(StreamedShapes):
     """A streamed mixer split by channel (Mamba-1's, the short convolution's): rank ``j`` owns channels
-    ``[j C, (j+1) C)``, ``C = output_width``, of every input part and of ``out_proj``'s columns."""
+    ``[j C, (j+1) C)``, ``C = output_width``, of every input part (rows of Hugging Face's fused ``in_proj``, in
+    ``input_parts`` order, with ``proj_bias`` their bias) and of ``out_proj``'s columns; the subclass gives
+    ``channels`` (the count), ``channels_name`` (the config's, for a refusal) and ``channel_tensors()`` (its
+    per-channel piece)."""
+
+    def __post_init__(self):
+        if self.channels % self.tsp_size:
+            raise ValueError(f"{self.channels_name} = {self.channels} is not divisible by tsp.size = "
+                             f"{self.tsp_size}: a TSP rank owns 1/D of the channels of these layers; choose "
+                             f"tsp.size from the divisors of {self.channels}")
+
+    def pieces(self):
+        """``(inputs, channels, outputs)``, each ``{name: (dim, shape per rank)}``."""
+        H, C = self.hidden_size, self.output_width
+        inputs = {f"{name}.weight": (0, (C, H)) for name in self.input_parts}
+        if self.proj_bias:
+            inputs.update({f"{name}.bias": (0, (C,)) for name in self.input_parts})
+        return inputs, self.channel_tensors(), {"out_proj.weight": (1, (H, C))}
+
+    def hf_rows(self):
+        """Where the input parts lie in Hugging Face's fused ``in_proj``."""
+        return FusedRows.of({"in_proj": self.input_parts}, dict.fromkeys(self.input_parts, self.channels))
 
     @property
     def output_width(self):
