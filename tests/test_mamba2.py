@@ -2,7 +2,6 @@
 Hugging Face model, float64, with Hugging Face's float32 casts of the scan widened to float64 (tests/models.py)."""
 
 import pytest
-import torch
 
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
 from ds_tsp.planning.communication import mamba2_bytes_by_op
@@ -71,12 +70,12 @@ def test_generate_gives_hugging_face_tokens(run_ranks, arch):
 
 def test_a_wrong_map_halo_or_shard_is_caught(run_ranks):
     """Bamba's mixer, and Falcon-H1's beside its attention (a wrong shard there moves the summed branch)."""
+    mixer = "model.layers.0.mamba"
     for label, body, kwargs in (("chunk map 1% off", wrong_map_parity, {"arch": "bamba"}),
                                 ("halo dropped", no_halo_parity, {"arch": "bamba"}),
-                                ("head group scaled", model_parity, {"arch": "bamba",
-                                                                     "wrong_shard": "model.layers.0.mamba"}),
+                                ("head group scaled", model_parity, {"arch": "bamba", "wrong_shard": mixer}),
                                 ("Falcon-H1's side mixer scaled", model_parity, {"arch": "falcon_h1",
-                                                                                  "wrong_shard": "model.layers.0.mamba"})):
+                                                                                  "wrong_shard": mixer})):
         check_caught(run_ranks(2, body, batch=2, seq_len=13, relative=True, **kwargs), label)
 
 
