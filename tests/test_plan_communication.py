@@ -568,7 +568,7 @@ def test_hybrid_step_bytes_are_the_layers_formulas():
     assert plans["TSP(2)"].comm_per_step == sum(step.values())
     with pytest.raises(ValueError, match="say which with linear="):
         planner.tsp_bytes_by_op(m, SEQ, BATCH, D, e, "both")
-    with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
+    with pytest.raises(ValueError, match="no recurrent layer"):
         planner.tsp_bytes_by_op(tiny_shape(), SEQ, BATCH, D, e, "both", linear=True)
 
 

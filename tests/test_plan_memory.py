@@ -338,8 +338,10 @@ def test_hybrid_memory_by_hand():
                  + 16 * memory.hf_layer_saved_per_token(m, 2, 1, True)) + 64 * 2 * 4 * H + 16 * 2 * 4 * d
     assert ulysses.terms["saved tensors of every layer"] == pytest.approx(every)
     assert "Gated DeltaNet" in ulysses.inexact and not tsp.inexact and not plans["TP(8)"].inexact
+    # Megatron-style context parallelism moves the linear layers' heads by all-to-all too: exact.
+    assert not plans["CP-heads(8)"].inexact
     assert {p.name for p in planner.recommend(plans.values(), 2000e9)} == {"TSP(8)", "TSP(8) replicated vocab",
-                                                                           "TP(8)"}
+                                                                           "TP(8)", "CP-heads(8)"}
     assert "SP-Ulysses(8) (not exact)" in planner.format_table(list(plans.values()))
 
 

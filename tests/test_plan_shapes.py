@@ -161,15 +161,19 @@ def test_gemma4_layers_the_planner_does_not_model_are_refused():
             planner.model_shape({**planner.PRESETS["gemma-4-31b"], key: 2})
 
 
-@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "lfm2", "lfm3"])
+@pytest.mark.parametrize("arch", ["falcon_h1", "jamba", "lfm2", "lfm3", "olmo_hybrid"])
 def test_recurrent_mixers_the_planner_does_not_model_are_refused(arch):
-    """Mamba-2, Mamba-1 and short-convolution hybrids (which ds_tsp trains) are refused by name, not planned as
-    models of attention layers alone."""
+    """Mamba-1, short-convolution, side-by-side and OLMo-Hybrid's hybrids (which ds_tsp trains) are refused by
+    name, not planned as models of attention layers alone."""
     from models import tiny_config
 
-    with pytest.raises(ValueError, match=rf"\(model_type '{arch}'\): the planner does not model Mamba-2, Mamba-1 or "
-                                         r"short-convolution layers yet"):
+    with pytest.raises(ValueError, match=rf"\(model_type '{arch}'\): the planner models the recurrent layers of "
+                                         r"qwen3_next, qwen3_5_text, qwen3_5_moe_text, kimi_linear, nemotron_h, "
+                                         r"granitemoehybrid, bamba only"):
         planner.model_shape(tiny_config(arch).to_dict())
+    # Nemotron-H's ungated experts are not modelled: its MoE layers are refused by name.
+    with pytest.raises(ValueError, match=r"Nemotron-H mixture-of-experts layers \(layers_block_type 'moe'\)"):
+        planner.model_shape(tiny_config("nemotron_h").to_dict())
 
 
 def test_other_mixture_of_experts_configs_are_refused():
@@ -247,10 +251,9 @@ def test_hybrid_configs_are_read_from_layer_types_or_the_interval():
     assert by_interval == nested and by_interval.mixer_kinds == (("attention", 1), ("linear", 3))
     assert listed.mixer_kinds == (("attention", 2), ("linear", 2)) and by_interval.renormalise_top_k
     assert by_interval.moe_layers == 4 and by_interval.intermediate_size == 0
-    with pytest.raises(ValueError, match=r"3 linear_attention layers \(model_type 'kimi_linear'\): the planner "
-                                         r"models the Gated DeltaNet layers of qwen3_next, qwen3_5_text, "
-                                         r"qwen3_5_moe_text only"):
-        planner.model_shape({**tiny_hybrid_shape(), "model_type": "kimi_linear",
+    with pytest.raises(ValueError, match=r"3 linear_attention layers \(model_type 'olmo_hybrid'\): the planner "
+                                         r"models the recurrent layers of qwen3_next"):
+        planner.model_shape({**tiny_hybrid_shape(), "model_type": "olmo_hybrid",
                              "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
 
 

@@ -3,9 +3,12 @@ as Hugging Face layers with heads and ``F`` split over ``t``, tokens over
 ``c`` and ``dp`` replicas; with ALST's pieces (TiledMLP, a tiled loss) and
 DeepSpeed AutoTP's vocabulary layout as options.
 
-A Gated DeltaNet hybrid's linear layers split their heads over ``t`` as
-attention does; under SP and CP each rank runs them on its own tokens with the
-whole weights, which is not the model's function (``inexact_reason``).
+A hybrid's recurrent layers (Gated DeltaNet, KDA, Mamba-2) split their heads
+over ``t`` as attention does; under SP and CP each rank runs them on its own
+tokens with the whole weights, which is not the model's function
+(``inexact_reason``). Megatron-style context parallelism (``CP-heads``, its
+Mamba layers' ``MambaContextParallel``) moves their heads by all-to-all as
+Ulysses moves the attention's: exact, its group bounded by their heads.
 
 Sparse MoE layers are Hugging Face's: DP, SP and CP replicate every expert
 (ZeRO-3 partitions them over the sequence axis and gathers one layer's whole
@@ -85,7 +88,7 @@ class _Baseline:
     t: int
     c: int
     dp: int
-    kind: str  # "none", "ulysses" or "allgather": how the tokens split over c
+    kind: str  # "none", "ulysses", "allgather" or "heads" (Ulysses with the recurrent layers too): how tokens split
     mlp_tile: int = 0
     tiled_loss: bool = False
     vocab_parallel: bool = True
@@ -102,8 +105,8 @@ class _Baseline:
         return self.c * self.dp
 
     @property
-    def ulysses(self):
-        return self.kind == "ulysses" and self.c > 1
+    def ulysses(self):  # the attention's heads by all-to-all
+        return self.kind in ("ulysses", "heads") and self.c > 1
 
     @property
     def gathers_kv(self):  # all-gather CP: the full-sequence K/V on every rank
@@ -181,20 +184,21 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
                                   zip((flops, attention_flops), tower_flops(setting, setting.patches)))
     problem = _baseline_problem(setting.model, t, c, kind, setting.seq_len, experts_split)
     return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, b.tokens(setting), setting,
-                        feasible=problem is None, notes=problem or "", inexact=inexact_reason(setting.model, c),
+                        feasible=problem is None, notes=problem or "", inexact=inexact_reason(setting.model, c, kind),
                         detail=detail, terms=terms, host=host, comm_parts=parts,
                         attention_flops_per_step=attention_flops, devices_per_replica=t * c, tower=tower)
 
 
-def inexact_reason(m, c):
+def inexact_reason(m, c, kind="ulysses"):
     """Why splitting the tokens over ``c`` ranks computes another model than ``m``, or "": DeepSpeed-Ulysses
-    (and all-gather context parallelism) swap the attention alone, so a Gated DeltaNet layer runs on each rank's
+    (and all-gather context parallelism) swap the attention alone, so a recurrent layer runs on each rank's
     ``S/c`` tokens from a zero state, as if the sequence restarted at every rank's first token. The plan models
-    that: each rank runs the layer on its own tokens, weights whole (or gathered by ZeRO-3)."""
-    if c == 1 or not m.is_hybrid:
+    that: each rank runs the layer on its own tokens, weights whole (or gathered by ZeRO-3). Megatron-style
+    context parallelism (``kind`` "heads") moves the recurrent layers' heads by all-to-all too: exact."""
+    if c == 1 or not m.is_hybrid or kind == "heads":
         return ""
-    return (f"its {m.linear_layers} Gated DeltaNet layers run on each rank's 1/{c} of the sequence alone, their "
-            f"state restarting at every rank's first token")
+    return (f"its {m.linear_layers} {m.recurrent.kind} layers run on each rank's 1/{c} of the sequence alone, "
+            f"their state restarting at every rank's first token")
 
 
 def baseline_plans(setting):
@@ -210,6 +214,8 @@ def baseline_plans(setting):
         if N % t == 0:
             plans.append(plan_baseline(setting, f"TP+SP({t}x{N // t})", f"tp={t} x sp={N // t}", t, N // t, 1,
                                         "ulysses"))
+    if setting.model.is_hybrid:  # Megatron's context parallelism: the recurrent layers' heads by all-to-all too
+        plans.append(plan_baseline(setting, f"CP-heads({N})", f"cp={N}, heads by all-to-all", 1, N, 1, "heads"))
     if setting.model.is_moe:
         ep = math.gcd(setting.model.num_experts, N)  # AutoEP's ep_size divides E and the world
         plans.append(plan_baseline(setting, f"AutoEP({ep})", f"dp={N}, ep={ep}", 1, 1, N, "none", expert_parallel=ep))
@@ -224,9 +230,11 @@ def _baseline_problem(m, t, c, kind, seq_len, experts_split):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
     if m.is_moe and experts_split and (m.expert_size % t or m.shared_expert_size % t):
         return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
-    if m.is_hybrid and m.linear_num_key_heads % t:
-        return f"linear_num_key_heads {m.linear_num_key_heads} do not split over tp={t}"
-    if kind == "ulysses" and (nq // t) % c:
+    recurrent_ranks = t * c if kind == "heads" else t  # a head all-to-all splits the heads over c as well
+    if m.is_hybrid and m.recurrent.shape_problem(recurrent_ranks, tsp=False):
+        return f"tp={t}" + (f" x cp={c}" if kind == "heads" else "") + ": " + \
+            m.recurrent.shape_problem(recurrent_ranks, tsp=False)
+    if kind in ("ulysses", "heads") and (nq // t) % c:
         return f"{nq // t} query heads per TP rank do not split over sp={c}"
     if kind == "allgather" and seq_len % (2 * c):
         return f"seq_len {seq_len} is not a multiple of 2*cp = {2 * c}"
@@ -258,7 +266,7 @@ def _baseline_params(m, b):
         kv = view.kv_projections * view.num_kv_heads * view.head_dim * H
         return (view.attention_params - kv) / t + kv * _kv_heads(view, t) / view.num_kv_heads
 
-    mixer = {kind: (view.linear_params / t if linear else attention(view)) + sum(view.mixer_replicated_tensors(linear))
+    mixer = {kind: (view.recurrent.params / t if linear else attention(view)) + sum(view.mixer_replicated_tensors(linear))
              for kind, (view, linear) in ((kind, m.mixer_view(kind)) for kind, _ in m.mixer_kinds)}
     ffn = {sparse: _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
            + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}
@@ -394,8 +402,9 @@ def _baseline_layer_buffers(setting, b, params):
     return {
         "mlp_grads": max(ffn_grads(sparse) for sparse, _ in m.layer_kinds),
         "grad_x": 2 * tokens * m.hidden_size * e,
-        "all_to_all_buffers": max(tokens * (v.num_heads / t + 2 * _kv_heads(v, t)) * v.head_dim * e for v in views)
-        if b.ulysses else 0,
+        "all_to_all_buffers": max([tokens * (v.num_heads / t + 2 * _kv_heads(v, t)) * v.head_dim * e for v in views]
+                                  + ([tokens * m.recurrent.head_all_to_all_elements(b.c) / t * e]
+                                     if b.kind == "heads" else [])) if b.ulysses else 0,
         "full_kv_grads": max(2 * B * S * 2 * _kv_heads(v, t) * v.head_dim * e for v in views) if b.gathers_kv else 0,
         "zero3_gathered_layers": 2 * params.largest_layer * e if b.zero3(setting) else 0,
     }
@@ -433,10 +442,14 @@ def _baseline_communication(setting, b, params):
     def sequence_parallel(view):  # Ulysses: q, k, v in and the output back; all-gather CP: the K/V
         kv_heads, d = _kv_heads(view, t), view.head_dim
         return {"ulysses": _gather(c, tokens * (2 * view.num_heads / t + 2 * kv_heads) * d * e),
-                "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get(b.kind, 0)
+                "allgather": _gather(c, B * S * 2 * kv_heads * d * e)}.get("ulysses" if b.ulysses else b.kind, 0)
+
+    def recurrent_heads(view):  # Megatron's context parallelism: the recurrent mixer's heads by all-to-all
+        r = view.recurrent
+        return _gather(c, tokens * r.head_all_to_all_elements(c) / t * e) if b.kind == "heads" else 0
 
     views = {("mixer", kind): m.mixer_view(kind) for kind, _ in m.mixer_kinds}
-    sp = {kind: sequence_parallel(views[kind][0]) if kind in views and not views[kind][1] else 0  # attention only
+    sp = {kind: (recurrent_heads if views[kind][1] else sequence_parallel)(views[kind][0]) if kind in views else 0
           for kind, _ in kinds}
     zero3_layer = {kind: sum(_gather(group, n * e) for n, group in shared[kind]) if zero3 else 0 for kind, _ in kinds}
     # AutoEP: each routed row (token, expert) to the expert's owner and its output back, top-k rows a token
@@ -459,8 +472,8 @@ def _baseline_communication(setting, b, params):
     for once_per_step in (vocab_tp, embedding_grads, param_gather, zero3_embedding):
         per_step += once_per_step
     parts = {TP_ACTIVATIONS: CommPart(passes * summed(tp) + vocab_tp, t, 1, "all_reduce"),
-             SP_ALL_TO_ALL if b.kind == "ulysses" else CP_KV: CommPart(
-                 passes * summed(sp), c, t, "all_to_all" if b.kind == "ulysses" else "all_gather"),
+             SP_ALL_TO_ALL if b.ulysses else CP_KV: CommPart(
+                 passes * summed(sp), c, t, "all_to_all" if b.ulysses else "all_gather"),
              ZERO3_GATHER: CommPart(passes * summed(zero3_layer) + zero3_embedding, replicas, t, "all_gather"),
              GRAD_REDUCE: CommPart(summed(grads) + embedding_grads, replicas, t,
                                    "reduce_scatter" if setting.zero_stage >= 1 else "all_reduce"),

@@ -27,6 +27,7 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
+from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention
 from ds_tsp.planning.shapes import (
     FLOAT32,
     INT64,
@@ -81,7 +82,8 @@ def _layer_kind(m, sparse):
 
 def _mixer_kind(m, linear):
     """``linear`` as given, else the model's one kind of token mixer."""
-    return _one_kind(m, linear, "linear", m.linear_layers, ("attention", "Gated DeltaNet"))
+    return _one_kind(m, linear, "linear", m.linear_layers,
+                     ("attention", m.recurrent.kind if m.is_hybrid else "recurrent"))
 
 
 def _mixer_view(m, linear, mixer):
@@ -184,14 +186,13 @@ def _nonzero(counts, tsp_size):
 
 def _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes):
     """``(forward, backward)`` bytes by op of one layer's token mixer: an attention (with a projection norm's
-    round of the shards) or, ``linear``, a Gated DeltaNet."""
+    round of the shards) or, ``linear``, the recurrent mixer (``recurrent_bytes_by_op``)."""
     if D == 1:  # the experts' all-to-all alone moves bytes (expert_parallel_size > 1)
         return {}, {}
     if linear:
-        return tuple({op: Fraction(v) for op, v in delta_net_bytes_by_op(
-            m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim,
-            m.linear_value_head_dim, m.linear_conv_kernel, micro_batch, seq_len // D, D, e, direction,
-            grad_wire_bytes=grad_wire_bytes).items()} for direction in ("forward", "backward"))
+        return tuple({op: Fraction(v) for op, v in recurrent_bytes_by_op(
+            m.recurrent, micro_batch, seq_len // D, D, e, direction, grad_wire_bytes=grad_wire_bytes).items()}
+            for direction in ("forward", "backward"))
     a = gradient_wire_bytes(e, grad_wire_bytes)
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
     forward, backward = _attention_ops(m, micro_batch * seq_len, D, e, a, own)
@@ -249,6 +250,20 @@ def _attention_ops(m, tokens, D, e, a, own):
     kv = Fraction((D - 1) * tokens, D) * (m.latent_width if m.is_latent else 2 * m.num_kv_heads * m.head_dim)
     forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
     return forward, {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+
+
+def recurrent_bytes_by_op(mixer, batch, local_tokens, tsp_size, elem_bytes, direction, *, grad_wire_bytes=None):
+    """Bytes a rank receives in one recurrent layer (a ``planning.recurrent`` mixer), by op, for ``batch`` rows
+    of ``local_tokens`` a rank: its kind's formula over its sizes."""
+    r, wire = mixer, {"grad_wire_bytes": grad_wire_bytes}
+    common = (batch, local_tokens, tsp_size, elem_bytes, direction)
+    if isinstance(r, KimiDeltaAttention):
+        return kda_bytes_by_op(r.hidden_size, r.num_value_heads, r.value_head_dim, r.conv_kernel, *common, **wire)
+    if isinstance(r, GatedDeltaNet):
+        return delta_net_bytes_by_op(r.hidden_size, r.num_key_heads, r.num_value_heads, r.key_head_dim,
+                                     r.value_head_dim, r.conv_kernel, *common, **wire)
+    return mamba2_bytes_by_op(r.hidden_size, r.num_heads, r.head_dim, r.n_groups, r.state_size, r.conv_kernel,
+                              *common, proj_bias=r.proj_bias, conv_bias=r.conv_bias, **wire)
 
 
 def delta_net_bytes_by_op(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, batch,

@@ -17,8 +17,6 @@ layer's forward once more.
 import logging
 from fractions import Fraction
 
-from ds_tsp.planning.shapes import DELTA_CHUNK
-
 logger = logging.getLogger("ds_tsp")
 
 
@@ -38,11 +36,12 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
     attention = recompute = 0
     for view, linear, layers in m.mixer_groups:  # each kind of token mixer with its own sizes
         if linear:
-            mm, rule = 2 * T * view.linear_params, T * delta_rule_flops_per_token(view)
+            r = view.recurrent
+            mm, rule = 2 * T * r.matmul_params, T * r.rule_flops_per_token()
             forward += layers * (mm + rule)
             backward += layers * 2 * (mm + rule)
-            if tsp:  # every head group's forward again under autograd, its chunks' maps included
-                backward += layers * (mm + T * delta_rule_flops_per_token(view, maps=True))
+            if tsp:  # the mixer's forward again under autograd, its chunks' maps included
+                backward += layers * (mm + T * r.rule_flops_per_token(maps=True))
             if setting.activation_checkpointing:
                 recompute += layers * (mm + rule)
             continue
@@ -75,18 +74,6 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
         if setting.activation_checkpointing:
             recompute += layers * mm_ffn
     return (forward + backward + recompute) * share, attention * share
-
-
-def delta_rule_flops_per_token(m, maps=False):
-    """Forward FLOPs a token costs the gated delta rule of one Gated DeltaNet layer, per value head as Hugging
-    Face's ``torch_chunk_gated_delta_rule`` chunks it (``C`` tokens): the UT system and the intra-chunk scores
-    (``2 C dk`` each), the two triangular solves (``C (dk + dv)``), the intra-chunk attention (``2 C dv``), the
-    state read twice and written (``6 dk dv``). ``maps``: also each chunk's state map ``(T, U)`` and its
-    composition into its span's (``ds_tsp.blocks.linear.delta_rule.span_map``), ``2 dk (dk + dv) (1 + dk/C)``."""
-    C, dk, dv = DELTA_CHUNK, m.linear_key_head_dim, m.linear_value_head_dim
-    rule = C * (5 * dk + 3 * dv) + 6 * dk * dv
-    span = 2 * dk * (dk + dv) * (1 + dk / C) if maps else 0
-    return m.linear_num_value_heads * (rule + span)
 
 
 def latent_attention_flops(shapes, rows, queries, keys, form, pairs=None):

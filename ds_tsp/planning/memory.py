@@ -67,16 +67,18 @@ estimate), and what offloading puts in host memory instead.
   token (routing spread evenly), with a shared expert its output and ring
   steps; its backward holds the rows' gradients and its experts' gradient,
   summed at rest, instead of the ring's shards and accumulators.
-* Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): a TSP linear-attention
-  layer saves its local input alone (and its norm's tensors), and its
-  backward holds one head group's recomputed projections, convolution inputs
-  and chunk terms (each with its gradient) and the group's gathered state
-  maps, ``2D x B x nv/D x dk (dk + dv)`` in float32, and their initial-state
-  gradients: no K/V. Hugging Face's layer saves ``hf_linear_saved_per_token``,
-  an estimate of flash-linear-attention's kernels. The two kinds of mixer and
-  of feed-forward block are counted each by its own count of layers; where a
-  model mixes both (a linear layer among dense and sparse ones), one layer's
-  backward peak takes the larger of each.
+* Hybrids of recurrent layers (Gated DeltaNet, KDA, Mamba-2:
+  ``planning.recurrent``): a TSP recurrent layer saves its local input alone
+  (and its norm's tensors), and its backward holds its mixer's recomputed
+  forward with its gradients (a Gated DeltaNet's or KDA's one head group at a
+  time, a Mamba-2's every head of the local tokens at once) and every rank's
+  chunks' state maps and their initial-state gradients: no K/V. Hugging
+  Face's layer saves its mixer's ``hf_saved_per_token``, an estimate of the
+  kernels a training run takes (flash-linear-attention's, mamba_ssm's). The
+  two kinds of mixer and of feed-forward block are counted each by its own
+  count of layers (Nemotron-H's layers of one block, each kind by its own);
+  where a model mixes both (a linear layer among dense and sparse ones), one
+  layer's backward peak takes the larger of each.
 * Token tiles (``tsp.token_tile``; ALST's TiledMLP for its baseline): when the
   local tokens exceed one tile, the MLP saves only its input and recomputes
   its intermediates tile by tile in backward, so they are bounded by the tile
@@ -109,7 +111,7 @@ estimate), and what offloading puts in host memory instead.
   accumulators are freed before backward's buffers exist and stay below them.
 """
 
-from ds_tsp.planning.shapes import DELTA_CHUNK, FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
+from ds_tsp.planning.shapes import FLOAT32, INT64, logits_tile_tokens, vocab_rows_per_rank
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "logits", "transient")
 HEAD_BACKWARD = ("logits_tiles", "grad_hidden", "head_shards_in_flight", "head_grad_accumulators")
@@ -186,8 +188,8 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
     values each over the D steps). Backward frees the MLP's before the
-    attention's backward runs. A Gated DeltaNet layer (``linear``,
-    ``ds_tsp.blocks.linear.schedule``) saves its local x alone in the
+    attention's backward runs. A recurrent layer (``linear``, ``ds_tsp.blocks.linear``'s schedules)
+    saves its local x alone in the
     attention's place; its norm runs outside it, so a recomputed one keeps
     the layer's input.
 
@@ -228,21 +230,6 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
 HF_SLOT_ORDERINGS = 3
 
 
-def hf_linear_saved_per_token(m, e):
-    """Bytes a Hugging Face Gated DeltaNet layer saves per token, before its
-    norm, as it runs with flash-linear-attention's kernels (the ones a training
-    run takes; an estimate from their code, not measured here: the CPU runs
-    the torch fallback): the convolution's input and output (queries, keys,
-    values), the rule's l2-normed queries and keys repeated to the value heads
-    and their float32 1/norm, ``z``, ``beta``, the decay ``g`` and the
-    softplus's input and output in float32, the UT transform's ``C`` values a
-    token and value head (``A``), the rule's output, the gated norm's float32
-    1/rms and ``out_proj``'s input."""
-    nv, dk = m.linear_num_value_heads, m.linear_key_head_dim
-    keys, values = m.linear_num_key_heads * dk, nv * m.linear_value_head_dim
-    return e * (4 * keys + 5 * values + 2 * nv * dk + (DELTA_CHUNK + 1) * nv) + 6 * FLOAT32 * nv
-
-
 def hf_layer_saved_per_token(m, e, t, ulysses, mlp_tiled=False, sparse=False, experts_split=True, linear=False):
     """Bytes a Hugging Face Llama layer saves per token (flash attention, no
     dropout), heads and F split over ``t`` tensor-parallel ranks: its token
@@ -257,10 +244,10 @@ def hf_mixer_saved_per_token(m, e, t, ulysses, linear=False):
     ``t``: q, k, v (rotated), the output and the log-sum-exp (Ulysses also the
     output before its return all-to-all). Qwen3's per-head q/k RMSNorms save
     each head's float32 input, 1/rms and normalised value; an output gate
-    (Qwen3-Next, Qwen3.5) its sigmoid and the gated output. A Gated DeltaNet
-    layer (``linear``) saves ``hf_linear_saved_per_token`` instead."""
+    (Qwen3-Next, Qwen3.5) its sigmoid and the gated output. A recurrent layer
+    (``linear``) saves its mixer's ``hf_saved_per_token`` instead."""
     if linear:
-        return hf_linear_saved_per_token(m, e) / t
+        return m.recurrent.hf_saved_per_token(e) / t
     d, nq = m.head_dim, m.num_heads
     attention = e * (nq + 2 * m.num_kv_heads) * d + e * nq * d + FLOAT32 * nq + (e * nq * d if ulysses else 0)
     if m.qk_norm:

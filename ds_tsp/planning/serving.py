@@ -67,8 +67,8 @@ def serving_plans(model, devices, micro_batch=1, dtype="bf16"):
     """``[ServingPlan]``: one device, then TP and TSP over ``devices``."""
     m = model_shape(model)
     if m.is_hybrid:  # its linear layers keep a state per sequence, not a K/V cache per token
-        raise ValueError(f"the serving plans (--serve) do not model a Gated DeltaNet hybrid ({m.name}) yet: its "
-                         f"linear layers keep a recurrent state, not a KV cache")
+        raise ValueError(f"the serving plans (--serve) do not model a {m.recurrent.kind} hybrid ({m.name}) yet: its "
+                         f"recurrent layers keep a state per sequence, not a KV cache")
     e, D, H = PRECISIONS[dtype].element, devices, m.hidden_size
     # Each kind of attention layer with its own heads (Gemma 4's full layers): (shape, layers).
     kinds = [(view, count) for view, _, count in m.mixer_groups]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_tsp.planning.anatomy import layer_anatomy
+from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention, Mamba2
 
 GB = 1e9
 FLOAT32 = 4
@@ -172,10 +173,6 @@ DEFAULT_LOGITS_TILE_MIB = 32.0
 # ring step or one attention query tile processes at once (0: no tiling).
 DEFAULT_TOKEN_TILE = 8192
 
-# ds_tsp.blocks.linear.schedule.DeltaNetPlan.chunk_size: the gated delta rule's chunk, in tokens, as Hugging
-# Face's torch_chunk_gated_delta_rule and flash-linear-attention's kernels take it.
-DELTA_CHUNK = 64
-
 # Ranks that share one host's memory (pinned checkpoints, offloaded optimizer).
 DEFAULT_DEVICES_PER_NODE = 8
 
@@ -238,15 +235,13 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; DESIGN.md 6j): linear_layers of the num_layers mix tokens by a
-    # Gated DeltaNet of linear_num_key_heads key heads (and query heads) of linear_key_head_dim, linear_num_value_heads
-    # value heads of linear_value_head_dim and a causal convolution of linear_conv_kernel taps; the others attend.
+    # Hybrids of recurrent layers (DESIGN.md 6j, 6n): linear_layers of the num_layers mix tokens by the recurrent
+    # mixer ``recurrent`` (a ds_tsp.planning.recurrent class: Gated DeltaNet, KDA, Mamba-2); the others attend.
     linear_layers: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel: int = 0
+    recurrent: GatedDeltaNet | KimiDeltaAttention | Mamba2 | None = None
+    # Layers of one block (Nemotron-H's), each with its own norms: a token mixer alone, or a feed-forward block alone.
+    mixer_only_layers: int = 0
+    ffn_only_layers: int = 0
     # Gemma 4's full-attention layers: global_layers of the num_layers attend with heads of their own size
     # (global_head_dim, global_num_kv_heads), their keys their values where global_values_from_keys (no v_proj);
     # mixer_view gives their shape.
@@ -265,11 +260,16 @@ class ModelShape:
         return self.linear_layers > 0
 
     @property
+    def one_block_layers(self):
+        """Every layer a token mixer or a feed-forward block, each with its own ``norms_per_layer`` norms."""
+        return self.mixer_only_layers + self.ffn_only_layers == self.num_layers
+
+    @property
     def mixer_kinds(self):
         """``((kind, count), ...)``: how many layers mix tokens by each kind of token mixer, none empty:
-        "attention", "global_attention" (Gemma 4's full layers, heads of their own size) and "linear" (a Gated
-        DeltaNet). ``mixer_view`` gives a kind's shape and whether it is linear."""
-        kinds = (("attention", self.num_layers - self.linear_layers - self.global_layers),
+        "attention", "global_attention" (Gemma 4's full layers, heads of their own size) and "linear" (the
+        recurrent mixer). ``mixer_view`` gives a kind's shape and whether it is linear."""
+        kinds = (("attention", self.num_layers - self.linear_layers - self.global_layers - self.ffn_only_layers),
                  ("global_attention", self.global_layers), ("linear", self.linear_layers))
         return tuple((kind, count) for kind, count in kinds if count)
 
@@ -280,27 +280,17 @@ class ModelShape:
 
     def mixer_view(self, kind):
         """``(shape, linear)`` of a kind of token mixer (``mixer_kinds``): the shape its per-layer sizes are read
-        from (this one, or for Gemma 4's full layers this one with their head sizes), and whether it is a Gated
-        DeltaNet."""
+        from (this one, or for Gemma 4's full layers this one with their head sizes), and whether it is the
+        recurrent mixer."""
         if kind == "global_attention":
             return dataclasses.replace(self, head_dim=self.global_head_dim, num_kv_heads=self.global_num_kv_heads,
                                        values_from_keys=self.global_values_from_keys, sliding_window=None,
                                        global_layers=0), False
         return self, kind == "linear"
 
-    @property
-    def linear_params(self):
-        """A Gated DeltaNet layer's weights that TSP (and TP) split by head: the input projections (queries, keys,
-        values, the output gate ``z`` and ``b``, ``a``), the convolution's channels, ``A_log``, ``dt_bias`` and
-        ``out_proj``; its gated norm is in ``mixer_replicated_tensors``."""
-        H, nv = self.hidden_size, self.linear_num_value_heads
-        keys, values = self.linear_num_key_heads * self.linear_key_head_dim, nv * self.linear_value_head_dim
-        return H * (2 * keys + 2 * values + 2 * nv) + (2 * keys + values) * self.linear_conv_kernel + 2 * nv \
-            + values * H
-
     def mixer_params(self, linear=False):
-        """The token mixer's split weights: ``attention_params`` or ``linear_params``."""
-        return self.linear_params if linear else self.attention_params
+        """The token mixer's split weights: ``attention_params`` or the recurrent mixer's."""
+        return self.recurrent.params if linear else self.attention_params
 
     @property
     def rotary_dim(self):
@@ -344,7 +334,7 @@ class ModelShape:
     @property
     def layer_kinds(self):
         """``((sparse, count), ...)``: how many layers of each kind, dense first, none empty."""
-        kinds = ((False, self.num_layers - self.moe_layers), (True, self.moe_layers))
+        kinds = ((False, self.num_layers - self.moe_layers - self.mixer_only_layers), (True, self.moe_layers))
         return tuple((sparse, count) for sparse, count in kinds if count)
 
     @property
@@ -415,16 +405,17 @@ class ModelShape:
 
     def mixer_replicated_tensors(self, linear=False):
         """The token mixer's whole tensors: an attention's q/k norms (a latent attention's latents' norms) and
-        ``o_proj``'s bias, or a Gated DeltaNet's gated norm (one value head's width)."""
+        ``o_proj``'s bias, or the recurrent mixer's (``replicated_tensors``); in a layer of one block, its norms."""
+        norms = self.norm_tensors * self.norms_per_layer if self.one_block_layers else []
         if linear:
-            return [self.linear_value_head_dim]
+            return norms + self.recurrent.replicated_tensors
         if self.is_latent:
             qk_norms = [rows for rows in (self.q_lora_rank, self.kv_lora_rank) if rows]
         elif self.qk_norm_spans_projection:
             qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         else:
             qk_norms = [self.head_dim] * 2 if self.qk_norm else []
-        return qk_norms + ([self.hidden_size] if self.o_proj_bias else [])
+        return norms + qk_norms + ([self.hidden_size] if self.o_proj_bias else [])
 
     def ffn_replicated_tensors(self, sparse=False):
         """The rest of a layer's whole tensors: its norms (and their biases), and the dense MLP's down bias or the
@@ -653,9 +644,26 @@ def _moe_fields(fields):
     layers from ``first_k_dense_replace`` on sparse, an ungated shared expert);
     ``{}`` for a dense config. Other MoE configs are refused."""
     experts = {key: fields[key] for key in MOE_KEYS if (fields.get(key) or 0) > 0}
-    if not experts:
-        return {}
     model_type = fields.get("model_type")
+    if model_type == "granitemoehybrid" and not experts:  # the dense Granite-4.0-H: its shared MLP alone
+        return dict(dense_size=fields["shared_intermediate_size"])
+    if not experts or model_type == "nemotron_h":  # Nemotron-H's MoE layers are refused with its layer pattern
+        return {}
+    if model_type == "granitemoehybrid":  # experts of intermediate_size beside the shared MLP, every layer
+        return dict(num_experts=experts["num_local_experts"], experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"],
+                    shared_expert_size=fields.get("shared_intermediate_size") or 0, shared_expert_gate=False,
+                    moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
+                    output_router_logits=bool(fields.get("output_router_logits")))
+    if model_type == "kimi_linear":  # sigmoid-routed experts after a dense prefix, an ungated shared expert
+        layers, first_dense = fields["num_hidden_layers"], fields.get("first_k_dense_replace") or 0
+        types = fields.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
+        size = fields["moe_intermediate_size"]
+        return dict(num_experts=experts["num_experts"],
+                    experts_per_token=fields.get("num_experts_per_token") or fields["num_experts_per_tok"],
+                    expert_size=size, shared_expert_size=size * (fields.get("num_shared_experts") or 0),
+                    shared_expert_gate=False, moe_layers=types.count("sparse"),
+                    renormalise_top_k=bool(fields.get("moe_renormalize", True)), router_weights_fp32=True)
     if model_type in GEMMA4_MODEL_TYPES:  # num_experts is read only with enable_moe_block
         if not fields.get("enable_moe_block"):
             return {}
@@ -738,51 +746,95 @@ def _latent_fields(fields):
                 num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope)
 
 
-# Layer types whose token mixer the planner models: attention of every kind, and the Gated DeltaNet hybrids'
-# linear_attention layers (``_linear_fields`` says which models); Nemotron-H's layers of an MLP alone do not mix.
-PLANNED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "linear_attention",
-                       "mlp", "moe")
-# Config fields that declare a recurrent token mixer the planner does not model yet: Mamba-2's and Mamba-1's
-# (Bamba's, Granite-4.0-H's, Falcon-H1's, Jamba's mamba_*, Nemotron-H's ssm_state_size) and LFM's short
-# convolutions (conv_L_cache).
-UNPLANNED_MIXER_FIELDS = ("mamba_", "ssm_state_size", "conv_L_cache")
+# Layer types, as the configs spell them, whose token mixer is recurrent, attends, or whose layer holds a
+# feed-forward block alone (Nemotron-H's "mlp" and "moe"; its pattern's "M", "*", "-" and "E").
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "M")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "*")
+FFN_ONLY_LAYER_TYPES = ("mlp", "moe", "-", "E")
+# Model types whose recurrent layers the planner models, by kind: Gated DeltaNet (HYBRID_MODEL_TYPES), Kimi
+# Linear's KDA, Mamba-2.
+MAMBA2_MODEL_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
+PLANNED_RECURRENT_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "kimi_linear", *MAMBA2_MODEL_TYPES)
+# Config fields that declare a recurrent token mixer: Mamba-2's and Mamba-1's (mamba_*, Nemotron-H's
+# ssm_state_size) and LFM's short convolutions (conv_L_cache).
+RECURRENT_MIXER_FIELDS = ("mamba_", "ssm_state_size", "conv_L_cache")
 
 
-def _check_planned_mixers(fields):
-    """Refuse, by name, a model whose layers mix tokens by a kind the planner does not model (Mamba-2, Mamba-1,
-    short convolutions, Falcon-H1's hybrid layers), rather than plan it as attention layers alone."""
-    kinds = [kind for key in ("layer_types", "layers_block_type") for kind in fields.get(key) or ()
-             if isinstance(kind, str)]
-    unplanned = sorted({kind for kind in kinds if kind not in PLANNED_LAYER_TYPES})
-    declared = sorted(key for key in fields if key.startswith(UNPLANNED_MIXER_FIELDS))
-    if unplanned or declared:
-        what = f"{unplanned} layers" if unplanned else f"recurrent mixers ({', '.join(declared[:3])})"
-        raise ValueError(f"model config has {what} (model_type {fields.get('model_type')!r}): the planner does not "
-                         "model Mamba-2, Mamba-1 or short-convolution layers yet (ds_tsp trains them); plan an "
-                         "attention or Gated DeltaNet model of the same sizes")
-
-
-def _linear_fields(fields):
-    """A Gated DeltaNet hybrid's sizes (``ModelShape``'s), from ``layer_types`` or, failing it,
-    ``full_attention_interval``; none for a model without linear-attention layers. Other models with
-    linear-attention layers are refused."""
-    model_type, layers = fields.get("model_type"), fields["num_hidden_layers"]
-    types = fields.get("layer_types")
-    if types is None and model_type in HYBRID_MODEL_TYPES:  # as their configs fill it in
+def _layer_types(fields):
+    """The config's kind of each layer (``layer_types``, ``layers_block_type``, Nemotron-H's
+    ``hybrid_override_pattern``, Bamba's ``attn_layer_indices``), or None where it names none."""
+    model_type, layers = fields.get("model_type"), fields.get("num_hidden_layers")
+    if model_type == "nemotron_h" and isinstance(fields.get("hybrid_override_pattern"), str):
+        return list(fields["hybrid_override_pattern"])
+    for key in ("layer_types", "layers_block_type"):
+        if isinstance(fields.get(key), (list, tuple)):
+            return list(fields[key])
+    if model_type == "bamba":
+        return ["attention" if i in (fields.get("attn_layer_indices") or ()) else "mamba" for i in range(layers)]
+    if model_type in HYBRID_MODEL_TYPES:  # as their configs fill it in
         interval = fields.get("full_attention_interval") or 4
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    linear = sum(kind == "linear_attention" for kind in types or ())
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return None
+
+
+def _recurrent_fields(fields):
+    """A hybrid's recurrent mixer and its layer pattern (``ModelShape``'s ``linear_layers``, ``recurrent``,
+    ``mixer_only_layers``, ``ffn_only_layers``): Qwen3-Next's and Qwen3.5's Gated DeltaNet, Kimi Linear's KDA,
+    the Mamba-2 of Nemotron-H (layers of one block), Granite-4.0-H and Bamba; none for a model without
+    recurrent layers. Other recurrent mixers (Mamba-1, short convolutions, Falcon-H1's side mixers) are
+    refused by name, rather than planned as attention layers alone."""
+    model_type = fields.get("model_type")
+    types = _layer_types(fields) or []
+    unknown = sorted({kind for kind in types if isinstance(kind, str)} - {
+        *RECURRENT_LAYER_TYPES, *ATTENTION_LAYER_TYPES, *FFN_ONLY_LAYER_TYPES})
+    declared = sorted(key for key in fields if key.startswith(RECURRENT_MIXER_FIELDS))
+    linear = sum(kind in RECURRENT_LAYER_TYPES for kind in types)
+    if model_type not in PLANNED_RECURRENT_MODEL_TYPES and (unknown or declared or linear):
+        what = f"{unknown} layers" if unknown else \
+            f"{linear} linear_attention layers" if linear else f"recurrent mixers ({', '.join(declared[:3])})"
+        raise ValueError(f"model config has {what} (model_type {model_type!r}): the planner models the recurrent "
+                         f"layers of {', '.join(PLANNED_RECURRENT_MODEL_TYPES)} only, not Mamba-1, short-"
+                         "convolution or side-by-side mixers yet (ds_tsp trains them); plan a Gated DeltaNet or "
+                         "Mamba-2 hybrid of the same sizes")
     if not linear:
         return {}
-    if model_type not in HYBRID_MODEL_TYPES:
-        raise ValueError(f"model config has {linear} linear_attention layers (model_type {model_type!r}): the "
-                         f"planner models the Gated DeltaNet layers of {', '.join(HYBRID_MODEL_TYPES)} only")
-    return dict(linear_layers=linear, linear_num_key_heads=fields["linear_num_key_heads"],
-                linear_num_value_heads=fields["linear_num_value_heads"],
-                linear_key_head_dim=fields["linear_key_head_dim"],
-                linear_value_head_dim=fields["linear_value_head_dim"],
-                linear_conv_kernel=fields.get("linear_conv_kernel_dim") or 4, attention_output_gate=True,
-                norm_in_float32=True)
+    if model_type == "nemotron_h" and ("E" in types or "moe" in types):
+        raise ValueError("model config has Nemotron-H mixture-of-experts layers (layers_block_type 'moe'): the "
+                         "planner does not model their ungated experts yet (ds_tsp trains them); plan the dense "
+                         "Nemotron-H")
+    pattern = dict(linear_layers=linear)
+    if model_type == "nemotron_h":
+        pattern.update(mixer_only_layers=sum(kind not in FFN_ONLY_LAYER_TYPES for kind in types),
+                       ffn_only_layers=sum(kind in FFN_ONLY_LAYER_TYPES for kind in types), mlp_gated=False)
+    return {**pattern, **_recurrent_mixer(fields)}
+
+
+def _recurrent_mixer(fields):
+    """``{"recurrent": mixer, ...}``: the recurrent mixer a planned hybrid's config describes, and what its
+    model type implies of the rest (Qwen's gated attention and float32 norms)."""
+    model_type, H = fields["model_type"], fields["hidden_size"]
+    if model_type in HYBRID_MODEL_TYPES:
+        return dict(recurrent=GatedDeltaNet(H, fields["linear_num_key_heads"], fields["linear_num_value_heads"],
+                                            fields["linear_key_head_dim"], fields["linear_value_head_dim"],
+                                            fields.get("linear_conv_kernel_dim") or 4),
+                    attention_output_gate=True, norm_in_float32=True)
+    if model_type == "kimi_linear":  # transformers' names, else the released config's linear_attn_config
+        kda = fields.get("linear_attn_config") or {}
+        return dict(recurrent=KimiDeltaAttention.of(
+            H, fields.get("linear_num_heads") or kda["num_heads"], fields.get("linear_head_dim") or kda["head_dim"],
+            fields.get("linear_conv_kernel_dim") or kda.get("short_conv_kernel_size") or 4))
+    if model_type == "nemotron_h":
+        return dict(recurrent=Mamba2(H, fields["mamba_num_heads"], fields["mamba_head_dim"], fields["n_groups"],
+                                     fields["ssm_state_size"], fields["conv_kernel"], fields.get("chunk_size") or 128,
+                                     conv_bias=bool(fields.get("use_conv_bias", True)),
+                                     proj_bias=bool(fields.get("use_bias", False))))
+    # Granite-4.0-H's and Bamba's mamba_* fields
+    heads = fields.get("mamba_n_heads") or 128
+    return dict(recurrent=Mamba2(H, heads, fields.get("mamba_d_head") or (fields.get("mamba_expand") or 2) * H // heads,
+                                 fields.get("mamba_n_groups") or 1, fields.get("mamba_d_state") or 256,
+                                 fields.get("mamba_d_conv") or 4, fields.get("mamba_chunk_size") or 256,
+                                 conv_bias=bool(fields.get("mamba_conv_bias", True)),
+                                 proj_bias=bool(fields.get("mamba_proj_bias", False))))
 
 
 def _global_attention_fields(fields):
@@ -840,10 +892,12 @@ def model_shape(model):
     decoder_fields = fields
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
         fields, decoder_fields = {**fields, **fields["text_config"]}, fields["text_config"]
-    _check_planned_mixers(fields)
+    if fields.get("model_type") == "nemotron_h" and "num_hidden_layers" not in fields:  # transformers' config
+        fields = {**fields, "num_hidden_layers": len(_layer_types(fields) or ())}
     try:
         heads = fields["num_attention_heads"]
         llama4 = fields.get("model_type") == "llama4_text"  # its dense layers' MLP: intermediate_size_mlp
+        recurrent = _recurrent_fields(fields)  # first: an unplanned recurrent mixer is named before its experts
         latent, moe = _latent_fields(fields), _moe_fields(fields)
         # Qwen3.5-MoE's config has no intermediate_size: every layer is sparse
         every_layer_sparse = moe.get("moe_layers") == fields["num_hidden_layers"]
@@ -868,7 +922,7 @@ def model_shape(model):
             # A latent attention's o_proj takes attention_bias as its down projections do (every MLA class).
             o_proj_bias=_attention_bias(fields) and (fields.get("model_type") in O_PROJ_BIAS_MODEL_TYPES
                                                      or bool(latent)),
-            partial_rotary_factor=_partial_rotary_factor(fields), **moe, **_linear_fields(fields),
+            partial_rotary_factor=_partial_rotary_factor(fields), **moe, **recurrent,
             **_global_attention_fields(fields),
             **{k: v for k, v in latent.items() if k not in ("num_kv_heads", "head_dim")})
         # What the config does not say (norms, biases, an ungated MLP), read off Hugging Face's layer.
@@ -900,13 +954,10 @@ def tsp_shape_problem(m, tsp_size):
             return f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}{which}"
         if (nkv >= D and nkv % D) or (nkv < D and D % nkv):
             return f"num_key_value_heads {nkv}{which} and {D} do not divide one another"
-    if m.is_hybrid and m.linear_num_key_heads % D:
-        return (f"linear_num_key_heads {m.linear_num_key_heads} is not divisible by {D}: a rank owns whole key heads "
-                f"of the Gated DeltaNet layers")
-    if m.is_hybrid and m.linear_num_value_heads % m.linear_num_key_heads:
-        return (f"linear_num_value_heads {m.linear_num_value_heads} is not a multiple of linear_num_key_heads "
-                f"{m.linear_num_key_heads}")
-    if m.num_layers > m.moe_layers and m.intermediate_size % D:
+    problem = m.recurrent.shape_problem(D) if m.is_hybrid else None
+    if problem:
+        return problem
+    if m.num_layers > m.moe_layers + m.mixer_only_layers and m.intermediate_size % D:
         return f"intermediate_size {m.intermediate_size} is not divisible by {D}"
     if m.is_moe and m.num_experts % D:
         return f"num_experts {m.num_experts} is not divisible by {D}: every rank holds E/D whole experts"
@@ -953,9 +1004,9 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
 
 def tsp_mixer_shard(m, tsp_size, linear=False):
     """Elements of the largest packed shard of a layer's token mixer: an attention's (``tsp_attention_shard``)
-    or a Gated DeltaNet's, its head group's ``1/D`` of ``linear_params`` (every rank's the same)."""
+    or the recurrent mixer's ``1/D`` of its split weights (every rank's the same)."""
     if linear:
-        return m.linear_params // tsp_size
+        return m.recurrent.params // tsp_size
     return max(tsp_attention_shard(m, tsp_size, r) for r in range(tsp_size))
 
 

@@ -61,8 +61,8 @@ def make_setting(model, seq_len, micro_batch, devices, dtype="bf16", zero_stage=
         raise ValueError("offload_optimizer is ZeRO's offload_optimizer: it needs zero_stage >= 1")
     m = model_shape(model)
     if lora_rank and m.is_hybrid:
-        raise ValueError(f"lora_rank: the planner does not model LoRA on a Gated DeltaNet hybrid ({m.name}), whose "
-                         f"linear layers take no adapters; plan full fine-tuning (lora_rank 0)")
+        raise ValueError(f"lora_rank: the planner does not model LoRA on a {m.recurrent.kind} hybrid ({m.name}), "
+                         f"whose recurrent layers take no adapters; plan full fine-tuning (lora_rank 0)")
     if tsp_attention_backward is None:
         tsp_attention_backward = "fused" if m.sliding_window is None and m.head_dim <= 256 else "recompute"
     if tsp_attention_backward not in TSP_ATTENTION_BACKWARDS:

@@ -108,10 +108,10 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
            f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "")
         + (f"; {m.global_layers} full layers of heads {m.num_heads}/{m.global_num_kv_heads}, d={m.global_head_dim}"
            + (", keys as values" if m.global_values_from_keys else "") if m.global_layers else "")
-        + (f" (gated attention); {m.linear_layers} of the {m.num_layers} layers Gated DeltaNet "
-           f"(linear attention: {m.linear_num_key_heads} key heads of {m.linear_key_head_dim}, "
-           f"{m.linear_num_value_heads} value heads of {m.linear_value_head_dim}, a {m.linear_conv_kernel}-tap "
-           f"convolution)" if m.is_hybrid else "") + ", "
+        + (" (gated attention)" if m.attention_output_gate else "")
+        + (f"; {m.linear_layers} of the {m.num_layers} layers {m.recurrent.describe()}" if m.is_hybrid else "")
+        + (f"; layers of one block: {m.mixer_only_layers} mix tokens, {m.ffn_only_layers} feed forward"
+           if m.one_block_layers else "") + ", "
         f"V={m.vocab_size}; S={setting.seq_len}, B={setting.micro_batch}, {setting.devices} devices, "
         f"{setting.dtype}, ZeRO-{setting.zero_stage}, activation checkpointing "
         f"{'on' if setting.activation_checkpointing else 'off'}, TSP attention backward "
@@ -138,10 +138,9 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
            f"2 nkv d's place (a per-head K/V would be {m.num_heads * (m.head_dim + m.value_dim)}); each rank expands "
            f"it into every head group's K/V (FLOPs counted), the baselines attend the expanded heads."
            if m.is_latent else "")
-        + (" A Gated DeltaNet layer has no K/V: its head groups are broadcast as the attention's are, and per "
-           "head group the ranks all-gather their chunks' state maps, (D-1) x 2B nv/D dk (dk + dv) float32 "
-           "elements each (and their initial-state gradients backward), whatever the sequence length."
-           if m.is_hybrid else "")
+        + (f" A {m.recurrent.kind} layer has no K/V: its weights are broadcast as the attention's are, and the "
+           "ranks all-gather their chunks' state maps, float32 (and their initial-state gradients backward), "
+           "whatever the sequence length." if m.is_hybrid else "")
         + (" Per-layer figures are the mean over the layers." if m.is_moe or m.is_hybrid else ""),
         f"Time (timing): {cluster.describe()}, {setting.devices_per_node} devices per node. s/step = blocking "
         "communication + max(compute, overlapped communication per link); TP all-reduces, Ulysses all-to-alls, "
@@ -164,9 +163,9 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
     if inexact:
         footer.append(f"Not exact: {', '.join(plan_.name for plan_ in inexact)} train another model than "
                       f"{m.name}: DeepSpeed's sequence parallelism swaps the attention alone, so {inexact[0].inexact}. "
-                      f"Their rows are what that costs (each rank running the linear layers on its tokens with the "
+                      f"Their rows are what that costs (each rank running the recurrent layers on its tokens with the "
                       f"whole weights, ZeRO-3 gathering them where it partitions them), not a way to train "
-                      f"{m.name}; TP, DP and TSP are exact.")
+                      f"{m.name}; TP, DP, CP-heads (Megatron's head all-to-all) and TSP are exact.")
     if paper:
         footer += _paper_footer(plans, paper)
     return "\n".join(rows) + "\n\n" + "\n".join(f"* {line}" for line in footer) + "\n"

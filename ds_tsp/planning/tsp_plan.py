@@ -82,8 +82,6 @@ from ds_tsp.planning.plan_types import (
     StrategyPlan,
 )
 from ds_tsp.planning.shapes import (
-    DELTA_CHUNK,
-    FLOAT32,
     INT64,
     lora_adapter_params,
     padded_length,
@@ -355,8 +353,8 @@ def _grad_x_bytes(setting):
 
 
 def _tsp_mixer_transient(setting, tokens, shard, linear):
-    """One TSP token mixer's backward buffers (``plan_tsp``'s detail), by name: an attention's or, ``linear``, a
-    Gated DeltaNet's."""
+    """One TSP token mixer's backward buffers (``plan_tsp``'s detail), by name: an attention's or, ``linear``, the
+    recurrent mixer's."""
     if linear:
         return _tsp_linear_transient(setting, tokens, shard)
     m, D = setting.model, setting.tsp_group_size
@@ -390,28 +388,12 @@ def _tsp_mixer_transient(setting, tokens, shard, linear):
 
 
 def _tsp_linear_transient(setting, tokens, shard):
-    """A Gated DeltaNet layer's backward buffers (``ds_tsp.blocks.linear.schedule``): one head group's forward
-    recomputed under autograd and its gradients, the group's gathered state maps, the weight shards."""
-    m, D, B = setting.model, setting.tsp_group_size, setting.micro_batch
-    e, acc = setting.precision.element, setting.precision.accumulate
-    k_heads, v_heads = m.linear_num_key_heads // D, m.linear_num_value_heads // D
-    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
-    keys, values = k_heads * dk, v_heads * dv
-    state = max(e, FLOAT32)  # the rule runs in float32, or the model's dtype where wider
-    # Per local token, each with its gradient: the group's projections (q, k, v, z, b, a) and the convolution's
-    # inputs; the chunk terms of the rule, per value head: w, u, the decayed q and k, k and v times beta, the
-    # chunk-wide UT system, decays and intra-chunk scores, and the state a chunk starts from.
-    projections = e * (2 * keys + 2 * values + 2 * v_heads + 2 * keys + values)
-    chunk_terms = state * v_heads * (4 * dk + 2 * dv + 3 * DELTA_CHUNK + dk * dv / DELTA_CHUNK)
-    return {
-        # the 2D chunks' maps (T, U) and their initial-state gradients, every row, the group's value heads
-        "state_maps": state * 2 * D * B * v_heads * dk * (dk + 2 * dv),
-        "head_group_local": 2 * tokens * (projections + chunk_terms),
-        "linear_shards_in_flight": 2 * shard * e,
-        # every head group's gradient reduce stays posted until the layer's backward ends
-        "linear_grad_reduces": m.linear_params * acc,
-        "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting),
-    }
+    """A recurrent layer's backward buffers (``planning.recurrent``'s ``tsp_backward_buffers``), every rank's
+    gradient reduces of its shard posted until the layer's backward ends, and the input's gradient."""
+    m, p = setting.model, setting.precision
+    buffers = m.recurrent.tsp_backward_buffers(p.element, setting.tsp_group_size, setting.micro_batch, tokens, shard)
+    return {**buffers, "linear_grad_reduces": m.recurrent.params * p.accumulate,
+            "grad_x": tokens * m.hidden_size * _grad_x_bytes(setting)}
 
 
 def _tsp_mlp_transient(setting, tokens, tile, ffn_shard, sparse, schedule):
