@@ -528,6 +528,10 @@ HYBRID_ARCHS = {"qwen3_next": (Qwen3NextConfig, HYBRID_MOE),
                     mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=4, conv_kernel=4, chunk_size=8,
                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_group=2, topk_group=1,
                     moe_shared_expert_intermediate_size=16, routed_scaling_factor=1.5, experts_implementation="eager")),
+                # Nemotron-H's dense layers alone (the planner does not model its ungated experts).
+                "nemotron_h_dense": (NemotronHConfig, dict(
+                    layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention"],
+                    mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=4, conv_kernel=4, chunk_size=8)),
                 # Granite-4.0-H: NoPE, Granite's multipliers; its MoE (4 experts of 8, top-2) beside the shared MLP.
                 "granitemoehybrid": (GraniteMoeHybridConfig, {**MAMBA2_TINY, **GRANITE_MULTIPLIERS,
                                                               "num_local_experts": 0, "position_embedding_type": "nope",
@@ -625,10 +629,10 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
-                 "nemotron_h": NemotronHForCausalLM, "olmo_hybrid": OlmoHybridForCausalLM,
-                 "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM, "lfm2_moe": Lfm2MoeForCausalLM,
-                 "lfm3": Lfm3ForCausalLM, "lfm2_biased": Lfm2ForCausalLM, "jamba": JambaForCausalLM, "falcon_h1": FalconH1ForCausalLM,
-                 "falcon_h1_norm": FalconH1ForCausalLM}
+                 "nemotron_h": NemotronHForCausalLM, "nemotron_h_dense": NemotronHForCausalLM,
+                 "olmo_hybrid": OlmoHybridForCausalLM, "kimi_linear": KimiLinearForCausalLM, "lfm2": Lfm2ForCausalLM,
+                 "lfm2_moe": Lfm2MoeForCausalLM, "lfm3": Lfm3ForCausalLM, "lfm2_biased": Lfm2ForCausalLM,
+                 "jamba": JambaForCausalLM, "falcon_h1": FalconH1ForCausalLM, "falcon_h1_norm": FalconH1ForCausalLM}
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Those whose checkpoints hold one tensor per expert (transformers' conversion mapping): GPT-OSS's hold them fused.
 PER_EXPERT_FILE_ARCHS = tuple(arch for arch in MOE_ARCHS if arch != "gpt_oss")

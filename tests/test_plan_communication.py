@@ -577,3 +577,25 @@ def test_hybrid_step_bytes_equal_what_the_model_counts(run_ranks):
     # experts' ring, the gated norms' gradients, against tsp_step_bytes_by_op with the batch's exact rows.
     cases = [("qwen3_5", torch.float64, True, False), ("qwen3_next", torch.float32, True, True)]
     _check_counted_steps(2, cases, run_ranks(2, _counted_model_steps, cases=cases))
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_mamba2_and_kda_hybrid_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
+    """Issue 63's hybrids as the planner reads their configs: Mamba-2's pieces, halos and state maps (Bamba,
+    Granite-4.0-H with its experts on the ring, Nemotron-H's layers of one block, checkpointed), KDA's head
+    groups beside a latent attention (Kimi Linear, float32: its strict-float32 dt_bias is refused narrower)."""
+    dtype = torch.float64 if tsp_size == 2 else torch.bfloat16
+    cases = [("bamba", dtype, True, False), ("granitemoehybrid_moe", dtype, True, False),
+             ("nemotron_h_dense", dtype, True, tsp_size == 2), ("kimi_linear", torch.float32, True, False)]
+    _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+def test_recurrent_maps_bytes_do_not_grow_with_the_sequence():
+    """A Mamba-2 and a KDA layer at D = 4: the planner's bytes by op are the same at S = 256 and 4096 (the
+    blocks' counted bytes equal these formulas: tests/test_mamba2.py, tests/test_linear_attention.py)."""
+    for preset in ("nemotron-h-8b", "kimi-linear-48b-a3b"):
+        m = planner.model_shape(preset)
+        short, long = (planner.tsp_bytes_by_op(m, S, 1, 4, 2, "both", mixer="linear", sparse=m.is_moe)
+                       for S in (256, 4096))
+        print(f"{preset} {m.recurrent.kind}: S=256 {short}, S=4096 {long}")
+        assert short == long and short["all_gather"] > 0

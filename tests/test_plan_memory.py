@@ -310,6 +310,77 @@ def test_hybrid_saved_activations_equal_the_models():
     assert plan.detail["saved_for_backward"] != _planned("TSP(1)", 1, "bf16", "qwen3_5").detail["saved_for_backward"]
 
 
+def _saved_and_planned(arch, dtype, name, **overrides):
+    """(saved, planned) bytes of the whole TSP model at one rank, against the saved-tensor hooks."""
+    from ds_tsp import inject
+    from ds_tsp.config import TSPConfig
+    from ds_tsp.parallel.topology import TSPTopology
+    from models import tiny_config, tiny_model
+
+    model = inject(tiny_model(arch, dtype=dtype, **overrides), TSPTopology(1),
+                   TSPConfig(enabled=True, size=1, attention_backend="sdpa"))
+    input_ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+    saved = saved_bytes(model.parameters(), lambda: model(input_ids=input_ids, labels=input_ids))[1]
+    plans = {p.name: p for p in planner.plan(tiny_config(arch, **overrides).to_dict(), SEQ, BATCH, 1, name)}
+    return saved, plans["TSP(1)"].detail["saved_for_backward"]
+
+
+def test_mamba2_and_kda_layers_saved_activations_equal_the_models():
+    # A Mamba-2 mixer (the streamed schedule) and a KDA layer save their input alone. Bamba whole (Mamba-2 layers
+    # beside a rotary attention); a KDA layer and a Nemotron-H Mamba-2 layer of one block as what one more such
+    # layer adds (the models' heads and norms around them are counted apart from the recurrent kinds).
+    saved, planned = _saved_and_planned("bamba", torch.bfloat16, "bf16")
+    print(f"TSP(1) bamba bf16: saved {saved} B, planned {planned:.0f} B")
+    assert saved == planned
+    for arch, kind in (("kimi_linear", dict(mlp_layer_types=["dense"] * 2)), ("nemotron_h_dense", {})):
+        added = []
+        for layers in (1, 2):
+            if arch == "kimi_linear":
+                types = dict(num_hidden_layers=layers, layer_types=["linear_attention"] * layers,
+                             mlp_layer_types=kind["mlp_layer_types"][:layers])
+            else:  # a Mamba-2 layer more before Nemotron-H's MLP layer
+                types = dict(layers_block_type=["linear_attention"] * layers + ["mlp"])
+            added.append(_saved_and_planned(arch, torch.float32, "fp32", **types))
+        (saved1, planned1), (saved2, planned2) = added
+        print(f"TSP(1) {arch}: one more recurrent layer saves {saved2 - saved1} B, planned {planned2 - planned1:.0f} B")
+        assert saved2 - saved1 == planned2 - planned1 > 0
+
+
+def test_mamba2_hybrid_memory_by_hand():
+    # Nemotron-H-8B at 128K tokens on 8 devices, bf16, ZeRO-3: N = 16384 local tokens for TSP and the baselines.
+    m = planner.model_shape("nemotron-h-8b")
+    H, N, di, bc = 4096, 16384, 8192, 1024
+    plans = {p.name: p for p in planner.plan(m, 131072, 1, 8, "bf16", 3)}
+    tsp, ulysses, heads = plans["TSP(8)"], plans["SP-Ulysses(8)"], plans["CP-heads(8)"]
+    # TSP's model states: 1/8 of every Mamba-2 mixer (in_proj's z, x, B, C, dt rows, the 4-tap convolution with
+    # its bias, dt_bias, A_log, D, out_proj) and its gated norm whole; the largest attention shard (4 query heads
+    # and their o_proj columns, a key/value head); 1/8 of each ungated MLP; one norm a layer; the folded
+    # vocabulary's 16384 rows of the embedding and of the head, and the final norm.
+    mamba = (H * (2 * di + 2 * bc + 128) + 5 * (di + 2 * bc) + 3 * 128 + di * H) // 8 + di
+    attention = 4 * 2 * 128 * H + 2 * 128 * H
+    per_rank = 24 * mamba + 4 * attention + 24 * 2 * H * 21504 // 8 + 52 * H + 2 * 16384 * H + H
+    assert tsp.memory["weights"] == 2 * per_rank and tsp.memory["optimizer"] == 12 * per_rank
+    # A Mamba-2 layer saves its local input and its norm's (float32 input, 1/rms: Llama's RMSNorm, bf16 output).
+    assert memory.tsp_block_saved_per_token(m, 2, "fused", linear=True)["attention"] == 2 * H + 4 * H + 4 + 2 * H
+    # Its backward: every rank's 2 chunks' maps (one scalar and 128 x 64 a head) and their state gradients,
+    # float32, whatever the length; every head of the local tokens recomputed (ds_tsp's torch path).
+    all_mamba = {p.name: p for p in planner.plan(replace(m, linear_layers=28), 131072, 1, 8, "bf16", 3)}["TSP(8)"]
+    assert all_mamba.detail["state_maps"] == 4 * (2 * 8 * 128 * (1 + 128 * 64) + 2 * 8 * 128 * 128 * 64)
+    assert "kv_head_group" not in all_mamba.detail
+    # Ulysses runs each Mamba-2 layer on its own tokens: not the model. Megatron-style context parallelism moves
+    # the mixers' heads by all-to-all too (z, x, B and C of 8 groups, dt, and the scan's output back): exact, at
+    # the price of those bytes, 3 passes with none checkpointed... 2 here (forward and backward).
+    assert "24 Mamba-2 layers" in ulysses.inexact and not heads.inexact and not tsp.inexact
+    a2a = 7 / 8 * N * (2 * di + 2 * 8 * 128 + 128 + di) * 2
+    assert heads.comm_parts["sp_all_to_all"].nbytes - ulysses.comm_parts["sp_all_to_all"].nbytes == \
+        pytest.approx(2 * 24 * a2a)
+    assert heads.memory["activations"] == ulysses.memory["activations"]
+    # At 1M tokens nothing fits 8 devices of 141 GB without checkpointing (TSP's mixers recompute every head of
+    # their local tokens); checkpointed on 32 (the attention's heads), TSP holds less than either all-to-all.
+    long = {p.name: p for p in planner.plan(m, 1048576, 1, 32, "bf16", 3, activation_checkpointing=True)}
+    assert long["TSP(32)"].total < min(long["CP-heads(32)"].total, long["SP-Ulysses(32)"].total, 141e9)
+
+
 def test_hybrid_memory_by_hand():
     # Qwen3.5-27B at 128K tokens on 8 devices, bf16, ZeRO-3: N = 16384 local tokens for TSP and for Ulysses.
     m = planner.model_shape("qwen3.5-27b")

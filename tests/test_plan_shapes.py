@@ -214,6 +214,71 @@ def test_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
     assert m.rotary_dim == 2  # a quarter of each head of 8 rotates
 
 
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h_dense",
+                                  "kimi_linear"])
+def test_mamba2_and_kda_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
+    from models import MODEL_CLASSES, tiny_config
+
+    config = tiny_config(arch)
+    m = planner.model_shape(config.to_dict())
+    numel = sum(p.numel() for p in MODEL_CLASSES[arch](config).parameters())
+    print(f"{arch}: planner {m.params} / {m.active_params}, Hugging Face {numel}; {m.mixer_kinds} {m.layer_kinds}")
+    assert m.params == numel
+    H = HIDDEN
+    if arch == "kimi_linear":
+        # KDA, 4 heads of 4 (R = 16 rows): q/k/v 3*16*16 and their 4-tap convolutions 3*16*4, f_b/g_b 2*16*4,
+        # dt_bias 16, A_log 4, b_proj 4*16, o_proj 16*16; kept whole: f_a/g_a 2*16*4 and the gated norm 4.
+        assert m.recurrent.params == 3 * H * 16 + 3 * 16 * 4 + 2 * 16 * 4 + 16 + 4 + 4 * H + 16 * H
+        assert m.recurrent.replicated_tensors == [H * 4, H * 4, 4]
+        return
+    # Mamba-2, 8 heads of 4 (d_inner 32), 2 groups of state 4: in_proj 16 * (2*32 + 2*8 + 8), the 4-tap
+    # convolution and its bias (32 + 2*8) * 5, dt_bias, A_log, D 3*8, out_proj 32*16; the gated norm 32 whole.
+    assert m.recurrent.params == H * (2 * 32 + 2 * 8 + 8) + 5 * (32 + 16) + 3 * 8 + 32 * H
+    assert m.recurrent.replicated_tensors == [32]
+    if arch == "nemotron_h_dense":  # one block a layer, each with its norm: 2 Mamba-2, 1 attention, 2 MLPs
+        assert (m.mixer_kinds, m.layer_kinds, m.one_block_layers) == ((("attention", 1), ("linear", 2)),
+                                                                      ((False, 2),), True)
+        assert m.mixer_replicated_tensors(linear=True) == [H, 32] and not m.mlp_gated
+
+
+def test_mamba2_and_kda_presets_by_hand():
+    """Nemotron-H-8B's, Granite-4.0-H-Small's and Kimi-Linear-48B-A3B's sizes, counted by hand."""
+    m = planner.model_shape("nemotron-h-8b")
+    H, di, bc, nh = 4096, 8192, 1024, 128
+    mamba = H * (2 * di + 2 * bc + nh) + 5 * (di + 2 * bc) + 3 * nh + di * H + di
+    attention = H * (32 + 2 * 8) * 128 + 32 * 128 * H
+    mlp = 2 * H * 21504  # ungated relu2: up and down
+    assert m.params == 24 * mamba + 4 * attention + 24 * mlp + 52 * H + 2 * 131072 * H + H
+    assert f"{m.params / 1e9:.1f}" == "8.1" and (m.mixer_only_layers, m.ffn_only_layers) == (28, 24)
+    m = planner.model_shape("granite-4.0-h-small")
+    mamba = H * (2 * di + 2 * 128 + nh) + 5 * (di + 2 * 128) + 3 * nh + di * H + di
+    attention = H * (32 + 2 * 8) * 128 + 32 * 128 * H
+    sparse = 72 * H + 72 * 3 * H * 768 + 3 * H * 1536  # router, experts, the shared MLP
+    assert m.params == 36 * mamba + 4 * attention + 40 * (sparse + 2 * H) + 100352 * H + H
+    assert (f"{m.params / 1e9:.1f}", f"{m.active_params / 1e9:.1f}") == ("32.2", "8.8")
+    m = planner.model_shape("kimi-linear-48b-a3b")
+    assert (m.linear_layers, m.is_latent, m.moe_layers, m.num_experts) == (21, True, 26, 256)
+    assert f"{m.params / 1e9:.1f}" == "49.1"
+
+
+def test_tsp_refuses_a_size_that_splits_a_mamba2_head_or_its_state_rows():
+    from ds_tsp.blocks.linear.mamba2_shards import Mamba2Shapes
+
+    # The planner's rule is the block's (mamba2_shards.Mamba2Shapes): whole heads, and 1/D of the B and C rows.
+    for heads, groups, state in ((8, 2, 4), (6, 1, 4), (12, 3, 2)):
+        for D in (1, 2, 3, 4, 8):
+            try:
+                Mamba2Shapes(HIDDEN, heads, 4, groups, state, 4, D)
+                refused = False
+            except ValueError:
+                refused = True
+            m = planner.model_shape({**tiny_shape(layers=4), "model_type": "bamba", "attn_layer_indices": [1],
+                                     "num_attention_heads": 24, "num_key_value_heads": 24, "intermediate_size": 24 * 8,
+                                     "mamba_n_heads": heads, "mamba_d_head": 4, "mamba_n_groups": groups,
+                                     "mamba_d_state": state})
+            assert (planner.tsp_shape_problem(m, D) is not None) == refused, (heads, groups, state, D)
+
+
 def test_hybrid_presets_by_hand():
     def attention(H, nq, nkv, d=256):  # gated: q_proj's 2 d rows a head, then k, v, o_proj; per-head q/k norms
         return H * nq * 2 * d + 2 * H * nkv * d + nq * d * H + 2 * d

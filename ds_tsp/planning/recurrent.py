@@ -237,8 +237,9 @@ class Mamba2:
         return self.params
 
     def describe(self):
-        return (f"{self.kind} ({self.num_heads} heads of {self.head_dim}, {self.n_groups} groups of state "
-                f"{self.state_size}, a {self.conv_kernel}-tap convolution, chunks of {self.chunk_size})")
+        groups = f"{self.n_groups} groups" if self.n_groups > 1 else "one group"
+        return (f"{self.kind} ({self.num_heads} heads of {self.head_dim}, {groups} of state {self.state_size}, "
+                f"a {self.conv_kernel}-tap convolution, chunks of {self.chunk_size})")
 
     def shape_problem(self, ranks, tsp=True):
         """Why ``ranks`` cannot split the mixer (``mamba2_shards.Mamba2Shapes``'s rules; for TP and a head

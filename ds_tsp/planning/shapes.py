@@ -155,6 +155,38 @@ PRESETS = {
                               linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
                               num_experts_per_tok=10, moe_intermediate_size=1024,
                               shared_expert_intermediate_size=1024),
+    # Mamba-2 and KDA hybrids (DESIGN.md 6n). Nemotron-H-8B's shape (its released config): 52 layers of one block,
+    # 24 Mamba-2 mixers (128 heads of 64, 8 groups of state 128), 4 NoPE attention layers (32 query and 8
+    # key/value heads of 128) and 24 ungated relu2 MLPs of 21504; 8.1B parameters.
+    "nemotron-h-8b": dict(model_type="nemotron_h", hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
+                          hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
+                          tie_word_embeddings=False, mamba_num_heads=128, mamba_head_dim=64, n_groups=8,
+                          ssm_state_size=128, conv_kernel=4, chunk_size=128, use_conv_bias=True, use_bias=False,
+                          mlp_bias=False),
+    # Granite-4.0-H-Small's (its released config): 40 layers, 36 Mamba-2 mixers (128 heads of 64, one group of
+    # state 128) and 4 NoPE attention layers, each beside 72 experts of 768 (top-10) and a shared MLP of 1536;
+    # 32.2B parameters, 8.8B active per token.
+    "granite-4.0-h-small": dict(model_type="granitemoehybrid", hidden_size=4096, intermediate_size=768,
+                                shared_intermediate_size=1536, num_hidden_layers=40, num_attention_heads=32,
+                                num_key_value_heads=8, vocab_size=100352, tie_word_embeddings=True,
+                                num_local_experts=72, num_experts_per_tok=10,
+                                layer_types=(["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4, mamba_n_heads=128,
+                                mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+                                mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+                                position_embedding_type="nope"),
+    # Kimi-Linear-48B-A3B's, as transformers' KimiLinearConfig gives it: 27 layers, 21 KDA (32 heads of 128) and
+    # 6 multi-head latent attention layers without rotary positions, 256 experts of 1024 (top-8) and a shared one
+    # after a dense first layer of 9216; 49.1B parameters, 3.5B active per token (the embedding's included).
+    "kimi-linear-48b-a3b": dict(model_type="kimi_linear", hidden_size=2304, intermediate_size=9216,
+                                num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+                                layer_types=["linear_attention"] * 4 + (["full_attention"] + ["linear_attention"] * 3)
+                                * 5 + ["full_attention", "linear_attention", "linear_attention"],
+                                vocab_size=163840, tie_word_embeddings=False, kv_lora_rank=512, q_lora_rank=None,
+                                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, linear_num_heads=32,
+                                linear_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                                num_experts_per_token=8, moe_intermediate_size=1024, num_shared_experts=1,
+                                first_k_dense_replace=1, moe_renormalize=True),
 }
 # The Qwen3.5-27B vision-language model's decoder is the text preset's.
 PRESETS["qwen3.5-27b-vl"]["text_config"] = PRESETS["qwen3.5-27b"]
@@ -804,8 +836,12 @@ def _recurrent_fields(fields):
                          "Nemotron-H")
     pattern = dict(linear_layers=linear)
     if model_type == "nemotron_h":
+        if all(kind not in FFN_ONLY_LAYER_TYPES for kind in types):
+            raise ValueError(f"model config's layers_block_type {types} holds no 'mlp' layer: the planner models "
+                             "Nemotron-H patterns of token mixers and MLPs both (every released one)")
         pattern.update(mixer_only_layers=sum(kind not in FFN_ONLY_LAYER_TYPES for kind in types),
-                       ffn_only_layers=sum(kind in FFN_ONLY_LAYER_TYPES for kind in types), mlp_gated=False)
+                       ffn_only_layers=sum(kind in FFN_ONLY_LAYER_TYPES for kind in types), mlp_gated=False,
+                       norms_per_layer=1)
     return {**pattern, **_recurrent_mixer(fields)}
 
 
