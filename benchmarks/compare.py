@@ -18,8 +18,7 @@ bytes communicated and step time per rank, for two small models (``--models``):
   MLPs alternating, one NoPE attention layer), vocabulary 32,000, at D = 2.
   TSP exchanges the Mamba-2 chunks' state maps (one scalar and ``n x p`` a
   head, bytes independent of the length); Ulysses' Mamba-2 layers run on each
-  rank's own tokens alone, as the hybrid row's, and compute another model; the
-  planner does not model Mamba-2 layers yet, so the row has no planned columns;
+  rank's own tokens alone, as the hybrid row's, and compute another model;
 * ``moe``, the mixture-of-experts row: Qwen3-MoE-shaped, the same width and
   depth, every layer sparse (``--experts`` experts of ``--expert-intermediate``,
   top-``--top-k``, renormalised), vocabulary 32,000, at ``--moe-sizes``

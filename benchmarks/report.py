@@ -162,8 +162,8 @@ def tabulate(results, args, rows_exchanged):
                 # the single process starts from.
                 if name in TSP_X_DP and ref_losses and seq_len == args.seq_lens[0] and not isinstance(value, str):
                     summaries[key]["first_loss_diff_vs_single"] = abs(summaries[key]["losses"][0] - ref_losses[0])
-                if getattr(args, "lora_rank", 0) or getattr(args, "model", "dense") == "nemotron":
-                    continue  # the planner models full fine-tuning, and no Mamba-2 layer yet
+                if getattr(args, "lora_rank", 0):
+                    continue  # the planner models full fine-tuning
                 if planner_counterpart(name, world, is_moe(args)):
                     planned_peaks[key] = planned_peak_row(args, name, world, seq_len, summaries[key])
                 if name in TSP_STRATEGIES:
@@ -212,7 +212,7 @@ def write_markdown(results, tables, args, meta):
         results, summaries, args)
     lines += _moe_schedule_table(summaries, tsp_bytes, args) if is_moe(args) else []
     lines += _expert_fold_tables(results, summaries, tsp_bytes, args)
-    if planned_peaks or tsp_bytes:  # none for LoRA (the planner models full fine-tuning) and Mamba-2 layers
+    if planned_peaks or tsp_bytes:  # none for LoRA (the planner models full fine-tuning)
         lines += _planned_peak_table(planned_peaks, args)
         lines += _tsp_bytes_table(tsp_bytes, args)
         lines += ["", bytes_verdict(tsp_bytes)]
@@ -299,8 +299,8 @@ def _preamble(args, meta, results):
                                                 "state at each rank's first token, and compute another model's "
                                                 "output" if "layer_types" in model else "") + (
                 ", but for Ulysses here: its Mamba-2 layers (and their convolutions) run on each rank's own tokens "
-                "alone and compute another model's output; no planned columns (the planner does not model "
-                "Mamba-2 layers yet)" if "layers_block_type" in model else "") + ".", "",
+                "alone and compute another model's output (the planner's Megatron-style CP-heads is the exact "
+                "all-to-all: `ds-tsp plan`)" if "layers_block_type" in model else "") + ".", "",
             "Reading the bytes: TSP's are a weight term that does not grow with S (block weight shards and, folded, "
             "the LM head's shards round the ring; replicated, the all-reduce of the embedding and head gradients) "
             "plus a K/V term linear in S; AutoTP's are activation all-reduces, linear in S; Ulysses' are the "
