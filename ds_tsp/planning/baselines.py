@@ -266,7 +266,8 @@ def _baseline_params(m, b):
         kv = view.kv_projections * view.num_kv_heads * view.head_dim * H
         return (view.attention_params - kv) / t + kv * _kv_heads(view, t) / view.num_kv_heads
 
-    mixer = {kind: (view.recurrent.params / t if linear else attention(view)) + sum(view.mixer_replicated_tensors(linear))
+    mixer = {kind: (view.recurrent.params / t if linear else attention(view))
+             + sum(view.mixer_replicated_tensors(linear))
              for kind, (view, linear) in ((kind, m.mixer_view(kind)) for kind, _ in m.mixer_kinds)}
     ffn = {sparse: _baseline_ffn_params(m, b.ffn_t(sparse), sparse, b.expert_parallel)
            + sum(m.ffn_replicated_tensors(sparse)) for sparse, _ in m.layer_kinds}

@@ -664,6 +664,25 @@ DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
 
+def _recurrent_hybrid_moe_fields(fields, experts):
+    """Granite-4.0-H's experts (of ``intermediate_size``, beside the shared MLP, every layer) or Kimi Linear's
+    (sigmoid-routed after a dense prefix, an ungated shared expert)."""
+    if fields["model_type"] == "granitemoehybrid":
+        return dict(num_experts=experts["num_local_experts"], experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"],
+                    shared_expert_size=fields.get("shared_intermediate_size") or 0, shared_expert_gate=False,
+                    moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
+                    output_router_logits=bool(fields.get("output_router_logits")))
+    layers, first_dense = fields["num_hidden_layers"], fields.get("first_k_dense_replace") or 0
+    types = fields.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
+    size = fields["moe_intermediate_size"]
+    return dict(num_experts=experts["num_experts"],
+                experts_per_token=fields.get("num_experts_per_token") or fields["num_experts_per_tok"],
+                expert_size=size, shared_expert_size=size * (fields.get("num_shared_experts") or 0),
+                shared_expert_gate=False, moe_layers=types.count("sparse"),
+                renormalise_top_k=bool(fields.get("moe_renormalize", True)), router_weights_fp32=True)
+
+
 def _moe_fields(fields):
     """The ``ModelShape`` fields of a mixture-of-experts config: Mixtral and
     MiniMax-M2 (``num_local_experts``, every layer sparse, experts of
@@ -681,21 +700,8 @@ def _moe_fields(fields):
         return dict(dense_size=fields["shared_intermediate_size"])
     if not experts or model_type == "nemotron_h":  # Nemotron-H's MoE layers are refused with its layer pattern
         return {}
-    if model_type == "granitemoehybrid":  # experts of intermediate_size beside the shared MLP, every layer
-        return dict(num_experts=experts["num_local_experts"], experts_per_token=fields["num_experts_per_tok"],
-                    expert_size=fields["intermediate_size"],
-                    shared_expert_size=fields.get("shared_intermediate_size") or 0, shared_expert_gate=False,
-                    moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
-                    output_router_logits=bool(fields.get("output_router_logits")))
-    if model_type == "kimi_linear":  # sigmoid-routed experts after a dense prefix, an ungated shared expert
-        layers, first_dense = fields["num_hidden_layers"], fields.get("first_k_dense_replace") or 0
-        types = fields.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
-        size = fields["moe_intermediate_size"]
-        return dict(num_experts=experts["num_experts"],
-                    experts_per_token=fields.get("num_experts_per_token") or fields["num_experts_per_tok"],
-                    expert_size=size, shared_expert_size=size * (fields.get("num_shared_experts") or 0),
-                    shared_expert_gate=False, moe_layers=types.count("sparse"),
-                    renormalise_top_k=bool(fields.get("moe_renormalize", True)), router_weights_fp32=True)
+    if model_type in ("granitemoehybrid", "kimi_linear"):
+        return _recurrent_hybrid_moe_fields(fields, experts)
     if model_type in GEMMA4_MODEL_TYPES:  # num_experts is read only with enable_moe_block
         if not fields.get("enable_moe_block"):
             return {}
