@@ -580,13 +580,16 @@ def test_hybrid_step_bytes_equal_what_the_model_counts(run_ranks):
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])
-def test_mamba2_and_kda_hybrid_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
+def test_recurrent_hybrid_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
     """Issue 63's hybrids as the planner reads their configs: Mamba-2's pieces, halos and state maps (Bamba,
     Granite-4.0-H with its experts on the ring, Nemotron-H's layers of one block, checkpointed), KDA's head
-    groups beside a latent attention (Kimi Linear, float32: its strict-float32 dt_bias is refused narrower)."""
+    groups beside a latent attention (Kimi Linear, float32: its strict-float32 dt_bias is refused narrower),
+    Jamba's Mamba-1 channels and experts, LFM2's short convolutions (biased, checkpointed) and LFM2-MoE's."""
     dtype = torch.float64 if tsp_size == 2 else torch.bfloat16
     cases = [("bamba", dtype, True, False), ("granitemoehybrid_moe", dtype, True, False),
-             ("nemotron_h_dense", dtype, True, tsp_size == 2), ("kimi_linear", torch.float32, True, False)]
+             ("nemotron_h_dense", dtype, True, tsp_size == 2), ("kimi_linear", torch.float32, True, False),
+             ("jamba", dtype, True, False), ("lfm2_biased", dtype, True, tsp_size == 4),
+             ("lfm2_moe", dtype, True, False)]
     _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
 
 

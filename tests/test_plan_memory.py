@@ -325,22 +325,23 @@ def _saved_and_planned(arch, dtype, name, **overrides):
     return saved, plans["TSP(1)"].detail["saved_for_backward"]
 
 
-def test_mamba2_and_kda_layers_saved_activations_equal_the_models():
-    # A Mamba-2 mixer (the streamed schedule) and a KDA layer save their input alone. Bamba whole (Mamba-2 layers
-    # beside a rotary attention); a KDA layer and a Nemotron-H Mamba-2 layer of one block as what one more such
-    # layer adds (the models' heads and norms around them are counted apart from the recurrent kinds).
+def test_recurrent_layers_saved_activations_equal_the_models():
+    # A recurrent layer (the streamed schedule's Mamba-2, Mamba-1 and short convolution; a KDA layer) saves its
+    # input alone. Bamba whole (Mamba-2 layers beside a rotary attention); a KDA layer, a Nemotron-H Mamba-2
+    # layer of one block, a Jamba Mamba-1 layer and an LFM2 convolution layer as what one more such layer adds
+    # (the models' heads and norms around them are counted apart from the recurrent kinds).
     saved, planned = _saved_and_planned("bamba", torch.bfloat16, "bf16")
     print(f"TSP(1) bamba bf16: saved {saved} B, planned {planned:.0f} B")
     assert saved == planned
-    for arch, kind in (("kimi_linear", dict(mlp_layer_types=["dense"] * 2)), ("nemotron_h_dense", {})):
-        added = []
-        for layers in (1, 2):
-            if arch == "kimi_linear":
-                types = dict(num_hidden_layers=layers, layer_types=["linear_attention"] * layers,
-                             mlp_layer_types=kind["mlp_layer_types"][:layers])
-            else:  # a Mamba-2 layer more before Nemotron-H's MLP layer
-                types = dict(layers_block_type=["linear_attention"] * layers + ["mlp"])
-            added.append(_saved_and_planned(arch, torch.float32, "fp32", **types))
+    recurrent_layers = {  # each model's layers: all recurrent, dense MLPs (Nemotron-H's one MLP layer after)
+        "kimi_linear": lambda L: dict(num_hidden_layers=L, layer_types=["linear_attention"] * L,
+                                      mlp_layer_types=["dense"] * L),
+        "nemotron_h_dense": lambda L: dict(layers_block_type=["linear_attention"] * L + ["mlp"]),
+        "jamba": lambda L: dict(num_hidden_layers=L, attn_layer_period=8, attn_layer_offset=7,
+                                expert_layer_period=8, expert_layer_offset=7),
+        "lfm2": lambda L: dict(num_hidden_layers=L, layer_types=["conv"] * L)}
+    for arch, overrides in recurrent_layers.items():
+        added = [_saved_and_planned(arch, torch.float32, "fp32", **overrides(layers)) for layers in (1, 2)]
         (saved1, planned1), (saved2, planned2) = added
         print(f"TSP(1) {arch}: one more recurrent layer saves {saved2 - saved1} B, planned {planned2 - planned1:.0f} B")
         assert saved2 - saved1 == planned2 - planned1 > 0

@@ -161,15 +161,15 @@ def test_gemma4_layers_the_planner_does_not_model_are_refused():
             planner.model_shape({**planner.PRESETS["gemma-4-31b"], key: 2})
 
 
-@pytest.mark.parametrize("arch", ["falcon_h1", "jamba", "lfm2", "lfm3", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["falcon_h1", "lfm3", "olmo_hybrid"])
 def test_recurrent_mixers_the_planner_does_not_model_are_refused(arch):
-    """Mamba-1, short-convolution, side-by-side and OLMo-Hybrid's hybrids (which ds_tsp trains) are refused by
+    """Falcon-H1's side-by-side mixers, LFM3's and OLMo-Hybrid's hybrids (which ds_tsp trains) are refused by
     name, not planned as models of attention layers alone."""
     from models import tiny_config
 
     with pytest.raises(ValueError, match=rf"\(model_type '{arch}'\): the planner models the recurrent layers of "
                                          r"qwen3_next, qwen3_5_text, qwen3_5_moe_text, kimi_linear, nemotron_h, "
-                                         r"granitemoehybrid, bamba only"):
+                                         r"granitemoehybrid, bamba, jamba, lfm2, lfm2_moe only"):
         planner.model_shape(tiny_config(arch).to_dict())
     # Nemotron-H's ungated experts are not modelled: its MoE layers are refused by name.
     with pytest.raises(ValueError, match=r"Nemotron-H mixture-of-experts layers \(layers_block_type 'moe'\)"):
@@ -183,8 +183,8 @@ def test_other_mixture_of_experts_configs_are_refused():
                                          r"glm4_moe_lite, mistral4, qwen3_next, qwen3_5_moe_text, phimoe, "
                                          r"granitemoe, hunyuan_v1_moe, cohere2_moe, ernie4_5_moe, gemma4_text only"):
         planner.model_shape({**tiny_shape(), "model_type": "longcat_flash", "n_routed_experts": 64})
-    with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'jamba'\)"):
-        planner.model_shape({**tiny_shape(), "model_type": "jamba", "num_experts": 8})
+    with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'dbrx'\)"):
+        planner.model_shape({**tiny_shape(), "model_type": "dbrx", "num_experts": 8})
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         planner.model_shape({**tiny_shape(), "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2})
 
@@ -215,8 +215,8 @@ def test_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
 
 
 @pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h_dense",
-                                  "kimi_linear"])
-def test_mamba2_and_kda_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
+                                  "kimi_linear", "jamba", "lfm2", "lfm2_biased", "lfm2_moe"])
+def test_recurrent_hybrid_parameters_by_hand_and_against_the_hf_model(arch):
     from models import MODEL_CLASSES, tiny_config
 
     config = tiny_config(arch)
@@ -225,6 +225,20 @@ def test_mamba2_and_kda_hybrid_parameters_by_hand_and_against_the_hf_model(arch)
     print(f"{arch}: planner {m.params} / {m.active_params}, Hugging Face {numel}; {m.mixer_kinds} {m.layer_kinds}")
     assert m.params == numel
     H = HIDDEN
+    if arch == "jamba":
+        # Mamba-1, 32 channels of state 4, dt rank 4: in_proj 16 * 2*32, the 4-tap convolution and its bias 5*32,
+        # x_proj 32 * (4 + 2*4), dt_proj and its bias 5*32, A_log 32*4, D 32, out_proj 32*16; its dt, B and C
+        # norms whole.
+        assert m.recurrent.params == H * 64 + 5 * 32 + 32 * 12 + 5 * 32 + 32 * 4 + 32 + 32 * H
+        assert m.recurrent.replicated_tensors == [4, 4, 4]
+        return
+    if arch.startswith("lfm2"):
+        # The gated short convolution over 16 channels: in_proj 16 * 3*16, 3 taps, out_proj 16*16 (biases on
+        # in_proj and the taps split, out_proj's whole, where conv_bias).
+        bias = arch == "lfm2_biased"
+        assert m.recurrent.params == (H + bias) * 3 * H + (3 + bias) * H + H * H
+        assert m.recurrent.replicated_tensors == ([H] if bias else []) and m.qk_norm
+        return
     if arch == "kimi_linear":
         # KDA, 4 heads of 4 (R = 16 rows): q/k/v 3*16*16 and their 4-tap convolutions 3*16*4, f_b/g_b 2*16*4,
         # dt_bias 16, A_log 4, b_proj 4*16, o_proj 16*16; kept whole: f_a/g_a 2*16*4 and the gated norm 4.
@@ -316,8 +330,8 @@ def test_hybrid_configs_are_read_from_layer_types_or_the_interval():
     assert by_interval == nested and by_interval.mixer_kinds == (("attention", 1), ("linear", 3))
     assert listed.mixer_kinds == (("attention", 2), ("linear", 2)) and by_interval.renormalise_top_k
     assert by_interval.moe_layers == 4 and by_interval.intermediate_size == 0
-    with pytest.raises(ValueError, match=r"3 linear_attention layers \(model_type 'olmo_hybrid'\): the planner "
-                                         r"models the recurrent layers of qwen3_next"):
+    with pytest.raises(ValueError, match=r"3 recurrent layers \(linear_attention\) \(model_type 'olmo_hybrid'\): "
+                                         r"the planner models the recurrent layers of qwen3_next"):
         planner.model_shape({**tiny_hybrid_shape(), "model_type": "olmo_hybrid",
                              "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
 

@@ -3,15 +3,16 @@ communication and FLOPs of DP, TP, SP (Ulysses), CP (all-gather), TP+SP and
 TSP for a decoder LM (DESIGN.md 8), dense or mixture-of-experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE: DESIGN.md 6c; experts folded across data-parallel
 replicas: 6k), with latent attention (6i), Gated
-DeltaNet layers (Qwen3-Next, Qwen3.5: 6j), KDA or Mamba-2 layers (Kimi Linear,
-Nemotron-H, Granite-4.0-H, Bamba: 6n), the longest sequence each trains, and
+DeltaNet layers (Qwen3-Next, Qwen3.5: 6j), KDA, Mamba-2, Mamba-1 or short
+convolutions (Kimi Linear, Nemotron-H, Granite-4.0-H, Bamba, Jamba, LFM2: 6n),
+the longest sequence each trains, and
 each one's step time on a cluster. Imports no torch.
 
 One module per concern, in the order they build on one another:
 
 | module | holds |
 |---|---|
-| ``recurrent`` | the recurrent mixers (Gated DeltaNet, KDA, Mamba-2): their weights, FLOPs, saved tensors, buffers |
+| ``recurrent`` | the recurrent mixers (Gated DeltaNet, KDA, Mamba-2, Mamba-1, short convolutions): their costs |
 | ``shapes`` | model sizes (presets, HF configs, MoE layers), precisions, the run's ``Setting``, how TSP cuts a model |
 | ``communication`` | bytes each TSP rank receives per op, per layer and per step, as ``parallel.comm`` counts them; |
 | | a MoE layer's expert ring against the token all-to-all |

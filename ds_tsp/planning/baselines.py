@@ -3,12 +3,13 @@ as Hugging Face layers with heads and ``F`` split over ``t``, tokens over
 ``c`` and ``dp`` replicas; with ALST's pieces (TiledMLP, a tiled loss) and
 DeepSpeed AutoTP's vocabulary layout as options.
 
-A hybrid's recurrent layers (Gated DeltaNet, KDA, Mamba-2) split their heads
-over ``t`` as attention does; under SP and CP each rank runs them on its own
-tokens with the whole weights, which is not the model's function
-(``inexact_reason``). Megatron-style context parallelism (``CP-heads``, its
-Mamba layers' ``MambaContextParallel``) moves their heads by all-to-all as
-Ulysses moves the attention's: exact, its group bounded by their heads.
+A hybrid's recurrent layers (Gated DeltaNet, KDA, Mamba-2, Mamba-1, short
+convolutions) split their heads (or channels) over ``t`` as attention does;
+under SP and CP each rank runs them on its own tokens with the whole weights,
+which is not the model's function (``inexact_reason``). Megatron-style context
+parallelism (``CP-heads``, its Mamba layers' ``MambaContextParallel``) moves
+their heads by all-to-all as Ulysses moves the attention's: exact, its group
+bounded by their heads; a Mamba-1 layer has no such split.
 
 Sparse MoE layers are Hugging Face's: DP, SP and CP replicate every expert
 (ZeRO-3 partitions them over the sequence axis and gathers one layer's whole
@@ -230,6 +231,8 @@ def _baseline_problem(m, t, c, kind, seq_len, experts_split):
         return f"heads {nq}/{nkv} or intermediate_size {m.intermediate_size} do not split over tp={t}"
     if m.is_moe and experts_split and (m.expert_size % t or m.shared_expert_size % t):
         return f"the experts' intermediate sizes {m.expert_size}/{m.shared_expert_size} do not split over tp={t}"
+    if kind == "heads" and m.is_hybrid and not m.recurrent.head_all_to_all:
+        return f"no head all-to-all splits a {m.recurrent.kind} layer (its x_proj mixes every channel)"
     recurrent_ranks = t * c if kind == "heads" else t  # a head all-to-all splits the heads over c as well
     if m.is_hybrid and m.recurrent.shape_problem(recurrent_ranks, tsp=False):
         return f"tp={t}" + (f" x cp={c}" if kind == "heads" else "") + ": " + \
@@ -405,7 +408,8 @@ def _baseline_layer_buffers(setting, b, params):
         "grad_x": 2 * tokens * m.hidden_size * e,
         "all_to_all_buffers": max([tokens * (v.num_heads / t + 2 * _kv_heads(v, t)) * v.head_dim * e for v in views]
                                   + ([tokens * m.recurrent.head_all_to_all_elements(b.c) / t * e]
-                                     if b.kind == "heads" else [])) if b.ulysses else 0,
+                                     if b.kind == "heads" and m.recurrent.head_all_to_all else []))
+        if b.ulysses else 0,
         "full_kv_grads": max(2 * B * S * 2 * _kv_heads(v, t) * v.head_dim * e for v in views) if b.gathers_kv else 0,
         "zero3_gathered_layers": 2 * params.largest_layer * e if b.zero3(setting) else 0,
     }
@@ -447,7 +451,8 @@ def _baseline_communication(setting, b, params):
 
     def recurrent_heads(view):  # Megatron's context parallelism: the recurrent mixer's heads by all-to-all
         r = view.recurrent
-        return _gather(c, tokens * r.head_all_to_all_elements(c) / t * e) if b.kind == "heads" else 0
+        return _gather(c, tokens * r.head_all_to_all_elements(c) / t * e) if b.kind == "heads" and \
+            r.head_all_to_all else 0
 
     views = {("mixer", kind): m.mixer_view(kind) for kind, _ in m.mixer_kinds}
     sp = {kind: (recurrent_heads if views[kind][1] else sequence_parallel)(views[kind][0]) if kind in views else 0

@@ -27,7 +27,7 @@ a bf16 or fp16 ``communication_data_type``."""
 
 from fractions import Fraction
 
-from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention
+from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention, Mamba1, ShortConvolution
 from ds_tsp.planning.shapes import (
     FLOAT32,
     INT64,
@@ -262,6 +262,11 @@ def recurrent_bytes_by_op(mixer, batch, local_tokens, tsp_size, elem_bytes, dire
     if isinstance(r, GatedDeltaNet):
         return delta_net_bytes_by_op(r.hidden_size, r.num_key_heads, r.num_value_heads, r.key_head_dim,
                                      r.value_head_dim, r.conv_kernel, *common, **wire)
+    if isinstance(r, Mamba1):
+        return mamba1_bytes_by_op(r.hidden_size, r.d_inner, r.state_size, r.dt_rank, r.conv_kernel, *common,
+                                  proj_bias=r.proj_bias, conv_bias=r.conv_bias, **wire)
+    if isinstance(r, ShortConvolution):
+        return short_conv_bytes_by_op(r.hidden_size, r.conv_kernel, *common, bias=r.bias, **wire)
     return mamba2_bytes_by_op(r.hidden_size, r.num_heads, r.head_dim, r.n_groups, r.state_size, r.conv_kernel,
                               *common, proj_bias=r.proj_bias, conv_bias=r.conv_bias, **wire)
 

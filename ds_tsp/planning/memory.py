@@ -67,12 +67,13 @@ estimate), and what offloading puts in host memory instead.
   token (routing spread evenly), with a shared expert its output and ring
   steps; its backward holds the rows' gradients and its experts' gradient,
   summed at rest, instead of the ring's shards and accumulators.
-* Hybrids of recurrent layers (Gated DeltaNet, KDA, Mamba-2:
-  ``planning.recurrent``): a TSP recurrent layer saves its local input alone
-  (and its norm's tensors), and its backward holds its mixer's recomputed
-  forward with its gradients (a Gated DeltaNet's or KDA's one head group at a
-  time, a Mamba-2's every head of the local tokens at once) and every rank's
-  chunks' state maps and their initial-state gradients: no K/V. Hugging
+* Hybrids of recurrent layers (Gated DeltaNet, KDA, Mamba-2, Mamba-1, short
+  convolutions: ``planning.recurrent``): a TSP recurrent layer saves its
+  local input alone (and its norm's tensors), and its backward holds its
+  mixer's recomputed forward with its gradients (a Gated DeltaNet's or KDA's
+  one head group at a time, the others every head or channel of the local
+  tokens at once) and every rank's chunks' state maps and their
+  initial-state gradients: no K/V. Hugging
   Face's layer saves its mixer's ``hf_saved_per_token``, an estimate of the
   kernels a training run takes (flash-linear-attention's, mamba_ssm's). The
   two kinds of mixer and of feed-forward block are counted each by its own

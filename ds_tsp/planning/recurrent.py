@@ -10,9 +10,10 @@ TSP bytes by op are ``communication.recurrent_bytes_by_op``'s.
   weights at a time, as attention does, and every rank runs that group over
   its own tokens, exchanging the chunks' state maps
   (``ds_tsp.blocks.linear.schedule``).
-* ``Mamba2`` (Nemotron-H, Granite-4.0-H, Bamba): TSP broadcasts a rank's
-  pieces (input rows, per-channel tensors, output columns) and every rank
-  runs every head over its own tokens at once, the gated norm over
+* ``Mamba2`` (Nemotron-H, Granite-4.0-H, Bamba), ``Mamba1`` (Jamba) and
+  ``ShortConvolution`` (LFM2): TSP broadcasts a rank's pieces (input rows,
+  per-channel tensors, output columns) and every rank runs every head (or
+  channel) over its own tokens at once, Mamba-2's gated norm over
   ``d_inner / n_groups`` staying local (``ds_tsp.blocks.linear.streamed``).
 
 A Hugging Face layer's saved tensors are estimates from the kernels a
@@ -41,6 +42,7 @@ class GatedDeltaNet:
     chunk_size: int = 64
 
     kind = "Gated DeltaNet"
+    head_all_to_all = True  # Megatron-style context parallelism can move its heads
 
     @property
     def keys(self):
@@ -206,6 +208,7 @@ class Mamba2:
     norm: bool = True
 
     kind = "Mamba-2"
+    head_all_to_all = True
 
     @property
     def d_inner(self):
@@ -288,3 +291,141 @@ class Mamba2:
         """Megatron's Mamba context parallelism (``MambaContextParallel``): z, x, B and C (each group repeated
         to ``c`` where there are fewer) and dt to the head split, the scan's output back."""
         return 2 * self.d_inner + 2 * max(self.n_groups, c) * self.state_size + self.num_heads + self.d_inner
+
+
+@dataclass(frozen=True)
+class Mamba1:
+    """Jamba's Mamba-1 mixer: ``d_inner`` channels, each with ``state_size`` decays, a depthwise convolution of
+    ``conv_kernel`` taps, ``x_proj`` down to ``dt_rank + 2 state_size`` (its dt, B and C, normed by whole
+    RMSNorms where ``inner_norms``), ``dt_proj`` back up; ``conv_bias``, ``proj_bias`` (``in_proj``'s, and
+    ``out_proj``'s kept whole). TSP splits the channels (``ds_tsp.blocks.linear.mamba1``)."""
+
+    hidden_size: int
+    d_inner: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = True
+
+    kind = "Mamba-1"
+    head_all_to_all = False  # x_proj mixes every channel: no head (channel) split without a reduction
+
+    @property
+    def head_units(self):
+        return self.d_inner
+
+    @property
+    def params(self):
+        """The weights split by channel: ``in_proj``'s x and z rows, the convolution, ``x_proj``'s columns,
+        ``dt_proj`` (and its bias), ``A_log``, ``D``, ``out_proj``'s columns."""
+        H, di, n, r = self.hidden_size, self.d_inner, self.state_size, self.dt_rank
+        return (H + self.proj_bias) * 2 * di + (self.conv_kernel + self.conv_bias) * di + di * (r + 2 * n) \
+            + (r + 1) * di + di * n + di + di * H
+
+    @property
+    def replicated_tensors(self):
+        return ([self.dt_rank, self.state_size, self.state_size] if self.inner_norms else []) + \
+            ([self.hidden_size] if self.proj_bias else [])
+
+    @property
+    def matmul_params(self):
+        return self.params
+
+    def describe(self):
+        return (f"{self.kind} ({self.d_inner} channels of state {self.state_size}, dt rank {self.dt_rank}, a "
+                f"{self.conv_kernel}-tap convolution)")
+
+    def shape_problem(self, ranks, tsp=True):
+        if self.d_inner % ranks:
+            return (f"mamba_expand x hidden_size = {self.d_inner} is not divisible by {ranks}: a rank owns 1/D of "
+                    f"the {self.kind} channels")
+        return None
+
+    def rule_flops_per_token(self, maps=False):
+        """The selective scan a channel: the decay and input terms, the state's update and its read-out
+        (``6 n``), and the depthwise convolution (``2 k``)."""
+        return self.d_inner * (6 * self.state_size + 2 * self.conv_kernel)
+
+    def hf_saved_per_token(self, e):
+        """Bytes a Hugging Face mixer saves per token with ``mamba_ssm``'s kernels (an estimate from their
+        code): ``in_proj``'s x and z, the convolution's output, ``x_proj``'s output and the normed dt, B, C
+        (float32 1/rms each), dt, the scan's output and ``out_proj``'s input."""
+        di, n, r = self.d_inner, self.state_size, self.dt_rank
+        return e * (6 * di + 2 * (r + 2 * n)) + FLOAT32 * 3
+
+    def tsp_backward_buffers(self, e, D, B, tokens, shard):
+        """A TSP rank's backward buffers for one mixer (``ds_tsp.blocks.linear.mamba1``): its forward over every
+        channel of the local tokens recomputed under autograd with its gradients, Hugging Face's scan keeping
+        the discretised decay, input and state a channel and state entry per token (float32); every rank's
+        chunks' maps (an elementwise T and a U of ``d_inner x n``) and their gradients; the pieces in
+        flight."""
+        di, n, r = self.d_inner, self.state_size, self.dt_rank
+        wide = max(e, FLOAT32)
+        projections = e * (2 * di + 2 * di + (r + 2 * n) + di)
+        scan = wide * (3 * di * n + 4 * di)
+        inputs = (self.hidden_size + self.proj_bias) * 2 * di // D
+        return {"state_maps": wide * D * 2 * B * 3 * di * n,
+                "head_group_local": 2 * tokens * (projections + scan),  # the group: every channel
+                "linear_shards_in_flight": 2 * inputs * e}
+
+
+@dataclass(frozen=True)
+class ShortConvolution:
+    """LFM's gated short convolution: ``C * conv(B * x)`` over the ``hidden_size`` channels, ``in_proj`` making
+    B, C and x, a depthwise convolution of ``conv_kernel`` taps, ``out_proj``; ``bias`` on all three
+    (``out_proj``'s kept whole). TSP splits the channels (``ds_tsp.blocks.linear.short_conv``)."""
+
+    hidden_size: int
+    conv_kernel: int
+    bias: bool = False
+
+    kind = "short convolution"
+    head_all_to_all = True
+
+    @property
+    def head_units(self):
+        return self.hidden_size
+
+    @property
+    def params(self):
+        H, b = self.hidden_size, self.bias
+        return (H + b) * 3 * H + (self.conv_kernel + b) * H + H * H
+
+    @property
+    def replicated_tensors(self):
+        return [self.hidden_size] if self.bias else []
+
+    @property
+    def matmul_params(self):
+        return self.params
+
+    def describe(self):
+        return f"gated short convolution ({self.hidden_size} channels, {self.conv_kernel} taps)"
+
+    def shape_problem(self, ranks, tsp=True):
+        if self.hidden_size % ranks:
+            return (f"hidden_size {self.hidden_size} is not divisible by {ranks}: a rank owns 1/D of the "
+                    f"{self.kind}'s channels")
+        return None
+
+    def rule_flops_per_token(self, maps=False):
+        """The convolution (``2 k`` a channel) and the two gates."""
+        return self.hidden_size * (2 * self.conv_kernel + 2)
+
+    def hf_saved_per_token(self, e):
+        """``in_proj``'s B, C and x, ``B x``, the convolution's output and ``out_proj``'s input."""
+        return 6 * e * self.hidden_size
+
+    def tsp_backward_buffers(self, e, D, B, tokens, shard):
+        """Every channel of the local tokens recomputed under autograd with its gradients, the gathered halos
+        (no state maps), the pieces in flight."""
+        H = self.hidden_size
+        return {"state_maps": e * 2 * D * B * (self.conv_kernel - 1) * H,  # the halos: a convolution's only state
+                "head_group_local": 2 * tokens * 6 * e * H,
+                "linear_shards_in_flight": 2 * (H + self.bias) * 3 * H // D * e}
+
+    def head_all_to_all_elements(self, c):
+        """B, C and x to the channel split, the gated output back."""
+        return 4 * self.hidden_size

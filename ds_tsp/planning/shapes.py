@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_tsp.planning.anatomy import layer_anatomy
-from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention, Mamba2
+from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention, Mamba1, Mamba2, ShortConvolution
 
 GB = 1e9
 FLOAT32 = 4
@@ -268,9 +268,10 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     # Hybrids of recurrent layers (DESIGN.md 6j, 6n): linear_layers of the num_layers mix tokens by the recurrent
-    # mixer ``recurrent`` (a ds_tsp.planning.recurrent class: Gated DeltaNet, KDA, Mamba-2); the others attend.
+    # mixer ``recurrent`` (a ds_tsp.planning.recurrent class: Gated DeltaNet, KDA, Mamba-2, Mamba-1, LFM's short
+    # convolution); the others attend.
     linear_layers: int = 0
-    recurrent: GatedDeltaNet | KimiDeltaAttention | Mamba2 | None = None
+    recurrent: GatedDeltaNet | KimiDeltaAttention | Mamba2 | Mamba1 | ShortConvolution | None = None
     # Layers of one block (Nemotron-H's), each with its own norms: a token mixer alone, or a feed-forward block alone.
     mixer_only_layers: int = 0
     ffn_only_layers: int = 0
@@ -664,16 +665,42 @@ DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
 
+def _lfm2_mlp_size(fields):
+    """LFM2's MLP width: ``intermediate_size``, with ``block_auto_adjust_ff_dim`` two thirds of it times
+    ``block_ffn_dim_multiplier`` rounded up to ``block_multiple_of`` (``Lfm2MLP``'s rule)."""
+    size = fields["intermediate_size"]
+    if fields.get("block_auto_adjust_ff_dim"):
+        size = int(2 * size / 3)
+        if fields.get("block_ffn_dim_multiplier") is not None:
+            multiple = fields.get("block_multiple_of") or 1
+            size = multiple * -(-int(fields["block_ffn_dim_multiplier"] * size) // multiple)
+    return size
+
+
 def _recurrent_hybrid_moe_fields(fields, experts):
-    """Granite-4.0-H's experts (of ``intermediate_size``, beside the shared MLP, every layer) or Kimi Linear's
-    (sigmoid-routed after a dense prefix, an ungated shared expert)."""
-    if fields["model_type"] == "granitemoehybrid":
+    """Granite-4.0-H's experts (of ``intermediate_size``, beside the shared MLP, every layer), Kimi Linear's
+    (sigmoid-routed after a dense prefix, an ungated shared expert), Jamba's (of ``intermediate_size``, every
+    ``expert_layer_period``-th layer from ``expert_layer_offset``, the top-k weights not renormalised) or
+    LFM2-MoE's (sigmoid-routed after ``num_dense_layers``)."""
+    model_type, layers = fields["model_type"], fields["num_hidden_layers"]
+    if model_type == "jamba":
+        period, offset = fields.get("expert_layer_period") or 1, fields.get("expert_layer_offset") or 0
+        return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["intermediate_size"],
+                    moe_layers=sum(i % period == offset for i in range(layers)), router_weights_fp32=True,
+                    output_router_logits=bool(fields.get("output_router_logits")))
+    if model_type == "lfm2_moe":
+        return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
+                    expert_size=fields["moe_intermediate_size"],
+                    moe_layers=layers - (fields.get("num_dense_layers") or 0),
+                    renormalise_top_k=bool(fields.get("norm_topk_prob")), router_weights_fp32=True)
+    if model_type == "granitemoehybrid":
         return dict(num_experts=experts["num_local_experts"], experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["intermediate_size"],
                     shared_expert_size=fields.get("shared_intermediate_size") or 0, shared_expert_gate=False,
                     moe_layers=fields["num_hidden_layers"], renormalise_top_k=True,
                     output_router_logits=bool(fields.get("output_router_logits")))
-    layers, first_dense = fields["num_hidden_layers"], fields.get("first_k_dense_replace") or 0
+    first_dense = fields.get("first_k_dense_replace") or 0
     types = fields.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
     size = fields["moe_intermediate_size"]
     return dict(num_experts=experts["num_experts"],
@@ -698,9 +725,11 @@ def _moe_fields(fields):
     model_type = fields.get("model_type")
     if model_type == "granitemoehybrid" and not experts:  # the dense Granite-4.0-H: its shared MLP alone
         return dict(dense_size=fields["shared_intermediate_size"])
+    if model_type == "lfm2":  # its MLP's width, as Lfm2MLP adjusts it
+        return dict(dense_size=_lfm2_mlp_size(fields))
     if not experts or model_type == "nemotron_h":  # Nemotron-H's MoE layers are refused with its layer pattern
         return {}
-    if model_type in ("granitemoehybrid", "kimi_linear"):
+    if model_type in ("granitemoehybrid", "kimi_linear", "jamba", "lfm2_moe"):
         return _recurrent_hybrid_moe_fields(fields, experts)
     if model_type in GEMMA4_MODEL_TYPES:  # num_experts is read only with enable_moe_block
         if not fields.get("enable_moe_block"):
@@ -786,13 +815,15 @@ def _latent_fields(fields):
 
 # Layer types, as the configs spell them, whose token mixer is recurrent, attends, or whose layer holds a
 # feed-forward block alone (Nemotron-H's "mlp" and "moe"; its pattern's "M", "*", "-" and "E").
-RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "M")
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "M", "conv")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "*")
 FFN_ONLY_LAYER_TYPES = ("mlp", "moe", "-", "E")
 # Model types whose recurrent layers the planner models, by kind: Gated DeltaNet (HYBRID_MODEL_TYPES), Kimi
-# Linear's KDA, Mamba-2.
+# Linear's KDA, Mamba-2, Jamba's Mamba-1, LFM2's short convolutions.
 MAMBA2_MODEL_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
-PLANNED_RECURRENT_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "kimi_linear", *MAMBA2_MODEL_TYPES)
+SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe")
+PLANNED_RECURRENT_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "kimi_linear", *MAMBA2_MODEL_TYPES, "jamba",
+                                 *SHORT_CONV_MODEL_TYPES)
 # Config fields that declare a recurrent token mixer: Mamba-2's and Mamba-1's (mamba_*, Nemotron-H's
 # ssm_state_size) and LFM's short convolutions (conv_L_cache).
 RECURRENT_MIXER_FIELDS = ("mamba_", "ssm_state_size", "conv_L_cache")
@@ -809,6 +840,9 @@ def _layer_types(fields):
             return list(fields[key])
     if model_type == "bamba":
         return ["attention" if i in (fields.get("attn_layer_indices") or ()) else "mamba" for i in range(layers)]
+    if model_type == "jamba":
+        period, offset = fields.get("attn_layer_period") or 8, fields.get("attn_layer_offset") or 0
+        return ["attention" if i % period == offset else "mamba" for i in range(layers)]
     if model_type in HYBRID_MODEL_TYPES:  # as their configs fill it in
         interval = fields.get("full_attention_interval") or 4
         return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
@@ -828,12 +862,13 @@ def _recurrent_fields(fields):
     declared = sorted(key for key in fields if key.startswith(RECURRENT_MIXER_FIELDS))
     linear = sum(kind in RECURRENT_LAYER_TYPES for kind in types)
     if model_type not in PLANNED_RECURRENT_MODEL_TYPES and (unknown or declared or linear):
-        what = f"{unknown} layers" if unknown else \
-            f"{linear} linear_attention layers" if linear else f"recurrent mixers ({', '.join(declared[:3])})"
+        recurrent = sorted({kind for kind in types if kind in RECURRENT_LAYER_TYPES})
+        what = f"{unknown} layers" if unknown else f"{linear} recurrent layers ({', '.join(recurrent)})" \
+            if linear else f"recurrent mixers ({', '.join(declared[:3])})"
         raise ValueError(f"model config has {what} (model_type {model_type!r}): the planner models the recurrent "
-                         f"layers of {', '.join(PLANNED_RECURRENT_MODEL_TYPES)} only, not Mamba-1, short-"
-                         "convolution or side-by-side mixers yet (ds_tsp trains them); plan a Gated DeltaNet or "
-                         "Mamba-2 hybrid of the same sizes")
+                         f"layers of {', '.join(PLANNED_RECURRENT_MODEL_TYPES)} only, not yet OLMo-Hybrid's "
+                         "DeltaNet, LFM3's or Falcon-H1's layers (ds_tsp trains them); plan one of those of the "
+                         "same sizes")
     if not linear:
         return {}
     if model_type == "nemotron_h" and ("E" in types or "moe" in types):
@@ -870,6 +905,14 @@ def _recurrent_mixer(fields):
                                      fields["ssm_state_size"], fields["conv_kernel"], fields.get("chunk_size") or 128,
                                      conv_bias=bool(fields.get("use_conv_bias", True)),
                                      proj_bias=bool(fields.get("use_bias", False))))
+    if model_type == "jamba":
+        dt_rank = fields.get("mamba_dt_rank") or "auto"
+        return dict(recurrent=Mamba1(H, (fields.get("mamba_expand") or 2) * H, fields.get("mamba_d_state") or 16,
+                                     -(-H // 16) if dt_rank == "auto" else dt_rank, fields.get("mamba_d_conv") or 4,
+                                     conv_bias=bool(fields.get("mamba_conv_bias", True)),
+                                     proj_bias=bool(fields.get("mamba_proj_bias", False))))
+    if model_type in SHORT_CONV_MODEL_TYPES:
+        return dict(recurrent=ShortConvolution(H, fields.get("conv_L_cache") or 3, bool(fields.get("conv_bias"))))
     # Granite-4.0-H's and Bamba's mamba_* fields
     heads = fields.get("mamba_n_heads") or 128
     return dict(recurrent=Mamba2(H, heads, fields.get("mamba_d_head") or (fields.get("mamba_expand") or 2) * H // heads,
@@ -957,6 +1000,7 @@ def model_shape(model):
             sliding_window=fields.get("sliding_window") if fields.get("use_sliding_window", True) else None,
             name=str(fields.get("name", "custom")),
             qk_norm=fields.get("model_type") in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES, *PROJECTION_QK_NORMS,
+                                                 *SHORT_CONV_MODEL_TYPES,
                                                  *GEMMA4_MODEL_TYPES)
             or (bool(fields.get("use_qk_norm")) and not llama4),  # GLM-4.5's switch; Llama 4's norm has no weight
             qk_norm_spans_projection=fields.get("model_type") in PROJECTION_QK_NORMS,
