@@ -62,28 +62,30 @@ def _by_direction(forward, backward, direction):
     return {op: int(v) if Fraction(v).denominator == 1 else float(v) for op, v in counts.items()}
 
 
-def _one_kind(m, asked, flag, count, kinds):
+def _one_kind(m, asked, flag, count, kinds, total):
     """``asked`` as given, else the model's one kind of layer for ``flag``:
-    ``count`` of its layers are of ``kinds[1]``, the others of ``kinds[0]``."""
+    ``count`` of its ``total`` layers holding such a block are of ``kinds[1]``, the others of ``kinds[0]``."""
     if asked and not count:
         raise ValueError(f"{m.name} has no {kinds[1]} layer: {flag}=True asks for one")
     if asked is not None:
         return bool(asked)
-    if 0 < count < m.num_layers:
-        raise ValueError(f"{m.name} has {m.num_layers - count} {kinds[0]} and {count} {kinds[1]} layers: "
+    if 0 < count < total:
+        raise ValueError(f"{m.name} has {total - count} {kinds[0]} and {count} {kinds[1]} layers: "
                          f"say which with {flag}=")
     return bool(count)
 
 
 def _layer_kind(m, sparse):
     """``sparse`` as given, else the model's one kind of layer."""
-    return _one_kind(m, sparse, "sparse", m.moe_layers if m.is_moe else 0, ("dense", "mixture-of-experts"))
+    return _one_kind(m, sparse, "sparse", m.moe_layers if m.is_moe else 0, ("dense", "mixture-of-experts"),
+                     sum(count for _, count in m.layer_kinds))
 
 
 def _mixer_kind(m, linear):
     """``linear`` as given, else the model's one kind of token mixer."""
     return _one_kind(m, linear, "linear", m.linear_layers,
-                     ("attention", m.recurrent.kind if m.is_hybrid else "recurrent"))
+                     ("attention", m.recurrent.kind if m.is_hybrid else "recurrent"),
+                     sum(count for _, count in m.mixer_kinds))
 
 
 def _mixer_view(m, linear, mixer):

@@ -50,6 +50,7 @@ from ds_tsp.planning.memory import (
     KV_GROUP,
     MLP_TILE,
     RECOMPUTED,
+    RECURRENT_LOCAL,
     SHARDS,
     STATE_MAPS,
     STATES,
@@ -452,7 +453,7 @@ def _tsp_backward_phases(setting, mixer_saved, mlp_saved, mixer_pieces, mlp_piec
            SHARDS: mlp_pieces["mlp_shards_in_flight"] + mlp_pieces["mlp_accumulators"],
            EXPERT_ROWS: mlp_pieces.get("expert_rows_grads", 0)}
     if "state_maps" in mixer_pieces:
-        mixer = {STATE_MAPS: mixer_pieces["state_maps"], HEAD_GROUP_LOCAL: mixer_pieces["head_group_local"],
+        mixer = {STATE_MAPS: mixer_pieces["state_maps"], RECURRENT_LOCAL: mixer_pieces["head_group_local"],
                  GRAD_X: mixer_pieces["grad_x"],
                  SHARDS: mixer_pieces["linear_shards_in_flight"] + mixer_pieces["linear_grad_reduces"]}
     else:
