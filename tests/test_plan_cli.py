@@ -69,7 +69,7 @@ def test_serve_gives_the_longest_context_that_fits(tmp_path):
     args = parser.parse_args(["--serve", "--model", "llama3-8b", "--memory-gb", "80", "--json",
                               str(tmp_path / "serve.json")])
     assert planner.run_plan(args, out=out) == 0
-    assert f"| TSP(8) | 2.01 | 0.0168 | {tsp.longest_context(budget):,} |" in out.getvalue()
+    assert f"| TSP(8) | 2.01 | 0.0000 | 0.0168 | {tsp.longest_context(budget):,} |" in out.getvalue()
     assert planner.run_plan(parser.parse_args(["--serve"]), out=io.StringIO()) == 1  # no --memory-gb
 
 
@@ -147,9 +147,28 @@ def test_hybrid_cli_marks_the_inexact_strategies(tmp_path):
     assert "Recommended: TSP(16)" in text and "Mixture of experts" in text
     inexact = {p["strategy"]: p["inexact"] for p in json.loads((tmp_path / "plan.json").read_text())["plans"]}
     assert inexact["SP-Ulysses(16)"] and not inexact["TSP(16)"]
-    # Not modelled for hybrids: LoRA (no adapters on the linear layers) and serving (a recurrent state).
-    for refused in (["--lora-rank", "8"], ["--serve", "--memory-gb", "141"]):
-        assert planner.run_plan(parser.parse_args(["--model", "qwen3.5-27b", *refused]), out=io.StringIO()) == 1
+    # Not modelled for hybrids: LoRA (no adapters on the linear layers).
+    assert planner.run_plan(parser.parse_args(["--model", "qwen3.5-27b", "--lora-rank", "8"]),
+                            out=io.StringIO()) == 1
+
+
+def test_serving_a_recurrent_hybrid_keeps_its_states_whatever_the_context():
+    """``--serve`` for Nemotron-H-8B on 8 x 80 GB, bf16. By hand: its 4 attention layers cache K and V, 2 * 4 *
+    8 * 128 * 2 bytes a token; its 24 Mamba-2 mixers keep a state each (128 heads of 64 x 128, float32) and their
+    convolutions' last 3 inputs (8192 + 2 * 1024 channels, bf16), whatever the context: whole on one device and
+    under AutoTP (which leaves them whole), an eighth on each TSP rank."""
+    single, tp, tsp = planner.serving_plans("nemotron-h-8b", 8)
+    state = 24 * (4 * 128 * 64 * 128 + 2 * (8192 + 2048) * 3)
+    assert single.kv_per_token == 2 * 4 * 8 * 128 * 2 and tsp.kv_per_token == single.kv_per_token
+    assert single.recurrent_state == tp.recurrent_state == state and tsp.recurrent_state == state / 8
+    budget = 80e9
+    for p in (single, tp, tsp):
+        longest = p.longest_context(budget)
+        resident = p.weights + p.recurrent_state
+        assert resident + p.kv_cache(longest) <= budget < resident + p.kv_cache(longest + (8 if p is tsp else 1))
+    assert tsp.longest_context(budget) > tp.longest_context(budget) > single.longest_context(budget)
+    # Twice the batch, twice the states.
+    assert planner.serving_plans("nemotron-h-8b", 8, micro_batch=2)[2].recurrent_state == 2 * tsp.recurrent_state
 
 
 def test_cli_plans_experts_folded_across_the_replicas(tmp_path):

@@ -127,6 +127,12 @@ class GatedDeltaNet:
                 "head_group_local": 2 * tokens * (projections + chunk_terms),
                 "linear_shards_in_flight": 2 * shard * e}
 
+    def state_bytes(self, e):
+        """What a sequence keeps between decode steps (``ds_tsp.inference``'s recurrent cache layers): the
+        state, float32, and the convolution's last ``kernel - 1`` inputs, in the model's dtype."""
+        return FLOAT32 * self.num_value_heads * self.key_head_dim * self.value_head_dim + \
+            e * (2 * self.keys + self.values) * (self.conv_kernel - 1)
+
     def head_all_to_all_elements(self, c):
         """Elements a token sends and receives in a head all-to-all over ``c`` ranks (Megatron-style context
         parallelism): the projections in (q, k, v, z, b, a), the gated output back."""
@@ -287,6 +293,11 @@ class Mamba2:
                 "head_group_local": 2 * tokens * (projections + ssd),  # the group: every head
                 "linear_shards_in_flight": 2 * inputs * e}
 
+    def state_bytes(self, e):
+        """The SSM state (``n x p`` a head, float32) and the convolution's last ``kernel - 1`` inputs."""
+        return FLOAT32 * self.num_heads * self.state_size * self.head_dim + \
+            e * (self.d_inner + 2 * self.state_rows) * (self.conv_kernel - 1)
+
     def head_all_to_all_elements(self, c):
         """Megatron's Mamba context parallelism (``MambaContextParallel``): z, x, B and C (each group repeated
         to ``c`` where there are fewer) and dt to the head split, the scan's output back."""
@@ -354,6 +365,10 @@ class Mamba1:
         (float32 1/rms each), dt, the scan's output and ``out_proj``'s input."""
         di, n, r = self.d_inner, self.state_size, self.dt_rank
         return e * (6 * di + 2 * (r + 2 * n)) + FLOAT32 * 3
+
+    def state_bytes(self, e):
+        """The state (``n`` a channel, float32) and the convolution's last ``kernel - 1`` inputs."""
+        return FLOAT32 * self.d_inner * self.state_size + e * self.d_inner * (self.conv_kernel - 1)
 
     def tsp_backward_buffers(self, e, D, B, tokens, shard):
         """A TSP rank's backward buffers for one mixer (``ds_tsp.blocks.linear.mamba1``): its forward over every
@@ -425,6 +440,10 @@ class ShortConvolution:
         return {"state_maps": e * 2 * D * B * (self.conv_kernel - 1) * H,  # the halos: a convolution's only state
                 "head_group_local": 2 * tokens * 6 * e * H,
                 "linear_shards_in_flight": 2 * (H + self.bias) * 3 * H // D * e}
+
+    def state_bytes(self, e):
+        """The convolution's window: ``kernel`` inputs a channel (Hugging Face's ``conv_L_cache``)."""
+        return e * self.hidden_size * self.conv_kernel
 
     def head_all_to_all_elements(self, c):
         """B, C and x to the channel split, the gated output back."""
