@@ -327,12 +327,23 @@ def _saved_and_planned(arch, dtype, name, **overrides):
 
 def test_recurrent_layers_saved_activations_equal_the_models():
     # A recurrent layer (the streamed schedule's Mamba-2, Mamba-1 and short convolution; a KDA layer) saves its
-    # input alone. Bamba whole (Mamba-2 layers beside a rotary attention); a KDA layer, a Nemotron-H Mamba-2
-    # layer of one block, a Jamba Mamba-1 layer and an LFM2 convolution layer as what one more such layer adds
-    # (the models' heads and norms around them are counted apart from the recurrent kinds).
-    saved, planned = _saved_and_planned("bamba", torch.bfloat16, "bf16")
-    print(f"TSP(1) bamba bf16: saved {saved} B, planned {planned:.0f} B")
-    assert saved == planned
+    # input alone. Whole models: Bamba (Mamba-2 beside a rotary attention), Granite-4.0-H (NoPE: no rotary
+    # tables), Nemotron-H (layers of one block, ungated MLPs, norms weighting in float32), Jamba (Mamba-1, its
+    # experts' weights in the model's dtype), LFM2 and LFM2-MoE (short convolutions); and what one more layer
+    # adds for a KDA layer, a Nemotron-H Mamba-2 layer, a Jamba Mamba-1 layer and an LFM2 convolution layer.
+    whole = [("bamba", torch.bfloat16, "bf16"), ("granitemoehybrid", torch.bfloat16, "bf16"),
+             ("nemotron_h_dense", torch.bfloat16, "bf16"), ("nemotron_h_dense", torch.float32, "fp32"),
+             ("jamba", torch.bfloat16, "bf16"), ("lfm2", torch.bfloat16, "bf16"), ("lfm2_moe", torch.float32, "fp32")]
+    for arch, dtype, name in whole:
+        saved, planned = _saved_and_planned(arch, dtype, name)
+        print(f"TSP(1) {arch} {name}: saved {saved} B, planned {planned:.0f} B")
+        assert saved == planned
+    # Guard: Nemotron-H's norms counted as Llama's (their weight multiply in the model's dtype), bf16 is off.
+    from models import tiny_config
+
+    llama_norms = replace(planner.model_shape(tiny_config("nemotron_h_dense").to_dict()), norm_weight_in_float32=False)
+    plan = {p.name: p for p in planner.plan(llama_norms, SEQ, BATCH, 1, "bf16")}["TSP(1)"]
+    assert plan.detail["saved_for_backward"] != _saved_and_planned("nemotron_h_dense", torch.bfloat16, "bf16")[0]
     recurrent_layers = {  # each model's layers: all recurrent, dense MLPs (Nemotron-H's one MLP layer after)
         "kimi_linear": lambda L: dict(num_hidden_layers=L, layer_types=["linear_attention"] * L,
                                       mlp_layer_types=["dense"] * L),
@@ -361,8 +372,9 @@ def test_mamba2_hybrid_memory_by_hand():
     attention = 4 * 2 * 128 * H + 2 * 128 * H
     per_rank = 24 * mamba + 4 * attention + 24 * 2 * H * 21504 // 8 + 52 * H + 2 * 16384 * H + H
     assert tsp.memory["weights"] == 2 * per_rank and tsp.memory["optimizer"] == 12 * per_rank
-    # A Mamba-2 layer saves its local input and its norm's (float32 input, 1/rms: Llama's RMSNorm, bf16 output).
-    assert memory.tsp_block_saved_per_token(m, 2, "fused", linear=True)["attention"] == 2 * H + 4 * H + 4 + 2 * H
+    # A Mamba-2 layer saves its local input and its norm's (float32 input, 1/rms and, weighted in float32, the
+    # float32 normalised value).
+    assert memory.tsp_block_saved_per_token(m, 2, "fused", linear=True)["attention"] == 2 * H + 4 * H + 4 + 4 * H
     # Its backward: every rank's 2 chunks' maps (one scalar and 128 x 64 a head) and their state gradients,
     # float32, whatever the length; every head of the local tokens recomputed (ds_tsp's torch path).
     all_mamba = {p.name: p for p in planner.plan(replace(m, linear_layers=28), 131072, 1, 8, "bf16", 3)}["TSP(8)"]

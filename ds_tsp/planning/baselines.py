@@ -354,10 +354,11 @@ def _baseline_layers_saved(setting, b):
         view, linear = m.mixer_view(kind)
         mixer[kind] = tokens * hf_mixer_saved_per_token(view, e, b.t, b.ulysses, linear)
         if not linear:  # the q/k norms' once-a-call tensors; all-gather CP's full-sequence K/V for the local one
-            mixer[kind] += 2 * rms_norm_saved_per_call(view, width=view.head_dim) if view.qk_norm else 0
+            mixer[kind] += 2 * rms_norm_saved_per_call(view, e, width=view.head_dim) if view.qk_norm else 0
             mixer[kind] += (B * S - tokens) * 2 * _kv_heads(view, b.t) * view.head_dim * e if b.gathers_kv else 0
     ffn = {sparse: tokens * hf_ffn_saved_per_token(m, e, b.t, mlp_tiled and not sparse, sparse, b.experts_split)
-           + 2 * rms_norm_saved_per_call(m) + (hf_moe_layer_saved(m) if sparse else 0) for sparse, _ in m.layer_kinds}
+           + 2 * rms_norm_saved_per_call(m, e) + (hf_moe_layer_saved(m) if sparse else 0)
+           for sparse, _ in m.layer_kinds}
     return mixer, ffn
 
 

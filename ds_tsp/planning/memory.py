@@ -167,18 +167,21 @@ def rms_norm_saved_per_token(m, e, recompute=False, width=None):
     """Bytes an RMSNorm over ``width`` values (default: the hidden size) saves
     per token: Hugging Face's keeps its float32 copy of the input, ``1/rms``
     and the normalised value in the model's dtype (in float32 where it scales
-    by ``1 + w`` in float32: ``ModelShape.norm_in_float32``); recomputed in
-    backward (``tsp.recompute_norms``) it keeps only its input."""
+    in float32: ``ModelShape.norm_in_float32``, ``norm_weight_in_float32``);
+    recomputed in backward (``tsp.recompute_norms``) it keeps only its input."""
     width = width or m.hidden_size
     if recompute:
         return e * width
-    return FLOAT32 * width + FLOAT32 + (FLOAT32 if m.norm_in_float32 else e) * width
+    wide = m.norm_in_float32 or m.norm_weight_in_float32
+    return FLOAT32 * width + FLOAT32 + (FLOAT32 if wide else e) * width
 
 
-def rms_norm_saved_per_call(m, recompute=False, width=None):
-    """Bytes an RMSNorm saves once a call, whatever the tokens: a norm that scales by ``1 + w`` in float32
-    keeps that factor, ``width`` float32 values; others, or a recomputed one, nothing."""
-    return FLOAT32 * (width or m.hidden_size) if m.norm_in_float32 and not recompute else 0
+def rms_norm_saved_per_call(m, e, recompute=False, width=None):
+    """Bytes an RMSNorm saves once a call, whatever the tokens: a norm that scales by ``1 + w`` in float32 keeps
+    that factor, one scaling by ``w`` in float32 its weight's float32 copy (none for a float32 weight), ``width``
+    float32 values; others, or a recomputed one, nothing."""
+    copied = m.norm_in_float32 or (m.norm_weight_in_float32 and e != FLOAT32)
+    return FLOAT32 * (width or m.hidden_size) if copied and not recompute else 0
 
 
 def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False,
@@ -189,7 +192,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     the attention's local x (and, with the fused backward, its output and
     log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
     run in several tiles, every shard's gate and up projections (``F``
-    values each over the D steps). Backward frees the MLP's before the
+    values each over the D steps; an ungated MLP's up alone). Backward frees the MLP's before the
     attention's backward runs. A recurrent layer (``linear``, ``ds_tsp.blocks.linear``'s schedules)
     saves its local x alone in the
     attention's place; its norm runs outside it, so a recomputed one keeps
@@ -218,8 +221,8 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
         if all_to_all:
             mlp += 2 * k * e * H
             mlp += e * (H + (0 if mlp_tiled else 2 * m.shared_expert_size)) if m.shared_expert_size else 0
-    elif not mlp_tiled:
-        mlp += 2 * e * m.intermediate_size
+    elif not mlp_tiled:  # the gate and up projections (up alone in an ungated MLP)
+        mlp += (2 if m.mlp_gated else 1) * e * m.intermediate_size
     if attention_backward == "fused" and not linear:
         attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
     return {"attention": attention, "mlp": mlp}
@@ -309,7 +312,7 @@ def model_level_saved(m, e, tokens, rope_rows, recompute_norm=False):
     (``rms_norm_saved_per_token``, ``rms_norm_saved_per_call``) and the LM head's input."""
     H = m.hidden_size
     return tokens * (INT64 + rms_norm_saved_per_token(m, e, recompute_norm) + e * H) + rope_saved(m, e, rope_rows) \
-        + rms_norm_saved_per_call(m, recompute_norm)
+        + rms_norm_saved_per_call(m, e, recompute_norm)
 
 
 def logits_memory(m, p, tokens, vocab_shards):

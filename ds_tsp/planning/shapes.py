@@ -285,8 +285,9 @@ class ModelShape:
     values_from_keys: bool = False  # the attention's keys (before their norm) are its values: no v_proj
     router_scales: bool = False  # the router scales its input per channel and its weights per expert (Gemma 4's)
     attention_output_gate: bool = False  # q_proj yields each head's query and output gate: 2 * head_dim rows a head
-    partial_rotary_factor: float = 1.0  # the share of a head that rotates: cos/sin are that wide
+    partial_rotary_factor: float = 1.0  # the share of a head that rotates: cos/sin are that wide (0: NoPE)
     norm_in_float32: bool = False  # RMSNorms scale by 1 + w in float32 (Qwen3-Next's, Qwen3.5's), in float32 out
+    norm_weight_in_float32: bool = False  # RMSNorms scale by w in float32, cast back (Nemotron-H's)
 
     @property
     def is_hybrid(self):
@@ -687,7 +688,7 @@ def _recurrent_hybrid_moe_fields(fields, experts):
         period, offset = fields.get("expert_layer_period") or 1, fields.get("expert_layer_offset") or 0
         return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["intermediate_size"],
-                    moe_layers=sum(i % period == offset for i in range(layers)), router_weights_fp32=True,
+                    moe_layers=sum(i % period == offset for i in range(layers)),
                     output_router_logits=bool(fields.get("output_router_logits")))
     if model_type == "lfm2_moe":
         return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
@@ -882,7 +883,7 @@ def _recurrent_fields(fields):
                              "Nemotron-H patterns of token mixers and MLPs both (every released one)")
         pattern.update(mixer_only_layers=sum(kind not in FFN_ONLY_LAYER_TYPES for kind in types),
                        ffn_only_layers=sum(kind in FFN_ONLY_LAYER_TYPES for kind in types), mlp_gated=False,
-                       norms_per_layer=1)
+                       norms_per_layer=1, norm_weight_in_float32=True)
     return {**pattern, **_recurrent_mixer(fields)}
 
 
@@ -953,8 +954,16 @@ def _global_attention_fields(fields):
                 global_values_from_keys=bool(fields.get("attention_k_eq_v")))
 
 
+# Models whose attention has no rotary embedding (NoPE): Nemotron-H's, Kimi Linear's latent attention, Jamba's;
+# Granite-4.0-H's where its position_embedding_type is "nope".
+NOPE_MODEL_TYPES = ("nemotron_h", "kimi_linear", "jamba")
+
+
 def _partial_rotary_factor(fields):
-    """The rotated share of a head, where the config names one (top level or in ``rope_parameters``)."""
+    """The rotated share of a head, where the config names one (top level or in ``rope_parameters``); 0 for an
+    attention without positions (``NOPE_MODEL_TYPES``)."""
+    if fields.get("model_type") in NOPE_MODEL_TYPES or fields.get("position_embedding_type") == "nope":
+        return 0.0
     rope = fields.get("rope_parameters") if isinstance(fields.get("rope_parameters"), dict) else {}
     return fields.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
 

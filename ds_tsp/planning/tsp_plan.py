@@ -293,7 +293,7 @@ def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to
         return tsp_block_saved_per_token(view, e, setting.tsp_attention_backward, mlp_tiled, sparse,
                                          setting.recompute_norms, linear, all_to_all)
 
-    norm = rms_norm_saved_per_call(m, setting.recompute_norms)  # each block's norm's, once a layer
+    norm = rms_norm_saved_per_call(m, e, setting.recompute_norms)  # each block's norm's, once a layer
     saved = {"attention": {kind: tokens * per_token(kind)["attention"] + norm for kind, _ in m.mixer_kinds},
              "mlp": {sparse: tokens * per_token(sparse=sparse)["mlp"] + norm for sparse, _ in m.layer_kinds}}
     if setting.lora_rank:  # the merged shards W + sBA, kept from forward to backward
