@@ -90,7 +90,7 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
         except PolicyError as error:
             rows.append((model_type, class_name, "refused", str(error)))
     scanned = time.perf_counter()
-    # One call checks every candidate class (minutes on 2 shared cores): a dead rank still fails it, later.
+    # Each call checks every candidate class (minutes on 2 shared cores): a dead rank still fails it, later.
     per_rank = run_ranks(2, exact_or_refused, model_types=[t for t, _, _ in candidates], timeout_s=600)
     for model_type, class_name, layer_class in candidates:
         verdicts = {rank[model_type][0] for rank in per_rank}
@@ -122,7 +122,7 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
 
     # No false refusal under HF's eager attention (float32 softmax): every class exact above is exact under it.
     exact = [model_type for model_type, verdict in verdict_of.items() if verdict == "exact"]
-    under_eager = run_ranks(2, exact_or_refused, model_types=exact, attention="eager")
+    under_eager = run_ranks(2, exact_or_refused, model_types=exact, attention="eager", timeout_s=600)
     print(f"\nunder attn_implementation='eager' (the TSP model probed under it; the reference's softmax in float64):")
     for model_type in exact:
         verdicts = [rank[model_type] for rank in under_eager]
