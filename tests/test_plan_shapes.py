@@ -359,3 +359,32 @@ def test_tsp_refuses_a_size_that_splits_a_linear_key_head():
         "linear_num_key_heads 16 is not divisible by 12: a rank owns whole key heads of the Gated DeltaNet layers"
     tsp = {p.name: p for p in planner.plan(m, 131072, 1, 12)}["TSP(12)"]
     assert not tsp.feasible and "linear_num_key_heads 16" in tsp.notes
+
+
+@pytest.mark.parametrize("raw", [
+    # Kimi Linear's released config: its KDA sizes and 1-based layer lists in linear_attn_config.
+    dict(model_type="kimi_linear", num_hidden_layers=8, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+         pad_token_id=0,
+         vocab_size=61, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+         num_experts=4, num_experts_per_token=2, moe_intermediate_size=8, num_shared_experts=1,
+         linear_attn_config={"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 4,
+                             "head_dim": 4, "short_conv_kernel_size": 4}),
+    # LFM2's: block_ff_dim, tie_embedding and full_attn_idxs rather than transformers' names.
+    dict(model_type="lfm2", num_hidden_layers=4, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+         vocab_size=61, block_ff_dim=48, block_multiple_of=8, tie_embedding=True, full_attn_idxs=[2],
+         conv_L_cache=3),
+    # Jamba's: its attention and expert layers by transformers' default periods and offsets.
+    dict(model_type="jamba", num_hidden_layers=8, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+         num_key_value_heads=2, vocab_size=61, num_experts=4, num_experts_per_tok=2, mamba_d_state=4,
+         mamba_dt_rank=4)])
+def test_released_recurrent_configs_are_read_as_transformers_reads_them(raw):
+    """A checkpoint's own config.json, not transformers' to_dict(): the planner's layers and parameters are
+    those of the model transformers builds from it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = planner.model_shape(raw)
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).parameters())
+    print(f"{raw['model_type']}: {m.mixer_kinds} {m.layer_kinds}, planner {m.params}, Hugging Face {numel}")
+    assert m.is_hybrid and m.params == numel

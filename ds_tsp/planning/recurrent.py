@@ -53,11 +53,6 @@ class GatedDeltaNet:
         return self.num_value_heads * self.value_head_dim
 
     @property
-    def head_units(self):
-        """What TSP, TP and a head all-to-all split: whole key heads with their value heads."""
-        return self.num_key_heads
-
-    @property
     def params(self):
         """The weights TSP (and TP) split by head: the input projections (queries, keys, values, the output gate
         ``z`` and ``b``, ``a``), the convolution's channels, ``A_log``, ``dt_bias`` and ``out_proj``."""
@@ -226,10 +221,6 @@ class Mamba2:
         return self.n_groups * self.state_size
 
     @property
-    def head_units(self):
-        return self.num_heads
-
-    @property
     def params(self):
         """The weights split over TSP's pieces: ``in_proj`` (z, x, B, C, dt), the convolution, ``dt_bias``,
         ``A_log`` and ``D``, ``out_proj``."""
@@ -324,10 +315,6 @@ class Mamba1:
     head_all_to_all = False  # x_proj mixes every channel: no head (channel) split without a reduction
 
     @property
-    def head_units(self):
-        return self.d_inner
-
-    @property
     def params(self):
         """The weights split by channel: ``in_proj``'s x and z rows, the convolution, ``x_proj``'s columns,
         ``dt_proj`` (and its bias), ``A_log``, ``D``, ``out_proj``'s columns."""
@@ -398,10 +385,6 @@ class ShortConvolution:
 
     kind = "short convolution"
     head_all_to_all = True
-
-    @property
-    def head_units(self):
-        return self.hidden_size
 
     @property
     def params(self):

@@ -685,7 +685,7 @@ def _recurrent_hybrid_moe_fields(fields, experts):
     LFM2-MoE's (sigmoid-routed after ``num_dense_layers``)."""
     model_type, layers = fields["model_type"], fields["num_hidden_layers"]
     if model_type == "jamba":
-        period, offset = fields.get("expert_layer_period") or 1, fields.get("expert_layer_offset") or 0
+        period, offset = fields["expert_layer_period"], fields["expert_layer_offset"]
         return dict(num_experts=experts["num_experts"], experts_per_token=fields["num_experts_per_tok"],
                     expert_size=fields["intermediate_size"],
                     moe_layers=sum(i % period == offset for i in range(layers)),
@@ -830,6 +830,24 @@ PLANNED_RECURRENT_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "kimi_linear", *MAMBA2_MOD
 RECURRENT_MIXER_FIELDS = ("mamba_", "ssm_state_size", "conv_L_cache")
 
 
+# Recurrent hybrids whose released checkpoints' configs name or leave out what transformers' config class fills in:
+# Kimi Linear's linear_attn_config (1-based layer lists) and first dense layer, LFM2's block_ff_dim, tie_embedding
+# and full_attn_idxs, Jamba's layer periods and offsets, Nemotron-H's hybrid_override_pattern.
+CHECKPOINT_NAMED_TYPES = ("kimi_linear", "lfm2", "lfm2_moe", "jamba", "nemotron_h")
+
+
+def _as_transformers_reads_it(fields):
+    """``fields`` as transformers' config class for their model type reads them (its defaults filled in)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(**{k: v for k, v in fields.items() if k not in ("name", "architectures")})
+    except Exception as error:  # noqa: BLE001 - transformers' own validation, named in the refusal
+        raise ValueError(f"model config ({fields['model_type']}) is refused by transformers' config class: "
+                         f"{error}") from None
+    return {**config.to_dict(), "name": fields.get("name", "custom")}
+
+
 def _layer_types(fields):
     """The config's kind of each layer (``layer_types``, ``layers_block_type``, Nemotron-H's
     ``hybrid_override_pattern``, Bamba's ``attn_layer_indices``), or None where it names none."""
@@ -842,7 +860,7 @@ def _layer_types(fields):
     if model_type == "bamba":
         return ["attention" if i in (fields.get("attn_layer_indices") or ()) else "mamba" for i in range(layers)]
     if model_type == "jamba":
-        period, offset = fields.get("attn_layer_period") or 8, fields.get("attn_layer_offset") or 0
+        period, offset = fields["attn_layer_period"], fields["attn_layer_offset"]  # as transformers fills them
         return ["attention" if i % period == offset else "mamba" for i in range(layers)]
     if model_type in HYBRID_MODEL_TYPES:  # as their configs fill it in
         interval = fields.get("full_attention_interval") or 4
@@ -986,6 +1004,8 @@ def model_shape(model):
     decoder_fields = fields
     if isinstance(fields.get("text_config"), dict):  # multimodal configs nest the decoder's
         fields, decoder_fields = {**fields, **fields["text_config"]}, fields["text_config"]
+    if fields.get("model_type") in CHECKPOINT_NAMED_TYPES:
+        fields = _as_transformers_reads_it(fields)
     if fields.get("model_type") == "nemotron_h" and "num_hidden_layers" not in fields:  # transformers' config
         fields = {**fields, "num_hidden_layers": len(_layer_types(fields) or ())}
     try:
