@@ -63,6 +63,7 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers.models.kimi_linear import modeling_kimi_linear
+from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
@@ -475,7 +476,7 @@ def tiny_config(arch, **overrides):
                                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                    "original_max_position_embeddings": 32},
                                **moe, "attn_implementation": "eager"})
-    if arch in MLA_ARCHS:
+    if arch in MLA_ARCHS or arch in SPARSE_MLA_ARCHS:
         return mla_config(arch, kwargs)
     if arch in HYBRID_ARCHS:
         config_class, extra = HYBRID_ARCHS[arch]
@@ -601,8 +602,20 @@ MLA_ARCHS = {
 }
 
 
+# DeepSeek's sparse attention on the tiny MLA layers: a lightning indexer of 8 heads of 8 (the first 2 dims
+# rotated), each query attending to its top 5 keys, fewer than the test sequences hold, so that the choice matters.
+# DeepSeek-V3.2: half-split rotary in the indexer, interleaved in the attention; GLM-MoE-DSA: interleaved in both,
+# and its last two layers reuse the first's choice (indexer_types "shared").
+DSA_TINY = dict(index_n_heads=8, index_head_dim=8, index_topk=5)
+SPARSE_MLA_ARCHS = {
+    "deepseek_v32": (DeepseekV32Config, {**MLA_MOE, **DSA_TINY, "first_k_dense_replace": 1}),
+    "glm_moe_dsa": (GlmMoeDsaConfig, {**MLA_MOE, **DSA_TINY, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+                                      "indexer_types": ["full", "shared", "shared"]}),
+}
+
+
 def mla_config(arch, kwargs):
-    config_class, extra = MLA_ARCHS[arch]
+    config_class, extra = {**MLA_ARCHS, **SPARSE_MLA_ARCHS}[arch]
     return config_class(**{**kwargs, **MLA_TINY, **extra})
 
 
@@ -625,7 +638,8 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_dense": DeepseekV3ForCausalLM,
                  "deepseek_v3_biased": DeepseekV3ForCausalLM,
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
-                 "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+                 "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM,
+                 "glm_moe_dsa": GlmMoeDsaForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,

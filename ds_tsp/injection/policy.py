@@ -101,7 +101,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # beside the attention); Llama 4's chunked
 # layers (attention within chunks of attention_chunk_size tokens: documents.chunked_documents).
 # Layers of one block (Nemotron-H's) name their MLP and MoE layers too.
-MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe", "conv", "hybrid")
+# DeepSeek's sparse attention: indexed_attention layers, a latent attention whose lightning indexer chooses each
+# query's keys (ds_tsp.blocks.latent.indexer).
+MIXER_TYPES = (*LAYER_TYPES, "linear_attention", "chunked_attention", "mlp", "moe", "conv", "hybrid",
+               "indexed_attention")
 
 
 def full_or_sliding(layer_types):
@@ -134,6 +137,14 @@ COMMON = {
     "head_dim": Accepts(any_value, "read from the attention module"),
     "rms_norm_eps": Accepts(any_value, "the Hugging Face norm modules are kept as they are"),
     "tie_word_embeddings": Accepts(any_value, "a tied head shares the embedding's (vocabulary) shard"),
+    "hc_mult": Accepts((None, 1), "hyper-connections (HY-V4's and DeepSeek-V4's hc_mult residual streams, mixed "
+                       "by each layer's attn_hc and ffn_hc) are not built under TSP",
+                       "train this model with tsp.enabled false"),
+    "o_lora_rank": Accepts((None,), "a low-rank grouped output projection (DeepSeek-V4's o_lora_rank, o_groups) is "
+                           "not built under TSP", "train this model with tsp.enabled false"),
+    "compress_rates": Accepts((None,), "compressed attention (DeepSeek-V4's compressed sparse and heavily "
+                              "compressed layers, keys compressed by these rates under their own rotary) is not "
+                              "built under TSP", "train this model with tsp.enabled false"),
 }
 ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
 SLIDING = {
@@ -142,8 +153,10 @@ SLIDING = {
                            "(Llama 4's) within chunks of attention_chunk_size tokens, and linear_attention "
                            "layers holding a Gated DeltaNet (Kimi Linear's KDA among them), a Mamba-2 or a Mamba-1 "
                            "mixer, conv layers (LFM's gated short convolutions) and hybrid layers (Falcon-H1's "
-                           "attention and Mamba-2 side by side) are run by ds_tsp's; indexed_attention "
-                           "(DeepSeek-V3.2's sparse indexer attention) is not built under TSP"),
+                           "attention and Mamba-2 side by side) are run by ds_tsp's, and indexed_attention layers "
+                           "(DeepSeek-V3.2's and GLM-MoE-DSA's sparse attention: a latent attention whose "
+                           "lightning indexer chooses each query's keys) by ds_tsp's indexer; DeepSeek-V4's "
+                           "compressed attention layers are not built"),
     "sliding_window": Accepts(any_value, "the window of sliding_attention layers"),
     "use_sliding_window": Accepts(any_value, "read only to build layer_types and sliding_window"),
     "max_window_layers": Accepts(any_value, "read only to build layer_types"),
@@ -640,7 +653,8 @@ def latent_projections(attn):
     """The submodules of a multi-head latent attention (``ds_tsp.blocks.latent``):
     a query latent and its norm, or a plain query projection where it has none."""
     queries = ("q_a_proj", "q_a_layernorm", "q_b_proj") if getattr(attn, "q_a_proj", None) is not None else ("q_proj",)
-    return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    indexer = ("indexer",) if getattr(attn, "indexer", None) is not None else ()
+    return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", *indexer)
 
 
 # A policy's parts that live in the text decoder (``model.*`` in a causal LM).
@@ -1029,9 +1043,11 @@ def check_layer(policy, layer, where):
         if projections and child in recurrent:
             check_own_tensors(module, f"{where}.{child}", layer_class, recurrent[child][1])
         elif projections:
-            check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
+            check_own_tensors(module, f"{where}.{child}", layer_class,
+                              ATTENTION_TENSORS if child == mixer and not latent else ())
             if latent and child == mixer:
                 _check_latent_biases(module, f"{where}.{child}", layer_class)
+                _check_indexer(module, f"{where}.{child}", layer_class)
             else:
                 _check_biases(module, projections, f"{where}.{child}", layer_class)
     for name in children:
@@ -1368,6 +1384,24 @@ def _check_latent_biases(module, where, layer_class):
         raise PolicyError(f"{layer_class} at {where} has biases on {[p for p, b in down.items() if b] + heads}: the "
                           "TSP latent attention takes biases on q_a_proj and kv_a_proj_with_mqa together, and none on "
                           "q_proj, q_b_proj or kv_b_proj")
+
+
+# A lightning indexer's parts (ds_tsp.blocks.latent.indexer): its query and key projections, whose rows TSP splits,
+# the key's LayerNorm and the head weights, kept whole.
+INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
+
+
+def _check_indexer(module, where, layer_class):
+    """A latent attention's lightning indexer must be DeepSeek-V3.2's: its four parts, bias-free projections."""
+    indexer = getattr(module, "indexer", None)
+    if indexer is None:
+        return
+    parts = {name for name, child in indexer.named_children() if _holds_tensors(child)}
+    if parts != set(INDEXER_PARTS) or any(getattr(getattr(indexer, name), "bias", None) is not None
+                                          for name in ("wq_b", "wk", "weights_proj")):
+        raise PolicyError(f"{layer_class} at {where}.indexer holds {sorted(parts)}: the TSP indexer takes "
+                          f"{list(INDEXER_PARTS)}, its projections without biases; this indexer is not supported")
+    check_own_tensors(indexer, f"{where}.indexer", layer_class)
 
 
 def _check_biases(module, projections, where, layer_class):

@@ -145,7 +145,11 @@ def probe_layers(model, policy, topology, tsp_config, build, device=None):
                                          comm.group_device(topology.tsp_group)))
     probed = {}
     for index, layer in enumerate(layers):
-        probed.setdefault(_signature(layer), index)
+        # A layer attending to an earlier layer's chosen keys (GLM-MoE-DSA's shared indexer layers) cannot run
+        # alone; it is the layer with an indexer of its own, the choice given (tests/test_sparse_attention.py).
+        mixer = policy.mixer(layer)
+        if not getattr(layer.get_submodule(mixer) if mixer else None, "skip_topk", False):
+            probed.setdefault(_signature(layer), index)
     # Float64 throughout, so torch SDPA: this checks the layer's forward, not a kernel.
     probe_config = tsp_config.model_copy(update={"attention_backend": "sdpa"})
     implementation = getattr(text_config(model), "_attn_implementation", None) or "eager"
@@ -282,6 +286,8 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         tables = rotary_tables(rotary, local, shard.position_ids, shard.max_position, tsp_layer.rotary_kind)
         try:
             mine = tsp_layer(local, tables, positions=shard.position_ids, cache_positions=shard.cache_positions)
+            if isinstance(mine, tuple):  # the layer also hands on what a later layer shares (kv_sharing "store")
+                mine = mine[0]
         except (TypeError, ValueError, RuntimeError) as error:  # e.g. a router that returns something else
             raise PolicyError(f"{type(model).__name__} was accepted by shape only (tsp.policy auto), but the TSP "
                               f"layer built from its {type(recorder.layer).__name__} could not run on the probe "

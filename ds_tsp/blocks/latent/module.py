@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ds_tsp.blocks.attention.selection import select_kernel
 from ds_tsp.blocks.documents import query_blocks
+from ds_tsp.blocks.latent.indexer import IndexerParts, IndexerPlan, indexer_form, key_bounds
 from ds_tsp.blocks.latent.schedule import FORMS, LatentPlan, TSPLatentAttentionFunction
 from ds_tsp.blocks.latent.shards import LatentShapes, REPLICATED, shard_piece, shard_spec
 from ds_tsp.blocks.packing import PackedShardMixin, module_reader
@@ -55,7 +56,9 @@ def model_rope(attn, config):
         return NoRope()
     if "apply_rotary_emb(" in source:
         return ModelRope(modeling.apply_rotary_emb)
-    if "apply_rotary_pos_emb_interleave" in source and getattr(config, "rope_interleave", False):
+    # Interleaved where the config asks for it, or always where the forward reads no config for it (DeepSeek-V3.2's).
+    if "apply_rotary_pos_emb_interleave" in source and ("rope_interleave" not in source
+                                                         or getattr(config, "rope_interleave", False)):
         return ModelRope(modeling.apply_rotary_pos_emb_interleave)
     return ModelRope(modeling.apply_rotary_pos_emb)
 
@@ -69,11 +72,22 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
     keys, pairs)`` choosing one per input shape (ds_tsp's planner hands its cost
     model in at injection). The constructor allocates the shard without
     initialising it: ``from_hf`` or ``load_shard`` fills it.
+
+    DeepSeek's sparse attention (``indexer.py``): ``indexer`` is the lightning
+    indexer's ``(IndexerParts, rotary function, rope_first, scale_on_scores)``
+    where the layer has one of its own (``shapes.index_heads``), ``index_topk``
+    how many keys it chooses a query; ``selection``: ``"store"`` where a later
+    layer reuses this layer's choice (the forward then returns ``(out,
+    choice)``), ``"reuse"`` where this layer attends to an earlier layer's
+    (given as ``shared``), or None.
     """
+
+    # What TSPDecoderLayer hands on between layers that share one indexer's choice (its ``kv_sharing`` protocol).
+    kv_key = "index_choice"
 
     def __init__(self, shapes, tsp_group, q_norm, kv_norm, rope, *, o_bias=False, scale=None, form="expanded",
                  query_scale=None, layout_name="zigzag", backend="auto", overlap=True, token_tile=0,
-                 fp32_accumulators=True, dtype=None, device=None):
+                 fp32_accumulators=True, indexer=None, index_topk=0, selection=None, dtype=None, device=None):
         super().__init__()
         if backend not in ("auto", "sdpa"):
             raise ValueError(f"tsp.attention_backend = {backend!r}: multi-head latent attention runs on torch "
@@ -99,6 +113,10 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         self.layout_name, self.backend, self.overlap = layout_name, backend, overlap
         self.token_tile, self.fp32_accumulators = token_tile, fp32_accumulators
         self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
+        if (indexer is not None) != shapes.indexed:
+            raise ValueError("a latent attention with index heads (shapes.index_heads) takes its indexer's parts")
+        self.indexer, self.index_form = (None, None) if indexer is None else (indexer[0], indexer[1:])
+        self.index_topk, self.selection = index_topk, selection
 
     @classmethod
     def from_hf(cls, attn, config, tsp_group, form="expanded", layout_name="zigzag", backend="auto", overlap=True,
@@ -110,9 +128,16 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         shapes = latent_shapes(attn, config, comm.group_size(tsp_group))
         norms = [None if norm is None else copy.deepcopy(norm).to_empty(device=device)
                  for norm in (getattr(attn, "q_a_layernorm", None), attn.kv_a_layernorm)]
+        indexer = getattr(attn, "indexer", None)
+        if indexer is not None:
+            rotate, rope_first, scale_on_scores = indexer_form(indexer)
+            parts = IndexerParts(*(copy.deepcopy(getattr(indexer, name)).to_empty(device=device)
+                                   for name in ("k_norm", "weights_proj")))
+            indexer = (parts, ModelRope(rotate), rope_first, scale_on_scores)
         module = cls(shapes, tsp_group, *norms, model_rope(attn, config), o_bias=attn.o_proj.bias is not None,
                      scale=attn.scaling, form=form, query_scale=query_scale_of(attn, config), layout_name=layout_name,
                      backend=backend, overlap=overlap, token_tile=token_tile, fp32_accumulators=fp32_accumulators,
+                     indexer=indexer, index_topk=getattr(config, "index_topk", 0), selection=selection_of(attn, config),
                      dtype=weight.dtype, device=device)
         read = read or module_reader(attn)
         module.load_shard({name: read(name, module.shard_piece(name)) for name in module.shard_names()})
@@ -122,7 +147,19 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         """The parameters every rank holds whole, under Hugging Face names."""
         params = {"q_a_layernorm.weight": None if self.q_a_layernorm is None else self.q_a_layernorm.weight,
                   "kv_a_layernorm.weight": self.kv_a_layernorm.weight, "o_proj.bias": self.o_bias}
+        if self.indexer is not None:
+            params.update({f"indexer.{name}": param for name, param in self.indexer.named_parameters()})
         return {name: param for name, param in params.items() if param is not None}
+
+    @property
+    def kv_sharing(self):
+        """``"store"``, ``"reuse"`` or None: how the layer shares its indexer's choice (``selection``)."""
+        return self.selection
+
+    @property
+    def chooses_keys(self):
+        """Whether each query attends to chosen keys only (DeepSeek's sparse attention)."""
+        return self.indexer is not None or self.selection == "reuse"
 
     def shard_piece(self, name):
         return shard_piece(self.shapes, name, self.tsp_rank)
@@ -143,7 +180,7 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
             raise ValueError("this latent attention scales its queries by position (Mistral 4's "
                              "llama_4_scaling_beta): its forward needs the tokens' positions")
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
-        return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
+        return LatentPlan(indexer=self.indexer_plan(x, documents),group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, compute_dtype(self.packed)), scale=self.scale,
                           form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
@@ -152,14 +189,33 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                           query_scale=query_scale)
 
-    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None):
-        """``positions``: the local tokens' position ids ``(B, S/D)``, read by a query scale (``query_scale``)."""
+    def indexer_plan(self, x, documents):
+        """The ``IndexerPlan`` of this layer's own indexer on the local tokens ``x``, or None."""
+        if self.indexer is None:
+            return None
+        D = self.shapes.tsp_size
+        first, last, ends = key_bounds(documents, x.shape[0], x.shape[1], self.tsp_rank, D, self.layout_name,
+                                       x.device)
+        rope, rope_first, scale_on_scores = self.index_form
+        return IndexerPlan(topk=self.index_topk, heads=self.shapes.index_heads, head_dim=self.shapes.index_head_dim,
+                           rope_dim=self.shapes.qk_rope_head_dim, rope_first=rope_first, rope=rope, parts=self.indexer,
+                           scale_on_scores=scale_on_scores, first_key=first, last_key=last, tile_ends=ends)
+
+    def forward(self, x, position_embeddings, documents=None, input_norm=None, positions=None, shared=None):
+        """``positions``: the local tokens' position ids ``(B, S/D)``, read by a query scale (``query_scale``);
+        ``shared``: the keys an earlier layer's indexer chose for each local query, where this layer reuses
+        them (``selection`` "reuse"); with ``selection`` "store" returns ``(out, this layer's choice)``."""
         if input_norm is not None:
             raise ValueError("the latent attention does not run its input norm inside (takes_input_norm)")
+        if (shared is not None) != (self.selection == "reuse"):
+            raise ValueError("a latent attention that reuses an earlier layer's chosen keys (indexer_types "
+                             "\"shared\") takes them as shared, and only it does")
         q_norm_weight = None if self.q_a_layernorm is None else self.q_a_layernorm.weight
-        out = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, positions),
-                                               position_embeddings, q_norm_weight, self.kv_a_layernorm.weight)
-        return out if self.o_bias is None else out + self.o_bias
+        out, chosen = TSPLatentAttentionFunction.apply(x, self.shard_weights(), self.plan(x, documents, positions),
+                                                       position_embeddings, q_norm_weight,
+                                                       self.kv_a_layernorm.weight, shared)
+        out = out if self.o_bias is None else out + self.o_bias
+        return (out, chosen) if self.selection == "store" else out
 
 
 def zigzag_work(rows, local_tokens, tsp_size):
@@ -174,9 +230,24 @@ def zigzag_work(rows, local_tokens, tsp_size):
     return rows, local_tokens, seq_len, pairs
 
 
+def selection_of(attn, config):
+    """How a Hugging Face MLA module shares its indexer's choice across layers
+    (GLM-MoE-DSA's ``indexer_types``): ``"reuse"`` where it has no indexer
+    of its own but attends to chosen keys, ``"store"`` where it has one and
+    a later layer reuses its choice, else None."""
+    kinds = getattr(config, "indexer_types", None) or ()
+    if getattr(attn, "skip_topk", False):
+        return "reuse"
+    if getattr(attn, "indexer", None) is not None and "shared" in kinds:
+        return "store"
+    return None
+
+
 def latent_shapes(attn, config, tsp_size):
     """The ``LatentShapes`` of a Hugging Face MLA module."""
-    return LatentShapes(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+    indexed = getattr(attn, "indexer", None) is not None
+    return LatentShapes(index_heads=config.index_n_heads if indexed else 0,
+                        index_head_dim=config.index_head_dim if indexed else 0,hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                         q_lora_rank=config.q_lora_rank if getattr(attn, "q_a_proj", None) is not None else None,
                         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
                         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, tsp_size=tsp_size,

@@ -21,6 +21,10 @@ latent and runs each group's local backward under autograd; the latent's
 gradient, summed over the groups in float32 or wider, is reduce-scattered to
 its tokens' owners once per layer; each piece's weight gradient is reduced to
 its owner. Saved: the local input and its down projections' outputs.
+
+A layer of DeepSeek's sparse attention adds its lightning indexer
+(``indexer.py``): the index keys ride in step 2's gather, and each query
+attends to the keys the indexer chose for it (saved for backward).
 """
 
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import ReducesInFlight, attend_local_chunks, broadcast_stream
+from ds_tsp.blocks.latent.indexer import attend_selected, choose_keys, index_inputs
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -54,6 +59,7 @@ class LatentPlan:
     fp32_accumulators: bool = True
     grad_wire_dtype: object = None
     query_scale: object = None  # (B, S/D) factors of the local queries (Mistral 4's, by position), or None
+    indexer: object = None  # indexer.IndexerPlan of a layer with a lightning indexer of its own, or None
     window: None = None  # read by attend_local_chunks: MLA layers attend causally over the whole sequence
     explicit_backward: bool = False  # read by attend_local_chunks: backward runs under autograd
 
@@ -65,7 +71,7 @@ class LatentPlan:
 def piece_stream(plan, packed, part):
     """Yield ``(j, weights of piece j)`` for every owner ``j``, ``part`` the
     index of the piece in each shard (here 0 for the down pieces, 1 for the
-    head groups); with ``plan.overlap`` the broadcast of piece ``j+1`` is in
+    head groups, 2 for the indexer pieces); with ``plan.overlap`` the broadcast of piece ``j+1`` is in
     flight while piece ``j`` computes."""
     tsp_rank = comm.group_rank(plan.group)
 
@@ -146,10 +152,11 @@ def head_group_queries(plan, q_input, w, tables):
     return q_nope, q_rot
 
 
-def head_group(plan, q_input, latent, w, tables, queries=None):
+def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None):
     """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
     queries of the local tokens (``queries``, or ``head_group_queries`` of
-    ``q_input``) against the whole sequence's ``latent``."""
+    ``q_input``) against the whole sequence's ``latent``, or only its rows
+    each query's ``chosen`` names (``(B, S/D, k)``, the lightning indexer's)."""
     shapes = plan.shapes
     B = q_input.shape[0]
     hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
@@ -159,30 +166,43 @@ def head_group(plan, q_input, latent, w, tables, queries=None):
         up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
         q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope])
         # One key head of the latent and rotary key, shared by every query head.
-        o_latent, _ = attend_local_chunks(plan, torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2),
-                                          c_kv.unsqueeze(2))
+        o_latent = _attend(plan, torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2), c_kv.unsqueeze(2),
+                           chosen)
         o = torch.einsum("blhc,hvc->blhv", o_latent, up[:, nope:])
     else:
         S = latent.shape[1]
         k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(-1, -1, hq, -1)], dim=-1)
-        o, _ = attend_local_chunks(plan, torch.cat([q_nope, q_rot], dim=-1), k, v)
+        o = _attend(plan, torch.cat([q_nope, q_rot], dim=-1), k, v, chosen)
     return o.flatten(2)
+
+
+def _attend(plan, q, K, V, chosen):
+    if chosen is None:
+        return attend_local_chunks(plan, q, K, V)[0]
+    return attend_selected(q, K, V, chosen, plan.scale)
 
 
 def _accumulator_dtype(plan, dtype):
     return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
 
 
-def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight, latent_sink=None):
+def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight, latent_sink=None, chosen=None):
     """Forward of one layer on the local tokens ``x``; returns the output
-    ``(B, S/D, H)`` and the down projections' outputs, which backward keeps.
-    ``latent_sink(latent)``, if given, receives the local tokens' latent and
-    rotated key ``(B, S/D, width)`` (a generation's prefill caches them)."""
+    ``(B, S/D, H)``, the down projections' outputs, which backward keeps, and
+    the keys each query attended to (``chosen``, or its own indexer's choice;
+    None without an indexer). ``latent_sink(latent)``, if given, receives the
+    local tokens' latent and rotated key ``(B, S/D, width)`` (a generation's
+    prefill caches them)."""
     raw = down_project(plan, x, packed)
     c_q, latent = local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight)
     if latent_sink is not None:
         latent_sink(latent)
+    index = None
+    if plan.indexer is not None:
+        with torch.no_grad():
+            index = index_inputs(plan, x, c_q, piece_stream(plan, packed, 2), tables)
+        latent = torch.cat([latent, index[2]], dim=-1)  # the index keys ride in the latent's gather
     gathering, latent = gather_latent(plan, latent), None
     q_input = x if c_q is None else c_q
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
@@ -191,9 +211,13 @@ def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_wei
         queries = head_group_queries(plan, q_input, w, tables)
         if latent is None:  # the gather ran under the first head group's queries
             latent = gathering.wait()
-        o = head_group(plan, q_input, latent, w, tables, queries)
+            if index is not None:
+                latent, keys = latent.split([plan.shapes.latent_width, plan.shapes.index_head_dim], dim=-1)
+                chosen = choose_keys(plan.indexer, index[0], index[1], keys)
+                index = keys = None
+        o = head_group(plan, q_input, latent, w, tables, queries, chosen)
         precision.add_matmul(out, o.flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
-    return out.view(x.shape).to(x.dtype), raw
+    return out.view(x.shape).to(x.dtype), raw, chosen
 
 
 class ShardGrads:
@@ -228,10 +252,10 @@ def _leaf(t):
     return None if t is None else t.detach().requires_grad_()
 
 
-def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads):
+def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen=None):
     """Every head group's backward: the gradients of ``q_input`` and of the
     whole sequence's ``latent`` (float32 or wider), each group's weight
-    gradient sent to its owner."""
+    gradient sent to its owner; ``chosen``: each query's keys (``head_group``)."""
     shapes = plan.shapes
     acc = _accumulator_dtype(plan, latent.dtype)
     grad_q_input = torch.zeros(q_input.shape, dtype=acc, device=q_input.device)
@@ -242,7 +266,7 @@ def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads)
         leaves = {"q": _leaf(q_input), "latent": _leaf(latent), **{name: _leaf(w[name]) for name in names}}
         with torch.enable_grad():
             o = head_group(plan, leaves["q"], leaves["latent"], {**w, **{name: leaves[name] for name in names}},
-                           tables)
+                           tables, chosen=chosen)
             grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
             d_q, d_latent, *d_weights = torch.autograd.grad(o, list(leaves.values()), grad_o)
         grad_q_input += d_q
@@ -272,16 +296,19 @@ def down_backward(plan, x, packed, grad_raw, grads, grad_x):
         grads.send(j, flat)
 
 
-def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_weight, kv_norm_weight):
-    """Gradients of the local tokens ``x``, this rank's packed shard and the two latent norms' weights."""
+def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_weight, kv_norm_weight, chosen=None):
+    """Gradients of the local tokens ``x``, this rank's packed shard and the two latent norms' weights;
+    ``chosen``: the keys each query attended to in forward. The indexer's piece takes none (zeros)."""
     grads = ShardGrads(plan, packed)
+    if plan.indexer is not None:
+        grads.buffer(grads.tsp_rank, 2)[0].zero_()
     leaves = {"raw": {name: _leaf(t) for name, t in raw.items()}, "q_norm": _leaf(q_norm_weight),
               "kv_norm": _leaf(kv_norm_weight)}
     with torch.enable_grad():
         c_q, local = local_latent(plan, leaves["raw"], tables, leaves["q_norm"], leaves["kv_norm"])
     q_input = x if c_q is None else c_q.detach()
     latent = gather_latent(plan, local.detach()).wait()
-    grad_q_input, grad_latent = head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads)
+    grad_q_input, grad_latent = head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen)
     latent = None
     grad_local = scatter_latent_grad(plan, grad_latent, x.dtype)
     outputs, grad_outputs = [local], [grad_local.to(local.dtype)]
@@ -302,25 +329,30 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
 
 
 class TSPLatentAttentionFunction(torch.autograd.Function):
-    """forward: ``latent_attention_forward``, saving its input and down projections;
-    backward: ``latent_attention_backward``."""
+    """forward: ``latent_attention_forward``, saving its input, down projections
+    and the keys each query attended to; backward: ``latent_attention_backward``.
+    Returns the output and those keys (None without an indexer), which are
+    given back as ``chosen`` to a layer that shares its indexer's choice."""
 
     # Under autocast the input and the shard are cast to the autocast dtype and the layer runs as a model of that
     # dtype would; the latents' norm weights keep theirs, as Hugging Face's norms do.
     @staticmethod
     @autocast_forward(cast_inputs=True, keep=(4, 5))
-    def forward(ctx, x, packed, plan, tables, q_norm_weight, kv_norm_weight):
+    def forward(ctx, x, packed, plan, tables, q_norm_weight, kv_norm_weight, chosen=None):
         # The norm weights are inputs only so that autograd routes their gradients.
-        out, raw = latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight)
+        out, raw, chosen = latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight,
+                                                    chosen=chosen)
         ctx.plan, ctx.tables, ctx.raw_names = plan, tables, tuple(raw)
-        ctx.save_for_backward(x, packed, q_norm_weight, kv_norm_weight, *raw.values())
-        return out
+        ctx.save_for_backward(x, packed, q_norm_weight, kv_norm_weight, chosen, *raw.values())
+        if chosen is not None:
+            ctx.mark_non_differentiable(chosen)
+        return out, chosen
 
     @staticmethod
     @autocast_backward
-    def backward(ctx, grad_out):
-        x, packed, q_norm_weight, kv_norm_weight, *raw = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_chosen=None):
+        x, packed, q_norm_weight, kv_norm_weight, chosen, *raw = ctx.saved_tensors
         grads = latent_attention_backward(ctx.plan, grad_out.contiguous(), x, packed, ctx.tables,
-                                          dict(zip(ctx.raw_names, raw)), q_norm_weight, kv_norm_weight)
+                                          dict(zip(ctx.raw_names, raw)), q_norm_weight, kv_norm_weight, chosen)
         grad_x, grad_packed, grad_q_norm, grad_kv_norm = grads
-        return grad_x, grad_packed, None, None, grad_q_norm, grad_kv_norm
+        return grad_x, grad_packed, None, None, grad_q_norm, grad_kv_norm, None

@@ -1,0 +1,201 @@
+"""DeepSeek's sparse attention under TSP (DESIGN.md 6o): the lightning indexer
+chooses, for every query, the ``index_topk`` earlier tokens its attention reads.
+
+Per layer with an indexer of its own, in forward only (Hugging Face runs the
+indexer under ``no_grad``: its weights take no gradient):
+
+1. the indexer pieces (``wq_b``'s and ``wk``'s rows, ``shards.py``) are
+   broadcast in turn, and each rank projects its own tokens through all of
+   them: its queries' index heads ``(B, S/D, Hi, Di)`` from the query latent,
+   and its tokens' index keys ``(B, S/D, Di)`` from the hidden states, normed
+   by the key norm and rotated as the model's indexer rotates them;
+2. the index keys ride in the latent's all-gather: ``Di`` more elements a token;
+3. each rank scores its own queries against every key it may see (causal,
+   within its packed document), tile by tile of queries and keys, in float32
+   as Hugging Face does, and keeps a running top-k: no rank holds a
+   ``(local tokens x S)`` score matrix. Among equal scores the earlier key is
+   kept (``torch.topk``'s order among ties is its own, and differs between
+   devices; the tests check that their boundaries hold no ties);
+4. each query attends to its chosen latent rows only (``attend_selected``), in
+   query tiles, each recomputed in backward, so the chosen rows of one tile
+   exist at a time; their gradients add into the gathered latent's gradient,
+   which goes back to the owners with the latent's reduce-scatter.
+
+A layer whose indexer is shared (GLM-MoE-DSA's ``indexer_types`` "shared")
+attends to the previous indexer layer's choice, which the decoder layers hand
+on (``TSPDecoderLayer``'s ``shared``). The choice is saved for backward
+(``index_topk`` int32 a token): backward does not run the indexer again.
+"""
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ds_tsp.parallel import layout
+
+QUERY_TILE = 128  # queries scored (and attended) at once
+KEY_TILE = 1024  # keys scored at once against a query tile
+NOT_CHOSEN = -1  # a slot of the choice left empty: the query may see fewer keys than index_topk
+
+
+class IndexerParts(nn.Module):
+    """The indexer's tensors every rank keeps whole, under Hugging Face's names:
+    the key norm (a LayerNorm) and the per-head weights (``weights_proj``, which
+    Hugging Face keeps in float32)."""
+
+    def __init__(self, k_norm, weights_proj):
+        super().__init__()
+        self.k_norm, self.weights_proj = k_norm, weights_proj
+
+
+@dataclass(frozen=True)
+class IndexerPlan:
+    """How one layer scores and chooses its keys."""
+
+    topk: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    rope_first: bool  # the rotated dims lead each index head (DeepSeek-V3.2's, GLM's), or trail it (HY-V4's)
+    rope: object  # rope(t (B, L, h, rope_dim), tables): the model's indexer's rotary function
+    parts: IndexerParts
+    scale_on_scores: bool  # softmax_scale inside the relu (DeepSeek-V3.2's), or on the head weights (HY-V4's)
+    first_key: torch.Tensor  # (B, S/D) each local query's first visible key (its document's start), natural order
+    last_key: torch.Tensor  # (B, S/D) its last: itself
+    tile_ends: tuple  # per query tile, one past the last key any of its queries sees (host ints)
+
+    @property
+    def softmax_scale(self):
+        return self.head_dim ** -0.5
+
+
+def indexer_form(indexer):
+    """``(rotary function, rope_first, scale_on_scores)`` of a Hugging Face indexer, read off its forward:
+    interleaved or half-split rotary, the rotated dims first or last, the softmax scale inside the relu or on
+    the head weights."""
+    modeling = sys.modules[type(indexer).__module__]
+    source = inspect.getsource(type(indexer).forward)
+    rotate = (modeling.apply_rotary_pos_emb_interleave if "apply_rotary_pos_emb_interleave(" in source
+              else modeling.apply_rotary_pos_emb)
+    rope_first = "q_rot, q_pass = torch.split" in source
+    scale_on_scores = ".float().unsqueeze(1)) * self.softmax_scale" in source
+    return rotate, rope_first, scale_on_scores
+
+
+def key_bounds(documents, batch, local_len, tsp_rank, tsp_size, layout_name, device):
+    """``(first, last, tile_ends)``: each local query's first and last visible
+    key ``(B, S/D)`` in natural order (its packed document's start, itself),
+    on ``device``, and per query tile one past the last key it sees, worked
+    out on the host."""
+    positions = layout.positions(tsp_rank, tsp_size, layout_name, local_len * tsp_size)
+    rows = documents or [[0]] * batch
+    first = torch.stack([torch.tensor(starts)[torch.searchsorted(torch.tensor(starts), positions, right=True) - 1]
+                         for starts in rows])
+    last = positions.expand(batch, -1)
+    ends = tuple(int(last[:, a:a + QUERY_TILE].max()) + 1 for a in range(0, local_len, QUERY_TILE))
+    return first.to(device, non_blocking=True), last.to(device, non_blocking=True), ends
+
+
+def index_inputs(plan, x, c_q, pieces, tables):
+    """The local tokens' index queries ``(B, S/D, Hi, Di)`` and head weights
+    ``(B, S/D, Hi)``, in float32, and index keys ``(B, S/D, Di)`` in ``x``'s
+    dtype, as the model's indexer makes them, from every rank's indexer piece
+    (``pieces``: ``(j, weights)`` pairs)."""
+    ip = plan.indexer
+    B, L = x.shape[:2]
+    queries, keys = [], []
+    for _, w in pieces:
+        queries.append(F.linear(c_q, w["indexer.wq_b.weight"]))
+        keys.append(F.linear(x, w["indexer.wk.weight"]))
+    q = torch.cat(queries, dim=-1).view(B, L, ip.heads, ip.head_dim)
+    norm = ip.parts.k_norm
+    k = norm(torch.cat(keys, dim=-1).to(norm.weight.dtype)).to(x.dtype).unsqueeze(2)
+    q, k = _rotated(ip, q, tables), _rotated(ip, k, tables).squeeze(2)
+    projection = ip.parts.weights_proj
+    weights = projection(x.to(projection.weight.dtype)).float() * ip.heads ** -0.5
+    if not ip.scale_on_scores:
+        weights = weights * ip.softmax_scale
+    return q.float(), weights, k
+
+
+def _rotated(ip, t, tables):
+    """``t`` ``(B, L, h, Di)`` with its rotary dims rotated by the indexer's own function."""
+    split = [ip.rope_dim, ip.head_dim - ip.rope_dim] if ip.rope_first else [ip.head_dim - ip.rope_dim, ip.rope_dim]
+    first, second = t.split(split, dim=-1)
+    if ip.rope_first:
+        return torch.cat([ip.rope(first, tables).to(t.dtype), second], dim=-1)
+    return torch.cat([first, ip.rope(second, tables).to(t.dtype)], dim=-1)
+
+
+@torch.no_grad()
+def choose_keys(ip, q, weights, keys):
+    """Each local query's chosen keys ``(B, S/D, k)`` (natural indices, int32,
+    ``NOT_CHOSEN`` in slots left empty), ``k = min(topk, keys seen)``: the
+    top-``topk`` index scores among the keys it may see, scored in tiles against
+    the whole sequence's index ``keys`` ``(B, S, Di)``."""
+    chosen = []
+    for tile, a in enumerate(range(0, q.shape[1], QUERY_TILE)):
+        b = min(a + QUERY_TILE, q.shape[1])
+        chosen.append(_choose_for_tile(ip, q[:, a:b], weights[:, a:b], keys, ip.first_key[:, a:b, None],
+                                       ip.last_key[:, a:b, None], ip.tile_ends[tile]))
+    return torch.cat(chosen, dim=1)
+
+
+def _choose_for_tile(ip, q, weights, keys, first, last, end):
+    B, T = q.shape[:2]
+    values = q.new_empty((B, T, 0))
+    index = torch.empty((B, T, 0), dtype=torch.long, device=q.device)
+    head_weights = weights.unsqueeze(-2)  # (B, T, 1, Hi)
+    for s in range(0, end, KEY_TILE):
+        e = min(s + KEY_TILE, end)
+        scores = torch.matmul(q, keys[:, s:e].transpose(-1, -2).float().unsqueeze(1))  # (B, T, Hi, e - s)
+        if ip.scale_on_scores:
+            scores = scores * ip.softmax_scale
+        tile = torch.matmul(head_weights, F.relu(scores)).squeeze(-2)  # (B, T, e - s)
+        positions = torch.arange(s, e, device=q.device)
+        tile = tile.masked_fill((positions < first) | (positions > last), float("-inf"))
+        values = torch.cat([values, tile], dim=-1)
+        index = torch.cat([index, positions.expand(B, T, -1)], dim=-1)
+        if values.shape[-1] > ip.topk:
+            # Stable: among equal scores the earlier candidate, which is the earlier key, stays.
+            values, order = values.sort(dim=-1, descending=True, stable=True)
+            values, index = values[..., :ip.topk], index.gather(-1, order[..., :ip.topk])
+    return index.masked_fill(values == float("-inf"), NOT_CHOSEN).to(torch.int32)
+
+
+def attend_selected(q, K, V, chosen, scale):
+    """Each query of ``q`` ``(B, S/D, h, dk)`` attending to its ``chosen`` rows
+    ``(B, S/D, k)`` of ``K`` ``(B, S, hk, dk)`` and ``V`` ``(B, S, hk, dv)``
+    (``hk`` 1: one key head for all, the absorbed form), tile by tile of
+    queries; under autograd each tile is recomputed in backward, so one tile's
+    chosen rows exist at a time."""
+    outputs = []
+    for a in range(0, q.shape[1], QUERY_TILE):
+        b = min(a + QUERY_TILE, q.shape[1])
+        run = functools.partial(_attend_tile, scale=scale)
+        if torch.is_grad_enabled():
+            outputs.append(checkpoint(run, q[:, a:b], K, V, chosen[:, a:b], use_reentrant=False))
+        else:
+            outputs.append(run(q[:, a:b], K, V, chosen[:, a:b]))
+    return torch.cat(outputs, dim=1)
+
+
+def _attend_tile(q, K, V, chosen, scale):
+    chosen = chosen.long()
+    rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
+    keys, values = K[rows, chosen.clamp(min=0)], V[rows, chosen.clamp(min=0)]  # (B, T, k, hk, d)
+    if K.shape[2] == 1:
+        logits = torch.einsum("bqhd,bqkd->bqhk", q, keys.squeeze(3)) * scale
+    else:
+        logits = torch.einsum("bqhd,bqkhd->bqhk", q, keys) * scale
+    logits = logits.masked_fill((chosen == NOT_CHOSEN).unsqueeze(2), float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    if V.shape[2] == 1:
+        return torch.einsum("bqhk,bqkd->bqhd", weights, values.squeeze(3))
+    return torch.einsum("bqhk,bqkhd->bqhd", weights, values)
