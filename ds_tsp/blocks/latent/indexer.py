@@ -135,8 +135,8 @@ def _rotated(ip, t, tables):
 
 @torch.no_grad()
 def choose_keys(ip, q, weights, keys):
-    """Each local query's chosen keys ``(B, S/D, k)`` (natural indices, int32,
-    ``NOT_CHOSEN`` in slots left empty), ``k = min(topk, keys seen)``: the
+    """Each local query's chosen keys ``(B, S/D, topk)`` (natural indices, int32,
+    ``NOT_CHOSEN`` in the slots of a query that sees fewer keys): the
     top-``topk`` index scores among the keys it may see, scored in tiles against
     the whole sequence's index ``keys`` ``(B, S, Di)``."""
     chosen = []
@@ -159,14 +159,20 @@ def _choose_for_tile(ip, q, weights, keys, first, last, end):
             scores = scores * ip.softmax_scale
         tile = torch.matmul(head_weights, F.relu(scores)).squeeze(-2)  # (B, T, e - s)
         positions = torch.arange(s, e, device=q.device)
-        tile = tile.masked_fill((positions < first) | (positions > last), float("-inf"))
+        tile = tile.masked_fill(~visible(positions, first, last), float("-inf"))
         values = torch.cat([values, tile], dim=-1)
         index = torch.cat([index, positions.expand(B, T, -1)], dim=-1)
         if values.shape[-1] > ip.topk:
             # Stable: among equal scores the earlier candidate, which is the earlier key, stays.
             values, order = values.sort(dim=-1, descending=True, stable=True)
             values, index = values[..., :ip.topk], index.gather(-1, order[..., :ip.topk])
-    return index.masked_fill(values == float("-inf"), NOT_CHOSEN).to(torch.int32)
+    index = index.masked_fill(values == float("-inf"), NOT_CHOSEN).to(torch.int32)
+    return F.pad(index, (0, ip.topk - index.shape[-1]), value=NOT_CHOSEN)  # every tile topk wide
+
+
+def visible(keys, first, last):
+    """Which of the natural positions ``keys`` each query sees, given its first and last visible key."""
+    return (keys >= first) & (keys <= last)
 
 
 def attend_selected(q, K, V, chosen, scale):
