@@ -181,7 +181,8 @@ def test_other_mixture_of_experts_configs_are_refused():
                                          r"layers of mixtral, minimax_m2, gpt_oss, qwen2_moe, qwen3_moe, olmoe, "
                                          r"flex_olmo, glm4_moe, llama4_text, deepseek_v2, deepseek_v3, "
                                          r"glm4_moe_lite, mistral4, qwen3_next, qwen3_5_moe_text, phimoe, "
-                                         r"granitemoe, hunyuan_v1_moe, cohere2_moe, ernie4_5_moe, gemma4_text only"):
+                                         r"granitemoe, hunyuan_v1_moe, cohere2_moe, ernie4_5_moe, deepseek_v32, "
+                                         r"glm_moe_dsa, gemma4_text only"):
         planner.model_shape({**tiny_shape(), "model_type": "longcat_flash", "n_routed_experts": 64})
     with pytest.raises(ValueError, match=r"num_experts = 8 \(model_type 'dbrx'\)"):
         planner.model_shape({**tiny_shape(), "model_type": "dbrx", "num_experts": 8})

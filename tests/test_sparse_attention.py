@@ -13,8 +13,11 @@ import ds_tsp
 from ds_tsp.blocks.latent import indexer, schedule
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import PolicyError
-from ds_tsp.parallel import layout
+from ds_tsp.blocks.latent.module import TSPLatentAttention
+from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
+from ds_tsp.planning.communication import latent_attention_bytes_by_op
+from ds_tsp.planning.shapes import model_shape
 from models import SPARSE_MLA_ARCHS, tiny_causal_lm, tiny_model
 from parity import check, check_caught, model_parity, packed_position_ids
 
@@ -138,6 +141,78 @@ def _wrong_choice(how, **kwargs):
 @pytest.mark.parametrize("how", ["key_row", "local_only", "not_causal"])
 def test_a_wrong_choice_is_caught(run_ranks, how):
     check_caught(run_ranks(2, _wrong_choice, how=how, arch="deepseek_v32", batch=2, seq_len=13), how)
+
+
+def _layer_bytes(arch, batch, seq_len, form):
+    """One sparse MLA layer's forward and backward on this rank's tokens: the bytes it received, by op."""
+    topo = TSPTopology(dist.get_world_size())
+    D, r = topo.tsp_size, topo.tsp_rank
+    model = tiny_model(arch)
+    attn = model.model.layers[0].self_attn
+    tsp = TSPLatentAttention.from_hf(attn, model.config, topo.tsp_group, form=form)
+    torch.manual_seed(1)
+    x = layout.shard(torch.randn(batch, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
+    x.requires_grad_()
+    positions = layout.positions(r, D, "zigzag", seq_len).unsqueeze(0).expand(batch, -1)
+    tables = model.model.rotary_emb(x, positions)
+    comm.counter.reset()
+    y = tsp(x, tables)
+    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    y.backward(torch.ones_like(y))
+    both = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+    return dict(rank=r, forward=forward, both=both)
+
+
+def test_bytes_equal_the_planner_op_by_op(run_ranks):
+    """DeepSeek-V3.2's layer at D = 4: every op each rank receives equals the planner's, forward and backward;
+    the forward's gather carries index_head_dim more elements a token than the latent's (backward's does not)."""
+    config = tiny_model("deepseek_v32").config
+    B, S, D, elem = 2, 16, 4, 8
+    sizes = (config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+             config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
+    indexer_sizes = dict(index_heads=config.index_n_heads, index_head_dim=config.index_head_dim)
+    latent = (config.kv_lora_rank + config.qk_rope_head_dim) * (D - 1) * B * S // D
+    index_keys = config.index_head_dim * (D - 1) * B * S // D
+    for form in schedule.FORMS:
+        for out in run_ranks(D, _layer_bytes, arch="deepseek_v32", batch=B, seq_len=S, form=form):
+            planned = {direction: latent_attention_bytes_by_op(*sizes, B * S, D, out["rank"], elem, direction,
+                                                               **indexer_sizes)
+                       for direction in ("forward", "both")}
+            print(f"deepseek_v32 {form} rank {out['rank']}: forward {out['forward']}, planned {planned['forward']}; "
+                  f"fwd+bwd {out['both']}, planned {planned['both']}")
+            assert out["forward"]["all_gather"] == (latent + index_keys) * elem
+            assert out["both"]["all_gather"] == (2 * latent + index_keys) * elem
+            assert out["forward"] == planned["forward"]
+            assert out["both"] == planned["both"]
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_step_bytes_equal_what_the_model_counts(run_ranks, tsp_size):
+    """A whole training step of DeepSeek-V3.2 and GLM-MoE-DSA (its layers reusing the first's choice move no
+    indexer bytes), per rank and op, against tsp_step_bytes_by_op."""
+    from test_plan_communication import _check_counted_steps, _counted_model_steps
+
+    dtype = torch.float64 if tsp_size == 2 else torch.bfloat16
+    cases = [(arch, dtype, True, False) for arch in SPARSE_MLA_ARCHS] + [("deepseek_v32", dtype, True, True)]
+    _check_counted_steps(tsp_size, cases, run_ranks(tsp_size, _counted_model_steps, cases=cases))
+
+
+def test_the_planner_adds_the_index_keys_to_deepseek_v32s_gather():
+    """At DeepSeek-V3.2's sizes (the deepseek-v3.2 preset), a layer's forward gather is (kv_lora_rank +
+    qk_rope_head_dim + index_head_dim) (D-1)/D B*S elements: 576 + 128 a token."""
+    m = model_shape("deepseek-v3.2")
+    D, tokens, e = 8, 4096, 2
+    sizes = (m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
+             m.v_head_dim)
+    forward = latent_attention_bytes_by_op(*sizes, tokens, D, 0, e, "forward", index_heads=m.index_heads,
+                                           index_head_dim=m.index_head_dim)
+    plain = latent_attention_bytes_by_op(*sizes, tokens, D, 0, e, "forward")
+    per_token = forward["all_gather"] * D / ((D - 1) * tokens * e)
+    print(f"deepseek-v3.2 at D = {D}: the forward gather moves {per_token} elements a token "
+          f"({m.latent_width} latent and rotary key + {m.index_head_dim} index key); the indexer's pieces add "
+          f"{forward['broadcast'] - plain['broadcast']} broadcast bytes a rank")
+    assert per_token == m.latent_width + m.index_head_dim == 576 + 128
+    assert forward["broadcast"] - plain["broadcast"] == e * (D - 1) * m.indexer_params // D
 
 
 @pytest.mark.parametrize("model_type, match", [("hy_v4", "hc_mult"), ("deepseek_v4", "hc_mult|compress|rope")])

@@ -41,7 +41,7 @@ def prefill_latent_attention(attn, h, tables, positions, write):
     ``positions`` ``(B, S/D)``; ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
     packed = attn.shard_weights().detach()
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
-    out, _ = latent_attention_forward(attn.plan(h, positions=positions), h, packed, tables, q_norm_weight,
+    out, _, _ = latent_attention_forward(attn.plan(h, positions=positions), h, packed, tables, q_norm_weight,
                                       attn.kv_a_layernorm.weight,
                                       latent_sink=lambda latent: write(latent.unsqueeze(2)))
     return out if attn.o_bias is None else out + attn.o_bias

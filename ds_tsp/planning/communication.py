@@ -34,6 +34,7 @@ from ds_tsp.planning.shapes import (
     ModelShape,
     model_shape,
     tsp_attention_shard,
+    tsp_indexer_shard,
     tsp_qk_rows,
     tsp_shape_problem,
     vocab_rows_per_rank,
@@ -197,7 +198,8 @@ def _mixer_ops(m, seq_len, micro_batch, D, e, tsp_rank, linear, grad_wire_bytes)
             for direction in ("forward", "backward"))
     a = gradient_wire_bytes(e, grad_wire_bytes)
     own = Fraction(m.attention_params, D) if tsp_rank is None else tsp_attention_shard(m, D, tsp_rank)
-    forward, backward = _attention_ops(m, micro_batch * seq_len, D, e, a, own)
+    index_own = Fraction(m.indexer_params, D) if tsp_rank is None else tsp_indexer_shard(m, D, tsp_rank)
+    forward, backward = _attention_ops(m, micro_batch * seq_len, D, e, a, own, index_own)
     if m.qk_norm_spans_projection:
         # The sums of squares' round (attention.norms.projection_squares_forward): the shards once more each way,
         # and the gradient of this rank's q and k rows reduced to it.
@@ -224,7 +226,7 @@ def _ffn_ops(m, seq_len, micro_batch, D, e, sparse, moe_schedule, grad_wire_byte
 
 def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                                  qk_rope_head_dim, v_head_dim, tokens, tsp_size, tsp_rank, elem_bytes, direction, *,
-                                 down_bias=False, grad_wire_bytes=None):
+                                 down_bias=False, grad_wire_bytes=None, index_heads=0, index_head_dim=0):
     """Bytes rank ``tsp_rank`` receives in one multi-head latent attention layer
     (DESIGN.md 6i, ``ds_tsp.blocks.latent``), by op, for ``tokens = B*S``:
     every other rank's down piece and head group broadcast (twice: backward
@@ -232,26 +234,35 @@ def latent_attention_bytes_by_op(hidden_size, num_heads, q_lora_rank, kv_lora_ra
     qk_rope_head_dim) (D-1)/D B*S`` elements (twice), their gradient
     reduce-scattered once, and this rank's shard gradient reduced from the
     other ``D-1`` ranks in the gradient wire dtype: ``tsp_bytes_by_op``'s
-    attention part. ``q_lora_rank`` None: no query latent."""
+    attention part. ``q_lora_rank`` None: no query latent. A lightning indexer
+    of ``index_heads`` heads of ``index_head_dim`` (DeepSeek's sparse
+    attention) adds, in forward only, its pieces' broadcast and ``index_head_dim``
+    elements a token to the latent's gather (``_attention_ops``)."""
     m = ModelShape(hidden_size, 0, 1, num_heads, num_heads, qk_nope_head_dim + qk_rope_head_dim, 1,
                    attention_bias=down_bias, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank or 0,
-                   qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
+                   qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                   index_heads=index_heads, index_head_dim=index_head_dim)
     D, e = tsp_size, elem_bytes
     if D == 1:
         return {}
     forward, backward = _attention_ops(m, tokens, D, e, gradient_wire_bytes(e, grad_wire_bytes),
-                                       tsp_attention_shard(m, D, tsp_rank))
+                                       tsp_attention_shard(m, D, tsp_rank), tsp_indexer_shard(m, D, tsp_rank))
     return _by_direction(forward, backward, direction)
 
 
-def _attention_ops(m, tokens, D, e, a, own):
+def _attention_ops(m, tokens, D, e, a, own, index_own=0):
     """An attention layer's bytes by op, forward and backward, for ``tokens = B*S`` and this rank's shard of
     ``own`` elements: the other shards broadcast, the full sequence's K/V (or a latent attention's latent and
     rotary key) gathered, and backward the same again, the gathered tensors' gradient reduce-scattered and the
-    own shard's gradient reduced from the other ``D-1`` ranks in ``a`` bytes."""
+    own shard's gradient reduced from the other ``D-1`` ranks in ``a`` bytes. A lightning indexer's pieces (this
+    rank's of ``index_own`` elements, within ``own``) and keys move in forward only: it takes no gradient, and
+    backward reuses its choice."""
     kv = Fraction((D - 1) * tokens, D) * (m.latent_width if m.is_latent else 2 * m.num_kv_heads * m.head_dim)
-    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * kv}
-    return forward, {**forward, "reduce": a * (D - 1) * own, "reduce_scatter": e * kv}
+    index_keys = Fraction((D - 1) * tokens, D) * m.index_head_dim
+    forward = {"broadcast": e * (m.attention_params - own), "all_gather": e * (kv + index_keys)}
+    trained, trained_own = m.attention_params - m.indexer_params, own - index_own
+    return forward, {"broadcast": e * (trained - trained_own), "all_gather": e * kv,
+                     "reduce": a * (D - 1) * trained_own, "reduce_scatter": e * kv}
 
 
 def recurrent_bytes_by_op(mixer, batch, local_tokens, tsp_size, elem_bytes, direction, *, grad_wire_bytes=None):
@@ -626,7 +637,7 @@ def tsp_step_bytes_by_op(model, seq_len, micro_batch, tsp_size, elem_bytes, *, v
     counts = _by_direction(forward, backward, "both")
     whole = list(m.norm_tensors)  # the final norm
     for view, linear, layers in m.mixer_groups:
-        whole += view.mixer_replicated_tensors(linear) * layers
+        whole += view.mixer_replicated_tensors(linear, untrained=False) * layers  # those whose gradients sum
     for sparse, layers in m.layer_kinds:
         whole += m.ffn_replicated_tensors(sparse) * layers
     if vocab_parallel:

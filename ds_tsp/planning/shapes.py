@@ -88,6 +88,14 @@ PRESETS = {
                         tie_word_embeddings=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
                         moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True),
+    # DeepSeek-V3.2: DeepSeek-V3's shape with a lightning indexer in every layer (64 heads of 128, the first 64 dims
+    # rotated), each query attending to its top 2048 keys (DeepSeek's sparse attention).
+    "deepseek-v3.2": dict(model_type="deepseek_v32", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                          num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+                          tie_word_embeddings=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                          moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
+                          norm_topk_prob=True, index_n_heads=64, index_head_dim=128, index_topk=2048),
     # About 1T parameters, 32B active per token: DeepSeek-V3's architecture with 64 heads, 384 experts, one dense layer.
     "kimi-k2": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
                     num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, tie_word_embeddings=False,
@@ -267,6 +275,13 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek's sparse attention (DeepSeek-V3.2, GLM-MoE-DSA; index_heads 0: none): a latent attention whose
+    # lightning indexer (index_heads heads of index_head_dim, from the query latent and the hidden states) chooses
+    # each query's index_topk keys; shared_index_layers of the layers reuse an earlier layer's choice (no indexer).
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    shared_index_layers: int = 0
     # Hybrids of recurrent layers (DESIGN.md 6j, 6n): linear_layers of the num_layers mix tokens by the recurrent
     # mixer ``recurrent`` (a ds_tsp.planning.recurrent class: Gated DeltaNet, KDA, Mamba-2, Mamba-1, LFM's short
     # convolution); the others attend.
@@ -301,10 +316,12 @@ class ModelShape:
     @property
     def mixer_kinds(self):
         """``((kind, count), ...)``: how many layers mix tokens by each kind of token mixer, none empty:
-        "attention", "global_attention" (Gemma 4's full layers, heads of their own size) and "linear" (the
+        "attention", "global_attention" (Gemma 4's full layers, heads of their own size),
+        "shared_index_attention" (a sparse attention reusing an earlier layer's choice) and "linear" (the
         recurrent mixer). ``mixer_view`` gives a kind's shape and whether it is linear."""
-        kinds = (("attention", self.num_layers - self.linear_layers - self.global_layers - self.ffn_only_layers),
-                 ("global_attention", self.global_layers), ("linear", self.linear_layers))
+        kinds = (("attention", self.num_layers - self.linear_layers - self.global_layers - self.ffn_only_layers
+                  - self.shared_index_layers), ("global_attention", self.global_layers),
+                 ("shared_index_attention", self.shared_index_layers), ("linear", self.linear_layers))
         return tuple((kind, count) for kind, count in kinds if count)
 
     @property
@@ -316,6 +333,8 @@ class ModelShape:
         """``(shape, linear)`` of a kind of token mixer (``mixer_kinds``): the shape its per-layer sizes are read
         from (this one, or for Gemma 4's full layers this one with their head sizes), and whether it is the
         recurrent mixer."""
+        if kind == "shared_index_attention":  # attends to an earlier layer's choice: no indexer of its own
+            return dataclasses.replace(self, index_heads=0, index_head_dim=0, shared_index_layers=0), False
         if kind == "global_attention":
             return dataclasses.replace(self, head_dim=self.global_head_dim, num_kv_heads=self.global_num_kv_heads,
                                        values_from_keys=self.global_values_from_keys, sliding_window=None,
@@ -355,6 +374,18 @@ class ModelShape:
         ``kv_a_proj_with_mqa``'s."""
         return tuple(rows for rows in (self.q_lora_rank, self.latent_width) if rows)
 
+    def indexer_rows(self):
+        """The lightning indexer's split projections, ``(rows, inputs)`` each, their rows cut over the TSP group:
+        ``wq_b`` (from the query latent) and ``wk`` (from the hidden states); none without an indexer."""
+        if not self.index_heads:
+            return ()
+        return ((self.index_heads * self.index_head_dim, self.q_lora_rank), (self.index_head_dim, self.hidden_size))
+
+    @property
+    def indexer_params(self):
+        """The lightning indexer's split weights (``indexer_rows``); it takes no gradient."""
+        return sum(rows * inputs for rows, inputs in self.indexer_rows())
+
     def latent_head_params(self, heads):
         """Elements of ``heads`` query heads' rows of the up projections and ``o_proj`` columns."""
         q_input = self.q_lora_rank or self.hidden_size
@@ -377,7 +408,7 @@ class ModelShape:
         attention's down projections (and their biases), up projections and ``o_proj``."""
         if self.is_latent:
             down = sum(self.latent_down_rows()) * (self.hidden_size + int(self.attention_bias))
-            return down + self.latent_head_params(self.num_heads)
+            return down + self.latent_head_params(self.num_heads) + self.indexer_params
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
         rows = nq * self.q_width + self.kv_projections * nkv * d
         return H * rows + nq * d * H + (rows if self.attention_bias else 0) + (nq if self.attention_sinks else 0)
@@ -437,14 +468,18 @@ class ModelShape:
         elements, one entry a tensor (ds_tsp sums each one's gradient over the group)."""
         return self.ffn_replicated_tensors(sparse) + self.mixer_replicated_tensors(linear)
 
-    def mixer_replicated_tensors(self, linear=False):
-        """The token mixer's whole tensors: an attention's q/k norms (a latent attention's latents' norms) and
-        ``o_proj``'s bias, or the recurrent mixer's (``replicated_tensors``); in a layer of one block, its norms."""
+    def mixer_replicated_tensors(self, linear=False, untrained=True):
+        """The token mixer's whole tensors: an attention's q/k norms (a latent attention's latents' norms, and
+        its lightning indexer's key norm and head weights unless ``untrained`` is False: they take no gradient)
+        and ``o_proj``'s bias, or the recurrent mixer's (``replicated_tensors``); in a layer of one block, its
+        norms."""
         norms = self.norm_tensors * self.norms_per_layer if self.one_block_layers else []
         if linear:
             return norms + self.recurrent.replicated_tensors
-        if self.is_latent:
+        if self.is_latent:  # and a lightning indexer's key norm (weight, bias) and head weights
             qk_norms = [rows for rows in (self.q_lora_rank, self.kv_lora_rank) if rows]
+            if self.index_heads and untrained:
+                qk_norms += [self.index_head_dim] * 2 + [self.index_heads * self.hidden_size]
         elif self.qk_norm_spans_projection:
             qk_norms = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         else:
@@ -647,7 +682,7 @@ GEMMA4_MODEL_TYPES = ("gemma4_text",)
 MOE_MODEL_TYPES = ("mixtral", "minimax_m2", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
                    "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "qwen3_next",
                    "qwen3_5_moe_text", "phimoe", "granitemoe", "hunyuan_v1_moe", "cohere2_moe", "ernie4_5_moe",
-                   *GEMMA4_MODEL_TYPES)
+                   "deepseek_v32", "glm_moe_dsa", *GEMMA4_MODEL_TYPES)
 # Mixtral's kind: num_local_experts of intermediate_size in every layer, no shared expert.
 MIXTRAL_KIND = ("mixtral", "minimax_m2", "gpt_oss", "phimoe", "granitemoe")
 # Qwen's kind: experts of moe_intermediate_size, sparse layers by decoder_sparse_step and mlp_only_layers, a shared
@@ -658,10 +693,12 @@ QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_tex
 # q_proj's second half, with per-head q/k norms; their RMSNorms Gemma's, 1 + w in float32.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # the last: ERNIE 4.5's
-# DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's):
+# DeepSeek-V3's kind (GLM-4.5, GLM-4.7-Flash, DeepSeek-V2, Mistral 4 and Kimi-K2, whose model_type is DeepSeek-V3's;
+# DeepSeek-V3.2 and GLM-MoE-DSA, the same with sparse attention):
 # group-limited routers (sigmoid or softmax) computing in float32 but Mistral 4's, the first layers dense, an
 # ungated shared expert of n_shared_experts routed experts' size, no load-balancing loss in Hugging Face's forward.
-DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+DEEPSEEK_V3_KIND = ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "deepseek_v32",
+                    "glm_moe_dsa")
 # o_proj takes the attention_bias too (Llama's, GPT-OSS's), not only q/k/v.
 O_PROJ_BIAS_MODEL_TYPES = ("llama", "gpt_oss")
 
@@ -809,15 +846,22 @@ def _latent_fields(fields):
     if not fields.get("kv_lora_rank"):
         return {}
     nope, rope = fields["qk_nope_head_dim"], fields["qk_rope_head_dim"]
+    indexer = {}
+    if "indexed_attention" in (fields.get("layer_types") or ()) or fields.get("index_topk"):
+        # DeepSeek's sparse attention: every layer's own indexer, but where indexer_types says "shared".
+        indexer = dict(index_heads=fields["index_n_heads"], index_head_dim=fields["index_head_dim"],
+                       index_topk=fields["index_topk"],
+                       shared_index_layers=list(fields.get("indexer_types") or ()).count("shared"))
     return dict(kv_lora_rank=fields["kv_lora_rank"], q_lora_rank=fields.get("q_lora_rank") or 0,
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=fields["v_head_dim"],
-                num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope)
+                num_kv_heads=fields["num_attention_heads"], head_dim=nope + rope, **indexer)
 
 
 # Layer types, as the configs spell them, whose token mixer is recurrent, attends, or whose layer holds a
 # feed-forward block alone (Nemotron-H's "mlp" and "moe"; its pattern's "M", "*", "-" and "E").
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "M", "conv")
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "*")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "*",
+                         "indexed_attention")
 FFN_ONLY_LAYER_TYPES = ("mlp", "moe", "-", "E")
 # Model types whose recurrent layers the planner models, by kind: Gated DeltaNet (HYBRID_MODEL_TYPES), Kimi
 # Linear's KDA, Mamba-2, Jamba's Mamba-1, LFM2's short convolutions.
@@ -1060,6 +1104,8 @@ def tsp_shape_problem(m, tsp_size):
         return f"num_attention_heads {nq} is not divisible by {D}"
     if m.is_latent and min(m.latent_down_rows()) < D:
         return f"a latent down projection of {min(m.latent_down_rows())} rows cannot give each of {D} ranks a row"
+    if m.index_heads and m.index_head_dim < D:
+        return f"the indexer's key projection of {m.index_head_dim} rows cannot give each of {D} ranks a row"
     for kind, _ in m.mixer_kinds:  # each kind of attention layer its own key/value heads (Gemma 4's full layers)
         view, linear = m.mixer_view(kind)
         nkv, which = view.num_kv_heads, "" if kind == "attention" else f" of the {kind} layers"
@@ -1107,7 +1153,8 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
     D, d, H = tsp_size, m.head_dim, m.hidden_size
     if m.is_latent:
         rows = sum((tsp_rank + 1) * total // D - tsp_rank * total // D for total in m.latent_down_rows())
-        return rows * (H + int(m.attention_bias)) + m.latent_head_params(m.num_heads // D)
+        return rows * (H + int(m.attention_bias)) + m.latent_head_params(m.num_heads // D) + \
+            tsp_indexer_shard(m, D, tsp_rank)
     q_heads, kv_heads = m.num_heads // D, max(m.num_kv_heads // D, 1)
     bias = 1 if m.attention_bias else 0
     own = q_heads * (m.q_width * (H + bias) + d * H) + (q_heads if m.attention_sinks else 0)
@@ -1115,6 +1162,12 @@ def tsp_attention_shard(m, tsp_size, tsp_rank):
     if tsp_rank % kv_replicas == 0:
         own += m.kv_projections * kv_heads * d * (H + bias)
     return own
+
+
+def tsp_indexer_shard(m, tsp_size, tsp_rank):
+    """Elements of rank ``tsp_rank``'s lightning indexer piece: its rows of ``wq_b`` and ``wk``."""
+    D = tsp_size
+    return sum(((tsp_rank + 1) * rows // D - tsp_rank * rows // D) * inputs for rows, inputs in m.indexer_rows())
 
 
 def tsp_mixer_shard(m, tsp_size, linear=False):
