@@ -293,3 +293,18 @@ def test_dpo_memory_measures_every_strategy_at_the_smallest_settings(tmp_path, o
         assert peaks["tsp"][tokens] < min(peaks["zero3"][tokens], peaks["zero3_tiled"][tokens])
     assert peaks["tsp"]["512"] > peaks["tsp"]["256"]
     assert "| TSP / zero3 | TSP / zero3_tiled |" in open(tmp_path / "dpo_memory.md").read()
+
+
+def test_indexer_memory_scratch_does_not_grow_with_the_sequence(tmp_path, own_processes):
+    """benchmarks/indexer_memory.py at 8K and 16K tokens (a small indexer: 4 heads of 16, top 128): the scoring's
+    scratch beyond its inputs and output is the same at both lengths, and far below a (S, heads, S) score tensor."""
+    out = str(tmp_path / "indexer")
+    cmd = [os.path.join(ROOT, "benchmarks", "indexer_memory.py"), "--lengths", "8192", "16384", "--heads", "4",
+           "--head-dim", "16", "--topk", "128", "--out", out]
+    proc = run_script(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.load(open(out + ".json"))["results"]
+    print([(r["seq_len"], r["scratch_bytes"], r["output_bytes"]) for r in rows])
+    assert rows[0]["scratch_bytes"] == rows[1]["scratch_bytes"]
+    assert rows[1]["output_bytes"] == 2 * rows[0]["output_bytes"]
+    assert rows[1]["scratch_bytes"] < rows[1]["hf_scores_bytes"] / 100

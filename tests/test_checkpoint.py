@@ -161,7 +161,8 @@ def _sgd_steps(model, batches):
                                          ("ministral3", 1), ("hunyuan_v1_moe", 2), ("vaultgemma", 1), ("llama4", 2),
                                          ("phimoe", 2), ("cohere", 1), ("hyperclovax", 1), ("gemma4", 1),
                                          ("gemma4_moe", 2), ("gemma4_shared_kv", 1), ("gemma4_layer_inputs", 1),
-                                         ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_5", 2),
+                                         ("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("deepseek_v32", 2),
+                                         ("glm_moe_dsa", 2), ("qwen3_5", 2),
                                          ("bamba", 1), ("granitemoehybrid", 1), ("granitemoehybrid_moe", 2),
                                          ("nemotron_h", 2), ("lfm2_moe", 2), ("lfm3", 1), ("jamba", 2),
                                          ("falcon_h1", 1), ("falcon_h1_norm", 1)])
@@ -172,7 +173,8 @@ def test_trained_steps_save_bit_exact(run_ranks, tmp_path, arch, steps):
     router; Granite-MoE's block_sparse_moe, its experts' files input_linear / output_linear; Jais-2's ungated
     MLP), Mixtral's experts
     (E, 2F, H) and GPT-OSS's (E, H, 2F) with their biases, its sinks and router,
-    DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts,
+    DeepSeek-V3's latent attention (down projections' rows uneven at 4) and experts, DeepSeek-V3.2's and
+    GLM-MoE-DSA's lightning indexers (wq_b's and wk's rows a rank, the key norm and head weights whole),
     Qwen3.5's Gated DeltaNet (in_proj_qkv's and conv1d's three pieces a rank) and gated attention, Bamba's and
     Granite-4.0-H's Mamba-2 mixers (in_proj's five pieces a rank, conv1d's three), Granite-4.0-H's shared MLP
     (input_linear, output_linear) and its MoE block beside it, Nemotron-H's (backbone.* files, ungated per-expert

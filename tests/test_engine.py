@@ -238,6 +238,8 @@ def _gathered(engine, zero_stage):
     (4, 2, 2, "adam", False, False, "glm4_moe", False), (2, 2, 3, "adam", False, False, "glm4_moe", False),
     # DeepSeek-V3: multi-head latent attention (YaRN's mscale on its scale) around GLM-4.5's kind of MoE.
     (4, 2, 2, "adam", False, False, "deepseek_v3", False), (2, 2, 3, "adam", False, False, "deepseek_v3", False),
+    # DeepSeek-V3.2: its lightning indexer chooses each query's keys (its weights take no gradient, as in HF's).
+    (4, 2, 2, "adam", False, False, "deepseek_v32", False),
     # GPT-OSS: attention sinks in the head groups' shards, biased experts (E, H, 2F), a router with a bias.
     (4, 2, 2, "adam", False, False, "gpt_oss", False), (2, 2, 3, "adam", False, False, "gpt_oss", False),
     # Qwen3.5: Gated DeltaNet layers (chunk maps and convolution halos exchanged per head group) and a gated

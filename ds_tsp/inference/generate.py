@@ -131,6 +131,10 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
                          "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
+    if any(isinstance(block, TSPLatentAttention) and block.chooses_keys for block in model.modules()):
+        raise ValueError("generation with DeepSeek's sparse attention (indexed_attention layers: DeepSeek-V3.2, "
+                         "GLM-MoE-DSA) is not built under TSP: a decode step would need the indexer's key cache; "
+                         "save with ds_tsp.save_pretrained and generate with Hugging Face's model")
     folded = [block.ep_size for block in model.modules() if isinstance(block, TSPSparseMoE) and block.folded]
     if folded:
         raise ValueError(f"generation with experts folded over data-parallel replicas (tsp.expert_parallel_size = "

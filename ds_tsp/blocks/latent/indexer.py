@@ -139,12 +139,12 @@ def choose_keys(ip, q, weights, keys):
     ``NOT_CHOSEN`` in the slots of a query that sees fewer keys): the
     top-``topk`` index scores among the keys it may see, scored in tiles against
     the whole sequence's index ``keys`` ``(B, S, Di)``."""
-    chosen = []
+    chosen = torch.empty((*q.shape[:2], ip.topk), dtype=torch.int32, device=q.device)
     for tile, a in enumerate(range(0, q.shape[1], QUERY_TILE)):
         b = min(a + QUERY_TILE, q.shape[1])
-        chosen.append(_choose_for_tile(ip, q[:, a:b], weights[:, a:b], keys, ip.first_key[:, a:b, None],
-                                       ip.last_key[:, a:b, None], ip.tile_ends[tile]))
-    return torch.cat(chosen, dim=1)
+        chosen[:, a:b] = _choose_for_tile(ip, q[:, a:b], weights[:, a:b], keys, ip.first_key[:, a:b, None],
+                                          ip.last_key[:, a:b, None], ip.tile_ends[tile])
+    return chosen
 
 
 def _choose_for_tile(ip, q, weights, keys, first, last, end):
