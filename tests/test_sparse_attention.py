@@ -116,6 +116,29 @@ def test_the_chosen_keys_are_hugging_faces(run_ranks, tsp_size, tiles):
             assert narrowed > compared // 3
 
 
+@pytest.mark.parametrize("arch", list(SPARSE_MLA_ARCHS))
+def test_generate_gives_hugging_faces_tokens(run_ranks, arch):
+    """At D = 2, greedy from 2 prompts of 12 tokens for 8 new ones (the indexer keeps 5 keys a query): the tokens
+    and every step's logits against Hugging Face's, then greedy, beam search and penalties on left-padded
+    prompts; each rank's cache holds its tokens' latent, rotary key and index key."""
+    from test_generate import _hf_reference, _prompts, _run_generate, check_strategies_on_left_padded_prompts
+
+    prompts = _prompts(2, seed=9)
+    ref_tokens, ref_logits = _hf_reference(arch, prompts, max_new_tokens=8)
+    per_rank = run_ranks(2, _run_generate, arch=arch, input_ids=prompts, max_new_tokens=8)
+    config = tiny_model(arch).config
+    diff = max((r["logits"] - ref_logits).abs().max().item() for r in per_rank)
+    print(f"D=2 {arch}: max|logit diff| {diff:.2e}; cache {[r['cache_bytes'] for r in per_rank]} B")
+    for r in per_rank:
+        assert torch.equal(r["sequences"], ref_tokens)
+    indexed = sum(kind == "full" for kind in getattr(config, "indexer_types", None) or ["full"] * 2)
+    width = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers + \
+        config.index_head_dim * indexed
+    assert all(r["cache_bytes"] == 2 * r["cache_tokens"] * width * 8 for r in per_rank)
+    assert diff <= 1e-10
+    check_strategies_on_left_padded_prompts(run_ranks, arch)  # greedy, beam search, penalties; left padding
+
+
 def _wrong_choice(how, **kwargs):
     """``model_parity`` with the indexer wrong: ``"key_row"`` moves every index key one token later,
     ``"local_only"`` chooses among this rank's own keys only, ``"not_causal"`` lets a query choose later keys."""

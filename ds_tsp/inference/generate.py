@@ -70,6 +70,7 @@ from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, ro
                                   text_and_rotary_positions)
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
                                  replicated_embedding, soft_cap)
+from ds_tsp.blocks.latent.indexer import choose_cached_keys
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.blocks.linear.mamba1 import TSPMamba1
 from ds_tsp.blocks.linear.mamba2_module import TSPMamba2
@@ -131,10 +132,6 @@ def cached_forward(model, input_ids, attention_mask=None, position_ids=None, cac
         raise ValueError("generation reads the TSP shards at rest, which ZeRO-3 (zero_optimization.stage 3) keeps "
                          "partitioned over data-parallel ranks: save with ds_tsp.save_pretrained and generate from "
                          "ds_tsp.checkpoint.from_pretrained, or generate under ZeRO 0-2")
-    if any(isinstance(block, TSPLatentAttention) and block.chooses_keys for block in model.modules()):
-        raise ValueError("generation with DeepSeek's sparse attention (indexed_attention layers: DeepSeek-V3.2, "
-                         "GLM-MoE-DSA) is not built under TSP: a decode step would need the indexer's key cache; "
-                         "save with ds_tsp.save_pretrained and generate with Hugging Face's model")
     folded = [block.ep_size for block in model.modules() if isinstance(block, TSPSparseMoE) and block.folded]
     if folded:
         raise ValueError(f"generation with experts folded over data-parallel replicas (tsp.expert_parallel_size = "
@@ -426,10 +423,14 @@ class TSPDecoder:
         runs of tokens that see each other both ways (``VisualInputs.spans``).
         ``shared_kv``: the prompt's keys and values shared across layers, which
         a storing layer writes and a reusing one attends to, caching none."""
-        if isinstance(attn, TSPLatentAttention):
-            return prefill_latent_attention(attn, h, tables, positions,
-                                            lambda latent: cache.write(index, slots, latent[:, keep],
-                                                                       latent[:, keep, :, :0]))
+        if isinstance(attn, TSPLatentAttention):  # a choice of keys shared across layers like keys and values
+            out, chosen = prefill_latent_attention(attn, h, tables, positions,
+                                                   lambda latent: cache.write(index, slots, latent[:, keep],
+                                                                              latent[:, keep, :, :0]),
+                                                   shared_kv.get(attn.kv_key) if attn.kv_sharing == "reuse" else None)
+            if attn.kv_sharing == "store":
+                shared_kv[attn.kv_key] = chosen
+            return out
         # A token's cache position counts its prompt's left padding, as Hugging Face's does.
         scale_positions = query_scale_positions(getattr(attn, "query_scale", None), positions,
                                                 positions + cache.left_padding.unsqueeze(1))
@@ -462,6 +463,7 @@ class TSPDecoder:
         rotated_at = (positions + cache.rope_deltas).unsqueeze(1)  # a VLM's M-RoPE axes, equal for text tokens
         tables = {kind: rotary_at(self.rotary, hidden, rotated_at, kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
+        self.step_choice = {}  # a sparse attention's choice of cached keys, shared across layers (GLM-MoE-DSA's)
         slots = None
         if target == self.tsp_rank:
             slots = cache.reserve(positions.unsqueeze(1), torch.ones_like(positions, dtype=torch.bool)[:, None])
@@ -483,17 +485,29 @@ class TSPDecoder:
     def _attention(self, cache, index, attn, h, tables, slots, positions):
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
         if isinstance(attn, TSPLatentAttention):
+            width = attn.shapes.latent_width  # then the index key, where the layer has an indexer of its own
+
             def write(latent):
                 if slots is not None:
                     cache.write(index, slots, latent, latent[..., :0])
 
-            def attend(q_all):
+            def choose(q, weights):
                 keys, _ = cache.layer(index)
-                return self._heads_of_this_rank(keys, keys[..., :attn.shapes.kv_lora_rank], q_all, cache,
-                                                positions, attn.scale)[0]
+                return choose_cached_keys(attn.indexer_plan(h, None, bounds=False), q, weights, keys[:, 0, :, width:],
+                                          cache.positions, cache.valid, self.group)
 
-            return decode_latent_attention(attn, h, tables, positions.unsqueeze(1), self.group, write, attend,
-                                           self._sum_over_group)
+            def attend(q_all, chosen):
+                keys = cache.layer(index)[0][..., :width]
+                return self._heads_of_this_rank(keys, keys[..., :attn.shapes.kv_lora_rank], q_all, cache,
+                                                positions, attn.scale, visible=chosen)[0]
+
+            out, chosen = decode_latent_attention(attn, h, tables, positions.unsqueeze(1), self.group, write, attend,
+                                                  self._sum_over_group, choose,
+                                                  self.step_choice.get(attn.kv_key) if attn.kv_sharing == "reuse"
+                                                  else None)
+            if attn.kv_sharing == "store":
+                self.step_choice[attn.kv_key] = chosen
+            return out
         heads, D = attn.heads, self.tsp_size
         cos, sin = attn.full_tables(tables)
         hq, hkv, d = heads.q_heads, heads.kv_heads, heads.head_dim
@@ -541,12 +555,13 @@ class TSPDecoder:
         return self.kv_sources.get(attn.kv_key, index) if attn.kv_sharing == "reuse" else index
 
     def _heads_of_this_rank(self, keys, values, q_all, cache, positions, scale, window=None, softcap=None,
-                            chunk=None):
+                            chunk=None, visible=None):
         """Every head's partial attention over this rank's cached ``keys`` and
-        ``values``; an all-to-all hands each rank its head group's partials,
+        ``values`` (``visible`` ``(B, T)`` of them, a sparse attention's choice; by default every valid one);
+        an all-to-all hands each rank its head group's partials,
         merged: ``(B, hq, dv)`` and the log-sum-exp ``(B, hq)``."""
-        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid, positions, scale, window, softcap,
-                                chunk)
+        out, lse = attend_cache(q_all, keys, values, cache.positions, cache.valid if visible is None else visible,
+                                positions, scale, window, softcap, chunk)
         dv = out.shape[-1]
         partial = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, nq, dv+1)
         partial = partial.view(partial.shape[0], self.tsp_size, -1, dv + 1).transpose(0, 1)  # (D, B, hq, dv+1)

@@ -27,40 +27,55 @@ qk_rope_head_dim``, ``c = kv_lora_rank``::
 import torch
 import torch.nn.functional as F
 
+from ds_tsp.blocks.latent.indexer import index_inputs
 from ds_tsp.blocks.latent.schedule import latent_attention_forward, local_latent
+from ds_tsp.blocks.latent.shards import INDEXER_PROJECTIONS
 from ds_tsp.parallel import comm
 
 
 def latent_cache_shape(attn):
-    """``(key heads, key width, value width)`` of a latent attention's cache."""
-    return 1, attn.shapes.latent_width, 0
+    """``(key heads, key width, value width)`` of a latent attention's cache: its latent and rotary key, and the
+    index key after them where the layer has a lightning indexer of its own."""
+    return 1, attn.shapes.latent_width + attn.shapes.index_head_dim, 0
 
 
-def prefill_latent_attention(attn, h, tables, positions, write):
+def prefill_latent_attention(attn, h, tables, positions, write, chosen=None):
     """The training schedule's output for the local prompt tokens ``h`` at
-    ``positions`` ``(B, S/D)``; ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
+    ``positions`` ``(B, S/D)``, and the keys each chose (``chosen``, an
+    earlier layer's choice it reuses, or its own indexer's; None without);
+    ``write(latent)`` caches their latent ``(B, S/D, 1, width)``."""
     packed = attn.shard_weights().detach()
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
-    out, _, _ = latent_attention_forward(attn.plan(h, positions=positions), h, packed, tables, q_norm_weight,
-                                      attn.kv_a_layernorm.weight,
-                                      latent_sink=lambda latent: write(latent.unsqueeze(2)))
-    return out if attn.o_bias is None else out + attn.o_bias
+    out, _, chosen = latent_attention_forward(attn.plan(h, positions=positions), h, packed, tables, q_norm_weight,
+                                              attn.kv_a_layernorm.weight,
+                                              latent_sink=lambda latent: write(latent.unsqueeze(2)), chosen=chosen)
+    return out if attn.o_bias is None else out + attn.o_bias, chosen
 
 
-def decode_latent_attention(attn, h, tables, positions, group, write, attend, sum_over_group):
-    """Attention of the new token ``h`` ``(B, 1, H)`` at ``positions`` ``(B, 1)``, see the module docstring.
-    ``write(latent)`` caches the new latent ``(B, 1, 1, width)`` where this rank
-    is the one chosen; ``attend(q)`` attends every head's latent queries ``(B,
-    nq, width)`` over every rank's cache and returns this rank's head group's
-    merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every
-    rank's part in rank order."""
+def decode_latent_attention(attn, h, tables, positions, group, write, attend, sum_over_group, choose=None,
+                            chosen=None):
+    """Attention of the new token ``h`` ``(B, 1, H)`` at ``positions`` ``(B, 1)``, see the module docstring,
+    and the cached keys it attended to (None: all). ``write(latent)`` caches the new latent ``(B, 1, 1,
+    width)`` where this rank is the one chosen; ``attend(q, chosen)`` attends every head's latent queries ``(B,
+    nq, width)`` over every rank's cache (``chosen`` of it, ``(B, T)`` bool, or all) and returns this rank's
+    head group's merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every rank's part in
+    rank order. DeepSeek's sparse attention: a layer with an indexer of its own caches the new token's index
+    key after its latent and ``choose(q, weights)`` (its index query ``(B, Hi, Di)`` and head weights ``(B,
+    Hi)``) gives the cached keys it chooses; a layer reusing an earlier layer's choice is given it as ``chosen``."""
     shapes = attn.shapes
-    plan = attn.plan(h, positions=positions, form="absorbed")  # what this step runs, not a choice to make
-    down, heads = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
+    plan = attn.plan(h, positions=positions, form="absorbed", decode=True)  # what this step runs, not a choice
+    down, heads, *indexer = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
     raw = _whole_down_projections(attn, h, down, group)
     q_norm_weight = None if attn.q_a_layernorm is None else attn.q_a_layernorm.weight
     c_q, latent = local_latent(plan, raw, tables, q_norm_weight, attn.kv_a_layernorm.weight)  # (B, 1, width)
-    write(latent.unsqueeze(2))
+    if plan.indexer is not None:
+        q_index, weights, k_index = index_inputs(plan.indexer, h, *_whole_index_projections(attn, h, c_q,
+                                                                                             indexer[0], group),
+                                                 tables)
+        write(torch.cat([latent, k_index], dim=-1).unsqueeze(2))
+        chosen = choose(q_index[:, 0], weights[:, 0])
+    else:
+        write(latent.unsqueeze(2))
     hq, nope, c = shapes.q_heads, shapes.qk_nope_head_dim, shapes.kv_lora_rank
     q = F.linear(h if c_q is None else c_q, heads[f"{shapes.query_projection}.weight"])
     q_nope, q_rot = q.view(h.shape[0], 1, hq, shapes.qk_head_dim).split([nope, shapes.qk_rope_head_dim], dim=-1)
@@ -71,16 +86,32 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     up = heads["kv_b_proj.weight"].view(hq, nope + shapes.v_head_dim, c)
     q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), q_rot], dim=-1)
     q_all = comm.all_gather_small(q_latent[:, 0], group).transpose(0, 1).flatten(1, 2)  # (B, nq, width)
-    o = torch.einsum("bhc,hvc->bhv", attend(q_all).to(h.dtype), up[:, nope:])
+    o = torch.einsum("bhc,hvc->bhv", attend(q_all, chosen).to(h.dtype), up[:, nope:])
     y = sum_over_group(F.linear(o.flatten(1), heads["o_proj.weight"]))
-    return (y if attn.o_bias is None else y + attn.o_bias).unsqueeze(1)
+    return (y if attn.o_bias is None else y + attn.o_bias).unsqueeze(1), chosen
 
 
 def _pieces(attn):
-    """This rank's packed shard as its (down piece, head group) flat views."""
+    """This rank's packed shard as flat views of its pieces: down piece, head group (and indexer piece)."""
     packed = attn.shard_weights().detach()
-    down = attn.specs[attn.tsp_rank][0].numel
-    return packed[:down], packed[down:]
+    return packed.split([spec.numel for spec in attn.specs[attn.tsp_rank]])
+
+
+def _whole_index_projections(attn, h, c_q, piece, group):
+    """Every rank's rows of the indexer's ``wq_b`` and ``wk`` outputs for the new token, joined: ``(B, 1,
+    Hi * Di)`` and ``(B, 1, Di)`` as ``indexer.index_projections`` gives them."""
+    shapes, D = attn.shapes, attn.shapes.tsp_size
+    mine = torch.cat([F.linear(c_q[:, 0], piece["indexer.wq_b.weight"]), F.linear(h[:, 0], piece["indexer.wk.weight"])],
+                     dim=-1)
+    rows = [[shapes.rows(f"{name}.weight", j) for name in INDEXER_PROJECTIONS] for j in range(D)]
+    widest = max(sum(r.stop - r.start for r in ranks) for ranks in rows)
+    gathered = comm.all_gather_small(F.pad(mine, (0, widest - mine.shape[-1])), group)  # (D, B, widest)
+    queries, keys = [], []
+    for j, (q_rows, k_rows) in enumerate(rows):
+        q_len, k_len = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
+        queries.append(gathered[j, :, :q_len])
+        keys.append(gathered[j, :, q_len:q_len + k_len])
+    return torch.cat(queries, dim=-1).unsqueeze(1), torch.cat(keys, dim=-1).unsqueeze(1)
 
 
 def _whole_down_projections(attn, h, down, group):

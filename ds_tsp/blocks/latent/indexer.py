@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ds_tsp.parallel import layout
+from ds_tsp.parallel import comm, layout
 
 QUERY_TILE = 128  # queries scored (and attended) at once
 KEY_TILE = 1024  # keys scored at once against a query tile
@@ -102,20 +102,25 @@ def key_bounds(documents, batch, local_len, tsp_rank, tsp_size, layout_name, dev
     return first.to(device, non_blocking=True), last.to(device, non_blocking=True), ends
 
 
-def index_inputs(plan, x, c_q, pieces, tables):
-    """The local tokens' index queries ``(B, S/D, Hi, Di)`` and head weights
-    ``(B, S/D, Hi)``, in float32, and index keys ``(B, S/D, Di)`` in ``x``'s
-    dtype, as the model's indexer makes them, from every rank's indexer piece
-    (``pieces``: ``(j, weights)`` pairs)."""
-    ip = plan.indexer
-    B, L = x.shape[:2]
+def index_projections(x, c_q, pieces):
+    """The local tokens' whole ``wq_b`` and ``wk`` outputs ``(B, S/D, Hi * Di)`` and ``(B, S/D, Di)``, from
+    every rank's indexer piece (``pieces``: ``(j, weights)`` pairs)."""
     queries, keys = [], []
     for _, w in pieces:
         queries.append(F.linear(c_q, w["indexer.wq_b.weight"]))
         keys.append(F.linear(x, w["indexer.wk.weight"]))
-    q = torch.cat(queries, dim=-1).view(B, L, ip.heads, ip.head_dim)
+    return torch.cat(queries, dim=-1), torch.cat(keys, dim=-1)
+
+
+def index_inputs(ip, x, q, k, tables):
+    """From the tokens ``x`` and their whole ``wq_b`` and ``wk`` outputs ``q``
+    and ``k``: their index queries ``(B, L, Hi, Di)`` and head weights ``(B, L,
+    Hi)``, in float32, and index keys ``(B, L, Di)`` in ``x``'s dtype, as the
+    model's indexer makes them."""
+    B, L = x.shape[:2]
+    q = q.view(B, L, ip.heads, ip.head_dim)
     norm = ip.parts.k_norm
-    k = norm(torch.cat(keys, dim=-1).to(norm.weight.dtype)).to(x.dtype).unsqueeze(2)
+    k = norm(k.to(norm.weight.dtype)).to(x.dtype).unsqueeze(2)
     q, k = _rotated(ip, q, tables), _rotated(ip, k, tables).squeeze(2)
     projection = ip.parts.weights_proj
     weights = projection(x.to(projection.weight.dtype)).float() * ip.heads ** -0.5
@@ -151,13 +156,9 @@ def _choose_for_tile(ip, q, weights, keys, first, last, end):
     B, T = q.shape[:2]
     values = q.new_empty((B, T, 0))
     index = torch.empty((B, T, 0), dtype=torch.long, device=q.device)
-    head_weights = weights.unsqueeze(-2)  # (B, T, 1, Hi)
     for s in range(0, end, KEY_TILE):
         e = min(s + KEY_TILE, end)
-        scores = torch.matmul(q, keys[:, s:e].transpose(-1, -2).float().unsqueeze(1))  # (B, T, Hi, e - s)
-        if ip.scale_on_scores:
-            scores = scores * ip.softmax_scale
-        tile = torch.matmul(head_weights, F.relu(scores)).squeeze(-2)  # (B, T, e - s)
+        tile = _index_scores(ip, q, weights, keys[:, s:e])  # (B, T, e - s)
         positions = torch.arange(s, e, device=q.device)
         tile = tile.masked_fill(~visible(positions, first, last), float("-inf"))
         values = torch.cat([values, tile], dim=-1)
@@ -168,6 +169,44 @@ def _choose_for_tile(ip, q, weights, keys, first, last, end):
             values, index = values[..., :ip.topk], index.gather(-1, order[..., :ip.topk])
     index = index.masked_fill(values == float("-inf"), NOT_CHOSEN).to(torch.int32)
     return F.pad(index, (0, ip.topk - index.shape[-1]), value=NOT_CHOSEN)  # every tile topk wide
+
+
+def _index_scores(ip, q, weights, keys):
+    """Index scores ``(B, T, K)`` of queries ``q`` ``(B, T, Hi, Di)`` (head weights ``(B, T, Hi)``) against
+    ``keys`` ``(B, K, Di)``, in float32, by Hugging Face's indexer's steps."""
+    scores = torch.matmul(q, keys.transpose(-1, -2).float().unsqueeze(1))  # (B, T, Hi, K)
+    if ip.scale_on_scores:
+        scores = scores * ip.softmax_scale
+    return torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)
+
+
+@torch.no_grad()
+def choose_cached_keys(ip, q, weights, keys, key_positions, key_valid, group):
+    """A decode step's choice: which of this rank's cached keys ``(B, T, Di)``
+    (at ``key_positions``, cached where ``key_valid``, ``(B, T)``) the new
+    query ``q`` ``(B, Hi, Di)`` (head weights ``(B, Hi)``) attends to, ``(B,
+    T)`` bool. Each rank sends its best ``topk`` (score, position) pairs; every
+    rank merges them alike and keeps the keys that rank above the
+    ``topk``-th, the earlier key first among equal scores."""
+    scores = _index_scores(ip, q.unsqueeze(1), weights.unsqueeze(1), keys)[:, 0]  # (B, T)
+    scores = scores.masked_fill(~key_valid, float("-inf"))
+    values, positions = _best(scores, key_positions, ip.topk)
+    every = comm.all_gather_small(torch.stack([values.double(), positions.double()]), group)  # (D, 2, B, topk)
+    values, positions = (every[:, part].transpose(0, 1).flatten(1) for part in (0, 1))
+    values, positions = _best(values, positions.long(), ip.topk)
+    last_value, last_position = values[:, -1:].to(scores.dtype), positions[:, -1:]
+    return key_valid & ((scores > last_value) | ((scores == last_value) & (key_positions <= last_position)))
+
+
+def _best(values, positions, topk):
+    """The ``topk`` best ``(values, positions)`` of each row, the earlier position first among equal values,
+    padded with ``(-inf, -1)`` to ``topk``."""
+    order = positions.argsort(dim=-1, stable=True)
+    values, positions = values.gather(-1, order), positions.gather(-1, order)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    k = min(topk, values.shape[-1])
+    values, positions = values[:, :k], positions.gather(-1, order[:, :k])
+    return F.pad(values, (0, topk - k), value=float("-inf")), F.pad(positions, (0, topk - k), value=-1)
 
 
 def visible(keys, first, last):

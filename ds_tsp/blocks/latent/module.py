@@ -171,16 +171,17 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         """The form for ``rows`` of ``queries`` tokens over ``keys``, scoring ``pairs`` (query, key) pairs a row."""
         return self.form(self.shapes, rows, queries, keys, pairs) if callable(self.form) else self.form
 
-    def plan(self, x, documents=None, positions=None, form=None):
+    def plan(self, x, documents=None, positions=None, form=None, decode=False):
         """How to run this layer on the local tokens ``x``; ``positions``: their
         position ids ``(B, S/D)``, which a query scale reads; ``form``: the form
-        to run, or None for this module's choice (``form_for``)."""
+        to run, or None for this module's choice (``form_for``); ``decode``: ``x``
+        is a decode step's new token (``indexer_plan``)."""
         D = self.shapes.tsp_size
         if self.query_scale is not None and positions is None:
             raise ValueError("this latent attention scales its queries by position (Mistral 4's "
                              "llama_4_scaling_beta): its forward needs the tokens' positions")
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
-        return LatentPlan(indexer=self.indexer_plan(x, documents),group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
+        return LatentPlan(indexer=self.indexer_plan(x, documents, bounds=not decode),group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, compute_dtype(self.packed)), scale=self.scale,
                           form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
@@ -189,13 +190,17 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                           query_scale=query_scale)
 
-    def indexer_plan(self, x, documents):
-        """The ``IndexerPlan`` of this layer's own indexer on the local tokens ``x``, or None."""
+    def indexer_plan(self, x, documents, bounds=True):
+        """The ``IndexerPlan`` of this layer's own indexer on the local tokens ``x``, or None; without
+        ``bounds``, one that scores a decode step's new token (no key limits: every cached key is earlier)."""
         if self.indexer is None:
             return None
         D = self.shapes.tsp_size
-        first, last, ends = key_bounds(documents, x.shape[0], x.shape[1], self.tsp_rank, D, self.layout_name,
-                                       x.device)
+        first = last = None
+        ends = ()
+        if bounds:
+            first, last, ends = key_bounds(documents, x.shape[0], x.shape[1], self.tsp_rank, D, self.layout_name,
+                                           x.device)
         rope, rope_first, scale_on_scores = self.index_form
         return IndexerPlan(topk=self.index_topk, heads=self.shapes.index_heads, head_dim=self.shapes.index_head_dim,
                            rope_dim=self.shapes.qk_rope_head_dim, rope_first=rope_first, rope=rope, parts=self.indexer,

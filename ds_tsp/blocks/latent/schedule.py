@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import ReducesInFlight, attend_local_chunks, broadcast_stream
-from ds_tsp.blocks.latent.indexer import attend_selected, choose_keys, index_inputs
+from ds_tsp.blocks.latent.indexer import attend_selected, choose_keys, index_inputs, index_projections
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
 
@@ -192,17 +192,18 @@ def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_wei
     ``(B, S/D, H)``, the down projections' outputs, which backward keeps, and
     the keys each query attended to (``chosen``, or its own indexer's choice;
     None without an indexer). ``latent_sink(latent)``, if given, receives the
-    local tokens' latent and rotated key ``(B, S/D, width)`` (a generation's
-    prefill caches them)."""
+    local tokens' latent and rotated key ``(B, S/D, width)``, and their index
+    keys after them where the layer has an indexer (a generation's prefill
+    caches them)."""
     raw = down_project(plan, x, packed)
     c_q, latent = local_latent(plan, raw, tables, q_norm_weight, kv_norm_weight)
-    if latent_sink is not None:
-        latent_sink(latent)
     index = None
     if plan.indexer is not None:
         with torch.no_grad():
-            index = index_inputs(plan, x, c_q, piece_stream(plan, packed, 2), tables)
+            index = index_inputs(plan.indexer, x, *index_projections(x, c_q, piece_stream(plan, packed, 2)), tables)
         latent = torch.cat([latent, index[2]], dim=-1)  # the index keys ride in the latent's gather
+    if latent_sink is not None:
+        latent_sink(latent)
     gathering, latent = gather_latent(plan, latent), None
     q_input = x if c_q is None else c_q
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
