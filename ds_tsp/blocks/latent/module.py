@@ -271,5 +271,8 @@ def replicated_names(attn):
 
 def _has(module, name):
     owner, _, attr = name.rpartition(".")
-    sub = getattr(module, owner, None)
+    try:
+        sub = module.get_submodule(owner)
+    except AttributeError:
+        return False
     return sub is not None and getattr(sub, attr, None) is not None
