@@ -63,9 +63,9 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers.models.kimi_linear import modeling_kimi_linear
-from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
-                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
+                          DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM,
+                          GlmMoeDsaConfig, GlmMoeDsaForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
                           YoutuForCausalLM)
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -238,6 +238,22 @@ def test_the_planner_adds_the_index_keys_to_deepseek_v32s_gather():
     assert forward["broadcast"] - plain["broadcast"] == e * (D - 1) * m.indexer_params // D
 
 
+def test_the_planner_counts_the_indexer_and_the_sparse_attention_flops():
+    """DeepSeek-V3.2 at 128K tokens: each query attends to 2048 keys, 3.1% of the dense attention's pairs; the
+    indexer scores every causal pair (64 heads of 128 and their weights) and projects every token, forward only."""
+    from ds_tsp.planning.flops import indexer_flops, twice_attended_pairs
+
+    m = model_shape("deepseek-v3.2")
+    S, k = 131072, 2048
+    assert twice_attended_pairs(S, k) == k * k + 2 * (S - k) * k
+    assert twice_attended_pairs(1000, k) == twice_attended_pairs(1000) == 1000 * 1000
+    projections = 64 * 128 * 1536 + 128 * 7168 + 64 * 7168
+    assert indexer_flops(m, 1, S) == 2 * S * projections + S * S * 64 * (128 + 1)
+    print(f"deepseek-v3.2 at {S} tokens: sparse attention {twice_attended_pairs(S, k) / S ** 2:.2%} of the dense "
+          f"pairs; the indexer {indexer_flops(m, 1, S) / 1e12:.1f} TFLOPs a layer, forward")
+    assert indexer_flops(model_shape("deepseek-v3"), 1, S) == 0
+
+
 @pytest.mark.parametrize("model_type, match", [("hy_v4", "hc_mult"), ("deepseek_v4", "hc_mult|compress|rope")])
 def test_what_sparse_attention_does_not_build_is_refused_by_name(model_type, match):
     """HY-V4's hyper-connections (and its attention's sinks and gate) and DeepSeek-V4's compressed attention are

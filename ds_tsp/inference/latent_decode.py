@@ -22,6 +22,17 @@ qk_rope_head_dim``, ``c = kv_lora_rank``::
                 + hq * w * e             # all-gather of the latent queries
                 + hq * (c + 1) * a       # all-to-all of partial (out, lse)
                 + H * e ]                # all-gather of the attention output parts
+
+DeepSeek's sparse attention (``ds_tsp.blocks.latent.indexer``): a layer with a
+lightning indexer of its own caches each token's index key after its latent;
+a decode step gathers every rank's rows of the new token's ``wq_b`` and
+``wk`` outputs, scores the new query against this rank's cached index keys,
+and gathers every rank's best ``index_topk`` (score, position) pairs, from
+which each rank keeps the cached keys that rank among the ``index_topk``
+best (the earlier key first among equal scores) and attends to those only.
+That adds ``(D-1) * B * [index_rows * e + 2 * index_topk * 8]`` bytes
+(``index_rows``: the widest rank's rows of ``wq_b`` and ``wk``; the pairs in
+float64). A layer reusing an earlier layer's choice (GLM-MoE-DSA's) moves nothing more.
 """
 
 import torch

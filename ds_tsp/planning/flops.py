@@ -10,8 +10,11 @@ MLP). A sparse layer counts its router and the ``k`` experts (and shared
 expert) each token uses; TSP's experts recompute their projections in
 backward. A Gated DeltaNet layer counts its projections and its chunked rule
 (``delta_rule_flops_per_token``), no ``S^2`` term; TSP's runs its forward again
-in backward, with its chunks' state maps. Activation checkpointing runs every
-layer's forward once more.
+in backward, with its chunks' state maps. DeepSeek's sparse attention attends
+each query to at most ``index_topk`` keys (``twice_attended_pairs``), and its
+lightning indexer runs in forward only: its projections and its float32
+scores of every causal pair, ``Hi (Di + 1)`` multiply-adds each (``indexer_flops``).
+Activation checkpointing runs every layer's forward once more.
 """
 
 import logging
@@ -45,9 +48,10 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
             if setting.activation_checkpointing:
                 recompute += layers * (mm + rule)
             continue
-        attn = B * S * S * view.num_heads * (view.head_dim + view.value_dim)  # causal: half of QK^T and PV
-        mm_attn = 2 * T * view.attention_params
-        forward += layers * (mm_attn + attn)
+        attn = B * twice_attended_pairs(S, view.index_topk) * view.num_heads * (view.head_dim + view.value_dim)
+        mm_attn = 2 * T * (view.attention_params - view.indexer_params)  # the indexer takes no gradient
+        index = indexer_flops(view, B, S)
+        forward += layers * (mm_attn + attn + index)
         backward += layers * (2 * mm_attn + 2.5 * attn)
         attention += layers * attn * 3.5
         if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
@@ -62,7 +66,7 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
             forward += layers * expansion
             backward += layers * 3 * expansion
         if setting.activation_checkpointing:
-            recompute += layers * (mm_attn + attn)
+            recompute += layers * (mm_attn + attn + index)
             attention += layers * attn
     for sparse, layers in m.layer_kinds:
         mm_ffn = 2 * T * (m.active_ffn_params(sparse) + (m.router_params if sparse else 0))
@@ -74,6 +78,27 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
         if setting.activation_checkpointing:
             recompute += layers * mm_ffn
     return (forward + backward + recompute) * share, attention * share
+
+
+def twice_attended_pairs(seq_len, topk=0):
+    """Twice the (query, key) pairs a causal row of ``seq_len`` attends (an
+    integer): every earlier key, ``S^2`` as this module counts the dense
+    attention, or at most ``topk`` keys a query (DeepSeek's sparse attention; 0: dense)."""
+    S, k = seq_len, topk
+    if not k or S <= k:
+        return S * S
+    return k * k + 2 * (S - k) * k
+
+
+def indexer_flops(m, B, S):
+    """Forward FLOPs of a layer's lightning indexer (none without one): its
+    projections (``wq_b``, ``wk``, ``weights_proj``) and its float32 scores of
+    every causal pair, ``Hi * Di`` for the dot products and ``Hi`` for the head
+    weights' sum, two FLOPs each."""
+    if not m.index_heads:
+        return 0
+    T = B * S
+    return 2 * T * (m.indexer_params + m.index_heads * m.hidden_size) + B * S * S * m.index_heads * (m.index_head_dim + 1)
 
 
 def latent_attention_flops(shapes, rows, queries, keys, form, pairs=None):
