@@ -254,10 +254,14 @@ def test_the_planner_counts_the_indexer_and_the_sparse_attention_flops():
     assert indexer_flops(model_shape("deepseek-v3"), 1, S) == 0
 
 
-@pytest.mark.parametrize("model_type, match", [("hy_v4", "hc_mult"), ("deepseek_v4", "hc_mult|compress|rope")])
-def test_what_sparse_attention_does_not_build_is_refused_by_name(model_type, match):
-    """HY-V4's hyper-connections (and its attention's sinks and gate) and DeepSeek-V4's compressed attention are
-    refused by name, before any weights are loaded."""
+@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
+def test_what_sparse_attention_does_not_build_is_refused_by_name(model_type):
+    """HY-V4's and DeepSeek-V4's hyper-connections are refused by name, before any weights are loaded; so are
+    DeepSeek-V4's compressed attention and low-rank output projection, and HY-V4's attention sinks and gate."""
     model = tiny_causal_lm(model_type, device="meta")
+    with pytest.raises(PolicyError, match="config.hc_mult = 4.*hyper-connections.*tsp.enabled false"):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))
+    model.config.hc_mult = 1
+    match = {"hy_v4": "unexpected submodule|sinks|gate_proj|attn_hc", "deepseek_v4": "o_lora_rank"}[model_type]
     with pytest.raises(PolicyError, match=match):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))

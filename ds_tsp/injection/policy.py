@@ -127,6 +127,15 @@ NO_DROPOUT = (None, 0, 0.0)
 
 # Read by every supported forward, whatever the class.
 COMMON = {
+    # Named first: a model with these fails on them before any other attribute (DeepSeek-V4's rotary too).
+    "hc_mult": Accepts((None, 1), "hyper-connections (HY-V4's and DeepSeek-V4's hc_mult residual streams, mixed "
+                       "by each layer's attn_hc and ffn_hc) are not built under TSP",
+                       "train this model with tsp.enabled false"),
+    "o_lora_rank": Accepts((None,), "a low-rank grouped output projection (DeepSeek-V4's o_lora_rank, o_groups) is "
+                           "not built under TSP", "train this model with tsp.enabled false"),
+    "compress_rates": Accepts((None,), "compressed attention (DeepSeek-V4's compressed sparse and heavily "
+                              "compressed layers, keys compressed by these rates under their own rotary) is not "
+                              "built under TSP", "train this model with tsp.enabled false"),
     "attention_dropout": Accepts(NO_DROPOUT, "the TSP attention applies no dropout",
                                  "set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
                                  "the unsharded model's), or leave tsp.enabled false"),
@@ -137,14 +146,6 @@ COMMON = {
     "head_dim": Accepts(any_value, "read from the attention module"),
     "rms_norm_eps": Accepts(any_value, "the Hugging Face norm modules are kept as they are"),
     "tie_word_embeddings": Accepts(any_value, "a tied head shares the embedding's (vocabulary) shard"),
-    "hc_mult": Accepts((None, 1), "hyper-connections (HY-V4's and DeepSeek-V4's hc_mult residual streams, mixed "
-                       "by each layer's attn_hc and ffn_hc) are not built under TSP",
-                       "train this model with tsp.enabled false"),
-    "o_lora_rank": Accepts((None,), "a low-rank grouped output projection (DeepSeek-V4's o_lora_rank, o_groups) is "
-                           "not built under TSP", "train this model with tsp.enabled false"),
-    "compress_rates": Accepts((None,), "compressed attention (DeepSeek-V4's compressed sparse and heavily "
-                              "compressed layers, keys compressed by these rates under their own rotary) is not "
-                              "built under TSP", "train this model with tsp.enabled false"),
 }
 ATTENTION_BIAS = Accepts(any_value, "q/k/v biases are sharded with their heads; o_proj's is replicated and added once")
 SLIDING = {

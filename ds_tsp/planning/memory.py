@@ -208,7 +208,9 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
     rows its experts received and the outputs returned, ``k`` of each a local
     token as routing spread evenly gives them (exactly so at ``D = 1``), and
     with a shared expert its output and, its tokens in one tile, its ring
-    steps' gate and up projections (``2 F_s`` a token)."""
+    steps' gate and up projections (``2 F_s`` a token). DeepSeek's sparse
+    attention also keeps each local query's ``index_topk`` chosen keys (int32).
+    """
     H, nq = m.hidden_size, m.num_heads
     norm = rms_norm_saved_per_token(m, e, recompute_norms)
     # Recomputed, the attention's norm runs inside it (ds_tsp.blocks.input_norm), which keeps the layer's input alone.
@@ -225,6 +227,8 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
         mlp += (2 if m.mlp_gated else 1) * e * m.intermediate_size
     if attention_backward == "fused" and not linear:
         attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
+    if m.index_topk and not linear:  # DeepSeek's sparse attention keeps each query's chosen keys, int32
+        attention += 4 * m.index_topk
     return {"attention": attention, "mlp": mlp}
 
 

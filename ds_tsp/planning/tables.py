@@ -105,7 +105,11 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         f"{m.name}: {m.params / 1e9:.2f}B params, L={m.num_layers}, H={m.hidden_size}, F={m.intermediate_size}, "
         f"heads {m.num_heads}/{m.num_kv_heads}, d={m.head_dim}"
         + (f" (latent attention: q_lora_rank {m.q_lora_rank}, kv_lora_rank {m.kv_lora_rank}, rotary "
-           f"{m.qk_rope_head_dim}, values {m.v_head_dim})" if m.is_latent else "")
+           f"{m.qk_rope_head_dim}, values {m.v_head_dim}"
+           + (f"; sparse: a lightning indexer of {m.index_heads} heads of {m.index_head_dim} chooses "
+              f"{m.index_topk} keys a query" + (f", {m.shared_index_layers} layers reusing an earlier layer's choice"
+                                                if m.shared_index_layers else "") if m.index_topk else "")
+           + ")" if m.is_latent else "")
         + (f"; {m.global_layers} full layers of heads {m.num_heads}/{m.global_num_kv_heads}, d={m.global_head_dim}"
            + (", keys as values" if m.global_values_from_keys else "") if m.global_layers else "")
         + (" (gated attention)" if m.attention_output_gate else "")
@@ -137,6 +141,8 @@ def format_table(plans, paper=None, cluster=DEFAULT_CLUSTER):
         + (f" Latent attention: the latent and rotary key, {m.latent_width} elements a token for all heads, take "
            f"2 nkv d's place (a per-head K/V would be {m.num_heads * (m.head_dim + m.value_dim)}); each rank expands "
            f"it into every head group's K/V (FLOPs counted), the baselines attend the expanded heads."
+           + (f" Its index keys, {m.index_head_dim} elements a token, join the latent's forward gather, and its "
+              "indexer's pieces are broadcast in forward only (they take no gradient)." if m.index_heads else "")
            if m.is_latent else "")
         + (f" A {m.recurrent.kind} layer has no K/V: its weights are broadcast as the attention's are, and the "
            "ranks all-gather their chunks' state maps, float32 (and their initial-state gradients backward), "
