@@ -26,6 +26,8 @@ QUICK_TIER = [
     "test_mlp.py::test_ring_bytes",
     "test_vocab.py::test_whole_model_with_folded_vocabulary_matches_hugging_face[2]",
     "test_vocab.py::test_a_wrong_vocabulary_shard_is_caught_in_the_model",
+    "test_sparse_attention.py::test_sparse_attention_matches_hugging_face[2]",
+    "test_sparse_attention.py::test_a_wrong_choice_is_caught",
     "test_moe.py::test_loss_aux_loss_and_every_gradient_match_hugging_face[2]",
     "test_moe.py::test_a_wrong_expert_shard_router_bias_sink_or_return_permutation_is_caught",
     "test_latent.py::test_latent_attention_matches_hugging_face[2]",

@@ -67,11 +67,12 @@ class HostReads:
             setattr(torch.Tensor, name, original)
 
 
-def training_step_reads(arch, vocab_parallel, documents=None, checkpointing=False, break_loss=False, **options):
-    """Forward and backward of a TSP model (after one warm-up step, as in
-    training) under ``HostReads``: ``(batch reads, hot-path reads)``."""
+def training_step_reads(arch, vocab_parallel, documents=None, checkpointing=False, break_loss=False, overrides=None,
+                        **options):
+    """Forward and backward of a TSP model (``overrides`` of its tiny config) after one warm-up step, as in
+    training, under ``HostReads``: ``(batch reads, hot-path reads)``."""
     torch.manual_seed(3)
-    model = copy.deepcopy(tiny_model(arch))
+    model = copy.deepcopy(tiny_model(arch, **(overrides or {})))
     tsp_size = torch.distributed.get_world_size()
     ds_tsp.inject(model, TSPTopology(tsp_size), TSPConfig(enabled=True, size=tsp_size, attention_backend="sdpa",
                                                           vocab_parallel=vocab_parallel, **options))
@@ -99,6 +100,10 @@ CASES = {
     "qwen3, replicated vocabulary, packed documents, recompute": dict(
         arch="qwen3", vocab_parallel=False, documents=[[9, 12], [21]], checkpointing=True),
     "mistral, token tiles": dict(arch="mistral", vocab_parallel=True, token_tile=3),
+    # Its dense layers only: the token all-to-all of experts reads their counts on the host by design.
+    "deepseek_v32, sparse attention, packed documents": dict(arch="deepseek_v32", vocab_parallel=True,
+                                                              documents=[[9, 12], [21]],
+                                                              overrides={"mlp_layer_types": ["dense", "dense"]}),
 }
 
 

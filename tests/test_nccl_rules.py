@@ -42,6 +42,7 @@ CASES = {
     "attention, TSP 4": ("llama", 4, 4, {}, True),
     "attention, TSP 2 x DP 2, replicated head": ("qwen3", 4, 2, {"vocab_parallel": False}, True),
     "latent attention and experts, TSP 2": ("deepseek_v3", 2, 2, {}, True),
+    "sparse attention (DeepSeek-V3.2's indexer), TSP 2": ("deepseek_v32", 2, 2, {}, True),
     "Gated DeltaNet, TSP 2": ("qwen3_5", 2, 2, {}, True),
     "Mamba-2 beside the attention (Falcon-H1), TSP 2": ("falcon_h1_norm", 2, 2, {}, True),
     "Mamba-2 mixers and experts (Granite-4.0-H), TSP 4": ("granitemoehybrid_moe", 4, 4, {}, True),

@@ -3,6 +3,7 @@ the unsharded Hugging Face model, float64: the lightning indexer's choice of
 keys, the attention over them, and what is refused by name."""
 
 import copy
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import ds_tsp
 from ds_tsp.blocks.latent import indexer, schedule
 from ds_tsp.config import TSPConfig
-from ds_tsp.injection.policy import PolicyError
+from ds_tsp.injection.policy import AUTO, PolicyError, check_config
 from ds_tsp.blocks.latent.module import TSPLatentAttention
 from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
@@ -262,6 +263,10 @@ def test_what_sparse_attention_does_not_build_is_refused_by_name(model_type):
     with pytest.raises(PolicyError, match="config.hc_mult = 4.*hyper-connections.*tsp.enabled false"):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))
     model.config.hc_mult = 1
-    match = {"hy_v4": "unexpected submodule|sinks|gate_proj|attn_hc", "deepseek_v4": "o_lora_rank"}[model_type]
-    with pytest.raises(PolicyError, match=match):
+    match = {"hy_v4": "self_attn has unexpected submodule.*gate_proj", "deepseek_v4": "o_lora_rank = 1024"}
+    with pytest.raises(PolicyError, match=match[model_type]):
         ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))
+    if model_type == "deepseek_v4":  # its hash-routed MoE layers, named too
+        hash_routing = dataclasses.replace(AUTO, config={"mlp_layer_types": AUTO.config["mlp_layer_types"]})
+        with pytest.raises(PolicyError, match="mlp_layer_types = .*hash_moe.*hash-routed"):
+            check_config(type(model).__name__, model.config, hash_routing)

@@ -136,6 +136,9 @@ COMMON = {
     "compress_rates": Accepts((None,), "compressed attention (DeepSeek-V4's compressed sparse and heavily "
                               "compressed layers, keys compressed by these rates under their own rotary) is not "
                               "built under TSP", "train this model with tsp.enabled false"),
+    "mlp_layer_types": Accepts(lambda kinds: "hash_moe" not in (kinds or ()), "hash-routed MoE layers "
+                               "(DeepSeek-V4's hash_moe: a token's experts fixed by its id) are not built under TSP; "
+                               "dense and sparse layers are", "train this model with tsp.enabled false"),
     "attention_dropout": Accepts(NO_DROPOUT, "the TSP attention applies no dropout",
                                  "set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
                                  "the unsharded model's), or leave tsp.enabled false"),

@@ -98,7 +98,8 @@ def indexer_flops(m, B, S):
     if not m.index_heads:
         return 0
     T = B * S
-    return 2 * T * (m.indexer_params + m.index_heads * m.hidden_size) + B * S * S * m.index_heads * (m.index_head_dim + 1)
+    projections = 2 * T * (m.indexer_params + m.index_heads * m.hidden_size)
+    return projections + B * S * S * m.index_heads * (m.index_head_dim + 1)
 
 
 def latent_attention_flops(shapes, rows, queries, keys, form, pairs=None):

@@ -97,8 +97,15 @@ def key_bounds(documents, batch, local_len, tsp_rank, tsp_size, layout_name, dev
     rows = documents or [[0]] * batch
     first = torch.stack([torch.tensor(starts)[torch.searchsorted(torch.tensor(starts), positions, right=True) - 1]
                          for starts in rows])
+    # Worked out without reading a tensor: the layout's two chunks of local_len / 2 tokens, each in natural order.
+    chunk, chunks = local_len // 2, layout.chunk_ids(tsp_rank, tsp_size, layout_name)
+
+    def natural(i):
+        return chunks[i // chunk] * chunk + i % chunk
+
+    tiles = [(a, min(a + QUERY_TILE, local_len)) for a in range(0, local_len, QUERY_TILE)]
+    ends = tuple(max(natural(b - 1), natural(min(b, chunk) - 1)) + 1 for a, b in tiles)
     last = positions.expand(batch, -1)
-    ends = tuple(int(last[:, a:a + QUERY_TILE].max()) + 1 for a in range(0, local_len, QUERY_TILE))
     return first.to(device, non_blocking=True), last.to(device, non_blocking=True), ends
 
 

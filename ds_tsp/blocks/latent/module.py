@@ -181,14 +181,14 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
             raise ValueError("this latent attention scales its queries by position (Mistral 4's "
                              "llama_4_scaling_beta): its forward needs the tokens' positions")
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
-        return LatentPlan(indexer=self.indexer_plan(x, documents, bounds=not decode),group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
+        return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
                           kernel=select_kernel("sdpa", x.device, compute_dtype(self.packed)), scale=self.scale,
                           form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),
                           fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
-                          query_scale=query_scale)
+                          query_scale=query_scale, indexer=self.indexer_plan(x, documents, bounds=not decode))
 
     def indexer_plan(self, x, documents, bounds=True):
         """The ``IndexerPlan`` of this layer's own indexer on the local tokens ``x``, or None; without
@@ -251,12 +251,13 @@ def selection_of(attn, config):
 def latent_shapes(attn, config, tsp_size):
     """The ``LatentShapes`` of a Hugging Face MLA module."""
     indexed = getattr(attn, "indexer", None) is not None
-    return LatentShapes(index_heads=config.index_n_heads if indexed else 0,
-                        index_head_dim=config.index_head_dim if indexed else 0,hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+    return LatentShapes(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                         q_lora_rank=config.q_lora_rank if getattr(attn, "q_a_proj", None) is not None else None,
                         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
                         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, tsp_size=tsp_size,
-                        down_bias=attn.kv_a_proj_with_mqa.bias is not None)
+                        down_bias=attn.kv_a_proj_with_mqa.bias is not None,
+                        index_heads=config.index_n_heads if indexed else 0,
+                        index_head_dim=config.index_head_dim if indexed else 0)
 
 
 def is_latent_attention(attn):
