@@ -255,6 +255,14 @@ def test_the_planner_counts_the_indexer_and_the_sparse_attention_flops():
     assert indexer_flops(model_shape("deepseek-v3"), 1, S) == 0
 
 
+def test_a_shared_choice_without_an_indexer_before_it_is_refused_by_name():
+    """GLM-MoE-DSA whose first layer would reuse a choice no layer made: refused before any weights are read
+    (Hugging Face's forward fails on it mid-way)."""
+    model = tiny_causal_lm("glm_moe_dsa", device="meta", indexer_types=["shared", "full"])
+    with pytest.raises(PolicyError, match="config.indexer_types = \\['shared', 'full'\\].*\"full\""):
+        ds_tsp.inject(model, TSPTopology(1), TSPConfig(enabled=True, size=1))
+
+
 @pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
 def test_what_sparse_attention_does_not_build_is_refused_by_name(model_type):
     """HY-V4's and DeepSeek-V4's hyper-connections are refused by name, before any weights are loaded; so are

@@ -139,6 +139,10 @@ COMMON = {
     "mlp_layer_types": Accepts(lambda kinds: "hash_moe" not in (kinds or ()), "hash-routed MoE layers "
                                "(DeepSeek-V4's hash_moe: a token's experts fixed by its id) are not built under TSP; "
                                "dense and sparse layers are", "train this model with tsp.enabled false"),
+    "indexer_types": Accepts(lambda kinds: "shared" not in (kinds or ()) or kinds[0] == "full",
+                             "a sparse attention layer reusing an earlier layer's choice of keys (\"shared\") needs "
+                             "a layer with an indexer of its own (\"full\") before it",
+                             "make the first entry of config.indexer_types \"full\""),
     "attention_dropout": Accepts(NO_DROPOUT, "the TSP attention applies no dropout",
                                  "set model.config.attention_dropout = 0.0 before ds_tsp (its numbers then match "
                                  "the unsharded model's), or leave tsp.enabled false"),
