@@ -14,13 +14,13 @@ import ds_tsp
 from ds_tsp.blocks.latent import indexer, schedule
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import AUTO, PolicyError, check_config
-from ds_tsp.blocks.latent.module import TSPLatentAttention
-from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel import layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import latent_attention_bytes_by_op
 from ds_tsp.planning.shapes import model_shape
 from models import SPARSE_MLA_ARCHS, tiny_causal_lm, tiny_model
 from parity import check, check_caught, model_parity, packed_position_ids
+from test_latent import _layer_bytes
 
 # Padded (13 tokens, the last 3 of a row masked) and packed (documents restarting the positions) inputs; the
 # indexer keeps 5 keys a query, so that from a row's (or document's) sixth token on its choice matters.
@@ -165,26 +165,6 @@ def _wrong_choice(how, **kwargs):
 @pytest.mark.parametrize("how", ["key_row", "local_only", "not_causal"])
 def test_a_wrong_choice_is_caught(run_ranks, how):
     check_caught(run_ranks(2, _wrong_choice, how=how, arch="deepseek_v32", batch=2, seq_len=13), how)
-
-
-def _layer_bytes(arch, batch, seq_len, form):
-    """One sparse MLA layer's forward and backward on this rank's tokens: the bytes it received, by op."""
-    topo = TSPTopology(dist.get_world_size())
-    D, r = topo.tsp_size, topo.tsp_rank
-    model = tiny_model(arch)
-    attn = model.model.layers[0].self_attn
-    tsp = TSPLatentAttention.from_hf(attn, model.config, topo.tsp_group, form=form)
-    torch.manual_seed(1)
-    x = layout.shard(torch.randn(batch, seq_len, model.config.hidden_size, dtype=torch.float64), r, D, "zigzag")
-    x.requires_grad_()
-    positions = layout.positions(r, D, "zigzag", seq_len).unsqueeze(0).expand(batch, -1)
-    tables = model.model.rotary_emb(x, positions)
-    comm.counter.reset()
-    y = tsp(x, tables)
-    forward = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-    y.backward(torch.ones_like(y))
-    both = {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
-    return dict(rank=r, forward=forward, both=both)
 
 
 def test_bytes_equal_the_planner_op_by_op(run_ranks):
