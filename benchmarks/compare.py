@@ -6,7 +6,12 @@ bytes communicated and step time per rank, for two small models (``--models``):
 * ``mla``, the latent-attention row: DeepSeek-V3's multi-head latent attention
   at the same width (``compare_model.mla_config``) over dense MLPs, vocabulary
   32,000, at D = 2: TSP gathers each token's latent and rotary key, the
-  baselines attend its expanded heads (or DeepSpeed's refusal is reported);
+  baselines attend its expanded heads (or DeepSpeed's refusal is reported).
+  With ``--index-topk N`` the row is DeepSeek-V3.2's (files ``_mla_dsa``): its
+  lightning indexer chooses each query's ``N`` keys, TSP gathers the index
+  keys with the latent; Ulysses swaps only the attention function, so its
+  indexer scores each rank's own tokens alone and chooses otherwise (the
+  losses column shows it);
 * ``hybrid``, the Gated DeltaNet row: Qwen3.5's text model at the same width
   (``compare_model.hybrid_config``: three linear layers to one gated attention
   layer), vocabulary 32,000, at D = 2. TSP exchanges the linear layers' chunk
@@ -38,6 +43,7 @@ bytes communicated and step time per rank, for two small models (``--models``):
     python benchmarks/compare.py --models moe --moe-sizes 4 --seq-lens 256 1024 4096 --expert-intermediate 128 \
         --top-k 4 --strategies tsp ulysses_zero3 autoep tsp_2x2 tsp_2x2_ep4 --tag ep   # compare_moe_ep.md
     python benchmarks/compare.py --models mla --seq-lens 512 1024 2048   # the latent-attention row (compare_mla.md)
+    python benchmarks/compare.py --models mla --seq-lens 512 1024 2048 --index-topk 256   # compare_mla_dsa.md
     python benchmarks/compare.py --models hybrid --seq-lens 512 1024 2048   # the Gated DeltaNet row (compare_hybrid.md)
     python benchmarks/compare.py --models dense --vocab 32000 --name compare_vocab32000   # a 32K vocabulary
     python benchmarks/compare.py --models dense --lora-rank 16   # LoRA on every projection (compare_lora.md)
@@ -161,8 +167,8 @@ import transformers  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 from report import write_report  # noqa: E402
 from compare_model import model_config  # noqa: E402
-from transformers import (DeepseekV3ForCausalLM, LlamaForCausalLM, NemotronHForCausalLM, Qwen3_5ForCausalLM,  # noqa: E402
-                          Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, LlamaForCausalLM,  # noqa: E402
+                          NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM)
 
 import ds_tsp  # noqa: E402
 from ds_tsp.parallel import comm as tsp_comm
@@ -181,7 +187,8 @@ def build_model(args):
     (``compare_model.model_config``)."""
     torch.manual_seed(0)
     config = model_config(args)
-    model_class = {"moe": Qwen3MoeForCausalLM, "mla": DeepseekV3ForCausalLM,
+    mla = DeepseekV32ForCausalLM if getattr(args, "index_topk", 0) else DeepseekV3ForCausalLM
+    model_class = {"moe": Qwen3MoeForCausalLM, "mla": mla,
                    "hybrid": Qwen3_5ForCausalLM, "nemotron": NemotronHForCausalLM}.get(args.model, LlamaForCausalLM)
     model = model_class(config).float()
     # --lora-rank: PEFT's LoRA model, the base frozen, non-zero B so the adapters change the forward
@@ -579,6 +586,8 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int, default=2, help="MoE row: experts per token")
     parser.add_argument("--expert-intermediate", type=int, default=512, help="MoE row: one expert's intermediate size")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default: dense 128256, Llama 3's; MoE 32000)")
+    parser.add_argument("--index-topk", type=int, default=0, help="mla row: DeepSeek-V3.2's, its lightning indexer "
+                                                                   "choosing this many keys a query (0: DeepSeek-V3's)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, help="train PEFT LoRA adapters of this rank, the base "
                                                                   "frozen (files named <name>_lora)")
@@ -618,7 +627,8 @@ def model_args(args, model):
     row = copy.copy(args)
     row.model, row.sizes = model, sizes_of(args, model)
     row.vocab = args.vocab or defaults["vocab"]
-    row.name = args.name + defaults["suffix"] + ("_lora" if args.lora_rank else "") + (
+    sparse = "_dsa" if model == "mla" and args.index_topk else ""
+    row.name = args.name + defaults["suffix"] + sparse + ("_lora" if args.lora_rank else "") + (
         f"_{args.tag}" if args.tag else "")
     return row
 
@@ -661,8 +671,10 @@ def _model_card(args):
         card.update(lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     if args.model == "mla":
         config = model_config(args)
-        card.update(arch="DeepseekV3ForCausalLM", kv_heads=args.heads, **{key: getattr(config, key) for key in (
-            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+        card.update(arch="DeepseekV32ForCausalLM" if args.index_topk else "DeepseekV3ForCausalLM",
+                    kv_heads=args.heads, **{key: getattr(config, key) for key in (
+                        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                        *(("index_n_heads", "index_head_dim", "index_topk") if args.index_topk else ()))})
     if args.model == "hybrid":
         config = model_config(args)
         card.update(arch="Qwen3_5ForCausalLM", head_dim=config.head_dim, **{key: getattr(config, key) for key in (

@@ -1,12 +1,14 @@
 """The model ``compare.py`` trains, as a Hugging Face config: Llama (dense),
 Qwen3-MoE (``moe``, Hugging Face's default grouped experts, no load-balancing
 loss: ``output_router_logits`` false as in its config), DeepSeek-V3's
-multi-head latent attention over dense MLPs (``mla``), a Qwen3.5-shaped
+multi-head latent attention over dense MLPs (``mla``; with ``--index-topk``
+DeepSeek-V3.2's, its lightning indexer on), a Qwen3.5-shaped
 Gated DeltaNet hybrid (``hybrid``) or a Nemotron-H-shaped Mamba-2 hybrid
 (``nemotron``). ``compare.py`` builds it and
 ``report.py`` plans it, from the same fields."""
 
-from transformers import DeepseekV3Config, LlamaConfig, NemotronHConfig, Qwen3MoeConfig, Qwen3_5TextConfig
+from transformers import (DeepseekV3Config, DeepseekV32Config, LlamaConfig, NemotronHConfig, Qwen3MoeConfig,
+                          Qwen3_5TextConfig)
 
 
 def add_model_arguments(parser, vocab=32000):
@@ -25,7 +27,7 @@ def model_config(args):
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                   max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False, attn_implementation="sdpa")
     if getattr(args, "model", "dense") == "mla":
-        return mla_config(common, args.hidden // args.heads)
+        return mla_config(common, args.hidden // args.heads, getattr(args, "index_topk", 0))
     if getattr(args, "model", "dense") == "hybrid":
         return hybrid_config(common, args.hidden // args.heads)
     if getattr(args, "model", "dense") == "nemotron":
@@ -37,17 +39,22 @@ def model_config(args):
     return LlamaConfig(**common)
 
 
-def mla_config(common, head_dim):
+def mla_config(common, head_dim, index_topk=0):
     """DeepSeek-V3's attention at the benchmark's width, in its proportions: per head a no-position part of half
     ``head_dim``, a rotary part of half that and values as wide as the first (128 / 64 / 128 in DeepSeek-V3), a
     key/value latent four no-position parts wide (512) and a query latent of a quarter of the hidden size (1536
-    of 7168); every head its own key/value head once expanded; every layer's MLP dense."""
+    of 7168); every head its own key/value head once expanded; every layer's MLP dense. With ``index_topk``:
+    DeepSeek-V3.2's, a lightning indexer of half as many heads as the attention's, each ``head_dim`` wide (64 of
+    128 in DeepSeek-V3.2), choosing ``index_topk`` keys a query."""
     nope = head_dim // 2
-    return DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]},
-                            q_lora_rank=common["hidden_size"] // 4, kv_lora_rank=2 * head_dim,
-                            qk_nope_head_dim=nope, qk_rope_head_dim=nope // 2, v_head_dim=nope, head_dim=nope // 2,
-                            first_k_dense_replace=common["num_hidden_layers"], num_nextn_predict_layers=0,
-                            rope_interleave=True)
+    sizes = dict(q_lora_rank=common["hidden_size"] // 4, kv_lora_rank=2 * head_dim, qk_nope_head_dim=nope,
+                 qk_rope_head_dim=nope // 2, v_head_dim=nope, first_k_dense_replace=common["num_hidden_layers"],
+                 num_nextn_predict_layers=0)
+    fields = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    if index_topk:
+        return DeepseekV32Config(**fields, **sizes, index_n_heads=common["num_attention_heads"] // 2,
+                                 index_head_dim=head_dim, index_topk=index_topk)
+    return DeepseekV3Config(**fields, **sizes, head_dim=nope // 2, rope_interleave=True)
 
 
 def nemotron_config(common, head_dim):
