@@ -793,6 +793,13 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
     return model
 
 
+def streams_in_float32(config):
+    """Whether a model of ``config`` has a residual of hyper-connected streams (HY-V4's ``hc_mult``), which
+    Hugging Face's modules mix in float32 whatever the model's dtype: as with ``routes_in_float32``, a token's
+    float32 rows round differently with its place in the batch, so Hugging Face's own output is float32-exact only."""
+    return (getattr(config.get_text_config(), "hc_mult", None) or 1) > 1
+
+
 def routes_in_float32(model):
     """Whether a float64 ``model``'s mixture-of-experts routers compute their
     logits in float32: DeepSeek-V3-style routers (GLM-4.5, EXAONE-MoE) do

@@ -18,7 +18,7 @@ from ds_tsp.parallel import layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import latent_attention_bytes_by_op
 from ds_tsp.planning.shapes import model_shape
-from models import SPARSE_MLA_ARCHS, tiny_causal_lm, tiny_model
+from models import SPARSE_MLA_ARCHS, streams_in_float32, tiny_causal_lm, tiny_config, tiny_model
 from float32_control import ROUNDING_FLOOR
 from parity import TOLERANCE, check, check_caught, model_parity, packed_position_ids
 from test_latent import _layer_bytes
@@ -29,9 +29,8 @@ CASES = (dict(batch=2, seq_len=13, right_padding=3), dict(batch=2, seq_len=19, d
 
 
 # HY-V4's hyper-connections (attn_hc, ffn_hc, hc_head) compute in float32 in Hugging Face's modules whatever the
-# model's dtype, and a float32 matmul rounds a token's row differently with its place in the batch: its reference is
-# float32-exact only, as a float32 router's is (tests/models.py routes_in_float32), and so is TSP against it.
-FLOAT32_STREAMS = ("hy_v4",)
+# model's dtype (models.streams_in_float32): its reference is float32-exact only, as a float32 router's is.
+FLOAT32_STREAMS = tuple(arch for arch in SPARSE_MLA_ARCHS if streams_in_float32(tiny_config(arch)))
 
 
 def _parity_options(arch):
