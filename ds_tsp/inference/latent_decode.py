@@ -71,9 +71,10 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     nq, width)`` over every rank's cache (``chosen`` of it, ``(B, T)`` bool, or all) and returns this rank's
     head group's merged output ``(B, hq, kv_lora_rank)`` and log-sum-exp ``(B, hq)`` (a head's sink logit joins
     its softmax through it); ``sum_over_group(part)`` sums every rank's part in rank order. An output gate (HY-V4's
-    ``gate_proj``) gates each head's output from the new token. DeepSeek's sparse attention: a layer with an indexer of its own caches the new token's index
-    key after its latent and ``choose(q, weights)`` (its index query ``(B, Hi, Di)`` and head weights ``(B,
-    Hi)``) gives the cached keys it chooses; a layer reusing an earlier layer's choice is given it as ``chosen``."""
+    ``gate_proj``) gates each head's output from the new token. DeepSeek's sparse attention: a layer with an
+    indexer of its own caches the new token's index key after its latent and ``choose(q, weights)`` (its index
+    query ``(B, Hi, Di)`` and head weights ``(B, Hi)``) gives the cached keys it chooses; a layer reusing an
+    earlier layer's choice is given it as ``chosen``."""
     shapes = attn.shapes
     plan = attn.plan(h, positions=positions, form="absorbed", decode=True)  # what this step runs, not a choice
     down, heads, *indexer = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
