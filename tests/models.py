@@ -65,8 +65,8 @@ from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM,
-                          GlmMoeDsaConfig, GlmMoeDsaForCausalLM, Mistral4Config, Mistral4ForCausalLM, YoutuConfig,
-                          YoutuForCausalLM)
+                          GlmMoeDsaConfig, GlmMoeDsaForCausalLM, HYV4Config, HYV4ForCausalLM, Mistral4Config,
+                          Mistral4ForCausalLM, YoutuConfig, YoutuForCausalLM)
 
 COMMON = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=4, max_position_embeddings=128, attn_implementation="sdpa")
@@ -611,6 +611,11 @@ SPARSE_MLA_ARCHS = {
     "deepseek_v32": (DeepseekV32Config, {**MLA_MOE, **DSA_TINY, "first_k_dense_replace": 1}),
     "glm_moe_dsa": (GlmMoeDsaConfig, {**MLA_MOE, **DSA_TINY, "first_k_dense_replace": 1, "num_hidden_layers": 3,
                                       "indexer_types": ["full", "shared", "shared"]}),
+    # HY-V4: its indexer rotates its heads' last dims and scales its head weights; its attention gates its output
+    # and softmaxes with a sink logit a head; 3 hyper-connected residual streams; its second layer reuses the first's
+    # choice; its eager attention (it takes no SDPA), whose softmax runs in the model's dtype.
+    "hy_v4": (HYV4Config, {**MLA_MOE, **DSA_TINY, "hc_mult": 3, "indexer_types": ["full", "shared"],
+                           "mlp_layer_types": ["dense", "sparse"], "attn_implementation": "eager"}),
 }
 
 
@@ -639,7 +644,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "llama_tied": LlamaForCausalLM, "qwe
                  "deepseek_v3_biased": DeepseekV3ForCausalLM,
                  "deepseek_v2_lite": DeepseekV2ForCausalLM, "glm4_moe_lite": Glm4MoeLiteForCausalLM,
                  "mistral4": Mistral4ForCausalLM, "youtu": YoutuForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM,
-                 "glm_moe_dsa": GlmMoeDsaForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+                 "glm_moe_dsa": GlmMoeDsaForCausalLM, "hy_v4": HYV4ForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
                  "qwen3_next_dense": Qwen3NextForCausalLM,
                  "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM, "bamba": BambaForCausalLM,
                  "granitemoehybrid": GraniteMoeHybridForCausalLM, "granitemoehybrid_moe": GraniteMoeHybridForCausalLM,
@@ -786,6 +791,13 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
     return model
+
+
+def streams_in_float32(config):
+    """Whether a model of ``config`` has a residual of hyper-connected streams (HY-V4's ``hc_mult``), which
+    Hugging Face's modules mix in float32 whatever the model's dtype: as with ``routes_in_float32``, a token's
+    float32 rows round differently with its place in the batch, so Hugging Face's own output is float32-exact only."""
+    return (getattr(config.get_text_config(), "hc_mult", None) or 1) > 1
 
 
 def routes_in_float32(model):

@@ -24,10 +24,11 @@ from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.blocks.vocab import VocabError
 from float32_control import ROUNDING_FLOOR
 from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
-                    routes_in_float32, tiny_causal_lm, tiny_model)
+                    routes_in_float32, streams_in_float32, tiny_causal_lm, tiny_model)
 from parity import TOLERANCE, check, reference_loss, shard_grad_diffs
 
-# A float64 model whose routers compute in float32 (models.routes_in_float32) is float32-exact against HF at best:
+# A float64 model whose routers compute in float32 (models.routes_in_float32), or its hyper-connected streams
+# (models.streams_in_float32), is float32-exact against HF at best:
 # its routing weights are a float32 matmul of hidden_size terms (rounding ~ sqrt(hidden_size) u of their scale,
 # 8u at the tiny configs' 64) then a softmax or sigmoid, and the sharded run rounds its rows in other places of the
 # batch. That rounding moves the loss and every gradient linearly, so they are held to ROUNDING_FLOOR (64u, 8x
@@ -65,7 +66,7 @@ def exact_or_refused(model_types, attention=None, overrides=None):
     for model_type in model_types:
         try:
             model = tiny_causal_lm(model_type, requested=attention, **(overrides or {}).get(model_type, {}))
-            float32_routing = routes_in_float32(model)
+            float32_routing = routes_in_float32(model) or streams_in_float32(model.config)
             diffs = parity(model, dist.get_world_size(), relative=float32_routing)
         except (PolicyError, VocabError) as error:
             verdicts[model_type] = ("refused", str(error))
@@ -100,7 +101,8 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
             worst, bound = max(rank[model_type][1] for rank in per_rank), per_rank[0][model_type][2]
             assert worst <= bound, (model_type, worst)
             detail = f"loss and every gradient within {worst:.1e} of HF" + (
-                "" if bound == TOLERANCE else f", relative to their scale (its routers compute in float32: bound {bound:.1e})")
+                "" if bound == TOLERANCE else ", relative to their scale (its routers or hyper-connections compute in "
+                f"float32: bound {bound:.1e})")
         else:
             assert class_name in detail or layer_class in detail, detail
         rows.append((model_type, class_name, verdict, detail))

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from ds_tsp.blocks.attention.schedule import attended_values, attention_forward, project, raw_values, split_gate
 from ds_tsp.blocks.layer_inputs import local_layer_inputs, replicated_layer_inputs
+from ds_tsp.blocks.streams import into_streams, out_of_streams
 from ds_tsp.blocks.rotary import (layer_rotary_tables, query_scale_positions, rotary_at, rotate, scale_queries,
                                   text_and_rotary_positions)
 from ds_tsp.blocks.vocab import (LogitMap, embed_local_tokens, embedding_multiplier, full_vocab_logits,
@@ -338,6 +339,7 @@ class TSPDecoder:
         self.rotary = policy.rotary_module(model)
         self.layers = list(model.get_submodule(policy.layers))
         self.final_norm = model.get_submodule(policy.final_norm)
+        self.model = model  # its residual streams, where it has several (into_streams, out_of_streams)
         self.lm_head = model.get_submodule(policy.lm_head)
         config = model.config.get_text_config()
         self.logit_map = LogitMap.of(config)
@@ -378,6 +380,7 @@ class TSPDecoder:
             tail = rotary.new_zeros(*rotary.shape[:-1], num_padding)  # padding: no real token sees it
             local = layout.shard(torch.cat([rotary, tail], dim=-1), r, D, self.layout, dim=2)
             tables = layer_rotary_tables(self.rotary, self.layers, hidden, local, rotary.amax().view(1, 1))
+        hidden = into_streams(self.model, hidden)
 
         prompt_counts = [len(prompt_tokens(j, D, self.layout, prompt_len)[0]) for j in range(D)]
         # Worked out on the host (a nonzero on the device would wait for it), then moved.
@@ -413,6 +416,7 @@ class TSPDecoder:
             hidden = layer.blocks(hidden, attention, layer.mlp, per_layer_input=self._layer_input(layer_inputs, index))
             if visual is not None:
                 hidden = visual.after_layer(index, hidden)
+        hidden = out_of_streams(self.model, hidden)
         return cache, self._logits(self._last_tokens(hidden, positions, lengths, padded.shape[1]))
 
     def _prefill_attention(self, cache, index, slots, keep, attn, h, tables, positions, spans=None, shared_kv=None):
@@ -463,6 +467,7 @@ class TSPDecoder:
         rotated_at = (positions + cache.rope_deltas).unsqueeze(1)  # a VLM's M-RoPE axes, equal for text tokens
         tables = {kind: rotary_at(self.rotary, hidden, rotated_at, kind)
                   for kind in dict.fromkeys(layer.rotary_kind for layer in self.layers)}
+        hidden = into_streams(self.model, hidden)
         self.step_choice = {}  # a sparse attention's choice of cached keys, shared across layers (GLM-MoE-DSA's)
         slots = None
         if target == self.tsp_rank:
@@ -480,7 +485,7 @@ class TSPDecoder:
                                   run_experts=None if layer.moe is None else lambda h: self._mlp(layer.moe, h),
                                   per_layer_input=self._layer_input(layer_inputs, index))
         cache.next_positions = positions + 1
-        return self._logits(hidden)
+        return self._logits(out_of_streams(self.model, hidden))
 
     def _attention(self, cache, index, attn, h, tables, slots, positions):
         """Attention of the new token ``h`` ``(B, 1, H)``, see the module docstring."""
@@ -499,7 +504,7 @@ class TSPDecoder:
             def attend(q_all, chosen):
                 keys = cache.layer(index)[0][..., :width]
                 return self._heads_of_this_rank(keys, keys[..., :attn.shapes.kv_lora_rank], q_all, cache,
-                                                positions, attn.scale, visible=chosen)[0]
+                                                positions, attn.scale, visible=chosen)
 
             out, chosen = decode_latent_attention(attn, h, tables, positions.unsqueeze(1), self.group, write, attend,
                                                   self._sum_over_group, choose,

@@ -69,10 +69,12 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     and the cached keys it attended to (None: all). ``write(latent)`` caches the new latent ``(B, 1, 1,
     width)`` where this rank is the one chosen; ``attend(q, chosen)`` attends every head's latent queries ``(B,
     nq, width)`` over every rank's cache (``chosen`` of it, ``(B, T)`` bool, or all) and returns this rank's
-    head group's merged output ``(B, hq, kv_lora_rank)``; ``sum_over_group(part)`` sums every rank's part in
-    rank order. DeepSeek's sparse attention: a layer with an indexer of its own caches the new token's index
-    key after its latent and ``choose(q, weights)`` (its index query ``(B, Hi, Di)`` and head weights ``(B,
-    Hi)``) gives the cached keys it chooses; a layer reusing an earlier layer's choice is given it as ``chosen``."""
+    head group's merged output ``(B, hq, kv_lora_rank)`` and log-sum-exp ``(B, hq)`` (a head's sink logit joins
+    its softmax through it); ``sum_over_group(part)`` sums every rank's part in rank order. An output gate (HY-V4's
+    ``gate_proj``) gates each head's output from the new token. DeepSeek's sparse attention: a layer with an
+    indexer of its own caches the new token's index key after its latent and ``choose(q, weights)`` (its index
+    query ``(B, Hi, Di)`` and head weights ``(B, Hi)``) gives the cached keys it chooses; a layer reusing an
+    earlier layer's choice is given it as ``chosen``."""
     shapes = attn.shapes
     plan = attn.plan(h, positions=positions, form="absorbed", decode=True)  # what this step runs, not a choice
     down, heads, *indexer = (spec.unpack(piece) for spec, piece in zip(attn.specs[attn.tsp_rank], _pieces(attn)))
@@ -97,7 +99,12 @@ def decode_latent_attention(attn, h, tables, positions, group, write, attend, su
     up = heads["kv_b_proj.weight"].view(hq, nope + shapes.v_head_dim, c)
     q_latent = torch.cat([torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope]), q_rot], dim=-1)
     q_all = comm.all_gather_small(q_latent[:, 0], group).transpose(0, 1).flatten(1, 2)  # (B, nq, width)
-    o = torch.einsum("bhc,hvc->bhv", attend(q_all, chosen).to(h.dtype), up[:, nope:])
+    o_latent, lse = attend(q_all, chosen)
+    if "sinks" in heads:  # each head's sink joins its softmax once, over every rank's cache (DESIGN.md 6h)
+        o_latent = o_latent * torch.sigmoid(lse - heads["sinks"].to(lse.dtype)).unsqueeze(-1).to(o_latent.dtype)
+    o = torch.einsum("bhc,hvc->bhv", o_latent.to(h.dtype), up[:, nope:])
+    if "gate_proj.weight" in heads:  # this rank's heads' output gates (HY-V4's)
+        o = o * torch.sigmoid(F.linear(h[:, 0], heads["gate_proj.weight"]).view(o.shape))
     y = sum_over_group(F.linear(o.flatten(1), heads["o_proj.weight"]))
     return (y if attn.o_bias is None else y + attn.o_bias).unsqueeze(1), chosen
 

@@ -193,11 +193,14 @@ def tsp_layer(layer, config, policy, topology, tsp_config, read=None, device=Non
     inputs = policy.layer_inputs(layer)
     input_modules = {name: layer.get_submodule(name) for name in (*inputs.layer_parts(), inputs.activation)} \
         if inputs else {}
+    streams = policy.layer_streams(layer)
+    stream_modules = {name: layer.get_submodule(name) for name in streams.layer_parts()} if streams else {}
     return TSPDecoderLayer(blocks.get(mixer), blocks.get(mlp), {name: layer.get_submodule(name) for name in norms},
                            layout, tsp_config.recompute_norms, rotary_kind, mixer, mlp,
                            policy.parallel_blocks, residual_multiplier(config, layer),
                            layer._buffers.get("layer_scalar"), experts, beside, inputs, input_modules,
-                           None if side is None else (side, blocks[side]), mixer_multipliers(layer))
+                           None if side is None else (side, blocks[side]), mixer_multipliers(layer), streams,
+                           stream_modules)
 
 
 # The TSP block of each recurrent mixer ds_tsp builds, by the test that recognises its Hugging Face module.

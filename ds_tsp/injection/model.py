@@ -24,6 +24,7 @@ from ds_tsp.blocks.moe.module import TSPSparseMoE
 from ds_tsp.blocks.rotary import layer_rotary_tables, query_scale_positions
 from ds_tsp.blocks.vocab import (IGNORE_INDEX, LogitMap, VocabParallelLMHead, embed_local_tokens, embedding_multiplier,
                                  map_logits, scaled)
+from ds_tsp.blocks.streams import into_streams, out_of_streams
 from ds_tsp.inference.generate import cached_forward
 from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding, rows_left_aligned,
                                      vocabulary_rows)
@@ -56,11 +57,16 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     attention (Falcon-H1's Mamba-2 mixer), both off the attention's norm, their
     outputs summed: ``side(x) * side_out + attention(x * attention_in) *
     attention_out`` with ``mixer_multipliers = (attention_in, attention_out,
-    side_out)``."""
+    side_out)``.
+    ``streams``: the layer's ``policy.HyperConnections`` where the residual is
+    several streams ``(B, S/D, hc_mult, H)`` (HY-V4's), its modules
+    (``stream_modules``, by Hugging Face name) mixing them around each block
+    (``branch``); None: one stream."""
 
     def __init__(self, mixer, mlp, norms, layout, recompute_norms=False, rotary_kind=None, mixer_name="self_attn",
                  mlp_name="mlp", parallel=False, residual_multiplier=1.0, layer_scalar=None, experts=None,
-                 beside=None, inputs=None, input_modules=None, side=None, mixer_multipliers=(1.0, 1.0, 1.0)):
+                 beside=None, inputs=None, input_modules=None, side=None, mixer_multipliers=(1.0, 1.0, 1.0),
+                 streams=None, stream_modules=None):
         super().__init__()
         self.mixer_name, self.mlp_name = mixer_name, mlp_name
         self.side_name = None if side is None else side[0]
@@ -99,6 +105,9 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.inputs = inputs
         for name, module in (input_modules or {}).items():
             self.add_module(name, module)
+        self.streams = streams
+        for name, module in (stream_modules or {}).items():
+            self.add_module(name, module)
 
     def hf_prefixes(self):
         """``{attribute of a TSP block: its Hugging Face prefix under the layer}`` (``block_attribute``)."""
@@ -128,7 +137,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
 
     def whole_modules(self):
         """The Hugging Face modules the layer keeps whole, by name: its norms and what applies a per-layer input."""
-        parts = self.inputs.layer_parts() if self.inputs is not None else ()
+        parts = (*(self.inputs.layer_parts() if self.inputs is not None else ()),
+                 *(self.streams.layer_parts() if self.streams is not None else ()))
         return {**self.norms(), **{name: getattr(self, name) for name in parts}}
 
     def branch(self, block, hidden, run, run_with_norm=None, run_experts=None):
@@ -144,6 +154,8 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         before, after = self.layout[block]
         norm = None if before is None else getattr(self, before)
         module = self.token_mixer if block == "attention" else self.mlp
+        if self.streams is not None:
+            return self.stream_branch(block, hidden, norm, run, after)
         if (run_with_norm is not None and norm is not None and self.recompute_norms and torch.is_grad_enabled()
                 and module.takes_input_norm(norm)):
             out = run_with_norm(hidden, norm)
@@ -159,6 +171,17 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
             out = out + experts
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
         return hidden + scaled(out, self.residual_multiplier)
+
+    def stream_branch(self, block, streams, norm, run, after):
+        """``branch`` over hyper-connected ``streams`` ``(B, S/D, hc_mult, H)``, as Hugging Face's layer runs it:
+        the block's module mixes them into its input and the weights ``post`` ``(B, S/D, hc_mult)``, and the
+        normed block's output joins each stream by its weight, in float32."""
+        hyper = getattr(self, self.streams.attention if block == "attention" else self.streams.mlp)
+        post, hidden = hyper(streams)
+        normed = hidden if norm is None else normalize(norm, hidden, self.recompute_norms)
+        out = run(normed)
+        out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
+        return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + streams.float()).to(streams.dtype)
 
     @property
     def side_mixer(self):
@@ -556,7 +579,8 @@ class TSPCausalLMMixin:
             hidden = visual.embed(hidden, batch.host_input_ids, topo, self.tsp_config.layout)
         layer_inputs = self._layer_inputs(batch, hidden)
         with recorded_router_logits(moe_blocks if output_router_logits else []) as router_logits:
-            hidden = self._decoder_layers(layers, hidden, batch, visual, layer_inputs)
+            hidden = out_of_streams(self, self._decoder_layers(layers, into_streams(self, hidden), batch, visual,
+                                                               layer_inputs))
         hidden = normalize(self.get_submodule(policy.final_norm), hidden, self.tsp_config.recompute_norms)
         head, logit_map = self.get_submodule(policy.lm_head), LogitMap.of(config)
         if request.wanted:

@@ -128,9 +128,9 @@ NO_DROPOUT = (None, 0, 0.0)
 # Read by every supported forward, whatever the class.
 COMMON = {
     # Named first: a model with these fails on them before any other attribute (DeepSeek-V4's rotary too).
-    "hc_mult": Accepts((None, 1), "hyper-connections (HY-V4's and DeepSeek-V4's hc_mult residual streams, mixed "
-                       "by each layer's attn_hc and ffn_hc) are not built under TSP",
-                       "train this model with tsp.enabled false"),
+    "hc_mult": Accepts(any_value, "hyper-connections (HY-V4's hc_mult residual streams): each layer's attn_hc and "
+                       "ffn_hc (HyperConnections) mix the streams per token as Hugging Face's modules, kept whole; "
+                       "layers whose streams are mixed otherwise are refused as holding unexpected submodules"),
     "o_lora_rank": Accepts((None,), "a low-rank grouped output projection (DeepSeek-V4's o_lora_rank, o_groups) is "
                            "not built under TSP", "train this model with tsp.enabled false"),
     "compress_rates": Accepts((None,), "compressed attention (DeepSeek-V4's compressed sparse and heavily "
@@ -426,6 +426,25 @@ class PerLayerInputs:
 
 
 @dataclass(frozen=True)
+class HyperConnections:
+    """Hyper-connections (HY-V4's): the residual stream is ``hc_mult`` streams
+    ``(B, S, hc_mult, H)``, the embedding repeated; before each block the
+    layer's ``attention`` (or ``mlp``) module mixes them per token into the
+    block's input and weights (``post``) by which the block's output joins each
+    stream; the model's ``head`` module mixes them back into one before the
+    final norm. All per token: the modules run as Hugging Face's, whole on
+    every rank."""
+
+    attention: str = "attn_hc"
+    mlp: str = "ffn_hc"
+    head: str = "model.hc_head"
+
+    def layer_parts(self):
+        """The layer's children that mix its streams, kept whole on every rank."""
+        return self.attention, self.mlp
+
+
+@dataclass(frozen=True)
 class DecoderPolicy:
     name: str
     layer_class: str | None  # None: any class of the right shape (auto)
@@ -468,6 +487,8 @@ class DecoderPolicy:
     experts_beside_mlp: ExpertsBesideMLP | None = None
     # Per-layer inputs from a second embedding (Gemma 4's), where the model has them, or None.
     per_layer_inputs: PerLayerInputs | None = None
+    # Hyper-connections (HY-V4's), where the model has them.
+    hyper_connections: HyperConnections = HyperConnections()
     # One block a layer (Nemotron-H's): its token mixer or its MLP under this name, after the layer's one norm
     # (``norm_layout``'s first), the layer's kind by what the block is; None: a mixer and an MLP every layer.
     single_block: str | None = None
@@ -479,6 +500,16 @@ class DecoderPolicy:
         """The ``PerLayerInputs`` of ``model`` where it has a per-layer embedding, else None."""
         inputs = self.per_layer_inputs
         return inputs if inputs is not None and get_submodule(model, inputs.embed) is not None else None
+
+    def model_streams(self, model):
+        """The ``HyperConnections`` of ``model`` where its residual is several streams, else None."""
+        hyper = self.hyper_connections
+        return hyper if get_submodule(model, hyper.head) is not None else None
+
+    def layer_streams(self, layer):
+        """The ``HyperConnections`` of a decoder ``layer`` that mixes streams, else None."""
+        hyper = self.hyper_connections
+        return hyper if isinstance(getattr(layer, hyper.attention, None), nn.Module) else None
 
     def layer_inputs(self, layer):
         """The ``PerLayerInputs`` of a decoder ``layer`` that takes one, else None."""
@@ -661,8 +692,8 @@ def latent_projections(attn):
     """The submodules of a multi-head latent attention (``ds_tsp.blocks.latent``):
     a query latent and its norm, or a plain query projection where it has none."""
     queries = ("q_a_proj", "q_a_layernorm", "q_b_proj") if getattr(attn, "q_a_proj", None) is not None else ("q_proj",)
-    indexer = ("indexer",) if getattr(attn, "indexer", None) is not None else ()
-    return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", *indexer)
+    extras = tuple(name for name in ("indexer", "gate_proj") if getattr(attn, name, None) is not None)
+    return (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", *extras)
 
 
 # A policy's parts that live in the text decoder (``model.*`` in a causal LM).
@@ -1025,6 +1056,9 @@ def check_layer(policy, layer, where):
     inputs = policy.layer_inputs(layer)
     if inputs is not None:
         expected.update(dict.fromkeys(inputs.layer_parts(), ()))
+    streams = policy.layer_streams(layer)
+    if streams is not None:
+        expected.update(dict.fromkeys(streams.layer_parts(), ()))
     check_own_tensors(layer, where, layer_class, LAYER_TENSORS)
     for child, projections in expected.items():
         if (sparse and child == mlp) or (beside is not None and child in beside.parts()):
@@ -1051,8 +1085,7 @@ def check_layer(policy, layer, where):
         if projections and child in recurrent:
             check_own_tensors(module, f"{where}.{child}", layer_class, recurrent[child][1])
         elif projections:
-            check_own_tensors(module, f"{where}.{child}", layer_class,
-                              ATTENTION_TENSORS if child == mixer and not latent else ())
+            check_own_tensors(module, f"{where}.{child}", layer_class, ATTENTION_TENSORS if child == mixer else ())
             if latent and child == mixer:
                 _check_latent_biases(module, f"{where}.{child}", layer_class)
                 _check_indexer(module, f"{where}.{child}", layer_class)
@@ -1386,12 +1419,12 @@ def _check_latent_biases(module, where, layer_class):
     takes none on its per-head projections (no Hugging Face class has them)."""
     down = {p: module.get_submodule(p).bias is not None for p in ("q_a_proj", "kv_a_proj_with_mqa")
             if getattr(module, p, None) is not None}
-    heads = [p for p in ("q_proj", "q_b_proj", "kv_b_proj")
+    heads = [p for p in ("q_proj", "q_b_proj", "kv_b_proj", "gate_proj")
              if getattr(getattr(module, p, None), "bias", None) is not None]
     if len(set(down.values())) > 1 or heads:
         raise PolicyError(f"{layer_class} at {where} has biases on {[p for p, b in down.items() if b] + heads}: the "
                           "TSP latent attention takes biases on q_a_proj and kv_a_proj_with_mqa together, and none on "
-                          "q_proj, q_b_proj or kv_b_proj")
+                          "q_proj, q_b_proj, kv_b_proj or gate_proj")
 
 
 # A lightning indexer's parts (ds_tsp.blocks.latent.indexer): its query and key projections, whose rows TSP splits,

@@ -275,8 +275,10 @@ def _probe(model, policy, topology, tsp_config, build, index, device):
         # forward scales embeddings it is given (Granite's), not only those it looks up (Falcon-H1's).
         decoder = model.get_submodule(policy.layers.rpartition(".")[0])
         multiplier = embedding_multiplier(config) if _scales_given_embeddings(decoder) else 1.0
-        outside = torch.maximum(_relative(layer_in, scaled(hidden, multiplier)),
-                                _relative(logits.to(layer_out.dtype), expected))
+        embedded = scaled(hidden, multiplier)
+        if policy.model_streams(model) is not None:  # the layers take hc_mult streams, the embedding repeated
+            embedded = embedded.unsqueeze(2).expand_as(layer_in)
+        outside = torch.maximum(_relative(layer_in, embedded), _relative(logits.to(layer_out.dtype), expected))
 
         tsp_layer = build(recorder.layer, config, policy, topology, tsp_config, device=device,
                           rotary_kind=policy.rotary_kind(config, index) if policy.rotary_kind else None)
@@ -327,14 +329,18 @@ def _relative(actual, expected):
 
 @contextlib.contextmanager
 def _swapped(model, policy, index, recorder, rotary):
-    """Within the block, the model's decoder layers, final norm and head are
-    pass-throughs but layer ``index`` (``recorder``), and its rotary module is
-    ``rotary``; everything is put back on exit."""
+    """Within the block, the model's decoder layers, final norm and head (and the
+    module mixing hyper-connected streams) are pass-throughs but layer ``index``
+    (``recorder``), and its rotary module is ``rotary``; everything is put back on exit."""
     layers = model.get_submodule(policy.layers)
     saved_layers = list(layers)
     extras = _tuple_extras(model.get_submodule(policy.layers.rpartition(".")[0]))
-    stand_ins = {policy.final_norm: _PassThrough(), policy.lm_head: _PassThrough(),
-                 **({} if policy.rotary_emb is None else {policy.rotary_emb: rotary})}
+    head = _PassThrough()
+    head.register_buffer("weight", torch.empty(0, dtype=torch.float64))  # the dtype a forward may cast to (HY-V4's)
+    streams = policy.model_streams(model)  # the module mixing hyper-connected streams into one, passed through too
+    stand_ins = {policy.final_norm: _PassThrough(), policy.lm_head: head,
+                 **({} if policy.rotary_emb is None else {policy.rotary_emb: rotary}),
+                 **({} if streams is None else {streams.head: _PassThrough()})}
     saved = {path: model.get_submodule(path) for path in stand_ins}
     try:
         for i in range(len(layers)):

@@ -15,7 +15,7 @@ indexer under ``no_grad``: its weights take no gradient):
    as Hugging Face does, and keeps a running top-k: no rank holds a
    ``(local tokens x S)`` score matrix. Among equal scores the earlier key is
    kept (``torch.topk``'s order among ties is its own, and differs between
-   devices; the tests check that their boundaries hold no ties);
+   devices and lengths; the tests check each query's choice against Hugging Face's);
 4. each query attends to its chosen latent rows only (``attend_selected``), in
    query tiles, each recomputed in backward, so the chosen rows of one tile
    exist at a time; their gradients add into the gathered latent's gradient,
@@ -25,6 +25,7 @@ A layer whose indexer is shared (GLM-MoE-DSA's ``indexer_types`` "shared")
 attends to the previous indexer layer's choice, which the decoder layers hand
 on (``TSPDecoderLayer``'s ``shared``). The choice is saved for backward
 (``index_topk`` int32 a token): backward does not run the indexer again.
+A decode step chooses among every rank's cached keys (``choose_cached_keys``).
 """
 
 import functools
@@ -221,10 +222,11 @@ def visible(keys, first, last):
     return (keys >= first) & (keys <= last)
 
 
-def attend_selected(q, K, V, chosen, scale):
+def attend_selected(q, K, V, chosen, scale, sinks=None):
     """Each query of ``q`` ``(B, S/D, h, dk)`` attending to its ``chosen`` rows
     ``(B, S/D, k)`` of ``K`` ``(B, S, hk, dk)`` and ``V`` ``(B, S, hk, dv)``
-    (``hk`` 1: one key head for all, the absorbed form), tile by tile of
+    (``hk`` 1: one key head for all, the absorbed form), with a sink logit a
+    head (``sinks`` ``(h,)``) in each softmax where given, tile by tile of
     queries; under autograd each tile is recomputed in backward, so one tile's
     chosen rows exist at a time."""
     outputs = []
@@ -232,13 +234,13 @@ def attend_selected(q, K, V, chosen, scale):
         b = min(a + QUERY_TILE, q.shape[1])
         run = functools.partial(_attend_tile, scale=scale)
         if torch.is_grad_enabled():
-            outputs.append(checkpoint(run, q[:, a:b], K, V, chosen[:, a:b], use_reentrant=False))
+            outputs.append(checkpoint(run, q[:, a:b], K, V, chosen[:, a:b], sinks, use_reentrant=False))
         else:
-            outputs.append(run(q[:, a:b], K, V, chosen[:, a:b]))
+            outputs.append(run(q[:, a:b], K, V, chosen[:, a:b], sinks))
     return torch.cat(outputs, dim=1)
 
 
-def _attend_tile(q, K, V, chosen, scale):
+def _attend_tile(q, K, V, chosen, sinks, scale):
     chosen = chosen.long()
     rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
     keys, values = K[rows, chosen.clamp(min=0)], V[rows, chosen.clamp(min=0)]  # (B, T, k, hk, d)
@@ -247,7 +249,12 @@ def _attend_tile(q, K, V, chosen, scale):
     else:
         logits = torch.einsum("bqhd,bqkhd->bqhk", q, keys) * scale
     logits = logits.masked_fill((chosen == NOT_CHOSEN).unsqueeze(2), float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if sinks is not None:  # a sink column a head, dropped after the softmax
+        sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1, dtype=acc)[..., :-1].to(q.dtype)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
     if V.shape[2] == 1:
         return torch.einsum("bqhk,bqkd->bqhd", weights, values.squeeze(3))
     return torch.einsum("bqhk,bqkhd->bqhd", weights, values)

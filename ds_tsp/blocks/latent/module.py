@@ -115,6 +115,9 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         self.grad_wire_dtype = None  # set by ds_tsp.initialize from DeepSpeed's communication_data_type
         if (indexer is not None) != shapes.indexed:
             raise ValueError("a latent attention with index heads (shapes.index_heads) takes its indexer's parts")
+        if shapes.sinks and indexer is None and selection != "reuse":
+            raise ValueError("sink logits on a latent attention that attends to every earlier key are not built: "
+                             "ds_tsp's latent attention takes sinks with DeepSeek's sparse attention (HY-V4's)")
         self.indexer, self.index_form = (None, None) if indexer is None else (indexer[0], indexer[1:])
         self.index_topk, self.selection = index_topk, selection
 
@@ -257,7 +260,9 @@ def latent_shapes(attn, config, tsp_size):
                         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, tsp_size=tsp_size,
                         down_bias=attn.kv_a_proj_with_mqa.bias is not None,
                         index_heads=config.index_n_heads if indexed else 0,
-                        index_head_dim=config.index_head_dim if indexed else 0)
+                        index_head_dim=config.index_head_dim if indexed else 0,
+                        head_gate=isinstance(getattr(attn, "gate_proj", None), nn.Linear),
+                        sinks=getattr(attn, "sinks", None) is not None)
 
 
 def is_latent_attention(attn):

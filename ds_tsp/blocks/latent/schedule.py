@@ -152,11 +152,13 @@ def head_group_queries(plan, q_input, w, tables):
     return q_nope, q_rot
 
 
-def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None):
+def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None, x=None):
     """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
     queries of the local tokens (``queries``, or ``head_group_queries`` of
     ``q_input``) against the whole sequence's ``latent``, or only its rows
-    each query's ``chosen`` names (``(B, S/D, k)``, the lightning indexer's)."""
+    each query's ``chosen`` names (``(B, S/D, k)``, the lightning indexer's);
+    with the group's sink logits (``w["sinks"]``) in each softmax, and its
+    output gated by the sigmoid of ``x``'s ``gate_proj`` rows where it has them."""
     shapes = plan.shapes
     B = q_input.shape[0]
     hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
@@ -167,20 +169,22 @@ def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None):
         q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope])
         # One key head of the latent and rotary key, shared by every query head.
         o_latent = _attend(plan, torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2), c_kv.unsqueeze(2),
-                           chosen)
+                           chosen, w.get("sinks"))
         o = torch.einsum("blhc,hvc->blhv", o_latent, up[:, nope:])
     else:
         S = latent.shape[1]
         k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(-1, -1, hq, -1)], dim=-1)
-        o = _attend(plan, torch.cat([q_nope, q_rot], dim=-1), k, v, chosen)
+        o = _attend(plan, torch.cat([q_nope, q_rot], dim=-1), k, v, chosen, w.get("sinks"))
+    if "gate_proj.weight" in w:  # as Hugging Face's: the attention output times the sigmoid of its gate
+        o = o * torch.sigmoid(F.linear(x, w["gate_proj.weight"]).view(o.shape))
     return o.flatten(2)
 
 
-def _attend(plan, q, K, V, chosen):
+def _attend(plan, q, K, V, chosen, sinks=None):
     if chosen is None:
         return attend_local_chunks(plan, q, K, V)[0]
-    return attend_selected(q, K, V, chosen, plan.scale)
+    return attend_selected(q, K, V, chosen, plan.scale, sinks)
 
 
 def _accumulator_dtype(plan, dtype):
@@ -216,7 +220,7 @@ def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_wei
                 latent, keys = latent.split([plan.shapes.latent_width, plan.shapes.index_head_dim], dim=-1)
                 chosen = choose_keys(plan.indexer, index[0], index[1], keys)
                 index = keys = None
-        o = head_group(plan, q_input, latent, w, tables, queries, chosen)
+        o = head_group(plan, q_input, latent, w, tables, queries, chosen, x)
         precision.add_matmul(out, o.flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
     return out.view(x.shape).to(x.dtype), raw, chosen
 
@@ -253,23 +257,29 @@ def _leaf(t):
     return None if t is None else t.detach().requires_grad_()
 
 
-def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen=None):
-    """Every head group's backward: the gradients of ``q_input`` and of the
-    whole sequence's ``latent`` (float32 or wider), each group's weight
-    gradient sent to its owner; ``chosen``: each query's keys (``head_group``)."""
+def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen=None, x=None):
+    """Every head group's backward: the gradients of ``q_input``, of the
+    whole sequence's ``latent`` and of the output gate's input ``x`` (None
+    without a gate), float32 or wider, each group's weight gradient sent to its
+    owner; ``chosen``: each query's keys (``head_group``)."""
     shapes = plan.shapes
     acc = _accumulator_dtype(plan, latent.dtype)
     grad_q_input = torch.zeros(q_input.shape, dtype=acc, device=q_input.device)
     grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
+    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if shapes.head_gate else None
     grad_tokens = grad_out.flatten(0, 1)  # (N, H)
-    names = (f"{shapes.query_projection}.weight", "kv_b_proj.weight")
+    names = (f"{shapes.query_projection}.weight", "kv_b_proj.weight",
+             *(["gate_proj.weight"] if shapes.head_gate else []), *(["sinks"] if shapes.sinks else []))
     for j, w in piece_stream(plan, packed, 1):
-        leaves = {"q": _leaf(q_input), "latent": _leaf(latent), **{name: _leaf(w[name]) for name in names}}
+        leaves = {"q": _leaf(q_input), "latent": _leaf(latent), **{name: _leaf(w[name]) for name in names},
+                  **({"x": _leaf(x)} if shapes.head_gate else {})}
         with torch.enable_grad():
             o = head_group(plan, leaves["q"], leaves["latent"], {**w, **{name: leaves[name] for name in names}},
-                           tables, chosen=chosen)
+                           tables, chosen=chosen, x=leaves.get("x"))
             grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
             d_q, d_latent, *d_weights = torch.autograd.grad(o, list(leaves.values()), grad_o)
+        if shapes.head_gate:
+            grad_x += d_weights.pop()
         grad_q_input += d_q
         grad_latent += d_latent
         flat, into = grads.buffer(j, 1)
@@ -277,7 +287,7 @@ def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads,
             into[name].copy_(grad)
         precision.partial_matmul(grad_tokens.t(), o.detach().flatten(0, 1), out=into["o_proj.weight"], add=False)
         grads.send(j, flat)
-    return grad_q_input, grad_latent
+    return grad_q_input, grad_latent, grad_x
 
 
 def down_backward(plan, x, packed, grad_raw, grads, grad_x):
@@ -309,7 +319,8 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
         c_q, local = local_latent(plan, leaves["raw"], tables, leaves["q_norm"], leaves["kv_norm"])
     q_input = x if c_q is None else c_q.detach()
     latent = gather_latent(plan, local.detach()).wait()
-    grad_q_input, grad_latent = head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen)
+    grad_q_input, grad_latent, grad_gate_input = head_groups_backward(plan, grad_out, packed, q_input, latent, tables,
+                                                                      grads, chosen, x)
     latent = None
     grad_local = scatter_latent_grad(plan, grad_latent, x.dtype)
     outputs, grad_outputs = [local], [grad_local.to(local.dtype)]
@@ -323,6 +334,8 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
                           found[len(grad_raw):]))
     # Without a query latent the queries come from x itself.
     grad_x = (grad_q_input if c_q is None else grad_q_input.new_zeros(x.shape)).flatten(0, 1)
+    if grad_gate_input is not None:  # the output gate's, from the layer's input
+        grad_x += grad_gate_input.flatten(0, 1)
     down_backward(plan, x, packed, grad_raw, grads, grad_x)
     own = grads.own_shard()
     return (grad_x.view(x.shape).to(x.dtype), own.to(packed.dtype), grad_norms.get("q_norm"),

@@ -17,6 +17,10 @@ index_head_dim``) and ``indexer.wk`` (``n = index_head_dim``): like the down
 pieces every rank needs every row for its own tokens, but only in forward
 (the indexer takes no gradient).
 
+A head group also holds its heads' rows of an output gate (HY-V4's
+``gate_proj``: one sigmoid a value channel) and their sink logits (``sinks``)
+where the layer has them.
+
 The latent norms, ``o_proj``'s bias, the indexer's key norm and its head
 weights (``weights_proj``, float32 in Hugging Face's checkpoints) are small and
 kept whole on every rank.
@@ -31,7 +35,7 @@ INDEXER_PROJECTIONS = ("indexer.wq_b", "indexer.wk")
 # Which dim of each full Hugging Face tensor is split.
 SHARD_DIMS = {"q_a_proj.weight": 0, "q_a_proj.bias": 0, "kv_a_proj_with_mqa.weight": 0,
               "kv_a_proj_with_mqa.bias": 0, "q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0,
-              "o_proj.weight": 1, "indexer.wq_b.weight": 0, "indexer.wk.weight": 0}
+              "o_proj.weight": 1, "indexer.wq_b.weight": 0, "indexer.wk.weight": 0, "gate_proj.weight": 0, "sinks": 0}
 REPLICATED = ("q_a_layernorm.weight", "kv_a_layernorm.weight", "o_proj.bias", "indexer.k_norm.weight",
               "indexer.k_norm.bias", "indexer.weights_proj.weight")
 
@@ -51,6 +55,8 @@ class LatentShapes:
     down_bias: bool = False  # q_a_proj's and kv_a_proj_with_mqa's biases (attention_bias)
     index_heads: int = 0  # the lightning indexer's heads (index_n_heads); 0: the layer has no indexer of its own
     index_head_dim: int = 0
+    head_gate: bool = False  # an output gate, v_head_dim sigmoids a head from the hidden states (HY-V4's gate_proj)
+    sinks: bool = False  # a sink logit a head (HY-V4's)
 
     def __post_init__(self):
         D = self.tsp_size
@@ -101,7 +107,8 @@ class LatentShapes:
             total = totals[projection]
             return slice(tsp_rank * total // self.tsp_size, (tsp_rank + 1) * total // self.tsp_size)
         per_head = {"q_proj": self.qk_head_dim, "q_b_proj": self.qk_head_dim,
-                    "kv_b_proj": self.qk_nope_head_dim + self.v_head_dim, "o_proj": self.v_head_dim}[projection]
+                    "kv_b_proj": self.qk_nope_head_dim + self.v_head_dim, "o_proj": self.v_head_dim,
+                    "gate_proj": self.v_head_dim, "sinks": 1}[projection]
         size = self.q_heads * per_head
         return slice(tsp_rank * size, (tsp_rank + 1) * size)
 
@@ -118,6 +125,10 @@ class LatentShapes:
         heads = {f"{self.query_projection}.weight": (self.q_heads * self.qk_head_dim, q_input),
                  "kv_b_proj.weight": (self.q_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
                  "o_proj.weight": (self.hidden_size, self.q_heads * self.v_head_dim)}
+        if self.head_gate:
+            heads["gate_proj.weight"] = (self.q_heads * self.v_head_dim, self.hidden_size)
+        if self.sinks:
+            heads["sinks"] = (self.q_heads,)
         if not self.indexed:
             return PackSpec(down), PackSpec(heads)
         indexer = {}
