@@ -44,16 +44,17 @@ def mla_config(common, head_dim, index_topk=0):
     ``head_dim``, a rotary part of half that and values as wide as the first (128 / 64 / 128 in DeepSeek-V3), a
     key/value latent four no-position parts wide (512) and a query latent of a quarter of the hidden size (1536
     of 7168); every head its own key/value head once expanded; every layer's MLP dense. With ``index_topk``:
-    DeepSeek-V3.2's, a lightning indexer of half as many heads as the attention's, each ``head_dim`` wide (64 of
-    128 in DeepSeek-V3.2), choosing ``index_topk`` keys a query."""
+    DeepSeek-V3.2's, a lightning indexer of 16 heads (DeepSeek-V3.2's 64), each ``head_dim`` wide, choosing
+    ``index_topk`` keys a query. Fewer index heads tie: a key scores exactly 0 when every head's relu is 0 (one
+    in 2^heads), and at 4 heads about 100 queries a layer of 2048 tokens tie at the ``index_topk``-th score,
+    where Hugging Face's ``torch.topk`` and ds_tsp break the tie differently (``docs/limitations.md``)."""
     nope = head_dim // 2
     sizes = dict(q_lora_rank=common["hidden_size"] // 4, kv_lora_rank=2 * head_dim, qk_nope_head_dim=nope,
                  qk_rope_head_dim=nope // 2, v_head_dim=nope, first_k_dense_replace=common["num_hidden_layers"],
                  num_nextn_predict_layers=0)
     fields = {**common, "num_key_value_heads": common["num_attention_heads"]}
     if index_topk:
-        return DeepseekV32Config(**fields, **sizes, index_n_heads=common["num_attention_heads"] // 2,
-                                 index_head_dim=head_dim, index_topk=index_topk)
+        return DeepseekV32Config(**fields, **sizes, index_n_heads=16, index_head_dim=head_dim, index_topk=index_topk)
     return DeepseekV3Config(**fields, **sizes, head_dim=nope // 2, rope_interleave=True)
 
 
