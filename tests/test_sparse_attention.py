@@ -14,7 +14,7 @@ import ds_tsp
 from ds_tsp.blocks.latent import indexer, schedule
 from ds_tsp.config import TSPConfig
 from ds_tsp.injection.policy import AUTO, PolicyError, check_config
-from ds_tsp.parallel import layout
+from ds_tsp.parallel import comm, layout
 from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.planning.communication import latent_attention_bytes_by_op
 from ds_tsp.planning.shapes import model_shape
@@ -153,6 +153,37 @@ def test_generate_gives_hugging_faces_tokens(run_ranks, arch):
     assert all(r["cache_bytes"] == 2 * r["cache_tokens"] * width * 8 for r in per_rank)
     assert diff <= 1e-10
     check_strategies_on_left_padded_prompts(run_ranks, arch)  # greedy, beam search, penalties; left padding
+
+
+def _decode_step_received(batch):
+    """One decode step of a dense-MLP DeepSeek-V3.2 at this rank: the bytes it received, by op."""
+    from ds_tsp.inference.generate import cached_forward
+    from test_generate import _prompts, _tsp_model
+
+    model = _tsp_model("deepseek_v32", dist.get_world_size(), mlp_layer_types=["dense", "dense"])
+    logits, cache = cached_forward(model, _prompts(batch, seed=9), logits_to_keep=1)
+    comm.counter.reset()
+    cached_forward(model, logits.argmax(dim=-1), cache=cache, logits_to_keep=1)
+    return {op: counts["received"] for op, counts in comm.counter.snapshot().items()}
+
+
+def test_a_decode_step_moves_latent_decodes_bytes_and_the_indexers(run_ranks):
+    """At D = 2, float64: a decode step of DeepSeek-V3.2 receives the dense latent attention's bytes
+    (test_latent's formula) and, a layer, every other rank's rows of the new token's wq_b and wk outputs and its
+    best index_topk (score, position) pairs in float64 (``inference.latent_decode``'s docstring)."""
+    from test_latent import _decode_step_bytes
+
+    config = tiny_model("deepseek_v32", mlp_layer_types=["dense", "dense"]).config
+    B, D, e = 2, 2, 8
+    rows = [config.index_n_heads * config.index_head_dim, config.index_head_dim]
+    widest = max(sum((j + 1) * n // D - j * n // D for n in rows) for j in range(D))
+    indexer = config.num_hidden_layers * (D - 1) * B * (widest * e + 2 * config.index_topk * 8)
+    expected = _decode_step_bytes(config, B) + indexer
+    for received in run_ranks(D, _decode_step_received, batch=B):
+        print(f"D=2 deepseek_v32 decode step: received {received}, expected {expected} B in all "
+              f"({indexer} B of them the indexer's)")
+        assert set(received) <= {"all_gather", "all_to_all"}
+        assert sum(received.values()) == expected
 
 
 def _wrong_choice(how, **kwargs):
