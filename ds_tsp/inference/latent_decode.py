@@ -115,36 +115,35 @@ def _pieces(attn):
     return packed.split([spec.numel for spec in attn.specs[attn.tsp_rank]])
 
 
-def _whole_index_projections(attn, h, c_q, piece, group):
-    """Every rank's rows of the indexer's ``wq_b`` and ``wk`` outputs for the new token, joined: ``(B, 1,
-    Hi * Di)`` and ``(B, 1, Di)`` as ``indexer.index_projections`` gives them."""
-    shapes, D = attn.shapes, attn.shapes.tsp_size
-    mine = torch.cat([F.linear(c_q[:, 0], piece["indexer.wq_b.weight"]), F.linear(h[:, 0], piece["indexer.wk.weight"])],
-                     dim=-1)
-    rows = [[shapes.rows(f"{name}.weight", j) for name in INDEXER_PROJECTIONS] for j in range(D)]
-    widest = max(sum(r.stop - r.start for r in ranks) for ranks in rows)
-    gathered = comm.all_gather_small(F.pad(mine, (0, widest - mine.shape[-1])), group)  # (D, B, widest)
-    queries, keys = [], []
-    for j, (q_rows, k_rows) in enumerate(rows):
-        q_len, k_len = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
-        queries.append(gathered[j, :, :q_len])
-        keys.append(gathered[j, :, q_len:q_len + k_len])
-    return torch.cat(queries, dim=-1).unsqueeze(1), torch.cat(keys, dim=-1).unsqueeze(1)
-
-
 def _whole_down_projections(attn, h, down, group):
     """Every rank's rows of the down projections of the new token, joined:
     ``{name: (B, 1, rows)}`` as ``schedule.down_project`` gives them."""
+    names = attn.shapes.down_projections()
+    mine = [F.linear(h[:, 0], down[f"{name}.weight"], down.get(f"{name}.bias")) for name in names]
+    return _joined_rows(attn, names, mine, group)
+
+
+def _whole_index_projections(attn, h, c_q, piece, group):
+    """Every rank's rows of the indexer's ``wq_b`` and ``wk`` outputs for the new token, joined: ``(B, 1,
+    Hi * Di)`` and ``(B, 1, Di)`` as ``indexer.index_projections`` gives them."""
+    mine = [F.linear(c_q[:, 0], piece["indexer.wq_b.weight"]), F.linear(h[:, 0], piece["indexer.wk.weight"])]
+    joined = _joined_rows(attn, [f"{name}.weight" for name in INDEXER_PROJECTIONS], mine, group)
+    return tuple(joined.values())
+
+
+def _joined_rows(attn, names, mine, group):
+    """``{name: (B, 1, rows)}``: every rank's rows of the projections ``names`` (their outputs on this rank,
+    ``mine``, ``(B, rows of this rank)`` each), gathered in one message padded to the widest rank's and joined
+    in rank order."""
     shapes, D = attn.shapes, attn.shapes.tsp_size
-    names = shapes.down_projections()
-    mine = torch.cat([F.linear(h[:, 0], down[f"{name}.weight"], down.get(f"{name}.bias")) for name in names], dim=-1)
-    widest = max(attn.specs[j][0].numel for j in range(D)) // (shapes.hidden_size + shapes.down_bias)
+    rows = [[shapes.rows(name, j) for name in names] for j in range(D)]
+    widest = max(sum(r.stop - r.start for r in ranks) for ranks in rows)
+    mine = torch.cat(mine, dim=-1)
     gathered = comm.all_gather_small(F.pad(mine, (0, widest - mine.shape[-1])), group)  # (D, B, widest)
     parts = {name: [] for name in names}
     for j in range(D):
         start = 0
-        for name in names:
-            rows = shapes.rows(name, j)
-            parts[name].append(gathered[j, :, start:start + rows.stop - rows.start])
-            start += rows.stop - rows.start
+        for name, r in zip(names, rows[j]):
+            parts[name].append(gathered[j, :, start:start + r.stop - r.start])
+            start += r.stop - r.start
     return {name: torch.cat(pieces, dim=-1).unsqueeze(1) for name, pieces in parts.items()}
