@@ -52,6 +52,16 @@ def test_sparse_attention_matches_hugging_face(run_ranks, tsp_size):
                 check(per_rank, f"D={tsp_size} {arch} {form} {case}", bound)
 
 
+def test_activation_checkpointing_recomputes_a_shared_choice_exactly(run_ranks):
+    """GLM-MoE-DSA at D=2 under Hugging Face's layer checkpointing: a recomputed layer that reuses an earlier
+    layer's choice gets it again as its checkpoint's input. Checkpoints in host memory, which keep one input a
+    layer, refuse it by name."""
+    check(run_ranks(2, model_parity, arch="glm_moe_dsa", batch=2, seq_len=13, right_padding=3, checkpointing=True),
+          "D=2 glm_moe_dsa checkpointing")
+    with pytest.raises(Exception, match="cpu_checkpointing.*indexer_types"):
+        run_ranks(2, model_parity, arch="glm_moe_dsa", batch=2, seq_len=13, checkpointing="host")
+
+
 def _small_tiles(body, **kwargs):
     """``body`` with the indexer scoring 4 queries against 3 keys at a time (and attending 4 queries at a time),
     so that a query's top-k is merged over many key tiles."""

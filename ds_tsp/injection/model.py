@@ -105,6 +105,11 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
         self.inputs = inputs
         for name, module in (input_modules or {}).items():
             self.add_module(name, module)
+        if streams is not None and (parallel or experts is not None or side is not None or residual_multiplier != 1.0):
+            raise ValueError("hyper-connected streams (hc_mult) in a layer whose blocks run side by side, hold "
+                             "experts beside the MLP or a mixer beside the attention, or scale their outputs "
+                             "(residual_multiplier): not built; ds_tsp mixes the streams around one attention and "
+                             "one MLP (HY-V4's layer)")
         self.streams = streams
         for name, module in (stream_modules or {}).items():
             self.add_module(name, module)

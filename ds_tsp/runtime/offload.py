@@ -82,7 +82,8 @@ class HostCopy:
 HOST_CHECKPOINT_REFUSAL = ("activation_checkpointing.cpu_checkpointing keeps one input of a layer in host memory "
                            "and differentiates one output, but this model's layers take or give more (Gemma 4's keys "
                            "and values shared across layers, config.num_kv_shared_layers, or its per-layer inputs, "
-                           "config.hidden_size_per_layer_input): set cpu_checkpointing to false, with which "
+                           "config.hidden_size_per_layer_input; a sparse attention's choice of keys shared across "
+                           "layers, config.indexer_types \"shared\"): set cpu_checkpointing to false, with which "
                            "DeepSpeed's activation checkpointing recomputes its layers")
 
 
