@@ -159,11 +159,6 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
         """``"store"``, ``"reuse"`` or None: how the layer shares its indexer's choice (``selection``)."""
         return self.selection
 
-    @property
-    def chooses_keys(self):
-        """Whether each query attends to chosen keys only (DeepSeek's sparse attention)."""
-        return self.indexer is not None or self.selection == "reuse"
-
     def shard_piece(self, name):
         return shard_piece(self.shapes, name, self.tsp_rank)
 
