@@ -63,6 +63,7 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers.models.kimi_linear import modeling_kimi_linear
+from transformers.models.hy_v4 import modeling_hy_v4
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM,
                           GlmMoeDsaConfig, GlmMoeDsaForCausalLM, HYV4Config, HYV4ForCausalLM, Mistral4Config,
@@ -222,7 +223,9 @@ def widen_float32_casts(modeling):
     in float32 (Helium's, Cohere's: their weight's gradient, a float32 sum over
     tokens, depends on its order), a rotary function rotating in float32
     (ERNIE 4.5's, Cohere's, Llama 4's over its complex table), and Llama 4's
-    and Gemma 4's norms normalising in float32 and Llama 4's router's sigmoid."""
+    and Gemma 4's norms normalising in float32 and Llama 4's router's sigmoid;
+    HY-V4's hyper-connections (their mixing matmul rounds a token's row with
+    its place in the batch), its layers joining the streams and its router."""
     if getattr(modeling, "_ds_tsp_widened", False):
         return
     if hasattr(modeling, "torch_chunk_gated_delta_rule"):
@@ -285,6 +288,11 @@ def widen_float32_casts(modeling):
                 "self.A_log.float()": "self.A_log.to(torch.promote_types(hidden_states.dtype, torch.float32))",
                 "self.a_proj(hidden_states).float()": "self.a_proj(hidden_states).to(torch.promote_types("
                                                       "hidden_states.dtype, torch.float32))"})
+        elif name.endswith(("HyperConnection", "HyperHead", "UnweightedRMSNorm")) and ".float()" in source:
+            streams = list(inspect.signature(cls.forward).parameters)[1]  # HY-V4's: the streams they mix
+            cls.forward = widened(cls.forward, {".float()": f".to(torch.promote_types({streams}.dtype, torch.float32))"})
+        elif name.endswith("DecoderLayer") and "residual.float()" in source:  # HY-V4's streams joined in float32
+            cls.forward = widened(cls.forward, {".float()": ".to(torch.promote_types(dtype, torch.float32))"})
         elif name.endswith("RMSNormGated") and "torch.float32" in source:
             cls.forward = widened(cls.forward, {"torch.float32": "torch.promote_types(input_dtype, torch.float32)"})
         elif name.endswith("RMSNorm") and "(1.0 + self.weight.float())" in source:
@@ -302,7 +310,7 @@ def widen_float32_casts(modeling):
 
 for modeling in (modeling_qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_bamba,
                  modeling_granitemoehybrid, modeling_nemotron_h, modeling_falcon_h1, modeling_olmo_hybrid,
-                 modeling_kimi_linear, modeling_jamba):
+                 modeling_kimi_linear, modeling_jamba, modeling_hy_v4):
     widen_float32_casts(modeling)
 
 
@@ -791,13 +799,6 @@ def tiny_causal_lm(model_type, seed=0, dtype=torch.float64, device=None, request
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0, 0.3)
     return model
-
-
-def streams_in_float32(config):
-    """Whether a model of ``config`` has a residual of hyper-connected streams (HY-V4's ``hc_mult``), which
-    Hugging Face's modules mix in float32 whatever the model's dtype: as with ``routes_in_float32``, a token's
-    float32 rows round differently with its place in the batch, so Hugging Face's own output is float32-exact only."""
-    return (getattr(config.get_text_config(), "hc_mult", None) or 1) > 1
 
 
 def routes_in_float32(model):

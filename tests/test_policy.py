@@ -24,11 +24,10 @@ from ds_tsp.parallel.topology import TSPTopology
 from ds_tsp.blocks.vocab import VocabError
 from float32_control import ROUNDING_FLOOR
 from models import (ClampedDecoderLayer, LookAlikeDecoderLayer, ScaledLogitsForCausalLM, causal_lm_types, look_alike,
-                    routes_in_float32, streams_in_float32, tiny_causal_lm, tiny_model)
+                    routes_in_float32, tiny_causal_lm, tiny_model)
 from parity import TOLERANCE, check, reference_loss, shard_grad_diffs
 
-# A float64 model whose routers compute in float32 (models.routes_in_float32), or its hyper-connected streams
-# (models.streams_in_float32), is float32-exact against HF at best:
+# A float64 model whose routers compute in float32 (models.routes_in_float32) is float32-exact against HF at best:
 # its routing weights are a float32 matmul of hidden_size terms (rounding ~ sqrt(hidden_size) u of their scale,
 # 8u at the tiny configs' 64) then a softmax or sigmoid, and the sharded run rounds its rows in other places of the
 # batch. That rounding moves the loss and every gradient linearly, so they are held to ROUNDING_FLOOR (64u, 8x
@@ -66,7 +65,7 @@ def exact_or_refused(model_types, attention=None, overrides=None):
     for model_type in model_types:
         try:
             model = tiny_causal_lm(model_type, requested=attention, **(overrides or {}).get(model_type, {}))
-            float32_routing = routes_in_float32(model) or streams_in_float32(model.config)
+            float32_routing = routes_in_float32(model)
             diffs = parity(model, dist.get_world_size(), relative=float32_routing)
         except (PolicyError, VocabError) as error:
             verdicts[model_type] = ("refused", str(error))
@@ -125,7 +124,7 @@ def test_every_llama_shaped_class_is_exact_or_refused(run_ranks):
     # No false refusal under HF's eager attention (float32 softmax): every class exact above is exact under it.
     exact = [model_type for model_type, verdict in verdict_of.items() if verdict == "exact"]
     under_eager = run_ranks(2, exact_or_refused, model_types=exact, attention="eager", timeout_s=600)
-    print(f"\nunder attn_implementation='eager' (the TSP model probed under it; the reference's softmax in float64):")
+    print("\nunder attn_implementation='eager' (the TSP model probed under it; the reference's softmax in float64):")
     for model_type in exact:
         verdicts = [rank[model_type] for rank in under_eager]
         kind, detail = verdicts[0][:2]

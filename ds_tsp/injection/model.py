@@ -180,13 +180,14 @@ class TSPDecoderLayer(GradientCheckpointingLayer):
     def stream_branch(self, block, streams, norm, run, after):
         """``branch`` over hyper-connected ``streams`` ``(B, S/D, hc_mult, H)``, as Hugging Face's layer runs it:
         the block's module mixes them into its input and the weights ``post`` ``(B, S/D, hc_mult)``, and the
-        normed block's output joins each stream by its weight, in float32."""
+        normed block's output joins each stream by its weight, in float32 (or the streams' dtype if wider)."""
         hyper = getattr(self, self.streams.attention if block == "attention" else self.streams.mlp)
         post, hidden = hyper(streams)
         normed = hidden if norm is None else normalize(norm, hidden, self.recompute_norms)
         out = run(normed)
         out = out if after is None else normalize(getattr(self, after), out, self.recompute_norms)
-        return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + streams.float()).to(streams.dtype)
+        wide = torch.promote_types(streams.dtype, torch.float32)
+        return (post.to(wide).unsqueeze(-1) * out.to(wide).unsqueeze(-2) + streams.to(wide)).to(streams.dtype)
 
     @property
     def side_mixer(self):
