@@ -9,7 +9,11 @@ before timing one that is wrong. The GPU check (one run, a few minutes):
     python benchmarks/block_overhead.py --device cpu --seq-lens 512 1024 --preset small
 
 Writes ``block_overhead_<device>.json`` and a markdown table; the target is a
-TSP layer within 5% of the HF layer. D=1 moves no data, so what is measured is
+TSP layer within 5% of the HF layer. ``--kinds`` (default on CPU: all) adds
+every other block kind (``layer_kinds``: the latent attention in both forms,
+the Gated DeltaNet and gated attention layers, a Mamba-2 mixer, an expert
+block under both schedules, the folded head with its loss), each against the
+Hugging Face module it replaces in the same run, checked against it first. D=1 moves no data, so what is measured is
 the packing, the per-chunk causal attention and the hand-written backward.
 On CUDA each row also counts the host syncs of one forward + backward of each
 layer (``torch.cuda.set_sync_debug_mode``), which should be none.
@@ -33,6 +37,7 @@ from ds_tsp.blocks.attention.selection import (BACKENDS, cudnn_unavailable_reaso
 from ds_tsp.blocks.mlp import TSPGatedMLP
 from ds_tsp.injection.model import TSPDecoderLayer
 from ds_tsp.injection.policy import PRE_NORMS
+from layer_kinds import KINDS, max_diffs, pairs
 
 PRESETS = {  # Llama-3-8B-shaped layer, and a small one for CPU runs
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -155,6 +160,34 @@ def check_parity(result):
             raise SystemExit(f"{backend}: fused attention kernel differs from SDPA autograd: {check}")
 
 
+def kind_rows(seq_lens, kinds, repeats):
+    """Per block kind and length: TSP at D=1 against its Hugging Face module, checked (float32: within 1e-4 of
+    the larger of the output's and the input gradient's scale, as ``check_parity``) and then timed in turns."""
+    rows = []
+    for seq_len in seq_lens:
+        for pair in pairs(seq_len, kinds=kinds):
+            diffs = max_diffs(pair)
+            if max(diffs["out"], diffs["grad_x"]) > 1e-4 * diffs["scale"]:
+                raise SystemExit(f"{pair.kind} at {seq_len} tokens: TSP differs from Hugging Face's: {diffs}")
+            hf_s, tsp_s = timed_alternately([pair.hf, pair.tsp], "cpu", repeats)
+            rows.append({"kind": pair.kind, "seq_len": seq_len, "hf_s": hf_s, "tsp_s": tsp_s,
+                         "tsp_over_hf": tsp_s / hf_s, **{f"max_diff_{k}": v for k, v in diffs.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kinds_table(rows, repeats):
+    lines = [f"\nEvery block kind, TSP D=1 against the Hugging Face module it replaces (``layer_kinds``), fwd+bwd, "
+             f"median of {repeats} (timed in turns); max |diff| of the output and the input gradient, and their "
+             "scale\n", "| block kind | seq len | HF (s) | TSP D=1 (s) | / HF | max diff out | grad | scale |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['kind']} | {row['seq_len']} | {row['hf_s']:.4f} | {row['tsp_s']:.4f} | "
+                     f"{row['tsp_over_hf']:.3f} | {row['max_diff_out']:.1e} | {row['max_diff_grad_x']:.1e} | "
+                     f"{row['max_diff_scale']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -162,6 +195,8 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--kinds", nargs="*", default=None, choices=KINDS,
+                        help="block kinds besides the attention backends' Llama layer (default on CPU: all)")
     args = parser.parse_args()
     device = args.device
     preset = args.preset or ("llama8b" if device == "cuda" else "small")
@@ -204,6 +239,8 @@ def main():
             row[f"tsp_{backend}_over_hf"] = row[f"tsp_{backend}_s"] / row["hf_s"]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    kinds = args.kinds if args.kinds is not None else (KINDS if device == "cpu" else ())
+    result["kinds"] = kind_rows(seq_lens, kinds, args.repeats) if kinds else []
 
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"block_overhead_{device}")
@@ -217,6 +254,8 @@ def main():
         for row in result["rows"]:
             f.write(f"| {row['seq_len']} | {row['hf_s']:.4f} | " + " | ".join(
                 f"{row[f'tsp_{b}_s']:.4f} | {row[f'tsp_{b}_over_hf']:.3f}" for b in backends) + " |\n")
+        if result["kinds"]:
+            f.write(kinds_table(result["kinds"], args.repeats))
     print(open(stem + ".md").read())
 
 

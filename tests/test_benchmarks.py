@@ -207,7 +207,8 @@ def test_bf16_gradient_error_stays_near_the_unsharded_models(tmp_path, own_proce
 def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processes):
     """benchmarks/block_overhead.py (the prepared GPU script) end to end on CPU: the TSP layer's parity with the
     HF layer and of its fused kernel with SDPA autograd, the grouped-query probe (CPU flash ops take the heads
-    natively), and a row of timings in the JSON and the markdown table."""
+    natively), and a row of timings in the JSON and the markdown table; on CPU also every other block kind
+    (``layer_kinds``), each checked against its Hugging Face module before it is timed."""
     cmd = [os.path.join(ROOT, "benchmarks", "block_overhead.py"), "--device", "cpu", "--preset",
            "small", "--seq-lens", "64", "--repeats", "1", "--out", str(tmp_path)]
     proc = run_script(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=240)
@@ -220,6 +221,12 @@ def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processe
     (row,) = doc["rows"]
     assert row["seq_len"] == 64 and row["hf_s"] > 0 and row["tsp_sdpa_over_hf"] == row["tsp_sdpa_s"] / row["hf_s"]
     assert "| 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
+    kinds = {row["kind"]: row for row in doc["kinds"]}
+    assert len(kinds) == len(doc["kinds"]) == 9, sorted(kinds)
+    for kind, row in kinds.items():
+        assert max(row["max_diff_out"], row["max_diff_grad_x"]) <= 1e-4 * row["max_diff_scale"], row
+        assert row["hf_s"] > 0 and row["tsp_over_hf"] == row["tsp_s"] / row["hf_s"]
+        assert f"| {kind} | 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
 
 
 def test_inference_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):
