@@ -23,7 +23,7 @@ _EXPORTS = {"TSPConfig": "config", "TSPConfigError": "config", "TSPTopology": "p
             "argmax_token_ids": "runtime.trainer", "sequence_sums": "injection.scores",
             "natural_order": "injection.scores", "add_fused_lm_head": "injection.scores",
             "TSPSFTTrainer": "runtime.trl_trainers", "TSPDPOTrainer": "runtime.trl_trainers",
-            "TSPGRPOTrainer": "runtime.trl_trainers"}
+            "TSPGRPOTrainer": "runtime.trl_trainers", "layer_graph_breaks": "runtime.graph_breaks"}
 
 __all__ = sorted(_EXPORTS)
 

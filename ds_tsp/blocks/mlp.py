@@ -37,6 +37,7 @@ from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.blocks.vocab import scaled
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import RingWireDtypeMixin, ring_gradients, ring_steps
 
@@ -292,7 +293,7 @@ def mlp_ring_backward(grad_y, x, packed, gates, ups, plan):
     return grad_x.view(x.shape).to(x.dtype), grad_packed.to(packed.dtype)
 
 
-class _MLPRing(torch.autograd.Function):
+class _MLPRing(EagerFunction):
     # Under autocast x and the shard are cast to the autocast dtype, as HF's
     # linear layers cast theirs: the ring then moves half the bytes.
     @staticmethod

@@ -60,6 +60,7 @@ from torch import nn
 
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.mappings import gather_rows
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -191,7 +192,7 @@ def embedding_backward(grad_out, weight, route, tsp_group, padding_idx=None):
     return grad.to(weight.dtype)
 
 
-class _EmbeddingExchange(torch.autograd.Function):
+class _EmbeddingExchange(EagerFunction):
     # A lookup: autocast leaves nn.Embedding in the weight's dtype, and so does this.
     @staticmethod
     @autocast_forward(cast_inputs=False)
@@ -529,7 +530,7 @@ def cross_entropy_ring_backward(grad_losses, hidden, weight, labels, lse, vocab_
     return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
 
 
-class _CrossEntropyRing(torch.autograd.Function):
+class _CrossEntropyRing(EagerFunction):
     # Under autocast the head's matmuls run in the autocast dtype, as HF's
     # lm_head does; the logits are upcast per tile, so the softmax and the
     # losses stay in float32 as in HF's loss.
@@ -555,7 +556,7 @@ class _CrossEntropyRing(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-class _TokenScoresRing(torch.autograd.Function):
+class _TokenScoresRing(EagerFunction):
     """Per-token log-probabilities of the labels and entropies (DESIGN.md 6l)
     from the same ring and tiles as the loss: ``logp = z_label - lse`` and
     ``H = lse - sum_v p_v z_v`` of the logits divided by ``temperature``, in

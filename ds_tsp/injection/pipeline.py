@@ -36,6 +36,7 @@ from ds_tsp.blocks.vocab import LogitMap, embed_local_tokens, embedding_multipli
 from ds_tsp.injection.inputs import check_token_ids, vocabulary_rows
 from ds_tsp.injection.model import TSPBatch, lm_head_and_loss, normalize
 from ds_tsp.injection.policy import load_balancing_loss
+from ds_tsp.parallel.eager import EagerFunction
 
 
 class TSPEmbeddingPipe(nn.Module):
@@ -91,7 +92,7 @@ class TSPDecoderLayerPipe(nn.Module):
         return hidden, positions, statistics
 
 
-class _StatisticsLink(torch.autograd.Function):
+class _StatisticsLink(EagerFunction):
     """``(hidden, zeros)``: the layer's output unchanged, and a zero tensor the
     layer adds to the statistics it passes on. In backward the statistics'
     gradient arrives through the zeros; it is held until the hidden state's

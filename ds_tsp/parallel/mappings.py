@@ -12,9 +12,10 @@ import torch
 
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 
-class _SumOverGroupForward(torch.autograd.Function):
+class _SumOverGroupForward(EagerFunction):
     @staticmethod
     @autocast_forward(cast_inputs=False)
     def forward(ctx, tensor, group):
@@ -172,7 +173,7 @@ def _own_dtype(param, grad_dtype):
     return grad_dtype
 
 
-class _GatherRows(torch.autograd.Function):
+class _GatherRows(EagerFunction):
     @staticmethod
     @autocast_forward(cast_inputs=False)
     def forward(ctx, shard, group):
@@ -196,7 +197,7 @@ def gather_rows(shard, group):
     return _GatherRows.apply(shard, group)
 
 
-class _GatherTokens(torch.autograd.Function):
+class _GatherTokens(EagerFunction):
     @staticmethod
     def forward(ctx, local, num_padding, group, layout_name):
         ctx.num_padding, ctx.group, ctx.layout_name = num_padding, group, layout_name
@@ -225,7 +226,7 @@ def gather_sequence(local, num_padding, group, layout_name):
     return layout.unpad(layout.unshard(gathered, comm.group_size(group), layout_name), num_padding)
 
 
-class _ExchangeRows(torch.autograd.Function):
+class _ExchangeRows(EagerFunction):
     @staticmethod
     @autocast_forward(cast_inputs=False)
     def forward(ctx, rows, send_counts, recv_counts, group):

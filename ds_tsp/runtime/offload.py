@@ -22,6 +22,8 @@ import weakref
 
 import torch
 
+from ds_tsp.parallel.eager import EagerFunction
+
 _streams = {}
 # Per device, the copy the last checkpointed forward made: the next one's ``previous``.
 _last_copies = {}
@@ -87,7 +89,7 @@ HOST_CHECKPOINT_REFUSAL = ("activation_checkpointing.cpu_checkpointing keeps one
                            "DeepSpeed's activation checkpointing recomputes its layers")
 
 
-class _HostCheckpoint(torch.autograd.Function):
+class _HostCheckpoint(EagerFunction):
     @staticmethod
     def forward(ctx, run, prefetch, hidden, *args):
         ctx.run, ctx.args = run, args

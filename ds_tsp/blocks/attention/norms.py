@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ds_tsp.blocks.attention.schedule import ReducesInFlight, shard_stream
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 
 def projection_squares_forward(plan, x, packed):
@@ -64,7 +65,7 @@ def projection_squares_backward(plan, grad_sums, x, packed):
     return grad_x.view(x.shape).to(x.dtype), own_grad
 
 
-class _ProjectionSquares(torch.autograd.Function):
+class _ProjectionSquares(EagerFunction):
     @staticmethod
     @autocast_forward(cast_inputs=True)
     def forward(ctx, x, packed, plan):

@@ -35,6 +35,7 @@ from ds_tsp.blocks.input_norm import TiledInputNorm
 from ds_tsp.blocks.rotary import NO_ROTARY, ROTATE_HALF, group_norm, norm_rows, rotate, rotate_backward, scale_queries
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 
 @dataclass(frozen=True)
@@ -636,7 +637,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             grads.norm_inv_rms["k"], grad_input_norm, grads.shared if plan.kv_sharing == "reuse" else None)
 
 
-class TSPAttentionFunction(torch.autograd.Function):
+class TSPAttentionFunction(EagerFunction):
     """forward: ``attention_forward``, saving its input; backward: ``attention_backward``."""
 
     # Under autocast every floating input (x, the shard, the rotary tables)

@@ -36,6 +36,7 @@ from ds_tsp.blocks.attention.schedule import ReducesInFlight, attend_local_chunk
 from ds_tsp.blocks.latent.indexer import attend_selected, choose_keys, index_inputs, index_projections
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 FORMS = ("expanded", "absorbed")
 
@@ -342,7 +343,7 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
             grad_norms.get("kv_norm"))
 
 
-class TSPLatentAttentionFunction(torch.autograd.Function):
+class TSPLatentAttentionFunction(EagerFunction):
     """forward: ``latent_attention_forward``, saving its input, down projections
     and the keys each query attended to; backward: ``latent_attention_backward``.
     Returns the output and those keys (None without an indexer), which are

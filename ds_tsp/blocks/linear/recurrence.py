@@ -19,6 +19,7 @@ import torch
 
 from ds_tsp.blocks.linear.chunk_maps import initial_states, state_gradients
 from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.eager import EagerFunction
 
 
 def _natural(gathered, tsp_size, layout_name):
@@ -66,7 +67,7 @@ def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size):
     return out, mine, [T for T, _ in all_maps], final
 
 
-class ChunkRecurrence(torch.autograd.Function):
+class ChunkRecurrence(EagerFunction):
     """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps;
     backward: the transposed exchange and each chunk's own backward."""
 

@@ -37,6 +37,7 @@ from ds_tsp.blocks.linear.recurrence import chunk_recurrence, recurrence_forward
 from ds_tsp.blocks.linear.shards import CONV_PARTS
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ def delta_net_backward(plan, grad_out, x, packed, replicated):
     return grad_x.to(x.dtype), own.to(packed.dtype), grad_replicated
 
 
-class TSPDeltaNetFunction(torch.autograd.Function):
+class TSPDeltaNetFunction(EagerFunction):
     """forward: ``delta_net_forward``, saving its input; backward: ``delta_net_backward``."""
 
     # Under autocast the input is cast to the autocast dtype and the layer runs as a model of that dtype would; the

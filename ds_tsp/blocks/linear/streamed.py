@@ -37,6 +37,7 @@ from ds_tsp.blocks.latent.schedule import ShardGrads, piece_stream
 from ds_tsp.blocks.packing import PackedShardMixin, PackSpec, module_reader
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 
 INPUTS, CHANNELS, OUTPUTS = range(3)  # the pieces of a shard, in their order
 
@@ -127,7 +128,7 @@ def streamed_backward(plan, grad_out, x, packed, replicated=()):
     return grad_x.to(x.dtype), grads.own_shard().to(packed.dtype), grad_replicated
 
 
-class StreamedMixerFunction(torch.autograd.Function):
+class StreamedMixerFunction(EagerFunction):
     """forward: ``streamed_forward``, saving its input; backward: ``streamed_backward``."""
 
     # Under autocast the input is cast to the autocast dtype; the shard keeps its dtype (each piece is cast once

@@ -45,6 +45,7 @@ from ds_tsp.blocks.mlp import mlp_ring_backward, mlp_ring_forward
 from ds_tsp.blocks.moe.plan import Routing, expert_counts, expert_rows
 from ds_tsp.parallel import comm
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 from ds_tsp.parallel.host_reads import host_copy
 from ds_tsp.parallel.precision import accumulation_dtype
 
@@ -139,7 +140,7 @@ def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, ret
     return grad_x, grad_weights.to(weights.dtype), grad_shard.to(routed_shard.dtype)
 
 
-class _MoEAllToAll(torch.autograd.Function):
+class _MoEAllToAll(EagerFunction):
     """The routed experts by token all-to-all and, where there is one, the shared
     expert's slices on the MLP's ring, over the whole packed shard: it is
     saved as the parameter itself (no view of it), so ZeRO-3 may release it

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.parallel import comm, layout
+from ds_tsp.parallel.eager import EagerFunction
 from ds_tsp.parallel.mappings import sum_over_group
 
 
@@ -40,7 +41,7 @@ def recorded_router_logits(blocks):
             handle.remove()
 
 
-class _FullSequenceRows(torch.autograd.Function):
+class _FullSequenceRows(EagerFunction):
     """Forward: every rank's ``(..., S/D, E)`` rows (dim -2) all-gathered into
     natural order, TSP's padding dropped. Backward: each rank keeps the
     gradient of its own rows, as every rank computes the same loss from the

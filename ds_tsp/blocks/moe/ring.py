@@ -37,6 +37,7 @@ from ds_tsp.blocks.mlp import shard_forward as gated_shard_forward
 from ds_tsp.blocks.moe.plan import Routing, expert_rows, shared_weights
 from ds_tsp.parallel import precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
+from ds_tsp.parallel.eager import EagerFunction
 from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import ring_gradients, ring_steps
 
@@ -120,7 +121,7 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
             None if grad_scale is None else grad_scale.to(shared_scale.dtype), grad_packed.to(packed.dtype))
 
 
-class _MoERing(torch.autograd.Function):
+class _MoERing(EagerFunction):
     """Forward: the experts' shards round the ring over the local tokens.
     Backward: the same ring, each shard's gradient travelling with it to its owner."""
 

@@ -1,0 +1,92 @@
+"""``engine.compile()`` on TSP models: compiled training equals eager training
+at TSP 2 (losses, every weight, every parameter moved), and each decoder
+layer's graph breaks fall at its blocks' schedules (``EagerFunction``), the same
+on every rank and at every length, none inside a schedule's loops."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_tsp
+from float32_control import ROUNDING_FLOOR
+from models import tiny_model
+
+# A small step: the compiled kernels' float32 rounding moves the weights, and a larger step carries it further
+# (at 0.1 the tiny Qwen3.5's losses differed by 1.2e-5, 12 units in the last place).
+STEPS, SEQ_LEN, LR = 3, 16, 0.02
+ARCHS = ("llama", "deepseek_v3", "qwen3_5", "gpt_oss")
+# A layer's graph breaks as dynamo reports them: one at each EagerFunction call (a block's schedule), its reason
+# the first thing dynamo met trying the schedule (a collective it skips, the ring's p2p ops), and one at the
+# experts' choice of schedule (the planner's byte counts, in Fractions). Anything else, such as a collective traced
+# as a graph of its own, a host read or a data-dependent shape, would add reasons beyond these.
+BLOCK_BOUNDARIES = ("Attempted to call function marked as skipped", "P2P compilation disabled for P2POp construction",
+                    "invalid call to builtin op handler")
+
+
+def _engine(model):
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0},
+              "tsp": {"enabled": True, "size": dist.get_world_size(), "attention_backend": "sdpa"}}
+    engine, *_ = ds_tsp.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                                   config=config)
+    return engine
+
+
+def _train(engine, batches):
+    losses = []
+    for batch in batches:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def compiled_against_eager(arch):
+    """Eager and compiled SGD training of the same tiny ``arch`` model (float32) at TSP = world size."""
+    ref = tiny_model(arch, dtype=torch.float32)
+    batches = [torch.randint(0, ref.config.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(i))
+               for i in range(STEPS)]
+    eager = _engine(copy.deepcopy(ref))
+    start = {name: param.detach().clone() for name, param in eager.module.named_parameters()}
+    eager_losses = _train(eager, batches)
+    compiled = _engine(copy.deepcopy(ref))
+    torch._dynamo.reset()
+    compiled.compile()
+    compiled_losses = _train(compiled, batches)
+    weights = dict(compiled.module.named_parameters())
+    diffs, scales, unmoved = {}, {}, []
+    for name, param in eager.module.named_parameters():
+        diffs[name], scales[name] = (weights[name] - param).abs().max().item(), param.abs().max().item()
+        if not torch.equal(param, start[name]) and torch.equal(weights[name], start[name]):
+            unmoved.append(name)
+    breaks = {seq_len: ds_tsp.layer_graph_breaks(eager.module, input_ids=batches[0][:, :seq_len])
+              for seq_len in (SEQ_LEN // 2, SEQ_LEN)}
+    return dict(losses=eager_losses, compiled_losses=compiled_losses, diffs=diffs, scales=scales, unmoved=unmoved,
+                breaks=breaks)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_training_equals_eager(run_ranks, arch):
+    """Three SGD steps at TSP 2, eager and under ``engine.compile()``: the compiled kernels reorder float32
+    sums, so losses and weights are held to float32's rounding floor of their scale (``ROUNDING_FLOOR``); a
+    parameter the eager run moves must move compiled too (a lost gradient would leave it)."""
+    per_rank = run_ranks(2, compiled_against_eager, arch=arch, timeout_s=1200)
+    for rank, out in enumerate(per_rank):
+        loss_diff = max(abs(a - b) for a, b in zip(out["losses"], out["compiled_losses"]))
+        name, weight_diff = max(out["diffs"].items(), key=lambda item: item[1] / max(1.0, out["scales"][item[0]]))
+        print(f"\n{arch} rank {rank}: losses {out['losses']} compiled {out['compiled_losses']}, max loss diff "
+              f"{loss_diff:.1e}, max weight diff {weight_diff:.1e} ({name}; its scale {out['scales'][name]:.2f})")
+        for seq_len, layers in out["breaks"].items():
+            for layer in layers:
+                print(f"  {seq_len} tokens, layer {layer.index} ({layer.kind}): {layer.graphs} graphs, {layer.breaks} "
+                      f"breaks: {layer.reasons}")
+        assert loss_diff <= ROUNDING_FLOOR * max(map(abs, out["losses"])), out["losses"]
+        assert weight_diff <= ROUNDING_FLOOR * max(1.0, out["scales"][name]) and not out["unmoved"], out["unmoved"]
+        for layers in out["breaks"].values():
+            assert [(layer.kind, layer.breaks) for layer in layers] == [
+                (layer.kind, layer.breaks) for layer in per_rank[0]["breaks"][SEQ_LEN // 2]]
+            for layer in layers:
+                assert all(reason.startswith(BLOCK_BOUNDARIES) for reason in layer.reasons), layer
