@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from float32_control import ROUNDING_FLOOR
 from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,6 +228,23 @@ def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processe
         assert max(row["max_diff_out"], row["max_diff_grad_x"]) <= 1e-4 * row["max_diff_scale"], row
         assert row["hf_s"] > 0 and row["tsp_over_hf"] == row["tsp_s"] / row["hf_s"]
         assert f"| {kind} | 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
+
+
+def test_compile_steps_times_eager_and_compiled_training(tmp_path, own_processes):
+    """benchmarks/compile_steps.py on its smallest run: Llama at TSP 2, eager and under engine.compile(), the
+    same losses (float32's rounding floor of their scale), step times in the JSON and the table, and each
+    layer's graph breaks counted on every rank, the same on each."""
+    cmd = [os.path.join(ROOT, "benchmarks", "compile_steps.py"), "--models", "llama", "--steps", "3", "--warmup",
+           "1", "--seq-len", "32", "--out", str(tmp_path)]
+    proc = run_script(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.load(open(tmp_path / "compile_cpu.json"))["results"]["llama"]
+    assert row["max_loss_diff"] <= ROUNDING_FLOOR * max(map(abs, row["losses"])), row
+    assert row["eager_s"] > 0 and row["compiled_s"] > 0 and len(row["first_compiled_s"]) == 1
+    breaks = [layer["breaks"] for layer in row["breaks"]]  # the two layers are of one kind
+    assert len(breaks) == 2 and breaks[0] == breaks[1] > 0 and len(row["breaks_per_rank"]) == 2
+    assert all(rank == row["breaks"] for rank in row["breaks_per_rank"]), row["breaks_per_rank"]
+    assert "| llama |" in open(tmp_path / "compile_cpu.md").read()
 
 
 def test_inference_runs_every_strategy_at_the_smallest_settings(tmp_path, own_processes):

@@ -17,12 +17,10 @@ from models import tiny_model
 # (at 0.1 the tiny Qwen3.5's losses differed by 1.2e-5, 12 units in the last place).
 STEPS, SEQ_LEN, LR = 3, 16, 0.02
 ARCHS = ("llama", "deepseek_v3", "qwen3_5", "gpt_oss")
-# A layer's graph breaks as dynamo reports them: one at each EagerFunction call (a block's schedule), its reason
-# the first thing dynamo met trying the schedule (a collective it skips, the ring's p2p ops), and one at the
-# experts' choice of schedule (the planner's byte counts, in Fractions). Anything else, such as a collective traced
-# as a graph of its own, a host read or a data-dependent shape, would add reasons beyond these.
-BLOCK_BOUNDARIES = ("Attempted to call function marked as skipped", "P2P compilation disabled for P2POp construction",
-                    "invalid call to builtin op handler")
+# Breaks that mean dynamo traced into a schedule: at each of its asynchronous collectives (inside the ring and
+# head-group loops) and at its host reads. Left to trace ds_tsp's autograd Functions, it broke a Llama layer at TSP 2
+# into 26 graphs at the first and a DeepSeek-V3 expert layer into 42-45 at both; an EagerFunction is one break.
+INSIDE_A_SCHEDULE = ("async_op=True for distributed collectives", "Data dependent operator", "Tensor.item()")
 
 
 def _engine(model):
@@ -89,4 +87,4 @@ def test_compiled_training_equals_eager(run_ranks, arch):
             assert [(layer.kind, layer.breaks) for layer in layers] == [
                 (layer.kind, layer.breaks) for layer in per_rank[0]["breaks"][SEQ_LEN // 2]]
             for layer in layers:
-                assert all(reason.startswith(BLOCK_BOUNDARIES) for reason in layer.reasons), layer
+                assert not any(inside in reason for inside in INSIDE_A_SCHEDULE for reason in layer.reasons), layer

@@ -60,7 +60,7 @@ from torch import nn
 
 from ds_tsp.parallel import comm, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
-from ds_tsp.parallel.eager import EagerFunction
+from ds_tsp.parallel.eager import EagerFunction, untraced
 from ds_tsp.parallel.host_reads import host_read
 from ds_tsp.parallel.mappings import gather_rows
 from ds_tsp.parallel.precision import accumulation_dtype
@@ -154,6 +154,7 @@ class EmbeddingRoute:
     back from the device here) and its two index tensors go to ``device``.
     """
 
+    @untraced
     def __init__(self, rank_ids, vocab_size, rows, tsp_rank, device):
         ids = host_read(torch.stack([t.reshape(-1) for t in rank_ids]), "embedding route")  # (D, N); host ids: as is
         tsp_size = ids.shape[0]

@@ -31,6 +31,7 @@ from ds_tsp.injection.inputs import (check_shapes, check_token_ids, left_padding
 from ds_tsp.injection.policy import text_config
 from ds_tsp.injection.scores import SCORES, fused_head_output, head_token_scores, scores_wanted
 from ds_tsp.parallel import layout
+from ds_tsp.parallel.eager import untraced
 from ds_tsp.parallel.host_reads import host_copy
 from ds_tsp.parallel.mappings import gather_sequence, sum_over_group
 
@@ -310,6 +311,7 @@ class TSPBatch:
     and backward never wait for the device. ``rank_input_ids`` are that host
     copy's shards; the tensors the layers compute with stay on the device."""
 
+    @untraced
     def __init__(self, input_ids, labels, position_ids, attention_mask, tsp_rank, tsp_size, layout_name,
                  cu_seq_lens=None, vocab_size=None, batch_check=None, rotary_positions=None):
         """``rotary_positions``: ``(P, B, S)`` positions the rotary embedding

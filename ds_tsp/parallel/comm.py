@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ds_tsp.parallel.eager import untraced
 from ds_tsp.parallel.precision import accumulation_dtype
 
 
@@ -56,6 +57,7 @@ class CommCounter:
     def __init__(self):
         self.ops = defaultdict(OpCount)
 
+    @untraced
     def add(self, op, sent, received):
         count = self.ops[op]
         count.calls += 1

@@ -1,4 +1,4 @@
-"""ds_tsp's autograd Functions under ``torch.compile``: each runs eager, as one call.
+"""ds_tsp under ``torch.compile``: its autograd Functions and a step's host-side bookkeeping run eager.
 
 Their forwards and backwards post collectives asynchronously (a ring's p2p
 steps, all-gathers waited under the next head group's compute) or copy to and
@@ -7,7 +7,8 @@ inside the schedules' loops (at TSP 2 a Llama layer became 26 graphs, a
 DeepSeek-V3 expert layer 42 to 45, the count differing between ranks).
 Dynamo does not enter an ``EagerFunction``: a compiled TSP model's graph
 breaks once at each such call and is compiled between them (the norms,
-residuals, routers and rotary tables around the schedules)."""
+residuals, routers and rotary tables around the schedules). ``untraced``
+keeps a step's host-side bookkeeping out of the traced code too."""
 
 import torch
 
@@ -19,3 +20,10 @@ class EagerFunction(torch.autograd.Function):
     @torch.compiler.disable
     def apply(cls, *args, **kwargs):
         return super().apply(*args, **kwargs)
+
+
+def untraced(function):
+    """``function`` called as it is under ``torch.compile``: a step's host-side bookkeeping (the batch's host
+    copy and the routes read from it, the byte counter), whose Python numbers change every step and, traced,
+    would be guards that recompile the model at every step."""
+    return torch.compiler.disable(function)
