@@ -1,4 +1,4 @@
-"""Where ``torch.compile`` (``engine.compile()``, the Trainer's ``torch_compile``)
+"""Where ``torch.compile`` (``engine.compile()``, or ``torch.compile`` of the model)
 breaks a TSP model's graph: each decoder layer traced by
 ``torch._dynamo.explain`` on the inputs it received in one forward of the
 model, so that a user sees how many graphs each layer becomes, and why."""
