@@ -54,17 +54,29 @@ def gather_maps(maps, group, layout_name):
             for t, u in (m.split(sizes, dim=-1) for m in _natural(gathered, comm.group_size(group), layout_name))]
 
 
-def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size):
+def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, graph=False):
     """The local tokens' outputs ``(B, h, S/D, dv)``; and, for backward, this
     rank's two chunks' initial states and every chunk's ``T`` (sequence order);
-    and the state after the whole sequence, the same on every rank."""
+    and the state after the whole sequence, the same on every rank. With
+    ``graph`` (a recompute that backward follows at once) also each chunk's
+    inputs, made leaves, and its run from its initial state, made a leaf, with
+    their autograd graph, so that backward need not run the chunks again."""
     D, r = comm.group_size(group), comm.group_rank(group)
-    terms = [rule.terms(*span, chunk_size=chunk_size, starts=s) for span, s in zip(_spans(inputs), _starts(starts))]
-    all_maps = gather_maps([rule.span_map(t) for t in terms], group, layout_name)
+    spans = [[t.detach().requires_grad_() for t in span] if graph else span for span in _spans(inputs)]
+    with torch.set_grad_enabled(graph):
+        terms = [rule.terms(*span, chunk_size=chunk_size, starts=s) for span, s in zip(spans, _starts(starts))]
+    maps = [rule.span_map({name: t.detach() if torch.is_tensor(t) else t for name, t in chunk.items()})
+            for chunk in terms]
+    all_maps = gather_maps(maps, group, layout_name)
     states, final = initial_states(all_maps, elementwise=rule.elementwise)
     mine = _own(states, r, D, layout_name)
-    out = torch.cat([rule.run(t, s)[0] for t, s in zip(terms, mine)], dim=2)
-    return out, mine, [T for T, _ in all_maps], final
+    runs = []
+    with torch.set_grad_enabled(graph):
+        for span, chunk, state in zip(spans, terms, mine):
+            state = state.detach().requires_grad_() if graph else state
+            runs.append((span, *rule.run(chunk, state), state))
+    out = torch.cat([chunk_out for _, chunk_out, _, _ in runs], dim=2).detach()
+    return out, mine, [T for T, _ in all_maps], final, runs if graph else None
 
 
 class ChunkRecurrence(EagerFunction):
@@ -72,35 +84,39 @@ class ChunkRecurrence(EagerFunction):
     backward: the transposed exchange and each chunk's own backward."""
 
     @staticmethod
-    def forward(ctx, rule, starts, group, layout_name, chunk_size, *inputs):
-        out, mine, all_T, _ = recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size)
+    def forward(ctx, rule, starts, group, layout_name, chunk_size, graph, *inputs):
+        out, mine, all_T, _, runs = recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, graph)
         ctx.save_for_backward(*inputs, *mine, *all_T)
         ctx.rule, ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = rule, group, layout_name, chunk_size, starts
-        ctx.count = len(inputs)
+        ctx.count, ctx.runs = len(inputs), runs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         inputs, mine, all_T = saved[:ctx.count], saved[ctx.count:ctx.count + 2], saved[ctx.count + 2:]
-        rule, group, layout_name = ctx.rule, ctx.group, ctx.layout_name
+        rule, group, layout_name, runs = ctx.rule, ctx.group, ctx.layout_name, ctx.runs
+        ctx.runs = None
         D, r = comm.group_size(group), comm.group_rank(group)
-        spans = [[t.detach().requires_grad_() for t in span] for span in _spans(inputs)]
-        local, runs = [], []
+        if runs is None:  # the chunks run again, under autograd
+            with torch.enable_grad():
+                runs = []
+                for span, starts, state in zip(_spans(inputs), _starts(ctx.starts), mine):
+                    span, state = [t.detach().requires_grad_() for t in span], state.detach().requires_grad_()
+                    runs.append((span, *rule.run(rule.terms(*span, chunk_size=ctx.chunk_size, starts=starts), state),
+                                 state))
+        grads_out = grad_out.chunk(2, dim=2)
         with torch.enable_grad():
-            for span, starts, state, g_out in zip(spans, _starts(ctx.starts), mine, grad_out.chunk(2, dim=2)):
-                state = state.detach().requires_grad_()
-                out, final = rule.run(rule.terms(*span, chunk_size=ctx.chunk_size, starts=starts), state)
-                local.append(torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0])
-                runs.append((span, out, final, g_out))
+            local = [torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0]
+                     for (_, out, _, state), g_out in zip(runs, grads_out)]
         gathered, _ = comm.all_gather(torch.stack(local), group)  # (D, 2, B, ...state)
         finals, _ = state_gradients(_natural(gathered, D, layout_name), [(T, None) for T in all_T],
                                     elementwise=rule.elementwise)
         grads = []
         with torch.enable_grad():
-            for (span, out, final, g_out), g_final in zip(runs, _own(finals, r, D, layout_name)):
+            for (span, out, final, _), g_out, g_final in zip(runs, grads_out, _own(finals, r, D, layout_name)):
                 grads.append(torch.autograd.grad((out * g_out).sum() + (final * g_final).sum(), span))
-        return (None,) * 5 + tuple(torch.cat(parts, dim=2) for parts in zip(*grads))
+        return (None,) * 6 + tuple(torch.cat(parts, dim=2) for parts in zip(*grads))
 
 
 def chunk_recurrence(rule, inputs, group, layout_name="zigzag", chunk_size=64, starts=None):
@@ -109,4 +125,4 @@ def chunk_recurrence(rule, inputs, group, layout_name="zigzag", chunk_size=64, s
     all-gather of the chunks' state maps, backward: one of their state gradients.
     ``starts`` ``(B, S/D)``: the local tokens that start a packed document
     (the state restarts there), or None."""
-    return ChunkRecurrence.apply(rule, starts, group, layout_name, chunk_size, *inputs)
+    return ChunkRecurrence.apply(rule, starts, group, layout_name, chunk_size, torch.is_grad_enabled(), *inputs)
