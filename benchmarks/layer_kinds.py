@@ -23,7 +23,7 @@ import ds_tsp
 import ds_tsp.injection.model as tsp_model_module
 from ds_tsp.config import TSPConfig
 from ds_tsp.parallel.topology import TSPTopology
-from compare_model import model_config
+from compare_model import add_model_arguments, model_config
 
 # (kind, compare_model's model, layer index, tsp options): the layer of each kind in the model of its row.
 LAYER_KINDS = (
@@ -51,9 +51,11 @@ class Pair:
 
 
 def model_args(model, seq_len, vocab):
-    """``compare_model``'s sizes (``compare.py``'s defaults) for ``model``."""
-    return argparse.Namespace(model=model, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1376,
-                              vocab=vocab, seq_lens=[seq_len], experts=8, top_k=2, expert_intermediate=256)
+    """``compare_model``'s sizes for ``model`` (its command-line defaults); the MoE row's 8 experts of 256, top 2."""
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser, vocab)
+    return argparse.Namespace(**vars(parser.parse_args([])), model=model, seq_lens=[seq_len], experts=8, top_k=2,
+                              expert_intermediate=256)
 
 
 def build_models(model, seq_len, vocab, tsp_options, dtype=torch.float32):
