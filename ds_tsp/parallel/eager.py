@@ -5,9 +5,10 @@ steps, all-gathers waited under the next head group's compute) or copy to and
 from host memory, which TorchDynamo cannot trace: it broke them into many graphs,
 inside the schedules' loops (at TSP 2 a Llama layer became 26 graphs, a
 DeepSeek-V3 expert layer 42 to 45, the count differing between ranks).
-Dynamo does not enter an ``EagerFunction``: a compiled TSP model's graph
-breaks once at each such call and is compiled between them (the norms,
-residuals, routers and rotary tables around the schedules). ``untraced``
+Dynamo calls an ``EagerFunction`` as it is: a compiled TSP model's graph
+breaks once at each such call (the break's reason, in ``torch._dynamo.explain``,
+is the first thing in the schedule it could not trace) and is compiled between
+them (the norms, residuals, routers and rotary tables around the schedules). ``untraced``
 keeps a step's host-side bookkeeping out of the traced code too."""
 
 import torch

@@ -12,8 +12,8 @@ import torch
 @dataclass(frozen=True)
 class LayerGraphBreaks:
     """One decoder layer under ``torch._dynamo.explain``: ``graphs`` traced, ``breaks`` between them and their
-    distinct ``reasons`` (the first line of each and where it broke, in the order met); ``kind`` names its
-    blocks."""
+    distinct ``reasons`` (the first line of each and where it broke, in the order met: at a schedule, an
+    ``EagerFunction``, the first thing in it that dynamo could not trace); ``kind`` names its blocks."""
 
     index: int
     kind: str
