@@ -4,12 +4,14 @@ layer's graph breaks fall at its blocks' schedules (``EagerFunction``), the same
 on every rank and at every length, none inside a schedule's loops."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ds_tsp
+from ds_tsp.parallel.eager import EagerFunction
 from float32_control import ROUNDING_FLOOR
 from models import tiny_model
 
@@ -88,3 +90,22 @@ def test_compiled_training_equals_eager(run_ranks, arch):
                 (layer.kind, layer.breaks) for layer in per_rank[0]["breaks"][SEQ_LEN // 2]]
             for layer in layers:
                 assert not any(inside in reason for inside in INSIDE_A_SCHEDULE for reason in layer.reasons), layer
+
+
+def _breaks_with_traced_schedules():
+    """The tiny Llama's layers' break reasons at TSP = world size with ds_tsp's Functions left for dynamo to trace
+    (``EagerFunction.apply`` not disabled), as they were before."""
+    model = ds_tsp.inject(tiny_model("llama", dtype=torch.float32), ds_tsp.TSPTopology(dist.get_world_size()),
+                          ds_tsp.TSPConfig(enabled=True, size=dist.get_world_size(), attention_backend="sdpa"))
+    traced = vars(torch.autograd.Function)["apply"]  # the classmethod EagerFunction overrides
+    input_ids = torch.randint(0, model.config.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with mock.patch.object(EagerFunction, "apply", traced):
+        return [reason for layer in ds_tsp.layer_graph_breaks(model, input_ids=input_ids) for reason in layer.reasons]
+
+
+def test_a_schedule_traced_by_dynamo_is_caught(run_ranks):
+    """The guard of the break check above: with the schedules traced, dynamo breaks inside them, at their
+    asynchronous collectives, and the check sees it."""
+    for reasons in run_ranks(2, _breaks_with_traced_schedules):
+        assert any(inside in reason for inside in INSIDE_A_SCHEDULE for reason in reasons), reasons
