@@ -156,7 +156,7 @@ def pairs(seq_len, vocab=32000, kinds=KINDS):
 
 
 def max_diffs(pair):
-    """Max |diff| of the output and the input gradient, TSP against HF, and the output's scale."""
+    """Max |diff| of the output and the input gradient, TSP against HF, and the larger of their scales."""
     (out, grad), (ref, ref_grad) = pair.tsp(), pair.hf()
     return {"out": (out - ref).abs().max().item(), "grad_x": (grad - ref_grad).abs().max().item(),
             "scale": max(ref.abs().max().item(), ref_grad.abs().max().item())}
