@@ -8,7 +8,10 @@ Models (``--models``), ``compare_model``'s width unless said: ``llama`` (its
 dense row), ``deepseek_v3`` (its latent-attention row with experts from the
 second layer on: 8 routed of 128, top 2, and a shared one), ``qwen3_5`` (its
 Gated DeltaNet hybrid row) and ``gpt_oss`` (GPT-OSS's attention with sinks,
-sliding and full layers in turn, 8 experts of 128, top 2).
+sliding and full layers in turn, 8 experts of 128, top 2), each half
+``--layers`` deep (2 by default: DeepSeek-V3's dense and expert layer,
+GPT-OSS's sliding and full one, Qwen3.5's first two, both Gated DeltaNet; its
+gated attention layer, the fourth, is compiled in ``tests/test_compile.py``).
 
     python benchmarks/compile_steps.py        # benchmarks/results/compile_cpu.{json,md}
     python benchmarks/compile_steps.py --models llama --steps 3 --seq-len 32 --out /tmp/c   # a smoke run
@@ -117,7 +120,7 @@ def main():
     parser.add_argument("--collective-timeout", type=float, default=900)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    args.layers = max(2, args.layers // 2)  # two layers of each kind (a dense and an expert one for DeepSeek-V3)
+    args.layers = max(2, args.layers // 2)  # the module docstring says which layers that keeps
     results = {}
     for name in args.models:
         args.model = name
