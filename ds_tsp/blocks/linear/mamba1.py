@@ -125,7 +125,7 @@ class Mamba1Plan:
                   dt_w * B.to(wide)[:, None] * xs.to(wide).transpose(1, 2).unsqueeze(-1),
                   C.to(wide)[:, None])
         if sink:
-            y, _, _, final, _ = recurrence_forward(SELECTIVE, inputs, self.starts, self.group, self.layout, None)
+            y, _, final, _ = recurrence_forward(SELECTIVE, inputs, self.starts, self.group, self.layout, None)
             self.state_sink(x, final)
         else:
             y = chunk_recurrence(SELECTIVE, inputs, self.group, self.layout, None, self.starts)

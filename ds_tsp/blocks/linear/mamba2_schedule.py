@@ -94,7 +94,7 @@ def mix(plan, proj, pieces, norm_weight, sink=False):
     inputs = (heads(Cs), heads(Bs), (xs * dt[..., None].to(wide)).transpose(1, 2),
               (A.to(wide) * dt.to(wide)).transpose(1, 2))
     if sink:
-        y, _, _, final, _ = recurrence_forward(SSD, inputs, plan.starts, plan.group, plan.layout, plan.chunk_size)
+        y, _, final, _ = recurrence_forward(SSD, inputs, plan.starts, plan.group, plan.layout, plan.chunk_size)
         plan.state_sink(conv_inputs, final)
     else:
         y = chunk_recurrence(SSD, inputs, plan.group, plan.layout, plan.chunk_size, plan.starts)

@@ -55,12 +55,12 @@ def gather_maps(maps, group, layout_name):
 
 
 def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, graph=False):
-    """The local tokens' outputs ``(B, h, S/D, dv)``; and, for backward, this
-    rank's two chunks' initial states and every chunk's ``T`` (sequence order);
-    and the state after the whole sequence, the same on every rank. With
-    ``graph`` (a recompute that backward follows at once) also each chunk's
-    inputs, made leaves, and its run from its initial state, made a leaf, with
-    their autograd graph, so that backward need not run the chunks again."""
+    """The local tokens' outputs ``(B, h, S/D, dv)``; for backward, every
+    chunk's ``T`` (sequence order); the state after the whole sequence, the
+    same on every rank; and, with ``graph`` (a recompute that backward follows
+    at once), each chunk's inputs, made leaves, and its run from its initial
+    state, made a leaf, with their autograd graph, so that backward need not
+    run the chunks again (else None)."""
     D, r = comm.group_size(group), comm.group_rank(group)
     spans = [[t.detach().requires_grad_() for t in span] if graph else span for span in _spans(inputs)]
     with torch.set_grad_enabled(graph):
@@ -76,41 +76,32 @@ def recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, gra
             state = state.detach().requires_grad_() if graph else state
             runs.append((span, *rule.run(chunk, state), state))
     out = torch.cat([chunk_out for _, chunk_out, _, _ in runs], dim=2).detach()
-    return out, mine, [T for T, _ in all_maps], final, runs if graph else None
+    return out, [T for T, _ in all_maps], final, runs if graph else None
 
 
 class ChunkRecurrence(EagerFunction):
-    """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps;
-    backward: the transposed exchange and each chunk's own backward."""
+    """forward: the local tokens' outputs ``(B, h, S/D, dv)`` from the exchanged maps, each chunk run under
+    autograd when grad is on (``graph``; off, nothing will ask for a backward); backward: the transposed
+    exchange and each chunk's own backward through that graph."""
 
     @staticmethod
     def forward(ctx, rule, starts, group, layout_name, chunk_size, graph, *inputs):
-        out, mine, all_T, _, runs = recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, graph)
-        ctx.save_for_backward(*inputs, *mine, *all_T)
-        ctx.rule, ctx.group, ctx.layout_name, ctx.chunk_size, ctx.starts = rule, group, layout_name, chunk_size, starts
-        ctx.count, ctx.runs = len(inputs), runs
+        out, all_T, _, runs = recurrence_forward(rule, inputs, starts, group, layout_name, chunk_size, graph)
+        ctx.save_for_backward(*all_T)
+        ctx.rule, ctx.group, ctx.layout_name, ctx.runs = rule, group, layout_name, runs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        inputs, mine, all_T = saved[:ctx.count], saved[ctx.count:ctx.count + 2], saved[ctx.count + 2:]
         rule, group, layout_name, runs = ctx.rule, ctx.group, ctx.layout_name, ctx.runs
         ctx.runs = None
         D, r = comm.group_size(group), comm.group_rank(group)
-        if runs is None:  # the chunks run again, under autograd
-            with torch.enable_grad():
-                runs = []
-                for span, starts, state in zip(_spans(inputs), _starts(ctx.starts), mine):
-                    span, state = [t.detach().requires_grad_() for t in span], state.detach().requires_grad_()
-                    runs.append((span, *rule.run(rule.terms(*span, chunk_size=ctx.chunk_size, starts=starts), state),
-                                 state))
         grads_out = grad_out.chunk(2, dim=2)
         with torch.enable_grad():
             local = [torch.autograd.grad((out * g_out).sum(), state, retain_graph=True)[0]
                      for (_, out, _, state), g_out in zip(runs, grads_out)]
         gathered, _ = comm.all_gather(torch.stack(local), group)  # (D, 2, B, ...state)
-        finals, _ = state_gradients(_natural(gathered, D, layout_name), [(T, None) for T in all_T],
+        finals, _ = state_gradients(_natural(gathered, D, layout_name), [(T, None) for T in ctx.saved_tensors],
                                     elementwise=rule.elementwise)
         grads = []
         with torch.enable_grad():

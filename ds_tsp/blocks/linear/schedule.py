@@ -123,8 +123,8 @@ def head_group(plan, x, w, replicated, sink=None):
     if sink is None:
         out = chunk_recurrence(GATED_DELTA, (q, k, v, g, beta), plan.group, plan.layout, plan.chunk_size, plan.starts)
     else:
-        out, _, _, final, _ = recurrence_forward(GATED_DELTA, (q, k, v, g, beta), plan.starts, plan.group,
-                                                 plan.layout, plan.chunk_size)
+        out, _, final, _ = recurrence_forward(GATED_DELTA, (q, k, v, g, beta), plan.starts, plan.group,
+                                              plan.layout, plan.chunk_size)
         sink(conv_inputs, final)
     out = out.transpose(1, 2).to(x.dtype)  # (B, L, hv, dv)
     normed = torch.func.functional_call(plan.norm, {"weight": replicated[plan.norm_weight]},
