@@ -93,7 +93,7 @@ from ds_tsp.planning.strategies import (
     plan_autotp,
     recommend,
 )
-from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchor, compare_anchors, step_time
+from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, StepTime, compare_anchors, step_time
 
 __all__ = [
     "ALST_DEVICE_GB", "ALST_HOST_MEMORY_GB", "ALST_MODEL", "ALST_PUBLISHED", "DEFAULT_CLUSTER",

@@ -52,13 +52,15 @@ ALST_DEVICES_PER_NODE = 8
 
 @dataclass(frozen=True)
 class TimeAnchor:
-    """A published per-GPU throughput and the run behind it: ``gpus`` devices as
-    ``tp`` x ``sp`` (Ulysses or context parallel, ``kind`` "ulysses" or
-    "allgather") x data parallel, ``sequences_per_step`` sequences of
-    ``seq_len`` per optimizer step. ``count_flops(anchor)`` is the source's own
-    FLOPs per step (whole run), by which it reports ``published_tflops``;
-    ``published_seconds`` is the step time where the source gives it.
-    ``cluster`` holds ``timing.Cluster``'s fields for the source's hardware."""
+    """A published training run and its throughput: ``gpus`` devices as ``tp``
+    x ``sp`` (``kind``: "ulysses", "allgather" for context parallel, "alst"
+    for ALST's Ulysses with its tiling and offloads) x data parallel,
+    ``sequences_per_step`` sequences of ``seq_len`` per optimizer step, one a
+    micro-batch. ``count_flops(anchor)`` is the source's own FLOPs per step
+    (whole run), by which it reports ``published_tflops`` (None where it
+    reports tokens/s only); ``published_seconds`` is the step time where the
+    source gives it or its tokens/s imply it. ``cluster`` holds
+    ``timing.Cluster``'s device, attention kernel and matmul dtype for the run."""
 
     label: str
     source: str
@@ -71,15 +73,22 @@ class TimeAnchor:
     zero_stage: int
     activation_checkpointing: bool
     sequences_per_step: int
-    published_tflops: float
+    published_tflops: float | None
     published_seconds: float | None
     cluster: dict
     count_flops: Callable
     assumed: str  # what the source does not say and the comparison assumes
+    offload_optimizer: bool = False
+    in_fit: bool = True  # False: a run no per-step cost explains, set beside the model but kept out of the fits
 
     @property
     def dp(self):
         return self.gpus // (self.tp * self.sp)
+
+    @property
+    def micro_batches(self):
+        """Micro-batches (of one sequence) each replica runs per published step."""
+        return self.sequences_per_step // self.dp
 
     @property
     def seconds(self):
@@ -87,6 +96,13 @@ class TimeAnchor:
         if self.published_seconds is not None:
             return self.published_seconds
         return self.count_flops(self) / (self.published_tflops * 1e12 * self.gpus)
+
+    @property
+    def tflops(self):
+        """The published TFLOPs per GPU, or the ones the published step time gives by ``count_flops``."""
+        if self.published_tflops is not None:
+            return self.published_tflops
+        return self.count_flops(self) / (self.seconds * 1e12 * self.gpus)
 
 
 def megatron_deepspeed_flops(anchor):
@@ -126,33 +142,71 @@ ULYSSES_MODEL = dict(hidden_size=4096, intermediate_size=10923, num_hidden_layer
 ULYSSES_PUBLISHED = {(65536, 64): (9676.76, 161.3626667), (131072, 64): (32432.1333, 165.526667),
                      (131072, 128): (17052.5143, 157.41), (131072, 256): (9886.7, 136.09),
                      (262144, 256): (33486.5, 147.4)}
-# A100: 312 TFLOPs BF16 dense (175 TFLOPs is "over 54%" of the paper's peak: 56% of 312); NVLink 3, 600 GB/s
-# per GPU both ways, 300 each way. The paper does not name its network: assumed one 200 Gb/s HDR InfiniBand NIC
-# per GPU, 25 GB/s each way.
-A100_CLUSTER = dict(peak_tflops=312.0, intra_node_gb_s=300.0, inter_node_gb_s=25.0)
+# Kernels: the paper does not name its attention kernel; DeepSpeed's Ulysses tutorial of the time
+# (docs/_tutorials/ds-sequence.md) runs Megatron-DeepSpeed with FlashAttention v1.0.4 or its Triton version
+# (--use-flash-attn-triton), so FlashAttention 1's A100 rates are taken.
+A100_FA1 = dict(device="a100", attention_kernel="fa1")
 ULYSSES_ASSUMED = ("data parallel 8 (one sequence per replica per step: global batch 8 at every GPU count), so "
                    "Ulysses over GPUs/8; ZeRO-3 over all GPUs, as the paper's section 4.2 runs it; nodes of 8 A100s "
-                   "with one 200 Gb/s NIC per GPU")
+                   "with one 200 Gb/s NIC per GPU; FlashAttention 1, as DeepSpeed's Ulysses tutorial runs it")
 
 # Megatron-Core context parallelism through NeMo: "Long Sequence Performance", LLAMA2-7B FP8 on DGX-H100,
 # container NeMo 24.03.01
 # (https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_long_sequence.md).
-# The table gives TFLOPs per GPU and the layout, not the step time, the global batch or the FLOPs formula.
+# The table gives TFLOPs per GPU, the layout and the global batch (sequences), not the step time or the FLOPs
+# formula.
 NEMO_CP_SOURCE = "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (LLAMA2-7B FP8, DGX-H100)"
-# (seq_len, GPUs): (TP, CP, DP, TFLOPs per GPU); PP 1.
-NEMO_CP_PUBLISHED = {(65536, 64): (4, 2, 8, 574.0), (131072, 128): (4, 4, 8, 555.0), (262144, 256): (4, 8, 8, 549.0)}
-# H100 SXM: FP8 GEMMs at 1978.9 TFLOPs dense and attention in BF16 at 989.4 (assumed: FP8 for the linear
-# layers only, Transformer Engine's default then); NVLink 4 and one 400 Gb/s NIC per GPU (timing's defaults).
-H100_FP8_CLUSTER = dict(peak_tflops=989.4, matmul_peak_tflops=1978.9, intra_node_gb_s=450.0, inter_node_gb_s=50.0)
-NEMO_CP_ASSUMED = ("FLOPs counted by NeMo's llama2 formula (the table does not say); one sequence per replica per "
-                   "step; Megatron's distributed optimizer as ZeRO-1; no activation recomputation; FP8 matmuls, "
-                   "BF16 attention; TP innermost, then CP, on nodes of 8")
+# (seq_len, GPUs): (TP, CP, DP, global batch, TFLOPs per GPU with CP); its 8K row runs PP 2, which the
+# planner does not model, and is left out.
+NEMO_CP_PUBLISHED = {(4096, 4): (1, 1, 4, 1024, 768.0), (16384, 16): (2, 1, 8, 256, 660.0),
+                     (32768, 32): (2, 2, 8, 128, 610.0), (65536, 64): (4, 2, 8, 64, 574.0),
+                     (131072, 128): (4, 4, 8, 32, 555.0), (262144, 256): (4, 8, 8, 16, 549.0),
+                     (524288, 512): (8, 16, 4, 8, 549.0), (1048576, 1024): (8, 32, 4, 4, 536.0)}
+# FP8 matmuls, attention in BF16 through Transformer Engine's cuDNN fused attention (Megatron-Core's TE layers).
+H100_FP8_CUDNN = dict(device="h100", attention_kernel="cudnn", matmul_dtype="fp8")
+NEMO_CP_ASSUMED = ("FLOPs counted by NeMo's llama2 formula (the table does not say); one sequence a micro-batch; "
+                   "Megatron's distributed optimizer as ZeRO-1; no activation recomputation; FP8 matmuls, BF16 "
+                   "attention through cuDNN; TP innermost, then CP, on nodes of 8")
+
+# ALST (Bekman et al. 2025, arXiv 2506.13996 v1, Tables 2-4): Llama-3.1-8B, one sequence a step over Ulysses on
+# every GPU (H100 80GB, 8 a node), ZeRO-3 with the optimizer in host memory, checkpoints offloaded, tiled MLP and
+# loss, FlashAttention 2.7.4; TFLOPs by Megatron's formula with the repeated forward. The lengths are the
+# recipes' max_length (snowflakedb/ArcticTraining projects/sequence-parallelism/run-h100-sp{1,8,32}-llama-8b.yml:
+# 500_000, 3_800_000, 15_500_000), with which megatron_deepspeed_flops over the published times gives the
+# published TFLOPs within 0.4%; the paper labels them 500K, 3.7M and 15M.
+ALST_SOURCE = "https://arxiv.org/abs/2506.13996 (Tables 2-4)"
+# (seq_len, GPUs): (iteration seconds, TFLOPs per GPU)
+ALST_TIMED = {(500_000, 1): (16 * 60 + 50, 548.1), (3_800_000, 8): (3600 + 47 * 60 + 35, 590.6),
+              (15_500_000, 32): (7 * 3600 + 25 * 60 + 9, 590.6)}
+H100_FA2 = dict(device="h100", attention_kernel="fa2")
+ALST_ASSUMED = ("the single-GPU run also offloads the weights to the host (not timed); host optimizer steps and "
+                "offloads are not timed")
+
+# Hugging Face's Ulysses blog (huggingface.co/blog/ulysses-sp, 2026-03-09; huggingface/blog ulysses-sp.md):
+# Qwen3-4B through TRL's SFTTrainer on H100 80GB, ZeRO-3 with the optimizer offloaded to the CPU, gradient
+# checkpointing, flash-attn 2, micro-batch 1 and 8 accumulation steps (global batch 8): tokens/s.
+HF_BLOG_SOURCE = "https://huggingface.co/blog/ulysses-sp (Qwen3-4B, H100)"
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, name="qwen3-4b")
+# (seq_len, GPUs): tokens per second
+HF_BLOG_PUBLISHED = {(8192, 1): 3633, (8192, 4): 3933, (32768, 4): 7733, (65536, 4): 13396}
+HF_BLOG_ASSUMED = ("tokens/s of the whole run (the blog does not say; DP 1), every sequence full length; the host "
+                   "optimizer step and its transfers are not timed. Kept out of the fits: no per-step cost reconciles "
+                   "its rows (the time over the kernels' is 15 s a step at 8K, 22 s at 32K and none at 64K)")
+
 
 TIME_ANCHORS = tuple(
     [TimeAnchor(f"DeepSpeed-Ulysses GPT-7B {s // 1024}K, {n} A100", ULYSSES_SOURCE, ULYSSES_MODEL, s, n, 1, n // 8,
-                "ulysses", 3, True, 8, tflops, ms / 1e3, A100_CLUSTER, megatron_deepspeed_flops, ULYSSES_ASSUMED)
+                "ulysses", 3, True, 8, tflops, ms / 1e3, A100_FA1, megatron_deepspeed_flops, ULYSSES_ASSUMED)
      for (s, n), (ms, tflops) in ULYSSES_PUBLISHED.items()]
     + [TimeAnchor(f"Megatron CP (NeMo) Llama-2-7B {s // 1024}K, {n} H100 FP8", NEMO_CP_SOURCE, "llama-7b", s, n,
-                  tp, cp, "allgather", 1, False, dp, tflops, None, H100_FP8_CLUSTER, nemo_llama_flops,
+                  tp, cp, "allgather", 1, False, batch, tflops, None, H100_FP8_CUDNN, nemo_llama_flops,
                   NEMO_CP_ASSUMED)
-       for (s, n), (tp, cp, dp, tflops) in NEMO_CP_PUBLISHED.items()])
+       for (s, n), (tp, cp, dp, batch, tflops) in NEMO_CP_PUBLISHED.items()]
+    + [TimeAnchor(f"ALST Llama-3.1-8B {s / 1e6:g}M, {n} H100", ALST_SOURCE, ALST_MODEL, s, n, 1, n, "alst", 3, True,
+                  1, tflops, seconds, H100_FA2, megatron_deepspeed_flops, ALST_ASSUMED, offload_optimizer=True)
+       for (s, n), (seconds, tflops) in ALST_TIMED.items()]
+    + [TimeAnchor(f"HF Ulysses blog Qwen3-4B {s // 1024}K, {n} H100", HF_BLOG_SOURCE, QWEN3_4B, s, n, 1, n,
+                  "ulysses", 3, True, 8, None, 8 * s / tokens_per_s, H100_FA2, nemo_llama_flops, HF_BLOG_ASSUMED,
+                  offload_optimizer=True, in_fit=False)
+       for (s, n), tokens_per_s in HF_BLOG_PUBLISHED.items()])

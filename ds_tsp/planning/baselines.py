@@ -187,7 +187,8 @@ def plan_baseline(setting, name, layout, t, c, dp, kind, mlp_tile=0, tiled_loss=
     return StrategyPlan(name, layout, memory, forward, backward, per_step, flops, b.tokens(setting), setting,
                         feasible=problem is None, notes=problem or "", inexact=inexact_reason(setting.model, c, kind),
                         detail=detail, terms=terms, host=host, comm_parts=parts,
-                        attention_flops_per_step=attention_flops, devices_per_replica=t * c, tower=tower)
+                        attention_flops_per_step=attention_flops, devices_per_replica=t * c,
+                        attention_rows=setting.seq_len // c if kind == "allgather" else setting.seq_len, tower=tower)
 
 
 def inexact_reason(m, c, kind="ulysses"):

@@ -37,6 +37,7 @@ from ds_tsp.planning.tables import (
     moe_facts,
     plot_memory_vs_seq,
 )
+from ds_tsp.planning.kernels import DEVICES, MATMUL_DTYPES
 from ds_tsp.planning.timing import DEFAULT_CLUSTER, Cluster, compare_anchors, step_time
 from ds_tsp.planning.visual import vision_shape
 
@@ -163,25 +164,33 @@ def add_plan_arguments(parser):
                         help=f"--max-seq-len in ALST's setting: {ALST_MODEL} on "
                              f"{' / '.join(str(n) for n in ALST_PUBLISHED)} x {ALST_DEVICE_GB} GB, with ALST's "
                              f"published lengths beside")
-    parser.add_argument("--efficiency", type=_positive_float, default=DEFAULT_CLUSTER.efficiency,
-                        help="fraction of the peak the compute achieves, for the step time (default "
-                             f"{DEFAULT_CLUSTER.efficiency:g}; published 64K-256K runs imply about 0.33)")
-    parser.add_argument("--peak-tflops", type=_positive_float, default=DEFAULT_CLUSTER.peak_tflops,
-                        help="device peak in the training dtype, dense TFLOPs (default "
-                             f"{DEFAULT_CLUSTER.peak_tflops:g}, H100/H200 SXM BF16; A100: 312)")
-    parser.add_argument("--intra-node-bandwidth", type=_positive_float, default=DEFAULT_CLUSTER.intra_node_gb_s,
-                        metavar="GB_S", help="GB/s per device each way inside a node (default "
-                                             f"{DEFAULT_CLUSTER.intra_node_gb_s:g}, NVLink 4; A100 NVLink 3: 300)")
-    parser.add_argument("--inter-node-bandwidth", type=_positive_float, default=DEFAULT_CLUSTER.inter_node_gb_s,
-                        metavar="GB_S", help="GB/s per device each way between nodes (default "
-                                             f"{DEFAULT_CLUSTER.inter_node_gb_s:g}, one 400 Gb/s NDR NIC per GPU)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default=DEFAULT_CLUSTER.device,
+                        help="the accelerator whose published kernel rates price the step time (default "
+                             f"{DEFAULT_CLUSTER.device}; ds_tsp/planning/kernels.py lists each rate's source)")
+    parser.add_argument("--attention-kernel", choices=sorted({k for d in DEVICES.values() for k in d.attention}),
+                        help="the attention kernel the layers run, for the step time (default: the fastest "
+                             "published on --device)")
+    parser.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=DEFAULT_CLUSTER.matmul_dtype,
+                        help="the matmuls' dtype, for the step time (fp8: Transformer Engine's FP8 GEMMs beside "
+                             "bf16 attention; default bf16)")
+    parser.add_argument("--overhead", type=_positive_float, default=DEFAULT_CLUSTER.overhead,
+                        help="the framework's time over its kernels', a factor on the step time (default "
+                             f"{DEFAULT_CLUSTER.overhead:g}: the kernels alone; --time-anchors prints what published "
+                             "runs imply)")
+    parser.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="GB_S",
+                        help="line rate in GB/s per device each way inside a node, of which NCCL reaches its "
+                             "published share (default: --device's, NVLink 4's 450 on H100; NVLink 3's 300 on A100)")
+    parser.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="GB_S",
+                        help="line rate in GB/s per device each way between nodes (default: --device's, one 400 "
+                             "Gb/s NDR NIC per GPU, 50, on H100; one 200 Gb/s HDR NIC, 25, on A100)")
     parser.add_argument("--serve", action="store_true",
                         help="inference: the longest context each strategy (one device, DeepSpeed TP inference, "
                              "TSP) holds in --memory-gb per device with its weights and KV cache, at --devices, "
                              "--micro-batch (sequences decoded at once) and --dtype")
     parser.add_argument("--time-anchors", action="store_true",
-                        help="the step-time model beside published throughput: DeepSpeed-Ulysses (GPT-7B, A100) "
-                             "and Megatron context parallelism (NeMo, Llama-2-7B, H100), at --efficiency")
+                        help="the step-time model beside published runs (DeepSpeed-Ulysses, Megatron context "
+                             "parallelism through NeMo, ALST, Hugging Face's Ulysses blog), each on its own hardware "
+                             "and kernels, with a fitted overhead in sample and left out")
     parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
     return parser
 
@@ -260,14 +269,18 @@ def _run_serve(args, out):
 
 def _run_time_anchors(args, out):
     """``--time-anchors``: the model beside every published run, on the run's own hardware."""
-    comparisons = compare_anchors(args.efficiency)
+    comparisons = compare_anchors()
     print(format_time_anchors(comparisons), file=out)
     if args.json:
         _write_json(args.json, {"time_anchors": [
-            {"run": c.anchor.label, "source": c.anchor.source, "layout": c.plan.layout,
-             "published_tflops_per_gpu": c.anchor.published_tflops, "model_tflops_per_gpu": c.tflops,
-             "model_over_published": c.ratio, "published_s_per_step": c.anchor.seconds,
-             "model_s_per_step": c.seconds, "bound": c.time.bound, "implied_efficiency": c.implied_efficiency}
+            {"run": c.anchor.label, "source": c.anchor.source, "layout": c.plan.layout, "kernels": c.anchor.cluster,
+             "published_tflops_per_gpu": c.anchor.tflops, "model_tflops_per_gpu": c.tflops(1.0),
+             "model_over_published": c.ratio(1.0), "in_fit": c.anchor.in_fit,
+             "model_over_published_in_sample": c.ratio(c.in_sample),
+             "model_over_published_left_out": c.ratio(c.left_out) if c.anchor.in_fit else None,
+             "overhead_in_sample": c.in_sample, "overhead_left_out": c.left_out,
+             "published_s_per_step": c.anchor.seconds, "model_s_per_step": c.seconds(1.0), "bound": c.time.bound,
+             "implied_overhead": c.implied_overhead}
             for c in comparisons]}, out)
 
 
@@ -275,8 +288,8 @@ def _run_table(args, out):
     """The per-strategy table at ``--seq-len`` (and recommendation, plot)."""
     if args.alst:
         raise ValueError("--alst is a --max-seq-len setting")
-    cluster = Cluster(peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                      intra_node_gb_s=args.intra_node_bandwidth, inter_node_gb_s=args.inter_node_bandwidth)
+    cluster = Cluster(args.device, args.attention_kernel, args.matmul_dtype, args.overhead,
+                      args.intra_node_bandwidth, args.inter_node_bandwidth)
     model = args.model or DEFAULT_MODEL
     zero_stage = args.zero_stage or 0
     checkpointing = args.activation_checkpointing

@@ -135,3 +135,36 @@ def cheaper_latent_form(shapes, rows, queries, keys, pairs=None):
                     "group)", form, rows, queries, keys, costs[form],
                     costs["absorbed" if form == "expanded" else "expanded"])
     return form
+
+
+def elementwise_bytes(m, setting, B, S, fp8_casts=False):
+    """Bytes the step's elementwise and norm kernels read and write, for the
+    replica's ``B`` sequences of ``S``: per token and layer the norms (read and
+    write ``H`` each), the two residual adds (two reads, one write of ``H``),
+    the rotary or the recurrent mixer's gates (its projections' outputs read
+    and written once), the feed-forward's activation (gate and up read, their
+    product and its activation written: ``5 F`` a token, ``k`` experts' with
+    their rows' dispatch and combine); backward twice forward's, checkpointing
+    one forward more. The loss reads and writes the logits in float32 six
+    times (upcast, log-softmax, its backward). ``fp8_casts``: every matmul's
+    input is cast to FP8 (read at the element size, written at one byte), its
+    gradient too."""
+    e, H, T = setting.precision.element, m.hidden_size, B * S
+    passes = 3 + (1 if setting.activation_checkpointing else 0)
+    per_token = 0
+    for view, linear, layers in m.mixer_groups:
+        width = (view.recurrent.matmul_params // H if linear else
+                 view.num_heads * view.q_width + view.kv_projections * view.num_kv_heads * view.head_dim)
+        per_token += layers * (view.norms_per_layer * 2 * H + 2 * 3 * H + 2 * width)
+        if fp8_casts:
+            per_token += layers * (H + view.num_heads * view.value_dim) * (e + 1) / e
+    for sparse, layers in m.layer_kinds:
+        if sparse:
+            ffn = m.experts_per_token * (5 * m.expert_size + 4 * H) + 5 * m.shared_expert_size
+        else:
+            ffn = (5 if m.mlp_gated else 2) * m.intermediate_size
+        per_token += layers * ffn
+        if fp8_casts:
+            inner = m.experts_per_token * m.expert_size if sparse else m.intermediate_size
+            per_token += layers * (H + inner) * (e + 1) / e
+    return T * (per_token * e * passes + 6 * 4 * m.vocab_size)

@@ -83,6 +83,7 @@ class StrategyPlan:
     comm_parts: dict = field(default_factory=dict)  # name -> CommPart, summing to comm_per_step
     attention_flops_per_step: float = 0.0  # the part of flops_per_step in QK^T and PV (and their backward)
     devices_per_replica: int = 1  # devices sharing one micro-batch: t*c, D for TSP (1 for DP)
+    attention_rows: int = 0  # query rows of a sequence one attention kernel takes (S, S/c for CP, S/D for TSP)
     tower: dict = field(default_factory=dict)  # a vision-language model's tower on this device (visual.tower_summary)
 
     @property

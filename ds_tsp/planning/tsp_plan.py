@@ -123,7 +123,7 @@ def plan_tsp(setting, vocab_parallel):
     return StrategyPlan(tsp_name(D, vocab_parallel, dp, ep), layout, memory, forward, backward, per_step, flops,
                         tokens, setting, feasible=not refused, notes=notes, detail=detail, terms=terms, host=host,
                         comm_parts=parts, attention_flops_per_step=attention_flops, devices_per_replica=D,
-                        tower=tower)
+                        attention_rows=S // D, tower=tower)
 
 
 def _moe_schedule(setting, S):
