@@ -164,6 +164,21 @@ def add_plan_arguments(parser):
                         help=f"--max-seq-len in ALST's setting: {ALST_MODEL} on "
                              f"{' / '.join(str(n) for n in ALST_PUBLISHED)} x {ALST_DEVICE_GB} GB, with ALST's "
                              f"published lengths beside")
+    _add_time_arguments(parser)
+    parser.add_argument("--serve", action="store_true",
+                        help="inference: the longest context each strategy (one device, DeepSpeed TP inference, "
+                             "TSP) holds in --memory-gb per device with its weights and KV cache, at --devices, "
+                             "--micro-batch (sequences decoded at once) and --dtype")
+    parser.add_argument("--time-anchors", action="store_true",
+                        help="the step-time model beside published runs (DeepSpeed-Ulysses, Megatron context "
+                             "parallelism through NeMo, ALST, Hugging Face's Ulysses blog), each on its own hardware "
+                             "and kernels, with a fitted overhead in sample and left out")
+    parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
+    return parser
+
+
+def _add_time_arguments(parser):
+    """The step-time options of ``ds-tsp plan``: the device, its kernels, the overhead and the links."""
     parser.add_argument("--device", choices=sorted(DEVICES), default=DEFAULT_CLUSTER.device,
                         help="the accelerator whose published kernel rates price the step time (default "
                              f"{DEFAULT_CLUSTER.device}; ds_tsp/planning/kernels.py lists each rate's source)")
@@ -183,16 +198,6 @@ def add_plan_arguments(parser):
     parser.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="GB_S",
                         help="line rate in GB/s per device each way between nodes (default: --device's, one 400 "
                              "Gb/s NDR NIC per GPU, 50, on H100; one 200 Gb/s HDR NIC, 25, on A100)")
-    parser.add_argument("--serve", action="store_true",
-                        help="inference: the longest context each strategy (one device, DeepSpeed TP inference, "
-                             "TSP) holds in --memory-gb per device with its weights and KV cache, at --devices, "
-                             "--micro-batch (sequences decoded at once) and --dtype")
-    parser.add_argument("--time-anchors", action="store_true",
-                        help="the step-time model beside published runs (DeepSpeed-Ulysses, Megatron context "
-                             "parallelism through NeMo, ALST, Hugging Face's Ulysses blog), each on its own hardware "
-                             "and kernels, with a fitted overhead in sample and left out")
-    parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
-    return parser
 
 
 def _write_json(path, document, out):
