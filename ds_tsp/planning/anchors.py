@@ -60,7 +60,8 @@ class TimeAnchor:
     (whole run), by which it reports ``published_tflops`` (None where it
     reports tokens/s only); ``published_seconds`` is the step time where the
     source gives it or its tokens/s imply it. ``cluster`` holds
-    ``timing.Cluster``'s device, attention kernel and matmul dtype for the run."""
+    ``timing.Cluster``'s device, attention kernel and matmul dtype for the run;
+    ``pp`` pipeline stages and ``ep`` expert-parallel ranks where it has them."""
 
     label: str
     source: str
@@ -80,10 +81,12 @@ class TimeAnchor:
     assumed: str  # what the source does not say and the comparison assumes
     offload_optimizer: bool = False
     in_fit: bool = True  # False: a run no per-step cost explains, set beside the model but kept out of the fits
+    pp: int = 1  # pipeline stages (1F1B, one model chunk a stage)
+    ep: int = 1  # expert parallel ranks, carved from the data-parallel replicas (experts split over tp as well)
 
     @property
     def dp(self):
-        return self.gpus // (self.tp * self.sp)
+        return self.gpus // (self.tp * self.sp * self.pp)
 
     @property
     def micro_batches(self):
@@ -124,6 +127,19 @@ def nemo_llama_flops(anchor):
     B, s, L, h = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size
     return B * s * L * h * h * (12 + 12 * m.num_kv_heads / m.num_heads + 18 * m.intermediate_size / h
                                 + 12 * s / h + 6 * m.vocab_size / (L * h))
+
+
+def megatron_flops(anchor):
+    """Megatron-LM's ``num_floating_point_operations`` (training.py, 2024-2025), a sparse model's
+    feed-forward counted as its ``k`` routed experts and its shared one: ``12 B s L h^2 ((1 + nkv/nq + s/h)
+    q/h + 1.5 k F_e/h + 1.5 F_s/h + V/(2 L h))``, ``q`` the query projection's width; attention over the full
+    s x s square, no recomputation. For a dense Llama it is ``nemo_llama_flops``."""
+    m = model_shape(anchor.model)
+    B, s, L, h = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size
+    routed = m.experts_per_token * m.expert_size if m.is_moe else m.intermediate_size
+    q = m.num_heads * m.head_dim / h
+    return 12 * B * s * L * h * h * ((1 + m.num_kv_heads / m.num_heads + s / h) * q + 1.5 * routed / h
+                                     + 1.5 * m.shared_expert_size / h + m.vocab_size / (2 * L * h))
 
 
 # DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509v2, https://arxiv.org/abs/2309.14509): section 1
@@ -194,6 +210,32 @@ HF_BLOG_ASSUMED = ("tokens/s of the whole run (the blog does not say; DP 1), eve
                    "optimizer step and its transfers are not timed. Kept out of the fits: no per-step cost reconciles "
                    "its rows (the time over the kernels' is 15 s a step at 8K, 22 s at 32K and none at 64K)")
 
+# Megatron-Core's MoE layouts (Liu et al. 2025, "MoE Parallel Folding", arXiv 2504.14960, Tables 1 and 3): MFU of
+# the BF16 peak (989.5 TFLOPs) on DGX H100 (NVLink 450 GB/s, 400 Gb/s IB), sequence 4096, global batch 256,
+# token dropping at capacity factor 1. The "MCore" rows' layouts split every expert over TP as the attention
+# (ETP = TP), as the planner's baselines do; the folding rows (ETP 1) are not modelled.
+MOE_SOURCE = "https://arxiv.org/abs/2504.14960 (Tables 1 and 3, MCore rows)"
+MIXTRAL_8X22B = dict(model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                     num_attention_heads=48, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, name="mixtral-8x22b")
+# Mixtral-8x22B's experts each cut into 8 (64 experts of F/8, 8 a token): the paper's G8T8
+MIXTRAL_G8T8 = dict(MIXTRAL_8X22B, intermediate_size=2048, num_local_experts=64, num_experts_per_tok=8,
+                    name="mixtral-8x22b-g8t8")
+QWEN2_57B_A14B = dict(model_type="qwen2_moe", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                      num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=2560,
+                      shared_expert_intermediate_size=20480, decoder_sparse_step=1, mlp_only_layers=[],
+                      name="qwen2-57b-a14b")
+# label: (model, GPUs, TP, EP, PP, MFU)
+MOE_PUBLISHED = {"Mixtral-8x22B": (MIXTRAL_8X22B, 128, 2, 4, 8, 0.463),
+                 "Qwen2-57B-A14B": (QWEN2_57B_A14B, 64, 2, 4, 4, 0.353),
+                 "Mixtral-8x22B G8T8": (MIXTRAL_G8T8, 128, 2, 8, 8, 0.171)}
+H100_BF16_CUDNN = dict(device="h100", attention_kernel="cudnn")
+MOE_ASSUMED = ("FLOPs counted by Megatron-LM's formula (the paper does not say); micro-batch 1, 1F1B without "
+               "interleaving (the paper gives neither); Megatron's distributed optimizer as ZeRO-1; no recomputation; "
+               "cuDNN attention through Transformer Engine; the pipeline's point-to-point activations and the "
+               "router's token permutation are not timed; the slowest stage holds L/PP layers and the LM head")
+
 
 TIME_ANCHORS = tuple(
     [TimeAnchor(f"DeepSpeed-Ulysses GPT-7B {s // 1024}K, {n} A100", ULYSSES_SOURCE, ULYSSES_MODEL, s, n, 1, n // 8,
@@ -209,4 +251,7 @@ TIME_ANCHORS = tuple(
     + [TimeAnchor(f"HF Ulysses blog Qwen3-4B {s // 1024}K, {n} H100", HF_BLOG_SOURCE, QWEN3_4B, s, n, 1, n,
                   "ulysses", 3, True, 8, None, 8 * s / tokens_per_s, H100_FA2, nemo_llama_flops, HF_BLOG_ASSUMED,
                   offload_optimizer=True, in_fit=False)
-       for (s, n), tokens_per_s in HF_BLOG_PUBLISHED.items()])
+       for (s, n), tokens_per_s in HF_BLOG_PUBLISHED.items()]
+    + [TimeAnchor(f"Megatron-Core MoE {label}, {n} H100", MOE_SOURCE, model, 4096, n, tp, 1, "allgather", 1, False,
+                  256, mfu * 989.5, None, H100_BF16_CUDNN, megatron_flops, MOE_ASSUMED, pp=pp, ep=ep)
+       for label, (model, n, tp, ep, pp, mfu) in MOE_PUBLISHED.items()])

@@ -317,16 +317,23 @@ class AnchorComparison:
 
 
 def anchor_plan(anchor):
-    """The ``StrategyPlan`` of one replica of ``anchor``'s run, one sequence a micro-batch, bf16."""
+    """The ``StrategyPlan`` of one replica of ``anchor``'s run, one sequence a micro-batch, bf16; under pipeline
+    parallelism, of its slowest stage: ``L / pp`` layers and the LM head."""
     if anchor.kind == "alst":
         return plan_alst(anchor.model, anchor.seq_len, anchor.sp, devices_per_node=DEFAULT_DEVICES_PER_NODE)
-    setting = make_setting(anchor.model, anchor.seq_len, 1, anchor.tp * anchor.sp, "bf16", anchor.zero_stage,
+    model = anchor.model
+    if anchor.pp > 1:
+        model = {**model, "num_hidden_layers": -(-model["num_hidden_layers"] // anchor.pp)}
+    setting = make_setting(model, anchor.seq_len, 1, anchor.tp * anchor.sp, "bf16", anchor.zero_stage,
                            anchor.activation_checkpointing, offload_optimizer=anchor.offload_optimizer,
                            devices_per_node=DEFAULT_DEVICES_PER_NODE)
     sequence = "SP-Ulysses" if anchor.kind == "ulysses" else "CP"
     name = f"{sequence}({anchor.sp})" + (f" x TP({anchor.tp})" if anchor.tp > 1 else "") + f" x DP({anchor.dp})"
-    layout = f"tp={anchor.tp} x {sequence.split('-')[0].lower()}={anchor.sp} x dp={anchor.dp}, ZeRO-{anchor.zero_stage}"
-    return plan_baseline(setting, name, layout, anchor.tp, anchor.sp, anchor.dp, anchor.kind)
+    layout = (f"tp={anchor.tp} x {sequence.split('-')[0].lower()}={anchor.sp}"
+              + (f" x pp={anchor.pp}" if anchor.pp > 1 else "") + f" x dp={anchor.dp}"
+              + (f", ep={anchor.ep}" if anchor.ep > 1 else "") + f", ZeRO-{anchor.zero_stage}")
+    return plan_baseline(setting, name, layout, anchor.tp, anchor.sp, anchor.dp, anchor.kind,
+                         expert_parallel=anchor.ep)
 
 
 def fitted_overhead(comparisons):
@@ -340,7 +347,8 @@ def compare_anchors(anchors=TIME_ANCHORS):
     kernels_only = []
     for anchor in anchors:
         plan = anchor_plan(anchor)
-        time = step_time(plan, Cluster(overhead=1.0, **anchor.cluster), anchor.micro_batches)
+        # 1F1B: the slowest stage runs its micro-batches and waits out pp - 1 more slots (the bubble)
+        time = step_time(plan, Cluster(overhead=1.0, **anchor.cluster), anchor.micro_batches + anchor.pp - 1)
         kernels_only.append(AnchorComparison(anchor, plan, time, math.nan, math.nan))
     in_sample = fitted_overhead(kernels_only)
     return [AnchorComparison(c.anchor, c.plan, c.time, in_sample,

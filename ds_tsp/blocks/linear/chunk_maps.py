@@ -25,12 +25,14 @@ class ChunkRule(NamedTuple):
     the tokens that start a packed document, where the state restarts, or None);
     ``run(terms, state)`` its outputs ``(B, h, L, dv)`` and final state from the
     initial ``state``; ``span_map(terms)`` its ``(T, U)``; ``elementwise``: how
-    ``T`` acts on the state (``act``)."""
+    ``T`` acts on the state (``act``); ``zero_state(terms)`` the state before a
+    sequence."""
 
     terms: Callable
     run: Callable
     span_map: Callable
     elementwise: bool
+    zero_state: Callable
 
 
 def act(T, state, elementwise):

@@ -102,4 +102,10 @@ def span_map(terms):
     return T, U
 
 
-GATED_DELTA = ChunkRule(chunk_terms, run_chunks, span_map, elementwise=False)
+def zero_state(terms):
+    """The ``(B, h, dk, dv)`` state before a sequence."""
+    k, u = terms["k"], terms["u"]
+    return k.new_zeros(*k.shape[:2], k.shape[-1], u.shape[-1])
+
+
+GATED_DELTA = ChunkRule(chunk_terms, run_chunks, span_map, elementwise=False, zero_state=zero_state)

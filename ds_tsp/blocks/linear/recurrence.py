@@ -115,5 +115,9 @@ def chunk_recurrence(rule, inputs, group, layout_name="zigzag", chunk_size=64, s
     tensors in the TSP layout), exact for the whole sequence; forward: an
     all-gather of the chunks' state maps, backward: one of their state gradients.
     ``starts`` ``(B, S/D)``: the local tokens that start a packed document
-    (the state restarts there), or None."""
+    (the state restarts there), or None. On one rank there is nothing to
+    exchange: the rule runs over the whole sequence from a zero state, under autograd."""
+    if comm.group_size(group) == 1:
+        terms = rule.terms(*inputs, chunk_size=chunk_size, starts=starts)
+        return rule.run(terms, rule.zero_state(terms))[0]
     return ChunkRecurrence.apply(rule, starts, group, layout_name, chunk_size, torch.is_grad_enabled(), *inputs)

@@ -47,4 +47,9 @@ def span_map(terms):
     return terms["decayed"][:, :, -1], terms["U"]
 
 
-SELECTIVE = ChunkRule(scan_terms, run_scan, span_map, elementwise=True)
+def zero_state(terms):
+    """The ``(B, d, n)`` state before a sequence."""
+    return torch.zeros_like(terms["U"])
+
+
+SELECTIVE = ChunkRule(scan_terms, run_scan, span_map, elementwise=True, zero_state=zero_state)

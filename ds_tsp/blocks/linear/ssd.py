@@ -75,4 +75,10 @@ def span_map(terms):
     return T, U
 
 
-SSD = ChunkRule(chunk_terms, run_chunks, span_map, elementwise=True)
+def zero_state(terms):
+    """The ``(B, h, n, p)`` state before a sequence."""
+    k, v = terms["k"], terms["v"]
+    return k.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1])
+
+
+SSD = ChunkRule(chunk_terms, run_chunks, span_map, elementwise=True, zero_state=zero_state)
