@@ -171,8 +171,9 @@ def add_plan_arguments(parser):
                              "--micro-batch (sequences decoded at once) and --dtype")
     parser.add_argument("--time-anchors", action="store_true",
                         help="the step-time model beside published runs (DeepSpeed-Ulysses, Megatron context "
-                             "parallelism through NeMo, ALST, Hugging Face's Ulysses blog), each on its own hardware "
-                             "and kernels, with a fitted overhead in sample and left out")
+                             "parallelism through NeMo, ALST, Hugging Face's Ulysses blog, Megatron-Core's MoE "
+                             "layouts), each on its own hardware and kernels, with a fitted overhead in sample and "
+                             "left out")
     parser.add_argument("--json", metavar="PATH", help="also write the table(s) as JSON")
     return parser
 
