@@ -114,3 +114,54 @@ def test_a_schedule_traced_by_dynamo_is_caught(run_ranks):
     asynchronous collectives, and the check sees it."""
     for reasons in run_ranks(2, _breaks_with_traced_schedules):
         assert any(inside in reason for inside in INSIDE_A_SCHEDULE for reason in reasons), reasons
+
+
+def _trainer_losses(output_dir, compiled):
+    """A TSPTrainer's logged losses at TSP = world size over the same rows, with and without the Trainer's
+    ``torch_compile``, and the names of the parameters training left as they were."""
+    from accelerate.state import AcceleratorState
+    from transformers import TrainerCallback, TrainingArguments
+
+    start = {}
+
+    class Snapshot(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            start.update({name: p.detach().clone() for name, p in model.named_parameters()})
+
+    from ds_tsp.runtime.trainer import configure_cpu_ranks
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            for ids in torch.randint(3, 61, (8, SEQ_LEN), generator=generator)]
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1},
+              "tsp": {"enabled": True, "size": dist.get_world_size(), "attention_backend": "sdpa"}}
+    try:
+        configure_cpu_ranks()
+        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, learning_rate=LR,
+                                 adam_epsilon=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                                 report_to=[], seed=0, disable_tqdm=True, deepspeed=config, torch_compile=compiled,
+                                 accelerator_config={"use_configured_state": True})
+        torch._dynamo.reset()
+        trainer = ds_tsp.TSPTrainer(model=tiny_model("qwen3_5", dtype=torch.float32), args=args, train_dataset=rows,
+                                    callbacks=[Snapshot()])
+        trainer.train()
+        unmoved = sorted(name for name, p in trainer.model_wrapped.module.named_parameters()
+                         if torch.equal(p, start[name]))
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], unmoved
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_trainers_torch_compile_trains_as_eager(run_ranks, tmp_path):
+    """The Trainer's ``torch_compile`` (accelerate's ``engine.compile()``) on a TSP Qwen3.5 (Gated DeltaNet and
+    gated attention) at TSP 2, AdamW with an epsilon of 1 (so that Adam's normalisation does not blow float32
+    rounding up on near-zero gradients): the same losses as without it, to float32's rounding floor, and every
+    parameter moved."""
+    (eager, eager_unmoved), _ = run_ranks(2, _trainer_losses, output_dir=str(tmp_path / "eager"), compiled=False,
+                                          timeout_s=1200)
+    (compiled, unmoved), _ = run_ranks(2, _trainer_losses, output_dir=str(tmp_path / "compiled"), compiled=True,
+                                       timeout_s=1200)
+    print(f"\nTrainer losses eager {eager}, torch_compile {compiled}; unmoved {eager_unmoved}, {unmoved}")
+    assert len(eager) == len(compiled) == 4 and not eager_unmoved and not unmoved
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= ROUNDING_FLOOR * max(map(abs, eager))
