@@ -2,10 +2,11 @@
 elementwise work each at the rate its kernels reach on the device
 (``kernels``: published benchmarks, none fitted here), its communication
 over the intra-node link (NVLink) or the inter-node one (InfiniBand) at what
-NCCL achieves there, the overlap its schedule allows, and one factor for the
-framework around the kernels, fitted to published runs and checked by
-leaving each run out of the fit it is judged by; and the bound, the busiest
-of compute, the intra-node link and the inter-node link.
+NCCL achieves there, the overlap its schedule allows, and a factor for the
+framework around the kernels (1 by default, the kernels alone;
+``compare_anchors`` fits it to published runs, in sample and leaving each run
+out of the fit it is judged by); and the bound, the busiest of compute, the
+intra-node link and the inter-node link.
 
 Per device, per optimizer step of ``m`` micro-batches (``plan_types``)::
 
