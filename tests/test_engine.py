@@ -339,6 +339,34 @@ def test_what_tsp_cannot_combine_with_is_refused(section, match):
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before injection
 
 
+def _float64_steps(zero_stage):
+    """Two SGD steps of a float64 tiny Llama at TSP = world size: the losses, or the error raised."""
+    model = tiny_model("llama", dtype=torch.float64)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": {"stage": zero_stage},
+              "zero_allow_untested_optimizer": True,
+              "tsp": {"enabled": True, "size": dist.get_world_size(), "attention_backend": "sdpa"}}
+    engine, *_ = ds_tsp.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                                   config=config)
+    batch = torch.randint(0, model.config.vocab_size, (MICRO_BATCH, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    try:
+        for _ in range(2):
+            losses.append(_step(engine, batch))
+    except ValueError as err:
+        return str(err)
+    return losses
+
+
+def test_float64_gradients_at_zero_0_are_refused_by_key(run_ranks):
+    """DeepSpeed's ZeRO-0 reduction asserts on float64 gradients from inside DeepSpeed; a TSP engine names the
+    key to change instead, and ZeRO-1, which the message points to, trains the same model."""
+    for refusal in run_ranks(2, _float64_steps, zero_stage=0):
+        assert refusal.startswith("zero_optimization.stage 0: DeepSpeed's gradient reduction takes") and \
+            "torch.float64: set zero_optimization.stage to 1" in refusal, refusal
+    for losses in run_ranks(2, _float64_steps, zero_stage=1):
+        assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
 def _decay_groups(model, no_decay_for_biases=True):
     """AdamW groups as the Hugging Face Trainer builds them: no decay on biases and norm weights."""
     names = [n for n, _ in model.named_parameters()]

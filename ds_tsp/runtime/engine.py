@@ -1,6 +1,7 @@
 """``ds_tsp.initialize``: ``deepspeed.initialize`` with the ``tsp`` section honoured."""
 
 import copy
+import functools
 import os
 from datetime import timedelta
 
@@ -168,6 +169,7 @@ def _build_engine(model, topology, ds_config, tsp_config, client, replicated_gra
     engine, *rest = deepspeed.initialize(model=model, mpu=mpu, config=ds_config, **forward)
     engine.tsp_topology = topology
     _refuse_consolidated_state_dicts(engine)
+    _refuse_unreducible_gradients(engine)
     attach_layout_checks(engine)
     load_experts_from_their_masters(engine)
     # ZeRO-3 without an optimizer (the Trainer's evaluation before training) loads no optimizer states.
@@ -194,6 +196,30 @@ def _refuse_consolidated_state_dicts(engine):
 
     for name in ("save_16bit_model", "_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict"):
         setattr(engine, name, refuse(name))
+
+
+def _refuse_unreducible_gradients(engine):
+    """ZeRO-0's reduction (DeepSpeed's ``allreduce_gradients``) asserts on a
+    gradient dtype the accelerator does not reduce (float64, on CPU and CUDA
+    alike): name the key to change instead, before it runs. ZeRO-1 and up
+    reduce through their own buffers, which take them."""
+    if engine.zero_optimization() or not hasattr(engine, "allreduce_gradients"):
+        return
+    supported = tuple(get_accelerator().supported_dtypes())
+    reduce = engine.allreduce_gradients
+
+    @functools.wraps(reduce)
+    def checked(*args, **kwargs):
+        found = sorted({str(p.grad.dtype) for p in engine.module.parameters()
+                        if p.grad is not None and p.grad.dtype not in supported})
+        if found:
+            raise ValueError(f"zero_optimization.stage 0: DeepSpeed's gradient reduction takes "
+                             f"{', '.join(map(str, supported))} only, and this model's gradients are "
+                             f"{', '.join(found)}: set zero_optimization.stage to 1 (its reduction takes them), "
+                             "or train in float32")
+        return reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = checked
 
 
 def set_grad_wire_dtype(model, dtype):
