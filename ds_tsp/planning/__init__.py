@@ -102,7 +102,7 @@ __all__ = [
     "PAPER_PEAK_GB", "PAPER_SETTING", "PRECISIONS", "PRESETS", "TIME_ANCHORS", "TSP_ATTENTION_BACKWARDS",
     "TSP_MOE_SCHEDULES", "Cluster",
     "CommPart", "LongestSequence", "ModelShape", "Precision", "ServingPlan", "Setting", "StepTime", "StrategyPlan",
-    "add_plan_arguments", "alst_name", "best_expert_parallel_size", "cheaper_moe_schedule", "compare_anchor",
+    "add_plan_arguments", "alst_name", "best_expert_parallel_size", "cheaper_moe_schedule",
     "compare_anchors", "delta_net_bytes_by_op", "expert_parallel_sizes",
     "format_longest_table", "format_moe_facts", "format_serving_table", "format_table", "format_time_anchors",
     "format_tower_table",

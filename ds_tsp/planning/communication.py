@@ -25,6 +25,7 @@ TSP's parameter-gradient partial sums (the attention's weight-gradient
 (``grad_wire_bytes``): float32 (float64 for float64 models) by default, 2 with
 a bf16 or fp16 ``communication_data_type``."""
 
+import functools
 from fractions import Fraction
 
 from ds_tsp.planning.recurrent import GatedDeltaNet, KimiDeltaAttention, Mamba1, ShortConvolution
@@ -493,12 +494,14 @@ def moe_block_bytes_by_op(hidden_size, num_experts, expert_size, shared_size, to
                          direction)
 
 
+@functools.lru_cache(maxsize=1024)
 def cheaper_moe_schedule(hidden_size, num_experts, expert_size, shared_size, top_k, local_tokens, tsp_size,
                          elem_bytes, direction, *, grad_wire_bytes=None, expert_bias=False, expert_parallel_size=None):
     """``tsp.moe_schedule: "auto"``: the schedule of ``MOE_SCHEDULES`` whose
     expected bytes (``moe_block_bytes_by_op``) are fewer for this block and
     micro-batch shape; the ring where they tie. Experts over more ranks than
-    the TSP group (``expert_parallel_size``) leave the all-to-all alone."""
+    the TSP group (``expert_parallel_size``) leave the all-to-all alone.
+    Remembered per shape: every sparse layer asks it at every forward."""
     if _expert_parallel(tsp_size, expert_parallel_size) > tsp_size:
         return "all_to_all"
     moved = {schedule: sum(Fraction(v) for v in moe_block_bytes_by_op(
