@@ -1,4 +1,5 @@
-"""``engine.compile()`` on TSP models: compiled training equals eager training
+"""``engine.compile()`` on TSP models (attention, latent attention, experts, Gated DeltaNet, Mamba-2 and
+MLP-only layers): compiled training equals eager training
 at TSP 2 (losses, every weight, every parameter moved) in float32 and float64,
 and each decoder
 layer's graph breaks fall at its blocks' schedules (``EagerFunction``), the same
@@ -19,7 +20,7 @@ from models import tiny_model
 # A small step: the compiled kernels' float32 rounding moves the weights, and a larger step carries it further
 # (at 0.1 the tiny Qwen3.5's losses differed by 1.2e-5, 12 units in the last place).
 STEPS, SEQ_LEN, LR = 3, 16, 0.02
-ARCHS = ("llama", "deepseek_v3", "qwen3_5", "gpt_oss")
+ARCHS = ("llama", "deepseek_v3", "qwen3_5", "gpt_oss", "nemotron_h")
 # Breaks that mean dynamo traced into a schedule: at each of its asynchronous collectives (inside the ring and
 # head-group loops) and at its host reads. Left to trace ds_tsp's autograd Functions, it broke a Llama layer at TSP 2
 # into 26 graphs at the first and a DeepSeek-V3 expert layer into 42-45 at both; an EagerFunction is one break.

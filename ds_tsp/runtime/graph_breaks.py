@@ -23,8 +23,9 @@ class LayerGraphBreaks:
 
 
 def layer_kind(layer):
-    """The TSP decoder layer's blocks by class: its token mixer, then its MLP (or experts)."""
-    blocks = [getattr(layer, name, None) for name in (layer.mixer_name, "mlp")]
+    """The TSP decoder layer's blocks by class: its token mixer, then its MLP (or experts); a layer of one
+    block (Nemotron-H's) names that one."""
+    blocks = [layer.token_mixer, getattr(layer, "mlp", None)]
     return " + ".join(type(block).__name__ for block in blocks if block is not None)
 
 
