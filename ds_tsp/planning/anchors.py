@@ -119,21 +119,12 @@ def megatron_deepspeed_flops(anchor):
         1 + s / (6 * h) + V / (16 * L * h))
 
 
-def nemo_llama_flops(anchor):
-    """NeMo's ``flops_formulas.llama2`` (NVIDIA/NeMo nemo/utils/flops_formulas.py; Megatron-LM's
-    ``num_floating_point_operations`` is the same): ``B s L h^2 (12 + 12 nkv/nq + 18 F/h
-    + 12 s/h + 6 V/(L h))``, attention over the full s x s square, no recomputation."""
-    m = model_shape(anchor.model)
-    B, s, L, h = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size
-    return B * s * L * h * h * (12 + 12 * m.num_kv_heads / m.num_heads + 18 * m.intermediate_size / h
-                                + 12 * s / h + 6 * m.vocab_size / (L * h))
-
-
 def megatron_flops(anchor):
     """Megatron-LM's ``num_floating_point_operations`` (training.py, 2024-2025), a sparse model's
     feed-forward counted as its ``k`` routed experts and its shared one: ``12 B s L h^2 ((1 + nkv/nq + s/h)
     q/h + 1.5 k F_e/h + 1.5 F_s/h + V/(2 L h))``, ``q`` the query projection's width; attention over the full
-    s x s square, no recomputation. For a dense Llama it is ``nemo_llama_flops``."""
+    s x s square, no recomputation. For a dense Llama (``q = h``) it is NeMo's ``flops_formulas.llama2``
+    (NVIDIA/NeMo nemo/utils/flops_formulas.py): ``B s L h^2 (12 + 12 nkv/nq + 18 F/h + 12 s/h + 6 V/(L h))``."""
     m = model_shape(anchor.model)
     B, s, L, h = anchor.sequences_per_step, anchor.seq_len, m.num_layers, m.hidden_size
     routed = m.experts_per_token * m.expert_size if m.is_moe else m.intermediate_size
@@ -242,14 +233,14 @@ TIME_ANCHORS = tuple(
                 "ulysses", 3, True, 8, tflops, ms / 1e3, A100_FA1, megatron_deepspeed_flops, ULYSSES_ASSUMED)
      for (s, n), (ms, tflops) in ULYSSES_PUBLISHED.items()]
     + [TimeAnchor(f"Megatron CP (NeMo) Llama-2-7B {s // 1024}K, {n} H100 FP8", NEMO_CP_SOURCE, "llama-7b", s, n,
-                  tp, cp, "allgather", 1, False, batch, tflops, None, H100_FP8_CUDNN, nemo_llama_flops,
+                  tp, cp, "allgather", 1, False, batch, tflops, None, H100_FP8_CUDNN, megatron_flops,
                   NEMO_CP_ASSUMED)
        for (s, n), (tp, cp, dp, batch, tflops) in NEMO_CP_PUBLISHED.items()]
     + [TimeAnchor(f"ALST Llama-3.1-8B {s / 1e6:g}M, {n} H100", ALST_SOURCE, ALST_MODEL, s, n, 1, n, "alst", 3, True,
                   1, tflops, seconds, H100_FA2, megatron_deepspeed_flops, ALST_ASSUMED, offload_optimizer=True)
        for (s, n), (seconds, tflops) in ALST_TIMED.items()]
     + [TimeAnchor(f"HF Ulysses blog Qwen3-4B {s // 1024}K, {n} H100", HF_BLOG_SOURCE, QWEN3_4B, s, n, 1, n,
-                  "ulysses", 3, True, 8, None, 8 * s / tokens_per_s, H100_FA2, nemo_llama_flops, HF_BLOG_ASSUMED,
+                  "ulysses", 3, True, 8, None, 8 * s / tokens_per_s, H100_FA2, megatron_flops, HF_BLOG_ASSUMED,
                   offload_optimizer=True, in_fit=False)
        for (s, n), tokens_per_s in HF_BLOG_PUBLISHED.items()]
     + [TimeAnchor(f"Megatron-Core MoE {label}, {n} H100", MOE_SOURCE, model, 4096, n, tp, 1, "allgather", 1, False,

@@ -40,11 +40,10 @@ class Device:
     """One accelerator and its node's links, with the published rates of its
     kernels. ``attention``: kernel -> {head size: TFLOPs/s at each of
     ``lengths[kernel]``}; ``matmul``: dtype -> achievable TFLOPs/s;
-    ``link_share``: (intra-node?, all-to-all?) -> achieved share of the link."""
+    ``link_share``: (intra-node?, all-to-all?) -> achieved share of the link;
+    ``sources``: where the rates come from (``ds-tsp plan --time-anchors`` prints them)."""
 
     name: str
-    bf16_tflops: float
-    fp8_tflops: float | None
     hbm_gb_s: float
     hbm_share: float
     intra_node_gb_s: float
@@ -61,7 +60,7 @@ class Device:
 # (forums.developer.nvidia.com thread 339083, Nsight Compute); NVLink 3 300 GB/s each way; one 200 Gb/s HDR NIC.
 # Links: all-reduce busbw 232 GB/s and all-to-all 210 in a DGX A100, all-to-all 24 GB/s over 8x200Gb at 32 GPUs.
 A100 = Device(
-    "a100", 312.0, None, 2039.0, 0.88, 300.0, 25.0,
+    "a100", 2039.0, 0.88, 300.0, 25.0,
     matmul={"bf16": 271.2},
     attention={"fa1": {64: (58, 70, 77, 87, 92, 97), 128: (55, 62, 69, 76, 80, 83)},
                "fa2": {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)}},
@@ -75,7 +74,7 @@ A100 = Device(
 # NDR NIC. Links: all-reduce busbw 370 GB/s and all-to-all 320 in a DGX H100, all-to-all 48 over 8x400Gb at 32
 # GPUs. cuDNN's rates were measured on an H200, whose compute is an H100's.
 H100 = Device(
-    "h100", 989.4, 1978.9, 3350.0, 2668 / 3350, 450.0, 50.0,
+    "h100", 3350.0, 2668 / 3350, 450.0, 50.0,
     matmul={"bf16": 794.5, "fp8": 1402.6},
     attention={"fa1": {64: (104, 123, 136, 138, 149, 156), 128: (98, 109, 108, 126, 135, 137)},
                "fa2": {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)},

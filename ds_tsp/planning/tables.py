@@ -15,6 +15,7 @@ from ds_tsp.planning.communication import (
     tsp_moe_bytes_by_op,
     tsp_moe_schedule,
 )
+from ds_tsp.planning.kernels import device
 from ds_tsp.planning.longest import fpdt_published
 from ds_tsp.planning.memory import MEMORY_PARTS
 from ds_tsp.planning.shapes import DEFAULT_LOGITS_TILE_MIB, GB, model_shape, padded_length, tsp_name, tsp_shape_problem
@@ -449,6 +450,8 @@ def format_time_anchors(comparisons):
             seen.add(c.anchor.source)
             footer.append(f"{c.anchor.source}: counted as {c.anchor.count_flops.__name__} (anchors); assumed: "
                           f"{c.anchor.assumed}.")
+    for name in sorted({c.anchor.cluster["device"] for c in comparisons}):
+        footer.append(f"{name.upper()} kernel rates: {device(name).sources}.")
     fitted = [c for c in comparisons if c.anchor.in_fit]
     within = [c for c in comparisons if 0.8 <= c.ratio(1.0) <= 1.25]
     left_out = [c.ratio(c.left_out) for c in fitted]
