@@ -184,11 +184,12 @@ def test_tsp_bytes_equal_what_the_code_counts(run_ranks):
                   f"{planner.tsp_bytes_per_layer(m, SEQ, BATCH, D, e, 'backward', rank)} B")
             assert forward == planned["forward"]
             assert backward == planned["backward"]
-            # Saved for backward, 1/D of the sequence: the local tokens' x (attention, MLP), cos/sin, the fused
-            # attention backward's output and fp32 (or wider) log-sum-exp, and the MLP's gate/up (q, k and v
-            # are projected again in backward).
+            # Saved for backward, 1/D of the sequence: the local tokens' x (attention, MLP), their q, k and v
+            # projections, cos/sin, the fused attention backward's output and fp32 (or wider) log-sum-exp, and
+            # the MLP's gate/up (the local tokens fit one tile: nothing is projected again in backward).
             tokens = BATCH * SEQ // D
-            assert saved == tokens * (e * (2 * HIDDEN + num_heads * HEAD_DIM + 2 * HEAD_DIM
+            qkv = (num_heads + 2 * num_kv_heads) * HEAD_DIM
+            assert saved == tokens * (e * (2 * HIDDEN + qkv + num_heads * HEAD_DIM + 2 * HEAD_DIM
                                            + 2 * INTER) + max(e, 4) * num_heads)
         # Guard: sums in the model dtype (bf16) would count differently from the fp32 the code uses.
         if dtype == torch.bfloat16:

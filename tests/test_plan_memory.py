@@ -140,9 +140,10 @@ def test_memory_breakdown_and_model_states():
     replicated_ckpt = ckpt["TSP(8) replicated vocab"]
     assert replicated_ckpt.terms["checkpointed layer inputs"] == 32 * tokens * 2 * 4096
     # The attention's backward binds: the MLP's saved tensors are freed by then; live are the first norm's, the
-    # attention's x, output and lse, and the layer's recomputed output.
+    # attention's x, its q, k and v projections (the local tokens fit one tile), output and lse, and the layer's
+    # recomputed output.
     assert replicated_ckpt.terms["saved tensors of the recomputed layer"] == \
-        tokens * ((4 * 4096 + 4 + 2 * 4096) + 2 * 4096 + 2 * 4096 + 4 * 32 + 2 * 4096)
+        tokens * ((4 * 4096 + 4 + 2 * 4096) + 2 * 4096 + 2 * 3 * 4096 + 2 * 4096 + 4 * 32 + 2 * 4096)
     assert "K/V of one head group" in replicated_ckpt.terms
     # ZeRO partitions over DP (and the sequence axis of SP), never inside TSP or TP.
     zero = {p.name: p for p in planner.plan("llama-7b", 4096, 2, 8, "bf16", zero_stage=3)}
@@ -161,14 +162,18 @@ def test_token_tile_and_offloads_reduce_the_right_terms():
 
     base, tiled = plans(), plans(token_tile=8192)
     tsp, tsp_tiled = base["TSP(8)"], tiled["TSP(8)"]
-    # Two tiles of 8192: the recomputed layer no longer saves every shard's gate and up (2 x F values a token);
-    # the MLP's backward holds one tile's gate and up again with its gradients. Nothing else moves.
-    assert tsp.memory["activations"] - tsp_tiled.memory["activations"] == tokens * 2 * 2 * 14336
+    # Two tiles of 8192: the recomputed layer no longer saves every shard's gate and up (2 x F values a token)
+    # nor the attention's q, k and v projections (32 + 2 x 8 heads of 128); the MLP's backward holds one tile's
+    # gate and up again with its gradients. Nothing else moves.
+    qkv = (32 + 2 * 8) * 128
+    assert tsp.memory["activations"] - tsp_tiled.memory["activations"] == tokens * 2 * (2 * 14336 + qkv)
     assert tsp.detail["mlp_shard_intermediates"] == 6 * tokens * f * 2
     assert tsp_tiled.detail["mlp_shard_intermediates"] == 8 * 8192 * f * 2
     for key in ("kv_head_group", "grad_x", "attention_shards_in_flight", "mlp_shards_in_flight", "logits_tiles"):
         assert tsp_tiled.detail[key] == tsp.detail[key]
-    assert tsp_tiled.flops_per_step - tsp.flops_per_step == pytest.approx(L * 2 / 3 * 2 * S * m.mlp_params / N)
+    # Tiled, backward runs the MLP's gate and up and the attention's q, k and v projections again.
+    assert tsp_tiled.flops_per_step - tsp.flops_per_step == pytest.approx(
+        L * (2 / 3 * 2 * S * m.mlp_params + 2 * S * H * qkv) / N)
     # A tile that holds every local token is no tiling; the baselines have no token tile.
     for tile in (tokens, 10 * tokens):
         assert plans(token_tile=tile)["TSP(8)"].memory == tsp.memory

@@ -23,12 +23,15 @@ from fractions import Fraction
 logger = logging.getLogger("ds_tsp")
 
 
-def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None, ffn_replicas=None):
+def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=None, ffn_replicas=None,
+               projections_recomputed=False):
     """FLOPs per device per step, and the attention's part of them: the replica's
     total for ``B`` sequences of ``S`` times ``share``; ``fused_head``: the LM head
     + loss recomputes the logits in backward; ``ffn_recompute(sparse)``: the
     parameters of a layer's feed-forward block whose forward matmuls run again
-    in backward (a tiled MLP's, a TSP expert's); ``ffn_replicas(sparse)``: how
+    in backward (a tiled MLP's, a TSP expert's); ``projections_recomputed``: a TSP
+    attention's query, key and value projections run again in backward (its
+    local tokens in several tiles: ``tsp.token_tile``); ``ffn_replicas(sparse)``: how
     many ranks of a share compute the same feed-forward work (AutoTP's whole
     experts: ``t``). A sparse layer's matmuls are its active ones
     (``ModelShape.active_ffn_params``: k experts and the shared expert) and the
@@ -57,6 +60,9 @@ def step_flops(m, setting, B, S, share, tsp, fused_head=False, ffn_recompute=Non
         if tsp and setting.tsp_attention_backward == "recompute":  # the attention forward runs again
             backward += layers * attn
             attention += layers * attn
+        if tsp and projections_recomputed and not view.is_latent:
+            rows = view.num_heads * view.q_width + view.kv_projections * view.num_kv_heads * view.head_dim
+            backward += layers * 2 * T * view.hidden_size * rows
         if tsp and view.is_latent:
             # Expanded latent attention (tsp.latent_attention "auto"'s choice for long sequences, the plans' regime;
             # cheaper_latent_form): each rank makes every head group's K/V from the whole sequence's latent,

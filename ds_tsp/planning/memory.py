@@ -184,15 +184,17 @@ def rms_norm_saved_per_call(m, e, recompute=False, width=None):
     return FLOAT32 * (width or m.hidden_size) if copied and not recompute else 0
 
 
-def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=False, recompute_norms=False,
+def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=False, recompute_norms=False,
                               linear=False, all_to_all=False):
     """Bytes ds_tsp's decoder layer saves per local token, by block
     (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it
     (with ``recompute_norms`` the attention's runs inside it and saves nothing more):
     the attention's local x (and, with the fused backward, its output and
-    log-sum-exp in fp32 or wider), the MLP's local x and, unless its tokens
-    run in several tiles, every shard's gate and up projections (``F``
-    values each over the D steps; an ungated MLP's up alone). Backward frees the MLP's before the
+    log-sum-exp in fp32 or wider), the MLP's local x and, unless the local
+    tokens run in several tiles (``tiled``), the attention's projections of
+    every head group (queries with their output gates, keys and values) and
+    every MLP shard's gate and up projections (``F`` values each over the D
+    steps; an ungated MLP's up alone). Backward frees the MLP's before the
     attention's backward runs. A recurrent layer (``linear``, ``ds_tsp.blocks.linear``'s schedules)
     saves its local x alone in the
     attention's place; its norm runs outside it, so a recomputed one keeps
@@ -222,9 +224,11 @@ def tsp_block_saved_per_token(m, e, attention_backward, mlp_tiled=False, sparse=
         mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
         if all_to_all:
             mlp += 2 * k * e * H
-            mlp += e * (H + (0 if mlp_tiled else 2 * m.shared_expert_size)) if m.shared_expert_size else 0
-    elif not mlp_tiled:  # the gate and up projections (up alone in an ungated MLP)
+            mlp += e * (H + (0 if tiled else 2 * m.shared_expert_size)) if m.shared_expert_size else 0
+    elif not tiled:  # the gate and up projections (up alone in an ungated MLP)
         mlp += (2 if m.mlp_gated else 1) * e * m.intermediate_size
+    if not tiled and not linear and not m.is_latent:  # every head group's q (and gate), k and v projections
+        attention += e * (nq * m.q_width + m.kv_projections * m.num_kv_heads * m.head_dim)
     if attention_backward == "fused" and not linear:
         attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
     if m.index_topk and not linear:  # DeepSeek's sparse attention keeps each query's chosen keys, int32

@@ -282,7 +282,7 @@ def _tsp_model_states(setting, vocab_parallel):
     return states, host
 
 
-def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to_all=False):
+def _tsp_blocks_saved(setting, tokens, tiled, mixer_shard, ffn_shard, all_to_all=False):
     """``{"attention": {mixer kind: bytes}, "mlp": {sparse: bytes}}``: what one
     layer's token mixer and feed-forward block of each kind save for backward
     (``all_to_all``: the sparse layers under the token all-to-all)."""
@@ -290,7 +290,7 @@ def _tsp_blocks_saved(setting, tokens, mlp_tiled, mixer_shard, ffn_shard, all_to
 
     def per_token(kind="attention", sparse=False):
         view, linear = m.mixer_view(kind)
-        return tsp_block_saved_per_token(view, e, setting.tsp_attention_backward, mlp_tiled, sparse,
+        return tsp_block_saved_per_token(view, e, setting.tsp_attention_backward, tiled, sparse,
                                          setting.recompute_norms, linear, all_to_all)
 
     norm = rms_norm_saved_per_call(m, e, setting.recompute_norms)  # each block's norm's, once a layer
@@ -589,13 +589,13 @@ def _tsp_tower_parts(setting):
 def _tsp_flops(setting, vocab_parallel, S, tokens):
     """``(FLOPs, attention FLOPs)`` per rank per step: the replica's over ``D``."""
     m = setting.model
-    mlp_tiled = _token_tile(setting, tokens) < tokens
+    tiled = _token_tile(setting, tokens) < tokens
 
     def recomputed(sparse):
         # A TSP expert recomputes its gate, up and down projections in backward; a tiled MLP its gate and up.
         if sparse:
             return m.experts_per_token * m.expert_params + m.shared_expert_params
-        return 2 / 3 * m.mlp_params if mlp_tiled else 0
+        return 2 / 3 * m.mlp_params if tiled else 0
 
     return step_flops(m, setting, setting.micro_batch, S, 1 / setting.tsp_group_size, tsp=True,
-                      fused_head=vocab_parallel, ffn_recompute=recomputed)
+                      fused_head=vocab_parallel, ffn_recompute=recomputed, projections_recomputed=tiled)

@@ -190,7 +190,15 @@ class TSPAttention(PackedShardMixin, nn.Module):
                              fp32_accumulators=self.fp32_accumulators, grad_wire_dtype=self.grad_wire_dtype,
                              input_norm=input_norm, token_tile=self.token_tile, rope=self.rope,
                              query_scale=None if self.query_scale is None else self.query_scale(positions),
-                             casts_query_scale=getattr(self.query_scale, "casts_factors", True))
+                             casts_query_scale=getattr(self.query_scale, "casts_factors", True),
+                             keep_projections=self.keeps_projections(x))
+
+    def keeps_projections(self, x):
+        """Whether a forward on the local tokens ``x`` keeps their projections for backward: one is to come
+        (gradients enabled) and they fit one token tile (``tsp.token_tile``), as the MLP keeps its gate and up
+        projections; else backward projects them again, so that what a layer keeps is bounded by the tile."""
+        tokens = x.shape[0] * x.shape[1]
+        return torch.is_grad_enabled() and (not self.token_tile or tokens <= self.token_tile)
 
     def projection_inv_rms(self, x, packed, plan):
         """With q/k norms over the whole projection, each local token's inverse

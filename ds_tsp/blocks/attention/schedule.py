@@ -66,6 +66,9 @@ class AttentionPlan:
     rope: object = ROTATE_HALF  # the rotary convention (rotary.ROTATE_HALF, or the model's own ModelRotary)
     query_scale: object = None  # (B, S/D) factors of the local queries after the rotary (Ministral 3's), or None
     casts_query_scale: bool = True  # cast the factors to the queries' dtype first (rotary.scale_queries)
+    # Keep the local tokens' projections for backward instead of projecting them again there (their tokens fit
+    # one token tile, as the MLP keeps its gate and up projections).
+    keep_projections: bool = False
 
     @property
     def tsp_size(self):
@@ -266,9 +269,11 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
     Returns the output ``(B, S/D, H)`` and what backward needs besides ``x``,
     of local tokens only, as lists (stacking would copy them): with
     ``plan.explicit_backward`` every head group's attention output
-    ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``; nothing without.
-    Queries, keys and values are not kept: backward projects them again from
-    ``x`` with the shards it receives anyway.
+    ``(B, S/D, hq, d)`` and log-sum-exp ``(B, hq, S/D)``; with
+    ``plan.keep_projections`` the local tokens' projections
+    (``"projections"``: ``{(group, name): (B, S/D, heads, rows a head)}``).
+    Without it queries, keys and values are not kept: backward projects them
+    again from ``x`` with the shards it receives anyway.
 
     Keys and values shared across layers (``plan.kv_sharing``): a layer that
     reuses them takes each holder's from ``shared`` (the storing layer's local
@@ -282,10 +287,17 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
     # tsp.fp32_accumulators is off.
     out = torch.empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=_accumulator_dtype(plan, x.dtype),
                       device=x.device)
-    saved = {"o": [], "lse": []}
+    saved = {"o": [], "lse": [], "projections": {}}
     gathers = {}  # key/value holder -> its K/V all-gather in flight
     stored = []  # with plan.kv_sharing "store": every holder's local keys and values, in head order
     stream = shard_stream(plan, packed)
+
+    def projected(j, w, name, num_heads, width=d):
+        """Group ``j``'s projection ``name`` of the local tokens, kept for backward with ``plan.keep_projections``."""
+        out = project(x, w, name, num_heads, width)
+        if plan.keep_projections:
+            saved["projections"][j, name] = out
+        return out
 
     def receive():
         """The next shard's weights; a key/value holder's K/V gather starts at once."""
@@ -295,8 +307,8 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
             if plan.kv_sharing == "reuse":
                 k_rotated, v = shared_heads(plan, shared, j)
             else:
-                k = project(x, w, "k_proj", heads.kv_heads, d)
-                v = attended_values(plan, raw_values(plan, lambda name: project(x, w, name, heads.kv_heads, d), k))
+                k = projected(j, w, "k_proj", heads.kv_heads)
+                v = attended_values(plan, raw_values(plan, lambda name: projected(j, w, name, heads.kv_heads), k))
                 k_rotated = rotate(k, group_norm(plan, "k", j, inv_rms), cos, sin, plan.rope)
             gathers[j] = gather_kv(plan, k_rotated, v)
             if kv_sink is not None:
@@ -313,9 +325,9 @@ def attention_forward(plan, x, packed, cos, sin, inv_rms=None, kv_sink=None, inp
         if heads.holds_kv(j):
             K = V = None  # the previous set's K/V go before this one's are unpacked
             K, V = gathers.pop(j).wait()
-        q, gate = split_gate(project(x, w, "q_proj", heads.q_heads, heads.q_width), d)
+        q, gate = split_gate(projected(j, w, "q_proj", heads.q_heads, heads.q_width), d)
         if "g_proj.weight" in w:  # one gate a head (LFM3's), from its own projection: (B, L, h, 1)
-            gate = project(x, w, "g_proj", heads.q_heads, 1)
+            gate = projected(j, w, "g_proj", heads.q_heads, 1)
         q_rotated = queries(plan, q, group_norm(plan, "q", j, inv_rms), cos, sin)
         o, lse = attend_local_chunks(plan, q_rotated, K, V, w.get("sinks"))
         gated = o if gate is None else o * torch.sigmoid(gate)
@@ -377,18 +389,22 @@ class Recomputation:
     a second time: each group's queries and, per key/value holder, its keys
     (kept for their gradient) and its K/V all-gather."""
 
-    def __init__(self, plan, x, packed, cos, sin, inv_rms, input_norm, shared=None):
+    def __init__(self, plan, x, packed, cos, sin, inv_rms, input_norm, shared=None, kept=None):
         self.plan, self.x, self.cos, self.sin, self.inv_rms, self.input_norm = plan, x, cos, sin, inv_rms, input_norm
         self.shared = shared  # the keys and values a layer that reuses them attends to (attention_forward)
+        self.kept = dict(kept or {})  # the forward's projections, {(group, name): tensor}: taken, not recomputed
         self.tokens = x.flatten(0, 1)  # (N, H)
         self.stream = shard_stream(plan, packed)
         self.gathers = {}  # key/value holder -> its K/V all-gather in flight
         self.keys = {}  # key/value holder -> its keys before the norm and rotary embedding
         self.values = {}  # key/value holder -> its values before their norm, where the layer norms them
 
-    def project(self, w, name, num_heads, head_dim=None):
-        """Projection ``name`` of the local tokens, as the forward computed it
-        (``head_dim``: rows a head, the heads' size by default)."""
+    def project(self, j, w, name, num_heads, head_dim=None):
+        """Group ``j``'s projection ``name`` of the local tokens, as the forward
+        computed it (``head_dim``: rows a head, the heads' size by default): the
+        forward's own where it kept it (dropped here), else projected again."""
+        if (j, name) in self.kept:
+            return self.kept.pop((j, name))
         head_dim = head_dim or self.plan.heads.head_dim
         if self.input_norm is None:
             return project(self.x, w, name, num_heads, head_dim)
@@ -404,8 +420,8 @@ class Recomputation:
         if heads.holds_kv(j) and plan.kv_sharing == "reuse":
             self.gathers[j] = gather_kv(plan, *shared_heads(plan, self.shared, j))
         elif heads.holds_kv(j):
-            self.keys[j] = self.project(w, "k_proj", heads.kv_heads)
-            v = raw_values(plan, lambda name: self.project(w, name, heads.kv_heads), self.keys[j])
+            self.keys[j] = self.project(j, w, "k_proj", heads.kv_heads)
+            v = raw_values(plan, lambda name: self.project(j, w, name, heads.kv_heads), self.keys[j])
             if plan.v_norm is not None:
                 self.values[j] = v
             self.gathers[j] = gather_kv(plan, rotate(self.keys[j], group_norm(plan, "k", j, self.inv_rms), self.cos,
@@ -569,7 +585,7 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
     # own when the input norm runs inside); sums over head groups and ranks
     # accumulate in at least float32, cast once at the end.
     dtype = packed.dtype
-    inputs = Recomputation(plan, x, packed, cos, sin, inv_rms, input_norm, shared)
+    inputs = Recomputation(plan, x, packed, cos, sin, inv_rms, input_norm, shared, saved.get("projections"))
     grads = HeadGroupGrads(plan, inputs, dtype)
     grads.shared = torch.empty_like(shared) if plan.kv_sharing == "reuse" else grad_shared
     grad_tokens = grad_out.flatten(0, 1)  # (N, H)
@@ -586,10 +602,10 @@ def attention_backward(plan, grad_out, x, packed, saved, cos, sin, inv_rms=None,
             # The set's dK, dV sums over its head groups and query blocks (tsp.fp32_accumulators).
             dKV = torch.zeros((2, *K.shape), dtype=_accumulator_dtype(plan, K.dtype), device=K.device)
         q_norm = group_norm(plan, "q", j, inv_rms)
-        raw_q, gate = split_gate(inputs.project(w, "q_proj", heads.q_heads, heads.q_width), heads.head_dim)
+        raw_q, gate = split_gate(inputs.project(j, w, "q_proj", heads.q_heads, heads.q_width), heads.head_dim)
         head_gate = "g_proj.weight" in w
         if head_gate:
-            gate = inputs.project(w, "g_proj", heads.q_heads, 1)
+            gate = inputs.project(j, w, "g_proj", heads.q_heads, 1)
         q = queries(plan, raw_q, q_norm, cos, sin)
         grad_o = (grad_out @ w["o_proj.weight"]).view_as(q)
         if gate is not None:
@@ -663,6 +679,9 @@ class TSPAttentionFunction(EagerFunction):
         out, saved, *stored = attention_forward(plan, x, packed, cos, sin, inv_rms, input_norm=input_norm,
                                                 shared=shared)
         ctx.plan, ctx.input_norm = plan, input_norm
+        projections = saved.pop("projections", {})
+        ctx.projection_keys = tuple(projections)
+        saved["projections"] = list(projections.values())
         ctx.saved_counts = {name: len(tensors) for name, tensors in saved.items()}
         ctx.save_for_backward(x, packed, cos, sin, q_inv_rms, k_inv_rms, shared,
                               *(t for tensors in saved.values() for t in tensors))
@@ -675,6 +694,7 @@ class TSPAttentionFunction(EagerFunction):
         saved, start = {}, 0
         for name, count in ctx.saved_counts.items():
             saved[name], start = flat[start:start + count], start + count
+        saved["projections"] = dict(zip(ctx.projection_keys, saved["projections"]))
         inv_rms = None if q_inv_rms is None else {"q": q_inv_rms, "k": k_inv_rms}
         grads = attention_backward(ctx.plan, grad_out.contiguous(), x, packed, saved, cos, sin, inv_rms,
                                    ctx.input_norm, shared, grad_stored)
