@@ -8,9 +8,11 @@ its LOCAL tokens, rotates them at their GLOBAL positions, all-gathers K/V along
 the sequence and attends causally; the partial outputs of the head groups sum
 locally through ``o_proj``, so no all-reduce is needed.
 
-Backward re-broadcasts the shards, projects the local tokens' queries, keys
-and values again and re-gathers K/V: only the local input and, with the fused
-backward, each head group's output and log-sum-exp are saved. dK/dV are
+Backward re-broadcasts the shards and re-gathers K/V. Where the local tokens
+fit one token tile the forward keeps their queries, keys and values (1/D of
+the sequence's, as the MLP keeps its gate and up projections); beyond, backward
+projects them again, and only the local input and, with the fused backward,
+each head group's output and log-sum-exp are saved. dK/dV are
 reduce-scattered back to the token owners in the model's dtype and added in
 float32. Each shard's weight gradient is reduced to its owner: partial sums
 in float32 or wider, sent in ``precision.gradient_wire_dtype`` and added in the
