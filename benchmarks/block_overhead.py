@@ -162,29 +162,33 @@ def check_parity(result):
 
 def kind_rows(seq_lens, kinds, repeats):
     """Per block kind and length: TSP at D=1 against its Hugging Face module, checked (float32: within 1e-4 of
-    the larger of the output's and the input gradient's scale, as ``check_parity``) and then timed in turns."""
+    the larger of the output's and the input gradient's scale, as ``check_parity``) and then timed in turns,
+    the HF module twice: the ratio of its two medians (``control``, 1 on a quiet machine) is the noise of
+    the machine the run had."""
     rows = []
     for seq_len in seq_lens:
         for pair in pairs(seq_len, kinds=kinds):
             diffs = max_diffs(pair)
             if max(diffs["out"], diffs["grad_x"]) > 1e-4 * diffs["scale"]:
                 raise SystemExit(f"{pair.kind} at {seq_len} tokens: TSP differs from Hugging Face's: {diffs}")
-            hf_s, tsp_s = timed_alternately([pair.hf, pair.tsp], "cpu", repeats)
+            hf_s, tsp_s, hf_again_s = timed_alternately([pair.hf, pair.tsp, pair.hf], "cpu", repeats)
             rows.append({"kind": pair.kind, "seq_len": seq_len, "hf_s": hf_s, "tsp_s": tsp_s,
-                         "tsp_over_hf": tsp_s / hf_s, **{f"max_diff_{k}": v for k, v in diffs.items()}})
+                         "tsp_over_hf": tsp_s / hf_s, "control": hf_again_s / hf_s,
+                         **{f"max_diff_{k}": v for k, v in diffs.items()}})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def kinds_table(rows, repeats):
     lines = [f"\nEvery block kind, TSP D=1 against the Hugging Face module it replaces (``layer_kinds``), fwd+bwd, "
-             f"median of {repeats} (timed in turns); max |diff| of the output and the input gradient, and their "
-             "scale\n", "| block kind | seq len | HF (s) | TSP D=1 (s) | / HF | max diff out | grad | scale |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"median of {repeats} (timed in turns, the HF module twice: HF / HF is the run's noise); max |diff| "
+             "of the output and the input gradient, and their scale\n",
+             "| block kind | seq len | HF (s) | TSP D=1 (s) | / HF | HF / HF | max diff out | grad | scale |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['kind']} | {row['seq_len']} | {row['hf_s']:.4f} | {row['tsp_s']:.4f} | "
-                     f"{row['tsp_over_hf']:.3f} | {row['max_diff_out']:.1e} | {row['max_diff_grad_x']:.1e} | "
-                     f"{row['max_diff_scale']:.1f} |")
+                     f"{row['tsp_over_hf']:.3f} | {row['control']:.3f} | {row['max_diff_out']:.1e} | "
+                     f"{row['max_diff_grad_x']:.1e} | {row['max_diff_scale']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

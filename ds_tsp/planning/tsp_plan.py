@@ -107,7 +107,7 @@ def plan_tsp(setting, vocab_parallel):
     schedule = _moe_schedule(setting, S)
     memory, detail, terms, host = _tsp_memory(setting, vocab_parallel, tokens, schedule)
     forward, backward, per_step, parts = _tsp_communication(setting, vocab_parallel, S, problem)
-    flops, attention_flops = _tsp_flops(setting, vocab_parallel, S, tokens)
+    flops, attention_flops = _tsp_flops(setting, vocab_parallel, S, tokens, schedule)
     tower = {}
     if setting.vision and not problem:
         memory, terms, host, tower = _with_tower(setting, memory, terms, host)
@@ -586,15 +586,19 @@ def _tsp_tower_parts(setting):
     return {kinds[op]: CommPart(float(nbytes), D, 1, op) for op, nbytes in by_op.items() if nbytes}
 
 
-def _tsp_flops(setting, vocab_parallel, S, tokens):
-    """``(FLOPs, attention FLOPs)`` per rank per step: the replica's over ``D``."""
+def _tsp_flops(setting, vocab_parallel, S, tokens, schedule):
+    """``(FLOPs, attention FLOPs)`` per rank per step: the replica's over ``D``; ``schedule``: the sparse
+    layers' (``_moe_schedule``)."""
     m = setting.model
     tiled = _token_tile(setting, tokens) < tokens
 
     def recomputed(sparse):
-        # A TSP expert recomputes its gate, up and down projections in backward; a tiled MLP its gate and up.
+        # A TSP expert recomputes its gate and up projections in backward, and on the ring its down projection
+        # too (the routing weights' gradient reads its output; the all-to-all kept it); the shared expert its
+        # gate, up and down; a tiled MLP its gate and up.
         if sparse:
-            return m.experts_per_token * m.expert_params + m.shared_expert_params
+            down = 0 if schedule == "ring" else m.hidden_size * (m.expert_size + int(m.expert_bias))
+            return m.experts_per_token * (m.expert_params - down) + m.shared_expert_params
         return 2 / 3 * m.mlp_params if tiled else 0
 
     return step_flops(m, setting, setting.micro_batch, S, 1 / setting.tsp_group_size, tsp=True,

@@ -119,15 +119,16 @@ class ExpertLayout:
         proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
         return self._linear(self._activate(proj), w[self.down], w.get(f"{self.down}_bias"))
 
-    def backward(self, x, grad_out, w, into):
-        """The gradient of ``x`` and the expert's output on ``x`` (recomputed),
-        for the output gradient ``grad_out`` ``(N, H)``; the weights' (and
-        biases') gradients are added to ``into`` (views, float32 or wider)."""
+    def backward(self, x, grad_out, w, into, output=True):
+        """The gradient of ``x`` and, with ``output``, the expert's output on
+        ``x`` (recomputed; else None), for the output gradient ``grad_out``
+        ``(N, H)``; the weights' (and biases') gradients are added to ``into``
+        (views, float32 or wider)."""
         proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
         with torch.enable_grad():
             proj = proj.detach().requires_grad_()
             act = self._activate(proj)
-        out = self._linear(act.detach(), w[self.down], w.get(f"{self.down}_bias"))
+        out = self._linear(act.detach(), w[self.down], w.get(f"{self.down}_bias")) if output else None
         self._add_weight_grad(into, self.down, act.detach(), grad_out)
         grad_act = grad_out @ (w[self.down].t() if self.transposed else w[self.down])
         (grad_proj,) = torch.autograd.grad(act, proj, grad_act)

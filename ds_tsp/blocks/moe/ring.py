@@ -81,7 +81,8 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
         tokens' ``(grad_x, grad_weight)``: ``<grad_y, output>`` for a weighted
         output, ``<grad_input, x>`` for a weighted input (``plan.scales_inputs``)."""
         if plan.scales_inputs:
-            grad_in, _ = plan.experts.backward(expert_rows(x_piece, scale, plan), grad_piece.to(x.dtype), w, grads)
+            grad_in, _ = plan.experts.backward(expert_rows(x_piece, scale, plan), grad_piece.to(x.dtype), w, grads,
+                                               output=False)
             return grad_in * scale, (grad_in.to(acc_dtype) * x_piece.to(acc_dtype)).sum(-1)
         piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads)
         return piece_grad_x, (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
