@@ -98,7 +98,9 @@ class TSPConfig(DeepSpeedConfigModel):
     """ Largest number of local tokens (over the micro-batch's rows) that a TSP layer's attention query block and
     MLP ring step process at once, which bounds the layer's working memory however long the sequence (a MoE
     expert's tokens too; the rows moe_schedule "all_to_all" exchanges, k per local token, are not tiled); 0
-    processes all local tokens at once. """
+    processes all local tokens at once. Local tokens within one tile keep their attention's q, k, v and their
+    MLP's and experts' gate and up projections for backward; in several tiles backward computes them again, a
+    tile at a time. """
 
     fp32_accumulators: bool = True
     """ Sum the attention head groups, the MLP ring steps and the layer-input gradients in float32 for bf16/fp16
@@ -116,7 +118,7 @@ class TSPConfig(DeepSpeedConfigModel):
     (bytes independent of the sequence), "all_to_all" keeps them at rest and sends each token to the ranks owning
     its top-k experts and back (bytes growing with the tokens); "auto" picks, per layer and micro-batch shape, the
     one the cost model says moves fewer bytes (ds-tsp plan reports both). The all-to-all keeps the rows it
-    exchanged for backward, about 2 k H elements per local token and layer, where the ring keeps none: without
+    exchanged for backward, about 2 k H elements per local token and layer, where the ring keeps none of them: without
     activation checkpointing at long sequences, "ring" may fit where "auto" does not. Decoding uses neither:
     weights stay at rest and the ranks' shares are summed. """
 

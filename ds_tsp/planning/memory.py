@@ -200,8 +200,9 @@ def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=Fals
     attention's place; its norm runs outside it, so a recomputed one keeps
     the layer's input.
 
-    A sparse layer (``ds_tsp.blocks.moe.module``) saves its local x, no expert intermediate
-    (each expert's are recomputed in backward), the router's tensors
+    A sparse layer (``ds_tsp.blocks.moe.module``) saves its local x, its routed rows' gate and up
+    projections unless ``tiled`` (``k`` rows of ``2 F_e`` a local token, as routing spread
+    evenly gives them under the all-to-all; tiled, backward recomputes them), the router's tensors
     (``router_saved_per_token``), the routing weights, the token order by
     expert and top-k slot (two int64 a slot), with a shared expert its gate's
     sigmoid and, with ``output_router_logits``, the float32 mask of real
@@ -220,6 +221,7 @@ def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=Fals
     if sparse:
         k = m.experts_per_token
         mlp += router_saved_per_token(m, e) + k * (routing_weight_bytes(m, e) + 2 * INT64)
+        mlp += 0 if tiled else k * e * 2 * m.expert_size  # each routed row's gate and up projections
         mlp += e if m.gated_shared_expert else 0
         mlp += FLOAT32 if m.output_router_logits else 0  # the layer's real-token mask of the load-balancing loss
         if all_to_all:

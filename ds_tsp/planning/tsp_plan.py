@@ -593,13 +593,17 @@ def _tsp_flops(setting, vocab_parallel, S, tokens, schedule):
     tiled = _token_tile(setting, tokens) < tokens
 
     def recomputed(sparse):
-        # A TSP expert recomputes its gate and up projections in backward, and on the ring its down projection
-        # too (the routing weights' gradient reads its output; the all-to-all kept it); the shared expert its
-        # gate, up and down; a tiled MLP its gate and up.
-        if sparse:
-            down = 0 if schedule == "ring" else m.hidden_size * (m.expert_size + int(m.expert_bias))
-            return m.experts_per_token * (m.expert_params - down) + m.shared_expert_params
-        return 2 / 3 * m.mlp_params if tiled else 0
+        # Backward runs again: a tiled MLP's gate and up projections; a routed expert's gate and up where the
+        # local tokens run in several tiles and, on the ring, its down projection (the routing weights' gradient
+        # reads its output, which the all-to-all kept); the shared expert's gate, up and down on the expert ring,
+        # its gate and up under the all-to-all (on the MLP's ring) where tiled.
+        if not sparse:
+            return 2 / 3 * m.mlp_params if tiled else 0
+        down = m.hidden_size * (m.expert_size + int(m.expert_bias))
+        gate_up = m.expert_params - down
+        if schedule == "ring":
+            return m.experts_per_token * (down + (gate_up if tiled else 0)) + m.shared_expert_params
+        return (m.experts_per_token * gate_up + 2 / 3 * m.shared_expert_params) if tiled else 0
 
     return step_flops(m, setting, setting.micro_batch, S, 1 / setting.tsp_group_size, tsp=True,
                       fused_head=vocab_parallel, ffn_recompute=recomputed, projections_recomputed=tiled)

@@ -34,7 +34,10 @@ not, so the all-to-all moves fewer below ``B*S = 1.5 E F D / k`` tokens
 ``0.75 E F D (2w + a) / (k w)``) and the ring past it; Qwen3-30B-A3B at D=8
 crosses at 147,456 and 294,912 tokens per micro-batch. Memory: the received
 rows and the returned outputs are kept for backward, about ``2 k N H``
-elements, where the ring keeps nothing of the experts beyond the local tokens.
+elements, where the ring keeps nothing of the experts beyond the local tokens;
+under both, where the local tokens fit one token tile, the experts' gate and
+up projections of their rows (about ``2 k N F``), which backward otherwise
+computes again.
 """
 
 from dataclasses import dataclass
@@ -82,13 +85,15 @@ class TokenExchange:
         return routing, exchange
 
 
-def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
+def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan, kept=None):
     """``(y, received, returned)``: ``y`` ``(N, H)`` every local token's weighted
     outputs of its top-k experts, in the accumulator dtype, the rows sent to
     the experts' owners and the outputs sent back (``routed_shard``: this
     rank's routed experts, at rest); ``received`` ``(R, H)`` the rows this
     rank's experts computed on, ``returned`` ``(N k, H)`` the outputs of this
-    rank's rows in routing order, both kept for backward."""
+    rank's rows in routing order, both kept for backward. ``kept``: a list
+    this rank's experts' gate and up projections are appended to, expert by
+    expert, for backward (None: none kept)."""
     rows = expert_rows(x[routing.tokens], weights[routing.tokens, routing.slots, None], plan)
     received = comm.all_to_all_rows(rows, exchange.send_counts, exchange.recv_counts, plan.group)
     outputs = torch.empty_like(received)
@@ -96,7 +101,7 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     for local in range(plan.experts_per_rank):
         weights_e = plan.experts.weights(w, local)
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
-            outputs[rows] = plan.experts.forward(received[rows], weights_e)
+            outputs[rows] = plan.experts.forward(received[rows], weights_e, kept)
     returned = comm.all_to_all_rows(outputs, exchange.recv_counts, exchange.send_counts, plan.group)
     # Each output times its routing weight, added to its token: the rows are in expert order, so each token's
     # sum runs expert by expert, as HF's loop adds them; one index_add_ for all experts.
@@ -107,13 +112,16 @@ def moe_all_to_all_forward(x, weights, routing, exchange, routed_shard, plan):
     return y, received, returned
 
 
-def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, returned, routed_shard, plan):
+def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, returned, routed_shard, plan,
+                            kept=()):
     """``(grad_x, grad_weights, grad_routed_shard)``: the transpose of the
     forward, ``grad_x`` in the accumulator dtype. The output gradients go to
     the experts' owners by the forward's routes, the input gradients come back
     by the reverse ones; ``grad_routed_shard`` is this rank's experts'
     gradient from every rank's rows, summed here (no ring). ``x``: the local
-    tokens, read where the weights scaled the experts' inputs."""
+    tokens, read where the weights scaled the experts' inputs. ``kept``: the
+    forward's gate and up projections, or empty to recompute them."""
+    projections = iter(kept)
     acc_dtype = accumulation_dtype(routed_shard.dtype)
     grad_rows = grad_y[routing.tokens]  # (N k, H) in routing order
     row_weights = weights[routing.tokens, routing.slots, None]
@@ -130,7 +138,7 @@ def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, ret
         weights_e, grads_e = plan.experts.weights(w, local), plan.experts.weights(grad_w, local)
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             grad_received[rows], _ = plan.experts.backward(received[rows], grad_outputs[rows], weights_e, grads_e,
-                                                           output=False)
+                                                           output=False, proj=next(projections, None))
     grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
     if plan.scales_inputs:  # the rows were the tokens times their weights
         grad_weights[routing.tokens, routing.slots] = (grad_sent.to(acc_dtype) * x[routing.tokens].to(acc_dtype)).sum(
@@ -150,30 +158,35 @@ class _MoEAllToAll(EagerFunction):
     # Under autocast as _MoERing: tokens, the shard and the routing weights in the autocast dtype.
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, weights, index, shared_scale, packed, plan):
+    def forward(ctx, x, weights, index, shared_scale, packed, plan, keep):
         routing, exchange = TokenExchange.route(index, plan)
         routed = plan.routed_spec.numel
-        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, packed[:routed], plan)
+        kept = [] if keep else None
+        y, received, returned = moe_all_to_all_forward(x, weights, routing, exchange, packed[:routed], plan, kept)
         shared_out, steps = None, []
         if plan.shared:  # HF: the shared expert's output times its sigmoid gate, added
             shared_out, gates, ups = mlp_ring_forward(x, packed[routed:], plan.shared_plan)
             y += (shared_scale * shared_out).to(y.dtype)
             steps = gates + ups
-        # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent.
+        # The rows routed to this rank's experts and its rows' outputs: about 2 k N H, as many as were sent
+        # (with ``keep`` also the experts' gate and up projections of the rows received, about 2 k N F).
         # The shared expert's backward needs the local tokens too, and its output for its gate's gradient.
+        kept = kept or []
         ctx.save_for_backward(weights, packed, routing.tokens, routing.slots, received, returned,
-                              x if plan.shared or plan.scales_inputs else None, shared_scale, shared_out, *steps)
-        ctx.plan, ctx.offsets, ctx.exchange = plan, routing.offsets, exchange
+                              x if plan.shared or plan.scales_inputs else None, shared_scale, shared_out, *kept,
+                              *steps)
+        ctx.plan, ctx.offsets, ctx.exchange, ctx.kept = plan, routing.offsets, exchange, len(kept)
         return y.to(x.dtype)
 
     @staticmethod
     @autocast_backward
     def backward(ctx, grad_y):
         weights, packed, tokens, slots, received, returned, x, shared_scale, shared_out, *steps = ctx.saved_tensors
+        kept, steps = steps[:ctx.kept], steps[ctx.kept:]
         plan, routed = ctx.plan, ctx.plan.routed_spec.numel
         grad_x, grad_weights, grad_routed = moe_all_to_all_backward(
             grad_y, x, weights, Routing(tokens, slots, ctx.offsets), ctx.exchange, received, returned,
-            packed[:routed], plan)
+            packed[:routed], plan, kept)
         grad_packed, grad_scale = torch.empty_like(packed), None
         grad_packed[:routed] = grad_routed
         if plan.shared:
@@ -183,11 +196,11 @@ class _MoEAllToAll(EagerFunction):
             grad_shared_x, grad_packed[routed:] = mlp_ring_backward((grad_y * shared_scale).to(grad_y.dtype), x,
                                                                     packed[routed:], gates, ups, plan.shared_plan)
             grad_x += grad_shared_x
-        return grad_x.to(grad_y.dtype), grad_weights, None, grad_scale, grad_packed, None
+        return grad_x.to(grad_y.dtype), grad_weights, None, grad_scale, grad_packed, None, None
 
 
-def moe_all_to_all(x, weights, index, shared_scale, packed, plan):
+def moe_all_to_all(x, weights, index, shared_scale, packed, plan, keep=False):
     """The block's experts on the local tokens ``x`` ``(N, H)``. Forward: rows to
     the experts' owners and outputs back by all-to-all; backward: their gradients
     by the same routes."""
-    return _MoEAllToAll.apply(x, weights, index, shared_scale, packed, plan)
+    return _MoEAllToAll.apply(x, weights, index, shared_scale, packed, plan, keep)

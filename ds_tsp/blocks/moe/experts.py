@@ -114,17 +114,23 @@ class ExpertLayout:
         gate, up = proj.chunk(2, dim=-1)  # a module without transformers' flags (Llama 4's): act(gate) * up
         return self.activation.act_fn(gate) * up
 
-    def forward(self, x, w):
-        """One expert on the tokens ``x`` ``(N, H)``: ``(N, H)``."""
+    def forward(self, x, w, kept=None):
+        """One expert on the tokens ``x`` ``(N, H)``: ``(N, H)``. Its gate and
+        up projections ``(N, up rows)`` are appended to ``kept`` (a list), if
+        given, for backward."""
         proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
+        if kept is not None:
+            kept.append(proj)
         return self._linear(self._activate(proj), w[self.down], w.get(f"{self.down}_bias"))
 
-    def backward(self, x, grad_out, w, into, output=True):
+    def backward(self, x, grad_out, w, into, output=True, proj=None):
         """The gradient of ``x`` and, with ``output``, the expert's output on
         ``x`` (recomputed; else None), for the output gradient ``grad_out``
         ``(N, H)``; the weights' (and biases') gradients are added to ``into``
-        (views, float32 or wider)."""
-        proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
+        (views, float32 or wider). ``proj``: the gate and up projections the
+        forward kept, else they are computed again."""
+        if proj is None:
+            proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
         with torch.enable_grad():
             proj = proj.detach().requires_grad_()
             act = self._activate(proj)

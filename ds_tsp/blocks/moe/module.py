@@ -247,8 +247,11 @@ class TSPSparseMoE(RingWireDtypeMixin, PackedShardMixin, nn.Module):
         weights, index = self.route(x2)
         shared_scale = self.shared_scale(x2)
         schedule = moe_ring if self.schedule_for(x2, index.shape[-1]) == "ring" else moe_all_to_all
+        # The local tokens in one token tile: the experts' gate and up projections are kept for backward, as the
+        # MLP keeps its; beyond, backward computes them again tile by tile.
+        keep = torch.is_grad_enabled() and len(self.plan.tiles(x2.shape[0])) == 1
         y = schedule(self.expert_inputs(x2), weights, index, shared_scale if self.plan.shared else None, self.packed,
-                     self.plan)
+                     self.plan, keep)
         if self.shared_mlp_name:  # HF: the routed experts' sum, plus the shared expert's output times its scale
             y = y + shared_scale * self.get_submodule(self.shared_mlp_name)(x).reshape(x2.shape)
         return y.view(x.shape)

@@ -19,8 +19,11 @@ Dropless: every token meets exactly its top-k experts, with no capacity; an
 expert no local token chose costs nothing but its hop. Backward runs the same
 ring (``ds_tsp.parallel.ring.ring_gradients``): each shard's gradient
 accumulator travels with it and ends, summed over every rank's tokens, on its
-owner. The gate and up projections are recomputed per expert in backward
-(nothing ``(N, k, F)`` is kept), as the MLP does with token tiles.
+owner. Where the local tokens fit one token tile the forward keeps each
+routed row's gate and up projections (``k`` rows of ``2 F`` a local token, as
+the MLP keeps its gate and up); beyond, backward recomputes them per expert
+and tile (nothing ``(N, k, F)`` is kept). The experts' outputs are recomputed
+for the routing weights' gradient.
 
 Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
 rank's packed shard (``w`` bytes each; accumulators summed in float32 or
@@ -42,10 +45,12 @@ from ds_tsp.parallel.precision import accumulation_dtype
 from ds_tsp.parallel.ring import ring_gradients, ring_steps
 
 
-def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
+def moe_ring_forward(x, weights, routing, shared_scale, packed, plan, kept=None):
     """``(N, H)``: every local token's weighted outputs of its top-k experts (and
     the shared expert times ``shared_scale`` ``(N, 1)``), the shards taken
-    round the ring (``ds_tsp.parallel.ring.ring_steps``)."""
+    round the ring (``ds_tsp.parallel.ring.ring_steps``). ``kept``: a list the
+    routed experts' gate and up projections are appended to, in ring order, for
+    backward (None: none kept)."""
     y = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
 
     def step(t, buf):
@@ -54,7 +59,7 @@ def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
             weights_e = plan.experts.weights(w, local)
             for tokens, slots in routing.of_expert(expert, plan.token_tile):
                 weight = weights[tokens, slots, None]
-                out = plan.experts.forward(expert_rows(x[tokens], weight, plan), weights_e)
+                out = plan.experts.forward(expert_rows(x[tokens], weight, plan), weights_e, kept)
                 # HF: expert output times its routing weight (type promotion), then summed per token; or, where the
                 # weight scaled the expert's input (Llama 4's), the outputs summed as they are.
                 y.index_add_(0, tokens, (out if plan.scales_inputs else out * weight).to(y.dtype))
@@ -67,9 +72,12 @@ def moe_ring_forward(x, weights, routing, shared_scale, packed, plan):
     return y.to(x.dtype)
 
 
-def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
+def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan, kept=()):
     """``(grad_x, grad_weights, grad_shared_scale, grad_packed)``; ``grad_packed``
-    is this rank's own shard's gradient summed over every rank's tokens."""
+    is this rank's own shard's gradient summed over every rank's tokens.
+    ``kept``: the forward's gate and up projections in ring order, or empty to
+    recompute them."""
+    projections = iter(kept)
     acc_dtype = accumulation_dtype(packed.dtype)
     grad_x = torch.zeros(x.shape, dtype=plan.accumulator_dtype(x.dtype), device=x.device)
     grad_weights = torch.zeros(weights.shape, dtype=accumulation_dtype(weights.dtype), device=x.device)
@@ -80,11 +88,12 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan):
         """One routed expert on some tokens: adds to ``grads``, returns the
         tokens' ``(grad_x, grad_weight)``: ``<grad_y, output>`` for a weighted
         output, ``<grad_input, x>`` for a weighted input (``plan.scales_inputs``)."""
+        proj = next(projections, None)
         if plan.scales_inputs:
             grad_in, _ = plan.experts.backward(expert_rows(x_piece, scale, plan), grad_piece.to(x.dtype), w, grads,
-                                               output=False)
+                                               output=False, proj=proj)
             return grad_in * scale, (grad_in.to(acc_dtype) * x_piece.to(acc_dtype)).sum(-1)
-        piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads)
+        piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads, proj=proj)
         return piece_grad_x, (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
 
     def shared_backward(x_piece, grad_piece, scale, w, grads):
@@ -130,25 +139,28 @@ class _MoERing(EagerFunction):
     # the autocast dtype (HF keeps the routing weights float32 there).
     @staticmethod
     @autocast_forward(cast_inputs=True)
-    def forward(ctx, x, weights, index, shared_scale, packed, plan):
+    def forward(ctx, x, weights, index, shared_scale, packed, plan, keep):
         routing = Routing.of(index, plan.num_experts)
-        y = moe_ring_forward(x, weights, routing, shared_scale, packed, plan)
-        # Local tokens and this rank's own shard only: saved bytes scale as 1/D.
-        ctx.save_for_backward(x, weights, shared_scale, packed, routing.tokens, routing.slots)
+        kept = [] if keep else None
+        y = moe_ring_forward(x, weights, routing, shared_scale, packed, plan, kept)
+        # Local tokens and this rank's own shard, and with ``keep`` the local tokens' routed rows' gate and up
+        # projections: saved bytes scale as 1/D.
+        ctx.save_for_backward(x, weights, shared_scale, packed, routing.tokens, routing.slots, *(kept or ()))
         ctx.plan, ctx.offsets = plan, routing.offsets
         return y
 
     @staticmethod
     @autocast_backward
     def backward(ctx, grad_y):
-        x, weights, shared_scale, packed, tokens, slots = ctx.saved_tensors
+        x, weights, shared_scale, packed, tokens, slots, *kept = ctx.saved_tensors
         routing = Routing(tokens, slots, ctx.offsets)
         grad_x, grad_weights, grad_scale, grad_packed = moe_ring_backward(grad_y, x, weights, routing, shared_scale,
-                                                                          packed, ctx.plan)
-        return grad_x, grad_weights, None, grad_scale, grad_packed, None
+                                                                          packed, ctx.plan, kept)
+        return grad_x, grad_weights, None, grad_scale, grad_packed, None, None
 
 
-def moe_ring(x, weights, index, shared_scale, packed, plan):
+def moe_ring(x, weights, index, shared_scale, packed, plan, keep=False):
     """The block's experts on the local tokens ``x`` ``(N, H)``. Forward: the
-    shards round the ring; backward: the same ring, gradients to their owners."""
-    return _MoERing.apply(x, weights, index, shared_scale, packed, plan)
+    shards round the ring; backward: the same ring, gradients to their owners.
+    ``keep``: keep the routed experts' gate and up projections for backward."""
+    return _MoERing.apply(x, weights, index, shared_scale, packed, plan, keep)
