@@ -593,17 +593,18 @@ def _tsp_flops(setting, vocab_parallel, S, tokens, schedule):
     tiled = _token_tile(setting, tokens) < tokens
 
     def recomputed(sparse):
-        # Backward runs again: a tiled MLP's gate and up projections; a routed expert's gate and up where the
-        # local tokens run in several tiles and, on the ring, its down projection (the routing weights' gradient
-        # reads its output, which the all-to-all kept); the shared expert's gate, up and down on the expert ring,
-        # its gate and up under the all-to-all (on the MLP's ring) where tiled.
+        # Backward runs again, where the local tokens run in several tiles: the MLP's gate and up projections, a
+        # routed expert's gate and up (its output never: the routing weights' gradient is read off its input
+        # gradient on the ring, and the all-to-all kept it). The shared expert runs again whole on the expert
+        # ring (its gate's gradient reads its output), and its gate and up where tiled on the MLP's ring (under
+        # the all-to-all).
         if not sparse:
             return 2 / 3 * m.mlp_params if tiled else 0
-        down = m.hidden_size * (m.expert_size + int(m.expert_bias))
-        gate_up = m.expert_params - down
+        gate_up = m.expert_params - m.hidden_size * (m.expert_size + int(m.expert_bias))
+        routed = m.experts_per_token * gate_up if tiled else 0
         if schedule == "ring":
-            return m.experts_per_token * (down + (gate_up if tiled else 0)) + m.shared_expert_params
-        return (m.experts_per_token * gate_up + 2 / 3 * m.shared_expert_params) if tiled else 0
+            return routed + m.shared_expert_params
+        return routed + (2 / 3 * m.shared_expert_params if tiled else 0)
 
     return step_flops(m, setting, setting.micro_batch, S, 1 / setting.tsp_group_size, tsp=True,
                       fused_head=vocab_parallel, ffn_recompute=recomputed, projections_recomputed=tiled)

@@ -138,7 +138,7 @@ def moe_all_to_all_backward(grad_y, x, weights, routing, exchange, received, ret
         weights_e, grads_e = plan.experts.weights(w, local), plan.experts.weights(grad_w, local)
         for rows, _ in exchange.by_local_expert.of_expert(local, plan.token_tile):
             grad_received[rows], _ = plan.experts.backward(received[rows], grad_outputs[rows], weights_e, grads_e,
-                                                           output=False, proj=next(projections, None))
+                                                           proj=next(projections, None))
     grad_sent = comm.all_to_all_rows(grad_received, exchange.recv_counts, exchange.send_counts, plan.group)
     if plan.scales_inputs:  # the rows were the tokens times their weights
         grad_weights[routing.tokens, routing.slots] = (grad_sent.to(acc_dtype) * x[routing.tokens].to(acc_dtype)).sum(

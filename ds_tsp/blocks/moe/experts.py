@@ -123,25 +123,34 @@ class ExpertLayout:
             kept.append(proj)
         return self._linear(self._activate(proj), w[self.down], w.get(f"{self.down}_bias"))
 
-    def backward(self, x, grad_out, w, into, output=True, proj=None):
-        """The gradient of ``x`` and, with ``output``, the expert's output on
-        ``x`` (recomputed; else None), for the output gradient ``grad_out``
-        ``(N, H)``; the weights' (and biases') gradients are added to ``into``
-        (views, float32 or wider). ``proj``: the gate and up projections the
-        forward kept, else they are computed again."""
+    def backward(self, x, grad_out, w, into, proj=None, weights=None):
+        """The gradient of ``x`` for the gradient ``grad_out`` ``(N, H)`` of the
+        expert's output or, with ``weights`` ``(N, 1)``, of that output times
+        them (each row's routing weight); then also the weights' gradient
+        ``<grad_out, output>`` ``(N,)`` in float32 or wider (else None), read
+        off the down projection's input gradient, so the output is never
+        computed again. The expert's weights' (and biases') gradients are added
+        to ``into`` (views, float32 or wider). ``proj``: the gate and up
+        projections the forward kept, else they are computed again."""
         if proj is None:
             proj = self._linear(x, w[self.up], w.get(f"{self.up}_bias"))
         with torch.enable_grad():
             proj = proj.detach().requires_grad_()
             act = self._activate(proj)
-        out = self._linear(act.detach(), w[self.down], w.get(f"{self.down}_bias")) if output else None
-        self._add_weight_grad(into, self.down, act.detach(), grad_out)
         grad_act = grad_out @ (w[self.down].t() if self.transposed else w[self.down])
+        grad_weights = None
+        if weights is not None:
+            acc = accumulation_dtype(grad_out.dtype)
+            grad_weights = (grad_act.to(acc) * act.detach().to(acc)).sum(-1)
+            if f"{self.down}_bias" in w:  # output = act W_down + b
+                grad_weights += grad_out.to(acc) @ w[f"{self.down}_bias"].to(acc)
+            grad_out, grad_act = (grad_out * weights).to(grad_out.dtype), (grad_act * weights).to(grad_act.dtype)
+        self._add_weight_grad(into, self.down, act.detach(), grad_out)
         (grad_proj,) = torch.autograd.grad(act, proj, grad_act)
         del grad_act, act
         self._add_weight_grad(into, self.up, x, grad_proj)
         grad_x = grad_proj @ (w[self.up].t() if self.transposed else w[self.up])
-        return grad_x, out
+        return grad_x, grad_weights
 
     def _add_weight_grad(self, into, name, inputs, grad):
         """``into[name] += dW`` for ``grad`` of ``inputs @ W``, and its bias's."""

@@ -22,8 +22,9 @@ accumulator travels with it and ends, summed over every rank's tokens, on its
 owner. Where the local tokens fit one token tile the forward keeps each
 routed row's gate and up projections (``k`` rows of ``2 F`` a local token, as
 the MLP keeps its gate and up); beyond, backward recomputes them per expert
-and tile (nothing ``(N, k, F)`` is kept). The experts' outputs are recomputed
-for the routing weights' gradient.
+and tile (nothing ``(N, k, F)`` is kept). The routing weights' gradient, each
+row's output against its gradient, is read off the down projection's input
+gradient, so no output is computed again.
 
 Bytes per rank and layer, with ``W = E/D * 3HF (+ 3H Fs/D)`` elements in a
 rank's packed shard (``w`` bytes each; accumulators summed in float32 or
@@ -91,10 +92,9 @@ def moe_ring_backward(grad_y, x, weights, routing, shared_scale, packed, plan, k
         proj = next(projections, None)
         if plan.scales_inputs:
             grad_in, _ = plan.experts.backward(expert_rows(x_piece, scale, plan), grad_piece.to(x.dtype), w, grads,
-                                               output=False, proj=proj)
+                                               proj=proj)
             return grad_in * scale, (grad_in.to(acc_dtype) * x_piece.to(acc_dtype)).sum(-1)
-        piece_grad_x, out = plan.experts.backward(x_piece, (grad_piece * scale).to(x.dtype), w, grads, proj=proj)
-        return piece_grad_x, (grad_piece.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
+        return plan.experts.backward(x_piece, grad_piece.to(x.dtype), w, grads, proj=proj, weights=scale)
 
     def shared_backward(x_piece, grad_piece, scale, w, grads):
         """The shared expert's slice on some tokens, as ``piece_backward``."""
