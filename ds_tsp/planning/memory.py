@@ -190,7 +190,8 @@ def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=Fals
     (``{"attention": ..., "mlp": ...}``), each with the RMSNorm before it
     (with ``recompute_norms`` the attention's runs inside it and saves nothing more):
     the attention's local x (and, with the fused backward, its output and
-    log-sum-exp in fp32 or wider), the MLP's local x and, unless the local
+    log-sum-exp in fp32 or wider; a latent attention's down projections'
+    outputs), the MLP's local x and, unless the local
     tokens run in several tiles (``tiled``), the attention's projections of
     every head group (queries with their output gates, keys and values) and
     every MLP shard's gate and up projections (``F`` values each over the D
@@ -231,8 +232,10 @@ def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=Fals
         mlp += (2 if m.mlp_gated else 1) * e * m.intermediate_size
     if not tiled and not linear and not m.is_latent:  # every head group's q (and gate), k and v projections
         attention += e * (nq * m.q_width + m.kv_projections * m.num_kv_heads * m.head_dim)
-    if attention_backward == "fused" and not linear:
-        attention += e * nq * m.head_dim + max(e, FLOAT32) * nq
+    if attention_backward == "fused" and not linear:  # each head's output (values wide) and log-sum-exp
+        attention += e * nq * m.value_dim + max(e, FLOAT32) * nq
+    if m.is_latent and not linear:  # the down projections' outputs: the query latent, the latent and rotary key
+        attention += e * sum(m.latent_down_rows())
     if m.index_topk and not linear:  # DeepSeek's sparse attention keeps each query's chosen keys, int32
         attention += 4 * m.index_topk
     return {"attention": attention, "mlp": mlp}

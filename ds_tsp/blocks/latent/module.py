@@ -179,9 +179,14 @@ class TSPLatentAttention(PackedShardMixin, nn.Module):
             raise ValueError("this latent attention scales its queries by position (Mistral 4's "
                              "llama_4_scaling_beta): its forward needs the tokens' positions")
         query_scale = None if self.query_scale is None else self.query_scale(positions).to(x.dtype)
+        kernel = select_kernel("sdpa", x.device, compute_dtype(self.packed))
+        form = form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D))
+        # Dense attention over the whole latent takes the fused kernels at the width of its queries and keys.
+        width = self.shapes.latent_width if form == "absorbed" else self.shapes.qk_head_dim
+        explicit = self.indexer is None and self.selection is None and hasattr(kernel, "explicit_backward") and \
+            kernel.explicit_backward(width, None)
         return LatentPlan(group=self.tsp_group, shapes=self.shapes, specs=self.specs, layout=self.layout_name,
-                          kernel=select_kernel("sdpa", x.device, compute_dtype(self.packed)), scale=self.scale,
-                          form=form or self.form_for(*zigzag_work(x.shape[0], x.shape[1], D)), rope=self.rope,
+                          kernel=kernel, scale=self.scale, form=form, rope=self.rope, explicit_backward=explicit,
                           q_norm=self.q_a_layernorm, kv_norm=self.kv_a_layernorm, overlap=self.overlap,
                           query_blocks=query_blocks(documents, x.shape[1], self.tsp_rank, D, self.layout_name,
                                                     x.shape[0], self.token_tile),

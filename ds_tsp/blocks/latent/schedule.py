@@ -17,10 +17,15 @@ Per layer, on every rank, with ``x`` its local tokens ``(B, S/D, H)``:
    through their ``o_proj`` columns locally.
 
 Backward broadcasts the head groups and the down pieces again, re-gathers the
-latent and runs each group's local backward under autograd; the latent's
+latent and runs each group's local backward: its queries, keys and values are
+made again under autograd and, where the fused kernels serve the layer (dense
+attention, the values padded to the queries' head size), their backward runs
+against the group's saved attention output and log-sum-exp, as the attention's
+does; else the group's attention runs again under autograd. The latent's
 gradient, summed over the groups in float32 or wider, is reduce-scattered to
 its tokens' owners once per layer; each piece's weight gradient is reduced to
-its owner. Saved: the local input and its down projections' outputs.
+its owner. Saved: the local input, its down projections' outputs and, with the
+fused kernels, each head group's attention output and log-sum-exp.
 
 A layer of DeepSeek's sparse attention adds its lightning indexer
 (``indexer.py``): the index keys ride in step 2's gather, and each query
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.blocks.attention.schedule import ReducesInFlight, attend_local_chunks, broadcast_stream
+from ds_tsp.blocks.attention.schedule import (ReducesInFlight, attend_local_chunks, attend_local_chunks_backward,
+                                              broadcast_stream)
 from ds_tsp.blocks.latent.indexer import attend_selected, choose_keys, index_inputs, index_projections
 from ds_tsp.parallel import comm, layout, precision
 from ds_tsp.parallel.amp import autocast_backward, autocast_forward
@@ -62,7 +68,9 @@ class LatentPlan:
     query_scale: object = None  # (B, S/D) factors of the local queries (Mistral 4's, by position), or None
     indexer: object = None  # indexer.IndexerPlan of a layer with a lightning indexer of its own, or None
     window: None = None  # read by attend_local_chunks: MLA layers attend causally over the whole sequence
-    explicit_backward: bool = False  # read by attend_local_chunks: backward runs under autograd
+    # The fused kernels attend (values padded to the queries' head size) and backward runs theirs against each head
+    # group's saved output and log-sum-exp; else the groups' attention runs again under autograd in backward.
+    explicit_backward: bool = False
 
     @property
     def tsp_size(self):
@@ -153,33 +161,103 @@ def head_group_queries(plan, q_input, w, tables):
     return q_nope, q_rot
 
 
-def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None, x=None):
-    """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
-    queries of the local tokens (``queries``, or ``head_group_queries`` of
-    ``q_input``) against the whole sequence's ``latent``, or only its rows
-    each query's ``chosen`` names (``(B, S/D, k)``, the lightning indexer's);
-    with the group's sink logits (``w["sinks"]``) in each softmax, and its
-    output gated by the sigmoid of ``x``'s ``gate_proj`` rows where it has them."""
+def head_group_attention(plan, q_input, latent, w, tables, queries=None):
+    """Head group ``w``'s attention inputs ``(q, K, V)``: its queries of the
+    local tokens (``queries``, or ``head_group_queries`` of ``q_input``) and
+    the whole sequence's ``latent`` as keys and values, in latent space with
+    the key up-projection absorbed into the queries (one key head shared by
+    every query head), or expanded into the group's keys and values."""
     shapes = plan.shapes
-    B = q_input.shape[0]
     hq, nope, rope_dim, v_dim = shapes.q_heads, shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
     q_nope, q_rot = queries or head_group_queries(plan, q_input, w, tables)
     c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
     if plan.form == "absorbed":
         up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
         q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope])
-        # One key head of the latent and rotary key, shared by every query head.
-        o_latent = _attend(plan, torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2), c_kv.unsqueeze(2),
-                           chosen, w.get("sinks"))
-        o = torch.einsum("blhc,hvc->blhv", o_latent, up[:, nope:])
-    else:
-        S = latent.shape[1]
-        k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(-1, -1, hq, -1)], dim=-1)
-        o = _attend(plan, torch.cat([q_nope, q_rot], dim=-1), k, v, chosen, w.get("sinks"))
-    if "gate_proj.weight" in w:  # as Hugging Face's: the attention output times the sigmoid of its gate
+        return torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2), c_kv.unsqueeze(2)
+    B, S = latent.shape[:2]
+    k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
+    keys = torch.cat([k_nope, k_rot.unsqueeze(2).expand(-1, -1, hq, -1)], dim=-1)
+    return torch.cat([q_nope, q_rot], dim=-1), keys, v
+
+
+def head_group_output(plan, o, w, x):
+    """Head group ``w``'s output ``(B, S/D, hq * v_head_dim)`` from its
+    attention's ``o``: the value up-projection applied where it attended in
+    latent space, and gated by the sigmoid of ``x``'s ``gate_proj`` rows where
+    it has them, as Hugging Face's."""
+    shapes = plan.shapes
+    if plan.form == "absorbed":
+        nope, v_dim = shapes.qk_nope_head_dim, shapes.v_head_dim
+        up = w["kv_b_proj.weight"].view(shapes.q_heads, nope + v_dim, shapes.kv_lora_rank)
+        o = torch.einsum("blhc,hvc->blhv", o, up[:, nope:])
+    if "gate_proj.weight" in w:
         o = o * torch.sigmoid(F.linear(x, w["gate_proj.weight"]).view(o.shape))
     return o.flatten(2)
+
+
+def head_group(plan, q_input, latent, w, tables, queries=None, chosen=None, x=None, saved=None):
+    """Head group ``w``'s attention output ``(B, S/D, hq * v_head_dim)``: its
+    queries of the local tokens (``queries``, or ``head_group_queries`` of
+    ``q_input``) against the whole sequence's ``latent``, or only its rows
+    each query's ``chosen`` names (``(B, S/D, k)``, the lightning indexer's);
+    with the group's sink logits (``w["sinks"]``) in each softmax, and its
+    output gated by the sigmoid of ``x``'s ``gate_proj`` rows where it has them.
+    With ``plan.explicit_backward`` the fused kernels attend, and the
+    attention's output and log-sum-exp are appended to ``saved``
+    (``{"o": [], "lse": []}``), if given, for ``fused_head_group_backward``."""
+    q, K, V = head_group_attention(plan, q_input, latent, w, tables, queries)
+    if plan.explicit_backward:
+        o, lse = attend_padded(plan, q, K, V)
+        if saved is not None:
+            saved["o"].append(o), saved["lse"].append(lse)
+    else:
+        o = _attend(plan, q, K, V, chosen, w.get("sinks"))
+    return head_group_output(plan, o, w, x)
+
+
+def padded_values(V, width):
+    """``V`` ``(..., d_v)`` with zero columns up to ``width``: the fused
+    kernels take one head size for queries, keys and values; the padding's
+    outputs are zero and the log-sum-exp is unchanged."""
+    return F.pad(V, (0, width - V.shape[-1]))
+
+
+def attend_padded(plan, q, K, V):
+    """``attend_local_chunks`` by the fused kernels for values narrower than the
+    queries and keys: their output ``(B, S/D, h, d_v)`` and log-sum-exp."""
+    o, lse = attend_local_chunks(plan, q, K, padded_values(V, q.shape[-1]))
+    return o[..., :V.shape[-1]].contiguous(), lse
+
+
+def _sum_grads(a, b):
+    return a if b is None else b if a is None else a + b
+
+
+def fused_head_group_backward(plan, leaves, w, tables, o_attn, lse, grad_tokens):
+    """A head group's backward against its attention's saved output ``o_attn``
+    and log-sum-exp (``head_group`` with ``plan.explicit_backward``): its
+    queries, keys and values are made again under autograd from ``leaves``
+    (``q``, ``latent``, the group's weights in ``w``, ``x`` for a gate), its
+    attention is not: the fused kernels' own backward gives their gradients.
+    ``grad_tokens``: the layer's output gradient ``(N, H)``. Returns the
+    gradients of ``leaves``, in their order, and the group's output."""
+    with torch.enable_grad():
+        q, K, V = head_group_attention(plan, leaves["q"], leaves["latent"], w, tables)
+        o_leaf = o_attn.detach().requires_grad_()
+        o = head_group_output(plan, o_leaf, w, leaves.get("x"))
+    grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
+    grad_o_attn, *after = torch.autograd.grad(o, [o_leaf, *leaves.values()], grad_o, allow_unused=True)
+    width, acc = q.shape[-1], _accumulator_dtype(plan, K.dtype)
+    grad_K = torch.zeros(K.shape, dtype=acc, device=K.device)
+    grad_V = torch.zeros((*V.shape[:-1], width), dtype=acc, device=V.device)
+    dq, _ = attend_local_chunks_backward(plan, padded_values(grad_o_attn, width), q.detach(), K.detach(),
+                                         padded_values(V.detach(), width), padded_values(o_attn, width), lse, grad_K,
+                                         grad_V)
+    before = torch.autograd.grad([q, K, V], list(leaves.values()),
+                                 [dq.to(q.dtype), grad_K.to(K.dtype), grad_V[..., :V.shape[-1]].to(V.dtype)],
+                                 allow_unused=True)
+    return [_sum_grads(a, b) for a, b in zip(after, before)], o.detach()
 
 
 def _attend(plan, q, K, V, chosen, sinks=None):
@@ -192,11 +270,14 @@ def _accumulator_dtype(plan, dtype):
     return torch.promote_types(dtype, torch.float32) if plan.fp32_accumulators else dtype
 
 
-def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight, latent_sink=None, chosen=None):
+def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight, latent_sink=None, chosen=None,
+                             saved=None):
     """Forward of one layer on the local tokens ``x``; returns the output
     ``(B, S/D, H)``, the down projections' outputs, which backward keeps, and
     the keys each query attended to (``chosen``, or its own indexer's choice;
-    None without an indexer). ``latent_sink(latent)``, if given, receives the
+    None without an indexer). ``saved``: ``{"o": [], "lse": []}`` each head
+    group's attention output and log-sum-exp are appended to, for backward,
+    with ``plan.explicit_backward``. ``latent_sink(latent)``, if given, receives the
     local tokens' latent and rotated key ``(B, S/D, width)``, and their index
     keys after them where the layer has an indexer (a generation's prefill
     caches them)."""
@@ -221,7 +302,7 @@ def latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_wei
                 latent, keys = latent.split([plan.shapes.latent_width, plan.shapes.index_head_dim], dim=-1)
                 chosen = choose_keys(plan.indexer, index[0], index[1], keys)
                 index = keys = None
-        o = head_group(plan, q_input, latent, w, tables, queries, chosen, x)
+        o = head_group(plan, q_input, latent, w, tables, queries, chosen, x, saved)
         precision.add_matmul(out, o.flatten(0, 1), w["o_proj.weight"].t(), add=j > 0)
     return out.view(x.shape).to(x.dtype), raw, chosen
 
@@ -258,11 +339,13 @@ def _leaf(t):
     return None if t is None else t.detach().requires_grad_()
 
 
-def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen=None, x=None):
+def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads, chosen=None, x=None, saved=None):
     """Every head group's backward: the gradients of ``q_input``, of the
     whole sequence's ``latent`` and of the output gate's input ``x`` (None
     without a gate), float32 or wider, each group's weight gradient sent to its
-    owner; ``chosen``: each query's keys (``head_group``)."""
+    owner; ``chosen``: each query's keys (``head_group``); ``saved``: each
+    group's attention output and log-sum-exp with ``plan.explicit_backward``
+    (``fused_head_group_backward``), else the groups run again under autograd."""
     shapes = plan.shapes
     acc = _accumulator_dtype(plan, latent.dtype)
     grad_q_input = torch.zeros(q_input.shape, dtype=acc, device=q_input.device)
@@ -274,11 +357,16 @@ def head_groups_backward(plan, grad_out, packed, q_input, latent, tables, grads,
     for j, w in piece_stream(plan, packed, 1):
         leaves = {"q": _leaf(q_input), "latent": _leaf(latent), **{name: _leaf(w[name]) for name in names},
                   **({"x": _leaf(x)} if shapes.head_gate else {})}
-        with torch.enable_grad():
-            o = head_group(plan, leaves["q"], leaves["latent"], {**w, **{name: leaves[name] for name in names}},
-                           tables, chosen=chosen, x=leaves.get("x"))
-            grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
-            d_q, d_latent, *d_weights = torch.autograd.grad(o, list(leaves.values()), grad_o)
+        group_weights = {**w, **{name: leaves[name] for name in names}}
+        if plan.explicit_backward:
+            (d_q, d_latent, *d_weights), o = fused_head_group_backward(plan, leaves, group_weights, tables,
+                                                                       saved["o"][j], saved["lse"][j], grad_tokens)
+        else:
+            with torch.enable_grad():
+                o = head_group(plan, leaves["q"], leaves["latent"], group_weights, tables, chosen=chosen,
+                               x=leaves.get("x"))
+                grad_o = (grad_tokens @ w["o_proj.weight"]).view_as(o)
+                d_q, d_latent, *d_weights = torch.autograd.grad(o, list(leaves.values()), grad_o)
         if shapes.head_gate:
             grad_x += d_weights.pop()
         grad_q_input += d_q
@@ -308,9 +396,11 @@ def down_backward(plan, x, packed, grad_raw, grads, grad_x):
         grads.send(j, flat)
 
 
-def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_weight, kv_norm_weight, chosen=None):
+def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_weight, kv_norm_weight, chosen=None,
+                              saved=None):
     """Gradients of the local tokens ``x``, this rank's packed shard and the two latent norms' weights;
-    ``chosen``: the keys each query attended to in forward. The indexer's piece takes none (zeros)."""
+    ``chosen``: the keys each query attended to in forward; ``saved``: what the forward's head groups kept
+    (``head_groups_backward``). The indexer's piece takes none (zeros)."""
     grads = ShardGrads(plan, packed)
     if plan.indexer is not None:
         grads.buffer(grads.tsp_rank, 2)[0].zero_()
@@ -321,7 +411,7 @@ def latent_attention_backward(plan, grad_out, x, packed, tables, raw, q_norm_wei
     q_input = x if c_q is None else c_q.detach()
     latent = gather_latent(plan, local.detach()).wait()
     grad_q_input, grad_latent, grad_gate_input = head_groups_backward(plan, grad_out, packed, q_input, latent, tables,
-                                                                      grads, chosen, x)
+                                                                      grads, chosen, x, saved)
     latent = None
     grad_local = scatter_latent_grad(plan, grad_latent, x.dtype)
     outputs, grad_outputs = [local], [grad_local.to(local.dtype)]
@@ -355,10 +445,12 @@ class TSPLatentAttentionFunction(EagerFunction):
     @autocast_forward(cast_inputs=True, keep=(4, 5))
     def forward(ctx, x, packed, plan, tables, q_norm_weight, kv_norm_weight, chosen=None):
         # The norm weights are inputs only so that autograd routes their gradients.
+        saved = {"o": [], "lse": []}
         out, raw, chosen = latent_attention_forward(plan, x, packed, tables, q_norm_weight, kv_norm_weight,
-                                                    chosen=chosen)
-        ctx.plan, ctx.tables, ctx.raw_names = plan, tables, tuple(raw)
-        ctx.save_for_backward(x, packed, q_norm_weight, kv_norm_weight, chosen, *raw.values())
+                                                    chosen=chosen, saved=saved)
+        ctx.plan, ctx.tables, ctx.raw_names, ctx.groups = plan, tables, tuple(raw), len(saved["o"])
+        ctx.save_for_backward(x, packed, q_norm_weight, kv_norm_weight, chosen, *raw.values(), *saved["o"],
+                              *saved["lse"])
         if chosen is not None:
             ctx.mark_non_differentiable(chosen)
         return out, chosen
@@ -366,8 +458,10 @@ class TSPLatentAttentionFunction(EagerFunction):
     @staticmethod
     @autocast_backward
     def backward(ctx, grad_out, grad_chosen=None):
-        x, packed, q_norm_weight, kv_norm_weight, chosen, *raw = ctx.saved_tensors
+        x, packed, q_norm_weight, kv_norm_weight, chosen, *rest = ctx.saved_tensors
+        raw, rest = rest[:len(ctx.raw_names)], rest[len(ctx.raw_names):]
+        saved = {"o": rest[:ctx.groups], "lse": rest[ctx.groups:]}
         grads = latent_attention_backward(ctx.plan, grad_out.contiguous(), x, packed, ctx.tables,
-                                          dict(zip(ctx.raw_names, raw)), q_norm_weight, kv_norm_weight, chosen)
+                                          dict(zip(ctx.raw_names, raw)), q_norm_weight, kv_norm_weight, chosen, saved)
         grad_x, grad_packed, grad_q_norm, grad_kv_norm = grads
         return grad_x, grad_packed, None, None, grad_q_norm, grad_kv_norm, None
