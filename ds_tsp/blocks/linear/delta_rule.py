@@ -78,14 +78,15 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
 
 
 def run_chunks(terms, state):
-    """The span's outputs ``(B, h, length, dv)`` and final state from the initial ``state``: HF's scan."""
-    outputs = []
-    for i in range(terms["u"].shape[2]):
-        v_new = terms["u"][:, :, i] - terms["w"][:, :, i] @ state
-        outputs.append(terms["q"][:, :, i] @ state + terms["a"][:, :, i] @ v_new)
-        state = state * terms["decay"][:, :, i, :, None] + terms["k"][:, :, i].transpose(-1, -2) @ v_new
-    out = torch.cat(outputs, dim=2)[:, :, :terms["length"]]
-    return out, state
+    """The span's outputs ``(B, h, length, dv)`` and final state from the initial ``state``: HF's scan. Only the
+    states and the chunks' corrected values run chunk by chunk; the outputs are one batched product after."""
+    incoming, values = [], []
+    for u, w, k, decay in zip(*(terms[name].unbind(2) for name in ("u", "w", "k", "decay"))):
+        v_new = u - w @ state
+        incoming.append(state), values.append(v_new)
+        state = state * decay[..., None] + k.transpose(-1, -2) @ v_new
+    out = terms["q"] @ torch.stack(incoming, dim=2) + terms["a"] @ torch.stack(values, dim=2)
+    return out.flatten(2, 3)[:, :, :terms["length"]], state
 
 
 def span_map(terms):
@@ -93,11 +94,10 @@ def span_map(terms):
     Per chunk ``T_c = diag(decay_c) - K_c^T W_c`` and ``U_c = K_c^T V_c``, composed in order."""
     dk = terms["k"].shape[-1]
     eye = torch.eye(dk, dtype=terms["k"].dtype, device=terms["k"].device)
+    k_t = terms["k"].transpose(-1, -2)
+    T_cs = (terms["decay"][..., None] * eye - k_t @ terms["w"]).unbind(2)
     T = U = None
-    for i in range(terms["u"].shape[2]):
-        k_t = terms["k"][:, :, i].transpose(-1, -2)
-        T_c = terms["decay"][:, :, i, :, None] * eye - k_t @ terms["w"][:, :, i]
-        U_c = k_t @ terms["u"][:, :, i]
+    for T_c, U_c in zip(T_cs, (k_t @ terms["u"]).unbind(2)):
         T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c), elementwise=False)
     return T, U
 

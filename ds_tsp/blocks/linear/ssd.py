@@ -56,21 +56,23 @@ def chunk_terms(q, k, v, a, chunk_size=256, starts=None):
 
 
 def run_chunks(terms, state):
-    """The span's outputs ``(B, h, length, p)`` and final state from the initial ``state``."""
-    outputs = []
-    for i in range(terms["v"].shape[2]):
-        outputs.append(terms["q"][:, :, i] @ state + terms["w"][:, :, i] @ terms["v"][:, :, i])
-        writes = terms["k"][:, :, i].transpose(-1, -2) @ terms["v"][:, :, i]
-        state = state * terms["decay"][:, :, i, None, None] + writes
-    return torch.cat(outputs, dim=2)[:, :, :terms["length"]], state
+    """The span's outputs ``(B, h, length, p)`` and final state from the initial ``state``. Only the
+    states run chunk by chunk; each chunk's reads and writes are one batched product over all chunks."""
+    writes = (terms["k"].transpose(-1, -2) @ terms["v"]).unbind(2)  # K_c^T V_c, (B, h, n, p) each
+    incoming = []
+    for write, decay in zip(writes, terms["decay"].unbind(2)):
+        incoming.append(state)
+        state = state * decay[..., None, None] + write
+    out = terms["q"] @ torch.stack(incoming, dim=2) + terms["w"] @ terms["v"]  # (B, h, chunks, C, p)
+    return out.flatten(2, 3)[:, :, :terms["length"]], state
 
 
 def span_map(terms):
     """``(T, U)`` of the whole span, ``T`` ``(B, h, 1, 1)``: per chunk its decay and ``K_c^T V_c``, composed."""
     T = U = None
-    for i in range(terms["v"].shape[2]):
-        T_c = terms["decay"][:, :, i, None, None]
-        U_c = terms["k"][:, :, i].transpose(-1, -2) @ terms["v"][:, :, i]
+    writes = (terms["k"].transpose(-1, -2) @ terms["v"]).unbind(2)
+    for decay, U_c in zip(terms["decay"].unbind(2), writes):
+        T_c = decay[..., None, None]
         T, U = (T_c, U_c) if T is None else compose((T, U), (T_c, U_c), elementwise=True)
     return T, U
 
