@@ -226,7 +226,7 @@ def test_block_overhead_checks_and_times_the_layer_on_cpu(tmp_path, own_processe
     assert len(kinds) == len(doc["kinds"]) == 9, sorted(kinds)
     for kind, row in kinds.items():
         assert max(row["max_diff_out"], row["max_diff_grad_x"]) <= 1e-4 * row["max_diff_scale"], row
-        assert row["hf_s"] > 0 and row["tsp_over_hf"] == row["tsp_s"] / row["hf_s"]
+        assert row["hf_s"] > 0 and row["tsp_over_hf"] == row["tsp_s"] / row["hf_s"] and row["control"] > 0
         assert f"| {kind} | 64 |" in open(tmp_path / "block_overhead_cpu.md").read()
 
 
