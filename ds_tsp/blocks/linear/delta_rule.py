@@ -60,7 +60,7 @@ def chunk_terms(q, k, v, g, beta, chunk_size=64, starts=None):
         reads, writes = (document == 0).to(q.dtype), (document == document[..., -1:]).to(q.dtype)
         keeps = (document[..., -1] == 0).to(q.dtype)
     # (B, h, n, C, C, c): the decay from token j to token i (j <= i, one document), per channel or for all
-    pairwise = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
+    pairwise = torch.where(upper[..., None], float("-inf"), cum.unsqueeze(-2) - cum.unsqueeze(-3)).exp()
     if per_channel:
         system = torch.einsum("...ic,...jc,...ijc->...ij", k_beta, k, pairwise)
         a = torch.einsum("...ic,...jc,...ijc->...ij", q, k, pairwise)

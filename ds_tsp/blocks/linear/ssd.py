@@ -49,7 +49,7 @@ def chunk_terms(q, k, v, a, chunk_size=256, starts=None):
         from_start = from_start * (document == 0).to(q.dtype)
         to_end = to_end * (document == document[..., -1:]).to(q.dtype)
         decay = decay * (document[..., -1] == 0).to(q.dtype)
-    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    pairwise = torch.where(upper, float("-inf"), cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp()
     w = (q @ k.transpose(-1, -2)) * pairwise
     return {"q": q * from_start.unsqueeze(-1), "k": k * to_end.unsqueeze(-1), "v": v, "w": w, "decay": decay,
             "length": length}
