@@ -232,7 +232,9 @@ def tsp_block_saved_per_token(m, e, attention_backward, tiled=False, sparse=Fals
         mlp += (2 if m.mlp_gated else 1) * e * m.intermediate_size
     if not tiled and not linear and not m.is_latent:  # every head group's q (and gate), k and v projections
         attention += e * (nq * m.q_width + m.kv_projections * m.num_kv_heads * m.head_dim)
-    if attention_backward == "fused" and not linear:  # each head's output (values wide) and log-sum-exp
+    # Each head's output (values wide: the expanded latent form's) and log-sum-exp; a latent attention with a
+    # lightning indexer attends to the chosen keys under autograd and keeps neither.
+    if attention_backward == "fused" and not linear and not (m.is_latent and m.index_topk):
         attention += e * nq * m.value_dim + max(e, FLOAT32) * nq
     if m.is_latent and not linear:  # the down projections' outputs: the query latent, the latent and rotary key
         attention += e * sum(m.latent_down_rows())

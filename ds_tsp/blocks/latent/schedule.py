@@ -161,6 +161,14 @@ def head_group_queries(plan, q_input, w, tables):
     return q_nope, q_rot
 
 
+def up_projection(plan, w):
+    """Head group ``w``'s ``kv_b_proj`` by head: ``(hq, qk_nope_head_dim + v_head_dim, kv_lora_rank)``, each
+    head's key rows then its value rows."""
+    shapes = plan.shapes
+    return w["kv_b_proj.weight"].view(shapes.q_heads, shapes.qk_nope_head_dim + shapes.v_head_dim,
+                                      shapes.kv_lora_rank)
+
+
 def head_group_attention(plan, q_input, latent, w, tables, queries=None):
     """Head group ``w``'s attention inputs ``(q, K, V)``: its queries of the
     local tokens (``queries``, or ``head_group_queries`` of ``q_input``) and
@@ -172,8 +180,7 @@ def head_group_attention(plan, q_input, latent, w, tables, queries=None):
     q_nope, q_rot = queries or head_group_queries(plan, q_input, w, tables)
     c_kv, k_rot = latent.split([shapes.kv_lora_rank, rope_dim], dim=-1)
     if plan.form == "absorbed":
-        up = w["kv_b_proj.weight"].view(hq, nope + v_dim, shapes.kv_lora_rank)
-        q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up[:, :nope])
+        q_latent = torch.einsum("blhn,hnc->blhc", q_nope, up_projection(plan, w)[:, :nope])
         return torch.cat([q_latent, q_rot], dim=-1), latent.unsqueeze(2), c_kv.unsqueeze(2)
     B, S = latent.shape[:2]
     k_nope, v = F.linear(c_kv, w["kv_b_proj.weight"]).view(B, S, hq, nope + v_dim).split([nope, v_dim], dim=-1)
@@ -186,11 +193,8 @@ def head_group_output(plan, o, w, x):
     attention's ``o``: the value up-projection applied where it attended in
     latent space, and gated by the sigmoid of ``x``'s ``gate_proj`` rows where
     it has them, as Hugging Face's."""
-    shapes = plan.shapes
     if plan.form == "absorbed":
-        nope, v_dim = shapes.qk_nope_head_dim, shapes.v_head_dim
-        up = w["kv_b_proj.weight"].view(shapes.q_heads, nope + v_dim, shapes.kv_lora_rank)
-        o = torch.einsum("blhc,hvc->blhv", o, up[:, nope:])
+        o = torch.einsum("blhc,hvc->blhv", o, up_projection(plan, w)[:, plan.shapes.qk_nope_head_dim:])
     if "gate_proj.weight" in w:
         o = o * torch.sigmoid(F.linear(x, w["gate_proj.weight"]).view(o.shape))
     return o.flatten(2)
